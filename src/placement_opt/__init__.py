@@ -1,0 +1,58 @@
+"""placement_opt: decide where every layer of a large model lives and computes, then run it there.
+
+The data flows one way::
+
+    model ──trace──▶ LayerGraph ──cost model──▶ PlacementProblem ──CP-SAT──▶ Plan ──dispatch──▶ model
+             (meta forward,        (Machine of Devices,    (warm-started by      (frozen: storage and
+              no weights)           Workload)               greedy baselines)     execution per unit)
+
+Public entry points: :func:`trace`, :func:`solve`, :func:`evaluate`, :func:`dispatch`,
+:func:`load`, :func:`profile`, and the ``placement-opt`` command.
+
+Names are imported lazily, so ``import placement_opt`` stays cheap and the solver side never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "trace": "trace",
+    "LayerGraph": "graph",
+    "UnitInfo": "graph",
+    "Device": "devices",
+    "Machine": "devices",
+    "Workload": "workload",
+    "evaluate": "cost",
+    "Cost": "cost",
+    "profile": "profile",
+    "solve": "solve",
+    "Plan": "plan",
+    "dispatch": "dispatch",
+    "load": "dispatch",
+    "PlacementError": "errors",
+    "InfeasiblePlacementError": "errors",
+    "TraceError": "errors",
+    "DispatchError": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'placement_opt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+

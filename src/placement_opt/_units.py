@@ -1,0 +1,80 @@
+"""Byte sizes and durations: parsing user strings and printing them for people."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_size", "format_bytes", "format_seconds", "GIB", "MIB", "KIB"]
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, *, what: str = "size") -> int:
+    """Return a byte count from an int or a string such as ``"24GiB"``, ``"500MB"`` or ``"1.5 GB"``.
+
+    Follows accelerate's convention: ``GB`` is 10**9 bytes, ``GiB`` is 2**30.
+
+    Raises:
+        ValueError: the value is malformed or negative; the message names it and lists the units.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what} {value!r} is not a size: give bytes (int) or a string like '24GiB'")
+    if isinstance(value, (int, float)):
+        number, scale = float(value), 1
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            accepted = ", ".join(u for u in _SIZE_UNITS if u)
+            raise ValueError(
+                f"{what} {value!r} is not a size: write a number and a unit, e.g. '24GiB' or '500MB' "
+                f"(units: {accepted})"
+            )
+        number, scale = float(match.group(1)), _SIZE_UNITS[unit]
+    else:
+        raise ValueError(
+            f"{what} {value!r} has type {type(value).__name__}: give bytes (int) or a string like '24GiB'"
+        )
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{what} {value!r} is negative or not finite: capacities are >= 0 bytes")
+    return int(number * scale)
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """``1712324608`` -> ``'1.59 GiB'``; keeps the sign of negative numbers."""
+    sign = "-" if num_bytes < 0 else ""
+    size = abs(float(num_bytes))
+    for unit, scale in (("TiB", 1024**4), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if size >= scale:
+            return f"{sign}{size / scale:.2f} {unit}"
+    return f"{sign}{int(size)} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with a unit people read at a glance: ``'812 us'``, ``'3.41 ms'``, ``'2.50 s'``."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.2f} min"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"

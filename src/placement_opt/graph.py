@@ -1,0 +1,268 @@
+"""The layer graph: the one data structure every later stage reads.
+
+A :class:`LayerGraph` wraps a ``networkx.DiGraph``. Nodes are *placement
+units* (the smallest pieces a plan may put on different devices), keyed by
+their qualified module name (``"model.layers.0"``). Edges are real data flow
+observed in a traced forward.
+
+Node attributes (all present on every node; bytes and FLOPs are ints):
+
+=============================  ==============================================================
+``module_class``               class name of the module (``"LlamaDecoderLayer"``)
+``exec_index``                 position in the traced forward's execution order (0-based;
+                               units never executed come last, in registration order)
+``module_index``               position in ``model.named_modules()`` registration order
+``param_bytes``                bytes of the parameters the unit owns, in the graph's dtype;
+                               a tied parameter is counted once, on the first owner
+``buffer_bytes``               bytes of its buffers, persistent and not
+``flops_per_token``            FLOPs per token of the traced forward (batch x seq_len tokens)
+``attn_flops_per_token_per_ctx``  extra FLOPs per query token for every context token it
+                               attends to (0 for units without attention); the context-free
+                               part is ``flops_per_token - attn_flops_per_token_per_ctx * seq_len``
+``out_bytes_per_token``        bytes of the activation leaving the unit, per token
+``kv_bytes_per_token``         KV-cache bytes this unit keeps per cached token per sequence
+``moe_num_experts``            number of experts (0 when not MoE)
+``moe_experts_per_token``      experts each token is routed to (0 when not MoE)
+``moe_expert_bytes``           bytes of all expert weights in the unit (0 when not MoE)
+``param_names``                tuple of the qualified parameter names the unit owns
+``in_decode``                  bool: the unit runs at every decode step (False for the encoder of
+                               an encoder-decoder model, which ``generate()`` runs once)
+=============================  ==============================================================
+
+Edge attributes: ``bytes_per_token`` (activation bytes per token crossing the edge).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph"]
+
+GRAPH_SCHEMA_VERSION = 1
+
+#: Every node carries exactly these attributes, with these types.
+NODE_ATTRIBUTES: dict[str, type] = {
+    "module_class": str,
+    "exec_index": int,
+    "module_index": int,
+    "param_bytes": int,
+    "buffer_bytes": int,
+    "flops_per_token": int,
+    "attn_flops_per_token_per_ctx": int,
+    "out_bytes_per_token": int,
+    "kv_bytes_per_token": int,
+    "moe_num_experts": int,
+    "moe_experts_per_token": int,
+    "moe_expert_bytes": int,
+    "param_names": tuple,
+    "in_decode": bool,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitInfo:
+    """One placement unit, as a typed read-only view of a node's attributes."""
+
+    name: str
+    """Qualified module name, a valid key of an accelerate ``device_map``."""
+    module_class: str
+    exec_index: int
+    module_index: int
+    param_bytes: int
+    buffer_bytes: int
+    flops_per_token: int
+    attn_flops_per_token_per_ctx: int
+    out_bytes_per_token: int
+    kv_bytes_per_token: int
+    moe_num_experts: int
+    moe_experts_per_token: int
+    moe_expert_bytes: int
+    param_names: tuple[str, ...]
+    in_decode: bool
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameters plus buffers: what must be stored somewhere."""
+        return self.param_bytes + self.buffer_bytes
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphMeta:
+    """Facts about the whole traced model."""
+
+    model_name: str
+    """Model id, config class or module class the graph was built from."""
+    dtype: str
+    """Torch dtype name of the weights the byte counts assume (``"float16"``)."""
+    batch_size: int
+    """Batch size of the traced forward."""
+    seq_len: int
+    """Sequence length of the traced forward."""
+    traced: bool
+    """True when a meta forward recorded the order and data flow; False for the static fallback."""
+    is_encoder_decoder: bool = False
+    tied_param_groups: tuple[tuple[str, ...], ...] = ()
+    """Groups of parameter names that share one tensor (e.g. ``lm_head.weight`` and ``wte.weight``)."""
+    tied_unit_groups: tuple[tuple[str, ...], ...] = ()
+    """Groups of unit names that must share a storage device because they hold tied parameters."""
+    no_split: tuple[str, ...] = ()
+    """Module class names that were kept whole."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form facts (config name, number of layers, ...); JSON-serialisable values only."""
+
+
+class LayerGraph:
+    """A directed graph of placement units plus :class:`GraphMeta`.
+
+    ``graph.nx`` is the underlying ``networkx.DiGraph`` for algorithms; everything else
+    should use :meth:`units` (execution order) and :meth:`edges`.
+    """
+
+    def __init__(self, digraph: nx.DiGraph, meta: GraphMeta) -> None:
+        self.nx = digraph
+        self.meta = meta
+
+    # -- reading ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.nx.number_of_nodes()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.nx
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerGraph({self.meta.model_name!r}, units={len(self)}, "
+            f"edges={self.nx.number_of_edges()}, param_bytes={self.total_param_bytes})"
+        )
+
+    def names(self) -> list[str]:
+        """Unit names in execution order."""
+        return sorted(self.nx.nodes, key=lambda n: self.nx.nodes[n]["exec_index"])
+
+    def unit(self, name: str) -> UnitInfo:
+        return UnitInfo(name=name, **self.nx.nodes[name])
+
+    def units(self) -> list[UnitInfo]:
+        """Every unit, in execution order."""
+        return [self.unit(n) for n in self.names()]
+
+    def edges(self) -> list[tuple[str, str, int]]:
+        """``(src, dst, bytes_per_token)`` for every data-flow edge."""
+        return [(u, v, int(d["bytes_per_token"])) for u, v, d in self.nx.edges(data=True)]
+
+    def is_chain(self) -> bool:
+        """True when the units form one path in execution order (no branches or skips)."""
+        names = self.names()
+        expected = set(zip(names, names[1:]))
+        return set(self.nx.edges) <= expected and nx.is_directed_acyclic_graph(self.nx)
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(int(d["param_bytes"]) for _, d in self.nx.nodes(data=True))
+
+    @property
+    def total_buffer_bytes(self) -> int:
+        return sum(int(d["buffer_bytes"]) for _, d in self.nx.nodes(data=True))
+
+    @property
+    def total_flops_per_token(self) -> int:
+        return sum(int(d["flops_per_token"]) for _, d in self.nx.nodes(data=True))
+
+    # -- checking and serialising ----------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` listing every node or edge that breaks the schema."""
+        problems: list[str] = []
+        for name, data in self.nx.nodes(data=True):
+            missing = sorted(set(NODE_ATTRIBUTES) - set(data))
+            extra = sorted(set(data) - set(NODE_ATTRIBUTES))
+            if missing or extra:
+                problems.append(f"{name}: missing {missing}, unexpected {extra}")
+                continue
+            for key, typ in NODE_ATTRIBUTES.items():
+                if not isinstance(data[key], typ) or (typ is int and isinstance(data[key], bool)):
+                    problems.append(f"{name}.{key} = {data[key]!r} is not {typ.__name__}")
+                elif typ is int and data[key] < 0 and key != "exec_index":
+                    problems.append(f"{name}.{key} = {data[key]} is negative")
+        for u, v, data in self.nx.edges(data=True):
+            if not isinstance(data.get("bytes_per_token"), int):
+                problems.append(f"edge {u} -> {v} has no integer bytes_per_token")
+        if problems:
+            raise ValueError("layer graph breaks its schema:\n  " + "\n  ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        meta = asdict(self.meta)
+        meta["extra"] = dict(self.meta.extra)
+        nodes = [{"name": n, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
+                 for n, d in ((n, self.nx.nodes[n]) for n in self.names())]
+        edges = [{"src": u, "dst": v, "bytes_per_token": b} for u, v, b in self.edges()]
+        return {"schema_version": GRAPH_SCHEMA_VERSION, "meta": meta, "nodes": nodes, "edges": edges}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerGraph:
+        version = data.get("schema_version")
+        if version != GRAPH_SCHEMA_VERSION:
+            raise ValueError(
+                f"layer graph schema version {version!r} is not supported "
+                f"(this placement_opt reads version {GRAPH_SCHEMA_VERSION}): re-trace the model"
+            )
+        meta_d = dict(data["meta"])
+        for key in ("tied_param_groups", "tied_unit_groups"):
+            meta_d[key] = tuple(tuple(g) for g in meta_d.get(key, ()))
+        meta_d["no_split"] = tuple(meta_d.get("no_split", ()))
+        digraph = nx.DiGraph()
+        for node in data["nodes"]:
+            attrs = {k: v for k, v in node.items() if k != "name"}
+            attrs["param_names"] = tuple(attrs.get("param_names", ()))
+            digraph.add_node(node["name"], **attrs)
+        for edge in data["edges"]:
+            digraph.add_edge(edge["src"], edge["dst"], bytes_per_token=int(edge["bytes_per_token"]))
+        return cls(digraph, GraphMeta(**meta_d))
+
+    @classmethod
+    def from_json(cls, text: str) -> LayerGraph:
+        return cls.from_dict(json.loads(text))
+
+
+def chain_graph(
+    units: list[dict[str, Any]],
+    *,
+    model_name: str = "synthetic",
+    dtype: str = "float16",
+    edges: list[tuple[str, str, int]] | None = None,
+    tied_unit_groups: tuple[tuple[str, ...], ...] = (),
+) -> LayerGraph:
+    """Build a LayerGraph by hand (tests, benchmarks): each dict needs ``name``; missing attributes are 0.
+
+    Without ``edges`` the units are chained in list order with their ``out_bytes_per_token``.
+    """
+    digraph = nx.DiGraph()
+    for index, spec in enumerate(units):
+        defaults = {tuple: (), str: "Module", bool: True, int: 0}
+        attrs: dict[str, Any] = {key: defaults[typ] for key, typ in NODE_ATTRIBUTES.items()}
+        attrs.update(exec_index=index, module_index=index)
+        attrs.update({k: v for k, v in spec.items() if k != "name"})
+        attrs["param_names"] = tuple(attrs["param_names"])
+        digraph.add_node(spec["name"], **attrs)
+    if edges is None:
+        names = [u["name"] for u in units]
+        edges = [(a, b, int(digraph.nodes[a]["out_bytes_per_token"])) for a, b in zip(names, names[1:])]
+    for src, dst, nbytes in edges:
+        digraph.add_edge(src, dst, bytes_per_token=int(nbytes))
+    meta = GraphMeta(model_name=model_name, dtype=dtype, batch_size=1, seq_len=1, traced=False,
+                     tied_unit_groups=tied_unit_groups)
+    return LayerGraph(digraph, meta)

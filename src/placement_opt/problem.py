@@ -1,0 +1,222 @@
+"""The placement problem in plain integers: what the cost model hands to the solvers.
+
+No torch and no networkx here: a :class:`PlacementProblem` is units (in execution order),
+each with a menu of :class:`PlacementOption`s priced in nanoseconds and bytes, data-flow
+edges with a transfer price per pair of execution devices, and device capacities.
+
+:meth:`PlacementProblem.score` is the single definition of what an assignment costs. The
+CP-SAT model, the baselines and ``evaluate`` all agree with it.
+
+The latency of one phase (prefill, or all decode steps together) is
+
+    max( longest path through the DAG,  busiest device's total work )
+
+where a unit weighs its option's duration and an edge weighs its transfer time when its two
+ends execute on different devices. For a chain (every decoder-only LLM) the longest path is
+the plain sum. For DAGs it is the critical path; the device-load term keeps two parallel
+branches on one device from being counted as if they overlapped. It is the classic lower
+bound of the precedence-constrained scheduling problem (a list schedule is within 2x of it).
+
+Memory on a device is
+
+    sum(stored_bytes of units stored there) + sum(resident_bytes of units executed there)
+    + max(peak_bytes of units executed there)
+
+and must not exceed the device's ``capacity_bytes`` (its memory less the reserve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "MODES",
+    "PlacementOption",
+    "UnitSpec",
+    "EdgeSpec",
+    "DeviceSpec",
+    "PlacementProblem",
+    "Score",
+]
+
+#: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
+#: ``storage`` to ``execution`` for every forward, the next unit's copy overlapped with this
+#: unit's compute (placement_opt's dispatcher). ``stream_sync``: the same copy done
+#: synchronously, tensor by tensor (accelerate's hooks); used to score accelerate's maps.
+MODES = ("resident", "stream", "stream_sync")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementOption:
+    """One way to place one unit: where its weights live, where it computes, and the price."""
+
+    storage: str
+    """Device that holds the weights between forwards (the ``device_map`` value)."""
+    execution: str
+    """Device that computes the unit."""
+    mode: str
+    """One of :data:`MODES`."""
+    prefill_ns: int
+    """Time of this unit in the prefill, weight copies included."""
+    decode_ns: int
+    """Time of this unit summed over every decode step."""
+    stored_bytes: int
+    """Bytes held on ``storage`` for the whole run (parameters and buffers)."""
+    resident_bytes: int
+    """Bytes held on ``execution`` for the whole run (KV cache; training states)."""
+    peak_bytes: int
+    """Transient bytes on ``execution`` while the unit runs (activation workspace, stream buffer)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"option mode {self.mode!r} is not one of {MODES}")
+        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"option {self.storage}->{self.execution}: {key} is negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitSpec:
+    name: str
+    options: tuple[PlacementOption, ...]
+    """Every allowed option; at least one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeSpec:
+    src: str
+    dst: str
+    prefill_ns: Mapping[tuple[str, str], int]
+    """Transfer time in the prefill for each ``(execution of src, execution of dst)`` pair of
+    different devices; a missing pair costs 0."""
+    decode_ns: Mapping[tuple[str, str], int]
+    """Transfer time summed over every decode step, per pair as above."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    kind: str
+    """``"gpu"``, ``"cpu"`` or ``"disk"``."""
+    capacity_bytes: int
+    """Bytes the plan may use: memory less the reserve."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Score:
+    """What one assignment costs under :meth:`PlacementProblem.score`."""
+
+    prefill_ns: int
+    decode_ns: int
+    stage_ns: Mapping[str, int]
+    """Total work (prefill + decode) per execution device: the pipeline stage times."""
+    used_bytes: Mapping[str, int]
+    """Memory used per device under the memory model."""
+    over_bytes: Mapping[str, int]
+    """Bytes over capacity per device (only devices that are over)."""
+
+    @property
+    def latency_ns(self) -> int:
+        return self.prefill_ns + self.decode_ns
+
+    @property
+    def throughput_ns(self) -> int:
+        """The slowest stage: what bounds throughput when many batches are in flight."""
+        return max(self.stage_ns.values(), default=0)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.over_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementProblem:
+    """Units in execution order, edges, devices and the constraints a solution must meet."""
+
+    units: tuple[UnitSpec, ...]
+    edges: tuple[EdgeSpec, ...]
+    devices: tuple[DeviceSpec, ...]
+    tied_groups: tuple[tuple[str, ...], ...] = ()
+    """Unit names whose weights are shared: every unit of a group has the same storage device."""
+    pins: Mapping[str, str] = field(default_factory=dict)
+    """Unit name -> required storage device."""
+    contiguous: bool = False
+    """Each device stores one contiguous range of units (in execution order)."""
+
+    def __post_init__(self) -> None:
+        names = [u.name for u in self.units]
+        known = set(names)
+        devices = {d.name for d in self.devices}
+        problems = [f"unit {u.name} has no option" for u in self.units if not u.options]
+        problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in self.edges
+                     if e.src not in known or e.dst not in known]
+        problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}"
+                     for u in self.units for o in u.options
+                     if o.storage not in devices or o.execution not in devices]
+        problems += [f"tied group names unknown unit {n}" for g in self.tied_groups for n in g
+                     if n not in known]
+        problems += [f"pin names unknown unit {n}" for n in self.pins if n not in known]
+        order = {n: i for i, n in enumerate(names)}
+        problems += [f"edge {e.src}->{e.dst} points backwards in execution order" for e in self.edges
+                     if e.src in order and e.dst in order and order[e.src] >= order[e.dst]]
+        if len(known) != len(names):
+            problems.append("unit names are not unique")
+        if problems:
+            raise ValueError("malformed placement problem:\n  " + "\n  ".join(problems))
+
+    def index(self) -> dict[str, int]:
+        """Unit name -> position in execution order."""
+        return {u.name: i for i, u in enumerate(self.units)}
+
+    def device(self, name: str) -> DeviceSpec:
+        return next(d for d in self.devices if d.name == name)
+
+    def options(self, choice: Sequence[int]) -> list[PlacementOption]:
+        """The chosen option of every unit, checked for range."""
+        if len(choice) != len(self.units):
+            raise ValueError(f"assignment has {len(choice)} entries for {len(self.units)} units")
+        return [u.options[c] for u, c in zip(self.units, choice)]
+
+    def score(self, choice: Sequence[int]) -> Score:
+        """Price an assignment (one option index per unit, in execution order)."""
+        chosen = self.options(choice)
+        prefill = self._phase_latency(chosen, "prefill_ns")
+        decode = self._phase_latency(chosen, "decode_ns")
+        stage: dict[str, int] = {}
+        for opt in chosen:
+            stage[opt.execution] = stage.get(opt.execution, 0) + opt.prefill_ns + opt.decode_ns
+        used = self.used_bytes(chosen)
+        over = {d.name: used[d.name] - d.capacity_bytes for d in self.devices
+                if used[d.name] > d.capacity_bytes}
+        return Score(prefill_ns=prefill, decode_ns=decode, stage_ns=stage, used_bytes=used,
+                     over_bytes=over)
+
+    def used_bytes(self, chosen: Sequence[PlacementOption]) -> dict[str, int]:
+        used = {d.name: 0 for d in self.devices}
+        peak = {d.name: 0 for d in self.devices}
+        for opt in chosen:
+            used[opt.storage] += opt.stored_bytes
+            used[opt.execution] += opt.resident_bytes
+            peak[opt.execution] = max(peak[opt.execution], opt.peak_bytes)
+        return {name: used[name] + peak[name] for name in used}
+
+    def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
+        index = self.index()
+        finish = [0] * len(chosen)
+        ready = [0] * len(chosen)
+        load: dict[str, int] = {}
+        incoming: dict[int, list[EdgeSpec]] = {}
+        for edge in self.edges:
+            incoming.setdefault(index[edge.dst], []).append(edge)
+        # Edges point forward in execution order, so one pass in that order is a topological pass.
+        for i, opt in enumerate(chosen):
+            for edge in incoming.get(i, ()):
+                j = index[edge.src]
+                pair = (chosen[j].execution, opt.execution)
+                cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
+                ready[i] = max(ready[i], finish[j] + cost)
+            duration = getattr(opt, key)
+            finish[i] = ready[i] + duration
+            load[opt.execution] = load.get(opt.execution, 0) + duration
+        return max(max(finish, default=0), max(load.values(), default=0))
