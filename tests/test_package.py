@@ -1,0 +1,50 @@
+"""The package surface: lazy exports, __all__ everywhere, and a torch-free solver side."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+
+import placement_opt
+
+
+def test_every_module_declares_all() -> None:
+    missing = []
+    for info in pkgutil.iter_modules(placement_opt.__path__):
+        module = importlib.import_module(f"placement_opt.{info.name}")
+        if not hasattr(module, "__all__"):
+            missing.append(info.name)
+    assert missing == []
+
+
+def test_public_names_resolve() -> None:
+    for name in placement_opt.__all__:
+        assert getattr(placement_opt, name) is not None, name
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    try:
+        placement_opt.no_such_thing  # noqa: B018
+    except AttributeError as err:
+        assert "no_such_thing" in str(err)
+    else:  # pragma: no cover
+        raise AssertionError("expected AttributeError")
+
+
+def test_solver_side_never_imports_torch() -> None:
+    # The graph -> problem -> solver -> plan side must run without torch (STYLE.md rule 2).
+    code = (
+        "import sys\n"
+        "import placement_opt.graph, placement_opt.devices, placement_opt.workload\n"
+        "import placement_opt.problem, placement_opt.plan\n"
+        "for name in ('cpsat', 'baselines'):\n"
+        "    try:\n"
+        "        __import__('placement_opt.' + name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,54 @@
+"""Sizes and durations: parsing what users type, printing what people read."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from placement_opt._units import GIB, MIB, format_bytes, format_seconds, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("24GiB", 24 * GIB),
+        ("500MB", 500 * 10**6),  # accelerate's convention: MB is decimal
+        ("1.5 GB", 1_500_000_000),
+        ("512mib", 512 * MIB),
+        ("1024", 1024),
+        (2048, 2048),
+        ("0", 0),
+    ],
+)
+def test_parse_size_accepts_units(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12QB", "GiB", "-3GiB", "", "1.2.3GB", True, None, [1]])
+def test_parse_size_rejects_with_the_value_and_the_units(bad: object) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(bad, what="max_memory['cpu']")  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "max_memory['cpu']" in message
+    assert repr(bad) in message
+
+
+@given(st.integers(min_value=0, max_value=2**50))
+def test_parse_size_round_trips_integers(n: int) -> None:
+    assert parse_size(n) == n
+    assert parse_size(str(n)) == n
+
+
+def test_format_bytes_reads_well() -> None:
+    assert format_bytes(1_712_324_608) == "1.59 GiB"
+    assert format_bytes(-int(0.69 * GIB)) == "-706.56 MiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * MIB) == "3.00 MiB"
+
+
+def test_format_seconds_picks_the_unit() -> None:
+    assert format_seconds(0.000812) == "812 us"
+    assert format_seconds(0.00341) == "3.41 ms"
+    assert format_seconds(2.5) == "2.50 s"
+    assert format_seconds(150) == "2.50 min"
