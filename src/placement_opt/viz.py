@@ -1,0 +1,317 @@
+"""Pictures of a plan: where the units sit, what fills each device, and how strategies compare.
+
+Three charts, each drawn on a matplotlib ``Axes`` you may pass in (or a new figure):
+
+- :func:`placement_strip`: units in execution order, top row coloured by storage device,
+  bottom row by execution device; streamed units are hatched.
+- :func:`memory_bars`: memory per device as stacked bars (weights / KV cache / workspace /
+  stream buffer / other / free), in percent of capacity with the absolute sizes written on.
+- :func:`comparison_chart`: estimated time per strategy, OOM strategies marked in red.
+
+:func:`save_report` writes all of them to a ``.png``/``.svg`` (one figure) or to a
+self-contained ``.html`` report (inline SVG plus the summary tables, no external assets).
+
+matplotlib is imported lazily with the non-interactive Agg backend, so importing this module is
+cheap and works on a headless machine. Install it with ``pip install placement-opt[plot]``.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._units import format_bytes, format_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .plan import Plan
+
+__all__ = [
+    "StrategyOutcome",
+    "placement_strip",
+    "memory_bars",
+    "comparison_chart",
+    "report_figure",
+    "save_report",
+    "device_colors",
+]
+
+#: Segment order and colours of :func:`memory_bars`.
+_MEMORY_PARTS = (
+    ("weights_bytes", "weights", "#4c72b0"),
+    ("kv_cache_bytes", "KV cache", "#dd8452"),
+    ("workspace_bytes", "workspace", "#55a868"),
+    ("stream_buffer_bytes", "stream buffer", "#8172b3"),
+    ("other_bytes", "other", "#937860"),
+)
+_GPU_COLORS = ("#2a9d8f", "#264653", "#8ab17d", "#457b9d", "#1d3557", "#6a994e", "#3a86ff", "#00b4d8")
+_HOST_COLORS = {"cpu": "#e9c46a", "disk": "#9e9e9e"}
+_OOM_COLOR = "#d62828"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOutcome:
+    """One strategy's result in a comparison: its plan, or why it produced none."""
+
+    strategy: str
+    plan: Plan | None = None
+    """The plan (also for a baseline that runs out of memory: its cost lists the violations)."""
+    error: str = ""
+    """Why there is no plan (e.g. the solver proved the problem infeasible)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.plan.cost.fits
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.plan is None else self.plan.cost.total_s
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def device_colors(names: Sequence[str]) -> dict[str, str]:
+    """A stable colour per device name: GPUs cycle through cool colours, cpu yellow, disk grey."""
+    colors = {}
+    for name in names:
+        if name.startswith("cuda:"):
+            colors[name] = _GPU_COLORS[int(name.split(":")[1]) % len(_GPU_COLORS)]
+        else:
+            colors[name] = _HOST_COLORS.get(name, "#cccccc")
+    return colors
+
+
+def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
+    if ax is not None:
+        return ax
+    fig = _pyplot().figure(figsize=size)
+    return fig.add_subplot(1, 1, 1)
+
+
+def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
+    """Draw the units of ``plan`` in execution order: storage row on top, execution row below.
+
+    A unit whose weights are streamed (stored away from where it computes) is hatched in both
+    rows; the legend names every device.
+
+    Example::
+
+        ax = placement_strip(plan)
+        ax.figure.savefig("strip.png")
+    """
+    from matplotlib.patches import Patch
+
+    ax = _axes(ax, (12, 2.2))
+    colors = device_colors(plan.machine.names)
+    for i, p in enumerate(plan.placements):
+        hatch = "///" if p.storage != p.execution else None
+        ax.bar(i, 1, bottom=1.1, width=1.0, color=colors.get(p.storage, "#cccccc"), hatch=hatch,
+               edgecolor="white", linewidth=0.3)
+        ax.bar(i, 1, bottom=0.0, width=1.0, color=colors.get(p.execution, "#cccccc"), hatch=hatch,
+               edgecolor="white", linewidth=0.3)
+    n = len(plan.placements)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_ylim(0, 2.1)
+    ax.set_yticks([0.5, 1.6])
+    ax.set_yticklabels(["executes on", "stored on"])
+    ax.set_xlabel(f"{n} units in execution order ({plan.placements[0].unit} ... "
+                  f"{plan.placements[-1].unit})" if n else "no units")
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    used = [d for d in plan.machine.names
+            if any(d in (p.storage, p.execution) for p in plan.placements)]
+    handles = [Patch(color=colors[d], label=d) for d in used]
+    if plan.streams_weights:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="streamed"))
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0),
+              ncol=max(1, len(handles)), frameon=False, fontsize=8)
+    ax.set_title(f"{plan.model_name}: placement ({plan.strategy}, {plan.objective})", fontsize=10,
+                 loc="left")
+    return ax
+
+
+def memory_bars(plan: Plan, ax: Axes | None = None) -> Axes:
+    """Draw memory per device as horizontal stacked bars in percent of the device's capacity.
+
+    Each bar is split into weights, KV cache, workspace, stream buffer and other, then free
+    space; a device over capacity is outlined in red and labelled with the shortfall.
+    """
+    ax = _axes(ax, (8, 0.6 + 0.55 * len(plan.cost.memory)))
+    memory = list(plan.cost.memory)
+    labels = []
+    for row, m in enumerate(memory):
+        cap = max(m.capacity_bytes, 1)
+        left = 0.0
+        for attr, label, color in _MEMORY_PARTS:
+            share = 100.0 * getattr(m, attr) / cap
+            if share > 0:
+                ax.barh(row, share, left=left, color=color, label=label, height=0.6)
+                left += share
+        free = max(0.0, 100.0 - left)
+        if free > 0:
+            ax.barh(row, free, left=left, color="#eeeeee", height=0.6, label="free")
+        over = m.free_bytes < 0
+        text = f"{format_bytes(m.used_bytes)} / {format_bytes(m.capacity_bytes)}"
+        if over:
+            ax.barh(row, left, color="none", edgecolor=_OOM_COLOR, linewidth=2, height=0.6)
+            text += f"  OOM: {format_bytes(-m.free_bytes)} short"
+        ax.text(max(left, 100.0) + 1.5, row, text, va="center", fontsize=8,
+                color=_OOM_COLOR if over else "black")
+        labels.append(m.device)
+    ax.set_yticks(range(len(memory)))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    widest = max([100.0] + [100.0 * m.used_bytes / max(m.capacity_bytes, 1) for m in memory])
+    ax.set_xlim(0, widest * 1.45)
+    ax.axvline(100.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("% of usable capacity (dashed line: capacity)")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title("memory per device", fontsize=10)
+    return ax
+
+
+def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None) -> Axes:
+    """Draw the estimated total time (prefill + decode) of each strategy; OOM bars in red.
+
+    A strategy without a plan (infeasible) gets an empty slot labelled with why. The bar of
+    ``cpsat`` is outlined, and every other bar is labelled with its ratio to it.
+    """
+    ax = _axes(ax, (8, 0.8 + 0.5 * len(outcomes)))
+    reference = next((o.total_s for o in outcomes if o.strategy == "cpsat" and o.fits), None)
+    times = [o.total_s or 0.0 for o in outcomes]
+    longest = max(times, default=1.0) or 1.0
+    for row, o in enumerate(outcomes):
+        if o.plan is None:
+            ax.text(0.02 * longest, row, f"no plan: {o.error[:90]}", va="center", fontsize=8,
+                    color=_OOM_COLOR)
+            continue
+        color = "#2a9d8f" if o.fits else _OOM_COLOR
+        ax.barh(row, o.total_s, color=color, height=0.6,
+                edgecolor="black" if o.strategy == "cpsat" else color,
+                linewidth=1.5 if o.strategy == "cpsat" else 0.5, hatch=None if o.fits else "xx")
+        label = format_seconds(o.total_s or 0.0)
+        if reference and o.strategy != "cpsat":
+            label += f"  ({(o.total_s or 0.0) / reference:.2f}x cpsat)"
+        if not o.fits:
+            label += "  OOM"
+        ax.text((o.total_s or 0.0) + 0.01 * longest, row, label, va="center", fontsize=8,
+                color="black" if o.fits else _OOM_COLOR)
+    ax.set_yticks(range(len(outcomes)))
+    ax.set_yticklabels([o.strategy for o in outcomes])
+    ax.set_ylim(len(outcomes) - 0.5, -0.5)
+    ax.set_xlim(0, longest * 1.6)
+    ax.set_xlabel("estimated time of the workload (prefill + decode), seconds")
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title("strategies compared (red hatched: runs out of memory)", fontsize=10)
+    return ax
+
+
+def report_figure(plan: Plan, outcomes: Sequence[StrategyOutcome] = ()) -> Figure:
+    """One figure with the placement strip, the memory bars and (if given) the comparison."""
+    plt = _pyplot()
+    rows = 3 if outcomes else 2
+    heights = [1.3, 0.8 + 0.45 * len(plan.cost.memory)] + ([0.8 + 0.45 * len(outcomes)] if outcomes else [])
+    fig = plt.figure(figsize=(12, sum(heights) + 1.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, gridspec_kw={"height_ratios": heights})
+    placement_strip(plan, axes[0])
+    memory_bars(plan, axes[1])
+    if outcomes:
+        comparison_chart(outcomes, axes[2])
+    return fig
+
+
+def _svg(fig: Figure) -> str:
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg")
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _summary_html(plan: Plan, outcomes: Sequence[StrategyOutcome]) -> str:
+    cost, w = plan.cost, plan.workload
+    facts = [
+        ("model", f"{plan.model_name} ({plan.dtype})"),
+        ("workload", f"batch {w.batch_size}, prompt {w.prompt_len}, new tokens {w.new_tokens}"),
+        ("objective / strategy", f"{plan.objective} / {plan.strategy}"),
+        ("solver", f"{plan.status}, gap {plan.gap:.2%}, {plan.solve_time_s:.2f} s"),
+        ("prefill / decode", f"{format_seconds(cost.prefill_s)} / {format_seconds(cost.decode_s)}"),
+        ("tokens/s", f"{cost.tokens_per_s:.2f}"),
+        ("fits", "yes" if cost.fits else "NO: " + "; ".join(v.message for v in cost.violations)),
+    ]
+    parts = [_html_table(["", ""], facts)]
+    parts.append("<h2>Memory per device</h2>" + _html_table(
+        ["device", "weights", "KV cache", "workspace", "stream buffer", "used", "capacity", "free"],
+        [(m.device, format_bytes(m.weights_bytes), format_bytes(m.kv_cache_bytes),
+          format_bytes(m.workspace_bytes), format_bytes(m.stream_buffer_bytes),
+          format_bytes(m.used_bytes), format_bytes(m.capacity_bytes), format_bytes(m.free_bytes))
+         for m in cost.memory]))
+    if outcomes:
+        parts.append("<h2>Strategies</h2>" + _html_table(
+            ["strategy", "fits", "total", "tokens/s"],
+            [(o.strategy, ("yes" if o.fits else "OOM") if o.plan else f"no plan: {o.error}",
+              format_seconds(o.total_s) if o.plan else "-",
+              f"{o.plan.cost.tokens_per_s:.2f}" if o.plan else "-") for o in outcomes]))
+    return "\n".join(parts)
+
+
+def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome] = ()) -> Path:
+    """Write the pictures of ``plan`` (and of a strategy comparison) to ``path``.
+
+    The suffix picks the format: ``.png`` and ``.svg`` get one figure with every chart;
+    ``.html`` gets a self-contained page (inline SVG, the summary and memory tables, the
+    comparison table) that opens anywhere without network access.
+
+    Example::
+
+        save_report(plan, "plan.html")
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: the suffix is not ``.png``, ``.svg`` or ``.html``.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".png", ".svg", ".html", ".htm"):
+        raise ValueError(f"cannot write a picture to {str(path)!r}: use a .png, .svg or .html file name")
+    plt = _pyplot()
+    fig = report_figure(plan, outcomes)
+    try:
+        if suffix in (".png", ".svg"):
+            fig.savefig(path, dpi=110)
+            return path
+        title = html.escape(f"placement_opt: {plan.model_name}")
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>"
+                "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}"
+                "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
+                "padding:3px 8px;text-align:left}th{background:#f3f3f3}</style></head><body>"
+                f"<h1>{title}</h1>{_summary_html(plan, outcomes)}<h2>Pictures</h2>{_svg(fig)}"
+                "</body></html>")
+        path.write_text(page, encoding="utf-8")
+        return path
+    finally:
+        plt.close(fig)
