@@ -283,7 +283,7 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
-        return cls(data["name"], int(data["memory_bytes"]), flops=data["flops_per_s"],
+        return cls(data["name"], int(data["memory_bytes"]), flops=data["flops_per_s"] or None,
                    bandwidth=data["bandwidth_bytes_per_s"], reserve=int(data["reserve_bytes"]),
                    host_link=data.get("host_link_bytes_per_s") or None,
                    peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"))
