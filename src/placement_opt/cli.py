@@ -1,0 +1,601 @@
+"""The ``placement-opt`` command: plan, compare strategies, profile, explain, benchmark.
+
+Example::
+
+    placement-opt plan llama-2-70b --devices cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk
+    placement-opt compare llama-2-70b --devices cuda:0=a100-40gb,cpu=256GiB,disk --plot cmp.png
+    placement-opt profile --out machine.json --quick
+    placement-opt plan mistral-7b --devices machine.json --json plan.json
+    placement-opt explain plan.json
+
+Heavy modules (torch, transformers, the solver, matplotlib) are imported inside the commands,
+so ``placement-opt --help`` answers at once. Bad input ends with one line on stderr and exit
+code 2; a problem no placement can satisfy ends with the reason and exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ._units import format_bytes, format_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+
+    from .devices import Machine
+    from .plan import Plan
+    from .viz import StrategyOutcome
+    from .workload import Workload
+
+__all__ = ["main", "cli", "compare_strategies", "resolve_model", "resolve_devices", "STRATEGIES"]
+
+#: Every strategy ``compare`` runs, in display order.
+STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
+_OBJECTIVES = ("latency", "throughput", "memory")
+_DTYPES = ("float16", "bfloat16", "float32")
+_EXIT_INFEASIBLE = 1
+
+
+class _Failure(click.ClickException):
+    """A one-line error that is not the user's typing: exit code 1."""
+
+    exit_code = _EXIT_INFEASIBLE
+
+
+# -- consoles and progress -------------------------------------------------------------------
+
+
+def _console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, width=160)
+    return console
+
+
+@contextmanager
+def _progress(message: str) -> Iterator[None]:
+    """A spinner on stderr while a slow step runs (shown only on a terminal)."""
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(message, spinner="dots"):
+        yield
+
+
+# -- resolving the user's words into objects ---------------------------------------------------
+
+
+def _preset_names() -> list[str]:
+    try:
+        from . import models
+    except ImportError:
+        return []
+    return list(models.list_models())
+
+
+def resolve_model(text: str) -> Any:
+    """A model argument as ``trace`` accepts it: a preset's config, a config.json's config, or an id.
+
+    Accepted: a preset name of :mod:`placement_opt.models` (``llama-2-70b``), a path to a
+    ``config.json`` (or to a directory holding one), or a Hugging Face model id (``org/name``;
+    only its config is read).
+
+    Raises:
+        click.BadParameter: none of these (the message lists the presets).
+    """
+    path = Path(text)
+    if path.is_file():
+        return _config_from_json(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise click.BadParameter(f"directory {text!r} has no config.json", param_hint="MODEL")
+        return str(path)
+    presets = _preset_names()
+    if text.lower() in presets:
+        from . import models
+
+        return models.model_config(text.lower())
+    if "/" in text:
+        return text
+    known = ", ".join(presets) if presets else "none yet"
+    raise click.BadParameter(
+        f"unknown model preset {text!r}: known presets are {known}; or give a config.json, "
+        f"a local model directory or a model id like 'org/name'", param_hint="MODEL")
+
+
+def _config_from_json(path: Path) -> Any:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {str(path)!r} as JSON: {exc}", param_hint="MODEL") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise click.BadParameter(
+            f"{str(path)!r} is not a transformers config.json (no 'model_type' key)", param_hint="MODEL")
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(data["model_type"], **fields)
+    except ValueError as exc:
+        raise click.BadParameter(f"{str(path)!r}: {exc}", param_hint="MODEL") from None
+
+
+def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
+    """The ``--devices`` value as a Machine: a spec string, ``auto``, or a saved profile JSON.
+
+    Raises:
+        click.BadParameter: the spec is malformed or the file is not a profile.
+    """
+    from .devices import parse_device_spec
+
+    try:
+        if spec.strip().lower() == "auto":
+            return _local_machine(dtype)
+        path = Path(spec)
+        if path.suffix.lower() == ".json" or path.is_file():
+            return _machine_from_file(path)
+        return parse_device_spec(spec, dtype=dtype)
+    except click.BadParameter:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+
+
+def _machine_from_file(path: Path) -> Machine:
+    from .devices import Machine
+
+    if not path.is_file():
+        raise click.BadParameter(f"profile file {str(path)!r} does not exist", param_hint="--devices")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and "machine" in data:
+        data = data["machine"]
+    if not isinstance(data, dict) or "devices" not in data:
+        raise click.BadParameter(
+            f"{str(path)!r} is not a saved machine profile (no 'devices' list): write one with "
+            f"'placement-opt profile --out {path}'", param_hint="--devices")
+    return Machine.from_dict(data)
+
+
+def _local_machine(dtype: str) -> Machine:
+    """This machine: every visible GPU, the CPU and the disk, with the saved profile's speeds."""
+    from .devices import as_machine
+
+    names = [f"cuda:{i}" for i in range(_cuda_count())] + ["cpu", "disk"]
+    return as_machine(names, dtype=dtype)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _workload(batch: int, prompt: int, new_tokens: int) -> Workload:
+    from .workload import Workload
+
+    try:
+        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+# -- solving ----------------------------------------------------------------------------------
+
+
+def _trace(model: Any, workload: Workload, dtype: str) -> Any:
+    from .trace import trace
+
+    return trace(model, dtype=dtype)
+
+
+def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
+           time_limit_s: float | None) -> Plan:
+    from .solve import solve
+
+    kwargs: dict[str, Any] = {"workload": workload, "strategy": strategy}
+    if time_limit_s is not None:
+        kwargs["time_limit_s"] = time_limit_s
+    return solve(graph, machine, objective, **kwargs)
+
+
+def compare_strategies(
+    graph: Any,
+    machine: Machine,
+    *,
+    objective: str = "latency",
+    workload: Workload | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    time_limit_s: float | None = None,
+) -> list[StrategyOutcome]:
+    """Solve the same problem with every strategy and return one outcome per strategy.
+
+    A strategy that raises (infeasible, or the installed library refuses) gets an outcome
+    with ``error`` set instead of a plan, so one failure never hides the others.
+
+    Example::
+
+        graph = placement_opt.trace(models.model_config("llama-2-7b"))
+        for o in compare_strategies(graph, "cuda:0=t4,cpu=64GiB,disk"):
+            print(o.strategy, o.fits, o.total_s)
+    """
+    from .devices import as_machine
+    from .errors import PlacementError
+    from .viz import StrategyOutcome
+    from .workload import Workload
+
+    machine = as_machine(machine)
+    workload = workload or Workload()
+    outcomes = []
+    for strategy in strategies:
+        try:
+            plan = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
+                          time_limit_s=time_limit_s)
+        except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
+            outcomes.append(StrategyOutcome(strategy=strategy, error=_one_line(exc)))
+        else:
+            outcomes.append(StrategyOutcome(strategy=strategy, plan=plan))
+    return outcomes
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+@contextmanager
+def _errors_as_messages() -> Iterator[None]:
+    """Turn the library's errors into one-line CLI errors with the right exit code."""
+    from .errors import InfeasiblePlacementError, PlacementError, TraceError
+
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except InfeasiblePlacementError as exc:
+        raise _Failure(f"no placement fits: {_one_line(exc)}") from None
+    except TraceError as exc:
+        raise _Failure(f"cannot trace the model: {_one_line(exc)}") from None
+    except PlacementError as exc:
+        raise _Failure(_one_line(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(_one_line(exc)) from None
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def _runs(plan: Plan) -> list[tuple[list[str], str, str, str]]:
+    """Consecutive units that share storage, execution and mode, as ``(units, storage, exec, mode)``."""
+    runs: list[tuple[list[str], str, str, str]] = []
+    for p in plan.placements:
+        key = (p.storage, p.execution, p.mode)
+        if runs and runs[-1][1:] == key:
+            runs[-1][0].append(p.unit)
+        else:
+            runs.append(([p.unit], *key))
+    return runs
+
+
+def _device_style(name: str) -> str:
+    return "green" if name.startswith("cuda:") else {"cpu": "yellow", "disk": "magenta"}.get(name, "")
+
+
+def _plan_renderables(plan: Plan) -> list[Any]:
+    from rich.table import Table
+
+    cost, w = plan.cost, plan.workload
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("model", f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")
+    head.add_row("machine", ", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))
+    head.add_row("workload", f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens")
+    head.add_row("objective", f"{plan.objective}, strategy {plan.strategy}")
+    head.add_row("solver", f"{plan.status}, gap {plan.gap:.2%}, solved in {plan.solve_time_s:.2f} s")
+    head.add_row("time", f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
+                         f"total {format_seconds(cost.total_s)}, {cost.tokens_per_s:.2f} tokens/s")
+    fits = "[green]yes[/]" if cost.fits else "[bold red]NO, runs out of memory[/]"
+    head.add_row("fits", fits)
+
+    by_unit = {u.name: u for u in cost.units}
+    units = Table(title="Where each run of units lives and computes", title_justify="left")
+    for col in ("units", "n", "stored on", "executes on", "mode", "weights", "prefill", "decode"):
+        units.add_column(col, justify="right" if col in ("n", "weights", "prefill", "decode") else "left")
+    for names, storage, execution, mode in _runs(plan):
+        costs = [by_unit[n] for n in names if n in by_unit]
+        label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        units.add_row(label, str(len(names)), f"[{_device_style(storage)}]{storage}[/]",
+                      f"[{_device_style(execution)}]{execution}[/]", mode,
+                      format_bytes(sum(c.stored_bytes for c in costs)),
+                      format_seconds(sum(c.prefill_s for c in costs)),
+                      format_seconds(sum(c.decode_s for c in costs)))
+    return [head, units, _memory_table(plan), *_violation_lines(plan), *_notes(plan)]
+
+
+def _memory_table(plan: Plan) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Memory per device", title_justify="left")
+    for col in ("device", "weights", "KV cache", "workspace", "stream buf", "used", "capacity", "free"):
+        table.add_column(col, justify="left" if col == "device" else "right")
+    for m in plan.cost.memory:
+        free = format_bytes(m.free_bytes)
+        table.add_row(m.device, format_bytes(m.weights_bytes), format_bytes(m.kv_cache_bytes),
+                      format_bytes(m.workspace_bytes), format_bytes(m.stream_buffer_bytes),
+                      format_bytes(m.used_bytes), format_bytes(m.capacity_bytes),
+                      f"[bold red]{free}[/]" if m.free_bytes < 0 else free)
+    return table
+
+
+def _violation_lines(plan: Plan) -> list[str]:
+    return [f"[bold red]OOM[/] {v.message}" for v in plan.cost.violations]
+
+
+def _notes(plan: Plan) -> list[str]:
+    lines = [f"[dim]note:[/] {n}" for n in plan.notes]
+    if plan.streams_weights:
+        lines.append("[dim]note:[/] some units compute away from their storage: run the plan with "
+                     "placement_opt.dispatch (plan.device_map alone gives accelerate's synchronous hooks)")
+    return lines
+
+
+def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]) -> Any:
+    from rich.table import Table
+
+    reference = next((o.total_s for o in outcomes if o.strategy == "cpsat" and o.fits), None)
+    table = Table(title="Strategies side by side (same cost model; time = prefill + every decode step)",
+                  title_justify="left")
+    for col in ("strategy", "fits", "prefill", "decode", "total", "vs cpsat", "tokens/s"):
+        table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
+    for d in devices:
+        table.add_column(f"{d} used", justify="right")
+    table.add_column("solve", justify="right")
+    table.add_column("gap", justify="right")
+    for o in outcomes:
+        if o.plan is None:
+            table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 2))
+            continue
+        cost = o.plan.cost
+        fits = "[green]fits[/]" if cost.fits else "[bold red]OOM[/]"
+        ratio = "-" if reference is None else f"{cost.total_s / reference:.2f}x"
+        if reference is not None and o.strategy != "cpsat" and cost.total_s / reference >= 1.05:
+            ratio = f"[bold]{ratio}[/]"
+        memory = []
+        for d in devices:
+            m = next((x for x in cost.memory if x.device == d), None)
+            if m is None:
+                memory.append("-")
+                continue
+            text = f"{format_bytes(m.used_bytes)}"
+            memory.append(f"[bold red]{text} (>{format_bytes(m.capacity_bytes)})[/]" if m.free_bytes < 0 else text)
+        row_style = None if cost.fits else "red"
+        table.add_row(o.strategy, fits, format_seconds(cost.prefill_s), format_seconds(cost.decode_s),
+                      format_seconds(cost.total_s), ratio, f"{cost.tokens_per_s:.2f}", *memory,
+                      f"{o.plan.solve_time_s:.2f} s", f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-",
+                      style=row_style)
+    return table
+
+
+def _why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
+    lines = []
+    for o in outcomes:
+        if o.plan is None:
+            lines.append(f"[bold red]{o.strategy}[/]: {o.error}")
+        else:
+            lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
+    return lines
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="placement-opt", prog_name="placement-opt")
+def cli() -> None:
+    """Decide where every layer of a large model lives (GPU, CPU RAM, disk) and computes."""
+
+
+def _solve_options(func: Any) -> Any:
+    options = [
+        click.argument("model"),
+        click.option("--devices", "-d", required=True, metavar="SPEC",
+                     help="'cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk', 'auto' (this machine) "
+                          "or a saved profile .json"),
+        click.option("--objective", type=click.Choice(_OBJECTIVES), default="latency", show_default=True),
+        click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
+        click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
+        click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
+        click.option("--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True),
+        click.option("--time-limit", type=float, default=None, metavar="S",
+                     help="CP-SAT time limit in seconds (default: the solver's)"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
+             dtype: str) -> tuple[Any, Machine, Workload]:
+    workload = _workload(batch, prompt, new_tokens)
+    machine = resolve_devices(devices, dtype=dtype)
+    resolved = resolve_model(model)
+    with _progress(f"Tracing {model} on the meta device ..."):
+        graph = _trace(resolved, workload, dtype)
+    return graph, machine, workload
+
+
+def _check_plot_suffix(path: str | None) -> None:
+    if path and Path(path).suffix.lower() not in (".png", ".svg", ".html", ".htm"):
+        raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")
+
+
+@cli.command()
+@_solve_options
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="cpsat", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the plan as JSON here")
+@click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
+def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str,
+         time_limit: float | None, strategy: str, json_path: str | None, plot: str | None) -> None:
+    """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
+    _check_plot_suffix(plot)
+    console = _console()
+    with _errors_as_messages():
+        graph, machine, workload = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        with _progress(f"Solving ({strategy}, {objective}) ..."):
+            result = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
+                            time_limit_s=time_limit)
+    for part in _plan_renderables(result):
+        console.print(part)
+    _write_outputs(console, result, json_path, plot)
+
+
+def _write_outputs(console: Console, result: Plan, json_path: str | None, plot: str | None,
+                   outcomes: Sequence[StrategyOutcome] = ()) -> None:
+    if json_path:
+        result.to_json(json_path)
+        console.print(f"plan written to {json_path}")
+    if plot:
+        from .viz import save_report
+
+        with _progress("Drawing ..."):
+            save_report(result, plot, outcomes)
+        console.print(f"pictures written to {plot}")
+
+
+@cli.command()
+@_solve_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="write every strategy's result as JSON here")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
+def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str,
+            time_limit: float | None, json_path: str | None, plot: str | None) -> None:
+    """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
+    _check_plot_suffix(plot)
+    console = _console()
+    with _errors_as_messages():
+        graph, machine, workload = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        with _progress("Solving with every strategy ..."):
+            outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
+                                          time_limit_s=time_limit)
+    w = workload
+    console.print(f"[bold]{model}[/] ({dtype}) on {', '.join(machine.names)}; batch {w.batch_size} x prompt "
+                  f"{w.prompt_len} + {w.new_tokens} new tokens; objective {objective}")
+    console.print(_comparison_table(outcomes, machine.names))
+    for line in _why_lines(outcomes):
+        console.print(line)
+    if json_path:
+        rows = [{"strategy": o.strategy, "fits": o.fits, "error": o.error,
+                 "plan": o.plan.to_dict() if o.plan else None} for o in outcomes]
+        Path(json_path).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+        console.print(f"results written to {json_path}")
+    if plot:
+        best = next((o.plan for o in outcomes if o.strategy == "cpsat" and o.plan), None)
+        best = best or next((o.plan for o in outcomes if o.plan), None)
+        if best is None:
+            raise _Failure("no strategy produced a plan: nothing to draw")
+        _write_outputs(console, best, None, plot, outcomes)
+    if all(o.plan is None for o in outcomes):
+        raise _Failure("no strategy produced a plan (see above)")
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(exists=True, dir_okay=False))
+@click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
+def explain(plan_path: str, plot: str | None) -> None:
+    """Show a saved plan and why its units sit where they are."""
+    from .plan import Plan
+
+    _check_plot_suffix(plot)
+    console = _console()
+    try:
+        result = Plan.from_json(plan_path)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.BadParameter(f"{plan_path!r} is not a placement_opt plan: {_one_line(exc)}",
+                                 param_hint="PLAN.json") from None
+    for part in _plan_renderables(result):
+        console.print(part)
+    if hasattr(result, "explain"):
+        console.print(result.explain(), markup=False)
+    _write_outputs(console, result, None, plot)
+
+
+@cli.command()
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="where to save the profile (default: the library's standard location)")
+@click.option("--quick", is_flag=True, help="shorter measurements (less precise)")
+def profile(out: str | None, quick: bool) -> None:
+    """Measure this machine (compute, memory and disk bandwidth, links) and save the profile."""
+    console = _console()
+    with _errors_as_messages():
+        from . import profile as profile_module
+
+        with _progress("Measuring this machine ..."):
+            started = time.perf_counter()
+            machine = _run_profile(profile_module, out, quick)
+            took = time.perf_counter() - started
+    console.print(_devices_table(machine))
+    where = out or getattr(profile_module, "DEFAULT_PROFILE_PATH", None)
+    console.print(f"measured in {took:.1f} s" + (f"; saved to {where}" if where else ""))
+
+
+def _run_profile(profile_module: Any, out: str | None, quick: bool) -> Machine:
+    import inspect
+
+    func = profile_module.profile
+    kwargs: dict[str, Any] = {"path": out}
+    if "quick" in inspect.signature(func).parameters:
+        kwargs["quick"] = quick
+    return func(**kwargs)
+
+
+def _devices_table(machine: Machine) -> Any:
+    from rich.table import Table
+
+    table = Table(title="This machine", title_justify="left")
+    for col in ("device", "memory", "TFLOP/s", "bandwidth", "host link", "source"):
+        table.add_column(col, justify="left" if col in ("device", "source") else "right")
+    for d in machine.devices:
+        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e12:.3g}",
+                      f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
+                      f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-", d.source)
+    return table
+
+
+@cli.command()
+@click.option("--quick", is_flag=True, help="small sizes and few repeats (a smoke run)")
+@click.option("--only", multiple=True, metavar="NAME", help="run only these experiments (repeatable)")
+def bench(quick: bool, only: tuple[str, ...]) -> None:
+    """Run the benchmark suite (benchmarks/run_all.py) and regenerate benchmarks/RESULTS.md."""
+    import subprocess
+
+    script = _benchmarks_dir() / "run_all.py"
+    if not script.is_file():
+        raise _Failure(f"{script} not found: 'bench' needs a source checkout of placement_opt")
+    command = [sys.executable, str(script)] + (["--quick"] if quick else [])
+    for name in only:
+        command += ["--only", name]
+    code = subprocess.call(command, cwd=script.parent.parent)
+    if code:
+        raise _Failure(f"benchmark suite failed (exit code {code})")
+
+
+def _benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``placement-opt`` console script."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="placement-opt")

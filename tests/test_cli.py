@@ -1,0 +1,153 @@
+"""The ``placement-opt`` command without the solver: help, bad input, explain, profile files.
+
+End-to-end ``plan``/``compare`` runs live in test_cli_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from placement_opt.cli import cli, resolve_devices, resolve_model
+from placement_opt.plan import Plan
+from test_viz import make_plan
+
+GOOD_DEVICES = "cuda:0=a100-40gb,cpu=64GiB,disk=nvme-gen4"
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="placement-opt")
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    # A fresh interpreter: --help must not import torch, transformers, ortools or matplotlib.
+    code = ("import sys; from placement_opt.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'ortools', 'matplotlib') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
+    assert "compare" in out and "profile" in out
+    assert time.perf_counter() - started < 5.0
+
+
+def test_every_command_has_help():
+    for command in ("plan", "compare", "profile", "explain", "bench"):
+        result = run(command, "--help")
+        assert result.exit_code == 0, result.output
+        assert "Usage: " in result.output
+
+
+def test_malformed_devices_is_a_one_line_usage_error():
+    result = run("plan", "whatever-model", "--devices", "cuda:0=a100-40gbb,cpu=64GiB")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert "'a100-40gbb' is neither a preset nor a size" in result.output
+
+
+def test_unknown_device_name_is_a_usage_error():
+    result = run("compare", "whatever-model", "--devices", "tpu:0=64GiB")
+    assert result.exit_code == 2
+    assert "unknown device name 'tpu:0'" in result.output
+
+
+def test_unknown_preset_is_a_usage_error():
+    result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2
+    assert "unknown model preset 'llama-9-9000b'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_workload_is_a_usage_error():
+    result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES, "--batch", "0")
+    assert result.exit_code == 2
+    assert "batch_size is 0" in result.output
+
+
+def test_bad_plot_suffix_is_refused_before_any_work(tmp_path):
+    result = run("plan", "x", "--devices", GOOD_DEVICES, "--plot", str(tmp_path / "a.jpg"))
+    assert result.exit_code == 2
+    assert ".png, .svg or .html" in result.output
+
+
+def test_config_json_without_model_type_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 8}))
+    result = run("plan", str(path), "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2
+    assert "no 'model_type' key" in result.output
+
+
+def test_resolve_model_reads_a_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    config = resolve_model(str(path))
+    assert type(config).__name__ == "LlamaConfig"
+    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
+
+
+def test_resolve_devices_reads_a_saved_machine(tmp_path):
+    machine = resolve_devices(GOOD_DEVICES)
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(machine.to_dict()))
+    assert resolve_devices(str(path)) == machine
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"machine": machine.to_dict(), "measured_at": "now"}))
+    assert resolve_devices(str(wrapped)) == machine
+
+
+def test_devices_file_that_is_not_a_profile_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text("[1, 2]")
+    result = run("plan", "x", "--devices", str(path))
+    assert result.exit_code == 2
+    assert "is not a saved machine profile" in result.output
+    missing = run("plan", "x", "--devices", str(tmp_path / "nope.json"))
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_explain_prints_the_plan_and_writes_pictures(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    make_plan().to_json(str(plan_path))
+    html = tmp_path / "plan.html"
+    result = run("explain", str(plan_path), "--plot", str(html))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "tiny-test" in out
+    # make_plan streams layers 5, 6 and 7 from the CPU: one run of three units.
+    assert "layers.5 .. layers.7" in out and "stream" in out
+    assert "Memory per device" in out and "39.00 GiB" in out
+    assert html.stat().st_size > 10_000
+    assert Plan.from_json(str(plan_path)).model_name == "tiny-test"
+
+
+def test_explain_shows_oom(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    make_plan(strategy="sequential", over_bytes=2**30).to_json(str(plan_path))
+    result = run("explain", str(plan_path))
+    assert result.exit_code == 0
+    assert "runs out of memory" in result.output
+    assert "OOM cuda:0 needs" in result.output
+
+
+def test_explain_refuses_a_file_that_is_not_a_plan(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"schema_version": 99}))
+    result = run("explain", str(path))
+    assert result.exit_code == 2
+    assert "is not a placement_opt plan" in result.output
+    assert "schema version 99" in result.output
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["-h"]])
+def test_top_level_flags(argv):
+    result = run(*argv)
+    assert result.exit_code == 0
+    assert "placement-opt" in result.output
