@@ -1,11 +1,43 @@
-"""What the model will be asked to do: the workload the cost model prices."""
+"""What the model will be asked to do: the workload the cost model prices.
+
+Also the memory of a training step (:func:`training_memory`): gradients, optimizer states and
+the activations saved for the backward, and whether they force optimizer states off the GPU.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Workload"]
+from ._units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .graph import LayerGraph, UnitInfo
+
+__all__ = [
+    "Workload",
+    "TrainingMemory",
+    "UnitTrainingBytes",
+    "training_memory",
+    "unit_training_bytes",
+    "dtype_bytes",
+    "SAVED_ACTIVATION_FACTOR",
+    "OPTIMIZER_STATE_BYTES_PER_PARAM",
+]
+
+#: Bytes per element of the dtypes a graph may name.
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+#: Activations a transformer layer saves for its backward, in multiples of its output per token.
+#: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
+#: count ``34 * s * b * h`` bytes per layer in half precision with memory-efficient attention,
+#: i.e. 17 outputs of ``2 h`` bytes each.
+SAVED_ACTIVATION_FACTOR = 17
+
+#: fp32 optimizer-state bytes per parameter (master weights counted separately, half dtypes only).
+OPTIMIZER_STATE_BYTES_PER_PARAM = {"adam": 8, "sgd": 4, "none": 0}
+_MASTER_WEIGHT_BYTES_PER_PARAM = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +92,128 @@ class Workload:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
         return cls(**data)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (``"float16"`` -> 2, ``"torch.float32"`` -> 4).
+
+    Raises:
+        ValueError: the dtype is unknown; lists the accepted names.
+    """
+    key = str(dtype).replace("torch.", "")
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is unknown: accepted are {', '.join(sorted(_DTYPE_BYTES))}")
+    return _DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitTrainingBytes:
+    """Training states of one unit, in bytes."""
+
+    gradient_bytes: int
+    """One gradient per parameter, in the parameter dtype."""
+    optimizer_bytes: int
+    """Optimizer moments (fp32) plus fp32 master weights when the model is in a half dtype."""
+    activation_bytes: int
+    """Activations kept from the forward to the backward (only the unit's input when checkpointing)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def unit_training_bytes(unit: UnitInfo, workload: Workload, dtype: str) -> UnitTrainingBytes:
+    """Gradients, optimizer states and saved activations of one unit for ``workload``.
+
+    Example: a unit with 1,000 fp16 parameters (2,000 bytes), Adam, batch 2 x 8 tokens and an
+    output of 64 bytes per token: gradients 2,000; optimizer 1,000 x (8 + 4) = 12,000;
+    activations 16 x 64 x 17 = 17,408 (16 x 64 = 1,024 with checkpointing).
+    """
+    if not workload.training:
+        return UnitTrainingBytes(gradient_bytes=0, optimizer_bytes=0, activation_bytes=0)
+    elem = dtype_bytes(dtype)
+    params = unit.param_bytes // elem
+    master = _MASTER_WEIGHT_BYTES_PER_PARAM if elem < 4 and workload.optimizer != "none" else 0
+    optimizer = params * (OPTIMIZER_STATE_BYTES_PER_PARAM[workload.optimizer] + master)
+    tokens = workload.batch_size * workload.prompt_len
+    factor = 1 if workload.activation_checkpointing else SAVED_ACTIVATION_FACTOR
+    activations = tokens * unit.out_bytes_per_token * factor if unit.param_bytes else 0
+    return UnitTrainingBytes(gradient_bytes=unit.param_bytes, optimizer_bytes=optimizer,
+                             activation_bytes=activations)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingMemory:
+    """Memory of one training step of a whole model, and whether it fits a device."""
+
+    weights_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    capacity_bytes: int | None
+    """The device it was checked against (None when no capacity was given)."""
+    needs_optimizer_offload: bool
+    """True when everything does not fit but everything except the optimizer states does."""
+    fits: bool
+    """True when weights, gradients, optimizer states and activations all fit the capacity."""
+    message: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def training_memory(graph: LayerGraph, workload: Workload,
+                    capacity_bytes: int | None = None) -> TrainingMemory:
+    """Price a training step of ``graph`` and say whether it needs CPU offload of optimizer states.
+
+    Example::
+
+        report = training_memory(graph, Workload(training=True, batch_size=8, prompt_len=1024),
+                                 capacity_bytes=machine["cuda:0"].usable_bytes)
+        if report.needs_optimizer_offload:
+            print(report.message)
+
+    Args:
+        graph: the model's layer graph (its dtype is the parameter dtype).
+        workload: a workload with ``training=True`` (a generation workload prices zero states).
+        capacity_bytes: usable bytes of the device that trains (e.g. ``Device.usable_bytes``).
+
+    Returns:
+        A :class:`TrainingMemory` with the split, ``fits``, ``needs_optimizer_offload`` and a
+        message that says what takes the space and what to do.
+    """
+    units = graph.units()
+    parts = [unit_training_bytes(u, workload, graph.meta.dtype) for u in units]
+    weights = sum(u.weight_bytes for u in units)
+    grads = sum(p.gradient_bytes for p in parts)
+    optim = sum(p.optimizer_bytes for p in parts)
+    acts = sum(p.activation_bytes for p in parts)  # all alive when the backward starts
+    total = weights + grads + optim + acts
+    split = (f"weights {format_bytes(weights)}, gradients {format_bytes(grads)}, "
+             f"{workload.optimizer} optimizer states {format_bytes(optim)}, saved activations "
+             f"{format_bytes(acts)} (batch {workload.batch_size} x {workload.prompt_len} tokens"
+             f"{', checkpointed' if workload.activation_checkpointing else ''})")
+    if capacity_bytes is None:
+        return TrainingMemory(weights_bytes=weights, gradient_bytes=grads, optimizer_bytes=optim,
+                              activation_bytes=acts, capacity_bytes=None, needs_optimizer_offload=False,
+                              fits=True, message=f"training needs {format_bytes(total)}: {split}")
+    fits = total <= capacity_bytes
+    offload = not fits and total - optim <= capacity_bytes
+    if fits:
+        message = f"training fits: needs {format_bytes(total)} of {format_bytes(capacity_bytes)}: {split}"
+    elif offload:
+        message = (f"training needs {format_bytes(total)}, the device has {format_bytes(capacity_bytes)} "
+                   f"({format_bytes(total - capacity_bytes)} short): {split}. Offload the optimizer "
+                   f"states to the CPU (e.g. DeepSpeed ZeRO-Offload) to free {format_bytes(optim)}")
+    else:
+        hint = ("turn on activation checkpointing, " if not workload.activation_checkpointing
+                and acts > 0 else "")
+        message = (f"training needs {format_bytes(total)}, the device has {format_bytes(capacity_bytes)} "
+                   f"({format_bytes(total - capacity_bytes)} short) even with optimizer states on the "
+                   f"CPU: {split}. {hint.capitalize() or ''}reduce the batch or sequence, or shard the "
+                   f"model (FSDP/DeepSpeed ZeRO-3)")
+    return TrainingMemory(weights_bytes=weights, gradient_bytes=grads, optimizer_bytes=optim,
+                          activation_bytes=acts, capacity_bytes=capacity_bytes,
+                          needs_optimizer_offload=offload, fits=fits, message=message)
+

@@ -1,0 +1,329 @@
+"""The cost model: hand-computed prices on tiny graphs, option menus, crossovers, evaluate."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement_opt.cost import (
+    NS_PER_S,
+    UNIT_OVERHEAD_S,
+    WORKSPACE_FACTOR,
+    _sum_max_lines,
+    build_problem,
+    evaluate,
+    expected_experts,
+)
+from placement_opt.cost import (
+    _ns as ns,
+)
+from placement_opt.devices import Device, Machine
+from placement_opt.graph import chain_graph
+from placement_opt.workload import Workload
+
+CPU_OH = UNIT_OVERHEAD_S["cpu"]  # 150 us per unit per forward
+GPU_OH = UNIT_OVERHEAD_S["gpu"]  # 60 us
+
+
+def measured_machine(*, gpu: bool = True, disk: bool = False, gpu_mem: str = "10GB",
+                     cpu_mem: str = "100GB") -> Machine:
+    """Round numbers, 'measured' so no efficiency derating applies."""
+    devices = [Device("cpu", cpu_mem, flops=1e12, bandwidth=1e11, source="measured")]
+    if gpu:
+        devices.append(Device("cuda:0", gpu_mem, flops=1e14, bandwidth=1e12, host_link=1e10,
+                              reserve=0, source="measured"))
+    if disk:
+        devices.append(Device("disk", "1TB", bandwidth=1e9, source="measured"))
+    return Machine(devices)
+
+
+def option(problem, unit: str, storage: str, execution: str, mode: str):
+    spec = next(u for u in problem.units if u.name == unit)
+    return next(o for o in spec.options
+                if (o.storage, o.execution, o.mode) == (storage, execution, mode))
+
+
+# -- hand-computed prices --------------------------------------------------------------------------
+def test_cpu_resident_unit_prefill_and_decode_by_hand() -> None:
+    # One unit: 1 GB of weights, 2 GFLOP per token, no attention; CPU 1 TFLOP/s, 100 GB/s.
+    graph = chain_graph([{"name": "w", "param_bytes": 10**9, "flops_per_token": 2 * 10**9}])
+    problem = build_problem(graph, measured_machine(gpu=False),
+                            Workload(batch_size=1, prompt_len=100, new_tokens=10))
+    opt = option(problem, "w", "cpu", "cpu", "resident")
+    # prefill: max(100 x 2e9 / 1e12 = 0.2 s, 1e9 / 1e11 = 0.01 s) + 150 us = 0.20015 s
+    assert opt.prefill_ns == 200_150_000
+    # decode step: max(2e9 / 1e12 = 2 ms, 1e9 / 1e11 = 10 ms) + 150 us = 10.15 ms; x 10 steps
+    assert opt.decode_ns == 101_500_000
+    assert (opt.stored_bytes, opt.resident_bytes, opt.peak_bytes) == (10**9, 0, 0)
+
+
+def test_stream_overlaps_copy_and_stream_sync_adds_it() -> None:
+    # 1 GB unit on a GPU of 100 TFLOP/s, 1 TB/s, host link 10 GB/s (latency 10 us).
+    graph = chain_graph([{"name": "w", "param_bytes": 10**9, "flops_per_token": 2 * 10**9,
+                          "param_names": ("w.a", "w.b")}])
+    workload = Workload(batch_size=1, prompt_len=1000, new_tokens=2)
+    problem = build_problem(graph, measured_machine(), workload, modes=("resident", "stream", "stream_sync"))
+    resident = option(problem, "w", "cuda:0", "cuda:0", "resident")
+    stream = option(problem, "w", "cpu", "cuda:0", "stream")
+    sync = option(problem, "w", "cpu", "cuda:0", "stream_sync")
+    # compute: max(1000 x 2e9 / 1e14 = 20 ms, 1e9 / 1e12 = 1 ms) + 60 us = 20.06 ms
+    assert resident.prefill_ns == 20_060_000
+    # stream: max(20.06 ms, 1e9 / 1e10 + 10 us = 100.01 ms)
+    assert stream.prefill_ns == 100_010_000
+    # sync: pageable copy at 0.6 x 10 GB/s = 166.67 ms, + 2 tensors x 10 us, + compute 20.06 ms
+    assert stream.prefill_ns < sync.prefill_ns == ns(1e9 / 6e9 + 20e-6 + 0.02006)
+    # decode steps: compute max(0.02 ms, 1 ms) + 60 us = 1.06 ms; copies dominate every step
+    assert resident.decode_ns == 2_120_000
+    assert stream.decode_ns == 2 * 100_010_000
+    # buffers: stream keeps this and the prefetched next unit (2 x 1 GB), sync one
+    assert stream.peak_bytes == 2 * 10**9 and sync.peak_bytes == 10**9 and resident.peak_bytes == 0
+    assert stream.stored_bytes == 10**9  # charged to the CPU, where it lives
+
+
+def test_kv_cache_and_attention_grow_with_context() -> None:
+    # attention unit: 1 MFLOP per token per context token, 1 kB KV per token; batch 2, 10 + 5 tokens
+    graph = chain_graph([{"name": "attn", "param_bytes": 1000, "flops_per_token": 10**6,
+                          "attn_flops_per_token_per_ctx": 10**6, "kv_bytes_per_token": 1000,
+                          "out_bytes_per_token": 100}])
+    # chain_graph traces at seq_len 1, so the context-free part is 1e6 - 1e6 x 1 = 0
+    workload = Workload(batch_size=2, prompt_len=10, new_tokens=5)
+    opt = option(build_problem(graph, measured_machine(gpu=False), workload), "attn", "cpu", "cpu", "resident")
+    # KV cache: 1000 B x batch 2 x (10 + 5) tokens
+    assert opt.resident_bytes == 30_000
+    # workspace: 2 x 10 prompt tokens x 100 B x WORKSPACE_FACTOR
+    assert opt.peak_bytes == 20 * 100 * WORKSPACE_FACTOR
+    # prefill FLOPs, causal: 2 x 1e6 x (1 + ... + 10) = 1.1e8 -> 110 us (bytes: 1000 + 4000 + 20000 -> 0.25 us)
+    assert opt.prefill_ns == ns(1.1e8 / 1e12 + CPU_OH)
+    # decode step t: context 11 + t, FLOPs 2 x 1e6 x (11 + t); summed over t = 0..4: 2e6 x 65 = 1.3e8
+    assert opt.decode_ns == ns(1.3e8 / 1e12 + 5 * CPU_OH)
+    longer = Workload(batch_size=2, prompt_len=10, new_tokens=50)
+    opt_long = option(build_problem(graph, measured_machine(gpu=False), longer), "attn", "cpu", "cpu", "resident")
+    assert opt_long.resident_bytes == 2 * 60 * 1000
+    assert opt_long.decode_ns > 10 * opt.decode_ns  # 10x the steps, each with a longer context
+
+
+def test_sum_max_lines_equals_the_loop() -> None:
+    lines = [(5.0, 0.0), (1.0, 1.0), (3.0, 0.5)]
+    for steps in (0, 1, 3, 7, 20):
+        loop = sum(max(a + b * t for a, b in lines) for t in range(steps))
+        assert _sum_max_lines(lines, steps) == pytest.approx(loop)
+
+
+# -- option menus --------------------------------------------------------------------------------
+def test_option_menu_default_and_with_sync() -> None:
+    graph = chain_graph([{"name": "a", "param_bytes": 10}])
+    machine = Machine([Device("cuda:0", "1GB"), Device("cuda:1", "1GB"), Device("cpu", "1GB"),
+                       Device("disk", "1GB")])
+    default = build_problem(graph, machine, Workload())
+    menu = [(o.storage, o.execution, o.mode) for o in default.units[0].options]
+    assert menu == [
+        ("cuda:0", "cuda:0", "resident"), ("cuda:1", "cuda:1", "resident"), ("cpu", "cpu", "resident"),
+        ("cpu", "cuda:0", "stream"), ("cpu", "cuda:1", "stream"),
+        ("disk", "cpu", "stream"), ("disk", "cuda:0", "stream"), ("disk", "cuda:1", "stream"),
+    ]
+    every = build_problem(graph, machine, Workload(), modes=("resident", "stream", "stream_sync"))
+    assert len(every.units[0].options) == 8 + 5
+    cpu_only = build_problem(graph, Machine([Device("cpu", "1GB")]), Workload())
+    assert [(o.storage, o.mode) for o in cpu_only.units[0].options] == [("cpu", "resident")]
+    with pytest.raises(ValueError, match="'teleport'.*resident, stream, stream_sync"):
+        build_problem(graph, machine, Workload(), modes=("resident", "teleport"))
+
+
+def test_edges_cost_only_between_different_devices() -> None:
+    # two units exchange 1000 B per token; CPU <-> GPU link 10 GB/s, 10 us latency
+    graph = chain_graph([{"name": "a", "out_bytes_per_token": 1000}, {"name": "b"}])
+    problem = build_problem(graph, measured_machine(), Workload(batch_size=4, prompt_len=250, new_tokens=3))
+    (edge,) = problem.edges
+    # prefill: 4 x 250 x 1000 B / 1e10 + 10 us = 110 us; decode: 3 x (4 x 1000 / 1e10 + 10 us) = 31.2 us
+    assert edge.prefill_ns[("cpu", "cuda:0")] == 110_000
+    assert edge.decode_ns[("cuda:0", "cpu")] == 31_200
+    assert ("cpu", "cpu") not in edge.prefill_ns
+
+
+def test_units_outside_decode_cost_nothing_there() -> None:
+    graph = chain_graph([{"name": "enc", "param_bytes": 10**6, "flops_per_token": 10**6, "in_decode": False}])
+    opt = build_problem(graph, measured_machine(gpu=False), Workload(new_tokens=50)).units[0].options[0]
+    assert opt.decode_ns == 0 and opt.prefill_ns > 0
+
+
+def test_pins_are_checked_and_passed_on() -> None:
+    graph = chain_graph([{"name": "a"}, {"name": "b"}])
+    problem = build_problem(graph, measured_machine(), Workload(), pins={"a": 0}, contiguous=True)
+    assert problem.pins == {"a": "cuda:0"} and problem.contiguous
+    with pytest.raises(ValueError, match="'zzz'"):
+        build_problem(graph, measured_machine(), Workload(), pins={"zzz": "cpu"})
+    with pytest.raises(ValueError, match="cuda:3 is not in the machine"):
+        build_problem(graph, measured_machine(), Workload(), pins={"a": "cuda:3"})
+
+
+# -- the CPU vs streaming crossover ---------------------------------------------------------------------
+def crossover_setup(prompt_len: int, new_tokens: int):
+    # one fp16 7B-class layer: 200M params = 400 MB, 400 MFLOP per token, on datasheet presets
+    graph = chain_graph([{"name": "layer", "param_bytes": 400 * 10**6, "flops_per_token": 400 * 10**6,
+                          "out_bytes_per_token": 8192, "kv_bytes_per_token": 4096}])
+    machine = Machine([Device.preset("rtx-4090", name="cuda:0"), Device.preset("cpu-desktop")])
+    problem = build_problem(graph, machine, Workload(batch_size=1, prompt_len=prompt_len, new_tokens=new_tokens))
+    cpu = option(problem, "layer", "cpu", "cpu", "resident")
+    stream = option(problem, "layer", "cpu", "cuda:0", "stream")
+    return cpu, stream
+
+
+def test_cpu_execution_beats_streaming_for_small_batches() -> None:
+    # 1 token: CPU reads 400 MB at 60 GB/s x 0.6 (11 ms); streaming copies 400 MB at 25 GB/s (16 ms)
+    cpu, stream = crossover_setup(prompt_len=1, new_tokens=0)
+    assert cpu.prefill_ns < stream.prefill_ns
+    # decode at batch 1 is the same story at every step
+    cpu, stream = crossover_setup(prompt_len=1, new_tokens=100)
+    assert cpu.decode_ns < stream.decode_ns
+
+
+def test_streaming_beats_cpu_execution_for_long_prompts() -> None:
+    # 4096 tokens x 400 MFLOP = 1.6 TFLOP: 6.6 s on the CPU (0.25 TFLOP/s), 16 ms copy + 17 ms on the GPU
+    cpu, stream = crossover_setup(prompt_len=4096, new_tokens=0)
+    assert stream.prefill_ns * 10 < cpu.prefill_ns
+
+
+# -- MoE -------------------------------------------------------------------------------------------
+def test_expected_experts() -> None:
+    assert expected_experts(8, 2, 1) == pytest.approx(2.0)
+    assert expected_experts(8, 2, 4) == pytest.approx(8 * (1 - 0.75**4))  # 5.47
+    assert expected_experts(8, 2, 10_000) == pytest.approx(8.0)
+    assert expected_experts(0, 0, 5) == 0.0
+
+
+def test_moe_decode_reads_only_the_experts_hit() -> None:
+    # 8 experts of 100 MB, top-2, plus 10 MB router/attention; memory-bound on the CPU (100 GB/s)
+    moe = {"name": "moe", "param_bytes": 810 * 10**6, "flops_per_token": 1000, "moe_num_experts": 8,
+           "moe_experts_per_token": 2, "moe_expert_bytes": 800 * 10**6}
+    graph = chain_graph([moe])
+    one = build_problem(graph, measured_machine(gpu=False), Workload(batch_size=1, new_tokens=1))
+    # batch 1: 10 MB + 2/8 x 800 MB = 210 MB -> 2.1 ms + 150 us
+    assert one.units[0].options[0].decode_ns == ns(210e6 / 1e11 + CPU_OH)
+    four = build_problem(graph, measured_machine(gpu=False), Workload(batch_size=4, new_tokens=1))
+    # batch 4: 10 MB + 5.47/8 x 800 MB = 557 MB
+    hit = expected_experts(8, 2, 4)
+    assert four.units[0].options[0].decode_ns == ns((10e6 + 100e6 * hit) / 1e11 + CPU_OH)
+    # weights stored are all experts, whatever the batch
+    assert four.units[0].options[0].stored_bytes == 810 * 10**6
+
+
+# -- training --------------------------------------------------------------------------------------
+def test_training_states_in_memory_and_time() -> None:
+    # 1000 fp16 params (2000 B), Adam; batch 2 x 8 tokens, output 64 B per token
+    graph = chain_graph([{"name": "a", "param_bytes": 2000, "flops_per_token": 10**9, "out_bytes_per_token": 64,
+                          "kv_bytes_per_token": 10}])
+    train = Workload(training=True, batch_size=2, prompt_len=8, new_tokens=0)
+    opt = option(build_problem(graph, measured_machine(gpu=False), train), "a", "cpu", "cpu", "resident")
+    # stored: weights 2000 + grads 2000 + Adam 1000 x (8 + 4 master) = 16000
+    assert opt.stored_bytes == 16_000
+    # resident: saved activations 16 x 64 x 17 = 17408, no KV cache in training
+    assert opt.resident_bytes == 17_408
+    # time: forward (16 x 1e9 / 1e12 = 16 ms + 150 us) x 3 for forward + backward
+    assert opt.prefill_ns == ns(3 * (0.016 + CPU_OH)) and opt.decode_ns == 0
+    ckpt = Workload(training=True, batch_size=2, prompt_len=8, new_tokens=0, activation_checkpointing=True)
+    opt_ckpt = option(build_problem(graph, measured_machine(gpu=False), ckpt), "a", "cpu", "cpu", "resident")
+    assert opt_ckpt.resident_bytes == 16 * 64 and opt_ckpt.prefill_ns > opt.prefill_ns
+
+
+# -- evaluate ---------------------------------------------------------------------------------------
+def llama_like():
+    # embed 1 MB, two 100 MB layers with attention, norm, lm_head 1 MB; 4 kB activations per token
+    return chain_graph([
+        {"name": "model.embed_tokens", "param_bytes": 10**6, "out_bytes_per_token": 4096,
+         "param_names": ("model.embed_tokens.weight",)},
+        *({"name": f"model.layers.{i}", "param_bytes": 10**8, "flops_per_token": 10**8,
+           "attn_flops_per_token_per_ctx": 8192, "kv_bytes_per_token": 2048, "out_bytes_per_token": 4096,
+           "param_names": (f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.mlp.up_proj.weight",
+                           f"model.layers.{i}.mlp.down_proj.weight")} for i in range(2)),
+        {"name": "model.norm", "param_bytes": 4096, "flops_per_token": 4096, "out_bytes_per_token": 4096},
+        {"name": "lm_head", "param_bytes": 10**6, "flops_per_token": 10**6, "out_bytes_per_token": 1000},
+    ])
+
+
+def test_evaluate_accelerate_map_with_prefix_keys() -> None:
+    graph = llama_like()
+    machine = measured_machine(disk=True)
+    workload = Workload(batch_size=2, prompt_len=64, new_tokens=8)
+    cost = evaluate({"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": "disk",
+                     "lm_head": "cuda:0"}, graph, machine, workload)
+    by_unit = {u.name: (u.storage, u.execution, u.mode) for u in cost.units}
+    # accelerate runs cpu/disk entries on the main GPU, copying weights synchronously
+    assert by_unit["model.layers.1"] == ("cpu", "cuda:0", "stream_sync")
+    assert by_unit["model.norm"] == ("disk", "cuda:0", "stream_sync")
+    assert by_unit["lm_head"] == ("cuda:0", "cuda:0", "resident")
+    # a coarser key covers every layer; the same map spelled coarsely costs the same
+    coarse = evaluate({"model.embed_tokens": 0, "model.layers": 0, "model.layers.1": "cpu",
+                       "model.norm": "disk", "lm_head": 0}, graph, machine, workload)
+    assert coarse.total_s == cost.total_s
+    # memory: cuda:0 stores embed + layer 0 + lm_head and keeps the KV cache of both layers
+    gpu = cost.device_memory("cuda:0")
+    assert gpu.weights_bytes == 10**6 + 10**8 + 10**6
+    assert gpu.kv_cache_bytes == 2 * 2048 * 2 * 72
+    assert gpu.stream_buffer_bytes == 10**8  # layer 1 passes through one buffer
+    assert cost.device_memory("cpu").weights_bytes == 10**8
+    assert cost.fits and cost.transfer_s == 0.0
+
+
+def test_evaluate_finer_keys_take_the_majority_of_parameters() -> None:
+    graph = llama_like()
+    fine = {"model.embed_tokens": "cpu", "model.layers.0.self_attn": 0, "model.layers.0.mlp": "cpu",
+            "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    cost = evaluate(fine, graph, measured_machine(), Workload(prompt_len=8, new_tokens=2))
+    # layer 0 has two mlp parameters on cpu and one attention parameter on the GPU: cpu wins
+    assert cost.units[1].storage == "cpu"
+
+
+def test_evaluate_without_gpu_runs_on_cpu() -> None:
+    graph = llama_like()
+    cost = evaluate({"": "cpu", "model.layers.1": "disk"}, graph, measured_machine(gpu=False, disk=True),
+                    Workload(prompt_len=8, new_tokens=2))
+    assert {u.execution for u in cost.units} == {"cpu"}
+    assert cost.units[2].mode == "stream_sync" and cost.units[2].storage == "disk"
+
+
+def test_evaluate_a_plan_uses_its_placements() -> None:
+    from placement_opt.plan import Plan, UnitPlacement
+
+    graph = llama_like()
+    machine = measured_machine(disk=True)
+    workload = Workload(prompt_len=32, new_tokens=4)
+    chosen = [("cuda:0", "cuda:0", "resident"), ("cpu", "cpu", "resident"), ("disk", "cuda:0", "stream"),
+              ("cpu", "cpu", "resident"), ("cuda:0", "cuda:0", "resident")]
+    placements = tuple(UnitPlacement(unit=n, storage=s, execution=e, mode=m)
+                       for n, (s, e, m) in zip(graph.names(), chosen, strict=True))
+    first = evaluate({"": "cpu"}, graph, machine, workload)
+    plan = Plan(model_name="t", dtype="float16", objective="latency", strategy="cpsat", placements=placements,
+                machine=machine, workload=workload, cost=first, status="OPTIMAL", objective_value=0.0,
+                best_bound=0.0, gap=0.0, solve_time_s=0.0)
+    cost = evaluate(plan, graph, machine)
+    assert [(u.storage, u.execution, u.mode) for u in cost.units] == chosen
+    problem = build_problem(graph, machine, workload)
+    keys = [[(o.storage, o.execution, o.mode) for o in u.options] for u in problem.units]
+    score = problem.score([k.index(c) for k, c in zip(keys, chosen, strict=True)])
+    assert round(cost.prefill_s * NS_PER_S) == score.prefill_ns
+    assert round(cost.decode_s * NS_PER_S) == score.decode_ns
+    assert cost.transfer_s > 0  # embed -> layer 0 crosses cuda:0 -> cpu, and back
+
+
+def test_violation_message_says_what_takes_the_space_and_what_to_do() -> None:
+    graph = llama_like()
+    machine = measured_machine(gpu_mem="150MB")
+    cost = evaluate({"": 0}, graph, machine, Workload(batch_size=16, prompt_len=1024, new_tokens=1024))
+    (violation,) = cost.violations
+    assert violation.device == "cuda:0" and violation.short_bytes > 0
+    msg = violation.message
+    assert msg.startswith("cuda:0 needs ") and "short" in msg
+    assert "weights 192." in msg and "KV cache for batch 16 x 2048 tokens" in msg
+    assert "raise max_memory, add 'cpu'/'disk'" in msg
+    assert violation.needed_bytes == cost.device_memory("cuda:0").used_bytes
+
+
+def test_evaluate_errors_name_the_bad_value() -> None:
+    graph = llama_like()
+    with pytest.raises(ValueError, match="'disk'.*not in the machine"):
+        evaluate({"": "disk"}, graph, measured_machine(), Workload())
+    with pytest.raises(ValueError, match="no entry for units model.norm, lm_head"):
+        evaluate({"model.embed_tokens": 0, "model.layers": 0}, graph, measured_machine(), Workload())
+    with pytest.raises(ValueError, match="Plan or an accelerate device_map"):
+        evaluate(["cpu"], graph, measured_machine(), Workload())
+    with pytest.raises(ValueError, match="unknown device name 'tpu'"):
+        evaluate({"": "tpu"}, graph, measured_machine(), Workload())
