@@ -465,7 +465,7 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
         elif size is not None:
             devices.append(_with_default_speeds(canonical, size))
         else:
-            devices.append(detect_device(canonical))
+            devices.append(detect_device(canonical, dtype=dtype))
     return Machine(devices)
 
 
@@ -474,16 +474,16 @@ def _with_default_speeds(name: str, memory: int) -> Device:
     return Device.preset(DEFAULT_PRESET[kind], name=name, memory=memory)
 
 
-def detect_device(name: str) -> Device:
+def detect_device(name: str | int, *, dtype: str = "float16") -> Device:
     """Capacity of ``name`` on this machine; speeds from the saved profile when there is one.
 
     GPUs need torch with CUDA; the CPU's capacity is the RAM available now; the disk's is the
-    free space of the current directory.
+    free space of the current directory. ``dtype`` picks which measured FLOP/s the device carries.
     """
     canonical = normalize_device_name(name)
     from .profile import saved_device  # local import: profile may import torch
 
-    measured = saved_device(canonical)
+    measured = saved_device(canonical, dtype=dtype)
     kind = _kind_of(canonical)
     if kind == "cpu":
         import psutil
@@ -535,7 +535,7 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
     if isinstance(devices, Mapping):
         return _from_max_memory(devices)
     if isinstance(devices, Iterable):
-        return Machine([d if isinstance(d, Device) else detect_device(d) for d in devices])
+        return Machine([d if isinstance(d, Device) else detect_device(d, dtype=dtype) for d in devices])
     raise ValueError(
         f"devices={devices!r} is not a machine: pass a Machine, a list like ['cuda:0', 'cpu', 'disk'], "
         f"a max_memory dict like {{0: '20GiB', 'cpu': '64GiB'}}, or a spec like 'cuda:0=a100-40gb,cpu=64GiB'"

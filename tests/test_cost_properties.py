@@ -1,0 +1,102 @@
+"""Hypothesis properties of the cost model: evaluate agrees with score, more room never hurts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from placement_opt.cost import NS_PER_S, _sum_max_lines, build_problem, evaluate
+from placement_opt.devices import Device, Machine
+from placement_opt.graph import chain_graph
+from placement_opt.plan import UnitPlacement
+from placement_opt.problem import MODES
+from placement_opt.workload import Workload
+
+
+@st.composite
+def graphs(draw):
+    n = draw(st.integers(1, 6))
+    units = []
+    for i in range(n):
+        moe = draw(st.booleans())
+        experts = draw(st.integers(2, 8)) if moe else 0
+        param = draw(st.integers(0, 10**9))
+        units.append({
+            "name": f"m.layers.{i}", "param_bytes": param, "buffer_bytes": draw(st.integers(0, 10**6)),
+            "flops_per_token": draw(st.integers(0, 10**10)),
+            "attn_flops_per_token_per_ctx": draw(st.integers(0, 10**5)),
+            "out_bytes_per_token": draw(st.integers(0, 10**5)),
+            "kv_bytes_per_token": draw(st.integers(0, 10**5)),
+            "moe_num_experts": experts, "moe_experts_per_token": min(2, experts),
+            "moe_expert_bytes": param // 2 if moe else 0, "in_decode": draw(st.booleans()),
+            "param_names": tuple(f"m.layers.{i}.w{j}" for j in range(draw(st.integers(0, 4)))),
+        })
+    names = [u["name"] for u in units]
+    edges = [(a, b, draw(st.integers(0, 10**5))) for i, a in enumerate(names) for b in names[i + 1:]
+             if draw(st.booleans())]
+    return chain_graph(units, edges=edges)
+
+
+@st.composite
+def machines(draw, scale: float = 1.0):
+    sizes = st.integers(0, 2 * 10**9)
+    devices = [Device(f"cuda:{i}", int(draw(sizes) * scale), flops=draw(st.floats(1e12, 1e15)),
+                      bandwidth=draw(st.floats(1e11, 3e12)), host_link=draw(st.floats(1e9, 6e10)), reserve=0)
+               for i in range(draw(st.integers(0, 2)))]
+    devices.append(Device("cpu", draw(sizes), flops=draw(st.floats(1e10, 1e13)), bandwidth=draw(st.floats(1e9, 3e11))))
+    if draw(st.booleans()):
+        devices.append(Device("disk", draw(sizes), bandwidth=draw(st.floats(1e8, 1e10))))
+    return Machine(devices)
+
+
+workloads = st.builds(Workload, batch_size=st.integers(1, 32), prompt_len=st.integers(1, 4096),
+                      new_tokens=st.integers(0, 512), training=st.booleans(),
+                      activation_checkpointing=st.booleans())
+
+
+@given(graph=graphs(), machine=machines(), workload=workloads, data=st.data())
+def test_evaluate_equals_score_of_the_same_assignment(graph, machine, workload, data) -> None:
+    problem = build_problem(graph, machine, workload, modes=MODES)
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
+                       for u, o in zip(problem.units, problem.options(choice), strict=True))
+    cost = evaluate(SimpleNamespace(placements=placements), graph, machine, workload)
+    score = problem.score(choice)
+    assert round(cost.prefill_s * NS_PER_S) == score.prefill_ns
+    assert round(cost.decode_s * NS_PER_S) == score.decode_ns
+    assert {k: round(v * NS_PER_S) for k, v in cost.stage_s.items()} == score.stage_ns
+    assert {m.device: m.used_bytes for m in cost.memory} == score.used_bytes
+    assert {v.device: v.short_bytes for v in cost.violations} == dict(score.over_bytes)
+    assert cost.fits == score.feasible
+
+
+@given(graph=graphs(), small=machines(), factor=st.floats(1.0, 4.0), workload=workloads, data=st.data())
+def test_more_capacity_never_creates_violations(graph, small, factor, workload, data) -> None:
+    big = Machine([d.with_memory(int(d.memory_bytes * factor)) for d in small.devices])
+    device_map = {name: data.draw(st.sampled_from(small.names)) for name in graph.names()}
+    tight = evaluate(device_map, graph, small, workload)
+    roomy = evaluate(device_map, graph, big, workload)
+    short = {v.device: v.short_bytes for v in tight.violations}
+    for violation in roomy.violations:
+        assert violation.device in short and violation.short_bytes <= short[violation.device]
+    assert roomy.total_s == tight.total_s  # capacity changes memory, never time
+
+
+@given(graph=graphs(), machine=machines(), batch=st.integers(1, 16), prompt=st.integers(1, 2048),
+       new=st.integers(0, 256), more=st.integers(1, 256))
+def test_more_tokens_never_cost_less(graph, machine, batch, prompt, new, more) -> None:
+    short = build_problem(graph, machine, Workload(batch_size=batch, prompt_len=prompt, new_tokens=new))
+    long = build_problem(graph, machine, Workload(batch_size=batch, prompt_len=prompt, new_tokens=new + more))
+    for unit_a, unit_b in zip(short.units, long.units, strict=True):
+        for a, b in zip(unit_a.options, unit_b.options, strict=True):
+            assert b.decode_ns >= a.decode_ns and b.prefill_ns == a.prefill_ns
+            assert b.resident_bytes >= a.resident_bytes  # the KV cache grows with the context
+
+
+@given(lines=st.lists(st.tuples(st.floats(-1e3, 1e3), st.floats(-10, 10)), min_size=1, max_size=4),
+       steps=st.integers(0, 300))
+def test_closed_form_decode_sum_equals_the_loop(lines, steps) -> None:
+    loop = sum(max(a + b * t for a, b in lines) for t in range(steps))
+    assert abs(_sum_max_lines(lines, steps) - loop) <= 1e-6 * max(1.0, abs(loop)) + 1e-6

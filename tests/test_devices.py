@@ -1,0 +1,93 @@
+"""Devices and machines: presets, sizes, links, and every form a machine may be given in."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement_opt._units import GIB, MIB
+from placement_opt.devices import (
+    DEFAULT_GPU_RESERVE_BYTES,
+    PRESETS,
+    Device,
+    Machine,
+    as_machine,
+    parse_device_spec,
+)
+
+
+def test_catalog_has_the_required_classes() -> None:
+    required = {"h100-sxm", "h100-pcie", "a100-40gb", "a100-80gb", "l4", "t4", "rtx-3060", "rtx-3090",
+                "rtx-4090", "cpu-desktop", "cpu-server", "nvme-gen4", "nvme-gen3"}
+    assert required <= set(PRESETS)
+
+
+def test_preset_device_figures() -> None:
+    a100 = Device.preset("a100-40gb", name=1)
+    assert a100.name == "cuda:1" and a100.kind == "gpu"
+    assert a100.memory_bytes == 40960 * MIB and a100.flops_per_s == 312e12
+    assert a100.usable_bytes == 40960 * MIB - DEFAULT_GPU_RESERVE_BYTES
+    assert Device.preset("a100-40gb", dtype="float32").flops_per_s == 19.5e12
+    assert a100.source == "datasheet:a100-40gb"
+
+
+def test_device_from_sizes_and_names() -> None:
+    assert Device("cuda:0", "24GiB").memory_bytes == 24 * GIB
+    assert Device(0, "500MB").name == "cuda:0"
+    assert Device("cpu", 10**9, flops=1e12).source.startswith("default:")
+    assert Device("cpu", 10**9, flops=1e12, bandwidth=5e10).source == "user"
+    assert Device("cpu", "1GiB").reserve_bytes == 0
+
+
+@pytest.mark.parametrize(("call", "pattern"), [
+    (lambda: Device.preset("a100-41gb"), r"unknown device preset 'a100-41gb': accepted are .*a100-40gb"),
+    (lambda: Device("cpu", "12 gigs"), r"'12 gigs' is not a size.*units: b, kb"),
+    (lambda: Device("cpu", -5), r"-5 is negative.*>= 0"),
+    (lambda: Device("cpu", "-5GiB"), r"'-5GiB' is not a size"),
+    (lambda: Device("tpu:0", "1GiB"), r"unknown device name 'tpu:0': accepted are 'cuda:N'.*'cpu' and 'disk'"),
+    (lambda: Device("cpu", "1GiB", flops=0), r"flops of cpu is 0"),
+    (lambda: Device.preset("nvme-gen4", name="cuda:0"), r"preset 'nvme-gen4' is a disk"),
+    (lambda: parse_device_spec("cuda:0=a100"), r"'a100' is neither a preset nor a size.*a100-40gb"),
+    (lambda: as_machine(3.5), r"is not a machine"),
+    (lambda: as_machine({"npu": "1GiB"}), r"unknown device name 'npu'"),
+    (lambda: as_machine({"cpu": "-1GiB"}), r"max_memory\['cpu'\]"),
+])
+def test_errors_name_the_bad_value_and_what_is_accepted(call, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+def test_machine_orders_devices_and_defaults_links() -> None:
+    machine = Machine([Device("disk", "1TB", bandwidth=2e9), Device("cpu", "64GiB"),
+                       Device.preset("rtx-4090", name="cuda:1"), Device.preset("rtx-3060", name="cuda:0")])
+    assert machine.names == ["cuda:0", "cuda:1", "cpu", "disk"]
+    assert machine.bandwidth("cpu", "cuda:0") == 25e9            # PCIe 4.0 x16 host link
+    assert machine.bandwidth("cuda:0", "cuda:1") == 25e9          # slower peer link of the two
+    assert machine.bandwidth("disk", "cpu") == 2e9                # the disk's read bandwidth
+    assert machine.bandwidth("disk", "cuda:1") == 2e9             # through the host, slower hop
+    assert machine.bandwidth("cpu", "cpu") == float("inf")
+    assert machine.latency_s("disk", "cpu") > machine.latency_s("cpu", "cuda:0") > 0
+    linked = Machine(machine.devices, links={("cpu", 0): 12e9})
+    assert linked.bandwidth("cpu", "cuda:0") == 12e9
+    with pytest.raises(ValueError, match="cuda:2"):
+        Machine(machine.devices, links={("cpu", "cuda:2"): 1e9})
+    with pytest.raises(ValueError, match="more than once"):
+        Machine([Device("cpu", 1), Device("cpu", 2)])
+
+
+def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
+    from_max = as_machine({0: "20GiB", "cpu": "64GiB"})
+    assert from_max.names == ["cuda:0", "cpu"]
+    assert from_max["cuda:0"].usable_bytes == 20 * GIB  # the user's budget, no reserve on top
+    spec = parse_device_spec("cuda:0=a100-40gb,cuda:1=rtx-4090/20GiB,cpu=256GiB")
+    assert spec["cuda:1"].memory_bytes == 20 * GIB and spec["cuda:1"].flops_per_s == 165.2e12
+    assert spec["cpu"].memory_bytes == 256 * GIB
+    listed = as_machine(["cpu", Device("disk", "1TB")])
+    assert listed.names == ["cpu", "disk"] and listed["cpu"].memory_bytes > 0
+    assert as_machine(spec) is spec
+
+
+def test_round_trips_through_dicts() -> None:
+    machine = parse_device_spec("cuda:0=h100-sxm,cpu=cpu-server,disk=nvme-gen3")
+    again = Machine.from_dict(machine.to_dict())
+    assert again == machine
+    assert machine.max_memory == {0: machine["cuda:0"].usable_bytes, "cpu": 512 * GIB, "disk": 10**12}

@@ -1,0 +1,81 @@
+"""Profiling this machine: measured figures saved as JSON and read back as Devices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from placement_opt.devices import as_machine, detect_device
+from placement_opt.profile import (
+    PROFILE_ENV_VAR,
+    PROFILE_SCHEMA_VERSION,
+    load_profile,
+    profile,
+    profile_path,
+    saved_device,
+)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("profile")
+    path = folder / "profile.json"
+    machine = profile(["cpu", "disk"], path=path, quick=True, dtype="float32", offload_folder=folder)
+    return path, machine
+
+
+def test_profile_measures_cpu_and_disk_and_saves_json(measured) -> None:
+    path, machine = measured
+    assert machine.names == ["cpu", "disk"]
+    for device in machine.devices:
+        assert device.source.startswith("measured")
+        assert device.bandwidth_bytes_per_s > 1e6  # more than a MB/s, whatever the machine
+    assert machine["cpu"].flops_per_s > 1e8
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == PROFILE_SCHEMA_VERSION
+    cpu = data["measurements"]["cpu"]
+    assert set(cpu["matmul_flops_per_s"]) == {"float32", "bfloat16", "float16"}
+    assert data["measurements"]["disk"]["page_cache"].startswith("dropped")
+    # the scratch file is gone
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith("placement_opt_profile_")] == []
+    # the CLI reads the 'machine' entry
+    assert [d["name"] for d in data["machine"]["devices"]] == ["cpu", "disk"]
+
+
+def test_saved_device_returns_the_measured_figures_per_dtype(measured) -> None:
+    path, machine = measured
+    cpu32 = saved_device("cpu", dtype="float32", path=path)
+    assert cpu32 is not None and cpu32.flops_per_s == machine["cpu"].flops_per_s
+    data = load_profile(path)
+    assert saved_device("cpu", dtype="torch.bfloat16", path=path).flops_per_s == \
+        data["measurements"]["cpu"]["matmul_flops_per_s"]["bfloat16"]
+    assert saved_device("cuda:0", path=path) is None
+
+
+def test_env_var_points_detection_at_the_profile(measured, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, machine = measured
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    assert profile_path() == path
+    cpu = detect_device("cpu", dtype="float32")
+    assert cpu.source.startswith("measured") and cpu.flops_per_s == machine["cpu"].flops_per_s
+    assert as_machine(["cpu", "disk"], dtype="float32")["disk"].source.startswith("measured")
+
+
+def test_missing_or_foreign_profile_is_ignored(tmp_path) -> None:
+    assert load_profile(tmp_path / "none.json") is None
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0}))
+    assert load_profile(tmp_path / "old.json") is None
+    assert saved_device("cpu", path=tmp_path / "old.json") is None
+
+
+def test_profile_rejects_unknown_devices(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unknown device name 'tpu'"):
+        profile(["tpu"], path=tmp_path / "p.json", quick=True)
+
+
+@pytest.mark.cuda
+def test_profile_measures_a_gpu(tmp_path) -> None:  # pragma: no cover - needs a GPU
+    machine = profile(["cuda:0"], path=tmp_path / "p.json", quick=True)
+    gpu = machine["cuda:0"]
+    assert gpu.source.startswith("measured") and gpu.host_link_bytes_per_s > 1e9
