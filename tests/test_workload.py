@@ -1,0 +1,72 @@
+"""Workloads and the memory of a training step."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement_opt.graph import chain_graph
+from placement_opt.workload import Workload, dtype_bytes, training_memory, unit_training_bytes
+
+
+def test_workload_defaults_and_derived_lengths() -> None:
+    wl = Workload(batch_size=16, prompt_len=2048, new_tokens=256)
+    assert wl.context_len == 2304 and wl.decode_steps == 256
+    assert Workload(new_tokens=0).decode_steps == 0
+    assert Workload(training=True, new_tokens=50).decode_steps == 0  # a training step has no decode
+    assert Workload.from_dict(wl.to_dict()) == wl
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"batch_size": 0}, "batch_size is 0"),
+    ({"prompt_len": -1}, "prompt_len is -1"),
+    ({"new_tokens": -3}, "new_tokens is -3"),
+    ({"batch_size": True}, "batch_size is True"),
+    ({"optimizer": "lion"}, "'lion': accepted are 'adam', 'sgd', 'none'"),
+])
+def test_workload_rejects_bad_values(kwargs, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Workload(**kwargs)
+
+
+def test_dtype_bytes() -> None:
+    assert dtype_bytes("torch.bfloat16") == 2 and dtype_bytes("float32") == 4
+    with pytest.raises(ValueError, match="'complex32' is unknown: accepted are"):
+        dtype_bytes("complex32")
+
+
+def tiny(dtype: str = "float16"):
+    # two units of 1000 params each (2000 B in fp16), outputs of 64 B per token
+    return chain_graph([{"name": f"l{i}", "param_bytes": 2000 if dtype == "float16" else 4000,
+                         "out_bytes_per_token": 64} for i in range(2)], dtype=dtype)
+
+
+def test_unit_training_bytes_by_hand() -> None:
+    unit = tiny().unit("l0")
+    wl = Workload(training=True, batch_size=2, prompt_len=8)
+    parts = unit_training_bytes(unit, wl, "float16")
+    # grads 2000; Adam: 1000 params x (8 B moments + 4 B fp32 master) = 12000; activations 16 x 64 x 17
+    assert (parts.gradient_bytes, parts.optimizer_bytes, parts.activation_bytes) == (2000, 12000, 17408)
+    sgd = unit_training_bytes(unit, Workload(training=True, optimizer="sgd", batch_size=2, prompt_len=8), "float16")
+    assert sgd.optimizer_bytes == 1000 * (4 + 4)
+    fp32 = unit_training_bytes(tiny("float32").unit("l0"), wl, "float32")
+    assert fp32.optimizer_bytes == 1000 * 8  # fp32 weights are their own master copy
+    assert unit_training_bytes(unit, Workload(), "float16").total_bytes == 0  # inference
+
+
+def test_training_memory_says_when_optimizer_offload_is_needed() -> None:
+    graph = tiny()
+    wl = Workload(training=True, batch_size=2, prompt_len=8)
+    # total: weights 4000 + grads 4000 + Adam 24000 + activations 2 x 17408 = 66816
+    report = training_memory(graph, wl)
+    assert report.total_bytes == 66_816 and report.fits
+    assert training_memory(graph, wl, capacity_bytes=70_000).fits
+    # without the optimizer states: 42816; fits 50000 only with offload
+    offload = training_memory(graph, wl, capacity_bytes=50_000)
+    assert offload.needs_optimizer_offload and not offload.fits
+    assert "Offload the optimizer states to the CPU" in offload.message and "short" in offload.message
+    hopeless = training_memory(graph, wl, capacity_bytes=10_000)
+    assert not hopeless.needs_optimizer_offload and not hopeless.fits
+    assert "activation checkpointing" in hopeless.message
+    ckpt = training_memory(graph, Workload(training=True, batch_size=2, prompt_len=8,
+                                           activation_checkpointing=True), capacity_bytes=10_000)
+    assert ckpt.activation_bytes == 2 * 16 * 64 and "activation checkpointing" not in ckpt.message
