@@ -151,3 +151,18 @@ def test_top_level_flags(argv):
     result = run(*argv)
     assert result.exit_code == 0
     assert "placement-opt" in result.output
+
+
+def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the disk measurement writes its scratch file here
+    out = tmp_path / "machine.json"
+    result = run("profile", "--quick", "--out", str(out), "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "This machine" in result.output and f"saved to {out}" in result.output
+    assert "measured" in result.output
+    data = json.loads(out.read_text())
+    assert {"cpu", "disk"} <= set(data["measurements"])
+    machine = resolve_devices(str(out))
+    assert machine.names == ["cpu", "disk"]
+    assert machine["cpu"].source.startswith("measured")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]  # no scratch file left

@@ -534,41 +534,37 @@ def explain(plan_path: str, plot: str | None) -> None:
 
 @cli.command()
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="where to save the profile (default: the library's standard location)")
-@click.option("--quick", is_flag=True, help="shorter measurements (less precise)")
-def profile(out: str | None, quick: bool) -> None:
-    """Measure this machine (compute, memory and disk bandwidth, links) and save the profile."""
+              help="where to save the profile (default: $PLACEMENT_OPT_PROFILE or "
+                   "~/.cache/placement_opt/profile.json)")
+@click.option("--quick", is_flag=True, help="shorter measurements (about a second; less precise)")
+@click.option("--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True,
+              help="dtype whose FLOP/s the table shows (every dtype is measured and saved)")
+def profile(out: str | None, quick: bool, dtype: str) -> None:
+    """Measure this machine (compute, memory and disk bandwidth, links) and save the profile.
+
+    Use the saved file with --devices PATH, or --devices auto when it is at the default place.
+    """
     console = _console()
     with _errors_as_messages():
-        from . import profile as profile_module
+        from .profile import profile as measure
+        from .profile import profile_path
 
         with _progress("Measuring this machine ..."):
             started = time.perf_counter()
-            machine = _run_profile(profile_module, out, quick)
+            machine = measure(path=out, quick=quick, dtype=dtype)
             took = time.perf_counter() - started
     console.print(_devices_table(machine))
-    where = out or getattr(profile_module, "DEFAULT_PROFILE_PATH", None)
-    console.print(f"measured in {took:.1f} s" + (f"; saved to {where}" if where else ""))
-
-
-def _run_profile(profile_module: Any, out: str | None, quick: bool) -> Machine:
-    import inspect
-
-    func = profile_module.profile
-    kwargs: dict[str, Any] = {"path": out}
-    if "quick" in inspect.signature(func).parameters:
-        kwargs["quick"] = quick
-    return func(**kwargs)
+    console.print(f"measured in {took:.1f} s; saved to {profile_path(out)}")
 
 
 def _devices_table(machine: Machine) -> Any:
     from rich.table import Table
 
     table = Table(title="This machine", title_justify="left")
-    for col in ("device", "memory", "TFLOP/s", "bandwidth", "host link", "source"):
+    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "source"):
         table.add_column(col, justify="left" if col in ("device", "source") else "right")
     for d in machine.devices:
-        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e12:.3g}",
+        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}",
                       f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
                       f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-", d.source)
     return table
