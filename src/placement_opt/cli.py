@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .viz import StrategyOutcome
     from .workload import Workload
 
-__all__ = ["main", "cli", "compare_strategies", "resolve_model", "resolve_devices", "STRATEGIES"]
+__all__ = ["main", "cli", "compare_strategies", "objective_value", "resolve_model", "resolve_devices",
+           "STRATEGIES"]
 
 #: Every strategy ``compare`` runs, in display order.
 STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
@@ -351,11 +352,30 @@ def _notes(plan: Plan) -> list[str]:
     return lines
 
 
-def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]) -> Any:
+def objective_value(plan: Plan, objective: str) -> float:
+    """The number ``objective`` minimises, read off a plan's cost (lower is better).
+
+    ``latency``: prefill + decode seconds; ``throughput``: the slowest device's total work
+    (seconds); ``memory``: bytes used on GPUs (all devices when the machine has no GPU).
+    """
+    cost = plan.cost
+    if objective == "throughput":
+        return max(cost.stage_s.values(), default=0.0)
+    if objective == "memory":
+        gpus = [m for m in cost.memory if m.device.startswith("cuda:")] or list(cost.memory)
+        return float(sum(m.used_bytes for m in gpus))
+    return cost.total_s
+
+
+def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str],
+                      objective: str = "latency") -> Any:
     from rich.table import Table
 
-    reference = next((o.total_s for o in outcomes if o.strategy == "cpsat" and o.fits), None)
-    table = Table(title="Strategies side by side (same cost model; time = prefill + every decode step)",
+    reference = next((objective_value(o.plan, objective) for o in outcomes
+                      if o.strategy == "cpsat" and o.fits and o.plan), None)
+    measure = {"latency": "total time", "throughput": "slowest stage", "memory": "GPU memory"}[objective]
+    table = Table(title=f"Strategies side by side (same cost model; total = prefill + every decode step; "
+                        f"'vs cpsat' compares the {objective} objective: {measure})",
                   title_justify="left")
     for col in ("strategy", "fits", "prefill", "decode", "total", "vs cpsat", "tokens/s"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
@@ -369,8 +389,9 @@ def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str
             continue
         cost = o.plan.cost
         fits = "[green]fits[/]" if cost.fits else "[bold red]OOM[/]"
-        ratio = "-" if reference is None else f"{cost.total_s / reference:.2f}x"
-        if reference is not None and o.strategy != "cpsat" and cost.total_s / reference >= 1.05:
+        value = objective_value(o.plan, objective)
+        ratio = "-" if not reference else f"{value / reference:.2f}x"
+        if reference and o.strategy != "cpsat" and value / reference >= 1.05:
             ratio = f"[bold]{ratio}[/]"
         memory = []
         for d in devices:
@@ -493,7 +514,7 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
     w = workload
     console.print(f"[bold]{model}[/] ({dtype}) on {', '.join(machine.names)}; batch {w.batch_size} x prompt "
                   f"{w.prompt_len} + {w.new_tokens} new tokens; objective {objective}")
-    console.print(_comparison_table(outcomes, machine.names))
+    console.print(_comparison_table(outcomes, machine.names, objective))
     for line in _why_lines(outcomes):
         console.print(line)
     if json_path:
