@@ -477,6 +477,8 @@ def resolve_device_map(device_map: Any, context: RuntimeContext | None = None) -
                f"(load on the CPU, let {_LABEL[ctx.kind]} place it)")
     if devices is None:
         asked = f"device_map={device_map!r} asks to split the model over the devices of one process"
+    elif set(devices) <= own:  # ZeRO-3 only
+        asked = f"device_map={device_map!r} places the model on this rank's {', '.join(devices)}"
     else:
         asked = f"device_map={device_map!r} puts the model on {', '.join(devices)}, not only on this rank's own device"
     logger.warning("%s: %s, but %s. Pass device_map=%r yourself to silence this warning.",
