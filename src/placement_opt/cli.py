@@ -594,19 +594,28 @@ def _devices_table(machine: Machine) -> Any:
 @cli.command()
 @click.option("--quick", is_flag=True, help="small sizes and few repeats (a smoke run)")
 @click.option("--only", multiple=True, metavar="NAME", help="run only these experiments (repeatable)")
-def bench(quick: bool, only: tuple[str, ...]) -> None:
+@click.option("--collect", is_flag=True, help="run nothing: rebuild the report from the results there")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="where to write the report (default benchmarks/RESULTS.md)")
+def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) -> None:
     """Run the benchmark suite (benchmarks/run_all.py) and regenerate benchmarks/RESULTS.md."""
     import subprocess
 
     script = _benchmarks_dir() / "run_all.py"
     if not script.is_file():
         raise _Failure(f"{script} not found: 'bench' needs a source checkout of placement_opt")
-    command = [sys.executable, str(script)] + (["--quick"] if quick else [])
+    command = [sys.executable, str(script)] + (["--quick"] if quick else []) + (["--collect"] if collect else [])
     for name in only:
         command += ["--only", name]
-    code = subprocess.call(command, cwd=script.parent.parent)
-    if code:
-        raise _Failure(f"benchmark suite failed (exit code {code})")
+    if out:
+        command += ["--out", str(Path(out).resolve())]
+    proc = subprocess.run(command, cwd=script.parent.parent, capture_output=True, text=True)
+    click.echo(proc.stdout, nl=False)
+    if proc.returncode == 2:
+        raise click.UsageError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "bad arguments")
+    if proc.returncode:
+        click.echo(proc.stderr, nl=False, err=True)
+        raise _Failure(f"benchmark suite failed (exit code {proc.returncode}); see the report for which")
 
 
 def _benchmarks_dir() -> Path:

@@ -1,0 +1,55 @@
+"""``placement-opt bench`` and benchmarks/run_all.py: the registry, the report, the exit codes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from placement_opt.cli import cli
+
+RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+
+
+def _run_all_module():
+    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_all"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_registry_names_every_question_once():
+    run_all = _run_all_module()
+    names = [e.name for e in run_all.EXPERIMENTS]
+    assert len(names) == len(set(names))
+    assert {"tracing", "solve_time", "plan_quality", "cost_accuracy", "dispatch", "strategies"} <= set(names)
+
+
+def test_collect_writes_a_report_with_machine_and_rerun_per_section(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    result = CliRunner().invoke(cli, ["bench", "--collect", "--out", str(out)], prog_name="placement-opt")
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert text.startswith("# placement_opt benchmark results")
+    assert "logical cores" in text  # the machine line
+    for name in ("tracing", "solve_time", "plan_quality", "cost_accuracy", "dispatch", "strategies"):
+        assert f"<!-- section:{name} -->" in text and f'<a id="{name}"></a>' in text
+    assert text.count("Rerun: ") == 6
+
+
+def test_collect_keeps_a_previous_section_of_run_all_itself(tmp_path):
+    run_all = _run_all_module()
+    out = tmp_path / "RESULTS.md"
+    out.write_text("<!-- section:strategies -->\nthe old table\n<!-- /section:strategies -->\n")
+    assert run_all.main(["--collect", "--out", str(out)]) == 0
+    assert "the old table" in out.read_text()
+
+
+def test_unknown_experiment_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", "--only", "nope", "--out", str(tmp_path / "r.md")],
+                                prog_name="placement-opt")
+    assert result.exit_code == 2
+    assert "unknown experiment(s) nope" in result.output
