@@ -166,3 +166,10 @@ def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypat
     assert machine.names == ["cpu", "disk"]
     assert machine["cpu"].source.startswith("measured")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]  # no scratch file left
+
+
+def test_auto_devices_are_this_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(tmp_path / "none.json"))  # no saved profile
+    machine = resolve_devices("auto")
+    assert machine.names[-2:] == ["cpu", "disk"]
+    assert machine["cpu"].memory_bytes > 0 and "detected" in machine["cpu"].source
