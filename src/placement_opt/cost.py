@@ -268,12 +268,28 @@ def _touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
     return unit.weight_bytes - unit.moe_expert_bytes + unit.moe_expert_bytes * hit / unit.moe_num_experts
 
 
-def _achieved(device: Device) -> tuple[float, float]:
-    """Achieved (FLOP/s, bytes/s) of a device: measured figures as they are, datasheets derated."""
+def _achieved(device: Device, tokens: int) -> tuple[float, float]:
+    """Achieved (FLOP/s, bytes/s) of a device running ``tokens`` tokens per forward.
+
+    Measured figures are used as they are (a measured FLOP/s-by-tokens curve, interpolated in
+    log(tokens), wins over the single figure); datasheet figures are derated by the efficiency tables.
+    """
     if device.source.startswith("measured"):
-        return device.flops_per_s, device.bandwidth_bytes_per_s
+        flops = _interpolate(device.flops_by_tokens, tokens) if device.flops_by_tokens else device.flops_per_s
+        return flops, device.bandwidth_bytes_per_s
     return (device.flops_per_s * COMPUTE_EFFICIENCY[device.kind],
             device.bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY[device.kind])
+
+
+def _interpolate(curve: Sequence[tuple[int, float]], tokens: int) -> float:
+    """Piecewise-linear in log(tokens) through the measured points, flat beyond both ends."""
+    if tokens <= curve[0][0]:
+        return curve[0][1]
+    for (t0, f0), (t1, f1) in pairwise(curve):
+        if tokens <= t1:
+            w = math.log(tokens / t0) / math.log(t1 / t0)
+            return f0 + w * (f1 - f0)
+    return curve[-1][1]
 
 
 def _base_flops_per_token(unit: UnitInfo, traced_seq_len: int) -> int:
@@ -325,8 +341,8 @@ def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: st
 def _prefill_s(ctx: _Context, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
     wl = ctx.workload
-    flops_s, bytes_s = _achieved(device)
     tokens = wl.batch_size * wl.prompt_len
+    flops_s, bytes_s = _achieved(device, tokens)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
     flops = wl.batch_size * (wl.prompt_len * base + unit.attn_flops_per_token_per_ctx * causal_pairs)
@@ -341,7 +357,7 @@ def _prefill_s(ctx: _Context, unit: UnitInfo, device: Device) -> float:
 def _decode_lines(ctx: _Context, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
     """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line)."""
     wl = ctx.workload
-    flops_s, bytes_s = _achieved(device)
+    flops_s, bytes_s = _achieved(device, wl.batch_size)
     batch, ctx0 = wl.batch_size, wl.prompt_len + 1
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)

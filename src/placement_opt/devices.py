@@ -174,6 +174,9 @@ class Device:
         bandwidth: memory bandwidth (disk: sequential read) in bytes/s; default as ``flops``.
         reserve: bytes kept free for the CUDA context and allocator slack (GPUs only).
         source: where the speeds come from (``"user"``, ``"datasheet:<preset>"``, ``"measured"``...).
+        flops_by_tokens: measured achieved FLOP/s of a linear layer by tokens per forward, as
+            ``((tokens, flop_per_s), ...)`` (small batches run matmuls far below peak); the cost
+            model interpolates it and uses ``flops`` where it is empty.
 
     Raises:
         ValueError: unknown name, malformed or negative size, non-positive speed.
@@ -188,6 +191,7 @@ class Device:
     host_link_bytes_per_s: float
     peer_link_bytes_per_s: float
     source: str
+    flops_by_tokens: tuple[tuple[int, float], ...]
 
     def __init__(
         self,
@@ -200,6 +204,7 @@ class Device:
         host_link: float | None = None,
         peer_link: float | None = None,
         source: str | None = None,
+        flops_by_tokens: Iterable[tuple[int, float]] = (),
     ) -> None:
         canonical = normalize_device_name(name)
         kind = _kind_of(canonical)
@@ -226,6 +231,7 @@ class Device:
             "host_link_bytes_per_s": float(host_link or default.host_link_bytes_per_s),
             "peer_link_bytes_per_s": float(peer_link or default.peer_link_bytes_per_s),
             "source": source or (f"default:{default.key}" if guessed else "user"),
+            "flops_by_tokens": _check_curve(canonical, flops_by_tokens),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -279,18 +285,29 @@ class Device:
         return int(self.name.split(":")[1]) if self.is_gpu else self.name
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data["flops_by_tokens"] = [list(point) for point in self.flops_by_tokens]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
         return cls(data["name"], int(data["memory_bytes"]), flops=data["flops_per_s"] or None,
                    bandwidth=data["bandwidth_bytes_per_s"], reserve=int(data["reserve_bytes"]),
                    host_link=data.get("host_link_bytes_per_s") or None,
-                   peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"))
+                   peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"),
+                   flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())])
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
                 f"{self.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {self.source})")
+
+
+def _check_curve(name: str, points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    curve = tuple(sorted((int(t), float(f)) for t, f in points))
+    bad = [p for p in curve if p[0] < 1 or not p[1] > 0]
+    if bad:
+        raise ValueError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0")
+    return curve
 
 
 def replace_device(device: Device, **changes: Any) -> Device:

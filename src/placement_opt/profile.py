@@ -2,13 +2,17 @@
 
 :func:`profile` measures, in a few seconds:
 
-* CPU: matmul FLOP/s and matrix-vector throughput (weight bytes read per second, what a decode
-  step achieves) in float32, bfloat16 and float16, and memory copy bandwidth;
-* disk: sequential read bandwidth of a scratch file in the offload folder, **cold**: the file's
-  pages are dropped from the page cache (``posix_fadvise(DONTNEED)``) before it is read. Weights go
-  to disk when they do not fit in RAM, and then the page cache cannot hold them either, so a warm
-  figure would promise RAM speed that offloading never gets. (Where RAM has room for the
-  offloaded weights, keeping them on the CPU is the better plan anyway, and the solver sees that.)
+* CPU: matmul FLOP/s (square), the FLOP/s of a linear layer (2048 x 5632) by tokens per forward
+  (1 to 1024: small batches run far below peak), matrix-vector throughput (weight bytes read per
+  second, what a decode step achieves) in float32, bfloat16 and float16, and memory copy bandwidth;
+* disk: read bandwidth of a scratch file in the offload folder, **cold**: the file's pages are
+  dropped from the page cache (``posix_fadvise(DONTNEED)``) before it is read. Weights go to disk
+  when they do not fit in RAM, and then the page cache cannot hold them either, so a warm figure
+  would promise RAM speed that offloading never gets. (Where RAM has room for the offloaded
+  weights, keeping them on the CPU is the better plan anyway, and the solver sees that.) Two
+  figures are kept: plain sequential reads, and reads through a memory map copied into a tensor,
+  which is how offloaded weights are loaded (accelerate's ``np.memmap``, safetensors' mmap); the
+  disk device carries the second.
 * CUDA (when present; skipped on machines without it): matmul FLOP/s, HBM copy bandwidth, pinned
   and pageable host -> device copies, and peer copies between GPUs.
 
@@ -105,29 +109,56 @@ def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, creat
     if name == "disk":
         return Device(name, memory, bandwidth=entry["read_bytes_per_s"], source=source)
     flops = entry["matmul_flops_per_s"].get(dtype) or entry["matmul_flops_per_s"]["float32"]
+    curves = entry.get("linear_flops_by_tokens", {})
+    curve = [tuple(p) for p in curves.get(dtype) or curves.get("float32") or ()]
     if name == "cpu":
         bandwidth = entry["matvec_bytes_per_s"].get(dtype) or entry["matvec_bytes_per_s"]["float32"]
-        return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source)
+        return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source, flops_by_tokens=curve)
     # CUDA path (not exercised on machines without a GPU)
     return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
                   host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
-                  source=source)
+                  source=source, flops_by_tokens=curve)
 
 
 # ---------------------------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------------------------
 def _best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Fastest of ``repeats`` timed calls after one warm-up (the least disturbed by other load)."""
+    """Fastest of ``repeats`` timed calls after one warm-up.
+
+    The fastest call is the one least disturbed by other load: the figure estimates what this
+    machine can do, not how busy it was while being measured.
+    """
     fn()
     sync()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+#: Tokens per forward at which a linear layer's FLOP/s is measured.
+CURVE_TOKENS = (1, 4, 16, 64, 256, 1024)
+_CURVE_SHAPE = (2048, 5632)  # (in, out) features: a 1-3B model's MLP projection
+_CURVE_BUDGET_S = 0.15
+
+
+def _linear_curve(torch: Any, dtype: Any, device: Any, repeats: int,
+                  sync: Callable[[], None] = lambda: None) -> list[list[float]]:
+    """FLOP/s of ``x @ W.T`` by the number of rows (tokens) of ``x``; stops early on slow dtypes."""
+    features_in, features_out = _CURVE_SHAPE
+    weight = torch.randn(features_out, features_in, dtype=dtype, device=device)
+    curve = []
+    for tokens in CURVE_TOKENS:
+        x = torch.randn(tokens, features_in, dtype=dtype, device=device)
+        seconds = _best_time(lambda x=x: torch.nn.functional.linear(x, weight), repeats, sync)
+        curve.append([tokens, 2 * tokens * features_in * features_out / seconds])
+        if seconds > _CURVE_BUDGET_S:
+            break
+    return curve
 
 
 def _measure_cpu(quick: bool) -> dict[str, Any]:
@@ -137,9 +168,10 @@ def _measure_cpu(quick: bool) -> dict[str, Any]:
     repeats = 2 if quick else 4
     n = 512 if quick else 1024
     rows = 4096 if quick else 8192  # 64 MiB or 256 MiB in fp32: larger than any CPU cache
-    matmul, matvec = {}, {}
+    matmul, matvec, curves = {}, {}, {}
     for dtype in PROFILED_DTYPES:
         tdtype = getattr(torch, dtype)
+        curves[dtype] = _linear_curve(torch, tdtype, "cpu", repeats)
         a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
         matmul[dtype] = 2 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
         w, x = torch.randn(rows, rows, dtype=tdtype), torch.randn(rows, 1, dtype=tdtype)
@@ -148,7 +180,8 @@ def _measure_cpu(quick: bool) -> dict[str, Any]:
     dst = torch.empty_like(src)
     copy = 2 * src.numel() / _best_time(lambda: dst.copy_(src), repeats)
     return {"memory_bytes": int(psutil.virtual_memory().total), "threads": torch.get_num_threads(),
-            "matmul_flops_per_s": matmul, "matvec_bytes_per_s": matvec, "copy_bytes_per_s": copy}
+            "matmul_flops_per_s": matmul, "matvec_bytes_per_s": matvec, "copy_bytes_per_s": copy,
+            "linear_flops_by_tokens": curves}
 
 
 def _drop_from_page_cache(path: Path) -> None:
@@ -177,18 +210,34 @@ def _measure_disk(folder: Path, quick: bool) -> dict[str, Any]:
                 fh.write(block)
             fh.flush()
             os.fsync(fh.fileno())
-        best = float("inf")
-        for _ in range(2):
+        sequential, mapped = [], []
+        for _ in range(3):
             _drop_from_page_cache(path)
             start = time.perf_counter()
             with open(path, "rb", buffering=0) as fh:
                 while fh.read(chunk):
                     pass
-            best = min(best, time.perf_counter() - start)
+            sequential.append(time.perf_counter() - start)
+            _drop_from_page_cache(path)
+            start = time.perf_counter()
+            _read_mapped(path)
+            mapped.append(time.perf_counter() - start)
     finally:
         path.unlink(missing_ok=True)
-    return {"memory_bytes": int(shutil.disk_usage(folder).free), "read_bytes_per_s": size / best,
-            "folder": str(folder), "page_cache": "dropped before reading (cold reads)"}
+    return {"memory_bytes": int(shutil.disk_usage(folder).free),
+            "sequential_read_bytes_per_s": size / min(sequential),
+            "read_bytes_per_s": size / min(mapped),
+            "folder": str(folder), "page_cache": "dropped before reading (cold reads)",
+            "read": "memory map copied into a tensor (how offloaded weights are loaded)"}
+
+
+def _read_mapped(path: Path) -> None:
+    import numpy as np
+    import torch
+
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    torch.tensor(mapped)
+    del mapped
 
 
 def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cover - needs a GPU
@@ -198,10 +247,11 @@ def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cove
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     repeats = 3 if quick else 10
     n = 4096 if quick else 8192
-    matmul = {}
+    matmul, curves = {}, {}
     for dtype in PROFILED_DTYPES:
         a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
         matmul[dtype] = 2 * n**3 / _best_time(lambda a=a: torch.mm(a, a), repeats, sync)
+        curves[dtype] = _linear_curve(torch, getattr(torch, dtype), device, repeats, sync)
     size = 256 * 2**20 if quick else 1024 * 2**20
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -212,6 +262,7 @@ def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cove
     pinned_rate = size / _best_time(lambda: dst.copy_(pinned, non_blocking=True), repeats, sync)
     entry: dict[str, Any] = {"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
+                             "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
                              "pageable_h2d_bytes_per_s": pageable}
     peers = [j for j in range(torch.cuda.device_count()) if j != index]
