@@ -147,6 +147,14 @@ def test_detect_context_reads_accelerate_state(monkeypatch: pytest.MonkeyPatch, 
     assert ctx.local_device == f"cuda:{expected[2]}"
 
 
+def test_env_flag_beats_a_state_that_only_knows_several_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Trainer makes a PartialState (MULTI_GPU) before the Accelerator that will say FSDP.
+    _fake_accelerate(monkeypatch, {}, dict(PARTIAL_2))
+    env = {**TORCHRUN_R1, "ACCELERATE_USE_FSDP": "true"}
+    assert detect_context(env, cuda_device_count=2).kind == "fsdp"
+    assert detect_context(TORCHRUN_R1, cuda_device_count=2).kind == "ddp"
+
+
 def test_detect_context_never_creates_accelerate_state() -> None:
     # A fresh interpreter: importing accelerate and detecting must leave both shared states empty.
     import subprocess

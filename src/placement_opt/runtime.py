@@ -265,7 +265,8 @@ def detect_context(
 ) -> RuntimeContext:
     """Detect how this process was launched: single process, DDP, DeepSpeed or FSDP.
 
-    Read, in this order (the first that answers wins):
+    Read, in this order (the first that answers wins; a framework that only says "several
+    processes" does not override a flag naming DeepSpeed or FSDP):
 
     1. frameworks already initialised in this process (``frameworks=True``), never creating
        any state: accelerate's ``AcceleratorState``/``PartialState``, an initialised
@@ -300,7 +301,10 @@ def detect_context(
     kind, source = _env_kind(env, ranks)
     if frameworks:
         fw_kind, fw_ranks, fw_source = _framework_kind()
-        if fw_kind is not None and not (fw_kind == "single" and kind != "single"):
+        # A framework naming DeepSpeed/FSDP wins; one that only knows "several processes" (a
+        # PartialState made before the Accelerator, a bare process group) does not override
+        # an environment flag that names DeepSpeed/FSDP.
+        if fw_kind in _FRAMEWORK_PLACES or (fw_kind == "ddp" and kind == "single"):
             kind, source = fw_kind, fw_source
         if fw_ranks is not None and "WORLD_SIZE" not in env:
             ranks = _merge(fw_ranks, ranks)
