@@ -414,6 +414,16 @@ def test_check_no_cross_rank_split(devices: object, context: RuntimeContext, mes
     assert "run a single process" in str(err.value)
 
 
+def test_check_no_cross_rank_split_reads_a_plans_devices() -> None:
+    def plan(*pairs: tuple[str, str]) -> types.SimpleNamespace:  # only .placements is read
+        return types.SimpleNamespace(placements=[types.SimpleNamespace(storage=s, execution=e)
+                                                 for s, e in pairs])
+
+    check_no_cross_rank_split(plan(("cuda:1", "cuda:1"), ("cpu", "cuda:1"), ("disk", "cpu")), DDP_R1)
+    with pytest.raises(PlacementError, match="owns cuda:1 but the plan uses cuda:0, cuda:1"):
+        check_no_cross_rank_split(plan(("cuda:1", "cuda:1"), ("cpu", "cuda:0")), DDP_R1)
+
+
 def test_plan_for_context_single_process_returns_the_machine_without_note() -> None:
     machine, note = plan_for_context("cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB", SINGLE)
     assert machine.names == ["cuda:0", "cuda:1", "cpu"] and note is None

@@ -519,7 +519,9 @@ def check_no_cross_rank_split(devices: Any, context: RuntimeContext) -> None:
         check_no_cross_rank_split(["cuda:0", "cuda:1", "cpu"], ctx)  # PlacementError
 
     Args:
-        devices: a Machine, Devices, names, a ``max_memory`` dict or a spec string.
+        devices: a Machine, Devices, names, a ``max_memory`` dict or a spec string; or a
+            :class:`~placement_opt.plan.Plan` (its storage and execution devices), which is
+            what ``load(..., plan=plan)`` and ``dispatch(model, plan)`` should check.
         context: the launch context.
 
     Raises:
@@ -528,14 +530,20 @@ def check_no_cross_rank_split(devices: Any, context: RuntimeContext) -> None:
     """
     if not context.is_distributed:
         return
-    gpus = [n for n in _device_names(devices) if n.startswith("cuda:")]
+    placements = getattr(devices, "placements", None)
+    if placements is not None:  # a Plan: the devices it stores on or computes on
+        names = sorted({d for p in placements for d in (p.storage, p.execution)})
+        noun = "the plan uses"
+    else:
+        names, noun = _device_names(devices), "the machine lists"
+    gpus = [n for n in names if n.startswith("cuda:")]
     foreign = [n for n in gpus if n != context.local_device]
     if not foreign:
         return
     owns = (f"owns {context.local_device}" if context.local_device != "cpu"
             else "runs on the CPU (no GPU of its own)")
     raise PlacementError(
-        f"{context.describe()} {owns} but the machine lists {', '.join(gpus)}: in a distributed run "
+        f"{context.describe()} {owns} but {noun} {', '.join(gpus)}: in a distributed run "
         f"each rank plans for its own device; pass devices for one rank "
         f"(e.g. ['{context.local_device}', 'cpu', 'disk']) or run a single process"
     )
