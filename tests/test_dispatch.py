@@ -1,0 +1,338 @@
+"""dispatch(): the dispatched model gives the plain model's outputs, and remove() undoes it exactly.
+
+Tiny random-init models (sizes in comments). Plans are built by hand over the units a tracer
+would find (instances of ``_no_split_modules`` and the modules outside them that hold weights).
+This machine has no GPU: CPU plans mix RAM-resident units, disk units computed from memory maps
+and disk units streamed into RAM by the prefetch thread; GPU streaming is in the cuda tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.cost import Cost
+from placement_opt.devices import as_machine
+from placement_opt.dispatch import DispatchedModel, _move, dispatch, unit_of
+from placement_opt.errors import DispatchError
+from placement_opt.plan import Plan, UnitPlacement
+from placement_opt.workload import Workload
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with test_load.py / test_dispatch_cuda.py
+# ---------------------------------------------------------------------------------------------
+
+
+def units_of(model: torch.nn.Module) -> list[str]:
+    """Instances of ``_no_split_modules`` plus modules outside them that hold weights, in order."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    units: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(u + ".") for u in units if u):
+            continue
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if type(module).__name__ in no_split or own:
+            units.append(name)
+    return units
+
+
+def make_plan(placements: list[tuple[str, str, str, str]], name: str = "tiny") -> Plan:
+    """A Plan with the given (unit, storage, execution, mode) rows and an empty cost."""
+    workload = Workload(batch_size=1, prompt_len=8, new_tokens=4)
+    cost = Cost(workload=workload, prefill_s=0.0, decode_s=0.0, transfer_s=0.0, stage_s={},
+                units=(), memory=())
+    return Plan(
+        model_name=name, dtype="float32", objective="latency", strategy="sequential",
+        placements=tuple(UnitPlacement(unit=u, storage=s, execution=e, mode=m) for u, s, e, m in placements),
+        machine=as_machine({"cpu": "8GiB", "disk": "100GiB"}), workload=workload, cost=cost,
+        status="GREEDY", objective_value=0.0, best_bound=0.0, gap=0.0, solve_time_s=0.0,
+    )
+
+
+def tied_groups(model: torch.nn.Module, units: list[str]) -> list[set[str]]:
+    """Sets of units that hold one shared tensor (they must share storage)."""
+    by_id: dict[int, set[str]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(tensor), set()).add(unit_of(name, units))
+    return [group for group in by_id.values() if len(group) > 1]
+
+
+def plan_from(model: torch.nn.Module, choose) -> Plan:
+    """A plan where ``choose(i, unit)`` gives (storage, execution, mode); tied units follow the first."""
+    units = units_of(model)
+    rows = {u: choose(i, u) for i, u in enumerate(units)}
+    for group in tied_groups(model, units):
+        first = min(group, key=units.index)
+        for u in group:
+            rows[u] = rows[first]
+    return make_plan([(u, *rows[u]) for u in units], name=type(model).__name__)
+
+
+RESIDENT = ("cpu", "cpu", "resident")
+MAPPED = ("disk", "cpu", "stream")          # computed from the memory map, next unit read ahead
+MAPPED_SYNC = ("disk", "cpu", "stream_sync")
+
+
+def mixed(i: int, unit: str) -> tuple[str, str, str]:
+    return (RESIDENT, MAPPED, MAPPED_SYNC)[i % 3]
+
+
+# Tiny models. Llama: 4 layers x (4 x 32x32-ish attention + 3 x 32x64 MLP) + 128x32 embed/head.
+def tiny(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        config = T.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = T.LlamaForCausalLM(config)
+    elif family == "mixtral":  # 2 layers, 4 experts of 3 x 32x64, top-2
+        config = T.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                 num_experts_per_tok=2, max_position_embeddings=64)
+        model = T.MixtralForCausalLM(config)
+    elif family == "gpt2":  # 3 blocks, n_embd 32, lm_head tied to wte (128 x 32 = 4096 params)
+        config = T.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=3, n_head=4,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = T.GPT2LMHeadModel(config)
+    elif family == "t5":  # 2 + 2 blocks, d_model 32, shared embedding tied to both stacks and lm_head
+        config = T.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                            num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = T.T5ForConditionalGeneration(config)
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+FAMILIES = ["llama", "mixtral", "gpt2", "t5"]
+
+
+def inputs_for(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A batch of 2, the second sequence left-padded by 2 tokens."""
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if model.config.is_encoder_decoder:
+        batch["decoder_input_ids"] = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(2))
+    return batch
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_restored(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert after[key].device == value.device, key
+        assert torch.equal(after[key], value), key
+    assert not hasattr(model, "hf_device_map")
+    hooked = [n for n, m in model.named_modules() if "forward" in m.__dict__ or hasattr(m, "_hf_hook")]
+    assert hooked == []
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    model = tiny(request.param)
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    return request.param, model, reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Units and plans
+# ---------------------------------------------------------------------------------------------
+def test_units_of_tiny_llama():
+    units = units_of(tiny("llama"))
+    assert units == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+                     "model.layers.3", "model.norm", "model.rotary_emb", "lm_head"]
+
+
+def test_unit_of_prefers_longest_prefix():
+    units = ["", "model.layers.1", "model.layers.10"]
+    assert unit_of("model.layers.10.mlp.w", units) == "model.layers.10"
+    assert unit_of("model.layers.1.mlp.w", units) == "model.layers.1"
+    assert unit_of("lm_head.weight", units) == ""
+    assert unit_of("lm_head.weight", ["model"]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with the plain model
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("disk_reads", ["mmap", "copy"])
+def test_mixed_plan_logits_equal_and_remove_restores(family_model, tmp_path, disk_reads):
+    family, model, reference = family_model
+    before = snapshot(model)
+    plan = plan_from(model, mixed)
+    handle = dispatch(model, plan, offload_dir=tmp_path, disk_reads=disk_reads)
+    try:
+        with torch.no_grad():
+            logits = handle(**inputs_for(model)).logits
+        torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+        assert model.hf_device_map == plan.device_map
+        kinds = handle.unit_kinds()
+        assert "resident" in kinds.values()
+        assert ("mmap" if disk_reads == "mmap" else "stream") in kinds.values()
+    finally:
+        handle.remove()
+    assert_restored(model, before)
+
+
+@pytest.mark.parametrize("choose", [lambda i, u: MAPPED, lambda i, u: ("disk", "cpu", "stream_sync")],
+                         ids=["all-disk-stream", "all-disk-sync"])
+def test_whole_model_on_disk(family_model, tmp_path, choose):
+    family, model, reference = family_model
+    before = snapshot(model)
+    handle = dispatch(model, plan_from(model, choose), offload_dir=tmp_path)
+    with torch.no_grad():
+        logits = handle(**inputs_for(model)).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+    handle.remove()
+    assert_restored(model, before)
+
+
+def test_generate_tokens_identical(family_model, tmp_path):
+    family, model, _ = family_model
+    batch = inputs_for(model)
+    batch.pop("decoder_input_ids", None)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(**batch, **kwargs)
+    before = snapshot(model)
+    handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path, disk_reads="copy")
+    with torch.no_grad():
+        tokens = handle.generate(**batch, **kwargs)
+    handle.remove()
+    assert torch.equal(tokens, expected)
+    assert_restored(model, before)
+
+
+def test_disk_units_compute_from_the_memory_map(tmp_path):
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path)
+    weight = model.model.layers[2].mlp.up_proj.weight  # 64 x 32 fp32 = 8192 bytes
+    file, key = next((f, k) for f, k in handle._units[3].disk if k.endswith("mlp.up_proj.weight"))
+    mapped = file._mapped()
+    start = mapped.ctypes.data + file.spans[key].offset_bytes
+    assert weight.data_ptr() == start  # the parameter IS the file's bytes: no copy
+    handle.remove()
+    assert not any(True for _ in tmp_path.glob(".*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks: the fewest, and the hot path cheap
+# ---------------------------------------------------------------------------------------------
+def test_all_cpu_plan_hooks_only_the_model(tmp_path):
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, lambda i, u: RESIDENT))
+    assert handle.hooked_modules == [model]
+    handle.remove()
+    assert "forward" not in model.__dict__
+
+
+def test_wrapped_forward_keeps_signature(tmp_path):
+    import inspect
+
+    model = tiny("llama")
+    expected = inspect.signature(model.forward)
+    handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path)
+    assert inspect.signature(model.forward) == expected  # generate() reads it to filter kwargs
+    assert inspect.signature(model.model.layers[1].forward) == inspect.signature(type(model.model.layers[1]).forward.__get__(model.model.layers[1]))
+    handle.remove()
+
+
+def test_move_returns_same_objects_when_nothing_moves():
+    cpu = torch.device("cpu")
+    a, b = torch.ones(2), torch.zeros(3)
+    pair = (a, b)
+    assert _move(pair, cpu) is pair
+    nested = [a, (b, 3), {"x": a}]
+    moved = _move(nested, cpu)
+    assert moved is nested
+    marker = object()
+    assert _move(marker, cpu) is marker  # caches and unknown objects pass through untouched
+
+
+def test_handle_proxies_the_model(tmp_path):
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path)
+    assert isinstance(handle, DispatchedModel)
+    assert handle.config is model.config
+    assert handle.model is model
+    assert "mmap" in repr(handle)
+    handle.remove()
+    handle.remove()  # idempotent
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+def test_unknown_units_are_listed():
+    model = tiny("llama")
+    plan = make_plan([("model.layers.9", "cpu", "cpu", "resident"), ("nope", "cpu", "cpu", "resident")])
+    with pytest.raises(DispatchError, match=r"2 unit\(s\).*model.layers.9, nope"):
+        dispatch(model, plan)
+
+
+def test_disk_without_offload_dir_says_what_to_do():
+    model = tiny("llama")
+    with pytest.raises(DispatchError, match="offload_dir"):
+        dispatch(model, plan_from(model, lambda i, u: MAPPED))
+
+
+def test_tied_weights_on_two_storages_are_refused():
+    model = tiny("gpt2")
+    units = units_of(model)
+    rows = [(u, "disk" if u == "lm_head" else "cpu", "cpu", "resident") for u in units]
+    with pytest.raises(DispatchError, match="tied weights"):
+        dispatch(model, make_plan(rows), offload_dir="unused")
+
+
+def test_absent_gpu_is_refused():
+    if torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 GPUs")
+    model = tiny("llama")
+    rows = [(u, "cpu", "cuda:7", "stream") for u in units_of(model)]
+    with pytest.raises(DispatchError, match="cuda:7"):
+        dispatch(model, make_plan(rows))
+
+
+def test_dispatching_twice_is_refused(tmp_path):
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, lambda i, u: RESIDENT))
+    with pytest.raises(DispatchError, match="already dispatched"):
+        dispatch(model, plan_from(model, lambda i, u: RESIDENT))
+    handle.remove()
+    dispatch(model, plan_from(model, lambda i, u: RESIDENT)).remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: any CPU/disk plan gives the reference logits and is undone exactly
+# ---------------------------------------------------------------------------------------------
+_OPTIONS = [RESIDENT, MAPPED, MAPPED_SYNC]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(choice=st.lists(st.sampled_from(range(3)), min_size=8, max_size=8),
+       disk_reads=st.sampled_from(["mmap", "copy"]))
+def test_any_cpu_disk_plan_matches_reference(tmp_path_factory, choice, disk_reads):
+    model = _PROPERTY_MODEL
+    plan = plan_from(model, lambda i, u: _OPTIONS[choice[i]])
+    handle = dispatch(model, plan, offload_dir=tmp_path_factory.mktemp("offload"), disk_reads=disk_reads)
+    with torch.no_grad():
+        logits = handle(**_PROPERTY_INPUTS).logits
+    handle.remove()
+    torch.testing.assert_close(logits, _PROPERTY_REFERENCE, rtol=1e-6, atol=1e-6)
+    assert_restored(model, _PROPERTY_STATE)
+
+
+_PROPERTY_MODEL = tiny("llama")  # 8 units: embed, 4 layers, norm, rotary, lm_head
+_PROPERTY_INPUTS = inputs_for(_PROPERTY_MODEL)
+with torch.no_grad():
+    _PROPERTY_REFERENCE = _PROPERTY_MODEL(**_PROPERTY_INPUTS).logits
+_PROPERTY_STATE = snapshot(_PROPERTY_MODEL)
+
