@@ -1,0 +1,584 @@
+"""The CP-SAT placement model: one option per unit, every capacity, the cost model's objective.
+
+Stage 4 of the data flow, torch-free: it reads a :class:`~placement_opt.problem.PlacementProblem`
+(plain integers) and returns a :class:`Solution` (one option index per unit). The model reads
+like the OR-Tools samples: data, variables, constraints, objective, solve, read the solution.
+
+Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge, ``ph`` a phase):
+
+* ``x[u, o]`` is 1 if unit ``u`` uses option ``o`` (exactly one per unit).
+* ``peak[d]`` is the largest ``peak_bytes`` of the options executed on ``d``.
+* ``xfer[ph, e]`` is the transfer time of edge ``e`` in phase ``ph`` (0 when both ends
+  execute on one device); linearized: ``xfer >= c(p, q) * (exec[src, p] + exec[dst, q] - 1)``.
+* ``end[ph, u]`` is the time unit ``u`` finishes in phase ``ph`` (DAGs only; a chain's longest
+  path is the plain sum of durations and transfers).
+* ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` and ``>= every device's load``,
+  exactly :meth:`PlacementProblem.score`'s ``max(longest path, busiest device)``.
+* ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
+
+Integer time: every ``*_ns`` price is divided by ``scale_ns`` and rounded to the nearest integer,
+with ``scale_ns = max(1, hint objective // TIME_RESOLUTION)``; coefficients stay around 10^6
+whatever the model size. The objective read back is always ``problem.score`` of the chosen
+assignment (exact); the proven bound is lowered by the largest possible rounding error
+(``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest.
+
+Coarsening: problems with more than :data:`COARSEN_ABOVE` units are solved on super-units: runs of
+consecutive chain units (linked only to each other, not pinned, not tied) with the same option
+menu and the same hinted option are merged (durations and stored/resident bytes summed, peak the
+max), which is exact for every cost, and expanded afterwards. The hint stays representable, so
+the coarse solve is never worse than the hint; its bound is a bound of the coarse problem only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from .problem import EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+
+__all__ = [
+    "Solution",
+    "solve_problem",
+    "greedy_choice",
+    "objective_of",
+    "OBJECTIVES",
+    "TIME_RESOLUTION",
+    "COARSEN_ABOVE",
+]
+
+#: Objectives the solver accepts.
+OBJECTIVES = ("latency", "throughput", "memory")
+#: Integer steps the hint's objective is divided into: sets ``scale_ns``.
+TIME_RESOLUTION = 1_000_000
+#: Problems with more units than this are coarsened into at most about this many super-units.
+COARSEN_ABOVE = 160
+_PHASES = ("prefill_ns", "decode_ns")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """What :func:`solve_problem` found."""
+
+    choice: tuple[int, ...]
+    """Option index per unit, in execution order (empty when infeasible)."""
+    status: str
+    """``"OPTIMAL"``, ``"FEASIBLE"``, ``"INFEASIBLE"`` or ``"UNKNOWN"`` (no feasible solution found)."""
+    objective: str
+    objective_value: int
+    """``problem.score(choice)``: latency or slowest stage in ns, or GPU bytes for ``memory``."""
+    best_bound: int
+    """Proven lower bound, same unit (of the coarse problem when ``coarse_units < units``)."""
+    gap: float
+    """``(objective_value - best_bound) / objective_value``; 0.0 is proven optimal."""
+    wall_time_s: float
+    scale_ns: int
+    """Nanoseconds per solver time unit."""
+    units: int
+    coarse_units: int
+    """Units the solver saw after coarsening (== ``units`` when not coarsened)."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in ("OPTIMAL", "FEASIBLE")
+
+
+# ---------------------------------------------------------------------------------------------
+# Objective values under problem.score (the one definition)
+# ---------------------------------------------------------------------------------------------
+def objective_of(problem: PlacementProblem, choice: Sequence[int], objective: str) -> int:
+    """The exact value of ``objective`` for ``choice``: ns for latency/throughput, GPU bytes for memory."""
+    score = problem.score(choice)
+    if objective == "latency":
+        return score.latency_ns
+    if objective == "throughput":
+        return score.throughput_ns
+    gpus = [d.name for d in problem.devices if d.kind == "gpu"]
+    return sum(score.used_bytes[g] for g in gpus)
+
+
+def _allowed(problem: PlacementProblem, u: UnitSpec, o: PlacementOption) -> bool:
+    pin = problem.pins.get(u.name)
+    return pin is None or o.storage == pin
+
+
+def greedy_choice(problem: PlacementProblem) -> list[int]:
+    """A simple feasible-if-possible assignment: each unit takes the fastest allowed option that fits.
+
+    Units are placed in execution order against the remaining capacity; tied units follow the
+    storage of the first of their group. Used as the hint when the caller gives none.
+    """
+    free = {d.name: d.capacity_bytes for d in problem.devices}
+    peak = {d.name: 0 for d in problem.devices}
+    tied_to = {n: g[0] for g in problem.tied_groups for n in g[1:]}
+    storage: dict[str, str] = {}
+    choice = []
+    for u in problem.units:
+        def fits(o: PlacementOption) -> bool:
+            extra_peak = max(0, o.peak_bytes - peak[o.execution])
+            if o.storage == o.execution:
+                return o.stored_bytes + o.resident_bytes + extra_peak <= free[o.storage]
+            return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
+
+        lead = tied_to.get(u.name)
+        ranked = sorted(range(len(u.options)),
+                        key=lambda i: (not _allowed(problem, u, u.options[i]),
+                                       lead in storage and u.options[i].storage != storage[lead],
+                                       not fits(u.options[i]),
+                                       u.options[i].prefill_ns + u.options[i].decode_ns, i))
+        best = ranked[0]
+        o = u.options[best]
+        free[o.storage] -= o.stored_bytes
+        free[o.execution] -= o.resident_bytes + max(0, o.peak_bytes - peak[o.execution])
+        peak[o.execution] = max(peak[o.execution], o.peak_bytes)
+        storage[u.name] = o.storage
+        choice.append(best)
+    return choice
+
+
+def _contiguous_ok(problem: PlacementProblem, choice: Sequence[int]) -> bool:
+    seen: list[str] = []
+    for o in problem.options(choice):
+        if not seen or seen[-1] != o.storage:
+            if o.storage in seen:
+                return False
+            seen.append(o.storage)
+    return True
+
+
+def _valid(problem: PlacementProblem, choice: Sequence[int]) -> bool:
+    """Every constraint the CP-SAT model states, checked directly (capacity, pins, ties, contiguity)."""
+    chosen = problem.options(choice)
+    if not problem.score(choice).feasible:
+        return False
+    if any(not _allowed(problem, u, o) for u, o in zip(problem.units, chosen, strict=True)):
+        return False
+    index = problem.index()
+    for group in problem.tied_groups:
+        if len({chosen[index[n]].storage for n in group}) > 1:
+            return False
+    return not problem.contiguous or _contiguous_ok(problem, choice)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coarsening: merge runs of chain units with the same menu and the same hinted option
+# ---------------------------------------------------------------------------------------------
+def _menu_key(u: UnitSpec) -> tuple[tuple[str, str, str], ...]:
+    return tuple((o.storage, o.execution, o.mode) for o in u.options)
+
+
+def _groups(problem: PlacementProblem, hint: Sequence[int], target: int) -> list[list[int]]:
+    """Runs of unit indices to merge, each of at most ``ceil(n / target)`` units."""
+    n = len(problem.units)
+    size = -(-n // target)
+    index = problem.index()
+    outs = [0] * n
+    ins = [0] * n
+    linked = [False] * n  # linked[i]: the only edge out of i goes to i + 1 and is the only one into it
+    for e in problem.edges:
+        outs[index[e.src]] += 1
+        ins[index[e.dst]] += 1
+    for e in problem.edges:
+        i, j = index[e.src], index[e.dst]
+        if j == i + 1:
+            linked[i] = True
+    special = {n_ for g in problem.tied_groups for n_ in g} | set(problem.pins)
+    groups: list[list[int]] = []
+    for i, u in enumerate(problem.units):
+        prev = groups[-1][-1] if groups else None
+        if (prev is not None and prev == i - 1 and len(groups[-1]) < size and linked[prev]
+                and outs[prev] == 1 and ins[i] == 1 and u.name not in special
+                and problem.units[prev].name not in special
+                and _menu_key(u) == _menu_key(problem.units[prev]) and hint[i] == hint[prev]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:
+    merged = []
+    for opts in zip(*(u.options for u in units), strict=True):
+        first = opts[0]
+        merged.append(PlacementOption(
+            storage=first.storage, execution=first.execution, mode=first.mode,
+            prefill_ns=sum(o.prefill_ns for o in opts), decode_ns=sum(o.decode_ns for o in opts),
+            stored_bytes=sum(o.stored_bytes for o in opts), resident_bytes=sum(o.resident_bytes for o in opts),
+            peak_bytes=max(o.peak_bytes for o in opts)))
+    return tuple(merged)
+
+
+def _coarsen(problem: PlacementProblem, groups: list[list[int]]) -> PlacementProblem:
+    units = tuple(UnitSpec(name=problem.units[g[0]].name,
+                           options=_merge_options([problem.units[i] for i in g]) if len(g) > 1
+                           else problem.units[g[0]].options) for g in groups)
+    heads = {u.name for u in units}
+    head_of = {problem.units[i].name: problem.units[g[0]].name for g in groups for i in g}
+    edges = tuple(EdgeSpec(src=head_of[e.src], dst=e.dst, prefill_ns=e.prefill_ns, decode_ns=e.decode_ns)
+                  for e in problem.edges if e.dst in heads and head_of[e.src] != e.dst)
+    return PlacementProblem(units=units, edges=edges, devices=problem.devices, tied_groups=problem.tied_groups,
+                            pins=problem.pins, contiguous=problem.contiguous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+class _Model:
+    """The CP-SAT model of one problem, with a hint value for every variable."""
+
+    def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
+                 max_work_ns: int | None) -> None:
+        # -- data --
+        self.p = problem
+        self.scale = scale_ns
+        self.hint = list(hint)
+        self.index = problem.index()
+        self.devices = [d.name for d in problem.devices]
+        self.model = cp_model.CpModel()
+        self.hints: list[tuple[Any, int]] = []
+        self.peak: dict[str, Any] = {}
+        self.chain = self._is_chain()
+        # -- variables --
+        self.x = self._option_vars(max_work_ns)
+        # -- constraints --
+        self._one_option_per_unit()
+        self._capacity_rows()
+        self._tied_groups_share_storage()
+        self._contiguous_storage()
+        self.lat = {ph: self._phase_latency(ph) for ph in _PHASES}
+
+    def _t(self, ns: int) -> int:
+        return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
+
+    def _is_chain(self) -> bool:
+        n = len(self.p.units)
+        pairs = {(self.index[e.src], self.index[e.dst]) for e in self.p.edges}
+        return pairs == {(i, i + 1) for i in range(n - 1)} and len(self.p.edges) == n - 1
+
+    def _hinted(self, var: Any, value: int) -> Any:
+        self.hints.append((var, value))
+        return var
+
+    def _option_vars(self, max_work_ns: int | None) -> dict[tuple[int, int], Any]:
+        # x[u, o] is 1 if unit u uses option o; pinned-away options and options whose own work
+        # (prefill + decode) exceeds max_work_ns (a bound no better solution can exceed) are left out.
+        x = {}
+        for u, spec in enumerate(self.p.units):
+            for o, opt in enumerate(spec.options):
+                keep = _allowed(self.p, spec, opt) or self.hint[u] == o
+                if max_work_ns is not None and self.hint[u] != o:
+                    keep = keep and opt.prefill_ns + opt.decode_ns <= max_work_ns
+                if keep:
+                    x[u, o] = self._hinted(self.model.new_bool_var(f"x[{spec.name},{o}]"), int(self.hint[u] == o))
+        return x
+
+    def _opts(self, u: int) -> list[tuple[int, PlacementOption]]:
+        return [(o, opt) for o, opt in enumerate(self.p.units[u].options) if (u, o) in self.x]
+
+    def _on(self, u: int, device: str, where: str) -> Any:
+        """1 if unit u's storage (or execution) is on device, as a linear expression."""
+        return sum(self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device)
+
+    def _one_option_per_unit(self) -> None:
+        # Every unit takes exactly one allowed option (a pin only allows options storing on its device).
+        for u, spec in enumerate(self.p.units):
+            self.model.add_exactly_one([self.x[u, o] for o, _ in self._opts(u)])
+            if spec.name in self.p.pins:
+                for o, opt in self._opts(u):
+                    if opt.storage != self.p.pins[spec.name]:
+                        self.model.add(self.x[u, o] == 0)
+
+    def _capacity_rows(self) -> None:
+        # Stored + resident + peak bytes on every device stay within its capacity.
+        chosen = self.p.options(self.hint)
+        for dev in self.p.devices:
+            top = max((opt.peak_bytes for u in range(len(self.p.units)) for _, opt in self._opts(u)
+                       if opt.execution == dev.name), default=0)
+            hinted = max((o.peak_bytes for o in chosen if o.execution == dev.name), default=0)
+            peak = self._hinted(self.model.new_int_var(0, top, f"peak[{dev.name}]"), hinted)
+            self.peak[dev.name] = peak
+            terms = [peak]
+            for u in range(len(self.p.units)):
+                row = [(opt.peak_bytes, self.x[u, o]) for o, opt in self._opts(u)
+                       if opt.execution == dev.name and opt.peak_bytes > 0]
+                if row:
+                    self.model.add(peak >= sum(c * v for c, v in row))
+                for o, opt in self._opts(u):
+                    size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
+                           (opt.resident_bytes if opt.execution == dev.name else 0)
+                    if size:
+                        terms.append(size * self.x[u, o])
+            self.model.add(sum(terms) <= dev.capacity_bytes)
+
+    def _tied_groups_share_storage(self) -> None:
+        # Units holding tied parameters store them on one device.
+        for group in self.p.tied_groups:
+            first = self.index[group[0]]
+            for name in group[1:]:
+                for dev in self.devices:
+                    self.model.add(self._on(first, dev, "storage") == self._on(self.index[name], dev, "storage"))
+
+    def _contiguous_storage(self) -> None:
+        # Each device stores one contiguous range of units: at most one range opens on it.
+        if not self.p.contiguous:
+            return
+        chosen = self.p.options(self.hint)
+        for dev in self.devices:
+            starts = []
+            for u in range(len(self.p.units)):
+                here = chosen[u].storage == dev
+                before = u > 0 and chosen[u - 1].storage == dev
+                s = self._hinted(self.model.new_bool_var(f"start[{u},{dev}]"), int(here and not before))
+                prev = self._on(u - 1, dev, "storage") if u > 0 else 0
+                self.model.add(s >= self._on(u, dev, "storage") - prev)
+                starts.append(s)
+            self.model.add(sum(starts) <= 1)
+
+    def duration(self, u: int, ph: str) -> Any:
+        return sum(self._t(getattr(opt, ph)) * self.x[u, o] for o, opt in self._opts(u))
+
+    def _transfer(self, ph: str, k: int) -> Any:
+        # xfer[ph, e] >= c(p, q) whenever src executes on p and dst on q (p != q).
+        e = self.p.edges[k]
+        a, b = self.index[e.src], self.index[e.dst]
+        costs = {pq: self._t(c) for pq, c in getattr(e, ph).items() if pq[0] != pq[1] and self._t(c) > 0}
+        if not costs:
+            return 0
+        pair = (self.p.options(self.hint)[a].execution, self.p.options(self.hint)[b].execution)
+        var = self._hinted(self.model.new_int_var(0, max(costs.values()), f"xfer[{ph},{e.src}->{e.dst}]"),
+                           costs.get(pair, 0))
+        for (p, q), c in costs.items():
+            on_p, on_q = self._on(a, p, "execution"), self._on(b, q, "execution")
+            if isinstance(on_p, int) or isinstance(on_q, int):
+                continue  # one end can never be there
+            self.model.add(var >= c * (on_p + on_q - 1))
+        return var
+
+    def _hint_value(self, ph: str) -> tuple[list[int], dict[str, int], int]:
+        """Scaled end times, device loads and latency of the hint in phase ph."""
+        chosen = self.p.options(self.hint)
+        finish = [0] * len(chosen)
+        incoming: dict[int, list[Any]] = {}
+        for e in self.p.edges:
+            incoming.setdefault(self.index[e.dst], []).append(e)
+        load = {d: 0 for d in self.devices}
+        for i, opt in enumerate(chosen):
+            ready = 0
+            for e in incoming.get(i, ()):
+                j = self.index[e.src]
+                pq = (chosen[j].execution, opt.execution)
+                c = self._t(getattr(e, ph).get(pq, 0)) if pq[0] != pq[1] else 0
+                ready = max(ready, finish[j] + c)
+            finish[i] = ready + self._t(getattr(opt, ph))
+            load[opt.execution] += self._t(getattr(opt, ph))
+        return finish, load, max(max(finish, default=0), max(load.values(), default=0))
+
+    def _phase_latency(self, ph: str) -> Any:
+        # lat[ph] >= the longest path (transfers included) and >= every device's total work.
+        n = len(self.p.units)
+        finish, _, hinted = self._hint_value(ph)
+        horizon = sum(max(self._t(getattr(opt, ph)) for _, opt in self._opts(u)) for u in range(n))
+        horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
+        lat = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"lat[{ph}]"), hinted)
+        xfer = [self._transfer(ph, k) for k in range(len(self.p.edges))]
+        if self.chain:
+            self.model.add(lat >= sum(self.duration(u, ph) for u in range(n)) + sum(xfer))
+        else:
+            end = [self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
+                   for u in range(n)]
+            for u in range(n):
+                self.model.add(end[u] >= self.duration(u, ph))
+                self.model.add(lat >= end[u])
+            for k, e in enumerate(self.p.edges):
+                a, b = self.index[e.src], self.index[e.dst]
+                self.model.add(end[b] >= end[a] + xfer[k] + self.duration(b, ph))
+            for dev in self.devices:
+                load = [self._t(getattr(opt, ph)) * self.x[u, o] for u in range(n)
+                        for o, opt in self._opts(u) if opt.execution == dev]
+                if load:
+                    self.model.add(lat >= sum(load))
+        return lat
+
+    def stage_time(self) -> Any:
+        """Slowest device's total work (prefill + decode), as a hinted int var."""
+        n = len(self.p.units)
+        chosen = self.p.options(self.hint)
+        stages = {d: sum(self._t(o.prefill_ns) + self._t(o.decode_ns) for o in chosen if o.execution == d)
+                  for d in self.devices}
+        top = sum(max(self._t(o.prefill_ns) + self._t(o.decode_ns) for _, o in self._opts(u)) for u in range(n))
+        z = self._hinted(self.model.new_int_var(0, max(top, max(stages.values())), "stage"), max(stages.values()))
+        for dev in self.devices:
+            work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * self.x[u, oi] for u in range(n)
+                    for oi, o in self._opts(u) if o.execution == dev]
+            if work:
+                self.model.add(z >= sum(work))
+        return z
+
+    def gpu_bytes(self) -> Any:
+        """Stored + resident + peak bytes summed over the GPUs (the memory objective)."""
+        gpus = {d.name for d in self.p.devices if d.kind == "gpu"}
+        terms = [self.peak[g] for g in sorted(gpus)]
+        for u in range(len(self.p.units)):
+            for o, opt in self._opts(u):
+                size = (opt.stored_bytes if opt.storage in gpus else 0) + \
+                       (opt.resident_bytes if opt.execution in gpus else 0)
+                if size:
+                    terms.append(size * self.x[u, o])
+        return sum(terms)
+
+    def read(self, solver: cp_model.CpSolver) -> list[int]:
+        return [next(o for o, _ in self._opts(u) if solver.boolean_value(self.x[u, o]))
+                for u in range(len(self.p.units))]
+
+    def solve(self, objective: Any, time_limit_s: float, seed: int, workers: int) -> tuple[cp_model.CpSolver, Any]:
+        self.model.minimize(objective)
+        for var, value in self.hints:
+            self.model.add_hint(var, value)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        solver.parameters.random_seed = seed
+        solver.parameters.num_workers = workers
+        return solver, solver.solve(self.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# solve_problem
+# ---------------------------------------------------------------------------------------------
+def _check(problem: PlacementProblem, objective: str, hint: Sequence[int] | None, time_limit_s: float,
+           workers: int, memory_slack: float) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if time_limit_s <= 0 or workers < 1 or memory_slack < 0:
+        raise ValueError(f"time_limit_s ({time_limit_s}) must be > 0, workers ({workers}) >= 1 and "
+                         f"memory_slack ({memory_slack}) >= 0")
+    if hint is not None:
+        bad = [i for i, (u, c) in enumerate(zip(problem.units, hint, strict=False)) if not 0 <= c < len(u.options)]
+        if len(hint) != len(problem.units) or bad:
+            raise ValueError(f"hint has {len(hint)} entries for {len(problem.units)} units, out-of-range "
+                             f"at positions {bad[:5]}: give one option index per unit")
+
+
+def _bound(solver: cp_model.CpSolver, scale: int, slack_units: int) -> int:
+    return max(0, int(solver.best_objective_bound) * scale - (slack_units * scale if scale > 1 else 0))
+
+
+def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time_limit_s: float = 1.0,
+                  seed: int = 0, workers: int = 2, hint: Sequence[int] | None = None,
+                  memory_slack: float = 0.05) -> Solution:
+    """Find the best assignment of ``problem`` for ``objective`` with OR-Tools CP-SAT.
+
+    Example::
+
+        sol = solve_problem(problem, "latency", time_limit_s=1.0, hint=[0] * len(problem.units))
+        assert sol.objective_value == problem.score(sol.choice).latency_ns
+
+    Args:
+        problem: the integer problem (units, options, edges, devices, ties, pins, contiguity).
+        objective: ``"latency"`` (prefill + decode, each the max of the critical path and the busiest
+            device), ``"throughput"`` (the slowest device's total work) or ``"memory"`` (least GPU
+            bytes whose latency stays within ``memory_slack`` of the best latency: two solves, each
+            with half of ``time_limit_s``).
+        time_limit_s: wall-clock limit of the whole call.
+        seed: CP-SAT's random seed; with a fixed ``workers`` the search is reproducible.
+        workers: CP-SAT search workers.
+        hint: an option index per unit (the best feasible baseline); default :func:`greedy_choice`.
+            A valid hint is never beaten by the returned solution.
+        memory_slack: allowed relative latency increase for ``"memory"``.
+
+    Returns:
+        A :class:`Solution`; ``objective_value`` is exactly ``problem.score(choice)``'s value.
+
+    Raises:
+        ValueError: an unknown objective, a malformed hint or a non-positive limit.
+    """
+    _check(problem, objective, hint, time_limit_s, workers, memory_slack)
+    t0 = time.perf_counter()
+    hint = list(hint) if hint is not None else greedy_choice(problem)
+    if objective == "memory":
+        first = _solve(problem, "latency", time_limit_s / 2, seed, workers, hint, None, t0)
+        if not first.feasible:
+            return first
+        cap = int(first.objective_value * (1 + memory_slack))
+        return _solve(problem, "memory", time_limit_s, seed, workers, list(first.choice), cap, t0)
+    return _solve(problem, objective, time_limit_s, seed, workers, hint, None, t0)
+
+
+def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
+           hint: list[int], latency_cap_ns: int | None, t0: float) -> Solution:
+    """One CP-SAT solve (coarsened when large); falls back to the full problem if the coarse one fails."""
+    hint_ok = _valid(problem, hint)
+    n = len(problem.units)
+    groups = _groups(problem, hint, COARSEN_ABOVE) if n > COARSEN_ABOVE else [[i] for i in range(n)]
+    coarse = len(groups) < n
+    sub = _coarsen(problem, groups) if coarse else problem
+    sub_hint = [hint[g[0]] for g in groups]
+    budget = time_limit_s - (time.perf_counter() - t0)
+    sol = _solve_once(sub, objective, budget, seed, workers, sub_hint, hint_ok, latency_cap_ns)
+    if coarse and not sol[0]:  # the coarse problem found nothing: try the full one with what is left
+        coarse, groups, sub = False, [[i] for i in range(n)], problem
+        sol = _solve_once(problem, objective, time_limit_s - (time.perf_counter() - t0), seed, workers,
+                          hint, hint_ok, latency_cap_ns)
+    choice_sub, status, bound = sol
+    notes = []
+    if coarse:
+        notes.append(f"coarsened {n} units into {len(groups)} super-units (runs of chain units with the "
+                     f"same options); the bound is the coarse problem's")
+    if not choice_sub:
+        if hint_ok:  # the solver ran out of time before finding anything: the hint stands
+            choice_sub, status = [hint[g[0]] for g in groups], "FEASIBLE"
+        else:
+            return Solution(choice=(), status=status, objective=objective, objective_value=0,
+                            best_bound=bound, gap=1.0, wall_time_s=time.perf_counter() - t0, scale_ns=0,
+                            units=n, coarse_units=len(groups), notes=tuple(notes))
+    choice = [0] * n
+    for g, c in zip(groups, choice_sub, strict=True):
+        for i in g:
+            choice[i] = c
+    value = objective_of(problem, choice, objective)
+    if hint_ok and objective_of(problem, hint, objective) < value and (
+            latency_cap_ns is None or objective_of(problem, hint, "latency") <= latency_cap_ns):
+        choice, value = hint, objective_of(problem, hint, objective)  # rounding: never worse than the hint
+    bound = min(bound, value)
+    gap = (value - bound) / value if value > 0 else 0.0
+    if gap <= 0 and status == "FEASIBLE":
+        status = "OPTIMAL"
+    return Solution(choice=tuple(choice), status=status, objective=objective, objective_value=value,
+                    best_bound=bound, gap=gap, wall_time_s=time.perf_counter() - t0,
+                    scale_ns=_scale(problem, hint, objective), units=n, coarse_units=len(groups),
+                    notes=tuple(notes))
+
+
+def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> int:
+    """ns per solver time unit: the hint's time objective divided into TIME_RESOLUTION steps."""
+    key = "throughput" if objective == "throughput" else "latency"
+    return max(1, objective_of(problem, hint, key) // TIME_RESOLUTION)
+
+
+def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
+                hint: list[int], hint_ok: bool, latency_cap_ns: int | None) -> tuple[list[int], str, int]:
+    """(choice or [], status, proven bound in the objective's unit) of one CP-SAT run."""
+    scale = _scale(problem, hint, objective)
+    max_work = None  # latency and the slowest stage are >= every unit's own prefill + decode
+    if hint_ok and objective in ("latency", "throughput"):
+        max_work = objective_of(problem, hint, objective)
+    elif latency_cap_ns is not None:
+        max_work = latency_cap_ns
+    m = _Model(problem, scale, hint, max_work)
+    slack = len(problem.units) + len(problem.edges)
+    if objective == "latency":
+        goal, unit_scale = m.lat["prefill_ns"] + m.lat["decode_ns"], scale
+    elif objective == "throughput":
+        goal, unit_scale, slack = m.stage_time(), scale, len(problem.units)
+    else:
+        cap = latency_cap_ns // scale + (slack if scale > 1 else 0)
+        m.model.add(m.lat["prefill_ns"] + m.lat["decode_ns"] <= cap)
+        goal, unit_scale, slack = m.gpu_bytes(), 1, 0
+    solver, status = m.solve(goal, time_limit_s, seed, workers)
+    name = solver.status_name(status)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return m.read(solver), name, _bound(solver, unit_scale, slack)
+    return [], name, 0
