@@ -640,11 +640,33 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
 
         plan = solve(model, devices, objective=objective, workload=workload)
     sources = _checkpoint_index(files)
+    if _needs_conversion(model, sources):
+        return _load_converted(root, model, plan, offload_dir)
     disk_sources = _materialize(model, plan, sources, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model.eval()
     return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+
+
+def _needs_conversion(model: nn.Module, sources: Mapping[str, Any]) -> bool:
+    """True when some parameter has no key of its own in the checkpoint (a layout transformers converts)."""
+    return any(not any(n in sources for n in slot.names) for slot in _collect_slots(model)
+               if slot.tensor.device.type == "meta")
+
+
+def _load_converted(root: Path, meta_model: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
+    """Checkpoints in an older layout (MoE experts one tensor each, fused by transformers at load):
+    transformers reads and converts them into RAM, then the plan is applied (disk units are
+    written once to ``offload_dir``)."""
+    if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
+        raise DispatchError(
+            f"{root} stores weights in a layout transformers converts at load time ({type(meta_model).__name__}), "
+            f"so they cannot be mapped from the checkpoint: pass offload_dir='some/dir' for the disk units"
+        )
+    dtype = next(iter(meta_model.parameters())).dtype
+    model = type(meta_model).from_pretrained(root, dtype=dtype).eval()
+    return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
 
 
 def _checkpoint_files(root: Path) -> list[Path]:

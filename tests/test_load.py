@@ -1,0 +1,70 @@
+"""load(): a save_pretrained directory read straight to each unit's storage, equal to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from placement_opt.dispatch import load
+from placement_opt.errors import DispatchError
+from test_dispatch import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "t5", "mixtral"])
+def saved(request, tmp_path_factory):
+    model = tiny(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    return model, path, reference
+
+
+def test_load_mixed_plan_equals_reference(saved, tmp_path):
+    model, path, reference = saved
+    handle = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path)
+    assert not handle.model.training
+    with torch.no_grad():
+        logits = handle(**inputs_for(model)).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+    assert all(p.device.type == "cpu" for p in handle.model.parameters())  # nothing left on meta
+    handle.remove()
+
+
+def test_load_generate_tokens_identical(saved, tmp_path):
+    model, path, _ = saved
+    batch = inputs_for(model)
+    batch.pop("decoder_input_ids", None)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(**batch, **kwargs)
+        tokens = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path).generate(**batch, **kwargs)
+    assert torch.equal(tokens, expected)
+
+
+def test_disk_units_are_mapped_from_the_checkpoint(tmp_path_factory):
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-ckpt")
+    model.save_pretrained(path)
+    handle = load(path, None, plan=plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT))
+    layer = handle.model.model.layers[1]
+    files = {f.path.name for unit in handle._units for f, _ in unit.disk}
+    assert files == {"model.safetensors"}  # no copy written anywhere: the checkpoint is the store
+    file, key = next((f, k) for f, k in handle._units[2].disk if k.endswith("self_attn.q_proj.weight"))
+    assert layer.self_attn.q_proj.weight.data_ptr() == file._mapped().ctypes.data + file.spans[key].offset_bytes
+    assert not (path / "placement_opt_offload.json").exists()
+
+
+def test_load_casts_to_a_requested_dtype(tmp_path_factory):
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-bf16")
+    model.save_pretrained(path)
+    handle = load(path, None, plan=plan_from(model, lambda i, u: RESIDENT), dtype="bfloat16")
+    weight = handle.model.model.layers[0].mlp.up_proj.weight
+    assert weight.dtype == torch.bfloat16
+    assert torch.equal(weight, model.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16))
+
+
+def test_directory_without_checkpoint(tmp_path):
+    with pytest.raises(DispatchError, match="no safetensors checkpoint"):
+        load(tmp_path, None, plan=plan_from(tiny("llama"), mixed))

@@ -1,0 +1,142 @@
+"""The offload store and safetensors memory maps: atomic writes, checksums, zero-copy reads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.errors import DispatchError
+from placement_opt.offload import MANIFEST_NAME, OffloadStore, SafetensorsFile
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    # 16x8 fp32 = 512 bytes, 8 fp16 = 16 bytes, 3 int64 = 24 bytes, 4 bf16 = 8 bytes
+    return {"w": torch.randn(16, 8), "b": torch.randn(8).half(), "idx": torch.arange(3),
+            "bf": torch.randn(4).to(torch.bfloat16)}
+
+
+def test_write_then_read_back_bitwise(tmp_path):
+    store = OffloadStore(tmp_path)
+    weights = _weights()
+    path = store.write("model.layers.0", weights)
+    assert path.name == "model.layers.0.safetensors"
+    read = SafetensorsFile(path).tensors()
+    assert read.keys() == weights.keys()
+    for key, value in weights.items():
+        assert read[key].dtype == value.dtype
+        assert torch.equal(read[key], value)
+
+
+def test_manifest_lists_size_and_sha256(tmp_path):
+    import hashlib
+
+    store = OffloadStore(tmp_path)
+    path = store.write("lm_head", _weights())
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    entry = manifest["files"][path.name]
+    assert entry["size_bytes"] == path.stat().st_size
+    assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert entry["unit"] == "lm_head"
+    OffloadStore(tmp_path).verify()  # a fresh store reads the manifest back
+
+
+def test_verify_names_a_corrupted_file(tmp_path):
+    store = OffloadStore(tmp_path)
+    path = store.write("u", _weights())
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DispatchError, match=r"u.safetensors: checksum"):
+        store.verify()
+    path.write_bytes(bytes(data[:-4]))
+    with pytest.raises(DispatchError, match="bytes on disk"):
+        store.verify()
+
+
+def test_refuses_to_overwrite_a_foreign_file(tmp_path):
+    foreign = tmp_path / "model.layers.0.safetensors"
+    foreign.write_bytes(b"not ours")
+    store = OffloadStore(tmp_path)
+    with pytest.raises(DispatchError, match="does not overwrite"):
+        store.write("model.layers.0", _weights())
+    assert foreign.read_bytes() == b"not ours"
+
+
+def test_same_weights_are_written_once(tmp_path):
+    store = OffloadStore(tmp_path)
+    weights = _weights()
+    path = store.write("u", weights)
+    first = path.stat().st_mtime_ns
+    os.utime(path, ns=(first - 10**9, first - 10**9))
+    OffloadStore(tmp_path).write("u", weights)
+    assert path.stat().st_mtime_ns == first - 10**9  # untouched
+    weights["w"] = weights["w"] + 1
+    store.write("u", weights)  # different bytes: rewritten (it is our file)
+    assert torch.equal(SafetensorsFile(path).tensor("w"), weights["w"])
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    store = OffloadStore(tmp_path)
+
+    def broken(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(OSError, match="disk full"):
+        store.write("u", _weights())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no partial file, no temp file
+
+
+def test_tensors_are_views_of_the_mapped_file(tmp_path):
+    path = OffloadStore(tmp_path).write("u", _weights())
+    file = SafetensorsFile(path)
+    w = file.tensor("w")
+    assert w.data_ptr() == file._mapped().ctypes.data + file.spans["w"].offset_bytes
+    w.add_(1)  # copy-on-write mapping: the file itself never changes
+    assert torch.equal(SafetensorsFile(path).tensor("w") + 1, w)
+
+
+def test_read_into_fills_a_buffer_and_checks_its_shape(tmp_path):
+    weights = _weights()
+    file = SafetensorsFile(OffloadStore(tmp_path).write("u", weights))
+    out = torch.empty(16, 8)
+    assert file.read_into("w", out) is out
+    assert torch.equal(out, weights["w"])
+    with pytest.raises(DispatchError, match="float32"):
+        file.read_into("w", torch.empty(8, 16).half())
+    file.prefetch(["w", "b"])  # advisory; must not fail
+    file.close()
+
+
+def test_not_a_safetensors_file(tmp_path):
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x05")
+    with pytest.raises(DispatchError, match="not a readable safetensors"):
+        SafetensorsFile(bad)
+
+
+def test_unit_names_become_safe_file_names():
+    assert OffloadStore.file_name("") == "_root.safetensors"
+    assert OffloadStore.file_name("a/b c") == "a_b_c.safetensors"
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=4),
+       dtypes=st.lists(st.sampled_from(range(len(_DTYPES))), min_size=4, max_size=4))
+def test_round_trip_any_shapes_and_dtypes(tmp_path_factory, shapes, dtypes):
+    weights = {f"t{i}": (torch.rand(shape) * 10).to(_DTYPES[dtypes[i]]) for i, shape in enumerate(shapes)}
+    file = SafetensorsFile(OffloadStore(tmp_path_factory.mktemp("store")).write("u", weights))
+    for key, value in weights.items():
+        got = file.tensor(key)
+        assert got.dtype == value.dtype and got.shape == value.shape
+        assert torch.equal(got, value)
+        out = torch.empty_like(value)
+        assert torch.equal(file.read_into(key, out), value)
