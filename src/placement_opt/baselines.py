@@ -1,0 +1,306 @@
+"""The greedy strategies users know from ``device_map="sequential" | "balanced" | "balanced_low_0"``.
+
+Torch-free re-implementations of what transformers 5 / accelerate do with those strings, working on
+a :class:`~placement_opt.graph.LayerGraph` (unit names give the module tree, ``param_bytes +
+buffer_bytes`` the sizes, ``module_index`` the registration order) and a :class:`Machine` (its usable
+capacities are the ``max_memory``). They are the baselines every plan is compared with, and the
+warm starts of the CP-SAT model.
+
+The semantics, in three small steps:
+
+1. **Budgets** (:func:`accelerate_budgets`): ``sequential`` uses the capacities as they are.
+   ``balanced`` gives every GPU but the last ``total // n_gpus + int(1.25 x largest layer)`` (the
+   largest no-split block or leaf); ``balanced_low_0`` divides by ``n_gpus - 1`` and gives GPU 0 only
+   what the other GPUs cannot hold. Devices are ordered GPUs (by index), ``cpu``, ``disk``.
+2. **Fill** (:func:`fill_device_map`): walk the module tree in registration order, a queue of the
+   top-level children. The head of the queue goes on the current device if it fits, together with
+   the modules holding parameters tied to it; on the first GPU and on the CPU (the "main" devices)
+   room for the largest remaining layer is kept free (weights offloaded later are loaded there). A
+   container that does not fit is replaced by its children; a unit (a no-split block or a leaf)
+   that does not fit moves the fill to the next device. ``disk`` takes everything left.
+3. **Options** (:func:`choice_from_storage`): a GPU stores and computes its units; ``cpu``/``disk``
+   units are streamed to the first GPU (or run on the CPU when there is none).
+
+Known differences from the library: units are never split below the placement unit (accelerate may
+split a container module that the tracer kept whole), and the largest "leaf" is taken as the largest
+unit that is not a no-split block. :func:`accelerate_device_map` calls the installed library itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .problem import PlacementProblem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .devices import Machine
+    from .graph import LayerGraph
+
+__all__ = [
+    "STRATEGIES",
+    "accelerate_budgets",
+    "fill_device_map",
+    "baseline_storage",
+    "choice_from_storage",
+    "accelerate_device_map",
+]
+
+#: The device_map strings re-implemented here.
+STRATEGIES = ("sequential", "balanced", "balanced_low_0")
+_BUFFER_FACTOR = 1.25  # get_balanced_memory: per-GPU budget grows by 1.25 x the largest layer
+
+
+@dataclass
+class _Node:
+    """A module of the tree: a placement unit (never split) or a container of units."""
+
+    name: str
+    size: int = 0
+    unit: bool = False
+    children: list[_Node] = field(default_factory=list)
+
+    def units(self) -> list[str]:
+        return [self.name] if self.unit else [u for c in self.children for u in c.units()]
+
+    def contains(self, unit: str) -> bool:
+        return self.name == "" or unit == self.name or unit.startswith(self.name + ".")
+
+
+def _tree(graph: LayerGraph) -> _Node:
+    """The module tree of the units, children in registration order, sizes summed upwards."""
+    root = _Node("")
+    nodes = {"": root}
+    for u in sorted(graph.units(), key=lambda u: u.module_index):
+        parts = u.name.split(".")
+        parent = root
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
+            if name not in nodes:
+                nodes[name] = _Node(name)
+                parent.children.append(nodes[name])
+            parent = nodes[name]
+            parent.size += u.weight_bytes
+        parent.unit = True
+        root.size += u.weight_bytes
+    return root
+
+
+def _ordered(max_memory: Mapping[Any, int]) -> dict[Any, int]:
+    """accelerate's device order: GPU indices sorted, then ``cpu``, then ``disk``."""
+    gpus = sorted(k for k in max_memory if isinstance(k, int))
+    return {k: int(max_memory[k]) for k in gpus + [k for k in ("cpu", "disk") if k in max_memory]}
+
+
+def _largest_layer_bytes(graph: LayerGraph) -> int:
+    """max(largest no-split block, largest leaf): here simply the largest unit."""
+    return max((u.weight_bytes for u in graph.units()), default=0)
+
+
+def accelerate_budgets(graph: LayerGraph, max_memory: Mapping[Any, int], strategy: str) -> dict[Any, int]:
+    """Per-device byte budgets the fill uses (``get_balanced_memory`` semantics for balanced ones).
+
+    Example::
+
+        accelerate_budgets(graph, {0: 10_000, 1: 10_000, "cpu": 10**6}, "balanced")
+        # {0: total // 2 + int(1.25 * largest unit), 1: 10_000, "cpu": 1_000_000}
+
+    Args:
+        graph: the layer graph (sizes and the largest unit).
+        max_memory: accelerate keys (``0``, ``"cpu"``, ``"disk"``) to usable bytes.
+        strategy: one of :data:`STRATEGIES`.
+
+    Returns:
+        The budgets in accelerate's device order.
+    """
+    budgets = _ordered(max_memory)
+    if strategy == "sequential":
+        return budgets
+    gpus = [k for k, v in budgets.items() if isinstance(k, int) and v > 0]
+    low_zero = strategy == "balanced_low_0" and len(gpus) > 1
+    if not gpus:
+        return budgets
+    total = sum(u.weight_bytes for u in graph.units())
+    per_gpu = total // (len(gpus) - 1 if low_zero else len(gpus))
+    per_gpu += int(_BUFFER_FACTOR * _largest_layer_bytes(graph))
+    for g in gpus[:-1]:  # the last GPU keeps its whole capacity, in case the buffer is not enough
+        budgets[g] = min(budgets[0] if low_zero and g == 0 else per_gpu, budgets[g])
+    if low_zero:
+        others = sum(budgets.get(i, 0) for i in range(1, len(gpus)))
+        budgets[0] = min(max(0, total - others), budgets[0])
+    return budgets
+
+
+def _largest_remaining(queue: Sequence[_Node]) -> tuple[int, list[str]]:
+    """Size and names of the largest unit still queued (the layer the main devices keep room for)."""
+    best, names = 0, []
+    stack = list(queue)
+    while stack:
+        node = stack.pop(0)
+        if not node.unit:
+            stack = node.children + stack
+        elif node.size > best:
+            best, names = node.size, [node.name]
+        elif node.size == best:
+            names.append(node.name)
+    return best, names
+
+
+def _tied_partners(node: _Node, queue: Sequence[_Node], tied: Sequence[Sequence[str]]) -> list[_Node]:
+    """Queued modules holding units tied to ``node`` from outside it (they must go with it)."""
+    outside = [u for group in tied if any(node.contains(u) for u in group)
+               for u in group if not node.contains(u)]
+    partners: list[_Node] = []
+    for unit in outside:
+        holder = next((q for q in queue if q.contains(unit)), None)
+        if holder is not None and holder not in partners:
+            partners.append(holder)
+    return partners
+
+
+def fill_device_map(graph: LayerGraph, budgets: Mapping[Any, int]) -> dict[str, Any]:
+    """Storage device (accelerate key) of every unit: ``infer_auto_device_map``'s greedy fill.
+
+    Args:
+        graph: the layer graph; ``meta.tied_unit_groups`` are kept together.
+        budgets: bytes per device in fill order (:func:`accelerate_budgets`).
+
+    Returns:
+        Unit name -> ``0``/``1``/... for GPUs, ``"cpu"`` or ``"disk"``.
+    """
+    devices = list(budgets) + ([] if "disk" in budgets else ["disk"])
+    gpus = [d for d in devices if isinstance(d, int)]
+    main = {gpus[0], "cpu"} if gpus else {"cpu"}
+    used = dict.fromkeys(devices, 0)
+    queue = list(_tree(graph).children)
+    reserve, reserve_names = _largest_remaining(queue)
+    placed: dict[str, Any] = {}
+    current = 0
+    while queue:
+        node = queue.pop(0)
+        reserve_names = [n for n in reserve_names if not node.contains(n)]
+        if not reserve_names:
+            reserve, reserve_names = _largest_remaining(queue)
+        device = devices[current]
+        kept = reserve if device in main else 0
+        limit = None if device == "disk" else budgets[device] - kept
+        partners = _tied_partners(node, queue, graph.meta.tied_unit_groups)
+        size = node.size + sum(p.size for p in partners)
+        if limit is None or used[device] + size <= limit:  # fits, with its tied partners
+            used[device] += size
+            for n in [node, *partners]:
+                placed.update(dict.fromkeys(n.units(), device))
+            queue = [q for q in queue if q not in partners]
+            continue
+        split = next((p for p in partners if not p.unit), None) if used[device] + node.size <= limit else None
+        if split is not None:  # a tied partner is a container: open it and try again
+            at = queue.index(split)
+            queue = [node, *queue[:at], *split.children, *queue[at + 1:]]
+        elif not node.unit:  # a container that does not fit: treat its children one by one
+            queue = node.children + queue
+        else:  # a unit that does not fit: keep the reserve here and move on to the next device
+            used[device] += kept
+            current += 1
+            queue.insert(0, node)
+            continue
+        reserve, reserve_names = _largest_remaining(queue)
+    return placed
+
+
+def baseline_storage(graph: LayerGraph, machine: Machine, strategy: str) -> dict[str, str]:
+    """Storage device name (``"cuda:0"``, ``"cpu"``, ``"disk"``) per unit for ``strategy``.
+
+    Example::
+
+        baseline_storage(graph, Machine([...]), "balanced")  # {"model.embed_tokens": "cuda:0", ...}
+
+    Raises:
+        ValueError: an unknown strategy (the message lists :data:`STRATEGIES`).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    max_memory = machine.max_memory
+    placed = fill_device_map(graph, accelerate_budgets(graph, max_memory, strategy))
+    return {u: f"cuda:{d}" if isinstance(d, int) else d for u, d in placed.items()}
+
+
+def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -> list[int]:
+    """Option index per unit for a storage map: GPUs compute their own units, cpu/disk stream to GPU 0.
+
+    The execution device of ``cpu``/``disk`` units is the first GPU of the problem (the CPU when there
+    is none); among options with that storage and execution, ``stream`` is preferred over
+    ``stream_sync``, and a unit without such an option takes the fastest option with that storage.
+
+    Raises:
+        ValueError: a unit missing from ``storage``, or a storage device none of its options uses.
+    """
+    gpus = [d.name for d in problem.devices if d.kind == "gpu"]
+    main = gpus[0] if gpus else "cpu"
+    rank = {"resident": 0, "stream": 1, "stream_sync": 2}
+    choice = []
+    for u in problem.units:
+        if u.name not in storage:
+            raise ValueError(f"unit {u.name} has no storage device in the baseline map")
+        where = storage[u.name]
+        execution = where if where in gpus else (main if main in gpus or where == "cpu" else "cpu")
+        options = [i for i, o in enumerate(u.options) if o.storage == where]
+        if not options:
+            raise ValueError(f"unit {u.name} has no option stored on {where}: offered storages are "
+                             f"{sorted({o.storage for o in u.options})}")
+        exact = [i for i in options if u.options[i].execution == execution]
+        pool = exact or options
+        choice.append(min(pool, key=lambda i: (rank[u.options[i].mode],
+                                               u.options[i].prefill_ns + u.options[i].decode_ns)))
+    return choice
+
+
+def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], strategy: str = "auto") -> dict:
+    """The device_map the installed transformers/accelerate compute (``from_pretrained``'s path), on meta.
+
+    Example::
+
+        accelerate_device_map(LlamaConfig(...), {0: "20GiB", "cpu": "64GiB"}, "balanced_low_0")
+
+    Args:
+        model_or_config: a ``PreTrainedModel`` (any device, meta included) or a ``PretrainedConfig``
+            (built with ``AutoModelForCausalLM.from_config`` on meta; other auto classes are tried).
+        max_memory: accelerate's ``max_memory`` dict.
+        strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+
+    Raises:
+        ValueError: a bare LayerGraph or anything else that is not a transformers model or config.
+    """
+    accepted = ("auto", *STRATEGIES)
+    if strategy not in accepted:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
+    model = _meta_model(model_or_config)
+    from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
+
+    return dict(_get_device_map(model, strategy, dict(max_memory), None))
+
+
+def _meta_model(model_or_config: Any) -> Any:
+    """A transformers model on the meta device from a model or a config."""
+    try:
+        from transformers import PretrainedConfig, PreTrainedModel
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ValueError("strategy='accelerate' needs transformers installed") from exc
+    if isinstance(model_or_config, PreTrainedModel):
+        return model_or_config
+    if not isinstance(model_or_config, PretrainedConfig):
+        raise ValueError(
+            f"strategy='accelerate' runs the installed library on the model itself, so it needs a "
+            f"transformers model or config, not a {type(model_or_config).__name__}: pass the model "
+            f"(or its config) to solve(), or use strategy='balanced' on a LayerGraph")
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    errors = []
+    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel):
+        try:
+            with torch.device("meta"):
+                return auto.from_config(model_or_config)
+        except ValueError as exc:
+            errors.append(str(exc).splitlines()[0])
+    raise ValueError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")
