@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from placement_opt.cost import (
+    MAPPED_READ_FACTOR,
     NS_PER_S,
     UNIT_OVERHEAD_S,
     WORKSPACE_FACTOR,
@@ -77,6 +78,23 @@ def test_stream_overlaps_copy_and_stream_sync_adds_it() -> None:
     # buffers: stream keeps this and the prefetched next unit (2 x 1 GB), sync one
     assert stream.peak_bytes == 2 * 10**9 and sync.peak_bytes == 10**9 and resident.peak_bytes == 0
     assert stream.stored_bytes == 10**9  # charged to the CPU, where it lives
+
+
+def test_disk_reads_to_the_cpu_do_not_overlap_compute() -> None:
+    # 1 GB unit; disk 1 GB/s sequential (latency 100 us); CPU 1 TFLOP/s, 100 GB/s
+    graph = chain_graph([{"name": "w", "param_bytes": 10**9, "flops_per_token": 2 * 10**9,
+                          "param_names": ("w.a",)}])
+    workload = Workload(batch_size=1, prompt_len=100, new_tokens=0)
+    problem = build_problem(graph, measured_machine(disk=True), workload,
+                            modes=("resident", "stream", "stream_sync"))
+    stream = option(problem, "w", "disk", "cpu", "stream")
+    sync = option(problem, "w", "disk", "cpu", "stream_sync")
+    # compute 0.2 s + 150 us, plus the read 1e9 / 1e9 + 100 us: the CPU faults pages in itself
+    assert stream.prefill_ns == ns(0.20015 + 1.0001)
+    # accelerate's memmap reads run at MAPPED_READ_FACTOR x the sequential rate
+    assert sync.prefill_ns == ns(0.20015 + 1e9 / (MAPPED_READ_FACTOR * 1e9) + 100e-6)
+    # streaming to the GPU overlaps: max(compute 20.06 ms, read 1.0001 s)
+    assert option(problem, "w", "disk", "cuda:0", "stream").prefill_ns == ns(1.0001)
 
 
 def test_kv_cache_and_attention_grow_with_context() -> None:

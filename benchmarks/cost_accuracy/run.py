@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
+import mmap
 import os
 import platform
 import shutil
@@ -120,6 +122,13 @@ def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: An
 
 
 def evict(folder: Path) -> None:
+    """Drop the offloaded files from the page cache, so the next forward reads them from disk.
+
+    Pages mapped into this process (the dispatcher computes from memory-mapped safetensors files)
+    are first unmapped with ``madvise(DONTNEED)``: ``fadvise`` skips mapped pages. This stands in
+    for a machine whose RAM cannot hold the offloaded weights, the case disk offload is for.
+    """
+    _unmap_safetensors_pages()
     for path in folder.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
@@ -127,6 +136,20 @@ def evict(folder: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _unmap_safetensors_pages() -> None:
+    try:
+        from placement_opt.offload import SafetensorsFile
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, SafetensorsFile) and getattr(obj, "_array", None) is not None:
+            mapped = obj._array.base
+            while mapped is not None and not isinstance(mapped, mmap.mmap):
+                mapped = getattr(mapped, "obj", None) or getattr(mapped, "base", None)
+            if isinstance(mapped, mmap.mmap):
+                mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def timed(model: torch.nn.Module, ids: torch.Tensor, folder: Path, repeats: int) -> tuple[float, float]:

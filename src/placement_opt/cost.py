@@ -25,7 +25,11 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
   bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
   closed form (:func:`_sum_max_lines`), never a loop over steps.
 * Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for
-  ``stream``, ``compute + copy`` for ``stream_sync`` (one latency per tensor, pageable copies).
+  ``stream`` to a GPU (its copy engines work while it computes), ``compute + copy`` for
+  ``stream_sync`` (one latency per tensor, pageable copies; disk reads through a memory map at
+  :data:`MAPPED_READ_FACTOR` of the disk's sequential rate) and for any stream executed on the
+  CPU: the same cores fault the weights in and compute, and measured runs on a CPU show no
+  overlap (benchmarks/cost_accuracy).
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
   devices, per prefill and per decode step.
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
@@ -69,6 +73,7 @@ __all__ = [
     "BANDWIDTH_EFFICIENCY",
     "UNIT_OVERHEAD_S",
     "PAGEABLE_LINK_FACTOR",
+    "MAPPED_READ_FACTOR",
     "WORKSPACE_FACTOR",
 ]
 
@@ -83,6 +88,9 @@ BANDWIDTH_EFFICIENCY = {"gpu": 0.8, "cpu": 0.6, "disk": 0.9}
 UNIT_OVERHEAD_S = {"gpu": 60e-6, "cpu": 150e-6, "disk": 0.0}
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
+#: accelerate reads disk weights through ``np.memmap`` page faults and copies them into a tensor:
+#: this fraction of the disk's sequential read rate (0.5-0.7 measured by ``profile`` on a VM disk).
+MAPPED_READ_FACTOR = 0.6
 #: Prefill activation workspace of a unit, in multiples of its output for all prefill tokens
 #: (q/k/v, MLP intermediates and their upcasts live at the same time).
 WORKSPACE_FACTOR = 6
@@ -332,8 +340,8 @@ def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: st
     bandwidth = ctx.machine.bandwidth(storage, execution)
     latency = ctx.machine.latency_s(storage, execution)
     if mode == "stream_sync":
-        if ctx.machine[storage].kind == "cpu":
-            bandwidth *= PAGEABLE_LINK_FACTOR
+        kind = ctx.machine[storage].kind
+        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": MAPPED_READ_FACTOR}.get(kind, 1.0)
         latency *= max(1, n_tensors)
     return nbytes / bandwidth + latency
 
@@ -377,13 +385,14 @@ def _price(ctx: _Context, unit: UnitInfo, storage: str, execution: str, mode: st
     copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors)
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
-    prefill = max(compute, forwards * copy) if mode == "stream" else compute + forwards * copy
+    overlapped = mode == "stream" and device.is_gpu
+    prefill = max(compute, forwards * copy) if overlapped else compute + forwards * copy
     decode = 0.0
     if unit.in_decode and wl.decode_steps > 0:
         lines = _decode_lines(ctx, unit, device)
-        if mode == "stream":
+        if overlapped:
             lines.append((copy, 0.0))
-        elif mode == "stream_sync":
+        else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)

@@ -11,8 +11,8 @@
   would promise RAM speed that offloading never gets. (Where RAM has room for the offloaded
   weights, keeping them on the CPU is the better plan anyway, and the solver sees that.) Two
   figures are kept: plain sequential reads, and reads through a memory map copied into a tensor,
-  which is how offloaded weights are loaded (accelerate's ``np.memmap``, safetensors' mmap); the
-  disk device carries the second.
+  which is how accelerate loads offloaded weights (``np.memmap``); the disk device carries the
+  first (the cost model derates it for accelerate's reads, see ``cost.MAPPED_READ_FACTOR``).
 * CUDA (when present; skipped on machines without it): matmul FLOP/s, HBM copy bandwidth, pinned
   and pageable host -> device copies, and peer copies between GPUs.
 
@@ -107,7 +107,7 @@ def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, creat
     source = f"measured {created[:10]}"
     memory = int(entry["memory_bytes"])
     if name == "disk":
-        return Device(name, memory, bandwidth=entry["read_bytes_per_s"], source=source)
+        return Device(name, memory, bandwidth=entry["sequential_read_bytes_per_s"], source=source)
     flops = entry["matmul_flops_per_s"].get(dtype) or entry["matmul_flops_per_s"]["float32"]
     curves = entry.get("linear_flops_by_tokens", {})
     curve = [tuple(p) for p in curves.get(dtype) or curves.get("float32") or ()]
@@ -226,7 +226,7 @@ def _measure_disk(folder: Path, quick: bool) -> dict[str, Any]:
         path.unlink(missing_ok=True)
     return {"memory_bytes": int(shutil.disk_usage(folder).free),
             "sequential_read_bytes_per_s": size / min(sequential),
-            "read_bytes_per_s": size / min(mapped),
+            "mapped_read_bytes_per_s": size / min(mapped),
             "folder": str(folder), "page_cache": "dropped before reading (cold reads)",
             "read": "memory map copied into a tensor (how offloaded weights are loaded)"}
 
