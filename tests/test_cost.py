@@ -345,3 +345,22 @@ def test_evaluate_errors_name_the_bad_value() -> None:
         evaluate(["cpu"], graph, measured_machine(), Workload())
     with pytest.raises(ValueError, match="unknown device name 'tpu'"):
         evaluate({"": "tpu"}, graph, measured_machine(), Workload())
+
+
+def test_evaluate_traces_a_model_and_scores_an_accelerate_map() -> None:
+    from transformers import LlamaConfig
+
+    # 2 layers, hidden 64, vocab 128, fp32: embed and lm_head 128 x 64 x 4 = 32 KiB each
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False, dtype="float32")
+    machine = Machine([Device("cuda:0", "1GB", reserve=0), Device("cpu", "1GB"), Device("disk", "1GB")])
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "disk",
+                  "model.norm": "cpu", "lm_head": "cpu"}
+    cost = evaluate(device_map, config, machine, Workload(batch_size=2, prompt_len=16, new_tokens=4))
+    by_unit = {u.name: u for u in cost.units}
+    assert by_unit["lm_head"].stored_bytes == 128 * 64 * 4
+    assert (by_unit["model.layers.1"].storage, by_unit["model.layers.1"].mode) == ("disk", "stream_sync")
+    # KV cache: both layers compute on cuda:0; 2 x 2 KV heads x 16 dims x 4 B = 256 B per token,
+    # for batch 2 x (16 + 4) tokens, per layer
+    assert cost.device_memory("cuda:0").kv_cache_bytes == 2 * 256 * 2 * 20
+    assert cost.total_s > 0 and cost.fits
