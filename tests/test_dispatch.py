@@ -336,3 +336,29 @@ with torch.no_grad():
     _PROPERTY_REFERENCE = _PROPERTY_MODEL(**_PROPERTY_INPUTS).logits
 _PROPERTY_STATE = snapshot(_PROPERTY_MODEL)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans over the tracer's units (execution order, tied groups from the graph)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_over_traced_units_matches_reference(family, tmp_path):
+    trace_module = pytest.importorskip("placement_opt.trace")
+    model = tiny(family)
+    graph = trace_module.trace(model)
+    names = graph.names()
+    assert set(names) == set(units_of(model))  # the test helper's units are the tracer's units
+    rows = {u: mixed(i, u) for i, u in enumerate(names)}
+    for group in graph.meta.tied_unit_groups:
+        for u in group:
+            rows[u] = rows[group[0]]
+    batch = inputs_for(model)
+    with torch.no_grad():
+        reference = model(**batch).logits
+    before = snapshot(model)
+    handle = dispatch(model, make_plan([(u, *rows[u]) for u in names]), offload_dir=tmp_path)
+    with torch.no_grad():
+        logits = handle(**batch).logits
+    handle.remove()
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+    assert_restored(model, before)
