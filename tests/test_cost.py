@@ -288,6 +288,13 @@ def test_evaluate_finer_keys_take_the_majority_of_parameters() -> None:
     cost = evaluate(fine, graph, measured_machine(), Workload(prompt_len=8, new_tokens=2))
     # layer 0 has two mlp parameters on cpu and one attention parameter on the GPU: cpu wins
     assert cost.units[1].storage == "cpu"
+    # a coarse key with one finer exception: the parameters not under the exception follow the coarse key
+    mixed = evaluate({"": 0, "model.layers.1.mlp.down_proj": "cpu"}, graph, measured_machine(),
+                     Workload(prompt_len=8, new_tokens=2))
+    assert mixed.units[2].storage == "cuda:0"  # 2 of its 3 parameters are on cuda:0
+    flipped = evaluate({"": 0, "model.layers.1.mlp": "cpu"}, graph, measured_machine(),
+                       Workload(prompt_len=8, new_tokens=2))
+    assert flipped.units[2].storage == "cpu" and flipped.units[1].storage == "cuda:0"
 
 
 def test_evaluate_without_gpu_runs_on_cpu() -> None:

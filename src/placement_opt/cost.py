@@ -571,28 +571,34 @@ def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, An
     """Value per unit from keys that may be coarser (prefixes) or finer (submodules) than units.
 
     A coarser key covers every unit under it (the longest key wins). A unit split by finer keys
-    gets the value that holds most of its parameters (ties: the first in map order) — a plan
-    scores whole units.
+    gets the value that holds most of its parameters (each parameter follows its longest matching
+    key; ties go to the earliest key in the map): a plan scores whole units.
     """
     keys = sorted(entries, key=len, reverse=True)
+    order = {k: i for i, k in enumerate(entries)}
     resolved: dict[str, Any] = {}
     missing = []
     for unit in graph.units():
         covering = next((k for k in keys if _matches(k, unit.name)), None)
-        if covering is not None:
-            resolved[unit.name] = entries[covering]
-            continue
         finer = [k for k in entries if k.startswith(unit.name + ".")]
-        if not finer:
+        if finer:
+            votes: Counter[str] = Counter()
+            for param in unit.param_names:
+                key = next((k for k in keys if _matches(k, param)), None)
+                if key is not None:
+                    votes[key] += 1
+            if not votes:
+                votes[finer[0]] = 1
+            by_value: Counter[Any] = Counter()
+            first: dict[Any, int] = {}
+            for key, count in votes.items():
+                by_value[entries[key]] += count
+                first[entries[key]] = min(first.get(entries[key], len(order)), order[key])
+            resolved[unit.name] = max(by_value, key=lambda v: (by_value[v], -first[v]))
+        elif covering is not None:
+            resolved[unit.name] = entries[covering]
+        else:
             missing.append(unit.name)
-            continue
-        votes: Counter[str] = Counter()
-        for param in unit.param_names:
-            key = next((k for k in keys if _matches(k, param)), None)
-            if key is not None:
-                votes[key] += 1
-        best = max(finer, key=lambda k: (votes[k], -list(entries).index(k)))
-        resolved[unit.name] = entries[best]
     if missing:
         raise ValueError(f"the device map places no entry for units {_few(missing)}: add them or a "
                          f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
