@@ -362,6 +362,13 @@ def test_local_machine_keeps_own_gpu_and_a_share_of_the_host() -> None:
     assert dict(local.links) == {("cpu", "cuda:1"): 20e9}  # links to cuda:0 are gone
 
 
+def test_local_machine_is_idempotent() -> None:
+    once = local_machine(_host(), DDP_R1)
+    twice = local_machine(once, DDP_R1)
+    assert twice == once and twice["cpu"].memory_bytes == 32 * GIB
+    assert "per-rank share 1/2" in once["cpu"].source
+
+
 def test_local_machine_single_process_is_unchanged() -> None:
     host = _host()
     assert local_machine(host, SINGLE) is host
@@ -398,7 +405,9 @@ CROSS_TABLE = [
     pytest.param({0: "20GiB", 1: "20GiB", "cpu": "64GiB"}, DS_R1, "rank 1 of 2 (DeepSpeed) owns cuda:1",
                  id="max-memory-dict"),
     pytest.param([Device.preset("t4", name="cuda:0")], FSDP_R0, None, id="fsdp-own-device"),
-    pytest.param(["cuda:0", "cpu"], DDP_CPU, "runs on the CPU (no GPU of its own)", id="cpu-rank"),
+    pytest.param(["cuda:0", "cpu"], DDP_CPU, "runs on the CPU (no GPU of its own) but the machine lists "
+                 "cuda:0: in a distributed run each rank plans for its own device; pass devices for one "
+                 "rank (e.g. ['cpu', 'disk'])", id="cpu-rank"),
 ]
 
 
@@ -445,4 +454,5 @@ def test_plan_for_context_rejects_explicit_cross_rank_split() -> None:
 
 def test_plan_for_context_detects_the_rank_devices_when_none_given() -> None:
     machine, note = plan_for_context(None, DDP_CPU)  # CPU rank: this host's RAM and disk, halved
-    assert machine.names == ["cpu", "disk"] and "rank 0 of 2 (DDP)" in note
+    assert machine.names == ["cpu", "disk"]
+    assert note.startswith("planned for rank 0 of 2 (DDP) only: no GPU, cpu ")

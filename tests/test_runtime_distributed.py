@@ -27,7 +27,7 @@ TIMEOUT_S = 60
 # Six 512 MiB fp16 units = 3 GiB; each rank has 1 GiB usable on its GPU and 3 GiB of the host's
 # 6 GiB of RAM, so a valid local plan needs both, and nothing fits without the CPU share.
 WORKER = r'''
-import dataclasses, json, os, sys
+import json, sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -40,44 +40,46 @@ else:
                             timeout=timedelta(seconds=45))
 
 import placement_opt
+from placement_opt import runtime
 from placement_opt.cost import evaluate
 from placement_opt.errors import PlacementError
 from placement_opt.graph import chain_graph
-from placement_opt.runtime import detect_context, plan_for_context, resolve_device_map
+from placement_opt.runtime import detect_context, resolve_device_map
 
 MIB = 2**20
 graph = chain_graph([{"name": f"layers.{i}", "param_bytes": 512 * MIB, "flops_per_token": 2**30,
                       "out_bytes_per_token": 8192} for i in range(6)])
 
-real = detect_context()                                   # this machine: no GPU
-gpu_ctx = dataclasses.replace(real, local_device=f"cuda:{rank}")  # a 2-GPU host, simulated
-own = f"cuda:{rank}"
-result = {"rank": rank, "kind": real.kind, "world_size": real.world_size, "local_device": real.local_device,
-          "auto": resolve_device_map("auto", real), "auto_gpu": resolve_device_map("auto", gpu_ctx)}
-
-try:
-    plan_for_context("cuda:0=t4/2GiB,cuda:1=t4/2GiB,cpu=6GiB,disk=100GB", gpu_ctx)
-except PlacementError as err:
-    result["cross_rank_error"] = str(err)
-
-def check(plan, machine):
+def check(plan):
     names = [p.unit for p in plan.placements]
     assert sorted(names) == sorted(graph.names()), names
     used = {d for p in plan.placements for d in (p.storage, p.execution)}
-    assert used <= set(machine.names), (used, machine.names)
-    cost = evaluate(plan, graph, machine)                  # re-priced independently of the solver
+    assert used <= set(plan.machine.names), (used, plan.machine.names)
+    cost = evaluate(plan, graph, plan.machine)             # re-priced independently of the solver
     assert cost.fits, [v.message for v in cost.violations]
     return sorted(used), sum(m.weights_bytes for m in cost.memory)
 
-machine, note = plan_for_context(f"{own}=t4/2GiB,cpu=6GiB,disk=100GB", gpu_ctx)
-plan = placement_opt.solve(graph, machine, time_limit_s=10)
-result["gpu_plan_devices"], weights = check(plan, machine)
-result["gpu_machine"] = {d.name: d.memory_bytes for d in machine.devices}
-result["note"] = note
+# 1. This machine as it is (no GPU): every call detects the context itself.
+real = detect_context()
+result = {"rank": rank, "kind": real.kind, "world_size": real.world_size, "local_device": real.local_device,
+          "auto": resolve_device_map("auto")}
+cpu_plan = placement_opt.solve(graph, None, time_limit_s=10)   # detects this rank's RAM and disk share
+result["cpu_plan_devices"], cpu_weights = check(cpu_plan)
+result["cpu_notes"] = list(cpu_plan.notes)
 
-cpu_machine, _ = plan_for_context(None, real)              # detected: this rank's RAM and disk share
-cpu_plan = placement_opt.solve(graph, cpu_machine, time_limit_s=10)
-result["cpu_plan_devices"], cpu_weights = check(cpu_plan, cpu_machine)
+# 2. A 2-GPU host, simulated: torch would report two GPUs; the GPUs are described by presets.
+runtime._cuda_device_count = lambda: 2
+result["auto_gpu"] = resolve_device_map("auto")
+try:
+    placement_opt.solve(graph, "cuda:0=t4/2GiB,cuda:1=t4/2GiB,cpu=6GiB,disk=100GB", time_limit_s=10)
+except PlacementError as err:
+    result["cross_rank_error"] = str(err)
+plan = placement_opt.solve(graph, f"cuda:{rank}=t4/2GiB,cpu=6GiB,disk=100GB", time_limit_s=10)
+result["gpu_plan_devices"], weights = check(plan)
+result["gpu_machine"] = {d.name: d.memory_bytes for d in plan.machine.devices}
+result["gpu_notes"] = list(plan.notes)
+again = placement_opt.solve(graph, plan.machine, time_limit_s=10)  # a local machine is not divided twice
+result["again_machine"] = {d.name: d.memory_bytes for d in again.machine.devices}
 
 sizes = [None, None]
 dist.all_gather_object(sizes, (graph.total_param_bytes, weights, cpu_weights))
@@ -126,7 +128,6 @@ def _launch(launch: str) -> list[dict]:
 
 @pytest.mark.parametrize("launch", ["torchrun", "spawn"])
 def test_two_ranks_plan_locally_and_agree(launch: str) -> None:
-    pytest.importorskip("placement_opt.solve", reason="solve() has not landed yet")
     results = _launch(launch)
     gib = 2**30
     for rank, res in enumerate(results):
@@ -135,14 +136,20 @@ def test_two_ranks_plan_locally_and_agree(launch: str) -> None:
         # TRL's rule, DDP flavour: one full replica per rank, on the rank's own device.
         assert res["auto"] == {"": "cpu"}
         assert res["auto_gpu"] == {"": f"cuda:{rank}"}
-        assert f"rank {rank} of 2 (DDP) owns cuda:{rank} but the machine lists cuda:0, cuda:1" in \
-            res["cross_rank_error"]
-        # The rank's machine: its own GPU, half of the host's 6 GiB and 100 GB.
+        # solve() itself honours the context: a plan for the rank's share of this host...
+        assert set(res["cpu_plan_devices"]) <= {"cpu", "disk"}
+        assert res["cpu_notes"][0].startswith(f"planned for rank {rank} of 2 (DDP) only: no GPU, cpu ")
+        # ...an error when asked to split over both ranks' GPUs...
+        assert res["cross_rank_error"].startswith(
+            f"rank {rank} of 2 (DDP) owns cuda:{rank} but the machine lists cuda:0, cuda:1: in a "
+            f"distributed run each rank plans for its own device")
+        # ...and, given the rank's own GPU, half of the host's 6 GiB and 100 GB, never more.
         assert res["gpu_machine"] == {f"cuda:{rank}": 2 * gib, "cpu": 3 * gib, "disk": 50 * 10**9}
+        assert res["again_machine"] == res["gpu_machine"]
         assert set(res["gpu_plan_devices"]) <= {f"cuda:{rank}", "cpu", "disk"}
         assert {f"cuda:{rank}", "cpu"} <= set(res["gpu_plan_devices"])  # 3 GiB needs both
-        assert set(res["cpu_plan_devices"]) <= {"cpu", "disk"}
-        assert res["note"].startswith(f"planned for rank {rank} of 2 (DDP) only: cuda:{rank}")
+        assert res["gpu_notes"][0].startswith(f"planned for rank {rank} of 2 (DDP) only: cuda:{rank}, "
+                                              f"cpu 3.00 GiB")
     # Both ranks gathered the same sizes, and every plan stores the whole model: 6 x 512 MiB.
     assert results[0]["sizes"] == results[1]["sizes"]
     for total, gpu_weights, cpu_weights in results[0]["sizes"]:

@@ -52,6 +52,8 @@ KINDS = ("single", "ddp", "deepspeed", "fsdp")
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _TRUE = ("1", "true", "yes", "y", "on", "t")
 _FRAMEWORK_PLACES = ("deepspeed", "fsdp")
+#: Marks a CPU/disk whose capacity :func:`local_machine` already divided among a host's ranks.
+_SHARE_TAG = "per-rank share"
 _LABEL = {"single": "single process", "ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP"}
 
 
@@ -545,15 +547,17 @@ def check_no_cross_rank_split(devices: Any, context: RuntimeContext) -> None:
     raise PlacementError(
         f"{context.describe()} {owns} but {noun} {', '.join(gpus)}: in a distributed run "
         f"each rank plans for its own device; pass devices for one rank "
-        f"(e.g. ['{context.local_device}', 'cpu', 'disk']) or run a single process"
+        f"(e.g. {_default_devices(context)}) or run a single process"
     )
 
 
 def _share(device: Device, ranks: int) -> Device:
-    if ranks <= 1:
+    """``device`` with 1/``ranks`` of its capacity; a device already shared is left as it is."""
+    if ranks <= 1 or _SHARE_TAG in device.source:
         return device
     return replace_device(device, memory_bytes=device.memory_bytes // ranks,
-                          reserve_bytes=device.reserve_bytes // ranks)
+                          reserve_bytes=device.reserve_bytes // ranks,
+                          source=f"{device.source}, {_SHARE_TAG} 1/{ranks}")
 
 
 def local_machine(machine: Machine, context: RuntimeContext) -> Machine:
@@ -561,7 +565,9 @@ def local_machine(machine: Machine, context: RuntimeContext) -> Machine:
 
     Keeps the rank's own GPU (named as it was, ``cuda:<local_rank>``), the CPU and the disk with
     their capacity divided by ``local_world_size`` (the ranks on one host share them), and the
-    links between the kept devices. A single process gets ``machine`` unchanged.
+    links between the kept devices. A single process gets ``machine`` unchanged. Idempotent: a
+    device already divided carries ``"per-rank share 1/N"`` in its ``source`` and is kept as is,
+    so a local machine passed to ``solve()`` is not divided twice.
 
     Example::
 
@@ -641,7 +647,7 @@ def _single_default_devices() -> list[str]:
 def _note(machine: Machine, ctx: RuntimeContext) -> str:
     host = [f"{d.name} {format_bytes(d.memory_bytes)}" for d in machine.devices if not d.is_gpu]
     share = f" (1/{ctx.local_world_size} of this host's)" if ctx.local_world_size > 1 and host else ""
-    gpu = ctx.local_device if ctx.local_device in machine else "no GPU"
+    gpu = next((d.name for d in machine.devices if d.is_gpu), "no GPU")
     placed = (f"; {_LABEL[ctx.kind]} will place and shard the model itself, so this plan sizes one "
               f"full replica" if ctx.framework_places else "")
     return (f"planned for {ctx.describe()} only: {gpu}, {', '.join(host) or 'no host memory'}{share}"
