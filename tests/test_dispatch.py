@@ -362,3 +362,15 @@ def test_plan_over_traced_units_matches_reference(family, tmp_path):
     handle.remove()
     torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
     assert_restored(model, before)
+
+
+def test_every_unit_hooked_gives_the_same_logits(tmp_path):
+    # the wrappers a multi-device plan installs on every unit (input moving), run here on one device
+    model = _PROPERTY_MODEL
+    handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path, _hook_every_unit=True)
+    assert len(handle.hooked_modules) == len(units_of(model)) + 1  # every unit and the model
+    with torch.no_grad():
+        logits = handle(**_PROPERTY_INPUTS).logits
+    handle.remove()
+    torch.testing.assert_close(logits, _PROPERTY_REFERENCE, rtol=1e-6, atol=1e-6)
+    assert_restored(model, _PROPERTY_STATE)

@@ -68,3 +68,19 @@ def test_load_casts_to_a_requested_dtype(tmp_path_factory):
 def test_directory_without_checkpoint(tmp_path):
     with pytest.raises(DispatchError, match="no safetensors checkpoint"):
         load(tmp_path, None, plan=plan_from(tiny("llama"), mixed))
+
+
+def test_load_solves_when_no_plan_is_given(tmp_path_factory):
+    pytest.importorskip("placement_opt.solve")
+    from placement_opt.workload import Workload
+
+    model = tiny("llama")  # ~180 KB of fp32 weights: 4 layers of ~36 KB, embed and head 16 KB each
+    path = tmp_path_factory.mktemp("llama-solve")
+    model.save_pretrained(path)
+    handle = load(path, {"cpu": "150KB", "disk": "1GB"}, workload=Workload(batch_size=2, prompt_len=8, new_tokens=4))
+    storages = {p.storage for p in handle.plan.placements}
+    assert storages == {"cpu", "disk"}  # 150 KB of RAM cannot hold it all
+    with torch.no_grad():
+        logits = handle(**inputs_for(model)).logits
+        reference = model(**inputs_for(model)).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)

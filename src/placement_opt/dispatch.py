@@ -327,7 +327,7 @@ def _restore_slot(slot: _Slot) -> None:
 # ---------------------------------------------------------------------------------------------
 def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str] | None = None,
              disk_reads: str = "mmap", _disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None = None,
-             _restore: bool = True) -> DispatchedModel:
+             _restore: bool = True, _hook_every_unit: bool = False) -> DispatchedModel:
     """Apply ``plan`` to ``model``: weights where the plan stores them, compute where it executes.
 
     Example::
@@ -369,7 +369,7 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     streamer = _Streamer()
     _link_prefetch(units)
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
-    hooked = _install_hooks(model, units, streamer)
+    hooked = _install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
     had_map = "hf_device_map" in model.__dict__
     previous = model.__dict__.get("hf_device_map")
     model.hf_device_map = plan.device_map
@@ -496,11 +496,14 @@ def _link_prefetch(units: list[_Unit]) -> None:
 # ---------------------------------------------------------------------------------------------
 # Hooks
 # ---------------------------------------------------------------------------------------------
-def _install_hooks(model: nn.Module, units: list[_Unit], streamer: _Streamer) -> dict[nn.Module, tuple[bool, Any]]:
+def _install_hooks(model: nn.Module, units: list[_Unit], streamer: _Streamer,
+                   move_inputs: bool | None) -> dict[nn.Module, tuple[bool, Any]]:
+    """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices."""
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
-    many_devices = len({u.execution for u in units}) > 1
+    if move_inputs is None:
+        move_inputs = len({u.execution for u in units}) > 1
     for unit in units:
-        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs=many_devices)
+        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs=move_inputs)
         if wrapper is not None:
             _wrap(unit.module, wrapper, hooked)
     main = units[0].execution if units else torch.device("cpu")
