@@ -371,3 +371,21 @@ def test_evaluate_traces_a_model_and_scores_an_accelerate_map() -> None:
     # for batch 2 x (16 + 4) tokens, per layer
     assert cost.device_memory("cuda:0").kv_cache_bytes == 2 * 256 * 2 * 20
     assert cost.total_s > 0 and cost.fits
+
+
+def test_measured_flops_by_tokens_curve_prices_small_batches() -> None:
+    # CPU reaching 10 GFLOP/s at 1 token, 100 GFLOP/s at 100 tokens (interpolated in log tokens)
+    cpu = Device("cpu", "10GB", flops=1e12, bandwidth=1e15, source="measured",
+                 flops_by_tokens=[(100, 1e11), (1, 1e10)])
+    assert cpu.flops_by_tokens == ((1, 1e10), (100, 1e11))  # sorted
+    graph = chain_graph([{"name": "w", "param_bytes": 1000, "flops_per_token": 10**9}])
+
+    def prefill_ns(tokens: int) -> int:
+        problem = build_problem(graph, Machine([cpu]), Workload(prompt_len=tokens, new_tokens=0))
+        return problem.units[0].options[0].prefill_ns
+
+    assert prefill_ns(1) == ns(1e9 / 1e10 + CPU_OH)           # 100 ms
+    assert prefill_ns(10) == ns(10e9 / 5.5e10 + CPU_OH)       # halfway in log: 55 GFLOP/s
+    assert prefill_ns(1000) == ns(1000e9 / 1e11 + CPU_OH)     # flat beyond the last point
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        Device("cpu", "1GB", flops_by_tokens=[(0, 1e9)])

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import placement_opt.profile as profile_module
 from placement_opt.devices import as_machine, detect_device
 from placement_opt.profile import (
     PROFILE_ENV_VAR,
@@ -21,7 +22,10 @@ from placement_opt.profile import (
 def measured(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("profile")
     path = folder / "profile.json"
-    machine = profile(["cpu", "disk"], path=path, quick=True, dtype="float32", offload_folder=folder)
+    with pytest.MonkeyPatch.context() as patch:  # fewer points keep the suite fast
+        patch.setattr(profile_module, "PROFILED_DTYPES", ("float32", "bfloat16"))
+        patch.setattr(profile_module, "CURVE_TOKENS", (1, 16, 64))
+        machine = profile(["cpu", "disk"], path=path, quick=True, dtype="float32", offload_folder=folder)
     return path, machine
 
 
@@ -35,7 +39,9 @@ def test_profile_measures_cpu_and_disk_and_saves_json(measured) -> None:
     data = json.loads(path.read_text())
     assert data["schema_version"] == PROFILE_SCHEMA_VERSION
     cpu = data["measurements"]["cpu"]
-    assert set(cpu["matmul_flops_per_s"]) == {"float32", "bfloat16", "float16"}
+    assert set(cpu["matmul_flops_per_s"]) == {"float32", "bfloat16"}
+    assert [t for t, _ in cpu["linear_flops_by_tokens"]["float32"]] == [1, 16, 64]
+    assert [t for t, _ in machine["cpu"].flops_by_tokens] == [1, 16, 64]
     assert data["measurements"]["disk"]["page_cache"].startswith("dropped")
     # the scratch file is gone
     assert [p.name for p in path.parent.iterdir() if p.name.startswith("placement_opt_profile_")] == []

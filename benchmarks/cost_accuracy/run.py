@@ -202,7 +202,8 @@ def main() -> None:
     from placement_opt.cost import evaluate
     from placement_opt.workload import Workload
 
-    work = Path(tempfile.mkdtemp(prefix="cost_accuracy_", dir=HERE))
+    work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
+    load_before = os.getloadavg()[0]
     try:
         started = time.perf_counter()
         machine = placement_opt.profile(["cpu", "disk"], path=work / "profile.json", dtype="float32",
@@ -240,7 +241,7 @@ def main() -> None:
                     undo()
                 shutil.rmtree(folder, ignore_errors=True)
         write_results(Path(args.out), rows, machine, graph_source, size, layers, prompt, repeats,
-                      time.perf_counter() - started, args)
+                      time.perf_counter() - started, args, (load_before, os.getloadavg()[0]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -255,7 +256,8 @@ def ranking_agrees(rows: list[tuple], runner: str, kind: str) -> bool | None:
 
 
 def write_results(out: Path, rows: list[tuple], machine: Any, graph_source: str, size: int, layers: int,
-                  prompt: int, repeats: int, wall_s: float, args: argparse.Namespace) -> None:
+                  prompt: int, repeats: int, wall_s: float, args: argparse.Namespace,
+                  load: tuple[float, float]) -> None:
     cpu, disk = machine["cpu"], machine["disk"]
     lines = [
         "# Cost-model accuracy on this machine",
@@ -270,7 +272,8 @@ def write_results(out: Path, rows: list[tuple], machine: Any, graph_source: str,
         f"- Forwards: prefill-like = batch 1 x {prompt} tokens, decode-like = batch 1 x 1 token (no cache); "
         f"best and median of {repeats}; offloaded files evicted from the page cache before each forward",
         f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}`",
-        "- Figures taken while other engineers shared the 2 cores (noisy).",
+        f"- Figures taken while other engineers shared the 2 cores and the disk (noisy): 1-minute load "
+        f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
         "| runner | placement | forward | predicted (s) | measured best (s) | measured median (s) "
         "| predicted / best | within +-25% |",

@@ -165,7 +165,7 @@ def _measure_cpu(quick: bool) -> dict[str, Any]:
     import psutil
     import torch
 
-    repeats = 2 if quick else 4
+    repeats = 2 if quick else 5
     n = 512 if quick else 1024
     rows = 4096 if quick else 8192  # 64 MiB or 256 MiB in fp32: larger than any CPU cache
     matmul, matvec, curves = {}, {}, {}
