@@ -202,7 +202,10 @@ def _trace(model: Any, workload: Workload, dtype: str) -> Any:
 
 
 def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
-           time_limit_s: float | None) -> Plan:
+           time_limit_s: float | None, source: Any = None) -> Plan:
+    """``solve`` on the traced graph; ``accelerate`` asks the installed library with ``source``."""
+    if strategy == "accelerate":
+        return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
     from .solve import solve
 
     kwargs: dict[str, Any] = {"workload": workload, "strategy": strategy}
@@ -211,14 +214,57 @@ def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, 
     return solve(graph, machine, objective, **kwargs)
 
 
+def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: str,
+                     workload: Workload) -> Plan:
+    """The installed transformers' ``device_map="auto"``, scored with accelerate's run-time semantics.
+
+    Same as ``solve(source, strategy="accelerate")`` but reuses the traced graph instead of
+    tracing the model again (seconds for a 70B model).
+    """
+    import contextlib
+    import io
+    import logging
+
+    from .baselines import accelerate_device_map
+    from .cost import evaluate
+    from .errors import PlacementError
+    from .plan import Plan, UnitPlacement
+
+    if source is None:
+        raise PlacementError("strategy 'accelerate' needs the model's config, not only its graph")
+    started = time.perf_counter()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # accelerate warns that preset GPUs are absent from this machine
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            device_map = accelerate_device_map(source, machine.max_memory, "auto")
+    finally:
+        logging.disable(previous)
+    cost = evaluate(device_map, graph, machine, workload)
+    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
+                       for u in cost.units)
+    draft = Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective,
+                 strategy="accelerate", placements=placements, machine=machine, workload=workload,
+                 cost=cost, status="GREEDY", objective_value=0.0, best_bound=0.0, gap=0.0,
+                 solve_time_s=time.perf_counter() - started,
+                 notes=("device_map='auto' of the installed transformers/accelerate, run as accelerate "
+                        "runs it (cpu/disk units copied to the first GPU synchronously at every forward)",
+                        *(f"does not fit: {v.message}" for v in cost.violations)),
+                 extra={"device_map": {k: v for k, v in device_map.items()}})
+    from dataclasses import replace
+
+    return replace(draft, objective_value=objective_value(draft, objective))
+
+
 def compare_strategies(
     graph: Any,
-    machine: Machine,
+    machine: Any,
     *,
     objective: str = "latency",
     workload: Workload | None = None,
     strategies: Sequence[str] = STRATEGIES,
     time_limit_s: float | None = None,
+    source: Any = None,
 ) -> list[StrategyOutcome]:
     """Solve the same problem with every strategy and return one outcome per strategy.
 
@@ -227,22 +273,36 @@ def compare_strategies(
 
     Example::
 
-        graph = placement_opt.trace(models.model_config("llama-2-7b"))
-        for o in compare_strategies(graph, "cuda:0=t4,cpu=64GiB,disk"):
+        config = models.model_config("llama-2-7b")
+        graph = placement_opt.trace(config)
+        for o in compare_strategies(graph, "cuda:0=t4,cpu=64GiB,disk", source=config):
             print(o.strategy, o.fits, o.total_s)
+
+    Args:
+        graph: the traced :class:`~placement_opt.graph.LayerGraph`.
+        machine: a ``Machine`` or anything :func:`~placement_opt.devices.as_machine` accepts.
+        objective: ``"latency"``, ``"throughput"`` or ``"memory"``.
+        workload: default ``Workload()``.
+        strategies: which strategies, in display order (default :data:`STRATEGIES`).
+        time_limit_s: CP-SAT's time limit (default: ``solve``'s).
+        source: the transformers config or model the graph was traced from; needed by the
+            ``accelerate`` strategy (the installed library computes its map from the model).
+
+    Returns:
+        One :class:`~placement_opt.viz.StrategyOutcome` per strategy, in order.
     """
     from .devices import as_machine
     from .errors import PlacementError
     from .viz import StrategyOutcome
     from .workload import Workload
 
-    machine = as_machine(machine)
+    machine = as_machine(machine, dtype=graph.meta.dtype)
     workload = workload or Workload()
     outcomes = []
     for strategy in strategies:
         try:
             plan = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
-                          time_limit_s=time_limit_s)
+                          time_limit_s=time_limit_s, source=source)
         except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
             outcomes.append(StrategyOutcome(strategy=strategy, error=_one_line(exc)))
         else:
@@ -448,13 +508,14 @@ def _solve_options(func: Any) -> Any:
 
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
-             dtype: str) -> tuple[Any, Machine, Workload]:
+             dtype: str) -> tuple[Any, Machine, Workload, Any]:
+    """(graph, machine, workload, resolved model) from the command-line words."""
     workload = _workload(batch, prompt, new_tokens)
     machine = resolve_devices(devices, dtype=dtype)
     resolved = resolve_model(model)
     with _progress(f"Tracing {model} on the meta device ..."):
         graph = _trace(resolved, workload, dtype)
-    return graph, machine, workload
+    return graph, machine, workload, resolved
 
 
 def _check_plot_suffix(path: str | None) -> None:
@@ -473,10 +534,10 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     _check_plot_suffix(plot)
     console = _console()
     with _errors_as_messages():
-        graph, machine, workload = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
         with _progress(f"Solving ({strategy}, {objective}) ..."):
             result = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
-                            time_limit_s=time_limit)
+                            time_limit_s=time_limit, source=resolved)
     for part in _plan_renderables(result):
         console.print(part)
     _write_outputs(console, result, json_path, plot)
@@ -507,10 +568,10 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
     _check_plot_suffix(plot)
     console = _console()
     with _errors_as_messages():
-        graph, machine, workload = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
         with _progress("Solving with every strategy ..."):
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
-                                          time_limit_s=time_limit)
+                                          time_limit_s=time_limit, source=resolved)
     w = workload
     console.print(f"[bold]{model}[/] ({dtype}) on {', '.join(machine.names)}; batch {w.batch_size} x prompt "
                   f"{w.prompt_len} + {w.new_tokens} new tokens; objective {objective}")
