@@ -456,3 +456,14 @@ def test_plan_for_context_detects_the_rank_devices_when_none_given() -> None:
     machine, note = plan_for_context(None, DDP_CPU)  # CPU rank: this host's RAM and disk, halved
     assert machine.names == ["cpu", "disk"]
     assert note.startswith("planned for rank 0 of 2 (DDP) only: no GPU, cpu ")
+
+
+@pytest.mark.cuda
+def test_detect_context_counts_real_gpus() -> None:
+    count = torch.cuda.device_count()
+    assert detect_context({}, frameworks=False).local_device == "cuda:0"
+    ctx = detect_context({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+                         frameworks=False)
+    assert ctx.local_device == f"cuda:{1 % count}"
+    model = _model({"": torch.cuda.current_device()})
+    assert should_place_on_device(model, device=torch.device("cuda", torch.cuda.current_device())).place
