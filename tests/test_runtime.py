@@ -467,3 +467,19 @@ def test_detect_context_counts_real_gpus() -> None:
     assert ctx.local_device == f"cuda:{1 % count}"
     model = _model({"": torch.cuda.current_device()})
     assert should_place_on_device(model, device=torch.device("cuda", torch.cuda.current_device())).place
+
+
+def test_single_process_rules_never_import_torch() -> None:
+    # The solver side stays torch-free: solve() calls plan_for_context in every run.
+    import os
+    import subprocess
+
+    code = ("import sys\n"
+            "from placement_opt.runtime import plan_for_context, resolve_device_map\n"
+            "machine, note = plan_for_context('cpu=8GiB,disk=1TB')\n"
+            "print(machine.names, note, resolve_device_map('auto'), 'torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "ACCELERATE_USE_FSDP",
+                                                             "ACCELERATE_USE_DEEPSPEED")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60, env=env)
+    assert out.stdout.strip() == "['cpu', 'disk'] None auto False"
