@@ -319,7 +319,7 @@ def detect_context(
                           local_world_size=local_world,
                           local_device=_local_device(local_rank, count, env),
                           zero_stage=stage if kind == "deepspeed" else None,
-                          source=f"{ranks.source}, {source}")
+                          source=ranks.source if source == ranks.source else f"{ranks.source}, {source}")
 
 
 def _merge(framework: _Ranks, env_ranks: _Ranks) -> _Ranks:
