@@ -104,10 +104,11 @@ def trace(
         raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must both be >= 1")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
-    module, name, config, torch_dtype = _resolve(model, dtype)
+    module, name, config, torch_dtype, override = _resolve(model, dtype)
     split = _no_split_names(module, no_split, granularity)
     units = _find_units(module, split)
-    ctx = _Context(module=module, name=name, config=config, dtype=torch_dtype, batch_size=batch_size,
+    ctx = _Context(module=module, name=name, config=config, dtype=torch_dtype, override=override,
+                   batch_size=batch_size,
                    seq_len=seq_len, units=units, no_split=tuple(sorted(split)))
     try:
         record = _meta_forward(ctx, example_inputs)
@@ -125,16 +126,19 @@ def trace(
 # -- resolving the argument into a module ------------------------------------------------------------
 
 
-def _resolve(model: Any, dtype: str | torch.dtype | None) -> tuple[nn.Module, str, Any, torch.dtype]:
-    """(module, model name, config or None, weight dtype) for anything ``trace`` accepts."""
+def _resolve(model: Any, dtype: str | torch.dtype | None
+             ) -> tuple[nn.Module, str, Any, torch.dtype, torch.dtype | None]:
+    """(module, name, config or None, graph dtype, dtype to count floating tensors in or None for their own)."""
     if isinstance(model, nn.Module):
         config = getattr(model, "config", None)
         name = getattr(config, "name_or_path", "") or type(model).__name__
-        return model, name, config, _as_dtype(dtype) if dtype is not None else _module_dtype(model)
+        if dtype is None:
+            return model, name, config, _module_dtype(model), None
+        return model, name, config, _as_dtype(dtype), _as_dtype(dtype)
     config = _as_config(model)
     torch_dtype = _as_dtype(dtype) if dtype is not None else _config_dtype(config)
     name = getattr(config, "name_or_path", "") or type(config).__name__
-    return _build_on_meta(config, torch_dtype), name, config, torch_dtype
+    return _build_on_meta(config, torch_dtype), name, config, torch_dtype, None
 
 
 def _as_config(model: Any) -> Any:
@@ -168,7 +172,7 @@ def _as_config(model: Any) -> Any:
 
 
 def _config_dtype(config: Any) -> torch.dtype:
-    for key in ("dtype", "torch_dtype"):
+    for key in ("dtype",) if hasattr(type(config), "dtype") or "dtype" in vars(config) else ("torch_dtype",):
         value = getattr(config, key, None)
         if value is not None and value != "auto":
             return _as_dtype(value)
@@ -268,6 +272,8 @@ class _Context:
     name: str
     config: Any
     dtype: torch.dtype
+    override: torch.dtype | None
+    """Count (and run) floating tensors in this dtype instead of their own (user's dtype for a module)."""
     batch_size: int
     seq_len: int
     units: dict[str, nn.Module]
@@ -293,9 +299,11 @@ class _Record:
 class _Recorder(TorchDispatchMode):
     """Counts FLOPs per unit and follows which unit produced every tensor."""
 
-    def __init__(self, record: _Record) -> None:
+    def __init__(self, record: _Record, param_owner: dict[int, str]) -> None:
         super().__init__()
         self.record = record
+        self.param_owner = param_owner
+        """id of a direct tensor of a container unit (a unit with units below it) -> that unit."""
         self.stack: list[str] = []
         self.producers: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.pending_flops = 0
@@ -312,11 +320,23 @@ class _Recorder(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        current = self._current(inputs, out)
         packet = func._overloadpacket
         if packet in flop_registry:
-            self._charge(int(flop_registry[packet](*args, **kwargs, out_val=out)))
-        self._follow(args, kwargs, out)
+            self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
+        self._follow(current, inputs, out)
         return out
+
+    def _current(self, inputs: list[torch.Tensor], out: Any) -> str | None:
+        """The unit running this op: the innermost hooked unit, else a container whose own tensor it reads."""
+        if self.stack:
+            return self.stack[-1]
+        owner = next((self.param_owner[id(t)] for t in inputs if id(t) in self.param_owner), None)
+        if owner is not None:
+            self._start(owner)
+            self.record.out_bytes[owner] = sum(_nbytes(t) for t in _tensors(out))
+        return owner
 
     def _guess_scalar(self, tensor: torch.Tensor) -> Any:
         # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
@@ -325,16 +345,15 @@ class _Recorder(TorchDispatchMode):
             return True
         return 1 if not tensor.is_floating_point() else 0.0
 
-    def _charge(self, flops: int) -> None:
-        if self.stack:
-            self.record.flops[self.stack[-1]] += flops
+    def _charge(self, current: str | None, flops: int) -> None:
+        if current is not None:
+            self.record.flops[current] += flops
         else:
             self.pending_flops += flops
 
-    def _follow(self, args: Any, kwargs: Any, out: Any) -> None:
-        current = self.stack[-1] if self.stack else None
+    def _follow(self, current: str | None, inputs: list[torch.Tensor], out: Any) -> None:
         sources: set[str] = set()
-        for tensor in _tensors((args, kwargs)):
+        for tensor in inputs:
             entry = self.producers.get(id(tensor))
             if entry is None or entry[0] is not tensor:
                 continue
@@ -347,16 +366,19 @@ class _Recorder(TorchDispatchMode):
             for tensor in _tensors(out):
                 self.producers[id(tensor)] = (tensor, made)
 
-    # -- module hooks --
-    def enter(self, name: str) -> None:
+    def _start(self, name: str) -> None:
+        """First time ``name`` runs: give it the next execution index and the glue FLOPs before it."""
         if name not in self.record.flops:
-            self.record.flops[name] += 0
-        if name not in self.record.order:
+            self.record.flops[name] = 0
             self.record.order.append(name)
         if self.pending_flops:
             self.record.flops[name] += self.pending_flops
             self.record.glue_flops += self.pending_flops
             self.pending_flops = 0
+
+    # -- module hooks --
+    def enter(self, name: str) -> None:
+        self._start(name)
         self.stack.append(name)
 
     def leave(self, name: str, output: Any) -> None:
@@ -388,11 +410,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _meta_forward(ctx: _Context, example_inputs: Any) -> _Record:
     record = _Record()
-    recorder = _Recorder(record)
     args, kwargs = _inputs(ctx, example_inputs)
-    state = _meta_state(ctx.module, ctx.dtype)
+    state = _meta_state(ctx.module, ctx.override)
+    containers = {n for n in ctx.units if _is_container(ctx, n)}
+    param_owner = {id(state[q]): n for n in containers
+                   for q, _, _ in _unit_tensors(n, ctx.units[n], False) if q in state}
+    recorder = _Recorder(record, param_owner)
     handles = []
     for name, sub in ctx.units.items():
+        if name in containers:
+            continue
         handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
         handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
     restore = _stand_in_experts(ctx)
@@ -412,12 +439,12 @@ def _meta_forward(ctx: _Context, example_inputs: Any) -> _Record:
     return record
 
 
-def _meta_state(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A meta stand-in for every parameter and buffer, in the traced dtype; no weight data is read."""
+def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A meta stand-in for every parameter and buffer (floating ones in ``dtype`` if given); no data is read."""
     state: dict[str, torch.Tensor] = {}
     for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
             module.named_buffers(remove_duplicate=False)):
-        target = dtype if tensor.is_floating_point() else tensor.dtype
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         state[name] = torch.empty(tensor.shape, dtype=target, device="meta")
     return state
 
@@ -550,7 +577,7 @@ def _node(ctx: _Context, record: _Record | None, name: str, module_index: int, e
     tensors = _unit_tensors(name, module, _is_block(ctx, name))
     param_bytes = buffer_bytes = 0
     for qname, tensor, is_param in tensors:
-        size = _tensor_bytes(tensor, ctx.dtype)
+        size = _tensor_bytes(tensor, ctx.override)
         if is_param:
             if first_owner.get(_tie_key(qname, tied)) == name:
                 param_bytes += size
@@ -589,6 +616,11 @@ def _in_embedding(ctx: _Context, qname: str) -> bool:
         return False
 
 
+def _is_container(ctx: _Context, name: str) -> bool:
+    """A unit owning only its direct tensors while other units sit below it (its forward is mostly glue)."""
+    return not _is_block(ctx, name) and any(n.startswith(name + ".") or (not name and n) for n in ctx.units)
+
+
 def _is_block(ctx: _Context, name: str) -> bool:
     """A unit kept whole (owns every tensor below it), as opposed to one owning only its direct tensors."""
     return bool(name) and type(ctx.units[name]).__name__ in ctx.no_split or len(ctx.units) == 1
@@ -598,8 +630,11 @@ def _owner_of(pname: str, owners: Mapping[str, list[str]]) -> str | None:
     return next((u for u, names in owners.items() if pname in names), None)
 
 
-def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
-    size = _dtype_bytes(dtype) if tensor.is_floating_point() else tensor.element_size()
+def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes once loaded: own dtype, or ``dtype`` for floating tensors (never upcast: accelerate's rule)."""
+    size = tensor.element_size()
+    if dtype is not None and tensor.is_floating_point():
+        size = min(size, _dtype_bytes(dtype))
     return tensor.numel() * size
 
 
@@ -646,7 +681,7 @@ def _add_edges(digraph: nx.DiGraph, ctx: _Context, record: _Record | None, order
                exec_index: Mapping[str, int]) -> int:
     """Data-flow edges (traced) or a chain in execution order (fallback); returns dropped back edges."""
     if record is None:
-        for src, dst in zip(order, order[1:]):
+        for src, dst in zip(order, order[1:], strict=False):
             digraph.add_edge(src, dst, bytes_per_token=int(digraph.nodes[src]["out_bytes_per_token"]))
         return 0
     dropped = 0
@@ -677,10 +712,10 @@ def _moe(ctx: _Context, module: nn.Module, name: str) -> tuple[int, int, int]:
         if not lists:
             return 0, 0, 0
         count = sum(len(m) for m in lists)
-        nbytes = sum(_tensor_bytes(p, ctx.dtype) for m in lists for p in m.parameters())
+        nbytes = sum(_tensor_bytes(p, ctx.override) for m in lists for p in m.parameters())
         return count, _experts_per_token(ctx, lists[0]), nbytes
     count = max(p.shape[0] for m in experts for p in m._parameters.values() if p is not None and p.dim() == 3)
-    nbytes = sum(_tensor_bytes(p, ctx.dtype) for m in experts for p in m.parameters())
+    nbytes = sum(_tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
     return int(count), _experts_per_token(ctx, experts[0]), int(nbytes)
 
 

@@ -1,0 +1,363 @@
+"""trace(): every family the issue names, on tiny configs; acceptance checks against accelerate and
+FlopCounterMode on real (random-init, CPU) copies of the same tiny models."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+from accelerate.utils import compute_module_sizes
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from placement_opt import models
+from placement_opt.errors import TraceError
+from placement_opt.graph import LayerGraph
+from placement_opt.trace import trace
+
+# hidden 32, 4 heads of 8, vocab 128 everywhere: every number below is small enough to check by hand
+TINY = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8),
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0),
+    "opt": lambda: transformers.OPTConfig(
+        vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=0, eos_token_id=0),
+    "falcon": lambda: transformers.FalconConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, bos_token_id=0, eos_token_id=0),
+    "gemma2": lambda: transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8),
+    "t5": lambda: transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0),
+    "bert": lambda: transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64),
+}
+SEQ = 16
+
+
+def _real_model(family: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A random-init CPU copy of the tiny model, tied like a loaded checkpoint."""
+    config = TINY[family]()
+    if config.is_encoder_decoder:
+        auto = transformers.AutoModelForSeq2SeqLM
+    elif family == "bert":
+        auto = transformers.AutoModel
+    else:
+        auto = transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=dtype, attn_implementation="eager").eval()
+    model.tie_weights()
+    return model
+
+
+def _real_inputs(model: nn.Module, batch: int = 1) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (batch, SEQ))
+    inputs = {"input_ids": ids}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = torch.randint(0, 128, (batch, SEQ))
+    return inputs
+
+
+# -- families ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_every_family_traces_to_a_valid_graph(family: str) -> None:
+    graph = trace(TINY[family](), seq_len=SEQ)
+    graph.validate()
+    assert graph.meta.traced
+    names = graph.names()
+    # edges point forward in execution order, and the graph is one connected DAG
+    position = {n: i for i, n in enumerate(names)}
+    assert all(position[u] < position[v] for u, v, _ in graph.edges())
+    reached = {v for _, v, _ in graph.edges()} | {u for u, _, _ in graph.edges()}
+    executed = [n for n in names if graph.unit(n).flops_per_token or graph.unit(n).out_bytes_per_token]
+    assert set(executed) <= reached
+    assert all(b > 0 for _, _, b in graph.edges())
+
+
+def test_llama_units_attributes_by_hand() -> None:
+    graph = trace(TINY["llama"](), seq_len=SEQ, dtype="float16")
+    assert graph.names() == ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1",
+                             "model.norm", "lm_head"]
+    layer = graph.unit("model.layers.0")
+    # q 32x32 + k 32x16 + v 32x16 + o 32x32 + mlp 3 x 32x64 + 2 norms of 32 = 9280 params, fp16
+    assert layer.param_bytes == 9280 * 2
+    # 2 x (9216 matmul params) + attention 4 x 4 heads x 8 x seq 16
+    assert layer.flops_per_token == 2 * 9216 + 2048
+    assert layer.attn_flops_per_token_per_ctx == 4 * 4 * 8
+    assert layer.kv_bytes_per_token == 2 * 2 * 8 * 2  # K and V, 2 KV heads of 8, fp16
+    assert layer.out_bytes_per_token == 32 * 2
+    # inv_freq and original_inv_freq: head_dim / 2 floats each, kept in float32 by transformers
+    assert graph.unit("model.rotary_emb").buffer_bytes == 2 * 4 * 4
+    assert graph.unit("lm_head").out_bytes_per_token == 128 * 2
+    assert graph.unit("lm_head").flops_per_token == 2 * 32 * 128
+    # rotary (cos, sin) reach every layer; hidden states form the chain
+    edges = {(u, v): b for u, v, b in graph.edges()}
+    assert edges[("model.rotary_emb", "model.layers.0")] == edges[("model.rotary_emb", "model.layers.1")] == 2 * 8 * 2
+    assert edges[("model.layers.0", "model.layers.1")] == 32 * 2
+    assert graph.meta.extra["num_key_value_heads"] == 2
+    assert graph.meta.no_split == ("LlamaDecoderLayer",)
+
+
+def test_mixtral_moe_fused_experts() -> None:
+    graph = trace(TINY["mixtral"](), seq_len=SEQ, dtype="float16")
+    layer = graph.unit("model.layers.0")
+    assert (layer.moe_num_experts, layer.moe_experts_per_token) == (4, 2)
+    assert layer.moe_expert_bytes == 4 * 3 * 32 * 64 * 2  # 4 experts x (gate, up, down) 32x64, fp16
+    # attention 2 x 3072 + 2048, router 2 x 32 x 4, two experts of 2 x 3 x 32 x 64 each
+    assert layer.flops_per_token == 2 * 3072 + 2048 + 2 * 32 * 4 + 2 * (2 * 3 * 32 * 64)
+    assert graph.unit("model.embed_tokens").moe_num_experts == 0
+
+
+def test_gpt2_tie_reported_and_counted_once() -> None:
+    graph = trace(TINY["gpt2"](), seq_len=SEQ, dtype="float32")
+    assert graph.meta.tied_param_groups == (("lm_head.weight", "transformer.wte.weight"),)
+    assert graph.meta.tied_unit_groups == (("transformer.wte", "lm_head"),)
+    assert graph.unit("transformer.wte").param_bytes == 128 * 32 * 4
+    assert graph.unit("lm_head").param_bytes == 0
+    assert graph.unit("lm_head").param_names == ("lm_head.weight",)
+    # Conv1D blocks: c_attn 32x96, c_proj 32x32, c_fc 32x128, c_proj 128x32 (+ biases, 2 layer norms)
+    block = graph.unit("transformer.h.0")
+    assert block.param_bytes == 4 * (32 * 96 + 96 + 32 * 32 + 32 + 32 * 128 + 128 + 128 * 32 + 32 + 4 * 32)
+    # token and position embeddings are summed in glue code: both feed the first block
+    assert {u for u, v, _ in graph.edges() if v == "transformer.h.0"} == {"transformer.wte", "transformer.wpe"}
+
+
+def test_t5_encoder_decoder_cross_edges_and_decode_flags() -> None:
+    graph = trace(TINY["t5"](), seq_len=SEQ, dtype="float16")
+    assert graph.meta.is_encoder_decoder
+    assert not graph.is_chain()
+    decoder_blocks = [n for n in graph.names() if n.startswith("decoder.block.")]
+    assert len(decoder_blocks) == 2
+    for block in decoder_blocks:
+        assert ("encoder.final_layer_norm", block) in {(u, v) for u, v, _ in graph.edges()}
+        assert graph.unit(block).in_decode
+        assert graph.unit(block).kv_bytes_per_token == 2 * 4 * 8 * 2  # self-attention only
+    assert not graph.unit("encoder.block.0").in_decode
+    assert graph.unit("encoder.block.0").kv_bytes_per_token == 0
+    assert graph.meta.extra["cross_attn_kv_bytes_per_token"] == 2 * 4 * 8 * 2
+    # shared embedding / lm_head are one tensor, counted once
+    group = next(g for g in graph.meta.tied_param_groups if "shared.weight" in g)
+    assert "lm_head.weight" in group
+    assert sum(graph.unit(n).param_bytes for g in graph.meta.tied_unit_groups for n in g) == 128 * 32 * 2
+
+
+def test_bert_encoder_has_no_kv_cache() -> None:
+    graph = trace(TINY["bert"](), seq_len=SEQ)
+    assert graph.names()[0] == "embeddings"
+    assert graph.unit("encoder.layer.0").attn_flops_per_token_per_ctx == 4 * 4 * 8
+    assert all(u.kv_bytes_per_token == 0 for u in graph.units())
+    assert graph.is_chain()
+
+
+def test_falcon_gemma2_opt_kv_heads() -> None:
+    assert trace(TINY["falcon"](), seq_len=SEQ, dtype="float16").unit("transformer.h.0").kv_bytes_per_token == 64
+    gemma = trace(TINY["gemma2"](), seq_len=SEQ, dtype="float16")
+    assert gemma.unit("model.layers.0").kv_bytes_per_token == 2 * 2 * 8 * 2
+    assert gemma.meta.tied_unit_groups == (("model.embed_tokens", "lm_head"),)
+    opt = trace(TINY["opt"](), seq_len=SEQ, dtype="float16")
+    assert opt.unit("model.decoder.layers.0").kv_bytes_per_token == 2 * 4 * 8 * 2
+
+
+def test_plain_sequential() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    graph = trace(model, seq_len=5, batch_size=3)
+    assert graph.names() == ["0", "2"]
+    assert graph.edges() == [("0", "2", 16 * 4)]
+    assert graph.unit("0").flops_per_token == 2 * 8 * 16
+    assert graph.unit("0").param_bytes == (8 * 16 + 16) * 4
+    assert graph.meta.dtype == "float32"
+
+
+class _Branchy(nn.Module):
+    """x -> a -> b -> c, with a skip a -> c and a side branch s reading x too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.s = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 2)
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(self.b(h) + h + self.s(x)) * self.scale
+
+
+def test_custom_module_with_branch_and_direct_parameter() -> None:
+    graph = trace(_Branchy(), example_inputs=(torch.zeros(2, 4, 8),), seq_len=4, batch_size=2)
+    assert set(graph.names()) == {"", "a", "b", "s", "c"}
+    edges = {(u, v) for u, v, _ in graph.edges()}
+    assert {("a", "b"), ("a", "c"), ("b", "c"), ("s", "c")} <= edges
+    assert not graph.is_chain()
+    assert graph.unit("").param_names == ("scale",)  # the root owns only its direct parameter
+
+
+def test_granularity_module_splits_blocks() -> None:
+    graph = trace(TINY["llama"](), seq_len=SEQ, granularity="module")
+    assert "model.layers.0.self_attn.q_proj" in graph
+    assert "model.layers.0" not in graph
+    block = trace(TINY["llama"](), seq_len=SEQ)
+    assert graph.total_param_bytes == block.total_param_bytes
+    assert graph.total_flops_per_token == pytest.approx(block.total_flops_per_token, rel=0.02)
+
+
+def test_user_no_split_coarsens() -> None:
+    graph = trace(TINY["llama"](), seq_len=SEQ, no_split={"LlamaModel"})
+    assert graph.names() == ["model", "lm_head"]
+    assert graph.edges() == [("model", "lm_head", 32 * 2)]
+
+
+# -- acceptance: accelerate sizes, FLOPs, weights untouched ------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "bert", "mixtral", "falcon"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unit_bytes_equal_accelerate_compute_module_sizes(family: str, dtype: torch.dtype) -> None:
+    model = _real_model(family, dtype)
+    sizes = compute_module_sizes(model)
+    buffers = compute_module_sizes(model, buffers_only=True)
+    graph = trace(model, seq_len=SEQ)
+    tied = {n for g in graph.meta.tied_unit_groups for n in g}
+    for unit in graph.units():
+        if unit.name in tied:
+            continue
+        assert unit.param_bytes + unit.buffer_bytes == sizes[unit.name], unit.name
+        assert unit.buffer_bytes == buffers.get(unit.name, 0), unit.name
+    assert graph.total_param_bytes + graph.total_buffer_bytes == sizes[""]
+
+
+def test_dtype_override_matches_accelerate_rule() -> None:
+    model = _real_model("bert", torch.float32)  # int64 position_ids / token_type_ids buffers stay 8 bytes
+    sizes = compute_module_sizes(model, dtype=torch.float16)
+    graph = trace(model, seq_len=SEQ, dtype=torch.float16)
+    assert graph.unit("embeddings").weight_bytes == sizes["embeddings"]
+    assert graph.meta.dtype == "float16"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "falcon", "gemma2", "t5", "bert"])
+def test_unit_flops_sum_within_2_percent_of_flop_counter(family: str) -> None:
+    model = _real_model(family)
+    batch = 2
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**_real_inputs(model, batch))
+    expected = counter.get_total_flops()
+    graph = trace(model, seq_len=SEQ, batch_size=batch)
+    assert graph.total_flops_per_token * batch * SEQ == pytest.approx(expected, rel=0.02)
+
+
+def test_tracing_real_weights_leaves_them_untouched() -> None:
+    import psutil
+
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.GELU(), nn.Linear(4096, 2048))  # 2 x 32 MiB of fp32
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    trace(model, seq_len=8)  # warm up imports and caches
+    process = psutil.Process()
+    rss = process.memory_info().rss
+    graph = trace(model, seq_len=8, dtype=torch.float16)
+    grown = process.memory_info().rss - rss
+    assert grown < 16 * 2**20, f"tracing grew RSS by {grown} bytes"
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu"
+        assert param.data_ptr() == before[name][0]
+        assert torch.equal(param, before[name][1])
+    assert graph.unit("0").param_bytes == (2048 * 4096 + 4096) * 2
+
+
+def test_weights_on_meta_module() -> None:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(TINY["llama"](), dtype=torch.bfloat16)
+    graph = trace(model, seq_len=SEQ)
+    assert graph.meta.dtype == "bfloat16"
+    assert graph.meta.traced
+
+
+# -- inputs accepted ---------------------------------------------------------------------------------
+
+
+def test_preset_name_config_json_and_directory(tmp_path) -> None:
+    config = TINY["llama"]()
+    config.save_pretrained(tmp_path)
+    by_dir = trace(str(tmp_path), seq_len=SEQ)
+    by_file = trace(tmp_path / "config.json", seq_len=SEQ)
+    assert by_dir.to_dict()["nodes"] == by_file.to_dict()["nodes"]
+    assert trace("LLaMA-2-7B", seq_len=4).meta.model_name == "llama-2-7b"
+
+
+def test_hub_id_offline_raises_trace_error(monkeypatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(TraceError, match="local config.json"):
+        trace("no-such-org/no-such-model")
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TraceError, match="cannot trace a int"):
+        trace(42)
+    with pytest.raises(ValueError, match="granularity"):
+        trace(TINY["llama"](), granularity="layer")
+    with pytest.raises(ValueError, match="seq_len"):
+        trace(TINY["llama"](), seq_len=0)
+
+
+def test_config_is_not_mutated() -> None:
+    config = models.model_config("llama-2-7b")
+    before = config.to_dict()
+    trace(config, seq_len=4, dtype="float32")
+    assert config.to_dict() == before
+
+
+# -- fallback ------------------------------------------------------------------------------------------
+
+
+class _CustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.emb = nn.Embedding(10, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        _ = h.cpu().numpy()  # needs real data: impossible on meta
+        return self.b(h)
+
+
+def test_fallback_warns_and_returns_a_static_chain() -> None:
+    with pytest.warns(RuntimeWarning, match="static graph"):
+        graph = trace(_CustomOp(), example_inputs=(torch.zeros(1, 3, 4),), seq_len=3)
+    graph.validate()
+    assert not graph.meta.traced
+    assert graph.names() == ["a", "emb", "b"]  # registration order
+    assert graph.is_chain()
+    assert graph.unit("a").flops_per_token == 2 * 4 * 8  # 2 x weight parameters
+    assert graph.unit("emb").flops_per_token == 0  # an embedding is a lookup
+    assert LayerGraph.from_json(graph.to_json()).to_dict() == graph.to_dict()
+
+
+def test_json_round_trip_of_a_traced_graph() -> None:
+    graph = trace(TINY["t5"](), seq_len=SEQ)
+    again = LayerGraph.from_json(graph.to_json())
+    assert again.to_dict() == graph.to_dict()
+    assert again.meta == graph.meta
+    json.loads(graph.to_json())  # plain JSON, nothing exotic in extra
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.validate()
