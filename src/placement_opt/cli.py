@@ -325,7 +325,8 @@ def _errors_as_messages() -> Iterator[None]:
     except click.ClickException:
         raise
     except InfeasiblePlacementError as exc:
-        raise _Failure(f"no placement fits: {_one_line(exc)}") from None
+        text = _one_line(exc)
+        raise _Failure(text if text.startswith("no placement fits") else f"no placement fits: {text}") from None
     except TraceError as exc:
         raise _Failure(f"cannot trace the model: {_one_line(exc)}") from None
     except PlacementError as exc:
@@ -451,7 +452,9 @@ def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str
         fits = "[green]fits[/]" if cost.fits else "[bold red]OOM[/]"
         value = objective_value(o.plan, objective)
         ratio = "-" if not reference else f"{value / reference:.2f}x"
-        if reference and o.strategy != "cpsat" and value / reference >= 1.05:
+        if not cost.fits:
+            ratio = "OOM"  # a time that needs memory the device lacks compares with nothing
+        elif reference and o.strategy != "cpsat" and value / reference >= 1.05:
             ratio = f"[bold]{ratio}[/]"
         memory = []
         for d in devices:
@@ -473,7 +476,8 @@ def _why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
     lines = []
     for o in outcomes:
         if o.plan is None:
-            lines.append(f"[bold red]{o.strategy}[/]: {o.error}")
+            error = o.error.removeprefix(f"{o.strategy}: ")
+            lines.append(f"[bold red]{o.strategy}[/]: {error}")
         else:
             lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
     return lines

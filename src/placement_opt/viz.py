@@ -206,10 +206,10 @@ def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None
                 edgecolor="black" if o.strategy == "cpsat" else color,
                 linewidth=1.5 if o.strategy == "cpsat" else 0.5, hatch=None if o.fits else "xx")
         label = format_seconds(o.total_s or 0.0)
-        if reference and o.strategy != "cpsat":
-            label += f"  ({(o.total_s or 0.0) / reference:.2f}x cpsat)"
         if not o.fits:
-            label += "  OOM"
+            label += "  OOM: would need more memory than the device has"
+        elif reference and o.strategy != "cpsat":
+            label += f"  ({(o.total_s or 0.0) / reference:.2f}x cpsat)"
         ax.text((o.total_s or 0.0) + 0.01 * longest, row, label, va="center", fontsize=8,
                 color="black" if o.fits else _OOM_COLOR)
     ax.set_yticks(range(len(outcomes)))
