@@ -31,8 +31,9 @@ the coarse solve is never worse than the hint; its bound is a bound of the coars
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "Solution",
     "solve_problem",
     "greedy_choice",
+    "satisfies",
     "objective_of",
     "OBJECTIVES",
     "TIME_RESOLUTION",
@@ -150,7 +152,7 @@ def _contiguous_ok(problem: PlacementProblem, choice: Sequence[int]) -> bool:
     return True
 
 
-def _valid(problem: PlacementProblem, choice: Sequence[int]) -> bool:
+def satisfies(problem: PlacementProblem, choice: Sequence[int]) -> bool:
     """Every constraint the CP-SAT model states, checked directly (capacity, pins, ties, contiguity)."""
     chosen = problem.options(choice)
     if not problem.score(choice).feasible:
@@ -225,13 +227,84 @@ def _coarsen(problem: PlacementProblem, groups: list[list[int]]) -> PlacementPro
 
 
 # ---------------------------------------------------------------------------------------------
+# Symmetry: runs of identical units (decoder layers) only differ in the order of their options
+# ---------------------------------------------------------------------------------------------
+def _chain_links(problem: PlacementProblem) -> dict[int, EdgeSpec]:
+    """i -> the edge i -> i + 1, for units whose only out-edge and whose successor's only in-edge it is."""
+    index = problem.index()
+    outs: dict[int, list[EdgeSpec]] = {}
+    ins: dict[int, int] = {}
+    for e in problem.edges:
+        outs.setdefault(index[e.src], []).append(e)
+        ins[index[e.dst]] = ins.get(index[e.dst], 0) + 1
+    return {i: es[0] for i, es in outs.items()
+            if len(es) == 1 and index[es[0].dst] == i + 1 and ins.get(i + 1) == 1}
+
+
+def _triangle(edge: EdgeSpec) -> bool:
+    """c(a, b) <= c(a, p) + c(p, b) for every phase and device triple: merging blocks never costs more."""
+    for costs in (edge.prefill_ns, edge.decode_ns):
+        devs = {d for pair in costs for d in pair}
+        def c(a: str, b: str, costs: Mapping[tuple[str, str], int] = costs) -> int:
+            return 0 if a == b else costs.get((a, b), 0)
+        if any(c(a, b) > c(a, p) + c(p, b) for a in devs for b in devs for p in devs):
+            return False
+    return True
+
+
+def _symmetric_segments(problem: PlacementProblem) -> list[list[int]]:
+    """Interiors of maximal runs of identical chain units joined by identical edges (>= 2 units each).
+
+    Inside such a segment any reordering of the chosen options keeps memory and compute, and (under
+    the triangle inequality) grouping the units by execution device never adds transfer time, so the
+    model may ask for one block per execution device with options sorted inside each block.
+    """
+    if problem.contiguous:
+        return []
+    links = _chain_links(problem)
+    special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    runs: list[list[int]] = []
+    for i, u in enumerate(problem.units):
+        prev = i - 1
+        same = (runs and runs[-1][-1] == prev and prev in links and u.name not in special
+                and problem.units[prev].name not in special and u.options == problem.units[prev].options
+                and _triangle(links[prev])
+                and (len(runs[-1]) < 2 or _same_costs(links[prev], links[prev - 1])))
+        if same:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [r[1:-1] for r in runs if len(r) >= 4]
+
+
+def _same_costs(a: EdgeSpec, b: EdgeSpec) -> bool:
+    return dict(a.prefill_ns) == dict(b.prefill_ns) and dict(a.decode_ns) == dict(b.decode_ns)
+
+
+def _canonical(problem: PlacementProblem, hint: Sequence[int], segments: Sequence[list[int]]) -> list[int]:
+    """The hint with each segment regrouped: one block per execution device (first-seen order), sorted."""
+    out = list(hint)
+    for seg in segments:
+        chosen = [hint[i] for i in seg]
+        options = problem.units[seg[0]].options
+        order: list[str] = []
+        for c in chosen:
+            if options[c].execution not in order:
+                order.append(options[c].execution)
+        regrouped = sorted(chosen, key=lambda c: (order.index(options[c].execution), c))
+        for i, c in zip(seg, regrouped, strict=True):
+            out[i] = c
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
 class _Model:
     """The CP-SAT model of one problem, with a hint value for every variable."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
-                 max_work_ns: int | None) -> None:
+                 max_work_ns: int | None, segments: Sequence[list[int]] = ()) -> None:
         # -- data --
         self.p = problem
         self.scale = scale_ns
@@ -241,14 +314,17 @@ class _Model:
         self.model = cp_model.CpModel()
         self.hints: list[tuple[Any, int]] = []
         self.peak: dict[str, Any] = {}
+        self.levels: list[Any] = []
         self.chain = self._is_chain()
         # -- variables --
         self.x = self._option_vars(max_work_ns)
+        self.counts = self._count_vars(segments)
         # -- constraints --
         self._one_option_per_unit()
         self._capacity_rows()
         self._tied_groups_share_storage()
         self._contiguous_storage()
+        self._identical_units_in_blocks(segments)
         self.lat = {ph: self._phase_latency(ph) for ph in _PHASES}
 
     def _t(self, ns: int) -> int:
@@ -276,6 +352,33 @@ class _Model:
                     x[u, o] = self._hinted(self.model.new_bool_var(f"x[{spec.name},{o}]"), int(self.hint[u] == o))
         return x
 
+    def _count_vars(self, segments: Sequence[list[int]]) -> list[tuple[list[int], dict[int, Any]]]:
+        # n[s, o] is the number of units of segment s (identical units) that use option o; the
+        # capacity rows and work sums read these integer counts, which gives the LP stronger cuts.
+        groups = []
+        covered = set()
+        for k, seg in enumerate(segments):
+            counts = {}
+            for o, _ in enumerate(self.p.units[seg[0]].options):
+                members = [self.x[u, o] for u in seg if (u, o) in self.x]
+                if members:
+                    n = self._hinted(self.model.new_int_var(0, len(seg), f"n[{k},{o}]"),
+                                     sum(self.hint[u] == o for u in seg))
+                    self.model.add(n == sum(members))
+                    counts[o] = n
+            groups.append((seg, counts))
+            covered.update(seg)
+        for u in range(len(self.p.units)):
+            if u not in covered:
+                groups.append(([u], {o: self.x[u, o] for o, _ in self._opts(u)}))
+        return groups
+
+    def _terms(self, execution: str | None = None) -> list[tuple[PlacementOption, Any]]:
+        """(option, 0/1 or count expression) over every unit, optionally only options executed on a device."""
+        return [(self.p.units[units[0]].options[o], var) for units, counts in self.counts
+                for o, var in counts.items()
+                if execution is None or self.p.units[units[0]].options[o].execution == execution]
+
     def _opts(self, u: int) -> list[tuple[int, PlacementOption]]:
         return [(o, opt) for o, opt in enumerate(self.p.units[u].options) if (u, o) in self.x]
 
@@ -294,25 +397,36 @@ class _Model:
 
     def _capacity_rows(self) -> None:
         # Stored + resident + peak bytes on every device stay within its capacity.
-        chosen = self.p.options(self.hint)
         for dev in self.p.devices:
-            top = max((opt.peak_bytes for u in range(len(self.p.units)) for _, opt in self._opts(u)
-                       if opt.execution == dev.name), default=0)
-            hinted = max((o.peak_bytes for o in chosen if o.execution == dev.name), default=0)
-            peak = self._hinted(self.model.new_int_var(0, top, f"peak[{dev.name}]"), hinted)
+            peak = self._peak(dev.name)
             self.peak[dev.name] = peak
             terms = [peak]
-            for u in range(len(self.p.units)):
-                row = [(opt.peak_bytes, self.x[u, o]) for o, opt in self._opts(u)
-                       if opt.execution == dev.name and opt.peak_bytes > 0]
-                if row:
-                    self.model.add(peak >= sum(c * v for c, v in row))
-                for o, opt in self._opts(u):
-                    size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
-                           (opt.resident_bytes if opt.execution == dev.name else 0)
-                    if size:
-                        terms.append(size * self.x[u, o])
+            for opt, var in self._terms():
+                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
+                       (opt.resident_bytes if opt.execution == dev.name else 0)
+                if size:
+                    terms.append(size * var)
             self.model.add(sum(terms) <= dev.capacity_bytes)
+
+    def _peak(self, dev: str) -> Any:
+        # z[d, j] is 1 if some unit executed on d has peak_bytes >= level j (levels: the distinct
+        # peaks on d, ascending); peak[d] = sum of the level steps switched on. x[u, o] <= z[d, j(o)].
+        chosen = self.p.options(self.hint)
+        levels = sorted({opt.peak_bytes for u in range(len(self.p.units)) for _, opt in self._opts(u)
+                         if opt.execution == dev and opt.peak_bytes > 0})
+        hinted = max((o.peak_bytes for o in chosen if o.execution == dev), default=0)
+        z = [self._hinted(self.model.new_bool_var(f"z[{dev},{j}]"), int(hinted >= level))
+             for j, level in enumerate(levels)]
+        self.levels.extend(z)
+        for a, b in itertools.pairwise(z):
+            self.model.add_implication(b, a)
+        where = {level: j for j, level in enumerate(levels)}
+        for u in range(len(self.p.units)):
+            for o, opt in self._opts(u):
+                if opt.execution == dev and opt.peak_bytes > 0:
+                    self.model.add_implication(self.x[u, o], z[where[opt.peak_bytes]])
+        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
+        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
 
     def _tied_groups_share_storage(self) -> None:
         # Units holding tied parameters store them on one device.
@@ -337,6 +451,27 @@ class _Model:
                 self.model.add(s >= self._on(u, dev, "storage") - prev)
                 starts.append(s)
             self.model.add(sum(starts) <= 1)
+
+    def _identical_units_in_blocks(self, segments: Sequence[list[int]]) -> None:
+        # Symmetry breaking: in a segment of identical units, one block per execution device,
+        # option indices non-decreasing inside a block (see _symmetric_segments).
+        chosen = self.p.options(self.hint)
+        for seg in segments:
+            for dev in self.devices:
+                starts = []
+                for k, u in enumerate(seg):
+                    here = chosen[u].execution == dev
+                    before = k > 0 and chosen[seg[k - 1]].execution == dev
+                    s = self._hinted(self.model.new_bool_var(f"block[{u},{dev}]"), int(here and not before))
+                    prev = self._on(seg[k - 1], dev, "execution") if k > 0 else 0
+                    self.model.add(s >= self._on(u, dev, "execution") - prev)
+                    starts.append(s)
+                self.model.add(sum(starts) <= 1)
+            for a, b in itertools.pairwise(seg):
+                for o, opt in self._opts(b):
+                    later = [self.x[a, o2] for o2, opt2 in self._opts(a) if o2 > o and opt2.execution == opt.execution]
+                    if later:
+                        self.model.add(self.x[b, o] + sum(later) <= 1)
 
     def duration(self, u: int, ph: str) -> Any:
         return sum(self._t(getattr(opt, ph)) * self.x[u, o] for o, opt in self._opts(u))
@@ -386,7 +521,7 @@ class _Model:
         lat = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"lat[{ph}]"), hinted)
         xfer = [self._transfer(ph, k) for k in range(len(self.p.edges))]
         if self.chain:
-            self.model.add(lat >= sum(self.duration(u, ph) for u in range(n)) + sum(xfer))
+            self.model.add(lat >= sum(self._t(getattr(opt, ph)) * v for opt, v in self._terms()) + sum(xfer))
         else:
             end = [self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
                    for u in range(n)]
@@ -397,8 +532,7 @@ class _Model:
                 a, b = self.index[e.src], self.index[e.dst]
                 self.model.add(end[b] >= end[a] + xfer[k] + self.duration(b, ph))
             for dev in self.devices:
-                load = [self._t(getattr(opt, ph)) * self.x[u, o] for u in range(n)
-                        for o, opt in self._opts(u) if opt.execution == dev]
+                load = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev)]
                 if load:
                     self.model.add(lat >= sum(load))
         return lat
@@ -412,8 +546,7 @@ class _Model:
         top = sum(max(self._t(o.prefill_ns) + self._t(o.decode_ns) for _, o in self._opts(u)) for u in range(n))
         z = self._hinted(self.model.new_int_var(0, max(top, max(stages.values())), "stage"), max(stages.values()))
         for dev in self.devices:
-            work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * self.x[u, oi] for u in range(n)
-                    for oi, o in self._opts(u) if o.execution == dev]
+            work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * v for o, v in self._terms(dev)]
             if work:
                 self.model.add(z >= sum(work))
         return z
@@ -421,13 +554,12 @@ class _Model:
     def gpu_bytes(self) -> Any:
         """Stored + resident + peak bytes summed over the GPUs (the memory objective)."""
         gpus = {d.name for d in self.p.devices if d.kind == "gpu"}
-        terms = [self.peak[g] for g in sorted(gpus)]
-        for u in range(len(self.p.units)):
-            for o, opt in self._opts(u):
-                size = (opt.stored_bytes if opt.storage in gpus else 0) + \
-                       (opt.resident_bytes if opt.execution in gpus else 0)
-                if size:
-                    terms.append(size * self.x[u, o])
+        terms: list[Any] = [self.peak[g] for g in sorted(gpus)]
+        for opt, var in self._terms():
+            size = (opt.stored_bytes if opt.storage in gpus else 0) + \
+                   (opt.resident_bytes if opt.execution in gpus else 0)
+            if size:
+                terms.append(size * var)
         return sum(terms)
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
@@ -510,7 +642,7 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
 def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
            hint: list[int], latency_cap_ns: int | None, t0: float) -> Solution:
     """One CP-SAT solve (coarsened when large); falls back to the full problem if the coarse one fails."""
-    hint_ok = _valid(problem, hint)
+    hint_ok = satisfies(problem, hint)
     n = len(problem.units)
     groups = _groups(problem, hint, COARSEN_ABOVE) if n > COARSEN_ABOVE else [[i] for i in range(n)]
     coarse = len(groups) < n
@@ -567,7 +699,15 @@ def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, 
         max_work = objective_of(problem, hint, objective)
     elif latency_cap_ns is not None:
         max_work = latency_cap_ns
-    m = _Model(problem, scale, hint, max_work)
+    segments = _symmetric_segments(problem)
+    canonical = _canonical(problem, hint, segments)
+    if satisfies(problem, canonical) >= hint_ok and \
+            objective_of(problem, canonical, objective if objective != "memory" else "latency") <= \
+            objective_of(problem, hint, objective if objective != "memory" else "latency"):
+        hint = canonical
+    else:
+        segments = []
+    m = _Model(problem, scale, hint, max_work, segments)
     slack = len(problem.units) + len(problem.edges)
     if objective == "latency":
         goal, unit_scale = m.lat["prefill_ns"] + m.lat["decode_ns"], scale

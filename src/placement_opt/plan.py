@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._units import format_bytes, format_seconds
 from .cost import Cost
 from .devices import Machine
 from .workload import Workload
@@ -105,6 +106,84 @@ class Plan:
                 return p
         raise KeyError(f"unit {unit!r} is not in this plan")
 
+    # -- reading ------------------------------------------------------------------------
+    def runs(self) -> list[tuple[list[str], str, str, str]]:
+        """Consecutive units sharing (storage, execution, mode): ``(units, storage, execution, mode)``."""
+        out: list[tuple[list[str], str, str, str]] = []
+        for p in self.placements:
+            key = (p.storage, p.execution, p.mode)
+            if out and out[-1][1:] == key:
+                out[-1][0].append(p.unit)
+            else:
+                out.append(([p.unit], *key))
+        return out
+
+    def _objective_text(self, value: float) -> str:
+        return format_bytes(value) if self.objective == "memory" else format_seconds(value)
+
+    def summary(self) -> str:
+        """A fixed-width report: unit runs, memory per device, time per phase, solver, baselines.
+
+        Example::
+
+            print(placement_opt.solve(graph, {0: "24GiB", "cpu": "64GiB"}).summary())
+        """
+        w, c = self.workload, self.cost
+        lines = [f"Plan for {self.model_name} ({self.dtype}, {len(self.placements)} units): objective "
+                 f"{self.objective}, strategy {self.strategy}",
+                 f"workload: batch {w.batch_size}, prompt {w.prompt_len}, {w.new_tokens} new tokens",
+                 f"solver: {self.status}, objective {self._objective_text(self.objective_value)}, bound "
+                 f"{self._objective_text(self.best_bound)}, gap {self.gap:.2%}, {self.solve_time_s:.2f} s", ""]
+        lines.append(f"{'units':<44} {'n':>4}  {'storage':<8} {'execution':<9} mode")
+        for units, storage, execution, mode in self.runs():
+            name = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]}"
+            lines.append(f"{_clip(name, 44):<44} {len(units):>4}  {storage:<8} {execution:<9} {mode}")
+        lines += ["", f"{'device':<8} {'used':>11} {'capacity':>11} {'weights':>11} {'kv cache':>11} "
+                      f"{'workspace':>11} {'stream buf':>11}"]
+        for m in c.memory:
+            flag = "  OVER" if m.free_bytes < 0 else ""
+            lines.append(f"{m.device:<8} {format_bytes(m.used_bytes):>11} {format_bytes(m.capacity_bytes):>11} "
+                         f"{format_bytes(m.weights_bytes):>11} {format_bytes(m.kv_cache_bytes):>11} "
+                         f"{format_bytes(m.workspace_bytes):>11} {format_bytes(m.stream_buffer_bytes):>11}{flag}")
+        lines += ["", f"time: prefill {format_seconds(c.prefill_s)}, decode {format_seconds(c.decode_s)}, "
+                      f"total {format_seconds(c.total_s)} (transfers {format_seconds(c.transfer_s)}), "
+                      f"{c.decode_tokens_per_s:.1f} decode tokens/s"]
+        if self.baselines:
+            lines += ["", f"{'baseline':<16} {'total':>11} {'fits':>5} {'vs this plan':>13}"]
+            for b in self.baselines:
+                lines.append(f"{b.strategy:<16} {_seconds(b.total_s):>11} {'yes' if b.fits else 'NO':>5} "
+                             f"{_ratio(b.total_s, c.total_s):>13}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Why the expensive or surprising units sit where they are, and how each baseline compares."""
+        c = self.cost
+        lines = [f"{self.strategy} plan for {self.model_name}: {format_seconds(c.total_s)} for the workload, "
+                 f"{'fits' if c.fits else 'does NOT fit'} ({self.status}, gap {self.gap:.1%})."]
+        free = {m.device: m.free_bytes for m in c.memory}
+        for units, storage, execution, mode in self.runs():
+            span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)} units)"
+            if storage != execution:
+                lines.append(f"- {span}: weights stay on {storage} and are {mode}ed to {execution} at every "
+                             f"forward, because {_full(execution, free)}; {execution} still computes them faster "
+                             f"than {storage} would.")
+            elif execution == "cpu" and any(m.device.startswith("cuda:") for m in c.memory):
+                lines.append(f"- {span}: computed on the CPU: {_full('the GPUs', free)}, and streaming these "
+                             f"weights at every step would cost more than computing them on the CPU.")
+        slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s, reverse=True)[:3]
+        for u in slow:
+            lines.append(f"- {u.name} is among the most expensive units ({format_seconds(u.prefill_s + u.decode_s)}: "
+                         f"prefill {format_seconds(u.prefill_s)}, decode {format_seconds(u.decode_s)}) on "
+                         f"{u.execution} ({u.mode}, stored on {u.storage}).")
+        for b in self.baselines:
+            verdict = "fits" if b.fits else f"does not fit ({format_bytes(b.short_bytes)} short)"
+            lines.append(f"- baseline {b.strategy}: {_seconds(b.total_s)}, {verdict}, "
+                         f"{_ratio(b.total_s, c.total_s)} this plan's time."
+                         + (f" {b.note.split(': ')[0]}." if b.note and not b.fits else ""))
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
     # -- serialising --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,3 +249,23 @@ class Plan:
             with open(text_or_path, encoding="utf-8") as fh:
                 text = fh.read()
         return cls.from_dict(json.loads(text))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _seconds(value: float) -> str:
+    return format_seconds(value) if value == value and value != float("inf") else "-"
+
+
+def _ratio(value: float, reference: float) -> str:
+    if not (value == value) or value == float("inf") or reference <= 0:
+        return "-"
+    return f"{value / reference:.2f}x"
+
+
+def _full(device: str, free: Mapping[str, int]) -> str:
+    if device.startswith("cuda:") and device in free:
+        return f"{device} has only {format_bytes(max(0, free[device]))} free with the resident units and KV cache"
+    return f"{device} memory is taken by the units that are resident there"

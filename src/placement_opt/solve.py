@@ -1,0 +1,357 @@
+"""``solve()``: the public front end from a model and a machine to a :class:`~placement_opt.plan.Plan`.
+
+Stage 4 of the data flow, wiring the others together::
+
+    graph = trace(model)  (or the LayerGraph given)
+    problem = cost.build_problem(graph, machine, workload, pins=..., contiguous=...)
+    baselines: sequential / balanced / balanced_low_0 (and the installed library when a model is given),
+               each scored by cost.evaluate with accelerate's run-time semantics -> Plan.baselines
+    cpsat.solve_problem(problem, objective, hint=best valid baseline) -> Plan
+
+Torch is imported only when a model (not a LayerGraph) must be traced, or for ``strategy="accelerate"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._units import format_bytes
+from .baselines import STRATEGIES as BASELINE_STRATEGIES
+from .baselines import accelerate_device_map, baseline_storage, choice_from_storage
+from .cost import Cost, build_problem, evaluate
+from .cpsat import OBJECTIVES, greedy_choice, objective_of, satisfies, solve_problem
+from .devices import Machine, normalize_device_name
+from .errors import InfeasiblePlacementError, PlacementError
+from .plan import BaselineResult, Plan, UnitPlacement
+from .problem import PlacementProblem
+from .workload import Workload
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .graph import LayerGraph
+
+__all__ = ["solve", "STRATEGIES", "OBJECTIVES", "resolve_pins"]
+
+#: Strategies ``solve`` accepts.
+STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
+_NS_PER_S = 1e9
+
+
+@dataclass(frozen=True)
+class _Placements:
+    """A plan-shaped value for ``cost.evaluate`` (it reads ``.placements``)."""
+
+    placements: tuple[UnitPlacement, ...]
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    strategy: str
+    device_map: dict[str, Any] | None
+    cost: Cost | None
+    result: BaselineResult
+    hint: list[int] | None
+
+
+def solve(model: Any, devices: Any = None, objective: str = "latency", *, workload: Workload | None = None,
+          strategy: str = "cpsat", pins: Mapping[str, Any] | None = None, time_limit_s: float = 1.0,
+          seed: int = 0, contiguous: bool = False) -> Plan:
+    """Decide where every unit of ``model`` is stored and computed on ``devices``.
+
+    Example::
+
+        plan = placement_opt.solve(graph, {0: "24GiB", "cpu": "64GiB", "disk": "1TB"},
+                                   workload=Workload(batch_size=16), pins={"lm_head": 0})
+        print(plan.summary())
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=plan.device_map)
+
+    Args:
+        model: a :class:`LayerGraph`, or anything :func:`placement_opt.trace` accepts (a model, a
+            config, a preset name).
+        devices: a ``Machine``, a list of ``Device``s or names, an accelerate ``max_memory`` dict or a
+            spec string; ``None`` detects this machine (in a distributed run: this rank's share).
+        objective: ``"latency"`` (prefill + every decode step), ``"throughput"`` (slowest pipeline
+            stage) or ``"memory"`` (least GPU memory within 5 % of the best latency).
+        workload: batch, prompt and new tokens; default ``Workload()``.
+        strategy: ``"cpsat"`` (the optimizer), ``"sequential"``, ``"balanced"``, ``"balanced_low_0"``
+            (placement_opt's re-implementation of those device_map strings) or ``"accelerate"`` (the
+            installed library itself; needs a model or config).
+        pins: accelerate vocabulary, ``{"lm_head": "cuda:1", "model.embed_tokens": "cpu",
+            "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed.
+        time_limit_s: CP-SAT's wall-clock limit.
+        seed: CP-SAT's random seed (2 workers, so results are reproducible).
+        contiguous: each device stores one contiguous range of units (pipeline stages).
+
+    Returns:
+        A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline.
+
+    Raises:
+        InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
+        PlacementError: a bad argument (the message lists what is accepted) or no solution in time.
+    """
+    _check_arguments(objective, strategy, time_limit_s, seed)
+    from .graph import LayerGraph
+
+    if strategy == "accelerate" and isinstance(model, LayerGraph):
+        raise PlacementError("strategy='accelerate' runs the installed library on the model itself, so it needs "
+                             "a transformers model or config, not a LayerGraph: pass the model (or its config), "
+                             "or use strategy='balanced' on a LayerGraph")
+    graph = _as_graph(model)
+    machine, context_note = _machine(devices, graph.meta.dtype)
+    workload = workload if workload is not None else Workload()
+    unit_pins = resolve_pins(pins or {}, graph, machine)
+    try:
+        problem = build_problem(graph, machine, workload, pins=unit_pins, contiguous=contiguous)
+    except ValueError as exc:
+        raise PlacementError(str(exc)) from exc
+    baselines = _baselines(graph, machine, workload, problem, model)
+    notes = [context_note] if context_note else []
+    if unit_pins:
+        notes.append(f"{len(unit_pins)} unit(s) pinned by {len(pins or {})} pin(s)")
+    if strategy == "cpsat":
+        return _cpsat_plan(graph, machine, workload, problem, objective, baselines, time_limit_s, seed, notes)
+    return _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundary checks
+# ---------------------------------------------------------------------------------------------
+def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: int) -> None:
+    problems = []
+    if objective not in OBJECTIVES:
+        problems.append(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if strategy not in STRATEGIES:
+        problems.append(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        problems.append(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        problems.append(f"seed must be a non-negative int, got {seed!r}")
+    if problems:
+        raise PlacementError("; ".join(problems))
+
+
+def _as_graph(model: Any) -> LayerGraph:
+    from .graph import LayerGraph
+
+    if isinstance(model, LayerGraph):
+        return model
+    try:
+        from .trace import trace  # lazy: tracing imports torch
+    except ImportError as exc:  # pragma: no cover - trace.py ships with the package
+        raise PlacementError(f"cannot trace {type(model).__name__}: placement_opt.trace is unavailable "
+                             f"({exc}); pass a LayerGraph") from exc
+    return trace(model)
+
+
+def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
+    try:
+        from .runtime import plan_for_context
+    except ImportError:  # pragma: no cover - runtime.py ships with the package
+        from .devices import as_machine
+
+        return as_machine(devices, dtype=dtype), None
+    return plan_for_context(devices, dtype=dtype)
+
+
+def _covers(key: str, unit: str) -> bool:
+    return key == "" or unit == key or unit.startswith(key + ".")
+
+
+def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:
+    """Accelerate-style pins -> storage device name per unit (the longest covering key wins).
+
+    Example::
+
+        resolve_pins({"model.layers": 0, "lm_head": "cpu"}, graph, machine)
+        # {"model.layers.0": "cuda:0", ..., "lm_head": "cpu"}
+
+    Raises:
+        PlacementError: a key that covers no unit (close unit names are listed), a key inside a
+            unit (units are the smallest placeable pieces), or a device the machine lacks.
+    """
+    names = graph.names()
+    problems = []
+    devices: dict[str, str] = {}
+    for key, value in pins.items():
+        try:
+            device = normalize_device_name(value)
+        except ValueError as exc:
+            problems.append(f"pin {key!r}: {exc}")
+            continue
+        if device not in machine:
+            problems.append(f"pin {key!r} -> {value!r}: {device} is not in the machine ({', '.join(machine.names)})")
+        elif not any(_covers(key, n) for n in names):
+            problems.append(_unknown_pin(key, names))
+        devices[key] = device
+    if problems:
+        raise PlacementError("bad pins:\n  " + "\n  ".join(problems))
+    resolved = {}
+    for name in names:
+        keys = [k for k in devices if _covers(k, name)]
+        if keys:
+            resolved[name] = devices[max(keys, key=len)]
+    return resolved
+
+
+def _unknown_pin(key: str, names: Sequence[str]) -> str:
+    owner = next((n for n in names if key.startswith(n + ".")), None)
+    if owner is not None:
+        return (f"pin {key!r} is inside unit {owner!r}; units are the smallest pieces a plan places: "
+                f"pin {owner!r} instead")
+    prefixes = sorted({".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)})
+    close = difflib.get_close_matches(key, prefixes, n=5, cutoff=0.5)
+    hint = f"close names: {', '.join(close)}" if close else f"units are e.g. {', '.join(names[:5])}"
+    return f"pin {key!r} names no module of the model; {hint}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------
+def _baselines(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
+               model: Any) -> list[_Baseline]:
+    from .graph import LayerGraph
+
+    found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, workload, problem)
+             for s in BASELINE_STRATEGIES]
+    if not isinstance(model, LayerGraph):
+        try:
+            device_map = accelerate_device_map(model, machine.max_memory, "auto")
+        except (ValueError, ImportError, RuntimeError, TypeError) as exc:
+            found.append(_Baseline("accelerate", None, None, BaselineResult(
+                strategy="accelerate", total_s=float("inf"), fits=False, note=f"not run: {exc}"), None))
+        else:
+            found.append(_score_map("accelerate", device_map, graph, machine, workload, problem))
+    return found
+
+
+def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, machine: Machine,
+               workload: Workload, problem: PlacementProblem) -> _Baseline:
+    """Price a storage map as accelerate runs it (cpu/disk units copied synchronously to GPU 0)."""
+    named = {k: normalize_device_name(v) for k, v in device_map.items()}
+    missing = sorted({d for d in named.values() if d not in machine})
+    if missing:
+        short = sum(u.weight_bytes for u in graph.units()
+                    if any(_covers(k, u.name) and named[k] in missing for k in named))
+        note = f"offloads {format_bytes(short)} to {', '.join(missing)}, which the machine lacks"
+        return _Baseline(strategy, dict(device_map), None, BaselineResult(
+            strategy=strategy, total_s=float("inf"), fits=False, short_bytes=short, note=note), None)
+    cost = evaluate(dict(device_map), graph, machine, workload)
+    short = sum(v.short_bytes for v in cost.violations)
+    note = "; ".join(v.message for v in cost.violations)
+    per_unit = {u.name: named[max((k for k in named if _covers(k, u.name)), key=len)]
+                for u in graph.units() if any(_covers(k, u.name) for k in named)}
+    try:
+        hint = choice_from_storage(problem, per_unit)
+    except ValueError:
+        hint = None
+    return _Baseline(strategy, dict(device_map), cost, BaselineResult(
+        strategy=strategy, total_s=cost.total_s, fits=cost.fits, short_bytes=short, note=note), hint)
+
+
+def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_Baseline]) -> tuple[list[int], str]:
+    key = "latency" if objective == "memory" else objective
+    candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
+    candidates.append((greedy_choice(problem), "greedy"))
+    valid = [(objective_of(problem, c, key), i, c, s) for i, (c, s) in enumerate(candidates) if satisfies(problem, c)]
+    if valid:
+        _, _, choice, name = min(valid)
+        return choice, name
+    return candidates[-1][0], "greedy"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+# ---------------------------------------------------------------------------------------------
+def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
+                objective: str, baselines: Sequence[_Baseline], time_limit_s: float, seed: int,
+                notes: list[str]) -> Plan:
+    hint, hint_name = _best_hint(problem, objective, baselines)
+    sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=2, hint=hint)
+    if sol.status == "INFEASIBLE":
+        raise InfeasiblePlacementError(shortage_message(problem, graph, workload, machine))
+    if not sol.feasible:
+        raise PlacementError(f"CP-SAT found no placement within {time_limit_s:g} s and no baseline fits: "
+                             f"{shortage_message(problem, graph, workload, machine)}; or raise time_limit_s")
+    chosen = problem.options(sol.choice)
+    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
+                       for u, o in zip(problem.units, chosen, strict=True))
+    cost = evaluate(_Placements(placements), graph, machine, workload)
+    scale = 1.0 if objective == "memory" else _NS_PER_S
+    notes = [*notes, f"warm start: {hint_name}", *sol.notes]
+    return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
+                placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
+                objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,
+                solve_time_s=sol.wall_time_s, baselines=tuple(b.result for b in baselines), notes=tuple(notes),
+                extra={"scale_ns": sol.scale_ns, "units": sol.units, "coarse_units": sol.coarse_units})
+
+
+def _objective_value(cost: Cost, objective: str, machine: Machine) -> float:
+    if objective == "latency":
+        return cost.total_s
+    if objective == "throughput":
+        return max(cost.stage_s.values(), default=0.0)
+    return float(sum(cost.device_memory(d.name).used_bytes for d in machine.gpus))
+
+
+def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
+                   baselines: Sequence[_Baseline], model: Any, notes: list[str]) -> Plan:
+    chosen = next((b for b in baselines if b.strategy == strategy), None)
+    if chosen is None:  # strategy="accelerate" on a bare LayerGraph
+        accelerate_device_map(model, machine.max_memory, "auto")  # raises the clear error
+        raise PlacementError("strategy='accelerate' needs a transformers model or config")  # pragma: no cover
+    if chosen.cost is None:
+        raise InfeasiblePlacementError(f"{strategy}: {chosen.result.note}: add a disk device or more memory")
+    cost = chosen.cost
+    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
+                       for u in cost.units)
+    value = _objective_value(cost, objective, machine)
+    notes = [*notes, f"{strategy}: accelerate's device_map semantics (cpu/disk units copied to the first GPU "
+                     f"synchronously at every forward)"]
+    notes += [f"does not fit: {v.message}" for v in cost.violations]
+    return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy=strategy,
+                placements=placements, machine=machine, workload=workload, cost=cost, status="GREEDY",
+                objective_value=value, best_bound=0.0, gap=1.0 if value > 0 else 0.0, solve_time_s=0.0,
+                baselines=tuple(b.result for b in baselines), notes=tuple(notes),
+                extra={"device_map": {k: v for k, v in (chosen.device_map or {}).items()}})
+
+
+# ---------------------------------------------------------------------------------------------
+# Why nothing fits
+# ---------------------------------------------------------------------------------------------
+def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Workload, machine: Machine) -> str:
+    """Which capacity is short, by how much, and what takes the space."""
+    lines = []
+    compute = [d for d in problem.devices if d.kind != "disk"]
+    least = [min(o.stored_bytes + o.resident_bytes for o in u.options) for u in problem.units]
+    resident = [min(o.resident_bytes for o in u.options) for u in problem.units]
+    peak = max((min(o.peak_bytes for o in u.options) for u in problem.units), default=0)
+    need_all = sum(least) + peak
+    have_all = sum(d.capacity_bytes for d in problem.devices)
+    need_compute, have_compute = sum(resident) + peak, sum(d.capacity_bytes for d in compute)
+    kv = sum(u.kv_bytes_per_token for u in graph.units()) * workload.batch_size * workload.context_len
+    why = (f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is "
+           f"{format_bytes(kv)}" if kv else f"the weights alone are {format_bytes(sum(least) - sum(resident))}")
+    if need_all > have_all:
+        lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)}; "
+                     f"{why}; add a disk device or more memory, or reduce the batch or context")
+    elif need_compute > have_compute:
+        lines.append(f"needs {format_bytes(need_compute - have_compute)} more on the compute devices "
+                     f"({', '.join(d.name for d in compute)}), which must hold the KV cache and workspace; {why}; "
+                     f"reduce the batch or context, or add GPU/CPU memory")
+    top = max(problem.devices, key=lambda d: d.capacity_bytes)
+    big = [(u.name, m) for u, m in zip(problem.units, least, strict=True) if m > top.capacity_bytes]
+    if big:
+        name, m = max(big, key=lambda t: t[1])
+        lines.append(f"unit {name} alone needs {format_bytes(m)}, more than the largest device ({top.name}, "
+                     f"{format_bytes(top.capacity_bytes)}): give that device more memory")
+    if not lines:
+        extra = [("pins", bool(problem.pins)), ("tied groups", bool(problem.tied_groups)),
+                 ("contiguous ranges", problem.contiguous)]
+        blamed = [name for name, on in extra if on]
+        lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
+                     f"available) but no assignment fits every device"
+                     + (f" under the {', '.join(blamed)}: relax them" if blamed else
+                        ": the per-device split of weights, KV cache and workspace does not work out; add memory"))
+    return "no placement fits: " + "; ".join(lines)

@@ -1,0 +1,114 @@
+"""Plan: maps in accelerate's vocabulary, the readable reports, and the versioned JSON round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.cost import evaluate
+from placement_opt.devices import Device, Machine
+from placement_opt.graph import chain_graph
+from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan, UnitPlacement
+from placement_opt.workload import Workload
+
+MIB = 2**20
+DEVICES = ["cuda:0", "cuda:1", "cpu", "disk"]
+
+
+def _machine() -> Machine:
+    return Machine([Device.preset("a100-40gb", name="cuda:0"), Device.preset("t4", name="cuda:1"),
+                    Device.preset("cpu-desktop", name="cpu").with_memory("64GiB"), Device.preset("nvme-gen4", name="disk")])
+
+
+@st.composite
+def plans(draw):
+    n = draw(st.integers(1, 8))
+    graph = chain_graph([{"name": f"model.layers.{i}", "param_bytes": draw(st.integers(0, 300)) * MIB,
+                          "flops_per_token": draw(st.integers(0, 10**9)), "kv_bytes_per_token": 512,
+                          "out_bytes_per_token": 4096} for i in range(n)])
+    placements = []
+    for i in range(n):
+        storage = draw(st.sampled_from(DEVICES))
+        if storage.startswith("cuda"):
+            execution, mode = storage, "resident"
+        else:
+            execution = draw(st.sampled_from(["cuda:0", "cuda:1"] + (["cpu"] if storage == "disk" else [])))
+            if storage == "cpu" and draw(st.booleans()):
+                execution = "cpu"
+            mode = "resident" if execution == storage else draw(st.sampled_from(["stream", "stream_sync"]))
+        placements.append(UnitPlacement(unit=f"model.layers.{i}", storage=storage, execution=execution, mode=mode))
+    wl = Workload(batch_size=draw(st.integers(1, 16)), prompt_len=draw(st.integers(1, 4096)),
+                  new_tokens=draw(st.integers(0, 512)))
+    machine = _machine()
+    probe = Plan(model_name="m", dtype="float16", objective="latency", strategy="cpsat", placements=tuple(placements),
+                 machine=machine, workload=wl, cost=None, status="FEASIBLE", objective_value=0.0, best_bound=0.0,
+                 gap=0.0, solve_time_s=0.0)  # type: ignore[arg-type]
+    cost = evaluate(probe, graph, machine, wl)
+    baselines = tuple(BaselineResult(strategy=s, total_s=draw(st.floats(0, 1e4)), fits=draw(st.booleans()),
+                                     short_bytes=draw(st.integers(0, 2**40)), note=draw(st.text(max_size=20)))
+                      for s in draw(st.lists(st.sampled_from(["sequential", "balanced", "accelerate"]), unique=True)))
+    return Plan(model_name=draw(st.text(min_size=1, max_size=10)), dtype="float16",
+                objective=draw(st.sampled_from(["latency", "throughput", "memory"])), strategy="cpsat",
+                placements=tuple(placements), machine=machine, workload=wl, cost=cost,
+                status=draw(st.sampled_from(["OPTIMAL", "FEASIBLE"])), objective_value=cost.total_s,
+                best_bound=cost.total_s * draw(st.floats(0, 1)), gap=draw(st.floats(0, 1)),
+                solve_time_s=draw(st.floats(0, 10)), baselines=baselines,
+                notes=tuple(draw(st.lists(st.text(max_size=30), max_size=3))),
+                extra={"coarse_units": n})
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_json_round_trip_is_exact(plan):
+    text = plan.to_json()
+    again = Plan.from_json(text)
+    assert again == plan
+    assert json.loads(text)["schema_version"] == PLAN_SCHEMA_VERSION
+    assert again.summary() == plan.summary() and again.explain() == plan.explain()
+
+
+@settings(max_examples=30, deadline=None)
+@given(plans())
+def test_maps_speak_accelerate(plan):
+    dm = plan.device_map
+    assert set(dm) == {p.unit for p in plan.placements}
+    assert all(isinstance(v, int) or v in ("cpu", "disk") for v in dm.values())
+    assert plan.streams_weights == any(p.storage != p.execution for p in plan.placements)
+    assert plan.max_memory == plan.machine.max_memory
+
+
+def test_summary_groups_runs_and_shows_every_device(tmp_path):
+    plan = Plan.from_json(_example().to_json(str(tmp_path / "plan.json")))
+    text = plan.summary()
+    assert "model.layers.0 .. model.layers.1" in text  # one run of two resident units on cuda:0
+    for d in DEVICES:
+        assert d in text
+    assert plan.runs()[0] == (["model.layers.0", "model.layers.1"], "cuda:0", "cuda:0", "resident")
+    assert "streamed to cuda:0" in plan.explain() or "stream" in plan.explain()
+
+
+def test_unknown_schema_version_is_refused():
+    data = _example().to_dict()
+    data["schema_version"] = 99
+    with pytest.raises(ValueError, match="schema version 99"):
+        Plan.from_dict(data)
+
+
+def _example() -> Plan:
+    graph = chain_graph([{"name": f"model.layers.{i}", "param_bytes": 100 * MIB, "flops_per_token": 10**8}
+                         for i in range(3)])
+    placements = (UnitPlacement(unit="model.layers.0", storage="cuda:0", execution="cuda:0", mode="resident"),
+                  UnitPlacement(unit="model.layers.1", storage="cuda:0", execution="cuda:0", mode="resident"),
+                  UnitPlacement(unit="model.layers.2", storage="cpu", execution="cuda:0", mode="stream"))
+    machine, wl = _machine(), Workload()
+    probe = Plan(model_name="m", dtype="float16", objective="latency", strategy="cpsat", placements=placements,
+                 machine=machine, workload=wl, cost=None, status="OPTIMAL", objective_value=0.0, best_bound=0.0,
+                 gap=0.0, solve_time_s=0.0)  # type: ignore[arg-type]
+    cost = evaluate(probe, graph, machine, wl)
+    return Plan(model_name="m", dtype="float16", objective="latency", strategy="cpsat", placements=placements,
+                machine=machine, workload=wl, cost=cost, status="OPTIMAL", objective_value=cost.total_s,
+                best_bound=cost.total_s, gap=0.0, solve_time_s=0.1,
+                baselines=(BaselineResult(strategy="sequential", total_s=2 * cost.total_s, fits=True),))

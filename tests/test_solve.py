@@ -1,0 +1,147 @@
+"""solve(): the front end on hand-built layer graphs (no tracer needed), scored by cost.evaluate."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.cost import build_problem, evaluate
+from placement_opt.cpsat import objective_of
+from placement_opt.devices import Device, Machine
+from placement_opt.errors import InfeasiblePlacementError, PlacementError
+from placement_opt.graph import GraphMeta, LayerGraph, chain_graph
+from placement_opt.solve import resolve_pins, solve
+from placement_opt.workload import Workload
+
+GIB = 2**30
+MIB = 2**20
+
+
+def llama_like(layers: int = 8, layer_bytes: int = 200 * MIB, tied: bool = False) -> LayerGraph:
+    """embed (100 MiB) -> layers (200 MiB, 1 MiB of KV per 1k tokens each) -> norm -> lm_head (100 MiB)."""
+    units = [{"name": "model.embed_tokens", "param_bytes": 100 * MIB, "out_bytes_per_token": 4096,
+              "module_class": "Embedding"}]
+    units += [{"name": f"model.layers.{i}", "param_bytes": layer_bytes, "flops_per_token": layer_bytes,
+               "kv_bytes_per_token": 1024, "out_bytes_per_token": 4096, "attn_flops_per_token_per_ctx": 8192,
+               "module_class": "DecoderLayer"} for i in range(layers)]
+    units += [{"name": "model.norm", "param_bytes": 4096, "flops_per_token": 8192, "out_bytes_per_token": 4096},
+              {"name": "lm_head", "param_bytes": 0 if tied else 100 * MIB, "flops_per_token": 100 * MIB,
+               "out_bytes_per_token": 64000}]
+    groups = (("model.embed_tokens", "lm_head"),) if tied else ()
+    g = chain_graph(units, tied_unit_groups=groups)
+    return LayerGraph(g.nx, GraphMeta(model_name="llama-like", dtype="float16", batch_size=1, seq_len=1,
+                                      traced=False, tied_unit_groups=groups, no_split=("DecoderLayer",)))
+
+
+def machine(*gpu_mib: int, cpu_gib: int = 64, disk: bool = True) -> Machine:
+    """GPUs with ``gpu_mib`` usable MiB each (the preset's 1 GiB reserve comes on top), CPU RAM, a disk."""
+    devices = [Device.preset("a100-40gb", name=f"cuda:{i}").with_memory(f"{m + 1024}MiB")
+               for i, m in enumerate(gpu_mib)]
+    devices.append(Device.preset("cpu-desktop", name="cpu").with_memory(f"{cpu_gib}GiB"))
+    if disk:
+        devices.append(Device.preset("nvme-gen4", name="disk"))
+    return Machine(devices)
+
+
+def test_plan_fits_beats_baselines_and_matches_evaluate():
+    graph, m, wl = llama_like(), machine(1200, 1500), Workload(batch_size=2, prompt_len=256, new_tokens=32)
+    plan = solve(graph, m, workload=wl, time_limit_s=2)
+    assert plan.cost.fits and plan.status in ("OPTIMAL", "FEASIBLE")
+    assert {p.unit for p in plan.placements} == set(graph.names())
+    assert plan.cost.total_s == pytest.approx(evaluate(plan, graph, m, wl).total_s)
+    assert plan.objective_value == pytest.approx(plan.cost.total_s, rel=1e-9)
+    assert {b.strategy for b in plan.baselines} == {"sequential", "balanced", "balanced_low_0"}
+    for b in plan.baselines:
+        if b.fits:
+            assert plan.cost.total_s <= b.total_s * (1 + 1e-9)
+    assert "cuda:0" in plan.summary() and "baseline" in plan.explain()
+
+
+def test_pins_use_accelerate_vocabulary():
+    graph, m = llama_like(), machine(2000, 2000)
+    plan = solve(graph, m, pins={"model.layers": 1, "lm_head": "cpu"}, time_limit_s=1)
+    storage = {p.unit: p.storage for p in plan.placements}
+    assert all(storage[f"model.layers.{i}"] == "cuda:1" for i in range(8))
+    assert storage["lm_head"] == "cpu"
+    assert resolve_pins({"": "cpu"}, graph, m) == dict.fromkeys(graph.names(), "cpu")
+
+
+def test_bad_pins_list_close_names_and_inner_modules():
+    graph, m = llama_like(), machine(2000)
+    with pytest.raises(PlacementError, match="close names: model.layers"):
+        solve(graph, m, pins={"model.layer": 0})
+    with pytest.raises(PlacementError, match="pin 'model.layers.0' instead"):
+        solve(graph, m, pins={"model.layers.0.mlp": 0})
+    with pytest.raises(PlacementError, match="cuda:3 is not in the machine"):
+        solve(graph, m, pins={"lm_head": 3})
+
+
+def test_bad_arguments_list_the_accepted_values():
+    graph, m = llama_like(), machine(2000)
+    with pytest.raises(PlacementError, match="latency, throughput, memory"):
+        solve(graph, m, "fast")
+    with pytest.raises(PlacementError, match="cpsat, sequential, balanced, balanced_low_0, accelerate"):
+        solve(graph, m, strategy="auto")
+    with pytest.raises(PlacementError, match="time_limit_s"):
+        solve(graph, m, time_limit_s=0)
+    with pytest.raises(ValueError, match="not a LayerGraph"):
+        solve(graph, m, strategy="accelerate")
+
+
+def test_infeasible_says_what_is_short_and_why():
+    graph, m = llama_like(), machine(1000, cpu_gib=1, disk=False)
+    with pytest.raises(InfeasiblePlacementError) as err:
+        solve(graph, m, workload=Workload(batch_size=64, prompt_len=4096, new_tokens=512), time_limit_s=1)
+    text = str(err.value)
+    assert "needs" in text and "more across cuda:0, cpu" in text
+    assert "the KV cache for batch 64 x 4608 tokens alone is" in text
+
+
+def test_baseline_strategies_return_accelerate_semantics():
+    graph, m = llama_like(), machine(900, 900)
+    plan = solve(graph, m, strategy="sequential")
+    assert plan.status == "GREEDY" and plan.strategy == "sequential"
+    offloaded = [p for p in plan.placements if p.storage == "cpu"]
+    assert offloaded and all(p.execution == "cuda:0" and p.mode == "stream_sync" for p in offloaded)
+
+
+def test_tied_units_share_storage_and_contiguous_ranges():
+    graph, m = llama_like(tied=True), machine(700, 900)
+    plan = solve(graph, m, contiguous=False, time_limit_s=1)
+    storage = {p.unit: p.storage for p in plan.placements}
+    assert storage["model.embed_tokens"] == storage["lm_head"]
+    plan = solve(llama_like(), m, contiguous=True, time_limit_s=1)
+    order = [p.storage for p in plan.placements]
+    blocks = [d for i, d in enumerate(order) if i == 0 or order[i - 1] != d]
+    assert len(blocks) == len(set(blocks))
+
+
+def test_objectives_throughput_and_memory():
+    graph, m, wl = llama_like(), machine(4000, 4000), Workload(batch_size=1, prompt_len=64, new_tokens=8)
+    fast = solve(graph, m, "latency", workload=wl, time_limit_s=1)
+    thr = solve(graph, m, "throughput", workload=wl, time_limit_s=1)
+    lean = solve(graph, m, "memory", workload=wl, time_limit_s=2)
+    assert max(thr.cost.stage_s.values()) <= max(fast.cost.stage_s.values()) * (1 + 1e-6)
+    gpu_bytes = sum(mm.used_bytes for mm in lean.cost.memory if mm.device.startswith("cuda"))
+    assert lean.objective_value == gpu_bytes
+    assert lean.cost.total_s <= fast.cost.total_s * 1.05 + 1e-3
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(2, 10), gpus=st.lists(st.integers(300, 3000), min_size=1, max_size=3),
+       batch=st.integers(1, 8), objective=st.sampled_from(["latency", "throughput"]))
+def test_random_graphs_solve_at_least_as_well_as_every_hinted_baseline(layers, gpus, batch, objective):
+    graph, m = llama_like(layers), machine(*gpus)
+    wl = Workload(batch_size=batch, prompt_len=128, new_tokens=16)
+    plan = solve(graph, m, objective, workload=wl, time_limit_s=0.5)
+    problem = build_problem(graph, m, wl)
+    index = {(o.storage, o.execution, o.mode): i for i, o in enumerate(problem.units[0].options)}
+    choice = [index[(p.storage, p.execution, p.mode)] for p in plan.placements]
+    assert problem.score(choice).feasible
+    from placement_opt.baselines import baseline_storage, choice_from_storage
+
+    for strategy in ("sequential", "balanced", "balanced_low_0"):
+        hint = choice_from_storage(problem, baseline_storage(graph, m, strategy))
+        if problem.score(hint).feasible:
+            assert objective_of(problem, choice, objective) <= objective_of(problem, hint, objective)
