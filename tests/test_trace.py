@@ -361,3 +361,21 @@ def test_json_round_trip_of_a_traced_graph() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again.validate()
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_replaying_identical_blocks_changes_nothing(family: str, monkeypatch) -> None:
+    import placement_opt.trace as trace_module
+
+    fields = TINY[family]().to_dict()
+    fields.pop("layer_types", None)
+    for key in ("num_hidden_layers", "num_layers", "num_decoder_layers", "n_layer"):
+        if key in fields:
+            fields[key] = 4  # 4 blocks: the first of each kind runs, the others can be replayed
+    config = type(TINY[family]())(**fields)
+    replayed = trace(config, seq_len=SEQ)
+    monkeypatch.setattr(trace_module, "REPLAY_REPEATED_BLOCKS", False)
+    real = trace(config, seq_len=SEQ)
+    assert replayed.meta.extra.pop("replayed_blocks") > 0
+    assert real.meta.extra.pop("replayed_blocks") == 0
+    assert replayed.to_dict() == real.to_dict()

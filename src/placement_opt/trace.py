@@ -32,7 +32,7 @@ import networkx as nx
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
 from .errors import TraceError
@@ -294,6 +294,7 @@ class _Record:
     edges: dict[tuple[str, str], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
     guessed_scalars: int = 0
     glue_flops: int = 0
+    replayed_blocks: int = 0
 
 
 class _Recorder(TorchDispatchMode):
@@ -423,6 +424,11 @@ def _meta_forward(ctx: _Context, example_inputs: Any) -> _Record:
         handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
         handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
     restore = _stand_in_experts(ctx)
+    replay = _BlockReplay(recorder)
+    if REPLAY_REPEATED_BLOCKS:
+        for name, sub in ctx.units.items():
+            if _is_block(ctx, name) and name:
+                replay.patch(name, sub)
     was_training = ctx.module.training
     try:
         ctx.module.eval()
@@ -435,8 +441,123 @@ def _meta_forward(ctx: _Context, example_inputs: Any) -> _Record:
         ctx.module.train(was_training)
         for handle in handles:
             handle.remove()
+        replay.restore()
         restore()
+    record.replayed_blocks = replay.replayed
     return record
+
+
+#: Run only the first block of each signature for real; later identical blocks replay its record.
+REPLAY_REPEATED_BLOCKS = True
+
+_PRIMITIVES = (int, float, bool, str, type(None))
+
+
+@dataclass
+class _Learned:
+    """What one real run of a block did, enough to replay it for an identical block."""
+
+    flops: int
+    consumed: list[int]
+    """Positions of the input tensors its ops read (the edges a replay must draw)."""
+    outputs: list[int | tuple[tuple[int, ...], torch.dtype]]
+    """Per output tensor: the position of the input it passes through, or (shape, dtype) of a new one."""
+    spec: Any
+
+
+class _BlockReplay:
+    """Replays identical blocks: same class, attributes, parameter and input shapes -> same FLOPs and outputs.
+
+    A 126-layer model then costs two real block forwards on meta instead of 126; the edges are still drawn
+    per block from the producers of the tensors each block actually receives.
+    """
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.cache: dict[Any, _Learned | None] = {}
+        self.patched: list[nn.Module] = []
+        self.replayed = 0
+
+    def patch(self, name: str, module: nn.Module) -> None:
+        static = _static_signature(module)
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = (static, _input_signature(args, kwargs))
+            learned = self.cache.get(key)
+            if learned is not None:
+                self.replayed += 1
+                return self._replay(name, learned, args, kwargs)
+            before = self.recorder.record.flops.get(name, 0)
+            out = original(*args, **kwargs)
+            if key not in self.cache:
+                self.cache[key] = self._learn(name, args, kwargs, out, self.recorder.record.flops[name] - before)
+            return out
+
+        module.forward = forward
+        self.patched.append(module)
+
+    def restore(self) -> None:
+        for module in self.patched:
+            del module.forward
+
+    def _learn(self, name: str, args: Any, kwargs: Any, out: Any, flops: int) -> _Learned | None:
+        inputs = _tensors((args, kwargs))
+        leaves, spec = tree_flatten(out)
+        if any(not isinstance(leaf, (torch.Tensor, *_PRIMITIVES)) for leaf in leaves):
+            return None  # caches or other objects with side effects: always run for real
+        read = {tid for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name for tid in tensors}
+        consumed = [i for i, t in enumerate(inputs) if id(t) in read]
+        outputs: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                same = next((i for i, t in enumerate(inputs) if t is leaf), None)
+                outputs.append(same if same is not None else (tuple(leaf.shape), leaf.dtype))
+            else:
+                outputs.append(("value", leaf))
+        return _Learned(flops=flops, consumed=consumed, outputs=outputs, spec=spec)
+
+    def _replay(self, name: str, learned: _Learned, args: Any, kwargs: Any) -> Any:
+        recorder = self.recorder
+        inputs = _tensors((args, kwargs))
+        recorder.record.flops[name] += learned.flops
+        for i in learned.consumed:
+            tensor = inputs[i]
+            entry = recorder.producers.get(id(tensor))
+            if entry is not None and entry[0] is tensor:
+                for unit in entry[1] - {name}:
+                    recorder.record.edges[(unit, name)][id(tensor)] = _nbytes(tensor)
+        leaves: list[Any] = []
+        for item in learned.outputs:
+            if isinstance(item, int):
+                leaves.append(inputs[item])
+            elif item[0] == "value":
+                leaves.append(item[1])
+            else:
+                tensor = torch.empty(item[0], dtype=item[1], device="meta")
+                recorder.producers[id(tensor)] = (tensor, frozenset({name}))
+                leaves.append(tensor)
+        return tree_unflatten(leaves, learned.spec)
+
+
+def _static_signature(module: nn.Module) -> tuple[Any, ...]:
+    """Class, plain attributes (except indices) and tensor shapes of every submodule."""
+    parts = []
+    for sub_name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if isinstance(v, _PRIMITIVES) and not k.startswith("_") and "idx" not in k
+                             and "index" not in k))
+        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in (*sub._parameters.items(), *sub._buffers.items())
+                        if t is not None)
+        parts.append((sub_name, type(sub).__name__, attrs, tensors))
+    return tuple(parts)
+
+
+def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    leaves, spec = tree_flatten((args, kwargs))
+    items = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+                  else (type(x).__name__, x if isinstance(x, _PRIMITIVES) else id(x)) for x in leaves)
+    return (str(spec), items)
 
 
 def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -816,6 +937,7 @@ def _extra(ctx: _Context, record: _Record | None, attention: _AttentionFacts, dr
         extra["glue_flops"] = int(record.glue_flops)
         extra["guessed_scalars"] = int(record.guessed_scalars)
         extra["dropped_back_edges"] = int(dropped)
+        extra["replayed_blocks"] = int(record.replayed_blocks)
     return extra
 
 
