@@ -435,18 +435,20 @@ def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str
     reference = next((objective_value(o.plan, objective) for o in outcomes
                       if o.strategy == "cpsat" and o.fits and o.plan), None)
     measure = {"latency": "total time", "throughput": "slowest stage", "memory": "GPU memory"}[objective]
-    table = Table(title=f"Strategies side by side (same cost model; total = prefill + every decode step; "
-                        f"'vs cpsat' compares the {objective} objective: {measure})",
-                  title_justify="left")
+    table = Table(title=f"Strategies side by side, one cost model. total = prefill + every decode step; "
+                        f"'vs cpsat' compares the {objective} objective ({measure}); device columns: memory "
+                        f"used; GPU/CPU/strm: units resident on a GPU / computed by the CPU / streamed "
+                        f"to a GPU", title_justify="left")
     for col in ("strategy", "fits", "prefill", "decode", "total", "vs cpsat", "tokens/s"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for d in devices:
-        table.add_column(f"{d} used", justify="right")
+        table.add_column(d, justify="right")
+    table.add_column("GPU/CPU/strm", justify="right")
     table.add_column("solve", justify="right")
     table.add_column("gap", justify="right")
     for o in outcomes:
         if o.plan is None:
-            table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 2))
+            table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 3))
             continue
         cost = o.plan.cost
         fits = "[green]fits[/]" if cost.fits else "[bold red]OOM[/]"
@@ -467,9 +469,17 @@ def _comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str
         row_style = None if cost.fits else "red"
         table.add_row(o.strategy, fits, format_seconds(cost.prefill_s), format_seconds(cost.decode_s),
                       format_seconds(cost.total_s), ratio, f"{cost.tokens_per_s:.2f}", *memory,
-                      f"{o.plan.solve_time_s:.2f} s", f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-",
+                      _where_computed(o.plan), f"{o.plan.solve_time_s:.2f} s", f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-",
                       style=row_style)
     return table
+
+
+def _where_computed(plan: Plan) -> str:
+    """``"40/44/0"``: units resident on a GPU, computed by the CPU, streamed to a GPU."""
+    gpu = sum(1 for p in plan.placements if p.execution.startswith("cuda:") and p.storage == p.execution)
+    cpu = sum(1 for p in plan.placements if p.execution == "cpu")
+    streamed = sum(1 for p in plan.placements if p.execution.startswith("cuda:") and p.storage != p.execution)
+    return f"{gpu}/{cpu}/{streamed}"
 
 
 def _why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:

@@ -201,10 +201,13 @@ def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None
             ax.text(0.02 * longest, row, f"no plan: {o.error[:90]}", va="center", fontsize=8,
                     color=_OOM_COLOR)
             continue
-        color = "#2a9d8f" if o.fits else _OOM_COLOR
-        ax.barh(row, o.total_s, color=color, height=0.6,
-                edgecolor="black" if o.strategy == "cpsat" else color,
-                linewidth=1.5 if o.strategy == "cpsat" else 0.5, hatch=None if o.fits else "xx")
+        dark, light = ("#1f7a6f", "#7cc7bd") if o.fits else (_OOM_COLOR, "#f08080")
+        cost = o.plan.cost
+        ax.barh(row, cost.prefill_s, color=dark, height=0.6, label="prefill" if o.fits else None)
+        ax.barh(row, cost.decode_s, left=cost.prefill_s, color=light, height=0.6,
+                label="decode" if o.fits else None, hatch=None if o.fits else "xx")
+        if o.strategy == "cpsat":
+            ax.barh(row, cost.total_s, color="none", edgecolor="black", linewidth=1.5, height=0.6)
         label = format_seconds(o.total_s or 0.0)
         if not o.fits:
             label += "  OOM: would need more memory than the device has"
@@ -216,7 +219,11 @@ def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None
     ax.set_yticklabels([o.strategy for o in outcomes])
     ax.set_ylim(len(outcomes) - 0.5, -0.5)
     ax.set_xlim(0, longest * 1.6)
-    ax.set_xlabel("estimated time of the workload (prefill + decode), seconds")
+    ax.set_xlabel("estimated time of the workload, seconds (dark: prefill, light: all decode steps)")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    if unique:
+        ax.legend(unique.values(), unique.keys(), loc="lower right", fontsize=8, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_title("strategies compared (red hatched: runs out of memory)", fontsize=10)
     return ax
