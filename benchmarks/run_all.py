@@ -72,6 +72,7 @@ class Outcome:
 STRATEGY_CASES = [
     ("llama-2-70b", "cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk", 1, 512, 256),
     ("llama-2-13b", "cuda:0=rtx-4090,cuda:1=rtx-3060,cpu=64GiB,disk", 1, 512, 256),
+    ("llama-2-13b", "cuda:0=rtx-4090,cuda:1=rtx-3060,cpu=64GiB,disk", 8, 2048, 256),
     ("mixtral-8x7b", "cuda:0=a100-80gb,cpu=256GiB,disk", 16, 1024, 256),
     ("llama-3-8b", "cuda:0=t4,cpu=32GiB,disk", 4, 4096, 512),
 ]
@@ -98,8 +99,9 @@ def strategies(quick: bool) -> str:
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
         machine = parse_device_spec(spec)
         started = time.perf_counter()
-        graph = po.trace(models.model_config(model))
-        outcomes = compare_strategies(graph, machine, workload=workload)
+        config = models.model_config(model)
+        graph = po.trace(config)
+        outcomes = compare_strategies(graph, machine, workload=workload, source=config)
         wall = time.perf_counter() - started
         lines += [f"### {model} on `{spec}`, batch {batch} x prompt {prompt} + {new} new tokens", "",
                   f"Command: `placement-opt compare {model} --devices {spec} --batch {batch} "
@@ -115,20 +117,28 @@ def strategies(quick: bool) -> str:
     return "\n".join(lines)
 
 
+def _where_computed(plan) -> str:
+    from placement_opt.cli import _where_computed as where
+
+    return where(plan)
+
+
 def _strategy_table(outcomes) -> list[str]:
     ref = next((o.total_s for o in outcomes if o.strategy == "cpsat" and o.fits), None)
-    rows = ["| strategy | fits | prefill s | decode s | total s | vs cpsat | tokens/s | solve s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| strategy | fits | prefill s | decode s | total s | vs cpsat | tokens/s | GPU/CPU/streamed units "
+            "| solve s | gap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in outcomes:
         if o.plan is None:
-            rows.append(f"| {o.strategy} | no plan: {o.error[:80]} | | | | | | |")
+            rows.append(f"| {o.strategy} | no plan: {o.error[:80]} | | | | | | | | |")
             continue
         c = o.plan.cost
-        ratio = f"{c.total_s / ref:.2f}x" if ref else "-"
+        ratio = "OOM" if not c.fits else f"{c.total_s / ref:.2f}x" if ref else "-"
         fits = "yes" if c.fits else "**OOM** " + "; ".join(
             f"{v.device} short {v.short_bytes / 2**30:.1f} GiB" for v in c.violations)
+        gap = f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-"
         rows.append(f"| {o.strategy} | {fits} | {c.prefill_s:.3f} | {c.decode_s:.3f} | {c.total_s:.3f} | "
-                    f"{ratio} | {c.tokens_per_s:.2f} | {o.plan.solve_time_s:.2f} |")
+                    f"{ratio} | {c.tokens_per_s:.2f} | {_where_computed(o.plan)} | "
+                    f"{o.plan.solve_time_s:.2f} | {gap} |")
     return rows
 
 
@@ -206,6 +216,9 @@ def _run_script(experiment: Experiment, quick: bool) -> Outcome:
     command = [sys.executable, str(script.relative_to(ROOT)), *args]
     shown = " ".join(["python", *command[1:]])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    results = script.parent / experiment.results_file
+    # A quick run must not overwrite the folder's full results: keep them and put them back after.
+    kept = results.read_bytes() if quick and results.is_file() else None
     started = time.perf_counter()
     try:
         proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -216,8 +229,9 @@ def _run_script(experiment: Experiment, quick: bool) -> Outcome:
         status = f"timed out after {experiment.timeout_s} s"
         log = str(exc.stdout or "")[-3000:]
     wall = time.perf_counter() - started
-    results = script.parent / experiment.results_file
     body = results.read_text(encoding="utf-8") if results.is_file() else ""
+    if kept is not None:
+        results.write_bytes(kept)
     return Outcome(experiment=experiment, status=status, wall_s=wall, command=shown, body=body,
                    log_tail="" if status == "ok" else log)
 
