@@ -354,7 +354,7 @@ def _device_style(name: str) -> str:
     return "green" if name.startswith("cuda:") else {"cpu": "yellow", "disk": "magenta"}.get(name, "")
 
 
-def _plan_renderables(plan: Plan) -> list[Any]:
+def _plan_renderables(plan: Plan, *, notes: bool = True) -> list[Any]:
     from rich.table import Table
 
     cost, w = plan.cost, plan.workload
@@ -383,7 +383,7 @@ def _plan_renderables(plan: Plan) -> list[Any]:
                       format_bytes(sum(c.stored_bytes for c in costs)),
                       format_seconds(sum(c.prefill_s for c in costs)),
                       format_seconds(sum(c.decode_s for c in costs)))
-    return [head, units, _memory_table(plan), *_violation_lines(plan), *_notes(plan)]
+    return [head, units, _memory_table(plan), *_violation_lines(plan), *(_notes(plan) if notes else [])]
 
 
 def _memory_table(plan: Plan) -> Any:
@@ -621,10 +621,9 @@ def explain(plan_path: str, plot: str | None) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         raise click.BadParameter(f"{plan_path!r} is not a placement_opt plan: {_one_line(exc)}",
                                  param_hint="PLAN.json") from None
-    for part in _plan_renderables(result):
+    for part in _plan_renderables(result, notes=False):  # explain() lists the notes
         console.print(part)
-    if hasattr(result, "explain"):
-        console.print(result.explain(), markup=False)
+    console.print(result.explain(), markup=False)
     _write_outputs(console, result, None, plot)
 
 
