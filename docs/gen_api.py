@@ -42,6 +42,7 @@ MODULES = [
     ("placement_opt.solve", "stage 4: solve() -> Plan"),
     ("placement_opt.plan", "stage 5: the frozen Plan"),
     ("placement_opt.dispatch", "stage 6: run a plan"),
+    ("placement_opt.offload", "safetensors files of disk-stored weights"),
     ("placement_opt.runtime", "distributed launch context and placement rules"),
     ("placement_opt.errors", "the exception hierarchy"),
     ("placement_opt.viz", "pictures of plans and comparisons"),
