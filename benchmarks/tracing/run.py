@@ -1,0 +1,130 @@
+"""How long does tracing take, and how much memory? Llama-3-70B and Llama-3.1-405B from their published configs.
+
+Each measurement runs in a fresh interpreter (so imports, lazy module loading and peak RSS are those of a
+new user process) and reports:
+
+* ``trace_s``: wall time of the first ``trace(preset)`` call (builds the model on meta, one meta forward);
+* ``warm_s``: a second call in the same process (everything imported);
+* ``process_s``: the whole child process, interpreter start and ``import placement_opt`` included;
+* ``peak_rss``: ``ru_maxrss`` of the child (the whole process, torch and transformers included).
+
+Goal (issue 2): <= 5 s and <= 2 GB RSS per model.
+
+Usage::
+
+    python benchmarks/tracing/run.py            # 5 fresh processes per model, writes RESULTS.md here
+    python benchmarks/tracing/run.py --quick    # 1 process per model
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("llama-3-70b", "llama-3.1-405b")
+GOAL_S = 5.0
+GOAL_RSS_BYTES = 2 * 10**9
+
+_CHILD = """
+import json, resource, time
+t0 = time.perf_counter()
+from placement_opt import trace
+t1 = time.perf_counter()
+graph = trace({model!r})
+t2 = time.perf_counter()
+trace({model!r})
+t3 = time.perf_counter()
+print(json.dumps({{"import_s": t1 - t0, "trace_s": t2 - t1, "warm_s": t3 - t2,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "units": len(graph), "edges": graph.nx.number_of_edges(),
+                  "param_bytes": graph.total_param_bytes, "traced": graph.meta.traced,
+                  "replayed": graph.meta.extra.get("replayed_blocks", 0)}}))
+"""
+
+
+def measure(model: str) -> dict[str, float]:
+    """One fresh interpreter tracing ``model``; returns its timings and peak RSS."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(model=model)], capture_output=True, text=True,
+                          check=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_s"] = time.perf_counter() - start
+    return result
+
+
+def machine() -> str:
+    import torch
+    import transformers
+
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB RAM, "
+    except OSError:
+        pass
+    load = ", load average {:.1f} / {:.1f} / {:.1f} at start".format(*os.getloadavg())
+    return (f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {mem}"
+            f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+            f"{load}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one process per model")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh processes per model (default 5)")
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    host = machine()
+    rows = []
+    for model in MODELS:
+        runs = [measure(model) for _ in range(repeats)]
+        med = {k: statistics.median(r[k] for r in runs) for k in ("trace_s", "warm_s", "import_s", "process_s",
+                                                                    "peak_rss")}
+        rows.append((model, runs[0], med, max(r["peak_rss"] for r in runs)))
+        print(f"{model}: trace {med['trace_s']:.2f} s (warm {med['warm_s']:.2f} s), process {med['process_s']:.2f} s,"
+              f" peak RSS {med['peak_rss'] / 2**20:.0f} MiB", flush=True)
+    write_results(host, repeats, rows, " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+
+
+def write_results(host: str, repeats: int, rows: list, command: str) -> None:
+    lines = [
+        "# Tracing: time and memory", "",
+        "Question: how long does `placement_opt.trace` take on the largest catalog models, and how much memory?",
+        f"Goal: <= {GOAL_S:.0f} s and <= {GOAL_RSS_BYTES / 1e9:.0f} GB peak RSS per model.", "",
+        f"- Machine: {host}",
+        f"- Command: `python {command}`",
+        f"- Date: {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- Medians of {repeats} fresh processes per model (batch 1, seq_len 64, float16/bfloat16 from the config).",
+        "",
+        "| model | units | edges | weights (GiB) | first trace() (s) | warm trace() (s) | import (s) "
+        "| whole process (s) | peak RSS (MiB) | goal met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for model, first, med, worst_rss in rows:
+        met = med["trace_s"] <= GOAL_S and worst_rss <= GOAL_RSS_BYTES
+        lines.append(
+            f"| {model} | {first['units']} | {first['edges']} | {first['param_bytes'] / 2**30:.1f} "
+            f"| {med['trace_s']:.2f} | {med['warm_s']:.2f} | {med['import_s']:.2f} | {med['process_s']:.2f} "
+            f"| {med['peak_rss'] / 2**20:.0f} (max {worst_rss / 2**20:.0f}) | {'yes' if met else 'NO'} |")
+    lines += [
+        "",
+        "`first trace()` includes transformers' lazy imports of the model classes and building the model on "
+        "the meta device; `warm trace()` is a second call in the same process. Peak RSS is the whole process "
+        "(torch and transformers included); no weight is ever allocated. Identical decoder blocks are run once "
+        "on meta and replayed (`graph.meta.extra['replayed_blocks']`).",
+        "",
+    ]
+    (HERE / "RESULTS.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
