@@ -316,6 +316,7 @@ class _Model:
         self.peak: dict[str, Any] = {}
         self.levels: list[Any] = []
         self.chain = self._is_chain()
+        self._exec_devices = sorted({o.execution for u in problem.units for o in u.options})
         # -- variables --
         self.x = self._option_vars(max_work_ns)
         self.counts = self._count_vars(segments)
@@ -491,6 +492,17 @@ class _Model:
             if isinstance(on_p, int) or isinstance(on_q, int):
                 continue  # one end can never be there
             self.model.add(var >= c * (on_p + on_q - 1))
+        # Tighter for the LP: leaving p costs at least the cheapest pair out of p (into p likewise).
+        for p in {pq[0] for pq in costs} | {pq[1] for pq in costs}:
+            out_p = min((c for (s, _), c in costs.items() if s == p), default=0) if all(
+                (p, q) in costs for q in self._exec_devices if q != p) else 0
+            in_p = min((c for (_, t), c in costs.items() if t == p), default=0) if all(
+                (q, p) in costs for q in self._exec_devices if q != p) else 0
+            on_a, on_b = self._on(a, p, "execution"), self._on(b, p, "execution")
+            if out_p:
+                self.model.add(var >= out_p * (on_a - on_b))
+            if in_p:
+                self.model.add(var >= in_p * (on_b - on_a))
         return var
 
     def _hint_value(self, ph: str) -> tuple[list[int], dict[str, int], int]:
