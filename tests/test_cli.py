@@ -49,6 +49,16 @@ def test_malformed_devices_is_a_one_line_usage_error():
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert "'a100-40gbb' is neither a preset nor a size" in result.output
+    assert result.output.startswith("Error: Invalid value for --devices")
+    assert result.output.rstrip().endswith("(see 'placement-opt plan --help')")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_argument_and_unknown_command_are_one_line():
+    for argv in (["plan"], ["nope"], ["compare", "x"]):
+        result = run(*argv)
+        assert result.exit_code == 2, argv
+        assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_unknown_device_name_is_a_usage_error():
