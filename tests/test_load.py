@@ -84,3 +84,20 @@ def test_load_solves_when_no_plan_is_given(tmp_path_factory):
         logits = handle(**inputs_for(model)).logits
         reference = model(**inputs_for(model)).logits
     torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_units_map_the_checkpoint_copy_on_write(tmp_path_factory):
+    import hashlib
+
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-cow")
+    model.save_pretrained(path)
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    handle = load(path, None, plan=plan_from(model, lambda i, u: RESIDENT))
+    weight = handle.model.model.layers[0].mlp.down_proj.weight  # 32 x 64 fp32, mapped, not copied
+    assert all(not unit.disk for unit in handle._units)  # CPU-stored: not disk units
+    with torch.no_grad():
+        weight.add_(1.0)  # a write lands in private memory ...
+    assert torch.equal(weight, model.model.layers[0].mlp.down_proj.weight + 1.0)
+    # ... never in the checkpoint
+    assert hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest() == digest

@@ -25,7 +25,6 @@ import datetime as dt
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -190,33 +189,37 @@ _LOADERS = {
 }
 
 
-def _peak_rss_mb() -> float:
-    """VmHWM: this process's peak resident set (ru_maxrss would carry the parent's across exec)."""
+def _memory_mb() -> dict[str, float]:
+    """VmHWM (peak resident set; ru_maxrss would carry the parent's across exec), RssAnon, RssFile."""
+    fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        key = line.split(":")[0]
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            fields[key] = int(line.split()[1]) / 1024
+    return fields
 
 
 def _child(kind: str, path: str, layers: int, work: str) -> None:
-    """Runs in a fresh interpreter: load once, print wall time and peak RSS as JSON."""
+    """Runs in a fresh interpreter: load once, print wall time and memory as JSON."""
     from placement_opt import load  # imports are not part of the timed load
 
+    _ = T.LlamaForCausalLM, T.LlamaConfig, T.AutoConfig  # resolve transformers' lazy imports now
     start = time.perf_counter()
     if kind.startswith("po"):
         on_disk = half_disk(layers) if kind == "po-half" else set()
-        handle = load(path, None, plan=plan_for(layers, on_disk), offload_dir=work)
-        model = handle.model
+        model = load(path, None, plan=plan_for(layers, on_disk), offload_dir=work).model
     else:
         on_disk = half_disk(layers) if kind == "hf-half" else set()
         device_map = accelerate_map(layers, on_disk) if on_disk else "cpu"
         model = T.LlamaForCausalLM.from_pretrained(path, device_map=device_map, offload_folder=work,
                                                    dtype=torch.float32)
     seconds = time.perf_counter() - start
+    loaded = _memory_mb()
     with torch.inference_mode():
         logit = float(model(torch.tensor([[42]]), use_cache=False).logits[0, -1, :4].sum())
-    peak_mb = _peak_rss_mb()
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "logit": logit}))
+    after = _memory_mb()
+    print(json.dumps({"seconds": seconds, "load_peak_mb": loaded["VmHWM"], "peak_mb": after["VmHWM"],
+                      "anon_mb": after["RssAnon"], "file_mb": after["RssFile"], "logit": logit}))
 
 
 def load_section(quick: bool) -> str:
@@ -239,22 +242,26 @@ def load_section(quick: bool) -> str:
     logits = {round(x["logit"], 4) for rs in results.values() for x in rs}
     lines = [
         f"Llama, {layers} layers, hidden {HIDDEN}, fp32: {size_gb:.2f} GB safetensors checkpoint (save_pretrained). "
-        f"Each load in a fresh interpreter, {repeats} alternating repetitions; median wall time of the load call "
-        f"and median peak RSS of the process (after one forward). Same first logits in every run: "
-        f"{'yes' if len(logits) == 1 else 'NO: ' + str(sorted(logits))}.",
+        f"Each load in a fresh interpreter (imports done before the clock starts), {repeats} alternating "
+        f"repetitions, medians. Memory from /proc/self/status: peak RSS when the load returns, then after one "
+        f"forward the peak, the anonymous memory (RssAnon: owned by the process) and the file-backed pages "
+        f"(RssFile: mapped checkpoint or offload files, page cache the kernel can drop and re-read). "
+        f"Same first logits in every run: {'yes' if len(logits) == 1 else 'NO: ' + str(sorted(logits))}.",
         "",
-        "| loader | median s | peak RSS MB | time vs from_pretrained | RSS vs from_pretrained |",
-        "|---|---:|---:|---:|---:|",
+        "| loader | load s | peak RSS at load MB | peak RSS after forward MB | RssAnon MB | RssFile MB "
+        "| time vs from_pretrained | peak vs from_pretrained |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    med = {n: (statistics.median(x["seconds"] for x in rs), statistics.median(x["peak_rss_mb"] for x in rs))
-           for n, rs in results.items()}
+    keys = ("seconds", "load_peak_mb", "peak_mb", "anon_mb", "file_mb")
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in keys} for n, rs in results.items()}
     partner = {"placement_opt.load, all CPU": "from_pretrained(device_map='cpu')",
                "placement_opt.load, half layers on disk": "from_pretrained(device_map=..., half layers on disk)"}
-    for name, (secs, rss) in med.items():
+    for name, m in med.items():
         other = partner.get(name)
-        ratio_t = f"{secs / med[other][0]:.2f}x" if other else ""
-        ratio_m = f"{rss / med[other][1]:.2f}x" if other else ""
-        lines.append(f"| {name} | {secs:.2f} | {rss:.0f} | {ratio_t} | {ratio_m} |")
+        ratio_t = f"{m['seconds'] / med[other]['seconds']:.2f}x" if other else ""
+        ratio_m = f"{m['peak_mb'] / med[other]['peak_mb']:.2f}x" if other else ""
+        lines.append(f"| {name} | {m['seconds']:.2f} | {m['load_peak_mb']:.0f} | {m['peak_mb']:.0f} | "
+                     f"{m['anon_mb']:.0f} | {m['file_mb']:.0f} | {ratio_t} | {ratio_m} |")
     return "\n".join(lines)
 
 

@@ -178,7 +178,8 @@ class _Streamer:
         for slot in unit.uses:
             src = slot.stored
             if not src.is_pinned() and src.device.type == "cpu":
-                src = torch.empty_like(src, pin_memory=True).copy_(src)  # disk or pageable: stage in pinned memory
+                # disk (memory map) or pageable memory: stage through pinned memory, read in this thread
+                src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
             sources.append(src)
         if not side:
             return [src.to(device, non_blocking=False) for src in sources], None
@@ -417,7 +418,7 @@ def _check_devices(units: list[_Unit]) -> None:
     wanted = sorted({d for u in units for d in (u.placement.storage, u.placement.execution)
                      if d.startswith("cuda")})
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    absent = [d for d in wanted if torch.device(d).index is not None and torch.device(d).index >= count]
+    absent = [d for d in wanted if count == 0 or (torch.device(d).index or 0) >= count]
     if absent:
         raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s): "
                             f"solve the plan for this machine")
@@ -604,10 +605,11 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
          offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
-    Each tensor is read from the checkpoint's safetensors files directly into memory on its
-    storage device (GPU tensors through one reused pinned buffer); disk-stored units are not
-    read at all: their weights stay in the checkpoint shards and are memory-mapped. The whole
-    model is never in RAM.
+    Each tensor goes from the checkpoint's safetensors files straight to its storage device:
+    GPU tensors are read one by one through pinned memory; CPU- and disk-stored tensors in the
+    checkpoint's dtype are views of the memory-mapped shards (zero copy, copy-on-write; CPU ones
+    are read ahead at once, disk ones when first used); other dtypes are read and cast one
+    tensor at a time. The whole model is never in RAM twice, and disk units never enter it.
 
     Example::
 
@@ -742,14 +744,18 @@ def _checkpoint_index(files: list[Path]) -> dict[str, tuple[SafetensorsFile, str
 
 def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
                  dtype: torch.dtype | str | None) -> dict[str, tuple[SafetensorsFile, str]]:
-    """Read every meta parameter to its storage device; return the disk units' mapped sources."""
+    """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
+
+    Weights stored on the CPU or on disk in the checkpoint's dtype are views of the mapped
+    checkpoint (zero copy; copy-on-write, so the file never changes): CPU-stored ones are read
+    ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
+    tensor by tensor.
+    """
     storage_of = {p.unit: p.storage for p in plan.placements}
     unit_names = list(storage_of)
-    slots = _collect_slots(model)
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
-    staging: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    for slot in slots:
+    for slot in _collect_slots(model):
         key = next((n for n in slot.names if n in sources), None)
         if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
             if slot.tensor.device.type == "meta":
@@ -758,13 +764,14 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
         unit = unit_of(slot.names[0], unit_names)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
         file, file_key = sources[key]
-        target_dtype = slot.tensor.dtype
-        if storage == "disk" and file.spans[file_key].dtype == target_dtype:
-            disk_sources[slot.names[0]] = (file, file_key)
+        if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
             data = file.tensor(file_key)
+            if storage == "disk":
+                disk_sources[slot.names[0]] = (file, file_key)
+            else:
+                file.prefetch((file_key,))
         else:
-            device = torch.device("cpu" if storage == "disk" else storage)
-            data = _read(file, file_key, device, target_dtype, staging)
+            data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
         _replace(model, slot, data)
     if missing:
         raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "
@@ -772,8 +779,7 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     return disk_sources
 
 
-def _read(file: SafetensorsFile, key: str, device: torch.device, dtype: torch.dtype,
-          staging: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> torch.Tensor:
+def _read(file: SafetensorsFile, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """One tensor from the file to ``device`` in ``dtype``, with no full-model intermediate."""
     span = file.spans[key]
     if device.type == "cpu":
