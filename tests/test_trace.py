@@ -216,6 +216,11 @@ def test_granularity_module_splits_blocks() -> None:
     block = trace(TINY["llama"](), seq_len=SEQ)
     assert graph.total_param_bytes == block.total_param_bytes
     assert graph.total_flops_per_token == pytest.approx(block.total_flops_per_token, rel=0.02)
+    # the output projection owns the attention (it receives the QK^T and AV glue FLOPs) and its KV cache
+    o_proj, layer = graph.unit("model.layers.0.self_attn.o_proj"), block.unit("model.layers.0")
+    assert o_proj.kv_bytes_per_token == layer.kv_bytes_per_token > 0
+    assert o_proj.attn_flops_per_token_per_ctx == layer.attn_flops_per_token_per_ctx
+    assert o_proj.flops_per_token >= o_proj.attn_flops_per_token_per_ctx * SEQ
 
 
 def test_user_no_split_coarsens() -> None:

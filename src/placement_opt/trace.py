@@ -685,7 +685,9 @@ def _build_graph(ctx: _Context, record: _Record | None) -> LayerGraph:
         is_encoder_decoder=bool(getattr(ctx.config, "is_encoder_decoder", False)),
         tied_param_groups=tuple(tuple(g) for g in tied_params),
         tied_unit_groups=tuple(g for g in tied_units if len(g) > 1), no_split=ctx.no_split,
-        extra=_extra(ctx, record, attention, dropped))
+        extra={**_extra(ctx, record, attention, dropped),
+               "total_param_bytes": sum(int(d["param_bytes"]) for _, d in digraph.nodes(data=True)),
+               "total_buffer_bytes": sum(int(d["buffer_bytes"]) for _, d in digraph.nodes(data=True))})
     graph = LayerGraph(digraph, meta)
     graph.validate()
     return graph
@@ -707,11 +709,11 @@ def _node(ctx: _Context, record: _Record | None, name: str, module_index: int, e
     tokens = ctx.tokens
     if record is not None:
         flops = round(record.flops.get(name, 0) / tokens)
-        out_bytes = math.ceil(record.out_bytes.get(name, 0) / tokens)
+        out_bytes = math.ceil(_leaving_bytes(record, name) / tokens)
     else:
         flops = 2 * sum(t.numel() for q, t, p in tensors if p and t.dim() > 1 and not _in_embedding(ctx, q))
         out_bytes = _hidden_size(ctx) * _dtype_bytes(ctx.dtype)
-    heads, kv_heads, head_dim, n_self = attention.of(module)
+    heads, kv_heads, head_dim, n_self = attention.of(name)
     in_decode = name not in encoder
     has_cache = in_decode and attention.causal
     moe = _moe(ctx, module, name)
@@ -726,6 +728,16 @@ def _node(ctx: _Context, record: _Record | None, name: str, module_index: int, e
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
     return attrs
+
+
+def _leaving_bytes(record: _Record, name: str) -> int:
+    """Bytes of the distinct tensors other units read from ``name``; all its outputs when none are read
+    (the last unit's logits). Returned tensors nobody reads (eager attention probabilities) do not count."""
+    read: dict[int, int] = {}
+    for (src, _dst), tensors in record.edges.items():
+        if src == name:
+            read.update(tensors)
+    return sum(read.values()) if read else record.out_bytes.get(name, 0)
 
 
 def _in_embedding(ctx: _Context, qname: str) -> bool:
@@ -841,7 +853,12 @@ def _moe(ctx: _Context, module: nn.Module, name: str) -> tuple[int, int, int]:
 
 
 class _AttentionFacts:
-    """Heads, KV heads and head size of the self-attention modules inside a unit."""
+    """Heads, KV heads and head size of the attention modules each unit owns.
+
+    A unit owns the attention modules inside it; with ``granularity="module"`` (attention split into its
+    projections) the last unit registered inside an attention module (its output projection, which also
+    receives the glue FLOPs of QK^T and AV) owns it.
+    """
 
     def __init__(self, ctx: _Context) -> None:
         self.ctx = ctx
@@ -850,10 +867,18 @@ class _AttentionFacts:
         self.causal = bool(getattr(ctx.config, "is_encoder_decoder", False) or
                            (callable(can_generate) and can_generate()))
         self.cross_kv_bytes_per_token = 0
+        self.owned: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)
+        blocks = [n for n in ctx.units if _is_block(ctx, n) or not _is_container(ctx, n)]
+        for name, attention in _outer_attention(module):
+            owner = next((u for u in blocks if name == u or name.startswith(u + ".") or not u), None)
+            if owner is None:
+                owner = next((u for u in reversed(list(ctx.units)) if u.startswith(name + ".")), None)
+            if owner is not None:
+                self.owned[owner].append((name, attention))
 
-    def of(self, unit: nn.Module) -> tuple[int, int, int, int]:
-        """(heads, kv heads, head dim, number of self-attention modules) of ``unit``."""
-        outer = _outer_attention(unit)
+    def of(self, unit_name: str) -> tuple[int, int, int, int]:
+        """(heads, kv heads, head dim, number of self-attention modules) of the unit ``unit_name``."""
+        outer = self.owned.get(unit_name, [])
         selfs = [(n, m) for n, m in outer if not _is_cross(n, m)]
         cross = [(n, m) for n, m in outer if _is_cross(n, m)]
         if not outer:
@@ -883,13 +908,15 @@ class _AttentionFacts:
         return heads, kv, head_dim
 
 
-def _outer_attention(unit: nn.Module) -> list[tuple[str, nn.Module]]:
+def _outer_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost modules whose class names say attention (``LlamaAttention``, ``T5LayerCrossAttention``)."""
     found: list[tuple[str, nn.Module]] = []
-    for name, sub in unit.named_modules():
+    for name, sub in model.named_modules():
         cls = type(sub).__name__.lower()
-        if ("attention" in cls or cls.endswith("attn")) and not any(name.startswith(f + ".") for f, _ in found):
+        if name and ("attention" in cls or cls.endswith("attn")) and not (
+                found and name.startswith(found[-1][0] + ".")):
             found.append((name, sub))
-    return [(n, m) for n, m in found if n != "" or len(found) == 1]
+    return found
 
 
 def _is_cross(name: str, module: nn.Module) -> bool:
@@ -915,7 +942,7 @@ def _hidden_size(ctx: _Context) -> int:
 
 def _extra(ctx: _Context, record: _Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
     config = ctx.config
-    extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "granularity_units": len(ctx.units)}
+    extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units)}
     if config is not None:
         extra["config_class"] = type(config).__name__
         extra["model_type"] = str(getattr(config, "model_type", ""))
