@@ -183,3 +183,11 @@ def test_auto_devices_are_this_machine(monkeypatch, tmp_path):
     machine = resolve_devices("auto")
     assert machine.names[-2:] == ["cpu", "disk"]
     assert machine["cpu"].memory_bytes > 0 and "detected" in machine["cpu"].source
+
+
+def test_plot_into_a_missing_folder_is_a_one_line_error(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    make_plan().to_json(str(plan_path))
+    result = run("explain", str(plan_path), "--plot", str(tmp_path / "no" / "such" / "dir.png"))
+    assert result.exit_code == 1
+    assert "cannot write" in result.output and "Traceback" not in result.output

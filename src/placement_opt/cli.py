@@ -586,8 +586,13 @@ def _write_outputs(console: Console, result: Plan, json_path: str | None, plot: 
     if plot:
         from .viz import save_report
 
-        with _progress("Drawing ..."):
-            save_report(result, plot, outcomes)
+        try:
+            with _progress("Drawing ..."):
+                save_report(result, plot, outcomes)
+        except ImportError as exc:
+            raise _Failure(f"pictures need matplotlib ({exc}): pip install 'placement-opt[plot]'") from None
+        except OSError as exc:
+            raise _Failure(f"cannot write {plot}: {exc}") from None
         console.print(f"pictures written to {plot}")
 
 
