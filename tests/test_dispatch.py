@@ -374,3 +374,13 @@ def test_every_unit_hooked_gives_the_same_logits(tmp_path):
     handle.remove()
     torch.testing.assert_close(logits, _PROPERTY_REFERENCE, rtol=1e-6, atol=1e-6)
     assert_restored(model, _PROPERTY_STATE)
+
+
+def test_package_attribute_dispatches_even_after_the_module_is_imported(tmp_path):
+    import placement_opt
+
+    # this file imported placement_opt.dispatch (the module) first: the package attribute is the module
+    model = tiny("llama")
+    handle = placement_opt.dispatch(model, plan_from(model, lambda i, u: RESIDENT))
+    assert isinstance(handle, DispatchedModel)
+    handle.remove()

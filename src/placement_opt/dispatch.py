@@ -31,6 +31,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -804,3 +806,14 @@ def _replace(model: nn.Module, slot: _Slot, data: torch.Tensor) -> None:
             owner._buffers[attr] = new
     slot.tensor = new
     slot.original_device = data.device
+
+
+class _CallableModule(types.ModuleType):
+    """``placement_opt.dispatch`` names both this module and :func:`dispatch`. Once the module is
+    imported, Python sets the package attribute to the module; calling it still dispatches."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> DispatchedModel:
+        return dispatch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
