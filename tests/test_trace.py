@@ -239,6 +239,7 @@ def test_unit_bytes_equal_accelerate_compute_module_sizes(family: str, dtype: to
     sizes = compute_module_sizes(model)
     buffers = compute_module_sizes(model, buffers_only=True)
     graph = trace(model, seq_len=SEQ)
+    assert graph.meta.traced
     tied = {n for g in graph.meta.tied_unit_groups for n in g}
     for unit in graph.units():
         if unit.name in tied:
@@ -384,3 +385,14 @@ def test_replaying_identical_blocks_changes_nothing(family: str, monkeypatch) ->
     assert replayed.meta.extra.pop("replayed_blocks") > 0
     assert real.meta.extra.pop("replayed_blocks") == 0
     assert replayed.to_dict() == real.to_dict()
+
+
+def test_real_mixtral_traces_like_its_config() -> None:
+    model = _real_model("mixtral")  # CPU weights: the expert stand-in must use the meta copies
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_module = trace(model, seq_len=SEQ, dtype=torch.float32)
+    from_config = trace(TINY["mixtral"](), seq_len=SEQ, dtype="float32")
+    assert from_module.unit("model.layers.1").flops_per_token == from_config.unit("model.layers.1").flops_per_token
+    assert [p.data_ptr() for p in model.parameters()] == pointers

@@ -629,10 +629,11 @@ def _experts_per_token(ctx: _Context, experts: nn.Module) -> int:
 
 
 def _dense_experts(module: nn.Module, top_k: int):  # noqa: ANN202
-    weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
     act = getattr(module, "act_fn", torch.nn.functional.silu)
 
     def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+        # read the parameters at call time: functional_call has swapped in their meta stand-ins
+        weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
         total = torch.zeros_like(hidden_states)
         for k in range(top_k):
             h = hidden_states
