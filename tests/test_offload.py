@@ -140,3 +140,16 @@ def test_round_trip_any_shapes_and_dtypes(tmp_path_factory, shapes, dtypes):
         assert torch.equal(got, value)
         out = torch.empty_like(value)
         assert torch.equal(file.read_into(key, out), value)
+
+
+def test_prefetch_asks_the_kernel_only_for_pages_not_cached(tmp_path, monkeypatch):
+    file = SafetensorsFile(OffloadStore(tmp_path).write("u", _weights()))
+    file.tensor("w").sum()  # touched: its pages are in the page cache
+    assert file.cached("w")
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length)))
+    file.prefetch(["w"])
+    assert calls == []
+    monkeypatch.setattr(SafetensorsFile, "cached", lambda self, key: False)
+    file.prefetch(["w", "b"])
+    assert calls == [(file.spans["w"].offset_bytes, 512), (file.spans["b"].offset_bytes, 16)]
