@@ -18,6 +18,9 @@ S != E otherwise            streamed: weights copied to E for the forward, relea
                             thread); ``stream_sync`` copies when the unit is called.
 ==========================  ==================================================================
 
+Streamed units are for inference: their weights leave the device after the forward, so a
+backward pass through them is not supported (resident and memory-mapped units train normally).
+
 Hooks are the fewest that do the job: a unit's forward is wrapped only when the plan executes
 units on more than one device (its inputs may need moving) or when its weights move per
 forward; when inputs are already on the unit's device the wrapper does nothing but compare
