@@ -45,11 +45,13 @@ __all__ = [
     "Solution",
     "solve_problem",
     "greedy_choice",
+    "best_greedy_choice",
     "satisfies",
     "objective_of",
     "OBJECTIVES",
     "TIME_RESOLUTION",
     "COARSEN_ABOVE",
+    "GREEDY_RESERVES",
 ]
 
 #: Objectives the solver accepts.
@@ -108,14 +110,23 @@ def _allowed(problem: PlacementProblem, u: UnitSpec, o: PlacementOption) -> bool
     return pin is None or o.storage == pin
 
 
-def greedy_choice(problem: PlacementProblem) -> list[int]:
+def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = None) -> list[int]:
     """A simple feasible-if-possible assignment: each unit takes the fastest allowed option that fits.
 
     Units are placed in execution order against the remaining capacity; tied units follow the
-    storage of the first of their group. Used as the hint when the caller gives none.
+    storage of the first of their group. With ``reserve_fraction``, weights resident on a GPU leave
+    free the largest stream buffer of that GPU plus this fraction of its capacity, so later units can
+    still be streamed there (KV cache and buffers) instead of falling back to the CPU.
     """
     free = {d.name: d.capacity_bytes for d in problem.devices}
     peak = {d.name: 0 for d in problem.devices}
+    reserve = dict.fromkeys(free, 0)
+    if reserve_fraction is not None:
+        for d in problem.devices:
+            if d.kind == "gpu":
+                streams = [o.peak_bytes for u in problem.units for o in u.options
+                           if o.execution == d.name and o.storage != d.name]
+                reserve[d.name] = max(streams, default=0) + int(reserve_fraction * d.capacity_bytes)
     tied_to = {n: g[0] for g in problem.tied_groups for n in g[1:]}
     storage: dict[str, str] = {}
     choice = []
@@ -123,7 +134,7 @@ def greedy_choice(problem: PlacementProblem) -> list[int]:
         def fits(o: PlacementOption) -> bool:
             extra_peak = max(0, o.peak_bytes - peak[o.execution])
             if o.storage == o.execution:
-                return o.stored_bytes + o.resident_bytes + extra_peak <= free[o.storage]
+                return o.stored_bytes + o.resident_bytes + extra_peak + reserve[o.storage] <= free[o.storage]
             return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
 
         lead = tied_to.get(u.name)
@@ -140,6 +151,18 @@ def greedy_choice(problem: PlacementProblem) -> list[int]:
         storage[u.name] = o.storage
         choice.append(best)
     return choice
+
+
+#: Reserve fractions tried by :func:`best_greedy_choice` (None: no reserve).
+GREEDY_RESERVES = (None, 0.0, 0.1, 0.25, 0.5)
+
+
+def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") -> list[int]:
+    """The best valid :func:`greedy_choice` over :data:`GREEDY_RESERVES` (the first one if none is valid)."""
+    key = "latency" if objective == "memory" else objective
+    variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
+    valid = [(objective_of(problem, c, key), i) for i, c in enumerate(variants) if satisfies(problem, c)]
+    return variants[min(valid)[1]] if valid else variants[0]
 
 
 def _contiguous_ok(problem: PlacementProblem, choice: Sequence[int]) -> bool:
@@ -629,7 +652,7 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
         time_limit_s: wall-clock limit of the whole call.
         seed: CP-SAT's random seed; with a fixed ``workers`` the search is reproducible.
         workers: CP-SAT search workers.
-        hint: an option index per unit (the best feasible baseline); default :func:`greedy_choice`.
+        hint: an option index per unit (the best feasible baseline); default :func:`best_greedy_choice`.
             A valid hint is never beaten by the returned solution.
         memory_slack: allowed relative latency increase for ``"memory"``.
 
@@ -641,7 +664,7 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
     """
     _check(problem, objective, hint, time_limit_s, workers, memory_slack)
     t0 = time.perf_counter()
-    hint = list(hint) if hint is not None else greedy_choice(problem)
+    hint = list(hint) if hint is not None else best_greedy_choice(problem, objective)
     if objective == "memory":
         first = _solve(problem, "latency", time_limit_s / 2, seed, workers, hint, None, t0)
         if not first.feasible:

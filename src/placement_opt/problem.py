@@ -176,7 +176,7 @@ class PlacementProblem:
         """The chosen option of every unit, checked for range."""
         if len(choice) != len(self.units):
             raise ValueError(f"assignment has {len(choice)} entries for {len(self.units)} units")
-        return [u.options[c] for u, c in zip(self.units, choice)]
+        return [u.options[c] for u, c in zip(self.units, choice, strict=True)]
 
     def score(self, choice: Sequence[int]) -> Score:
         """Price an assignment (one option index per unit, in execution order)."""

@@ -22,7 +22,14 @@ from ._units import format_bytes
 from .baselines import STRATEGIES as BASELINE_STRATEGIES
 from .baselines import accelerate_device_map, baseline_storage, choice_from_storage
 from .cost import Cost, build_problem, evaluate
-from .cpsat import OBJECTIVES, greedy_choice, objective_of, satisfies, solve_problem
+from .cpsat import (
+    GREEDY_RESERVES,
+    OBJECTIVES,
+    greedy_choice,
+    objective_of,
+    satisfies,
+    solve_problem,
+)
 from .devices import Machine, normalize_device_name
 from .errors import InfeasiblePlacementError, PlacementError
 from .plan import BaselineResult, Plan, UnitPlacement
@@ -253,12 +260,13 @@ def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, 
 def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_Baseline]) -> tuple[list[int], str]:
     key = "latency" if objective == "memory" else objective
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
-    candidates.append((greedy_choice(problem), "greedy"))
+    candidates += [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
+                   for r in GREEDY_RESERVES]
     valid = [(objective_of(problem, c, key), i, c, s) for i, (c, s) in enumerate(candidates) if satisfies(problem, c)]
     if valid:
         _, _, choice, name = min(valid)
         return choice, name
-    return candidates[-1][0], "greedy"
+    return candidates[-len(GREEDY_RESERVES)][0], "greedy"
 
 
 # ---------------------------------------------------------------------------------------------
