@@ -9,12 +9,15 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
-from placement_opt.cli import cli, resolve_devices, resolve_model
-from placement_opt.plan import Plan
+from placement_opt.cli import _runs, _where_computed, cli, resolve_devices, resolve_model
+from placement_opt.plan import Plan, UnitPlacement
 from test_viz import make_plan
 
 GOOD_DEVICES = "cuda:0=a100-40gb,cpu=64GiB,disk=nvme-gen4"
@@ -191,3 +194,25 @@ def test_plot_into_a_missing_folder_is_a_one_line_error(tmp_path):
     result = run("explain", str(plan_path), "--plot", str(tmp_path / "no" / "such" / "dir.png"))
     assert result.exit_code == 1
     assert "cannot write" in result.output and "Traceback" not in result.output
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+_OPTIONS = [("cuda:0", "cuda:0", "resident"), ("cpu", "cpu", "resident"), ("cpu", "cuda:0", "stream"),
+            ("disk", "cpu", "stream"), ("disk", "cuda:0", "stream")]
+
+
+@given(st.lists(st.sampled_from(_OPTIONS), min_size=1, max_size=40))
+def test_runs_cover_every_unit_once_in_order_and_are_maximal(choices):
+    placements = tuple(UnitPlacement(unit=f"u{i}", storage=s, execution=e, mode=m)
+                       for i, (s, e, m) in enumerate(choices))
+    plan = replace(make_plan(), placements=placements)
+    runs = _runs(plan)
+    assert [n for names, *_ in runs for n in names] == [p.unit for p in placements]
+    for names, storage, execution, mode in runs:
+        assert all(plan.placement(n).storage == storage and plan.placement(n).execution == execution
+                   and plan.placement(n).mode == mode for n in names)
+    assert all(a[1:] != b[1:] for a, b in zip(runs, runs[1:], strict=False))  # maximal runs
+    gpu, cpu, streamed = map(int, _where_computed(plan).split("/"))
+    assert gpu + cpu + streamed == len(placements)
+    assert streamed == sum(1 for s, e, _ in choices if e == "cuda:0" and s != e)
