@@ -371,7 +371,7 @@ def test_json_round_trip_of_a_traced_graph() -> None:
 
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_replaying_identical_blocks_changes_nothing(family: str, monkeypatch) -> None:
-    import placement_opt.trace as trace_module
+    import placement_opt._meta as trace_module
 
     fields = TINY[family]().to_dict()
     fields.pop("layer_types", None)

@@ -165,7 +165,7 @@ class LayerGraph:
     def is_chain(self) -> bool:
         """True when the units form one path in execution order (no branches or skips)."""
         names = self.names()
-        expected = set(zip(names, names[1:]))
+        expected = set(zip(names, names[1:], strict=False))
         return set(self.nx.edges) <= expected and nx.is_directed_acyclic_graph(self.nx)
 
     @property
@@ -260,7 +260,7 @@ def chain_graph(
         digraph.add_node(spec["name"], **attrs)
     if edges is None:
         names = [u["name"] for u in units]
-        edges = [(a, b, int(digraph.nodes[a]["out_bytes_per_token"])) for a, b in zip(names, names[1:])]
+        edges = [(a, b, int(digraph.nodes[a]["out_bytes_per_token"])) for a, b in zip(names, names[1:], strict=False)]
     for src, dst, nbytes in edges:
         digraph.add_edge(src, dst, bytes_per_token=int(nbytes))
     meta = GraphMeta(model_name=model_name, dtype=dtype, batch_size=1, seq_len=1, traced=False,

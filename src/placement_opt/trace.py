@@ -1,19 +1,35 @@
-"""Turn a model into a :class:`~placement_opt.graph.LayerGraph` with one forward pass on meta tensors.
+"""Turn a model into a :class:`~placement_opt.graph.LayerGraph`: ``trace(model) -> LayerGraph``.
 
-The model is never run on real data and its weights are never read or copied: every parameter and
-buffer is replaced by a meta tensor of the same shape for the duration of one forward
-(``torch.func.functional_call``), and models built from a config are built on the meta device to
-begin with. A ``TorchDispatchMode`` watches every aten op of that forward to
+The model is never run on real data and its weights are never read or copied: models built from a
+config are built on the meta device, and a module given with real weights runs its one forward with
+every parameter and buffer swapped for a meta tensor (see :mod:`placement_opt._meta`, which records
+execution order, FLOPs and data flow per unit).
 
-* count FLOPs with ``torch.utils.flop_counter``'s formulas, charged to the placement unit running the op;
-* follow tensor provenance: each tensor remembers which unit produced it (glue code between units
-  passes provenance through), so an op inside unit B reading a tensor made by unit A is an edge A -> B,
-  however the tensor travelled (positional or keyword argument, tuple, rotary ``(cos, sin)``,
-  encoder hidden states, a bias computed by the first T5 block and reused by the others).
+Placement units are the instances of the model's no-split classes (``model._no_split_modules``, e.g.
+``LlamaDecoderLayer``, or the user's ``no_split``) plus every module outside them that owns parameters
+or buffers itself (embeddings, final norm, ``lm_head``, a rotary embedding's ``inv_freq``). A module
+that owns tensors and also has units below it owns only its direct tensors and is charged for the ops
+that read them.
 
-Module hooks on the units record the execution order and the bytes each unit returns.
-When the meta forward fails (custom ops, data-dependent control flow), :func:`trace` warns and falls
-back to a static graph of the module tree in registration order.
+Conventions the cost model relies on:
+
+* bytes: parameters and buffers at their own dtype (the config's dtype for a config; with ``dtype=``
+  given for a module, floating tensors at that size, never upcast: accelerate's
+  ``compute_module_sizes`` rule). Tied parameters are counted once, on the first unit to run.
+* ``flops_per_token``: FLOPs of the traced forward / (batch x seq_len), counted by
+  ``torch.utils.flop_counter`` formulas (matmuls, convolutions, attention kernels). Attention is traced
+  with the eager implementation so QK^T and AV are visible matmuls.
+* ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
+  that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
+  encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
+  ``meta.extra["cross_attn_kv_bytes_per_token"]``.
+* MoE: fused expert modules (transformers 5 ``MixtralExperts``) are run through ``top_k`` experts' weights
+  densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs.
+* Dummy inputs: ``input_ids`` (plus ``decoder_input_ids`` for encoder-decoders), no ``attention_mask``
+  (an all-ones mask is the same computation, and masks trigger data-dependent checks on meta).
+
+When the meta forward fails (custom ops, data-dependent control flow), :func:`trace` warns and returns a
+static graph of the module tree in registration order (``meta.traced`` is False).
 """
 
 from __future__ import annotations
@@ -24,17 +40,16 @@ import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_map
 
+from . import _meta
 from .errors import TraceError
 from .graph import NODE_ATTRIBUTES, GraphMeta, LayerGraph
 
@@ -47,10 +62,6 @@ GRANULARITIES = ("block", "module")
 
 _ENCODER_ONLY_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
                        "deberta-v2", "camembert", "mpnet", "modernbert", "ernie"}
-_META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
-             torch.ops.aten.stride.default, torch.ops.aten.dim.default, torch.ops.aten.numel.default,
-             torch.ops.aten.is_contiguous.default, torch.ops.aten.sym_numel.default,
-             torch.ops.aten.storage_offset.default, torch.ops.prim.layout.default}
 
 
 def trace(
@@ -284,290 +295,14 @@ class _Context:
         return self.batch_size * self.seq_len
 
 
-@dataclass
-class _Record:
-    """What the meta forward observed."""
-
-    order: list[str] = field(default_factory=list)
-    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    out_bytes: dict[str, int] = field(default_factory=dict)
-    edges: dict[tuple[str, str], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
-    guessed_scalars: int = 0
-    glue_flops: int = 0
-    replayed_blocks: int = 0
-
-
-class _Recorder(TorchDispatchMode):
-    """Counts FLOPs per unit and follows which unit produced every tensor."""
-
-    def __init__(self, record: _Record, param_owner: dict[int, str]) -> None:
-        super().__init__()
-        self.record = record
-        self.param_owner = param_owner
-        """id of a direct tensor of a container unit (a unit with units below it) -> that unit."""
-        self.stack: list[str] = []
-        self.producers: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
-        self.pending_flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func in _META_OPS:
-            return func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return self._guess_scalar(args[0])
-        if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        out = func(*args, **kwargs)
-        inputs = _tensors((args, kwargs))
-        current = self._current(inputs, out)
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
-        self._follow(current, inputs, out)
-        return out
-
-    def _current(self, inputs: list[torch.Tensor], out: Any) -> str | None:
-        """The unit running this op: the innermost hooked unit, else a container whose own tensor it reads."""
-        if self.stack:
-            return self.stack[-1]
-        owner = next((self.param_owner[id(t)] for t in inputs if id(t) in self.param_owner), None)
-        if owner is not None:
-            self._start(owner)
-            self.record.out_bytes[owner] = sum(_nbytes(t) for t in _tensors(out))
-        return owner
-
-    def _guess_scalar(self, tensor: torch.Tensor) -> Any:
-        # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
-        self.record.guessed_scalars += 1
-        if tensor.dtype == torch.bool:
-            return True
-        return 1 if not tensor.is_floating_point() else 0.0
-
-    def _charge(self, current: str | None, flops: int) -> None:
-        if current is not None:
-            self.record.flops[current] += flops
-        else:
-            self.pending_flops += flops
-
-    def _follow(self, current: str | None, inputs: list[torch.Tensor], out: Any) -> None:
-        sources: set[str] = set()
-        for tensor in inputs:
-            entry = self.producers.get(id(tensor))
-            if entry is None or entry[0] is not tensor:
-                continue
-            for unit in entry[1]:
-                if current is not None and unit != current:
-                    self.record.edges[(unit, current)][id(tensor)] = _nbytes(tensor)
-                sources.add(unit)
-        made = frozenset({current}) if current is not None else frozenset(sources)
-        if made:
-            for tensor in _tensors(out):
-                self.producers[id(tensor)] = (tensor, made)
-
-    def _start(self, name: str) -> None:
-        """First time ``name`` runs: give it the next execution index and the glue FLOPs before it."""
-        if name not in self.record.flops:
-            self.record.flops[name] = 0
-            self.record.order.append(name)
-        if self.pending_flops:
-            self.record.flops[name] += self.pending_flops
-            self.record.glue_flops += self.pending_flops
-            self.pending_flops = 0
-
-    # -- module hooks --
-    def enter(self, name: str) -> None:
-        self._start(name)
-        self.stack.append(name)
-
-    def leave(self, name: str, output: Any) -> None:
-        if self.stack and self.stack[-1] == name:
-            self.stack.pop()
-        if name not in self.record.out_bytes:
-            seen: dict[int, int] = {id(t): _nbytes(t) for t in _tensors(output)}
-            self.record.out_bytes[name] = sum(seen.values())
-        made = frozenset({name})
-        for tensor in _tensors(output):
-            if id(tensor) not in self.producers:
-                self.producers[id(tensor)] = (tensor, made)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    out: list[torch.Tensor] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif hasattr(leaf, "to_tuple"):  # transformers ModelOutput
-            out.extend(_tensors(leaf.to_tuple()))
-    return out
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _meta_forward(ctx: _Context, example_inputs: Any) -> _Record:
-    record = _Record()
+def _meta_forward(ctx: _Context, example_inputs: Any) -> _meta.Record:
+    """Run the model once on meta tensors and record order, FLOPs and data flow per unit."""
     args, kwargs = _inputs(ctx, example_inputs)
-    state = _meta_state(ctx.module, ctx.override)
-    containers = {n for n in ctx.units if _is_container(ctx, n)}
-    param_owner = {id(state[q]): n for n in containers
-                   for q, _, _ in _unit_tensors(n, ctx.units[n], False) if q in state}
-    recorder = _Recorder(record, param_owner)
-    handles = []
-    for name, sub in ctx.units.items():
-        if name in containers:
-            continue
-        handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
-        handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
-    restore = _stand_in_experts(ctx)
-    replay = _BlockReplay(recorder)
-    if REPLAY_REPEATED_BLOCKS:
-        for name, sub in ctx.units.items():
-            if _is_block(ctx, name) and name:
-                replay.patch(name, sub)
-    was_training = ctx.module.training
-    try:
-        ctx.module.eval()
-        with torch.no_grad(), recorder:
-            torch.func.functional_call(ctx.module, state, args, kwargs, tie_weights=False, strict=False)
-        if recorder.pending_flops and record.order:
-            record.flops[record.order[-1]] += recorder.pending_flops
-            record.glue_flops += recorder.pending_flops
-    finally:
-        ctx.module.train(was_training)
-        for handle in handles:
-            handle.remove()
-        replay.restore()
-        restore()
-    record.replayed_blocks = replay.replayed
-    return record
-
-
-#: Run only the first block of each signature for real; later identical blocks replay its record.
-REPLAY_REPEATED_BLOCKS = True
-
-_PRIMITIVES = (int, float, bool, str, type(None))
-
-
-@dataclass
-class _Learned:
-    """What one real run of a block did, enough to replay it for an identical block."""
-
-    flops: int
-    consumed: list[int]
-    """Positions of the input tensors its ops read (the edges a replay must draw)."""
-    outputs: list[int | tuple[tuple[int, ...], torch.dtype]]
-    """Per output tensor: the position of the input it passes through, or (shape, dtype) of a new one."""
-    spec: Any
-
-
-class _BlockReplay:
-    """Replays identical blocks: same class, attributes, parameter and input shapes -> same FLOPs and outputs.
-
-    A 126-layer model then costs two real block forwards on meta instead of 126; the edges are still drawn
-    per block from the producers of the tensors each block actually receives.
-    """
-
-    def __init__(self, recorder: _Recorder) -> None:
-        self.recorder = recorder
-        self.cache: dict[Any, _Learned | None] = {}
-        self.patched: list[nn.Module] = []
-        self.replayed = 0
-
-    def patch(self, name: str, module: nn.Module) -> None:
-        static = _static_signature(module)
-        original = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (static, _input_signature(args, kwargs))
-            learned = self.cache.get(key)
-            if learned is not None:
-                self.replayed += 1
-                return self._replay(name, learned, args, kwargs)
-            before = self.recorder.record.flops.get(name, 0)
-            out = original(*args, **kwargs)
-            if key not in self.cache:
-                self.cache[key] = self._learn(name, args, kwargs, out, self.recorder.record.flops[name] - before)
-            return out
-
-        module.forward = forward
-        self.patched.append(module)
-
-    def restore(self) -> None:
-        for module in self.patched:
-            del module.forward
-
-    def _learn(self, name: str, args: Any, kwargs: Any, out: Any, flops: int) -> _Learned | None:
-        inputs = _tensors((args, kwargs))
-        leaves, spec = tree_flatten(out)
-        if any(not isinstance(leaf, (torch.Tensor, *_PRIMITIVES)) for leaf in leaves):
-            return None  # caches or other objects with side effects: always run for real
-        read = {tid for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name for tid in tensors}
-        consumed = [i for i, t in enumerate(inputs) if id(t) in read]
-        outputs: list[Any] = []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                same = next((i for i, t in enumerate(inputs) if t is leaf), None)
-                outputs.append(same if same is not None else (tuple(leaf.shape), leaf.dtype))
-            else:
-                outputs.append(("value", leaf))
-        return _Learned(flops=flops, consumed=consumed, outputs=outputs, spec=spec)
-
-    def _replay(self, name: str, learned: _Learned, args: Any, kwargs: Any) -> Any:
-        recorder = self.recorder
-        inputs = _tensors((args, kwargs))
-        recorder.record.flops[name] += learned.flops
-        for i in learned.consumed:
-            tensor = inputs[i]
-            entry = recorder.producers.get(id(tensor))
-            if entry is not None and entry[0] is tensor:
-                for unit in entry[1] - {name}:
-                    recorder.record.edges[(unit, name)][id(tensor)] = _nbytes(tensor)
-        leaves: list[Any] = []
-        for item in learned.outputs:
-            if isinstance(item, int):
-                leaves.append(inputs[item])
-            elif item[0] == "value":
-                leaves.append(item[1])
-            else:
-                tensor = torch.empty(item[0], dtype=item[1], device="meta")
-                recorder.producers[id(tensor)] = (tensor, frozenset({name}))
-                leaves.append(tensor)
-        return tree_unflatten(leaves, learned.spec)
-
-
-def _static_signature(module: nn.Module) -> tuple[Any, ...]:
-    """Class, plain attributes (except indices) and tensor shapes of every submodule."""
-    parts = []
-    for sub_name, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
-                             if isinstance(v, _PRIMITIVES) and not k.startswith("_") and "idx" not in k
-                             and "index" not in k))
-        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in (*sub._parameters.items(), *sub._buffers.items())
-                        if t is not None)
-        parts.append((sub_name, type(sub).__name__, attrs, tensors))
-    return tuple(parts)
-
-
-def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    leaves, spec = tree_flatten((args, kwargs))
-    items = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
-                  else (type(x).__name__, x if isinstance(x, _PRIMITIVES) else id(x)) for x in leaves)
-    return (str(spec), items)
-
-
-def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """A meta stand-in for every parameter and buffer (floating ones in ``dtype`` if given); no data is read."""
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
-            module.named_buffers(remove_duplicate=False)):
-        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        state[name] = torch.empty(tensor.shape, dtype=target, device="meta")
-    return state
+    return _meta.run(
+        ctx.module, ctx.units, args=args, kwargs=kwargs, dtype=ctx.override,
+        containers={n for n in ctx.units if _is_container(ctx, n)},
+        blocks={n for n in ctx.units if n and _is_block(ctx, n)},
+        experts_per_token=lambda experts: _experts_per_token(ctx, experts))
 
 
 def _inputs(ctx: _Context, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -594,32 +329,6 @@ def _inputs(ctx: _Context, example_inputs: Any) -> tuple[tuple[Any, ...], dict[s
     raise TraceError(f"cannot guess the inputs of {type(ctx.module).__name__}: pass example_inputs")
 
 
-def _stand_in_experts(ctx: _Context):  # noqa: ANN202
-    """Replace fused MoE expert modules by a shape-correct dense stand-in for the meta forward.
-
-    Fused experts (transformers 5 ``MixtralExperts``: 3D weights ``[num_experts, out, in]``) route tokens
-    with data-dependent ops (``nonzero``) that cannot run on meta tensors. The stand-in sends every
-    token through ``top_k`` experts' weights, so the FLOPs counted are exactly ``top_k / num_experts`` of
-    all experts' dense FLOPs: what a routed forward computes on average.
-    """
-    patched: list[nn.Module] = []
-    for sub in ctx.module.modules():
-        if _is_fused_experts(sub):
-            top_k = _experts_per_token(ctx, sub)
-            sub.forward = _dense_experts(sub, top_k)  # instance attribute, removed again below
-            patched.append(sub)
-
-    def restore() -> None:
-        for sub in patched:
-            del sub.forward
-    return restore
-
-
-def _is_fused_experts(module: nn.Module) -> bool:
-    params = [p for p in module._parameters.values() if p is not None]
-    return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in params)
-
-
 def _experts_per_token(ctx: _Context, experts: nn.Module) -> int:
     for key in ("num_experts_per_tok", "top_k", "moe_topk", "num_experts_per_token"):
         value = getattr(ctx.config, key, None) or getattr(experts, key, None)
@@ -628,39 +337,10 @@ def _experts_per_token(ctx: _Context, experts: nn.Module) -> int:
     return 1
 
 
-def _dense_experts(module: nn.Module, top_k: int):  # noqa: ANN202
-    act = getattr(module, "act_fn", torch.nn.functional.silu)
-
-    def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
-        # read the parameters at call time: functional_call has swapped in their meta stand-ins
-        weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
-        total = torch.zeros_like(hidden_states)
-        for k in range(top_k):
-            h = hidden_states
-            for i, w in enumerate(weights):
-                h = _apply_expert_weight(h, w[k % w.shape[0]], act, last=i == len(weights) - 1)
-            if h.shape == total.shape:
-                total = total + h
-        return total
-    return forward
-
-
-def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any, *, last: bool) -> torch.Tensor:
-    if w.shape[-1] != h.shape[-1] and w.shape[0] == h.shape[-1]:
-        w = w.t()
-    elif w.shape[-1] != h.shape[-1] and w.shape[-1] * 2 == h.shape[-1]:
-        gate, up = h.chunk(2, dim=-1)
-        h = act(gate) * up
-    elif w.shape[-1] != h.shape[-1] and w.shape[0] * 2 == h.shape[-1]:
-        gate, up = h.chunk(2, dim=-1)
-        h, w = act(gate) * up, w.t()
-    return torch.nn.functional.linear(h, w)
-
-
 # -- building the graph --------------------------------------------------------------------------------
 
 
-def _build_graph(ctx: _Context, record: _Record | None) -> LayerGraph:
+def _build_graph(ctx: _Context, record: _meta.Record | None) -> LayerGraph:
     names = list(ctx.units)
     order = [n for n in (record.order if record else []) if n in ctx.units]
     order += [n for n in names if n not in order]
@@ -694,7 +374,7 @@ def _build_graph(ctx: _Context, record: _Record | None) -> LayerGraph:
     return graph
 
 
-def _node(ctx: _Context, record: _Record | None, name: str, module_index: int, exec_index: int,
+def _node(ctx: _Context, record: _meta.Record | None, name: str, module_index: int, exec_index: int,
           tied: list[tuple[str, ...]], first_owner: dict[str, str], attention: _AttentionFacts,
           encoder: set[str]) -> dict[str, Any]:
     module = ctx.units[name]
@@ -731,7 +411,7 @@ def _node(ctx: _Context, record: _Record | None, name: str, module_index: int, e
     return attrs
 
 
-def _leaving_bytes(record: _Record, name: str) -> int:
+def _leaving_bytes(record: _meta.Record, name: str) -> int:
     """Bytes of the distinct tensors other units read from ``name``; all its outputs when none are read
     (the last unit's logits). Returned tensors nobody reads (eager attention probabilities) do not count."""
     read: dict[int, int] = {}
@@ -811,7 +491,7 @@ def _merge(sets: list[set[str]]) -> list[set[str]]:
     return merged
 
 
-def _add_edges(digraph: nx.DiGraph, ctx: _Context, record: _Record | None, order: list[str],
+def _add_edges(digraph: nx.DiGraph, ctx: _Context, record: _meta.Record | None, order: list[str],
                exec_index: Mapping[str, int]) -> int:
     """Data-flow edges (traced) or a chain in execution order (fallback); returns dropped back edges."""
     if record is None:
@@ -840,7 +520,7 @@ def _encoder_units(ctx: _Context) -> set[str]:
 
 def _moe(ctx: _Context, module: nn.Module, name: str) -> tuple[int, int, int]:
     """(experts, experts per token, bytes of expert weights) of a unit; zeros when it is not MoE."""
-    experts = [m for m in module.modules() if _is_fused_experts(m)]
+    experts = [m for m in module.modules() if _meta.is_fused_experts(m)]
     if not experts:
         lists = [m for n, m in module.named_modules() if n.endswith("experts") and isinstance(m, nn.ModuleList)]
         if not lists:
@@ -941,7 +621,7 @@ def _hidden_size(ctx: _Context) -> int:
     return linear.out_features if linear is not None else 1
 
 
-def _extra(ctx: _Context, record: _Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
+def _extra(ctx: _Context, record: _meta.Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
     config = ctx.config
     extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units)}
     if config is not None:

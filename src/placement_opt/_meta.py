@@ -1,0 +1,398 @@
+"""The meta forward behind :func:`placement_opt.trace`: FLOPs, execution order and data flow per unit.
+
+One forward runs with every parameter and buffer swapped for a meta tensor
+(``torch.func.functional_call``), under a ``TorchDispatchMode`` that
+
+* counts FLOPs with ``torch.utils.flop_counter``'s formulas and charges them to the unit running the op
+  (glue FLOPs between units go to the next unit that runs);
+* follows provenance: every tensor remembers the units it came from (glue ops pass provenance
+  through), so an op inside unit B reading a tensor made by unit A is an edge A -> B however the
+  tensor travelled: positional or keyword argument, tuple, rotary ``(cos, sin)``, encoder states;
+* answers data-dependent scalar reads (``mask.all()``) with the dense case instead of failing.
+
+Module hooks mark which unit is running. Two stand-ins keep the forward possible and fast: fused MoE
+experts (whose routing needs real data) run densely through ``top_k`` experts, and repeated identical
+blocks are run once and replayed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["Record", "run", "is_fused_experts", "nbytes", "REPLAY_REPEATED_BLOCKS"]
+
+_META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
+             torch.ops.aten.stride.default, torch.ops.aten.dim.default, torch.ops.aten.numel.default,
+             torch.ops.aten.is_contiguous.default, torch.ops.aten.sym_numel.default,
+             torch.ops.aten.storage_offset.default, torch.ops.prim.layout.default}
+
+
+def run(
+    module: nn.Module,
+    units: dict[str, nn.Module],
+    *,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype | None,
+    containers: set[str],
+    blocks: set[str],
+    experts_per_token: Callable[[nn.Module], int],
+) -> Record:
+    """One meta forward of ``module`` with ``args``/``kwargs`` (meta tensors); returns what it observed.
+
+    Args:
+        units: unit name -> module.
+        dtype: run floating parameters and buffers in this dtype (None: their own).
+        containers: units that own only their direct tensors while other units sit below them; they
+            are charged for the ops that read those tensors instead of being hooked.
+        blocks: units kept whole; identical ones are replayed when :data:`REPLAY_REPEATED_BLOCKS`.
+        experts_per_token: top-k of a fused experts module.
+
+    Raises:
+        Exception: whatever the model's forward raises on meta tensors (the caller falls back).
+    """
+    record = Record()
+    state = _meta_state(module, dtype)
+    param_owner = {id(state[f"{n}.{k}" if n else k]): n for n in containers
+                   for k in (*units[n]._parameters, *units[n]._buffers) if (f"{n}.{k}" if n else k) in state}
+    recorder = _Recorder(record, param_owner)
+    handles = []
+    for name, sub in units.items():
+        if name in containers:
+            continue
+        handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
+        handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
+    restore = _stand_in_experts(module, experts_per_token)
+    replay = _BlockReplay(recorder)
+    if REPLAY_REPEATED_BLOCKS:
+        for name in blocks:
+            replay.patch(name, units[name])
+    was_training = module.training
+    try:
+        module.eval()
+        with torch.no_grad(), recorder:
+            torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=False)
+        if recorder.pending_flops and record.order:
+            record.flops[record.order[-1]] += recorder.pending_flops
+            record.glue_flops += recorder.pending_flops
+    finally:
+        module.train(was_training)
+        for handle in handles:
+            handle.remove()
+        replay.restore()
+        restore()
+    record.replayed_blocks = replay.replayed
+    return record
+
+
+@dataclass
+class Record:
+    """What the meta forward observed."""
+
+    order: list[str] = field(default_factory=list)
+    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    out_bytes: dict[str, int] = field(default_factory=dict)
+    edges: dict[tuple[str, str], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    guessed_scalars: int = 0
+    glue_flops: int = 0
+    replayed_blocks: int = 0
+
+
+class _Recorder(TorchDispatchMode):
+    """Counts FLOPs per unit and follows which unit produced every tensor."""
+
+    def __init__(self, record: Record, param_owner: dict[int, str]) -> None:
+        super().__init__()
+        self.record = record
+        self.param_owner = param_owner
+        """id of a direct tensor of a container unit (a unit with units below it) -> that unit."""
+        self.stack: list[str] = []
+        self.producers: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.pending_flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _META_OPS:
+            return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self._guess_scalar(args[0])
+        if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        current = self._current(inputs, out)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
+        self._follow(current, inputs, out)
+        return out
+
+    def _current(self, inputs: list[torch.Tensor], out: Any) -> str | None:
+        """The unit running this op: the innermost hooked unit, else a container whose own tensor it reads."""
+        if self.stack:
+            return self.stack[-1]
+        owner = next((self.param_owner[id(t)] for t in inputs if id(t) in self.param_owner), None)
+        if owner is not None:
+            self._start(owner)
+            self.record.out_bytes[owner] = sum(nbytes(t) for t in _tensors(out))
+        return owner
+
+    def _guess_scalar(self, tensor: torch.Tensor) -> Any:
+        # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
+        self.record.guessed_scalars += 1
+        if tensor.dtype == torch.bool:
+            return True
+        return 1 if not tensor.is_floating_point() else 0.0
+
+    def _charge(self, current: str | None, flops: int) -> None:
+        if current is not None:
+            self.record.flops[current] += flops
+        else:
+            self.pending_flops += flops
+
+    def _follow(self, current: str | None, inputs: list[torch.Tensor], out: Any) -> None:
+        sources: set[str] = set()
+        for tensor in inputs:
+            entry = self.producers.get(id(tensor))
+            if entry is None or entry[0] is not tensor:
+                continue
+            for unit in entry[1]:
+                if current is not None and unit != current:
+                    self.record.edges[(unit, current)][id(tensor)] = nbytes(tensor)
+                sources.add(unit)
+        made = frozenset({current}) if current is not None else frozenset(sources)
+        if made:
+            for tensor in _tensors(out):
+                self.producers[id(tensor)] = (tensor, made)
+
+    def _start(self, name: str) -> None:
+        """First time ``name`` runs: give it the next execution index and the glue FLOPs before it."""
+        if name not in self.record.flops:
+            self.record.flops[name] = 0
+            self.record.order.append(name)
+        if self.pending_flops:
+            self.record.flops[name] += self.pending_flops
+            self.record.glue_flops += self.pending_flops
+            self.pending_flops = 0
+
+    # -- module hooks --
+    def enter(self, name: str) -> None:
+        self._start(name)
+        self.stack.append(name)
+
+    def leave(self, name: str, output: Any) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        if name not in self.record.out_bytes:
+            seen: dict[int, int] = {id(t): nbytes(t) for t in _tensors(output)}
+            self.record.out_bytes[name] = sum(seen.values())
+        made = frozenset({name})
+        for tensor in _tensors(output):
+            if id(tensor) not in self.producers:
+                self.producers[id(tensor)] = (tensor, made)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    out: list[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif hasattr(leaf, "to_tuple"):  # transformers ModelOutput
+            out.extend(_tensors(leaf.to_tuple()))
+    return out
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+#: Run only the first block of each signature for real; later identical blocks replay its record.
+REPLAY_REPEATED_BLOCKS = True
+
+_PRIMITIVES = (int, float, bool, str, type(None))
+
+
+@dataclass
+class _Learned:
+    """What one real run of a block did, enough to replay it for an identical block."""
+
+    flops: int
+    consumed: list[int]
+    """Positions of the input tensors its ops read (the edges a replay must draw)."""
+    outputs: list[int | tuple[tuple[int, ...], torch.dtype]]
+    """Per output tensor: the position of the input it passes through, or (shape, dtype) of a new one."""
+    spec: Any
+
+
+class _BlockReplay:
+    """Replays identical blocks: same class, attributes, parameter and input shapes -> same FLOPs and outputs.
+
+    A 126-layer model then costs two real block forwards on meta instead of 126; the edges are still drawn
+    per block from the producers of the tensors each block actually receives.
+    """
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.cache: dict[Any, _Learned | None] = {}
+        self.patched: list[nn.Module] = []
+        self.replayed = 0
+
+    def patch(self, name: str, module: nn.Module) -> None:
+        static = _static_signature(module)
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = (static, _input_signature(args, kwargs))
+            learned = self.cache.get(key)
+            if learned is not None:
+                self.replayed += 1
+                return self._replay(name, learned, args, kwargs)
+            before = self.recorder.record.flops.get(name, 0)
+            out = original(*args, **kwargs)
+            if key not in self.cache:
+                self.cache[key] = self._learn(name, args, kwargs, out, self.recorder.record.flops[name] - before)
+            return out
+
+        module.forward = forward
+        self.patched.append(module)
+
+    def restore(self) -> None:
+        for module in self.patched:
+            del module.forward
+
+    def _learn(self, name: str, args: Any, kwargs: Any, out: Any, flops: int) -> _Learned | None:
+        inputs = _tensors((args, kwargs))
+        leaves, spec = tree_flatten(out)
+        if any(not isinstance(leaf, (torch.Tensor, *_PRIMITIVES)) for leaf in leaves):
+            return None  # caches or other objects with side effects: always run for real
+        read = {tid for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name for tid in tensors}
+        consumed = [i for i, t in enumerate(inputs) if id(t) in read]
+        outputs: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                same = next((i for i, t in enumerate(inputs) if t is leaf), None)
+                outputs.append(same if same is not None else (tuple(leaf.shape), leaf.dtype))
+            else:
+                outputs.append(("value", leaf))
+        return _Learned(flops=flops, consumed=consumed, outputs=outputs, spec=spec)
+
+    def _replay(self, name: str, learned: _Learned, args: Any, kwargs: Any) -> Any:
+        recorder = self.recorder
+        inputs = _tensors((args, kwargs))
+        recorder.record.flops[name] += learned.flops
+        for i in learned.consumed:
+            tensor = inputs[i]
+            entry = recorder.producers.get(id(tensor))
+            if entry is not None and entry[0] is tensor:
+                for unit in entry[1] - {name}:
+                    recorder.record.edges[(unit, name)][id(tensor)] = nbytes(tensor)
+        leaves: list[Any] = []
+        for item in learned.outputs:
+            if isinstance(item, int):
+                leaves.append(inputs[item])
+            elif item[0] == "value":
+                leaves.append(item[1])
+            else:
+                tensor = torch.empty(item[0], dtype=item[1], device="meta")
+                recorder.producers[id(tensor)] = (tensor, frozenset({name}))
+                leaves.append(tensor)
+        return tree_unflatten(leaves, learned.spec)
+
+
+def _static_signature(module: nn.Module) -> tuple[Any, ...]:
+    """Class, plain attributes (except indices) and tensor shapes of every submodule."""
+    parts = []
+    for sub_name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if isinstance(v, _PRIMITIVES) and not k.startswith("_") and "idx" not in k
+                             and "index" not in k))
+        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in (*sub._parameters.items(), *sub._buffers.items())
+                        if t is not None)
+        parts.append((sub_name, type(sub).__name__, attrs, tensors))
+    return tuple(parts)
+
+
+def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    leaves, spec = tree_flatten((args, kwargs))
+    items = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+                  else (type(x).__name__, x if isinstance(x, _PRIMITIVES) else id(x)) for x in leaves)
+    return (str(spec), items)
+
+
+def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A meta stand-in for every parameter and buffer (floating ones in ``dtype`` if given); no data is read."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+            module.named_buffers(remove_duplicate=False)):
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        state[name] = torch.empty(tensor.shape, dtype=target, device="meta")
+    return state
+
+
+def _stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module], int]) -> Callable[[], None]:
+    """Replace fused MoE expert modules by a shape-correct dense stand-in for the meta forward.
+
+    Fused experts (transformers 5 ``MixtralExperts``: 3D weights ``[num_experts, out, in]``) route tokens
+    with data-dependent ops (``nonzero``) that cannot run on meta tensors. The stand-in sends every
+    token through ``top_k`` experts' weights, so the FLOPs counted are exactly ``top_k / num_experts`` of
+    all experts' dense FLOPs: what a routed forward computes on average.
+    """
+    patched: list[nn.Module] = []
+    for sub in module.modules():
+        if is_fused_experts(sub):
+            top_k = experts_per_token(sub)
+            sub.forward = _dense_experts(sub, top_k)  # instance attribute, removed again below
+            patched.append(sub)
+
+    def restore() -> None:
+        for sub in patched:
+            del sub.forward
+    return restore
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    params = [p for p in module._parameters.values() if p is not None]
+    return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in params)
+
+
+def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
+    act = getattr(module, "act_fn", torch.nn.functional.silu)
+
+    def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+        # read the parameters at call time: functional_call has swapped in their meta stand-ins
+        weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
+        total = torch.zeros_like(hidden_states)
+        for k in range(top_k):
+            h = hidden_states
+            for w in weights:
+                h = _apply_expert_weight(h, w[k % w.shape[0]], act)
+            if h.shape == total.shape:
+                total = total + h
+        return total
+    return forward
+
+
+def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any) -> torch.Tensor:
+    """``h @ w`` in whichever orientation fits, applying a gated activation where a fused gate/up half ends."""
+    if w.shape[-1] != h.shape[-1] and w.shape[0] == h.shape[-1]:
+        w = w.t()
+    elif w.shape[-1] != h.shape[-1] and w.shape[-1] * 2 == h.shape[-1]:
+        gate, up = h.chunk(2, dim=-1)
+        h = act(gate) * up
+    elif w.shape[-1] != h.shape[-1] and w.shape[0] * 2 == h.shape[-1]:
+        gate, up = h.chunk(2, dim=-1)
+        h, w = act(gate) * up, w.t()
+    return torch.nn.functional.linear(h, w)
