@@ -113,9 +113,11 @@ def build_variants(model: torch.nn.Module, layers: int, work: Path) -> dict[str,
     return variants
 
 
-def time_forwards(variants: dict[str, torch.nn.Module], rounds: int, per_round: int) -> dict[str, list[float]]:
+def time_forwards(variants: dict[str, torch.nn.Module], rounds: int,
+                  per_round: int) -> dict[str, list[list[float]]]:
+    """Seconds per forward, per variant and round."""
     ids = torch.tensor([[42]])
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[list[float]]] = {name: [] for name in variants}
     order = list(variants)
     rng = random.Random(0)
     with torch.inference_mode():
@@ -125,11 +127,12 @@ def time_forwards(variants: dict[str, torch.nn.Module], rounds: int, per_round: 
         for _ in range(rounds):
             rng.shuffle(order)
             for name in order:
-                model = variants[name]
+                model, this_round = variants[name], []
                 for _ in range(per_round):
                     start = time.perf_counter()
                     model(ids, use_cache=False)
-                    times[name].append(time.perf_counter() - start)
+                    this_round.append(time.perf_counter() - start)
+                times[name].append(this_round)
     return times
 
 
@@ -150,8 +153,14 @@ def forward_section(quick: bool) -> str:
         errors = check_equal(variants)
         rounds, per_round = (3, 2) if quick else (25, 3)
         times = time_forwards(variants, rounds, per_round)
-    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    med = {name: statistics.median(t for r in rs for t in r) * 1e3 for name, rs in times.items()}
     plain = med["plain"]
+
+    def paired(name: str, other: str) -> float:
+        """Median over rounds of the ratio of round medians: drift between rounds cancels."""
+        return statistics.median(statistics.median(a) / statistics.median(b)
+                                 for a, b in zip(times[name], times[other], strict=True))
+
     pairs = {
         "placement_opt, all CPU": "accelerate dispatch_model, all CPU",
         "placement_opt, all CPU, every unit hooked": "accelerate dispatch_model, all CPU",
@@ -163,18 +172,22 @@ def forward_section(quick: bool) -> str:
         f"one-token forward, no KV cache, `torch.inference_mode()`, {torch.get_num_threads()} threads. "
         f"{rounds} rounds x {per_round} forwards per variant, variants shuffled each round; median per forward.",
         "",
-        "| variant | median ms | vs plain | vs accelerate (same split) | max abs logit diff vs plain |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | median ms | vs plain | vs plain, paired by round | vs accelerate (same split) "
+        "| vs accelerate, paired | max abs logit diff vs plain |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in variants:
         partner = pairs.get(name)
         vs_acc = f"{med[name] / med[partner]:.2f}x" if partner else ""
-        lines.append(f"| {name} | {med[name]:.1f} | {med[name] / plain:.3f}x | {vs_acc} | {errors[name]:.1e} |")
+        vs_acc_paired = f"{paired(name, partner):.2f}x" if partner else ""
+        lines.append(f"| {name} | {med[name]:.1f} | {med[name] / plain:.3f}x | {paired(name, 'plain'):.3f}x | "
+                     f"{vs_acc} | {vs_acc_paired} | {errors[name]:.1e} |")
     lines.append("")
-    lines.append(f"Hook overhead, all CPU: placement_opt {100 * (med['placement_opt, all CPU'] / plain - 1):+.1f}% "
+    over = {name: 100 * (paired(name, "plain") - 1) for name in variants}
+    lines.append(f"Hook overhead, all CPU (paired by round): placement_opt {over['placement_opt, all CPU']:+.1f}% "
                  f"over plain (only the model's forward is wrapped: no unit needs work), "
-                 f"{100 * (med['placement_opt, all CPU, every unit hooked'] / plain - 1):+.1f}% with every unit's "
-                 f"forward wrapped (what a multi-device plan pays), accelerate {100 * (med['accelerate dispatch_model, all CPU'] / plain - 1):+.1f}%.")
+                 f"{over['placement_opt, all CPU, every unit hooked']:+.1f}% with every unit's forward wrapped "
+                 f"(what a multi-device plan pays), accelerate {over['accelerate dispatch_model, all CPU']:+.1f}%.")
     return "\n".join(lines), med
 
 
