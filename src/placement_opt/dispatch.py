@@ -689,8 +689,10 @@ def _checkpoint_files(root: Path) -> list[Path]:
         return [single]
     found = sorted(root.glob("*.safetensors"))
     if not found:
-        raise DispatchError(f"{root} has no safetensors checkpoint (model.safetensors or an index): "
-                            f"save it with model.save_pretrained(path) (safetensors is the default)")
+        where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
+        raise DispatchError(f"{root} {where}: load() reads a local directory; save one with "
+                            f"model.save_pretrained(path), or download a hub model first "
+                            f"(huggingface_hub.snapshot_download)")
     return found
 
 
