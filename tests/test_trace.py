@@ -396,3 +396,27 @@ def test_real_mixtral_traces_like_its_config() -> None:
     from_config = trace(TINY["mixtral"](), seq_len=SEQ, dtype="float32")
     assert from_module.unit("model.layers.1").flops_per_token == from_config.unit("model.layers.1").flops_per_token
     assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+class _DeclaredTie(nn.Module):
+    """A v4-style model: lm head declared tied to the input embeddings, but not (yet) the same tensor."""
+
+    _tied_weights_keys = ["head.weight"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_declared_tie_without_shared_tensor_is_counted_once() -> None:
+    graph = trace(_DeclaredTie(), seq_len=3)
+    assert graph.meta.tied_param_groups == (("embed.weight", "head.weight"),)
+    assert graph.meta.tied_unit_groups == (("embed", "head"),)
+    assert (graph.unit("embed").param_bytes, graph.unit("head").param_bytes) == (10 * 4 * 4, 0)

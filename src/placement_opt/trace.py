@@ -461,23 +461,37 @@ def _tie_key(pname: str, tied: list[tuple[str, ...]]) -> str:
 
 
 def _tied_groups(ctx: _Context) -> tuple[list[tuple[str, ...]], dict[str, list[str]]]:
-    """Tied parameter groups (shared objects plus transformers' declared ties) and each unit's params."""
-    owners: dict[str, list[str]] = {}
+    """Tied parameter groups and each unit's parameter names.
+
+    Ties come from object identity (a loaded or ``tie_weights()``-ed model) and from what transformers
+    declares: ``all_tied_weights_keys`` / a ``_tied_weights_keys`` dict (transformers 5, whose models
+    built on meta are not tied yet) or a ``_tied_weights_keys`` list tied to the input embeddings (v4).
+    """
+    owners = {name: [q for q, _, p in _unit_tensors(name, module, _is_block(ctx, name)) if p]
+              for name, module in ctx.units.items()}
+    named = list(ctx.module.named_parameters(remove_duplicate=False))
     by_object: dict[int, list[str]] = defaultdict(list)
-    for name, module in ctx.units.items():
-        owners[name] = [q for q, _, p in _unit_tensors(name, module, _is_block(ctx, name)) if p]
-    for qname, param in ctx.module.named_parameters(remove_duplicate=False):
+    for qname, param in named:
         by_object[id(param)].append(qname)
     links: list[set[str]] = [set(g) for g in by_object.values() if len(g) > 1]
-    declared = getattr(ctx.module, "all_tied_weights_keys", None) or getattr(ctx.module, "_tied_weights_keys", None)
-    if isinstance(declared, Mapping) and (getattr(ctx.config, "tie_word_embeddings", True) or
-                                          getattr(ctx.module, "all_tied_weights_keys", None)):
-        links += [{str(k), str(v)} for k, v in declared.items()]
-    known = {q for names in owners.values() for q in names} | {q for g in links for q in g}
-    groups = _merge(links)
-    all_names = set(dict(ctx.module.named_parameters(remove_duplicate=False)))
-    result = [tuple(sorted(g & all_names)) for g in groups if len(g & all_names & known) > 1]
-    return result, owners
+    links += _declared_ties(ctx, named)
+    present = {q for q, _ in named}
+    return [tuple(sorted(g & present)) for g in _merge(links) if len(g & present) > 1], owners
+
+
+def _declared_ties(ctx: _Context, named: list[tuple[str, nn.Parameter]]) -> list[set[str]]:
+    module = ctx.module
+    if not getattr(ctx.config, "tie_word_embeddings", True) and not getattr(module, "all_tied_weights_keys", None):
+        return []
+    declared = getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None)
+    if isinstance(declared, Mapping):
+        return [{str(k), str(v)} for k, v in declared.items()]
+    embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    source = next((q for q, p in named if p is weight), None) if weight is not None else None
+    if isinstance(declared, (list, tuple)) and source is not None:
+        return [{str(k), source} for k in declared]
+    return []
 
 
 def _merge(sets: list[set[str]]) -> list[set[str]]:
