@@ -17,8 +17,8 @@ Page cache: before every timed forward the offloaded files are evicted with
 ``placement_opt.profile``). The machine is shared: the profile keeps the fastest of its repeats
 (what the machine can do, least disturbed by other load), and so does the accuracy check here
 (``best`` of ``--repeats`` forwards); medians are reported beside them. The machine is profiled
-before and after the runs and each figure keeps the faster of the two; predictions are made
-after all runs, from that machine.
+(quick mode) right before each placement runs and that placement is predicted from that profile,
+so that a prediction describes the machine as loaded while its placement runs.
 
 Usage::
 
@@ -208,15 +208,13 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     try:
         started = time.perf_counter()
-        first = placement_opt.profile(["cpu", "disk"], path=work / "profile1.json", dtype="float32",
-                                      offload_folder=work)
         model = build_model(layers)
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         graph, graph_source = layer_graph(model, prompt)
         forwards = {"prefill": (Workload(batch_size=1, prompt_len=prompt, new_tokens=0),
                                 torch.randint(0, 32000, (1, prompt))),
                     "decode": (Workload(batch_size=1, prompt_len=1, new_tokens=0), torch.randint(0, 32000, (1, 1)))}
-        runs = []  # (runner, placement, forward, what evaluate scores, best s, median s)
+        rows, machines = [], []
         dispatch = dispatcher()
         for runner in args.runners.split(","):
             if runner == "placement_opt" and dispatch is None:
@@ -225,44 +223,35 @@ def main() -> None:
             for name, device_map in placements(graph, layers).items():
                 folder = work / "offload" / runner / name.replace(" ", "_").replace("(", "").replace(")", "")
                 folder.mkdir(parents=True)
-                plan = make_plan(device_map, graph, first, forwards["prefill"][0], "stream")
+                # The machine is shared: profile it right before each placement, so the prediction
+                # describes the machine as it is while this placement runs.
+                machine = placement_opt.profile(["cpu", "disk"], path=work / "profile.json", quick=True,
+                                                dtype="float32", offload_folder=work)
+                machines.append(machine)
+                plan = make_plan(device_map, graph, machine, forwards["prefill"][0], "stream")
                 target = plan if runner == "placement_opt" else plan.device_map
                 undo = (dispatch(model, plan, offload_dir=str(folder)).remove if runner == "placement_opt"
                         else run_accelerate(model, plan.device_map, folder))
                 try:
-                    for kind, (_, ids) in forwards.items():
+                    for kind, (workload, ids) in forwards.items():
                         best, median = timed(model, ids, folder, repeats)
-                        runs.append((runner, name, kind, target, best, median))
-                        print(f"{runner:14s} {name:24s} {kind:8s} measured {best:8.3f} s (median {median:.3f} s)",
-                              flush=True)
+                        predicted = evaluate(target, graph, machine, workload).total_s
+                        rows.append((runner, name, kind, predicted, best, median, machine))
+                        print(f"{runner:14s} {name:24s} {kind:8s} predicted {predicted:8.3f} s  "
+                              f"measured {best:8.3f} s (median {median:.3f} s)", flush=True)
                 finally:
                     undo()
                 shutil.rmtree(folder, ignore_errors=True)
-        # Profile again and keep each figure's faster measurement: the machine's capability, the
-        # least disturbed by the load other users put on it while one of the two profiles ran.
-        second = placement_opt.profile(["cpu", "disk"], path=work / "profile2.json", dtype="float32",
-                                       offload_folder=work)
-        machine = faster(first, second)
-        rows = [(runner, name, kind, evaluate(target, graph, machine, forwards[kind][0]).total_s, best, median)
-                for runner, name, kind, target, best, median in runs]
-        write_results(Path(args.out), rows, machine, graph_source, size, layers, prompt, repeats,
+        write_results(Path(args.out), rows, graph_source, size, layers, prompt, repeats,
                       time.perf_counter() - started, args, (load_before, os.getloadavg()[0]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def faster(a: Any, b: Any) -> Any:
-    """Per device and figure, the faster of two profiles of the same machine."""
-    from placement_opt.devices import Machine, replace_device
+def _interp(curve: Any, tokens: int) -> float:
+    from placement_opt.cost import _interpolate
 
-    devices = []
-    for x in a.devices:
-        y = b[x.name]
-        curve = [(t, max(f, g)) for (t, f), (_, g) in zip(x.flops_by_tokens, y.flops_by_tokens, strict=False)]
-        devices.append(replace_device(x, flops_per_s=max(x.flops_per_s, y.flops_per_s),
-                                      bandwidth_bytes_per_s=max(x.bandwidth_bytes_per_s, y.bandwidth_bytes_per_s),
-                                      flops_by_tokens=curve))
-    return Machine(devices)
+    return _interpolate(curve, tokens)
 
 
 def ranking_agrees(rows: list[tuple], runner: str, kind: str) -> bool | None:
@@ -274,21 +263,18 @@ def ranking_agrees(rows: list[tuple], runner: str, kind: str) -> bool | None:
     return by_pred == by_meas
 
 
-def write_results(out: Path, rows: list[tuple], machine: Any, graph_source: str, size: int, layers: int,
+def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, layers: int,
                   prompt: int, repeats: int, wall_s: float, args: argparse.Namespace,
                   load: tuple[float, float]) -> None:
-    cpu, disk = machine["cpu"], machine["disk"]
     lines = [
         "# Cost-model accuracy on this machine",
         "",
         f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {wall_s:.0f} s",
         f"- Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__} with {torch.get_num_threads()} threads, Python {sys.version.split()[0]}",
-        f"- Profiled: CPU {cpu.flops_per_s / 1e9:.1f} GFLOP/s fp32 matmul, {cpu.bandwidth_bytes_per_s / 1e9:.1f} GB/s "
-        f"fp32 matrix-vector; linear layer by tokens "
-        f"{', '.join(f'{t}: {f / 1e9:.0f}' for t, f in cpu.flops_by_tokens)} GFLOP/s; "
-        f"disk {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s cold sequential read "
-        "(faster figure of a profile before and one after the runs)",
+        "- Profile: `placement_opt.profile(['cpu', 'disk'], quick=True, dtype='float32')` right before each "
+        "placement; the last columns show its fp32 linear-layer GFLOP/s at the prefill's token count and at 1 "
+        "token, and its cold sequential disk read",
         f"- Model: random-init Llama, fp32, {layers} layers, hidden 2048, {size / 2**30:.2f} GiB of parameters; "
         f"graph from {graph_source}",
         f"- Forwards: prefill-like = batch 1 x {prompt} tokens, decode-like = batch 1 x 1 token (no cache); "
@@ -298,13 +284,17 @@ def write_results(out: Path, rows: list[tuple], machine: Any, graph_source: str,
         f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
         "| runner | placement | forward | predicted (s) | measured best (s) | measured median (s) "
-        "| predicted / best | within +-25% |",
-        "|---|---|---|---:|---:|---:|---:|:---:|",
+        "| predicted / best | within +-25% | profile: GFLOP/s (prefill / 1 token), disk GB/s |",
+        "|---|---|---|---:|---:|---:|---:|:---:|---|",
     ]
-    for runner, name, kind, pred, meas, median in rows:
+    for runner, name, kind, pred, meas, median, machine in rows:
         ratio = pred / meas
+        curve = machine["cpu"].flops_by_tokens
+        at = {t: f for t, f in curve}
+        figures = (f"{at.get(prompt, _interp(curve, prompt)) / 1e9:.0f} / {curve[0][1] / 1e9:.0f}, "
+                   f"{machine['disk'].bandwidth_bytes_per_s / 1e9:.2f}")
         lines.append(f"| {runner} | {name} | {kind} | {pred:.3f} | {meas:.3f} | {median:.3f} | {ratio:.2f} | "
-                     f"{'yes' if abs(ratio - 1) <= GOAL else 'NO'} |")
+                     f"{'yes' if abs(ratio - 1) <= GOAL else 'NO'} | {figures} |")
     lines += ["", "Predicted ranking of the placements matches the measured one:", ""]
     for runner in sorted({r[0] for r in rows}):
         for kind in ("prefill", "decode"):
