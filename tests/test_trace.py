@@ -420,3 +420,30 @@ def test_declared_tie_without_shared_tensor_is_counted_once() -> None:
     assert graph.meta.tied_param_groups == (("embed.weight", "head.weight"),)
     assert graph.meta.tied_unit_groups == (("embed", "head"),)
     assert (graph.unit("embed").param_bytes, graph.unit("head").param_bytes) == (10 * 4 * 4, 0)
+
+
+_SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+MORE_MOE = {
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_SMALL, moe_intermediate_size=16, num_experts=4,
+                                                     num_experts_per_tok=2, shared_expert_intermediate_size=32),
+    "gpt_oss": lambda: transformers.GptOssConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+}
+
+
+# FLOPs per token of layer 0 by hand: attention 2 x (32x32 + 32x16 + 32x16 + 32x32) + 4 x 4 heads x 8 x 16
+# context = 8192 and router 2 x 32 x 4 = 256 for both, then
+# qwen2_moe: shared expert 2 x 3 x 32x32 + its gate 2 x 32 + two experts of 2 x 3 x 32x16 -> 20800
+# gpt_oss: two experts of 2 x (32x128 gate_up + 64x32 down) -> 33024; expert bytes with biases
+# 4 x (32x128 + 128 + 64x32 + 32) x 4 bytes = 100864
+EXPECTED_MOE = {"qwen2_moe": (20800, 4 * 3 * 32 * 16 * 4), "gpt_oss": (33024, 100864)}
+
+
+@pytest.mark.parametrize("family", sorted(MORE_MOE))
+def test_other_fused_expert_layouts(family: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        graph = trace(MORE_MOE[family](), seq_len=SEQ, dtype="float32")
+    layer = graph.unit("model.layers.0")
+    assert (layer.moe_num_experts, layer.moe_experts_per_token) == (4, 2)
+    assert (layer.flops_per_token, layer.moe_expert_bytes) == EXPECTED_MOE[family]
