@@ -342,7 +342,7 @@ class _Model:
         self._exec_devices = sorted({o.execution for u in problem.units for o in u.options})
         # -- variables --
         self.x = self._option_vars(max_work_ns)
-        self.counts = self._count_vars(segments)
+        self.counts = self._count_vars()
         # -- constraints --
         self._one_option_per_unit()
         self._capacity_rows()
@@ -376,25 +376,28 @@ class _Model:
                     x[u, o] = self._hinted(self.model.new_bool_var(f"x[{spec.name},{o}]"), int(self.hint[u] == o))
         return x
 
-    def _count_vars(self, segments: Sequence[list[int]]) -> list[tuple[list[int], dict[int, Any]]]:
-        # n[s, o] is the number of units of segment s (identical units) that use option o; the
-        # capacity rows and work sums read these integer counts, which gives the LP stronger cuts.
+    def _count_vars(self) -> list[tuple[list[int], dict[int, Any]]]:
+        # n[g, o] is the number of units of group g (units with identical option menus and prices,
+        # e.g. the decoder layers) that use option o; the capacity rows and work sums read these
+        # integer counts, which gives the LP knapsack-style cuts. Exact: n[g, o] = sum of x[u, o].
+        by_menu: dict[tuple[PlacementOption, ...], list[int]] = {}
+        for u, spec in enumerate(self.p.units):
+            by_menu.setdefault(spec.options, []).append(u)
         groups = []
-        covered = set()
-        for k, seg in enumerate(segments):
-            counts = {}
-            for o, _ in enumerate(self.p.units[seg[0]].options):
-                members = [self.x[u, o] for u in seg if (u, o) in self.x]
-                if members:
-                    n = self._hinted(self.model.new_int_var(0, len(seg), f"n[{k},{o}]"),
-                                     sum(self.hint[u] == o for u in seg))
-                    self.model.add(n == sum(members))
-                    counts[o] = n
-            groups.append((seg, counts))
-            covered.update(seg)
-        for u in range(len(self.p.units)):
-            if u not in covered:
+        for k, members in enumerate(by_menu.values()):
+            if len(members) == 1:
+                u = members[0]
                 groups.append(([u], {o: self.x[u, o] for o, _ in self._opts(u)}))
+                continue
+            counts = {}
+            for o, _ in enumerate(self.p.units[members[0]].options):
+                terms = [self.x[u, o] for u in members if (u, o) in self.x]
+                if terms:
+                    n = self._hinted(self.model.new_int_var(0, len(members), f"n[{k},{o}]"),
+                                     sum(self.hint[u] == o for u in members))
+                    self.model.add(n == sum(terms))
+                    counts[o] = n
+            groups.append((members, counts))
         return groups
 
     def _terms(self, execution: str | None = None) -> list[tuple[PlacementOption, Any]]:
@@ -609,6 +612,7 @@ class _Model:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
+        solver.parameters.cp_model_probing_level = 0  # probing in presolve can eat a 1 s budget
         return solver, solver.solve(self.model)
 
 

@@ -44,6 +44,8 @@ __all__ = ["solve", "STRATEGIES", "OBJECTIVES", "resolve_pins"]
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
 _NS_PER_S = 1e9
+#: CP-SAT search workers (fixed, so that a seed reproduces a plan).
+SOLVER_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                 objective: str, baselines: Sequence[_Baseline], time_limit_s: float, seed: int,
                 notes: list[str]) -> Plan:
     hint, hint_name = _best_hint(problem, objective, baselines)
-    sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=2, hint=hint)
+    sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=SOLVER_WORKERS, hint=hint)
     if sol.status == "INFEASIBLE":
         raise InfeasiblePlacementError(shortage_message(problem, graph, workload, machine))
     if not sol.feasible:
