@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from placement_opt.devices import Device
 from placement_opt.graph import chain_graph
 from placement_opt.workload import Workload, dtype_bytes, training_memory, unit_training_bytes
 
@@ -60,6 +61,7 @@ def test_training_memory_says_when_optimizer_offload_is_needed() -> None:
     report = training_memory(graph, wl)
     assert report.total_bytes == 66_816 and report.fits
     assert training_memory(graph, wl, capacity_bytes=70_000).fits
+    assert not training_memory(graph, wl, capacity_bytes=Device("cuda:0", 60_000, reserve=0)).fits
     # without the optimizer states: 42816; fits 50000 only with offload
     offload = training_memory(graph, wl, capacity_bytes=50_000)
     assert offload.needs_optimizer_offload and not offload.fits

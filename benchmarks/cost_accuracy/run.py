@@ -301,6 +301,16 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
             agrees = ranking_agrees(rows, runner, kind)
             if agrees is not None:
                 lines.append(f"- {runner}, {kind}: {'yes' if agrees else 'NO'}")
+    lines += ["", "How to read it:", "",
+              "- `placement_opt` runs disk units from memory-mapped safetensors files (zero copy) and the CPU "
+              "faults the pages in while it computes; `accelerate` copies each disk weight out of an "
+              "`np.memmap` before the unit runs. The cost model prices the first at the disk's sequential "
+              "read rate without overlap on the CPU, the second at `MAPPED_READ_FACTOR` x that rate.",
+              "- A matmul over many tokens reads a cold memory-mapped weight in panels, not front to back, so "
+              "the page faults come in a worse order than a 1-token matrix-vector product's: the prefill of "
+              "disk units in the `placement_opt` runner is where the model is most optimistic.",
+              "- The 2 cores and the disk were shared with other running jobs; the load average above says "
+              "how busy they were. Each placement is predicted from a profile taken just before it runs."]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(out.read_text())
 

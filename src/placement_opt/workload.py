@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ._units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .devices import Device
     from .graph import LayerGraph, UnitInfo
 
 __all__ = [
@@ -164,7 +165,7 @@ class TrainingMemory:
 
 
 def training_memory(graph: LayerGraph, workload: Workload,
-                    capacity_bytes: int | None = None) -> TrainingMemory:
+                    capacity_bytes: int | Device | None = None) -> TrainingMemory:
     """Price a training step of ``graph`` and say whether it needs CPU offload of optimizer states.
 
     Example::
@@ -177,12 +178,15 @@ def training_memory(graph: LayerGraph, workload: Workload,
     Args:
         graph: the model's layer graph (its dtype is the parameter dtype).
         workload: a workload with ``training=True`` (a generation workload prices zero states).
-        capacity_bytes: usable bytes of the device that trains (e.g. ``Device.usable_bytes``).
+        capacity_bytes: usable bytes of the device that trains, or the ``Device`` itself (its
+            ``usable_bytes``: memory less the reserve).
 
     Returns:
         A :class:`TrainingMemory` with the split, ``fits``, ``needs_optimizer_offload`` and a
         message that says what takes the space and what to do.
     """
+    if capacity_bytes is not None and not isinstance(capacity_bytes, int):
+        capacity_bytes = capacity_bytes.usable_bytes
     units = graph.units()
     parts = [unit_training_bytes(u, workload, graph.meta.dtype) for u in units]
     weights = sum(u.weight_bytes for u in units)
