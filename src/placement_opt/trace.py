@@ -93,7 +93,8 @@ def trace(
         seq_len: tokens per sequence of the traced forward; ``flops_per_token`` is measured at this length.
         dtype: weight dtype the byte counts assume (``"float16"``, ``torch.bfloat16``). Default: the
             config's ``dtype``/``torch_dtype`` for configs (float16 when absent), the parameters' own dtype
-            for modules. Floating tensors are counted at this size, integer buffers at their own.
+            for modules. Floating tensors are counted at this size (for a module: never above their
+            own, accelerate's rule), integer buffers at their own.
         no_split: module class names kept whole (default: ``model._no_split_modules``).
         granularity: ``"block"`` keeps no-split blocks whole (default); ``"module"`` ignores them and
             makes every module with its own parameters or buffers a unit. Anything coarser is asked
@@ -119,16 +120,16 @@ def trace(
     split = _no_split_names(module, no_split, granularity)
     units = _find_units(module, split)
     ctx = _Context(module=module, name=name, config=config, dtype=torch_dtype, override=override,
-                   batch_size=batch_size,
-                   seq_len=seq_len, units=units, no_split=tuple(sorted(split)))
+                   batch_size=batch_size, seq_len=seq_len, units=units, no_split=tuple(sorted(split)),
+                   granularity=granularity)
     try:
         record = _meta_forward(ctx, example_inputs)
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward means: fall back
         warnings.warn(
             f"placement_opt.trace: the meta forward of {name} failed ({type(exc).__name__}: "
             f"{_first_line(exc)}); using a static graph of the module tree in registration order "
-            f"(chain edges, FLOPs estimated as 2 x parameters per token). Pass example_inputs or a "
-            f"no_split set that hides the failing module to get a traced graph.",
+            f"(chain edges, FLOPs estimated as 2 x matrix parameters per token). If the forward needs other "
+            f"inputs, pass example_inputs (shapes and dtypes are enough) to get a traced graph.",
             RuntimeWarning, stacklevel=2)
         record = None
     return _build_graph(ctx, record)
@@ -289,6 +290,7 @@ class _Context:
     seq_len: int
     units: dict[str, nn.Module]
     no_split: tuple[str, ...]
+    granularity: str = "block"
 
     @property
     def tokens(self) -> int:
@@ -637,7 +639,8 @@ def _hidden_size(ctx: _Context) -> int:
 
 def _extra(ctx: _Context, record: _meta.Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
     config = ctx.config
-    extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units)}
+    extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units),
+                             "granularity": ctx.granularity, "kv_cache": attention.causal}
     if config is not None:
         extra["config_class"] = type(config).__name__
         extra["model_type"] = str(getattr(config, "model_type", ""))
@@ -649,10 +652,14 @@ def _extra(ctx: _Context, record: _meta.Record | None, attention: _AttentionFact
                           "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
                           "head_dim": ("head_dim", "d_kv"), "vocab_size": ("vocab_size",),
                           "max_position_embeddings": ("max_position_embeddings", "n_positions"),
-                          "sliding_window": ("sliding_window",)}.items():
+                          "sliding_window": ("sliding_window",),
+                          "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                          "num_experts_per_tok": ("num_experts_per_tok", "moe_topk")}.items():
             value = _first_int(config, keys)
             if value:
                 extra[key] = value
+        if "head_dim" not in extra and extra.get("num_attention_heads") and extra.get("hidden_size"):
+            extra["head_dim"] = extra["hidden_size"] // extra["num_attention_heads"]
     if attention.cross_kv_bytes_per_token:
         extra["cross_attn_kv_bytes_per_token"] = attention.cross_kv_bytes_per_token
     if record is not None:
