@@ -175,6 +175,10 @@ def _as_config(model: Any) -> Any:
         except Exception as exc:
             raise TraceError(f"cannot read a transformers config from {text!r}: {_first_line(exc)}") from None
     try:
+        return AutoConfig.from_pretrained(text, local_files_only=True)  # the hub cache first
+    except Exception:  # noqa: BLE001 - not cached: ask the hub below
+        pass
+    try:
         return AutoConfig.from_pretrained(text)
     except Exception as exc:
         raise TraceError(
