@@ -32,6 +32,7 @@ __all__ = ["Experiment", "EXPERIMENTS", "machine_description", "main"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+#: Where figures go: ``figures/`` beside the report (set by :func:`main` from ``--out``).
 FIGURES = HERE / "figures"
 RESULTS = HERE / "RESULTS.md"
 
@@ -121,7 +122,7 @@ def strategies(quick: bool) -> str:
         lines += _strategy_table(outcomes)
         best = next((o.plan for o in outcomes if o.strategy == "cpsat" and o.plan), None)
         if best is not None:
-            FIGURES.mkdir(exist_ok=True)
+            FIGURES.mkdir(parents=True, exist_ok=True)
             figure = FIGURES / f"strategies_{model}_b{batch}_p{prompt}.png"
             save_report(best, figure, outcomes)
             lines += ["", f"![{model}](figures/{figure.name})"]
@@ -229,7 +230,8 @@ def _run_script(experiment: Experiment, quick: bool) -> Outcome:
     shown = " ".join(["python", *command[1:]])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     results = script.parent / experiment.results_file
-    # A quick run must not overwrite the folder's full results: keep them and put them back after.
+    # A quick run must not replace the folder's full results: keep them and put them back after
+    # (unless someone else wrote full results meanwhile: a file that does not say --quick stays).
     kept = results.read_bytes() if quick and results.is_file() else None
     started = time.perf_counter()
     try:
@@ -242,8 +244,11 @@ def _run_script(experiment: Experiment, quick: bool) -> Outcome:
         log = str(exc.stdout or "")[-3000:]
     wall = time.perf_counter() - started
     body = results.read_text(encoding="utf-8") if results.is_file() else ""
-    if kept is not None:
-        results.write_bytes(kept)
+    if quick and "--quick" in body:  # our smoke results (each results file states its command)
+        if kept is not None:
+            results.write_bytes(kept)
+        else:
+            results.unlink()
     return Outcome(experiment=experiment, status=status, wall_s=wall, command=shown, body=body,
                    log_tail="" if status == "ok" else log)
 
@@ -347,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             where = "run_all.py" if e.func else f"benchmarks/{e.folder}/"
             print(f"{e.name:15s} {where:28s} {e.question}")
         return 0
+    global FIGURES
+    FIGURES = args.out.resolve().parent / "figures"
     previous = _previous_sections(args.out)
     machine = machine_description()
     outcomes = []
