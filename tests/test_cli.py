@@ -216,3 +216,23 @@ def test_runs_cover_every_unit_once_in_order_and_are_maximal(choices):
     gpu, cpu, streamed = map(int, _where_computed(plan).split("/"))
     assert gpu + cpu + streamed == len(placements)
     assert streamed == sum(1 for s, e, _ in choices if e == "cuda:0" and s != e)
+
+
+def test_progress_spinner_shows_on_a_terminal_only(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import placement_opt.cli as cli_module
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(cli_module, "_console",
+                        lambda stderr=False: Console(file=buffer, force_terminal=True, width=80))
+    with cli_module._progress("Tracing something big ..."):
+        time.sleep(0.3)
+    assert "Tracing something big" in buffer.getvalue()
+    quiet = io.StringIO()
+    monkeypatch.setattr(cli_module, "_console", lambda stderr=False: Console(file=quiet, width=80))
+    with cli_module._progress("Solving ..."):
+        pass
+    assert quiet.getvalue() == ""  # piped output stays clean
