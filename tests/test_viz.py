@@ -105,6 +105,8 @@ def test_html_report_is_self_contained(tmp_path):
     assert "<td>sequential</td><td>OOM</td>" in page
     assert "no plan: transformers is not installed" in page
     assert "tiny-test" in page
+    # make_plan streams layers 5-7 from the CPU: one run of three units in the runs table
+    assert "<td>layers.5 .. layers.7</td><td>3</td><td>cpu</td><td>cuda:0</td><td>stream</td>" in page
 
 
 def test_memory_bars_mark_a_device_over_capacity(tmp_path):

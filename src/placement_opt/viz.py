@@ -269,6 +269,17 @@ def _summary_html(plan: Plan, outcomes: Sequence[StrategyOutcome]) -> str:
         ("fits", "yes" if cost.fits else "NO: " + "; ".join(v.message for v in cost.violations)),
     ]
     parts = [_html_table(["", ""], facts)]
+    runs: list[list[Any]] = []
+    for p in plan.placements:
+        if runs and (runs[-1][2], runs[-1][3], runs[-1][4]) == (p.storage, p.execution, p.mode):
+            runs[-1][1] = p.unit
+            runs[-1][5] += 1
+        else:
+            runs.append([p.unit, p.unit, p.storage, p.execution, p.mode, 1])
+    parts.append("<h2>Where each run of units lives and computes</h2>" + _html_table(
+        ["units", "n", "stored on", "executes on", "mode"],
+        [(first if first == last else f"{first} .. {last}", n, storage, execution, mode)
+         for first, last, storage, execution, mode, n in runs]))
     parts.append("<h2>Memory per device</h2>" + _html_table(
         ["device", "weights", "KV cache", "workspace", "stream buffer", "used", "capacity", "free"],
         [(m.device, format_bytes(m.weights_bytes), format_bytes(m.kv_cache_bytes),
