@@ -17,7 +17,7 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
 
 Integer time: every ``*_ns`` price is divided by ``scale_ns`` and rounded to the nearest integer,
-with ``scale_ns = max(1, hint objective // TIME_RESOLUTION)``; coefficients stay around 10^6
+with ``scale_ns = max(1, hint objective // TIME_RESOLUTION)``; coefficients stay around 10^5
 whatever the model size. The objective read back is always ``problem.score`` of the chosen
 assignment (exact); the proven bound is lowered by the largest possible rounding error
 (``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest.
@@ -57,7 +57,7 @@ __all__ = [
 #: Objectives the solver accepts.
 OBJECTIVES = ("latency", "throughput", "memory")
 #: Integer steps the hint's objective is divided into: sets ``scale_ns``.
-TIME_RESOLUTION = 1_000_000
+TIME_RESOLUTION = 200_000
 #: Problems with more units than this are coarsened into at most about this many super-units.
 COARSEN_ABOVE = 160
 _PHASES = ("prefill_ns", "decode_ns")
@@ -338,6 +338,8 @@ class _Model:
         self.hints: list[tuple[Any, int]] = []
         self.peak: dict[str, Any] = {}
         self.levels: list[Any] = []
+        self._on_cache: dict[tuple[int, str, str], Any] = {}
+        self._opts_cache: dict[int, list[tuple[int, PlacementOption]]] = {}
         self.chain = self._is_chain()
         self._exec_devices = sorted({o.execution for u in problem.units for o in u.options})
         # -- variables --
@@ -407,11 +409,17 @@ class _Model:
                 if execution is None or self.p.units[units[0]].options[o].execution == execution]
 
     def _opts(self, u: int) -> list[tuple[int, PlacementOption]]:
-        return [(o, opt) for o, opt in enumerate(self.p.units[u].options) if (u, o) in self.x]
+        """(index, option) of the options unit u may take (cached once x exists)."""
+        if u not in self._opts_cache:
+            self._opts_cache[u] = [(o, opt) for o, opt in enumerate(self.p.units[u].options) if (u, o) in self.x]
+        return self._opts_cache[u]
 
     def _on(self, u: int, device: str, where: str) -> Any:
-        """1 if unit u's storage (or execution) is on device, as a linear expression."""
-        return sum(self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device)
+        """1 if unit u's storage (or execution) is on device, as a linear expression (cached)."""
+        key = (u, device, where)
+        if key not in self._on_cache:
+            self._on_cache[key] = sum(self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device)
+        return self._on_cache[key]
 
     def _one_option_per_unit(self) -> None:
         # Every unit takes exactly one allowed option (a pin only allows options storing on its device).
@@ -732,6 +740,7 @@ def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> in
 def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
                 hint: list[int], hint_ok: bool, latency_cap_ns: int | None) -> tuple[list[int], str, int]:
     """(choice or [], status, proven bound in the objective's unit) of one CP-SAT run."""
+    built_from = time.perf_counter()
     scale = _scale(problem, hint, objective)
     max_work = None  # latency and the slowest stage are >= every unit's own prefill + decode
     if hint_ok and objective in ("latency", "throughput"):
@@ -756,8 +765,9 @@ def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, 
         cap = latency_cap_ns // scale + (slack if scale > 1 else 0)
         m.model.add(m.lat["prefill_ns"] + m.lat["decode_ns"] <= cap)
         goal, unit_scale, slack = m.gpu_bytes(), 1, 0
-    solver, status = m.solve(goal, time_limit_s, seed, workers)
+    solver, status = m.solve(goal, time_limit_s - (time.perf_counter() - built_from), seed, workers)
     name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return m.read(solver), name, _bound(solver, unit_scale, slack)
-    return [], name, 0
+    bound = _bound(solver, unit_scale, slack) if status == cp_model.UNKNOWN else 0
+    return [], name, bound
