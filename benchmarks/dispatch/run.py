@@ -283,7 +283,8 @@ _NOTES = """## Reading the figures
 - The machine was shared with five other engineers' jobs (load average 4-6 on 2 cores; the plain
   forward took ~240 ms here against ~30 ms idle), so the all-CPU rows differ by less than the noise.
   For an all-CPU plan placement_opt wraps only the model's forward; a per-unit wrapper (what a
-  multi-device plan adds) costs 5-11 us per call in a microbenchmark, under 0.5 % of this forward.
+  multi-device plan adds) measured 11 us per call (microbenchmark, under the same load): 12 wrapped
+  units cost ~0.13 ms, under 0.5 % of this forward.
 - Disk-stored units executed on the CPU compute from the memory-mapped safetensors file in place:
   after the first forward they run from the page cache at RAM speed. accelerate copies every disk
   weight out of its memmap (or the checkpoint) on every forward.
