@@ -87,6 +87,10 @@ def test_bad_arguments_list_the_accepted_values():
         solve(graph, m, time_limit_s=0)
     with pytest.raises(ValueError, match="not a LayerGraph"):
         solve(graph, m, strategy="accelerate")
+    with pytest.raises(PlacementError, match="workload must be a placement_opt.Workload"):
+        solve(graph, m, workload={"batch_size": 4})
+    with pytest.raises(PlacementError, match="pins must be a dict"):
+        solve(graph, m, pins=["lm_head"])
 
 
 def test_infeasible_says_what_is_short_and_why():

@@ -101,6 +101,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         PlacementError: a bad argument (the message lists what is accepted) or no solution in time.
     """
     _check_arguments(objective, strategy, time_limit_s, seed)
+    _check_types(workload, pins, contiguous)
     from .graph import LayerGraph
 
     if strategy == "accelerate" and isinstance(model, LayerGraph):
@@ -137,6 +138,19 @@ def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: i
         problems.append(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         problems.append(f"seed must be a non-negative int, got {seed!r}")
+    if problems:
+        raise PlacementError("; ".join(problems))
+
+
+def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
+    problems = []
+    if workload is not None and not isinstance(workload, Workload):
+        problems.append(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: "
+                        f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
+    if pins is not None and not isinstance(pins, Mapping):
+        problems.append(f"pins must be a dict like {{'lm_head': 'cuda:1'}}, got {type(pins).__name__}")
+    if not isinstance(contiguous, bool):
+        problems.append(f"contiguous must be True or False, got {contiguous!r}")
     if problems:
         raise PlacementError("; ".join(problems))
 
