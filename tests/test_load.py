@@ -101,3 +101,25 @@ def test_cpu_units_map_the_checkpoint_copy_on_write(tmp_path_factory):
     assert torch.equal(weight, model.model.layers[0].mlp.down_proj.weight + 1.0)
     # ... never in the checkpoint
     assert hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest() == digest
+
+
+def test_disk_units_in_another_dtype_are_cast_once_into_offload_dir(tmp_path_factory):
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-fp32")
+    model.save_pretrained(path)
+    offload = tmp_path_factory.mktemp("offload-bf16")
+    plan = plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT)
+    with pytest.raises(DispatchError, match="offload_dir"):
+        load(path, None, plan=plan, dtype="bfloat16")
+    handle = load(path, None, plan=plan, dtype="bfloat16", offload_dir=offload)
+    written = sorted(p.name for p in offload.glob("*.safetensors"))
+    assert written == [f"model.layers.{i}.safetensors" for i in range(4)]  # one file per disk unit
+    weight = handle.model.model.layers[2].mlp.up_proj.weight
+    assert weight.dtype == torch.bfloat16
+    assert torch.equal(weight, model.model.layers[2].mlp.up_proj.weight.to(torch.bfloat16))
+    import transformers
+
+    reference = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**inputs_for(model)).logits, reference(**inputs_for(model)).logits,
+                                   rtol=0, atol=0)

@@ -652,7 +652,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     sources = _checkpoint_index(files)
     if _needs_conversion(model, sources):
         return _load_converted(root, model, plan, offload_dir)
-    disk_sources = _materialize(model, plan, sources, dtype)
+    disk_sources = _materialize(model, plan, sources, offload_dir)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model.eval()
@@ -750,18 +750,20 @@ def _checkpoint_index(files: list[Path]) -> dict[str, tuple[SafetensorsFile, str
 
 
 def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
-                 dtype: torch.dtype | str | None) -> dict[str, tuple[SafetensorsFile, str]]:
+                 offload_dir: Any) -> dict[str, tuple[SafetensorsFile, str]]:
     """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
 
     Weights stored on the CPU or on disk in the checkpoint's dtype are views of the mapped
     checkpoint (zero copy; copy-on-write, so the file never changes): CPU-stored ones are read
     ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
-    tensor by tensor.
+    tensor by tensor; disk-stored tensors of another dtype are cast and written to
+    ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
     """
     storage_of = {p.unit: p.storage for p in plan.placements}
     unit_names = list(storage_of)
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
+    converting = _DiskConverter(offload_dir, disk_sources)
     for slot in _collect_slots(model):
         key = next((n for n in slot.names if n in sources), None)
         if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
@@ -780,10 +782,43 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
         else:
             data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
         _replace(model, slot, data)
+        if storage == "disk" and slot.names[0] not in disk_sources:
+            converting.add(unit or "", slot)
+    converting.flush()
     if missing:
         raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "
                             f"is the directory a checkpoint of this architecture?")
     return disk_sources
+
+
+class _DiskConverter:
+    """Writes cast disk-stored tensors to the offload store unit by unit and maps them back."""
+
+    def __init__(self, offload_dir: Any, disk_sources: dict[str, tuple[SafetensorsFile, str]]) -> None:
+        self.offload_dir, self.disk_sources = offload_dir, disk_sources
+        self.unit: str | None = None
+        self.slots: list[_Slot] = []
+
+    def add(self, unit: str, slot: _Slot) -> None:
+        if unit != self.unit:
+            self.flush()
+            self.unit = unit
+        self.slots.append(slot)
+
+    def flush(self) -> None:
+        if not self.slots:
+            return
+        if self.offload_dir is None:
+            raise DispatchError(
+                f"unit {self.unit!r} is stored on disk in another dtype than the checkpoint's "
+                f"({self.slots[0].tensor.dtype}): pass offload_dir='some/dir' to keep the cast weights there"
+            )
+        store = OffloadStore(self.offload_dir)
+        file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))
+        for slot in self.slots:
+            slot.tensor.data = file.tensor(slot.names[0])
+            self.disk_sources[slot.names[0]] = (file, slot.names[0])
+        self.slots = []
 
 
 def _read(file: SafetensorsFile, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
