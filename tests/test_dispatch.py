@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from placement_opt.cost import Cost
 from placement_opt.devices import as_machine
-from placement_opt.dispatch import DispatchedModel, _move, dispatch, unit_of
+from placement_opt.dispatch import DispatchedModel, _move, _move_output, dispatch, unit_of
 from placement_opt.errors import DispatchError
 from placement_opt.plan import Plan, UnitPlacement
 from placement_opt.workload import Workload
@@ -257,6 +257,21 @@ def test_move_returns_same_objects_when_nothing_moves():
     assert _move(marker, cpu) is marker  # caches and unknown objects pass through untouched
 
 
+def test_move_reaches_tensors_in_tuples_dicts_and_model_outputs():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    meta = torch.device("meta")  # a second device that exists on every machine
+    cache = object()
+    cos, sin = torch.ones(2), torch.zeros(2)
+    moved = _move({"position_embeddings": (cos, sin), "past_key_values": cache, "use_cache": True}, meta)
+    assert [t.device for t in moved["position_embeddings"]] == [meta, meta]
+    assert moved["past_key_values"] is cache and moved["use_cache"] is True
+    out = CausalLMOutputWithPast(logits=torch.ones(1, 2, 3), past_key_values=cache)
+    back = _move_output(out, meta)
+    assert back is out and out.logits.device == meta and out["logits"].device == meta
+    assert out.past_key_values is cache
+
+
 def test_handle_proxies_the_model(tmp_path):
     model = tiny("llama")
     handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path)
@@ -316,7 +331,7 @@ def test_dispatching_twice_is_refused(tmp_path):
 _OPTIONS = [RESIDENT, MAPPED, MAPPED_SYNC]
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(choice=st.lists(st.sampled_from(range(3)), min_size=8, max_size=8),
        disk_reads=st.sampled_from(["mmap", "copy"]))
 def test_any_cpu_disk_plan_matches_reference(tmp_path_factory, choice, disk_reads):
