@@ -342,6 +342,7 @@ class _Model:
         self._opts_cache: dict[int, list[tuple[int, PlacementOption]]] = {}
         self.chain = self._is_chain()
         self._exec_devices = sorted({o.execution for u in problem.units for o in u.options})
+        self.chosen = problem.options(self.hint)
         # -- variables --
         self.x = self._option_vars(max_work_ns)
         self.counts = self._count_vars()
@@ -512,26 +513,28 @@ class _Model:
         return sum(self._t(getattr(opt, ph)) * self.x[u, o] for o, opt in self._opts(u))
 
     def _transfer(self, ph: str, k: int) -> Any:
-        # xfer[ph, e] >= c(p, q) whenever src executes on p and dst on q (p != q).
+        # xfer[ph, e] >= c(p, q) whenever src executes on p and dst on q (p != q), one row per p:
+        # xfer >= sum_q c(p, q) exec[dst, q] - max_q c(p, q) (1 - exec[src, p]).
         e = self.p.edges[k]
         a, b = self.index[e.src], self.index[e.dst]
         costs = {pq: self._t(c) for pq, c in getattr(e, ph).items() if pq[0] != pq[1] and self._t(c) > 0}
         if not costs:
             return 0
-        pair = (self.p.options(self.hint)[a].execution, self.p.options(self.hint)[b].execution)
+        pair = (self.chosen[a].execution, self.chosen[b].execution)
         var = self._hinted(self.model.new_int_var(0, max(costs.values()), f"xfer[{ph},{e.src}->{e.dst}]"),
                            costs.get(pair, 0))
-        for (p, q), c in costs.items():
-            on_p, on_q = self._on(a, p, "execution"), self._on(b, q, "execution")
-            if isinstance(on_p, int) or isinstance(on_q, int):
-                continue  # one end can never be there
-            self.model.add(var >= c * (on_p + on_q - 1))
+        for p in sorted({pq[0] for pq in costs}):
+            row = {q: c for (s, q), c in costs.items() if s == p}
+            on_p = self._on(a, p, "execution")
+            if isinstance(on_p, int):
+                continue  # src can never execute on p
+            top = max(row.values())
+            self.model.add(var >= sum(c * self._on(b, q, "execution") for q, c in row.items()) - top * (1 - on_p))
         # Tighter for the LP: leaving p costs at least the cheapest pair out of p (into p likewise).
         for p in {pq[0] for pq in costs} | {pq[1] for pq in costs}:
-            out_p = min((c for (s, _), c in costs.items() if s == p), default=0) if all(
-                (p, q) in costs for q in self._exec_devices if q != p) else 0
-            in_p = min((c for (_, t), c in costs.items() if t == p), default=0) if all(
-                (q, p) in costs for q in self._exec_devices if q != p) else 0
+            others = [q for q in self._exec_devices if q != p]
+            out_p = min(costs.get((p, q), 0) for q in others) if others else 0
+            in_p = min(costs.get((q, p), 0) for q in others) if others else 0
             on_a, on_b = self._on(a, p, "execution"), self._on(b, p, "execution")
             if out_p:
                 self.model.add(var >= out_p * (on_a - on_b))
