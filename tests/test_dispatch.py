@@ -399,3 +399,14 @@ def test_package_attribute_dispatches_even_after_the_module_is_imported(tmp_path
     handle = placement_opt.dispatch(model, plan_from(model, lambda i, u: RESIDENT))
     assert isinstance(handle, DispatchedModel)
     handle.remove()
+
+
+def test_a_model_with_accelerate_hooks_is_refused():
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_submodules
+
+    model = tiny("llama")
+    add_hook_to_module(model.model.layers[0], AlignDevicesHook(io_same_device=True))
+    with pytest.raises(DispatchError, match=r"accelerate hooks \(model.layers.0\)"):
+        dispatch(model, plan_from(model, lambda i, u: RESIDENT))
+    remove_hook_from_submodules(model)
+    dispatch(model, plan_from(model, lambda i, u: RESIDENT)).remove()

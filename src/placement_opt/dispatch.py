@@ -360,13 +360,21 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
 
     Raises:
         DispatchError: units missing from the model, tied weights stored on different devices,
-            a CUDA device that is not present, or disk units without ``offload_dir``.
+            a CUDA device that is not present, disk units without ``offload_dir``, or a model
+            that accelerate has dispatched already.
     """
     if disk_reads not in ("mmap", "copy"):
         raise DispatchError(f"disk_reads={disk_reads!r}: accepted are 'mmap' and 'copy'")
     existing = getattr(model, "_placement_opt_dispatch", None)
     if existing is not None and not existing._removed:
         raise DispatchError("this model is already dispatched: call .remove() on its handle first")
+    hooked_by_accelerate = [name or type(model).__name__ for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    if hooked_by_accelerate:
+        raise DispatchError(
+            f"{len(hooked_by_accelerate)} module(s) carry accelerate hooks ({', '.join(hooked_by_accelerate[:3])}): "
+            f"the model was dispatched by accelerate (from_pretrained(device_map=...) on several devices). "
+            f"Load it with placement_opt.load(), or call accelerate.hooks.remove_hook_from_submodules(model) first"
+        )
     units = _build_units(model, plan)
     slots = _collect_slots(model)
     _assign_slots(units, slots, plan)
