@@ -17,7 +17,7 @@ Page cache: before every timed forward the offloaded files are evicted with
 ``placement_opt.profile``). The machine is shared: the profile keeps the fastest of its repeats
 (what the machine can do, least disturbed by other load), and so does the accuracy check here
 (``best`` of ``--repeats`` forwards); medians are reported beside them. The machine is profiled
-(quick mode) right before each placement runs and that placement is predicted from that profile,
+right before each placement runs and that placement is predicted from that profile,
 so that a prediction describes the machine as loaded while its placement runs.
 
 Usage::
@@ -198,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     layers = args.layers or (2 if args.quick else 6)
     prompt = args.prompt or (32 if args.quick else 128)
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 7)
 
     import placement_opt
     from placement_opt.cost import evaluate
@@ -225,7 +225,7 @@ def main() -> None:
                 folder.mkdir(parents=True)
                 # The machine is shared: profile it right before each placement, so the prediction
                 # describes the machine as it is while this placement runs.
-                machine = placement_opt.profile(["cpu", "disk"], path=work / "profile.json", quick=True,
+                machine = placement_opt.profile(["cpu", "disk"], path=work / "profile.json", quick=args.quick,
                                                 dtype="float32", offload_folder=work)
                 machines.append(machine)
                 plan = make_plan(device_map, graph, machine, forwards["prefill"][0], "stream")
@@ -272,7 +272,7 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
         f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {wall_s:.0f} s",
         f"- Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__} with {torch.get_num_threads()} threads, Python {sys.version.split()[0]}",
-        "- Profile: `placement_opt.profile(['cpu', 'disk'], quick=True, dtype='float32')` right before each "
+        f"- Profile: `placement_opt.profile(['cpu', 'disk'], quick={args.quick}, dtype='float32')` right before each "
         "placement; the last columns show its fp32 linear-layer GFLOP/s at the prefill's token count and at 1 "
         "token, and its cold sequential disk read",
         f"- Model: random-init Llama, fp32, {layers} layers, hidden 2048, {size / 2**30:.2f} GiB of parameters; "
