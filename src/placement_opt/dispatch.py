@@ -32,7 +32,6 @@ attention unit computes (the cache creates each layer's tensors on the device of
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import types
@@ -45,6 +44,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import (
+    Slot,
+    checkpoint_files,
+    checkpoint_index,
+    collect_slots,
+    materialize,
+    meta_model,
+    needs_conversion,
+    unit_of,
+)
 from .errors import DispatchError
 from .offload import OffloadStore, SafetensorsFile
 from .plan import Plan, UnitPlacement
@@ -92,18 +101,8 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 # ---------------------------------------------------------------------------------------------
 # Bookkeeping of weights
 # ---------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Slot:
-    """One distinct parameter or buffer tensor: its names and what dispatch changed."""
-
-    names: list[str]
-    tensor: torch.Tensor
-    """The Parameter or buffer object itself (identity kept; only ``.data`` is swapped)."""
-    original_device: torch.device
-    stored: torch.Tensor | None = None
-    """The tensor that holds the weights between forwards (pinned host, mmap view, ...)."""
-    foreign: bool = False
-    """True when ``stored`` is not the original memory (mmap, pinned copy): restore by copying."""
+def _torch_device(name: str) -> torch.device:
+    return torch.device(name)
 
 
 @dataclass(eq=False)
@@ -111,9 +110,9 @@ class _Unit:
     placement: UnitPlacement
     module: nn.Module
     execution: torch.device
-    slots: list[_Slot] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     """Tensors this unit owns (their first name is under it): placed on its storage."""
-    uses: list[_Slot] = field(default_factory=list)
+    uses: list[Slot] = field(default_factory=list)
     """Tensors its modules reference (owned or tied to another unit's): swapped when streamed."""
     kind: str = "resident"
     """``resident``, ``mmap`` (disk, CPU-executed, zero-copy) or ``stream``."""
@@ -125,32 +124,6 @@ class _Unit:
     def name(self) -> str:
         return self.placement.unit
 
-
-def unit_of(name: str, units: Sequence[str]) -> str | None:
-    """The longest unit name that is ``name`` or a module prefix of it (``""`` is the root)."""
-    best = None
-    for unit in units:
-        if unit == "" or name == unit or name.startswith(unit + "."):
-            if best is None or len(unit) > len(best):
-                best = unit
-    return best
-
-
-def _torch_device(name: str) -> torch.device:
-    return torch.device(name)
-
-
-def _collect_slots(model: nn.Module) -> list[_Slot]:
-    """Every distinct tensor of the model with all its names (tied weights appear once)."""
-    by_id: dict[int, _Slot] = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        slot = by_id.get(id(tensor))
-        if slot is None:
-            by_id[id(tensor)] = _Slot(names=[name], tensor=tensor, original_device=tensor.device)
-        else:
-            slot.names.append(name)
-    return list(by_id.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +216,7 @@ class DispatchedModel:
         handle.remove()                            # forwards, devices and weights as before
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, units: list[_Unit], slots: list[_Slot],
+    def __init__(self, model: nn.Module, plan: Plan, units: list[_Unit], slots: list[Slot],
                  streamer: _Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
                  previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool) -> None:
         self.model = model
@@ -320,7 +293,7 @@ class DispatchedModel:
                 remove_hook_from_module(module)
 
 
-def _restore_slot(slot: _Slot) -> None:
+def _restore_slot(slot: Slot) -> None:
     current = slot.tensor.data
     if slot.original_device.type == "meta":
         return
@@ -376,7 +349,7 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
             f"Load it with placement_opt.load(), or call accelerate.hooks.remove_hook_from_submodules(model) first"
         )
     units = _build_units(model, plan)
-    slots = _collect_slots(model)
+    slots = collect_slots(model)
     _assign_slots(units, slots, plan)
     _check_devices(units)
     _place(model, units, slots, offload_dir, disk_reads, _disk_sources)
@@ -405,7 +378,7 @@ def _build_units(model: nn.Module, plan: Plan) -> list[_Unit]:
             for p in plan.placements]
 
 
-def _assign_slots(units: list[_Unit], slots: list[_Slot], plan: Plan) -> None:
+def _assign_slots(units: list[_Unit], slots: list[Slot], plan: Plan) -> None:
     """Give each tensor to the unit owning its first name; tied tensors must share one storage."""
     by_name = {unit.name: unit for unit in units}
     names = list(by_name)
@@ -440,7 +413,7 @@ def _check_devices(units: list[_Unit]) -> None:
         raise DispatchError(f"units {bad} execute on 'disk', which cannot compute: execute them on cpu or a GPU")
 
 
-def _place(model: nn.Module, units: list[_Unit], slots: list[_Slot], offload_dir: Any,
+def _place(model: nn.Module, units: list[_Unit], slots: list[Slot], offload_dir: Any,
            disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None) -> None:
     """Move or map every tensor to its storage; decide each unit's kind."""
     store = None
@@ -477,7 +450,7 @@ def _place(model: nn.Module, units: list[_Unit], slots: list[_Slot], offload_dir
             _set(slot, slot.tensor.data.to(main), foreign=False)
 
 
-def _set(slot: _Slot, data: torch.Tensor, *, foreign: bool) -> None:
+def _set(slot: Slot, data: torch.Tensor, *, foreign: bool) -> None:
     slot.tensor.data = data
     slot.stored = data
     slot.foreign = slot.foreign or foreign
@@ -649,211 +622,36 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             is missing from it.
     """
     root = Path(model_id_or_path)
-    files = _checkpoint_files(root)
-    model = _meta_model(root, dtype)
+    files = checkpoint_files(root)
+    model = meta_model(root, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
         from .solve import solve  # written by the solver stage
 
         plan = solve(model, devices, objective=objective, workload=workload)
-    sources = _checkpoint_index(files)
-    if _needs_conversion(model, sources):
+    sources = checkpoint_index(files)
+    if needs_conversion(model, sources):
         return _load_converted(root, model, plan, offload_dir)
-    disk_sources = _materialize(model, plan, sources, offload_dir)
+    disk_sources = materialize(model, plan, sources, offload_dir)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model.eval()
     return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
 
 
-def _needs_conversion(model: nn.Module, sources: Mapping[str, Any]) -> bool:
-    """True when some parameter has no key of its own in the checkpoint (a layout transformers converts)."""
-    return any(not any(n in sources for n in slot.names) for slot in _collect_slots(model)
-               if slot.tensor.device.type == "meta")
-
-
-def _load_converted(root: Path, meta_model: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
+def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
     """Checkpoints in an older layout (MoE experts one tensor each, fused by transformers at load):
     transformers reads and converts them into RAM, then the plan is applied (disk units are
     written once to ``offload_dir``)."""
     if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
         raise DispatchError(
-            f"{root} stores weights in a layout transformers converts at load time ({type(meta_model).__name__}), "
+            f"{root} stores weights in a layout transformers converts at load time ({type(skeleton).__name__}), "
             f"so they cannot be mapped from the checkpoint: pass offload_dir='some/dir' for the disk units"
         )
-    dtype = next(iter(meta_model.parameters())).dtype
-    model = type(meta_model).from_pretrained(root, dtype=dtype).eval()
+    dtype = next(iter(skeleton.parameters())).dtype
+    model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
     return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
-
-
-def _checkpoint_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
-    single = root / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(root.glob("*.safetensors"))
-    if not found:
-        where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
-        raise DispatchError(f"{root} {where}: load() reads a local directory; save one with "
-                            f"model.save_pretrained(path), or download a hub model first "
-                            f"(huggingface_hub.snapshot_download)")
-    return found
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise DispatchError(f"dtype={dtype!r} is not a torch dtype: write e.g. 'float16' or torch.bfloat16")
-    return value
-
-
-def _meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
-    """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(root)
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM
-    wanted = _resolve_dtype(dtype) or getattr(config, "dtype", None) or torch.float32
-    wanted = _resolve_dtype(wanted)
-    with _params_on_meta():
-        model = cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
-    return model
-
-
-class _params_on_meta:
-    """Context: every parameter registered inside is created on the meta device (buffers stay real)."""
-
-    def __enter__(self) -> None:
-        self.original = nn.Module.register_parameter
-
-        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            self.original(module, name, param)
-            if param is not None and param.device.type != "meta":
-                kind = type(module._parameters[name])
-                module._parameters[name] = kind(module._parameters[name].to("meta"),
-                                                requires_grad=param.requires_grad)
-
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: Any) -> None:
-        nn.Module.register_parameter = self.original  # type: ignore[method-assign]
-
-
-def _checkpoint_index(files: list[Path]) -> dict[str, tuple[SafetensorsFile, str]]:
-    index: dict[str, tuple[SafetensorsFile, str]] = {}
-    for path in files:
-        file = SafetensorsFile(path)
-        for key in file.keys():
-            index[key] = (file, key)
-    return index
-
-
-def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
-                 offload_dir: Any) -> dict[str, tuple[SafetensorsFile, str]]:
-    """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
-
-    Weights stored on the CPU or on disk in the checkpoint's dtype are views of the mapped
-    checkpoint (zero copy; copy-on-write, so the file never changes): CPU-stored ones are read
-    ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
-    tensor by tensor; disk-stored tensors of another dtype are cast and written to
-    ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
-    """
-    storage_of = {p.unit: p.storage for p in plan.placements}
-    unit_names = list(storage_of)
-    missing = []
-    disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
-    converting = _DiskConverter(offload_dir, disk_sources)
-    for slot in _collect_slots(model):
-        key = next((n for n in slot.names if n in sources), None)
-        if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
-            if slot.tensor.device.type == "meta":
-                missing.append(slot.names[0])
-            continue
-        unit = unit_of(slot.names[0], unit_names)
-        storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
-        file, file_key = sources[key]
-        if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
-            data = file.tensor(file_key)
-            if storage == "disk":
-                disk_sources[slot.names[0]] = (file, file_key)
-            else:
-                file.prefetch((file_key,))
-        else:
-            data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
-        _replace(model, slot, data)
-        if storage == "disk" and slot.names[0] not in disk_sources:
-            converting.add(unit or "", slot)
-    converting.flush()
-    if missing:
-        raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "
-                            f"is the directory a checkpoint of this architecture?")
-    return disk_sources
-
-
-class _DiskConverter:
-    """Writes cast disk-stored tensors to the offload store unit by unit and maps them back."""
-
-    def __init__(self, offload_dir: Any, disk_sources: dict[str, tuple[SafetensorsFile, str]]) -> None:
-        self.offload_dir, self.disk_sources = offload_dir, disk_sources
-        self.unit: str | None = None
-        self.slots: list[_Slot] = []
-
-    def add(self, unit: str, slot: _Slot) -> None:
-        if unit != self.unit:
-            self.flush()
-            self.unit = unit
-        self.slots.append(slot)
-
-    def flush(self) -> None:
-        if not self.slots:
-            return
-        if self.offload_dir is None:
-            raise DispatchError(
-                f"unit {self.unit!r} is stored on disk in another dtype than the checkpoint's "
-                f"({self.slots[0].tensor.dtype}): pass offload_dir='some/dir' to keep the cast weights there"
-            )
-        store = OffloadStore(self.offload_dir)
-        file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))
-        for slot in self.slots:
-            slot.tensor.data = file.tensor(slot.names[0])
-            self.disk_sources[slot.names[0]] = (file, slot.names[0])
-        self.slots = []
-
-
-def _read(file: SafetensorsFile, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor from the file to ``device`` in ``dtype``, with no full-model intermediate."""
-    span = file.spans[key]
-    if device.type == "cpu":
-        out = torch.empty(span.shape, dtype=span.dtype)
-        file.read_into(key, out)
-        return out if span.dtype == dtype else out.to(dtype)
-    host = torch.empty(span.shape, dtype=span.dtype, pin_memory=torch.cuda.is_available())
-    file.read_into(key, host)
-    return host.to(device).to(dtype)
-
-
-def _replace(model: nn.Module, slot: _Slot, data: torch.Tensor) -> None:
-    """Put ``data`` under every name of the slot (a new Parameter shared by all of them)."""
-    old = slot.tensor
-    new: torch.Tensor = nn.Parameter(data, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else data
-    for name in slot.names:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        if attr in owner._parameters:
-            owner._parameters[attr] = new  # type: ignore[assignment]
-        else:
-            owner._buffers[attr] = new
-    slot.tensor = new
-    slot.original_device = data.device
 
 
 class _CallableModule(types.ModuleType):

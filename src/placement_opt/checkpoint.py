@@ -1,0 +1,244 @@
+"""Reading a model's own checkpoint: the model built on the meta device, each weight put on its storage.
+
+The loading half of :func:`placement_opt.load` (which then calls :func:`placement_opt.dispatch`):
+
+* :func:`meta_model` builds the model from ``config.json`` with every parameter on the meta
+  device (buffers stay real: rotary tables are computed at init and are not in checkpoints);
+* :func:`checkpoint_index` maps every tensor name to its safetensors shard, mapped once;
+* :func:`materialize` puts each tensor on its plan's storage device without ever holding the
+  model twice: CPU- and disk-stored tensors in the checkpoint's dtype are views of the mapped
+  shard, GPU tensors are read one by one, casts happen one tensor (disk: one unit) at a time.
+
+:class:`Slot` and :func:`collect_slots` (one entry per distinct tensor, tied names together) and
+:func:`unit_of` are shared with the dispatcher.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import DispatchError
+from .offload import OffloadStore, SafetensorsFile
+from .plan import Plan
+
+__all__ = ["Slot", "collect_slots", "unit_of", "checkpoint_files", "checkpoint_index", "meta_model",
+           "materialize", "needs_conversion"]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One distinct parameter or buffer tensor: its names and what dispatch changed."""
+
+    names: list[str]
+    tensor: torch.Tensor
+    """The Parameter or buffer object itself (identity kept; only ``.data`` is swapped)."""
+    original_device: torch.device
+    stored: torch.Tensor | None = None
+    """The tensor that holds the weights between forwards (pinned host, mmap view, ...)."""
+    foreign: bool = False
+    """True when ``stored`` is not the original memory (mmap, pinned copy): restore by copying."""
+
+
+def unit_of(name: str, units: Sequence[str]) -> str | None:
+    """The longest unit name that is ``name`` or a module prefix of it (``""`` is the root)."""
+    best = None
+    for unit in units:
+        if unit == "" or name == unit or name.startswith(unit + "."):
+            if best is None or len(unit) > len(best):
+                best = unit
+    return best
+
+
+def collect_slots(model: nn.Module) -> list[Slot]:
+    """Every distinct tensor of the model with all its names (tied weights appear once)."""
+    by_id: dict[int, Slot] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        slot = by_id.get(id(tensor))
+        if slot is None:
+            by_id[id(tensor)] = Slot(names=[name], tensor=tensor, original_device=tensor.device)
+        else:
+            slot.names.append(name)
+    return list(by_id.values())
+
+
+def needs_conversion(model: nn.Module, sources: Mapping[str, Any]) -> bool:
+    """True when some parameter has no key of its own in the checkpoint (a layout transformers converts)."""
+    return any(not any(n in sources for n in slot.names) for slot in collect_slots(model)
+               if slot.tensor.device.type == "meta")
+
+
+def checkpoint_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    single = root / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
+        raise DispatchError(f"{root} {where}: load() reads a local directory; save one with "
+                            f"model.save_pretrained(path), or download a hub model first "
+                            f"(huggingface_hub.snapshot_download)")
+    return found
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise DispatchError(f"dtype={dtype!r} is not a torch dtype: write e.g. 'float16' or torch.bfloat16")
+    return value
+
+
+def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
+    """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(root)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM
+    wanted = _resolve_dtype(dtype) or getattr(config, "dtype", None) or torch.float32
+    wanted = _resolve_dtype(wanted)
+    with _params_on_meta():
+        model = cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
+    return model
+
+
+class _params_on_meta:
+    """Context: every parameter registered inside is created on the meta device (buffers stay real)."""
+
+    def __enter__(self) -> None:
+        self.original = nn.Module.register_parameter
+
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            self.original(module, name, param)
+            if param is not None and param.device.type != "meta":
+                kind = type(module._parameters[name])
+                module._parameters[name] = kind(module._parameters[name].to("meta"),
+                                                requires_grad=param.requires_grad)
+
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: Any) -> None:
+        nn.Module.register_parameter = self.original  # type: ignore[method-assign]
+
+
+def checkpoint_index(files: list[Path]) -> dict[str, tuple[SafetensorsFile, str]]:
+    index: dict[str, tuple[SafetensorsFile, str]] = {}
+    for path in files:
+        file = SafetensorsFile(path)
+        for key in file.keys():
+            index[key] = (file, key)
+    return index
+
+
+def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
+                 offload_dir: Any) -> dict[str, tuple[SafetensorsFile, str]]:
+    """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
+
+    Weights stored on the CPU or on disk in the checkpoint's dtype are views of the mapped
+    checkpoint (zero copy; copy-on-write, so the file never changes): CPU-stored ones are read
+    ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
+    tensor by tensor; disk-stored tensors of another dtype are cast and written to
+    ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
+    """
+    storage_of = {p.unit: p.storage for p in plan.placements}
+    unit_names = list(storage_of)
+    missing = []
+    disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
+    converting = _DiskConverter(offload_dir, disk_sources)
+    for slot in collect_slots(model):
+        key = next((n for n in slot.names if n in sources), None)
+        if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
+            if slot.tensor.device.type == "meta":
+                missing.append(slot.names[0])
+            continue
+        unit = unit_of(slot.names[0], unit_names)
+        storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
+        file, file_key = sources[key]
+        if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
+            data = file.tensor(file_key)
+            if storage == "disk":
+                disk_sources[slot.names[0]] = (file, file_key)
+            else:
+                file.prefetch((file_key,))
+        else:
+            data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
+        _replace(model, slot, data)
+        if storage == "disk" and slot.names[0] not in disk_sources:
+            converting.add(unit or "", slot)
+    converting.flush()
+    if missing:
+        raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "
+                            f"is the directory a checkpoint of this architecture?")
+    return disk_sources
+
+
+class _DiskConverter:
+    """Writes cast disk-stored tensors to the offload store unit by unit and maps them back."""
+
+    def __init__(self, offload_dir: Any, disk_sources: dict[str, tuple[SafetensorsFile, str]]) -> None:
+        self.offload_dir, self.disk_sources = offload_dir, disk_sources
+        self.unit: str | None = None
+        self.slots: list[Slot] = []
+
+    def add(self, unit: str, slot: Slot) -> None:
+        if unit != self.unit:
+            self.flush()
+            self.unit = unit
+        self.slots.append(slot)
+
+    def flush(self) -> None:
+        if not self.slots:
+            return
+        if self.offload_dir is None:
+            raise DispatchError(
+                f"unit {self.unit!r} is stored on disk in another dtype than the checkpoint's "
+                f"({self.slots[0].tensor.dtype}): pass offload_dir='some/dir' to keep the cast weights there"
+            )
+        store = OffloadStore(self.offload_dir)
+        file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))
+        for slot in self.slots:
+            slot.tensor.data = file.tensor(slot.names[0])
+            self.disk_sources[slot.names[0]] = (file, slot.names[0])
+        self.slots = []
+
+
+def _read(file: SafetensorsFile, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor from the file to ``device`` in ``dtype``, with no full-model intermediate."""
+    span = file.spans[key]
+    if device.type == "cpu":
+        out = torch.empty(span.shape, dtype=span.dtype)
+        file.read_into(key, out)
+        return out if span.dtype == dtype else out.to(dtype)
+    host = torch.empty(span.shape, dtype=span.dtype, pin_memory=torch.cuda.is_available())
+    file.read_into(key, host)
+    return host.to(device).to(dtype)
+
+
+def _replace(model: nn.Module, slot: Slot, data: torch.Tensor) -> None:
+    """Put ``data`` under every name of the slot (a new Parameter shared by all of them)."""
+    old = slot.tensor
+    new: torch.Tensor = nn.Parameter(data, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else data
+    for name in slot.names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr in owner._parameters:
+            owner._parameters[attr] = new  # type: ignore[assignment]
+        else:
+            owner._buffers[attr] = new
+    slot.tensor = new
+    slot.original_device = data.device
