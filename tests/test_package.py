@@ -48,3 +48,18 @@ def test_solver_side_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_stage_functions_are_not_shadowed_by_their_modules() -> None:
+    # trace/solve/dispatch/profile are both modules and functions: the function must win even
+    # after the module was imported directly (which makes Python set the package attribute).
+    code = (
+        "import importlib, placement_opt\n"
+        "for name in ('trace', 'solve', 'dispatch', 'profile'):\n"
+        "    module = importlib.import_module('placement_opt.' + name)\n"
+        "    assert callable(getattr(placement_opt, name)), name\n"
+        "    assert getattr(placement_opt, name) is getattr(module, name), name\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

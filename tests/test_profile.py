@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 
-import placement_opt.profile as profile_module
 from placement_opt.devices import as_machine, detect_device
 from placement_opt.profile import (
     PROFILE_ENV_VAR,
@@ -16,6 +16,9 @@ from placement_opt.profile import (
     profile_path,
     saved_device,
 )
+
+# The package attribute placement_opt.profile is the function; the module comes from importlib.
+profile_module = importlib.import_module("placement_opt.profile")
 
 
 @pytest.fixture(scope="module")

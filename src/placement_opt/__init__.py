@@ -16,6 +16,8 @@ imports torch.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -42,6 +44,23 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+class _Package(types.ModuleType):
+    """Keeps ``placement_opt.trace`` (and solve, dispatch, profile) the *function*.
+
+    Those stages live in modules of the same name. Importing such a module makes Python set
+    the package attribute to the module, which would shadow the function; we drop that one
+    assignment (the module stays in ``sys.modules``, so ``import placement_opt.trace`` works).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

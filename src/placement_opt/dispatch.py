@@ -653,13 +653,3 @@ def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: An
     model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
     return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
 
-
-class _CallableModule(types.ModuleType):
-    """``placement_opt.dispatch`` names both this module and :func:`dispatch`. Once the module is
-    imported, Python sets the package attribute to the module; calling it still dispatches."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> DispatchedModel:
-        return dispatch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
