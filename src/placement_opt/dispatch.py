@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
