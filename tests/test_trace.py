@@ -449,3 +449,19 @@ def test_other_fused_expert_layouts(family: str) -> None:
     layer = graph.unit("model.layers.0")
     assert (layer.moe_num_experts, layer.moe_experts_per_token) == (4, 2)
     assert (layer.flops_per_token, layer.moe_expert_bytes) == EXPECTED_MOE[family]
+
+
+def test_grouped_mm_flops_are_counted() -> None:
+    """transformers' grouped experts matmul has no flop_counter formula: 2 x tokens x in x out."""
+    from placement_opt._meta import Record, _Recorder
+
+    record = Record()
+    recorder = _Recorder(record, {})
+    tokens = torch.empty(8, 32, device="meta", dtype=torch.bfloat16)
+    experts = torch.empty(4, 32, 64, device="meta", dtype=torch.bfloat16)
+    offsets = torch.empty(4, dtype=torch.int32, device="meta")
+    recorder.enter("experts")
+    with recorder:
+        out = torch._grouped_mm(tokens, experts, offs=offsets)
+    assert out.shape == (8, 64)
+    assert record.flops["experts"] == 2 * 8 * 32 * 64

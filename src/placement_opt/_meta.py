@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = ["Record", "run", "is_fused_experts", "nbytes", "REPLAY_REPEATED_BLOCKS"]
 
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
              torch.ops.aten.stride.default, torch.ops.aten.dim.default, torch.ops.aten.numel.default,
              torch.ops.aten.is_contiguous.default, torch.ops.aten.sym_numel.default,
@@ -136,6 +137,9 @@ class _Recorder(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry:
             self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
+        elif packet is _GROUPED_MM and isinstance(out, torch.Tensor):
+            # grouped experts matmul (no flop_counter formula): every output row is one token x one expert
+            self._charge(current, 2 * out.numel() * int(args[0].shape[-1]))
         self._follow(current, inputs, out)
         return out
 
