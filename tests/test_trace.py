@@ -465,3 +465,13 @@ def test_grouped_mm_flops_are_counted() -> None:
         out = torch._grouped_mm(tokens, experts, offs=offsets)
     assert out.shape == (8, 64)
     assert record.flops["experts"] == 2 * 8 * 32 * 64
+
+
+def test_bare_decoder_module_keeps_a_kv_cache() -> None:
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(TINY["llama"](), dtype=torch.float16)  # LlamaModel, no head
+    graph = trace(model, seq_len=SEQ)
+    assert graph.unit("layers.0").kv_bytes_per_token == 2 * 2 * 8 * 2
+    with torch.device("meta"):
+        bert = transformers.AutoModel.from_config(TINY["bert"]())
+    assert all(u.kv_bytes_per_token == 0 for u in trace(bert, seq_len=SEQ).units())

@@ -565,8 +565,10 @@ class _AttentionFacts:
         self.ctx = ctx
         module = ctx.module
         can_generate = getattr(module, "can_generate", None)
+        # a KV cache exists for generating models, encoder-decoders, and bare decoders (``LlamaModel``)
         self.causal = bool(getattr(ctx.config, "is_encoder_decoder", False) or
-                           (callable(can_generate) and can_generate()))
+                           (callable(can_generate) and can_generate()) or
+                           any(getattr(m, "is_causal", False) is True for m in module.modules()))
         self.cross_kv_bytes_per_token = 0
         self.owned: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)
         blocks = [n for n in ctx.units if _is_block(ctx, n) or not _is_container(ctx, n)]
