@@ -83,7 +83,7 @@ def _cases(quick: bool) -> list[tuple[str, str, LayerGraph, float]]:
               [_random_graph(n, s, dag) for s, (n, dag) in enumerate([(90, False), (120, True)] if quick else
                                                                       [(80, False), (100, True), (110, False),
                                                                        (130, True)])]]
-    big = [(g.meta.model_name, g) for g in [_layered_chain(2000, s) for s in range(1 if quick else 3)]]
+    big = [(g.meta.model_name, g) for g in [_layered_chain(2000, s) for s in range(1 if quick else 2)]]
     return [("80-130 units", name, g, 1.0) for name, g in block] + [("2000 units", name, g, 10.0) for name, g in big]
 
 
