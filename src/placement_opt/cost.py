@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from ._units import format_bytes
 from .devices import Device, Machine, as_machine, normalize_device_name
+from .graph import covering_key, keys_below
 from .problem import MODES, DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 from .workload import Workload, unit_training_bytes
 
@@ -67,6 +68,7 @@ __all__ = [
     "Cost",
     "build_problem",
     "evaluate",
+    "evaluator",
     "expected_experts",
     "NS_PER_S",
     "COMPUTE_EFFICIENCY",
@@ -467,7 +469,13 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, modes: Iter
     if not menu:
         raise ValueError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
     units = graph.units()
-    parts = [[_price(ctx, u, s, e, m) for s, e, m in menu] for u in units]
+    priced: dict[tuple[Any, ...], list[_Parts]] = {}  # identical units (decoder layers) priced once
+    parts = []
+    for u in units:
+        key = _price_key(u)
+        if key not in priced:
+            priced[key] = [_price(ctx, u, s, e, m) for s, e, m in menu]
+        parts.append(priced[key])
     specs = tuple(UnitSpec(name=u.name, options=tuple(_to_option(p) for p in row))
                   for u, row in zip(units, parts, strict=True))
     problem = PlacementProblem(
@@ -476,17 +484,27 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, modes: Iter
     return problem, parts
 
 
+def _price_key(unit: UnitInfo) -> tuple[Any, ...]:
+    """Everything :func:`_price` reads of a unit (its name and position do not change its price)."""
+    return (unit.param_bytes, unit.buffer_bytes, unit.flops_per_token, unit.attn_flops_per_token_per_ctx,
+            unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
+            unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class)
+
+
 def _edges(ctx: _Context) -> tuple[EdgeSpec, ...]:
     wl = ctx.workload
     compute = [d.name for d in ctx.machine.compute_devices]
     pairs = [(a, b) for a in compute for b in compute if a != b]
     times = 2 if wl.training else 1
     specs = []
+    priced: dict[tuple[int, bool], tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
     for src, dst, bpt in ctx.graph.edges():
         in_decode = ctx.graph.unit(src).in_decode and ctx.graph.unit(dst).in_decode
-        steps = wl.decode_steps if in_decode else 0
-        prefill = {p: _edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs}
-        decode = {p: _edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs}
+        if (bpt, in_decode) not in priced:  # edges of equal size cost the same: price each size once
+            steps = wl.decode_steps if in_decode else 0
+            priced[bpt, in_decode] = ({p: _edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},
+                                      {p: _edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
+        prefill, decode = priced[bpt, in_decode]
         specs.append(EdgeSpec(src=src, dst=dst, prefill_ns=prefill, decode_ns=decode))
     return tuple(specs)
 
@@ -563,10 +581,6 @@ def _as_graph(model_or_graph: Any) -> LayerGraph:
     return trace(model_or_graph)
 
 
-def _matches(key: str, name: str) -> bool:
-    return key == "" or name == key or name.startswith(key + ".")
-
-
 def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, Any]:
     """Value per unit from keys that may be coarser (prefixes) or finer (submodules) than units.
 
@@ -574,35 +588,41 @@ def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, An
     gets the value that holds most of its parameters (each parameter follows its longest matching
     key; ties go to the earliest key in the map): a plan scores whole units.
     """
-    keys = sorted(entries, key=len, reverse=True)
     order = {k: i for i, k in enumerate(entries)}
+    below = keys_below(entries)
     resolved: dict[str, Any] = {}
     missing = []
     for unit in graph.units():
-        covering = next((k for k in keys if _matches(k, unit.name)), None)
-        finer = [k for k in entries if k.startswith(unit.name + ".")]
+        finer = below.get(unit.name)
         if finer:
-            votes: Counter[str] = Counter()
-            for param in unit.param_names:
-                key = next((k for k in keys if _matches(k, param)), None)
-                if key is not None:
-                    votes[key] += 1
-            if not votes:
-                votes[finer[0]] = 1
-            by_value: Counter[Any] = Counter()
-            first: dict[Any, int] = {}
-            for key, count in votes.items():
-                by_value[entries[key]] += count
-                first[entries[key]] = min(first.get(entries[key], len(order)), order[key])
-            resolved[unit.name] = max(by_value, key=lambda v: (by_value[v], -first[v]))
-        elif covering is not None:
-            resolved[unit.name] = entries[covering]
-        else:
+            resolved[unit.name] = _vote(entries, order, unit.param_names, finer[0])
+            continue
+        covering = covering_key(unit.name, entries)
+        if covering is None:
             missing.append(unit.name)
+        else:
+            resolved[unit.name] = entries[covering]
     if missing:
         raise ValueError(f"the device map places no entry for units {_few(missing)}: add them or a "
                          f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
     return resolved
+
+
+def _vote(entries: Mapping[str, Any], order: Mapping[str, int], param_names: Sequence[str], fallback: str) -> Any:
+    """The value holding most of a unit's parameters (ties: the earliest key in the map)."""
+    votes: Counter[str] = Counter()
+    for param in param_names:
+        key = covering_key(param, entries)
+        if key is not None:
+            votes[key] += 1
+    if not votes:
+        votes[fallback] = 1
+    by_value: Counter[Any] = Counter()
+    first: dict[Any, int] = {}
+    for key, count in votes.items():
+        by_value[entries[key]] += count
+        first[entries[key]] = min(first.get(entries[key], len(order)), order[key])
+    return max(by_value, key=lambda v: (by_value[v], -first[v]))
 
 
 def _device_of(value: Any, machine: Machine, key: str) -> str:
@@ -690,13 +710,27 @@ def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
             model does not offer; the message lists what is accepted.
     """
     graph = _as_graph(model_or_graph)
-    machine = as_machine(machine, dtype=graph.meta.dtype)
     if workload is None:
         workload = getattr(plan_or_device_map, "workload", None) or Workload()
-    placements = _placements(plan_or_device_map, graph, machine)
+    return evaluator(graph, machine, workload)(plan_or_device_map)
+
+
+def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[Any], Cost]:
+    """:func:`evaluate` for one graph, machine and workload, pricing the options once for many plans.
+
+    Example::
+
+        score = evaluator(graph, machine, Workload())
+        costs = [score(device_map) for device_map in candidate_maps]
+    """
+    machine = as_machine(machine, dtype=graph.meta.dtype)
     problem, parts = _priced(graph, machine, workload, MODES, None, False)
-    choice = _choice(problem, placements)
-    return _cost(problem, parts, choice, machine, workload)
+
+    def score(plan_or_device_map: Any) -> Cost:
+        placements = _placements(plan_or_device_map, graph, machine)
+        return _cost(problem, parts, _choice(problem, placements), machine, workload)
+
+    return score
 
 
 def _cost(problem: PlacementProblem, parts: list[list[_Parts]], choice: list[int], machine: Machine,

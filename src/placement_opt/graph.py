@@ -35,13 +35,14 @@ Edge attributes: ``bytes_per_token`` (activation bytes per token crossing the ed
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import networkx as nx
 
-__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph"]
+__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
+           "covering_key", "keys_below"]
 
 GRAPH_SCHEMA_VERSION = 1
 
@@ -266,3 +267,30 @@ def chain_graph(
     meta = GraphMeta(model_name=model_name, dtype=dtype, batch_size=1, seq_len=1, traced=False,
                      tied_unit_groups=tied_unit_groups)
     return LayerGraph(digraph, meta)
+
+
+def covering_key(name: str, keys: Container[str]) -> str | None:
+    """The longest key of an accelerate-style map that covers module ``name`` (``""`` covers all).
+
+    Walks up the dotted prefixes of ``name`` (``a.b.c``, ``a.b``, ``a``, ``""``): a dict or set
+    lookup per level instead of a scan of every key, so resolving a map stays linear in units.
+    """
+    while True:
+        if name in keys:
+            return name
+        if not name:
+            return None
+        cut = name.rfind(".")
+        name = name[:cut] if cut >= 0 else ""
+
+
+def keys_below(keys: Iterable[str]) -> dict[str, list[str]]:
+    """Module prefix -> the keys strictly inside it (``a.b.c`` is below ``a.b``, ``a`` and ``""``), in order."""
+    below: dict[str, list[str]] = {}
+    for key in keys:
+        parent = key
+        while parent:
+            cut = parent.rfind(".")
+            parent = parent[:cut] if cut >= 0 else ""
+            below.setdefault(parent, []).append(key)
+    return below
