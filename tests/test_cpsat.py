@@ -85,6 +85,29 @@ def test_two_gpus_split_a_chain_that_fits_on_neither():
     assert sorted(problem.score(sol.choice).used_bytes.values()) == [0, 6, 6]
 
 
+def test_ties_between_streaming_and_residency_go_to_residency_while_it_fits():
+    # Three units; streaming from the CPU costs exactly as much as residency (a tiny norm), so the
+    # objective ties. The GPU (10 bytes) holds two of them (4 bytes each) plus nothing else: two
+    # become resident, the third keeps streaming because it would not fit.
+    units = [UnitSpec(name=f"u{i}", options=(opt("cuda:0", stored=4), opt("cpu", "cuda:0", stored=4)))
+             for i in range(3)]
+    problem = chain(units, [dev("cuda:0", 10), dev("cpu", 100)])
+    sol = solve_problem(problem, time_limit_s=5, hint=[1, 1, 1])
+    modes = [problem.units[i].options[c].mode for i, c in enumerate(sol.choice)]
+    assert sorted(modes) == ["resident", "resident", "stream"]
+    assert sol.objective_value == 3 * 110 and problem.score(sol.choice).used_bytes["cuda:0"] == 8
+
+
+def test_gap_limit_stops_the_search_and_is_checked():
+    units = [UnitSpec(name=f"u{i}", options=(opt("cuda:0", stored=3), opt("cpu", pre=11, dec=101, stored=3)))
+             for i in range(6)]
+    problem = chain(units, [dev("cuda:0", 10), dev("cpu", 100)])
+    loose = solve_problem(problem, time_limit_s=5, gap_limit=0.5)
+    assert loose.gap <= 0.5 and loose.feasible
+    with pytest.raises(ValueError, match="gap_limit"):
+        solve_problem(problem, gap_limit=1.5)
+
+
 def test_parallel_branches_use_the_critical_path_not_the_sum():
     # a -> (b, c) -> d; b and c take 100 each. On two devices the branches overlap:
     # best is {a, b} on one GPU and {c, d} on the other: a(1) + c's input crossing (2) + c(100) + d(1),

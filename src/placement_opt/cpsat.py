@@ -50,6 +50,7 @@ __all__ = [
     "objective_of",
     "OBJECTIVES",
     "TIME_RESOLUTION",
+    "GAP_LIMIT",
     "COARSEN_ABOVE",
     "GREEDY_RESERVES",
 ]
@@ -58,6 +59,8 @@ __all__ = [
 OBJECTIVES = ("latency", "throughput", "memory")
 #: Integer steps the hint's objective is divided into: sets ``scale_ns``.
 TIME_RESOLUTION = 200_000
+#: Default proven gap at which the search stops: the cost model itself is only accurate to some %.
+GAP_LIMIT = 0.001
 #: Problems with more units than this are coarsened into at most about this many super-units.
 COARSEN_ABOVE = 160
 _PHASES = ("prefill_ns", "decode_ns")
@@ -615,7 +618,8 @@ class _Model:
         return [next(o for o, _ in self._opts(u) if solver.boolean_value(self.x[u, o]))
                 for u in range(len(self.p.units))]
 
-    def solve(self, objective: Any, time_limit_s: float, seed: int, workers: int) -> tuple[cp_model.CpSolver, Any]:
+    def solve(self, objective: Any, time_limit_s: float, seed: int, workers: int,
+              gap_limit: float = 0.0) -> tuple[cp_model.CpSolver, Any]:
         self.model.minimize(objective)
         for var, value in self.hints:
             self.model.add_hint(var, value)
@@ -623,6 +627,12 @@ class _Model:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
+        solver.parameters.relative_gap_limit = gap_limit
+        if len(self.counts) > len(self.p.units) // 2:
+            # Mostly distinct units (random or module-level graphs): no count variables tighten the
+            # LP, and the full linearization (max_lp) proves gaps that default_lp does not reach in
+            # a second. Repeated layers do better with default_lp (measured: benchmarks/solve_time).
+            solver.parameters.subsolvers.append("max_lp")
         solver.parameters.cp_model_probing_level = 0  # probing and repeated presolve passes can eat
         solver.parameters.max_presolve_iterations = 1  # most of a 1 s budget before the hint is loaded
         return solver, solver.solve(self.model)
@@ -632,9 +642,11 @@ class _Model:
 # solve_problem
 # ---------------------------------------------------------------------------------------------
 def _check(problem: PlacementProblem, objective: str, hint: Sequence[int] | None, time_limit_s: float,
-           workers: int, memory_slack: float) -> None:
+           workers: int, memory_slack: float, gap_limit: float) -> None:
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if not 0 <= gap_limit < 1:
+        raise ValueError(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.001 for 0.1 %")
     if time_limit_s <= 0 or workers < 1 or memory_slack < 0:
         raise ValueError(f"time_limit_s ({time_limit_s}) must be > 0, workers ({workers}) >= 1 and "
                          f"memory_slack ({memory_slack}) >= 0")
@@ -651,7 +663,7 @@ def _bound(solver: cp_model.CpSolver, scale: int, slack_units: int) -> int:
 
 def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time_limit_s: float = 1.0,
                   seed: int = 0, workers: int = 2, hint: Sequence[int] | None = None,
-                  memory_slack: float = 0.05) -> Solution:
+                  memory_slack: float = 0.05, gap_limit: float = GAP_LIMIT) -> Solution:
     """Find the best assignment of ``problem`` for ``objective`` with OR-Tools CP-SAT.
 
     Example::
@@ -671,6 +683,8 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
         hint: an option index per unit (the best feasible baseline); default :func:`best_greedy_choice`.
             A valid hint is never beaten by the returned solution.
         memory_slack: allowed relative latency increase for ``"memory"``.
+        gap_limit: stop as soon as the returned objective is proven within this fraction of the
+            optimum (rounding of the integer time model included); ``0`` searches until the limit.
 
     Returns:
         A :class:`Solution`; ``objective_value`` is exactly ``problem.score(choice)``'s value.
@@ -678,20 +692,32 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
     Raises:
         ValueError: an unknown objective, a malformed hint or a non-positive limit.
     """
-    _check(problem, objective, hint, time_limit_s, workers, memory_slack)
+    _check(problem, objective, hint, time_limit_s, workers, memory_slack, gap_limit)
     t0 = time.perf_counter()
     hint = list(hint) if hint is not None else best_greedy_choice(problem, objective)
+    run = _Run(seed=seed, workers=workers, gap_limit=gap_limit, t0=t0)
     if objective == "memory":
-        first = _solve(problem, "latency", time_limit_s / 2, seed, workers, hint, None, t0)
+        first = _solve(problem, "latency", time_limit_s / 2, run, hint, None)
         if not first.feasible:
             return first
         cap = int(first.objective_value * (1 + memory_slack))
-        return _solve(problem, "memory", time_limit_s, seed, workers, list(first.choice), cap, t0)
-    return _solve(problem, objective, time_limit_s, seed, workers, hint, None, t0)
+        return _solve(problem, "memory", time_limit_s, run, list(first.choice), cap)
+    return _solve(problem, objective, time_limit_s, run, hint, None)
 
 
-def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
-           hint: list[int], latency_cap_ns: int | None, t0: float) -> Solution:
+@dataclass(frozen=True)
+class _Run:
+    """Search settings shared by the solves of one call."""
+
+    seed: int
+    workers: int
+    gap_limit: float
+    t0: float
+    """perf_counter() when the call began: every solve's budget ends at t0 + time_limit_s."""
+
+
+def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: _Run,
+           hint: list[int], latency_cap_ns: int | None) -> Solution:
     """One CP-SAT solve (coarsened when large); falls back to the full problem if the coarse one fails."""
     hint_ok = satisfies(problem, hint)
     n = len(problem.units)
@@ -699,12 +725,10 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed:
     coarse = len(groups) < n
     sub = _coarsen(problem, groups) if coarse else problem
     sub_hint = [hint[g[0]] for g in groups]
-    budget = time_limit_s - (time.perf_counter() - t0)
-    sol = _solve_once(sub, objective, budget, seed, workers, sub_hint, hint_ok, latency_cap_ns)
+    sol = _solve_once(sub, objective, time_limit_s, run, sub_hint, hint_ok, latency_cap_ns)
     if coarse and not sol[0]:  # the coarse problem found nothing: try the full one with what is left
         coarse, groups, sub = False, [[i] for i in range(n)], problem
-        sol = _solve_once(problem, objective, time_limit_s - (time.perf_counter() - t0), seed, workers,
-                          hint, hint_ok, latency_cap_ns)
+        sol = _solve_once(problem, objective, time_limit_s, run, hint, hint_ok, latency_cap_ns)
     choice_sub, status, bound = sol
     notes = []
     if coarse:
@@ -715,12 +739,14 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed:
             choice_sub, status = [hint[g[0]] for g in groups], "FEASIBLE"
         else:
             return Solution(choice=(), status=status, objective=objective, objective_value=0,
-                            best_bound=bound, gap=1.0, wall_time_s=time.perf_counter() - t0, scale_ns=0,
+                            best_bound=bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
                             units=n, coarse_units=len(groups), notes=tuple(notes))
     choice = [0] * n
     for g, c in zip(groups, choice_sub, strict=True):
         for i in g:
             choice[i] = c
+    if objective != "memory":
+        choice = _prefer_resident(problem, choice)
     value = objective_of(problem, choice, objective)
     if hint_ok and objective_of(problem, hint, objective) < value and (
             latency_cap_ns is None or objective_of(problem, hint, "latency") <= latency_cap_ns):
@@ -730,9 +756,41 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, seed:
     if gap <= 0 and status == "FEASIBLE":
         status = "OPTIMAL"
     return Solution(choice=tuple(choice), status=status, objective=objective, objective_value=value,
-                    best_bound=bound, gap=gap, wall_time_s=time.perf_counter() - t0,
+                    best_bound=bound, gap=gap, wall_time_s=time.perf_counter() - run.t0,
                     scale_ns=_scale(problem, hint, objective), units=n, coarse_units=len(groups),
                     notes=tuple(notes))
+
+
+def _prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:
+    """Store streamed units on their execution device where that costs nothing and fits.
+
+    The time model often ties (a norm of a few KiB streams as fast as it sits on the GPU), and the
+    solver then picks either. A resident unit is simpler to run (plain ``from_pretrained`` maps) and
+    never slower: its execution device and every transfer stay the same and its copy disappears.
+    Only units outside tied groups and pins move, and only while the device keeps room for them.
+    """
+    if problem.contiguous:
+        return list(choice)
+    out = list(choice)
+    score = problem.score(out)
+    free = {d.name: d.capacity_bytes - score.used_bytes[d.name] for d in problem.devices}
+    fixed = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    for i, u in enumerate(problem.units):
+        o = u.options[out[i]]
+        if o.storage == o.execution or u.name in fixed:
+            continue
+        target = next((k for k, c in enumerate(u.options) if c.storage == c.execution == o.execution
+                       and c.mode == "resident"), None)
+        if target is None:
+            continue
+        c = u.options[target]
+        grow = c.stored_bytes + c.resident_bytes - o.resident_bytes
+        if (c.prefill_ns <= o.prefill_ns and c.decode_ns <= o.decode_ns and grow <= free[o.execution]
+                and c.peak_bytes <= o.peak_bytes):
+            out[i] = target
+            free[o.execution] -= grow
+            free[o.storage] += o.stored_bytes
+    return out
 
 
 def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> int:
@@ -741,10 +799,9 @@ def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> in
     return max(1, objective_of(problem, hint, key) // TIME_RESOLUTION)
 
 
-def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, seed: int, workers: int,
+def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, run: _Run,
                 hint: list[int], hint_ok: bool, latency_cap_ns: int | None) -> tuple[list[int], str, int]:
     """(choice or [], status, proven bound in the objective's unit) of one CP-SAT run."""
-    built_from = time.perf_counter()
     scale = _scale(problem, hint, objective)
     max_work = None  # latency and the slowest stage are >= every unit's own prefill + decode
     if hint_ok and objective in ("latency", "throughput"):
@@ -769,8 +826,13 @@ def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, 
         cap = latency_cap_ns // scale + (slack if scale > 1 else 0)
         m.model.add(m.lat["prefill_ns"] + m.lat["decode_ns"] <= cap)
         goal, unit_scale, slack = m.gpu_bytes(), 1, 0
-    solver, status = m.solve(goal, time_limit_s - (time.perf_counter() - built_from), seed, workers)
+    # CP-SAT's gap is on the rounded model; the reported one adds the rounding slack, so ask for less.
+    rounding = slack * unit_scale / max(1, objective_of(problem, hint, objective)) if unit_scale > 1 else 0.0
+    budget = time_limit_s - (time.perf_counter() - run.t0)
+    solver, status = m.solve(goal, budget, run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     name = solver.status_name(status)
+    if status == cp_model.OPTIMAL and solver.best_objective_bound < solver.objective_value:
+        name = "FEASIBLE"  # stopped by the gap limit: within it, not proven optimal
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return m.read(solver), name, _bound(solver, unit_scale, slack)
     bound = _bound(solver, unit_scale, slack) if status == cp_model.UNKNOWN else 0

@@ -14,15 +14,16 @@ Torch is imported only when a model (not a LayerGraph) must be traced, or for ``
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._units import format_bytes
 from .baselines import STRATEGIES as BASELINE_STRATEGIES
 from .baselines import accelerate_device_map, baseline_storage, choice_from_storage
-from .cost import Cost, build_problem, evaluate
+from .cost import Cost, build_problem, evaluator
 from .cpsat import (
+    GAP_LIMIT,
     GREEDY_RESERVES,
     OBJECTIVES,
     greedy_choice,
@@ -32,6 +33,7 @@ from .cpsat import (
 )
 from .devices import Machine, normalize_device_name
 from .errors import InfeasiblePlacementError, PlacementError
+from .graph import covering_key, keys_below
 from .plan import BaselineResult, Plan, UnitPlacement
 from .problem import PlacementProblem
 from .workload import Workload
@@ -66,7 +68,7 @@ class _Baseline:
 
 def solve(model: Any, devices: Any = None, objective: str = "latency", *, workload: Workload | None = None,
           strategy: str = "cpsat", pins: Mapping[str, Any] | None = None, time_limit_s: float = 1.0,
-          seed: int = 0, contiguous: bool = False) -> Plan:
+          seed: int = 0, contiguous: bool = False, gap_limit: float = GAP_LIMIT) -> Plan:
     """Decide where every unit of ``model`` is stored and computed on ``devices``.
 
     Example::
@@ -92,6 +94,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         time_limit_s: CP-SAT's wall-clock limit.
         seed: CP-SAT's random seed (2 workers, so results are reproducible).
         contiguous: each device stores one contiguous range of units (pipeline stages).
+        gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
+            (default 0.1 %: the cost model is not more accurate than that); ``0`` uses the whole limit.
 
     Returns:
         A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline.
@@ -100,7 +104,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
         PlacementError: a bad argument (the message lists what is accepted) or no solution in time.
     """
-    _check_arguments(objective, strategy, time_limit_s, seed)
+    _check_arguments(objective, strategy, time_limit_s, seed, gap_limit)
     _check_types(workload, pins, contiguous)
     from .graph import LayerGraph
 
@@ -116,19 +120,21 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         problem = build_problem(graph, machine, workload, pins=unit_pins, contiguous=contiguous)
     except ValueError as exc:
         raise PlacementError(str(exc)) from exc
-    baselines = _baselines(graph, machine, workload, problem, model)
+    score = evaluator(graph, machine, workload)  # prices every option once for every map scored below
+    baselines = _baselines(graph, machine, score, problem, model)
     notes = [context_note] if context_note else []
     if unit_pins:
         notes.append(f"{len(unit_pins)} unit(s) pinned by {len(pins or {})} pin(s)")
     if strategy == "cpsat":
-        return _cpsat_plan(graph, machine, workload, problem, objective, baselines, time_limit_s, seed, notes)
+        return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
+                           (time_limit_s, seed, gap_limit), notes)
     return _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
 
 
 # ---------------------------------------------------------------------------------------------
 # Boundary checks
 # ---------------------------------------------------------------------------------------------
-def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: int) -> None:
+def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: int, gap_limit: float) -> None:
     problems = []
     if objective not in OBJECTIVES:
         problems.append(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -138,6 +144,8 @@ def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: i
         problems.append(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         problems.append(f"seed must be a non-negative int, got {seed!r}")
+    if not isinstance(gap_limit, (int, float)) or not 0 <= gap_limit < 1:
+        problems.append(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.01 for 1 %")
     if problems:
         raise PlacementError("; ".join(problems))
 
@@ -178,10 +186,6 @@ def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
     return plan_for_context(devices, dtype=dtype)
 
 
-def _covers(key: str, unit: str) -> bool:
-    return key == "" or unit == key or unit.startswith(key + ".")
-
-
 def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:
     """Accelerate-style pins -> storage device name per unit (the longest covering key wins).
 
@@ -195,6 +199,7 @@ def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -
             unit (units are the smallest placeable pieces), or a device the machine lacks.
     """
     names = graph.names()
+    name_set, inside = set(names), keys_below(names)
     problems = []
     devices: dict[str, str] = {}
     for key, value in pins.items():
@@ -205,16 +210,16 @@ def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -
             continue
         if device not in machine:
             problems.append(f"pin {key!r} -> {value!r}: {device} is not in the machine ({', '.join(machine.names)})")
-        elif not any(_covers(key, n) for n in names):
+        elif key not in inside and key not in name_set:
             problems.append(_unknown_pin(key, names))
         devices[key] = device
     if problems:
         raise PlacementError("bad pins:\n  " + "\n  ".join(problems))
     resolved = {}
     for name in names:
-        keys = [k for k in devices if _covers(k, name)]
-        if keys:
-            resolved[name] = devices[max(keys, key=len)]
+        key = covering_key(name, devices)
+        if key is not None:
+            resolved[name] = devices[key]
     return resolved
 
 
@@ -232,11 +237,11 @@ def _unknown_pin(key: str, names: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Baselines
 # ---------------------------------------------------------------------------------------------
-def _baselines(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
+def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost], problem: PlacementProblem,
                model: Any) -> list[_Baseline]:
     from .graph import LayerGraph
 
-    found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, workload, problem)
+    found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, score, problem)
              for s in BASELINE_STRATEGIES]
     if not isinstance(model, LayerGraph):
         try:
@@ -245,26 +250,26 @@ def _baselines(graph: LayerGraph, machine: Machine, workload: Workload, problem:
             found.append(_Baseline("accelerate", None, None, BaselineResult(
                 strategy="accelerate", total_s=float("inf"), fits=False, note=f"not run: {exc}"), None))
         else:
-            found.append(_score_map("accelerate", device_map, graph, machine, workload, problem))
+            found.append(_score_map("accelerate", device_map, graph, machine, score, problem))
     return found
 
 
 def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, machine: Machine,
-               workload: Workload, problem: PlacementProblem) -> _Baseline:
+               score: Callable[[Any], Cost], problem: PlacementProblem) -> _Baseline:
     """Price a storage map as accelerate runs it (cpu/disk units copied synchronously to GPU 0)."""
     named = {k: normalize_device_name(v) for k, v in device_map.items()}
+    owner = {u.name: covering_key(u.name, named) for u in graph.units()}
     missing = sorted({d for d in named.values() if d not in machine})
     if missing:
         short = sum(u.weight_bytes for u in graph.units()
-                    if any(_covers(k, u.name) and named[k] in missing for k in named))
+                    if owner[u.name] is not None and named[owner[u.name]] in missing)
         note = f"offloads {format_bytes(short)} to {', '.join(missing)}, which the machine lacks"
         return _Baseline(strategy, dict(device_map), None, BaselineResult(
             strategy=strategy, total_s=float("inf"), fits=False, short_bytes=short, note=note), None)
-    cost = evaluate(dict(device_map), graph, machine, workload)
+    cost = score(dict(device_map))
     short = sum(v.short_bytes for v in cost.violations)
     note = "; ".join(v.message for v in cost.violations)
-    per_unit = {u.name: named[max((k for k in named if _covers(k, u.name)), key=len)]
-                for u in graph.units() if any(_covers(k, u.name) for k in named)}
+    per_unit = {name: named[key] for name, key in owner.items() if key is not None}
     try:
         hint = choice_from_storage(problem, per_unit)
     except ValueError:
@@ -289,10 +294,12 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
 # Plans
 # ---------------------------------------------------------------------------------------------
 def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
-                objective: str, baselines: Sequence[_Baseline], time_limit_s: float, seed: int,
-                notes: list[str]) -> Plan:
+                objective: str, baselines: Sequence[_Baseline], score: Callable[[Any], Cost],
+                search: tuple[float, int, float], notes: list[str]) -> Plan:
+    time_limit_s, seed, gap_limit = search
     hint, hint_name = _best_hint(problem, objective, baselines)
-    sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=SOLVER_WORKERS, hint=hint)
+    sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=SOLVER_WORKERS, hint=hint,
+                        gap_limit=gap_limit)
     if sol.status == "INFEASIBLE":
         raise InfeasiblePlacementError(shortage_message(problem, graph, workload, machine))
     if not sol.feasible:
@@ -301,7 +308,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
     chosen = problem.options(sol.choice)
     placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
                        for u, o in zip(problem.units, chosen, strict=True))
-    cost = evaluate(_Placements(placements), graph, machine, workload)
+    cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
     notes = [*notes, f"warm start: {hint_name}", *sol.notes]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
