@@ -316,6 +316,20 @@ def test_absent_gpu_is_refused():
         dispatch(model, make_plan(rows))
 
 
+def test_a_plan_using_another_ranks_gpu_is_refused_under_ddp(monkeypatch):
+    # Rank 0 of a 2-process torchrun owns cuda:0 (or the CPU); a plan that computes on cuda:1 would
+    # split the model onto rank 1's GPU: refused before anything moves.
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    model = tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = [(u, "cpu", "cuda:1", "stream") for u in units_of(model)]
+    with pytest.raises(DispatchError, match="cuda:1") as err:
+        dispatch(model, make_plan(rows))
+    assert "rank 0" in str(err.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_dispatching_twice_is_refused(tmp_path):
     model = tiny("llama")
     handle = dispatch(model, plan_from(model, lambda i, u: RESIDENT))

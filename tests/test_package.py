@@ -63,3 +63,12 @@ def test_stage_functions_are_not_shadowed_by_their_modules() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_stage_modules_are_attributes_without_an_import() -> None:
+    code = ("import placement_opt\n"
+            "ctx = placement_opt.runtime.detect_context({})\n"
+            "print(ctx.kind, placement_opt.models.list_models()[0] != '', placement_opt.detect_context is "
+            "placement_opt.runtime.detect_context)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["single", "True", "True"]

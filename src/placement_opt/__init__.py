@@ -37,6 +37,16 @@ _EXPORTS = {
     "Plan": "plan",
     "dispatch": "dispatch",
     "load": "dispatch",
+    "DispatchedModel": "dispatch",
+    "BaselineResult": "plan",
+    "UnitPlacement": "plan",
+    "detect_context": "runtime",
+    "RuntimeContext": "runtime",
+    "should_place_on_device": "runtime",
+    "Decision": "runtime",
+    "resolve_device_map": "runtime",
+    "list_models": "models",
+    "model_config": "models",
     "PlacementError": "errors",
     "InfeasiblePlacementError": "errors",
     "TraceError": "errors",
@@ -44,6 +54,10 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+# Stage modules reachable as attributes (``placement_opt.runtime.detect_context()``) without an import.
+_SUBMODULES = ("baselines", "checkpoint", "cli", "cost", "cpsat", "devices", "graph", "models", "offload",
+               "plan", "problem", "runtime", "viz", "workload")
 
 
 class _Package(types.ModuleType):
@@ -64,6 +78,8 @@ sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'placement_opt' has no attribute {name!r}")

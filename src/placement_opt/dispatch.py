@@ -52,7 +52,7 @@ from .checkpoint import (
     needs_conversion,
     unit_of,
 )
-from .errors import DispatchError
+from .errors import DispatchError, PlacementError
 from .offload import OffloadStore, SafetensorsFile
 from .plan import Plan, UnitPlacement
 
@@ -331,11 +331,13 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
 
     Raises:
         DispatchError: units missing from the model, tied weights stored on different devices,
-            a CUDA device that is not present, disk units without ``offload_dir``, or a model
-            that accelerate has dispatched already.
+            a CUDA device that is not present, disk units without ``offload_dir``, a model
+            that accelerate has dispatched already, or (in a DDP/DeepSpeed/FSDP run) a plan that
+            uses another rank's GPU.
     """
     if disk_reads not in ("mmap", "copy"):
         raise DispatchError(f"disk_reads={disk_reads!r}: accepted are 'mmap' and 'copy'")
+    _check_rank(plan)
     existing = getattr(model, "_placement_opt_dispatch", None)
     if existing is not None and not existing._removed:
         raise DispatchError("this model is already dispatched: call .remove() on its handle first")
@@ -361,6 +363,16 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore)
     model._placement_opt_dispatch = handle
     return handle
+
+
+def _check_rank(plan: Plan) -> None:
+    """In a distributed run, a plan may use this rank's GPU only (the framework owns the others)."""
+    from .runtime import check_no_cross_rank_split, detect_context
+
+    try:
+        check_no_cross_rank_split(plan, detect_context())
+    except PlacementError as exc:
+        raise DispatchError(str(exc)) from exc
 
 
 def _build_units(model: nn.Module, plan: Plan) -> list[_Unit]:

@@ -123,16 +123,23 @@ def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, creat
 # ---------------------------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------------------------
-def _best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Fastest of ``repeats`` timed calls after one warm-up.
+#: Least total time spent in the timed calls of one measurement (more repeats for fast calls).
+_MIN_MEASURE_S = 0.1
+
+
+def _best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None,
+               min_total_s: float = _MIN_MEASURE_S) -> float:
+    """Fastest of at least ``repeats`` timed calls (and at least ``min_total_s`` of them) after one warm-up.
 
     The fastest call is the one least disturbed by other load: the figure estimates what this
-    machine can do, not how busy it was while being measured.
+    machine can do, not how busy it was while being measured. A fixed count of fast calls
+    (a millisecond matmul) spans too short a time to escape a busy moment, so calls repeat until
+    ``min_total_s`` has passed as well (capped at 50 x ``repeats`` calls).
     """
     fn()
     sync()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_total_s and len(times) < 50 * repeats):
         start = time.perf_counter()
         fn()
         sync()
@@ -147,14 +154,14 @@ _CURVE_BUDGET_S = 0.15
 
 
 def _linear_curve(torch: Any, dtype: Any, device: Any, repeats: int,
-                  sync: Callable[[], None] = lambda: None) -> list[list[float]]:
+                  sync: Callable[[], None] = lambda: None, min_total_s: float = _MIN_MEASURE_S) -> list[list[float]]:
     """FLOP/s of ``x @ W.T`` by the number of rows (tokens) of ``x``; stops early on slow dtypes."""
     features_in, features_out = _CURVE_SHAPE
     weight = torch.randn(features_out, features_in, dtype=dtype, device=device)
     curve = []
     for tokens in CURVE_TOKENS:
         x = torch.randn(tokens, features_in, dtype=dtype, device=device)
-        seconds = _best_time(lambda x=x: torch.nn.functional.linear(x, weight), repeats, sync)
+        seconds = _best_time(lambda x=x: torch.nn.functional.linear(x, weight), repeats, sync, min_total_s)
         curve.append([tokens, 2 * tokens * features_in * features_out / seconds])
         if seconds > _CURVE_BUDGET_S:
             break
@@ -166,19 +173,21 @@ def _measure_cpu(quick: bool) -> dict[str, Any]:
     import torch
 
     repeats = 2 if quick else 5
+    least = 0.03 if quick else _MIN_MEASURE_S
     n = 512 if quick else 1024
     rows = 4096 if quick else 8192  # 64 MiB or 256 MiB in fp32: larger than any CPU cache
     matmul, matvec, curves = {}, {}, {}
     for dtype in PROFILED_DTYPES:
         tdtype = getattr(torch, dtype)
-        curves[dtype] = _linear_curve(torch, tdtype, "cpu", repeats)
+        curves[dtype] = _linear_curve(torch, tdtype, "cpu", repeats, min_total_s=least)
         a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
-        matmul[dtype] = 2 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        matmul[dtype] = 2 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats, min_total_s=least)
         w, x = torch.randn(rows, rows, dtype=tdtype), torch.randn(rows, 1, dtype=tdtype)
-        matvec[dtype] = w.numel() * w.element_size() / _best_time(lambda w=w, x=x: torch.mm(w, x), repeats)
+        matvec[dtype] = w.numel() * w.element_size() / _best_time(lambda w=w, x=x: torch.mm(w, x), repeats,
+                                                                  min_total_s=least)
     src = torch.empty(64 * 2**20 if quick else 256 * 2**20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() / _best_time(lambda: dst.copy_(src), repeats)
+    copy = 2 * src.numel() / _best_time(lambda: dst.copy_(src), repeats, min_total_s=least)
     return {"memory_bytes": int(psutil.virtual_memory().total), "threads": torch.get_num_threads(),
             "matmul_flops_per_s": matmul, "matvec_bytes_per_s": matvec, "copy_bytes_per_s": copy,
             "linear_flops_by_tokens": curves}
