@@ -279,8 +279,7 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
         f"- Forwards: prefill-like = batch 1 x {prompt} tokens, decode-like = batch 1 x 1 token (no cache); "
         f"best and median of {repeats}; offloaded files evicted from the page cache before each forward",
         f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}`",
-        f"- Figures taken while other engineers shared the 2 cores and the disk (noisy): 1-minute load "
-        f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
+        f"- 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end ({os.cpu_count()} cores).",
         "",
         "| runner | placement | forward | predicted (s) | measured best (s) | measured median (s) "
         "| predicted / best | within +-25% | profile: GFLOP/s (prefill / 1 token), disk GB/s |",
@@ -308,8 +307,8 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
               "- A matmul over many tokens reads a cold memory-mapped weight in panels, not front to back, so "
               "the page faults come in a worse order than a 1-token matrix-vector product's: the prefill of "
               "disk units in the `placement_opt` runner is where the model is most optimistic.",
-              "- The 2 cores and the disk were shared with other running jobs; the load average above says "
-              "how busy they were. Every placement is predicted from one profile taken before the first run."]
+              "- The machine is a shared 2-core VM; the load average above says "
+              "how busy it was. Every placement is predicted from one profile taken before the first run."]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(out.read_text())
 
