@@ -1,0 +1,77 @@
+"""The exact reductions around the CP-SAT model: every reduced assignment costs what it expands to."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt._reductions import (
+    canonical_hint,
+    coarsen,
+    coarsen_groups,
+    prefer_resident,
+    symmetric_segments,
+)
+from placement_opt.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+
+DEVICES = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
+XFER = {("cuda:0", "cpu"): 7, ("cpu", "cuda:0"): 7}
+
+
+def _unit(name: str, size: int) -> UnitSpec:
+    # GPU resident, CPU resident (10x slower), CPU -> GPU stream (copy of `size` ns, peak = size)
+    return UnitSpec(name=name, options=(
+        PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=size, decode_ns=10 * size,
+                        stored_bytes=size, resident_bytes=1, peak_bytes=0),
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=10 * size, decode_ns=100 * size,
+                        stored_bytes=size, resident_bytes=1, peak_bytes=0),
+        PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=2 * size, decode_ns=20 * size,
+                        stored_bytes=size, resident_bytes=1, peak_bytes=size)))
+
+
+def _chain(sizes: list[int]) -> PlacementProblem:
+    units = tuple(_unit(f"u{i}", s) for i, s in enumerate(sizes))
+    edges = tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns=XFER, decode_ns=XFER) for a, b in itertools.pairwise(units))
+    return PlacementProblem(units=units, edges=edges, devices=DEVICES)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3]), min_size=2, max_size=24), st.data())
+def test_coarse_assignments_cost_what_they_expand_to(sizes, data):
+    problem = _chain(sizes)
+    hint = data.draw(st.lists(st.integers(0, 2), min_size=len(sizes), max_size=len(sizes)))
+    target = data.draw(st.integers(1, len(sizes)))
+    groups = coarsen_groups(problem, hint, target)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    assert all(len({hint[i] for i in g}) == 1 for g in groups)  # the hint stays representable
+    coarse = coarsen(problem, groups)
+    choice = data.draw(st.lists(st.integers(0, 2), min_size=len(groups), max_size=len(groups)))
+    expanded = [c for g, c in zip(groups, choice, strict=True) for _ in g]
+    fine, small = problem.score(expanded), coarse.score(choice)
+    assert (small.prefill_ns, small.decode_ns, small.used_bytes) == (fine.prefill_ns, fine.decode_ns, fine.used_bytes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(4, 12), st.lists(st.integers(0, 2), min_size=12, max_size=12))
+def test_regrouping_identical_units_keeps_the_cost(n, picks):
+    problem = _chain([2] * n)
+    hint = picks[:n]
+    segments = symmetric_segments(problem)
+    assert segments == [list(range(1, n - 1))]  # the interior of one run of identical units
+    regrouped = canonical_hint(problem, hint, segments)
+    assert sorted(regrouped[1:-1]) == sorted(hint[1:-1])
+    assert problem.score(regrouped).used_bytes == problem.score(hint).used_bytes
+    assert problem.score(regrouped).latency_ns <= problem.score(hint).latency_ns
+
+
+def test_streamed_units_become_resident_only_while_they_fit():
+    # GPU of 40 bytes; four 9-byte units streamed (9 x 4 = 36 stored on cpu, 4 resident + peak 9
+    # on the GPU). Residency is no slower here only if its prices are not above streaming's:
+    # _unit prices residency at half of streaming, so each move helps, and moves stop at capacity.
+    problem = _chain([9, 9, 9, 9])
+    moved = prefer_resident(problem, [2, 2, 2, 2])
+    score = problem.score(moved)
+    assert score.feasible and moved.count(0) == 3 and moved.count(2) == 1
+    assert score.latency_ns <= problem.score([2, 2, 2, 2]).latency_ns
