@@ -102,6 +102,15 @@ def test_infeasible_says_what_is_short_and_why():
     assert "the KV cache for batch 64 x 4608 tokens alone is" in text
 
 
+def test_infeasible_names_the_weights_when_they_are_the_bigger_part():
+    # 8 x 200 MiB layers + 2 x 100 MiB = 1800 MiB of weights; KV at batch 1 x 80 tokens is 8 x 80 KiB.
+    graph, m = llama_like(), machine(500, cpu_gib=1, disk=False)
+    with pytest.raises(InfeasiblePlacementError) as err:
+        solve(graph, m, workload=Workload(batch_size=1, prompt_len=64, new_tokens=16), time_limit_s=1)
+    text = str(err.value)
+    assert "the weights alone are 1.76 GiB (the KV cache for batch 1 x 80 tokens 640.00 KiB)" in text
+
+
 def test_baseline_strategies_return_accelerate_semantics():
     graph, m = llama_like(), machine(900, 900)
     plan = solve(graph, m, strategy="sequential")

@@ -362,8 +362,11 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
     have_all = sum(d.capacity_bytes for d in problem.devices)
     need_compute, have_compute = sum(resident) + peak, sum(d.capacity_bytes for d in compute)
     kv = sum(u.kv_bytes_per_token for u in graph.units()) * workload.batch_size * workload.context_len
-    why = (f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is "
-           f"{format_bytes(kv)}" if kv else f"the weights alone are {format_bytes(sum(least) - sum(resident))}")
+    weights = sum(least) - sum(resident)
+    kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
+    weights_why = f"the weights alone are {format_bytes(weights)}"
+    kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
+    why = kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
     if need_all > have_all:
         lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)}; "
                      f"{why}; add a disk device or more memory, or reduce the batch or context")
