@@ -125,3 +125,12 @@ def test_acceptance_compare_llama_2_70b_runs_in_seconds():
     for strategy in STRATEGIES:
         assert strategy in result.output
     assert took < 30.0, f"compare took {took:.1f} s"
+
+
+def test_dtype_defaults_to_the_models_own_and_can_be_overridden():
+    # Llama-3-8B's published config says bfloat16: 8.03 B parameters, 2 bytes each by default.
+    own = run("plan", "llama-3-8b", "--devices", "cuda:0=a100-80gb,cpu=64GiB")
+    forced = run("plan", "llama-3-8b", "--devices", "cuda:0=a100-80gb,cpu=64GiB", "--dtype", "float32")
+    assert own.exit_code == 0 and forced.exit_code == 0, own.output + forced.output
+    assert "llama-3-8b (bfloat16, 36 units)" in own.output
+    assert "llama-3-8b (float32, 36 units)" in forced.output

@@ -195,7 +195,7 @@ def _workload(batch: int, prompt: int, new_tokens: int) -> Workload:
 # -- solving ----------------------------------------------------------------------------------
 
 
-def _trace(model: Any, workload: Workload, dtype: str) -> Any:
+def _trace(model: Any, workload: Workload, dtype: str | None) -> Any:
     from .trace import trace
 
     return trace(model, dtype=dtype)
@@ -537,7 +537,8 @@ def _solve_options(func: Any) -> Any:
         click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
         click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
         click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
-        click.option("--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True),
+        click.option("--dtype", type=click.Choice(_DTYPES), default=None,
+                     help="weight dtype (default: the model's own, from its config)"),
         click.option("--time-limit", type=float, default=None, metavar="S",
                      help="CP-SAT time limit in seconds (default: the solver's)"),
     ]
@@ -547,13 +548,15 @@ def _solve_options(func: Any) -> Any:
 
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
-             dtype: str) -> tuple[Any, Machine, Workload, Any]:
+             dtype: str | None) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words."""
     workload = _workload(batch, prompt, new_tokens)
-    machine = resolve_devices(devices, dtype=dtype)
+    machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with _progress(f"Tracing {model} on the meta device ..."):
         graph = _trace(resolved, workload, dtype)
+    if dtype is None:  # the model's own dtype: devices' FLOP/s are looked up for it
+        machine = resolve_devices(devices, dtype=graph.meta.dtype)
     return graph, machine, workload, resolved
 
 
@@ -567,7 +570,7 @@ def _check_plot_suffix(path: str | None) -> None:
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="cpsat", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the plan as JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
-def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str,
+def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str | None,
          time_limit: float | None, strategy: str, json_path: str | None, plot: str | None) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     _check_plot_suffix(plot)
@@ -606,7 +609,8 @@ def _write_outputs(console: Console, result: Plan, json_path: str | None, plot: 
               help="write every strategy's result as JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
-def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str,
+def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int,
+            dtype: str | None,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
     _check_plot_suffix(plot)
@@ -617,7 +621,7 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
                                           time_limit_s=time_limit, source=resolved)
     w = workload
-    console.print(f"[bold]{model}[/] ({dtype}) on {', '.join(machine.names)}; batch {w.batch_size} x prompt "
+    console.print(f"[bold]{model}[/] ({graph.meta.dtype}) on {', '.join(machine.names)}; batch {w.batch_size} x prompt "
                   f"{w.prompt_len} + {w.new_tokens} new tokens; objective {objective}")
     console.print(_comparison_table(outcomes, machine.names, objective))
     for line in _why_lines(outcomes):
