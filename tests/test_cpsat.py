@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from placement_opt import cpsat
 from placement_opt.cpsat import (
     COARSEN_ABOVE,
     OBJECTIVES,
@@ -277,3 +278,21 @@ def test_cpsat_never_worse_than_a_valid_hint_and_infeasible_only_when_nothing_fi
 
 def test_coarsen_threshold_is_documented():
     assert COARSEN_ABOVE > 130  # block-level graphs of 80-130 units are solved uncoarsened
+
+
+def test_the_same_problem_gives_the_same_plan_every_run(monkeypatch):
+    # 60 units of unequal sizes on two GPUs (too small for all) and a CPU, with transfers: a search
+    # that runs into its budget. One worker and a deterministic-time budget make it repeatable
+    # (two workers gave two different plans in three runs). The budget is cut to a third here so
+    # that it, not the wall clock, ends the search even on a slow or busy machine.
+    monkeypatch.setattr(cpsat, "DETERMINISTIC_TIME_PER_S", 0.1)
+    sizes = [3 + (7 * i) % 11 for i in range(60)]
+    units = [UnitSpec(name=f"u{i}", options=(opt("cuda:0", pre=s, dec=10 * s, stored=s, peak=s % 3),
+                                             opt("cuda:1", pre=s + 1, dec=10 * s + 5, stored=s, peak=s % 3),
+                                             opt("cpu", pre=9 * s, dec=90 * s, stored=s),
+                                             opt("cpu", "cuda:0", pre=3 * s, dec=30 * s, stored=s, peak=s)))
+             for i, s in enumerate(sizes)]
+    problem = chain(units, [dev("cuda:0", 150), dev("cuda:1", 120), dev("cpu", 10_000)], xfer=40)
+    first, second = (solve_problem(problem, time_limit_s=2, seed=3) for _ in range(2))
+    assert first.feasible and first.choice == second.choice
+    assert first.objective_value == second.objective_value

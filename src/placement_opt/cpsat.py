@@ -59,6 +59,7 @@ __all__ = [
     "OBJECTIVES",
     "TIME_RESOLUTION",
     "GAP_LIMIT",
+    "DETERMINISTIC_TIME_PER_S",
     "COARSEN_ABOVE",
     "GREEDY_RESERVES",
 ]
@@ -69,6 +70,10 @@ OBJECTIVES = ("latency", "throughput", "memory")
 TIME_RESOLUTION = 200_000
 #: Default proven gap at which the search stops: the cost model itself is only accurate to some %.
 GAP_LIMIT = 0.001
+#: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
+#: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
+#: with one worker), and a search stopped by it returns the same plan on every run.
+DETERMINISTIC_TIME_PER_S = 0.3
 #: Problems with more units than this are coarsened into at most about this many super-units.
 COARSEN_ABOVE = 160
 _PHASES = ("prefill_ns", "decode_ns")
@@ -502,14 +507,10 @@ class _Model:
             self.model.add_hint(var, value)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap_limit
-        if len(self.counts) > len(self.p.units) // 2:
-            # Mostly distinct units (random or module-level graphs): no count variables tighten the
-            # LP, and the full linearization (max_lp) proves gaps that default_lp does not reach in
-            # a second. Repeated layers do better with default_lp (measured: benchmarks/solve_time).
-            solver.parameters.subsolvers.append("max_lp")
         solver.parameters.cp_model_probing_level = 0  # probing and repeated presolve passes can eat
         solver.parameters.max_presolve_iterations = 1  # most of a 1 s budget before the hint is loaded
         return solver, solver.solve(self.model)
@@ -539,7 +540,7 @@ def _bound(solver: cp_model.CpSolver, scale: int, slack_units: int) -> int:
 
 
 def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time_limit_s: float = 1.0,
-                  seed: int = 0, workers: int = 2, hint: Sequence[int] | None = None,
+                  seed: int = 0, workers: int = 1, hint: Sequence[int] | None = None,
                   memory_slack: float = 0.05, gap_limit: float = GAP_LIMIT) -> Solution:
     """Find the best assignment of ``problem`` for ``objective`` with OR-Tools CP-SAT.
 
@@ -555,10 +556,11 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
             bytes whose latency stays within ``memory_slack`` of the best latency: two solves, each
             with half of ``time_limit_s``).
         time_limit_s: wall-clock limit of the whole call.
-        seed: CP-SAT's random seed; with a fixed ``workers`` the search is reproducible.
+        seed: CP-SAT's random seed. With one worker and the deterministic-time budget the search is
+            reproducible (the same plan on every run) unless the wall-clock limit stops it first.
         workers: CP-SAT search workers.
         hint: an option index per unit (the best feasible baseline); default :func:`best_greedy_choice`.
-            A valid hint is never beaten by the returned solution.
+            The returned solution is never worse than a valid hint.
         memory_slack: allowed relative latency increase for ``"memory"``.
         gap_limit: stop as soon as the returned objective is proven within this fraction of the
             optimum (rounding of the integer time model included); ``0`` searches until the limit.

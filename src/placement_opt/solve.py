@@ -47,7 +47,9 @@ __all__ = ["solve", "STRATEGIES", "OBJECTIVES", "resolve_pins"]
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
 _NS_PER_S = 1e9
 #: CP-SAT search workers (fixed, so that a seed reproduces a plan).
-SOLVER_WORKERS = 2
+#: CP-SAT search workers: one, so that a search stopped by its deterministic-time budget is
+#: reproducible; on 2 cores two workers gave no better gaps (benchmarks/solve_time) and were not.
+SOLVER_WORKERS = 1
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         pins: accelerate vocabulary, ``{"lm_head": "cuda:1", "model.embed_tokens": "cpu",
             "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed.
         time_limit_s: CP-SAT's wall-clock limit.
-        seed: CP-SAT's random seed (2 workers, so results are reproducible).
+        seed: CP-SAT's random seed. One worker and a deterministic-time budget (see
+            ``cpsat.DETERMINISTIC_TIME_PER_S``) make the plan the same on every run.
         contiguous: each device stores one contiguous range of units (pipeline stages).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
             (default 0.1 %: the cost model is not more accurate than that); ``0`` uses the whole limit.
