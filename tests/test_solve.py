@@ -85,6 +85,10 @@ def test_bad_arguments_list_the_accepted_values():
         solve(graph, m, strategy="auto")
     with pytest.raises(PlacementError, match="time_limit_s"):
         solve(graph, m, time_limit_s=0)
+    with pytest.raises(PlacementError, match="workers must be a positive int"):
+        solve(graph, m, workers=0)
+    with pytest.raises(PlacementError, match="gap_limit must be a fraction"):
+        solve(graph, m, gap_limit=2)
     with pytest.raises(ValueError, match="not a LayerGraph"):
         solve(graph, m, strategy="accelerate")
     with pytest.raises(PlacementError, match="workload must be a placement_opt.Workload"):

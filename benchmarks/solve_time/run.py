@@ -2,7 +2,7 @@
 
 Block-level graphs of 80-130 units (traced Llama-2/3 70B and Llama 3.1 405B, plus seeded random
 chains and DAGs with unequal units) on machines of 2 to 6 devices, and 2000-unit chains, each solved
-by ``placement_opt.solve`` (baselines scored, best one as the hint, 1 worker, seed 0). Reported: the
+by ``placement_opt.solve`` (baselines scored, best one as the hint, 2 workers, seed 0). Reported: the
 CP-SAT wall time (model building included, tracing and baselines not), the proven gap and the status;
 medians per size class.
 
@@ -127,7 +127,7 @@ def main() -> None:
     text = "\n".join([
         "# Solve time and gap of the CP-SAT placement model", "",
         f"Machine: {platform.processor() or platform.machine()}, {platform.system()}, Python {sys.version.split()[0]}; "
-        f"1 CP-SAT worker, seed 0; 1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+        f"2 CP-SAT workers, seed 0; 1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
         "cores at the end of the run.",
         f"Command: `python benchmarks/solve_time/run.py{' --quick' if args.quick else ''}`  ",
         f"Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Workload: batch 1, prompt 512, 128 new tokens; "

@@ -72,7 +72,7 @@ TIME_RESOLUTION = 200_000
 GAP_LIMIT = 0.001
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
-#: with one worker), and a search stopped by it returns the same plan on every run.
+#: with one worker), and a one-worker search stopped by it returns the same plan on every run.
 DETERMINISTIC_TIME_PER_S = 0.3
 #: Problems with more units than this are coarsened into at most about this many super-units.
 COARSEN_ABOVE = 160
@@ -511,6 +511,13 @@ class _Model:
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap_limit
+        if len(self.counts) > len(self.p.units) // 2:
+            # Mostly distinct units (random or module-level graphs): no count variables tighten the
+            # LP, and the full linearization (max_lp) proves gaps that default_lp does not reach in
+            # a second; repeated layers do better with default_lp. It takes the full-problem slot
+            # (the only one with 1 or 2 workers; LNS shares the second worker). Measured with one
+            # worker on benchmarks/solve_time: 23/26 runs <= 1 % gap against 21/26 without it.
+            solver.parameters.subsolvers.append("max_lp")
         solver.parameters.cp_model_probing_level = 0  # probing and repeated presolve passes can eat
         solver.parameters.max_presolve_iterations = 1  # most of a 1 s budget before the hint is loaded
         return solver, solver.solve(self.model)
@@ -540,7 +547,7 @@ def _bound(solver: cp_model.CpSolver, scale: int, slack_units: int) -> int:
 
 
 def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time_limit_s: float = 1.0,
-                  seed: int = 0, workers: int = 1, hint: Sequence[int] | None = None,
+                  seed: int = 0, workers: int = 2, hint: Sequence[int] | None = None,
                   memory_slack: float = 0.05, gap_limit: float = GAP_LIMIT) -> Solution:
     """Find the best assignment of ``problem`` for ``objective`` with OR-Tools CP-SAT.
 
@@ -556,9 +563,9 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
             bytes whose latency stays within ``memory_slack`` of the best latency: two solves, each
             with half of ``time_limit_s``).
         time_limit_s: wall-clock limit of the whole call.
-        seed: CP-SAT's random seed. With one worker and the deterministic-time budget the search is
-            reproducible (the same plan on every run) unless the wall-clock limit stops it first.
-        workers: CP-SAT search workers.
+        seed: CP-SAT's random seed.
+        workers: CP-SAT search workers; with ``1`` the search ends on its deterministic-time budget
+            and is reproducible (the same plan every run) unless the wall-clock limit comes first.
         hint: an option index per unit (the best feasible baseline); default :func:`best_greedy_choice`.
             The returned solution is never worse than a valid hint.
         memory_slack: allowed relative latency increase for ``"memory"``.
