@@ -507,7 +507,8 @@ class _Model:
             self.model.add_hint(var, value)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
+        if workers == 1:  # reproducible: the deterministic budget, not the clock, ends the search
+            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap_limit
