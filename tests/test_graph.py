@@ -97,3 +97,17 @@ def test_meta_extra_survives_json() -> None:
     again = LayerGraph.from_json(json.dumps(json.loads(graph.to_json())))
     assert again.meta == graph.meta
     assert again.meta.extra["num_layers"] == 3
+
+
+def test_covering_key_is_the_longest_prefix_and_keys_below_lists_the_finer_ones():
+    from placement_opt.graph import covering_key, keys_below
+
+    keys = {"": "cpu", "model.layers": 0, "model.layers.1": 1, "model.layers.1.mlp": "disk"}
+    assert covering_key("model.layers.1.mlp.up", keys) == "model.layers.1.mlp"
+    assert covering_key("model.layers.10", keys) == "model.layers"  # a prefix of the name, not of the string
+    assert covering_key("lm_head", keys) == ""
+    assert covering_key("lm_head", {"model": 0}) is None
+    below = keys_below(keys)
+    assert below["model.layers"] == ["model.layers.1", "model.layers.1.mlp"]
+    assert below["model.layers.1"] == ["model.layers.1.mlp"]
+    assert "model.layers.1.mlp" not in below
