@@ -131,7 +131,7 @@ def strategies(quick: bool) -> str:
 
 
 def _where_computed(plan) -> str:
-    from placement_opt.cli import _where_computed as where
+    from placement_opt._tables import where_computed as where
 
     return where(plan)
 

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt.cli import _runs, _where_computed, cli, resolve_devices, resolve_model
+from placement_opt._tables import unit_runs, where_computed
+from placement_opt.cli import cli, resolve_devices, resolve_model
 from placement_opt.plan import Plan, UnitPlacement
 from test_viz import make_plan
 
@@ -207,13 +208,13 @@ def test_runs_cover_every_unit_once_in_order_and_are_maximal(choices):
     placements = tuple(UnitPlacement(unit=f"u{i}", storage=s, execution=e, mode=m)
                        for i, (s, e, m) in enumerate(choices))
     plan = replace(make_plan(), placements=placements)
-    runs = _runs(plan)
+    runs = unit_runs(plan)
     assert [n for names, *_ in runs for n in names] == [p.unit for p in placements]
     for names, storage, execution, mode in runs:
         assert all(plan.placement(n).storage == storage and plan.placement(n).execution == execution
                    and plan.placement(n).mode == mode for n in names)
     assert all(a[1:] != b[1:] for a, b in zip(runs, runs[1:], strict=False))  # maximal runs
-    gpu, cpu, streamed = map(int, _where_computed(plan).split("/"))
+    gpu, cpu, streamed = map(int, where_computed(plan).split("/"))
     assert gpu + cpu + streamed == len(placements)
     assert streamed == sum(1 for s, e, _ in choices if e == "cuda:0" and s != e)
 
