@@ -46,6 +46,8 @@ def test_profile_measures_cpu_and_disk_and_saves_json(measured) -> None:
     assert [t for t, _ in cpu["linear_flops_by_tokens"]["float32"]] == [1, 16, 64]
     assert [t for t, _ in machine["cpu"].flops_by_tokens] == [1, 16, 64]
     assert data["measurements"]["disk"]["page_cache"].startswith("dropped")
+    # offloaded weights are read through memory maps: the disk carries that rate
+    assert machine["disk"].bandwidth_bytes_per_s == data["measurements"]["disk"]["mapped_read_bytes_per_s"]
     # the scratch file is gone
     assert [p.name for p in path.parent.iterdir() if p.name.startswith("placement_opt_profile_")] == []
     # the CLI reads the 'machine' entry

@@ -273,7 +273,7 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
         f"torch {torch.__version__} with {torch.get_num_threads()} threads, Python {sys.version.split()[0]}",
         f"- Profile: `placement_opt.profile(['cpu', 'disk'], quick={args.quick}, dtype='float32')` once before the first "
         "run; the last columns show its fp32 linear-layer GFLOP/s at the prefill's token count and at 1 "
-        "token, and its cold sequential disk read",
+        "token, and its cold memory-mapped disk read rate",
         f"- Model: random-init Llama, fp32, {layers} layers, hidden 2048, {size / 2**30:.2f} GiB of parameters; "
         f"graph from {graph_source}",
         f"- Forwards: prefill-like = batch 1 x {prompt} tokens, decode-like = batch 1 x 1 token (no cache); "
@@ -302,8 +302,8 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
     lines += ["", "How to read it:", "",
               "- `placement_opt` runs disk units from memory-mapped safetensors files (zero copy) and the CPU "
               "faults the pages in while it computes; `accelerate` copies each disk weight out of an "
-              "`np.memmap` before the unit runs. The cost model prices the first at the disk's sequential "
-              "read rate without overlap on the CPU, the second at `MAPPED_READ_FACTOR` x that rate.",
+              "`np.memmap` before the unit runs. The cost model prices both at the profile's memory-map read "
+              "rate (a cold file mapped and copied into a tensor), without overlap on the CPU.",
               "- A matmul over many tokens reads a cold memory-mapped weight in panels, not front to back, so "
               "the page faults come in a worse order than a 1-token matrix-vector product's: the prefill of "
               "disk units in the `placement_opt` runner is where the model is most optimistic.",

@@ -27,7 +27,8 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for
   ``stream`` to a GPU (its copy engines work while it computes), ``compute + copy`` for
   ``stream_sync`` (one latency per tensor, pageable copies; disk reads through a memory map at
-  :data:`MAPPED_READ_FACTOR` of the disk's sequential rate) and for any stream executed on the
+  :data:`MAPPED_READ_FACTOR` of a datasheet disk's sequential rate, at the measured memory-map
+  rate of a profiled disk) and for any stream executed on the
   CPU: the same cores fault the weights in and compute, and measured runs on a CPU show no
   overlap (benchmarks/cost_accuracy).
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
@@ -342,8 +343,11 @@ def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: st
     bandwidth = ctx.machine.bandwidth(storage, execution)
     latency = ctx.machine.latency_s(storage, execution)
     if mode == "stream_sync":
-        kind = ctx.machine[storage].kind
-        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": MAPPED_READ_FACTOR}.get(kind, 1.0)
+        device = ctx.machine[storage]
+        # A measured disk's figure is already its memory-map read rate (profile.py); a datasheet
+        # one is a sequential rate, which accelerate's per-tensor memmap copies do not reach.
+        mapped = 1.0 if device.source.startswith("measured") else MAPPED_READ_FACTOR
+        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": mapped}.get(device.kind, 1.0)
         latency *= max(1, n_tensors)
     return nbytes / bandwidth + latency
 

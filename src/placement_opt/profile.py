@@ -107,7 +107,10 @@ def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, creat
     source = f"measured {created[:10]}"
     memory = int(entry["memory_bytes"])
     if name == "disk":
-        return Device(name, memory, bandwidth=entry["sequential_read_bytes_per_s"], source=source)
+        # Offloaded weights are read through memory maps (placement_opt computes from them,
+        # accelerate copies out of them): the rate of that path, not of read() calls, is the figure.
+        rate = entry.get("mapped_read_bytes_per_s") or entry["sequential_read_bytes_per_s"]
+        return Device(name, memory, bandwidth=rate, source=source)
     flops = entry["matmul_flops_per_s"].get(dtype) or entry["matmul_flops_per_s"]["float32"]
     curves = entry.get("linear_flops_by_tokens", {})
     curve = [tuple(p) for p in curves.get(dtype) or curves.get("float32") or ()]
