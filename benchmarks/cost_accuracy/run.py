@@ -302,8 +302,9 @@ def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, la
     lines += ["", "How to read it:", "",
               "- `placement_opt` runs disk units from memory-mapped safetensors files (zero copy) and the CPU "
               "faults the pages in while it computes; `accelerate` copies each disk weight out of an "
-              "`np.memmap` before the unit runs. The cost model prices both at the profile's memory-map read "
-              "rate (a cold file mapped and copied into a tensor), without overlap on the CPU.",
+              "`np.memmap` before the unit runs. The cost model prices the first at the profile's memory-map "
+              "read rate (a cold file mapped and copied into a tensor), the second at `MAPPED_READ_FACTOR` "
+              "x that rate, both without overlap on the CPU.",
               "- A matmul over many tokens reads a cold memory-mapped weight in panels, not front to back, so "
               "the page faults come in a worse order than a 1-token matrix-vector product's: the prefill of "
               "disk units in the `placement_opt` runner is where the model is most optimistic.",

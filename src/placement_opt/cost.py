@@ -27,8 +27,8 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for
   ``stream`` to a GPU (its copy engines work while it computes), ``compute + copy`` for
   ``stream_sync`` (one latency per tensor, pageable copies; disk reads through a memory map at
-  :data:`MAPPED_READ_FACTOR` of a datasheet disk's sequential rate, at the measured memory-map
-  rate of a profiled disk) and for any stream executed on the
+  :data:`MAPPED_READ_FACTOR` of the disk's rate: a profiled disk's memory-map read rate, a
+  datasheet disk's sequential rate) and for any stream executed on the
   CPU: the same cores fault the weights in and compute, and measured runs on a CPU show no
   overlap (benchmarks/cost_accuracy).
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
@@ -91,8 +91,10 @@ BANDWIDTH_EFFICIENCY = {"gpu": 0.8, "cpu": 0.6, "disk": 0.9}
 UNIT_OVERHEAD_S = {"gpu": 60e-6, "cpu": 150e-6, "disk": 0.0}
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
-#: accelerate reads disk weights through ``np.memmap`` page faults and copies them into a tensor:
-#: this fraction of the disk's sequential read rate (0.5-0.7 measured by ``profile`` on a VM disk).
+#: accelerate reads each disk tensor through its own ``np.memmap`` and copies it out: this fraction
+#: of the disk's read rate (a profiled disk's whole-file memory-map rate, a datasheet disk's
+#: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
+#: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
 #: Prefill activation workspace of a unit, in multiples of its output for all prefill tokens
 #: (q/k/v, MLP intermediates and their upcasts live at the same time).
@@ -343,11 +345,8 @@ def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: st
     bandwidth = ctx.machine.bandwidth(storage, execution)
     latency = ctx.machine.latency_s(storage, execution)
     if mode == "stream_sync":
-        device = ctx.machine[storage]
-        # A measured disk's figure is already its memory-map read rate (profile.py); a datasheet
-        # one is a sequential rate, which accelerate's per-tensor memmap copies do not reach.
-        mapped = 1.0 if device.source.startswith("measured") else MAPPED_READ_FACTOR
-        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": mapped}.get(device.kind, 1.0)
+        kind = ctx.machine[storage].kind
+        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": MAPPED_READ_FACTOR}.get(kind, 1.0)
         latency *= max(1, n_tensors)
     return nbytes / bandwidth + latency
 
