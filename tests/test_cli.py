@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt._tables import unit_runs, where_computed
+from placement_opt._tables import where_computed
 from placement_opt.cli import cli, resolve_devices, resolve_model
 from placement_opt.plan import Plan, UnitPlacement
 from test_viz import make_plan
@@ -208,7 +208,7 @@ def test_runs_cover_every_unit_once_in_order_and_are_maximal(choices):
     placements = tuple(UnitPlacement(unit=f"u{i}", storage=s, execution=e, mode=m)
                        for i, (s, e, m) in enumerate(choices))
     plan = replace(make_plan(), placements=placements)
-    runs = unit_runs(plan)
+    runs = plan.runs()
     assert [n for names, *_ in runs for n in names] == [p.unit for p in placements]
     for names, storage, execution, mode in runs:
         assert all(plan.placement(n).storage == storage and plan.placement(n).execution == execution

@@ -15,20 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
     from .viz import StrategyOutcome
 
-__all__ = ["unit_runs", "plan_renderables", "memory_table", "objective_value", "comparison_table",
+__all__ = ["plan_renderables", "memory_table", "objective_value", "comparison_table",
            "where_computed", "why_lines"]
-
-
-def unit_runs(plan: Plan) -> list[tuple[list[str], str, str, str]]:
-    """Consecutive units that share storage, execution and mode, as ``(units, storage, exec, mode)``."""
-    runs: list[tuple[list[str], str, str, str]] = []
-    for p in plan.placements:
-        key = (p.storage, p.execution, p.mode)
-        if runs and runs[-1][1:] == key:
-            runs[-1][0].append(p.unit)
-        else:
-            runs.append(([p.unit], *key))
-    return runs
 
 
 def _device_style(name: str) -> str:
@@ -59,7 +47,7 @@ def plan_renderables(plan: Plan, *, notes: bool = True) -> list[Any]:
     units = Table(title="Where each run of units lives and computes", title_justify="left")
     for col in ("units", "n", "stored on", "executes on", "mode", "weights", "prefill", "decode"):
         units.add_column(col, justify="right" if col in ("n", "weights", "prefill", "decode") else "left")
-    for names, storage, execution, mode in unit_runs(plan):
+    for names, storage, execution, mode in plan.runs():
         costs = [by_unit[n] for n in names if n in by_unit]
         label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
         units.add_row(label, str(len(names)), f"[{_device_style(storage)}]{storage}[/]",
