@@ -87,11 +87,11 @@ def strategies(quick: bool) -> str:
     """Every strategy on a few model x machine x workload cases: the table ``compare`` prints."""
     sys.path.insert(0, str(ROOT / "src"))
     import placement_opt as po
-    from placement_opt import models
-    from placement_opt.cli import compare_strategies
-    from placement_opt.devices import parse_device_spec
-    from placement_opt.viz import save_report
-    from placement_opt.workload import Workload
+    from placement_opt.cli.pictures import save_report
+    from placement_opt.compare import compare_strategies
+    from placement_opt.cost.workload import Workload
+    from placement_opt.hardware.resolve import parse_device_spec
+    from placement_opt.model import catalog as models
 
     cases = STRATEGY_CASES[:2] if quick else STRATEGY_CASES
     known = set(models.list_models())
@@ -131,7 +131,7 @@ def strategies(quick: bool) -> str:
 
 
 def _where_computed(plan) -> str:
-    from placement_opt._tables import where_computed as where
+    from placement_opt.cli.tables import where_computed as where
 
     return where(plan)
 

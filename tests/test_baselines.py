@@ -12,16 +12,22 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from placement_opt.baselines import (  # noqa: E402
+from placement_opt.cost.device_map import accelerate_device_map  # noqa: E402
+from placement_opt.model.graph import GraphMeta, LayerGraph, chain_graph  # noqa: E402
+from placement_opt.solver.greedy import (  # noqa: E402
     STRATEGIES,
     accelerate_budgets,
-    accelerate_device_map,
     baseline_storage,
     choice_from_storage,
     fill_device_map,
 )
-from placement_opt.graph import GraphMeta, LayerGraph, chain_graph  # noqa: E402
-from placement_opt.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec  # noqa: E402
+from placement_opt.solver.problem import (  # noqa: E402
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
 
 
 def _tiny(kind: str, tie: bool):
@@ -133,7 +139,7 @@ def test_sequential_keeps_room_for_the_largest_layer_on_gpu0():
 
 
 def test_baseline_storage_names_devices_and_rejects_unknown_strategy():
-    from placement_opt.devices import Device, Machine
+    from placement_opt.hardware.devices import Device, Machine
 
     graph = chain_graph([{"name": f"l.{i}", "param_bytes": 2**30} for i in range(3)])
     machine = Machine([Device("cpu", 8 * 2**30, reserve=0)])

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt._tables import where_computed
-from placement_opt.cli import cli, resolve_devices, resolve_model
+from placement_opt.cli.main import cli, resolve_devices, resolve_model
+from placement_opt.cli.tables import where_computed
 from placement_opt.plan import Plan, UnitPlacement
 from test_viz import make_plan
 
@@ -30,7 +30,7 @@ def run(*args: str):
 
 def test_help_is_fast_and_imports_nothing_heavy():
     # A fresh interpreter: --help must not import torch, transformers, ortools or matplotlib.
-    code = ("import sys; from placement_opt.cli import main\n"
+    code = ("import sys; from placement_opt.cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'transformers', 'ortools', 'matplotlib') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
@@ -224,7 +224,7 @@ def test_progress_spinner_shows_on_a_terminal_only(monkeypatch):
 
     from rich.console import Console
 
-    import placement_opt.cli as cli_module
+    import placement_opt.cli.main as cli_module
 
     buffer = io.StringIO()
     monkeypatch.setattr(cli_module, "_console",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from placement_opt.cli import cli
+from placement_opt.cli.main import cli
 
 RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
 

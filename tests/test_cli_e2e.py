@@ -14,11 +14,12 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from placement_opt.cli import STRATEGIES, cli
+from placement_opt.cli.main import cli
+from placement_opt.compare import STRATEGIES
 from placement_opt.plan import Plan
 
-pytest.importorskip("placement_opt.solve")
-pytest.importorskip("placement_opt.trace")
+pytest.importorskip("placement_opt.planner")
+pytest.importorskip("placement_opt.model.tracer")
 
 MACHINE = "cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from placement_opt.cost import (
+from placement_opt.cost.build import build_problem
+from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.memory import WORKSPACE_FACTOR
+from placement_opt.cost.pricing import (
     MAPPED_READ_FACTOR,
     NS_PER_S,
     UNIT_OVERHEAD_S,
-    WORKSPACE_FACTOR,
     _sum_max_lines,
-    build_problem,
-    evaluate,
     expected_experts,
 )
-from placement_opt.cost import (
-    _ns as ns,
-)
-from placement_opt.devices import Device, Machine
-from placement_opt.graph import chain_graph
-from placement_opt.workload import Workload
+from placement_opt.cost.pricing import _ns as ns
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import chain_graph
 
 CPU_OH = UNIT_OVERHEAD_S["cpu"]  # 150 us per unit per forward
 GPU_OH = UNIT_OVERHEAD_S["gpu"]  # 60 us

@@ -7,12 +7,14 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt.cost import NS_PER_S, _sum_max_lines, build_problem, evaluate
-from placement_opt.devices import Device, Machine
-from placement_opt.graph import chain_graph
+from placement_opt.cost.build import build_problem
+from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.pricing import NS_PER_S, _sum_max_lines
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import chain_graph
 from placement_opt.plan import UnitPlacement
-from placement_opt.problem import MODES
-from placement_opt.workload import Workload
+from placement_opt.solver.problem import MODES
 
 
 @st.composite

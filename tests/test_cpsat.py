@@ -13,15 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt import cpsat
-from placement_opt.cpsat import (
+from placement_opt.solver import cpsat
+from placement_opt.solver.cpsat import (
     COARSEN_ABOVE,
     OBJECTIVES,
     greedy_choice,
     objective_of,
     solve_problem,
 )
-from placement_opt.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
 
 GIB = 2**30
 

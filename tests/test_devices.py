@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from placement_opt._units import GIB, MIB
-from placement_opt.devices import (
-    DEFAULT_GPU_RESERVE_BYTES,
-    PRESETS,
-    Device,
-    Machine,
-    as_machine,
-    parse_device_spec,
-)
+from placement_opt.hardware.devices import DEFAULT_GPU_RESERVE_BYTES, PRESETS, Device, Machine
+from placement_opt.hardware.resolve import as_machine, parse_device_spec
+from placement_opt.units import GIB, MIB
 
 
 def test_catalog_has_the_required_classes() -> None:

@@ -14,12 +14,14 @@ import transformers as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.cost import Cost
-from placement_opt.devices import as_machine
-from placement_opt.dispatch import DispatchedModel, _move, _move_output, dispatch, unit_of
+from placement_opt.cost.evaluate import Cost
+from placement_opt.cost.workload import Workload
 from placement_opt.errors import DispatchError
+from placement_opt.hardware.resolve import as_machine
 from placement_opt.plan import Plan, UnitPlacement
-from placement_opt.workload import Workload
+from placement_opt.runtime._hooks import _move, _move_output
+from placement_opt.runtime.checkpoint import unit_of
+from placement_opt.runtime.dispatcher import DispatchedModel, dispatch
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with test_load.py / test_dispatch_cuda.py
@@ -372,7 +374,7 @@ _PROPERTY_STATE = snapshot(_PROPERTY_MODEL)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_over_traced_units_matches_reference(family, tmp_path):
-    trace_module = pytest.importorskip("placement_opt.trace")
+    trace_module = pytest.importorskip("placement_opt.model.tracer")
     model = tiny(family)
     graph = trace_module.trace(model)
     names = graph.names()
@@ -408,7 +410,7 @@ def test_every_unit_hooked_gives_the_same_logits(tmp_path):
 def test_package_attribute_dispatches_even_after_the_module_is_imported(tmp_path):
     import placement_opt
 
-    # this file imported placement_opt.dispatch (the module) first: the package attribute is the module
+    # this file imported placement_opt.runtime.dispatcher (the module) first: the attribute is the function
     model = tiny("llama")
     handle = placement_opt.dispatch(model, plan_from(model, lambda i, u: RESIDENT))
     assert isinstance(handle, DispatchedModel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from placement_opt.dispatch import dispatch
+from placement_opt.runtime.dispatcher import dispatch
 from test_dispatch import RESIDENT, assert_restored, inputs_for, plan_from, snapshot, tiny
 
 pytestmark = pytest.mark.cuda

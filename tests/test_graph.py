@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt.graph import (
+from placement_opt.model.graph import (
     GRAPH_SCHEMA_VERSION,
     NODE_ATTRIBUTES,
     GraphMeta,
@@ -100,7 +100,7 @@ def test_meta_extra_survives_json() -> None:
 
 
 def test_covering_key_is_the_longest_prefix_and_keys_below_lists_the_finer_ones():
-    from placement_opt.graph import covering_key, keys_below
+    from placement_opt.model.graph import covering_key, keys_below
 
     keys = {"": "cpu", "model.layers": 0, "model.layers.1": 1, "model.layers.1.mlp": "disk"}
     assert covering_key("model.layers.1.mlp.up", keys) == "model.layers.1.mlp"

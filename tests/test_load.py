@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from placement_opt.dispatch import load
 from placement_opt.errors import DispatchError
+from placement_opt.runtime.loader import load
 from test_dispatch import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
 
 
@@ -71,8 +71,8 @@ def test_directory_without_checkpoint(tmp_path):
 
 
 def test_load_solves_when_no_plan_is_given(tmp_path_factory):
-    pytest.importorskip("placement_opt.solve")
-    from placement_opt.workload import Workload
+    pytest.importorskip("placement_opt.planner")
+    from placement_opt.cost.workload import Workload
 
     model = tiny("llama")  # ~180 KB of fp32 weights: 4 layers of ~36 KB, embed and head 16 KB each
     path = tmp_path_factory.mktemp("llama-solve")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.errors import DispatchError
-from placement_opt.offload import MANIFEST_NAME, OffloadStore, SafetensorsFile
+from placement_opt.runtime.offload import MANIFEST_NAME, OffloadStore, SafetensorsFile
 
 
 def _weights() -> dict[str, torch.Tensor]:

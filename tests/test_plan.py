@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.cost import evaluate
-from placement_opt.devices import Device, Machine
-from placement_opt.graph import chain_graph
+from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import chain_graph
 from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan, UnitPlacement
-from placement_opt.workload import Workload
 
 MIB = 2**20
 DEVICES = ["cuda:0", "cuda:1", "cpu", "disk"]

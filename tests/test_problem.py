@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from placement_opt.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
 
 
 def _opt(storage, execution, pre, dec, stored=0, resident=0, peak=0):

@@ -7,18 +7,19 @@ import json
 
 import pytest
 
-from placement_opt.devices import as_machine, detect_device
-from placement_opt.profile import (
+from placement_opt.hardware.detect import detect_device
+from placement_opt.hardware.profile_store import (
     PROFILE_ENV_VAR,
     PROFILE_SCHEMA_VERSION,
     load_profile,
-    profile,
     profile_path,
     saved_device,
 )
+from placement_opt.hardware.profiler import profile
+from placement_opt.hardware.resolve import as_machine
 
-# The package attribute placement_opt.profile is the function; the module comes from importlib.
-profile_module = importlib.import_module("placement_opt.profile")
+# The measuring module; placement_opt.profile is its function.
+profile_module = importlib.import_module("placement_opt.hardware.profiler")
 
 
 @pytest.fixture(scope="module")

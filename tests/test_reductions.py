@@ -7,14 +7,20 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt._reductions import (
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
+from placement_opt.solver.reductions import (
     canonical_hint,
     coarsen,
     coarsen_groups,
     prefer_resident,
     symmetric_segments,
 )
-from placement_opt.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 
 DEVICES = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
 XFER = {("cuda:0", "cpu"): 7, ("cpu", "cuda:0"): 7}

@@ -15,18 +15,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt._units import GIB
-from placement_opt.devices import Device, Machine, parse_device_spec
-from placement_opt.errors import PlacementError
-from placement_opt.runtime import (
-    RuntimeContext,
+from placement_opt.distributed.context import RuntimeContext, detect_context
+from placement_opt.distributed.ranks import (
     check_no_cross_rank_split,
-    detect_context,
     local_machine,
     plan_for_context,
-    resolve_device_map,
-    should_place_on_device,
 )
+from placement_opt.distributed.rules import resolve_device_map, should_place_on_device
+from placement_opt.errors import PlacementError
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.hardware.resolve import parse_device_spec
+from placement_opt.units import GIB
 
 SINGLE = RuntimeContext(kind="single", local_device="cuda:0")
 DDP_R1 = RuntimeContext(kind="ddp", world_size=2, rank=1, local_rank=1, local_world_size=2,
@@ -160,7 +159,7 @@ def test_detect_context_never_creates_accelerate_state() -> None:
     import subprocess
 
     code = ("import accelerate.state as s\n"
-            "from placement_opt.runtime import detect_context\n"
+            "from placement_opt.distributed.context import detect_context\n"
             "ctx = detect_context({}, cuda_device_count=0)\n"
             "print(ctx.kind, dict(s.PartialState._shared_state), dict(s.AcceleratorState._shared_state))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -475,7 +474,8 @@ def test_single_process_rules_never_import_torch() -> None:
     import subprocess
 
     code = ("import sys\n"
-            "from placement_opt.runtime import plan_for_context, resolve_device_map\n"
+            "from placement_opt.distributed.ranks import plan_for_context\n"
+            "from placement_opt.distributed.rules import resolve_device_map\n"
             "machine, note = plan_for_context('cpu=8GiB,disk=1TB')\n"
             "print(machine.names, note, resolve_device_map('auto'), 'torch' in sys.modules)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "ACCELERATE_USE_FSDP",

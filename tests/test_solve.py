@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.cost import build_problem, evaluate
-from placement_opt.cpsat import objective_of
-from placement_opt.devices import Device, Machine
+from placement_opt.cost.build import build_problem
+from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.workload import Workload
 from placement_opt.errors import InfeasiblePlacementError, PlacementError
-from placement_opt.graph import GraphMeta, LayerGraph, chain_graph
-from placement_opt.solve import resolve_pins, solve
-from placement_opt.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import GraphMeta, LayerGraph, chain_graph
+from placement_opt.planner import resolve_pins, solve
+from placement_opt.solver.cpsat import objective_of
 
 GIB = 2**30
 MIB = 2**20
@@ -156,7 +157,7 @@ def test_random_graphs_solve_at_least_as_well_as_every_hinted_baseline(layers, g
     index = {(o.storage, o.execution, o.mode): i for i, o in enumerate(problem.units[0].options)}
     choice = [index[(p.storage, p.execution, p.mode)] for p in plan.placements]
     assert problem.score(choice).feasible
-    from placement_opt.baselines import baseline_storage, choice_from_storage
+    from placement_opt.solver.greedy import baseline_storage, choice_from_storage
 
     for strategy in ("sequential", "balanced", "balanced_low_0"):
         hint = choice_from_storage(problem, baseline_storage(graph, m, strategy))

@@ -13,10 +13,10 @@ from accelerate.utils import compute_module_sizes
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from placement_opt import models
 from placement_opt.errors import TraceError
-from placement_opt.graph import LayerGraph
-from placement_opt.trace import trace
+from placement_opt.model import catalog as models
+from placement_opt.model.graph import LayerGraph
+from placement_opt.model.tracer import trace
 
 # hidden 32, 4 heads of 8, vocab 128 everywhere: every number below is small enough to check by hand
 TINY = {
@@ -373,7 +373,7 @@ def test_json_round_trip_of_a_traced_graph() -> None:
 
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_replaying_identical_blocks_changes_nothing(family: str, monkeypatch) -> None:
-    import placement_opt._meta as trace_module
+    import placement_opt.model._recorder as trace_module
 
     fields = TINY[family]().to_dict()
     fields.pop("layer_types", None)
@@ -453,7 +453,7 @@ def test_other_fused_expert_layouts(family: str) -> None:
 
 def test_grouped_mm_flops_are_counted() -> None:
     """transformers' grouped experts matmul has no flop_counter formula: 2 x tokens x in x out."""
-    from placement_opt._meta import Record, _Recorder
+    from placement_opt.model._recorder import Record, _Recorder
 
     record = Record()
     recorder = _Recorder(record, {})

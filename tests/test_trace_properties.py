@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from placement_opt.graph import LayerGraph
-from placement_opt.trace import trace
+from placement_opt.model.graph import LayerGraph
+from placement_opt.model.tracer import trace
 
 _widths = st.lists(st.integers(min_value=1, max_value=48), min_size=2, max_size=6)
 

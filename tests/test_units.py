@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt._units import GIB, MIB, format_bytes, format_seconds, parse_size
+from placement_opt.units import GIB, MIB, format_bytes, format_seconds, parse_size
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from placement_opt._units import GIB, MIB
-from placement_opt.cost import Cost, DeviceMemory, UnitCost, Violation
-from placement_opt.devices import parse_device_spec
+from placement_opt.cli.pictures import device_colors, save_report
+from placement_opt.compare import StrategyOutcome
+from placement_opt.cost.evaluate import Cost, UnitCost
+from placement_opt.cost.memory import DeviceMemory, Violation
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.resolve import parse_device_spec
 from placement_opt.plan import Plan, UnitPlacement
-from placement_opt.viz import StrategyOutcome, device_colors, save_report
-from placement_opt.workload import Workload
+from placement_opt.units import GIB, MIB
 
 pytest.importorskip("matplotlib")
 

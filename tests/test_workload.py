@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from placement_opt.devices import Device
-from placement_opt.graph import chain_graph
-from placement_opt.workload import Workload, dtype_bytes, training_memory, unit_training_bytes
+from placement_opt.cost.workload import Workload, dtype_bytes, training_memory, unit_training_bytes
+from placement_opt.hardware.devices import Device
+from placement_opt.model.graph import chain_graph
 
 
 def test_workload_defaults_and_derived_lengths() -> None:

@@ -63,7 +63,7 @@ def build_model(layers: int) -> torch.nn.Module:
 def layer_graph(model: torch.nn.Module, prompt: int) -> tuple[Any, str]:
     """The model's LayerGraph from placement_opt.trace; a static graph when trace is missing."""
     try:
-        from placement_opt.trace import trace
+        from placement_opt.model.tracer import trace
     except ImportError:
         return static_graph(model), "static graph (placement_opt.trace not available)"
     return trace(model, dtype="float32"), "placement_opt.trace"
@@ -71,7 +71,7 @@ def layer_graph(model: torch.nn.Module, prompt: int) -> tuple[Any, str]:
 
 def static_graph(model: torch.nn.Module) -> Any:
     """A chain graph of embed, layers, norm, lm_head counted from the module shapes (fallback only)."""
-    from placement_opt.graph import chain_graph
+    from placement_opt.model.graph import chain_graph
 
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -110,7 +110,7 @@ def placements(graph: Any, layers: int) -> dict[str, dict[str, str]]:
 
 
 def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: Any, mode: str) -> Any:
-    from placement_opt.cost import evaluate
+    from placement_opt.cost.evaluate import evaluate
     from placement_opt.plan import Plan, UnitPlacement
 
     placements = tuple(UnitPlacement(unit=n, storage=d, execution="cpu", mode="resident" if d == "cpu" else mode)
@@ -141,7 +141,7 @@ def evict(folder: Path) -> None:
 
 def _unmap_safetensors_pages() -> None:
     try:
-        from placement_opt.offload import SafetensorsFile
+        from placement_opt.runtime.offload import SafetensorsFile
     except ImportError:
         return
     for obj in gc.get_objects():
@@ -168,7 +168,7 @@ def timed(model: torch.nn.Module, ids: torch.Tensor, folder: Path, repeats: int)
 
 def dispatcher() -> Callable[..., Any] | None:
     try:
-        from placement_opt.dispatch import dispatch
+        from placement_opt.runtime.dispatcher import dispatch
     except ImportError:
         return None
     return dispatch
@@ -200,8 +200,8 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 7)
 
     import placement_opt
-    from placement_opt.cost import evaluate
-    from placement_opt.workload import Workload
+    from placement_opt.cost.evaluate import evaluate
+    from placement_opt.cost.workload import Workload
 
     work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
     load_before = os.getloadavg()[0]
@@ -248,7 +248,7 @@ def main() -> None:
 
 
 def _interp(curve: Any, tokens: int) -> float:
-    from placement_opt.cost import _interpolate
+    from placement_opt.cost.pricing import _interpolate
 
     return _interpolate(curve, tokens)
 

@@ -37,10 +37,10 @@ import transformers as T
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from placement_opt.cost import Cost  # noqa: E402
-from placement_opt.devices import as_machine  # noqa: E402
+from placement_opt.cost.evaluate import Cost  # noqa: E402
+from placement_opt.cost.workload import Workload  # noqa: E402
+from placement_opt.hardware.resolve import as_machine  # noqa: E402
 from placement_opt.plan import Plan, UnitPlacement  # noqa: E402
-from placement_opt.workload import Workload  # noqa: E402
 from run_all import machine_description  # noqa: E402
 
 HIDDEN, MLP, VOCAB, HEADS = 1024, 2816, 32000, 16

@@ -1,6 +1,6 @@
 """How much better than the baselines are the plans?
 
-Published configs (placement_opt.models: a 70B dense Llama, Mixtral 8x7B, Mistral 7B, Gemma 2 27B),
+Published configs (placement_opt.model.catalog: a 70B dense Llama, Mixtral 8x7B, Mistral 7B, Gemma 2 27B),
 traced on meta at block level, on machine presets with one to four GPUs (mixed kinds included), CPU
 RAM and disk, for three workloads (chat, batch 16, long context). For each case:
 
@@ -33,13 +33,14 @@ import sys
 import time
 from pathlib import Path
 
-from placement_opt import models, trace
-from placement_opt.baselines import accelerate_device_map
-from placement_opt.cost import evaluate
-from placement_opt.devices import Device, Machine
+from placement_opt import trace
+from placement_opt.cost.device_map import accelerate_device_map
+from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.workload import Workload
 from placement_opt.errors import PlacementError
-from placement_opt.solve import solve
-from placement_opt.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model import catalog as models
+from placement_opt.planner import solve
 
 HERE = Path(__file__).resolve().parent
 MODELS = ["llama-3-70b", "mixtral-8x7b", "mistral-7b", "gemma-2-27b"]

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from placement_opt.cpsat import GAP_LIMIT
-from placement_opt.devices import Device, Machine
+from placement_opt.cost.workload import Workload
 from placement_opt.errors import PlacementError
-from placement_opt.graph import LayerGraph, chain_graph
-from placement_opt.solve import solve
-from placement_opt.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import LayerGraph, chain_graph
+from placement_opt.planner import solve
+from placement_opt.solver.cpsat import GAP_LIMIT
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20
@@ -74,7 +74,8 @@ def _layered_chain(n: int, seed: int) -> LayerGraph:
 
 
 def _traced(name: str) -> LayerGraph:
-    from placement_opt import models, trace
+    from placement_opt import trace
+    from placement_opt.model import catalog as models
 
     return trace(models.model_config(name))
 

@@ -9,44 +9,44 @@ The data flows one way::
 Public entry points: :func:`trace`, :func:`solve`, :func:`evaluate`, :func:`dispatch`,
 :func:`load`, :func:`profile`, and the ``placement-opt`` command.
 
-Names are imported lazily, so ``import placement_opt`` stays cheap and the solver side never
-imports torch.
+Names are imported lazily (PEP 562 ``__getattr__``), so ``import placement_opt`` stays cheap and
+``import placement_opt.solver`` never imports torch. The stages are folders: ``model/``,
+``hardware/``, ``cost/``, ``solver/`` (torch-free), ``runtime/``, ``distributed/``, with
+``planner.py`` (``solve()``), ``plan.py`` and ``compare.py`` on top and ``cli/`` the command.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "trace": "trace",
-    "LayerGraph": "graph",
-    "UnitInfo": "graph",
-    "Device": "devices",
-    "Machine": "devices",
-    "Workload": "workload",
-    "evaluate": "cost",
-    "Cost": "cost",
-    "profile": "profile",
-    "solve": "solve",
+    "trace": "model.tracer",
+    "LayerGraph": "model.graph",
+    "UnitInfo": "model.graph",
+    "Device": "hardware.devices",
+    "Machine": "hardware.devices",
+    "Workload": "cost.workload",
+    "evaluate": "cost.evaluate",
+    "Cost": "cost.evaluate",
+    "profile": "hardware.profiler",
+    "solve": "planner",
     "Plan": "plan",
-    "dispatch": "dispatch",
-    "load": "dispatch",
-    "DispatchedModel": "dispatch",
+    "dispatch": "runtime.dispatcher",
+    "load": "runtime.loader",
+    "DispatchedModel": "runtime.dispatcher",
     "BaselineResult": "plan",
     "UnitPlacement": "plan",
-    "detect_context": "runtime",
-    "RuntimeContext": "runtime",
-    "should_place_on_device": "runtime",
-    "Decision": "runtime",
-    "resolve_device_map": "runtime",
-    "list_models": "models",
-    "model_config": "models",
+    "detect_context": "distributed.context",
+    "RuntimeContext": "distributed.context",
+    "should_place_on_device": "distributed.rules",
+    "Decision": "distributed.rules",
+    "resolve_device_map": "distributed.rules",
+    "list_models": "model.catalog",
+    "model_config": "model.catalog",
     "PlacementError": "errors",
     "InfeasiblePlacementError": "errors",
     "TraceError": "errors",
@@ -55,26 +55,10 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-# Stage modules reachable as attributes (``placement_opt.runtime.detect_context()``) without an import.
-_SUBMODULES = ("baselines", "checkpoint", "cli", "cost", "cpsat", "devices", "graph", "models", "offload",
-               "plan", "problem", "runtime", "viz", "workload")
-
-
-class _Package(types.ModuleType):
-    """Keeps ``placement_opt.trace`` (and solve, dispatch, profile) the *function*.
-
-    Those stages live in modules of the same name. Importing such a module makes Python set
-    the package attribute to the module, which would shadow the function; we drop that one
-    assignment (the module stays in ``sys.modules``, so ``import placement_opt.trace`` works).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# Stage packages and modules reachable as attributes (``placement_opt.solver``) without an import.
+# No module is named like a function it exports, so importing one never shadows a public name.
+_SUBMODULES = ("cli", "compare", "cost", "distributed", "errors", "hardware", "model", "plan", "planner",
+               "runtime", "solver", "units")
 
 
 def __getattr__(name: str) -> Any:

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._units import format_bytes, format_seconds
-from .cost import Cost
-from .devices import Machine
-from .workload import Workload
+from .cost.evaluate import Cost
+from .cost.workload import Workload
+from .hardware.devices import Machine
+from .units import format_bytes, format_seconds
 
 __all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
 
@@ -34,7 +34,7 @@ class UnitPlacement:
     storage: str
     execution: str
     mode: str
-    """``resident``, ``stream`` or ``stream_sync`` (see :data:`placement_opt.problem.MODES`)."""
+    """``resident``, ``stream`` or ``stream_sync`` (see :data:`placement_opt.solver.problem.MODES`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,11 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._units import format_bytes
-from .baselines import STRATEGIES as BASELINE_STRATEGIES
-from .baselines import accelerate_device_map, baseline_storage, choice_from_storage
-from .cost import Cost, build_problem, evaluator
-from .cpsat import (
+from .cost.build import build_problem
+from .cost.device_map import accelerate_device_map
+from .cost.evaluate import Cost, evaluator
+from .cost.workload import Workload
+from .errors import InfeasiblePlacementError, PlacementError
+from .hardware.devices import Machine, normalize_device_name
+from .model.graph import covering_key, keys_below
+from .plan import BaselineResult, Plan, UnitPlacement
+from .solver.cpsat import (
     GAP_LIMIT,
     GREEDY_RESERVES,
     OBJECTIVES,
@@ -31,15 +35,13 @@ from .cpsat import (
     satisfies,
     solve_problem,
 )
-from .devices import Machine, normalize_device_name
-from .errors import InfeasiblePlacementError, PlacementError
-from .graph import covering_key, keys_below
-from .plan import BaselineResult, Plan, UnitPlacement
-from .problem import PlacementProblem
-from .workload import Workload
+from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
+from .solver.greedy import baseline_storage, choice_from_storage
+from .solver.problem import PlacementProblem
+from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .graph import LayerGraph
+    from .model.graph import LayerGraph
 
 __all__ = ["solve", "STRATEGIES", "OBJECTIVES", "resolve_pins"]
 
@@ -113,7 +115,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     """
     _check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
     _check_types(workload, pins, contiguous)
-    from .graph import LayerGraph
+    from .model.graph import LayerGraph
 
     if strategy == "accelerate" and isinstance(model, LayerGraph):
         raise PlacementError("strategy='accelerate' runs the installed library on the model itself, so it needs "
@@ -174,12 +176,12 @@ def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
 
 
 def _as_graph(model: Any) -> LayerGraph:
-    from .graph import LayerGraph
+    from .model.graph import LayerGraph
 
     if isinstance(model, LayerGraph):
         return model
     try:
-        from .trace import trace  # lazy: tracing imports torch
+        from .model.tracer import trace  # lazy: tracing imports torch
     except ImportError as exc:  # pragma: no cover - trace.py ships with the package
         raise PlacementError(f"cannot trace {type(model).__name__}: placement_opt.trace is unavailable "
                              f"({exc}); pass a LayerGraph") from exc
@@ -188,9 +190,9 @@ def _as_graph(model: Any) -> LayerGraph:
 
 def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
     try:
-        from .runtime import plan_for_context
+        from .distributed.ranks import plan_for_context
     except ImportError:  # pragma: no cover - runtime.py ships with the package
-        from .devices import as_machine
+        from .hardware.resolve import as_machine
 
         return as_machine(devices, dtype=dtype), None
     return plan_for_context(devices, dtype=dtype)
@@ -249,7 +251,7 @@ def _unknown_pin(key: str, names: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost], problem: PlacementProblem,
                model: Any) -> list[_Baseline]:
-    from .graph import LayerGraph
+    from .model.graph import LayerGraph
 
     found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, score, problem)
              for s in BASELINE_STRATEGIES]

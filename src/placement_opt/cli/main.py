@@ -26,22 +26,20 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._tables import comparison_table, objective_value, plan_renderables, why_lines
-from ._units import format_bytes
+from ..compare import STRATEGIES, _one_line, _solve, compare_strategies
+from ..units import format_bytes
+from .tables import comparison_table, plan_renderables, why_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
 
-    from .devices import Machine
-    from .plan import Plan
-    from .viz import StrategyOutcome
-    from .workload import Workload
+    from ..compare import StrategyOutcome
+    from ..cost.workload import Workload
+    from ..hardware.devices import Machine
+    from ..plan import Plan
 
-__all__ = ["main", "cli", "compare_strategies", "objective_value", "resolve_model", "resolve_devices",
-           "STRATEGIES"]
+__all__ = ["main", "cli", "resolve_model", "resolve_devices"]
 
-#: Every strategy ``compare`` runs, in display order.
-STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 _OBJECTIVES = ("latency", "throughput", "memory")
 _DTYPES = ("float16", "bfloat16", "float32")
 _EXIT_INFEASIBLE = 1
@@ -81,7 +79,7 @@ def _progress(message: str) -> Iterator[None]:
 
 def _preset_names() -> list[str]:
     try:
-        from . import models
+        from ..model import catalog as models
     except ImportError:
         return []
     return list(models.list_models())
@@ -90,7 +88,7 @@ def _preset_names() -> list[str]:
 def resolve_model(text: str) -> Any:
     """A model argument as ``trace`` accepts it: a preset's config, a config.json's config, or an id.
 
-    Accepted: a preset name of :mod:`placement_opt.models` (``llama-2-70b``), a path to a
+    Accepted: a preset name of :mod:`placement_opt.model.catalog` (``llama-2-70b``), a path to a
     ``config.json`` (or to a directory holding one), or a Hugging Face model id (``org/name``;
     only its config is read).
 
@@ -106,7 +104,7 @@ def resolve_model(text: str) -> Any:
         return str(path)
     presets = _preset_names()
     if text.lower() in presets:
-        from . import models
+        from ..model import catalog as models
 
         return models.model_config(text.lower())
     if "/" in text:
@@ -140,7 +138,7 @@ def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
     Raises:
         click.BadParameter: the spec is malformed or the file is not a profile.
     """
-    from .devices import parse_device_spec
+    from ..hardware.resolve import parse_device_spec
 
     try:
         if spec.strip().lower() == "auto":
@@ -156,7 +154,7 @@ def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
 
 
 def _machine_from_file(path: Path) -> Machine:
-    from .devices import Machine
+    from ..hardware.devices import Machine
 
     if not path.is_file():
         raise click.BadParameter(f"profile file {str(path)!r} does not exist", param_hint="--devices")
@@ -172,7 +170,7 @@ def _machine_from_file(path: Path) -> Machine:
 
 def _local_machine(dtype: str) -> Machine:
     """This machine: every visible GPU, the CPU and the disk, with the saved profile's speeds."""
-    from .devices import as_machine
+    from ..hardware.resolve import as_machine
 
     names = [f"cuda:{i}" for i in range(_cuda_count())] + ["cpu", "disk"]
     return as_machine(names, dtype=dtype)
@@ -185,7 +183,7 @@ def _cuda_count() -> int:
 
 
 def _workload(batch: int, prompt: int, new_tokens: int) -> Workload:
-    from .workload import Workload
+    from ..cost.workload import Workload
 
     try:
         return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens)
@@ -197,130 +195,15 @@ def _workload(batch: int, prompt: int, new_tokens: int) -> Workload:
 
 
 def _trace(model: Any, workload: Workload, dtype: str | None) -> Any:
-    from .trace import trace
+    from ..model.tracer import trace
 
     return trace(model, dtype=dtype)
-
-
-def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
-           time_limit_s: float | None, source: Any = None) -> Plan:
-    """``solve`` on the traced graph; ``accelerate`` asks the installed library with ``source``."""
-    if strategy == "accelerate":
-        return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
-    from .solve import solve
-
-    kwargs: dict[str, Any] = {"workload": workload, "strategy": strategy}
-    if time_limit_s is not None:
-        kwargs["time_limit_s"] = time_limit_s
-    return solve(graph, machine, objective, **kwargs)
-
-
-def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: str,
-                     workload: Workload) -> Plan:
-    """The installed transformers' ``device_map="auto"``, scored with accelerate's run-time semantics.
-
-    Same as ``solve(source, strategy="accelerate")`` but reuses the traced graph instead of
-    tracing the model again (seconds for a 70B model).
-    """
-    import contextlib
-    import io
-    import logging
-
-    from .baselines import accelerate_device_map
-    from .cost import evaluate
-    from .errors import PlacementError
-    from .plan import Plan, UnitPlacement
-
-    if source is None:
-        raise PlacementError("strategy 'accelerate' needs the model's config, not only its graph")
-    started = time.perf_counter()
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # accelerate warns that preset GPUs are absent from this machine
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            device_map = accelerate_device_map(source, machine.max_memory, "auto")
-    finally:
-        logging.disable(previous)
-    cost = evaluate(device_map, graph, machine, workload)
-    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
-                       for u in cost.units)
-    draft = Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective,
-                 strategy="accelerate", placements=placements, machine=machine, workload=workload,
-                 cost=cost, status="GREEDY", objective_value=0.0, best_bound=0.0, gap=0.0,
-                 solve_time_s=time.perf_counter() - started,
-                 notes=("device_map='auto' of the installed transformers/accelerate, run as accelerate "
-                        "runs it (cpu/disk units copied to the first GPU synchronously at every forward)",
-                        *(f"does not fit: {v.message}" for v in cost.violations)),
-                 extra={"device_map": {k: v for k, v in device_map.items()}})
-    from dataclasses import replace
-
-    value = objective_value(draft, objective)
-    return replace(draft, objective_value=value, gap=1.0 if value > 0 else 0.0)  # as solve()'s baselines
-
-
-def compare_strategies(
-    graph: Any,
-    machine: Any,
-    *,
-    objective: str = "latency",
-    workload: Workload | None = None,
-    strategies: Sequence[str] = STRATEGIES,
-    time_limit_s: float | None = None,
-    source: Any = None,
-) -> list[StrategyOutcome]:
-    """Solve the same problem with every strategy and return one outcome per strategy.
-
-    A strategy that raises (infeasible, or the installed library refuses) gets an outcome
-    with ``error`` set instead of a plan, so one failure never hides the others.
-
-    Example::
-
-        config = models.model_config("llama-2-7b")
-        graph = placement_opt.trace(config)
-        for o in compare_strategies(graph, "cuda:0=t4,cpu=64GiB,disk", source=config):
-            print(o.strategy, o.fits, o.total_s)
-
-    Args:
-        graph: the traced :class:`~placement_opt.graph.LayerGraph`.
-        machine: a ``Machine`` or anything :func:`~placement_opt.devices.as_machine` accepts.
-        objective: ``"latency"``, ``"throughput"`` or ``"memory"``.
-        workload: default ``Workload()``.
-        strategies: which strategies, in display order (default :data:`STRATEGIES`).
-        time_limit_s: CP-SAT's time limit (default: ``solve``'s).
-        source: the transformers config or model the graph was traced from; needed by the
-            ``accelerate`` strategy (the installed library computes its map from the model).
-
-    Returns:
-        One :class:`~placement_opt.viz.StrategyOutcome` per strategy, in order.
-    """
-    from .devices import as_machine
-    from .errors import PlacementError
-    from .viz import StrategyOutcome
-    from .workload import Workload
-
-    machine = as_machine(machine, dtype=graph.meta.dtype)
-    workload = workload or Workload()
-    outcomes = []
-    for strategy in strategies:
-        try:
-            plan = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
-                          time_limit_s=time_limit_s, source=source)
-        except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
-            outcomes.append(StrategyOutcome(strategy=strategy, error=_one_line(exc)))
-        else:
-            outcomes.append(StrategyOutcome(strategy=strategy, plan=plan))
-    return outcomes
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 @contextmanager
 def _errors_as_messages() -> Iterator[None]:
     """Turn the library's errors into one-line CLI errors with the right exit code."""
-    from .errors import InfeasiblePlacementError, PlacementError, TraceError
+    from ..errors import InfeasiblePlacementError, PlacementError, TraceError
 
     try:
         yield
@@ -434,7 +317,7 @@ def _write_outputs(console: Console, result: Plan, json_path: str | None, plot: 
         result.to_json(json_path)
         console.print(f"plan written to {json_path}")
     if plot:
-        from .viz import save_report
+        from .pictures import save_report
 
         try:
             with _progress("Drawing ..."):
@@ -489,7 +372,7 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
 @click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
 def explain(plan_path: str, plot: str | None) -> None:
     """Show a saved plan and why its units sit where they are."""
-    from .plan import Plan
+    from ..plan import Plan
 
     _check_plot_suffix(plot)
     console = _console()
@@ -518,8 +401,8 @@ def profile(out: str | None, quick: bool, dtype: str) -> None:
     """
     console = _console()
     with _errors_as_messages():
-        from .profile import profile as measure
-        from .profile import profile_path
+        from ..hardware.profile_store import profile_path
+        from ..hardware.profiler import profile as measure
 
         with _progress("Measuring this machine ..."):
             started = time.perf_counter()
@@ -570,7 +453,7 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
 
 
 def _benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "benchmarks"
+    return Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

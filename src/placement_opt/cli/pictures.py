@@ -20,20 +20,19 @@ from __future__ import annotations
 import html
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._units import format_bytes, format_seconds
+from ..units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from .plan import Plan
+    from ..compare import StrategyOutcome
+    from ..plan import Plan
 
 __all__ = [
-    "StrategyOutcome",
     "placement_strip",
     "memory_bars",
     "comparison_chart",
@@ -53,25 +52,6 @@ _MEMORY_PARTS = (
 _GPU_COLORS = ("#2a9d8f", "#264653", "#8ab17d", "#457b9d", "#1d3557", "#6a994e", "#3a86ff", "#00b4d8")
 _HOST_COLORS = {"cpu": "#e9c46a", "disk": "#9e9e9e"}
 _OOM_COLOR = "#d62828"
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategyOutcome:
-    """One strategy's result in a comparison: its plan, or why it produced none."""
-
-    strategy: str
-    plan: Plan | None = None
-    """The plan (also for a baseline that runs out of memory: its cost lists the violations)."""
-    error: str = ""
-    """Why there is no plan (e.g. the solver proved the problem infeasible)."""
-
-    @property
-    def fits(self) -> bool:
-        return self.plan is not None and self.plan.cost.fits
-
-    @property
-    def total_s(self) -> float | None:
-        return None if self.plan is None else self.plan.cost.total_s
 
 
 def _pyplot() -> Any:

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._units import format_bytes, format_seconds
+from ..compare import objective_value
+from ..units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .plan import Plan
-    from .viz import StrategyOutcome
+    from ..compare import StrategyOutcome
+    from ..plan import Plan
 
-__all__ = ["plan_renderables", "memory_table", "objective_value", "comparison_table",
+__all__ = ["plan_renderables", "memory_table", "comparison_table",
            "where_computed", "why_lines"]
 
 
@@ -83,21 +84,6 @@ def plan_notes(plan: Plan) -> list[str]:
         lines.append("[dim]note:[/] some units compute away from their storage: run the plan with "
                      "placement_opt.dispatch (plan.device_map alone gives accelerate's synchronous hooks)")
     return lines
-
-
-def objective_value(plan: Plan, objective: str) -> float:
-    """The number ``objective`` minimises, read off a plan's cost (lower is better).
-
-    ``latency``: prefill + decode seconds; ``throughput``: the slowest device's total work
-    (seconds); ``memory``: bytes used on GPUs (all devices when the machine has no GPU).
-    """
-    cost = plan.cost
-    if objective == "throughput":
-        return max(cost.stage_s.values(), default=0.0)
-    if objective == "memory":
-        gpus = [m for m in cost.memory if m.device.startswith("cuda:")] or list(cost.memory)
-        return float(sum(m.used_bytes for m in gpus))
-    return cost.total_s
 
 
 def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str],

@@ -1,8 +1,9 @@
-"""The cost model: what every placement option of every unit costs in time and memory.
+"""Pricing: what every placement option of one unit costs in time (and the bytes it holds).
 
-Stage 3 of the data flow: ``LayerGraph`` + ``Machine`` + ``Workload`` -> :func:`build_problem`
--> ``PlacementProblem`` (plain integers for the solvers), and :func:`evaluate` -> :class:`Cost`
-for any plan or accelerate ``device_map``, scored by the same ``PlacementProblem.score``.
+Stage 3 of the data flow is the ``cost`` package: ``LayerGraph`` + ``Machine`` + ``Workload`` ->
+:func:`~.build.build_problem` -> ``PlacementProblem`` (plain integers for the solvers), and
+:func:`~.evaluate.evaluate` -> :class:`~.evaluate.Cost` for any plan or accelerate ``device_map``,
+scored by the same ``PlacementProblem.score``. This module prices one option.
 
 Options of a unit (storage S, execution E, mode): resident on every GPU; resident in CPU RAM and
 executed on the CPU; stored in CPU RAM and streamed to every GPU; stored on disk and read to the
@@ -36,10 +37,7 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
   checkpointing), weights streamed twice, activations and gradients cross edges twice.
 
-Memory per option: ``stored_bytes`` on S (parameters and buffers; training: gradients and
-optimizer states, which stay where the weights live), ``resident_bytes`` on E (KV cache for
-``batch x (prompt + new)`` tokens; training: saved activations), ``peak_bytes`` on E (prefill
-activation workspace plus the stream buffer: x2 for ``stream``, whose next unit is prefetched).
+Memory per option: see :mod:`.memory`.
 
 Every float becomes an integer in one place, :func:`_ns`, with :data:`NS_PER_S`.
 """
@@ -47,29 +45,20 @@ Every float becomes an integer in one place, :func:`_ns`, with :data:`NS_PER_S`.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._units import format_bytes
-from .devices import Device, Machine, as_machine, normalize_device_name
-from .graph import covering_key, keys_below
-from .problem import MODES, DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from ..solver.problem import PlacementOption
+from .memory import _STREAM_BUFFERS, WORKSPACE_FACTOR
 from .workload import Workload, unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .graph import LayerGraph, UnitInfo
+    from ..hardware.devices import Device, Machine
+    from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = [
-    "UnitCost",
-    "DeviceMemory",
-    "Violation",
-    "Cost",
-    "build_problem",
-    "evaluate",
-    "evaluator",
     "expected_experts",
     "NS_PER_S",
     "COMPUTE_EFFICIENCY",
@@ -77,7 +66,6 @@ __all__ = [
     "UNIT_OVERHEAD_S",
     "PAGEABLE_LINK_FACTOR",
     "MAPPED_READ_FACTOR",
-    "WORKSPACE_FACTOR",
 ]
 
 #: Solver time unit: every ``*_ns`` integer is seconds x NS_PER_S, rounded up.
@@ -96,136 +84,8 @@ PAGEABLE_LINK_FACTOR = 0.6
 #: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
 #: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
-#: Prefill activation workspace of a unit, in multiples of its output for all prefill tokens
-#: (q/k/v, MLP intermediates and their upcasts live at the same time).
-WORKSPACE_FACTOR = 6
 #: Compute of a training step in forwards: forward + backward (2x), + 1 recomputation.
 _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
-_STREAM_BUFFERS = {"resident": 0, "stream": 2, "stream_sync": 1}
-
-
-# ---------------------------------------------------------------------------------------------
-# Public result types
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class UnitCost:
-    """Where one unit sits and what it costs there."""
-
-    name: str
-    storage: str
-    execution: str
-    mode: str
-    prefill_s: float
-    """Time in the prefill, weight copies included."""
-    decode_s: float
-    """Time summed over every decode step."""
-    stored_bytes: int
-    resident_bytes: int
-    peak_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceMemory:
-    """Memory of one device under a placement, by what it holds."""
-
-    device: str
-    capacity_bytes: int
-    """Bytes the plan may use: memory less the reserve."""
-    reserve_bytes: int
-    """Kept free for the CUDA context and allocator slack (not part of ``capacity_bytes``)."""
-    weights_bytes: int
-    """Parameters and buffers stored here."""
-    kv_cache_bytes: int
-    """KV cache of the attention units executed here, for batch x (prompt + new tokens)."""
-    workspace_bytes: int
-    """Peak activation workspace of the units executed here (the largest one, in the prefill)."""
-    stream_buffer_bytes: int
-    """Buffer that streamed weights pass through (prefetch included), at its peak."""
-    other_bytes: int = 0
-    """Anything else the memory model charges here (training states)."""
-
-    @property
-    def used_bytes(self) -> int:
-        return (self.weights_bytes + self.kv_cache_bytes + self.workspace_bytes
-                + self.stream_buffer_bytes + self.other_bytes)
-
-    @property
-    def free_bytes(self) -> int:
-        """Negative when the device is over capacity."""
-        return self.capacity_bytes - self.used_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Violation:
-    """One device over capacity."""
-
-    device: str
-    needed_bytes: int
-    capacity_bytes: int
-    message: str
-    """Says what is short, by how much, what takes the space, and what to do."""
-
-    @property
-    def short_bytes(self) -> int:
-        return self.needed_bytes - self.capacity_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cost:
-    """The price of a placement: time per phase, memory per device, every capacity violation."""
-
-    workload: Workload
-    prefill_s: float
-    decode_s: float
-    transfer_s: float
-    """Activation transfers between devices, included in the phase times."""
-    stage_s: Mapping[str, float]
-    """Total work per execution device: the pipeline stage times."""
-    units: tuple[UnitCost, ...]
-    memory: tuple[DeviceMemory, ...]
-    violations: tuple[Violation, ...] = ()
-
-    @property
-    def total_s(self) -> float:
-        """Latency of the whole workload: prefill plus every decode step."""
-        return self.prefill_s + self.decode_s
-
-    @property
-    def fits(self) -> bool:
-        return not self.violations
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second over the decode phase (all sequences of the batch)."""
-        tokens = self.workload.batch_size * self.workload.new_tokens
-        return tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second, prefill included (what a user waits for)."""
-        tokens = self.workload.batch_size * max(self.workload.new_tokens, 1)
-        return tokens / self.total_s if self.total_s > 0 else 0.0
-
-    def device_memory(self, device: str) -> DeviceMemory:
-        return next(m for m in self.memory if m.device == device)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["stage_s"] = dict(self.stage_s)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Cost:
-        return cls(
-            workload=Workload.from_dict(dict(data["workload"])),
-            prefill_s=float(data["prefill_s"]),
-            decode_s=float(data["decode_s"]),
-            transfer_s=float(data["transfer_s"]),
-            stage_s=dict(data["stage_s"]),
-            units=tuple(UnitCost(**u) for u in data["units"]),
-            memory=tuple(DeviceMemory(**m) for m in data["memory"]),
-            violations=tuple(Violation(**v) for v in data["violations"]),
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,371 +294,3 @@ def _edge_ns(ctx: _Context, src: str, dst: str, bytes_per_token: int, tokens: in
     """Integer nanoseconds of ``times`` activation transfers of ``tokens`` tokens each."""
     one = tokens * bytes_per_token / ctx.machine.bandwidth(src, dst) + ctx.machine.latency_s(src, dst)
     return _ns(times * one)
-
-
-# ---------------------------------------------------------------------------------------------
-# build_problem
-# ---------------------------------------------------------------------------------------------
-def _menu(machine: Machine, modes: Iterable[str]) -> list[tuple[str, str, str]]:
-    """(storage, execution, mode) of every option, in a fixed order."""
-    gpus = [d.name for d in machine.gpus]
-    cpu = machine.cpu.name if machine.cpu else None
-    disk = machine.disk.name if machine.disk else None
-    streamed = [m for m in ("stream", "stream_sync") if m in modes]
-    menu = [(g, g, "resident") for g in gpus]
-    if cpu:
-        menu.append((cpu, cpu, "resident"))
-        menu += [(cpu, g, m) for m in streamed for g in gpus]
-    if disk:
-        targets = ([cpu] if cpu else []) + gpus
-        menu += [(disk, e, m) for m in streamed for e in targets]
-    return menu
-
-
-def _check_modes(modes: Iterable[str]) -> tuple[str, ...]:
-    modes = tuple(modes)
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"modes {unknown} are unknown: accepted are {', '.join(MODES)}")
-    return modes
-
-
-def _priced(graph: LayerGraph, machine: Machine, workload: Workload, modes: Iterable[str],
-            pins: Mapping[str, str] | None, contiguous: bool) -> tuple[PlacementProblem, list[list[_Parts]]]:
-    """The problem and, beside it, the float/byte split of every option (for evaluate)."""
-    modes = _check_modes(modes)
-    ctx = _Context(graph, machine, workload)
-    menu = _menu(machine, modes)
-    if not menu:
-        raise ValueError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
-    units = graph.units()
-    priced: dict[tuple[Any, ...], list[_Parts]] = {}  # identical units (decoder layers) priced once
-    parts = []
-    for u in units:
-        key = _price_key(u)
-        if key not in priced:
-            priced[key] = [_price(ctx, u, s, e, m) for s, e, m in menu]
-        parts.append(priced[key])
-    specs = tuple(UnitSpec(name=u.name, options=tuple(_to_option(p) for p in row))
-                  for u, row in zip(units, parts, strict=True))
-    problem = PlacementProblem(
-        units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
-        pins=_check_pins(pins or {}, graph, machine), contiguous=contiguous)
-    return problem, parts
-
-
-def _price_key(unit: UnitInfo) -> tuple[Any, ...]:
-    """Everything :func:`_price` reads of a unit (its name and position do not change its price)."""
-    return (unit.param_bytes, unit.buffer_bytes, unit.flops_per_token, unit.attn_flops_per_token_per_ctx,
-            unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
-            unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class)
-
-
-def _edges(ctx: _Context) -> tuple[EdgeSpec, ...]:
-    wl = ctx.workload
-    compute = [d.name for d in ctx.machine.compute_devices]
-    pairs = [(a, b) for a in compute for b in compute if a != b]
-    times = 2 if wl.training else 1
-    specs = []
-    priced: dict[tuple[int, bool], tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
-    for src, dst, bpt in ctx.graph.edges():
-        in_decode = ctx.graph.unit(src).in_decode and ctx.graph.unit(dst).in_decode
-        if (bpt, in_decode) not in priced:  # edges of equal size cost the same: price each size once
-            steps = wl.decode_steps if in_decode else 0
-            priced[bpt, in_decode] = ({p: _edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},
-                                      {p: _edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
-        prefill, decode = priced[bpt, in_decode]
-        specs.append(EdgeSpec(src=src, dst=dst, prefill_ns=prefill, decode_ns=decode))
-    return tuple(specs)
-
-
-def _devices(machine: Machine) -> tuple[DeviceSpec, ...]:
-    return tuple(DeviceSpec(name=d.name, kind=d.kind, capacity_bytes=d.usable_bytes) for d in machine.devices)
-
-
-def _check_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:
-    checked = {}
-    for unit, device in pins.items():
-        name = normalize_device_name(device)
-        if name not in machine:
-            raise ValueError(f"pin {unit!r} -> {device!r}: {name} is not in the machine ({', '.join(machine.names)})")
-        if unit not in graph:
-            raise ValueError(f"pin names unit {unit!r}, which is not in the graph (units: {_few(graph.names())})")
-        checked[unit] = name
-    return checked
-
-
-def _few(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
-def build_problem(
-    graph: LayerGraph,
-    machine: Any,
-    workload: Workload,
-    *,
-    modes: Iterable[str] = ("resident", "stream"),
-    pins: Mapping[str, str] | None = None,
-    contiguous: bool = False,
-) -> PlacementProblem:
-    """Price every placement option of every unit: the integer problem the solvers read.
-
-    Example::
-
-        graph = chain_graph([{"name": "a", "param_bytes": 2**30, "flops_per_token": 2**31}])
-        problem = build_problem(graph, ["cpu"], Workload(prompt_len=128, new_tokens=16))
-        problem.score([0]).latency_ns
-
-    Args:
-        graph: the layer graph (units in execution order, edges with bytes per token).
-        machine: a :class:`Machine` or anything :func:`as_machine` accepts.
-        workload: batch, prompt and new tokens (or a training step).
-        modes: which modes to offer: ``"resident"`` always; ``"stream"`` (overlapped copies) and
-            ``"stream_sync"`` (accelerate's synchronous copies) for weights kept in CPU RAM or on disk.
-        pins: unit name -> required storage device.
-        contiguous: ask the solver for one contiguous range of units per device.
-
-    Returns:
-        A :class:`PlacementProblem`: options in the order GPUs resident, CPU resident, CPU -> GPU
-        streams, disk -> CPU/GPU streams; integer ns and bytes.
-
-    Raises:
-        ValueError: an unknown mode, a pin naming an unknown unit or device, a machine without a
-            compute device.
-    """
-    machine = as_machine(machine, dtype=graph.meta.dtype)
-    return _priced(graph, machine, workload, modes, pins, contiguous)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluate
-# ---------------------------------------------------------------------------------------------
-def _as_graph(model_or_graph: Any) -> LayerGraph:
-    from .graph import LayerGraph
-
-    if isinstance(model_or_graph, LayerGraph):
-        return model_or_graph
-    from .trace import trace  # lazy: tracing imports torch
-
-    return trace(model_or_graph)
-
-
-def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, Any]:
-    """Value per unit from keys that may be coarser (prefixes) or finer (submodules) than units.
-
-    A coarser key covers every unit under it (the longest key wins). A unit split by finer keys
-    gets the value that holds most of its parameters (each parameter follows its longest matching
-    key; ties go to the earliest key in the map): a plan scores whole units.
-    """
-    order = {k: i for i, k in enumerate(entries)}
-    below = keys_below(entries)
-    resolved: dict[str, Any] = {}
-    missing = []
-    for unit in graph.units():
-        finer = below.get(unit.name)
-        if finer:
-            resolved[unit.name] = _vote(entries, order, unit.param_names, finer[0])
-            continue
-        covering = covering_key(unit.name, entries)
-        if covering is None:
-            missing.append(unit.name)
-        else:
-            resolved[unit.name] = entries[covering]
-    if missing:
-        raise ValueError(f"the device map places no entry for units {_few(missing)}: add them or a "
-                         f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
-    return resolved
-
-
-def _vote(entries: Mapping[str, Any], order: Mapping[str, int], param_names: Sequence[str], fallback: str) -> Any:
-    """The value holding most of a unit's parameters (ties: the earliest key in the map)."""
-    votes: Counter[str] = Counter()
-    for param in param_names:
-        key = covering_key(param, entries)
-        if key is not None:
-            votes[key] += 1
-    if not votes:
-        votes[fallback] = 1
-    by_value: Counter[Any] = Counter()
-    first: dict[Any, int] = {}
-    for key, count in votes.items():
-        by_value[entries[key]] += count
-        first[entries[key]] = min(first.get(entries[key], len(order)), order[key])
-    return max(by_value, key=lambda v: (by_value[v], -first[v]))
-
-
-def _device_of(value: Any, machine: Machine, key: str) -> str:
-    name = normalize_device_name(str(value) if not isinstance(value, int) else value)
-    if name not in machine:
-        raise ValueError(f"device map entry {key!r} -> {value!r}: {name} is not in the machine "
-                         f"({', '.join(machine.names)}); add it to the machine or change the map")
-    return name
-
-
-def _placements_from_device_map(device_map: Mapping[str, Any], graph: LayerGraph,
-                                machine: Machine) -> dict[str, tuple[str, str, str]]:
-    """accelerate's run-time semantics: cpu/disk entries run on the main GPU with synchronous copies.
-
-    The main device is the first GPU among the map's values (accelerate's ``dispatch_model``);
-    with no GPU in the map, ``cpu`` entries compute on the CPU and ``disk`` entries are read to it.
-    """
-    storage = {k: _device_of(v, machine, k) for k, v in device_map.items()}
-    main = next((d for d in storage.values() if d.startswith("cuda:")), None)
-    per_unit = _resolve_keys(storage, graph)
-    placements = {}
-    for unit, device in per_unit.items():
-        if device.startswith("cuda:"):
-            placements[unit] = (device, device, "resident")
-        elif main is not None:
-            placements[unit] = (device, main, "stream_sync")
-        elif device == "cpu":
-            placements[unit] = (device, device, "resident")
-        else:
-            placements[unit] = (device, "cpu", "stream_sync")
-    return placements
-
-
-def _placements(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[str, tuple[str, str, str]]:
-    placements = getattr(plan_or_map, "placements", None)
-    if placements is not None:
-        entries = {p.unit: (normalize_device_name(p.storage), normalize_device_name(p.execution), p.mode)
-                   for p in placements}
-        return _resolve_keys(entries, graph)
-    if isinstance(plan_or_map, Mapping):
-        return _placements_from_device_map(plan_or_map, graph, machine)
-    raise ValueError(f"cannot evaluate {type(plan_or_map).__name__}: pass a placement_opt Plan or an "
-                     f"accelerate device_map dict like {{'model.embed_tokens': 0, 'model.layers': 'cpu'}}")
-
-
-def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str]]) -> list[int]:
-    choice = []
-    for unit in problem.units:
-        wanted = placements[unit.name]
-        keys = [(o.storage, o.execution, o.mode) for o in unit.options]
-        if wanted not in keys:
-            raise ValueError(f"unit {unit.name} is placed as storage={wanted[0]}, execution={wanted[1]}, "
-                             f"mode={wanted[2]}, which the cost model does not offer on this machine; "
-                             f"offered: {', '.join('/'.join(k) for k in keys)}")
-        choice.append(keys.index(wanted))
-    return choice
-
-
-def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
-             workload: Workload | None = None) -> Cost:
-    """Price any placement: a placement_opt ``Plan`` or a plain accelerate/transformers ``device_map``.
-
-    Example::
-
-        cost = evaluate({"model.embed_tokens": 0, "model.layers": "cpu", "lm_head": 0},
-                        graph, {0: "24GiB", "cpu": "64GiB"}, Workload(batch_size=4))
-        print(cost.total_s, [v.message for v in cost.violations])
-
-    Args:
-        plan_or_device_map: a ``Plan`` (its placements are used as they are) or a ``device_map``
-            whose keys are module prefixes coarser or finer than units and whose values are
-            ints, ``"cuda:N"``, ``"cpu"`` or ``"disk"``. A map is scored with accelerate's run-time
-            semantics: ``cpu``/``disk`` entries execute on the first GPU of the map with
-            synchronous copies, or on the CPU when the map has no GPU.
-        model_or_graph: a ``LayerGraph`` or anything :func:`placement_opt.trace` accepts.
-        machine: a ``Machine`` or anything :func:`as_machine` accepts.
-        workload: the workload; default the plan's own, else ``Workload()``.
-
-    Returns:
-        A :class:`Cost` whose totals equal ``build_problem(...).score(...)`` of the same assignment,
-        with per-unit and per-device breakdowns and every capacity violation.
-
-    Raises:
-        ValueError: a unit without an entry, a device the machine lacks, or a placement the cost
-            model does not offer; the message lists what is accepted.
-    """
-    graph = _as_graph(model_or_graph)
-    if workload is None:
-        workload = getattr(plan_or_device_map, "workload", None) or Workload()
-    return evaluator(graph, machine, workload)(plan_or_device_map)
-
-
-def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[Any], Cost]:
-    """:func:`evaluate` for one graph, machine and workload, pricing the options once for many plans.
-
-    Example::
-
-        score = evaluator(graph, machine, Workload())
-        costs = [score(device_map) for device_map in candidate_maps]
-    """
-    machine = as_machine(machine, dtype=graph.meta.dtype)
-    problem, parts = _priced(graph, machine, workload, MODES, None, False)
-
-    def score(plan_or_device_map: Any) -> Cost:
-        placements = _placements(plan_or_device_map, graph, machine)
-        return _cost(problem, parts, _choice(problem, placements), machine, workload)
-
-    return score
-
-
-def _cost(problem: PlacementProblem, parts: list[list[_Parts]], choice: list[int], machine: Machine,
-          workload: Workload) -> Cost:
-    score = problem.score(choice)
-    chosen = problem.options(choice)
-    chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
-    units = tuple(
-        UnitCost(name=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
-                 prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
-                 stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
-        for u, o in zip(problem.units, chosen, strict=True))
-    memory = tuple(_device_memory(d, chosen_parts) for d in machine.devices)
-    for m in memory:  # the split must add up to the one memory model
-        assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
-    violations = tuple(_violation(m, workload) for m in memory if m.free_bytes < 0)
-    return Cost(
-        workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
-        transfer_s=_transfer_ns(problem, chosen) / NS_PER_S,
-        stage_s={k: v / NS_PER_S for k, v in score.stage_ns.items()},
-        units=units, memory=memory, violations=violations)
-
-
-def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> int:
-    index = problem.index()
-    total = 0
-    for edge in problem.edges:
-        pair = (chosen[index[edge.src]].execution, chosen[index[edge.dst]].execution)
-        if pair[0] != pair[1]:
-            total += edge.prefill_ns.get(pair, 0) + edge.decode_ns.get(pair, 0)
-    return total
-
-
-def _device_memory(device: Device, chosen: Sequence[_Parts]) -> DeviceMemory:
-    stored = [p for p in chosen if p.storage == device.name]
-    executed = [p for p in chosen if p.execution == device.name]
-    peak = max(executed, key=lambda p: p.workspace_bytes + p.stream_buffer_bytes, default=None)
-    return DeviceMemory(
-        device=device.name, capacity_bytes=device.usable_bytes, reserve_bytes=device.reserve_bytes,
-        weights_bytes=sum(p.weights_bytes for p in stored),
-        kv_cache_bytes=sum(p.kv_cache_bytes for p in executed),
-        workspace_bytes=peak.workspace_bytes if peak else 0,
-        stream_buffer_bytes=peak.stream_buffer_bytes if peak else 0,
-        other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed),
-    )
-
-
-_ADVICE = {
-    "gpu": "raise max_memory, add 'cpu'/'disk' to the devices, or reduce the batch or context",
-    "cpu": "raise the CPU's max_memory, add 'disk' to the devices, or reduce the batch or context",
-    "disk": "free disk space or point the offload folder at a larger disk",
-}
-
-
-def _violation(memory: DeviceMemory, workload: Workload) -> Violation:
-    need, has = memory.used_bytes, memory.capacity_bytes
-    parts = [("weights", memory.weights_bytes),
-             (f"KV cache for batch {workload.batch_size} x {workload.context_len} tokens", memory.kv_cache_bytes),
-             (f"activation workspace for {workload.batch_size} x {workload.prompt_len} prompt tokens",
-              memory.workspace_bytes),
-             ("stream buffer", memory.stream_buffer_bytes),
-             ("gradients, optimizer states and saved activations" if workload.training else "other",
-              memory.other_bytes)]
-    split = ", ".join(f"{label} {format_bytes(n)}" for label, n in parts if n > 0)
-    kind = "gpu" if memory.device.startswith("cuda:") else memory.device
-    message = (f"{memory.device} needs {format_bytes(need)}, has {format_bytes(has)} "
-               f"({format_bytes(need - has)} short): {split}: {_ADVICE[kind]}")
-    return Violation(device=memory.device, needed_bytes=need, capacity_bytes=has, message=message)

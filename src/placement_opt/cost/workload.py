@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._units import format_bytes
+from ..units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .devices import Device
-    from .graph import LayerGraph, UnitInfo
+    from ..hardware.devices import Device
+    from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = [
     "Workload",

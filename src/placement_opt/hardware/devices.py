@@ -5,31 +5,27 @@ speeds; a :class:`Machine` is a set of devices plus the links between them. Spee
 come from a datasheet preset, a profile measured on this machine
 (:func:`placement_opt.profile`), or the user; measured figures win.
 
-Everywhere a machine is expected, :func:`as_machine` also accepts a list of devices or
-names, an accelerate-style ``max_memory`` dict, or a spec string such as
-``"cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk"``.
+No I/O here: :mod:`.detect` asks this machine for capacities, and :mod:`.resolve` turns what a
+user calls a machine (a list of devices or names, an accelerate-style ``max_memory`` dict, a spec
+string such as ``"cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk"``) into a :class:`Machine`.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._units import GIB, MIB, format_bytes, parse_size
+from ..units import GIB, MIB, format_bytes, parse_size
 
 __all__ = [
     "Device",
     "Machine",
     "DevicePreset",
     "PRESETS",
-    "as_machine",
-    "parse_device_spec",
     "normalize_device_name",
     "DEFAULT_GPU_RESERVE_BYTES",
-    "detect_device",
     "replace_device",
 ]
 
@@ -449,123 +445,6 @@ def _gpu_index(name: str) -> int:
     return int(name.split(":")[1]) if name.startswith("cuda:") else 0
 
 
-def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
-    """Parse ``"cuda:0=a100-40gb,cuda:1=rtx-4090/20GiB,cpu=256GiB,disk"`` into a :class:`Machine`.
-
-    Each comma-separated item is ``NAME[=VALUE[/VALUE]]`` where a VALUE is a preset key or a
-    size. A bare name is detected on this machine.
-
-    Raises:
-        ValueError: an item is malformed; the message names it and shows the accepted forms.
-    """
-    devices = []
-    for item in (part.strip() for part in spec.split(",")):
-        if not item:
-            continue
-        name, _, rest = item.partition("=")
-        canonical = normalize_device_name(name)
-        preset_key, size = None, None
-        for token in (t.strip() for t in rest.split("/") if t.strip()):
-            if token.lower() in PRESETS:
-                preset_key = token.lower()
-            else:
-                try:
-                    size = parse_size(token, what=f"size of {canonical}")
-                except ValueError:
-                    raise ValueError(
-                        f"device spec item {item!r}: {token!r} is neither a preset nor a size. "
-                        f"Write NAME=PRESET, NAME=SIZE or NAME=PRESET/SIZE, e.g. 'cuda:0=a100-40gb', "
-                        f"'cpu=256GiB'; presets: {', '.join(sorted(PRESETS))}"
-                    ) from None
-        if preset_key:
-            devices.append(Device.preset(preset_key, name=canonical, memory=size, dtype=dtype))
-        elif size is not None:
-            devices.append(_with_default_speeds(canonical, size))
-        else:
-            devices.append(detect_device(canonical, dtype=dtype))
-    return Machine(devices)
-
-
 def _with_default_speeds(name: str, memory: int) -> Device:
     kind = _kind_of(name)
     return Device.preset(DEFAULT_PRESET[kind], name=name, memory=memory)
-
-
-def detect_device(name: str | int, *, dtype: str = "float16") -> Device:
-    """Capacity of ``name`` on this machine; speeds from the saved profile when there is one.
-
-    GPUs need torch with CUDA; the CPU's capacity is the RAM available now; the disk's is the
-    free space of the current directory. ``dtype`` picks which measured FLOP/s the device carries.
-    """
-    canonical = normalize_device_name(name)
-    from .profile import saved_device  # local import: profile may import torch
-
-    measured = saved_device(canonical, dtype=dtype)
-    kind = _kind_of(canonical)
-    if kind == "cpu":
-        import psutil
-
-        capacity = int(psutil.virtual_memory().available * 0.9)
-    elif kind == "disk":
-        capacity = shutil.disk_usage(".").free
-    else:
-        capacity = _cuda_capacity(canonical)
-    if measured is not None:
-        return replace_device(measured, memory_bytes=capacity)
-    device = _with_default_speeds(canonical, capacity)
-    return replace_device(device, source=f"detected capacity, {device.source}")
-
-
-def _cuda_capacity(name: str) -> int:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    index = _gpu_index(name)
-    if torch is None or not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        count = 0 if torch is None or not torch.cuda.is_available() else torch.cuda.device_count()
-        raise ValueError(
-            f"{name} is not on this machine ({count} CUDA device(s) visible): describe it instead, "
-            f"e.g. '{name}=a100-40gb' or Device.preset('a100-40gb', name='{name}')"
-        )
-    free, _total = torch.cuda.mem_get_info(index)
-    return int(free)
-
-
-def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
-    """Coerce anything a user may call a machine into a :class:`Machine`.
-
-    Accepts a ``Machine``; a list of ``Device``s and/or names (names are detected locally);
-    an accelerate ``max_memory`` dict (``{0: "20GiB", "cpu": "64GiB"}``; GPUs get the default
-    GPU preset's speeds unless this machine has them); or a spec string for
-    :func:`parse_device_spec`.
-
-    Raises:
-        ValueError: the value is none of these; the message shows the accepted forms.
-    """
-    if isinstance(devices, Machine):
-        return devices
-    if isinstance(devices, Device):
-        return Machine([devices])
-    if isinstance(devices, str):
-        return parse_device_spec(devices, dtype=dtype)
-    if isinstance(devices, Mapping):
-        return _from_max_memory(devices)
-    if isinstance(devices, Iterable):
-        return Machine([d if isinstance(d, Device) else detect_device(d, dtype=dtype) for d in devices])
-    raise ValueError(
-        f"devices={devices!r} is not a machine: pass a Machine, a list like ['cuda:0', 'cpu', 'disk'], "
-        f"a max_memory dict like {{0: '20GiB', 'cpu': '64GiB'}}, or a spec like 'cuda:0=a100-40gb,cpu=64GiB'"
-    )
-
-
-def _from_max_memory(max_memory: Mapping[Any, Any]) -> Machine:
-    devices = []
-    for key, value in max_memory.items():
-        name = normalize_device_name(key)
-        capacity = parse_size(value, what=f"max_memory[{key!r}]")
-        # The user's budget is what we may use: no reserve on top of it, as accelerate does.
-        devices.append(replace_device(_with_default_speeds(name, capacity), reserve_bytes=0,
-                                      source=f"max_memory, default speeds of {DEFAULT_PRESET[_kind_of(name)]}"))
-    return Machine(devices)
-

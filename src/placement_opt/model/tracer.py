@@ -1,8 +1,8 @@
-"""Turn a model into a :class:`~placement_opt.graph.LayerGraph`: ``trace(model) -> LayerGraph``.
+"""Turn a model into a :class:`~placement_opt.model.graph.LayerGraph`: ``trace(model) -> LayerGraph``.
 
 The model is never run on real data and its weights are never read or copied: models built from a
 config are built on the meta device, and a module given with real weights runs its one forward with
-every parameter and buffer swapped for a meta tensor (see :mod:`placement_opt._meta`, which records
+every parameter and buffer swapped for a meta tensor (see :mod:`placement_opt.model._recorder`, which records
 execution order, FLOPs and data flow per unit).
 
 Placement units are the instances of the model's no-split classes (``model._no_split_modules``, e.g.
@@ -49,8 +49,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import _meta
-from .errors import TraceError
+from ..errors import TraceError
+from . import _recorder
 from .graph import NODE_ATTRIBUTES, GraphMeta, LayerGraph
 
 __all__ = ["trace", "GRANULARITIES"]
@@ -87,7 +87,7 @@ def trace(
 
     Args:
         model: an ``nn.Module`` (weights on meta, CPU or any device), a ``transformers`` config, a preset
-            name of :mod:`placement_opt.models`, a path to a ``config.json`` or to a directory holding one,
+            name of :mod:`placement_opt.model.catalog`, a path to a ``config.json`` or to a directory holding one,
             or a Hugging Face model id (only its config is fetched).
         batch_size: batch of the traced forward.
         seq_len: tokens per sequence of the traced forward; ``flops_per_token`` is measured at this length.
@@ -161,9 +161,9 @@ def _as_config(model: Any) -> Any:
     if not isinstance(model, (str, os.PathLike)):
         raise TraceError(
             f"cannot trace a {type(model).__name__}: pass an nn.Module, a transformers config, a preset name "
-            f"of placement_opt.models, a config.json path or a model id")
+            f"of placement_opt.model.catalog, a config.json path or a model id")
     text = os.fspath(model)
-    from . import models
+    from . import catalog as models
 
     if text.strip().lower() in models.list_models():
         return models.model_config(text)
@@ -301,10 +301,10 @@ class _Context:
         return self.batch_size * self.seq_len
 
 
-def _meta_forward(ctx: _Context, example_inputs: Any) -> _meta.Record:
+def _meta_forward(ctx: _Context, example_inputs: Any) -> _recorder.Record:
     """Run the model once on meta tensors and record order, FLOPs and data flow per unit."""
     args, kwargs = _inputs(ctx, example_inputs)
-    return _meta.run(
+    return _recorder.run(
         ctx.module, ctx.units, args=args, kwargs=kwargs, dtype=ctx.override,
         containers={n for n in ctx.units if _is_container(ctx, n)},
         blocks={n for n in ctx.units if n and _is_block(ctx, n)},
@@ -346,7 +346,7 @@ def _experts_per_token(ctx: _Context, experts: nn.Module) -> int:
 # -- building the graph --------------------------------------------------------------------------------
 
 
-def _build_graph(ctx: _Context, record: _meta.Record | None) -> LayerGraph:
+def _build_graph(ctx: _Context, record: _recorder.Record | None) -> LayerGraph:
     names = list(ctx.units)
     order = [n for n in (record.order if record else []) if n in ctx.units]
     order += [n for n in names if n not in order]
@@ -380,7 +380,7 @@ def _build_graph(ctx: _Context, record: _meta.Record | None) -> LayerGraph:
     return graph
 
 
-def _node(ctx: _Context, record: _meta.Record | None, name: str, module_index: int, exec_index: int,
+def _node(ctx: _Context, record: _recorder.Record | None, name: str, module_index: int, exec_index: int,
           tied: list[tuple[str, ...]], first_owner: dict[str, str], attention: _AttentionFacts,
           encoder: set[str]) -> dict[str, Any]:
     module = ctx.units[name]
@@ -417,7 +417,7 @@ def _node(ctx: _Context, record: _meta.Record | None, name: str, module_index: i
     return attrs
 
 
-def _leaving_bytes(record: _meta.Record, name: str) -> int:
+def _leaving_bytes(record: _recorder.Record, name: str) -> int:
     """Bytes of the distinct tensors other units read from ``name``; all its outputs when none are read
     (the last unit's logits). Returned tensors nobody reads (eager attention probabilities) do not count."""
     read: dict[int, int] = {}
@@ -511,7 +511,7 @@ def _merge(sets: list[set[str]]) -> list[set[str]]:
     return merged
 
 
-def _add_edges(digraph: nx.DiGraph, ctx: _Context, record: _meta.Record | None, order: list[str],
+def _add_edges(digraph: nx.DiGraph, ctx: _Context, record: _recorder.Record | None, order: list[str],
                exec_index: Mapping[str, int]) -> int:
     """Data-flow edges (traced) or a chain in execution order (fallback); returns dropped back edges."""
     if record is None:
@@ -540,7 +540,7 @@ def _encoder_units(ctx: _Context) -> set[str]:
 
 def _moe(ctx: _Context, module: nn.Module, name: str) -> tuple[int, int, int]:
     """(experts, experts per token, bytes of expert weights) of a unit; zeros when it is not MoE."""
-    experts = [m for m in module.modules() if _meta.is_fused_experts(m)]
+    experts = [m for m in module.modules() if _recorder.is_fused_experts(m)]
     if not experts:
         lists = [m for n, m in module.named_modules() if n.endswith("experts") and isinstance(m, nn.ModuleList)]
         if not lists:
@@ -643,7 +643,7 @@ def _hidden_size(ctx: _Context) -> int:
     return linear.out_features if linear is not None else 1
 
 
-def _extra(ctx: _Context, record: _meta.Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
+def _extra(ctx: _Context, record: _recorder.Record | None, attention: _AttentionFacts, dropped: int) -> dict[str, Any]:
     config = ctx.config
     extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units),
                              "granularity": ctx.granularity, "kv_cache": attention.causal}

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import DispatchError
+from ..errors import DispatchError
+from ..plan import Plan
 from .offload import OffloadStore, SafetensorsFile
-from .plan import Plan
 
 __all__ = ["Slot", "collect_slots", "unit_of", "checkpoint_files", "checkpoint_index", "meta_model",
            "materialize", "needs_conversion"]

@@ -1,8 +1,9 @@
 """Run a Plan for real: put every unit's weights where the plan stores them and compute where it says.
 
-Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and :func:`load`, which
-builds the model on the meta device, solves, reads each weight straight to its device, then
-dispatches).
+Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and
+:func:`~.loader.load`, which builds the model on the meta device, solves, reads each weight
+straight to its device, then dispatches). The per-unit forward wrappers live in :mod:`._hooks`,
+the copies and prefetching of streamed weights in :mod:`._streamer`.
 
 What each unit gets, from its ``storage`` S and ``execution`` E:
 
@@ -31,169 +32,21 @@ attention unit computes (the cache creates each layer's tensors on the device of
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import (
-    Slot,
-    checkpoint_files,
-    checkpoint_index,
-    collect_slots,
-    materialize,
-    meta_model,
-    needs_conversion,
-    unit_of,
-)
-from .errors import DispatchError, PlacementError
+from ..errors import DispatchError, PlacementError
+from ..plan import Plan
+from ._hooks import _install_hooks
+from ._streamer import _Streamer, _torch_device, _Unit
+from .checkpoint import Slot, collect_slots, unit_of
 from .offload import OffloadStore, SafetensorsFile
-from .plan import Plan, UnitPlacement
 
-__all__ = ["dispatch", "load", "DispatchedModel", "unit_of"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Moving inputs and outputs
-# ---------------------------------------------------------------------------------------------
-def _move(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (through tuples, lists, dicts) on ``device``; same object if none moved."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        return obj.to(device, non_blocking=device.type == "cuda")
-    kind = type(obj)
-    if kind is tuple or kind is list:
-        moved = [_move(item, device) for item in obj]
-        return obj if all(a is b for a, b in zip(moved, obj, strict=True)) else kind(moved)
-    if kind is dict:
-        moved_items = {key: _move(value, device) for key, value in obj.items()}
-        return obj if all(moved_items[k] is v for k, v in obj.items()) else moved_items
-    return obj  # caches and other objects pass through: each layer keeps its part on its device
-
-
-def _move_output(obj: Any, device: torch.device) -> Any:
-    """Like :func:`_move`, also through ``ModelOutput`` (a mapping whose items are attributes too)."""
-    if isinstance(obj, Mapping) and type(obj) is not dict:
-        for key, value in list(obj.items()):
-            moved = _move(value, device)
-            if moved is not value:
-                obj[key] = moved
-        return obj
-    return _move(obj, device)
-
-
-def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.device | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Bookkeeping of weights
-# ---------------------------------------------------------------------------------------------
-def _torch_device(name: str) -> torch.device:
-    return torch.device(name)
-
-
-@dataclass(eq=False)
-class _Unit:
-    placement: UnitPlacement
-    module: nn.Module
-    execution: torch.device
-    slots: list[Slot] = field(default_factory=list)
-    """Tensors this unit owns (their first name is under it): placed on its storage."""
-    uses: list[Slot] = field(default_factory=list)
-    """Tensors its modules reference (owned or tied to another unit's): swapped when streamed."""
-    kind: str = "resident"
-    """``resident``, ``mmap`` (disk, CPU-executed, zero-copy) or ``stream``."""
-    disk: list[tuple[SafetensorsFile, str]] = field(default_factory=list)
-    next_unit: _Unit | None = None
-    """The unit to prefetch when this one starts (``stream`` mode)."""
-
-    @property
-    def name(self) -> str:
-        return self.placement.unit
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Streaming
-# ---------------------------------------------------------------------------------------------
-class _Streamer:
-    """Copies streamed units' weights to their execution device; prefetches the next one."""
-
-    def __init__(self) -> None:
-        self.pool: ThreadPoolExecutor | None = None
-        self.side_streams: dict[torch.device, Any] = {}
-        self.inflight: dict[int, Future[tuple[list[torch.Tensor], Any]]] = {}
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement_opt-prefetch")
-        return self.pool
-
-    def _side(self, device: torch.device) -> Any:
-        if device not in self.side_streams:
-            self.side_streams[device] = torch.cuda.Stream(device)
-        return self.side_streams[device]
-
-    def _copy(self, unit: _Unit, side: bool) -> tuple[list[torch.Tensor], Any]:
-        """Copy every stored tensor of ``unit`` to its execution device (on a side stream if asked)."""
-        device = unit.execution
-        if device.type != "cuda":
-            return [slot.stored.to(device, copy=True) for slot in unit.uses], None
-        sources = []
-        for slot in unit.uses:
-            src = slot.stored
-            if not src.is_pinned() and src.device.type == "cpu":
-                # disk (memory map) or pageable memory: stage through pinned memory, read in this thread
-                src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
-            sources.append(src)
-        if not side:
-            return [src.to(device, non_blocking=False) for src in sources], None
-        stream = self._side(device)
-        with torch.cuda.stream(stream):
-            out = [src.to(device, non_blocking=True) for src in sources]
-            event = torch.cuda.Event()
-            event.record(stream)
-        return out, event
-
-    def start(self, unit: _Unit) -> None:
-        """Begin fetching ``unit``'s weights in the background unless that is under way.
-
-        Disk reads and GPU copies run in the prefetch thread (GPU copies on a side stream);
-        a CPU-to-CPU copy gains nothing from running early and is made when taken.
-        """
-        if id(unit) not in self.inflight and (unit.disk or unit.execution.type == "cuda"):
-            self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.execution.type == "cuda")
-
-    def take(self, unit: _Unit) -> list[torch.Tensor]:
-        """The unit's weights on its device: the prefetched ones, or copied now."""
-        future = self.inflight.pop(id(unit), None)
-        tensors, event = future.result() if future is not None else self._copy(unit, side=False)
-        if unit.execution.type == "cuda":
-            stream = torch.cuda.current_stream(unit.execution)
-            if event is not None:
-                stream.wait_event(event)
-            for tensor in tensors:
-                tensor.record_stream(stream)
-        return tensors
-
-    def close(self) -> None:
-        for future in self.inflight.values():
-            future.result()
-        self.inflight.clear()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
+__all__ = ["dispatch", "DispatchedModel"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +220,8 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
 
 def _check_rank(plan: Plan) -> None:
     """In a distributed run, a plan may use this rank's GPU only (the framework owns the others)."""
-    from .runtime import check_no_cross_rank_split, detect_context
+    from ..distributed.context import detect_context
+    from ..distributed.ranks import check_no_cross_rank_split
 
     try:
         check_no_cross_rank_split(plan, detect_context())
@@ -488,178 +342,3 @@ def _link_prefetch(units: list[_Unit]) -> None:
         for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
             if unit.placement.mode == "stream" and following is not unit:
                 unit.next_unit = following
-
-
-# ---------------------------------------------------------------------------------------------
-# Hooks
-# ---------------------------------------------------------------------------------------------
-def _install_hooks(model: nn.Module, units: list[_Unit], streamer: _Streamer,
-                   move_inputs: bool | None) -> dict[nn.Module, tuple[bool, Any]]:
-    """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices."""
-    hooked: dict[nn.Module, tuple[bool, Any]] = {}
-    if move_inputs is None:
-        move_inputs = len({u.execution for u in units}) > 1
-    for unit in units:
-        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs=move_inputs)
-        if wrapper is not None:
-            _wrap(unit.module, wrapper, hooked)
-    main = units[0].execution if units else torch.device("cpu")
-    if model not in hooked:
-        _wrap(model, _entry_forward(model.forward, main), hooked)
-    encoder = _separately_called_encoder(model, units)
-    if encoder is not None and encoder not in hooked:
-        _wrap(encoder, _entry_forward(encoder.forward, _first_execution(encoder, model, units, main)), hooked)
-    return hooked
-
-
-def _wrap(module: nn.Module, wrapper: Callable[..., Any], hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
-    had_own = "forward" in module.__dict__
-    hooked[module] = (had_own, module.__dict__.get("forward"))
-    module.forward = wrapper
-
-
-def _separately_called_encoder(model: nn.Module, units: list[_Unit]) -> nn.Module | None:
-    """``generate()`` of encoder-decoder models calls ``model.get_encoder()`` directly."""
-    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return None
-    get_encoder = getattr(model, "get_encoder", None)
-    encoder = get_encoder() if callable(get_encoder) else None
-    return encoder if isinstance(encoder, nn.Module) and encoder is not model else None
-
-
-def _first_execution(sub: nn.Module, model: nn.Module, units: list[_Unit], default: torch.device) -> torch.device:
-    prefix = next((name for name, m in model.named_modules() if m is sub), None)
-    for unit in units:
-        if prefix is not None and (unit.name == prefix or unit.name.startswith(prefix + ".")):
-            return unit.execution
-    return default
-
-
-def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[..., Any]:
-    """The model's forward: inputs to the first unit's device, outputs back to the caller's."""
-
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        caller = _first_device(args, kwargs)
-        if caller is None or caller == main:
-            return forward(*[_move(a, main) for a in args], **{k: _move(v, main) for k, v in kwargs.items()})
-        out = forward(*[_move(a, main) for a in args], **{k: _move(v, main) for k, v in kwargs.items()})
-        return _move_output(out, caller)
-
-    return functools.wraps(forward)(entry)
-
-
-def _unit_forward(unit: _Unit, forward: Callable[..., Any], streamer: _Streamer,
-                  move_inputs: bool) -> Callable[..., Any] | None:
-    """The wrapped forward of one unit, or None when the unit needs no per-call work."""
-    device = unit.execution
-    following = unit.next_unit
-    if unit.kind == "stream":
-        slots = unit.uses
-
-        def streamed(*args: Any, **kwargs: Any) -> Any:
-            weights = streamer.take(unit)
-            if following is not None:
-                streamer.start(following)
-            for slot, data in zip(slots, weights, strict=True):
-                slot.tensor.data = data
-            try:
-                if move_inputs:
-                    args = tuple(_move(a, device) for a in args)
-                    kwargs = {k: _move(v, device) for k, v in kwargs.items()}
-                return forward(*args, **kwargs)
-            finally:
-                for slot in slots:
-                    slot.tensor.data = slot.stored
-
-        return functools.wraps(forward)(streamed)
-    if unit.kind == "mmap" and following is not None:
-        ahead = [(file, key) for file, key in following.disk]
-
-        def mapped(*args: Any, **kwargs: Any) -> Any:
-            for file, key in ahead:
-                file.prefetch((key,))
-            if move_inputs:
-                args = tuple(_move(a, device) for a in args)
-                kwargs = {k: _move(v, device) for k, v in kwargs.items()}
-            return forward(*args, **kwargs)
-
-        return functools.wraps(forward)(mapped)
-    if not move_inputs:
-        return None
-
-    def moved(*args: Any, **kwargs: Any) -> Any:
-        return forward(*[_move(a, device) for a in args], **{k: _move(v, device) for k, v in kwargs.items()})
-
-    return functools.wraps(forward)(moved)
-
-
-# ---------------------------------------------------------------------------------------------
-# load
-# ---------------------------------------------------------------------------------------------
-def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
-         workload: Any = None, dtype: torch.dtype | str | None = None,
-         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None) -> DispatchedModel:
-    """Build a model on the meta device, solve its placement, read every weight straight to its place.
-
-    Each tensor goes from the checkpoint's safetensors files straight to its storage device:
-    GPU tensors are read one by one through pinned memory; CPU- and disk-stored tensors in the
-    checkpoint's dtype are views of the memory-mapped shards (zero copy, copy-on-write; CPU ones
-    are read ahead at once, disk ones when first used); other dtypes are read and cast one
-    tensor at a time. The whole model is never in RAM twice, and disk units never enter it.
-
-    Example::
-
-        handle = placement_opt.load("out/my-llama", ["cuda:0", "cpu", "disk"], dtype="float16")
-        tokens = handle.generate(input_ids, max_new_tokens=32)
-
-    Args:
-        model_id_or_path: a local directory written by ``save_pretrained`` (``config.json`` and
-            ``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
-        devices: anything :func:`placement_opt.solve` accepts (``["cuda:0", "cpu", "disk"]``,
-            a ``Machine``, a ``max_memory`` dict); ignored when ``plan`` is given.
-        objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
-        workload: the :class:`~placement_opt.workload.Workload` to optimise for.
-        dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
-            dtype differs are converted once into ``offload_dir``.
-        offload_dir: where converted disk weights go (only needed in that case).
-        plan: a plan to use instead of solving.
-
-    Returns:
-        A :class:`DispatchedModel` in eval mode.
-
-    Raises:
-        DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
-            is missing from it.
-    """
-    root = Path(model_id_or_path)
-    files = checkpoint_files(root)
-    model = meta_model(root, dtype)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # before reading, so tied names share one tensor and are read once
-    if plan is None:
-        from .solve import solve  # written by the solver stage
-
-        plan = solve(model, devices, objective=objective, workload=workload)
-    sources = checkpoint_index(files)
-    if needs_conversion(model, sources):
-        return _load_converted(root, model, plan, offload_dir)
-    disk_sources = materialize(model, plan, sources, offload_dir)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    model.eval()
-    return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
-
-
-def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
-    """Checkpoints in an older layout (MoE experts one tensor each, fused by transformers at load):
-    transformers reads and converts them into RAM, then the plan is applied (disk units are
-    written once to ``offload_dir``)."""
-    if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
-        raise DispatchError(
-            f"{root} stores weights in a layout transformers converts at load time ({type(skeleton).__name__}), "
-            f"so they cannot be mapped from the checkpoint: pass offload_dir='some/dir' for the disk units"
-        )
-    dtype = next(iter(skeleton.parameters())).dtype
-    model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
-    return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
-

@@ -1,6 +1,6 @@
 """Disk storage for weights: safetensors files read through memory maps, written atomically.
 
-Used by :mod:`placement_opt.dispatch` for units whose plan stores them on ``"disk"``. Two
+Used by :mod:`placement_opt.runtime.dispatcher` for units whose plan stores them on ``"disk"``. Two
 sources of files:
 
 * the model's own checkpoint shards (:func:`placement_opt.load` reads them in place), and
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import DispatchError
+from ..errors import DispatchError
 
 __all__ = ["SafetensorsFile", "OffloadStore", "TensorSpan", "MANIFEST_NAME", "DTYPES"]
 

@@ -1,6 +1,6 @@
 """The CP-SAT placement model: one option per unit, every capacity, the cost model's objective.
 
-Stage 4 of the data flow, torch-free: it reads a :class:`~placement_opt.problem.PlacementProblem`
+Stage 4 of the data flow, torch-free: it reads a :class:`~placement_opt.solver.problem.PlacementProblem`
 (plain integers) and returns a :class:`Solution` (one option index per unit). The model reads
 like the OR-Tools samples: data, variables, constraints, objective, solve, read the solution.
 
@@ -40,14 +40,8 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from ._reductions import (
-    canonical_hint,
-    coarsen,
-    coarsen_groups,
-    prefer_resident,
-    symmetric_segments,
-)
 from .problem import PlacementOption, PlacementProblem, UnitSpec
+from .reductions import canonical_hint, coarsen, coarsen_groups, prefer_resident, symmetric_segments
 
 __all__ = [
     "Solution",

@@ -1,7 +1,7 @@
 """The greedy strategies users know from ``device_map="sequential" | "balanced" | "balanced_low_0"``.
 
 Torch-free re-implementations of what transformers 5 / accelerate do with those strings, working on
-a :class:`~placement_opt.graph.LayerGraph` (unit names give the module tree, ``param_bytes +
+a :class:`~placement_opt.model.graph.LayerGraph` (unit names give the module tree, ``param_bytes +
 buffer_bytes`` the sizes, ``module_index`` the registration order) and a :class:`Machine` (its usable
 capacities are the ``max_memory``). They are the baselines every plan is compared with, and the
 warm starts of the CP-SAT model.
@@ -23,7 +23,7 @@ The semantics, in three small steps:
 
 Known differences from the library: units are never split below the placement unit (accelerate may
 split a container module that the tracer kept whole), and the largest "leaf" is taken as the largest
-unit that is not a no-split block. :func:`accelerate_device_map` calls the installed library itself.
+unit that is not a no-split block. :func:`placement_opt.cost.device_map.accelerate_device_map` calls the installed library itself.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 from .problem import PlacementProblem
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .devices import Machine
-    from .graph import LayerGraph
+    from ..hardware.devices import Machine
+    from ..model.graph import LayerGraph
 
 __all__ = [
     "STRATEGIES",
@@ -44,7 +44,6 @@ __all__ = [
     "fill_device_map",
     "baseline_storage",
     "choice_from_storage",
-    "accelerate_device_map",
 ]
 
 #: The device_map strings re-implemented here.
@@ -253,54 +252,3 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
         choice.append(min(pool, key=lambda i: (rank[u.options[i].mode],
                                                u.options[i].prefill_ns + u.options[i].decode_ns)))
     return choice
-
-
-def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], strategy: str = "auto") -> dict:
-    """The device_map the installed transformers/accelerate compute (``from_pretrained``'s path), on meta.
-
-    Example::
-
-        accelerate_device_map(LlamaConfig(...), {0: "20GiB", "cpu": "64GiB"}, "balanced_low_0")
-
-    Args:
-        model_or_config: a ``PreTrainedModel`` (any device, meta included) or a ``PretrainedConfig``
-            (built with ``AutoModelForCausalLM.from_config`` on meta; other auto classes are tried).
-        max_memory: accelerate's ``max_memory`` dict.
-        strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
-
-    Raises:
-        ValueError: a bare LayerGraph or anything else that is not a transformers model or config.
-    """
-    accepted = ("auto", *STRATEGIES)
-    if strategy not in accepted:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
-    model = _meta_model(model_or_config)
-    from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
-
-    return dict(_get_device_map(model, strategy, dict(max_memory), None))
-
-
-def _meta_model(model_or_config: Any) -> Any:
-    """A transformers model on the meta device from a model or a config."""
-    try:
-        from transformers import PretrainedConfig, PreTrainedModel
-    except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise ValueError("strategy='accelerate' needs transformers installed") from exc
-    if isinstance(model_or_config, PreTrainedModel):
-        return model_or_config
-    if not isinstance(model_or_config, PretrainedConfig):
-        raise ValueError(
-            f"strategy='accelerate' runs the installed library on the model itself, so it needs a "
-            f"transformers model or config, not a {type(model_or_config).__name__}: pass the model "
-            f"(or its config) to solve(), or use strategy='balanced' on a LayerGraph")
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    errors = []
-    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel):
-        try:
-            with torch.device("meta"):
-                return auto.from_config(model_or_config)
-        except ValueError as exc:
-            errors.append(str(exc).splitlines()[0])
-    raise ValueError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")

@@ -1,0 +1,171 @@
+"""Every strategy priced side by side: placement_opt's plan, the greedy baselines, and the installed accelerate.
+
+:func:`compare_strategies` solves one problem with each strategy and returns a
+:class:`StrategyOutcome` per strategy (its plan, or why it produced none); the ``placement-opt
+compare`` command only renders them (:mod:`placement_opt.cli.tables`, :mod:`placement_opt.cli.pictures`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cost.workload import Workload
+    from .hardware.devices import Machine
+    from .plan import Plan
+
+__all__ = ["STRATEGIES", "StrategyOutcome", "compare_strategies", "objective_value"]
+
+#: Every strategy ``compare`` runs, in display order.
+STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
+
+
+def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
+           time_limit_s: float | None, source: Any = None) -> Plan:
+    """``solve`` on the traced graph; ``accelerate`` asks the installed library with ``source``."""
+    if strategy == "accelerate":
+        return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
+    from .planner import solve
+
+    kwargs: dict[str, Any] = {"workload": workload, "strategy": strategy}
+    if time_limit_s is not None:
+        kwargs["time_limit_s"] = time_limit_s
+    return solve(graph, machine, objective, **kwargs)
+
+
+def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: str,
+                     workload: Workload) -> Plan:
+    """The installed transformers' ``device_map="auto"``, scored with accelerate's run-time semantics.
+
+    Same as ``solve(source, strategy="accelerate")`` but reuses the traced graph instead of
+    tracing the model again (seconds for a 70B model).
+    """
+    import contextlib
+    import io
+    import logging
+
+    from .cost.device_map import accelerate_device_map
+    from .cost.evaluate import evaluate
+    from .errors import PlacementError
+    from .plan import Plan, UnitPlacement
+
+    if source is None:
+        raise PlacementError("strategy 'accelerate' needs the model's config, not only its graph")
+    started = time.perf_counter()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # accelerate warns that preset GPUs are absent from this machine
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            device_map = accelerate_device_map(source, machine.max_memory, "auto")
+    finally:
+        logging.disable(previous)
+    cost = evaluate(device_map, graph, machine, workload)
+    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
+                       for u in cost.units)
+    draft = Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective,
+                 strategy="accelerate", placements=placements, machine=machine, workload=workload,
+                 cost=cost, status="GREEDY", objective_value=0.0, best_bound=0.0, gap=0.0,
+                 solve_time_s=time.perf_counter() - started,
+                 notes=("device_map='auto' of the installed transformers/accelerate, run as accelerate "
+                        "runs it (cpu/disk units copied to the first GPU synchronously at every forward)",
+                        *(f"does not fit: {v.message}" for v in cost.violations)),
+                 extra={"device_map": {k: v for k, v in device_map.items()}})
+    from dataclasses import replace
+
+    value = objective_value(draft, objective)
+    return replace(draft, objective_value=value, gap=1.0 if value > 0 else 0.0)  # as solve()'s baselines
+
+
+def compare_strategies(
+    graph: Any,
+    machine: Any,
+    *,
+    objective: str = "latency",
+    workload: Workload | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    time_limit_s: float | None = None,
+    source: Any = None,
+) -> list[StrategyOutcome]:
+    """Solve the same problem with every strategy and return one outcome per strategy.
+
+    A strategy that raises (infeasible, or the installed library refuses) gets an outcome
+    with ``error`` set instead of a plan, so one failure never hides the others.
+
+    Example::
+
+        config = models.model_config("llama-2-7b")
+        graph = placement_opt.trace(config)
+        for o in compare_strategies(graph, "cuda:0=t4,cpu=64GiB,disk", source=config):
+            print(o.strategy, o.fits, o.total_s)
+
+    Args:
+        graph: the traced :class:`~placement_opt.model.graph.LayerGraph`.
+        machine: a ``Machine`` or anything :func:`~placement_opt.hardware.resolve.as_machine` accepts.
+        objective: ``"latency"``, ``"throughput"`` or ``"memory"``.
+        workload: default ``Workload()``.
+        strategies: which strategies, in display order (default :data:`STRATEGIES`).
+        time_limit_s: CP-SAT's time limit (default: ``solve``'s).
+        source: the transformers config or model the graph was traced from; needed by the
+            ``accelerate`` strategy (the installed library computes its map from the model).
+
+    Returns:
+        One :class:`StrategyOutcome` per strategy, in order.
+    """
+    from .cost.workload import Workload
+    from .errors import PlacementError
+    from .hardware.resolve import as_machine
+
+    machine = as_machine(machine, dtype=graph.meta.dtype)
+    workload = workload or Workload()
+    outcomes = []
+    for strategy in strategies:
+        try:
+            plan = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
+                          time_limit_s=time_limit_s, source=source)
+        except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
+            outcomes.append(StrategyOutcome(strategy=strategy, error=_one_line(exc)))
+        else:
+            outcomes.append(StrategyOutcome(strategy=strategy, plan=plan))
+    return outcomes
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOutcome:
+    """One strategy's result in a comparison: its plan, or why it produced none."""
+
+    strategy: str
+    plan: Plan | None = None
+    """The plan (also for a baseline that runs out of memory: its cost lists the violations)."""
+    error: str = ""
+    """Why there is no plan (e.g. the solver proved the problem infeasible)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.plan.cost.fits
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.plan is None else self.plan.cost.total_s
+
+
+def objective_value(plan: Plan, objective: str) -> float:
+    """The number ``objective`` minimises, read off a plan's cost (lower is better).
+
+    ``latency``: prefill + decode seconds; ``throughput``: the slowest device's total work
+    (seconds); ``memory``: bytes used on GPUs (all devices when the machine has no GPU).
+    """
+    cost = plan.cost
+    if objective == "throughput":
+        return max(cost.stage_s.values(), default=0.0)
+    if objective == "memory":
+        gpus = [m for m in cost.memory if m.device.startswith("cuda:")] or list(cost.memory)
+        return float(sum(m.used_bytes for m in gpus))
+    return cost.total_s

@@ -1,0 +1,159 @@
+"""accelerate ``device_map``s: placements with accelerate's run-time semantics, and the installed library's own map.
+
+Keys may be coarser (prefixes) or finer (submodules) than units; :func:`_placements` also reads a
+placement_opt ``Plan``. :func:`accelerate_device_map` asks the installed transformers/accelerate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..hardware.devices import Machine, normalize_device_name
+from ..model.graph import covering_key, keys_below
+from ..solver.greedy import STRATEGIES
+from .build import _few
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..model.graph import LayerGraph
+
+__all__ = ["accelerate_device_map"]
+
+
+def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, Any]:
+    """Value per unit from keys that may be coarser (prefixes) or finer (submodules) than units.
+
+    A coarser key covers every unit under it (the longest key wins). A unit split by finer keys
+    gets the value that holds most of its parameters (each parameter follows its longest matching
+    key; ties go to the earliest key in the map): a plan scores whole units.
+    """
+    order = {k: i for i, k in enumerate(entries)}
+    below = keys_below(entries)
+    resolved: dict[str, Any] = {}
+    missing = []
+    for unit in graph.units():
+        finer = below.get(unit.name)
+        if finer:
+            resolved[unit.name] = _vote(entries, order, unit.param_names, finer[0])
+            continue
+        covering = covering_key(unit.name, entries)
+        if covering is None:
+            missing.append(unit.name)
+        else:
+            resolved[unit.name] = entries[covering]
+    if missing:
+        raise ValueError(f"the device map places no entry for units {_few(missing)}: add them or a "
+                         f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
+    return resolved
+
+
+def _vote(entries: Mapping[str, Any], order: Mapping[str, int], param_names: Sequence[str], fallback: str) -> Any:
+    """The value holding most of a unit's parameters (ties: the earliest key in the map)."""
+    votes: Counter[str] = Counter()
+    for param in param_names:
+        key = covering_key(param, entries)
+        if key is not None:
+            votes[key] += 1
+    if not votes:
+        votes[fallback] = 1
+    by_value: Counter[Any] = Counter()
+    first: dict[Any, int] = {}
+    for key, count in votes.items():
+        by_value[entries[key]] += count
+        first[entries[key]] = min(first.get(entries[key], len(order)), order[key])
+    return max(by_value, key=lambda v: (by_value[v], -first[v]))
+
+
+def _device_of(value: Any, machine: Machine, key: str) -> str:
+    name = normalize_device_name(str(value) if not isinstance(value, int) else value)
+    if name not in machine:
+        raise ValueError(f"device map entry {key!r} -> {value!r}: {name} is not in the machine "
+                         f"({', '.join(machine.names)}); add it to the machine or change the map")
+    return name
+
+
+def _placements_from_device_map(device_map: Mapping[str, Any], graph: LayerGraph,
+                                machine: Machine) -> dict[str, tuple[str, str, str]]:
+    """accelerate's run-time semantics: cpu/disk entries run on the main GPU with synchronous copies.
+
+    The main device is the first GPU among the map's values (accelerate's ``dispatch_model``);
+    with no GPU in the map, ``cpu`` entries compute on the CPU and ``disk`` entries are read to it.
+    """
+    storage = {k: _device_of(v, machine, k) for k, v in device_map.items()}
+    main = next((d for d in storage.values() if d.startswith("cuda:")), None)
+    per_unit = _resolve_keys(storage, graph)
+    placements = {}
+    for unit, device in per_unit.items():
+        if device.startswith("cuda:"):
+            placements[unit] = (device, device, "resident")
+        elif main is not None:
+            placements[unit] = (device, main, "stream_sync")
+        elif device == "cpu":
+            placements[unit] = (device, device, "resident")
+        else:
+            placements[unit] = (device, "cpu", "stream_sync")
+    return placements
+
+
+def _placements(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[str, tuple[str, str, str]]:
+    placements = getattr(plan_or_map, "placements", None)
+    if placements is not None:
+        entries = {p.unit: (normalize_device_name(p.storage), normalize_device_name(p.execution), p.mode)
+                   for p in placements}
+        return _resolve_keys(entries, graph)
+    if isinstance(plan_or_map, Mapping):
+        return _placements_from_device_map(plan_or_map, graph, machine)
+    raise ValueError(f"cannot evaluate {type(plan_or_map).__name__}: pass a placement_opt Plan or an "
+                     f"accelerate device_map dict like {{'model.embed_tokens': 0, 'model.layers': 'cpu'}}")
+
+
+def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], strategy: str = "auto") -> dict:
+    """The device_map the installed transformers/accelerate compute (``from_pretrained``'s path), on meta.
+
+    Example::
+
+        accelerate_device_map(LlamaConfig(...), {0: "20GiB", "cpu": "64GiB"}, "balanced_low_0")
+
+    Args:
+        model_or_config: a ``PreTrainedModel`` (any device, meta included) or a ``PretrainedConfig``
+            (built with ``AutoModelForCausalLM.from_config`` on meta; other auto classes are tried).
+        max_memory: accelerate's ``max_memory`` dict.
+        strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+
+    Raises:
+        ValueError: a bare LayerGraph or anything else that is not a transformers model or config.
+    """
+    accepted = ("auto", *STRATEGIES)
+    if strategy not in accepted:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
+    model = _meta_model(model_or_config)
+    from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
+
+    return dict(_get_device_map(model, strategy, dict(max_memory), None))
+
+
+def _meta_model(model_or_config: Any) -> Any:
+    """A transformers model on the meta device from a model or a config."""
+    try:
+        from transformers import PretrainedConfig, PreTrainedModel
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ValueError("strategy='accelerate' needs transformers installed") from exc
+    if isinstance(model_or_config, PreTrainedModel):
+        return model_or_config
+    if not isinstance(model_or_config, PretrainedConfig):
+        raise ValueError(
+            f"strategy='accelerate' runs the installed library on the model itself, so it needs a "
+            f"transformers model or config, not a {type(model_or_config).__name__}: pass the model "
+            f"(or its config) to solve(), or use strategy='balanced' on a LayerGraph")
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    errors = []
+    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel):
+        try:
+            with torch.device("meta"):
+                return auto.from_config(model_or_config)
+        except ValueError as exc:
+            errors.append(str(exc).splitlines()[0])
+    raise ValueError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")

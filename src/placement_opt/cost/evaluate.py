@@ -1,0 +1,206 @@
+"""``evaluate()``: the price of any placement (a Plan or an accelerate ``device_map``) as a :class:`Cost`.
+
+Totals come from the same ``PlacementProblem.score`` the solvers minimise; the per-unit and
+per-device breakdowns and the violations come from :mod:`.pricing` and :mod:`.memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..hardware.devices import Machine
+from ..hardware.resolve import as_machine
+from ..solver.problem import MODES, PlacementOption, PlacementProblem
+from .build import _priced
+from .device_map import _placements
+from .memory import DeviceMemory, Violation, _device_memory, _violation
+from .pricing import NS_PER_S, _Parts
+from .workload import Workload
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..model.graph import LayerGraph
+
+__all__ = ["UnitCost", "Cost", "evaluate", "evaluator"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitCost:
+    """Where one unit sits and what it costs there."""
+
+    name: str
+    storage: str
+    execution: str
+    mode: str
+    prefill_s: float
+    """Time in the prefill, weight copies included."""
+    decode_s: float
+    """Time summed over every decode step."""
+    stored_bytes: int
+    resident_bytes: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    """The price of a placement: time per phase, memory per device, every capacity violation."""
+
+    workload: Workload
+    prefill_s: float
+    decode_s: float
+    transfer_s: float
+    """Activation transfers between devices, included in the phase times."""
+    stage_s: Mapping[str, float]
+    """Total work per execution device: the pipeline stage times."""
+    units: tuple[UnitCost, ...]
+    memory: tuple[DeviceMemory, ...]
+    violations: tuple[Violation, ...] = ()
+
+    @property
+    def total_s(self) -> float:
+        """Latency of the whole workload: prefill plus every decode step."""
+        return self.prefill_s + self.decode_s
+
+    @property
+    def fits(self) -> bool:
+        return not self.violations
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second over the decode phase (all sequences of the batch)."""
+        tokens = self.workload.batch_size * self.workload.new_tokens
+        return tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second, prefill included (what a user waits for)."""
+        tokens = self.workload.batch_size * max(self.workload.new_tokens, 1)
+        return tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def device_memory(self, device: str) -> DeviceMemory:
+        return next(m for m in self.memory if m.device == device)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stage_s"] = dict(self.stage_s)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cost:
+        return cls(
+            workload=Workload.from_dict(dict(data["workload"])),
+            prefill_s=float(data["prefill_s"]),
+            decode_s=float(data["decode_s"]),
+            transfer_s=float(data["transfer_s"]),
+            stage_s=dict(data["stage_s"]),
+            units=tuple(UnitCost(**u) for u in data["units"]),
+            memory=tuple(DeviceMemory(**m) for m in data["memory"]),
+            violations=tuple(Violation(**v) for v in data["violations"]),
+        )
+
+
+def _as_graph(model_or_graph: Any) -> LayerGraph:
+    from ..model.graph import LayerGraph
+
+    if isinstance(model_or_graph, LayerGraph):
+        return model_or_graph
+    from ..model.tracer import trace  # lazy: tracing imports torch
+
+    return trace(model_or_graph)
+
+
+def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str]]) -> list[int]:
+    choice = []
+    for unit in problem.units:
+        wanted = placements[unit.name]
+        keys = [(o.storage, o.execution, o.mode) for o in unit.options]
+        if wanted not in keys:
+            raise ValueError(f"unit {unit.name} is placed as storage={wanted[0]}, execution={wanted[1]}, "
+                             f"mode={wanted[2]}, which the cost model does not offer on this machine; "
+                             f"offered: {', '.join('/'.join(k) for k in keys)}")
+        choice.append(keys.index(wanted))
+    return choice
+
+
+def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
+             workload: Workload | None = None) -> Cost:
+    """Price any placement: a placement_opt ``Plan`` or a plain accelerate/transformers ``device_map``.
+
+    Example::
+
+        cost = evaluate({"model.embed_tokens": 0, "model.layers": "cpu", "lm_head": 0},
+                        graph, {0: "24GiB", "cpu": "64GiB"}, Workload(batch_size=4))
+        print(cost.total_s, [v.message for v in cost.violations])
+
+    Args:
+        plan_or_device_map: a ``Plan`` (its placements are used as they are) or a ``device_map``
+            whose keys are module prefixes coarser or finer than units and whose values are
+            ints, ``"cuda:N"``, ``"cpu"`` or ``"disk"``. A map is scored with accelerate's run-time
+            semantics: ``cpu``/``disk`` entries execute on the first GPU of the map with
+            synchronous copies, or on the CPU when the map has no GPU.
+        model_or_graph: a ``LayerGraph`` or anything :func:`placement_opt.trace` accepts.
+        machine: a ``Machine`` or anything :func:`as_machine` accepts.
+        workload: the workload; default the plan's own, else ``Workload()``.
+
+    Returns:
+        A :class:`Cost` whose totals equal ``build_problem(...).score(...)`` of the same assignment,
+        with per-unit and per-device breakdowns and every capacity violation.
+
+    Raises:
+        ValueError: a unit without an entry, a device the machine lacks, or a placement the cost
+            model does not offer; the message lists what is accepted.
+    """
+    graph = _as_graph(model_or_graph)
+    if workload is None:
+        workload = getattr(plan_or_device_map, "workload", None) or Workload()
+    return evaluator(graph, machine, workload)(plan_or_device_map)
+
+
+def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[Any], Cost]:
+    """:func:`evaluate` for one graph, machine and workload, pricing the options once for many plans.
+
+    Example::
+
+        score = evaluator(graph, machine, Workload())
+        costs = [score(device_map) for device_map in candidate_maps]
+    """
+    machine = as_machine(machine, dtype=graph.meta.dtype)
+    problem, parts = _priced(graph, machine, workload, MODES, None, False)
+
+    def score(plan_or_device_map: Any) -> Cost:
+        placements = _placements(plan_or_device_map, graph, machine)
+        return _cost(problem, parts, _choice(problem, placements), machine, workload)
+
+    return score
+
+
+def _cost(problem: PlacementProblem, parts: list[list[_Parts]], choice: list[int], machine: Machine,
+          workload: Workload) -> Cost:
+    score = problem.score(choice)
+    chosen = problem.options(choice)
+    chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
+    units = tuple(
+        UnitCost(name=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
+                 prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
+                 stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
+        for u, o in zip(problem.units, chosen, strict=True))
+    memory = tuple(_device_memory(d, chosen_parts) for d in machine.devices)
+    for m in memory:  # the split must add up to the one memory model
+        assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
+    violations = tuple(_violation(m, workload) for m in memory if m.free_bytes < 0)
+    return Cost(
+        workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
+        transfer_s=_transfer_ns(problem, chosen) / NS_PER_S,
+        stage_s={k: v / NS_PER_S for k, v in score.stage_ns.items()},
+        units=units, memory=memory, violations=violations)
+
+
+def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> int:
+    index = problem.index()
+    total = 0
+    for edge in problem.edges:
+        pair = (chosen[index[edge.src]].execution, chosen[index[edge.dst]].execution)
+        if pair[0] != pair[1]:
+            total += edge.prefill_ns.get(pair, 0) + edge.decode_ns.get(pair, 0)
+    return total

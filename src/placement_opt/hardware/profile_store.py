@@ -1,0 +1,104 @@
+"""The saved profile of this machine (JSON) and the measured :class:`~.devices.Device` it gives back.
+
+:func:`~.profiler.profile` writes it; :func:`saved_device` reads it for :func:`~.detect.detect_device`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .devices import Device, normalize_device_name
+
+__all__ = [
+    "saved_device",
+    "load_profile",
+    "profile_path",
+    "DEFAULT_PROFILE_PATH",
+    "PROFILE_ENV_VAR",
+    "PROFILE_SCHEMA_VERSION",
+    "PROFILED_DTYPES",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+PROFILE_ENV_VAR = "PLACEMENT_OPT_PROFILE"
+
+
+DEFAULT_PROFILE_PATH = Path.home() / ".cache" / "placement_opt" / "profile.json"
+
+
+#: Dtypes whose compute speed is measured (a Device carries the FLOP/s of one dtype).
+PROFILED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+
+def profile_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """Where the profile is read and written: ``path``, else ``$PLACEMENT_OPT_PROFILE``, else the default."""
+    if path is not None:
+        return Path(path)
+    env = os.environ.get(PROFILE_ENV_VAR)
+    return Path(env) if env else DEFAULT_PROFILE_PATH
+
+
+def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The saved profile as a dict, or None when there is none (or it has another schema version)."""
+    where = profile_path(path)
+    try:
+        data = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        return None
+    return data
+
+
+def _dtype_key(dtype: str) -> str:
+    key = str(dtype).replace("torch.", "")
+    return _ALIASES.get(key, key)
+
+
+def saved_device(name: str, *, dtype: str = "float16",
+                 path: str | os.PathLike[str] | None = None) -> Device | None:
+    """The measured figures of ``name`` from the saved profile of this machine, if any.
+
+    Args:
+        name: ``"cpu"``, ``"disk"`` or ``"cuda:N"``.
+        dtype: the model dtype whose compute speed the device should carry.
+        path: profile file; default :func:`profile_path`.
+
+    Returns:
+        A ``Device`` whose ``source`` starts with ``"measured"``, or None when nothing was measured.
+    """
+    data = load_profile(path)
+    if data is None:
+        return None
+    entry = data.get("measurements", {}).get(normalize_device_name(name))
+    if entry is None:
+        return None
+    return _device_from_measurement(normalize_device_name(name), entry, _dtype_key(dtype), data["created"])
+
+
+def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, created: str) -> Device:
+    source = f"measured {created[:10]}"
+    memory = int(entry["memory_bytes"])
+    if name == "disk":
+        # Offloaded weights are read through memory maps (placement_opt computes from them,
+        # accelerate copies out of them): the rate of that path, not of read() calls, is the figure.
+        rate = entry.get("mapped_read_bytes_per_s") or entry["sequential_read_bytes_per_s"]
+        return Device(name, memory, bandwidth=rate, source=source)
+    flops = entry["matmul_flops_per_s"].get(dtype) or entry["matmul_flops_per_s"]["float32"]
+    curves = entry.get("linear_flops_by_tokens", {})
+    curve = [tuple(p) for p in curves.get(dtype) or curves.get("float32") or ()]
+    if name == "cpu":
+        bandwidth = entry["matvec_bytes_per_s"].get(dtype) or entry["matvec_bytes_per_s"]["float32"]
+        return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source, flops_by_tokens=curve)
+    # CUDA path (not exercised on machines without a GPU)
+    return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
+                  host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
+                  source=source, flops_by_tokens=curve)

@@ -1,0 +1,153 @@
+"""The forward wrappers :func:`~.dispatcher.dispatch` installs: inputs to each unit's device, weights streamed in.
+
+A unit's forward is wrapped only when the plan executes units on more than one device (its
+inputs may need moving) or when its weights move per forward; the model's own forward is wrapped
+once to move the caller's inputs to the first unit's device and return outputs on the caller's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._streamer import _Streamer, _Unit
+
+__all__: list[str] = []
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (through tuples, lists, dicts) on ``device``; same object if none moved."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        return obj.to(device, non_blocking=device.type == "cuda")
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        moved = [_move(item, device) for item in obj]
+        return obj if all(a is b for a, b in zip(moved, obj, strict=True)) else kind(moved)
+    if kind is dict:
+        moved_items = {key: _move(value, device) for key, value in obj.items()}
+        return obj if all(moved_items[k] is v for k, v in obj.items()) else moved_items
+    return obj  # caches and other objects pass through: each layer keeps its part on its device
+
+
+def _move_output(obj: Any, device: torch.device) -> Any:
+    """Like :func:`_move`, also through ``ModelOutput`` (a mapping whose items are attributes too)."""
+    if isinstance(obj, Mapping) and type(obj) is not dict:
+        for key, value in list(obj.items()):
+            moved = _move(value, device)
+            if moved is not value:
+                obj[key] = moved
+        return obj
+    return _move(obj, device)
+
+
+def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.device | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _install_hooks(model: nn.Module, units: list[_Unit], streamer: _Streamer,
+                   move_inputs: bool | None) -> dict[nn.Module, tuple[bool, Any]]:
+    """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices."""
+    hooked: dict[nn.Module, tuple[bool, Any]] = {}
+    if move_inputs is None:
+        move_inputs = len({u.execution for u in units}) > 1
+    for unit in units:
+        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs=move_inputs)
+        if wrapper is not None:
+            _wrap(unit.module, wrapper, hooked)
+    main = units[0].execution if units else torch.device("cpu")
+    if model not in hooked:
+        _wrap(model, _entry_forward(model.forward, main), hooked)
+    encoder = _separately_called_encoder(model, units)
+    if encoder is not None and encoder not in hooked:
+        _wrap(encoder, _entry_forward(encoder.forward, _first_execution(encoder, model, units, main)), hooked)
+    return hooked
+
+
+def _wrap(module: nn.Module, wrapper: Callable[..., Any], hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
+    had_own = "forward" in module.__dict__
+    hooked[module] = (had_own, module.__dict__.get("forward"))
+    module.forward = wrapper
+
+
+def _separately_called_encoder(model: nn.Module, units: list[_Unit]) -> nn.Module | None:
+    """``generate()`` of encoder-decoder models calls ``model.get_encoder()`` directly."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    get_encoder = getattr(model, "get_encoder", None)
+    encoder = get_encoder() if callable(get_encoder) else None
+    return encoder if isinstance(encoder, nn.Module) and encoder is not model else None
+
+
+def _first_execution(sub: nn.Module, model: nn.Module, units: list[_Unit], default: torch.device) -> torch.device:
+    prefix = next((name for name, m in model.named_modules() if m is sub), None)
+    for unit in units:
+        if prefix is not None and (unit.name == prefix or unit.name.startswith(prefix + ".")):
+            return unit.execution
+    return default
+
+
+def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[..., Any]:
+    """The model's forward: inputs to the first unit's device, outputs back to the caller's."""
+
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        caller = _first_device(args, kwargs)
+        if caller is None or caller == main:
+            return forward(*[_move(a, main) for a in args], **{k: _move(v, main) for k, v in kwargs.items()})
+        out = forward(*[_move(a, main) for a in args], **{k: _move(v, main) for k, v in kwargs.items()})
+        return _move_output(out, caller)
+
+    return functools.wraps(forward)(entry)
+
+
+def _unit_forward(unit: _Unit, forward: Callable[..., Any], streamer: _Streamer,
+                  move_inputs: bool) -> Callable[..., Any] | None:
+    """The wrapped forward of one unit, or None when the unit needs no per-call work."""
+    device = unit.execution
+    following = unit.next_unit
+    if unit.kind == "stream":
+        slots = unit.uses
+
+        def streamed(*args: Any, **kwargs: Any) -> Any:
+            weights = streamer.take(unit)
+            if following is not None:
+                streamer.start(following)
+            for slot, data in zip(slots, weights, strict=True):
+                slot.tensor.data = data
+            try:
+                if move_inputs:
+                    args = tuple(_move(a, device) for a in args)
+                    kwargs = {k: _move(v, device) for k, v in kwargs.items()}
+                return forward(*args, **kwargs)
+            finally:
+                for slot in slots:
+                    slot.tensor.data = slot.stored
+
+        return functools.wraps(forward)(streamed)
+    if unit.kind == "mmap" and following is not None:
+        ahead = [(file, key) for file, key in following.disk]
+
+        def mapped(*args: Any, **kwargs: Any) -> Any:
+            for file, key in ahead:
+                file.prefetch((key,))
+            if move_inputs:
+                args = tuple(_move(a, device) for a in args)
+                kwargs = {k: _move(v, device) for k, v in kwargs.items()}
+            return forward(*args, **kwargs)
+
+        return functools.wraps(forward)(mapped)
+    if not move_inputs:
+        return None
+
+    def moved(*args: Any, **kwargs: Any) -> Any:
+        return forward(*[_move(a, device) for a in args], **{k: _move(v, device) for k, v in kwargs.items()})
+
+    return functools.wraps(forward)(moved)

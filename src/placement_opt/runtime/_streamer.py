@@ -1,0 +1,113 @@
+"""Streamed weights: each unit's bookkeeping, copies to the execution device, prefetching the next unit.
+
+Disk reads and GPU copies run in one background thread (GPU copies on a CUDA side stream, from
+pinned memory); :class:`_Streamer` hands the copied weights to the unit's forward (:mod:`._hooks`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import UnitPlacement
+from .checkpoint import Slot
+from .offload import SafetensorsFile
+
+__all__: list[str] = []
+
+
+def _torch_device(name: str) -> torch.device:
+    return torch.device(name)
+
+
+@dataclass(eq=False)
+class _Unit:
+    placement: UnitPlacement
+    module: nn.Module
+    execution: torch.device
+    slots: list[Slot] = field(default_factory=list)
+    """Tensors this unit owns (their first name is under it): placed on its storage."""
+    uses: list[Slot] = field(default_factory=list)
+    """Tensors its modules reference (owned or tied to another unit's): swapped when streamed."""
+    kind: str = "resident"
+    """``resident``, ``mmap`` (disk, CPU-executed, zero-copy) or ``stream``."""
+    disk: list[tuple[SafetensorsFile, str]] = field(default_factory=list)
+    next_unit: _Unit | None = None
+    """The unit to prefetch when this one starts (``stream`` mode)."""
+
+    @property
+    def name(self) -> str:
+        return self.placement.unit
+
+
+class _Streamer:
+    """Copies streamed units' weights to their execution device; prefetches the next one."""
+
+    def __init__(self) -> None:
+        self.pool: ThreadPoolExecutor | None = None
+        self.side_streams: dict[torch.device, Any] = {}
+        self.inflight: dict[int, Future[tuple[list[torch.Tensor], Any]]] = {}
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement_opt-prefetch")
+        return self.pool
+
+    def _side(self, device: torch.device) -> Any:
+        if device not in self.side_streams:
+            self.side_streams[device] = torch.cuda.Stream(device)
+        return self.side_streams[device]
+
+    def _copy(self, unit: _Unit, side: bool) -> tuple[list[torch.Tensor], Any]:
+        """Copy every stored tensor of ``unit`` to its execution device (on a side stream if asked)."""
+        device = unit.execution
+        if device.type != "cuda":
+            return [slot.stored.to(device, copy=True) for slot in unit.uses], None
+        sources = []
+        for slot in unit.uses:
+            src = slot.stored
+            if not src.is_pinned() and src.device.type == "cpu":
+                # disk (memory map) or pageable memory: stage through pinned memory, read in this thread
+                src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+            sources.append(src)
+        if not side:
+            return [src.to(device, non_blocking=False) for src in sources], None
+        stream = self._side(device)
+        with torch.cuda.stream(stream):
+            out = [src.to(device, non_blocking=True) for src in sources]
+            event = torch.cuda.Event()
+            event.record(stream)
+        return out, event
+
+    def start(self, unit: _Unit) -> None:
+        """Begin fetching ``unit``'s weights in the background unless that is under way.
+
+        Disk reads and GPU copies run in the prefetch thread (GPU copies on a side stream);
+        a CPU-to-CPU copy gains nothing from running early and is made when taken.
+        """
+        if id(unit) not in self.inflight and (unit.disk or unit.execution.type == "cuda"):
+            self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.execution.type == "cuda")
+
+    def take(self, unit: _Unit) -> list[torch.Tensor]:
+        """The unit's weights on its device: the prefetched ones, or copied now."""
+        future = self.inflight.pop(id(unit), None)
+        tensors, event = future.result() if future is not None else self._copy(unit, side=False)
+        if unit.execution.type == "cuda":
+            stream = torch.cuda.current_stream(unit.execution)
+            if event is not None:
+                stream.wait_event(event)
+            for tensor in tensors:
+                tensor.record_stream(stream)
+        return tensors
+
+    def close(self) -> None:
+        for future in self.inflight.values():
+            future.result()
+        self.inflight.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None

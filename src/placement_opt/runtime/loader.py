@@ -1,0 +1,91 @@
+"""``load()``: a checkpoint directory -> a meta model -> a plan -> every weight read straight to its place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import DispatchError
+from ..plan import Plan
+from .checkpoint import (
+    checkpoint_files,
+    checkpoint_index,
+    materialize,
+    meta_model,
+    needs_conversion,
+)
+from .dispatcher import DispatchedModel, dispatch
+
+__all__ = ["load"]
+
+
+def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
+         workload: Any = None, dtype: torch.dtype | str | None = None,
+         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None) -> DispatchedModel:
+    """Build a model on the meta device, solve its placement, read every weight straight to its place.
+
+    Each tensor goes from the checkpoint's safetensors files straight to its storage device:
+    GPU tensors are read one by one through pinned memory; CPU- and disk-stored tensors in the
+    checkpoint's dtype are views of the memory-mapped shards (zero copy, copy-on-write; CPU ones
+    are read ahead at once, disk ones when first used); other dtypes are read and cast one
+    tensor at a time. The whole model is never in RAM twice, and disk units never enter it.
+
+    Example::
+
+        handle = placement_opt.load("out/my-llama", ["cuda:0", "cpu", "disk"], dtype="float16")
+        tokens = handle.generate(input_ids, max_new_tokens=32)
+
+    Args:
+        model_id_or_path: a local directory written by ``save_pretrained`` (``config.json`` and
+            ``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
+        devices: anything :func:`placement_opt.solve` accepts (``["cuda:0", "cpu", "disk"]``,
+            a ``Machine``, a ``max_memory`` dict); ignored when ``plan`` is given.
+        objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
+        workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
+        dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
+            dtype differs are converted once into ``offload_dir``.
+        offload_dir: where converted disk weights go (only needed in that case).
+        plan: a plan to use instead of solving.
+
+    Returns:
+        A :class:`DispatchedModel` in eval mode.
+
+    Raises:
+        DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
+            is missing from it.
+    """
+    root = Path(model_id_or_path)
+    files = checkpoint_files(root)
+    model = meta_model(root, dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # before reading, so tied names share one tensor and are read once
+    if plan is None:
+        from ..planner import solve  # the planner imports no runtime module
+
+        plan = solve(model, devices, objective=objective, workload=workload)
+    sources = checkpoint_index(files)
+    if needs_conversion(model, sources):
+        return _load_converted(root, model, plan, offload_dir)
+    disk_sources = materialize(model, plan, sources, offload_dir)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    model.eval()
+    return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+
+
+def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
+    """Checkpoints in an older layout (MoE experts one tensor each, fused by transformers at load):
+    transformers reads and converts them into RAM, then the plan is applied (disk units are
+    written once to ``offload_dir``)."""
+    if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
+        raise DispatchError(
+            f"{root} stores weights in a layout transformers converts at load time ({type(skeleton).__name__}), "
+            f"so they cannot be mapped from the checkpoint: pass offload_dir='some/dir' for the disk units"
+        )
+    dtype = next(iter(skeleton.parameters())).dtype
+    model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
+    return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
