@@ -52,6 +52,7 @@ from .checkpoint import (
     needs_conversion,
     unit_of,
 )
+from ._experts import pin_experts_to_devices
 from .errors import DispatchError, PlacementError
 from .offload import OffloadStore, SafetensorsFile
 from .plan import Plan, UnitPlacement
@@ -216,7 +217,8 @@ class DispatchedModel:
 
     def __init__(self, model: nn.Module, plan: Plan, units: list[_Unit], slots: list[Slot],
                  streamer: _Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
-                 previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool) -> None:
+                 previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool,
+                 unpin_experts: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.plan = plan
         self._units = units
@@ -226,6 +228,7 @@ class DispatchedModel:
         self._previous_map = (had_map, previous_map)
         self._hf_hooked = hf_hooked
         self._restore = restore
+        self._unpin_experts = unpin_experts
         self._removed = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -264,6 +267,7 @@ class DispatchedModel:
             return self.model
         self._streamer.close()
         self._remove_foreign_hooks()  # first: they wrap our forwards and put them back when removed
+        self._unpin_experts()
         for module, (had_own, previous) in self._hooked.items():
             if had_own:
                 module.forward = previous
@@ -357,10 +361,14 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     _link_prefetch(units)
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked = _install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
+    # Experts kernels follow each unit's execution device, not model.device (issue 14).
+    unpin = pin_experts_to_devices(model, {u.name: u.execution for u in units},
+                                   units[0].execution if units else torch.device("cpu"))
     had_map = "hf_device_map" in model.__dict__
     previous = model.__dict__.get("hf_device_map")
     model.hf_device_map = plan.device_map
-    handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore)
+    handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore,
+                             unpin)
     model._placement_opt_dispatch = handle
     return handle
 
