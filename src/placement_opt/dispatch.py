@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._experts import pin_experts_to_devices
 from .checkpoint import (
     Slot,
     checkpoint_files,
@@ -52,7 +53,6 @@ from .checkpoint import (
     needs_conversion,
     unit_of,
 )
-from ._experts import pin_experts_to_devices
 from .errors import DispatchError, PlacementError
 from .offload import OffloadStore, SafetensorsFile
 from .plan import Plan, UnitPlacement
