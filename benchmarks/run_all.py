@@ -169,6 +169,8 @@ EXPERIMENTS: list[Experiment] = [
                folder="cost_accuracy"),
     Experiment(name="dispatch", question="How fast does the dispatcher run a plan, vs accelerate?",
                folder="dispatch"),
+    Experiment(name="decode", question="Do CPU-executed units decode as fast as the plain CPU model?",
+               folder="decode"),
 ]
 
 

@@ -33,7 +33,7 @@ attention unit computes (the cache creates each layer's tensors on the device of
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from torch import nn
 
 from ..errors import DispatchError, PlacementError
 from ..plan import Plan
+from ._experts import pin_experts_to_devices
 from ._hooks import _install_hooks
 from ._streamer import _Streamer, _torch_device, _Unit
 from .checkpoint import Slot, collect_slots, unit_of
@@ -69,7 +70,8 @@ class DispatchedModel:
 
     def __init__(self, model: nn.Module, plan: Plan, units: list[_Unit], slots: list[Slot],
                  streamer: _Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
-                 previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool) -> None:
+                 previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool,
+                 unpin_experts: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.plan = plan
         self._units = units
@@ -79,6 +81,7 @@ class DispatchedModel:
         self._previous_map = (had_map, previous_map)
         self._hf_hooked = hf_hooked
         self._restore = restore
+        self._unpin_experts = unpin_experts
         self._removed = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -117,6 +120,7 @@ class DispatchedModel:
             return self.model
         self._streamer.close()
         self._remove_foreign_hooks()  # first: they wrap our forwards and put them back when removed
+        self._unpin_experts()
         for module, (had_own, previous) in self._hooked.items():
             if had_own:
                 module.forward = previous
@@ -210,10 +214,14 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     _link_prefetch(units)
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked = _install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
+    # Experts kernels follow each unit's execution device, not model.device (issue 14).
+    unpin = pin_experts_to_devices(model, {u.name: u.execution for u in units},
+                                   units[0].execution if units else torch.device("cpu"))
     had_map = "hf_device_map" in model.__dict__
     previous = model.__dict__.get("hf_device_map")
     model.hf_device_map = plan.device_map
-    handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore)
+    handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore,
+                             unpin)
     model._placement_opt_dispatch = handle
     return handle
 
