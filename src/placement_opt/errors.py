@@ -2,21 +2,57 @@
 
 Every error says what is wrong, by how much, and what to do about it.
 ``PlacementError`` subclasses ``ValueError`` so that callers that validate
-input with ``except ValueError`` keep working.
+input with ``except ValueError`` keep working. Raise the most specific class:
+
+====================  ===========================================================================
+class                 raised when
+====================  ===========================================================================
+DeviceSpecError       a device, machine or capacity description is invalid (names, sizes, specs)
+WorkloadError         a workload is invalid (batch, token counts, training settings)
+ModelSpecError        a model name, preset or config cannot be resolved
+SolverInputError      solve() arguments are invalid (objective, limits, pins, strategy)
+InfeasiblePlacement…  no placement fits the capacities (says which is short and by how much)
+TraceError            the model cannot be turned into a layer graph
+PlanFormatError       a plan or profile file is unreadable, malformed or for another model
+DispatchError         a plan cannot be applied to a model, or a checkpoint cannot be loaded
+ProfileError          measuring this machine failed
+====================  ===========================================================================
 """
 
 from __future__ import annotations
 
 __all__ = [
     "PlacementError",
+    "DeviceSpecError",
+    "WorkloadError",
+    "ModelSpecError",
+    "SolverInputError",
     "InfeasiblePlacementError",
     "TraceError",
+    "PlanFormatError",
     "DispatchError",
+    "ProfileError",
 ]
 
 
 class PlacementError(ValueError):
     """Base class of every error raised by placement_opt."""
+
+
+class DeviceSpecError(PlacementError):
+    """A device, machine or capacity description is invalid."""
+
+
+class WorkloadError(PlacementError):
+    """A workload is invalid."""
+
+
+class ModelSpecError(PlacementError):
+    """A model name, preset or configuration cannot be resolved."""
+
+
+class SolverInputError(PlacementError):
+    """The arguments of solve() are invalid (objective, limits, pins, strategy)."""
 
 
 class InfeasiblePlacementError(PlacementError):
@@ -27,5 +63,13 @@ class TraceError(PlacementError):
     """The model could not be turned into a layer graph."""
 
 
+class PlanFormatError(PlacementError):
+    """A plan or profile file is unreadable, malformed, or made for another model."""
+
+
 class DispatchError(PlacementError):
     """A plan could not be applied to a model."""
+
+
+class ProfileError(PlacementError):
+    """Measuring this machine's devices failed."""
