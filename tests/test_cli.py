@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _plans import report_plan
 from placement_opt.cli.main import cli, resolve_devices, resolve_model
 from placement_opt.cli.tables import where_computed
 from placement_opt.plan import Plan, UnitPlacement
-from test_viz import make_plan
 
 GOOD_DEVICES = "cuda:0=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 
@@ -129,13 +129,13 @@ def test_devices_file_that_is_not_a_profile_is_refused(tmp_path):
 
 def test_explain_prints_the_plan_and_writes_pictures(tmp_path):
     plan_path = tmp_path / "plan.json"
-    make_plan().to_json(str(plan_path))
+    report_plan().to_json(str(plan_path))
     html = tmp_path / "plan.html"
     result = run("explain", str(plan_path), "--plot", str(html))
     assert result.exit_code == 0, result.output
     out = result.output
     assert "tiny-test" in out
-    # make_plan streams layers 5, 6 and 7 from the CPU: one run of three units.
+    # report_plan streams layers 5, 6 and 7 from the CPU: one run of three units.
     assert "layers.5 .. layers.7" in out and "stream" in out
     assert "Memory per device" in out and "39.00 GiB" in out
     assert html.stat().st_size > 10_000
@@ -144,7 +144,7 @@ def test_explain_prints_the_plan_and_writes_pictures(tmp_path):
 
 def test_explain_shows_oom(tmp_path):
     plan_path = tmp_path / "plan.json"
-    make_plan(strategy="sequential", over_bytes=2**30).to_json(str(plan_path))
+    report_plan(strategy="sequential", over_bytes=2**30).to_json(str(plan_path))
     result = run("explain", str(plan_path))
     assert result.exit_code == 0
     assert "runs out of memory" in result.output
@@ -191,7 +191,7 @@ def test_auto_devices_are_this_machine(monkeypatch, tmp_path):
 
 def test_plot_into_a_missing_folder_is_a_one_line_error(tmp_path):
     plan_path = tmp_path / "plan.json"
-    make_plan().to_json(str(plan_path))
+    report_plan().to_json(str(plan_path))
     result = run("explain", str(plan_path), "--plot", str(tmp_path / "no" / "such" / "dir.png"))
     assert result.exit_code == 1
     assert "cannot write" in result.output and "Traceback" not in result.output
@@ -207,7 +207,7 @@ _OPTIONS = [("cuda:0", "cuda:0", "resident"), ("cpu", "cpu", "resident"), ("cpu"
 def test_runs_cover_every_unit_once_in_order_and_are_maximal(choices):
     placements = tuple(UnitPlacement(unit=f"u{i}", storage=s, execution=e, mode=m)
                        for i, (s, e, m) in enumerate(choices))
-    plan = replace(make_plan(), placements=placements)
+    plan = replace(report_plan(), placements=placements)
     runs = plan.runs()
     assert [n for names, *_ in runs for n in names] == [p.unit for p in placements]
     for names, storage, execution, mode in runs:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _models import RESIDENT, assert_restored, inputs_for, plan_from, snapshot, tiny
 from placement_opt.runtime.dispatcher import dispatch
-from test_dispatch import RESIDENT, assert_restored, inputs_for, plan_from, snapshot, tiny
 
 pytestmark = pytest.mark.cuda
 

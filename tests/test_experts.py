@@ -14,9 +14,9 @@ import torch
 import transformers as T
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from _models import RESIDENT, plan_from
 from placement_opt.runtime._experts import experts_modules, pin_experts_to_devices
 from placement_opt.runtime.dispatcher import dispatch
-from test_dispatch import RESIDENT, plan_from
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")

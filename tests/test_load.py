@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _models import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
 from placement_opt.errors import DispatchError
 from placement_opt.runtime.loader import load
-from test_dispatch import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "t5", "mixtral"])
