@@ -36,7 +36,17 @@ __all__ = [
 
 
 class PlacementError(ValueError):
-    """Base class of every error raised by placement_opt."""
+    """Base class of every error raised by placement_opt; a ``ValueError`` for older callers.
+
+    Example::
+
+        try:
+            plan = placement_opt.solve("llama-2-70b", {0: "24GiB", "cpu": "16GiB"})
+        except placement_opt.InfeasiblePlacementError as err:
+            print(err)        # which device is short, by how much, and what to change
+        except placement_opt.PlacementError as err:
+            print(err)        # any other bad input: the message names it and the fix
+    """
 
 
 class DeviceSpecError(PlacementError):
