@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from placement_opt.cost.evaluate import evaluate
 from placement_opt.cost.workload import Workload
+from placement_opt.errors import PlanFormatError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import chain_graph
 from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan, UnitPlacement
@@ -86,15 +87,76 @@ def test_summary_groups_runs_and_shows_every_device(tmp_path):
     assert "model.layers.0 .. model.layers.1" in text  # one run of two resident units on cuda:0
     for d in DEVICES:
         assert d in text
-    assert plan.runs()[0] == (["model.layers.0", "model.layers.1"], "cuda:0", "cuda:0", "resident")
-    assert "streamed to cuda:0" in plan.explain() or "stream" in plan.explain()
+    assert plan.runs() == [(["model.layers.0", "model.layers.1"], "cuda:0", "cuda:0", "resident"),
+                           (["model.layers.2"], "cpu", "cuda:0", "stream")]
+    rows = [line.split() for line in text.splitlines()]
+    assert ["model.layers.2", "1", "cpu", "cuda:0", "stream"] in rows
+    assert ["baseline", "total", "fits", "vs", "this", "plan"] in rows
+    assert ["sequential", *_seconds_cells(plan.baselines[0].total_s), "yes", "2.00x"] in rows
+
+
+def test_explain_names_the_streamed_unit_and_compares_the_baseline():
+    plan = _example()
+    lines = plan.explain().splitlines()
+    assert lines[0].startswith("cpsat plan for m: ") and lines[0].endswith("fits (OPTIMAL, gap 0.0%).")
+    streamed = [line for line in lines if line.startswith("- model.layers.2: ")]
+    assert len(streamed) == 1
+    assert "weights stay on cpu and are streamed to cuda:0 at every forward" in streamed[0]
+    assert not any(line.startswith(("- model.layers.0: ", "- model.layers.1: ")) for line in lines)  # resident
+    baseline = [line for line in lines if line.startswith("- baseline sequential: ")]
+    assert len(baseline) == 1 and baseline[0].endswith(", fits, 2.00x this plan's time.")
+
+
+def _seconds_cells(seconds: float) -> list[str]:
+    from placement_opt.units import format_seconds
+
+    return format_seconds(seconds).split()
 
 
 def test_unknown_schema_version_is_refused():
     data = _example().to_dict()
     data["schema_version"] = 99
-    with pytest.raises(ValueError, match="schema version 99"):
+    with pytest.raises(PlanFormatError, match="schema version 99"):
         Plan.from_dict(data)
+
+
+def test_a_missing_file_says_which_and_what_to_give(tmp_path):
+    path = tmp_path / "nope.json"
+    with pytest.raises(PlanFormatError, match=r"cannot read the plan file .*nope\.json.*Plan\.to_json"):
+        Plan.from_json(str(path))
+    with pytest.raises(PlanFormatError, match="nope.json"):
+        Plan.from_json(path)  # a Path works like a str
+
+
+def test_text_that_is_not_json_is_refused_with_the_position(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"schema_version": 1,', encoding="utf-8")
+    with pytest.raises(PlanFormatError, match=r"plan\.json' is not JSON \(.* at line 1, column 22\)"):
+        Plan.from_json(str(path))
+    with pytest.raises(PlanFormatError, match="the plan text is not JSON"):
+        Plan.from_json("{oops")
+
+
+@pytest.mark.parametrize("field", ["model_name", "placements", "machine", "cost", "gap"])
+def test_a_missing_field_is_named(field):
+    data = _example().to_dict()
+    del data[field]
+    with pytest.raises(PlanFormatError, match=f"the plan has no '{field}' field"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_a_malformed_placement_is_refused():
+    data = _example().to_dict()
+    data["placements"][0]["colour"] = "red"
+    with pytest.raises(PlanFormatError, match="malformed entry .*colour"):
+        Plan.from_dict(data)
+    with pytest.raises(PlanFormatError, match="a plan is a JSON object, not list"):
+        Plan.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_plan_errors_are_value_errors_for_older_callers():
+    with pytest.raises(ValueError):
+        Plan.from_json("{}")
 
 
 def _example() -> Plan:

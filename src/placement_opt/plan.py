@@ -7,12 +7,14 @@ version, and carries the solver's status, objective, bound, gap and wall time.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .cost.evaluate import Cost
 from .cost.workload import Workload
+from .errors import PlanFormatError
 from .hardware.devices import Machine
 from .units import format_bytes, format_seconds
 
@@ -51,7 +53,19 @@ class BaselineResult:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Storage and execution device of every unit, with its cost and the solver's report."""
+    """Storage and execution device of every unit, with its cost and the solver's report.
+
+    A frozen value made by :func:`placement_opt.solve`; read it, print it, save it, apply it.
+
+    Example::
+
+        plan = placement_opt.solve("llama-2-7b", {0: "24GiB", "cpu": "64GiB"})
+        print(plan.summary())            # unit runs, memory per device, time per phase, solver
+        print(plan.explain())            # why the surprising units sit where they are
+        plan.device_map                  # {'model.embed_tokens': 0, ..., 'model.layers.31': 'cpu'}
+        plan.to_json("plan.json")        # versioned JSON; Plan.from_json("plan.json") reads it back
+        handle = placement_opt.dispatch(model, plan)   # or from_pretrained(device_map=plan.device_map)
+    """
 
     model_name: str
     dtype: str
@@ -216,12 +230,32 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict`'s output.
+
+        Raises:
+            PlanFormatError: another schema version, a missing field or a malformed entry; the
+                message names it.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanFormatError(f"a plan is a JSON object, not {type(data).__name__}: pass what "
+                                  f"Plan.to_dict() or Plan.to_json() wrote")
         version = data.get("schema_version")
         if version != PLAN_SCHEMA_VERSION:
-            raise ValueError(
+            raise PlanFormatError(
                 f"plan schema version {version!r} is not supported (this placement_opt reads "
                 f"version {PLAN_SCHEMA_VERSION}): solve the plan again with this version"
             )
+        try:
+            return cls._from_fields(data)
+        except KeyError as err:
+            raise PlanFormatError(f"the plan has no {err.args[0]!r} field: it was not written by "
+                                  f"Plan.to_json(), or was edited; solve the plan again") from err
+        except (TypeError, AttributeError) as err:
+            raise PlanFormatError(f"the plan has a malformed entry ({err}): it was not written by "
+                                  f"Plan.to_json(), or was edited; solve the plan again") from err
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, Any]) -> Plan:
         return cls(
             model_name=data["model_name"],
             dtype=data["dtype"],
@@ -242,13 +276,32 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> Plan:
-        """Read a plan from JSON text or from a file path."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path, encoding="utf-8") as fh:
-                text = fh.read()
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:
+        """Read a plan from JSON text or from a file path.
+
+        Example::
+
+            plan = Plan.from_json("plan.json")      # what plan.to_json("plan.json") wrote
+
+        Raises:
+            PlanFormatError: the file cannot be read, is not JSON, or is not a plan of this
+                schema version; the message names the file and the problem.
+        """
+        text, where = os.fspath(text_or_path), "the plan text"
+        if not text.lstrip().startswith("{"):
+            where = repr(text)
+            try:
+                with open(text, encoding="utf-8") as fh:
+                    text = fh.read()
+            except OSError as err:
+                raise PlanFormatError(f"cannot read the plan file {where}: {err.strerror or err}; give the path "
+                                      f"of a file written by Plan.to_json() or `placement-opt plan --json`") from err
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}): "
+                                  f"give a file written by Plan.to_json()") from err
+        return cls.from_dict(data)
 
 
 def _clip(text: str, width: int) -> str:

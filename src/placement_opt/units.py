@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from .errors import DeviceSpecError
+
 __all__ = ["parse_size", "format_bytes", "format_seconds", "GIB", "MIB", "KIB"]
 
 KIB = 1024
@@ -31,11 +33,17 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
 
     Follows accelerate's convention: ``GB`` is 10**9 bytes, ``GiB`` is 2**30.
 
+    Example::
+
+        >>> parse_size("24GiB"), parse_size("500MB"), parse_size(1024)
+        (25769803776, 500000000, 1024)
+
     Raises:
-        ValueError: the value is malformed or negative; the message names it and lists the units.
+        DeviceSpecError: the value is malformed or negative (a ``ValueError``); the message names
+            it and lists the units.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{what} {value!r} is not a size: give bytes (int) or a string like '24GiB'")
+        raise DeviceSpecError(f"{what} {value!r} is not a size: give bytes (int) or a string like '24GiB'")
     if isinstance(value, (int, float)):
         number, scale = float(value), 1
     elif isinstance(value, str):
@@ -43,17 +51,17 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _SIZE_UNITS:
             accepted = ", ".join(u for u in _SIZE_UNITS if u)
-            raise ValueError(
+            raise DeviceSpecError(
                 f"{what} {value!r} is not a size: write a number and a unit, e.g. '24GiB' or '500MB' "
                 f"(units: {accepted})"
             )
         number, scale = float(match.group(1)), _SIZE_UNITS[unit]
     else:
-        raise ValueError(
+        raise DeviceSpecError(
             f"{what} {value!r} has type {type(value).__name__}: give bytes (int) or a string like '24GiB'"
         )
     if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{what} {value!r} is negative or not finite: capacities are >= 0 bytes")
+        raise DeviceSpecError(f"{what} {value!r} is negative or not finite: capacities are >= 0 bytes")
     return int(number * scale)
 
 
