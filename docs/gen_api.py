@@ -5,10 +5,9 @@ Usage::
     python docs/gen_api.py            # rewrite docs/api.md
     python docs/gen_api.py --check    # exit 1 if docs/api.md is out of date
 
-Walks every module listed in :data:`MODULES` (in data-flow order), every name in its
-``__all__``, and writes its signature and docstring; dataclass fields get the docstring written
-under them in the source. A module that cannot be imported yet is listed as "not yet available",
-so the reference never claims something that is not there.
+Walks the package's stages in data-flow order (:data:`STAGES`) and every public module in them,
+every name in its ``__all__``, and writes its signature and docstring; dataclass fields get the
+docstring written under them in the source. A module that does not import stops the script.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import pkgutil
 import re
 import sys
 import textwrap
@@ -26,39 +26,34 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "api.md"
 
-#: (module, one-line role) in the order of the data flow.
-MODULES = [
-    ("placement_opt", "the package: lazy re-exports of the entry points"),
-    ("placement_opt.model.catalog", "built-in model presets (published configurations)"),
-    ("placement_opt.model.tracer", "stage 1: model -> LayerGraph"),
-    ("placement_opt.model.graph", "the layer graph every later stage reads"),
-    ("placement_opt.hardware.devices", "devices, machines, presets"),
-    ("placement_opt.hardware.detect", "this machine's capacities"),
-    ("placement_opt.hardware.resolve", "what a user calls a machine -> Machine; device specs"),
-    ("placement_opt.hardware.profiler", "measuring this machine"),
-    ("placement_opt.hardware.profile_store", "the saved profile"),
-    ("placement_opt.cost.workload", "what the model will be asked to do"),
-    ("placement_opt.cost.pricing", "stage 3: prices of every placement option"),
-    ("placement_opt.cost.memory", "memory per device and violations"),
-    ("placement_opt.cost.build", "stage 3: LayerGraph + Machine + Workload -> PlacementProblem"),
-    ("placement_opt.cost.device_map", "accelerate device maps"),
-    ("placement_opt.cost.evaluate", "the price of any placement: evaluate, Cost"),
-    ("placement_opt.solver.problem", "the integer problem the solvers read"),
-    ("placement_opt.solver.cpsat", "the CP-SAT model"),
-    ("placement_opt.solver.greedy", "device_map='auto' family of greedy strategies"),
-    ("placement_opt.planner", "stage 4: solve() -> Plan"),
-    ("placement_opt.plan", "stage 5: the frozen Plan"),
-    ("placement_opt.compare", "every strategy side by side"),
-    ("placement_opt.runtime.dispatcher", "stage 6: run a plan"),
-    ("placement_opt.runtime.loader", "stage 6: load a checkpoint into a plan"),
-    ("placement_opt.runtime.offload", "safetensors files of disk-stored weights"),
-    ("placement_opt.distributed.context", "distributed launch context"),
-    ("placement_opt.distributed.rules", "placement rules of training loops"),
-    ("placement_opt.distributed.ranks", "a rank's share of the machine"),
-    ("placement_opt.errors", "the exception hierarchy"),
-    ("placement_opt.cli.pictures", "pictures of plans and comparisons"),
-    ("placement_opt.cli.main", "the placement-opt command"),
-]
+#: The package's parts in the order data flows through them; modules inside a folder are found
+#: by walking it (every public module, ``_private`` ones skipped), so a new module is never missed.
+STAGES = ["model", "hardware", "cost", "solver", "planner", "plan", "compare", "runtime", "distributed",
+          "cli", "errors", "units"]
+
+
+def modules() -> list[tuple[str, str]]:
+    """(module, one-line role) for the package and every public module, in data-flow order."""
+    package = importlib.import_module("placement_opt")
+    found = [("placement_opt", "the public surface")]
+    for stage in STAGES:
+        module = importlib.import_module(f"placement_opt.{stage}")
+        found.append((module.__name__, _role(module)))
+        if hasattr(module, "__path__"):
+            for info in sorted(pkgutil.iter_modules(module.__path__), key=lambda i: i.name):
+                if not info.name.startswith("_"):
+                    name = f"{module.__name__}.{info.name}"
+                    found.append((name, _role(importlib.import_module(name))))
+    missing = {f"placement_opt.{i.name}" for i in pkgutil.iter_modules(package.__path__)
+               if not i.name.startswith("_")} - {m for m, _ in found}
+    if missing:
+        raise SystemExit(f"gen_api.py: add {sorted(missing)} to STAGES in data-flow order")
+    return found
+
+
+def _role(module: object) -> str:
+    doc = inspect.getdoc(module) or ""
+    return _rst_to_md(doc.split("\n")[0].rstrip(".")) if doc else ""
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -161,14 +156,12 @@ def _first_line(obj: object) -> str:
 
 def _module_section(module_name: str, role: str) -> list[str]:
     anchor = module_name.replace(".", "")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        return [f'<a id="{anchor}"></a>', f"## `{module_name}`: {role}", "",
-                f"**Not yet available** in this version ({type(exc).__name__}: {exc}).", ""]
+    module = importlib.import_module(module_name)  # a module that does not import is a bug: fail
     lines = [f'<a id="{anchor}"></a>', f"## `{module_name}`: {role}", "", _doc(module), ""]
     if module_name == "placement_opt":
-        return lines + [f"Exports: {', '.join(f'`{n}`' for n in module.__all__)}.", ""]
+        homes = [(n, getattr(module, n).__module__) for n in module.__all__ if not n.startswith("__")]
+        return lines + ["Public names, each documented in its home module:", "",
+                        *[f"- [`{n}`](#{home.replace('.', '')}): `{home}.{n}`" for n, home in homes], ""]
     for name in getattr(module, "__all__", []):
         obj = getattr(module, name, None)
         if obj is None:
@@ -189,9 +182,10 @@ def generate() -> str:
     lines = ["# API reference", "",
              "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.", "",
              "Modules, in the order data flows through them:", ""]
-    lines += [f"- [`{m}`](#{m.replace('.', '')}): {role}" for m, role in MODULES]
+    found = modules()
+    lines += [f"- [`{m}`](#{m.replace('.', '')}): {role}" for m, role in found]
     lines.append("")
-    for module_name, role in MODULES:
+    for module_name, role in found:
         lines += _module_section(module_name, role)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from placement_opt.errors import DeviceSpecError
 from placement_opt.units import GIB, MIB, format_bytes, format_seconds, parse_size
 
 
@@ -27,7 +28,7 @@ def test_parse_size_accepts_units(text: str | int, expected: int) -> None:
 
 @pytest.mark.parametrize("bad", ["12QB", "GiB", "-3GiB", "", "1.2.3GB", True, None, [1]])
 def test_parse_size_rejects_with_the_value_and_the_units(bad: object) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(DeviceSpecError) as info:  # a ValueError too
         parse_size(bad, what="max_memory['cpu']")  # type: ignore[arg-type]
     message = str(info.value)
     assert "max_memory['cpu']" in message
