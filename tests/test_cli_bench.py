@@ -10,7 +10,9 @@ from click.testing import CliRunner
 
 from placement_opt.cli.main import cli
 
-RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+# The repository root, wherever this file sits under tests/.
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+RUN_ALL = REPO / "benchmarks" / "run_all.py"
 
 
 def _run_all_module():
