@@ -14,20 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.solver import cpsat
-from placement_opt.solver.cpsat import (
-    COARSEN_ABOVE,
-    OBJECTIVES,
-    greedy_choice,
-    objective_of,
-    solve_problem,
-)
+from placement_opt.solver.greedy import greedy_choice
 from placement_opt.solver.problem import (
+    OBJECTIVES,
     DeviceSpec,
     EdgeSpec,
     PlacementOption,
     PlacementProblem,
     UnitSpec,
 )
+from placement_opt.solver.search import COARSEN_ABOVE, solve_problem
 
 GIB = 2**30
 
@@ -73,7 +69,7 @@ def brute(problem, objective="latency"):
     best = None
     for choice in itertools.product(*(range(len(u.options)) for u in problem.units)):
         if valid(problem, choice):
-            v = objective_of(problem, choice, objective)
+            v = problem.objective_value(choice, objective)
             best = v if best is None else min(best, v)
     return best
 
@@ -201,7 +197,7 @@ def test_large_chains_are_coarsened_exactly_and_stay_fast():
     assert sol.coarse_units < sol.units == n and sol.notes
     assert valid(problem, sol.choice)
     assert sol.objective_value == problem.score(sol.choice).latency_ns
-    assert sol.objective_value <= objective_of(problem, greedy_choice(problem), "latency")
+    assert sol.objective_value <= problem.objective_value(greedy_choice(problem), "latency")
 
 
 # -- properties over random problems ------------------------------------------------------------
@@ -261,7 +257,7 @@ def test_cpsat_matches_brute_force_and_respects_every_constraint(problem, object
         assert sol.status == "INFEASIBLE"
         return
     assert sol.feasible and valid(problem, sol.choice)
-    assert sol.objective_value == objective_of(problem, sol.choice, objective)
+    assert sol.objective_value == problem.objective_value(sol.choice, objective)
     if objective != "memory" and sol.status == "OPTIMAL":
         assert sol.objective_value == best
     assert sol.best_bound <= sol.objective_value
@@ -274,7 +270,7 @@ def test_cpsat_never_worse_than_a_valid_hint_and_infeasible_only_when_nothing_fi
     sol = solve_problem(problem, "latency", time_limit_s=0.5, workers=1, hint=greedy)
     if valid(problem, greedy):
         assert sol.feasible
-        assert sol.objective_value <= objective_of(problem, greedy, "latency")
+        assert sol.objective_value <= problem.objective_value(greedy, "latency")
     if sol.feasible:
         assert valid(problem, sol.choice)
         assert len(sol.choice) == len(problem.units)

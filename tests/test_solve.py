@@ -13,7 +13,6 @@ from placement_opt.errors import InfeasiblePlacementError, PlacementError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import GraphMeta, LayerGraph, chain_graph
 from placement_opt.planner import resolve_pins, solve
-from placement_opt.solver.cpsat import objective_of
 
 GIB = 2**30
 MIB = 2**20
@@ -162,4 +161,4 @@ def test_random_graphs_solve_at_least_as_well_as_every_hinted_baseline(layers, g
     for strategy in ("sequential", "balanced", "balanced_low_0"):
         hint = choice_from_storage(problem, baseline_storage(graph, m, strategy))
         if problem.score(hint).feasible:
-            assert objective_of(problem, choice, objective) <= objective_of(problem, hint, objective)
+            assert problem.objective_value(choice, objective) <= problem.objective_value(hint, objective)

@@ -33,7 +33,7 @@ else:
     raise SystemExit("the blocker let torch through")
 
 import placement_opt.solver
-from placement_opt.solver.cpsat import solve_problem
+from placement_opt.solver.search import solve_problem
 from placement_opt.solver.greedy import choice_from_storage
 from placement_opt.solver.problem import DeviceSpec, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 

@@ -29,7 +29,7 @@ from placement_opt.errors import PlacementError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, chain_graph
 from placement_opt.planner import solve
-from placement_opt.solver.cpsat import GAP_LIMIT
+from placement_opt.solver.search import GAP_LIMIT
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20

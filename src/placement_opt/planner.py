@@ -26,18 +26,10 @@ from .errors import InfeasiblePlacementError, PlacementError
 from .hardware.devices import Machine, normalize_device_name
 from .model.graph import covering_key, keys_below
 from .plan import BaselineResult, Plan, UnitPlacement
-from .solver.cpsat import (
-    GAP_LIMIT,
-    GREEDY_RESERVES,
-    OBJECTIVES,
-    greedy_choice,
-    objective_of,
-    satisfies,
-    solve_problem,
-)
+from .solver.greedy import GREEDY_RESERVES, baseline_storage, choice_from_storage, greedy_choice
 from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
-from .solver.greedy import baseline_storage, choice_from_storage
-from .solver.problem import PlacementProblem
+from .solver.problem import OBJECTIVES, PlacementProblem
+from .solver.search import GAP_LIMIT, solve_problem
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -295,7 +287,8 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
     candidates += [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
                    for r in GREEDY_RESERVES]
-    valid = [(objective_of(problem, c, key), i, c, s) for i, (c, s) in enumerate(candidates) if satisfies(problem, c)]
+    valid = [(problem.objective_value(c, key), i, c, s) for i, (c, s) in enumerate(candidates)
+             if problem.satisfies(c)]
     if valid:
         _, _, choice, name = min(valid)
         return choice, name

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .problem import PlacementProblem
+from ..errors import SolverInputError
+from .problem import PlacementOption, PlacementProblem
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -44,6 +45,9 @@ __all__ = [
     "fill_device_map",
     "baseline_storage",
     "choice_from_storage",
+    "GREEDY_RESERVES",
+    "greedy_choice",
+    "best_greedy_choice",
 ]
 
 #: The device_map strings re-implemented here.
@@ -215,10 +219,10 @@ def baseline_storage(graph: LayerGraph, machine: Machine, strategy: str) -> dict
         baseline_storage(graph, Machine([...]), "balanced")  # {"model.embed_tokens": "cuda:0", ...}
 
     Raises:
-        ValueError: an unknown strategy (the message lists :data:`STRATEGIES`).
+        SolverInputError: an unknown strategy (the message lists :data:`STRATEGIES`).
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        raise SolverInputError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     max_memory = machine.max_memory
     placed = fill_device_map(graph, accelerate_budgets(graph, max_memory, strategy))
     return {u: f"cuda:{d}" if isinstance(d, int) else d for u, d in placed.items()}
@@ -232,7 +236,7 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
     ``stream_sync``, and a unit without such an option takes the fastest option with that storage.
 
     Raises:
-        ValueError: a unit missing from ``storage``, or a storage device none of its options uses.
+        SolverInputError: a unit missing from ``storage``, or a storage device none of its options uses.
     """
     gpus = [d.name for d in problem.devices if d.kind == "gpu"]
     main = gpus[0] if gpus else "cpu"
@@ -240,15 +244,80 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
     choice = []
     for u in problem.units:
         if u.name not in storage:
-            raise ValueError(f"unit {u.name} has no storage device in the baseline map")
+            raise SolverInputError(f"unit {u.name} has no storage device in the baseline map: give every unit one")
         where = storage[u.name]
         execution = where if where in gpus else (main if main in gpus or where == "cpu" else "cpu")
         options = [i for i, o in enumerate(u.options) if o.storage == where]
         if not options:
-            raise ValueError(f"unit {u.name} has no option stored on {where}: offered storages are "
+            raise SolverInputError(f"unit {u.name} has no option stored on {where}: offered storages are "
                              f"{sorted({o.storage for o in u.options})}")
         exact = [i for i in options if u.options[i].execution == execution]
         pool = exact or options
         choice.append(min(pool, key=lambda i: (rank[u.options[i].mode],
                                                u.options[i].prefill_ns + u.options[i].decode_ns)))
     return choice
+
+
+# ---------------------------------------------------------------------------------------------
+# A constructive feasible start for CP-SAT
+# ---------------------------------------------------------------------------------------------
+#: Reserve fractions tried by :func:`best_greedy_choice` (None: no reserve).
+GREEDY_RESERVES = (None, 0.0, 0.1, 0.25, 0.5)
+
+
+def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = None) -> list[int]:
+    """A simple feasible-if-possible assignment: each unit takes the fastest allowed option that fits.
+
+    Units are placed in execution order against the remaining capacity; tied units follow the
+    storage of the first of their group. With ``reserve_fraction``, weights resident on a GPU leave
+    free the largest stream buffer of that GPU plus this fraction of its capacity, so later units can
+    still be streamed there (KV cache and buffers) instead of falling back to the CPU.
+    """
+    free = {d.name: d.capacity_bytes for d in problem.devices}
+    peak = dict.fromkeys(free, 0)
+    reserve = _gpu_reserves(problem, reserve_fraction)
+    tied_to = {n: g[0] for g in problem.tied_groups for n in g[1:]}
+    storage: dict[str, str] = {}
+    choice = []
+    for u in problem.units:
+        def fits(o: PlacementOption) -> bool:
+            extra_peak = max(0, o.peak_bytes - peak[o.execution])
+            if o.storage == o.execution:
+                return o.stored_bytes + o.resident_bytes + extra_peak + reserve[o.storage] <= free[o.storage]
+            return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
+
+        lead = tied_to.get(u.name)
+        ranked = sorted(range(len(u.options)),
+                        key=lambda i: (not problem.allows(u, u.options[i]),
+                                       lead in storage and u.options[i].storage != storage[lead],
+                                       not fits(u.options[i]),
+                                       u.options[i].prefill_ns + u.options[i].decode_ns, i))
+        best = ranked[0]
+        o = u.options[best]
+        free[o.storage] -= o.stored_bytes
+        free[o.execution] -= o.resident_bytes + max(0, o.peak_bytes - peak[o.execution])
+        peak[o.execution] = max(peak[o.execution], o.peak_bytes)
+        storage[u.name] = o.storage
+        choice.append(best)
+    return choice
+
+
+def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None) -> dict[str, int]:
+    """Bytes resident weights leave free per device: the largest stream buffer + a fraction (GPUs only)."""
+    reserve = {d.name: 0 for d in problem.devices}
+    if reserve_fraction is None:
+        return reserve
+    for d in problem.devices:
+        if d.kind == "gpu":
+            streams = [o.peak_bytes for u in problem.units for o in u.options
+                       if o.execution == d.name and o.storage != d.name]
+            reserve[d.name] = max(streams, default=0) + int(reserve_fraction * d.capacity_bytes)
+    return reserve
+
+
+def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") -> list[int]:
+    """The best valid :func:`greedy_choice` over :data:`GREEDY_RESERVES` (the first one if none is valid)."""
+    key = "latency" if objective == "memory" else objective
+    variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
+    valid = [(problem.objective_value(c, key), i) for i, c in enumerate(variants) if problem.satisfies(c)]
+    return variants[min(valid)[1]] if valid else variants[0]

@@ -27,11 +27,15 @@ and must not exceed the device's ``capacity_bytes`` (its memory less the reserve
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from ..errors import SolverInputError
 
 __all__ = [
     "MODES",
+    "OBJECTIVES",
+    "objective_value",
     "PlacementOption",
     "UnitSpec",
     "EdgeSpec",
@@ -45,6 +49,26 @@ __all__ = [
 #: unit's compute (placement_opt's dispatcher). ``stream_sync``: the same copy done
 #: synchronously, tensor by tensor (accelerate's hooks); used to score accelerate's maps.
 MODES = ("resident", "stream", "stream_sync")
+#: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
+#: total work) or ``memory`` (bytes used on the GPUs).
+OBJECTIVES = ("latency", "throughput", "memory")
+
+
+def objective_value(objective: str, *, latency: float, stage: Mapping[str, float],
+                    used_bytes: Mapping[str, float], gpus: Iterable[str]) -> float:
+    """The single definition of each objective, in whatever unit the caller prices in.
+
+    ``latency``: prefill + decode; ``throughput``: the slowest device's total work (0 with no work);
+    ``memory``: bytes used on the GPUs, summed (0 on a machine without a GPU: the CPU and disk
+    bytes are not what this objective saves).
+    """
+    if objective == "latency":
+        return latency
+    if objective == "throughput":
+        return max(stage.values(), default=0)
+    if objective == "memory":
+        return sum(used_bytes[g] for g in gpus)
+    raise SolverInputError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,10 +94,11 @@ class PlacementOption:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"option mode {self.mode!r} is not one of {MODES}")
+            raise SolverInputError(f"option mode {self.mode!r} is not one of {MODES}")
         for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes"):
             if getattr(self, key) < 0:
-                raise ValueError(f"option {self.storage}->{self.execution}: {key} is negative")
+                raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
+                                       f"{getattr(self, key)}, must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +188,7 @@ class PlacementProblem:
         if len(known) != len(names):
             problems.append("unit names are not unique")
         if problems:
-            raise ValueError("malformed placement problem:\n  " + "\n  ".join(problems))
+            raise SolverInputError("malformed placement problem:\n  " + "\n  ".join(problems))
 
     def index(self) -> dict[str, int]:
         """Unit name -> position in execution order."""
@@ -175,7 +200,8 @@ class PlacementProblem:
     def options(self, choice: Sequence[int]) -> list[PlacementOption]:
         """The chosen option of every unit, checked for range."""
         if len(choice) != len(self.units):
-            raise ValueError(f"assignment has {len(choice)} entries for {len(self.units)} units")
+            raise SolverInputError(f"assignment has {len(choice)} entries for {len(self.units)} units: "
+                                   f"give one option index per unit")
         return [u.options[c] for u, c in zip(self.units, choice, strict=True)]
 
     def score(self, choice: Sequence[int]) -> Score:
@@ -201,22 +227,68 @@ class PlacementProblem:
             peak[opt.execution] = max(peak[opt.execution], opt.peak_bytes)
         return {name: used[name] + peak[name] for name in used}
 
-    def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
+    def objective_value(self, choice: Sequence[int], objective: str) -> int:
+        """The exact value of ``objective`` for ``choice``: ns for latency/throughput, GPU bytes for memory."""
+        score = self.score(choice)
+        return int(objective_value(objective, latency=score.latency_ns, stage=score.stage_ns,
+                                   used_bytes=score.used_bytes, gpus=self.gpu_names()))
+
+    def gpu_names(self) -> list[str]:
+        return [d.name for d in self.devices if d.kind == "gpu"]
+
+    def allows(self, unit: UnitSpec, option: PlacementOption) -> bool:
+        """False when a pin fixes ``unit``'s storage elsewhere."""
+        pin = self.pins.get(unit.name)
+        return pin is None or option.storage == pin
+
+    def satisfies(self, choice: Sequence[int]) -> bool:
+        """Every constraint a solution must meet: capacities, pins, tied storage and contiguity."""
+        chosen = self.options(choice)
+        if not self.score(choice).feasible:
+            return False
+        if any(not self.allows(u, o) for u, o in zip(self.units, chosen, strict=True)):
+            return False
+        index = self.index()
+        if any(len({chosen[index[n]].storage for n in group}) > 1 for group in self.tied_groups):
+            return False
+        return not self.contiguous or _one_range_per_device([o.storage for o in chosen])
+
+    def schedule(self, chosen: Sequence[PlacementOption], key: str,
+                 rounded: Callable[[int], int] | None = None) -> tuple[list[int], dict[str, int]]:
+        """Finish time of every unit and total work per execution device in one phase (``key``).
+
+        ``rounded`` maps every price (durations and transfers) first: the solver's scaled integers.
+        """
         index = self.index()
         finish = [0] * len(chosen)
-        ready = [0] * len(chosen)
         load: dict[str, int] = {}
         incoming: dict[int, list[EdgeSpec]] = {}
         for edge in self.edges:
             incoming.setdefault(index[edge.dst], []).append(edge)
         # Edges point forward in execution order, so one pass in that order is a topological pass.
         for i, opt in enumerate(chosen):
+            ready = 0
             for edge in incoming.get(i, ()):
                 j = index[edge.src]
                 pair = (chosen[j].execution, opt.execution)
                 cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
-                ready[i] = max(ready[i], finish[j] + cost)
-            duration = getattr(opt, key)
-            finish[i] = ready[i] + duration
+                ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
+            duration = rounded(getattr(opt, key)) if rounded else getattr(opt, key)
+            finish[i] = ready + duration
             load[opt.execution] = load.get(opt.execution, 0) + duration
+        return finish, load
+
+    def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
+        finish, load = self.schedule(chosen, key)
         return max(max(finish, default=0), max(load.values(), default=0))
+
+
+def _one_range_per_device(storage: Sequence[str]) -> bool:
+    """True when every device's units form one contiguous range of the sequence."""
+    seen: list[str] = []
+    for device in storage:
+        if not seen or seen[-1] != device:
+            if device in seen:
+                return False
+            seen.append(device)
+    return True

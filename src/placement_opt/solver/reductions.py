@@ -1,6 +1,6 @@
 """Exact reductions around the CP-SAT model: coarsening, symmetric segments, residency on ties.
 
-Torch-free, like :mod:`placement_opt.solver.cpsat`, which calls them: each one changes the problem or an
+Torch-free, like :mod:`placement_opt.solver.search`, which calls them: each one changes the problem or an
 assignment without changing the cost of any assignment the solver could return.
 
 * :func:`coarsen_groups` / :func:`coarsen`: runs of chain units with the same option menu and the
