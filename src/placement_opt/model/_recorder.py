@@ -28,7 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["Record", "run", "is_fused_experts", "nbytes", "REPLAY_REPEATED_BLOCKS"]
+from ._meta_experts import stand_in_experts
+
+__all__ = ["Record", "run", "nbytes", "REPLAY_REPEATED_BLOCKS"]
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
@@ -72,7 +74,7 @@ def run(
             continue
         handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
         handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
-    restore = _stand_in_experts(module, experts_per_token)
+    restore = stand_in_experts(module, experts_per_token)
     replay = _BlockReplay(recorder)
     if REPLAY_REPEATED_BLOCKS:
         for name in blocks:
@@ -344,59 +346,3 @@ def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         state[name] = torch.empty(tensor.shape, dtype=target, device="meta")
     return state
-
-
-def _stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module], int]) -> Callable[[], None]:
-    """Replace fused MoE expert modules by a shape-correct dense stand-in for the meta forward.
-
-    Fused experts (transformers 5 ``MixtralExperts``: 3D weights ``[num_experts, out, in]``) route tokens
-    with data-dependent ops (``nonzero``) that cannot run on meta tensors. The stand-in sends every
-    token through ``top_k`` experts' weights, so the FLOPs counted are exactly ``top_k / num_experts`` of
-    all experts' dense FLOPs: what a routed forward computes on average.
-    """
-    patched: list[nn.Module] = []
-    for sub in module.modules():
-        if is_fused_experts(sub):
-            top_k = experts_per_token(sub)
-            sub.forward = _dense_experts(sub, top_k)  # instance attribute, removed again below
-            patched.append(sub)
-
-    def restore() -> None:
-        for sub in patched:
-            del sub.forward
-    return restore
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    params = [p for p in module._parameters.values() if p is not None]
-    return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in params)
-
-
-def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
-    act = getattr(module, "act_fn", torch.nn.functional.silu)
-
-    def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
-        # read the parameters at call time: functional_call has swapped in their meta stand-ins
-        weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
-        total = torch.zeros_like(hidden_states)
-        for k in range(top_k):
-            h = hidden_states
-            for w in weights:
-                h = _apply_expert_weight(h, w[k % w.shape[0]], act)
-            if h.shape == total.shape:
-                total = total + h
-        return total
-    return forward
-
-
-def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any) -> torch.Tensor:
-    """``h @ w`` in whichever orientation fits, applying a gated activation where a fused gate/up half ends."""
-    if w.shape[-1] != h.shape[-1] and w.shape[0] == h.shape[-1]:
-        w = w.t()
-    elif w.shape[-1] != h.shape[-1] and w.shape[-1] * 2 == h.shape[-1]:
-        gate, up = h.chunk(2, dim=-1)
-        h = act(gate) * up
-    elif w.shape[-1] != h.shape[-1] and w.shape[0] * 2 == h.shape[-1]:
-        gate, up = h.chunk(2, dim=-1)
-        h, w = act(gate) * up, w.t()
-    return torch.nn.functional.linear(h, w)

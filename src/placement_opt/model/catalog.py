@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ModelSpecError
+
 __all__ = ["ModelPreset", "model_config", "list_models", "describe", "preset"]
 
 
@@ -167,11 +169,11 @@ def preset(name: str) -> ModelPreset:
     """The catalog entry called ``name`` (case-insensitive).
 
     Raises:
-        ValueError: unknown name; the message lists the known ones.
+        ModelSpecError: unknown name; the message lists the known ones.
     """
     key = name.strip().lower()
     if key not in _BY_NAME:
-        raise ValueError(f"unknown model preset {name!r}: known presets are {', '.join(list_models())}")
+        raise ModelSpecError(f"unknown model preset {name!r}: known presets are {', '.join(list_models())}")
     return _BY_NAME[key]
 
 
@@ -190,7 +192,7 @@ def model_config(name: str) -> Any:
         (8, 2)
 
     Raises:
-        ValueError: unknown name; the message lists the known ones.
+        ModelSpecError: unknown name; the message lists the known ones.
     """
     entry = preset(name)
     import transformers

@@ -41,6 +41,8 @@ from typing import Any
 
 import networkx as nx
 
+from ..errors import PlanFormatError, TraceError
+
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -183,7 +185,7 @@ class LayerGraph:
 
     # -- checking and serialising ----------------------------------------------------------
     def validate(self) -> None:
-        """Raise ``ValueError`` listing every node or edge that breaks the schema."""
+        """Raise :class:`TraceError` listing every node or edge that breaks the schema."""
         problems: list[str] = []
         for name, data in self.nx.nodes(data=True):
             missing = sorted(set(NODE_ATTRIBUTES) - set(data))
@@ -200,7 +202,7 @@ class LayerGraph:
             if not isinstance(data.get("bytes_per_token"), int):
                 problems.append(f"edge {u} -> {v} has no integer bytes_per_token")
         if problems:
-            raise ValueError("layer graph breaks its schema:\n  " + "\n  ".join(problems))
+            raise TraceError("layer graph breaks its schema:\n  " + "\n  ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
         meta = asdict(self.meta)
@@ -217,7 +219,7 @@ class LayerGraph:
     def from_dict(cls, data: Mapping[str, Any]) -> LayerGraph:
         version = data.get("schema_version")
         if version != GRAPH_SCHEMA_VERSION:
-            raise ValueError(
+            raise PlanFormatError(
                 f"layer graph schema version {version!r} is not supported "
                 f"(this placement_opt reads version {GRAPH_SCHEMA_VERSION}): re-trace the model"
             )

@@ -1,0 +1,121 @@
+"""Attention facts of the units (heads, KV heads, head size, cross-attention) and the graph's ``meta.extra``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from torch import nn
+
+from . import _recorder
+from ._context import TraceContext, first_int, hidden_size, is_block, is_container
+from .dtypes import dtype_bytes
+
+__all__ = ["AttentionFacts", "graph_extra"]
+
+
+class AttentionFacts:
+    """Heads, KV heads and head size of the attention modules each unit owns.
+
+    A unit owns the attention modules inside it; with ``granularity="module"`` (attention split into its
+    projections) the last unit registered inside an attention module (its output projection, which also
+    receives the glue FLOPs of QK^T and AV) owns it.
+    """
+
+    def __init__(self, ctx: TraceContext) -> None:
+        self.ctx = ctx
+        module = ctx.module
+        can_generate = getattr(module, "can_generate", None)
+        # a KV cache exists for generating models, encoder-decoders, and bare decoders (``LlamaModel``)
+        self.causal = bool(getattr(ctx.config, "is_encoder_decoder", False) or
+                           (callable(can_generate) and can_generate()) or
+                           any(getattr(m, "is_causal", False) is True for m in module.modules()))
+        self.cross_kv_bytes_per_token = 0
+        self.owned: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)
+        blocks = [n for n in ctx.units if is_block(ctx, n) or not is_container(ctx, n)]
+        for name, attention in _outer_attention(module):
+            owner = next((u for u in blocks if name == u or name.startswith(u + ".") or not u), None)
+            if owner is None:
+                owner = next((u for u in reversed(list(ctx.units)) if u.startswith(name + ".")), None)
+            if owner is not None:
+                self.owned[owner].append((name, attention))
+
+    def of(self, unit_name: str) -> tuple[int, int, int, int]:
+        """(heads, kv heads, head dim, number of self-attention modules) of the unit ``unit_name``."""
+        outer = self.owned.get(unit_name, [])
+        selfs = [(n, m) for n, m in outer if not _is_cross(n, m)]
+        cross = [(n, m) for n, m in outer if _is_cross(n, m)]
+        if not outer:
+            return 0, 0, 0, 0
+        heads, kv_heads, head_dim = self._shape(outer[0][1])
+        if cross:
+            self.cross_kv_bytes_per_token = 2 * kv_heads * head_dim * dtype_bytes(self.ctx.dtype) * len(cross)
+        return heads, kv_heads, head_dim, len(selfs)
+
+    def _shape(self, attention: nn.Module) -> tuple[int, int, int]:
+        config = self.ctx.config
+        heads = kv = head_dim = 0
+        for sub in attention.modules():
+            heads = heads or first_int(sub, ("num_heads", "n_heads", "num_attention_heads", "n_head"))
+            kv = kv or first_int(sub, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
+            head_dim = head_dim or first_int(sub, ("head_dim", "key_value_proj_dim", "attention_head_size"))
+            groups = first_int(sub, ("num_key_value_groups",))
+            sub_config = getattr(sub, "config", None)
+            heads = heads or first_int(sub_config, ("num_attention_heads", "num_heads", "n_head"))
+            kv = kv or first_int(sub_config, ("num_key_value_heads",))
+            if heads and groups and not kv:
+                kv = heads // groups
+        heads = heads or first_int(config, ("num_attention_heads", "num_heads", "n_head"))
+        kv = kv or first_int(config, ("num_key_value_heads", "num_kv_heads")) or heads
+        hidden = hidden_size(self.ctx)
+        head_dim = head_dim or first_int(config, ("head_dim", "d_kv")) or (hidden // heads if heads else 0)
+        return heads, kv, head_dim
+
+
+def _outer_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost modules whose class names say attention (``LlamaAttention``, ``T5LayerCrossAttention``)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in model.named_modules():
+        cls = type(sub).__name__.lower()
+        if name and ("attention" in cls or cls.endswith("attn")) and not (
+                found and name.startswith(found[-1][0] + ".")):
+            found.append((name, sub))
+    return found
+
+
+def _is_cross(name: str, module: nn.Module) -> bool:
+    text = (name + type(module).__name__).lower()
+    return bool(getattr(module, "is_cross_attention", False)) or "cross" in text or "encdec" in text
+
+
+def graph_extra(ctx: TraceContext, record: _recorder.Record | None, attention: AttentionFacts, dropped: int) -> dict[str, Any]:
+    config = ctx.config
+    extra: dict[str, Any] = {"module_class": type(ctx.module).__name__, "num_units": len(ctx.units),
+                             "granularity": ctx.granularity, "kv_cache": attention.causal}
+    if config is not None:
+        extra["config_class"] = type(config).__name__
+        extra["model_type"] = str(getattr(config, "model_type", ""))
+        for key, keys in {"num_layers": ("num_hidden_layers", "num_layers", "n_layer"),
+                          "num_decoder_layers": ("num_decoder_layers",),
+                          "hidden_size": ("hidden_size", "d_model", "n_embd"),
+                          "intermediate_size": ("intermediate_size", "d_ff", "ffn_dim", "n_inner"),
+                          "num_attention_heads": ("num_attention_heads", "num_heads", "n_head"),
+                          "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
+                          "head_dim": ("head_dim", "d_kv"), "vocab_size": ("vocab_size",),
+                          "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+                          "sliding_window": ("sliding_window",),
+                          "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                          "num_experts_per_tok": ("num_experts_per_tok", "moe_topk")}.items():
+            value = first_int(config, keys)
+            if value:
+                extra[key] = value
+        if "head_dim" not in extra and extra.get("num_attention_heads") and extra.get("hidden_size"):
+            extra["head_dim"] = extra["hidden_size"] // extra["num_attention_heads"]
+    if attention.cross_kv_bytes_per_token:
+        extra["cross_attn_kv_bytes_per_token"] = attention.cross_kv_bytes_per_token
+    if record is not None:
+        extra["glue_flops"] = int(record.glue_flops)
+        extra["guessed_scalars"] = int(record.guessed_scalars)
+        extra["dropped_back_edges"] = int(dropped)
+        extra["replayed_blocks"] = int(record.replayed_blocks)
+    return extra

@@ -1,0 +1,64 @@
+"""What every step of :func:`~placement_opt.model.tracer.trace` reads: the module, its units, its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TraceContext", "is_block", "is_container", "experts_per_token", "first_int", "hidden_size"]
+
+
+@dataclass
+class TraceContext:
+    module: nn.Module
+    name: str
+    config: Any
+    dtype: torch.dtype
+    override: torch.dtype | None
+    """Count (and run) floating tensors in this dtype instead of their own (user's dtype for a module)."""
+    batch_size: int
+    seq_len: int
+    units: dict[str, nn.Module]
+    no_split: tuple[str, ...]
+    granularity: str = "block"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def is_container(ctx: TraceContext, name: str) -> bool:
+    """A unit owning only its direct tensors while other units sit below it (its forward is mostly glue)."""
+    return not is_block(ctx, name) and any(n.startswith(name + ".") or (not name and n) for n in ctx.units)
+
+
+def is_block(ctx: TraceContext, name: str) -> bool:
+    """A unit kept whole (owns every tensor below it), as opposed to one owning only its direct tensors."""
+    return bool(name) and type(ctx.units[name]).__name__ in ctx.no_split or len(ctx.units) == 1
+
+
+def experts_per_token(ctx: TraceContext, experts: nn.Module) -> int:
+    for key in ("num_experts_per_tok", "top_k", "moe_topk", "num_experts_per_token"):
+        value = getattr(ctx.config, key, None) or getattr(experts, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
+
+
+def first_int(obj: Any, keys: tuple[str, ...]) -> int:
+    for key in keys:
+        value = getattr(obj, key, None) if obj is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def hidden_size(ctx: TraceContext) -> int:
+    value = first_int(ctx.config, ("hidden_size", "d_model", "n_embd"))
+    if value:
+        return value
+    linear = next((m for m in ctx.module.modules() if isinstance(m, nn.Linear)), None)
+    return linear.out_features if linear is not None else 1

@@ -1,0 +1,131 @@
+"""Placement units of a module: which modules are units, the tensors each owns, ties, experts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ._context import TraceContext, experts_per_token, is_block
+from ._meta_experts import is_fused_experts
+from .dtypes import dtype_bytes
+
+__all__ = ["no_split_names", "find_units", "unit_tensors", "tensor_bytes", "tie_key", "tied_groups", "owner_of",
+           "moe_facts"]
+
+
+def no_split_names(module: nn.Module, no_split: Iterable[str] | None, granularity: str) -> set[str]:
+    if no_split is not None:
+        return {str(n) for n in no_split}
+    if granularity == "module":
+        return set()
+    return {str(n) for n in (getattr(module, "_no_split_modules", None) or ())}
+
+
+def find_units(module: nn.Module, no_split: set[str]) -> dict[str, nn.Module]:
+    """Unit name -> module, in registration order: no-split instances, then any module owning tensors."""
+    units: dict[str, nn.Module] = {}
+    block: str | None = None
+    for name, sub in module.named_modules():
+        if block is not None and name.startswith(block + "."):
+            continue
+        block = None
+        if name and type(sub).__name__ in no_split:
+            units[name] = sub
+            block = name
+        elif _has_direct_tensors(sub):
+            units[name] = sub
+    if not units:
+        units[""] = module
+    return units
+
+
+def _has_direct_tensors(module: nn.Module) -> bool:
+    return bool(module._parameters.keys() - {k for k, v in module._parameters.items() if v is None}) or any(
+        v is not None for v in module._buffers.values())
+
+
+def unit_tensors(name: str, module: nn.Module, whole: bool) -> list[tuple[str, torch.Tensor, bool]]:
+    """(qualified name, tensor, is_param) of the tensors a unit owns: all below it, or only its own."""
+    prefix = f"{name}." if name else ""
+    params = module.named_parameters(recurse=whole, remove_duplicate=False)
+    buffers = module.named_buffers(recurse=whole, remove_duplicate=False)
+    return ([(prefix + n, t, True) for n, t in params] + [(prefix + n, t, False) for n, t in buffers])
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes once loaded: own dtype, or ``dtype`` for floating tensors (never upcast: accelerate's rule)."""
+    size = tensor.element_size()
+    if dtype is not None and tensor.is_floating_point():
+        size = min(size, dtype_bytes(dtype))
+    return tensor.numel() * size
+
+
+def tie_key(pname: str, tied: list[tuple[str, ...]]) -> str:
+    return next((g[0] for g in tied if pname in g), pname)
+
+
+def tied_groups(ctx: TraceContext) -> tuple[list[tuple[str, ...]], dict[str, list[str]]]:
+    """Tied parameter groups and each unit's parameter names.
+
+    Ties come from object identity (a loaded or ``tie_weights()``-ed model) and from what transformers
+    declares: ``all_tied_weights_keys`` / a ``_tied_weights_keys`` dict (transformers 5, whose models
+    built on meta are not tied yet) or a ``_tied_weights_keys`` list tied to the input embeddings (v4).
+    """
+    owners = {name: [q for q, _, p in unit_tensors(name, module, is_block(ctx, name)) if p]
+              for name, module in ctx.units.items()}
+    named = list(ctx.module.named_parameters(remove_duplicate=False))
+    by_object: dict[int, list[str]] = defaultdict(list)
+    for qname, param in named:
+        by_object[id(param)].append(qname)
+    links: list[set[str]] = [set(g) for g in by_object.values() if len(g) > 1]
+    links += _declared_ties(ctx, named)
+    present = {q for q, _ in named}
+    return [tuple(sorted(g & present)) for g in _merge(links) if len(g & present) > 1], owners
+
+
+def _declared_ties(ctx: TraceContext, named: list[tuple[str, nn.Parameter]]) -> list[set[str]]:
+    module = ctx.module
+    if not getattr(ctx.config, "tie_word_embeddings", True) and not getattr(module, "all_tied_weights_keys", None):
+        return []
+    declared = getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None)
+    if isinstance(declared, Mapping):
+        return [{str(k), str(v)} for k, v in declared.items()]
+    embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    source = next((q for q, p in named if p is weight), None) if weight is not None else None
+    if isinstance(declared, (list, tuple)) and source is not None:
+        return [{str(k), source} for k in declared]
+    return []
+
+
+def _merge(sets: list[set[str]]) -> list[set[str]]:
+    merged: list[set[str]] = []
+    for group in sets:
+        overlapping = [m for m in merged if m & group]
+        for m in overlapping:
+            merged.remove(m)
+            group = group | m
+        merged.append(group)
+    return merged
+
+
+def owner_of(pname: str, owners: Mapping[str, list[str]]) -> str | None:
+    return next((u for u, names in owners.items() if pname in names), None)
+
+
+def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int, int]:
+    """(experts, experts per token, bytes of expert weights) of a unit; zeros when it is not MoE."""
+    experts = [m for m in module.modules() if is_fused_experts(m)]
+    if not experts:
+        lists = [m for n, m in module.named_modules() if n.endswith("experts") and isinstance(m, nn.ModuleList)]
+        if not lists:
+            return 0, 0, 0
+        count = sum(len(m) for m in lists)
+        nbytes = sum(tensor_bytes(p, ctx.override) for m in lists for p in m.parameters())
+        return count, experts_per_token(ctx, lists[0]), nbytes
+    count = max(p.shape[0] for m in experts for p in m._parameters.values() if p is not None and p.dim() == 3)
+    nbytes = sum(tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
+    return int(count), experts_per_token(ctx, experts[0]), int(nbytes)
