@@ -13,8 +13,8 @@ import transformers as T
 from placement_opt.cost.evaluate import Cost
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.resolve import as_machine
+from placement_opt.model.graph import covering_key
 from placement_opt.plan import Plan, UnitPlacement
-from placement_opt.runtime.checkpoint import unit_of
 
 __all__ = ["FAMILIES", "MAPPED", "MAPPED_SYNC", "RESIDENT", "assert_restored", "inputs_for", "make_plan",
            "mixed", "plan_from", "snapshot", "tied_groups", "tiny", "units_of"]
@@ -51,7 +51,7 @@ def tied_groups(model: torch.nn.Module, units: list[str]) -> list[set[str]]:
     """Sets of units that hold one shared tensor (they must share storage)."""
     by_id: dict[int, set[str]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(tensor), set()).add(unit_of(name, units))
+        by_id.setdefault(id(tensor), set()).add(covering_key(name, set(units)))
     return [group for group in by_id.values() if len(group) > 1]
 
 

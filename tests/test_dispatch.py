@@ -28,8 +28,8 @@ from _models import (
     units_of,
 )
 from placement_opt.errors import DispatchError
+from placement_opt.model.graph import covering_key
 from placement_opt.runtime._hooks import _move, _move_output
-from placement_opt.runtime.checkpoint import unit_of
 from placement_opt.runtime.dispatcher import DispatchedModel, dispatch
 
 
@@ -50,12 +50,12 @@ def test_units_of_tiny_llama():
                      "model.layers.3", "model.norm", "model.rotary_emb", "lm_head"]
 
 
-def test_unit_of_prefers_longest_prefix():
-    units = ["", "model.layers.1", "model.layers.10"]
-    assert unit_of("model.layers.10.mlp.w", units) == "model.layers.10"
-    assert unit_of("model.layers.1.mlp.w", units) == "model.layers.1"
-    assert unit_of("lm_head.weight", units) == ""
-    assert unit_of("lm_head.weight", ["model"]) is None
+def test_a_tensors_unit_is_the_longest_covering_unit_name():
+    units = {"", "model.layers.1", "model.layers.10"}
+    assert covering_key("model.layers.10.mlp.w", units) == "model.layers.10"
+    assert covering_key("model.layers.1.mlp.w", units) == "model.layers.1"
+    assert covering_key("lm_head.weight", units) == ""
+    assert covering_key("lm_head.weight", {"model"}) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,15 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement_opt.distributed.context import RuntimeContext, detect_context
-from placement_opt.distributed.ranks import (
+from placement_opt.distributed.ranks import plan_note
+from placement_opt.distributed.rules import resolve_device_map, should_place_on_device
+from placement_opt.errors import DeviceSpecError, PlacementError
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.hardware.resolve import (
     check_no_cross_rank_split,
     local_machine,
-    plan_for_context,
+    parse_device_spec,
+    resolve_machine,
 )
-from placement_opt.distributed.rules import resolve_device_map, should_place_on_device
-from placement_opt.errors import PlacementError
-from placement_opt.hardware.devices import Device, Machine
-from placement_opt.hardware.resolve import parse_device_spec
 from placement_opt.units import GIB
 
 SINGLE = RuntimeContext(kind="single", local_device="cuda:0")
@@ -344,7 +345,7 @@ def test_resolved_map_never_leaves_the_rank(context: RuntimeContext, values: lis
 
 
 # ---------------------------------------------------------------------------------------------
-# local_machine, check_no_cross_rank_split, plan_for_context
+# local_machine, check_no_cross_rank_split, resolve_machine with a context, plan_note
 # ---------------------------------------------------------------------------------------------
 def _host() -> Machine:
     return parse_device_spec("cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=1TB")
@@ -432,29 +433,42 @@ def test_check_no_cross_rank_split_reads_a_plans_devices() -> None:
         check_no_cross_rank_split(plan(("cuda:1", "cuda:1"), ("cpu", "cuda:0")), DDP_R1)
 
 
-def test_plan_for_context_single_process_returns_the_machine_without_note() -> None:
-    machine, note = plan_for_context("cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB", SINGLE)
+def _plan_for(devices: object, context: RuntimeContext) -> tuple[Machine, str | None]:
+    """What solve() does with its devices: the machine for this rank, and the plan's note."""
+    machine = resolve_machine(devices, context)
+    return machine, plan_note(machine, context)
+
+
+def test_resolve_machine_single_process_returns_the_machine_without_note() -> None:
+    machine, note = _plan_for("cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB", SINGLE)
     assert machine.names == ["cuda:0", "cuda:1", "cpu"] and note is None
+    assert resolve_machine("cuda:0=a100-40gb,cpu=64GiB", None).names == ["cuda:0", "cpu"]
 
 
-def test_plan_for_context_distributed_restricts_and_notes() -> None:
-    machine, note = plan_for_context("cuda:1=a100-40gb,cpu=64GiB,disk=1TB", DDP_R1)
+def test_resolve_machine_distributed_restricts_and_notes() -> None:
+    machine, note = _plan_for("cuda:1=a100-40gb,cpu=64GiB,disk=1TB", DDP_R1)
     assert machine.names == ["cuda:1", "cpu", "disk"]
     assert machine["cpu"].memory_bytes == 32 * GIB
     assert note.startswith("planned for rank 1 of 2 (DDP) only: cuda:1, cpu 32.00 GiB")
-    _, fsdp_note = plan_for_context("cuda:0=a100-40gb,cpu=64GiB", FSDP_R0)
+    _, fsdp_note = _plan_for("cuda:0=a100-40gb,cpu=64GiB", FSDP_R0)
     assert "FSDP will place and shard the model itself" in fsdp_note
 
 
-def test_plan_for_context_rejects_explicit_cross_rank_split() -> None:
-    with pytest.raises(PlacementError, match="owns cuda:1 but the machine lists cuda:0, cuda:1"):
-        plan_for_context(_host(), DDP_R1)
+def test_resolve_machine_rejects_explicit_cross_rank_split() -> None:
+    with pytest.raises(DeviceSpecError, match="owns cuda:1 but the machine lists cuda:0, cuda:1"):
+        resolve_machine(_host(), DDP_R1)
 
 
-def test_plan_for_context_detects_the_rank_devices_when_none_given() -> None:
-    machine, note = plan_for_context(None, DDP_CPU)  # CPU rank: this host's RAM and disk, halved
+def test_resolve_machine_detects_the_rank_devices_when_none_given() -> None:
+    machine, note = _plan_for(None, DDP_CPU)  # CPU rank: this host's RAM and disk, halved
     assert machine.names == ["cpu", "disk"]
     assert note.startswith("planned for rank 0 of 2 (DDP) only: no GPU, cpu ")
+
+
+def test_resolve_machine_detects_this_machine_when_none_given() -> None:
+    machine = resolve_machine(None, SINGLE)
+    assert machine.names[-2:] == ["cpu", "disk"]
+    assert all(d.is_gpu for d in machine.devices[:-2])
 
 
 @pytest.mark.cuda
@@ -469,14 +483,18 @@ def test_detect_context_counts_real_gpus() -> None:
 
 
 def test_single_process_rules_never_import_torch() -> None:
-    # The solver side stays torch-free: solve() calls plan_for_context in every run.
+    # The solver side stays torch-free: solve() resolves its machine with the context in every run.
     import os
     import subprocess
 
     code = ("import sys\n"
-            "from placement_opt.distributed.ranks import plan_for_context\n"
+            "from placement_opt.distributed.context import current_context\n"
+            "from placement_opt.distributed.ranks import plan_note\n"
             "from placement_opt.distributed.rules import resolve_device_map\n"
-            "machine, note = plan_for_context('cpu=8GiB,disk=1TB')\n"
+            "from placement_opt.hardware.resolve import resolve_machine\n"
+            "ctx = current_context()\n"
+            "machine = resolve_machine('cpu=8GiB,disk=1TB', ctx)\n"
+            "note = plan_note(machine, ctx)\n"
             "print(machine.names, note, resolve_device_map('auto'), 'torch' in sys.modules)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "ACCELERATE_USE_FSDP",
                                                              "ACCELERATE_USE_DEEPSPEED")}

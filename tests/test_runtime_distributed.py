@@ -40,7 +40,7 @@ else:
                             timeout=timedelta(seconds=45))
 
 import placement_opt
-from placement_opt.distributed import context as runtime_context
+from placement_opt.hardware import detect
 from placement_opt.cost.evaluate import evaluate
 from placement_opt.errors import PlacementError
 from placement_opt.model.graph import chain_graph
@@ -69,7 +69,7 @@ result["cpu_plan_devices"], cpu_weights = check(cpu_plan)
 result["cpu_notes"] = list(cpu_plan.notes)
 
 # 2. A 2-GPU host, simulated: torch would report two GPUs; the GPUs are described by presets.
-runtime_context._cuda_device_count = lambda: 2
+detect.cuda_device_count = lambda: 2
 result["auto_gpu"] = resolve_device_map("auto")
 try:
     placement_opt.solve(graph, "cuda:0=t4/2GiB,cuda:1=t4/2GiB,cpu=6GiB,disk=100GB", time_limit_s=10)

@@ -181,13 +181,13 @@ def _as_graph(model: Any) -> LayerGraph:
 
 
 def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
-    try:
-        from .distributed.ranks import plan_for_context
-    except ImportError:  # pragma: no cover - runtime.py ships with the package
-        from .hardware.resolve import as_machine
+    from .distributed.context import current_context
+    from .distributed.ranks import plan_note
+    from .hardware.resolve import resolve_machine
 
-        return as_machine(devices, dtype=dtype), None
-    return plan_for_context(devices, dtype=dtype)
+    context = current_context()
+    machine = resolve_machine(devices, context, dtype=dtype)
+    return machine, plan_note(machine, context)
 
 
 def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:

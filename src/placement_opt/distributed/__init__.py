@@ -1,6 +1,7 @@
-"""Runs with more than one process: the launch context, the training-loop rules, a rank's share.
+"""Runs with more than one process: the launch context, the training-loop rules, per-rank planning.
 
-``context`` <- ``rules``, ``ranks``.
+``context`` <- ``rules``, ``ranks``. A rank's share of the machine is worked out by
+``placement_opt.hardware.resolve.resolve_machine`` from the context this package detects.
 """
 
 __all__: list[str] = []

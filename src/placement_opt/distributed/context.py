@@ -7,7 +7,9 @@ frameworks already initialised in this process; :mod:`.rules` says what a traini
 with it (following transformers' ``Trainer`` and TRL; ``docs/distributed.md`` gives the reasons),
 and :mod:`.ranks` restricts a machine to one rank's share before solving.
 
-Nothing here imports torch at module level; :func:`detect_context` imports it only to count GPUs.
+Nothing here imports torch at module level; :func:`detect_context` imports it only to count GPUs
+(through :func:`placement_opt.hardware.detect.cuda_device_count`), and :func:`current_context`
+recognises a plain single process without importing it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlacementError
+from ..hardware import detect
 
-__all__ = ["KINDS", "RuntimeContext", "detect_context"]
+__all__ = ["KINDS", "RuntimeContext", "detect_context", "current_context"]
 
 
 #: Launch kinds :func:`detect_context` tells apart.
@@ -84,11 +87,16 @@ class RuntimeContext:
         """True when DeepSpeed or FSDP moves and shards the model itself."""
         return self.kind in _FRAMEWORK_PLACES
 
+    @property
+    def label(self) -> str:
+        """The launch kind as people write it: ``"DDP"``, ``"DeepSpeed"``, ``"FSDP"``, ``"single process"``."""
+        return _LABEL[self.kind]
+
     def describe(self) -> str:
         """``"rank 1 of 2 (DDP)"``, or ``"single process"``."""
         if self.kind == "single":
             return "single process"
-        return f"rank {self.rank} of {self.world_size} ({_LABEL[self.kind]})"
+        return f"rank {self.rank} of {self.world_size} ({self.label})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,14 +210,6 @@ def _torch_ranks() -> _Ranks | None:
                   local_world_size=None, source=f"torch.distributed ({dist.get_backend()})")
 
 
-def _cuda_device_count() -> int:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _local_device(local_rank: int, cuda_count: int, env: Mapping[str, str]) -> str:
     if cuda_count <= 0 or _flag(env, "ACCELERATE_USE_CPU"):
         return "cpu"
@@ -271,7 +271,7 @@ def detect_context(
     world = ranks.world_size
     local_world = ranks.local_world_size or world
     local_rank = ranks.local_rank if ranks.local_rank is not None else ranks.rank % local_world
-    count = _cuda_device_count() if cuda_device_count is None else cuda_device_count
+    count = detect.cuda_device_count() if cuda_device_count is None else cuda_device_count
     stage, _ = _int_env(env, "ACCELERATE_DEEPSPEED_ZERO_STAGE")
     return RuntimeContext(kind=kind, world_size=world, rank=ranks.rank, local_rank=local_rank,
                           local_world_size=local_world,
@@ -286,8 +286,12 @@ def _merge(framework: _Ranks, env_ranks: _Ranks) -> _Ranks:
                   local_world_size=env_ranks.local_world_size, source=framework.source)
 
 
-def _context(context: RuntimeContext | None) -> RuntimeContext:
-    """``context`` or the detected one; a plain single process is recognised without torch."""
+def current_context(context: RuntimeContext | None = None) -> RuntimeContext:
+    """``context`` or this process's, detected; a plain single process is recognised without torch.
+
+    What ``solve()``, ``load()`` and the training-loop rules call: :func:`detect_context` imports
+    torch to count GPUs, this only when a launcher or an imported framework says there may be ranks.
+    """
     if context is not None:
         return context
     env_ranks = _env_ranks(os.environ)

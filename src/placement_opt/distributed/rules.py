@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import DeviceSpecError
 from ..hardware.devices import normalize_device_name
-from .context import _LABEL, RuntimeContext, _context
+from .context import RuntimeContext, current_context
 
 __all__ = ["STRATEGIES", "Decision", "should_place_on_device", "resolve_device_map"]
 
@@ -51,7 +52,7 @@ def _device_name(value: Any) -> str:
     text = str(value).strip().lower()
     try:
         return normalize_device_name(text)
-    except ValueError:
+    except DeviceSpecError:
         return text  # "mps", "xpu:0", "meta": compared as written
 
 
@@ -164,7 +165,7 @@ def resolve_device_map(device_map: Any, context: RuntimeContext | None = None) -
     """
     if device_map is None:
         return None
-    ctx = _context(context)
+    ctx = current_context(context)
     if not ctx.is_distributed:
         return device_map
     devices = _map_devices(device_map)
@@ -178,9 +179,9 @@ def resolve_device_map(device_map: Any, context: RuntimeContext | None = None) -
                f"using {{'': '{ctx.local_device}'}}")
     else:
         replacement = None
-        why = (f"{_LABEL[ctx.kind]} places and shards the model itself "
+        why = (f"{ctx.label} places and shards the model itself "
                f"{'(ZeRO-3 accepts no device_map) ' if zero3 else ''}; using device_map=None "
-               f"(load on the CPU, let {_LABEL[ctx.kind]} place it)")
+               f"(load on the CPU, let {ctx.label} place it)")
     if devices is None:
         asked = f"device_map={device_map!r} asks to split the model over the devices of one process"
     elif set(devices) <= own:  # ZeRO-3 only

@@ -1,6 +1,8 @@
 """What the machine is: devices and machines (no I/O), detection, profiles, and resolving a user's devices.
 
-``devices`` (pure values) <- ``profile_store`` <- ``detect`` <- ``resolve``; ``profiler`` measures.
+``presets`` (datasheet data) <- ``devices`` (pure values) <- ``profile_store`` <- ``detect`` (the only
+code asking torch.cuda, psutil or the file system) <- ``resolve`` (``resolve_machine``: what solve,
+load and the CLI call); ``profiler`` measures.
 """
 
 __all__: list[str] = []

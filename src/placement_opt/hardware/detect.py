@@ -1,24 +1,34 @@
-"""The only code that asks this machine about itself: free GPU memory, available RAM, free disk space.
+"""The only code that asks this machine about itself: GPUs, free GPU memory, available RAM, free disk.
 
-:func:`detect_device` returns a :class:`~placement_opt.hardware.devices.Device` with today's
-capacity and the saved profile's speeds (:mod:`.profile_store`), or a datasheet preset's.
+:func:`cuda_device_count` counts the GPUs this process sees; :func:`detect_device` returns a
+:class:`~placement_opt.hardware.devices.Device` with today's capacity and the saved profile's
+speeds (:mod:`.profile_store`), or a datasheet preset's. torch and psutil are imported only when
+asked, so a single process that names its devices never imports torch.
 """
 
 from __future__ import annotations
 
 import shutil
 
-from .devices import (
-    Device,
-    _gpu_index,
-    _kind_of,
-    _with_default_speeds,
-    normalize_device_name,
-    replace_device,
-)
+from ..errors import DeviceSpecError
+from .devices import Device, device_kind, gpu_index, normalize_device_name, replace_device
 from .profile_store import saved_device
 
-__all__ = ["detect_device"]
+__all__ = ["cuda_device_count", "detect_device", "local_device_names"]
+
+
+def cuda_device_count() -> int:
+    """GPUs this process sees (0 without CUDA); imports torch."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_device_names() -> list[str]:
+    """This machine as names: every visible GPU, then ``"cpu"`` and ``"disk"``."""
+    return [f"cuda:{i}" for i in range(cuda_device_count())] + ["cpu", "disk"]
 
 
 def detect_device(name: str | int, *, dtype: str = "float16") -> Device:
@@ -26,10 +36,13 @@ def detect_device(name: str | int, *, dtype: str = "float16") -> Device:
 
     GPUs need torch with CUDA; the CPU's capacity is the RAM available now; the disk's is the
     free space of the current directory. ``dtype`` picks which measured FLOP/s the device carries.
+
+    Raises:
+        DeviceSpecError: ``name`` is a GPU this process does not see.
     """
     canonical = normalize_device_name(name)
     measured = saved_device(canonical, dtype=dtype)
-    kind = _kind_of(canonical)
+    kind = device_kind(canonical)
     if kind == "cpu":
         import psutil
 
@@ -40,21 +53,18 @@ def detect_device(name: str | int, *, dtype: str = "float16") -> Device:
         capacity = _cuda_capacity(canonical)
     if measured is not None:
         return replace_device(measured, memory_bytes=capacity)
-    device = _with_default_speeds(canonical, capacity)
+    device = Device.with_default_speeds(canonical, capacity)
     return replace_device(device, source=f"detected capacity, {device.source}")
 
 
 def _cuda_capacity(name: str) -> int:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    index = _gpu_index(name)
-    if torch is None or not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        count = 0 if torch is None or not torch.cuda.is_available() else torch.cuda.device_count()
-        raise ValueError(
+    count = cuda_device_count()
+    if gpu_index(name) >= count:
+        raise DeviceSpecError(
             f"{name} is not on this machine ({count} CUDA device(s) visible): describe it instead, "
             f"e.g. '{name}=a100-40gb' or Device.preset('a100-40gb', name='{name}')"
         )
-    free, _total = torch.cuda.mem_get_info(index)
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(gpu_index(name))
     return int(free)

@@ -17,14 +17,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..units import GIB, MIB, format_bytes, parse_size
+from ..errors import DeviceSpecError
+from ..units import GIB, format_bytes, parse_size
+from .presets import DEFAULT_PRESET, PRESETS, preset
 
 __all__ = [
     "Device",
     "Machine",
-    "DevicePreset",
-    "PRESETS",
     "normalize_device_name",
+    "device_kind",
+    "gpu_index",
     "DEFAULT_GPU_RESERVE_BYTES",
     "replace_device",
 ]
@@ -34,76 +36,8 @@ DEFAULT_GPU_RESERVE_BYTES = 1 * GIB
 
 _NAME_RE = re.compile(r"^(cuda:(\d+)|cpu|disk)$")
 _HALF_DTYPES = ("float16", "bfloat16", "half", "fp16", "bf16")
+_DEFAULT_NAME = {"gpu": "cuda:0", "cpu": "cpu", "disk": "disk"}
 
-
-@dataclass(frozen=True, kw_only=True)
-class DevicePreset:
-    """Datasheet figures of one device class (peak, not achieved: the cost model applies efficiencies)."""
-
-    key: str
-    kind: str
-    """``"gpu"``, ``"cpu"`` or ``"disk"``."""
-    description: str
-    memory_bytes: int
-    half_flops_per_s: float
-    """Peak dense FP16/BF16 FLOP/s (tensor cores with FP32 accumulate, as PyTorch uses them)."""
-    fp32_flops_per_s: float
-    bandwidth_bytes_per_s: float
-    """Memory bandwidth; for disks the sequential read bandwidth."""
-    host_link_bytes_per_s: float = 0.0
-    """GPU <-> host bandwidth achieved with pinned memory (PCIe generation x16)."""
-    peer_link_bytes_per_s: float = 0.0
-    """GPU <-> GPU bandwidth (NVLink per direction where the form factor has it, else PCIe)."""
-
-
-def _gpu(key: str, desc: str, mem_mib: int, half_tf: float, fp32_tf: float, bw_gbs: float,
-         host_gbs: float, peer_gbs: float) -> DevicePreset:
-    return DevicePreset(key=key, kind="gpu", description=desc, memory_bytes=mem_mib * MIB,
-                        half_flops_per_s=half_tf * 1e12, fp32_flops_per_s=fp32_tf * 1e12,
-                        bandwidth_bytes_per_s=bw_gbs * 1e9, host_link_bytes_per_s=host_gbs * 1e9,
-                        peer_link_bytes_per_s=peer_gbs * 1e9)
-
-
-# Memory is the total the driver reports (MiB); FLOP/s are NVIDIA datasheet dense figures;
-# host links are achieved pinned-copy rates (PCIe 3.0 x16 ~12, 4.0 ~25, 5.0 ~50 GB/s).
-_GPU_PRESETS = [
-    _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", 81559, 989.0, 67.0, 3350, 50, 450),
-    _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 50, 50),
-    _gpu("h200", "NVIDIA H200 SXM 141GB", 143771, 989.0, 67.0, 4800, 50, 450),
-    _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", 40960, 312.0, 19.5, 1555, 25, 300),
-    _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", 81920, 312.0, 19.5, 2039, 25, 300),
-    _gpu("l40s", "NVIDIA L40S 48GB", 46068, 362.0, 91.6, 864, 25, 25),
-    _gpu("a10", "NVIDIA A10 24GB", 23028, 125.0, 31.2, 600, 25, 25),
-    _gpu("l4", "NVIDIA L4 24GB", 23034, 121.0, 30.3, 300, 25, 25),
-    _gpu("t4", "NVIDIA T4 16GB", 15360, 65.0, 8.1, 320, 12, 12),
-    _gpu("v100-32gb", "NVIDIA V100 SXM2 32GB", 32768, 125.0, 15.7, 900, 12, 150),
-    _gpu("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", 12288, 25.6, 12.7, 360, 25, 25),
-    _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 24576, 35.6, 35.6, 936, 25, 25),
-    _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 24564, 165.2, 82.6, 1008, 25, 25),
-]
-_HOST_PRESETS = [
-    DevicePreset(key="cpu-laptop", kind="cpu", description="4-8 core laptop CPU, dual-channel DDR4",
-                 memory_bytes=16 * GIB, half_flops_per_s=0.1e12, fp32_flops_per_s=0.3e12,
-                 bandwidth_bytes_per_s=40e9),
-    DevicePreset(key="cpu-desktop", kind="cpu", description="16-core desktop CPU, dual-channel DDR5",
-                 memory_bytes=64 * GIB, half_flops_per_s=0.5e12, fp32_flops_per_s=1.0e12,
-                 bandwidth_bytes_per_s=60e9),
-    DevicePreset(key="cpu-server", kind="cpu", description="2-socket 64-core server, 16-channel DDR5",
-                 memory_bytes=512 * GIB, half_flops_per_s=4.0e12, fp32_flops_per_s=4.0e12,
-                 bandwidth_bytes_per_s=300e9),
-    DevicePreset(key="nvme-gen4", kind="disk", description="PCIe 4.0 NVMe SSD", memory_bytes=2 * 10**12,
-                 half_flops_per_s=0.0, fp32_flops_per_s=0.0, bandwidth_bytes_per_s=7e9),
-    DevicePreset(key="nvme-gen3", kind="disk", description="PCIe 3.0 NVMe SSD", memory_bytes=1 * 10**12,
-                 half_flops_per_s=0.0, fp32_flops_per_s=0.0, bandwidth_bytes_per_s=3.5e9),
-    DevicePreset(key="sata-ssd", kind="disk", description="SATA SSD", memory_bytes=1 * 10**12,
-                 half_flops_per_s=0.0, fp32_flops_per_s=0.0, bandwidth_bytes_per_s=0.55e9),
-    DevicePreset(key="hdd", kind="disk", description="7200 rpm hard disk", memory_bytes=4 * 10**12,
-                 half_flops_per_s=0.0, fp32_flops_per_s=0.0, bandwidth_bytes_per_s=0.2e9),
-]
-#: Every preset by key.
-PRESETS: dict[str, DevicePreset] = {p.key: p for p in _GPU_PRESETS + _HOST_PRESETS}
-#: The preset whose speeds a device of each kind gets when nothing better is known.
-DEFAULT_PRESET = {"gpu": "a100-40gb", "cpu": "cpu-desktop", "disk": "nvme-gen4"}
 
 # Link latencies: a kernel launch plus copy setup over PCIe/NVLink, a read request on a disk.
 _LATENCY_S = {"pcie": 10e-6, "nvlink": 5e-6, "disk": 100e-6}
@@ -113,13 +47,13 @@ def normalize_device_name(name: str | int) -> str:
     """``0`` / ``"0"`` / ``"cuda"`` / ``"cuda:0"`` -> ``"cuda:0"``; ``"cpu"``, ``"disk"`` unchanged.
 
     Raises:
-        ValueError: the name is not a device; lists the accepted forms.
+        DeviceSpecError: the name is not a device; lists the accepted forms.
     """
     if isinstance(name, bool):
-        raise ValueError(f"device {name!r} is not a device name: use 'cuda:N', 'cpu' or 'disk'")
+        raise DeviceSpecError(f"device {name!r} is not a device name: use 'cuda:N', 'cpu' or 'disk'")
     if isinstance(name, int):
         if name < 0:
-            raise ValueError(f"device index {name} is negative: GPU indices start at 0")
+            raise DeviceSpecError(f"device index {name} is negative: GPU indices start at 0")
         return f"cuda:{name}"
     text = str(name).strip().lower()
     if text.isdigit():
@@ -129,27 +63,36 @@ def normalize_device_name(name: str | int) -> str:
     if text.startswith("gpu:"):
         text = "cuda:" + text[4:]
     if not _NAME_RE.match(text):
-        raise ValueError(
+        raise DeviceSpecError(
             f"unknown device name {name!r}: accepted are 'cuda:N' (or an int N), 'cpu' and 'disk'"
         )
     return text
 
 
-def _kind_of(name: str) -> str:
+def device_kind(name: str) -> str:
+    """``"gpu"``, ``"cpu"`` or ``"disk"`` for a normalized device name."""
     return "gpu" if name.startswith("cuda:") else name
 
 
-def _preset(key: str) -> DevicePreset:
-    try:
-        return PRESETS[key.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown device preset {key!r}: accepted are {', '.join(sorted(PRESETS))}"
-        ) from None
+def gpu_index(name: str) -> int:
+    """N of ``"cuda:N"``; 0 for the CPU and the disk (they sort after the GPUs by kind)."""
+    return int(name.split(":")[1]) if name.startswith("cuda:") else 0
 
 
 def _is_half(dtype: str) -> bool:
     return str(dtype).replace("torch.", "") in _HALF_DTYPES
+
+
+def _checked_speed(label: str, device: str, value: float | None) -> float | None:
+    if value is not None and not (float(value) > 0):
+        raise DeviceSpecError(f"{label} of {device} is {value!r}: speeds must be > 0 per second")
+    return value
+
+
+def _reserve_bytes(device: str, kind: str, reserve: int | str | None) -> int:
+    if reserve is None:
+        return DEFAULT_GPU_RESERVE_BYTES if kind == "gpu" else 0
+    return parse_size(reserve, what=f"reserve of {device}")
 
 
 @dataclass(frozen=True, init=False)
@@ -175,7 +118,7 @@ class Device:
             model interpolates it and uses ``flops`` where it is empty.
 
     Raises:
-        ValueError: unknown name, malformed or negative size, non-positive speed.
+        DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
     """
 
     name: str
@@ -203,18 +146,12 @@ class Device:
         flops_by_tokens: Iterable[tuple[int, float]] = (),
     ) -> None:
         canonical = normalize_device_name(name)
-        kind = _kind_of(canonical)
+        kind = device_kind(canonical)
         default = PRESETS[DEFAULT_PRESET[kind]]
         memory_bytes = parse_size(memory, what=f"memory of {canonical}")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link)):
-            if value is not None and not (float(value) > 0):
-                raise ValueError(f"{label} of {canonical} is {value!r}: speeds must be > 0 per second")
-        if kind == "gpu":
-            reserve_bytes = DEFAULT_GPU_RESERVE_BYTES if reserve is None else parse_size(
-                reserve, what=f"reserve of {canonical}")
-        else:
-            reserve_bytes = 0 if reserve is None else parse_size(reserve, what=f"reserve of {canonical}")
+            _checked_speed(label, canonical, value)
         guessed = flops is None or bandwidth is None
         values = {
             "name": canonical,
@@ -223,7 +160,7 @@ class Device:
             "flops_per_s": float(flops if flops is not None else default.half_flops_per_s),
             "bandwidth_bytes_per_s": float(
                 bandwidth if bandwidth is not None else default.bandwidth_bytes_per_s),
-            "reserve_bytes": reserve_bytes,
+            "reserve_bytes": _reserve_bytes(canonical, kind, reserve),
             "host_link_bytes_per_s": float(host_link or default.host_link_bytes_per_s),
             "peer_link_bytes_per_s": float(peer_link or default.peer_link_bytes_per_s),
             "source": source or (f"default:{default.key}" if guessed else "user"),
@@ -250,17 +187,22 @@ class Device:
             memory: capacity override (e.g. the RAM of this particular server).
             dtype: the model dtype, which picks the half-precision or FP32 FLOP/s.
         """
-        p = _preset(key)
-        canonical = normalize_device_name(name if name is not None else
-                                          {"gpu": "cuda:0", "cpu": "cpu", "disk": "disk"}[p.kind])
-        if _kind_of(canonical) != p.kind:
-            raise ValueError(f"preset {key!r} is a {p.kind} but device {canonical!r} is a "
-                             f"{_kind_of(canonical)}: pick a {_kind_of(canonical)} preset")
+        p = preset(key)
+        canonical = normalize_device_name(name if name is not None else _DEFAULT_NAME[p.kind])
+        kind = device_kind(canonical)
+        if kind != p.kind:
+            raise DeviceSpecError(f"preset {key!r} is a {p.kind} but device {canonical!r} is a "
+                                  f"{kind}: pick a {kind} preset")
         flops = p.half_flops_per_s if _is_half(dtype) else p.fp32_flops_per_s
         return cls(canonical, p.memory_bytes if memory is None else memory,
                    flops=flops or None, bandwidth=p.bandwidth_bytes_per_s, reserve=reserve,
                    host_link=p.host_link_bytes_per_s or None, peer_link=p.peer_link_bytes_per_s or None,
                    source=f"datasheet:{p.key}")
+
+    @classmethod
+    def with_default_speeds(cls, name: str, memory: int) -> Device:
+        """Device ``name`` of ``memory`` bytes with the datasheet speeds of its kind's default preset."""
+        return cls.preset(DEFAULT_PRESET[device_kind(name)], name=name, memory=memory)
 
     def with_memory(self, memory: int | str) -> Device:
         """The same device with another capacity."""
@@ -302,7 +244,7 @@ def _check_curve(name: str, points: Iterable[tuple[int, float]]) -> tuple[tuple[
     curve = tuple(sorted((int(t), float(f)) for t, f in points))
     bad = [p for p in curve if p[0] < 1 or not p[1] > 0]
     if bad:
-        raise ValueError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0")
+        raise DeviceSpecError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0")
     return curve
 
 
@@ -324,7 +266,7 @@ class Machine:
             read bandwidth, disk -> GPU through the host (the slower of the two hops).
 
     Raises:
-        ValueError: duplicate devices, or a link naming a device the machine lacks.
+        DeviceSpecError: duplicate devices, or a link naming a device the machine lacks.
     """
 
     devices: tuple[Device, ...]
@@ -335,21 +277,21 @@ class Machine:
         names = [d.name for d in devs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"machine lists {', '.join(duplicates)} more than once: name each device once")
+            raise DeviceSpecError(f"machine lists {', '.join(duplicates)} more than once: name each device once")
         if not devs:
-            raise ValueError("a machine needs at least one device, e.g. ['cpu'] or {'cpu': '64GiB'}")
+            raise DeviceSpecError("a machine needs at least one device, e.g. ['cpu'] or {'cpu': '64GiB'}")
         checked: dict[tuple[str, str], float] = {}
         for (src, dst), bw in (links or {}).items():
             key = (normalize_device_name(src), normalize_device_name(dst))
             unknown = [n for n in key if n not in names]
             if unknown:
-                raise ValueError(f"link {src}->{dst} names {unknown}, not in the machine ({', '.join(names)})")
+                raise DeviceSpecError(f"link {src}->{dst} names {unknown}, not in the machine ({', '.join(names)})")
             if not float(bw) > 0:
-                raise ValueError(f"link {src}->{dst} bandwidth is {bw!r}: it must be > 0 bytes/s")
+                raise DeviceSpecError(f"link {src}->{dst} bandwidth is {bw!r}: it must be > 0 bytes/s")
             checked[key] = float(bw)
         # GPUs in index order first, then cpu, then disk: the fill order accelerate uses.
         order = {"gpu": 0, "cpu": 1, "disk": 2}
-        devs = tuple(sorted(devs, key=lambda d: (order[d.kind], _gpu_index(d.name))))
+        devs = tuple(sorted(devs, key=lambda d: (order[d.kind], gpu_index(d.name))))
         object.__setattr__(self, "devices", devs)
         object.__setattr__(self, "links", checked)
 
@@ -359,12 +301,12 @@ class Machine:
         for device in self.devices:
             if device.name == canonical:
                 return device
-        raise ValueError(f"device {canonical!r} is not in this machine ({', '.join(self.names)})")
+        raise DeviceSpecError(f"device {canonical!r} is not in this machine ({', '.join(self.names)})")
 
     def __contains__(self, name: object) -> bool:
         try:
             return any(d.name == normalize_device_name(name) for d in self.devices)  # type: ignore[arg-type]
-        except ValueError:
+        except DeviceSpecError:
             return False
 
     @property
@@ -415,7 +357,7 @@ class Machine:
         """Fixed cost of one transfer from ``src`` to ``dst``."""
         if src == dst:
             return 0.0
-        kinds = {_kind_of(src), _kind_of(dst)}
+        kinds = {device_kind(src), device_kind(dst)}
         if "disk" in kinds:
             return _LATENCY_S["disk"]
         if kinds == {"gpu"} and self.bandwidth(src, dst) > 100e9:
@@ -439,12 +381,3 @@ class Machine:
 
     def __str__(self) -> str:
         return "Machine(" + "; ".join(str(d) for d in self.devices) + ")"
-
-
-def _gpu_index(name: str) -> int:
-    return int(name.split(":")[1]) if name.startswith("cuda:") else 0
-
-
-def _with_default_speeds(name: str, memory: int) -> Device:
-    kind = _kind_of(name)
-    return Device.preset(DEFAULT_PRESET[kind], name=name, memory=memory)

@@ -20,6 +20,8 @@ __all__ = [
     "PROFILE_ENV_VAR",
     "PROFILE_SCHEMA_VERSION",
     "PROFILED_DTYPES",
+    "dtype_key",
+    "device_from_measurement",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -58,7 +60,8 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     return data
 
 
-def _dtype_key(dtype: str) -> str:
+def dtype_key(dtype: str) -> str:
+    """A dtype as the profile keys it: ``"torch.float16"``, ``"half"``, ``"fp16"`` -> ``"float16"``."""
     key = str(dtype).replace("torch.", "")
     return _ALIASES.get(key, key)
 
@@ -81,10 +84,11 @@ def saved_device(name: str, *, dtype: str = "float16",
     entry = data.get("measurements", {}).get(normalize_device_name(name))
     if entry is None:
         return None
-    return _device_from_measurement(normalize_device_name(name), entry, _dtype_key(dtype), data["created"])
+    return device_from_measurement(normalize_device_name(name), entry, dtype_key(dtype), data["created"])
 
 
-def _device_from_measurement(name: str, entry: dict[str, Any], dtype: str, created: str) -> Device:
+def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, created: str) -> Device:
+    """The :class:`Device` one saved measurement describes, carrying the FLOP/s of ``dtype``."""
     source = f"measured {created[:10]}"
     memory = int(entry["memory_bytes"])
     if name == "disk":

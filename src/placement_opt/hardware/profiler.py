@@ -36,13 +36,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .detect import detect_device
+from .detect import cuda_device_count, detect_device, local_device_names
 from .devices import Machine, normalize_device_name, replace_device
 from .profile_store import (
     PROFILE_SCHEMA_VERSION,
     PROFILED_DTYPES,
-    _device_from_measurement,
-    _dtype_key,
+    device_from_measurement,
+    dtype_key,
     load_profile,
     profile_path,
 )
@@ -222,21 +222,11 @@ def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cove
                              "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
                              "pageable_h2d_bytes_per_s": pageable}
-    peers = [j for j in range(torch.cuda.device_count()) if j != index]
+    peers = [j for j in range(cuda_device_count()) if j != index]
     if peers:
         other = torch.empty(size, dtype=torch.uint8, device=f"cuda:{peers[0]}")
         entry["peer_bytes_per_s"] = size / _best_time(lambda: other.copy_(src), repeats, sync)
     return entry
-
-
-def _default_devices() -> list[str]:
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:  # pragma: no cover
-        gpus = 0
-    return [f"cuda:{i}" for i in range(gpus)] + ["cpu", "disk"]
 
 
 def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLike[str] | None = None,
@@ -262,28 +252,34 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
         A ``Machine`` with today's capacities and the measured speeds (``source="measured ..."``).
 
     Raises:
-        ValueError: an unknown device name, or a GPU that is not on this machine.
+        DeviceSpecError: an unknown device name, or a GPU that is not on this machine.
     """
-    names = [normalize_device_name(d) for d in (devices if devices is not None else _default_devices())]
-    measurements: dict[str, Any] = {}
-    for name in names:
-        if name == "cpu":
-            measurements[name] = _measure_cpu(quick)
-        elif name == "disk":
-            measurements[name] = _measure_disk(Path(offload_folder or "."), quick)
-        else:  # pragma: no cover - needs a GPU
-            detect_device(name)  # raises a clear error when the GPU is absent
-            measurements[name] = _measure_cuda(int(name.split(":")[1]), quick)
+    names = [normalize_device_name(d) for d in (devices if devices is not None else local_device_names())]
+    measurements = {name: _measure(name, quick, offload_folder) for name in names}
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     where = profile_path(path)
     previous = load_profile(where) or {}
     merged = {**previous.get("measurements", {}), **measurements}
-    measured = [_device_from_measurement(n, merged[n], _dtype_key(dtype), created) for n in names]
+    measured = [device_from_measurement(n, merged[n], dtype_key(dtype), created) for n in names]
     machine = Machine([replace_device(d, memory_bytes=detect_device(d.name).memory_bytes) for d in measured])
-    data = {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
-            "quick": quick, "dtype": _dtype_key(dtype), "measurements": merged, "machine": machine.to_dict()}
+    _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
+                  "quick": quick, "dtype": dtype_key(dtype), "measurements": merged,
+                  "machine": machine.to_dict()})
+    return machine
+
+
+def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if name == "cpu":
+        return _measure_cpu(quick)
+    if name == "disk":
+        return _measure_disk(Path(offload_folder or "."), quick)
+    detect_device(name)  # pragma: no cover - needs a GPU; raises a clear error when it is absent
+    return _measure_cuda(int(name.split(":")[1]), quick)  # pragma: no cover
+
+
+def _save(where: Path, data: dict[str, Any]) -> None:
+    """Write the profile atomically: a reader sees the old file or the new one, never half of one."""
     where.parent.mkdir(parents=True, exist_ok=True)
     tmp = where.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     tmp.replace(where)
-    return machine

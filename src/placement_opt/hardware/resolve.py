@@ -1,29 +1,96 @@
-"""What a user calls a machine -> a :class:`~placement_opt.hardware.devices.Machine`.
+"""What a user calls a machine -> the :class:`~placement_opt.hardware.devices.Machine` to plan for.
 
-Everywhere a machine is expected, :func:`as_machine` accepts a ``Machine``, a list of devices or
-names (names are detected on this machine), an accelerate-style ``max_memory`` dict, or a spec
-string such as ``"cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk"`` (:func:`parse_device_spec`).
+:func:`resolve_machine` is the one entry that ``solve()``, ``load()`` and the CLI use. It accepts
+what :func:`as_machine` accepts (a ``Machine``, a list of devices or names, an accelerate-style
+``max_memory`` dict, a spec string for :func:`parse_device_spec`) or ``None`` for this machine,
+and, in a distributed run, restricts the machine to one rank's share (:func:`local_machine`).
+
+The launch context is passed in (:class:`RankContext`, which
+:class:`~placement_opt.distributed.context.RuntimeContext` satisfies): this layer sits below
+``distributed/`` and never detects it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
+from ..errors import DeviceSpecError
 from ..units import parse_size
-from .detect import detect_device
-from .devices import (
-    DEFAULT_PRESET,
-    PRESETS,
-    Device,
-    Machine,
-    _kind_of,
-    _with_default_speeds,
-    normalize_device_name,
-    replace_device,
-)
+from .detect import detect_device, local_device_names
+from .devices import Device, Machine, normalize_device_name, replace_device
+from .presets import DEFAULT_PRESET, PRESETS
 
-__all__ = ["as_machine", "parse_device_spec"]
+__all__ = [
+    "RankContext",
+    "resolve_machine",
+    "as_machine",
+    "parse_device_spec",
+    "device_names",
+    "local_machine",
+    "check_no_cross_rank_split",
+]
+
+#: Marks a CPU/disk whose capacity :func:`local_machine` already divided among a host's ranks.
+_SHARE_TAG = "per-rank share"
+
+
+class RankContext(Protocol):
+    """What :func:`resolve_machine` reads of a launch context (``RuntimeContext`` has it all)."""
+
+    @property
+    def is_distributed(self) -> bool: ...
+    @property
+    def local_device(self) -> str: ...
+    @property
+    def local_world_size(self) -> int: ...
+    def describe(self) -> str: ...
+
+
+def resolve_machine(devices: Any = None, context: RankContext | None = None, *,
+                    dtype: str = "float16") -> Machine:
+    """The machine to plan for in this process.
+
+    In a single process (``context`` None or not distributed) this is ``as_machine(devices)``, or
+    this machine's visible GPUs, CPU and disk when ``devices`` is None. In a distributed run the
+    devices the user names must not include another rank's GPU (:func:`check_no_cross_rank_split`),
+    and the machine is restricted to the rank's own GPU plus its share of CPU RAM and disk
+    (:func:`local_machine`); without ``devices`` the rank's own device, CPU and disk are detected.
+
+    Example::
+
+        resolve_machine("cuda:0=a100-40gb,cpu=64GiB,disk")          # single process
+        resolve_machine(None, current_context(), dtype="bfloat16")  # this rank's share
+
+    Args:
+        devices: anything :func:`as_machine` accepts, or None to detect this machine.
+        context: the launch context (``placement_opt.distributed.context.current_context()``);
+            None means a single process.
+        dtype: the model dtype, for detected and preset devices' FLOP/s.
+
+    Raises:
+        DeviceSpecError: ``devices`` is malformed, names a GPU this process does not see, or (in a
+            distributed run) names another rank's GPU.
+    """
+    if context is None or not context.is_distributed:
+        return as_machine(local_device_names() if devices is None else devices, dtype=dtype)
+    if devices is not None:
+        check_no_cross_rank_split(devices, context)
+    machine = as_machine(_rank_device_names(context) if devices is None else devices, dtype=dtype)
+    return local_machine(machine, context)
+
+
+# -- the forms a user writes a machine in --------------------------------------------------------
+
+
+def _spec_items(spec: str) -> list[tuple[str, str, str]]:
+    """``"cuda:0=a100-40gb,cpu"`` -> ``[("cuda:0", "a100-40gb", "cuda:0=a100-40gb"), ("cpu", "", "cpu")]``."""
+    items = []
+    for item in (part.strip() for part in spec.split(",")):
+        if item:
+            name, _, rest = item.partition("=")
+            items.append((normalize_device_name(name), rest, item))
+    return items
 
 
 def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
@@ -33,34 +100,30 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
     size. A bare name is detected on this machine.
 
     Raises:
-        ValueError: an item is malformed; the message names it and shows the accepted forms.
+        DeviceSpecError: an item is malformed; the message names it and shows the accepted forms.
     """
-    devices = []
-    for item in (part.strip() for part in spec.split(",")):
-        if not item:
+    return Machine([_spec_device(name, rest, item, dtype) for name, rest, item in _spec_items(spec)])
+
+
+def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
+    preset_key, size = None, None
+    for token in (t.strip() for t in rest.split("/") if t.strip()):
+        if token.lower() in PRESETS:
+            preset_key = token.lower()
             continue
-        name, _, rest = item.partition("=")
-        canonical = normalize_device_name(name)
-        preset_key, size = None, None
-        for token in (t.strip() for t in rest.split("/") if t.strip()):
-            if token.lower() in PRESETS:
-                preset_key = token.lower()
-            else:
-                try:
-                    size = parse_size(token, what=f"size of {canonical}")
-                except ValueError:
-                    raise ValueError(
-                        f"device spec item {item!r}: {token!r} is neither a preset nor a size. "
-                        f"Write NAME=PRESET, NAME=SIZE or NAME=PRESET/SIZE, e.g. 'cuda:0=a100-40gb', "
-                        f"'cpu=256GiB'; presets: {', '.join(sorted(PRESETS))}"
-                    ) from None
-        if preset_key:
-            devices.append(Device.preset(preset_key, name=canonical, memory=size, dtype=dtype))
-        elif size is not None:
-            devices.append(_with_default_speeds(canonical, size))
-        else:
-            devices.append(detect_device(canonical, dtype=dtype))
-    return Machine(devices)
+        try:
+            size = parse_size(token, what=f"size of {name}")
+        except ValueError:
+            raise DeviceSpecError(
+                f"device spec item {item!r}: {token!r} is neither a preset nor a size. "
+                f"Write NAME=PRESET, NAME=SIZE or NAME=PRESET/SIZE, e.g. 'cuda:0=a100-40gb', "
+                f"'cpu=256GiB'; presets: {', '.join(sorted(PRESETS))}"
+            ) from None
+    if preset_key:
+        return Device.preset(preset_key, name=name, memory=size, dtype=dtype)
+    if size is not None:
+        return Device.with_default_speeds(name, size)
+    return detect_device(name, dtype=dtype)
 
 
 def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
@@ -72,7 +135,7 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
     :func:`parse_device_spec`.
 
     Raises:
-        ValueError: the value is none of these; the message shows the accepted forms.
+        DeviceSpecError: the value is none of these; the message shows the accepted forms.
     """
     if isinstance(devices, Machine):
         return devices
@@ -84,10 +147,25 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
         return _from_max_memory(devices)
     if isinstance(devices, Iterable):
         return Machine([d if isinstance(d, Device) else detect_device(d, dtype=dtype) for d in devices])
-    raise ValueError(
+    raise DeviceSpecError(
         f"devices={devices!r} is not a machine: pass a Machine, a list like ['cuda:0', 'cpu', 'disk'], "
         f"a max_memory dict like {{0: '20GiB', 'cpu': '64GiB'}}, or a spec like 'cuda:0=a100-40gb,cpu=64GiB'"
     )
+
+
+def device_names(devices: Any) -> list[str]:
+    """Names of the devices in anything :func:`as_machine` accepts, without detecting any."""
+    if isinstance(devices, Machine):
+        return devices.names
+    if isinstance(devices, Device):
+        return [devices.name]
+    if isinstance(devices, str):
+        return [name for name, _, _ in _spec_items(devices)]
+    if isinstance(devices, Mapping):
+        return [normalize_device_name(k) for k in devices]
+    if isinstance(devices, Iterable):
+        return [d.name if isinstance(d, Device) else normalize_device_name(d) for d in devices]
+    return [normalize_device_name(devices)]
 
 
 def _from_max_memory(max_memory: Mapping[Any, Any]) -> Machine:
@@ -95,7 +173,97 @@ def _from_max_memory(max_memory: Mapping[Any, Any]) -> Machine:
     for key, value in max_memory.items():
         name = normalize_device_name(key)
         capacity = parse_size(value, what=f"max_memory[{key!r}]")
+        default = Device.with_default_speeds(name, capacity)
         # The user's budget is what we may use: no reserve on top of it, as accelerate does.
-        devices.append(replace_device(_with_default_speeds(name, capacity), reserve_bytes=0,
-                                      source=f"max_memory, default speeds of {DEFAULT_PRESET[_kind_of(name)]}"))
+        devices.append(replace_device(default, reserve_bytes=0,
+                                      source=f"max_memory, default speeds of {DEFAULT_PRESET[default.kind]}"))
     return Machine(devices)
+
+
+# -- one rank's share ----------------------------------------------------------------------------
+
+
+def check_no_cross_rank_split(devices: Any, context: RankContext) -> None:
+    """Raise when a distributed rank is asked to plan over GPUs that are not its own.
+
+    Example::
+
+        ctx = RuntimeContext(kind="ddp", world_size=2, rank=1, local_rank=1, local_world_size=2,
+                             local_device="cuda:1")
+        check_no_cross_rank_split(["cuda:1", "cpu"], ctx)          # fine
+        check_no_cross_rank_split(["cuda:0", "cuda:1", "cpu"], ctx)  # DeviceSpecError
+
+    Args:
+        devices: a Machine, Devices, names, a ``max_memory`` dict or a spec string; or a
+            :class:`~placement_opt.plan.Plan` (its storage and execution devices), which is
+            what ``load(..., plan=plan)`` and ``dispatch(model, plan)`` should check.
+        context: the launch context.
+
+    Raises:
+        DeviceSpecError: the devices name a GPU other than ``context.local_device``; the message
+            names the rank, its device, the GPUs listed and the way out.
+    """
+    if not context.is_distributed:
+        return
+    placements = getattr(devices, "placements", None)
+    if placements is not None:  # a Plan: the devices it stores on or computes on
+        names = sorted({d for p in placements for d in (p.storage, p.execution)})
+        noun = "the plan uses"
+    else:
+        names, noun = device_names(devices), "the machine lists"
+    gpus = [n for n in names if n.startswith("cuda:")]
+    if all(n == context.local_device for n in gpus):
+        return
+    owns = (f"owns {context.local_device}" if context.local_device != "cpu"
+            else "runs on the CPU (no GPU of its own)")
+    raise DeviceSpecError(
+        f"{context.describe()} {owns} but {noun} {', '.join(gpus)}: in a distributed run "
+        f"each rank plans for its own device; pass devices for one rank "
+        f"(e.g. {_rank_device_names(context)}) or run a single process"
+    )
+
+
+def _share(device: Device, ranks: int) -> Device:
+    """``device`` with 1/``ranks`` of its capacity; a device already shared is left as it is."""
+    if ranks <= 1 or _SHARE_TAG in device.source:
+        return device
+    return replace_device(device, memory_bytes=device.memory_bytes // ranks,
+                          reserve_bytes=device.reserve_bytes // ranks,
+                          source=f"{device.source}, {_SHARE_TAG} 1/{ranks}")
+
+
+def local_machine(machine: Machine, context: RankContext) -> Machine:
+    """Restrict ``machine`` to what one rank of a distributed run may use.
+
+    Keeps the rank's own GPU (named as it was, ``cuda:<local_rank>``), the CPU and the disk with
+    their capacity divided by ``local_world_size`` (the ranks on one host share them), and the
+    links between the kept devices. A single process gets ``machine`` unchanged. Idempotent: a
+    device already divided carries ``"per-rank share 1/N"`` in its ``source`` and is kept as is,
+    so a local machine passed to ``solve()`` is not divided twice.
+
+    Example::
+
+        machine = parse_device_spec("cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=1TB")
+        local_machine(machine, ctx_rank_1_of_2).names   # ['cuda:1', 'cpu', 'disk'], cpu 32 GiB
+
+    Raises:
+        DeviceSpecError: nothing of ``machine`` is left for this rank.
+    """
+    if not context.is_distributed:
+        return machine
+    shares = context.local_world_size
+    kept = [d if d.is_gpu else _share(d, shares) for d in machine.devices
+            if not d.is_gpu or d.name == context.local_device]
+    if not kept:
+        raise DeviceSpecError(
+            f"{context.describe()} owns {context.local_device} but the machine ({', '.join(machine.names)}) "
+            f"has neither it nor a CPU or disk: describe this rank's devices, e.g. "
+            f"['{context.local_device}', 'cpu', 'disk']"
+        )
+    names = {d.name for d in kept}
+    links = {k: v for k, v in machine.links.items() if k[0] in names and k[1] in names}
+    return Machine(kept, links)
+
+
+def _rank_device_names(context: RankContext) -> list[str]:
+    return ([context.local_device] if context.local_device != "cpu" else []) + ["cpu", "disk"]

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._streamer import _Streamer, _Unit
+from ._streamer import DispatchUnit, Streamer
 
-__all__: list[str] = []
+__all__ = ["install_hooks"]
 
 
 def _move(obj: Any, device: torch.device) -> Any:
@@ -53,7 +53,7 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
     return None
 
 
-def _install_hooks(model: nn.Module, units: list[_Unit], streamer: _Streamer,
+def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
                    move_inputs: bool | None) -> dict[nn.Module, tuple[bool, Any]]:
     """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices."""
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
@@ -78,7 +78,7 @@ def _wrap(module: nn.Module, wrapper: Callable[..., Any], hooked: dict[nn.Module
     module.forward = wrapper
 
 
-def _separately_called_encoder(model: nn.Module, units: list[_Unit]) -> nn.Module | None:
+def _separately_called_encoder(model: nn.Module, units: list[DispatchUnit]) -> nn.Module | None:
     """``generate()`` of encoder-decoder models calls ``model.get_encoder()`` directly."""
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return None
@@ -87,7 +87,7 @@ def _separately_called_encoder(model: nn.Module, units: list[_Unit]) -> nn.Modul
     return encoder if isinstance(encoder, nn.Module) and encoder is not model else None
 
 
-def _first_execution(sub: nn.Module, model: nn.Module, units: list[_Unit], default: torch.device) -> torch.device:
+def _first_execution(sub: nn.Module, model: nn.Module, units: list[DispatchUnit], default: torch.device) -> torch.device:
     prefix = next((name for name, m in model.named_modules() if m is sub), None)
     for unit in units:
         if prefix is not None and (unit.name == prefix or unit.name.startswith(prefix + ".")):
@@ -108,7 +108,7 @@ def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[
     return functools.wraps(forward)(entry)
 
 
-def _unit_forward(unit: _Unit, forward: Callable[..., Any], streamer: _Streamer,
+def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
                   move_inputs: bool) -> Callable[..., Any] | None:
     """The wrapped forward of one unit, or None when the unit needs no per-call work."""
     device = unit.execution

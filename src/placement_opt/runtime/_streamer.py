@@ -1,7 +1,7 @@
 """Streamed weights: each unit's bookkeeping, copies to the execution device, prefetching the next unit.
 
 Disk reads and GPU copies run in one background thread (GPU copies on a CUDA side stream, from
-pinned memory); :class:`_Streamer` hands the copied weights to the unit's forward (:mod:`._hooks`).
+pinned memory); :class:`Streamer` hands the copied weights to the unit's forward (:mod:`._hooks`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ from ..plan import UnitPlacement
 from .checkpoint import Slot
 from .offload import SafetensorsFile
 
-__all__: list[str] = []
+__all__ = ["DispatchUnit", "Streamer", "torch_device"]
 
 
-def _torch_device(name: str) -> torch.device:
+def torch_device(name: str) -> torch.device:
+    """A plan's device name (``"cuda:1"``, ``"cpu"``) as a ``torch.device``."""
     return torch.device(name)
 
 
 @dataclass(eq=False)
-class _Unit:
+class DispatchUnit:
+    """One unit of a dispatched model: its placement, module, tensors and how it runs."""
+
     placement: UnitPlacement
     module: nn.Module
     execution: torch.device
@@ -36,7 +39,7 @@ class _Unit:
     kind: str = "resident"
     """``resident``, ``mmap`` (disk, CPU-executed, zero-copy) or ``stream``."""
     disk: list[tuple[SafetensorsFile, str]] = field(default_factory=list)
-    next_unit: _Unit | None = None
+    next_unit: DispatchUnit | None = None
     """The unit to prefetch when this one starts (``stream`` mode)."""
 
     @property
@@ -44,7 +47,7 @@ class _Unit:
         return self.placement.unit
 
 
-class _Streamer:
+class Streamer:
     """Copies streamed units' weights to their execution device; prefetches the next one."""
 
     def __init__(self) -> None:
@@ -62,7 +65,7 @@ class _Streamer:
             self.side_streams[device] = torch.cuda.Stream(device)
         return self.side_streams[device]
 
-    def _copy(self, unit: _Unit, side: bool) -> tuple[list[torch.Tensor], Any]:
+    def _copy(self, unit: DispatchUnit, side: bool) -> tuple[list[torch.Tensor], Any]:
         """Copy every stored tensor of ``unit`` to its execution device (on a side stream if asked)."""
         device = unit.execution
         if device.type != "cuda":
@@ -83,7 +86,7 @@ class _Streamer:
             event.record(stream)
         return out, event
 
-    def start(self, unit: _Unit) -> None:
+    def start(self, unit: DispatchUnit) -> None:
         """Begin fetching ``unit``'s weights in the background unless that is under way.
 
         Disk reads and GPU copies run in the prefetch thread (GPU copies on a side stream);
@@ -92,7 +95,7 @@ class _Streamer:
         if id(unit) not in self.inflight and (unit.disk or unit.execution.type == "cuda"):
             self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.execution.type == "cuda")
 
-    def take(self, unit: _Unit) -> list[torch.Tensor]:
+    def take(self, unit: DispatchUnit) -> list[torch.Tensor]:
         """The unit's weights on its device: the prefetched ones, or copied now."""
         future = self.inflight.pop(id(unit), None)
         tensors, event = future.result() if future is not None else self._copy(unit, side=False)

@@ -9,14 +9,14 @@ The loading half of :func:`placement_opt.load` (which then calls :func:`placemen
   model twice: CPU- and disk-stored tensors in the checkpoint's dtype are views of the mapped
   shard, GPU tensors are read one by one, casts happen one tensor (disk: one unit) at a time.
 
-:class:`Slot` and :func:`collect_slots` (one entry per distinct tensor, tied names together) and
-:func:`unit_of` are shared with the dispatcher.
+:class:`Slot` and :func:`collect_slots` (one entry per distinct tensor, tied names together) are
+shared with the dispatcher; a tensor's unit is :func:`placement_opt.model.graph.covering_key`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError
+from ..model.dtypes import as_torch_dtype
+from ..model.graph import covering_key
 from ..plan import Plan
 from .offload import OffloadStore, SafetensorsFile
 
-__all__ = ["Slot", "collect_slots", "unit_of", "checkpoint_files", "checkpoint_index", "meta_model",
+__all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
            "materialize", "needs_conversion"]
 
 
@@ -44,16 +46,6 @@ class Slot:
     """The tensor that holds the weights between forwards (pinned host, mmap view, ...)."""
     foreign: bool = False
     """True when ``stored`` is not the original memory (mmap, pinned copy): restore by copying."""
-
-
-def unit_of(name: str, units: Sequence[str]) -> str | None:
-    """The longest unit name that is ``name`` or a module prefix of it (``""`` is the root)."""
-    best = None
-    for unit in units:
-        if unit == "" or name == unit or name.startswith(unit + "."):
-            if best is None or len(unit) > len(best):
-                best = unit
-    return best
 
 
 def collect_slots(model: nn.Module) -> list[Slot]:
@@ -92,15 +84,6 @@ def checkpoint_files(root: Path) -> list[Path]:
     return found
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise DispatchError(f"dtype={dtype!r} is not a torch dtype: write e.g. 'float16' or torch.bfloat16")
-    return value
-
-
 def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
     import transformers
@@ -110,8 +93,7 @@ def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         cls = transformers.AutoModelForCausalLM
-    wanted = _resolve_dtype(dtype) or getattr(config, "dtype", None) or torch.float32
-    wanted = _resolve_dtype(wanted)
+    wanted = as_torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _params_on_meta():
         model = cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
     return model
@@ -156,7 +138,6 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
     """
     storage_of = {p.unit: p.storage for p in plan.placements}
-    unit_names = list(storage_of)
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
     converting = _DiskConverter(offload_dir, disk_sources)
@@ -166,7 +147,7 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
             if slot.tensor.device.type == "meta":
                 missing.append(slot.names[0])
             continue
-        unit = unit_of(slot.names[0], unit_names)
+        unit = covering_key(slot.names[0], storage_of)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
         file, file_key = sources[key]
         if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:

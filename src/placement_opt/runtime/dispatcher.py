@@ -40,11 +40,13 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError, PlacementError
+from ..hardware.detect import cuda_device_count
+from ..model.graph import covering_key
 from ..plan import Plan
 from ._experts import pin_experts_to_devices
-from ._hooks import _install_hooks
-from ._streamer import _Streamer, _torch_device, _Unit
-from .checkpoint import Slot, collect_slots, unit_of
+from ._hooks import install_hooks
+from ._streamer import DispatchUnit, Streamer, torch_device
+from .checkpoint import Slot, collect_slots
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["dispatch", "DispatchedModel"]
@@ -68,8 +70,8 @@ class DispatchedModel:
         handle.remove()                            # forwards, devices and weights as before
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, units: list[_Unit], slots: list[Slot],
-                 streamer: _Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
+    def __init__(self, model: nn.Module, plan: Plan, units: list[DispatchUnit], slots: list[Slot],
+                 streamer: Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
                  previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool,
                  unpin_experts: Callable[[], None] = lambda: None) -> None:
         self.model = model
@@ -210,10 +212,10 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     _assign_slots(units, slots, plan)
     _check_devices(units)
     _place(model, units, slots, offload_dir, disk_reads, _disk_sources)
-    streamer = _Streamer()
+    streamer = Streamer()
     _link_prefetch(units)
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
-    hooked = _install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
+    hooked = install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     unpin = pin_experts_to_devices(model, {u.name: u.execution for u in units},
                                    units[0].execution if units else torch.device("cpu"))
@@ -228,16 +230,16 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
 
 def _check_rank(plan: Plan) -> None:
     """In a distributed run, a plan may use this rank's GPU only (the framework owns the others)."""
-    from ..distributed.context import detect_context
-    from ..distributed.ranks import check_no_cross_rank_split
+    from ..distributed.context import current_context
+    from ..hardware.resolve import check_no_cross_rank_split
 
     try:
-        check_no_cross_rank_split(plan, detect_context())
+        check_no_cross_rank_split(plan, current_context())
     except PlacementError as exc:
         raise DispatchError(str(exc)) from exc
 
 
-def _build_units(model: nn.Module, plan: Plan) -> list[_Unit]:
+def _build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
     modules = dict(model.named_modules())
     missing = [p.unit for p in plan.placements if p.unit not in modules]
     if missing:
@@ -246,21 +248,20 @@ def _build_units(model: nn.Module, plan: Plan) -> list[_Unit]:
             f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
             f"Solve the plan for this model (placement_opt.solve(model, ...))"
         )
-    return [_Unit(placement=p, module=modules[p.unit], execution=_torch_device(p.execution))
+    return [DispatchUnit(placement=p, module=modules[p.unit], execution=torch_device(p.execution))
             for p in plan.placements]
 
 
-def _assign_slots(units: list[_Unit], slots: list[Slot], plan: Plan) -> None:
+def _assign_slots(units: list[DispatchUnit], slots: list[Slot], plan: Plan) -> None:
     """Give each tensor to the unit owning its first name; tied tensors must share one storage."""
     by_name = {unit.name: unit for unit in units}
-    names = list(by_name)
     conflicts = []
     for slot in slots:
-        owners = {unit_of(n, names) for n in slot.names} - {None}
+        owners = {covering_key(n, by_name) for n in slot.names} - {None}
         storages = {by_name[o].placement.storage for o in owners}
         if len(storages) > 1:
             conflicts.append(f"{'/'.join(slot.names)} stored on {sorted(storages)}")
-        owner = unit_of(slot.names[0], names)
+        owner = covering_key(slot.names[0], by_name)
         if owner is not None:
             by_name[owner].slots.append(slot)
         for user in sorted(owners):
@@ -272,10 +273,10 @@ def _assign_slots(units: list[_Unit], slots: list[Slot], plan: Plan) -> None:
         )
 
 
-def _check_devices(units: list[_Unit]) -> None:
+def _check_devices(units: list[DispatchUnit]) -> None:
     wanted = sorted({d for u in units for d in (u.placement.storage, u.placement.execution)
                      if d.startswith("cuda")})
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     absent = [d for d in wanted if count == 0 or (torch.device(d).index or 0) >= count]
     if absent:
         raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s): "
@@ -285,7 +286,7 @@ def _check_devices(units: list[_Unit]) -> None:
         raise DispatchError(f"units {bad} execute on 'disk', which cannot compute: execute them on cpu or a GPU")
 
 
-def _place(model: nn.Module, units: list[_Unit], slots: list[Slot], offload_dir: Any,
+def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offload_dir: Any,
            disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None) -> None:
     """Move or map every tensor to its storage; decide each unit's kind."""
     store = None
@@ -328,7 +329,7 @@ def _set(slot: Slot, data: torch.Tensor, *, foreign: bool) -> None:
     slot.foreign = slot.foreign or foreign
 
 
-def _map_from_store(unit: _Unit, store: OffloadStore) -> None:
+def _map_from_store(unit: DispatchUnit, store: OffloadStore) -> None:
     path = store.write(unit.name, {slot.names[0]: slot.tensor.data for slot in unit.slots})
     file = SafetensorsFile(path)
     for slot in unit.slots:
@@ -336,14 +337,14 @@ def _map_from_store(unit: _Unit, store: OffloadStore) -> None:
         unit.disk.append((file, slot.names[0]))
 
 
-def _map_from_sources(unit: _Unit, sources: Mapping[str, tuple[SafetensorsFile, str]]) -> None:
+def _map_from_sources(unit: DispatchUnit, sources: Mapping[str, tuple[SafetensorsFile, str]]) -> None:
     for slot in unit.slots:
         file, key = sources[slot.names[0]]
         _set(slot, file.tensor(key), foreign=True)
         unit.disk.append((file, key))
 
 
-def _link_prefetch(units: list[_Unit]) -> None:
+def _link_prefetch(units: list[DispatchUnit]) -> None:
     """Each ``stream``-mode unit prefetches the next unit of its kind, wrapping to the first."""
     for kind in ("stream", "mmap"):
         chain = [u for u in units if u.kind == kind]

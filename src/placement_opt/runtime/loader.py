@@ -42,8 +42,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     Args:
         model_id_or_path: a local directory written by ``save_pretrained`` (``config.json`` and
             ``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
-        devices: anything :func:`placement_opt.solve` accepts (``["cuda:0", "cpu", "disk"]``,
-            a ``Machine``, a ``max_memory`` dict); ignored when ``plan`` is given.
+        devices: anything :func:`~placement_opt.hardware.resolve.resolve_machine` accepts
+            (``["cuda:0", "cpu", "disk"]``, a ``Machine``, a ``max_memory`` dict, a spec string,
+            None for this machine); ignored when ``plan`` is given.
         objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
         workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
         dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
@@ -64,9 +65,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
-        from ..planner import solve  # the planner imports no runtime module
-
-        plan = solve(model, devices, objective=objective, workload=workload)
+        plan = _solve(model, devices, objective, workload)
     sources = checkpoint_index(files)
     if needs_conversion(model, sources):
         return _load_converted(root, model, plan, offload_dir)
@@ -75,6 +74,17 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         model.tie_weights()
     model.eval()
     return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+
+
+def _solve(model: nn.Module, devices: Any, objective: str, workload: Any) -> Plan:
+    """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank)."""
+    from ..distributed.context import current_context
+    from ..hardware.resolve import resolve_machine
+    from ..model.dtypes import dtype_name, module_dtype
+    from ..planner import solve  # the planner imports no runtime module
+
+    machine = resolve_machine(devices, current_context(), dtype=dtype_name(module_dtype(model)))
+    return solve(model, machine, objective=objective, workload=workload)
 
 
 def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
