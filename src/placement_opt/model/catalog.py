@@ -6,7 +6,7 @@ meta device and plan it anywhere.
 
 Example::
 
-    >>> from placement_opt import models
+    >>> from placement_opt.model import catalog as models
     >>> "llama-3-70b" in models.list_models()
     True
     >>> models.model_config("llama-3-70b").num_hidden_layers

@@ -89,8 +89,8 @@ def trace(
 
     Example::
 
-        >>> from placement_opt import trace, models
-        >>> graph = trace(models.model_config("llama-3-70b"))     # built on meta, nothing allocated
+        >>> from placement_opt import trace
+        >>> graph = trace("llama-3-70b")     # a catalog preset, built on meta, nothing allocated
         >>> graph.names()[:3]
         ['model.embed_tokens', 'model.rotary_emb', 'model.layers.0']
         >>> graph.unit("model.layers.0").kv_bytes_per_token      # 2 x 8 KV heads x 128 x 2 bytes
