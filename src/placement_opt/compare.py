@@ -17,15 +17,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from .hardware.devices import Machine
     from .plan import Plan
 
-__all__ = ["STRATEGIES", "StrategyOutcome", "compare_strategies", "objective_value"]
+__all__ = ["STRATEGIES", "StrategyOutcome", "compare_strategies", "solve_strategy", "objective_value", "one_line"]
 
 #: Every strategy ``compare`` runs, in display order.
 STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 
 
-def _solve(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
-           time_limit_s: float | None, source: Any = None) -> Plan:
-    """``solve`` on the traced graph; ``accelerate`` asks the installed library with ``source``."""
+def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
+                   time_limit_s: float | None, source: Any = None) -> Plan:
+    """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
+
+    ``solve`` on the graph; ``accelerate`` asks the installed library with ``source`` (the model or
+    config the graph was traced from).
+    """
     if strategy == "accelerate":
         return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
     from .planner import solve
@@ -49,11 +53,11 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
 
     from .cost.device_map import accelerate_device_map
     from .cost.evaluate import evaluate
-    from .errors import PlacementError
-    from .plan import Plan, UnitPlacement
+    from .errors import SolverInputError
+    from .planner import baseline_plan
 
     if source is None:
-        raise PlacementError("strategy 'accelerate' needs the model's config, not only its graph")
+        raise SolverInputError("strategy 'accelerate' needs the model's config, not only its graph: pass source=")
     started = time.perf_counter()
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # accelerate warns that preset GPUs are absent from this machine
@@ -63,20 +67,10 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
     finally:
         logging.disable(previous)
     cost = evaluate(device_map, graph, machine, workload)
-    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
-                       for u in cost.units)
-    draft = Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective,
-                 strategy="accelerate", placements=placements, machine=machine, workload=workload,
-                 cost=cost, status="GREEDY", objective_value=0.0, best_bound=0.0, gap=0.0,
-                 solve_time_s=time.perf_counter() - started,
-                 notes=("device_map='auto' of the installed transformers/accelerate, run as accelerate "
-                        "runs it (cpu/disk units copied to the first GPU synchronously at every forward)",
-                        *(f"does not fit: {v.message}" for v in cost.violations)),
-                 extra={"device_map": {k: v for k, v in device_map.items()}})
-    from dataclasses import replace
-
-    value = objective_value(draft, objective)
-    return replace(draft, objective_value=value, gap=1.0 if value > 0 else 0.0)  # as solve()'s baselines
+    note = ("device_map='auto' of the installed transformers/accelerate, run as accelerate runs it "
+            "(cpu/disk units copied to the first GPU synchronously at every forward)")
+    return baseline_plan(graph, machine, workload, objective, "accelerate", cost, device_map, notes=[note],
+                         solve_time_s=time.perf_counter() - started)
 
 
 def compare_strategies(
@@ -123,16 +117,17 @@ def compare_strategies(
     outcomes = []
     for strategy in strategies:
         try:
-            plan = _solve(graph, machine, objective=objective, workload=workload, strategy=strategy,
+            plan = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
                           time_limit_s=time_limit_s, source=source)
         except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
-            outcomes.append(StrategyOutcome(strategy=strategy, error=_one_line(exc)))
+            outcomes.append(StrategyOutcome(strategy=strategy, error=one_line(exc)))
         else:
             outcomes.append(StrategyOutcome(strategy=strategy, plan=plan))
     return outcomes
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its class name when it has none)."""
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
 
@@ -159,13 +154,8 @@ class StrategyOutcome:
 def objective_value(plan: Plan, objective: str) -> float:
     """The number ``objective`` minimises, read off a plan's cost (lower is better).
 
-    ``latency``: prefill + decode seconds; ``throughput``: the slowest device's total work
-    (seconds); ``memory``: bytes used on GPUs (all devices when the machine has no GPU).
+    The solver's one definition (:func:`placement_opt.solver.problem.objective_value`): ``latency``:
+    prefill + decode seconds; ``throughput``: the slowest device's total work (seconds); ``memory``:
+    bytes used on the GPUs (0 on a machine without one).
     """
-    cost = plan.cost
-    if objective == "throughput":
-        return max(cost.stage_s.values(), default=0.0)
-    if objective == "memory":
-        gpus = [m for m in cost.memory if m.device.startswith("cuda:")] or list(cost.memory)
-        return float(sum(m.used_bytes for m in gpus))
-    return cost.total_s
+    return plan.cost.objective_value(objective, [d.name for d in plan.machine.gpus])

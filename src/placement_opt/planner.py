@@ -6,25 +6,25 @@ Stage 4 of the data flow, wiring the others together::
     problem = cost.build_problem(graph, machine, workload, pins=..., contiguous=...)
     baselines: sequential / balanced / balanced_low_0 (and the installed library when a model is given),
                each scored by cost.evaluate with accelerate's run-time semantics -> Plan.baselines
-    cpsat.solve_problem(problem, objective, hint=best valid baseline) -> Plan
+    solver.search.solve_problem(problem, objective, hint=best valid baseline) -> Plan
 
 Torch is imported only when a model (not a LayerGraph) must be traced, or for ``strategy="accelerate"``.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .cost.build import build_problem
 from .cost.device_map import accelerate_device_map
-from .cost.evaluate import Cost, evaluator
+from .cost.evaluate import Cost, as_graph, evaluator
+from .cost.memory import shortage_message
 from .cost.workload import Workload
-from .errors import InfeasiblePlacementError, PlacementError
+from .errors import InfeasiblePlacementError, PlacementError, SolverInputError
 from .hardware.devices import Machine, normalize_device_name
-from .model.graph import covering_key, keys_below
+from .model.graph import covering_key
 from .plan import BaselineResult, Plan, UnitPlacement
 from .solver.greedy import GREEDY_RESERVES, baseline_storage, choice_from_storage, greedy_choice
 from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
@@ -35,7 +35,7 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
-__all__ = ["solve", "STRATEGIES", "OBJECTIVES", "resolve_pins"]
+__all__ = ["solve", "baseline_plan", "STRATEGIES", "OBJECTIVES", "SOLVER_WORKERS"]
 
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
@@ -103,29 +103,26 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 
     Raises:
         InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
-        PlacementError: a bad argument (the message lists what is accepted) or no solution in time.
+        SolverInputError: a bad argument or pin (the message lists what is accepted).
+        PlacementError: no solution in time, or another stage's error (a device spec, the model).
     """
     _check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
     _check_types(workload, pins, contiguous)
     from .model.graph import LayerGraph
 
     if strategy == "accelerate" and isinstance(model, LayerGraph):
-        raise PlacementError("strategy='accelerate' runs the installed library on the model itself, so it needs "
-                             "a transformers model or config, not a LayerGraph: pass the model (or its config), "
-                             "or use strategy='balanced' on a LayerGraph")
-    graph = _as_graph(model)
+        raise SolverInputError("strategy='accelerate' runs the installed library on the model itself, so it "
+                               "needs a transformers model or config, not a LayerGraph: pass the model (or its "
+                               "config), or use strategy='balanced' on a LayerGraph")
+    graph = as_graph(model)
     machine, context_note = _machine(devices, graph.meta.dtype)
     workload = workload if workload is not None else Workload()
-    unit_pins = resolve_pins(pins or {}, graph, machine)
-    try:
-        problem = build_problem(graph, machine, workload, pins=unit_pins, contiguous=contiguous)
-    except ValueError as exc:
-        raise PlacementError(str(exc)) from exc
+    problem = build_problem(graph, machine, workload, pins=pins or {}, contiguous=contiguous)
     score = evaluator(graph, machine, workload)  # prices every option once for every map scored below
     baselines = _baselines(graph, machine, score, problem, model)
     notes = [context_note] if context_note else []
-    if unit_pins:
-        notes.append(f"{len(unit_pins)} unit(s) pinned by {len(pins or {})} pin(s)")
+    if problem.pins:
+        notes.append(f"{len(problem.pins)} unit(s) pinned by {len(pins or {})} pin(s)")
     if strategy == "cpsat":
         return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers), notes)
@@ -151,7 +148,7 @@ def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: i
     if not isinstance(gap_limit, (int, float)) or not 0 <= gap_limit < 1:
         problems.append(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.01 for 1 %")
     if problems:
-        raise PlacementError("; ".join(problems))
+        raise SolverInputError("; ".join(problems))
 
 
 def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
@@ -164,20 +161,7 @@ def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
     if not isinstance(contiguous, bool):
         problems.append(f"contiguous must be True or False, got {contiguous!r}")
     if problems:
-        raise PlacementError("; ".join(problems))
-
-
-def _as_graph(model: Any) -> LayerGraph:
-    from .model.graph import LayerGraph
-
-    if isinstance(model, LayerGraph):
-        return model
-    try:
-        from .model.tracer import trace  # lazy: tracing imports torch
-    except ImportError as exc:  # pragma: no cover - trace.py ships with the package
-        raise PlacementError(f"cannot trace {type(model).__name__}: placement_opt.trace is unavailable "
-                             f"({exc}); pass a LayerGraph") from exc
-    return trace(model)
+        raise SolverInputError("; ".join(problems))
 
 
 def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
@@ -188,54 +172,6 @@ def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
     context = current_context()
     machine = resolve_machine(devices, context, dtype=dtype)
     return machine, plan_note(machine, context)
-
-
-def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:
-    """Accelerate-style pins -> storage device name per unit (the longest covering key wins).
-
-    Example::
-
-        resolve_pins({"model.layers": 0, "lm_head": "cpu"}, graph, machine)
-        # {"model.layers.0": "cuda:0", ..., "lm_head": "cpu"}
-
-    Raises:
-        PlacementError: a key that covers no unit (close unit names are listed), a key inside a
-            unit (units are the smallest placeable pieces), or a device the machine lacks.
-    """
-    names = graph.names()
-    name_set, inside = set(names), keys_below(names)
-    problems = []
-    devices: dict[str, str] = {}
-    for key, value in pins.items():
-        try:
-            device = normalize_device_name(value)
-        except ValueError as exc:
-            problems.append(f"pin {key!r}: {exc}")
-            continue
-        if device not in machine:
-            problems.append(f"pin {key!r} -> {value!r}: {device} is not in the machine ({', '.join(machine.names)})")
-        elif key not in inside and key not in name_set:
-            problems.append(_unknown_pin(key, names))
-        devices[key] = device
-    if problems:
-        raise PlacementError("bad pins:\n  " + "\n  ".join(problems))
-    resolved = {}
-    for name in names:
-        key = covering_key(name, devices)
-        if key is not None:
-            resolved[name] = devices[key]
-    return resolved
-
-
-def _unknown_pin(key: str, names: Sequence[str]) -> str:
-    owner = next((n for n in names if key.startswith(n + ".")), None)
-    if owner is not None:
-        return (f"pin {key!r} is inside unit {owner!r}; units are the smallest pieces a plan places: "
-                f"pin {owner!r} instead")
-    prefixes = sorted({".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)})
-    close = difflib.get_close_matches(key, prefixes, n=5, cutoff=0.5)
-    hint = f"close names: {', '.join(close)}" if close else f"units are e.g. {', '.join(names[:5])}"
-    return f"pin {key!r} names no module of the model; {hint}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +212,7 @@ def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, 
     per_unit = {name: named[key] for name, key in owner.items() if key is not None}
     try:
         hint = choice_from_storage(problem, per_unit)
-    except ValueError:
+    except SolverInputError:  # a storage none of the unit's options offers: no hint from this map
         hint = None
     return _Baseline(strategy, dict(device_map), cost, BaselineResult(
         strategy=strategy, total_s=cost.total_s, fits=cost.fits, short_bytes=short, note=note), hint)
@@ -306,10 +242,10 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
     sol = solve_problem(problem, objective, time_limit_s=time_limit_s, seed=seed, workers=workers, hint=hint,
                         gap_limit=gap_limit)
     if sol.status == "INFEASIBLE":
-        raise InfeasiblePlacementError(shortage_message(problem, graph, workload, machine))
+        raise InfeasiblePlacementError(shortage_message(problem, graph, workload))
     if not sol.feasible:
         raise PlacementError(f"CP-SAT found no placement within {time_limit_s:g} s and no baseline fits: "
-                             f"{shortage_message(problem, graph, workload, machine)}; or raise time_limit_s")
+                             f"{shortage_message(problem, graph, workload)}; or raise time_limit_s")
     chosen = problem.options(sol.choice)
     placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
                        for u, o in zip(problem.units, chosen, strict=True))
@@ -323,74 +259,33 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                 extra={"scale_ns": sol.scale_ns, "units": sol.units, "coarse_units": sol.coarse_units})
 
 
-def _objective_value(cost: Cost, objective: str, machine: Machine) -> float:
-    if objective == "latency":
-        return cost.total_s
-    if objective == "throughput":
-        return max(cost.stage_s.values(), default=0.0)
-    return float(sum(cost.device_memory(d.name).used_bytes for d in machine.gpus))
-
-
 def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
                    baselines: Sequence[_Baseline], model: Any, notes: list[str]) -> Plan:
     chosen = next((b for b in baselines if b.strategy == strategy), None)
     if chosen is None:  # strategy="accelerate" on a bare LayerGraph
         accelerate_device_map(model, machine.max_memory, "auto")  # raises the clear error
-        raise PlacementError("strategy='accelerate' needs a transformers model or config")  # pragma: no cover
+        raise SolverInputError("strategy='accelerate' needs a transformers model or config")  # pragma: no cover
     if chosen.cost is None:
         raise InfeasiblePlacementError(f"{strategy}: {chosen.result.note}: add a disk device or more memory")
-    cost = chosen.cost
-    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
-                       for u in cost.units)
-    value = _objective_value(cost, objective, machine)
     notes = [*notes, f"{strategy}: accelerate's device_map semantics (cpu/disk units copied to the first GPU "
                      f"synchronously at every forward)"]
-    notes += [f"does not fit: {v.message}" for v in cost.violations]
+    return baseline_plan(graph, machine, workload, objective, strategy, chosen.cost, chosen.device_map or {},
+                         notes=notes, baselines=[b.result for b in baselines])
+
+
+def baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
+                  cost: Cost, device_map: Mapping[str, Any], *, notes: Sequence[str] = (),
+                  baselines: Sequence[BaselineResult] = (), solve_time_s: float = 0.0) -> Plan:
+    """The Plan of a device_map run as accelerate runs it (``cost`` from ``evaluate``): status GREEDY, no bound.
+
+    ``objective_value`` is the plan's value under the solver's definition of ``objective``; each
+    capacity violation is added to ``notes`` ("does not fit: ...").
+    """
+    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
+                       for u in cost.units)
+    value = cost.objective_value(objective, [d.name for d in machine.gpus])
+    notes = [*notes, *(f"does not fit: {v.message}" for v in cost.violations)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy=strategy,
                 placements=placements, machine=machine, workload=workload, cost=cost, status="GREEDY",
-                objective_value=value, best_bound=0.0, gap=1.0 if value > 0 else 0.0, solve_time_s=0.0,
-                baselines=tuple(b.result for b in baselines), notes=tuple(notes),
-                extra={"device_map": {k: v for k, v in (chosen.device_map or {}).items()}})
-
-
-# ---------------------------------------------------------------------------------------------
-# Why nothing fits
-# ---------------------------------------------------------------------------------------------
-def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Workload, machine: Machine) -> str:
-    """Which capacity is short, by how much, and what takes the space."""
-    lines = []
-    compute = [d for d in problem.devices if d.kind != "disk"]
-    least = [min(o.stored_bytes + o.resident_bytes for o in u.options) for u in problem.units]
-    resident = [min(o.resident_bytes for o in u.options) for u in problem.units]
-    peak = max((min(o.peak_bytes for o in u.options) for u in problem.units), default=0)
-    need_all = sum(least) + peak
-    have_all = sum(d.capacity_bytes for d in problem.devices)
-    need_compute, have_compute = sum(resident) + peak, sum(d.capacity_bytes for d in compute)
-    kv = sum(u.kv_bytes_per_token for u in graph.units()) * workload.batch_size * workload.context_len
-    weights = sum(least) - sum(resident)
-    kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
-    weights_why = f"the weights alone are {format_bytes(weights)}"
-    kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
-    why = kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
-    if need_all > have_all:
-        lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)}; "
-                     f"{why}; add a disk device or more memory, or reduce the batch or context")
-    elif need_compute > have_compute:
-        lines.append(f"needs {format_bytes(need_compute - have_compute)} more on the compute devices "
-                     f"({', '.join(d.name for d in compute)}), which must hold the KV cache and workspace; {why}; "
-                     f"reduce the batch or context, or add GPU/CPU memory")
-    top = max(problem.devices, key=lambda d: d.capacity_bytes)
-    big = [(u.name, m) for u, m in zip(problem.units, least, strict=True) if m > top.capacity_bytes]
-    if big:
-        name, m = max(big, key=lambda t: t[1])
-        lines.append(f"unit {name} alone needs {format_bytes(m)}, more than the largest device ({top.name}, "
-                     f"{format_bytes(top.capacity_bytes)}): give that device more memory")
-    if not lines:
-        extra = [("pins", bool(problem.pins)), ("tied groups", bool(problem.tied_groups)),
-                 ("contiguous ranges", problem.contiguous)]
-        blamed = [name for name, on in extra if on]
-        lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
-                     f"available) but no assignment fits every device"
-                     + (f" under the {', '.join(blamed)}: relax them" if blamed else
-                        ": the per-device split of weights, KV cache and workspace does not work out; add memory"))
-    return "no placement fits: " + "; ".join(lines)
+                objective_value=value, best_bound=0.0, gap=1.0 if value > 0 else 0.0, solve_time_s=solve_time_s,
+                baselines=tuple(baselines), notes=tuple(notes), extra={"device_map": dict(device_map)})

@@ -1,24 +1,26 @@
 """``LayerGraph`` + ``Machine`` + ``Workload`` -> :class:`~placement_opt.solver.problem.PlacementProblem`.
 
 Every option of every unit is priced by :mod:`.pricing` and converted to the solver's integers
-there (:func:`~.pricing._to_option`); this module lays out the option menu, the edges and the devices.
+there (:func:`~.pricing.to_option`); this module lays out the option menu, the edges and the devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..hardware.devices import Machine, normalize_device_name
+from ..errors import DeviceSpecError, SolverInputError
+from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
-from .pricing import _Context, _edge_ns, _Parts, _price, _to_option
+from .pins import resolve_pins
+from .pricing import OptionPrice, PricingContext, edge_ns, price_option, to_option
 from .workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
-__all__ = ["build_problem"]
+__all__ = ["build_problem", "price_problem"]
 
 
 def _menu(machine: Machine, modes: Iterable[str]) -> list[tuple[str, str, str]]:
@@ -41,42 +43,45 @@ def _check_modes(modes: Iterable[str]) -> tuple[str, ...]:
     modes = tuple(modes)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise ValueError(f"modes {unknown} are unknown: accepted are {', '.join(MODES)}")
+        raise SolverInputError(f"modes {unknown} are unknown: accepted are {', '.join(MODES)}")
     return modes
 
 
-def _priced(graph: LayerGraph, machine: Machine, workload: Workload, modes: Iterable[str],
-            pins: Mapping[str, str] | None, contiguous: bool) -> tuple[PlacementProblem, list[list[_Parts]]]:
-    """The problem and, beside it, the float/byte split of every option (for evaluate)."""
+def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes: Iterable[str],
+            pins: Mapping[str, str] | None, contiguous: bool) -> tuple[PlacementProblem, list[list[OptionPrice]]]:
+    """The problem and, beside it, every option's price in seconds and bytes (what ``evaluate`` reports).
+
+    ``pins`` are accelerate-style (:func:`~.pins.resolve_pins`).
+    """
     modes = _check_modes(modes)
-    ctx = _Context(graph, machine, workload)
+    ctx = PricingContext(graph, machine, workload)
     menu = _menu(machine, modes)
     if not menu:
-        raise ValueError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
+        raise DeviceSpecError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
     units = graph.units()
-    priced: dict[tuple[Any, ...], list[_Parts]] = {}  # identical units (decoder layers) priced once
+    priced: dict[tuple[Any, ...], list[OptionPrice]] = {}  # identical units (decoder layers) priced once
     parts = []
     for u in units:
         key = _price_key(u)
         if key not in priced:
-            priced[key] = [_price(ctx, u, s, e, m) for s, e, m in menu]
+            priced[key] = [price_option(ctx, u, s, e, m) for s, e, m in menu]
         parts.append(priced[key])
-    specs = tuple(UnitSpec(name=u.name, options=tuple(_to_option(p) for p in row))
+    specs = tuple(UnitSpec(name=u.name, options=tuple(to_option(p) for p in row))
                   for u, row in zip(units, parts, strict=True))
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
-        pins=_check_pins(pins or {}, graph, machine), contiguous=contiguous)
+        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous)
     return problem, parts
 
 
 def _price_key(unit: UnitInfo) -> tuple[Any, ...]:
-    """Everything :func:`_price` reads of a unit (its name and position do not change its price)."""
+    """Everything :func:`price_option` reads of a unit (its name and position do not change its price)."""
     return (unit.param_bytes, unit.buffer_bytes, unit.flops_per_token, unit.attn_flops_per_token_per_ctx,
             unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
             unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class)
 
 
-def _edges(ctx: _Context) -> tuple[EdgeSpec, ...]:
+def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
     wl = ctx.workload
     compute = [d.name for d in ctx.machine.compute_devices]
     pairs = [(a, b) for a in compute for b in compute if a != b]
@@ -87,8 +92,8 @@ def _edges(ctx: _Context) -> tuple[EdgeSpec, ...]:
         in_decode = ctx.graph.unit(src).in_decode and ctx.graph.unit(dst).in_decode
         if (bpt, in_decode) not in priced:  # edges of equal size cost the same: price each size once
             steps = wl.decode_steps if in_decode else 0
-            priced[bpt, in_decode] = ({p: _edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},
-                                      {p: _edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
+            priced[bpt, in_decode] = ({p: edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},
+                                      {p: edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
         prefill, decode = priced[bpt, in_decode]
         specs.append(EdgeSpec(src=src, dst=dst, prefill_ns=prefill, decode_ns=decode))
     return tuple(specs)
@@ -96,23 +101,6 @@ def _edges(ctx: _Context) -> tuple[EdgeSpec, ...]:
 
 def _devices(machine: Machine) -> tuple[DeviceSpec, ...]:
     return tuple(DeviceSpec(name=d.name, kind=d.kind, capacity_bytes=d.usable_bytes) for d in machine.devices)
-
-
-def _check_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -> dict[str, str]:
-    checked = {}
-    for unit, device in pins.items():
-        name = normalize_device_name(device)
-        if name not in machine:
-            raise ValueError(f"pin {unit!r} -> {device!r}: {name} is not in the machine ({', '.join(machine.names)})")
-        if unit not in graph:
-            raise ValueError(f"pin names unit {unit!r}, which is not in the graph (units: {_few(graph.names())})")
-        checked[unit] = name
-    return checked
-
-
-def _few(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def build_problem(
@@ -138,7 +126,8 @@ def build_problem(
         workload: batch, prompt and new tokens (or a training step).
         modes: which modes to offer: ``"resident"`` always; ``"stream"`` (overlapped copies) and
             ``"stream_sync"`` (accelerate's synchronous copies) for weights kept in CPU RAM or on disk.
-        pins: unit name -> required storage device.
+        pins: module name or prefix -> required storage device of every unit it covers
+            (accelerate vocabulary, :func:`~.pins.resolve_pins`).
         contiguous: ask the solver for one contiguous range of units per device.
 
     Returns:
@@ -146,8 +135,8 @@ def build_problem(
         streams, disk -> CPU/GPU streams; integer ns and bytes.
 
     Raises:
-        ValueError: an unknown mode, a pin naming an unknown unit or device, a machine without a
-            compute device.
+        SolverInputError: an unknown mode, or a pin naming an unknown module or device.
+        DeviceSpecError: a machine without a compute device.
     """
     machine = as_machine(machine, dtype=graph.meta.dtype)
-    return _priced(graph, machine, workload, modes, pins, contiguous)[0]
+    return price_problem(graph, machine, workload, modes, pins, contiguous)[0]

@@ -1,6 +1,6 @@
 """accelerate ``device_map``s: placements with accelerate's run-time semantics, and the installed library's own map.
 
-Keys may be coarser (prefixes) or finer (submodules) than units; :func:`_placements` also reads a
+Keys may be coarser (prefixes) or finer (submodules) than units; :func:`placements_of` also reads a
 placement_opt ``Plan``. :func:`accelerate_device_map` asks the installed transformers/accelerate.
 """
 
@@ -10,15 +10,20 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelSpecError, PlanFormatError, SolverInputError
 from ..hardware.devices import Machine, normalize_device_name
 from ..model.graph import covering_key, keys_below
 from ..solver.greedy import STRATEGIES
-from .build import _few
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph
 
-__all__ = ["accelerate_device_map"]
+__all__ = ["accelerate_device_map", "placements_of"]
+
+
+def _few(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, Any]:
@@ -43,7 +48,7 @@ def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, An
         else:
             resolved[unit.name] = entries[covering]
     if missing:
-        raise ValueError(f"the device map places no entry for units {_few(missing)}: add them or a "
+        raise PlanFormatError(f"the device map places no entry for units {_few(missing)}: add them or a "
                          f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
     return resolved
 
@@ -68,7 +73,7 @@ def _vote(entries: Mapping[str, Any], order: Mapping[str, int], param_names: Seq
 def _device_of(value: Any, machine: Machine, key: str) -> str:
     name = normalize_device_name(str(value) if not isinstance(value, int) else value)
     if name not in machine:
-        raise ValueError(f"device map entry {key!r} -> {value!r}: {name} is not in the machine "
+        raise PlanFormatError(f"device map entry {key!r} -> {value!r}: {name} is not in the machine "
                          f"({', '.join(machine.names)}); add it to the machine or change the map")
     return name
 
@@ -96,7 +101,8 @@ def _placements_from_device_map(device_map: Mapping[str, Any], graph: LayerGraph
     return placements
 
 
-def _placements(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[str, tuple[str, str, str]]:
+def placements_of(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[str, tuple[str, str, str]]:
+    """(storage, execution, mode) per unit of a Plan (as placed) or a device_map (as accelerate runs it)."""
     placements = getattr(plan_or_map, "placements", None)
     if placements is not None:
         entries = {p.unit: (normalize_device_name(p.storage), normalize_device_name(p.execution), p.mode)
@@ -104,7 +110,7 @@ def _placements(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[s
         return _resolve_keys(entries, graph)
     if isinstance(plan_or_map, Mapping):
         return _placements_from_device_map(plan_or_map, graph, machine)
-    raise ValueError(f"cannot evaluate {type(plan_or_map).__name__}: pass a placement_opt Plan or an "
+    raise PlanFormatError(f"cannot evaluate {type(plan_or_map).__name__}: pass a placement_opt Plan or an "
                      f"accelerate device_map dict like {{'model.embed_tokens': 0, 'model.layers': 'cpu'}}")
 
 
@@ -122,11 +128,12 @@ def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], s
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
 
     Raises:
-        ValueError: a bare LayerGraph or anything else that is not a transformers model or config.
+        SolverInputError: an unknown strategy.
+        ModelSpecError: a bare LayerGraph or anything else that is not a transformers model or config.
     """
     accepted = ("auto", *STRATEGIES)
     if strategy not in accepted:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
+        raise SolverInputError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
     model = _meta_model(model_or_config)
     from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
 
@@ -138,11 +145,11 @@ def _meta_model(model_or_config: Any) -> Any:
     try:
         from transformers import PretrainedConfig, PreTrainedModel
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise ValueError("strategy='accelerate' needs transformers installed") from exc
+        raise ModelSpecError("strategy='accelerate' needs transformers installed: pip install transformers") from exc
     if isinstance(model_or_config, PreTrainedModel):
         return model_or_config
     if not isinstance(model_or_config, PretrainedConfig):
-        raise ValueError(
+        raise ModelSpecError(
             f"strategy='accelerate' runs the installed library on the model itself, so it needs a "
             f"transformers model or config, not a {type(model_or_config).__name__}: pass the model "
             f"(or its config) to solve(), or use strategy='balanced' on a LayerGraph")
@@ -156,4 +163,4 @@ def _meta_model(model_or_config: Any) -> Any:
                 return auto.from_config(model_or_config)
         except ValueError as exc:
             errors.append(str(exc).splitlines()[0])
-    raise ValueError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")
+    raise ModelSpecError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")

@@ -6,23 +6,24 @@ per-device breakdowns and the violations come from :mod:`.pricing` and :mod:`.me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import PlanFormatError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
-from ..solver.problem import MODES, PlacementOption, PlacementProblem
-from .build import _priced
-from .device_map import _placements
-from .memory import DeviceMemory, Violation, _device_memory, _violation
-from .pricing import NS_PER_S, _Parts
+from ..solver.problem import MODES, PlacementOption, PlacementProblem, objective_value
+from .build import price_problem
+from .device_map import placements_of
+from .memory import DeviceMemory, Violation, device_memory, violation
+from .pricing import NS_PER_S, OptionPrice
 from .workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph
 
-__all__ = ["UnitCost", "Cost", "evaluate", "evaluator"]
+__all__ = ["UnitCost", "Cost", "evaluate", "evaluator", "as_graph"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,11 @@ class Cost:
         tokens = self.workload.batch_size * max(self.workload.new_tokens, 1)
         return tokens / self.total_s if self.total_s > 0 else 0.0
 
+    def objective_value(self, objective: str, gpus: Iterable[str]) -> float:
+        """``objective``'s value by the solver's one definition: seconds, or bytes on ``gpus`` for memory."""
+        return float(objective_value(objective, latency=self.total_s, stage=self.stage_s,
+                                     used_bytes={m.device: m.used_bytes for m in self.memory}, gpus=gpus))
+
     def device_memory(self, device: str) -> DeviceMemory:
         return next(m for m in self.memory if m.device == device)
 
@@ -100,7 +106,8 @@ class Cost:
         )
 
 
-def _as_graph(model_or_graph: Any) -> LayerGraph:
+def as_graph(model_or_graph: Any) -> LayerGraph:
+    """A LayerGraph as it is; anything else :func:`placement_opt.trace` accepts is traced (imports torch)."""
     from ..model.graph import LayerGraph
 
     if isinstance(model_or_graph, LayerGraph):
@@ -116,7 +123,7 @@ def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, 
         wanted = placements[unit.name]
         keys = [(o.storage, o.execution, o.mode) for o in unit.options]
         if wanted not in keys:
-            raise ValueError(f"unit {unit.name} is placed as storage={wanted[0]}, execution={wanted[1]}, "
+            raise PlanFormatError(f"unit {unit.name} is placed as storage={wanted[0]}, execution={wanted[1]}, "
                              f"mode={wanted[2]}, which the cost model does not offer on this machine; "
                              f"offered: {', '.join('/'.join(k) for k in keys)}")
         choice.append(keys.index(wanted))
@@ -148,10 +155,10 @@ def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
         with per-unit and per-device breakdowns and every capacity violation.
 
     Raises:
-        ValueError: a unit without an entry, a device the machine lacks, or a placement the cost
+        PlanFormatError: a unit without an entry, a device the machine lacks, or a placement the cost
             model does not offer; the message lists what is accepted.
     """
-    graph = _as_graph(model_or_graph)
+    graph = as_graph(model_or_graph)
     if workload is None:
         workload = getattr(plan_or_device_map, "workload", None) or Workload()
     return evaluator(graph, machine, workload)(plan_or_device_map)
@@ -166,16 +173,16 @@ def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[
         costs = [score(device_map) for device_map in candidate_maps]
     """
     machine = as_machine(machine, dtype=graph.meta.dtype)
-    problem, parts = _priced(graph, machine, workload, MODES, None, False)
+    problem, parts = price_problem(graph, machine, workload, MODES, None, False)
 
     def score(plan_or_device_map: Any) -> Cost:
-        placements = _placements(plan_or_device_map, graph, machine)
+        placements = placements_of(plan_or_device_map, graph, machine)
         return _cost(problem, parts, _choice(problem, placements), machine, workload)
 
     return score
 
 
-def _cost(problem: PlacementProblem, parts: list[list[_Parts]], choice: list[int], machine: Machine,
+def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: list[int], machine: Machine,
           workload: Workload) -> Cost:
     score = problem.score(choice)
     chosen = problem.options(choice)
@@ -185,10 +192,10 @@ def _cost(problem: PlacementProblem, parts: list[list[_Parts]], choice: list[int
                  prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
                  stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
         for u, o in zip(problem.units, chosen, strict=True))
-    memory = tuple(_device_memory(d, chosen_parts) for d in machine.devices)
+    memory = tuple(device_memory(d, chosen_parts) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model
         assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
-    violations = tuple(_violation(m, workload) for m in memory if m.free_bytes < 0)
+    violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)
     return Cost(
         workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
         transfer_s=_transfer_ns(problem, chosen) / NS_PER_S,

@@ -39,7 +39,8 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 
 Memory per option: see :mod:`.memory`.
 
-Every float becomes an integer in one place, :func:`_ns`, with :data:`NS_PER_S`.
+Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_option` and
+:func:`edge_ns`), with :data:`NS_PER_S`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
-from .memory import _STREAM_BUFFERS, WORKSPACE_FACTOR
+from .memory import STREAM_BUFFERS, WORKSPACE_FACTOR
 from .workload import Workload, unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,6 +60,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = [
+    "OptionPrice",
+    "PricingContext",
+    "price_option",
+    "to_option",
+    "edge_ns",
     "expected_experts",
     "NS_PER_S",
     "COMPUTE_EFFICIENCY",
@@ -89,11 +95,14 @@ _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
 
 
 # ---------------------------------------------------------------------------------------------
-# Pricing one option (floats; converted once in _to_option)
+# Pricing one option (floats; converted once in to_option)
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class _Parts:
-    """One option priced in seconds and bytes, with the memory split that evaluate reports."""
+class OptionPrice:
+    """One option priced in seconds and bytes, with the memory split that ``evaluate`` reports.
+
+    :func:`to_option` turns it into the solver's integer :class:`PlacementOption`.
+    """
 
     storage: str
     execution: str
@@ -109,7 +118,9 @@ class _Parts:
 
 
 @dataclass(frozen=True)
-class _Context:
+class PricingContext:
+    """What every price reads: the graph (dtype, traced length), the machine and the workload."""
+
     graph: LayerGraph
     machine: Machine
     workload: Workload
@@ -198,7 +209,7 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
     return total
 
 
-def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int) -> float:
+def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int) -> float:
     """Time to copy ``nbytes`` of weights from storage to execution once."""
     if mode == "resident" or nbytes <= 0:
         return 0.0
@@ -211,7 +222,7 @@ def _copy_s(ctx: _Context, storage: str, execution: str, nbytes: float, mode: st
     return nbytes / bandwidth + latency
 
 
-def _prefill_s(ctx: _Context, unit: UnitInfo, device: Device) -> float:
+def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
     wl = ctx.workload
     tokens = wl.batch_size * wl.prompt_len
@@ -227,7 +238,7 @@ def _prefill_s(ctx: _Context, unit: UnitInfo, device: Device) -> float:
     return seconds
 
 
-def _decode_lines(ctx: _Context, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
+def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
     """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line)."""
     wl = ctx.workload
     flops_s, bytes_s = _achieved(device, wl.batch_size)
@@ -242,7 +253,7 @@ def _decode_lines(ctx: _Context, unit: UnitInfo, device: Device) -> list[tuple[f
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]
 
 
-def _price(ctx: _Context, unit: UnitInfo, storage: str, execution: str, mode: str) -> _Parts:
+def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> OptionPrice:
     """Time and memory of one option of one unit."""
     wl = ctx.workload
     device = ctx.machine[execution]
@@ -263,13 +274,13 @@ def _price(ctx: _Context, unit: UnitInfo, storage: str, execution: str, mode: st
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
     prefill_tokens = wl.batch_size * wl.prompt_len
     kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
-    return _Parts(
+    return OptionPrice(
         storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
         weights_bytes=unit.weight_bytes,
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=prefill_tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR,
-        stream_buffer_bytes=unit.weight_bytes * _STREAM_BUFFERS[mode],
+        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode],
     )
 
 
@@ -278,7 +289,7 @@ def _ns(seconds: float) -> int:
     return math.ceil(round(seconds * NS_PER_S, 3))
 
 
-def _to_option(parts: _Parts) -> PlacementOption:
+def to_option(parts: OptionPrice) -> PlacementOption:
     """The one place where an option's seconds become integer nanoseconds (see :func:`_ns`)."""
     return PlacementOption(
         storage=parts.storage, execution=parts.execution, mode=parts.mode,
@@ -290,7 +301,7 @@ def _to_option(parts: _Parts) -> PlacementOption:
     )
 
 
-def _edge_ns(ctx: _Context, src: str, dst: str, bytes_per_token: int, tokens: int, times: int) -> int:
+def edge_ns(ctx: PricingContext, src: str, dst: str, bytes_per_token: int, tokens: int, times: int) -> int:
     """Integer nanoseconds of ``times`` activation transfers of ``tokens`` tokens each."""
     one = tokens * bytes_per_token / ctx.machine.bandwidth(src, dst) + ctx.machine.latency_s(src, dst)
     return _ns(times * one)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelSpecError, WorkloadError
 from ..units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,12 +72,12 @@ class Workload:
         for name in ("batch_size", "prompt_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Workload.{name} is {value!r}: it must be an int >= 1")
+                raise WorkloadError(f"Workload.{name} is {value!r}: it must be an int >= 1")
         if not isinstance(self.new_tokens, int) or isinstance(self.new_tokens, bool) or self.new_tokens < 0:
-            raise ValueError(f"Workload.new_tokens is {self.new_tokens!r}: it must be an int >= 0 "
+            raise WorkloadError(f"Workload.new_tokens is {self.new_tokens!r}: it must be an int >= 0 "
                              f"(0 means a single forward)")
         if self.optimizer not in ("adam", "sgd", "none"):
-            raise ValueError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
+            raise WorkloadError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
 
     @property
     def context_len(self) -> int:
@@ -99,11 +100,11 @@ def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name (``"float16"`` -> 2, ``"torch.float32"`` -> 4).
 
     Raises:
-        ValueError: the dtype is unknown; lists the accepted names.
+        ModelSpecError: the dtype is unknown; lists the accepted names.
     """
     key = str(dtype).replace("torch.", "")
     if key not in _DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} is unknown: accepted are {', '.join(sorted(_DTYPE_BYTES))}")
+        raise ModelSpecError(f"dtype {dtype!r} is unknown: accepted are {', '.join(sorted(_DTYPE_BYTES))}")
     return _DTYPE_BYTES[key]
 
 
