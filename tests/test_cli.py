@@ -12,12 +12,12 @@ import time
 from dataclasses import replace
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _cli import run_cli
 from _plans import report_plan
-from placement_opt.cli.main import cli, resolve_devices, resolve_model
+from placement_opt.cli.options import resolve_devices, resolve_model
 from placement_opt.cli.tables import where_computed
 from placement_opt.plan import Plan, UnitPlacement
 
@@ -25,7 +25,7 @@ GOOD_DEVICES = "cuda:0=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 
 
 def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="placement-opt")
+    return run_cli(*args)
 
 
 def test_help_is_fast_and_imports_nothing_heavy():
@@ -224,16 +224,16 @@ def test_progress_spinner_shows_on_a_terminal_only(monkeypatch):
 
     from rich.console import Console
 
-    import placement_opt.cli.main as cli_module
+    import placement_opt.cli.output as output
 
     buffer = io.StringIO()
-    monkeypatch.setattr(cli_module, "_console",
+    monkeypatch.setattr(output, "console_for",
                         lambda stderr=False: Console(file=buffer, force_terminal=True, width=80))
-    with cli_module._progress("Tracing something big ..."):
+    with output.progress("Tracing something big ..."):
         time.sleep(0.3)
     assert "Tracing something big" in buffer.getvalue()
     quiet = io.StringIO()
-    monkeypatch.setattr(cli_module, "_console", lambda stderr=False: Console(file=quiet, width=80))
-    with cli_module._progress("Solving ..."):
+    monkeypatch.setattr(output, "console_for", lambda stderr=False: Console(file=quiet, width=80))
+    with output.progress("Solving ..."):
         pass
     assert quiet.getvalue() == ""  # piped output stays clean

@@ -12,9 +12,8 @@ import json
 import time
 
 import pytest
-from click.testing import CliRunner
 
-from placement_opt.cli.main import cli
+from _cli import run_cli
 from placement_opt.compare import STRATEGIES
 from placement_opt.plan import Plan
 
@@ -28,7 +27,7 @@ TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_a
 
 
 def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="placement-opt")
+    return run_cli(*args)
 
 
 @pytest.fixture

@@ -1,3 +1,4 @@
-"""The ``placement-opt`` command (:mod:`.main`), its rich tables (:mod:`.tables`) and pictures (:mod:`.pictures`)."""
+"""The ``placement-opt`` command: the commands (:mod:`.main`), the words they read (:mod:`.options`),
+what they print and write (:mod:`.output`), rich tables (:mod:`.tables`) and pictures (:mod:`.pictures`)."""
 
 __all__: list[str] = []

@@ -1,0 +1,148 @@
+"""The command line's words -> objects: a model argument, ``--devices``, the workload, shared options.
+
+Bad words end as ``click.BadParameter``/``click.UsageError`` (one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..cost.workload import Workload
+    from ..hardware.devices import Machine
+
+__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "resolve_devices", "workload_from", "solve_options",
+           "check_plot_suffix"]
+
+
+OBJECTIVES = ("latency", "throughput", "memory")
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _preset_names() -> list[str]:
+    try:
+        from ..model import catalog as models
+    except ImportError:
+        return []
+    return list(models.list_models())
+
+
+def resolve_model(text: str) -> Any:
+    """A model argument as ``trace`` accepts it: a preset's config, a config.json's config, or an id.
+
+    Accepted: a preset name of :mod:`placement_opt.model.catalog` (``llama-2-70b``), a path to a
+    ``config.json`` (or to a directory holding one), or a Hugging Face model id (``org/name``;
+    only its config is read).
+
+    Raises:
+        click.BadParameter: none of these (the message lists the presets).
+    """
+    path = Path(text)
+    if path.is_file():
+        return _config_from_json(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise click.BadParameter(f"directory {text!r} has no config.json", param_hint="MODEL")
+        return str(path)
+    presets = _preset_names()
+    if text.lower() in presets:
+        from ..model import catalog as models
+
+        return models.model_config(text.lower())
+    if "/" in text:
+        return text
+    known = ", ".join(presets) if presets else "none yet"
+    raise click.BadParameter(
+        f"unknown model preset {text!r}: known presets are {known}; or give a config.json, "
+        f"a local model directory or a model id like 'org/name'", param_hint="MODEL")
+
+
+def _config_from_json(path: Path) -> Any:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {str(path)!r} as JSON: {exc}", param_hint="MODEL") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise click.BadParameter(
+            f"{str(path)!r} is not a transformers config.json (no 'model_type' key)", param_hint="MODEL")
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(data["model_type"], **fields)
+    except ValueError as exc:
+        raise click.BadParameter(f"{str(path)!r}: {exc}", param_hint="MODEL") from None
+
+
+def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
+    """The ``--devices`` value as a Machine: a spec string, ``auto``, or a saved profile JSON.
+
+    Raises:
+        click.BadParameter: the spec is malformed or the file is not a profile.
+    """
+    from ..hardware.resolve import resolve_machine
+
+    try:
+        if spec.strip().lower() == "auto":  # this machine: every visible GPU, the CPU and the disk
+            return resolve_machine(None, dtype=dtype)
+        path = Path(spec)
+        if path.suffix.lower() == ".json" or path.is_file():
+            return _machine_from_file(path)
+        return resolve_machine(spec, dtype=dtype)
+    except click.BadParameter:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+
+
+def _machine_from_file(path: Path) -> Machine:
+    from ..hardware.devices import Machine
+
+    if not path.is_file():
+        raise click.BadParameter(f"profile file {str(path)!r} does not exist", param_hint="--devices")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and "machine" in data:
+        data = data["machine"]
+    if not isinstance(data, dict) or "devices" not in data:
+        raise click.BadParameter(
+            f"{str(path)!r} is not a saved machine profile (no 'devices' list): write one with "
+            f"'placement-opt profile --out {path}'", param_hint="--devices")
+    return Machine.from_dict(data)
+
+
+def workload_from(batch: int, prompt: int, new_tokens: int) -> Workload:
+    from ..cost.workload import Workload
+
+    try:
+        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def solve_options(func: Any) -> Any:
+    options = [
+        click.argument("model"),
+        click.option("--devices", "-d", required=True, metavar="SPEC",
+                     help="'cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk', 'auto' (this machine) "
+                          "or a saved profile .json"),
+        click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True),
+        click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
+        click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
+        click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
+        click.option("--dtype", type=click.Choice(DTYPES), default=None,
+                     help="weight dtype (default: the model's own, from its config)"),
+        click.option("--time-limit", type=float, default=None, metavar="S",
+                     help="CP-SAT time limit in seconds (default: the solver's)"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def check_plot_suffix(path: str | None) -> None:
+    if path and Path(path).suffix.lower() not in (".png", ".svg", ".html", ".htm"):
+        raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")

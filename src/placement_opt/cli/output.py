@@ -1,0 +1,111 @@
+"""What the command prints and writes: consoles, the progress spinner, errors as one line, output files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ..compare import one_line
+from ..units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+
+    from ..compare import StrategyOutcome
+    from ..hardware.devices import Machine
+    from ..plan import Plan
+
+__all__ = ["EXIT_INFEASIBLE", "Failure", "console_for", "progress", "errors_as_messages", "write_outputs",
+           "say_written", "devices_table"]
+
+
+EXIT_INFEASIBLE = 1
+
+
+class Failure(click.ClickException):
+    """A one-line error that is not the user's typing: exit code 1."""
+
+    exit_code = EXIT_INFEASIBLE
+
+
+def console_for(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); 160 columns when it is not a terminal and COLUMNS is unset."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, width=160)
+    return console
+
+
+@contextmanager
+def progress(message: str) -> Iterator[None]:
+    """A spinner on stderr while a slow step runs (shown only on a terminal)."""
+    console = console_for(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(message, spinner="dots"):
+        yield
+
+
+@contextmanager
+def errors_as_messages() -> Iterator[None]:
+    """Turn the library's errors into one-line CLI errors with the right exit code."""
+    from ..errors import InfeasiblePlacementError, PlacementError, TraceError
+
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except InfeasiblePlacementError as exc:
+        text = one_line(exc)
+        raise Failure(text if text.startswith("no placement fits") else f"no placement fits: {text}") from None
+    except TraceError as exc:
+        raise Failure(f"cannot trace the model: {one_line(exc)}") from None
+    except PlacementError as exc:
+        raise Failure(one_line(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(one_line(exc)) from None
+
+
+def say_written(console: Console, text: str) -> None:
+    """A line that names a file: never wrapped, so the path can be copied whatever the width."""
+    console.print(text, soft_wrap=True, markup=False)
+
+
+def write_outputs(console: Console, result: Plan, json_path: str | None, plot: str | None,
+                  outcomes: Sequence[StrategyOutcome] = ()) -> None:
+    """Write the plan as JSON and/or its pictures, as ``--json``/``--plot`` ask."""
+    if json_path:
+        result.to_json(json_path)
+        say_written(console, f"plan written to {json_path}")
+    if plot:
+        from .pictures import save_report
+
+        try:
+            with progress("Drawing ..."):
+                save_report(result, plot, outcomes)
+        except ImportError as exc:
+            raise Failure(f"pictures need matplotlib ({exc}): pip install 'placement-opt[plot]'") from None
+        except OSError as exc:
+            raise Failure(f"cannot write {plot}: {exc}") from None
+        say_written(console, f"pictures written to {plot}")
+
+
+def devices_table(machine: Machine) -> Any:
+    """The ``profile`` command's table: one row per measured device."""
+    from rich.table import Table
+
+    table = Table(title="This machine", title_justify="left")
+    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "source"):
+        table.add_column(col, justify="left" if col in ("device", "source") else "right")
+    for d in machine.devices:
+        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}",
+                      f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
+                      f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-", d.source)
+    return table
