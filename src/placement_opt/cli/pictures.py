@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import PlacementError
 from ..units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -291,12 +292,12 @@ def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome
         The path written.
 
     Raises:
-        ValueError: the suffix is not ``.png``, ``.svg`` or ``.html``.
+        PlacementError: the suffix is not ``.png``, ``.svg`` or ``.html`` (a ValueError).
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".png", ".svg", ".html", ".htm"):
-        raise ValueError(f"cannot write a picture to {str(path)!r}: use a .png, .svg or .html file name")
+        raise PlacementError(f"cannot write a picture to {str(path)!r}: use a .png, .svg or .html file name")
     plt = _pyplot()
     fig = report_figure(plan, outcomes)
     try:

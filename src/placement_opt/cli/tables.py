@@ -87,7 +87,8 @@ def plan_notes(plan: Plan) -> list[str]:
 
 
 def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str],
-                      objective: str = "latency") -> Any:
+                     objective: str = "latency") -> Any:
+    """The ``compare`` command's table: one row per strategy, priced by one cost model."""
     from rich.table import Table
 
     reference = next((objective_value(o.plan, objective) for o in outcomes
@@ -109,27 +110,37 @@ def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]
             table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 3))
             continue
         cost = o.plan.cost
-        fits = "[green]fits[/]" if cost.fits else "[bold red]OOM[/]"
-        value = objective_value(o.plan, objective)
-        ratio = "-" if not reference else f"{value / reference:.2f}x"
-        if not cost.fits:
-            ratio = "OOM"  # a time that needs memory the device lacks compares with nothing
-        elif reference and o.strategy != "cpsat" and value / reference >= 1.05:
-            ratio = f"[bold]{ratio}[/]"
-        memory = []
-        for d in devices:
-            m = next((x for x in cost.memory if x.device == d), None)
-            if m is None:
-                memory.append("-")
-                continue
-            text = f"{format_bytes(m.used_bytes)}"
-            memory.append(f"[bold red]{text} (>{format_bytes(m.capacity_bytes)})[/]" if m.free_bytes < 0 else text)
-        row_style = None if cost.fits else "red"
-        table.add_row(o.strategy, fits, format_seconds(cost.prefill_s), format_seconds(cost.decode_s),
-                      format_seconds(cost.total_s), ratio, f"{cost.tokens_per_s:.2f}", *memory,
-                      where_computed(o.plan), f"{o.plan.solve_time_s:.2f} s", f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-",
-                      style=row_style)
+        table.add_row(o.strategy, "[green]fits[/]" if cost.fits else "[bold red]OOM[/]",
+                      format_seconds(cost.prefill_s), format_seconds(cost.decode_s),
+                      format_seconds(cost.total_s), _ratio(o, objective, reference), f"{cost.tokens_per_s:.2f}",
+                      *_memory_cells(o.plan, devices), where_computed(o.plan), f"{o.plan.solve_time_s:.2f} s",
+                      f"{o.plan.gap:.1%}" if o.strategy == "cpsat" else "-",
+                      style=None if cost.fits else "red")
     return table
+
+
+def _ratio(outcome: StrategyOutcome, objective: str, reference: float | None) -> str:
+    """The 'vs cpsat' cell: the objective over cpsat's, bold when 5 % or more worse."""
+    value = objective_value(outcome.plan, objective)
+    ratio = "-" if not reference else f"{value / reference:.2f}x"
+    if not outcome.plan.cost.fits:
+        return "OOM"  # a time that needs memory the device lacks compares with nothing
+    if reference and outcome.strategy != "cpsat" and value / reference >= 1.05:
+        return f"[bold]{ratio}[/]"
+    return ratio
+
+
+def _memory_cells(plan: Plan, devices: Sequence[str]) -> list[str]:
+    """Memory used per device column; red with the capacity where it does not fit."""
+    cells = []
+    for d in devices:
+        m = next((x for x in plan.cost.memory if x.device == d), None)
+        if m is None:
+            cells.append("-")
+            continue
+        text = f"{format_bytes(m.used_bytes)}"
+        cells.append(f"[bold red]{text} (>{format_bytes(m.capacity_bytes)})[/]" if m.free_bytes < 0 else text)
+    return cells
 
 
 def where_computed(plan: Plan) -> str:

@@ -65,15 +65,8 @@ def run(
     """
     record = Record()
     state = _meta_state(module, dtype)
-    param_owner = {id(state[f"{n}.{k}" if n else k]): n for n in containers
-                   for k in (*units[n]._parameters, *units[n]._buffers) if (f"{n}.{k}" if n else k) in state}
-    recorder = _Recorder(record, param_owner)
-    handles = []
-    for name, sub in units.items():
-        if name in containers:
-            continue
-        handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
-        handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
+    recorder = _Recorder(record, _container_tensors(state, units, containers))
+    handles = _hook_units(recorder, units, containers)
     restore = stand_in_experts(module, experts_per_token)
     replay = _BlockReplay(recorder)
     if REPLAY_REPEATED_BLOCKS:
@@ -95,6 +88,24 @@ def run(
         restore()
     record.replayed_blocks = replay.replayed
     return record
+
+
+def _container_tensors(state: dict[str, torch.Tensor], units: dict[str, nn.Module],
+                       containers: set[str]) -> dict[int, str]:
+    """id of each meta stand-in of a container unit's direct tensors -> that unit."""
+    return {id(state[f"{n}.{k}" if n else k]): n for n in containers
+            for k in (*units[n]._parameters, *units[n]._buffers) if (f"{n}.{k}" if n else k) in state}
+
+
+def _hook_units(recorder: _Recorder, units: dict[str, nn.Module], containers: set[str]) -> list[Any]:
+    """Hooks that tell the recorder which unit runs (containers are charged per tensor instead)."""
+    handles = []
+    for name, sub in units.items():
+        if name in containers:
+            continue
+        handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
+        handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
+    return handles
 
 
 @dataclass

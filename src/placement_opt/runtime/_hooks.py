@@ -112,28 +112,10 @@ def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Str
                   move_inputs: bool) -> Callable[..., Any] | None:
     """The wrapped forward of one unit, or None when the unit needs no per-call work."""
     device = unit.execution
-    following = unit.next_unit
     if unit.kind == "stream":
-        slots = unit.uses
-
-        def streamed(*args: Any, **kwargs: Any) -> Any:
-            weights = streamer.take(unit)
-            if following is not None:
-                streamer.start(following)
-            for slot, data in zip(slots, weights, strict=True):
-                slot.tensor.data = data
-            try:
-                if move_inputs:
-                    args = tuple(_move(a, device) for a in args)
-                    kwargs = {k: _move(v, device) for k, v in kwargs.items()}
-                return forward(*args, **kwargs)
-            finally:
-                for slot in slots:
-                    slot.tensor.data = slot.stored
-
-        return functools.wraps(forward)(streamed)
-    if unit.kind == "mmap" and following is not None:
-        ahead = [(file, key) for file, key in following.disk]
+        return _streamed_forward(unit, forward, streamer, move_inputs)
+    if unit.kind == "mmap" and unit.next_unit is not None:
+        ahead = [(file, key) for file, key in unit.next_unit.disk]
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
             for file, key in ahead:
@@ -151,3 +133,26 @@ def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Str
         return forward(*[_move(a, device) for a in args], **{k: _move(v, device) for k, v in kwargs.items()})
 
     return functools.wraps(forward)(moved)
+
+
+def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
+                      move_inputs: bool) -> Callable[..., Any]:
+    """A streamed unit's forward: take its copied weights, start the next unit's copy, run, put back."""
+    device, following, slots = unit.execution, unit.next_unit, unit.uses
+
+    def streamed(*args: Any, **kwargs: Any) -> Any:
+        weights = streamer.take(unit)
+        if following is not None:
+            streamer.start(following)
+        for slot, data in zip(slots, weights, strict=True):
+            slot.tensor.data = data
+        try:
+            if move_inputs:
+                args = tuple(_move(a, device) for a in args)
+                kwargs = {k: _move(v, device) for k, v in kwargs.items()}
+            return forward(*args, **kwargs)
+        finally:
+            for slot in slots:
+                slot.tensor.data = slot.stored
+
+    return functools.wraps(forward)(streamed)
