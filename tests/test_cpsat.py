@@ -10,7 +10,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from placement_opt.solver import cpsat
@@ -23,6 +23,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
+from placement_opt.solver.reductions import symmetric_segments
 from placement_opt.solver.search import COARSEN_ABOVE, solve_problem
 
 GIB = 2**30
@@ -260,7 +261,8 @@ def test_cpsat_matches_brute_force_and_respects_every_constraint(problem, object
     assert sol.objective_value == problem.objective_value(sol.choice, objective)
     if objective != "memory" and sol.status == "OPTIMAL":
         assert sol.objective_value == best
-    assert sol.best_bound <= sol.objective_value
+    # The bound is checked against an optimum found without the solver below, not against objective_value
+    # (which it is clamped to).
 
 
 @settings(max_examples=150)
@@ -298,3 +300,120 @@ def test_the_same_problem_gives_the_same_plan_every_run(monkeypatch):
     first, second = (solve_problem(problem, time_limit_s=2, seed=3, workers=1) for _ in range(2))
     assert first.feasible and first.choice == second.choice
     assert first.objective_value == second.objective_value
+
+
+# -- the bound against a brute-force optimum, computed without PlacementProblem.score --------------
+def reference_value(problem, choice, objective):
+    """``objective`` of ``choice`` from the definitions in problem.py's docstring, written anew here."""
+    chosen = dict(zip([u.name for u in problem.units], (u.options[c] for u, c in zip(problem.units, choice, strict=True)), strict=True))
+    devices = [d.name for d in problem.devices]
+
+    def phase(key):
+        finish = {}
+        for name, o in chosen.items():  # units are in execution order and edges point forward
+            arrivals = [finish[e.src] + (getattr(e, key).get((chosen[e.src].execution, o.execution), 0)
+                                         if chosen[e.src].execution != o.execution else 0)
+                        for e in problem.edges if e.dst == name]
+            finish[name] = max(arrivals, default=0) + getattr(o, key)
+        busiest = max(sum(getattr(o, key) for o in chosen.values() if o.execution == d) for d in devices)
+        return max(max(finish.values()), busiest)
+
+    if objective == "latency":
+        return phase("prefill_ns") + phase("decode_ns")
+    if objective == "throughput":
+        return max(sum(o.prefill_ns + o.decode_ns for o in chosen.values() if o.execution == d) for d in devices)
+    return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
+
+
+def reference_bytes(chosen, device):
+    stored = sum(o.stored_bytes for o in chosen if o.storage == device)
+    resident = sum(o.resident_bytes for o in chosen if o.execution == device)
+    return stored + resident + max((o.peak_bytes for o in chosen if o.execution == device), default=0)
+
+
+def reference_valid(problem, choice):
+    chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
+    storage = {u.name: o.storage for u, o in zip(problem.units, chosen, strict=True)}
+    if any(reference_bytes(chosen, d.name) > d.capacity_bytes for d in problem.devices):
+        return False
+    if any(storage[n] != d for n, d in problem.pins.items()):
+        return False
+    if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
+        return False
+    runs = [k for k, _ in itertools.groupby(o.storage for o in chosen)]
+    return not problem.contiguous or len(runs) == len(set(runs))
+
+
+def reference_optimum(problem, objective, memory_slack=0.05):
+    """The optimum over every assignment (None when none is valid); memory: within the latency slack."""
+    every = [c for c in itertools.product(*(range(len(u.options)) for u in problem.units))
+             if reference_valid(problem, c)]
+    if not every:
+        return None
+    if objective != "memory":
+        return min(reference_value(problem, c, objective) for c in every)
+    cap = int(min(reference_value(problem, c, "latency") for c in every) * (1 + memory_slack))
+    return min(reference_value(problem, c, "memory") for c in every if reference_value(problem, c, "latency") <= cap)
+
+
+@st.composite
+def small_problems(draw, symmetric=False):
+    """A few units on 2-3 devices with pins, ties, contiguity, DAG edges; or (``symmetric``) a chain of
+    4-5 identical units, which the solver reduces with symmetric segments."""
+    names = draw(st.sampled_from([["cuda:0", "cpu"], ["cuda:0", "cuda:1"], ["cpu", "disk"], ["cuda:0", "cpu", "disk"],
+                                  ["cuda:0", "cuda:1", "cpu"]]))
+    gpus = [d for d in names if d.startswith("cuda")]
+    compute = [d for d in names if d != "disk"]
+    menu = [(d, d, "resident") for d in compute]
+    menu += [(s, g, "stream") for s in names if s in ("cpu", "disk") for g in gpus]
+    menu += [("disk", "cpu", "stream")] if "disk" in names and "cpu" in names else []
+    n = draw(st.integers(4, 5) if symmetric else st.integers(1, 4))
+
+    def options():
+        return tuple(PlacementOption(storage=s, execution=e, mode=m, prefill_ns=draw(st.integers(0, 30)),
+                                     decode_ns=draw(st.integers(0, 60)), stored_bytes=draw(st.integers(0, 6)),
+                                     resident_bytes=draw(st.integers(0, 2)), peak_bytes=draw(st.integers(0, 4)))
+                     for s, e, m in menu)
+
+    same = symmetric or draw(st.booleans())
+    shared = options()
+    units = tuple(UnitSpec(name=f"u{i}", options=shared if same else options()) for i in range(n))
+    pairs = {(a, b): draw(st.integers(0, 9)) for a in compute for b in compute if a != b}
+    edge_list = [(i, i + 1) for i in range(n - 1)]
+    if not same and draw(st.booleans()):  # a DAG: some chain edges dropped, forward skips added
+        edge_list = [e for e in edge_list if draw(st.booleans())] + \
+            [(i, j) for i in range(n) for j in range(i + 2, n) if draw(st.booleans())]
+    edges = tuple(EdgeSpec(src=f"u{i}", dst=f"u{j}", prefill_ns=pairs, decode_ns=pairs) for i, j in edge_list)
+    devices = tuple(dev(d, draw(st.integers(0, 16))) for d in names)
+    tied = (("u0", f"u{n - 1}"),) if n >= 2 and draw(st.booleans()) else ()
+    pins = {f"u{draw(st.integers(0, n - 1))}": draw(st.sampled_from(names))} if draw(st.booleans()) else {}
+    return PlacementProblem(units=units, edges=edges, devices=devices, tied_groups=tied, pins=pins,
+                            contiguous=not symmetric and draw(st.booleans()))
+
+
+def check_against_brute_force(problem, objective, data):
+    # A random start (often invalid or poor), so that what comes back is the model's work, not the hint's.
+    hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    best = reference_optimum(problem, objective)
+    sol = solve_problem(problem, objective, time_limit_s=5, workers=1, gap_limit=0.0, hint=hint)
+    if best is None:
+        assert sol.status == "INFEASIBLE"
+        return
+    assert sol.feasible and reference_valid(problem, sol.choice)
+    assert sol.objective_value == reference_value(problem, sol.choice, objective)
+    assert sol.best_bound <= best, f"the proven bound {sol.best_bound} is above the optimum {best}"
+    if sol.status == "OPTIMAL":
+        assert sol.objective_value == best
+
+
+@settings(max_examples=300)
+@given(small_problems(), st.sampled_from(OBJECTIVES), st.data())
+def test_bound_and_solution_against_the_brute_force_optimum(problem, objective, data):
+    check_against_brute_force(problem, objective, data)
+
+
+@settings(max_examples=100)
+@given(small_problems(symmetric=True), st.sampled_from(OBJECTIVES), st.data())
+def test_bound_and_solution_against_the_brute_force_optimum_with_symmetric_segments(problem, objective, data):
+    assume(symmetric_segments(problem))
+    check_against_brute_force(problem, objective, data)
