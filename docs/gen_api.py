@@ -115,9 +115,10 @@ def _rst_to_md(doc: str) -> str:
 
 def _signature(obj: object) -> str:
     try:
-        return str(inspect.signature(obj))
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return ""
+    return re.sub(r" at 0x[0-9a-f]+>", ">", text)  # default values' addresses change every run
 
 
 def _class_section(name: str, cls: type) -> list[str]:
