@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.pins import resolve_pins
 from placement_opt.cost.workload import Workload
 from placement_opt.errors import InfeasiblePlacementError, PlacementError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import GraphMeta, LayerGraph, chain_graph
-from placement_opt.cost.pins import resolve_pins
 from placement_opt.planner import solve
 
 GIB = 2**30
