@@ -530,18 +530,30 @@ class OffloadStore:
         return target
 
     def _free_name(self, manifest: Mapping[str, Any], unit: str, fp: str) -> str:
-        """The unit's file name, or the next free one when a file the store did not write has it."""
+        """The unit's file name, or the next free one when a file the store did not write has it.
+
+        A name the manifest lists for other weights is skipped too (only a damaged manifest or a
+        fingerprint collision could do that): the store never writes over a file it cannot
+        prove holds these weights.
+        """
         base = self.file_name(unit, fp)
+        stem = base.removesuffix(".safetensors")
+        foreign = []
         for i in range(_NAME_TRIES):
-            name = base if i == 0 else base.replace(".safetensors", f".{i}.safetensors")
-            if name not in manifest and not os.path.lexists(self.directory / name):
-                if i:
-                    warnings.warn(f"{self.directory / base} was not written by placement_opt: left as it is; "
-                                  f"unit {unit!r} is stored in {name}", RuntimeWarning, stacklevel=4)
-                return name
+            name = base if i == 0 else f"{stem}.{i}.safetensors"
+            if name in manifest:
+                continue
+            if os.path.lexists(self.directory / name):
+                foreign.append(name)
+                continue
+            if foreign:
+                warnings.warn(f"{', '.join(foreign)} in {self.directory} not written by placement_opt: left as "
+                              f"it is; unit {unit!r} is stored in {name}", RuntimeWarning, stacklevel=4)
+            return name
         raise DispatchError(
-            f"{self.directory} holds {_NAME_TRIES} files named like {base} that placement_opt did not write: "
-            f"it does not overwrite them. Use another offload_dir or remove them yourself"
+            f"{self.directory} holds {_NAME_TRIES} files named like {base} that this store cannot use "
+            f"({len(foreign)} not written by placement_opt): it does not overwrite them. Use another "
+            f"offload_dir or remove them yourself"
         )
 
     # -- lock, manifest, temporary files ------------------------------------------------------------
