@@ -453,6 +453,8 @@ class OffloadStore:
                 after = os.fstat(fh.fileno())
         except FileNotFoundError:
             return "the file is missing"
+        except OSError as exc:  # a directory, a file we may not read, ...
+            return f"it cannot be read ({type(exc).__name__}: {exc})"
         if digest != expected:
             return (f"its {algorithm} hash is {digest}, it was written with {expected}: same size, "
                     f"different bytes")
@@ -464,7 +466,7 @@ class OffloadStore:
     def _write_temporary(self, name: str, layout: _Layout) -> Path:
         """Write the file to a temporary name only this thread uses, hashing what it writes; fsync."""
         tmp = self.directory / _temporary_name(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # EXCL: never someone else's file
         try:
             with open(fd, "wb") as fh:
                 _reached("temp-created", name)
@@ -564,7 +566,7 @@ class OffloadStore:
         Each call opens the lock file anew: ``flock`` locks belong to an open file description,
         so two threads of one process exclude each other just as two processes do.
         """
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             with _THREADS_LOCK if fcntl is None else contextlib.nullcontext():
                 if fcntl is not None:
