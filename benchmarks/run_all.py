@@ -171,6 +171,8 @@ EXPERIMENTS: list[Experiment] = [
                folder="dispatch"),
     Experiment(name="decode", question="Do CPU-executed units decode as fast as the plain CPU model?",
                folder="decode"),
+    Experiment(name="offload_store", question="What does the safe offload store cost a dispatch?",
+               folder="offload_store"),
 ]
 
 

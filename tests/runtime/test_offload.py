@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.errors import DispatchError
-from placement_opt.runtime.offload import MANIFEST_NAME, OffloadStore, SafetensorsFile
+from placement_opt.runtime.offload import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    OffloadStore,
+    SafetensorsFile,
+    fingerprint,
+)
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -24,7 +30,7 @@ def test_write_then_read_back_bitwise(tmp_path):
     store = OffloadStore(tmp_path)
     weights = _weights()
     path = store.write("model.layers.0", weights)
-    assert path.name == "model.layers.0.safetensors"
+    assert path.name == f"model.layers.0.{fingerprint(weights)}.safetensors"
     read = SafetensorsFile(path).tensors()
     assert read.keys() == weights.keys()
     for key, value in weights.items():
@@ -32,15 +38,26 @@ def test_write_then_read_back_bitwise(tmp_path):
         assert torch.equal(read[key], value)
 
 
-def test_manifest_lists_size_and_sha256(tmp_path):
-    import hashlib
+def test_files_are_safetensors_files_the_library_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    weights = _weights()
+    read = load_file(OffloadStore(tmp_path).write("u", weights))
+    assert read.keys() == weights.keys()
+    assert all(torch.equal(read[key], value) for key, value in weights.items())
+
+
+def test_manifest_lists_size_and_fingerprint(tmp_path):
+    import xxhash
 
     store = OffloadStore(tmp_path)
-    path = store.write("lm_head", _weights())
+    weights = _weights()
+    path = store.write("lm_head", weights)
     manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert manifest["version"] == 2 and manifest["hash"] == "xxh3_128"
     entry = manifest["files"][path.name]
     assert entry["size_bytes"] == path.stat().st_size
-    assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert entry["fingerprint"] == xxhash.xxh3_128(path.read_bytes()).hexdigest() == fingerprint(weights)
     assert entry["unit"] == "lm_head"
     OffloadStore(tmp_path).verify()  # a fresh store reads the manifest back
 
@@ -51,20 +68,23 @@ def test_verify_names_a_corrupted_file(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(DispatchError, match=r"u.safetensors: checksum"):
+    with pytest.raises(DispatchError, match=r"u\.[0-9a-f]{32}\.safetensors: its xxh3_128 hash .* same size"):
         store.verify()
     path.write_bytes(bytes(data[:-4]))
     with pytest.raises(DispatchError, match="bytes on disk"):
         store.verify()
 
 
-def test_refuses_to_overwrite_a_foreign_file(tmp_path):
-    foreign = tmp_path / "model.layers.0.safetensors"
+def test_never_overwrites_a_foreign_file_with_its_name(tmp_path):
+    weights = _weights()
+    foreign = tmp_path / OffloadStore.file_name("model.layers.0", fingerprint(weights))
     foreign.write_bytes(b"not ours")
     store = OffloadStore(tmp_path)
-    with pytest.raises(DispatchError, match="does not overwrite"):
-        store.write("model.layers.0", _weights())
+    with pytest.warns(RuntimeWarning, match="not written by placement_opt"):
+        path = store.write("model.layers.0", weights)
     assert foreign.read_bytes() == b"not ours"
+    assert path.name == foreign.name.replace(".safetensors", ".1.safetensors")
+    assert torch.equal(SafetensorsFile(path).tensor("w"), weights["w"])
 
 
 def test_same_weights_are_written_once(tmp_path):
@@ -76,8 +96,9 @@ def test_same_weights_are_written_once(tmp_path):
     OffloadStore(tmp_path).write("u", weights)
     assert path.stat().st_mtime_ns == first - 10**9  # untouched
     weights["w"] = weights["w"] + 1
-    store.write("u", weights)  # different bytes: rewritten (it is our file)
-    assert torch.equal(SafetensorsFile(path).tensor("w"), weights["w"])
+    changed = store.write("u", weights)  # different bytes: another file; the first stays as it was
+    assert changed != path and path.stat().st_mtime_ns == first - 10**9
+    assert torch.equal(SafetensorsFile(changed).tensor("w"), weights["w"])
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -89,7 +110,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", broken)
     with pytest.raises(OSError, match="disk full"):
         store.write("u", _weights())
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no partial file, no temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no partial file, no temp file
 
 
 def test_tensors_are_views_of_the_mapped_file(tmp_path):
@@ -121,8 +142,8 @@ def test_not_a_safetensors_file(tmp_path):
 
 
 def test_unit_names_become_safe_file_names():
-    assert OffloadStore.file_name("") == "_root.safetensors"
-    assert OffloadStore.file_name("a/b c") == "a_b_c.safetensors"
+    assert OffloadStore.file_name("", "0" * 32) == f"_root.{'0' * 32}.safetensors"
+    assert OffloadStore.file_name("a/b c", "f" * 32) == f"a_b_c.{'f' * 32}.safetensors"
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]

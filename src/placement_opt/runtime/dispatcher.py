@@ -178,8 +178,9 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
             qualified module names.
         plan: the placement; every unit of the plan must name a module of ``model``.
         offload_dir: directory for the safetensors files of disk-stored units, written once
-            (atomically, with a manifest of sizes and checksums). Not needed when the disk
-            units' weights already come from checkpoint files (:func:`load`).
+            per version of their weights and reused after a check of their bytes; threads and
+            processes may share it (:class:`~placement_opt.runtime.offload.OffloadStore`). Not needed
+            when the disk units' weights already come from checkpoint files (:func:`load`).
         disk_reads: ``"mmap"`` (default): disk units executed on the CPU compute from the memory
             map, zero copy. ``"copy"``: they are streamed, copied into RAM for each forward and
             prefetched by a background thread (for file systems where mapped reads are slow).
