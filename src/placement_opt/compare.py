@@ -47,10 +47,6 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
     Same as ``solve(source, strategy="accelerate")`` but reuses the traced graph instead of
     tracing the model again (seconds for a 70B model).
     """
-    import contextlib
-    import io
-    import logging
-
     from .cost.device_map import accelerate_device_map
     from .cost.evaluate import evaluate
     from .errors import SolverInputError
@@ -59,13 +55,7 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
     if source is None:
         raise SolverInputError("strategy 'accelerate' needs the model's config, not only its graph: pass source=")
     started = time.perf_counter()
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # accelerate warns that preset GPUs are absent from this machine
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            device_map = accelerate_device_map(source, machine.max_memory, "auto")
-    finally:
-        logging.disable(previous)
+    device_map = accelerate_device_map(source, machine.max_memory, "auto")  # quiet about preset GPUs
     cost = evaluate(device_map, graph, machine, workload)
     note = ("device_map='auto' of the installed transformers/accelerate, run as accelerate runs it "
             "(cpu/disk units copied to the first GPU synchronously at every forward)")

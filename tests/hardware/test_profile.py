@@ -27,9 +27,9 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("profile")
     path = folder / "profile.json"
     with pytest.MonkeyPatch.context() as patch:  # fewer points keep the suite fast
-        patch.setattr(profile_module, "PROFILED_DTYPES", ("float32", "bfloat16"))
         patch.setattr(profile_module, "CURVE_TOKENS", (1, 16, 64))
-        machine = profile(["cpu", "disk"], path=path, quick=True, dtype="float32", offload_folder=folder)
+        machine = profile(["cpu", "disk"], path=path, quick=True, dtype="float32", dtypes=["bfloat16"],
+                          offload_folder=folder)
     return path, machine
 
 
@@ -91,3 +91,25 @@ def test_profile_measures_a_gpu(tmp_path) -> None:  # pragma: no cover - needs a
     machine = profile(["cuda:0"], path=tmp_path / "p.json", quick=True)
     gpu = machine["cuda:0"]
     assert gpu.source.startswith("measured") and gpu.host_link_bytes_per_s > 1e9
+
+
+def test_profile_measures_only_the_dtype_run_and_keeps_earlier_ones(tmp_path, monkeypatch) -> None:
+    timed: list[tuple[str, ...]] = []
+
+    def fake_cpu(quick, dtypes):
+        timed.append(dtypes)
+        return {"memory_bytes": 2**30, "matmul_flops_per_s": {d: 1e9 * (1 + i) for i, d in enumerate(dtypes)},
+                "matvec_bytes_per_s": {d: 1e9 for d in dtypes}, "copy_bytes_per_s": 1e9,
+                "linear_flops_by_tokens": {d: [[1, 1e8]] for d in dtypes}}
+
+    monkeypatch.setattr(profile_module, "_measure_cpu", fake_cpu)
+    path = tmp_path / "p.json"
+    assert profile(["cpu"], path=path).devices[0].flops_per_s == 1e9  # bfloat16 by default
+    profile(["cpu"], path=path, dtype="float32")
+    assert timed == [("bfloat16",), ("float32",)]
+    figures = load_profile(path)["measurements"]["cpu"]["matmul_flops_per_s"]
+    assert set(figures) == {"bfloat16", "float32"}  # the earlier dtype is kept
+    # a dtype never measured reads float32's figures instead of failing
+    assert saved_device("cpu", dtype="float16", path=path).flops_per_s == figures["float32"]
+    with pytest.raises(ValueError, match="cannot measure dtype int8"):
+        profile(["cpu"], path=path, dtype="int8")

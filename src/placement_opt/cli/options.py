@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..cost.workload import Workload
     from ..hardware.devices import Machine
 
-__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "resolve_devices", "workload_from", "solve_options",
+__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "solve_options",
            "check_plot_suffix"]
 
 
@@ -59,6 +59,25 @@ def resolve_model(text: str) -> Any:
     raise click.BadParameter(
         f"unknown model preset {text!r}: known presets are {known}; or give a config.json, "
         f"a local model directory or a model id like 'org/name'", param_hint="MODEL")
+
+
+def model_dtype(text: str) -> str:
+    """The dtype a model argument's weights are published in (its config's), bfloat16 when it names none.
+
+    Raises:
+        click.BadParameter: the argument is not a model (see :func:`resolve_model`).
+    """
+    resolved = resolve_model(text)
+    if isinstance(resolved, str):  # a directory or a model id: its config.json
+        from transformers import AutoConfig
+
+        try:
+            resolved = AutoConfig.from_pretrained(resolved)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(f"cannot read the config of {text!r}: {exc}", param_hint="--model") from None
+    dtype = getattr(resolved, "dtype", None) or getattr(resolved, "torch_dtype", None)
+    name = str(dtype).replace("torch.", "") if dtype is not None else "bfloat16"
+    return name if name in DTYPES else "bfloat16"
 
 
 def _config_from_json(path: Path) -> Any:
@@ -141,6 +160,13 @@ def solve_options(func: Any) -> Any:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def check_output_folder(path: str | None, option: str) -> None:
+    """Refuse an output file in a folder that does not exist, before any work is done."""
+    if path and path != "-" and not Path(path).expanduser().resolve().parent.is_dir():
+        raise click.BadParameter(f"{path!r}: folder {str(Path(path).parent)!r} does not exist; create it first "
+                                 f"or give a path in an existing folder", param_hint=option)
 
 
 def check_plot_suffix(path: str | None) -> None:

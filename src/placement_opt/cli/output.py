@@ -19,11 +19,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
     from ..plan import Plan
 
-__all__ = ["EXIT_INFEASIBLE", "Failure", "console_for", "progress", "errors_as_messages", "write_outputs",
+__all__ = ["EXIT_INFEASIBLE", "STDOUT", "Failure", "console_for", "progress", "errors_as_messages", "write_outputs",
            "say_written", "devices_table"]
 
 
 EXIT_INFEASIBLE = 1
+#: ``--json -``: the JSON goes to standard output, and every human line to stderr.
+STDOUT = "-"
 
 
 class Failure(click.ClickException):
@@ -80,9 +82,14 @@ def say_written(console: Console, text: str) -> None:
 
 def write_outputs(console: Console, result: Plan, json_path: str | None, plot: str | None,
                   outcomes: Sequence[StrategyOutcome] = ()) -> None:
-    """Write the plan as JSON and/or its pictures, as ``--json``/``--plot`` ask."""
-    if json_path:
-        result.to_json(json_path)
+    """Write the plan as JSON and/or its pictures, as ``--json``/``--plot`` ask (``--json -``: stdout)."""
+    if json_path == STDOUT:
+        click.echo(result.to_json())
+    elif json_path:
+        try:
+            result.to_json(json_path)
+        except OSError as exc:
+            raise Failure(f"cannot write the plan to {json_path}: {exc.strerror or exc}") from None
         say_written(console, f"plan written to {json_path}")
     if plot:
         from .pictures import save_report
@@ -98,14 +105,14 @@ def write_outputs(console: Console, result: Plan, json_path: str | None, plot: s
 
 
 def devices_table(machine: Machine) -> Any:
-    """The ``profile`` command's table: one row per measured device."""
+    """The ``profile`` command's table: one row per measured device; ``-`` where a figure does not apply."""
     from rich.table import Table
 
     table = Table(title="This machine", title_justify="left")
     for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "source"):
         table.add_column(col, justify="left" if col in ("device", "source") else "right")
     for d in machine.devices:
-        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}",
+        table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}" if d.flops_per_s else "-",
                       f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
                       f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-", d.source)
     return table

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
 
 __all__ = ["plan_renderables", "memory_table", "comparison_table",
-           "where_computed", "why_lines"]
+           "where_computed", "why_lines", "presets_tables"]
 
 
 def _device_style(name: str) -> str:
@@ -160,3 +160,42 @@ def why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
         else:
             lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
     return lines
+
+
+def presets_tables() -> list[Any]:
+    """The ``presets`` command: model presets, then GPU, CPU and disk presets with their figures.
+
+    A figure that does not apply to a kind (a disk's FLOP/s, a CPU's host link) is ``-``.
+    """
+    from rich.table import Table
+
+    from ..hardware.presets import PRESETS
+    from ..model import catalog
+
+    models = Table(title="Models (placement-opt plan NAME)", title_justify="left")
+    for col in ("name", "parameters", "dtype", "description"):
+        models.add_column(col, justify="right" if col == "parameters" else "left")
+    for name in catalog.list_models():
+        entry = catalog.preset(name)
+        models.add_row(name, f"{entry.advertised_params / 1e9:.3g} B",
+                       str(entry.hyperparameters.get("torch_dtype", "-")), entry.description)
+    tables = [models]
+    titles = {"gpu": "GPUs (--devices cuda:0=NAME)", "cpu": "CPUs (--devices cpu=NAME)",
+              "disk": "Disks (--devices disk=NAME)"}
+    for kind, title in titles.items():
+        table = Table(title=title, title_justify="left")
+        for col in ("name", "memory", "FP16/BF16 TFLOP/s", "FP32 TFLOP/s", "bandwidth", "host link",
+                    "peer link", "description"):
+            table.add_column(col, justify="left" if col in ("name", "description") else "right")
+        for p in (p for p in PRESETS.values() if p.kind == kind):
+            table.add_row(p.key, format_bytes(p.memory_bytes), _figure(p.half_flops_per_s, 1e12),
+                          _figure(p.fp32_flops_per_s, 1e12), _figure(p.bandwidth_bytes_per_s, 1e9, " GB/s"),
+                          _figure(p.host_link_bytes_per_s, 1e9, " GB/s"),
+                          _figure(p.peer_link_bytes_per_s, 1e9, " GB/s"), p.description)
+        tables.append(table)
+    return tables
+
+
+def _figure(value: float, scale: float, suffix: str = "") -> str:
+    """``value / scale`` to 4 significant figures, or ``-`` where the figure does not apply (zero)."""
+    return f"{value / scale:.4g}{suffix}" if value else "-"

@@ -7,7 +7,8 @@ placement_opt ``Plan``. :func:`accelerate_device_map` asks the installed transfo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelSpecError, PlanFormatError, SolverInputError
@@ -137,7 +138,33 @@ def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], s
     model = _meta_model(model_or_config)
     from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
 
-    return dict(_get_device_map(model, strategy, dict(max_memory), None))
+    with _absent_gpus_unreported():
+        return dict(_get_device_map(model, strategy, dict(max_memory), None))
+
+
+class _AbsentGpuFilter:
+    """Drops accelerate's "Device 0 is not available" warning: preset GPUs are meant to be absent."""
+
+    def filter(self, record: Any) -> bool:
+        return "is not available, available devices are" not in record.getMessage()
+
+
+@contextmanager
+def _absent_gpus_unreported() -> Iterator[None]:
+    """accelerate's ``get_max_memory`` warns for every GPU of ``max_memory`` not on this machine.
+
+    Planning for GPUs described by preset is the point, so that one warning is filtered on its
+    logger (``accelerate.utils.modeling``) while the map is computed; every other message passes.
+    """
+    import logging
+
+    logger = logging.getLogger("accelerate.utils.modeling")
+    quiet = _AbsentGpuFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _meta_model(model_or_config: Any) -> Any:

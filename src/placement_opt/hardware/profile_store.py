@@ -96,13 +96,23 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         # accelerate copies out of them): the rate of that path, not of read() calls, is the figure.
         rate = entry.get("mapped_read_bytes_per_s") or entry["sequential_read_bytes_per_s"]
         return Device(name, memory, bandwidth=rate, source=source)
-    flops = entry["matmul_flops_per_s"].get(dtype) or entry["matmul_flops_per_s"]["float32"]
-    curves = entry.get("linear_flops_by_tokens", {})
-    curve = [tuple(p) for p in curves.get(dtype) or curves.get("float32") or ()]
+    flops = _of_dtype(entry["matmul_flops_per_s"], dtype)
+    curve = [tuple(p) for p in _of_dtype(entry.get("linear_flops_by_tokens", {}), dtype) or ()]
     if name == "cpu":
-        bandwidth = entry["matvec_bytes_per_s"].get(dtype) or entry["matvec_bytes_per_s"]["float32"]
+        bandwidth = _of_dtype(entry["matvec_bytes_per_s"], dtype)
         return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source, flops_by_tokens=curve)
     # CUDA path (not exercised on machines without a GPU)
     return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
                   host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
                   source=source, flops_by_tokens=curve)
+
+
+def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:
+    """The figure measured for ``dtype``; else float32's; else the first dtype measured (None if none).
+
+    ``profile`` measures the dtype the user runs, so a profile may hold one dtype only.
+    """
+    for key in (dtype, "float32", *figures):
+        if figures.get(key):
+            return figures[key]
+    return None

@@ -116,7 +116,7 @@ def _linear_curve(torch: Any, dtype: Any, device: Any, repeats: int,
     return [[tokens, flops] for tokens, flops in best.items()]
 
 
-def _measure_cpu(quick: bool) -> dict[str, Any]:
+def _measure_cpu(quick: bool, dtypes: tuple[str, ...]) -> dict[str, Any]:
     import psutil
     import torch
 
@@ -125,7 +125,7 @@ def _measure_cpu(quick: bool) -> dict[str, Any]:
     n = 512 if quick else 1024
     rows = 4096 if quick else 8192  # 64 MiB or 256 MiB in fp32: larger than any CPU cache
     matmul, matvec, curves = {}, {}, {}
-    for dtype in PROFILED_DTYPES:
+    for dtype in dtypes:
         tdtype = getattr(torch, dtype)
         curves[dtype] = _linear_curve(torch, tdtype, "cpu", repeats, min_total_s=least)
         a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
@@ -197,7 +197,7 @@ def _read_mapped(path: Path) -> None:
     del mapped
 
 
-def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cover - needs a GPU
+def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...]) -> dict[str, Any]:  # pragma: no cover - needs a GPU
     import torch
 
     device = torch.device(f"cuda:{index}")
@@ -205,7 +205,7 @@ def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cove
     repeats = 3 if quick else 10
     n = 4096 if quick else 8192
     matmul, curves = {}, {}
-    for dtype in PROFILED_DTYPES:
+    for dtype in dtypes:
         a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
         matmul[dtype] = 2 * n**3 / _best_time(lambda a=a: torch.mm(a, a), repeats, sync)
         curves[dtype] = _linear_curve(torch, getattr(torch, dtype), device, repeats, sync)
@@ -230,7 +230,7 @@ def _measure_cuda(index: int, quick: bool) -> dict[str, Any]:  # pragma: no cove
 
 
 def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLike[str] | None = None,
-            quick: bool = False, dtype: str = "float16",
+            quick: bool = False, dtype: str = "bfloat16", dtypes: Iterable[str] | None = None,
             offload_folder: str | os.PathLike[str] | None = None) -> Machine:
     """Measure this machine, save the figures as JSON, and return it as a :class:`Machine`.
 
@@ -244,8 +244,12 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
             the CPU and the disk.
         path: where to save the JSON; default ``$PLACEMENT_OPT_PROFILE`` or
             ``~/.cache/placement_opt/profile.json``. Figures of devices not measured this time are kept.
-        quick: smaller sizes and fewer repeats (about a second; less precise).
-        dtype: the model dtype whose FLOP/s the returned devices carry (all are saved).
+        quick: smaller sizes and fewer repeats (less precise; see the CLI's ``--help`` for durations).
+        dtype: the dtype the model will run in: its FLOP/s are measured and the returned devices
+            carry them. A CPU computes each dtype at a very different speed (float16 matmuls are
+            often 20x slower than float32), so measure the one you will run.
+        dtypes: every dtype to measure (default ``(dtype,)``; any of float32, bfloat16, float16).
+            Figures of dtypes measured earlier and not this time stay in the file.
         offload_folder: where the disk read is measured; default the current directory.
 
     Returns:
@@ -255,11 +259,14 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
         DeviceSpecError: an unknown device name, or a GPU that is not on this machine.
     """
     names = [normalize_device_name(d) for d in (devices if devices is not None else local_device_names())]
-    measurements = {name: _measure(name, quick, offload_folder) for name in names}
+    measured_dtypes = _dtypes_to_measure(dtype, dtypes)
+    measurements = {name: _measure(name, quick, offload_folder, measured_dtypes) for name in names}
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     where = profile_path(path)
     previous = load_profile(where) or {}
-    merged = {**previous.get("measurements", {}), **measurements}
+    merged = {**previous.get("measurements", {})}
+    for name, entry in measurements.items():
+        merged[name] = _merge_dtypes(merged.get(name), entry)
     measured = [device_from_measurement(n, merged[n], dtype_key(dtype), created) for n in names]
     machine = Machine([replace_device(d, memory_bytes=detect_device(d.name).memory_bytes) for d in measured])
     _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
@@ -268,13 +275,40 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     return machine
 
 
-def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None) -> dict[str, Any]:
+def _dtypes_to_measure(dtype: str, dtypes: Iterable[str] | None) -> tuple[str, ...]:
+    """The dtypes to time, ``dtype`` first; each one a dtype the profile keys."""
+    from ..errors import DeviceSpecError
+
+    wanted = [dtype_key(dtype), *(dtype_key(d) for d in (dtypes or ()))]
+    unknown = sorted({d for d in wanted if d not in PROFILED_DTYPES})
+    if unknown:
+        raise DeviceSpecError(f"cannot measure dtype {', '.join(unknown)}: measured dtypes are "
+                              f"{', '.join(PROFILED_DTYPES)}")
+    return tuple(dict.fromkeys(wanted))
+
+
+#: Figures kept per dtype: a new measurement of one dtype keeps the others measured earlier.
+_PER_DTYPE = ("matmul_flops_per_s", "matvec_bytes_per_s", "linear_flops_by_tokens")
+
+
+def _merge_dtypes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    if not old:
+        return new
+    merged = dict(new)
+    for key in _PER_DTYPE:
+        if isinstance(old.get(key), dict) and key in new:
+            merged[key] = {**old[key], **new[key]}
+    return merged
+
+
+def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None,
+             dtypes: tuple[str, ...]) -> dict[str, Any]:
     if name == "cpu":
-        return _measure_cpu(quick)
+        return _measure_cpu(quick, dtypes)
     if name == "disk":
         return _measure_disk(Path(offload_folder or "."), quick)
     detect_device(name)  # pragma: no cover - needs a GPU; raises a clear error when it is absent
-    return _measure_cuda(int(name.split(":")[1]), quick)  # pragma: no cover
+    return _measure_cuda(int(name.split(":")[1]), quick, dtypes)  # pragma: no cover
 
 
 def _save(where: Path, data: dict[str, Any]) -> None:
