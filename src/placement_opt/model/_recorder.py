@@ -1,14 +1,17 @@
 """The meta forward behind :func:`placement_opt.trace`: FLOPs, execution order and data flow per unit.
 
 One forward runs with every parameter and buffer swapped for a meta tensor
-(``torch.func.functional_call``), under a ``TorchDispatchMode`` that
+(``torch.func.functional_call``; :func:`~placement_opt.model.tracer.trace` hands it a meta copy of the
+user's module, never the module itself), under a ``TorchDispatchMode`` that
 
 * counts FLOPs with ``torch.utils.flop_counter``'s formulas and charges them to the unit running the op
   (glue FLOPs between units go to the next unit that runs);
 * follows provenance: every tensor remembers the units it came from (glue ops pass provenance
   through), so an op inside unit B reading a tensor made by unit A is an edge A -> B however the
   tensor travelled: positional or keyword argument, tuple, rotary ``(cos, sin)``, encoder states;
-* answers data-dependent scalar reads (``mask.all()``) with the dense case instead of failing.
+* answers data-dependent scalar reads (``mask.all()``) with the dense case instead of failing, and
+  notes those outside transformers' own mask checks (``if x.sum() > 0:`` in a custom module), where
+  the graph holds only the branch the guess took (``Record.branches``; ``trace`` warns).
 
 Module hooks mark which unit is running. Two stand-ins keep the forward possible and fast: fused MoE
 experts (whose routing needs real data) run densely through ``top_k`` experts, and repeated identical
@@ -17,6 +20,7 @@ blocks are run once and replayed.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +121,9 @@ class Record:
     out_bytes: dict[str, int] = field(default_factory=dict)
     edges: dict[tuple[str, str], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
     guessed_scalars: int = 0
+    branches: dict[tuple[str | None, str], Any] = field(default_factory=dict)
+    """Data-dependent reads other than transformers' mask checks: (unit or None, code location) -> the
+    value assumed. The forward's control flow there followed the guess; the other branch was not traced."""
     glue_flops: int = 0
     replayed_blocks: int = 0
 
@@ -170,8 +177,13 @@ class _Recorder(TorchDispatchMode):
         # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
         self.record.guessed_scalars += 1
         if tensor.dtype == torch.bool:
-            return True
-        return 1 if not tensor.is_floating_point() else 0.0
+            value: Any = True
+        else:
+            value = 1 if not tensor.is_floating_point() else 0.0
+        where = _asking_code()
+        if where is not None:
+            self.record.branches.setdefault((self.stack[-1] if self.stack else None, where), value)
+        return value
 
     def _charge(self, current: str | None, flops: int) -> None:
         if current is not None:
@@ -219,6 +231,29 @@ class _Recorder(TorchDispatchMode):
         for tensor in _tensors(output):
             if id(tensor) not in self.producers:
                 self.producers[id(tensor)] = (tensor, made)
+
+
+#: transformers modules whose data-dependent reads are mask and padding checks: with no attention mask
+#: (how the tracer calls a model) the guessed answer is the one a real unpadded batch gives.
+_MASK_CHECK_MODULES = frozenset({"transformers.masking_utils", "transformers.modeling_attn_mask_utils",
+                                 "transformers.modeling_flash_attention_utils",
+                                 "transformers.integrations.sdpa_attention"})
+#: Single functions elsewhere in transformers that only check padding and log: (module, function).
+_PADDING_CHECKS = frozenset({("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask")})
+
+
+def _asking_code() -> str | None:
+    """``file:line (function)`` of the model code that read a tensor's value; None for a known mask check."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != __name__ and module != "torch" and not module.startswith("torch."):
+            code = frame.f_code
+            if module in _MASK_CHECK_MODULES or (module, code.co_name) in _PADDING_CHECKS:
+                return None
+            return f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
+        frame = frame.f_back
+    return None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -1,9 +1,18 @@
-"""The argument of :func:`~placement_opt.model.tracer.trace` -> a module (built on meta), its name, config, dtype."""
+"""The argument of :func:`~placement_opt.model.tracer.trace` -> a module (built on meta), its name, config, dtype.
+
+A module given with real weights is never traced itself: :func:`meta_skeleton` copies its tree with
+every parameter and buffer replaced by a meta tensor of the same shape and dtype (no weight is read or
+copied), and the forward runs on the copy. Hooks, eval mode, stand-ins and swapped tensors then touch
+only the copy, so a model may serve requests in another thread while it is traced.
+"""
 
 from __future__ import annotations
 
 import copy
+import difflib
 import os
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +22,7 @@ from torch import nn
 from ..errors import TraceError
 from .dtypes import as_torch_dtype, config_dtype, module_dtype
 
-__all__ = ["resolve_source", "first_line"]
+__all__ = ["resolve_source", "meta_skeleton", "first_line"]
 
 
 _ENCODER_ONLY_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
@@ -27,8 +36,8 @@ def resolve_source(model: Any, dtype: str | torch.dtype | None
         config = getattr(model, "config", None)
         name = getattr(config, "name_or_path", "") or type(model).__name__
         if dtype is None:
-            return model, name, config, module_dtype(model), None
-        return model, name, config, as_torch_dtype(dtype), as_torch_dtype(dtype)
+            return meta_skeleton(model), name, config, module_dtype(model), None
+        return meta_skeleton(model), name, config, as_torch_dtype(dtype), as_torch_dtype(dtype)
     config = _as_config(model)
     torch_dtype = as_torch_dtype(dtype) if dtype is not None else config_dtype(config)
     name = getattr(config, "name_or_path", "") or type(config).__name__
@@ -60,6 +69,14 @@ def _as_config(model: Any) -> Any:
         return AutoConfig.from_pretrained(text, local_files_only=True)  # the hub cache first
     except Exception:  # noqa: BLE001 - not cached: ask the hub below
         pass
+    if not _hub_reachable():  # fail fast: the hub client would retry for about 25 s
+        close = difflib.get_close_matches(text.strip().lower(), models.list_models(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TraceError(
+            f"{text!r} is not a preset, not a local path, and not in the Hugging Face cache, and the hub cannot "
+            f"be reached (offline or HF_HUB_OFFLINE=1): {hint}accepted are a preset "
+            f"({', '.join(models.list_models())}), a local config.json or a directory holding one, a cached "
+            f"model id, or a transformers config object")
     try:
         return AutoConfig.from_pretrained(text)
     except Exception as exc:
@@ -67,6 +84,20 @@ def _as_config(model: Any) -> Any:
             f"{text!r} is not a preset ({', '.join(models.list_models())}), not a local path, and fetching its "
             f"config.json from the Hugging Face hub failed ({first_line(exc)}): pass a local config.json, a "
             f"directory holding one, or a transformers config object") from None
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connect within ``timeout_s`` (False when offline mode is set)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
@@ -91,6 +122,66 @@ def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
         raise TraceError(
             f"cannot build {type(config).__name__} on the meta device ({first_line(exc)}): build the model "
             f"yourself (e.g. under `with torch.device('meta')`) and pass the nn.Module") from None
+
+
+#: Per-instance state of ``nn.Module`` that the copy gets empty: hooks run the caller's code, not the model's.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+#: Instance attributes that wrap or point at the live model (dispatch wrappers, accelerate hooks): dropped,
+#: so the copy runs its class's own forward on its own (meta) tensors.
+_LIVE_ATTRIBUTES = ("forward", "_old_forward", "_hf_hook", "_placement_opt_dispatch")
+
+
+def meta_skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree whose parameters and buffers are meta tensors of the same shape and dtype.
+
+    Every module is a new instance of its class sharing the original's plain attributes (config,
+    sizes); ``_parameters``, ``_buffers``, ``_modules`` and the hook registries are its own, so
+    whatever the trace does to the copy (hooks, ``eval()``, patched forwards) leaves the original as
+    it was. Tied tensors stay tied (one meta tensor per original tensor); instance-level forwards
+    and accelerate hooks are dropped. No weight memory is read or allocated.
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    copies: dict[int, nn.Module] = {}
+
+    def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        out = tensors.get(id(tensor))
+        if out is None:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                out = nn.Parameter(out, requires_grad=tensor.requires_grad)
+            tensors[id(tensor)] = out
+        return out
+
+    def copy_tree(original: nn.Module) -> nn.Module:
+        done = copies.get(id(original))
+        if done is not None:
+            return done
+        clone = type(original).__new__(type(original))
+        copies[id(original)] = clone
+        state = dict(original.__dict__)
+        for key in _LIVE_ATTRIBUTES:
+            state.pop(key, None)
+        for key in _HOOK_DICTS:
+            if key in state:
+                state[key] = type(state[key])()
+        state["_parameters"] = {k: meta(v) for k, v in original._parameters.items()}
+        state["_buffers"] = {k: meta(v) for k, v in original._buffers.items()}
+        state["_non_persistent_buffers_set"] = set(original._non_persistent_buffers_set)
+        clone.__dict__.update(state)
+        clone.__dict__["_modules"] = {k: None if v is None else copy_tree(v) for k, v in original._modules.items()}
+        return clone
+
+    skeleton = copy_tree(module)
+    for clone in copies.values():  # unregistered references to modules of the tree point into the copy
+        for key, value in clone.__dict__.items():
+            if isinstance(value, nn.Module) and id(value) in copies:
+                clone.__dict__[key] = copies[id(value)]
+    return skeleton
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,9 +1,11 @@
 """Turn a model into a :class:`~placement_opt.model.graph.LayerGraph`: ``trace(model) -> LayerGraph``.
 
 The model is never run on real data and its weights are never read or copied: models built from a
-config are built on the meta device, and a module given with real weights runs its one forward with
-every parameter and buffer swapped for a meta tensor (see :mod:`placement_opt.model._recorder`, which records
-execution order, FLOPs and data flow per unit).
+config are built on the meta device, and a module given with real weights is copied without its weights
+(:func:`placement_opt.model._source.meta_skeleton`: same classes, attributes and shapes, every tensor on
+meta) and the copy runs one forward (see :mod:`placement_opt.model._recorder`, which records execution
+order, FLOPs and data flow per unit). The module given is never changed, not even for a moment: it may
+serve requests in another thread while ``trace`` or ``solve`` runs.
 
 Placement units are the instances of the model's no-split classes (``model._no_split_modules``, e.g.
 ``LlamaDecoderLayer``, or the user's ``no_split``) plus every module outside them that owns parameters
@@ -29,7 +31,10 @@ Conventions the cost model relies on:
   (an all-ones mask is the same computation, and masks trigger data-dependent checks on meta).
 
 When the meta forward fails (custom ops, data-dependent control flow), :func:`trace` warns and returns a
-static graph of the module tree in registration order (``meta.traced`` is False).
+static graph of the module tree in registration order (``meta.traced`` is False). When it succeeds but a
+module decided a branch on tensor values (``if x.sum() > 0:``), whose values meta tensors do not have,
+the branch taken follows a guess and :func:`trace` warns with the unit and the line (transformers' own
+mask checks, which the dummy inputs answer correctly, are not reported).
 
 Where the parts live: :mod:`._source` turns the argument into a module, :mod:`._units` finds the
 units and their tensors, :mod:`._recorder` runs the meta forward, :mod:`._attention` reads attention
@@ -145,7 +150,22 @@ def trace(
             f"inputs, pass example_inputs (shapes and dtypes are enough) to get a traced graph.",
             RuntimeWarning, stacklevel=2)
         record = None
+    if record is not None and record.branches:
+        warnings.warn(_branch_message(name, record.branches), UserWarning, stacklevel=2)
     return _build_graph(ctx, record)
+
+
+def _branch_message(name: str, branches: Mapping[tuple[str | None, str], Any]) -> str:
+    """The warning for data-dependent control flow: which units, where, what was assumed, what to do."""
+    shown = [f"unit {unit!r} at {where} (assumed {value!r})" if unit is not None
+             else f"the model's own forward, outside every unit, at {where} (assumed {value!r})"
+             for (unit, where), value in list(branches.items())[:3]]
+    more = f" and {len(branches) - 3} more" if len(branches) > 3 else ""
+    return (f"placement_opt.trace: the forward of {name} branches on tensor values in {len(branches)} place(s): "
+            f"{'; '.join(shown)}{more}. The trace runs on meta tensors, which have no values, so it followed the "
+            f"assumed value and the branch not taken costs nothing in the graph. Make the condition independent "
+            f"of tensor values (torch.where, a Python flag, a shape test) so the traced path is the one that runs, "
+            f"or check those units' flops_per_token in the graph before trusting the plan")
 
 
 def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
