@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from placement_opt.errors import PlanFormatError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import chain_graph
 from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan, UnitPlacement
+from placement_opt.units import format_bytes
 
 MIB = 2**20
 DEVICES = ["cuda:0", "cuda:1", "cpu", "disk"]
@@ -90,9 +93,39 @@ def test_summary_groups_runs_and_shows_every_device(tmp_path):
     assert plan.runs() == [(["model.layers.0", "model.layers.1"], "cuda:0", "cuda:0", "resident"),
                            (["model.layers.2"], "cpu", "cuda:0", "stream")]
     rows = [line.split() for line in text.splitlines()]
-    assert ["model.layers.2", "1", "cpu", "cuda:0", "stream"] in rows
+    assert ["model.layers.2", "1", "cpu", "cuda:0", "stream"] in [r[:5] for r in rows]
     assert ["baseline", "total", "fits", "vs", "this", "plan"] in rows
     assert ["sequential", *_seconds_cells(plan.baselines[0].total_s), "yes", "2.00x"] in rows
+
+
+def test_summary_cli_and_html_show_the_same_figures_under_the_same_labels():
+    """One builder (placement_opt.report): the text, the CLI's rich tables and the HTML agree."""
+    from rich.console import Console
+
+    from placement_opt.cli.tables import plan_renderables
+
+    plan = _example()
+    c = plan.cost
+    text = plan.summary()
+    console = Console(width=200, color_system=None, record=True, file=io.StringIO())
+    for part in plan_renderables(plan):
+        console.print(part)
+    cli = console.export_text()
+    page = plan._repr_html_()
+    end_to_end, decoding = f"{c.tokens_per_s:.2f} end to end", f"{c.decode_tokens_per_s:.2f} while decoding"
+    assert c.tokens_per_s != c.decode_tokens_per_s  # the two throughputs differ: both are labelled
+    for shown in (text, cli, page):
+        assert end_to_end in shown and decoding in shown
+        for label in ("Where each run of units lives and computes", "Memory per device", "Baselines"):
+            assert label in shown
+        for m in c.memory:
+            assert format_bytes(m.used_bytes) in shown
+    assert page.lstrip().startswith("<div") and "<th>tokens/s</th>" in page
+
+
+def test_html_escapes_what_it_shows():
+    plan = replace(_example(), notes=("<script>alert(1)</script>",))
+    assert "<script>" not in plan._repr_html_() and "&lt;script&gt;" in plan._repr_html_()
 
 
 def test_explain_names_the_streamed_unit_and_compares_the_baseline():
@@ -141,16 +174,16 @@ def test_text_that_is_not_json_is_refused_with_the_position(tmp_path):
 def test_a_missing_field_is_named(field):
     data = _example().to_dict()
     del data[field]
-    with pytest.raises(PlanFormatError, match=f"the plan has no '{field}' field"):
+    with pytest.raises(PlanFormatError, match=f"no '{field}' field"):
         Plan.from_json(json.dumps(data))
 
 
 def test_a_malformed_placement_is_refused():
     data = _example().to_dict()
     data["placements"][0]["colour"] = "red"
-    with pytest.raises(PlanFormatError, match="malformed entry .*colour"):
+    with pytest.raises(PlanFormatError, match="malformed.*colour"):
         Plan.from_dict(data)
-    with pytest.raises(PlanFormatError, match="a plan is a JSON object, not list"):
+    with pytest.raises(PlanFormatError, match="JSON list, not an object"):
         Plan.from_dict([1, 2])  # type: ignore[arg-type]
 
 

@@ -136,39 +136,25 @@ class Plan:
         return format_bytes(value) if self.objective == "memory" else format_seconds(value)
 
     def summary(self) -> str:
-        """A fixed-width report: unit runs, memory per device, time per phase, solver, baselines.
+        """The plan's tables as text: facts, unit runs, memory per device, baselines, notes.
+
+        The same rows and labels as ``placement-opt plan`` and the HTML report
+        (:mod:`placement_opt.report` builds them once); tokens/s are given end to end (prefill
+        included) and while decoding.
 
         Example::
 
             print(placement_opt.solve(graph, {0: "24GiB", "cpu": "64GiB"}).summary())
         """
-        w, c = self.workload, self.cost
-        lines = [f"Plan for {self.model_name} ({self.dtype}, {len(self.placements)} units): objective "
-                 f"{self.objective}, strategy {self.strategy}",
-                 f"workload: batch {w.batch_size}, prompt {w.prompt_len}, {w.new_tokens} new tokens",
-                 f"solver: {self.status}, objective {self._objective_text(self.objective_value)}, bound "
-                 f"{self._objective_text(self.best_bound)}, gap {self.gap:.2%}, {self.solve_time_s:.2f} s", ""]
-        lines.append(f"{'units':<44} {'n':>4}  {'storage':<8} {'execution':<9} mode")
-        for units, storage, execution, mode in self.runs():
-            name = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]}"
-            lines.append(f"{_clip(name, 44):<44} {len(units):>4}  {storage:<8} {execution:<9} {mode}")
-        lines += ["", f"{'device':<8} {'used':>11} {'capacity':>11} {'weights':>11} {'kv cache':>11} "
-                      f"{'workspace':>11} {'stream buf':>11}"]
-        for m in c.memory:
-            flag = "  OVER" if m.free_bytes < 0 else ""
-            lines.append(f"{m.device:<8} {format_bytes(m.used_bytes):>11} {format_bytes(m.capacity_bytes):>11} "
-                         f"{format_bytes(m.weights_bytes):>11} {format_bytes(m.kv_cache_bytes):>11} "
-                         f"{format_bytes(m.workspace_bytes):>11} {format_bytes(m.stream_buffer_bytes):>11}{flag}")
-        lines += ["", f"time: prefill {format_seconds(c.prefill_s)}, decode {format_seconds(c.decode_s)}, "
-                      f"total {format_seconds(c.total_s)} (transfers {format_seconds(c.transfer_s)}), "
-                      f"{c.decode_tokens_per_s:.1f} decode tokens/s"]
-        if self.baselines:
-            lines += ["", f"{'baseline':<16} {'total':>11} {'fits':>5} {'vs this plan':>13}"]
-            for b in self.baselines:
-                lines.append(f"{b.strategy:<16} {_seconds(b.total_s):>11} {'yes' if b.fits else 'NO':>5} "
-                             f"{_ratio(b.total_s, c.total_s):>13}")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        from .report import plan_report, report_text
+
+        return report_text(plan_report(self))
+
+    def _repr_html_(self) -> str:
+        """The plan's tables as HTML: how a notebook (Jupyter, VS Code) shows a plan."""
+        from .report import plan_report, report_html
+
+        return report_html(plan_report(self))
 
     def explain(self) -> str:
         """Why the expensive or surprising units sit where they are, and how each baseline compares."""
@@ -302,10 +288,6 @@ class Plan:
             raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}): "
                                   f"give a file written by Plan.to_json()") from err
         return cls.from_dict(data)
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _seconds(value: float) -> str:

@@ -59,7 +59,7 @@ def test_html_report_is_self_contained(tmp_path):
     page = save_report(report_plan(), tmp_path / "plan.html", outcomes()).read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page
     assert "src=\"http" not in page and "href=\"http" not in page.replace("http://www.w3.org", "")
-    assert "<td>sequential</td><td>OOM</td>" in page
+    assert '<td>sequential</td><td class="bad">OOM</td>' in page
     assert "no plan: transformers is not installed" in page
     assert "tiny-test" in page
     # make_plan streams layers 5-7 from the CPU: one run of three units in the runs table

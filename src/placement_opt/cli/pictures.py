@@ -9,7 +9,8 @@ Three charts, each drawn on a matplotlib ``Axes`` you may pass in (or a new figu
 - :func:`comparison_chart`: estimated time per strategy, OOM strategies marked in red.
 
 :func:`save_report` writes all of them to a ``.png``/``.svg`` (one figure) or to a
-self-contained ``.html`` report (inline SVG plus the summary tables, no external assets).
+self-contained ``.html`` report (inline SVG plus the plan's tables from
+:mod:`placement_opt.report`, rendered by its jinja2 template; no external assets).
 
 matplotlib is imported lazily with the non-interactive Agg backend, so importing this module is
 cheap and works on a headless machine. Install it with ``pip install placement-opt[plot]``.
@@ -17,7 +18,6 @@ cheap and works on a headless machine. Install it with ``pip install placement-o
 
 from __future__ import annotations
 
-import html
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,52 +231,6 @@ def _svg(fig: Figure) -> str:
     return text[text.index("<svg"):]
 
 
-def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
-                   for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _summary_html(plan: Plan, outcomes: Sequence[StrategyOutcome]) -> str:
-    cost, w = plan.cost, plan.workload
-    facts = [
-        ("model", f"{plan.model_name} ({plan.dtype})"),
-        ("workload", f"batch {w.batch_size}, prompt {w.prompt_len}, new tokens {w.new_tokens}"),
-        ("objective / strategy", f"{plan.objective} / {plan.strategy}"),
-        ("solver", f"GREEDY (a baseline: no optimality bound), {plan.solve_time_s:.2f} s"
-         if plan.status == "GREEDY" else f"{plan.status}, gap {plan.gap:.2%}, {plan.solve_time_s:.2f} s"),
-        ("prefill / decode", f"{format_seconds(cost.prefill_s)} / {format_seconds(cost.decode_s)}"),
-        ("tokens/s", f"{cost.tokens_per_s:.2f}"),
-        ("fits", "yes" if cost.fits else "NO: " + "; ".join(v.message for v in cost.violations)),
-    ]
-    parts = [_html_table(["", ""], facts)]
-    runs: list[list[Any]] = []
-    for p in plan.placements:
-        if runs and (runs[-1][2], runs[-1][3], runs[-1][4]) == (p.storage, p.execution, p.mode):
-            runs[-1][1] = p.unit
-            runs[-1][5] += 1
-        else:
-            runs.append([p.unit, p.unit, p.storage, p.execution, p.mode, 1])
-    parts.append("<h2>Where each run of units lives and computes</h2>" + _html_table(
-        ["units", "n", "stored on", "executes on", "mode"],
-        [(first if first == last else f"{first} .. {last}", n, storage, execution, mode)
-         for first, last, storage, execution, mode, n in runs]))
-    parts.append("<h2>Memory per device</h2>" + _html_table(
-        ["device", "weights", "KV cache", "workspace", "stream buffer", "used", "capacity", "free"],
-        [(m.device, format_bytes(m.weights_bytes), format_bytes(m.kv_cache_bytes),
-          format_bytes(m.workspace_bytes), format_bytes(m.stream_buffer_bytes),
-          format_bytes(m.used_bytes), format_bytes(m.capacity_bytes), format_bytes(m.free_bytes))
-         for m in cost.memory]))
-    if outcomes:
-        parts.append("<h2>Strategies</h2>" + _html_table(
-            ["strategy", "fits", "total", "tokens/s"],
-            [(o.strategy, ("yes" if o.fits else "OOM") if o.plan else f"no plan: {o.error}",
-              format_seconds(o.total_s) if o.plan else "-",
-              f"{o.plan.cost.tokens_per_s:.2f}" if o.plan else "-") for o in outcomes]))
-    return "\n".join(parts)
-
-
 def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome] = ()) -> Path:
     """Write the pictures of ``plan`` (and of a strategy comparison) to ``path``.
 
@@ -304,13 +258,10 @@ def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome
         if suffix in (".png", ".svg"):
             fig.savefig(path, dpi=110)
             return path
-        title = html.escape(f"placement_opt: {plan.model_name}")
-        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>"
-                "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}"
-                "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
-                "padding:3px 8px;text-align:left}th{background:#f3f3f3}</style></head><body>"
-                f"<h1>{title}</h1>{_summary_html(plan, outcomes)}<h2>Pictures</h2>{_svg(fig)}"
-                "</body></html>")
+        from ..report import plan_report, report_html, strategies_table
+
+        page = report_html(plan_report(plan), title=f"placement_opt: {plan.model_name}", svg=_svg(fig),
+                           extra_tables=[strategies_table(outcomes)] if outcomes else [])
         path.write_text(page, encoding="utf-8")
         return path
     finally:

@@ -1,6 +1,7 @@
-"""Rich tables for the ``placement-opt`` command: a plan, its memory per device, strategies side by side.
+"""Rich tables for the ``placement-opt`` command: a plan, strategies side by side, the presets.
 
-Pure rendering: every figure comes from a :class:`~placement_opt.plan.Plan` and its ``Cost``.
+Pure rendering: every figure comes from a :class:`~placement_opt.plan.Plan` and its ``Cost``; a
+plan's own tables are built once by :mod:`placement_opt.report` (shared with ``Plan.summary()``).
 ``rich`` is imported inside the functions, like everything heavy the CLI uses.
 """
 
@@ -16,74 +17,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..compare import StrategyOutcome
     from ..plan import Plan
 
-__all__ = ["plan_renderables", "memory_table", "comparison_table",
+__all__ = ["plan_renderables", "comparison_table",
            "where_computed", "why_lines", "presets_tables"]
 
 
-def _device_style(name: str) -> str:
-    return "green" if name.startswith("cuda:") else {"cpu": "yellow", "disk": "magenta"}.get(name, "")
-
-
 def plan_renderables(plan: Plan, *, notes: bool = True) -> list[Any]:
-    from rich.table import Table
+    """The plan's facts, unit runs, memory, baselines, warnings and notes as rich renderables.
 
-    cost, w = plan.cost, plan.workload
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("model", f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")
-    head.add_row("machine", ", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))
-    head.add_row("workload", f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens")
-    head.add_row("objective", f"{plan.objective}, strategy {plan.strategy}")
-    if plan.status == "GREEDY":
-        head.add_row("solver", f"GREEDY (a baseline strategy: no optimality bound), {plan.solve_time_s:.2f} s")
-    else:
-        head.add_row("solver", f"{plan.status}, gap {plan.gap:.2%}, solved in {plan.solve_time_s:.2f} s")
-    head.add_row("time", f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
-                         f"total {format_seconds(cost.total_s)}, {cost.tokens_per_s:.2f} tokens/s")
-    fits = "[green]yes[/]" if cost.fits else "[bold red]NO, runs out of memory[/]"
-    head.add_row("fits", fits)
+    The rows come from :func:`placement_opt.report.plan_report`, the builder ``Plan.summary()``
+    and the HTML report use too: the same figures under the same labels everywhere.
+    """
+    from ..report import plan_report, rich_renderables
 
-    by_unit = {u.name: u for u in cost.units}
-    units = Table(title="Where each run of units lives and computes", title_justify="left")
-    for col in ("units", "n", "stored on", "executes on", "mode", "weights", "prefill", "decode"):
-        units.add_column(col, justify="right" if col in ("n", "weights", "prefill", "decode") else "left")
-    for names, storage, execution, mode in plan.runs():
-        costs = [by_unit[n] for n in names if n in by_unit]
-        label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        units.add_row(label, str(len(names)), f"[{_device_style(storage)}]{storage}[/]",
-                      f"[{_device_style(execution)}]{execution}[/]", mode,
-                      format_bytes(sum(c.stored_bytes for c in costs)),
-                      format_seconds(sum(c.prefill_s for c in costs)),
-                      format_seconds(sum(c.decode_s for c in costs)))
-    return [head, units, memory_table(plan), *violation_lines(plan), *(plan_notes(plan) if notes else [])]
-
-
-def memory_table(plan: Plan) -> Any:
-    from rich.table import Table
-
-    table = Table(title="Memory per device", title_justify="left")
-    for col in ("device", "weights", "KV cache", "workspace", "stream buf", "used", "capacity", "free"):
-        table.add_column(col, justify="left" if col == "device" else "right")
-    for m in plan.cost.memory:
-        free = format_bytes(m.free_bytes)
-        table.add_row(m.device, format_bytes(m.weights_bytes), format_bytes(m.kv_cache_bytes),
-                      format_bytes(m.workspace_bytes), format_bytes(m.stream_buffer_bytes),
-                      format_bytes(m.used_bytes), format_bytes(m.capacity_bytes),
-                      f"[bold red]{free}[/]" if m.free_bytes < 0 else free)
-    return table
-
-
-def violation_lines(plan: Plan) -> list[str]:
-    return [f"[bold red]OOM[/] {v.message}" for v in plan.cost.violations]
-
-
-def plan_notes(plan: Plan) -> list[str]:
-    lines = [f"[dim]note:[/] {n}" for n in plan.notes]
-    if plan.streams_weights:
-        lines.append("[dim]note:[/] some units compute away from their storage: run the plan with "
-                     "placement_opt.dispatch (plan.device_map alone gives accelerate's synchronous hooks)")
-    return lines
+    return rich_renderables(plan_report(plan, notes=notes))
 
 
 def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str],

@@ -1,0 +1,218 @@
+"""The one builder of a plan's tables: ``Plan.summary()``, the CLI and the HTML pages render them.
+
+:func:`plan_report` turns a :class:`~placement_opt.plan.Plan` into plain rows of strings (facts,
+unit runs, memory per device, baselines, then warnings and notes), each figure formatted once.
+Three renderers show the same rows: :func:`rich_renderables` (the ``placement-opt`` command),
+:func:`report_text` (``Plan.summary()``) and :func:`report_html` (``Plan._repr_html_()`` in
+notebooks and the ``--plot report.html`` page, from the jinja2 template ``templates/report.html.j2``).
+
+Example::
+
+    report = plan_report(plan)
+    print(report_text(report))          # what plan.summary() returns
+
+Two throughputs are shown, labelled: *end to end* (generated tokens over prefill + decode time,
+what a user waits for) and *decoding* (generated tokens over the decode phase only).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .units import format_bytes, format_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import Plan
+
+__all__ = ["Cell", "ReportTable", "PlanReport", "plan_report", "strategies_table", "rich_renderables",
+           "report_text", "report_html", "TEXT_WIDTH"]
+
+#: Columns of the text ``Plan.summary()`` renders (wide enough that no table row wraps).
+TEXT_WIDTH = 160
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell: its text and what it is (``"bad"``, ``"good"``, a device kind), for colouring."""
+
+    text: str
+    tone: str = ""
+
+
+@dataclass(frozen=True)
+class ReportTable:
+    """A titled table of cells; ``right`` names the right-aligned (numeric) columns."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+    right: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything shown about a plan: facts (label, value), tables, then warning and note lines."""
+
+    facts: tuple[tuple[str, Cell], ...]
+    tables: tuple[ReportTable, ...]
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+
+def _device_tone(name: str) -> str:
+    return "gpu" if name.startswith("cuda:") else name if name in ("cpu", "disk") else ""
+
+
+def _seconds(value: float) -> str:
+    return format_seconds(value) if value == value and value != float("inf") else "-"
+
+
+def _ratio(value: float, reference: float) -> str:
+    if not (value == value) or value == float("inf") or reference <= 0:
+        return "-"
+    return f"{value / reference:.2f}x"
+
+
+def _objective_text(plan: Plan, value: float) -> str:
+    return format_bytes(value) if plan.objective == "memory" else _seconds(value)
+
+
+def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
+    cost, w = plan.cost, plan.workload
+    if plan.status == "GREEDY":
+        solver = f"GREEDY (a baseline strategy: no optimality bound), {plan.solve_time_s:.2f} s"
+    else:
+        solver = (f"{plan.status}, objective {_objective_text(plan, plan.objective_value)}, bound "
+                  f"{_objective_text(plan, plan.best_bound)}, gap {plan.gap:.2%}, solved in "
+                  f"{plan.solve_time_s:.2f} s")
+    return (
+        ("model", Cell(f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")),
+        ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
+        ("workload", Cell(f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens")),
+        ("objective", Cell(f"{plan.objective}, strategy {plan.strategy}")),
+        ("solver", Cell(solver)),
+        ("time", Cell(f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
+                      f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)})")),
+        ("tokens/s", Cell(f"{cost.tokens_per_s:.2f} end to end (prefill included), "
+                          f"{cost.decode_tokens_per_s:.2f} while decoding")),
+        ("fits", Cell("yes", "good") if cost.fits else Cell("NO, runs out of memory", "bad")),
+    )
+
+
+def _runs_table(plan: Plan) -> ReportTable:
+    by_unit = {u.name: u for u in plan.cost.units}
+    rows = []
+    for names, storage, execution, mode in plan.runs():
+        costs = [by_unit[n] for n in names if n in by_unit]
+        label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        rows.append((Cell(label), Cell(str(len(names))), Cell(storage, _device_tone(storage)),
+                     Cell(execution, _device_tone(execution)), Cell(mode),
+                     Cell(format_bytes(sum(c.stored_bytes for c in costs))),
+                     Cell(format_seconds(sum(c.prefill_s for c in costs))),
+                     Cell(format_seconds(sum(c.decode_s for c in costs)))))
+    return ReportTable("Where each run of units lives and computes",
+                       ("units", "n", "stored on", "executes on", "mode", "weights", "prefill", "decode"),
+                       tuple(rows), frozenset({"n", "weights", "prefill", "decode"}))
+
+
+def _memory_table(plan: Plan) -> ReportTable:
+    rows = []
+    for m in plan.cost.memory:
+        free = Cell(format_bytes(m.free_bytes), "bad" if m.free_bytes < 0 else "")
+        rows.append((Cell(m.device, _device_tone(m.device)), *(Cell(format_bytes(v)) for v in (
+            m.weights_bytes, m.kv_cache_bytes, m.workspace_bytes, m.stream_buffer_bytes, m.used_bytes,
+            m.capacity_bytes)), free))
+    columns = ("device", "weights", "KV cache", "workspace", "stream buf", "used", "capacity", "free")
+    return ReportTable("Memory per device", columns, tuple(rows), frozenset(columns[1:]))
+
+
+def _baselines_table(plan: Plan) -> ReportTable:
+    rows = tuple((Cell(b.strategy), Cell(_seconds(b.total_s)),
+                  Cell("yes", "good") if b.fits else Cell("NO", "bad"), Cell(_ratio(b.total_s, plan.cost.total_s)))
+                 for b in plan.baselines)
+    return ReportTable("Baselines on the same cost model (total time)",
+                       ("baseline", "total", "fits", "vs this plan"), rows, frozenset({"total", "vs this plan"}))
+
+
+def plan_report(plan: Plan, *, notes: bool = True) -> PlanReport:
+    """The facts, tables, warnings and notes shown about ``plan`` (``notes=False``: without the notes)."""
+    tables = [_runs_table(plan), _memory_table(plan)]
+    if plan.baselines:
+        tables.append(_baselines_table(plan))
+    lines = [*plan.notes]
+    if plan.streams_weights:
+        lines.append("some units compute away from their storage: run the plan with placement_opt.dispatch "
+                     "(plan.device_map alone gives accelerate's synchronous hooks)")
+    return PlanReport(facts=_facts(plan), tables=tuple(tables),
+                      warnings=tuple(v.message for v in plan.cost.violations), notes=tuple(lines) if notes else ())
+
+
+def strategies_table(outcomes: Sequence[Any]) -> ReportTable:
+    """Strategies side by side (``compare``'s outcomes): fits, total time, end-to-end tokens/s."""
+    rows = []
+    for o in outcomes:
+        if o.plan is None:
+            rows.append((Cell(o.strategy), Cell(f"no plan: {o.error}", "bad"), Cell("-"), Cell("-")))
+        else:
+            rows.append((Cell(o.strategy), Cell("yes", "good") if o.fits else Cell("OOM", "bad"),
+                         Cell(format_seconds(o.plan.cost.total_s)), Cell(f"{o.plan.cost.tokens_per_s:.2f}")))
+    return ReportTable("Strategies", ("strategy", "fits", "total", "tokens/s end to end"), tuple(rows),
+                       frozenset({"total", "tokens/s end to end"}))
+
+
+# -- renderers ----------------------------------------------------------------------------------
+_RICH_TONES = {"bad": "bold red", "good": "green", "gpu": "green", "cpu": "yellow", "disk": "magenta"}
+
+
+def rich_renderables(report: PlanReport, *, box: Any = "default") -> list[Any]:
+    """The report as rich renderables: a facts grid, one table per table, warning and note lines."""
+    from rich import box as boxes
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    for label, cell in report.facts:
+        head.add_row(label, Text(cell.text, style=_RICH_TONES.get(cell.tone, "")))
+    parts: list[Any] = [head]
+    for t in report.tables:
+        table = Table(title=t.title, title_justify="left",
+                      **({} if box == "default" else {"box": box or boxes.SIMPLE_HEAD}))
+        for col in t.columns:
+            table.add_column(col, justify="right" if col in t.right else "left")
+        for row in t.rows:
+            table.add_row(*(Text(c.text, style=_RICH_TONES.get(c.tone, "")) for c in row))
+        parts.append(table)
+    parts += [Text.assemble(("OOM", "bold red"), f" {w}") for w in report.warnings]
+    parts += [Text.assemble(("note:", "dim"), f" {n}") for n in report.notes]
+    return parts
+
+
+def report_text(report: PlanReport, width: int = TEXT_WIDTH) -> str:
+    """The report as plain text (no colours, simple rules under the headers): ``Plan.summary()``."""
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
+    for part in rich_renderables(report, box=None):
+        console.print(part)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
+
+
+def report_html(report: PlanReport, *, title: str | None = None, extra_tables: Sequence[ReportTable] = (),
+                svg: str = "") -> str:
+    """The report as HTML from ``templates/report.html.j2``: a fragment, or a whole page with ``title``.
+
+    ``svg`` (inline pictures) and ``extra_tables`` (a strategy comparison) are added to a page.
+    Every text is escaped by the template.
+    """
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("placement_opt", "templates"),
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.html.j2").render(
+        report=report, title=title, extra_tables=list(extra_tables), svg=svg)
