@@ -16,11 +16,18 @@ from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
 from .hardware.devices import Machine
+from .schema import PlanSchema, json_safe, validated
+from .solver.problem import MODES
 from .units import format_bytes, format_seconds
 
 __all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""2 adds ``fingerprint`` (the model's units, for :func:`~placement_opt.plan_check.check_plan`) and
+writes infinite baseline times as ``null``; version 1 files are still read."""
+
+_READABLE_VERSIONS = (1, 2)
+_FIX = "write it with Plan.to_json() or `placement-opt plan --json`, or solve the plan again"
 
 
 def _accelerate_value(device: str) -> int | str:
@@ -92,6 +99,10 @@ class Plan:
     """Things the user should know (coarsening, pins, training offload, distributed context)."""
     schema_version: int = PLAN_SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: Mapping[str, Any] | None = None
+    """The units of the model the plan was solved for: per unit, how many parameters it owns, their
+    bytes and a digest of their names (:func:`placement_opt.plan_check.graph_fingerprint`); ``None``
+    when unknown. :func:`placement_opt.dispatch` compares it with the model it is given."""
 
     # -- maps in accelerate's vocabulary --------------------------------------------------
     @property
@@ -201,14 +212,15 @@ class Plan:
             "best_bound": self.best_bound,
             "gap": self.gap,
             "solve_time_s": self.solve_time_s,
-            "baselines": [vars(b).copy() for b in self.baselines],
+            "baselines": [_baseline_dict(b) for b in self.baselines],
             "notes": list(self.notes),
             "extra": dict(self.extra),
+            "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
         }
 
     def to_json(self, path: str | None = None) -> str:
-        """The plan as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
+        """The plan as standard JSON text (no bare ``Infinity``); also written to ``path`` when given."""
+        text = json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False)
         if path is not None:
             with open(path, "w", encoding="utf-8") as fh:
                 fh.write(text)
@@ -222,43 +234,48 @@ class Plan:
             PlanFormatError: another schema version, a missing field or a malformed entry; the
                 message names it.
         """
-        if not isinstance(data, Mapping):
-            raise PlanFormatError(f"a plan is a JSON object, not {type(data).__name__}: pass what "
-                                  f"Plan.to_dict() or Plan.to_json() wrote")
-        version = data.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
-            raise PlanFormatError(
-                f"plan schema version {version!r} is not supported (this placement_opt reads "
-                f"version {PLAN_SCHEMA_VERSION}): solve the plan again with this version"
-            )
-        try:
-            return cls._from_fields(data)
-        except KeyError as err:
-            raise PlanFormatError(f"the plan has no {err.args[0]!r} field: it was not written by "
-                                  f"Plan.to_json(), or was edited; solve the plan again") from err
-        except (TypeError, AttributeError) as err:
-            raise PlanFormatError(f"the plan has a malformed entry ({err}): it was not written by "
-                                  f"Plan.to_json(), or was edited; solve the plan again") from err
+        return cls._from_dict(data, "the plan")
 
     @classmethod
-    def _from_fields(cls, data: Mapping[str, Any]) -> Plan:
+    def _from_dict(cls, data: Any, where: str) -> Plan:
+        if not isinstance(data, Mapping):
+            raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
+                                  f"Plan.to_dict() or Plan.to_json() wrote")
+        version = data.get("schema_version")
+        if version not in _READABLE_VERSIONS:
+            raise PlanFormatError(
+                f"{where} has schema version {version!r}, which is not supported (this placement_opt reads "
+                f"versions {', '.join(map(str, _READABLE_VERSIONS))}): solve the plan again with this version"
+            )
+        checked = validated(PlanSchema, data, what=where, fix=_FIX, context={"modes": MODES})
+        try:
+            return cls._from_fields(data, checked)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, PlanFormatError):
+                raise
+            raise PlanFormatError(f"{where} has a malformed entry ({type(err).__name__}: {err}): {_FIX}") from err
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, Any], checked: PlanSchema) -> Plan:
         return cls(
-            model_name=data["model_name"],
-            dtype=data["dtype"],
-            objective=data["objective"],
-            strategy=data["strategy"],
-            placements=tuple(UnitPlacement(**p) for p in data["placements"]),
+            model_name=checked.model_name,
+            dtype=checked.dtype,
+            objective=checked.objective,
+            strategy=checked.strategy,
+            placements=tuple(UnitPlacement(**p.model_dump()) for p in checked.placements),
             machine=Machine.from_dict(data["machine"]),
-            workload=Workload.from_dict(dict(data["workload"])),
+            workload=Workload.from_dict(checked.workload.model_dump()),
             cost=Cost.from_dict(data["cost"]),
-            status=data["status"],
-            objective_value=float(data["objective_value"]),
-            best_bound=float(data["best_bound"]),
-            gap=float(data["gap"]),
-            solve_time_s=float(data["solve_time_s"]),
-            baselines=tuple(BaselineResult(**b) for b in data.get("baselines", [])),
-            notes=tuple(data.get("notes", [])),
-            extra=dict(data.get("extra", {})),
+            status=checked.status,
+            objective_value=checked.objective_value,
+            best_bound=checked.best_bound,
+            gap=checked.gap,
+            solve_time_s=checked.solve_time_s,
+            baselines=tuple(BaselineResult(**{**b.model_dump(), "total_s": _time(b.total_s)})
+                            for b in checked.baselines),
+            notes=tuple(checked.notes),
+            extra=dict(data.get("extra") or {}),
+            fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
         )
 
     @classmethod
@@ -274,20 +291,35 @@ class Plan:
                 schema version; the message names the file and the problem.
         """
         text, where = os.fspath(text_or_path), "the plan text"
-        if not text.lstrip().startswith("{"):
-            where = repr(text)
+        if not text.strip():
+            raise PlanFormatError("the plan path is empty: give the path of a file written by Plan.to_json() "
+                                  "or `placement-opt plan --json`, or the JSON text itself")
+        if not text.lstrip().startswith(("{", "[")):
+            where = f"the plan file {text!r}"
             try:
                 with open(text, encoding="utf-8") as fh:
                     text = fh.read()
             except OSError as err:
-                raise PlanFormatError(f"cannot read the plan file {where}: {err.strerror or err}; give the path "
+                raise PlanFormatError(f"cannot read {where}: {err.strerror or err}; give the path "
                                       f"of a file written by Plan.to_json() or `placement-opt plan --json`") from err
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}): "
-                                  f"give a file written by Plan.to_json()") from err
-        return cls.from_dict(data)
+            truncated = " (the text ends early: was the file cut off?)" if err.pos >= len(text.rstrip()) else ""
+            raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+                                  f"{truncated}: give a file written by Plan.to_json()") from err
+        return cls._from_dict(data, where)
+
+
+def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
+    data = vars(b).copy()
+    if data["total_s"] == float("inf"):
+        data["total_s"] = None  # standard JSON has no Infinity; read back as inf
+    return data
+
+
+def _time(value: float | None) -> float:
+    return float("inf") if value is None else value
 
 
 def _seconds(value: float) -> str:

@@ -13,6 +13,7 @@ Torch is imported only when a model (not a LayerGraph) must be traced, or for ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,10 +23,11 @@ from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, evaluator
 from .cost.memory import shortage_message
 from .cost.workload import Workload
-from .errors import InfeasiblePlacementError, PlacementError, SolverInputError
+from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
 from .hardware.devices import Machine, normalize_device_name
 from .model.graph import covering_key
 from .plan import BaselineResult, Plan, UnitPlacement
+from .plan_check import graph_fingerprint
 from .solver.greedy import GREEDY_RESERVES, baseline_storage, choice_from_storage, greedy_choice
 from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .solver.problem import OBJECTIVES, PlacementProblem
@@ -115,6 +117,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
                                "needs a transformers model or config, not a LayerGraph: pass the model (or its "
                                "config), or use strategy='balanced' on a LayerGraph")
     graph = as_graph(model)
+    if not graph.names() or (not isinstance(model, LayerGraph) and graph.total_param_bytes + graph.total_buffer_bytes == 0):
+        raise TraceError(f"the model {graph.meta.model_name!r} has no placement units: it holds no parameters or "
+                         f"buffers, so there is nothing to place; pass a model with weights (or its config)")
     machine, context_note = _machine(devices, graph.meta.dtype)
     workload = workload if workload is not None else Workload()
     problem = build_problem(graph, machine, workload, pins=pins or {}, contiguous=contiguous)
@@ -124,9 +129,11 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     if problem.pins:
         notes.append(f"{len(problem.pins)} unit(s) pinned by {len(pins or {})} pin(s)")
     if strategy == "cpsat":
-        return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
+        plan = _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers), notes)
-    return _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
+    else:
+        plan = _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
+    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph))
 
 
 # ---------------------------------------------------------------------------------------------

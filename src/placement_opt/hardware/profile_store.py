@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..schema import ProfileSchema, validated
 from .devices import Device, normalize_device_name
 
 __all__ = [
@@ -49,7 +50,11 @@ def profile_path(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-    """The saved profile as a dict, or None when there is none (or it has another schema version)."""
+    """The saved profile as a dict, or None when there is none (or it has another schema version).
+
+    Raises:
+        PlanFormatError: a profile of this schema version whose entries are malformed (names the file).
+    """
     where = profile_path(path)
     try:
         data = json.loads(where.read_text(encoding="utf-8"))
@@ -57,6 +62,8 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
         return None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         return None
+    validated(ProfileSchema, data, what=f"the saved profile {str(where)!r}",
+              fix="run `placement-opt profile` again, or delete the file")
     return data
 
 

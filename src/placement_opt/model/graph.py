@@ -42,6 +42,7 @@ from typing import Any
 import networkx as nx
 
 from ..errors import PlanFormatError, TraceError
+from ..schema import GraphSchema, validated
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
@@ -217,12 +218,16 @@ class LayerGraph:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerGraph:
+        if not isinstance(data, Mapping):
+            raise PlanFormatError(f"a layer graph is a JSON object, not {type(data).__name__}: pass what "
+                                  f"LayerGraph.to_dict() or to_json() wrote")
         version = data.get("schema_version")
         if version != GRAPH_SCHEMA_VERSION:
             raise PlanFormatError(
                 f"layer graph schema version {version!r} is not supported "
                 f"(this placement_opt reads version {GRAPH_SCHEMA_VERSION}): re-trace the model"
             )
+        validated(GraphSchema, data, what="the layer graph", fix="write it with LayerGraph.to_json() or re-trace the model")
         meta_d = dict(data["meta"])
         for key in ("tied_param_groups", "tied_unit_groups"):
             meta_d[key] = tuple(tuple(g) for g in meta_d.get(key, ()))
@@ -238,7 +243,13 @@ class LayerGraph:
 
     @classmethod
     def from_json(cls, text: str) -> LayerGraph:
-        return cls.from_dict(json.loads(text))
+        """Read what :meth:`to_json` wrote; :class:`PlanFormatError` for text that is not a layer graph."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFormatError(f"the layer graph text is not JSON ({err.msg} at line {err.lineno}, column "
+                                  f"{err.colno}): give what LayerGraph.to_json() wrote") from err
+        return cls.from_dict(data)
 
 
 def chain_graph(

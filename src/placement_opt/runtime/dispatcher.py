@@ -209,6 +209,9 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
             f"Load it with placement_opt.load(), or call accelerate.hooks.remove_hook_from_submodules(model) first"
         )
     units = _build_units(model, plan)
+    from ..plan_check import check_plan  # coverage and sizes against the plan's fingerprint
+
+    check_plan(model, plan)
     slots = collect_slots(model)
     _assign_slots(units, slots, plan)
     _check_devices(units)

@@ -1,0 +1,151 @@
+"""Does a plan fit the model it is applied to? The fingerprint of a model's units and the check.
+
+At solve time :func:`graph_fingerprint` records, per unit, how many parameters it owns, their bytes
+and a digest of their names; the plan carries it (``Plan.fingerprint``). At dispatch
+:func:`check_plan` computes the same from the model it is given and says what differs: units
+missing on either side, parameters no unit of the plan covers, units whose weights have another
+size (another model of the same family), before anything is moved.
+
+Example::
+
+    check_plan(model, plan)     # DispatchError: "... model.layers.0: 1.00 MiB in the plan, 4.00 MiB in the model"
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .cost.workload import dtype_bytes
+from .errors import DispatchError
+from .model.graph import covering_key
+from .units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model.graph import LayerGraph
+    from .plan import Plan
+
+__all__ = ["graph_fingerprint", "model_fingerprint", "check_plan", "fingerprint_differences"]
+
+
+def _names_digest(names: Iterable[str]) -> str:
+    return hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).hexdigest()
+
+
+def _finish(dtype: str, units: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    text = "\n".join(f"{u}:{e['tensors']}:{e['param_bytes']}:{e['names']}" for u, e in sorted(units.items()))
+    return {"dtype": dtype, "units": units, "digest": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
+
+
+def graph_fingerprint(graph: LayerGraph) -> dict[str, Any]:
+    """Per unit of ``graph``: parameters owned, their bytes (tied ones counted once) and a digest of their names."""
+    units = {u.name: {"tensors": len(u.param_names), "param_bytes": int(u.param_bytes),
+                      "names": _names_digest(u.param_names)} for u in graph.units()}
+    return _finish(graph.meta.dtype, units)
+
+
+def model_fingerprint(model: Any, units: Iterable[str],
+                      dtype: str) -> tuple[dict[str, Any], list[str], list[set[str]]]:
+    """The fingerprint of ``model`` cut into ``units`` (module names), bytes counted in ``dtype``.
+
+    Returns:
+        The fingerprint, the parameters no unit covers, and the groups of units that share a tensor
+        (tied weights: which of them counts the tensor is the tracer's choice, so sizes are
+        compared per group).
+    """
+    keys = set(units)
+    names: dict[str, list[str]] = {u: [] for u in keys}
+    sizes: dict[str, int] = dict.fromkeys(keys, 0)
+    uncovered: list[str] = []
+    per_element = dtype_bytes(dtype)
+    owners: dict[int, set[str]] = {}
+    for qname, tensor in model.named_parameters(remove_duplicate=False):
+        unit = covering_key(qname, keys)
+        if unit is None:
+            uncovered.append(qname)
+            continue
+        names[unit].append(qname)
+        if id(tensor) not in owners:  # a tied tensor counts once, on its first owner
+            owners[id(tensor)] = set()
+            sizes[unit] += int(tensor.numel()) * per_element
+        owners[id(tensor)].add(unit)
+    entries = {u: {"tensors": len(names[u]), "param_bytes": sizes[u], "names": _names_digest(names[u])}
+               for u in keys}
+    return _finish(dtype, entries), uncovered, [g for g in owners.values() if len(g) > 1]
+
+
+def fingerprint_differences(expected: Mapping[str, Any], actual: Mapping[str, Any],
+                            tied: Iterable[set[str]] = ()) -> list[str]:
+    """What differs between the plan's fingerprint and the model's, one phrase per difference.
+
+    Units in one ``tied`` group are compared by the sum of their bytes.
+    """
+    want, got = dict(expected["units"]), dict(actual["units"])
+    for group in _merged(tied):
+        members = sorted(u for u in group if u in want and u in got)
+        if len(members) < 2:
+            continue
+        label = " + ".join(members)
+        for side in (want, got):
+            merged = [side.pop(u) for u in members]
+            side[label] = {"tensors": sum(e["tensors"] for e in merged),
+                           "param_bytes": sum(e["param_bytes"] for e in merged),
+                           "names": _names_digest(e["names"] for e in merged)}
+    out = []
+    for unit, e in want.items():
+        a = got.get(unit)
+        if a is None:
+            continue
+        if e["tensors"] != a["tensors"] or e["names"] != a["names"]:
+            out.append(f"{unit or '(root)'}: {e['tensors']} parameters in the plan, {a['tensors']} in the model "
+                       f"{'(other names)' if e['tensors'] == a['tensors'] else ''}".rstrip())
+        elif e["param_bytes"] != a["param_bytes"]:
+            out.append(f"{unit or '(root)'}: {format_bytes(e['param_bytes'])} of weights in the plan, "
+                       f"{format_bytes(a['param_bytes'])} in the model")
+    return out
+
+
+def check_plan(model: Any, plan: Plan) -> None:
+    """Refuse ``plan`` for ``model`` when they disagree, with what differs and what to do.
+
+    Always checked: every parameter of the model is covered by a unit of the plan. When the plan
+    carries a fingerprint (plans from :func:`placement_opt.solve` of this version): every unit
+    owns the same parameters, of the same size, as when the plan was solved.
+
+    Raises:
+        DispatchError: the differences (at most five of each kind shown).
+    """
+    dtype = (plan.fingerprint or {}).get("dtype") or plan.dtype
+    try:
+        dtype_bytes(dtype)
+    except ValueError:
+        dtype = "float32"
+    actual, uncovered, tied = model_fingerprint(model, (p.unit for p in plan.placements), dtype)
+    problems = []
+    if uncovered:
+        problems.append(f"{len(uncovered)} parameter(s) of the model are in no unit of the plan "
+                        f"({_few(uncovered)}): the plan misses units of this model")
+    if plan.fingerprint is not None:
+        differ = fingerprint_differences(plan.fingerprint, actual, tied)
+        if differ:
+            problems.append(f"{len(differ)} unit(s) differ from the model the plan was solved for ({_few(differ)})")
+    if problems:
+        raise DispatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
+                            f"solve a plan for this model (placement_opt.solve(model, ...))")
+
+
+def _merged(groups: Iterable[set[str]]) -> list[set[str]]:
+    """Overlapping groups joined (a tensor tied across three units, two tensors tied across one pair)."""
+    out: list[set[str]] = []
+    for group in groups:
+        group = set(group)
+        for other in [o for o in out if o & group]:
+            out.remove(other)
+            group |= other
+        out.append(group)
+    return out
+
+
+def _few(items: list[str], limit: int = 5) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -1,0 +1,325 @@
+"""The JSON schemas of what placement_opt reads back: plans, layer graphs, saved profiles.
+
+Pydantic v2 models check the structure (keys, types, ranges) of a dict read from JSON before
+any dataclass is built from it; :func:`validated` turns pydantic's report into one
+:class:`~placement_opt.errors.PlanFormatError` saying what is wrong, where, and what to do.
+Checks that need vocabulary owned elsewhere (the modes of :mod:`placement_opt.solver.problem`)
+read it from the validation context, so each concept keeps its one home.
+
+Example::
+
+    data = validated(PlanSchema, json.loads(text), what="the plan", fix="solve the plan again",
+                     context={"modes": ("resident", "stream", "stream_sync")})
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from .errors import PlanFormatError
+
+__all__ = [
+    "PlanSchema",
+    "PlacementSchema",
+    "BaselineSchema",
+    "FingerprintSchema",
+    "GraphSchema",
+    "ProfileSchema",
+    "validated",
+    "json_safe",
+    "plan_json_schema",
+]
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    """Unknown keys are refused: a typo in a hand-edited file is reported, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Open(BaseModel):
+    """Known keys are checked; other keys (fields added by later minor versions) are kept."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+# -- plans ------------------------------------------------------------------------------------
+class PlacementSchema(_Strict):
+    unit: str
+    storage: str = Field(min_length=1)
+    execution: str = Field(min_length=1)
+    mode: str
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str, info: ValidationInfo) -> str:
+        modes = (info.context or {}).get("modes")
+        if modes is not None and mode not in modes:
+            raise ValueError(f"mode {mode!r} is unknown: accepted are {', '.join(modes)}")
+        return mode
+
+
+class BaselineSchema(_Strict):
+    strategy: str
+    total_s: float | None
+    """``None`` (JSON null) stands for an infinite time: the baseline could not run."""
+    fits: bool
+    short_bytes: NonNegativeInt = 0
+    note: str = ""
+
+
+class DeviceSchema(_Open):
+    name: str = Field(min_length=1)
+    memory_bytes: NonNegativeInt
+    reserve_bytes: NonNegativeInt = 0
+    flops_per_s: float | None = None
+    bandwidth_bytes_per_s: float | None = None
+
+
+class MachineSchema(_Strict):
+    devices: list[DeviceSchema] = Field(min_length=1)
+    links: list[tuple[str, str, float]] = []
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> MachineSchema:
+        names = [d.name for d in self.devices]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"devices {twice} are listed twice")
+        return self
+
+
+class WorkloadSchema(_Strict):
+    batch_size: int = Field(ge=1)
+    prompt_len: int = Field(ge=1)
+    new_tokens: int = Field(ge=0)
+    training: bool = False
+    optimizer: str = "adam"
+    activation_checkpointing: bool = False
+
+
+class CostSchema(_Open):
+    workload: WorkloadSchema
+    prefill_s: float
+    decode_s: float
+    transfer_s: float
+    stage_s: dict[str, float]
+    units: list[dict[str, Any]]
+    memory: list[dict[str, Any]]
+    violations: list[dict[str, Any]]
+
+
+class UnitFingerprint(_Strict):
+    tensors: NonNegativeInt
+    """How many parameters the unit owns (tied ones included)."""
+    param_bytes: NonNegativeInt
+    """Bytes of the parameters it owns first, in the fingerprint's dtype."""
+    names: str
+    """A digest of the sorted parameter names."""
+
+
+class FingerprintSchema(_Strict):
+    dtype: str
+    units: dict[str, UnitFingerprint]
+    digest: str
+
+
+class PlanSchema(_Strict):
+    schema_version: Literal[1, 2]
+    model_name: str
+    dtype: str
+    objective: str
+    strategy: str
+    placements: list[PlacementSchema]
+    machine: MachineSchema
+    workload: WorkloadSchema
+    cost: CostSchema
+    status: str
+    objective_value: float
+    best_bound: float
+    gap: float
+    solve_time_s: float
+    baselines: list[BaselineSchema] = []
+    notes: list[str] = []
+    extra: dict[str, Any] = {}
+    fingerprint: FingerprintSchema | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanSchema:
+        problems = []
+        units = [p.unit for p in self.placements]
+        twice = sorted({u for u in units if units.count(u) > 1})
+        if twice:
+            problems.append(f"units {_few(twice)} are listed twice in placements")
+        devices = {d.name: d for d in self.machine.devices}
+        for i, p in enumerate(self.placements):
+            if p.storage not in devices:
+                problems.append(f"placements[{i}] ({p.unit!r}): storage {p.storage!r} is not a device of the "
+                                f"plan's machine (devices: {', '.join(devices)})")
+            if p.execution not in devices:
+                problems.append(f"placements[{i}] ({p.unit!r}): execution {p.execution!r} is not a device of the "
+                                f"plan's machine (devices: {', '.join(devices)})")
+            elif p.execution.split(":")[0] == "disk":
+                problems.append(f"placements[{i}] ({p.unit!r}): execution {p.execution!r} cannot compute: "
+                                f"a unit executes on a GPU or the CPU")
+        if self.fingerprint is not None:
+            missing = [u for u in self.fingerprint.units if u not in set(units)]
+            unknown = [u for u in units if u not in self.fingerprint.units]
+            if missing:
+                problems.append(f"placements miss {len(missing)} unit(s) of the model: {_few(missing)}")
+            if unknown:
+                problems.append(f"placements name {len(unknown)} unit(s) the model does not have: {_few(unknown)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+# -- layer graphs -----------------------------------------------------------------------------
+class NodeSchema(_Strict):
+    name: str
+    module_class: str
+    exec_index: int
+    module_index: NonNegativeInt
+    param_bytes: NonNegativeInt
+    buffer_bytes: NonNegativeInt
+    flops_per_token: NonNegativeInt
+    attn_flops_per_token_per_ctx: NonNegativeInt
+    out_bytes_per_token: NonNegativeInt
+    kv_bytes_per_token: NonNegativeInt
+    moe_num_experts: NonNegativeInt
+    moe_experts_per_token: NonNegativeInt
+    moe_expert_bytes: NonNegativeInt
+    param_names: list[str]
+    in_decode: bool
+
+
+class EdgeSchema(_Strict):
+    src: str
+    dst: str
+    bytes_per_token: NonNegativeInt
+
+
+class GraphMetaSchema(_Strict):
+    model_name: str
+    dtype: str
+    batch_size: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    traced: bool
+    is_encoder_decoder: bool = False
+    tied_param_groups: list[list[str]] = []
+    tied_unit_groups: list[list[str]] = []
+    no_split: list[str] = []
+    extra: dict[str, Any] = {}
+
+
+class GraphSchema(_Strict):
+    schema_version: Literal[1]
+    meta: GraphMetaSchema
+    nodes: list[NodeSchema]
+    edges: list[EdgeSchema]
+
+    @model_validator(mode="after")
+    def _edges_join_nodes(self) -> GraphSchema:
+        names = [n.name for n in self.nodes]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        known = set(names)
+        dangling = [f"{e.src} -> {e.dst}" for e in self.edges if e.src not in known or e.dst not in known]
+        if twice:
+            raise ValueError(f"nodes {_few(twice)} are listed twice")
+        if dangling:
+            raise ValueError(f"edges {_few(dangling)} name a node that is not in nodes")
+        return self
+
+
+# -- saved profiles ---------------------------------------------------------------------------
+class MeasurementSchema(_Open):
+    memory_bytes: NonNegativeInt
+    matmul_flops_per_s: dict[str, float] = {}
+    matvec_bytes_per_s: dict[str, float] = {}
+    sequential_read_bytes_per_s: float | None = None
+    mapped_read_bytes_per_s: float | None = None
+    linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}
+
+
+class ProfileSchema(_Open):
+    schema_version: Literal[1]
+    created: str
+    measurements: dict[str, MeasurementSchema]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _few(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(i) for i in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validated(schema: type[_Model], data: Any, *, what: str, fix: str,
+              context: Mapping[str, Any] | None = None) -> _Model:
+    """``data`` checked against ``schema``, or a :class:`PlanFormatError` naming every problem and its place.
+
+    Args:
+        schema: one of the models above.
+        data: what ``json.loads`` returned.
+        what: the thing read, for the message (``"the plan 'plan.json'"``).
+        fix: what the user should do, appended to the message.
+        context: vocabulary the validators read (``{"modes": MODES}``).
+    """
+    if not isinstance(data, Mapping):
+        raise PlanFormatError(f"{what} is a JSON {type(data).__name__}, not an object: {fix}")
+    try:
+        return schema.model_validate(data, context=dict(context or {}))
+    except ValidationError as err:
+        problems = []
+        for e in err.errors(include_url=False):
+            msg = e["msg"].removeprefix("Value error, ")
+            loc = e["loc"]
+            if e["type"] in ("missing", "extra_forbidden"):
+                kind = "no" if e["type"] == "missing" else "an unknown"
+                where = _where(loc[:-1])
+                problems.append(f"{where + ': ' if where else ''}{kind} {loc[-1]!r} field")
+            else:
+                problems.append(f"{_where(loc)}: {msg}" if loc else msg)
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise PlanFormatError(f"{what} is malformed ({shown}): {fix}") from None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float written as a string (``"Infinity"``, ``"-Infinity"``, ``"NaN"``).
+
+    Standard JSON has no infinities; Python's ``json`` would write a bare ``Infinity`` that other
+    readers refuse. Pydantic's float fields read these strings back.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a plan file (for editors and other tools)."""
+    return PlanSchema.model_json_schema()

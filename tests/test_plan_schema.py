@@ -1,0 +1,125 @@
+"""The plan's JSON schema: round trips, random corruptions, and the fingerprint against real models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import placement_opt as po
+from _models import FAMILIES, inputs_for, make_plan, tiny
+from placement_opt.errors import PlanFormatError
+from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan
+from placement_opt.plan_check import check_plan, graph_fingerprint
+from placement_opt.schema import plan_json_schema
+
+_ROWS = [("cpu", "cpu", "resident"), ("disk", "cpu", "stream"), ("disk", "cpu", "stream_sync"),
+         ("cpu", "cpu", "stream")]
+
+names = st.text(alphabet="abcdefghij.0123456789_", min_size=1, max_size=12)
+times = st.one_of(st.floats(min_value=0, max_value=1e6), st.just(float("inf")))
+
+
+@st.composite
+def plans(draw) -> Plan:
+    units = draw(st.lists(names, min_size=1, max_size=8, unique=True))
+    rows = [(u, *draw(st.sampled_from(_ROWS))) for u in units]
+    base = make_plan(rows, name=draw(names))
+    baselines = tuple(BaselineResult(strategy=draw(names), total_s=draw(times), fits=draw(st.booleans()),
+                                     short_bytes=draw(st.integers(0, 2**40)), note=draw(st.text(max_size=20)))
+                      for _ in range(draw(st.integers(0, 3))))
+    return Plan(**{**vars(base), "baselines": baselines, "notes": tuple(draw(st.lists(st.text(max_size=10))))})
+
+
+@given(plans())
+def test_every_plan_survives_a_json_round_trip_as_standard_json(plan):
+    text = plan.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}"))
+    again = Plan.from_json(text)
+    assert again.to_dict() == plan.to_dict()
+    assert again.baselines == plan.baselines  # inf included
+
+
+_VALID = make_plan([("a", "cpu", "cpu", "resident"), ("b", "disk", "cpu", "stream")]).to_dict()
+
+
+def _paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*prefix, i))
+
+
+_ALL_PATHS = [p for p in _paths(_VALID) if p]
+junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                 st.text(max_size=8), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3),
+                                                                                            st.integers(), max_size=2))
+
+
+def _set(data, path, value):
+    for key in path[:-1]:
+        data = data[key]
+    if value is _DELETE:
+        if isinstance(data, list):
+            data.pop(path[-1])
+        else:
+            del data[path[-1]]
+    else:
+        data[path[-1]] = value
+
+
+_DELETE = object()
+
+
+@given(st.lists(st.tuples(st.sampled_from(_ALL_PATHS), st.one_of(junk, st.just(_DELETE))), min_size=1, max_size=3))
+def test_a_corrupted_plan_is_read_or_refused_with_plan_format_error(edits):
+    data = json.loads(json.dumps(_VALID))
+    for path, value in edits:
+        try:
+            _set(data, path, value)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier edit removed or replaced the parent
+    try:
+        Plan.from_dict(data)
+    except PlanFormatError as err:
+        assert "\n" not in str(err) and str(err)
+
+
+@given(st.integers(0, len(json.dumps(_VALID)) - 1))
+def test_truncated_plan_text_is_always_a_plan_format_error(cut):
+    text = json.dumps(_VALID)[:cut]
+    with pytest.raises(PlanFormatError):
+        Plan.from_json(text)
+
+
+def test_the_json_schema_is_exported_and_names_the_fields():
+    schema = plan_json_schema()
+    assert {"placements", "machine", "fingerprint", "schema_version"} <= set(schema["properties"])
+    assert PLAN_SCHEMA_VERSION == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_solved_plan_matches_its_own_model(family):
+    model = tiny(family)
+    plan = po.solve(model, {"cpu": "8GiB", "disk": "100GiB"}, time_limit_s=2, workers=1)
+    assert plan.fingerprint is not None
+    assert plan.fingerprint == graph_fingerprint(po.trace(model))
+    check_plan(model, Plan.from_json(plan.to_json()))  # no difference reported
+    handle = po.dispatch(model, plan)
+    handle(**inputs_for(model))
+    handle.remove()
+
+
+def test_the_fingerprint_catches_a_renamed_parameter():
+    model = tiny("llama")
+    plan = po.solve(model, {"cpu": "8GiB"}, time_limit_s=2, workers=1)
+    layer = model.model.layers[0].mlp
+    layer.register_parameter("renamed", layer.up_proj.weight)
+    del layer.up_proj.weight
+    with pytest.raises(po.errors.DispatchError, match=r"model.layers.0: .*parameters in the plan"):
+        check_plan(model, plan)
