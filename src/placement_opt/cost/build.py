@@ -9,18 +9,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeviceSpecError, SolverInputError
+from ..errors import DeviceSpecError, SolverInputError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
 from .pins import resolve_pins
-from .pricing import OptionPrice, PricingContext, edge_ns, price_option, to_option
+from .pricing import NS_PER_S, OptionPrice, PricingContext, edge_ns, price_option, to_option
 from .workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
-__all__ = ["build_problem", "price_problem"]
+__all__ = ["build_problem", "price_problem", "MAX_SOLVER_INT"]
+
+#: The largest total the solver's integers may reach: the nanoseconds of the slowest placement of
+#: every unit and edge, or the bytes of the largest option of every unit. CP-SAT works in signed
+#: 64-bit integers (2**63); sums and products of its model must stay well below that.
+MAX_SOLVER_INT = 2**60
 
 
 def _menu(machine: Machine, modes: Iterable[str]) -> list[tuple[str, str, str]]:
@@ -68,10 +73,24 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
         parts.append(priced[key])
     specs = tuple(UnitSpec(name=u.name, options=tuple(to_option(p) for p in row))
                   for u, row in zip(units, parts, strict=True))
+    _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
         pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous)
     return problem, parts
+
+
+def _check_limits(specs: Iterable[UnitSpec], workload: Workload) -> None:
+    """Refuse a problem whose worst totals would overflow the solver's integers, before CP-SAT sees it."""
+    specs = list(specs)
+    worst_ns = sum(max(o.prefill_ns + o.decode_ns for o in u.options) for u in specs)
+    worst_bytes = sum(max(o.stored_bytes + o.resident_bytes + o.peak_bytes for o in u.options) for u in specs)
+    if worst_ns > MAX_SOLVER_INT or worst_bytes > MAX_SOLVER_INT:
+        what = (f"{worst_ns / NS_PER_S:.3g} s" if worst_ns > MAX_SOLVER_INT else f"{worst_bytes:.3g} bytes")
+        raise WorkloadError(
+            f"the workload (batch {workload.batch_size}, prompt {workload.prompt_len}, {workload.new_tokens} new "
+            f"tokens) costs up to {what} on this machine, beyond the solver's range (totals up to 2**60 ns, "
+            f"about 36 years, and 2**60 bytes): reduce the batch or the context, or check the device speeds")
 
 
 def _price_key(unit: UnitInfo) -> tuple[Any, ...]:

@@ -24,6 +24,7 @@ __all__ = [
     "unit_training_bytes",
     "dtype_bytes",
     "SAVED_ACTIVATION_FACTOR",
+    "MAX_TOKENS",
     "OPTIMIZER_STATE_BYTES_PER_PARAM",
 ]
 
@@ -40,6 +41,10 @@ SAVED_ACTIVATION_FACTOR = 17
 #: fp32 optimizer-state bytes per parameter (master weights counted separately, half dtypes only).
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adam": 8, "sgd": 4, "none": 0}
 _MASTER_WEIGHT_BYTES_PER_PARAM = 4
+
+#: The most tokens a workload may hold at once, ``batch_size x (prompt_len + new_tokens)``: 2**40
+#: (about 1.1e12). Beyond it the KV cache bytes and times overflow the solver's 64-bit integers.
+MAX_TOKENS = 2**40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +81,12 @@ class Workload:
         if not isinstance(self.new_tokens, int) or isinstance(self.new_tokens, bool) or self.new_tokens < 0:
             raise WorkloadError(f"Workload.new_tokens is {self.new_tokens!r}: it must be an int >= 0 "
                              f"(0 means a single forward)")
+        tokens = self.batch_size * (self.prompt_len + self.new_tokens)
+        if tokens > MAX_TOKENS:
+            raise WorkloadError(
+                f"Workload holds {tokens:.3g} tokens (batch_size {self.batch_size} x (prompt_len {self.prompt_len} "
+                f"+ new_tokens {self.new_tokens})): accepted are up to 2**40 ({MAX_TOKENS:.3g}) tokens, beyond "
+                f"which sizes and times overflow the solver's 64-bit integers; reduce the batch or the context")
         if self.optimizer not in ("adam", "sgd", "none"):
             raise WorkloadError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
 

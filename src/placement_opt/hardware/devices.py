@@ -28,8 +28,13 @@ __all__ = [
     "device_kind",
     "gpu_index",
     "DEFAULT_GPU_RESERVE_BYTES",
+    "MAX_MEMORY_BYTES",
     "replace_device",
 ]
+
+#: The largest capacity a device may have: 8 PiB. The solver sums bytes in 64-bit integers, and
+#: capacities far beyond any real device would overflow them.
+MAX_MEMORY_BYTES = 2**53
 
 #: CUDA context plus allocator slack kept free on every GPU whose capacity was not given by the user.
 DEFAULT_GPU_RESERVE_BYTES = 1 * GIB
@@ -149,6 +154,10 @@ class Device:
         kind = device_kind(canonical)
         default = PRESETS[DEFAULT_PRESET[kind]]
         memory_bytes = parse_size(memory, what=f"memory of {canonical}")
+        if memory_bytes > MAX_MEMORY_BYTES:
+            raise DeviceSpecError(
+                f"memory of {canonical} is {format_bytes(memory_bytes)} ({memory_bytes} bytes): accepted are "
+                f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link)):
             _checked_speed(label, canonical, value)

@@ -28,6 +28,7 @@ from ..errors import DispatchError
 from ..model.dtypes import as_torch_dtype
 from ..model.graph import covering_key
 from ..plan import Plan
+from ..units import format_bytes
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
@@ -122,9 +123,20 @@ def checkpoint_index(files: list[Path]) -> dict[str, tuple[SafetensorsFile, str]
     index: dict[str, tuple[SafetensorsFile, str]] = {}
     for path in files:
         file = SafetensorsFile(path)
+        _check_complete(file)
         for key in file.keys():
             index[key] = (file, key)
     return index
+
+
+def _check_complete(file: SafetensorsFile) -> None:
+    """Refuse a shard shorter than its header says (a download or a copy cut off), before any weight is read."""
+    needed = max((span.offset_bytes + span.nbytes for span in file.spans.values()), default=0)
+    size = file.path.stat().st_size
+    if size < needed:
+        raise DispatchError(
+            f"checkpoint file {file.path} is truncated: its header lists tensors up to byte {needed} but the file "
+            f"has {size} bytes ({format_bytes(needed - size)} missing); download or save the checkpoint again")
 
 
 def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],

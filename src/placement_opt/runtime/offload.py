@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import mmap
@@ -316,6 +317,10 @@ class OffloadStore:
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
+            raise DispatchError(
+                f"offload_dir {directory!r} names no directory (an empty path would be the current directory): "
+                f"pass offload_dir='some/empty/dir', where the weights of disk-stored units are written once")
         self.directory = Path(directory)
         self.lock_path = self.directory / LOCK_NAME
         try:
@@ -362,7 +367,7 @@ class OffloadStore:
 
         Raises:
             DispatchError: a dtype safetensors files cannot hold, the tensors changed while they
-                were written, or no free file name for the unit.
+                were written, no free file name for the unit, or a directory that is not writable.
             OSError: the write itself failed (disk full, ...); nothing is left behind.
         """
         layout = _layout(tensors)
@@ -375,11 +380,18 @@ class OffloadStore:
         # Checked outside the lock: a listed file is only ever replaced by the same bytes.
         if name is not None and self._problem(name, manifest[name]) is None:
             return self.directory / name
-        tmp = self._write_temporary(preferred, layout)
         try:
-            return self._commit(unit, layout, tmp, preferred)
-        finally:
-            _remove(tmp)  # already linked or renamed, or a copy no longer needed
+            tmp = self._write_temporary(preferred, layout)
+            try:
+                return self._commit(unit, layout, tmp, preferred)
+            finally:
+                _remove(tmp)  # already linked or renamed, or a copy no longer needed
+        except OSError as exc:  # a read-only directory (or file system): one clear line
+            if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
+                raise
+            raise DispatchError(
+                f"offload directory {self.directory} is not writable ({exc.strerror or exc}): unit {unit!r} "
+                f"cannot be stored there; pass an offload_dir you can write files in") from exc
 
     def open(self, unit: str, fingerprint: str | None = None) -> SafetensorsFile:
         """The unit's file, mapped (no tensor bytes read yet), after checking its bytes once.

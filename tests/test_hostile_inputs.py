@@ -1,0 +1,282 @@
+"""Issue 17's hostile inputs: each gives one clean, specific error of the project's hierarchy.
+
+Every case names the error class and the key words of its message; CLI cases also check the exit
+code, a single line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import time
+
+import pytest
+import torch
+
+import placement_opt as po
+from _cli import run_cli
+from _models import plan_from, tiny
+from placement_opt.cost.build import build_problem
+from placement_opt.cost.workload import Workload
+from placement_opt.errors import (
+    DeviceSpecError,
+    DispatchError,
+    PlanFormatError,
+    TraceError,
+    WorkloadError,
+)
+from placement_opt.model.graph import chain_graph
+from placement_opt.plan import Plan
+from placement_opt.runtime.offload import OffloadStore
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def solved(model) -> Plan:
+    return po.solve(model, {"cpu": "8GiB", "disk": "100GiB"}, time_limit_s=2, workers=1)
+
+
+def _edit(plan: Plan, change) -> dict:
+    data = copy.deepcopy(plan.to_dict())
+    change(data)
+    return data
+
+
+def _layer_index(data: dict) -> int:
+    return next(i for i, p in enumerate(data["placements"]) if p["unit"] == "model.layers.1")
+
+
+# -- plans read from JSON ---------------------------------------------------------------------
+JSON_CASES = {
+    "storage tpu": (lambda d: d["placements"][0].update(storage="tpu"), r"storage 'tpu' is not a device"),
+    "execution disk": (lambda d: d["placements"][0].update(execution="disk"), r"execution 'disk' cannot compute"),
+    "mode teleport": (lambda d: d["placements"][0].update(mode="teleport"), r"mode 'teleport' is unknown: accepted"),
+    "unit twice": (lambda d: d["placements"].append(dict(d["placements"][1])), r"listed twice"),
+    "missing layer": (lambda d: d["placements"].pop(_layer_index(d)), r"miss 1 unit\(s\) of the model: 'model.layers.1'"),
+    "missing key": (lambda d: d.pop("cost"), r"no 'cost' field"),
+    "missing nested key": (lambda d: d["placements"][0].pop("mode"), r"placements\[0\]: no 'mode' field"),
+    "negative batch": (lambda d: d["workload"].update(batch_size=-3), r"workload.batch_size"),
+    "string capacity": (lambda d: d["machine"]["devices"][0].update(memory_bytes="lots"), r"memory_bytes"),
+    "future version": (lambda d: d.update(schema_version=99), r"schema version 99.*not supported"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_a_bad_plan_file_is_one_plan_format_error(case, solved, tmp_path):
+    change, words = JSON_CASES[case]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(solved, change)), encoding="utf-8")
+    with pytest.raises(PlanFormatError, match=words) as info:
+        Plan.from_json(str(path))
+    assert "\n" not in str(info.value)
+    assert str(path) in str(info.value)  # says where
+
+
+@pytest.mark.parametrize("case", ["storage tpu", "mode teleport", "missing layer", "missing key"])
+def test_the_cli_refuses_a_bad_plan_file_in_one_line(case, solved, tmp_path):
+    change, words = JSON_CASES[case]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(solved, change)), encoding="utf-8")
+    result = run_cli("explain", str(path))
+    _one_line_error(result, words)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", r"plan path is empty"),
+    ("   ", r"plan path is empty"),
+    ('{"schema_version": 2, "placements": [', r"not JSON .*ends early"),
+    ("[1, 2]", r"JSON list, not an object"),
+    ("does/not/exist.json", r"cannot read the plan file 'does/not/exist.json'"),
+])
+def test_empty_truncated_or_missing_text_is_a_plan_format_error(text, words):
+    with pytest.raises(PlanFormatError, match=words):
+        Plan.from_json(text)
+
+
+def test_truncated_plan_file_says_it_was_cut_off(solved, tmp_path):
+    path = tmp_path / "plan.json"
+    text = solved.to_json()
+    path.write_text(text[: len(text) // 2], encoding="utf-8")
+    with pytest.raises(PlanFormatError, match=r"plan.json' is not JSON .*cut off"):
+        Plan.from_json(path)
+
+
+def test_baseline_times_are_standard_json(solved):
+    inf = po.plan.BaselineResult(strategy="sequential", total_s=float("inf"), fits=False, note="x")
+    plan = Plan(**{**vars(solved), "baselines": (inf,)})
+    text = plan.to_json()
+    assert "Infinity" not in text and "NaN" not in text
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    assert Plan.from_json(text).baselines[0].total_s == float("inf")
+    # files written before version 2 (bare Infinity, no fingerprint) are still read
+    old = json.loads(text)
+    old["schema_version"] = 1
+    del old["fingerprint"]
+    old_text = json.dumps(old).replace('"total_s": null', '"total_s": Infinity')
+    assert "Infinity" in old_text
+    again = Plan.from_json(old_text)
+    assert again.baselines[0].total_s == float("inf") and again.fingerprint is None
+
+
+# -- a plan against the model it is dispatched on --------------------------------------------
+def test_a_plan_missing_a_layer_is_refused_by_dispatch(model, solved):
+    data = _edit(solved, lambda d: d["placements"].pop(_layer_index(d)))
+    data["schema_version"], data["fingerprint"] = 1, None  # an old plan: no fingerprint to compare
+    plan = Plan.from_dict(data)
+    with pytest.raises(DispatchError, match=r"in no unit of the plan \(model.layers.1.self_attn"):
+        po.dispatch(model, plan)
+    assert not hasattr(model.model.layers[0], "_placement_opt_hook")
+
+
+def test_a_plan_for_another_size_of_the_same_family_is_refused(solved):
+    import transformers as T
+
+    torch.manual_seed(0)
+    other = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=96,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64))
+    with pytest.raises(DispatchError, match=r"differ from the model the plan was solved for .*model.layers.0: "
+                                            r".* of weights in the plan, .* in the model"):
+        po.dispatch(other, solved)
+
+
+# -- numbers beyond the solver's 64-bit integers ----------------------------------------------
+@pytest.mark.parametrize("devices", [{0: 2**63, "cpu": "8GiB"}, {"cpu": 2**63}, {"cpu": "100000000TB"}])
+def test_a_huge_capacity_is_refused_with_the_accepted_range(model, devices):
+    with pytest.raises(DeviceSpecError, match=r"accepted are 0 to 8192.00 TiB \(2\*\*53 bytes\)"):
+        po.solve(model, devices)
+
+
+def test_a_huge_workload_is_refused_with_the_accepted_range():
+    with pytest.raises(WorkloadError, match=r"1e\+15 tokens .*accepted are up to 2\*\*40"):
+        Workload(batch_size=10**6, prompt_len=10**9)
+
+
+def test_costs_beyond_the_solver_range_are_refused_before_cp_sat():
+    graph = chain_graph([{"name": f"l{i}", "param_bytes": 2**30, "flops_per_token": 2**40} for i in range(4)])
+    workload = Workload(batch_size=2**20, prompt_len=2**19, new_tokens=2**19)
+    with pytest.raises(WorkloadError, match=r"beyond the solver's range"):
+        build_problem(graph, {"cpu": "64GiB"}, workload)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--devices", "cuda:0=100000000TB,cpu=64GiB"], r"accepted are 0 to 8192.00 TiB"),
+    (["--devices", "cpu=64GiB", "--batch", "1000000", "--prompt", "1000000000"], r"accepted are up to 2\*\*40"),
+])
+def test_the_cli_refuses_huge_numbers_in_one_line(args, words):
+    _one_line_error(run_cli("plan", "llama-2-7b", *args), words)
+
+
+# -- models, files and names ------------------------------------------------------------------
+def test_an_empty_model_says_it_has_nothing_to_place():
+    with pytest.raises(TraceError, match=r"has no placement units: it holds no parameters or buffers"):
+        po.solve(torch.nn.Module(), {"cpu": "8GiB"})
+
+
+def test_an_empty_offload_dir_is_refused_not_the_current_directory(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = plan_from(model, lambda i, unit: ("disk", "cpu", "stream"))
+    with pytest.raises(DispatchError, match=r"offload_dir '' names no directory"):
+        po.dispatch(model, plan, offload_dir="")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_offload_dir_is_one_dispatch_error(model, tmp_path, monkeypatch):
+    store = OffloadStore(tmp_path)  # the lock file exists: only writing the weights fails
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "x.tmp"))
+
+    monkeypatch.setattr(OffloadStore, "_write_temporary", refuse)
+    with pytest.raises(DispatchError, match=r"offload directory .* is not writable \(Permission denied\)"):
+        store.write("model.norm", {"weight": torch.ones(4)})
+    plan = plan_from(model, lambda i, unit: ("disk", "cpu", "stream"))
+    with pytest.raises(DispatchError, match=r"not writable"):
+        po.dispatch(model, plan, offload_dir=tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_chmod_read_only_offload_dir_is_one_dispatch_error(model, tmp_path):  # pragma: no cover - root CI
+    tmp_path.chmod(0o555)
+    try:
+        plan = plan_from(model, lambda i, unit: ("disk", "cpu", "stream"))
+        with pytest.raises(DispatchError, match=r"offload directory"):
+            po.dispatch(model, plan, offload_dir=tmp_path / "sub")
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_load_of_a_truncated_checkpoint_is_one_dispatch_error(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    shard = next(tmp_path.glob("*.safetensors"))
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    plan = plan_from(model, lambda i, unit: ("cpu", "cpu", "resident"))
+    with pytest.raises(DispatchError, match=r"checkpoint file .* is truncated: .* missing\); download or save"):
+        po.load(tmp_path, None, plan=plan)
+
+
+def test_json_into_a_missing_folder_fails_before_solving(tmp_path):
+    target = tmp_path / "no" / "such" / "plan.json"
+    started = time.perf_counter()
+    result = run_cli("plan", "llama-2-7b", "--devices", "cpu=64GiB", "--json", str(target))
+    _one_line_error(result, r"--json.*folder .* does not exist")
+    assert "Solving" not in result.output and time.perf_counter() - started < 10
+    assert not target.parent.exists()
+
+
+def test_an_unknown_name_fails_fast_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    with pytest.raises(TraceError, match=r"did you mean 'llama-2-7b'\? accepted are a preset \(llama-2-7b"):
+        po.solve("llama-2-7bb", {"cpu": "64GiB"})
+    with pytest.raises(TraceError, match=r"hub cannot be reached"):
+        po.trace("nobody/no-such-model")
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("name", ["llama-2-7bb", "nobody/no-such-model"])
+def test_the_cli_refuses_an_unknown_name_fast(name, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    _one_line_error(run_cli("plan", name, "--devices", "cpu=64GiB"), r"llama-2-7b")
+    assert time.perf_counter() - started < 5
+
+
+def test_a_malformed_saved_profile_names_its_file(tmp_path):
+    from placement_opt.hardware.profile_store import saved_device
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"schema_version": 1, "created": "2025-01-01",
+                                "measurements": {"cpu": {"memory_bytes": -1}}}), encoding="utf-8")
+    with pytest.raises(PlanFormatError, match=r"saved profile .*profile.json.*memory_bytes.*profile` again"):
+        saved_device("cpu", path=path)
+
+
+def test_a_malformed_layer_graph_is_a_plan_format_error():
+    graph = chain_graph([{"name": "a", "param_bytes": 8}, {"name": "b"}])
+    data = graph.to_dict()
+    data["nodes"][1]["param_bytes"] = "eight"
+    data["edges"].append({"src": "a", "dst": "ghost", "bytes_per_token": 1})
+    with pytest.raises(PlanFormatError, match=r"nodes\[1\].param_bytes"):
+        po.model.graph.LayerGraph.from_dict(data)
+    with pytest.raises(PlanFormatError, match=r"not JSON"):
+        po.model.graph.LayerGraph.from_json(graph.to_json()[:40])
+
+
+def _one_line_error(result, words: str) -> None:
+    assert result.exit_code != 0, result.output
+    text = result.stderr if hasattr(result, "stderr") else result.output
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    assert re.search(words, lines[0]), lines[0]
+
