@@ -387,3 +387,22 @@ def test_measured_flops_by_tokens_curve_prices_small_batches() -> None:
     assert prefill_ns(1000) == ns(1000e9 / 1e11 + CPU_OH)     # flat beyond the last point
     with pytest.raises(ValueError, match="tokens must be >= 1"):
         Device("cpu", "1GB", flops_by_tokens=[(0, 1e9)])
+
+
+def test_evaluate_accepts_a_map_that_leaves_out_buffers_only_units():
+    """accelerate accepts a map without ``rotary_emb`` (no parameters); every parameter must be placed."""
+    import pytest
+
+    from placement_opt import evaluate, trace
+    from placement_opt.errors import PlanFormatError
+    from placement_opt.model import catalog
+
+    graph = trace(catalog.model_config("llama-2-7b"))
+    assert graph.unit("model.rotary_emb").param_bytes == 0
+    machine = {0: "24GiB", "cpu": "64GiB"}
+    with_rotary = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers": "cpu", "model.norm": 0,
+                   "lm_head": 0}
+    without = {k: v for k, v in with_rotary.items() if k != "model.rotary_emb"}
+    assert evaluate(without, graph, machine).total_s == evaluate(with_rotary, graph, machine).total_s
+    with pytest.raises(PlanFormatError, match="no entry for units model.norm"):
+        evaluate({k: v for k, v in without.items() if k != "model.norm"}, graph, machine)

@@ -32,26 +32,52 @@ def _resolve_keys(entries: Mapping[str, Any], graph: LayerGraph) -> dict[str, An
 
     A coarser key covers every unit under it (the longest key wins). A unit split by finer keys
     gets the value that holds most of its parameters (each parameter follows its longest matching
-    key; ties go to the earliest key in the map): a plan scores whole units.
+    key; ties go to the earliest key in the map): a plan scores whole units. A unit with no
+    parameters (buffers only, such as ``rotary_emb``) may be left out, as accelerate allows: it
+    goes with the unit before it in execution order (the first such unit with the one after it).
     """
     order = {k: i for i, k in enumerate(entries)}
     below = keys_below(entries)
     resolved: dict[str, Any] = {}
-    missing = []
+    missing, unplaced = [], []
     for unit in graph.units():
         finer = below.get(unit.name)
         if finer:
             resolved[unit.name] = _vote(entries, order, unit.param_names, finer[0])
             continue
         covering = covering_key(unit.name, entries)
-        if covering is None:
-            missing.append(unit.name)
-        else:
+        if covering is not None:
             resolved[unit.name] = entries[covering]
-    if missing:
-        raise PlanFormatError(f"the device map places no entry for units {_few(missing)}: add them or a "
+        elif unit.param_bytes == 0 and not unit.param_names:
+            unplaced.append(unit.name)
+        else:
+            missing.append(unit.name)
+    if not missing and unplaced:
+        resolved = _with_neighbours(graph, resolved, set(unplaced))
+    if missing or (unplaced and not resolved):
+        raise PlanFormatError(f"the device map places no entry for units {_few(missing or unplaced)}: add them or a "
                          f"covering prefix (e.g. '' for the whole model); map keys: {_few(list(entries))}")
     return resolved
+
+
+def _with_neighbours(graph: LayerGraph, resolved: Mapping[str, Any], unplaced: set[str]) -> dict[str, Any]:
+    """Each parameter-free unit the map leaves out gets the value of the unit before it (else after it)."""
+    names = [u.name for u in graph.units()]
+    out = dict(resolved)
+    previous = None
+    pending: list[str] = []
+    for name in names:
+        if name in unplaced:
+            if previous is None:
+                pending.append(name)
+            else:
+                out[name] = previous
+            continue
+        previous = out[name]
+        for early in pending:
+            out[early] = previous
+        pending = []
+    return {name: out[name] for name in names if name in out}
 
 
 def _vote(entries: Mapping[str, Any], order: Mapping[str, int], param_names: Sequence[str], fallback: str) -> Any:
