@@ -69,6 +69,8 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
                            default: torch.device) -> Callable[[], None]:
     """Make each experts module pick its kernel for its own device; returns the undo function.
 
+    All or nothing: when it raises, every config it had replaced is back.
+
     Args:
         model: the dispatched model.
         execution: unit name -> the device the unit computes on; an experts module takes the
@@ -80,12 +82,17 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
         return lambda: None
     views: list[_ExpertsConfigView] = []
     originals: list[tuple[nn.Module, object]] = []
-    for name, module in found:
-        device = _device_of(name, execution, default)
-        view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu")
-        originals.append((module, module.__dict__["config"]))
-        module.__dict__["config"] = view
-        views.append(view)
+    had_own = _DECODE_SWITCH in model.__dict__
+    previous = model.__dict__.get(_DECODE_SWITCH)
+
+    def undo() -> None:
+        for module, config in reversed(originals):
+            module.__dict__["config"] = config
+        originals.clear()
+        if had_own:
+            model.__dict__[_DECODE_SWITCH] = previous
+        else:
+            model.__dict__.pop(_DECODE_SWITCH, None)
 
     @contextlib.contextmanager
     def decode_switch() -> Iterator[None]:
@@ -97,18 +104,17 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
             for view in views:
                 view.decoding = False
 
-    had_own = _DECODE_SWITCH in model.__dict__
-    previous = model.__dict__.get(_DECODE_SWITCH)
-    model.__dict__[_DECODE_SWITCH] = decode_switch
-
-    def undo() -> None:
-        for module, config in originals:
-            module.__dict__["config"] = config
-        if had_own:
-            model.__dict__[_DECODE_SWITCH] = previous
-        else:
-            model.__dict__.pop(_DECODE_SWITCH, None)
-
+    try:  # all or nothing: a failure half-way puts back the configs already replaced
+        for name, module in found:
+            device = _device_of(name, execution, default)
+            view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu")
+            originals.append((module, module.__dict__["config"]))
+            module.__dict__["config"] = view
+            views.append(view)
+        model.__dict__[_DECODE_SWITCH] = decode_switch
+    except BaseException:
+        undo()
+        raise
     return undo
 
 

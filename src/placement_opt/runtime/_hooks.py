@@ -16,7 +16,7 @@ from torch import nn
 
 from ._streamer import DispatchUnit, Streamer
 
-__all__ = ["install_hooks"]
+__all__ = ["install_hooks", "restore_forwards"]
 
 
 def _move(obj: Any, device: torch.device) -> Any:
@@ -54,9 +54,12 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 
 
 def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
-                   move_inputs: bool | None) -> dict[nn.Module, tuple[bool, Any]]:
-    """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices."""
-    hooked: dict[nn.Module, tuple[bool, Any]] = {}
+                   move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
+    """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices.
+
+    Each wrapped module is entered in ``hooked`` (module -> had its own forward, that forward) before
+    its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
+    """
     if move_inputs is None:
         move_inputs = len({u.execution for u in units}) > 1
     for unit in units:
@@ -69,7 +72,16 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
         _wrap(encoder, _entry_forward(encoder.forward, _first_execution(encoder, model, units, main)), hooked)
-    return hooked
+
+
+def restore_forwards(hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
+    """Put back the forwards :func:`install_hooks` replaced (last wrapped first)."""
+    for module, (had_own, previous) in reversed(list(hooked.items())):
+        if had_own:
+            module.forward = previous
+        else:
+            module.__dict__.pop("forward", None)
+    hooked.clear()
 
 
 def _wrap(module: nn.Module, wrapper: Callable[..., Any], hooked: dict[nn.Module, tuple[bool, Any]]) -> None:

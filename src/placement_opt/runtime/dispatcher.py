@@ -22,6 +22,12 @@ S != E otherwise            streamed: weights copied to E for the forward, relea
 Streamed units are for inference: their weights leave the device after the forward, so a
 backward pass through them is not supported (resident and memory-mapped units train normally).
 
+Dispatch is all or nothing: every change it makes (a tensor moved, mapped or pinned, a forward
+wrapped, an experts config replaced, ``hf_device_map``, the handle attribute) is entered in an
+:class:`_UndoLog` before it is made. When anything fails, the log is unwound before the error leaves,
+and the model is bitwise, device-wise and attribute-wise what it was; on success the log goes to the
+:class:`DispatchedModel`, whose :meth:`~DispatchedModel.remove` unwinds it.
+
 Hooks are the fewest that do the job: a unit's forward is wrapped only when the plan executes
 units on more than one device (its inputs may need moving) or when its weights move per
 forward; when inputs are already on the unit's device the wrapper does nothing but compare
@@ -44,7 +50,7 @@ from ..hardware.detect import cuda_device_count
 from ..model.graph import covering_key
 from ..plan import Plan
 from ._experts import pin_experts_to_devices
-from ._hooks import install_hooks
+from ._hooks import install_hooks, restore_forwards
 from ._streamer import DispatchUnit, Streamer, torch_device
 from .checkpoint import Slot, collect_slots
 from .offload import OffloadStore, SafetensorsFile
@@ -70,20 +76,14 @@ class DispatchedModel:
         handle.remove()                            # forwards, devices and weights as before
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, units: list[DispatchUnit], slots: list[Slot],
-                 streamer: Streamer, hooked: dict[nn.Module, tuple[bool, Any]],
-                 previous_map: Any, had_map: bool, hf_hooked: set[int], restore: bool,
-                 unpin_experts: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, units: list[DispatchUnit], hooked: dict[nn.Module, Any],
+                 hf_hooked: set[int], undo: _UndoLog) -> None:
         self.model = model
         self.plan = plan
         self._units = units
-        self._slots = slots
-        self._streamer = streamer
         self._hooked = hooked
-        self._previous_map = (had_map, previous_map)
         self._hf_hooked = hf_hooked
-        self._restore = restore
-        self._unpin_experts = unpin_experts
+        self._undo = undo
         self._removed = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -120,25 +120,11 @@ class DispatchedModel:
         """
         if self._removed:
             return self.model
-        self._streamer.close()
         self._remove_foreign_hooks()  # first: they wrap our forwards and put them back when removed
-        self._unpin_experts()
-        for module, (had_own, previous) in self._hooked.items():
-            if had_own:
-                module.forward = previous
-            else:
-                del module.forward
-        if self._restore:
-            for slot in self._slots:
-                _restore_slot(slot)
-        had_map, previous_map = self._previous_map
-        if had_map:
-            self.model.hf_device_map = previous_map
-        elif hasattr(self.model, "hf_device_map"):
-            del self.model.hf_device_map
-        if getattr(self.model, "_placement_opt_dispatch", None) is self:
-            del self.model._placement_opt_dispatch
+        failures = self._undo.unwind()
         self._removed = True
+        if failures:
+            raise DispatchError(f"remove() could not undo {len(failures)} change(s) of dispatch: {'; '.join(failures)}")
         return self.model
 
     def _remove_foreign_hooks(self) -> None:
@@ -156,6 +142,59 @@ def _restore_slot(slot: Slot) -> None:
         return
     if slot.foreign or current.device != slot.original_device:
         slot.tensor.data = current.to(slot.original_device, copy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The undo log
+# ---------------------------------------------------------------------------------------------
+class _UndoLog:
+    """What dispatch changed, as steps undone last-first; :attr:`doing` names the step in progress."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[str, Callable[[], None]]] = []
+        self.doing = "checking the plan"
+
+    def push(self, what: str, undo: Callable[[], None]) -> None:
+        """Enter ``undo`` before making the change it undoes (so a change half made is undone too)."""
+        self._steps.append((what, undo))
+
+    def unwind(self) -> list[str]:
+        """Run every undo step, last first, even when one fails; returns what failed."""
+        failures = []
+        while self._steps:
+            what, undo = self._steps.pop()
+            try:
+                undo()
+            except Exception as exc:  # noqa: BLE001 - the other steps must still run
+                failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        return failures
+
+
+class _Weights:
+    """The tensors dispatch re-pointed; put back as they were (failure) or copied home (``remove()``)."""
+
+    def __init__(self, slots: list[Slot], restore: bool) -> None:
+        self.slots = slots
+        self.restore = restore
+        self.originals: dict[int, tuple[Slot, torch.Tensor]] = {}
+
+    def record(self, slot: Slot) -> None:
+        """Keep the tensor's own data before its first change (the same memory, nothing is copied)."""
+        if id(slot) not in self.originals:
+            self.originals[id(slot)] = (slot, slot.tensor.data)
+
+    def commit(self) -> None:
+        """Dispatch succeeded: let the original memory go; ``remove()`` copies the weights back instead."""
+        self.originals.clear()
+
+    def undo(self) -> None:
+        if self.originals:  # dispatch failed: the original tensors themselves, bitwise and device-wise
+            for slot, data in reversed(list(self.originals.values())):
+                slot.tensor.data = data
+            self.originals.clear()
+        elif self.restore:
+            for slot in self.slots:
+                _restore_slot(slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,10 +232,32 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
         DispatchError: units missing from the model, tied weights stored on different devices,
             a CUDA device that is not present, disk units without ``offload_dir``, a model
             that accelerate has dispatched already, or (in a DDP/DeepSpeed/FSDP run) a plan that
-            uses another rank's GPU.
+            uses another rank's GPU. Any other failure on the way (a tensor the offload store
+            cannot write, memory running out) is a DispatchError naming the step and chaining the
+            cause. Whatever fails, every change dispatch had made is undone before the error leaves.
     """
     if disk_reads not in ("mmap", "copy"):
         raise DispatchError(f"disk_reads={disk_reads!r}: accepted are 'mmap' and 'copy'")
+    log = _UndoLog()
+    try:
+        return _dispatch(model, plan, log, offload_dir, disk_reads, _disk_sources, _restore, _hook_every_unit)
+    except BaseException as exc:
+        failures = log.unwind()
+        if failures:
+            exc.add_note(f"placement_opt.dispatch could not undo {len(failures)} change(s): {'; '.join(failures)}")
+        if isinstance(exc, Exception) and not isinstance(exc, PlacementError):
+            text = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise DispatchError(
+                f"dispatch of {type(model).__name__} failed while {log.doing} ({type(exc).__name__}: {text}); "
+                f"{'every change it made was undone, the model is as it was' if not failures else 'see the notes'}: "
+                f"fix the cause and dispatch again") from exc
+        raise
+
+
+def _dispatch(model: nn.Module, plan: Plan, log: _UndoLog, offload_dir: Any, disk_reads: str,
+              disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None, restore: bool,
+              hook_every_unit: bool) -> DispatchedModel:
+    """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
     _check_rank(plan)
     existing = getattr(model, "_placement_opt_dispatch", None)
     if existing is not None and not existing._removed:
@@ -215,21 +276,50 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
     slots = collect_slots(model)
     _assign_slots(units, slots, plan)
     _check_devices(units)
-    _place(model, units, slots, offload_dir, disk_reads, _disk_sources)
+    weights = _Weights(slots, restore)
+    log.push("weights", weights.undo)
     streamer = Streamer()
+    log.push("prefetch thread", streamer.close)
+    _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log)
     _link_prefetch(units)
+    log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
-    hooked = install_hooks(model, units, streamer, move_inputs=_hook_every_unit or None)
+    hooked: dict[nn.Module, tuple[bool, Any]] = {}
+    log.push("forwards", lambda: restore_forwards(hooked))
+    install_hooks(model, units, streamer, hook_every_unit or None, hooked)
+    hooked_modules = dict(hooked)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
-    unpin = pin_experts_to_devices(model, {u.name: u.execution for u in units},
-                                   units[0].execution if units else torch.device("cpu"))
-    had_map = "hf_device_map" in model.__dict__
-    previous = model.__dict__.get("hf_device_map")
+    log.doing = "pinning the experts kernels"
+    log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units},
+                                                       units[0].execution if units else torch.device("cpu")))
+    log.doing = "setting model.hf_device_map"
+    log.push("hf_device_map", _attribute_restorer(model, "hf_device_map"))
     model.hf_device_map = plan.device_map
-    handle = DispatchedModel(model, plan, units, slots, streamer, hooked, previous, had_map, hf_hooked, _restore,
-                             unpin)
+    log.doing = "creating the handle"
+    handle = DispatchedModel(model, plan, units, hooked_modules, hf_hooked, log)
+    log.push("handle attribute", lambda: _drop_handle(model, handle))
     model._placement_opt_dispatch = handle
+    weights.commit()
     return handle
+
+
+def _attribute_restorer(module: nn.Module, name: str) -> Callable[[], None]:
+    """An undo step putting ``module.<name>`` back as it is now (absent stays absent)."""
+    had = name in module.__dict__
+    previous = module.__dict__.get(name)
+
+    def restore() -> None:
+        if had:
+            module.__dict__[name] = previous
+        else:
+            module.__dict__.pop(name, None)
+
+    return restore
+
+
+def _drop_handle(model: nn.Module, handle: DispatchedModel) -> None:
+    if model.__dict__.get("_placement_opt_dispatch") is handle:
+        del model.__dict__["_placement_opt_dispatch"]
 
 
 def _check_rank(plan: Plan) -> None:
@@ -291,11 +381,15 @@ def _check_devices(units: list[DispatchUnit]) -> None:
 
 
 def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offload_dir: Any,
-           disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None) -> None:
+           disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None,
+           weights: _Weights, log: _UndoLog) -> None:
     """Move or map every tensor to its storage; decide each unit's kind."""
     store = None
     for unit in units:
         storage, execution = unit.placement.storage, unit.placement.execution
+        log.doing = f"placing unit {unit.name!r} ({storage} storage, {execution} execution)"
+        for slot in unit.slots:
+            weights.record(slot)
         if storage == "disk":
             if disk_sources is None or any(s.names[0] not in disk_sources for s in unit.slots):
                 if offload_dir is None:
@@ -322,8 +416,10 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             unit.kind = "stream"
     main = units[0].execution if units else torch.device("cpu")
     owned = {id(s) for u in units for s in u.slots}
+    log.doing = f"moving the tensors outside every unit to {main}"
     for slot in slots:  # tensors no unit owns (e.g. a rotary table): live on the first unit's device
         if id(slot) not in owned:
+            weights.record(slot)
             _set(slot, slot.tensor.data.to(main), foreign=False)
 
 

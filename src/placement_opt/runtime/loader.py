@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DispatchError
+from ..errors import DispatchError, PlacementError
 from ..plan import Plan
 from .checkpoint import (
     checkpoint_files,
@@ -19,6 +19,7 @@ from .checkpoint import (
     needs_conversion,
 )
 from .dispatcher import DispatchedModel, dispatch
+from .offload import SafetensorsFile
 
 __all__ = ["load"]
 
@@ -66,14 +67,25 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
         plan = _solve(model, devices, objective, workload)
-    sources = checkpoint_index(files)
-    if needs_conversion(model, sources):
-        return _load_converted(root, model, plan, offload_dir)
-    disk_sources = materialize(model, plan, sources, offload_dir)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    model.eval()
-    return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+    sources: dict[str, tuple[SafetensorsFile, str]] = {}
+    try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
+        sources = checkpoint_index(files)
+        if needs_conversion(model, sources):
+            return _load_converted(root, model, plan, offload_dir)
+        disk_sources = materialize(model, plan, sources, offload_dir)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        model.eval()
+        return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+    except BaseException as exc:
+        for file in {id(f): f for f, _ in sources.values()}.values():
+            file.close()
+        if isinstance(exc, Exception) and not isinstance(exc, PlacementError):
+            text = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
+                                f"check that the directory is a complete checkpoint of this model "
+                                f"(save or download it again)") from exc
+        raise
 
 
 def _solve(model: nn.Module, devices: Any, objective: str, workload: Any) -> Plan:
