@@ -28,8 +28,8 @@ OUT = HERE / "api.md"
 
 #: The package's parts in the order data flows through them; modules inside a folder are found
 #: by walking it (every public module, ``_private`` ones skipped), so a new module is never missed.
-STAGES = ["model", "hardware", "cost", "solver", "planner", "plan", "compare", "runtime", "distributed",
-          "cli", "errors", "units"]
+STAGES = ["model", "hardware", "cost", "solver", "planner", "plan", "plan_check", "report", "compare", "runtime",
+          "distributed", "cli", "schema", "errors", "units"]
 
 
 def modules() -> list[tuple[str, str]]:
@@ -79,6 +79,12 @@ def _doc(obj: object) -> str:
 _ROLE_RE = re.compile(r":(?:func|class|data|meth|mod|attr|obj|exc):`~?([^`]+)`")
 
 
+#: Around every example taken from a docstring that is not a doctest: the docs test (Sybil,
+#: ../conftest.py) skips it with this reason. Such examples are excerpts over names the reader
+#: defines; runnable ones are in the guides. Doctests (``>>>``) run and their outputs are checked.
+_ILLUSTRATIVE = '<!-- skip: start "illustrative: an excerpt of the docstring above, over names the reader defines" -->'
+
+
 def _rst_to_md(doc: str) -> str:
     """The little reStructuredText our docstrings use, as Markdown: literal blocks, tables, roles."""
     doc = _ROLE_RE.sub(r"`\1`", doc).replace("``", "`")
@@ -105,7 +111,11 @@ def _rst_to_md(doc: str) -> str:
                 j += 1
             while block and not block[-1].strip():
                 block.pop()
-            out += ["", "```python", *textwrap.dedent("\n".join(block)).split("\n"), "```", ""]
+            code = textwrap.dedent("\n".join(block)).split("\n")
+            if code[0].startswith(">>>"):  # a doctest: run, its outputs checked
+                out += ["", "```python", *code, "```", ""]
+            else:
+                out += ["", _ILLUSTRATIVE, "```python", *code, "```", "<!-- skip: end -->", ""]
             i = j
             continue
         out.append(line)

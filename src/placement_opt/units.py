@@ -35,6 +35,7 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
 
     Example::
 
+        >>> from placement_opt.units import parse_size
         >>> parse_size("24GiB"), parse_size("500MB"), parse_size(1024)
         (25769803776, 500000000, 1024)
 

@@ -187,6 +187,7 @@ def model_config(name: str) -> Any:
 
     Example::
 
+        >>> from placement_opt.model.catalog import model_config
         >>> cfg = model_config("mixtral-8x7b")
         >>> (cfg.num_local_experts, cfg.num_experts_per_tok)
         (8, 2)

@@ -1,0 +1,34 @@
+"""The Python blocks of README.md and docs/*.md run as tests (Sybil), each file in a scratch folder.
+
+A block that cannot run here (it needs a GPU, a checkpoint or ``torchrun``) is preceded by
+``<!-- skip: next "why" -->`` and is reported as skipped with that reason; ``>>>`` blocks have
+their outputs checked, the others run and their ``# comments`` show illustrative values.
+Set-up a reader would have anyway (a tiny model, a parsed ``args``) sits in
+``<!-- invisible-code-block: python -->`` comments beside the block.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from sybil import Sybil
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+
+def _enter_scratch(namespace: dict[str, Any]) -> None:
+    namespace["_cwd"] = os.getcwd()
+    os.chdir(tempfile.mkdtemp(prefix="placement_opt_docs_"))
+
+
+def _leave_scratch(namespace: dict[str, Any]) -> None:
+    os.chdir(namespace["_cwd"])
+
+
+pytest_collect_file = Sybil(
+    parsers=[PythonCodeBlockParser(), SkipParser()],
+    patterns=["README.md", "docs/*.md"],
+    setup=_enter_scratch,
+    teardown=_leave_scratch,
+).pytest()
