@@ -71,6 +71,30 @@ def test_trace_with_dtype_and_example_inputs_leaves_model_identical() -> None:
     _assert_same(before, _state(model))
 
 
+class _Shortcut(nn.Module):
+    """Calls a submodule through an unregistered attribute as well as through its registered name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.__dict__["peer"] = self.inner  # not in _modules: the copy must point it at its own inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.peer(self.inner(x))
+
+
+def test_unregistered_references_point_into_the_copy() -> None:
+    model = _Shortcut()
+    calls: list[str] = []
+    model.inner.register_forward_pre_hook(lambda *_: calls.append("live inner ran"))
+    before = _state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the static graph would warn
+        graph = trace(model, example_inputs=(torch.randn(2, 8),))
+    _assert_same(before, _state(model))
+    assert calls == [] and graph.meta.traced
+
+
 def test_dispatched_model_traces_like_the_plain_one_and_keeps_running() -> None:
     model = tiny("llama")
     batch = inputs_for(model)

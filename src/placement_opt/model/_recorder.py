@@ -53,6 +53,7 @@ def run(
     containers: set[str],
     blocks: set[str],
     experts_per_token: Callable[[nn.Module], int],
+    private: bool = False,
 ) -> Record:
     """One meta forward of ``module`` with ``args``/``kwargs`` (meta tensors); returns what it observed.
 
@@ -63,12 +64,14 @@ def run(
             are charged for the ops that read those tensors instead of being hooked.
         blocks: units kept whole; identical ones are replayed when :data:`REPLAY_REPEATED_BLOCKS`.
         experts_per_token: top-k of a fused experts module.
+        private: ``module`` is a meta copy no one else holds (every tensor on meta): with no ``dtype``
+            it runs as it is, without swapping its tensors for stand-ins.
 
     Raises:
         Exception: whatever the model's forward raises on meta tensors (the caller falls back).
     """
     record = Record()
-    state = _meta_state(module, dtype)
+    state = None if private and dtype is None else _meta_state(module, dtype)
     recorder = _Recorder(record, _container_tensors(state, units, containers))
     handles = _hook_units(recorder, units, containers)
     restore = stand_in_experts(module, experts_per_token)
@@ -80,7 +83,10 @@ def run(
     try:
         module.eval()
         with torch.no_grad(), recorder:
-            torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=False)
+            if state is None:
+                module(*args, **kwargs)
+            else:
+                torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=False)
         if recorder.pending_flops and record.order:
             record.flops[record.order[-1]] += recorder.pending_flops
             record.glue_flops += recorder.pending_flops
@@ -94,9 +100,12 @@ def run(
     return record
 
 
-def _container_tensors(state: dict[str, torch.Tensor], units: dict[str, nn.Module],
+def _container_tensors(state: dict[str, torch.Tensor] | None, units: dict[str, nn.Module],
                        containers: set[str]) -> dict[int, str]:
-    """id of each meta stand-in of a container unit's direct tensors -> that unit."""
+    """id of each meta stand-in (or, with no ``state``, tensor) of a container unit's direct tensors -> that unit."""
+    if state is None:
+        return {id(t): n for n in containers for t in (*units[n]._parameters.values(), *units[n]._buffers.values())
+                if t is not None}
     return {id(state[f"{n}.{k}" if n else k]): n for n in containers
             for k in (*units[n]._parameters, *units[n]._buffers) if (f"{n}.{k}" if n else k) in state}
 

@@ -132,6 +132,8 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 #: Instance attributes that wrap or point at the live model (dispatch wrappers, accelerate hooks): dropped,
 #: so the copy runs its class's own forward on its own (meta) tensors.
 _LIVE_ATTRIBUTES = ("forward", "_old_forward", "_hf_hook", "_placement_opt_dispatch")
+#: What ``nn.Module.__init__`` puts in every instance's ``__dict__`` (never a reference to another module).
+_MODULE_STATE = frozenset(nn.Module().__dict__)
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
@@ -145,13 +147,14 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
     """
     tensors: dict[int, torch.Tensor] = {}
     copies: dict[int, nn.Module] = {}
+    meta_device = torch.device("meta")
 
     def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
         out = tensors.get(id(tensor))
         if out is None:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=meta_device)
             if isinstance(tensor, nn.Parameter):
                 out = nn.Parameter(out, requires_grad=tensor.requires_grad)
             tensors[id(tensor)] = out
@@ -163,24 +166,29 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
             return done
         clone = type(original).__new__(type(original))
         copies[id(original)] = clone
-        state = dict(original.__dict__)
+        state = original.__dict__.copy()
         for key in _LIVE_ATTRIBUTES:
-            state.pop(key, None)
-        for key in _HOOK_DICTS:
+            if key in state:
+                del state[key]
+        for key in _HOOK_DICTS:  # registries of its own, empty: hooks registered on the copy stay there
             if key in state:
                 state[key] = type(state[key])()
         state["_parameters"] = {k: meta(v) for k, v in original._parameters.items()}
         state["_buffers"] = {k: meta(v) for k, v in original._buffers.items()}
         state["_non_persistent_buffers_set"] = set(original._non_persistent_buffers_set)
+        state["_modules"] = {k: None if v is None else copy_tree(v) for k, v in original._modules.items()}
         clone.__dict__.update(state)
-        clone.__dict__["_modules"] = {k: None if v is None else copy_tree(v) for k, v in original._modules.items()}
+        for key in state.keys() - _MODULE_STATE:
+            if isinstance(state[key], nn.Module):
+                references.append((clone, key))
         return clone
 
+    references: list[tuple[nn.Module, str]] = []
     skeleton = copy_tree(module)
-    for clone in copies.values():  # unregistered references to modules of the tree point into the copy
-        for key, value in clone.__dict__.items():
-            if isinstance(value, nn.Module) and id(value) in copies:
-                clone.__dict__[key] = copies[id(value)]
+    for clone, key in references:  # unregistered references to modules of the tree point into the copy
+        target = copies.get(id(clone.__dict__[key]))
+        if target is not None:
+            clone.__dict__[key] = target
     return skeleton
 
 

@@ -43,6 +43,7 @@ facts; this module runs them in order and assembles the graph.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Iterable, Mapping
@@ -175,7 +176,9 @@ def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
         ctx.module, ctx.units, args=args, kwargs=kwargs, dtype=ctx.override,
         containers={n for n in ctx.units if is_container(ctx, n)},
         blocks={n for n in ctx.units if n and is_block(ctx, n)},
-        experts_per_token=lambda experts: experts_per_token(ctx, experts))
+        experts_per_token=lambda experts: experts_per_token(ctx, experts),
+        # ours alone (a meta copy, or built from a config) and all on meta: no stand-ins needed
+        private=all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers())))
 
 
 def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
