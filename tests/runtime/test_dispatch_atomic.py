@@ -116,6 +116,23 @@ def test_a_failure_at_any_step_leaves_the_model_as_it_was(model_and_reference, t
     _dispatch_works(model, plan, tmp_path, reference)
 
 
+@pytest.mark.parametrize("error", [MemoryError("injected"), torch.OutOfMemoryError("injected")],
+                         ids=["MemoryError", "OutOfMemoryError"])
+def test_running_out_of_memory_is_undone_and_raised_as_itself(model_and_reference, tmp_path, monkeypatch, error):
+    """Callers catch OOM by its type (to retry with a smaller plan): dispatch undoes, then re-raises it."""
+    model, reference = model_and_reference
+    plan = plan_from(model, mixed)
+    monkeypatch.setattr(OffloadStore, "write", _fail_at(2, error)(OffloadStore.write))
+    before = _state(model)
+    with pytest.raises(type(error)) as raised:
+        dispatch(model, plan, offload_dir=tmp_path)
+    assert raised.value is error
+    assert any("ran out of memory while placing unit" in note for note in raised.value.__notes__)
+    _assert_as_before(model, before)
+    monkeypatch.undo()
+    _dispatch_works(model, plan, tmp_path, reference)
+
+
 def test_the_message_names_the_unit_being_placed(tmp_path, monkeypatch):
     model = tiny("llama")
     monkeypatch.setattr(OffloadStore, "write", _fail_at(2, OSError("injected"))(OffloadStore.write))

@@ -200,7 +200,7 @@ class _Weights:
 # ---------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------
-def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str] | None = None,
+def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: str | os.PathLike[str] | None = None,
              disk_reads: str = "mmap", _disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None = None,
              _restore: bool = True, _hook_every_unit: bool = False) -> DispatchedModel:
     """Apply ``plan`` to ``model``: weights where the plan stores them, compute where it executes.
@@ -212,10 +212,22 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
         out = handle(**inputs)          # outputs on the inputs' device
         handle.remove()
 
+        # or any device_map accelerate accepts, run as accelerate runs it
+        handle = placement_opt.dispatch(model, {"model.embed_tokens": "cpu", "model.layers": 0,
+                                                "model.norm": 0, "lm_head": "disk"}, offload_dir="offload/")
+
     Args:
         model: an ``nn.Module`` with real weights (anywhere); unit names in the plan are its
             qualified module names.
-        plan: the placement; every unit of the plan must name a module of ``model``.
+        plan: the placement; every unit of the plan must name a module of ``model``. Or an
+            accelerate ``device_map`` (``{module name: device}``), turned into a plan with
+            accelerate's run-time semantics (:mod:`._device_map`): keys are module prefixes
+            (``"model.layers"``; ``""`` is the whole model), units or finer submodules (a unit
+            goes where most of its parameters are); modules with buffers only (``rotary_emb``)
+            may be left out. Values are GPU indices, ``"cuda:N"``, ``"cpu"`` or ``"disk"``. In a
+            map with a GPU, ``"cpu"`` and ``"disk"`` entries are stored there and execute on the
+            map's first GPU, copied in at each forward; a map of ``"cpu"``/``"disk"`` only
+            computes on the CPU (disk entries from a memory map). The plan is ``handle.plan``.
         offload_dir: directory for the safetensors files of disk-stored units, written once
             per version of their weights and reused after a check of their bytes; threads and
             processes may share it (:class:`~placement_opt.runtime.offload.OffloadStore`). Not needed
@@ -229,15 +241,24 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
         ``model.hf_device_map`` = the plan's storage map) and is ``handle.model``.
 
     Raises:
-        DispatchError: units missing from the model, tied weights stored on different devices,
+        DispatchError: a device_map with a key that names no module, a value that is no device
+            or a unit with weights it leaves out; units missing from the model, tied weights stored on different devices,
             a CUDA device that is not present, disk units without ``offload_dir``, a model
             that accelerate has dispatched already, or (in a DDP/DeepSpeed/FSDP run) a plan that
             uses another rank's GPU. Any other failure on the way (a tensor the offload store
-            cannot write, memory running out) is a DispatchError naming the step and chaining the
+            cannot write) is a DispatchError naming the step and chaining the
             cause. Whatever fails, every change dispatch had made is undone before the error leaves.
+        MemoryError, torch.OutOfMemoryError: memory ran out; raised as they are (after the undo),
+            with a note naming the step, so code that catches them keeps working.
     """
     if disk_reads not in ("mmap", "copy"):
         raise DispatchError(f"disk_reads={disk_reads!r}: accepted are 'mmap' and 'copy'")
+    if isinstance(plan, Mapping):
+        from ._device_map import plan_from_device_map
+
+        plan = plan_from_device_map(model, plan)
+    elif not isinstance(plan, Plan):
+        raise DispatchError(f"dispatch() takes a Plan or a device_map dict, not {type(plan).__name__}")
     log = _UndoLog()
     try:
         return _dispatch(model, plan, log, offload_dir, disk_reads, _disk_sources, _restore, _hook_every_unit)
@@ -245,7 +266,11 @@ def dispatch(model: nn.Module, plan: Plan, *, offload_dir: str | os.PathLike[str
         failures = log.unwind()
         if failures:
             exc.add_note(f"placement_opt.dispatch could not undo {len(failures)} change(s): {'; '.join(failures)}")
-        if isinstance(exc, Exception) and not isinstance(exc, PlacementError):
+        if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+            # callers catch running out of memory by its own type (to retry smaller): keep it
+            exc.add_note(f"placement_opt.dispatch ran out of memory while {log.doing}; "
+                         f"{'every change it made was undone' if not failures else 'see the notes above'}")
+        elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
             text = (str(exc).strip().splitlines() or [""])[0][:300]
             raise DispatchError(
                 f"dispatch of {type(model).__name__} failed while {log.doing} ({type(exc).__name__}: {text}); "
