@@ -1,6 +1,6 @@
 """Run a plan for real: dispatch (hooks, streams), load from a checkpoint, checkpoint files, disk offload.
 
-``offload`` <- ``checkpoint`` <- ``_streamer`` <- ``_hooks`` <- ``dispatcher`` <- ``loader``.
+``offload`` <- ``checkpoint`` <- ``_streamer`` <- ``_hooks`` <- ``_device_map`` <- ``dispatcher`` <- ``loader``.
 """
 
 __all__: list[str] = []
