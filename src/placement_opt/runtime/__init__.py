@@ -1,6 +1,7 @@
 """Run a plan for real: dispatch (hooks, streams), load from a checkpoint, checkpoint files, disk offload.
 
-``offload`` <- ``checkpoint`` <- ``_streamer`` <- ``_hooks`` <- ``_device_map`` <- ``dispatcher`` <- ``loader``.
+``_safetensors_file``, ``_store_files`` <- ``offload`` <- ``checkpoint`` <- ``_streamer`` <- ``_hooks`` <-
+``_device_map`` <- ``dispatcher`` <- ``loader``.
 """
 
 __all__: list[str] = []

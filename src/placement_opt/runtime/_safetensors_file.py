@@ -1,0 +1,252 @@
+"""Safetensors files: read through memory maps, and laid out byte for byte before they are written.
+
+:class:`SafetensorsFile` maps a file once and hands out tensors that *are* the file's bytes
+(``mmap`` -> ``numpy`` -> ``torch.from_numpy``, no copy): a unit executed on the CPU computes
+straight from the page cache. It can also copy a tensor into a preallocated buffer
+(``readinto``, no intermediate copy) and ask the kernel to read ahead (``posix_fadvise``).
+
+:func:`fingerprint` and ``_layout`` describe the exact file a unit's tensors make (header bytes,
+tensors in file order, xxh3-128 hash) without copying them; :mod:`.offload` writes it. The public
+home of these names is :mod:`placement_opt.runtime.offload`, which re-exports them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import DispatchError
+
+__all__ = ["SafetensorsFile", "TensorSpan", "fingerprint", "DTYPES"]
+
+_PAGE_BYTES = mmap.PAGESIZE
+try:  # mincore(2) tells whether a page is in the page cache
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+    _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _LIBC = None
+
+#: safetensors dtype code -> torch dtype.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpan:
+    """Where one tensor lies in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset_bytes: int
+    """Absolute offset of the first byte in the file."""
+    nbytes: int
+
+
+class SafetensorsFile:
+    """One safetensors file, mapped once (copy-on-write: the file is never modified).
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Raises:
+        DispatchError: the file is not a safetensors file or names an unknown dtype.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.spans = _read_header(self.path)
+        self._fd: int | None = None
+        self._array: np.ndarray | None = None
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, tensors={len(self.spans)})"
+
+    def keys(self) -> list[str]:
+        return list(self.spans)
+
+    def _mapped(self) -> np.ndarray:
+        if self._array is None:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+            self._array = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.empty(0, np.uint8)
+        return self._array
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` as a view of the mapped file (no copy; pages load on first touch)."""
+        span = self.spans[key]
+        raw = torch.from_numpy(self._mapped()[span.offset_bytes:span.offset_bytes + span.nbytes])
+        if span.dtype.itemsize > 1 and span.offset_bytes % span.dtype.itemsize:
+            raw = raw.clone()  # misaligned (never in files safetensors writes): copy to view it
+        return raw.view(span.dtype).reshape(span.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the file, as zero-copy views."""
+        return {key: self.tensor(key) for key in self.spans}
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Copy tensor ``key`` into the contiguous CPU tensor ``out`` with one ``readinto``.
+
+        ``out`` must have the file's dtype and shape; nothing else is allocated, so a model
+        loaded this way never holds the file's pages and its own copy at the same time.
+        """
+        span = self.spans[key]
+        if out.dtype != span.dtype or tuple(out.shape) != span.shape or not out.is_contiguous():
+            raise DispatchError(
+                f"{self.path.name}:{key} is {span.dtype} {list(span.shape)}, the buffer is "
+                f"{out.dtype} {list(out.shape)}: allocate a contiguous buffer of the file's dtype and shape"
+            )
+        if span.nbytes:
+            view = memoryview(out.view(-1).view(torch.uint8).numpy())
+            with open(self.path, "rb", buffering=0) as fh:
+                fh.seek(span.offset_bytes)
+                got = fh.readinto(view)
+            if got != span.nbytes:
+                raise DispatchError(f"{self.path}: read {got} of {span.nbytes} bytes of {key}: the file is truncated")
+        return out
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Ask the kernel to start reading these tensors into the page cache (returns at once).
+
+        Tensors whose first, middle and last pages are already cached are skipped: asking again
+        would cost the kernel a walk over every cached page (~0.3 ms per 50 MB).
+        """
+        if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not Linux
+            return
+        for key in keys:
+            span = self.spans[key]
+            if span.nbytes and not self.cached(key):
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                os.posix_fadvise(self._fd, span.offset_bytes, span.nbytes, os.POSIX_FADV_WILLNEED)
+
+    def cached(self, key: str) -> bool:
+        """True when the first, middle and last pages of tensor ``key`` are in the page cache."""
+        span = self.spans[key]
+        if not span.nbytes or _LIBC is None:
+            return _LIBC is not None
+        base = self._mapped().ctypes.data
+        start, end = base + span.offset_bytes, base + span.offset_bytes + span.nbytes - 1
+        vec = (ctypes.c_ubyte * 1)()
+        for address in (start, (start + end) // 2, end):
+            page = address - address % _PAGE_BYTES
+            if _LIBC.mincore(ctypes.c_void_p(page), ctypes.c_size_t(_PAGE_BYTES), vec) != 0 or not vec[0] & 1:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _read_header(path: Path) -> dict[str, TensorSpan]:
+    """Parse a safetensors header: 8-byte little-endian length, then JSON."""
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise DispatchError(f"{path} is not a readable safetensors file ({exc}): re-save the weights") from exc
+    base = 8 + length
+    spans = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in DTYPES:
+            raise DispatchError(f"{path}:{key} has dtype {info['dtype']}, which placement_opt cannot map; "
+                                f"known: {', '.join(DTYPES)}")
+        start, end = info["data_offsets"]
+        spans[key] = TensorSpan(dtype=DTYPES[info["dtype"]], shape=tuple(info["shape"]),
+                                offset_bytes=base + start, nbytes=end - start)
+    return spans
+
+
+def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The fingerprint of a unit's tensors: the xxh3-128 hash of the safetensors file they make.
+
+    It covers every name, dtype and shape (they are in the file's header) and every byte; the
+    store names each file after it and checks files against it, so two different sets of weights
+    never share a file and a file is used only when it holds exactly these tensors.
+
+    Example::
+
+        fp = fingerprint({"w": torch.zeros(2, 2)})     # 32 hex digits
+    """
+    return _layout(tensors).fingerprint
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout of a file before it is written
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """A unit's safetensors file, before it is written: header bytes, tensors in file order, hash."""
+
+    header: bytes
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    size_bytes: int
+    fingerprint: str
+
+
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> _Layout:
+    """The exact bytes of the file ``tensors`` make, described without copying them.
+
+    The store writes its files itself (not through ``safetensors.torch.save``) so that the
+    fingerprint, hashed here from the tensors in memory, is the hash of the file on disk: checking
+    a file needs no other record. The format is safetensors' own (readable by ``safetensors``):
+    8-byte little-endian header length, compact JSON header padded with spaces to 8 bytes, then
+    the data with no gaps, larger items first and by name, so that every tensor is aligned.
+    """
+    items = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _CODES:
+            raise DispatchError(f"{name} is {tensor.dtype}, which the offload store cannot write; "
+                                f"it stores {', '.join(str(d) for d in _CODES)}: store this unit on cpu or a GPU")
+        # CPU tensors already contiguous are used as they are; others are copied once here.
+        items.append((name, tensor.detach().to("cpu").contiguous()))
+    items.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    digest = xxhash.xxh3_128(head)
+    for _, tensor in items:
+        digest.update(_bytes_of(tensor))
+    return _Layout(header=head, tensors=tuple(items), size_bytes=len(head) + offset,
+                   fingerprint=digest.hexdigest())
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as a uint8 array sharing its memory."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
