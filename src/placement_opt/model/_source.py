@@ -145,27 +145,53 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
     it was. Tied tensors stay tied (one meta tensor per original tensor); instance-level forwards
     and accelerate hooks are dropped. No weight memory is read or allocated.
     """
-    tensors: dict[int, torch.Tensor] = {}
-    copies: dict[int, nn.Module] = {}
-    meta_device = torch.device("meta")
+    copier = _MetaCopier()
+    skeleton = copier.copy_tree(module)
+    copier.repoint_references()
+    return skeleton
 
-    def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+
+class _MetaCopier:
+    """The state of one :func:`meta_skeleton` copy: every original tensor and module is copied once,
+    so tied tensors and modules reachable twice stay shared in the copy."""
+
+    _META = torch.device("meta")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.copies: dict[int, nn.Module] = {}
+        #: (copied module, attribute) of every unregistered module reference, repointed at the end.
+        self.references: list[tuple[nn.Module, str]] = []
+
+    def meta(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The meta tensor standing for ``tensor`` (a parameter stays a parameter)."""
         if tensor is None:
             return None
-        out = tensors.get(id(tensor))
+        out = self.tensors.get(id(tensor))
         if out is None:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=meta_device)
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._META)
             if isinstance(tensor, nn.Parameter):
                 out = nn.Parameter(out, requires_grad=tensor.requires_grad)
-            tensors[id(tensor)] = out
+            self.tensors[id(tensor)] = out
         return out
 
-    def copy_tree(original: nn.Module) -> nn.Module:
-        done = copies.get(id(original))
+    def copy_tree(self, original: nn.Module) -> nn.Module:
+        """The copy of ``original`` and, recursively, of its submodules."""
+        done = self.copies.get(id(original))
         if done is not None:
             return done
         clone = type(original).__new__(type(original))
-        copies[id(original)] = clone
+        self.copies[id(original)] = clone
+        state = self._state_of(original)
+        clone.__dict__.update(state)
+        for key in state.keys() - _MODULE_STATE:
+            if isinstance(state[key], nn.Module):
+                self.references.append((clone, key))
+        return clone
+
+    def _state_of(self, original: nn.Module) -> dict[str, Any]:
+        """``original.__dict__`` for its copy: live attributes dropped, hook registries empty, meta
+        tensors, copied submodules."""
         state = original.__dict__.copy()
         for key in _LIVE_ATTRIBUTES:
             if key in state:
@@ -173,23 +199,18 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
         for key in _HOOK_DICTS:  # registries of its own, empty: hooks registered on the copy stay there
             if key in state:
                 state[key] = type(state[key])()
-        state["_parameters"] = {k: meta(v) for k, v in original._parameters.items()}
-        state["_buffers"] = {k: meta(v) for k, v in original._buffers.items()}
+        state["_parameters"] = {k: self.meta(v) for k, v in original._parameters.items()}
+        state["_buffers"] = {k: self.meta(v) for k, v in original._buffers.items()}
         state["_non_persistent_buffers_set"] = set(original._non_persistent_buffers_set)
-        state["_modules"] = {k: None if v is None else copy_tree(v) for k, v in original._modules.items()}
-        clone.__dict__.update(state)
-        for key in state.keys() - _MODULE_STATE:
-            if isinstance(state[key], nn.Module):
-                references.append((clone, key))
-        return clone
+        state["_modules"] = {k: None if v is None else self.copy_tree(v) for k, v in original._modules.items()}
+        return state
 
-    references: list[tuple[nn.Module, str]] = []
-    skeleton = copy_tree(module)
-    for clone, key in references:  # unregistered references to modules of the tree point into the copy
-        target = copies.get(id(clone.__dict__[key]))
-        if target is not None:
-            clone.__dict__[key] = target
-    return skeleton
+    def repoint_references(self) -> None:
+        """Unregistered references to modules of the tree point into the copy."""
+        for clone, key in self.references:
+            target = self.copies.get(id(clone.__dict__[key]))
+            if target is not None:
+                clone.__dict__[key] = target
 
 
 def first_line(exc: BaseException) -> str:

@@ -82,6 +82,24 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
         return lambda: None
     views: list[_ExpertsConfigView] = []
     originals: list[tuple[nn.Module, object]] = []
+    undo = _restorer(model, originals)
+    try:  # all or nothing: a failure half-way puts back the configs already replaced
+        for name, module in found:
+            device = _device_of(name, execution, default)
+            view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu")
+            originals.append((module, module.__dict__["config"]))
+            module.__dict__["config"] = view
+            views.append(view)
+        model.__dict__[_DECODE_SWITCH] = _decode_switch(views)
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def _restorer(model: nn.Module, originals: list[tuple[nn.Module, object]]) -> Callable[[], None]:
+    """The undo of :func:`pin_experts_to_devices`: puts back every ``(module, config)`` of
+    ``originals`` (filled after this call) and the model's decode switch as it is now."""
     had_own = _DECODE_SWITCH in model.__dict__
     previous = model.__dict__.get(_DECODE_SWITCH)
 
@@ -94,6 +112,12 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
         else:
             model.__dict__.pop(_DECODE_SWITCH, None)
 
+    return undo
+
+
+def _decode_switch(views: list[_ExpertsConfigView]) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The model's decode switch: flips the ``views`` to decoding instead of the shared config."""
+
     @contextlib.contextmanager
     def decode_switch() -> Iterator[None]:
         for view in views:
@@ -104,18 +128,7 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
             for view in views:
                 view.decoding = False
 
-    try:  # all or nothing: a failure half-way puts back the configs already replaced
-        for name, module in found:
-            device = _device_of(name, execution, default)
-            view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu")
-            originals.append((module, module.__dict__["config"]))
-            module.__dict__["config"] = view
-            views.append(view)
-        model.__dict__[_DECODE_SWITCH] = decode_switch
-    except BaseException:
-        undo()
-        raise
-    return undo
+    return decode_switch
 
 
 def _device_of(name: str, execution: Mapping[str, torch.device], default: torch.device) -> torch.device:
