@@ -81,3 +81,34 @@ def test_device_colors_are_distinct_and_stable():
     colors = device_colors(["cuda:0", "cuda:1", "cpu", "disk"])
     assert len(set(colors.values())) == 4
     assert colors == device_colors(["cuda:0", "cuda:1", "cpu", "disk"])
+
+
+def test_memory_axis_ends_at_100_percent_when_every_device_fits():
+    import matplotlib.pyplot as plt
+
+    from placement_opt.cli.pictures import memory_bars
+
+    ax = memory_bars(report_plan())
+    assert ax.get_xlim() == (0.0, 100.0)
+    plt.close(ax.figure)
+
+
+def test_memory_axis_ends_at_the_longest_bar_over_capacity_which_stays_marked():
+    import matplotlib.pyplot as plt
+
+    from placement_opt.cli.pictures import memory_bars
+
+    plan = report_plan(strategy="sequential", over_bytes=3 * GIB)
+    gpu = plan.cost.device_memory("cuda:0")
+    longest = 100.0 * gpu.used_bytes / gpu.capacity_bytes
+    ax = memory_bars(plan)
+    assert ax.get_xlim() == pytest.approx((0.0, longest))
+    assert longest > 100.0
+    from matplotlib.colors import to_rgb
+
+    red = to_rgb("#d62828")  # the OOM colour
+    outlined = [p for p in ax.patches if tuple(p.get_edgecolor()[:3]) == pytest.approx(red)]
+    assert len(outlined) == 1 and outlined[0].get_width() == pytest.approx(longest)  # the whole bar, in red
+    texts = [t for t in ax.texts if "OOM: 3.00 GiB short" in t.get_text()]
+    assert texts and texts[0].get_position()[0] <= longest  # inside the axis
+    plt.close(ax.figure)

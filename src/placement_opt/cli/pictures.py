@@ -127,10 +127,12 @@ def memory_bars(plan: Plan, ax: Axes | None = None) -> Axes:
     """Draw memory per device as horizontal stacked bars in percent of the device's capacity.
 
     Each bar is split into weights, KV cache, workspace, stream buffer and other, then free
-    space; a device over capacity is outlined in red and labelled with the shortfall.
+    space; a device over capacity is outlined in red and labelled with the shortfall. The axis
+    ends where the data ends: at 100 %, or at the longest bar when a device is over capacity.
     """
     ax = _axes(ax, (8, 0.6 + 0.55 * len(plan.cost.memory)))
     memory = list(plan.cost.memory)
+    widest = max([100.0] + [100.0 * m.used_bytes / max(m.capacity_bytes, 1) for m in memory])
     labels = []
     for row, m in enumerate(memory):
         cap = max(m.capacity_bytes, 1)
@@ -146,16 +148,17 @@ def memory_bars(plan: Plan, ax: Axes | None = None) -> Axes:
         over = m.free_bytes < 0
         text = f"{format_bytes(m.used_bytes)} / {format_bytes(m.capacity_bytes)}"
         if over:
-            ax.barh(row, left, color="none", edgecolor=_OOM_COLOR, linewidth=2, height=0.6)
+            ax.barh(row, left, color="none", edgecolor=_OOM_COLOR, linewidth=2, height=0.6, clip_on=False)
             text += f"  OOM: {format_bytes(-m.free_bytes)} short"
-        ax.text(max(left, 100.0) + 1.5, row, text, va="center", fontsize=8,
-                color=_OOM_COLOR if over else "black")
+        # inside the axis, at its right end: the sizes never need room past the data
+        ax.text(widest - 0.01 * widest, row, text, va="center", ha="right", fontsize=8,
+                color=_OOM_COLOR if over else "black",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1.0})
         labels.append(m.device)
     ax.set_yticks(range(len(memory)))
     ax.set_yticklabels(labels)
     ax.invert_yaxis()
-    widest = max([100.0] + [100.0 * m.used_bytes / max(m.capacity_bytes, 1) for m in memory])
-    ax.set_xlim(0, widest * 1.45)
+    ax.set_xlim(0, widest)
     ax.axvline(100.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xlabel("% of usable capacity (dashed line: capacity)")
     handles, names = ax.get_legend_handles_labels()
