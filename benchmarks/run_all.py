@@ -232,7 +232,8 @@ def _run_script(experiment: Experiment, quick: bool) -> Outcome:
         args += list(experiment.quick_args)
     command = [sys.executable, str(script.relative_to(ROOT)), *args]
     shown = " ".join(["python", *command[1:]])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               PLACEMENT_OPT_PROGRESS="0")  # its output is captured: no bars in the log
     results = script.parent / experiment.results_file
     # A quick run must not replace the folder's full results: keep them and put them back after
     # (unless someone else wrote full results meanwhile: a file that does not say --quick stays).
@@ -336,6 +337,28 @@ def render(outcomes: list[Outcome], *, quick: bool, machine: str, previous: dict
     return "\n".join(lines)
 
 
+def _run_selected(args: argparse.Namespace) -> list[Outcome]:
+    """Run the selected experiments (a bar on stderr counts them), collect the others."""
+    from placement_opt.progress import bar
+
+    previous = _previous_sections(args.out)
+    selected = [e for e in EXPERIMENTS if not args.collect and (not args.only or e.name in args.only)]
+    outcomes = []
+    with bar("Benchmarks", len(selected), progress=None if selected else False) as counted:
+        for experiment in EXPERIMENTS:
+            if experiment not in selected:
+                outcomes.append(_collect(experiment, previous))
+                continue
+            counted.describe(f"Benchmarks: {experiment.name}")
+            print(f"[run_all] {experiment.name} ...", flush=True)
+            outcome = (_run_func if experiment.func else _run_script)(experiment, args.quick)
+            print(f"[run_all] {experiment.name}: {outcome.status} ({outcome.wall_s:.1f} s)", flush=True)
+            outcomes.append(outcome)
+            counted.advance(1)
+        counted.describe("Benchmarks")
+    return outcomes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -360,16 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     FIGURES = args.out.resolve().parent / "figures"
     previous = _previous_sections(args.out)
     machine = machine_description()
-    outcomes = []
-    for experiment in EXPERIMENTS:
-        selected = not args.collect and (not args.only or experiment.name in args.only)
-        if not selected:
-            outcomes.append(_collect(experiment, previous))
-            continue
-        print(f"[run_all] {experiment.name} ...", flush=True)
-        outcome = (_run_func if experiment.func else _run_script)(experiment, args.quick)
-        print(f"[run_all] {experiment.name}: {outcome.status} ({outcome.wall_s:.1f} s)", flush=True)
-        outcomes.append(outcome)
+    outcomes = _run_selected(args)
     args.out.write_text(render(outcomes, quick=args.quick, machine=machine, previous=previous),
                         encoding="utf-8")
     print(f"[run_all] wrote {args.out}")

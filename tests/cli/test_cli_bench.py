@@ -53,3 +53,23 @@ def test_unknown_experiment_is_a_usage_error(tmp_path):
     result = run_cli("bench", "--only", "nope", "--out", str(tmp_path / "r.md"), catch_exceptions=True)
     assert result.exit_code == 2
     assert "unknown experiment(s) nope" in result.output
+
+
+def test_the_suite_counts_its_experiments_on_stderr_when_progress_is_on(tmp_path, monkeypatch, capsys):
+    run_all = _run_all_module()
+    fake = [run_all.Experiment(name=name, question=f"{name}?", folder=name, func=lambda quick, n=name: f"body {n}")
+            for name in ("first", "second", "third")]
+    monkeypatch.setattr(run_all, "EXPERIMENTS", fake)
+    monkeypatch.setenv("PLACEMENT_OPT_PROGRESS", "1")
+    assert run_all.main(["--only", "first", "--only", "third", "--out", str(tmp_path / "r.md")]) == 0
+    out, err = capsys.readouterr()
+    assert "Benchmarks" in err and "2/2" in err  # the two selected; "second" is only collected
+    assert "[run_all] third: ok" in out and "Benchmarks" not in out
+
+
+def test_bench_hands_the_terminal_to_the_suite_when_progress_is_on(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PLACEMENT_OPT_PROGRESS", "1")
+    result = run_cli("bench", "--only", "nope", "--out", str(tmp_path / "r.md"), catch_exceptions=True)
+    assert result.exit_code == 2
+    assert "its message is above" in result.output
+    assert "unknown experiment(s) nope" in capfd.readouterr().err  # written by the suite itself

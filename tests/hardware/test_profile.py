@@ -96,7 +96,7 @@ def test_profile_measures_a_gpu(tmp_path) -> None:  # pragma: no cover - needs a
 def test_profile_measures_only_the_dtype_run_and_keeps_earlier_ones(tmp_path, monkeypatch) -> None:
     timed: list[tuple[str, ...]] = []
 
-    def fake_cpu(quick, dtypes):
+    def fake_cpu(quick, dtypes, counted):
         timed.append(dtypes)
         return {"memory_bytes": 2**30, "matmul_flops_per_s": {d: 1e9 * (1 + i) for i, d in enumerate(dtypes)},
                 "matvec_bytes_per_s": {d: 1e9 for d in dtypes}, "copy_bytes_per_s": 1e9,

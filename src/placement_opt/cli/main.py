@@ -222,10 +222,9 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None) 
         from ..hardware.profiler import profile as measure
 
         dtype = dtype or (model_dtype(model) if model else "bfloat16")
-        with progress(f"Measuring this machine ({dtype}) ..."):
-            started = time.perf_counter()
-            machine = measure(path=out, quick=quick, dtype=dtype)
-            took = time.perf_counter() - started
+        started = time.perf_counter()
+        machine = measure(path=out, quick=quick, dtype=dtype)  # its bar: one step per measurement, on stderr
+        took = time.perf_counter() - started
     console.print(devices_table(machine))
     say_written(console, f"measured in {took:.1f} s; saved to {profile_path(out)}")
 
@@ -245,8 +244,14 @@ def presets() -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="where to write the report (default benchmarks/RESULTS.md)")
 def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) -> None:
-    """Run the benchmark suite (benchmarks/run_all.py) and regenerate benchmarks/RESULTS.md."""
+    """Run the benchmark suite (benchmarks/run_all.py) and regenerate benchmarks/RESULTS.md.
+
+    A bar on stderr counts the experiments (on a terminal, or as PLACEMENT_OPT_PROGRESS says).
+    """
+    import os
     import subprocess
+
+    from ..progress import ENV, progress_enabled
 
     script = _benchmarks_dir() / "run_all.py"
     if not script.is_file():
@@ -256,12 +261,17 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
         command += ["--only", name]
     if out:
         command += ["--out", str(Path(out).resolve())]
-    proc = subprocess.run(command, cwd=script.parent.parent, capture_output=True, text=True)
+    shown = progress_enabled()  # the suite's bar needs our stderr itself (a pipe would hide it until the end)
+    proc = subprocess.run(command, cwd=script.parent.parent, stdout=subprocess.PIPE,
+                          stderr=None if shown else subprocess.PIPE, text=True,
+                          env=dict(os.environ, **{ENV: "1" if shown else "0"}))
     click.echo(proc.stdout, nl=False)
+    errors = (proc.stderr or "").strip()
     if proc.returncode == 2:
-        raise click.UsageError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "bad arguments")
+        raise click.UsageError(errors.splitlines()[-1] if errors else "benchmarks/run_all.py refused the arguments "
+                               "(its message is above)")
     if proc.returncode:
-        click.echo(proc.stderr, nl=False, err=True)
+        click.echo(proc.stderr or "", nl=False, err=True)
         raise Failure(f"benchmark suite failed (exit code {proc.returncode}); see the report for which")
 
 

@@ -46,9 +46,11 @@ def console_for(stderr: bool = False) -> Console:
 
 @contextmanager
 def progress(message: str) -> Iterator[None]:
-    """A spinner on stderr while a slow step runs (shown only on a terminal)."""
+    """A spinner on stderr while a slow step runs (on a terminal, unless ``PLACEMENT_OPT_PROGRESS=0``)."""
+    from ..progress import switch
+
     console = console_for(stderr=True)
-    if not console.is_terminal:
+    if not console.is_terminal or switch() == "off":
         yield
         return
     with console.status(message, spinner="dots"):

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..progress import Bar, bar
 from .detect import cuda_device_count, detect_device, local_device_names
 from .devices import Machine, normalize_device_name, replace_device
 from .profile_store import (
@@ -116,7 +117,7 @@ def _linear_curve(torch: Any, dtype: Any, device: Any, repeats: int,
     return [[tokens, flops] for tokens, flops in best.items()]
 
 
-def _measure_cpu(quick: bool, dtypes: tuple[str, ...]) -> dict[str, Any]:
+def _measure_cpu(quick: bool, dtypes: tuple[str, ...], counted: Bar) -> dict[str, Any]:
     import psutil
     import torch
 
@@ -127,18 +128,28 @@ def _measure_cpu(quick: bool, dtypes: tuple[str, ...]) -> dict[str, Any]:
     matmul, matvec, curves = {}, {}, {}
     for dtype in dtypes:
         tdtype = getattr(torch, dtype)
+        counted.describe(f"cpu: {dtype} linear layer by tokens")
         curves[dtype] = _linear_curve(torch, tdtype, "cpu", repeats, min_total_s=least)
+        counted.advance(1, f"cpu: {dtype} matmul")
         a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
         matmul[dtype] = 2 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats, min_total_s=least)
+        counted.advance(1, f"cpu: {dtype} matrix-vector")
         w, x = torch.randn(rows, rows, dtype=tdtype), torch.randn(rows, 1, dtype=tdtype)
         matvec[dtype] = w.numel() * w.element_size() / _best_time(lambda w=w, x=x: torch.mm(w, x), repeats,
                                                                   min_total_s=least)
+        counted.advance(1)
+    counted.describe("cpu: memory copy")
     src = torch.empty(64 * 2**20 if quick else 256 * 2**20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     copy = 2 * src.numel() / _best_time(lambda: dst.copy_(src), repeats, min_total_s=least)
+    counted.advance(1)
     return {"memory_bytes": int(psutil.virtual_memory().total), "threads": torch.get_num_threads(),
             "matmul_flops_per_s": matmul, "matvec_bytes_per_s": matvec, "copy_bytes_per_s": copy,
             "linear_flops_by_tokens": curves}
+
+
+#: Cold reads of the disk's scratch file (each sequential and through a memory map); the best counts.
+_DISK_ROUNDS = 3
 
 
 def _drop_from_page_cache(path: Path) -> None:
@@ -152,7 +163,7 @@ def _drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _measure_disk(folder: Path, quick: bool) -> dict[str, Any]:
+def _measure_disk(folder: Path, quick: bool, counted: Bar) -> dict[str, Any]:
     import shutil
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -162,13 +173,15 @@ def _measure_disk(folder: Path, quick: bool) -> dict[str, Any]:
     fd, name = tempfile.mkstemp(prefix="placement_opt_profile_", dir=folder)
     path = Path(name)
     try:
+        counted.describe("disk: writing a scratch file")
         with os.fdopen(fd, "wb") as fh:
             for _ in range(size // chunk):
                 fh.write(block)
             fh.flush()
             os.fsync(fh.fileno())
         sequential, mapped = [], []
-        for _ in range(3):
+        counted.advance(1, "disk: cold reads")
+        for _ in range(_DISK_ROUNDS):
             _drop_from_page_cache(path)
             start = time.perf_counter()
             with open(path, "rb", buffering=0) as fh:
@@ -179,6 +192,7 @@ def _measure_disk(folder: Path, quick: bool) -> dict[str, Any]:
             start = time.perf_counter()
             _read_mapped(path)
             mapped.append(time.perf_counter() - start)
+            counted.advance(1)
     finally:
         path.unlink(missing_ok=True)
     return {"memory_bytes": int(shutil.disk_usage(folder).free),
@@ -197,7 +211,8 @@ def _read_mapped(path: Path) -> None:
     del mapped
 
 
-def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...]) -> dict[str, Any]:  # pragma: no cover - needs a GPU
+def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
+                  counted: Bar) -> dict[str, Any]:  # pragma: no cover - needs a GPU
     import torch
 
     device = torch.device(f"cuda:{index}")
@@ -206,9 +221,13 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...]) -> dict[str,
     n = 4096 if quick else 8192
     matmul, curves = {}, {}
     for dtype in dtypes:
+        counted.describe(f"{device}: {dtype} matmul")
         a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
         matmul[dtype] = 2 * n**3 / _best_time(lambda a=a: torch.mm(a, a), repeats, sync)
+        counted.advance(1, f"{device}: {dtype} linear layer by tokens")
         curves[dtype] = _linear_curve(torch, getattr(torch, dtype), device, repeats, sync)
+        counted.advance(1)
+    counted.describe(f"{device}: memory and host copies")
     size = 256 * 2**20 if quick else 1024 * 2**20
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -217,6 +236,7 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...]) -> dict[str,
     pinned = host.pin_memory()
     pageable = size / _best_time(lambda: dst.copy_(host), repeats, sync)
     pinned_rate = size / _best_time(lambda: dst.copy_(pinned, non_blocking=True), repeats, sync)
+    counted.advance(1)
     entry: dict[str, Any] = {"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
                              "linear_flops_by_tokens": curves,
@@ -225,13 +245,15 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...]) -> dict[str,
     peers = [j for j in range(cuda_device_count()) if j != index]
     if peers:
         other = torch.empty(size, dtype=torch.uint8, device=f"cuda:{peers[0]}")
+        counted.describe(f"{device}: peer copy")
         entry["peer_bytes_per_s"] = size / _best_time(lambda: other.copy_(src), repeats, sync)
+    counted.advance(1)
     return entry
 
 
 def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLike[str] | None = None,
             quick: bool = False, dtype: str = "bfloat16", dtypes: Iterable[str] | None = None,
-            offload_folder: str | os.PathLike[str] | None = None) -> Machine:
+            offload_folder: str | os.PathLike[str] | None = None, progress: bool | None = None) -> Machine:
     """Measure this machine, save the figures as JSON, and return it as a :class:`Machine`.
 
     Example::
@@ -251,6 +273,9 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
         dtypes: every dtype to measure (default ``(dtype,)``; any of float32, bfloat16, float16).
             Figures of dtypes measured earlier and not this time stay in the file.
         offload_folder: where the disk read is measured; default the current directory.
+        progress: a bar of the measurements on stderr. ``None`` (default): shown on a terminal or
+            in a notebook, silent in pipes and under pytest, or as the environment variable
+            ``PLACEMENT_OPT_PROGRESS`` (``1``/``0``/``auto``) says; ``True``/``False`` decide.
 
     Returns:
         A ``Machine`` with today's capacities and the measured speeds (``source="measured ..."``).
@@ -260,7 +285,10 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     """
     names = [normalize_device_name(d) for d in (devices if devices is not None else local_device_names())]
     measured_dtypes = _dtypes_to_measure(dtype, dtypes)
-    measurements = {name: _measure(name, quick, offload_folder, measured_dtypes) for name in names}
+    steps = sum(_measurement_count(name, measured_dtypes) for name in names)
+    with bar("Measuring", steps, progress=progress) as counted:
+        measurements = {name: _measure(name, quick, offload_folder, measured_dtypes, counted) for name in names}
+        counted.describe("Measured")
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     where = profile_path(path)
     previous = load_profile(where) or {}
@@ -301,14 +329,23 @@ def _merge_dtypes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, 
     return merged
 
 
-def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None,
-             dtypes: tuple[str, ...]) -> dict[str, Any]:
+def _measurement_count(name: str, dtypes: tuple[str, ...]) -> int:
+    """How many steps the bar counts for one device (what ``_measure_*`` advance by)."""
     if name == "cpu":
-        return _measure_cpu(quick, dtypes)
+        return 3 * len(dtypes) + 1
     if name == "disk":
-        return _measure_disk(Path(offload_folder or "."), quick)
+        return 1 + _DISK_ROUNDS
+    return 2 * len(dtypes) + 2  # pragma: no cover - needs a GPU
+
+
+def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None,
+             dtypes: tuple[str, ...], counted: Bar) -> dict[str, Any]:
+    if name == "cpu":
+        return _measure_cpu(quick, dtypes, counted)
+    if name == "disk":
+        return _measure_disk(Path(offload_folder or "."), quick, counted)
     detect_device(name)  # pragma: no cover - needs a GPU; raises a clear error when it is absent
-    return _measure_cuda(int(name.split(":")[1]), quick, dtypes)  # pragma: no cover
+    return _measure_cuda(int(name.split(":")[1]), quick, dtypes, counted)  # pragma: no cover
 
 
 def _save(where: Path, data: dict[str, Any]) -> None:

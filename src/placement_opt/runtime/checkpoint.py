@@ -28,6 +28,7 @@ from ..errors import DispatchError
 from ..model.dtypes import as_torch_dtype
 from ..model.graph import covering_key
 from ..plan import Plan
+from ..progress import Bar, bar
 from ..units import format_bytes
 from .offload import OffloadStore, SafetensorsFile
 
@@ -140,7 +141,8 @@ def _check_complete(file: SafetensorsFile) -> None:
 
 
 def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
-                 offload_dir: Any) -> dict[str, tuple[SafetensorsFile, str]]:
+                 offload_dir: Any, *, progress: bool | None = None,
+                 description: str = "Loading weights") -> dict[str, tuple[SafetensorsFile, str]]:
     """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
 
     Weights stored on the CPU or on disk in the checkpoint's dtype are views of the mapped
@@ -148,13 +150,24 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
     tensor by tensor; disk-stored tensors of another dtype are cast and written to
     ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
+
+    ``progress`` (see :mod:`placement_opt.progress`) shows a bar of the checkpoint's bytes on stderr.
     """
+    slots = collect_slots(model)
+    keys = [next((n for n in slot.names if n in sources), None) for slot in slots]
+    total = sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
+    with bar(description, total, unit="bytes", progress=progress) as counted:
+        disk_sources = _materialize(model, plan, sources, offload_dir, list(zip(slots, keys, strict=True)), counted)
+    return disk_sources
+
+
+def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
+                 offload_dir: Any, slots: list[tuple[Slot, str | None]], counted: Bar) -> dict[str, tuple[SafetensorsFile, str]]:
     storage_of = {p.unit: p.storage for p in plan.placements}
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
     converting = _DiskConverter(offload_dir, disk_sources)
-    for slot in collect_slots(model):
-        key = next((n for n in slot.names if n in sources), None)
+    for slot, key in slots:
         if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
             if slot.tensor.device.type == "meta":
                 missing.append(slot.names[0])
@@ -173,6 +186,7 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
         _replace(model, slot, data)
         if storage == "disk" and slot.names[0] not in disk_sources:
             converting.add(unit or "", slot)
+        counted.advance(file.spans[file_key].nbytes)
     converting.flush()
     if missing:
         raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "

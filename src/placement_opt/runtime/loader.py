@@ -26,7 +26,8 @@ __all__ = ["load"]
 
 def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
          workload: Any = None, dtype: torch.dtype | str | None = None,
-         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None) -> DispatchedModel:
+         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
+         progress: bool | None = None) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
     Each tensor goes from the checkpoint's safetensors files straight to its storage device:
@@ -52,6 +53,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             dtype differs are converted once into ``offload_dir``.
         offload_dir: where converted disk weights go (only needed in that case).
         plan: a plan to use instead of solving.
+        progress: a bar of the checkpoint's bytes read, on stderr. ``None`` (default): shown on a
+            terminal or in a notebook, silent in pipes and under pytest, or as the environment
+            variable ``PLACEMENT_OPT_PROGRESS`` (``1``/``0``/``auto``) says; ``True``/``False`` decide.
 
     Returns:
         A :class:`DispatchedModel` in eval mode.
@@ -72,7 +76,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         sources = checkpoint_index(files)
         if needs_conversion(model, sources):
             return _load_converted(root, model, plan, offload_dir)
-        disk_sources = materialize(model, plan, sources, offload_dir)
+        disk_sources = materialize(model, plan, sources, offload_dir, progress=progress,
+                                   description=f"Loading {root.name}")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         model.eval()
