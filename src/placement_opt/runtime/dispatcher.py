@@ -3,7 +3,8 @@
 Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and
 :func:`~.loader.load`, which builds the model on the meta device, solves, reads each weight
 straight to its device, then dispatches). The per-unit forward wrappers live in :mod:`._hooks`,
-the copies and prefetching of streamed weights in :mod:`._streamer`.
+the copies and prefetching of streamed weights in :mod:`._streamer`, what is checked before
+anything changes in :mod:`._preflight`, the undo log in :mod:`._undo`.
 
 What each unit gets, from its ``storage`` S and ``execution`` E:
 
@@ -24,7 +25,7 @@ backward pass through them is not supported (resident and memory-mapped units tr
 
 Dispatch is all or nothing: every change it makes (a tensor moved, mapped or pinned, a forward
 wrapped, an experts config replaced, ``hf_device_map``, the handle attribute) is entered in an
-:class:`_UndoLog` before it is made. When anything fails, the log is unwound before the error leaves,
+:class:`~._undo.UndoLog` before it is made. When anything fails, the log is unwound before the error leaves,
 and the model is bitwise, device-wise and attribute-wise what it was; on success the log goes to the
 :class:`DispatchedModel`, whose :meth:`~DispatchedModel.remove` unwinds it.
 
@@ -39,19 +40,19 @@ attention unit computes (the cache creates each layer's tensors on the device of
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import DispatchError, PlacementError
-from ..hardware.detect import cuda_device_count
-from ..model.graph import covering_key
 from ..plan import Plan
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
-from ._streamer import DispatchUnit, Streamer, torch_device
+from ._preflight import assign_slots, build_units, check_devices, check_model
+from ._streamer import DispatchUnit, Streamer
+from ._undo import UndoLog, Weights, attribute_restorer
 from .checkpoint import Slot, collect_slots
 from .offload import OffloadStore, SafetensorsFile
 
@@ -77,7 +78,7 @@ class DispatchedModel:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, units: list[DispatchUnit], hooked: dict[nn.Module, Any],
-                 hf_hooked: set[int], undo: _UndoLog) -> None:
+                 hf_hooked: set[int], undo: UndoLog) -> None:
         self.model = model
         self.plan = plan
         self._units = units
@@ -134,67 +135,6 @@ class DispatchedModel:
                 from accelerate.hooks import remove_hook_from_module
 
                 remove_hook_from_module(module)
-
-
-def _restore_slot(slot: Slot) -> None:
-    current = slot.tensor.data
-    if slot.original_device.type == "meta":
-        return
-    if slot.foreign or current.device != slot.original_device:
-        slot.tensor.data = current.to(slot.original_device, copy=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The undo log
-# ---------------------------------------------------------------------------------------------
-class _UndoLog:
-    """What dispatch changed, as steps undone last-first; :attr:`doing` names the step in progress."""
-
-    def __init__(self) -> None:
-        self._steps: list[tuple[str, Callable[[], None]]] = []
-        self.doing = "checking the plan"
-
-    def push(self, what: str, undo: Callable[[], None]) -> None:
-        """Enter ``undo`` before making the change it undoes (so a change half made is undone too)."""
-        self._steps.append((what, undo))
-
-    def unwind(self) -> list[str]:
-        """Run every undo step, last first, even when one fails; returns what failed."""
-        failures = []
-        while self._steps:
-            what, undo = self._steps.pop()
-            try:
-                undo()
-            except Exception as exc:  # noqa: BLE001 - the other steps must still run
-                failures.append(f"{what}: {type(exc).__name__}: {exc}")
-        return failures
-
-
-class _Weights:
-    """The tensors dispatch re-pointed; put back as they were (failure) or copied home (``remove()``)."""
-
-    def __init__(self, slots: list[Slot], restore: bool) -> None:
-        self.slots = slots
-        self.restore = restore
-        self.originals: dict[int, tuple[Slot, torch.Tensor]] = {}
-
-    def record(self, slot: Slot) -> None:
-        """Keep the tensor's own data before its first change (the same memory, nothing is copied)."""
-        if id(slot) not in self.originals:
-            self.originals[id(slot)] = (slot, slot.tensor.data)
-
-    def commit(self) -> None:
-        """Dispatch succeeded: let the original memory go; ``remove()`` copies the weights back instead."""
-        self.originals.clear()
-
-    def undo(self) -> None:
-        if self.originals:  # dispatch failed: the original tensors themselves, bitwise and device-wise
-            for slot, data in reversed(list(self.originals.values())):
-                slot.tensor.data = data
-            self.originals.clear()
-        elif self.restore:
-            for slot in self.slots:
-                _restore_slot(slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +199,7 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         plan = plan_from_device_map(model, plan)
     elif not isinstance(plan, Plan):
         raise DispatchError(f"dispatch() takes a Plan or a device_map dict, not {type(plan).__name__}")
-    log = _UndoLog()
+    log = UndoLog()
     try:
         return _dispatch(model, plan, log, offload_dir, disk_reads, _disk_sources, _restore, _hook_every_unit)
     except BaseException as exc:
@@ -279,67 +219,56 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         raise
 
 
-def _dispatch(model: nn.Module, plan: Plan, log: _UndoLog, offload_dir: Any, disk_reads: str,
+def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk_reads: str,
               disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None, restore: bool,
               hook_every_unit: bool) -> DispatchedModel:
     """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
-    _check_rank(plan)
-    existing = getattr(model, "_placement_opt_dispatch", None)
-    if existing is not None and not existing._removed:
-        raise DispatchError("this model is already dispatched: call .remove() on its handle first")
-    hooked_by_accelerate = [name or type(model).__name__ for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
-    if hooked_by_accelerate:
-        raise DispatchError(
-            f"{len(hooked_by_accelerate)} module(s) carry accelerate hooks ({', '.join(hooked_by_accelerate[:3])}): "
-            f"the model was dispatched by accelerate (from_pretrained(device_map=...) on several devices). "
-            f"Load it with placement_opt.load(), or call accelerate.hooks.remove_hook_from_submodules(model) first"
-        )
-    units = _build_units(model, plan)
+    check_model(model, plan)
+    units = build_units(model, plan)
     from ..plan_check import check_plan  # coverage and sizes against the plan's fingerprint
 
     check_plan(model, plan)
     slots = collect_slots(model)
-    _assign_slots(units, slots, plan)
-    _check_devices(units)
-    weights = _Weights(slots, restore)
+    assign_slots(units, slots, plan)
+    check_devices(units)
+    weights = Weights(slots, restore)
     log.push("weights", weights.undo)
     streamer = Streamer()
     log.push("prefetch thread", streamer.close)
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log)
     _link_prefetch(units)
+    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log)
+    # Experts kernels follow each unit's execution device, not model.device (issue 14).
+    log.doing = "pinning the experts kernels"
+    log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units},
+                                                       units[0].execution if units else torch.device("cpu")))
+    handle = _attach(model, plan, units, hooked_modules, hf_hooked, log)
+    weights.commit()
+    return handle
+
+
+def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Streamer, hook_every_unit: bool,
+                   log: UndoLog) -> tuple[dict[nn.Module, Any], set[int]]:
+    """Install the forward wrappers; (the modules wrapped, ids of modules that carried accelerate hooks)."""
     log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
     log.push("forwards", lambda: restore_forwards(hooked))
     install_hooks(model, units, streamer, hook_every_unit or None, hooked)
-    hooked_modules = dict(hooked)
-    # Experts kernels follow each unit's execution device, not model.device (issue 14).
-    log.doing = "pinning the experts kernels"
-    log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units},
-                                                       units[0].execution if units else torch.device("cpu")))
+    return dict(hooked), hf_hooked
+
+
+def _attach(model: nn.Module, plan: Plan, units: list[DispatchUnit], hooked: dict[nn.Module, Any],
+            hf_hooked: set[int], log: UndoLog) -> DispatchedModel:
+    """Set ``model.hf_device_map`` and attach the handle to the model; returns the handle."""
     log.doing = "setting model.hf_device_map"
-    log.push("hf_device_map", _attribute_restorer(model, "hf_device_map"))
+    log.push("hf_device_map", attribute_restorer(model, "hf_device_map"))
     model.hf_device_map = plan.device_map
     log.doing = "creating the handle"
-    handle = DispatchedModel(model, plan, units, hooked_modules, hf_hooked, log)
+    handle = DispatchedModel(model, plan, units, hooked, hf_hooked, log)
     log.push("handle attribute", lambda: _drop_handle(model, handle))
     model._placement_opt_dispatch = handle
-    weights.commit()
     return handle
-
-
-def _attribute_restorer(module: nn.Module, name: str) -> Callable[[], None]:
-    """An undo step putting ``module.<name>`` back as it is now (absent stays absent)."""
-    had = name in module.__dict__
-    previous = module.__dict__.get(name)
-
-    def restore() -> None:
-        if had:
-            module.__dict__[name] = previous
-        else:
-            module.__dict__.pop(name, None)
-
-    return restore
 
 
 def _drop_handle(model: nn.Module, handle: DispatchedModel) -> None:
@@ -347,67 +276,9 @@ def _drop_handle(model: nn.Module, handle: DispatchedModel) -> None:
         del model.__dict__["_placement_opt_dispatch"]
 
 
-def _check_rank(plan: Plan) -> None:
-    """In a distributed run, a plan may use this rank's GPU only (the framework owns the others)."""
-    from ..distributed.context import current_context
-    from ..hardware.resolve import check_no_cross_rank_split
-
-    try:
-        check_no_cross_rank_split(plan, current_context())
-    except PlacementError as exc:
-        raise DispatchError(str(exc)) from exc
-
-
-def _build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
-    modules = dict(model.named_modules())
-    missing = [p.unit for p in plan.placements if p.unit not in modules]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise DispatchError(
-            f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
-            f"Solve the plan for this model (placement_opt.solve(model, ...))"
-        )
-    return [DispatchUnit(placement=p, module=modules[p.unit], execution=torch_device(p.execution))
-            for p in plan.placements]
-
-
-def _assign_slots(units: list[DispatchUnit], slots: list[Slot], plan: Plan) -> None:
-    """Give each tensor to the unit owning its first name; tied tensors must share one storage."""
-    by_name = {unit.name: unit for unit in units}
-    conflicts = []
-    for slot in slots:
-        owners = {covering_key(n, by_name) for n in slot.names} - {None}
-        storages = {by_name[o].placement.storage for o in owners}
-        if len(storages) > 1:
-            conflicts.append(f"{'/'.join(slot.names)} stored on {sorted(storages)}")
-        owner = covering_key(slot.names[0], by_name)
-        if owner is not None:
-            by_name[owner].slots.append(slot)
-        for user in sorted(owners):
-            by_name[user].uses.append(slot)
-    if conflicts:
-        raise DispatchError(
-            f"tied weights must be stored on one device ({len(conflicts)} conflict(s)): {'; '.join(conflicts)}. "
-            f"Give the units that share them the same storage"
-        )
-
-
-def _check_devices(units: list[DispatchUnit]) -> None:
-    wanted = sorted({d for u in units for d in (u.placement.storage, u.placement.execution)
-                     if d.startswith("cuda")})
-    count = cuda_device_count()
-    absent = [d for d in wanted if count == 0 or (torch.device(d).index or 0) >= count]
-    if absent:
-        raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s): "
-                            f"solve the plan for this machine")
-    bad = [u.name for u in units if u.placement.execution == "disk"]
-    if bad:
-        raise DispatchError(f"units {bad} execute on 'disk', which cannot compute: execute them on cpu or a GPU")
-
-
 def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offload_dir: Any,
            disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None,
-           weights: _Weights, log: _UndoLog) -> None:
+           weights: Weights, log: UndoLog) -> None:
     """Move or map every tensor to its storage; decide each unit's kind."""
     store = None
     for unit in units:
@@ -439,10 +310,15 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
                     data = data.pin_memory()
                 _set(slot, data, foreign=pin)
             unit.kind = "stream"
+    _place_unowned(units, slots, weights, log)
+
+
+def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog) -> None:
+    """Tensors no unit owns (e.g. a rotary table) live on the first unit's execution device."""
     main = units[0].execution if units else torch.device("cpu")
     owned = {id(s) for u in units for s in u.slots}
     log.doing = f"moving the tensors outside every unit to {main}"
-    for slot in slots:  # tensors no unit owns (e.g. a rotary table): live on the first unit's device
+    for slot in slots:
         if id(slot) not in owned:
             weights.record(slot)
             _set(slot, slot.tensor.data.to(main), foreign=False)
