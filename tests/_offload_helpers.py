@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from _models import units_of  # tests/ is on sys.path: under pytest, and as this script's folder
+
 UNIT_ROWS = ("disk", "cpu", "stream"), ("disk", "cpu", "stream_sync")
 """Storage, execution, mode of the disk units (alternating): computed from the memory map."""
 
@@ -35,19 +37,6 @@ def tiny_llama(seed: int) -> torch.nn.Module:
     config = T.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return T.LlamaForCausalLM(config).eval()
-
-
-def units_of(model: torch.nn.Module) -> list[str]:
-    """Instances of ``_no_split_modules`` plus modules outside them that hold weights, in order."""
-    no_split = set(getattr(model, "_no_split_modules", None) or ())
-    units: list[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(u + ".") for u in units if u):
-            continue
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if type(module).__name__ in no_split or own:
-            units.append(name)
-    return units
 
 
 def disk_plan(model: torch.nn.Module):

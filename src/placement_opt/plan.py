@@ -18,7 +18,7 @@ from .errors import PlanFormatError
 from .hardware.devices import Machine
 from .schema import PlanSchema, json_safe, validated
 from .solver.problem import MODES
-from .units import format_bytes, format_seconds
+from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
 __all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
 
@@ -189,8 +189,8 @@ class Plan:
                          f"{u.execution} ({u.mode}, stored on {u.storage}).")
         for b in self.baselines:
             verdict = "fits" if b.fits else f"does not fit ({format_bytes(b.short_bytes)} short)"
-            lines.append(f"- baseline {b.strategy}: {_seconds(b.total_s)}, {verdict}, "
-                         f"{_ratio(b.total_s, c.total_s)} this plan's time."
+            lines.append(f"- baseline {b.strategy}: {seconds_or_dash(b.total_s)}, {verdict}, "
+                         f"{ratio_or_dash(b.total_s, c.total_s)} this plan's time."
                          + (f" {b.note.split(': ')[0]}." if b.note and not b.fits else ""))
         lines += [f"- note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -320,16 +320,6 @@ def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
 
 def _time(value: float | None) -> float:
     return float("inf") if value is None else value
-
-
-def _seconds(value: float) -> str:
-    return format_seconds(value) if value == value and value != float("inf") else "-"
-
-
-def _ratio(value: float, reference: float) -> str:
-    if not (value == value) or value == float("inf") or reference <= 0:
-        return "-"
-    return f"{value / reference:.2f}x"
 
 
 def _full(device: str, free: Mapping[str, int]) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .units import format_bytes, format_seconds
+from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
@@ -66,18 +66,8 @@ def _device_tone(name: str) -> str:
     return "gpu" if name.startswith("cuda:") else name if name in ("cpu", "disk") else ""
 
 
-def _seconds(value: float) -> str:
-    return format_seconds(value) if value == value and value != float("inf") else "-"
-
-
-def _ratio(value: float, reference: float) -> str:
-    if not (value == value) or value == float("inf") or reference <= 0:
-        return "-"
-    return f"{value / reference:.2f}x"
-
-
 def _objective_text(plan: Plan, value: float) -> str:
-    return format_bytes(value) if plan.objective == "memory" else _seconds(value)
+    return format_bytes(value) if plan.objective == "memory" else seconds_or_dash(value)
 
 
 def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
@@ -130,8 +120,8 @@ def _memory_table(plan: Plan) -> ReportTable:
 
 
 def _baselines_table(plan: Plan) -> ReportTable:
-    rows = tuple((Cell(b.strategy), Cell(_seconds(b.total_s)),
-                  Cell("yes", "good") if b.fits else Cell("NO", "bad"), Cell(_ratio(b.total_s, plan.cost.total_s)))
+    rows = tuple((Cell(b.strategy), Cell(seconds_or_dash(b.total_s)),
+                  Cell("yes", "good") if b.fits else Cell("NO", "bad"), Cell(ratio_or_dash(b.total_s, plan.cost.total_s)))
                  for b in plan.baselines)
     return ReportTable("Baselines on the same cost model (total time)",
                        ("baseline", "total", "fits", "vs this plan"), rows, frozenset({"total", "vs this plan"}))

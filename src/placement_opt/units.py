@@ -7,7 +7,7 @@ import re
 
 from .errors import DeviceSpecError
 
-__all__ = ["parse_size", "format_bytes", "format_seconds", "GIB", "MIB", "KIB"]
+__all__ = ["parse_size", "format_bytes", "format_seconds", "seconds_or_dash", "ratio_or_dash", "GIB", "MIB", "KIB"]
 
 KIB = 1024
 MIB = 1024**2
@@ -87,3 +87,15 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.0f} us"
+
+
+def seconds_or_dash(seconds: float) -> str:
+    """:func:`format_seconds`, or ``"-"`` for a time that does not exist (NaN, or infinite: did not fit)."""
+    return format_seconds(seconds) if seconds == seconds and seconds != float("inf") else "-"
+
+
+def ratio_or_dash(value: float, reference: float) -> str:
+    """``value / reference`` as ``"1.93x"``, or ``"-"`` when either is not a finite time."""
+    if not (value == value) or value == float("inf") or reference <= 0:
+        return "-"
+    return f"{value / reference:.2f}x"

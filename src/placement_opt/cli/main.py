@@ -29,7 +29,7 @@ import click
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from .options import (
     DTYPES,
-    check_output_folder,
+    check_outputs,
     check_plot_suffix,
     model_dtype,
     resolve_devices,
@@ -114,9 +114,7 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str | None,
          time_limit: float | None, strategy: str, json_path: str | None, plot: str | None) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
-    check_plot_suffix(plot)
-    check_output_folder(json_path, "--json")
-    check_output_folder(plot, "--plot")
+    check_outputs(json_path, plot)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
@@ -138,9 +136,7 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
             dtype: str | None,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
-    check_plot_suffix(plot)
-    check_output_folder(json_path, "--json")
-    check_output_folder(plot, "--plot")
+    check_outputs(json_path, plot)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)

@@ -172,3 +172,10 @@ def check_output_folder(path: str | None, option: str) -> None:
 def check_plot_suffix(path: str | None) -> None:
     if path and Path(path).suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")
+
+
+def check_outputs(json_path: str | None, plot: str | None) -> None:
+    """Refuse ``--json`` / ``--plot`` paths that cannot be written, before any solving."""
+    check_plot_suffix(plot)
+    check_output_folder(json_path, "--json")
+    check_output_folder(plot, "--plot")
