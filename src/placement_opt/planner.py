@@ -116,10 +116,11 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         raise SolverInputError("strategy='accelerate' runs the installed library on the model itself, so it "
                                "needs a transformers model or config, not a LayerGraph: pass the model (or its "
                                "config), or use strategy='balanced' on a LayerGraph")
+    if _holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
+        raise _nothing_to_place(type(model).__name__)
     graph = as_graph(model)
     if not graph.names() or (not isinstance(model, LayerGraph) and graph.total_param_bytes + graph.total_buffer_bytes == 0):
-        raise TraceError(f"the model {graph.meta.model_name!r} has no placement units: it holds no parameters or "
-                         f"buffers, so there is nothing to place; pass a model with weights (or its config)")
+        raise _nothing_to_place(graph.meta.model_name)
     machine, context_note = _machine(devices, graph.meta.dtype)
     workload = workload if workload is not None else Workload()
     problem = build_problem(graph, machine, workload, pins=pins or {}, contiguous=contiguous)
@@ -139,6 +140,19 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 # ---------------------------------------------------------------------------------------------
 # Boundary checks
 # ---------------------------------------------------------------------------------------------
+def _holds_no_tensors(model: Any) -> bool:
+    """An ``nn.Module`` (duck-typed: the planner imports no torch) without any parameter or buffer."""
+    parameters, buffers = getattr(model, "parameters", None), getattr(model, "buffers", None)
+    if not (callable(parameters) and callable(buffers)):
+        return False
+    return next(iter(parameters()), None) is None and next(iter(buffers()), None) is None
+
+
+def _nothing_to_place(name: str) -> TraceError:
+    return TraceError(f"the model {name!r} has no placement units: it holds no parameters or buffers, so "
+                      f"there is nothing to place; pass a model with weights (or its config)")
+
+
 def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: int, gap_limit: float,
                      workers: int) -> None:
     problems = []
