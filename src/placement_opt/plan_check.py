@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .cost.workload import dtype_bytes
 from .errors import DispatchError
 from .model.graph import covering_key
-from .units import format_bytes
+from .units import few, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
@@ -125,11 +125,11 @@ def check_plan(model: Any, plan: Plan) -> None:
     problems = []
     if uncovered:
         problems.append(f"{len(uncovered)} parameter(s) of the model are in no unit of the plan "
-                        f"({_few(uncovered)}): the plan misses units of this model")
+                        f"({few(uncovered)}): the plan misses units of this model")
     if plan.fingerprint is not None:
         differ = fingerprint_differences(plan.fingerprint, actual, tied)
         if differ:
-            problems.append(f"{len(differ)} unit(s) differ from the model the plan was solved for ({_few(differ)})")
+            problems.append(f"{len(differ)} unit(s) differ from the model the plan was solved for ({few(differ)})")
     if problems:
         raise DispatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
                             f"solve a plan for this model (placement_opt.solve(model, ...))")
@@ -147,5 +147,3 @@ def _merged(groups: Iterable[set[str]]) -> list[set[str]]:
     return out
 
 
-def _few(items: list[str], limit: int = 5) -> str:
-    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from .errors import PlanFormatError
+from .units import few
 
 __all__ = [
     "PlanSchema",
@@ -263,9 +264,8 @@ class ProfileSchema(_Open):
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def _few(items: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(i) for i in items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+def _few(items: list[str]) -> str:
+    return few([repr(i) for i in items])
 
 
 def _where(loc: tuple[Any, ...]) -> str:

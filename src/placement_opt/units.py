@@ -7,7 +7,7 @@ import re
 
 from .errors import DeviceSpecError
 
-__all__ = ["parse_size", "format_bytes", "format_seconds", "seconds_or_dash", "ratio_or_dash", "GIB", "MIB", "KIB"]
+__all__ = ["parse_size", "format_bytes", "format_seconds", "seconds_or_dash", "ratio_or_dash", "few", "GIB", "MIB", "KIB"]
 
 KIB = 1024
 MIB = 1024**2
@@ -99,3 +99,8 @@ def ratio_or_dash(value: float, reference: float) -> str:
     if not (value == value) or value == float("inf") or reference <= 0:
         return "-"
     return f"{value / reference:.2f}x"
+
+
+def few(items: list[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``items`` joined for a message, with how many more were left out."""
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")

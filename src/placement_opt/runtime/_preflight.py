@@ -15,6 +15,7 @@ from ..errors import DispatchError, PlacementError
 from ..hardware.detect import cuda_device_count
 from ..model.graph import covering_key
 from ..plan import Plan
+from ..units import few
 from ._streamer import DispatchUnit, torch_device
 from .checkpoint import Slot
 
@@ -52,7 +53,7 @@ def build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
     modules = dict(model.named_modules())
     missing = [p.unit for p in plan.placements if p.unit not in modules]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = few(missing)
         raise DispatchError(
             f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
             f"Solve the plan for this model (placement_opt.solve(model, ...))"
