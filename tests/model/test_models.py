@@ -10,7 +10,8 @@ from placement_opt.model import catalog as models
 from placement_opt.model.tracer import trace
 
 REQUIRED = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b",
-            "mixtral-8x7b", "gpt2-xl", "opt-30b", "t5-11b", "falcon-40b", "gemma-2-9b", "gemma-2-27b", "bert-large"]
+            "mixtral-8x7b", "gpt2-xl", "opt-30b", "t5-11b", "falcon-40b", "gemma-2-9b", "gemma-2-27b", "bert-large",
+            "qwen2-72b"]
 
 
 def _param_count(name: str) -> int:
@@ -41,6 +42,8 @@ def test_known_counts_exactly() -> None:
     # Llama 3 70B: 80 x (2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 + 2 x 8192) + 2 x 128256 x 8192 + 8192
     assert _param_count("llama-3-70b") == 70_553_706_496
     assert _param_count("llama-2-7b") == 6_738_415_616
+    # Qwen2 72B: Llama-shaped with biases on q/k/v, an untied 152064-token vocabulary and a 29568 MLP
+    assert _param_count("qwen2-72b") == 72_706_203_648
 
 
 def test_hyperparameters_as_published() -> None:
@@ -53,6 +56,11 @@ def test_hyperparameters_as_published() -> None:
     assert models.model_config("mixtral-8x7b").num_local_experts == 8
     assert models.model_config("t5-11b").is_encoder_decoder
     assert models.model_config("gpt2-xl").n_head == 25
+    qwen = models.model_config("qwen2-72b")
+    assert (qwen.hidden_size, qwen.intermediate_size, qwen.num_hidden_layers, qwen.num_attention_heads,
+            qwen.num_key_value_heads, qwen.vocab_size) == (8192, 29568, 80, 64, 8, 152064)
+    assert qwen.rope_parameters["rope_theta"] == 1e6
+    assert not qwen.tie_word_embeddings
 
 
 def test_each_call_returns_a_fresh_config() -> None:

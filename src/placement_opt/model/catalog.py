@@ -84,6 +84,14 @@ _PRESETS: tuple[ModelPreset, ...] = (
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     ),
     ModelPreset(
+        name="qwen2-72b", config_class="Qwen2Config", advertised_params=72.7e9,
+        description="Alibaba Qwen2 72B (2024): 80 layers, GQA 8 KV heads, 152k vocabulary, QKV biases, 128k context",
+        hyperparameters={"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+                         "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                         "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                         "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    ),
+    ModelPreset(
         name="mistral-7b", config_class="MistralConfig", advertised_params=7.24e9,
         description="Mistral 7B v0.1 (2023): 32 layers, GQA 8 KV heads, 4k sliding window",
         hyperparameters={"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
