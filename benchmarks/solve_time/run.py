@@ -1,145 +1,383 @@
-"""How fast does CP-SAT solve, and to what gap?
+"""How fast does solve() find a plan, and how close to the bound, on published models and real machines?
 
-Block-level graphs of 80-130 units (traced Llama-2/3 70B and Llama 3.1 405B, plus seeded random
-chains and DAGs with unequal units) on machines of 2 to 6 devices, and 2000-unit chains, each solved
-by ``placement_opt.solve`` (baselines scored, best one as the hint, 2 workers, seed 0). Reported: the
-CP-SAT wall time (model building included, tracing and baselines not), the proven gap and the status;
-medians per size class.
+The hard benchmark of issue 12: published configurations (Mistral-7B, Llama-2-13B, Gemma-2-27B,
+Falcon-40B, Mixtral-8x7B, Llama-3-70B, Qwen2-72B, Llama-3.1-405B; catalog presets traced on the meta
+device at block granularity, once each) on seven machines of 1, 2, 4 and 8 GPUs, mixed kinds and
+identical ones, each with a CPU and usually an NVMe disk, for three workloads (chat, batch 16 x 1024,
+an 8192-token context): 8 x 7 x 3 = 168 cells. Each cell is one ``placement_opt.solve()`` with its
+defaults (latency, time limit 1 s); cells left above a 1 % gap (or without a plan) are solved again
+with ``time_limit_s=5``. Reported: cells with a plan, cells proven infeasible, cells within 1 % of the
+bound at 1 s and at 5 s, median and worst solve() wall time (tracing excluded), a per-cell table, and
+(with ``--compare``) the cells whose plan is worse than a recorded run's.
+
+Only public calls that the code before issue 12 also has are used (``solve``, ``trace``, ``Machine``,
+``Device.preset``, ``Workload``), so the same script measures an older checkout::
+
+    PYTHONPATH=/work/wt-before/src python benchmarks/solve_time/run.py --out /tmp/before.md --json /tmp/before.json
 
 Usage::
 
-    python benchmarks/solve_time/run.py            # writes benchmarks/solve_time/RESULTS.md
-    python benchmarks/solve_time/run.py --quick    # fewer graphs and machines
+    python benchmarks/solve_time/run.py                 # 168 cells -> benchmarks/solve_time/RESULTS.md
+    python benchmarks/solve_time/run.py --quick         # 12 hard cells, a minute or two
+    python benchmarks/solve_time/run.py --only "4x T4"  # cells whose "model | machine | workload" holds it
+    python benchmarks/solve_time/run.py --compare benchmarks/solve_time/before.json   # the default when present
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
-import random
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import placement_opt
+from placement_opt import trace
 from placement_opt.cost.workload import Workload
-from placement_opt.errors import PlacementError
+from placement_opt.errors import InfeasiblePlacementError, PlacementError
 from placement_opt.hardware.devices import Device, Machine
-from placement_opt.model.graph import LayerGraph, chain_graph
 from placement_opt.planner import solve
-from placement_opt.solver.search import GAP_LIMIT
 
 HERE = Path(__file__).resolve().parent
-MIB = 2**20
+BEFORE = HERE / "before.json"
+WITHIN = 0.01
+"""The gap the acceptance asks for (1 %)."""
+RESOLVE_S = 5.0
+"""Time limit of the second solve for cells left above 1 % (or without a plan) at the default 1 s."""
+REL_TOL = 1e-6
+"""Objectives closer than this (relative) count as equal when comparing with a recorded run."""
+NOISE = 0.001
+"""solve() stops once within its default gap limit (0.1 %), so two runs may differ by this much."""
+
+MODELS = ["mistral-7b", "llama-2-13b", "gemma-2-27b", "falcon-40b", "mixtral-8x7b", "llama-3-70b", "qwen2-72b",
+          "llama-3.1-405b"]
+
+# Qwen2-72B as published (transformers' Qwen2Config); only for checkouts whose catalog lacks the preset.
+_QWEN2_72B = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+              "tie_word_embeddings": False}
 
 
-def _dev(preset: str, name: str, memory: str | None = None) -> Device:
-    d = Device.preset(preset, name=name)
-    return d.with_memory(memory) if memory else d
+def _gpus(key: str, n: int, start: int = 0) -> list[Device]:
+    return [Device.preset(key, name=f"cuda:{start + i}") for i in range(n)]
 
 
-MACHINES = {
-    "1 GPU + cpu (2)": lambda: Machine([_dev("rtx-4090", "cuda:0"), _dev("cpu-desktop", "cpu", "128GiB")]),
-    "2 GPU + cpu + disk (4)": lambda: Machine([_dev("a100-40gb", "cuda:0"), _dev("a100-40gb", "cuda:1"),
-                                               _dev("cpu-desktop", "cpu", "128GiB"), _dev("nvme-gen4", "disk")]),
-    "4 GPU mixed + cpu (5)": lambda: Machine([_dev("a100-80gb", "cuda:0"), _dev("a100-40gb", "cuda:1"),
-                                              _dev("l40s", "cuda:2"), _dev("rtx-4090", "cuda:3"),
-                                              _dev("cpu-server", "cpu")]),
-    "4 GPU + cpu + disk (6)": lambda: Machine([_dev("h100-sxm", f"cuda:{i}") for i in range(4)]
-                                              + [_dev("cpu-server", "cpu"), _dev("nvme-gen4", "disk")]),
+def _host(cpu: str, memory: str | None = None, disk: bool = True) -> list[Device]:
+    devices = [Device.preset(cpu, name="cpu", memory=memory)]
+    return devices + ([Device.preset("nvme-gen4", name="disk")] if disk else [])
+
+
+MACHINES: dict[str, Callable[[], Machine]] = {
+    "1x RTX 3060 12GB + 32 GiB + NVMe": lambda: Machine(_gpus("rtx-3060", 1) + _host("cpu-desktop", "32GiB")),
+    "RTX 4090 + RTX 3090 + 64 GiB + NVMe": lambda: Machine(_gpus("rtx-4090", 1) + _gpus("rtx-3090", 1, 1)
+                                                           + _host("cpu-desktop")),
+    "A100-80GB + T4 + 256 GiB + NVMe": lambda: Machine(_gpus("a100-80gb", 1) + _gpus("t4", 1, 1)
+                                                       + _host("cpu-server", "256GiB")),
+    "2x H100 SXM + 512 GiB + NVMe": lambda: Machine(_gpus("h100-sxm", 2) + _host("cpu-server")),
+    "4x T4 + 128 GiB + NVMe": lambda: Machine(_gpus("t4", 4) + _host("cpu-desktop", "128GiB")),
+    "4x A100-40GB + 512 GiB, no disk": lambda: Machine(_gpus("a100-40gb", 4) + _host("cpu-server", disk=False)),
+    "8x L4 + 512 GiB + NVMe": lambda: Machine(_gpus("l4", 8) + _host("cpu-server")),
 }
 
+WORKLOADS = {
+    "chat 1x512+128": Workload(batch_size=1, prompt_len=512, new_tokens=128),
+    "batch 16x1024+128": Workload(batch_size=16, prompt_len=1024, new_tokens=128),
+    "context 8064+128": Workload(batch_size=1, prompt_len=8064, new_tokens=128),
+}
 
-def _random_graph(n: int, seed: int, dag: bool) -> LayerGraph:
-    """n units of 50-900 MiB with matching FLOPs and KV; a DAG adds skip edges every few units."""
-    rng = random.Random(seed)
-    units = [{"name": f"u.{i}", "param_bytes": rng.randint(50, 900) * MIB, "flops_per_token": rng.randint(1, 20) * 10**8,
-              "kv_bytes_per_token": rng.choice([0, 2048, 4096]), "out_bytes_per_token": 8192}
-             for i in range(n)]
-    edges = [(f"u.{i}", f"u.{i + 1}", 8192) for i in range(n - 1)]
-    if dag:
-        edges += [(f"u.{i}", f"u.{i + rng.randint(2, 4)}", 8192) for i in range(0, n - 4, 5)]
-    return chain_graph(units, model_name=f"random-{'dag' if dag else 'chain'}-{n}-s{seed}", edges=edges)
-
-
-def _layered_chain(n: int, seed: int) -> LayerGraph:
-    """A 2000-unit module-level-like chain: repeating blocks of 8 modules of different sizes."""
-    rng = random.Random(seed)
-    shape = [rng.randint(5, 120) for _ in range(8)]
-    units = [{"name": f"m.{i}", "param_bytes": shape[i % 8] * MIB, "flops_per_token": shape[i % 8] * 2 * MIB,
-              "kv_bytes_per_token": 1024 if i % 8 == 1 else 0, "out_bytes_per_token": 8192} for i in range(n)]
-    return chain_graph(units, model_name=f"layered-chain-{n}-s{seed}")
-
-
-def _traced(name: str) -> LayerGraph:
-    from placement_opt import trace
-    from placement_opt.model import catalog as models
-
-    return trace(models.model_config(name))
+#: --quick: a dozen cells that were hard for the solver before issue 12 (large gaps, no plan, 405B).
+QUICK = [
+    ("llama-3-70b", "RTX 4090 + RTX 3090 + 64 GiB + NVMe", "batch 16x1024+128"),
+    ("llama-3-70b", "A100-80GB + T4 + 256 GiB + NVMe", "batch 16x1024+128"),
+    ("llama-3-70b", "4x T4 + 128 GiB + NVMe", "batch 16x1024+128"),
+    ("qwen2-72b", "4x T4 + 128 GiB + NVMe", "batch 16x1024+128"),
+    ("gemma-2-27b", "4x T4 + 128 GiB + NVMe", "context 8064+128"),
+    ("llama-3.1-405b", "2x H100 SXM + 512 GiB + NVMe", "chat 1x512+128"),
+    ("llama-3.1-405b", "8x L4 + 512 GiB + NVMe", "batch 16x1024+128"),
+    ("mixtral-8x7b", "RTX 4090 + RTX 3090 + 64 GiB + NVMe", "context 8064+128"),
+    ("falcon-40b", "4x A100-40GB + 512 GiB, no disk", "batch 16x1024+128"),
+    ("qwen2-72b", "8x L4 + 512 GiB + NVMe", "context 8064+128"),
+    ("llama-2-13b", "1x RTX 3060 12GB + 32 GiB + NVMe", "batch 16x1024+128"),
+    ("mistral-7b", "1x RTX 3060 12GB + 32 GiB + NVMe", "context 8064+128"),
+]
 
 
-def _cases(quick: bool) -> list[tuple[str, str, LayerGraph, float]]:
-    block = [(n, _traced(n)) for n in (["llama-3-70b"] if quick else ["llama-2-70b", "llama-3-70b", "llama-3.1-405b"])]
-    block += [(g.meta.model_name, g) for g in
-              [_random_graph(n, s, dag) for s, (n, dag) in enumerate([(90, False), (120, True)] if quick else
-                                                                      [(80, False), (100, True), (110, False),
-                                                                       (130, True)])]]
-    big = [(g.meta.model_name, g) for g in [_layered_chain(2000, s) for s in range(1 if quick else 2)]]
-    return [("80-130 units", name, g, 1.0) for name, g in block] + [("2000 units", name, g, 10.0) for name, g in big]
+@dataclass
+class Run:
+    """One solve() of one cell: its outcome, gap, wall time and objective (None without a plan)."""
+
+    status: str
+    """The plan's status (OPTIMAL / FEASIBLE / ...), ``INFEASIBLE`` (proven), ``NO PLAN`` or ``ERROR``."""
+    gap: float | None
+    wall_s: float
+    objective: float | None
+    bound: float | None
+    message: str = ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    workload = Workload(batch_size=1, prompt_len=512, new_tokens=128)
-    machines = dict(list(MACHINES.items())[:2]) if args.quick else MACHINES
-    rows, per_class = [], {}
-    for size, name, graph, limit in _cases(args.quick):
-        for mname, make in machines.items():
-            if size == "2000 units" and "mixed" in mname and not args.quick:
-                continue  # keep the 2000-unit runs to three machines (10 s each)
+@dataclass
+class Cell:
+    model: str
+    machine: str
+    workload: str
+    units: int
+    first: Run
+    """solve() with its defaults (time limit 1 s)."""
+    again: Run | None = None
+    """solve(time_limit_s=5) when the first left a gap above 1 % or no plan."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} | {self.machine} | {self.workload}"
+
+
+def _config(name: str):
+    from placement_opt.errors import ModelSpecError
+    from placement_opt.model import catalog
+
+    try:
+        return catalog.model_config(name)
+    except ModelSpecError:
+        if name != "qwen2-72b":
+            raise
+        import transformers
+
+        config = transformers.Qwen2Config(**_QWEN2_72B)
+        config.dtype = "bfloat16"
+        config.name_or_path = name
+        return config
+
+
+def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | None) -> Run:
+    kwargs = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
+    t0 = time.perf_counter()
+    try:
+        plan = solve(graph, machine, workload=workload, **kwargs)
+    except InfeasiblePlacementError as exc:
+        return Run("INFEASIBLE", None, time.perf_counter() - t0, None, None, str(exc)[:160])
+    except PlacementError as exc:
+        return Run("NO PLAN", None, time.perf_counter() - t0, None, None, str(exc)[:160])
+    except Exception as exc:  # a bug must not stop the grid: it is reported as its own row
+        return Run("ERROR", None, time.perf_counter() - t0, None, None, f"{type(exc).__name__}: {exc}"[:160])
+    return Run(plan.status, plan.gap, time.perf_counter() - t0, plan.objective_value, plan.best_bound)
+
+
+def _needs_again(run: Run) -> bool:
+    return run.status in ("NO PLAN", "ERROR") or (run.gap is not None and run.gap > WITHIN)
+
+
+def _cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    cells = QUICK if args.quick else [(m, h, w) for m in MODELS for h in MACHINES for w in WORKLOADS]
+    return [c for c in cells if all(o in " | ".join(c) for o in args.only)]
+
+
+def run_grid(args: argparse.Namespace) -> list[Cell]:
+    graphs, out = {}, []
+    for model, machine, workload in _cells(args):
+        if model not in graphs:
             t0 = time.perf_counter()
-            try:
-                # 2000 units: stop at the 2 % target (the rounding slack of a 2000-unit model alone
-                # is ~0.15 %, so the default 0.1 % limit would always run to the time limit).
-                plan = solve(graph, make(), workload=workload, time_limit_s=limit,
-                             gap_limit=0.02 if size == "2000 units" else GAP_LIMIT)
-            except PlacementError as exc:
-                rows.append(f"| {size} | {name} ({len(graph)}) | {mname} | - | - | {str(exc)[:60]} |")
-                continue
-            wall = time.perf_counter() - t0
-            per_class.setdefault(size, []).append((plan.solve_time_s, plan.gap, wall))
-            coarse = plan.extra.get("coarse_units", len(graph))
-            rows.append(f"| {size} | {name} ({len(graph)}{f' -> {coarse}' if coarse != len(graph) else ''}) | {mname} "
-                        f"| {plan.solve_time_s:.2f} | {plan.gap:.2%} | {plan.status} (solve() {wall:.1f} s) |")
-            print(rows[-1], flush=True)
-    summary = ["| size | runs | median CP-SAT time (s) | median solve() wall (s) | median gap | worst gap | "
-               "runs at gap <= target |", "|---|---|---|---|---|---|---|"]
-    for size, vals in per_class.items():
-        target = 0.01 if size == "80-130 units" else 0.02
-        times, gaps = [v[0] for v in vals], [v[1] for v in vals]
-        walls = [v[2] for v in vals]
-        summary.append(f"| {size} | {len(vals)} | {statistics.median(times):.2f} | {statistics.median(walls):.2f} | "
-                       f"{statistics.median(gaps):.2%} | "
-                       f"{max(gaps):.2%} | {sum(g <= target for g in gaps)}/{len(gaps)} (target {target:.0%}) |")
-    text = "\n".join([
-        "# Solve time and gap of the CP-SAT placement model", "",
-        f"Machine: {platform.processor() or platform.machine()}, {platform.system()}, Python {sys.version.split()[0]}; "
-        f"2 CP-SAT workers, seed 0; 1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
-        "cores at the end of the run.",
-        f"Command: `python benchmarks/solve_time/run.py{' --quick' if args.quick else ''}`  ",
-        f"Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Workload: batch 1, prompt 512, 128 new tokens; "
-        "objective latency; time limit 1 s and gap limit 0.1 % (the default) for 80-130 units, 10 s and 2 % for "
-        "2000 units. solve() wall = baselines + CP-SAT + scoring the plan (tracing excluded).", "",
-        *summary, "",
-        "| size | graph (units) | machine (devices) | CP-SAT s | gap | status |", "|---|---|---|---|---|---|",
-        *rows, ""])
-    (HERE / "RESULTS.md").write_text(text)
+            graphs[model] = trace(_config(model))
+            print(f"# traced {model}: {len(graphs[model])} units in {time.perf_counter() - t0:.1f} s", flush=True)
+        graph, make, wl = graphs[model], MACHINES[machine], WORKLOADS[workload]
+        cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, None))
+        if not args.no_resolve and _needs_again(cell.first):
+            cell.again = _solve(graph, make(), wl, RESOLVE_S)
+        out.append(cell)
+        print(_row(cell, None), flush=True)
+    return out
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
+
+
+def _run_text(run: Run | None) -> str:
+    if run is None:
+        return ""
+    if run.objective is None:
+        return f"{run.status} ({run.wall_s:.2f} s): {run.message}"
+    return f"{run.status} {_pct(run.gap)} ({run.wall_s:.2f} s)"
+
+
+def _row(cell: Cell, before: dict | None) -> str:
+    r = cell.first
+    obj = "-" if r.objective is None else f"{r.objective:.4g}"
+    status = r.status if r.objective is not None else f"{r.status}: {r.message}"
+    extra = ""
+    if before is not None:
+        b = before.get(cell.key)
+        extra = " | " + ("not run" if b is None else _before_text(b, cell))
+    return (f"| {cell.model} ({cell.units}) | {cell.machine} | {cell.workload} | {status} | {_pct(r.gap)} | "
+            f"{r.wall_s:.2f} | {obj} | {_run_text(cell.again)}{extra} |")
+
+
+def _best(run: Run | None, other: Run | None) -> float | None:
+    values = [r.objective for r in (run, other) if r is not None and r.objective is not None]
+    return min(values) if values else None
+
+
+def _before_text(b: dict, cell: Cell) -> str:
+    old = b["first"]
+    if old["objective"] is None:
+        return f"{old['status']}"
+    text = f"{old['objective']:.4g} {_pct(old['gap'])}"
+    now = cell.first.objective
+    if now is not None:
+        text += f" ({now / old['objective'] - 1:+.2%})"
+    return text
+
+
+def compare(cells: list[Cell], before: dict) -> tuple[list[str], list[str], list[str]]:
+    """Cells whose 1 s plan is worse than the recorded run's by more than ``NOISE``, by less, and
+    cells that lost their plan."""
+    worse, slightly, lost = [], [], []
+    for cell in cells:
+        b = before.get(cell.key)
+        if b is None or b["first"]["objective"] is None:
+            continue
+        old, now = b["first"]["objective"], cell.first.objective
+        if now is None:
+            lost.append(f"{cell.key}: before {old:.4g}, now {cell.first.status} ({cell.first.message})")
+        elif now > old * (1 + REL_TOL):
+            (worse if now > old * (1 + NOISE) else slightly).append(
+                f"{cell.key}: {now:.4g} against {old:.4g} before ({now / old - 1:+.3%})")
+    return worse, slightly, lost
+
+
+def summary(cells: list[Cell]) -> dict:
+    """The counts and times the acceptance of issue 12 asks for."""
+    firsts = [c.first for c in cells]
+    infeasible = [c for c in cells if c.first.status == "INFEASIBLE"]
+    feasible = [c for c in cells if c.first.status != "INFEASIBLE"]
+    planned = [c for c in cells if c.first.objective is not None]
+    within = [c for c in planned if c.first.gap is not None and c.first.gap <= WITHIN]
+    rest = [c for c in feasible if c not in within]
+    rest_ok = [c for c in rest if c.again is not None and c.again.gap is not None and c.again.gap <= WITHIN]
+    walls = [r.wall_s for r in firsts]
+    return {
+        "cells": len(cells), "with_plan": len(planned), "proven_infeasible": len(infeasible),
+        "no_plan": len(feasible) - len(planned), "errors": sum(r.status == "ERROR" for r in firsts),
+        "feasible": len(feasible), "within_1pct_at_1s": len(within),
+        "rest": len(rest), "rest_within_1pct_at_5s": len(rest_ok),
+        "median_wall_s": statistics.median(walls) if walls else 0.0, "worst_wall_s": max(walls, default=0.0),
+        "over_1_5s": sum(w > 1.5 for w in walls),
+        "worst_gap_at_1s": max((c.first.gap for c in planned if c.first.gap is not None), default=0.0),
+    }
+
+
+def _summary_lines(s: dict, label: str) -> list[str]:
+    feasible = max(s["feasible"], 1)
+    return [
+        f"| {label} | {s['cells']} | {s['with_plan']} | {s['proven_infeasible']} | {s['no_plan']} "
+        f"| {s['within_1pct_at_1s']}/{s['feasible']} ({s['within_1pct_at_1s'] / feasible:.1%}) "
+        f"| {s['rest_within_1pct_at_5s']}/{s['rest']} | {s['median_wall_s']:.2f} | {s['worst_wall_s']:.2f} "
+        f"| {s['over_1_5s']} | {s['worst_gap_at_1s']:.1%} |"]
+
+
+def _code() -> str:
+    """Where placement_opt was imported from, and its git commit when that is a checkout."""
+    src = Path(placement_opt.__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(src)
+    return f"{src} at {rev}{' (modified)' if dirty else ''}"
+
+
+def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: dict | None) -> str:
+    head = ["| run | cells | with a plan | proven infeasible | no plan | within 1 % at 1 s (of feasible) "
+            "| rest within 1 % at 5 s | median wall s | worst wall s | walls > 1.5 s | worst gap at 1 s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head += _summary_lines(meta["summary"], "this run")
+    if before_meta is not None:
+        keys = {c.key for c in cells}
+        old = [_cell_from_json(c) for c in before_meta["cells"] if _key(c) in keys]
+        head += _summary_lines(summary(old), f"recorded ({before_meta['meta']['code']})")
+    lines = [
+        "# Solve time and gap on published models and real machines (issue 12's hard benchmark)", "",
+        f"Date: {meta['date']}. Command: `{meta['command']}`  ",
+        f"Code: {meta['code']}  ",
+        f"Machine: {meta['machine']}; 1-minute load average {meta['load_start']:.1f} at the start and "
+        f"{meta['load_end']:.1f} at the end (other work shares these cores: wall times are upper bounds).  ",
+        "Each cell: `solve(graph, machine, workload=...)` with the defaults (latency, time limit 1 s, gap limit "
+        "0.1 %, 2 workers, seed 0); wall = build + baselines + CP-SAT + scoring (tracing excluded). Cells left "
+        f"above 1 % or without a plan are solved again with `time_limit_s={RESOLVE_S:g}`.", "",
+        *head, "",
+    ]
+    if before is not None:
+        worse, slightly, lost = compare(cells, before)
+        lines += [f"Against the recorded run: {len(worse)} cell(s) with a plan worse by more than {NOISE:.1%} at 1 s, "
+                  f"{len(slightly)} worse by less (within the gap limit, where the search may stop anywhere), "
+                  f"{len(lost)} cell(s) that lost their plan.", ""]
+        listed = [f"- worse: {w}" for w in worse] + [f"- lost: {x}" for x in lost]
+        listed += [f"- worse by less than {NOISE:.1%}: {w}" for w in slightly]
+        lines += listed + ([""] if listed else [])
+    cols = "| model (units) | machine | workload | status at 1 s | gap | wall s | objective (s) | at 5 s |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    if before is not None:
+        cols, rule = cols + " recorded objective, gap (change) |", rule + "---|"
+    lines += [cols, rule, *(_row(c, before) for c in cells), ""]
+    return "\n".join(lines)
+
+
+def _key(c: dict) -> str:
+    return f"{c['model']} | {c['machine']} | {c['workload']}"
+
+
+def _cell_from_json(c: dict) -> Cell:
+    return Cell(c["model"], c["machine"], c["workload"], c["units"], Run(**c["first"]),
+                Run(**c["again"]) if c.get("again") else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the 12 hard cells of QUICK only")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="cells whose 'model | machine | workload' contains TEXT (repeatable: all must match)")
+    parser.add_argument("--no-resolve", action="store_true", help="skip the 5 s second solves")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Markdown report (default: RESULTS.md beside this script for the full grid, none else)")
+    parser.add_argument("--json", type=Path, default=None, help="every cell as JSON (the format of before.json)")
+    parser.add_argument("--compare", type=lambda s: Path(s) if s else None, default=BEFORE if BEFORE.exists() else None,
+                        help="a recorded --json run: report cells whose plan is worse (default: before.json; '' for none)")
+    args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
+    cells = run_grid(args)
+    meta = {"date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "command": " ".join(["python", "benchmarks/solve_time/run.py", *(argv if argv is not None else sys.argv[1:])]),
+            "code": _code(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                                        f"{sys.version.split()[0]}",
+            "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells)}
+    recorded = json.loads(args.compare.read_text()) if args.compare else None
+    before = {_key(c): c for c in recorded["cells"]} if recorded else None
+    text = markdown(cells, meta, before, recorded)
+    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only) else None)
+    if out:
+        out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "cells": [
+            {"model": c.model, "machine": c.machine, "workload": c.workload, "units": c.units,
+             "first": asdict(c.first), "again": asdict(c.again) if c.again else None} for c in cells]}, indent=1))
     print(text)
+    if before is not None:
+        worse, _, lost = compare(cells, before)
+        return 1 if worse or lost else 0
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
