@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
 from .problem import PlacementOption, PlacementProblem
+from .starts import constructive_starts, improve
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -316,8 +317,15 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None) -> 
 
 
 def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") -> list[int]:
-    """The best valid :func:`greedy_choice` over :data:`GREEDY_RESERVES` (the first one if none is valid)."""
+    """The best valid start: :func:`greedy_choice` over :data:`GREEDY_RESERVES` and the constructive
+    starts of :mod:`.starts` (one execution device, then filled greedily), each valid one also filled.
+
+    Valid whenever one of those starts is, in particular whenever every unit can compute on the CPU
+    with its weights on the CPU or the disk. With no valid start: ``greedy_choice(problem)``.
+    """
     key = "latency" if objective == "memory" else objective
     variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
+    variants += [improve(problem, c, key) for c in variants if problem.satisfies(c)]
+    variants += constructive_starts(problem, key)
     valid = [(problem.objective_value(c, key), i) for i, c in enumerate(variants) if problem.satisfies(c)]
     return variants[min(valid)[1]] if valid else variants[0]

@@ -1,0 +1,161 @@
+"""Constructive starts (solver/starts.py) and best_greedy_choice: a valid start whenever a simple one exists.
+
+Problems are built from integers (no torch, no cost model). Brute force over every assignment is the
+reference: whenever some assignment computing every unit on the CPU (weights on the CPU or the disk)
+fits, ``best_greedy_choice`` must return a valid assignment; it is never worse than the old
+one-unit-at-a-time greedy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from placement_opt.solver.greedy import GREEDY_RESERVES, best_greedy_choice, greedy_choice
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
+from placement_opt.solver.starts import _pack, executor_starts, improve
+
+
+def opt(storage, execution=None, *, t=100, stored=1, resident=0, peak=0, mode=None):
+    execution = execution or storage
+    mode = mode or ("resident" if storage == execution else "stream")
+    return PlacementOption(storage=storage, execution=execution, mode=mode, prefill_ns=t // 10, decode_ns=t,
+                           stored_bytes=stored, resident_bytes=resident, peak_bytes=peak)
+
+
+def chain(units, devices, **kw):
+    names = [u.name for u in units]
+    edges = tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(names))
+    return PlacementProblem(units=tuple(units), edges=edges, devices=tuple(devices), **kw)
+
+
+def dev(name, cap):
+    kind = "gpu" if name.startswith("cuda") else name
+    return DeviceSpec(name=name, kind=kind, capacity_bytes=cap)
+
+
+def assignments(problem, only_cpu=False):
+    """Every valid assignment (only those computing every unit on the CPU with ``only_cpu``)."""
+    for choice in itertools.product(*(range(len(u.options)) for u in problem.units)):
+        if only_cpu and any(u.options[c].execution != "cpu" for u, c in zip(problem.units, choice, strict=True)):
+            continue
+        if problem.satisfies(choice):
+            yield list(choice)
+
+
+# -- hand-checked cases ---------------------------------------------------------------------------
+def test_cpu_full_of_early_weights_leaves_no_room_for_a_later_kv_cache():
+    # CPU of 10 bytes, a disk. A: 6 bytes of weights, faster resident on the CPU than streamed from
+    # disk (1-byte buffer). B: 1 byte of weights + 8 bytes of KV cache, CPU only. The old greedy puts
+    # A on the CPU first (6 + 9 > 10, with every GPU reserve: there is no GPU); the start keeps B's
+    # 9 bytes and the 1-byte buffer on the CPU and streams A from the disk: 9 + 1 = 10.
+    a = UnitSpec(name="a", options=(opt("cpu", t=100, stored=6), opt("disk", "cpu", t=900, stored=6, peak=1)))
+    b = UnitSpec(name="b", options=(opt("cpu", t=100, stored=1, resident=8),))
+    problem = chain([a, b], [dev("cpu", 10), dev("disk", 100)])
+    assert all(not problem.satisfies(greedy_choice(problem, r)) for r in GREEDY_RESERVES)
+    choice = best_greedy_choice(problem)
+    assert choice == [1, 0]
+    assert problem.score(choice).used_bytes == {"cpu": 10, "disk": 6}
+
+
+def test_fill_moves_the_units_that_gain_most_per_byte_to_the_gpu():
+    # A 4-byte GPU and three units on the CPU. a: 4 bytes, saves 400 ns on the GPU (100/byte);
+    # b, c: 2 bytes each, save 300 ns each (150/byte). Best: b and c on the GPU (600 ns saved).
+    def unit(name, stored, saved):
+        return UnitSpec(name=name, options=(opt("cuda:0", t=1000 - saved, stored=stored),
+                                            opt("cpu", t=1000, stored=stored)))
+    problem = chain([unit("a", 4, 400), unit("b", 2, 300), unit("c", 2, 300)], [dev("cuda:0", 4), dev("cpu", 100)])
+    assert improve(problem, [1, 1, 1]) == [1, 0, 0]
+
+
+def test_fill_never_breaks_a_tie_and_keeps_pins():
+    # a and b share weights (tied): a alone may not move to the GPU; c is pinned to the CPU.
+    units = [UnitSpec(name=n, options=(opt("cpu", t=1000), opt("cuda:0", t=10))) for n in "abc"]
+    problem = chain(units, [dev("cuda:0", 100), dev("cpu", 100)], tied_groups=(("a", "b"),), pins={"c": "cpu"})
+    assert improve(problem, [0, 0, 0]) == [0, 0, 0]
+
+
+def test_no_valid_start_returns_the_plain_greedy():
+    # 5 bytes of weights, 4 bytes of memory in all: nothing fits, the first greedy variant comes back.
+    problem = chain([UnitSpec(name="a", options=(opt("cpu", stored=5), opt("cuda:0", stored=5)))],
+                    [dev("cuda:0", 2), dev("cpu", 2)])
+    assert executor_starts(problem) == []
+    assert best_greedy_choice(problem) == greedy_choice(problem)
+
+
+def test_pack_is_exact_where_largest_first_is_not():
+    # Budget 10 and items 6, 5, 5: largest first takes 6 and stops there; the best is 5 + 5.
+    assert sorted(_pack([(6, 6), (5, 5), (5, 5)], 10)) == [1, 2]
+
+
+# -- properties against brute force ---------------------------------------------------------------
+_MENU = [("cuda:0", "cuda:0"), ("cpu", "cpu"), ("cpu", "cuda:0"), ("disk", "cpu"), ("disk", "cuda:0")]
+
+
+@st.composite
+def problems(draw):
+    """2-5 units with 1-5 options of the cost model's menu; random bytes, ties, pins and contiguity."""
+    n = draw(st.integers(2, 5))
+    has_disk = draw(st.booleans())
+    menu = [m for m in _MENU if has_disk or "disk" not in m]
+    units = []
+    for i in range(n):
+        where = draw(st.lists(st.sampled_from(menu), min_size=1, max_size=len(menu), unique=True))
+        stored = draw(st.integers(0, 8))
+        resident = {e: draw(st.integers(0, 4)) for e in ("cpu", "cuda:0")}
+        options = tuple(opt(s, e, t=draw(st.integers(1, 1000)), stored=stored, resident=resident[e],
+                            peak=draw(st.integers(0, 4))) for s, e in where)
+        units.append(UnitSpec(name=f"u{i}", options=options))
+    devices = [dev("cuda:0", draw(st.integers(0, 16))), dev("cpu", draw(st.integers(0, 24)))]
+    devices += [dev("disk", draw(st.integers(0, 24)))] if has_disk else []
+    names = [u.name for u in units]
+    tied = (tuple(draw(st.lists(st.sampled_from(names), min_size=2, max_size=3, unique=True))),) \
+        if draw(st.booleans()) else ()
+    pins = {}
+    if draw(st.booleans()):
+        u = draw(st.sampled_from(units))
+        pins = {u.name: draw(st.sampled_from(sorted({o.storage for o in u.options})))}
+    return chain(units, devices, tied_groups=tied, pins=pins, contiguous=draw(st.booleans()))
+
+
+@given(problems())
+def test_valid_whenever_everything_can_compute_on_the_cpu(problem):
+    if next(assignments(problem, only_cpu=True), None) is None:
+        return
+    assert problem.satisfies(best_greedy_choice(problem))
+
+
+@given(problems(), st.sampled_from(["latency", "throughput"]))
+def test_never_worse_than_the_one_unit_at_a_time_greedy(problem, objective):
+    old = [c for c in (greedy_choice(problem, r) for r in GREEDY_RESERVES) if problem.satisfies(c)]
+    choice = best_greedy_choice(problem, objective)
+    if old:
+        assert problem.satisfies(choice)
+        assert problem.objective_value(choice, objective) <= min(problem.objective_value(c, objective) for c in old)
+
+
+@given(problems())
+def test_every_start_and_its_fill_is_valid_and_the_fill_no_slower(problem):
+    for start in executor_starts(problem):
+        assert problem.satisfies(start)
+        filled = improve(problem, start)
+        assert problem.satisfies(filled)
+        assert problem.objective_value(filled, "latency") <= problem.objective_value(start, "latency")
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=8), st.integers(0, 40))
+def test_pack_finds_the_best_value_within_the_budget(items, budget):
+    chosen = _pack(items, budget)
+    assert len(set(chosen)) == len(chosen)
+    assert sum(items[i][0] for i in chosen) <= budget
+    best = max(sum(v for _, v in sub) for k in range(len(items) + 1) for sub in itertools.combinations(items, k)
+               if sum(w for w, _ in sub) <= budget)
+    assert sum(items[i][1] for i in chosen) == best
