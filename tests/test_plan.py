@@ -207,3 +207,30 @@ def _example() -> Plan:
                 machine=machine, workload=wl, cost=cost, status="OPTIMAL", objective_value=cost.total_s,
                 best_bound=cost.total_s, gap=0.0, solve_time_s=0.1,
                 baselines=(BaselineResult(strategy="sequential", total_s=2 * cost.total_s, fits=True),))
+
+
+# -- a plan far from its bound says so (issue 12, item 4) -----------------------------------------
+def _far(gap: float = 0.57, status: str = "FEASIBLE") -> Plan:
+    plan = _example()
+    return replace(plan, status=status, gap=gap, best_bound=plan.objective_value * (1 - gap), solve_time_s=1.0)
+
+
+def test_a_plan_far_from_its_bound_says_how_far_and_what_to_do_in_every_report():
+    plan = _far()
+    advice = ("gap: not proven within 1% of the best: the best plan's latency may be up to 57.0% lower than "
+              "this one's")
+    summary = " ".join(plan.summary().split())  # the text report wraps long lines
+    assert advice in summary
+    assert "time_limit_s=5 in solve(), --time-limit 5 on the command line" in summary
+    assert "gap 57.00% (above 1%: see the gap line below)" in summary
+    assert f"- the {advice}" in plan.explain().splitlines()[1]
+    assert '<p class="bad">' + advice.replace("'", "&#39;") in plan._repr_html_()
+
+
+@given(st.sampled_from(["OPTIMAL", "FEASIBLE", "GREEDY"]), st.floats(0, 1))
+def test_the_gap_line_appears_exactly_when_the_search_stopped_above_one_percent(status, gap):
+    plan = _far(gap, status)
+    far = status == "FEASIBLE" and gap > 0.01
+    assert ("gap: not proven" in plan.summary()) == far
+    assert ("- the gap: " in plan.explain()) == far
+    assert ("gap: not proven" in plan._repr_html_()) == far

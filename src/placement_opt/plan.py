@@ -170,8 +170,13 @@ class Plan:
     def explain(self) -> str:
         """Why the expensive or surprising units sit where they are, and how each baseline compares."""
         c = self.cost
+        from .report import gap_advice
+
         lines = [f"{self.strategy} plan for {self.model_name}: {format_seconds(c.total_s)} for the workload, "
                  f"{'fits' if c.fits else 'does NOT fit'} ({self.status}, gap {self.gap:.1%})."]
+        advice = gap_advice(self)
+        if advice:
+            lines.append(f"- the gap: {advice}")
         free = {m.device: m.free_bytes for m in c.memory}
         for units, storage, execution, mode in self.runs():
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)} units)"

@@ -28,10 +28,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
 __all__ = ["Cell", "ReportTable", "PlanReport", "plan_report", "strategies_table", "rich_renderables",
-           "report_text", "report_html", "TEXT_WIDTH"]
+           "report_text", "report_html", "TEXT_WIDTH", "GAP_TARGET", "gap_advice", "longer_time_limit_s"]
 
 #: Columns of the text ``Plan.summary()`` renders (wide enough that no table row wraps).
 TEXT_WIDTH = 160
+#: A plan whose search stopped (status FEASIBLE) further than this from its proven bound is flagged
+#: in every report, with what to do about it.
+GAP_TARGET = 0.01
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class PlanReport:
     tables: tuple[ReportTable, ...]
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    cautions: tuple[str, ...] = ()
+    """Lines about how far the plan may be from the best (:func:`gap_advice`)."""
 
 
 def _device_tone(name: str) -> str:
@@ -70,20 +75,45 @@ def _objective_text(plan: Plan, value: float) -> str:
     return format_bytes(value) if plan.objective == "memory" else seconds_or_dash(value)
 
 
+def longer_time_limit_s(plan: Plan) -> int:
+    """The time limit to suggest for another search: about five times this one's, at least 5 s."""
+    return max(5, round(5 * plan.solve_time_s))
+
+
+def gap_advice(plan: Plan) -> str | None:
+    """What the user should know and do when the search stopped above :data:`GAP_TARGET` (else None).
+
+    Example::
+
+        gap_advice(plan)  # "not proven within 1 % of the best: the best plan's latency may be up to
+                          #  57.0 % lower than this one's (...); search longer: time_limit_s=5 ..."
+    """
+    if plan.status != "FEASIBLE" or plan.gap <= GAP_TARGET:
+        return None
+    longer = longer_time_limit_s(plan)
+    return (f"not proven within {GAP_TARGET:.0%} of the best: the best plan's {plan.objective} may be up to "
+            f"{plan.gap:.1%} lower than this one's ({_objective_text(plan, plan.objective_value)} against a proven "
+            f"bound of {_objective_text(plan, plan.best_bound)}); the search stopped after {plan.solve_time_s:.1f} s, "
+            f"at its time limit (or at a gap_limit above {GAP_TARGET:.0%}). Search longer for a better plan or a tighter bound: time_limit_s={longer} "
+            f"in solve(), --time-limit {longer} on the command line.")
+
+
 def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
     cost, w = plan.cost, plan.workload
     if plan.status == "GREEDY":
-        solver = f"GREEDY (a baseline strategy: no optimality bound), {plan.solve_time_s:.2f} s"
+        solver = Cell(f"GREEDY (a baseline strategy: no optimality bound), {plan.solve_time_s:.2f} s")
     else:
-        solver = (f"{plan.status}, objective {_objective_text(plan, plan.objective_value)}, bound "
-                  f"{_objective_text(plan, plan.best_bound)}, gap {plan.gap:.2%}, solved in "
-                  f"{plan.solve_time_s:.2f} s")
+        far = gap_advice(plan) is not None
+        solver = Cell(f"{plan.status}, objective {_objective_text(plan, plan.objective_value)}, bound "
+                      f"{_objective_text(plan, plan.best_bound)}, gap {plan.gap:.2%}"
+                      f"{f' (above {GAP_TARGET:.0%}: see the gap line below)' if far else ''}, solved in "
+                      f"{plan.solve_time_s:.2f} s", "bad" if far else "")
     return (
         ("model", Cell(f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")),
         ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
         ("workload", Cell(f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens")),
         ("objective", Cell(f"{plan.objective}, strategy {plan.strategy}")),
-        ("solver", Cell(solver)),
+        ("solver", solver),
         ("time", Cell(f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
                       f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)})")),
         ("tokens/s", Cell(f"{cost.tokens_per_s:.2f} end to end (prefill included), "
@@ -136,8 +166,10 @@ def plan_report(plan: Plan, *, notes: bool = True) -> PlanReport:
     if plan.streams_weights:
         lines.append("some units compute away from their storage: run the plan with placement_opt.dispatch "
                      "(plan.device_map alone gives accelerate's synchronous hooks)")
+    advice = gap_advice(plan)
     return PlanReport(facts=_facts(plan), tables=tuple(tables),
-                      warnings=tuple(v.message for v in plan.cost.violations), notes=tuple(lines) if notes else ())
+                      warnings=tuple(v.message for v in plan.cost.violations), notes=tuple(lines) if notes else (),
+                      cautions=(advice,) if advice else ())
 
 
 def strategies_table(outcomes: Sequence[Any]) -> ReportTable:
@@ -178,6 +210,7 @@ def rich_renderables(report: PlanReport, *, box: Any = "default") -> list[Any]:
             table.add_row(*(Text(c.text, style=_RICH_TONES.get(c.tone, "")) for c in row))
         parts.append(table)
     parts += [Text.assemble(("OOM", "bold red"), f" {w}") for w in report.warnings]
+    parts += [Text.assemble(("gap:", "bold yellow"), f" {c}") for c in report.cautions]
     parts += [Text.assemble(("note:", "dim"), f" {n}") for n in report.notes]
     return parts
 
