@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
-from hypothesis import assume, given, settings
+from _brute import reference_optimum, reference_valid, reference_value
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.solver import cpsat
@@ -23,7 +25,6 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.reductions import symmetric_segments
 from placement_opt.solver.search import COARSEN_ABOVE, solve_problem
 
 GIB = 2**30
@@ -188,13 +189,15 @@ def test_bad_arguments_name_what_is_accepted():
         solve_problem(problem, hint=[3])
 
 
-def test_large_chains_are_coarsened_exactly_and_stay_fast():
+def test_large_chains_start_from_a_coarse_plan_and_stay_fast():
     n = 2000
     units = [UnitSpec(name=f"u{i}", options=(opt("cuda:0", stored=1), opt("cuda:1", stored=1),
                                              opt("cpu", "cuda:0", pre=30, dec=300, stored=1)))
              for i in range(n)]
     problem = chain(units, [dev("cuda:0", 700), dev("cuda:1", 700), dev("cpu", 10**6)], xfer=7)
+    t0 = time.perf_counter()
     sol = solve_problem(problem, time_limit_s=2)
+    assert time.perf_counter() - t0 <= 2 + 0.5
     assert sol.coarse_units < sol.units == n and sol.notes
     assert valid(problem, sol.choice)
     assert sol.objective_value == problem.score(sol.choice).latency_ns
@@ -261,8 +264,8 @@ def test_cpsat_matches_brute_force_and_respects_every_constraint(problem, object
     assert sol.objective_value == problem.objective_value(sol.choice, objective)
     if objective != "memory" and sol.status == "OPTIMAL":
         assert sol.objective_value == best
-    # The bound is checked against an optimum found without the solver below, not against objective_value
-    # (which it is clamped to).
+    if objective != "memory":
+        assert sol.best_bound <= best, f"the proven bound {sol.best_bound} is above the optimum {best}"
 
 
 @settings(max_examples=150)
@@ -281,7 +284,7 @@ def test_cpsat_never_worse_than_a_valid_hint_and_infeasible_only_when_nothing_fi
 
 
 def test_coarsen_threshold_is_documented():
-    assert COARSEN_ABOVE > 130  # block-level graphs of 80-130 units are solved uncoarsened
+    assert COARSEN_ABOVE > 724  # module-level graphs of 70B models (724 units) are solved uncoarsened
 
 
 def test_the_same_problem_gives_the_same_plan_every_run(monkeypatch):
@@ -302,60 +305,7 @@ def test_the_same_problem_gives_the_same_plan_every_run(monkeypatch):
     assert first.objective_value == second.objective_value
 
 
-# -- the bound against a brute-force optimum, computed without PlacementProblem.score --------------
-def reference_value(problem, choice, objective):
-    """``objective`` of ``choice`` from the definitions in problem.py's docstring, written anew here."""
-    chosen = dict(zip([u.name for u in problem.units], (u.options[c] for u, c in zip(problem.units, choice, strict=True)), strict=True))
-    devices = [d.name for d in problem.devices]
-
-    def phase(key):
-        finish = {}
-        for name, o in chosen.items():  # units are in execution order and edges point forward
-            arrivals = [finish[e.src] + (getattr(e, key).get((chosen[e.src].execution, o.execution), 0)
-                                         if chosen[e.src].execution != o.execution else 0)
-                        for e in problem.edges if e.dst == name]
-            finish[name] = max(arrivals, default=0) + getattr(o, key)
-        busiest = max(sum(getattr(o, key) for o in chosen.values() if o.execution == d) for d in devices)
-        return max(max(finish.values()), busiest)
-
-    if objective == "latency":
-        return phase("prefill_ns") + phase("decode_ns")
-    if objective == "throughput":
-        return max(sum(o.prefill_ns + o.decode_ns for o in chosen.values() if o.execution == d) for d in devices)
-    return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
-
-
-def reference_bytes(chosen, device):
-    stored = sum(o.stored_bytes for o in chosen if o.storage == device)
-    resident = sum(o.resident_bytes for o in chosen if o.execution == device)
-    return stored + resident + max((o.peak_bytes for o in chosen if o.execution == device), default=0)
-
-
-def reference_valid(problem, choice):
-    chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
-    storage = {u.name: o.storage for u, o in zip(problem.units, chosen, strict=True)}
-    if any(reference_bytes(chosen, d.name) > d.capacity_bytes for d in problem.devices):
-        return False
-    if any(storage[n] != d for n, d in problem.pins.items()):
-        return False
-    if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
-        return False
-    runs = [k for k, _ in itertools.groupby(o.storage for o in chosen)]
-    return not problem.contiguous or len(runs) == len(set(runs))
-
-
-def reference_optimum(problem, objective, memory_slack=0.05):
-    """The optimum over every assignment (None when none is valid); memory: within the latency slack."""
-    every = [c for c in itertools.product(*(range(len(u.options)) for u in problem.units))
-             if reference_valid(problem, c)]
-    if not every:
-        return None
-    if objective != "memory":
-        return min(reference_value(problem, c, objective) for c in every)
-    cap = int(min(reference_value(problem, c, "latency") for c in every) * (1 + memory_slack))
-    return min(reference_value(problem, c, "memory") for c in every if reference_value(problem, c, "latency") <= cap)
-
-
+# -- the bound against a brute-force optimum, computed without PlacementProblem.score (_brute.py)
 @st.composite
 def small_problems(draw, symmetric=False):
     """A few units on 2-3 devices with pins, ties, contiguity, DAG edges; or (``symmetric``) a chain of
@@ -409,11 +359,4 @@ def check_against_brute_force(problem, objective, data):
 @settings(max_examples=300)
 @given(small_problems(), st.sampled_from(OBJECTIVES), st.data())
 def test_bound_and_solution_against_the_brute_force_optimum(problem, objective, data):
-    check_against_brute_force(problem, objective, data)
-
-
-@settings(max_examples=100)
-@given(small_problems(symmetric=True), st.sampled_from(OBJECTIVES), st.data())
-def test_bound_and_solution_against_the_brute_force_optimum_with_symmetric_segments(problem, objective, data):
-    assume(symmetric_segments(problem))
     check_against_brute_force(problem, objective, data)

@@ -1,8 +1,10 @@
 """The solver: a PlacementProblem in integers -> one option per unit. Imports no torch, no transformers.
 
 ``problem`` (the problem, its one cost and objective definitions) <- ``greedy`` (the device_map
-strategies and a constructive start) and ``reductions`` <- ``cpsat`` (the CP-SAT model) <- ``search``
-(``solve_problem``: start, coarsening, the memory objective's two solves, bound and gap).
+strategies and a constructive start), ``reductions`` (coarsening, a restriction for a start plan),
+``edges`` (covered edges, exact) and ``symmetry`` (interchangeable devices, exact) <- ``cpsat`` (the
+CP-SAT model) <- ``search`` (``solve_problem``: start, reductions, the memory objective's two solves,
+bound and gap).
 """
 
 __all__: list[str] = []

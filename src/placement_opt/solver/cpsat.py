@@ -10,11 +10,13 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 * ``n[g, o]`` is the number of units of group ``g`` (identical option menus) that use option ``o``.
 * ``z[d, j]`` is 1 if some unit executed on ``d`` has a peak of at least level ``j``;
   ``peak[d]`` (the largest ``peak_bytes`` executed on ``d``) is the sum of the level steps switched on.
-* ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only);
-  ``block[u, d]`` likewise for the execution blocks of a symmetric segment.
+* ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
+* ``used[d, u]`` is 1 once some unit up to ``u`` stores or executes on ``d`` (interchangeable
+  devices only: their first uses are ordered).
 * ``xfer[ph, e]`` is the transfer time of edge ``e`` in phase ``ph`` (0 when both ends
   execute on one device); linearized: ``xfer >= c(p, q) * (exec[src, p] + exec[dst, q] - 1)``.
-* ``end[ph, u]`` is the time unit ``u`` finishes in phase ``ph`` (DAGs only; a chain's longest
+* ``end[ph, u]`` is the time unit ``u`` finishes in phase ``ph`` (DAGs only, and only where two or
+  more edges enter ``u``; elsewhere the finish time is a linear expression, and a chain's longest
   path is the plain sum of durations and transfers).
 * ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` and ``>= every device's load``,
   exactly :meth:`PlacementProblem.score`'s ``max(longest path, busiest device)``.
@@ -56,8 +58,9 @@ class PlacementModel:
 
     # -- data ---------------------------------------------------------------------------------
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
-                 max_work_ns: int | None = None, segments: Sequence[list[int]] = ()) -> None:
-        """``max_work_ns`` drops options whose own work exceeds it; ``segments`` are symmetric runs."""
+                 max_work_ns: int | None = None, device_classes: Sequence[Sequence[str]] = ()) -> None:
+        """``max_work_ns`` drops options whose own work exceeds it; ``device_classes`` are classes of
+        interchangeable devices (:func:`~.symmetry.identical_devices`), used in their order."""
         self.p = problem
         self.scale = scale_ns
         self.hint = list(hint)
@@ -80,7 +83,7 @@ class PlacementModel:
         self._capacity_rows()
         self._tied_groups_share_storage()
         self._contiguous_storage()
-        self._identical_units_in_blocks(segments)
+        self._identical_devices_in_order(device_classes)
 
     def _t(self, ns: int) -> int:
         """ns -> solver time units, rounded to the nearest."""
@@ -256,17 +259,29 @@ class PlacementModel:
         for dev in self.devices:
             self.model.add(sum(self._range_starts(range(len(self.p.units)), dev, "storage", "start")) <= 1)
 
-    def _identical_units_in_blocks(self, segments: Sequence[list[int]]) -> None:
-        # Symmetry breaking: in a segment of identical units, one block per execution device,
-        # option indices non-decreasing inside a block (see reductions.symmetric_segments).
-        for seg in segments:
-            for dev in self.devices:
-                self.model.add(sum(self._range_starts(seg, dev, "execution", "block")) <= 1)
-            for a, b in itertools.pairwise(seg):
-                for o, opt in self._opts(b):
-                    later = [self.x[a, o2] for o2, opt2 in self._opts(a) if o2 > o and opt2.execution == opt.execution]
-                    if later:
-                        self.model.add(self.x[b, o] + sum(later) <= 1)
+    def _identical_devices_in_order(self, classes: Sequence[Sequence[str]]) -> None:
+        # Symmetry breaking (see symmetry.py): used[d, i] is 1 once some unit <= i stores or executes
+        # on d; within a class of interchangeable devices, a later device is never used before an
+        # earlier one: used[d_k+1, i] <= used[d_k, i].
+        for members in classes:
+            used = {d: self._first_use_flags(d) for d in members}
+            for a, b in itertools.pairwise(members):
+                for fa, fb in zip(used[a], used[b], strict=True):
+                    self.model.add(fb <= fa)
+
+    def _first_use_flags(self, dev: str) -> list[Any]:
+        flags: list[Any] = []
+        seen = False
+        for u in range(len(self.p.units)):
+            use = sum(self.x[u, o] for o, opt in self._opts(u) if dev in (opt.storage, opt.execution))
+            seen = seen or dev in (self.chosen[u].storage, self.chosen[u].execution)
+            f = self._hinted(self.model.new_bool_var(f"used[{dev},{u}]"), int(seen))
+            prev = flags[-1] if flags else 0
+            self.model.add(f >= prev)
+            self.model.add(f >= use)
+            self.model.add(f <= prev + use)
+            flags.append(f)
+        return flags
 
     def _phase_latency(self, ph: str) -> Any:
         # lat[ph] >= the longest path (transfers included) and >= every device's total work.
@@ -280,14 +295,26 @@ class PlacementModel:
         if self.chain:
             self.model.add(lat >= sum(self._t(getattr(opt, ph)) * v for opt, v in self._terms()) + sum(xfer))
             return lat
-        end = [self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
-               for u in range(n)]
-        for u in range(n):
-            self.model.add(end[u] >= self._duration(u, ph))
-            self.model.add(lat >= end[u])
+        # end[ph, u]: a variable only where paths merge (two or more in-edges); a unit with one
+        # in-edge ends at its source's end + transfer + duration, a linear expression, so chain
+        # stretches of a DAG keep the chain's tight LP. Only sinks bound lat (ends grow along edges).
+        incoming: dict[int, list[int]] = {}
         for k, e in enumerate(self.p.edges):
-            a, b = self.index[e.src], self.index[e.dst]
-            self.model.add(end[b] >= end[a] + xfer[k] + self._duration(b, ph))
+            incoming.setdefault(self.index[e.dst], []).append(k)
+        has_out = {self.index[e.src] for e in self.p.edges}
+        end: list[Any] = []
+        for u in range(n):
+            ins = incoming.get(u, [])
+            arrivals = [end[self.index[self.p.edges[k].src]] + xfer[k] for k in ins]
+            if len(ins) <= 1:
+                end.append((arrivals[0] if arrivals else 0) + self._duration(u, ph))
+            else:
+                var = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
+                for arrival in arrivals:
+                    self.model.add(var >= arrival + self._duration(u, ph))
+                end.append(var)
+            if u not in has_out:
+                self.model.add(lat >= end[u])
         for dev in self.devices:
             work = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev)]
             if work:

@@ -1,25 +1,26 @@
-"""Exact reductions around the CP-SAT model: coarsening, symmetric segments, residency on ties.
+"""Coarsening (a restriction, for a start plan) and residency on ties, around the CP-SAT model.
 
-Torch-free, like :mod:`placement_opt.solver.search`, which calls them: each one changes the problem or an
-assignment without changing the cost of any assignment the solver could return.
+Torch-free, like :mod:`placement_opt.solver.search`, which calls them.
 
 * :func:`coarsen_groups` / :func:`coarsen`: runs of chain units with the same option menu and the
   same hinted option become one super-unit (durations and stored/resident bytes summed, peak the
-  max): exact for every cost, and the hint stays representable.
-* :func:`symmetric_segments` / :func:`canonical_hint`: inside a run of identical units joined by
-  identical edges, any order of the chosen options costs the same, so the model may ask for one
-  block per execution device (sorted), and the hint is regrouped to match.
+  max). Every coarse assignment costs exactly what it expands to, and the hint stays representable;
+  but the coarse problem forbids the units of a run to differ, so it is a *restriction*: its plans
+  are plans of the real problem, its bound is not a bound of it (search.py never reports it).
 * :func:`prefer_resident`: a streamed unit that would be no slower stored where it computes is
   stored there when it fits.
+
+The exact reductions live in :mod:`.edges` (covered edges) and :mod:`.symmetry` (interchangeable
+devices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .problem import EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 
-__all__ = ["coarsen_groups", "coarsen", "symmetric_segments", "canonical_hint", "prefer_resident"]
+__all__ = ["coarsen_groups", "coarsen", "prefer_resident"]
 
 
 # -- coarsening: merge runs of chain units with the same menu and the same hinted option --------
@@ -78,75 +79,6 @@ def coarsen(problem: PlacementProblem, groups: list[list[int]]) -> PlacementProb
                   for e in problem.edges if e.dst in heads and head_of[e.src] != e.dst)
     return PlacementProblem(units=units, edges=edges, devices=problem.devices, tied_groups=problem.tied_groups,
                             pins=problem.pins, contiguous=problem.contiguous)
-
-
-# -- symmetry: runs of identical units (decoder layers) differ only in the order of their options
-def _chain_links(problem: PlacementProblem) -> dict[int, EdgeSpec]:
-    """i -> the edge i -> i + 1, for units whose only out-edge and whose successor's only in-edge it is."""
-    index = problem.index()
-    outs: dict[int, list[EdgeSpec]] = {}
-    ins: dict[int, int] = {}
-    for e in problem.edges:
-        outs.setdefault(index[e.src], []).append(e)
-        ins[index[e.dst]] = ins.get(index[e.dst], 0) + 1
-    return {i: es[0] for i, es in outs.items()
-            if len(es) == 1 and index[es[0].dst] == i + 1 and ins.get(i + 1) == 1}
-
-
-def _triangle(edge: EdgeSpec) -> bool:
-    """c(a, b) <= c(a, p) + c(p, b) for every phase and device triple: merging blocks never costs more."""
-    for costs in (edge.prefill_ns, edge.decode_ns):
-        devs = {d for pair in costs for d in pair}
-        def c(a: str, b: str, costs: Mapping[tuple[str, str], int] = costs) -> int:
-            return 0 if a == b else costs.get((a, b), 0)
-        if any(c(a, b) > c(a, p) + c(p, b) for a in devs for b in devs for p in devs):
-            return False
-    return True
-
-
-def symmetric_segments(problem: PlacementProblem) -> list[list[int]]:
-    """Interiors of maximal runs of identical chain units joined by identical edges (>= 2 units each).
-
-    Inside such a segment any reordering of the chosen options keeps memory and compute, and (under
-    the triangle inequality) grouping the units by execution device never adds transfer time, so the
-    model may ask for one block per execution device with options sorted inside each block.
-    """
-    if problem.contiguous:
-        return []
-    links = _chain_links(problem)
-    special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
-    runs: list[list[int]] = []
-    for i, u in enumerate(problem.units):
-        prev = i - 1
-        same = (runs and runs[-1][-1] == prev and prev in links and u.name not in special
-                and problem.units[prev].name not in special and u.options == problem.units[prev].options
-                and _triangle(links[prev])
-                and (len(runs[-1]) < 2 or _same_costs(links[prev], links[prev - 1])))
-        if same:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return [r[1:-1] for r in runs if len(r) >= 4]
-
-
-def _same_costs(a: EdgeSpec, b: EdgeSpec) -> bool:
-    return dict(a.prefill_ns) == dict(b.prefill_ns) and dict(a.decode_ns) == dict(b.decode_ns)
-
-
-def canonical_hint(problem: PlacementProblem, hint: Sequence[int], segments: Sequence[list[int]]) -> list[int]:
-    """The hint with each segment regrouped: one block per execution device (first-seen order), sorted."""
-    out = list(hint)
-    for seg in segments:
-        chosen = [hint[i] for i in seg]
-        options = problem.units[seg[0]].options
-        order: list[str] = []
-        for c in chosen:
-            if options[c].execution not in order:
-                order.append(options[c].execution)
-        regrouped = sorted(chosen, key=lambda c: (order.index(options[c].execution), c))
-        for i, c in zip(seg, regrouped, strict=True):
-            out[i] = c
-    return out
 
 
 def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:

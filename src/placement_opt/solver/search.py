@@ -6,17 +6,28 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   never worse than a valid hint;
 * the ``memory`` objective's two solves: the best latency first, then the fewest GPU bytes whose
   latency stays within ``memory_slack`` of it;
-* integer time: every ``*_ns`` price is divided by ``scale_ns = max(1, hint objective //
-  TIME_RESOLUTION)``, so coefficients stay around 10^5 whatever the model size. The objective
-  read back is always ``problem.objective_value`` of the chosen assignment (exact); the proven
-  bound is lowered by the largest possible rounding error (``(units + edges) x scale_ns`` per
-  solve, 0 when ``scale_ns == 1``), so the gap is honest;
-* coarsening: problems with more than :data:`COARSEN_ABOVE` units are solved on super-units
-  (:func:`~.reductions.coarsen`), exact for every cost, and expanded afterwards; the hint stays
-  representable, so the coarse solve is never worse than the hint; its bound is a bound of the
-  coarse problem only;
-* the other reductions of :mod:`.reductions`: symmetric segments with a canonical hint, and
-  residency on ties.
+* exact reductions, which keep the score of every assignment (so the bound stays the real
+  problem's): covered edges are dropped (:func:`~.edges.prune_edges`), and interchangeable devices
+  are used in a fixed order (:mod:`.symmetry`, a symmetry that maps every assignment onto an
+  equally good one in that order);
+* integer time: every ``*_ns`` price is divided by ``scale_ns`` (the hint's objective, or ten times
+  a simple lower bound when that is smaller, divided into ``max(TIME_RESOLUTION, SLACK_STEPS x
+  (units + edges))`` steps). The objective read back is always ``problem.objective_value`` of the
+  chosen assignment (exact); the proven bound is lowered by the largest possible rounding error
+  (``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest;
+* coarsening, a *restriction*: problems with more than :data:`COARSEN_ABOVE` units are first solved
+  on super-units (:func:`~.reductions.coarsen`, runs of chain units merged by the hint's options) for
+  :data:`COARSE_SHARE` of the time; the expanded plan starts the solve of the full problem, whose
+  bound is the one reported. A restriction never gives the bound;
+* residency on ties (:func:`~.reductions.prefer_resident`), on the returned plan.
+
+What :class:`Solution` reports: ``best_bound`` is a proven lower bound of the objective over every
+assignment of the real problem that meets its constraints (for ``memory``: every assignment within
+the latency cap of the first solve, which is at least the best latency times ``1 + memory_slack``);
+``status`` is ``OPTIMAL`` only when the returned value equals that bound (gap 0, rounding included),
+``FEASIBLE`` for any other plan, ``INFEASIBLE`` when CP-SAT proved that no assignment fits, and
+``UNKNOWN`` when neither a plan nor a proof was found in time. The bound is never clamped to the
+value: ``gap`` is computed from both as they are.
 """
 
 from __future__ import annotations
@@ -29,18 +40,28 @@ from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
 from .cpsat import PlacementModel
+from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
-from .reductions import canonical_hint, coarsen, coarsen_groups, prefer_resident, symmetric_segments
+from .reductions import coarsen, coarsen_groups, prefer_resident
+from .symmetry import identical_devices, relabel
 
-__all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "GAP_LIMIT", "COARSEN_ABOVE"]
+__all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
+           "COARSE_SHARE"]
 
-#: Integer steps the hint's objective is divided into: sets ``scale_ns``.
+#: Least number of integer steps the hint's objective is divided into: sets ``scale_ns``.
 TIME_RESOLUTION = 200_000
+#: Steps per rounded term (units + edges): the rounding slack stays below 1/2000 of the objective's
+#: scale base (0.05 %) however many units the graph has (724 units at module granularity).
+SLACK_STEPS = 2000
 #: Default proven gap at which the search stops: the cost model itself is only accurate to some %.
 GAP_LIMIT = 0.001
-#: Problems with more units than this are coarsened into at most about this many super-units.
-COARSEN_ABOVE = 160
+#: Problems with more units than this are first solved coarsened into about this many super-units.
+COARSEN_ABOVE = 1000
+#: Most of the time limit the search for covered edges may take (0.3 s for 13,922 edges of 724 units).
+PRUNE_SHARE = 0.25
+#: Share of the time left that the coarse solve gets; the full problem gets the rest.
+COARSE_SHARE = 0.4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +76,7 @@ class Solution:
     objective_value: int
     """``problem.objective_value(choice, objective)``: latency or slowest stage in ns, or GPU bytes."""
     best_bound: int
-    """Proven lower bound, same unit (of the coarse problem when ``coarse_units < units``)."""
+    """Proven lower bound of the real problem, same unit (never clamped to ``objective_value``)."""
     gap: float
     """``(objective_value - best_bound) / objective_value``; 0.0 is proven optimal."""
     wall_time_s: float
@@ -63,7 +84,8 @@ class Solution:
     """Nanoseconds per solver time unit."""
     units: int
     coarse_units: int
-    """Units the solver saw after coarsening (== ``units`` when not coarsened)."""
+    """Super-units of the coarse solve that gave the start (== ``units`` when not coarsened); the
+    bound always comes from the full problem."""
     notes: tuple[str, ...] = ()
 
     @property
@@ -106,6 +128,7 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
     _check(problem, objective, hint, time_limit_s, workers, memory_slack, gap_limit)
     t0 = time.perf_counter()
     hint = list(hint) if hint is not None else best_greedy_choice(problem, objective)
+    problem = prune_edges(problem, t0 + PRUNE_SHARE * time_limit_s)  # exact: every assignment keeps its score
     run = _Run(seed=seed, workers=workers, gap_limit=gap_limit, t0=t0)
     if objective == "memory":
         first = _solve(problem, "latency", time_limit_s / 2, run, hint, None)
@@ -154,49 +177,69 @@ class _Found:
 
 def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: _Run,
            hint: list[int], latency_cap_ns: int | None) -> Solution:
-    """One CP-SAT solve (coarsened when large); falls back to the full problem if the coarse one fails."""
+    """One objective's solve: a coarse start when large, then the full problem, which gives the bound."""
+    deadline = run.t0 + time_limit_s
     hint_ok = problem.satisfies(hint)
     n = len(problem.units)
-    groups = coarsen_groups(problem, hint, COARSEN_ABOVE) if n > COARSEN_ABOVE else [[i] for i in range(n)]
-    sub = coarsen(problem, groups) if len(groups) < n else problem
-    found = _solve_once(sub, objective, time_limit_s, run, [hint[g[0]] for g in groups], hint_ok, latency_cap_ns)
-    if len(groups) < n and not found.choice:  # the coarse problem found nothing: try the full one
-        groups = [[i] for i in range(n)]
-        found = _solve_once(problem, objective, time_limit_s, run, hint, hint_ok, latency_cap_ns)
-    notes = []
-    if len(groups) < n:
-        notes.append(f"coarsened {n} units into {len(groups)} super-units (runs of chain units with the "
-                     f"same options); the bound is the coarse problem's")
-    choice_sub, status = found.choice, found.status
-    if not choice_sub:
-        if not hint_ok:
-            return Solution(choice=(), status=status, objective=objective, objective_value=0,
-                            best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
-                            units=n, coarse_units=len(groups), notes=tuple(notes))
-        choice_sub, status = [hint[g[0]] for g in groups], "FEASIBLE"  # out of time: the hint stands
-    choice = [0] * n
-    for g, c in zip(groups, choice_sub, strict=True):
+    notes: list[str] = []
+    coarse_units = n
+    if n > COARSEN_ABOVE:
+        groups = coarsen_groups(problem, hint, COARSEN_ABOVE)
+        if len(groups) < n:
+            coarse_units = len(groups)
+            until = time.perf_counter() + COARSE_SHARE * (deadline - time.perf_counter())
+            start = _coarse_start(problem, objective, groups, run, (hint, hint_ok), latency_cap_ns, until)
+            if start is not None:
+                hint, hint_ok = start, True
+            notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
+                         f"chain units with the same options); the bound is the full problem's")
+    found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns)
+    if not found.choice and not hint_ok:
+        return Solution(choice=(), status=found.status, objective=objective, objective_value=0,
+                        best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
+                        units=n, coarse_units=coarse_units, notes=tuple(notes))
+    if not found.choice:  # out of time: the start stands
+        found = _Found(hint, "FEASIBLE", found.bound)
+    return _report(problem, objective, run, found, (hint, hint_ok), latency_cap_ns, coarse_units=coarse_units,
+                   notes=notes)
+
+
+def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: _Run,
+                  start: tuple[list[int], bool], latency_cap_ns: int | None, until: float) -> list[int] | None:
+    """The coarse problem's plan, expanded, when it is valid and better than the start; else None."""
+    hint, hint_ok = start
+    coarse = coarsen(problem, groups)
+    found = _solve_once(coarse, objective, until, run, [hint[g[0]] for g in groups], hint_ok, latency_cap_ns)
+    if not found.choice:
+        return None
+    choice = [0] * len(problem.units)
+    for g, c in zip(groups, found.choice, strict=True):
         for i in g:
             choice[i] = c
-    return _report(problem, objective, run, _Found(choice, status, found.bound), (hint, hint_ok),
-                   latency_cap_ns, coarse_units=len(groups), notes=notes)
+    if not problem.satisfies(choice) or not _within_cap(problem, choice, latency_cap_ns):
+        return None
+    if hint_ok and problem.objective_value(choice, objective) > problem.objective_value(hint, objective):
+        return None
+    return choice
+
+
+def _within_cap(problem: PlacementProblem, choice: Sequence[int], latency_cap_ns: int | None) -> bool:
+    return latency_cap_ns is None or problem.objective_value(choice, "latency") <= latency_cap_ns
 
 
 def _report(problem: PlacementProblem, objective: str, run: _Run, found: _Found, start: tuple[list[int], bool],
             latency_cap_ns: int | None, *, coarse_units: int, notes: list[str]) -> Solution:
-    """The Solution of a found choice: residency on ties, never worse than a valid hint, honest gap."""
-    choice, status = found.choice, found.status
+    """The Solution of a found choice: residency on ties, never worse than a valid start, honest gap."""
+    choice = found.choice
     hint, hint_ok = start
     if objective != "memory":
         choice = prefer_resident(problem, choice)
     value = problem.objective_value(choice, objective)
-    if hint_ok and problem.objective_value(hint, objective) < value and (
-            latency_cap_ns is None or problem.objective_value(hint, "latency") <= latency_cap_ns):
-        choice, value = hint, problem.objective_value(hint, objective)  # rounding: never worse than the hint
-    bound = min(found.bound, value)
+    if hint_ok and problem.objective_value(hint, objective) < value and _within_cap(problem, hint, latency_cap_ns):
+        choice, value = hint, problem.objective_value(hint, objective)  # rounding: never worse than the start
+    bound = found.bound  # a bound of the real problem: not clamped, so a wrong one shows (tests check it)
     gap = (value - bound) / value if value > 0 else 0.0
-    if gap <= 0 and status == "FEASIBLE":
-        status = "OPTIMAL"
+    status = "OPTIMAL" if value <= bound else "FEASIBLE"
     return Solution(choice=tuple(choice), status=status, objective=objective, objective_value=value,
                     best_bound=bound, gap=gap, wall_time_s=time.perf_counter() - run.t0,
                     scale_ns=_scale(problem, hint, objective), units=len(problem.units),
@@ -204,23 +247,24 @@ def _report(problem: PlacementProblem, objective: str, run: _Run, found: _Found,
 
 
 def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> int:
-    """ns per solver time unit: the hint's time objective divided into TIME_RESOLUTION steps."""
+    """ns per solver time unit: the hint's time objective (at most 10x a simple lower bound) in steps.
+
+    A poor hint (10x the optimum) would otherwise make the steps, and the rounding slack, 10x coarser.
+    """
     key = "throughput" if objective == "throughput" else "latency"
-    return max(1, problem.objective_value(hint, key) // TIME_RESOLUTION)
+    base = min(problem.objective_value(hint, key), 10 * _work_lower_bound(problem))
+    steps = max(TIME_RESOLUTION, SLACK_STEPS * (len(problem.units) + len(problem.edges)))
+    return max(1, base // steps)
 
 
-def _start(problem: PlacementProblem, objective: str, hint: list[int], hint_ok: bool) -> tuple[list[int], list]:
-    """The hint and the symmetric segments to state: regrouped canonically when no worse, else none."""
-    segments = symmetric_segments(problem)
-    canonical = canonical_hint(problem, hint, segments)
-    key = objective if objective != "memory" else "latency"
-    if problem.satisfies(canonical) >= hint_ok and \
-            problem.objective_value(canonical, key) <= problem.objective_value(hint, key):
-        return canonical, segments
-    return hint, []
+def _work_lower_bound(problem: PlacementProblem) -> int:
+    """Every unit's least prefill + decode, shared evenly by the devices that compute: <= either time objective."""
+    total = sum(min(o.prefill_ns + o.decode_ns for o in u.options) for u in problem.units)
+    computing = {o.execution for u in problem.units for o in u.options}
+    return total // max(1, len(computing))
 
 
-def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, run: _Run,
+def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run: _Run,
                 hint: list[int], hint_ok: bool, latency_cap_ns: int | None) -> _Found:
     """The choice (or []), status and proven bound (in the objective's unit) of one CP-SAT run."""
     scale = _scale(problem, hint, objective)
@@ -229,17 +273,16 @@ def _solve_once(problem: PlacementProblem, objective: str, time_limit_s: float, 
         max_work = problem.objective_value(hint, objective)
     elif latency_cap_ns is not None:
         max_work = latency_cap_ns
-    hint, segments = _start(problem, objective, hint, hint_ok)
-    m = PlacementModel(problem, scale, hint, max_work, segments)
+    classes = identical_devices(problem)
+    hint = relabel(problem, hint, classes)  # the same cost, in the model's device order
+    m = PlacementModel(problem, scale, hint, max_work, classes)
     m.minimize(objective, latency_cap_ns)
     unit_scale, slack = m.unit_scale(objective), m.rounding_slack(objective)
     # CP-SAT's gap is on the rounded model; the reported one adds the rounding slack, so ask for less.
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
-    budget = time_limit_s - (time.perf_counter() - run.t0)
-    solver, status = m.solve(budget, run.seed, run.workers, max(0.0, run.gap_limit - rounding))
+    solver, status = m.solve(deadline - time.perf_counter(), run.seed, run.workers,
+                             max(0.0, run.gap_limit - rounding))
     name = solver.status_name(status)
-    if status == cp_model.OPTIMAL and solver.best_objective_bound < solver.objective_value:
-        name = "FEASIBLE"  # stopped by the gap limit: within it, not proven optimal
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found(m.read(solver), name, _bound(solver, unit_scale, slack))
     return _Found([], name, _bound(solver, unit_scale, slack) if status == cp_model.UNKNOWN else 0)

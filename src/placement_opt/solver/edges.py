@@ -1,0 +1,146 @@
+"""Redundant edges: an edge whose every transfer is covered by another path between its ends.
+
+Torch-free. Traced graphs carry many edges no longest path can ever need: a module-level Llama
+has an edge from every ``o_proj`` and ``down_proj`` to every later norm (the residual stream), and
+a block-level one an edge from ``rotary_emb`` to every layer. 724 units carry 13,922 edges, and
+each edge costs the CP-SAT model a transfer variable and a precedence row per phase.
+
+An edge ``a -> b`` is *covered* when another path ``a -> v1 -> ... -> b`` is, for every choice of
+execution devices, at least as long as the edge: the path's transfers plus the cheapest durations
+of its inner units ``>= c_ab(exec a, exec b)``, in both phases. Then ``finish[b]`` never depends on
+the edge, and dropping it leaves the longest path of every assignment unchanged (the device loads
+do not read edges). Covered edges are dropped shortest span first and a witness path uses only
+shorter edges, so a dropped edge in a witness is itself covered by kept ones (induction on the
+span): :func:`prune_edges` is exact for every objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+from .problem import EdgeSpec, PlacementProblem
+
+__all__ = ["prune_edges", "covered_edges"]
+
+_PHASES = ("prefill_ns", "decode_ns")
+_INF = float("inf")
+
+
+def prune_edges(problem: PlacementProblem, deadline: float | None = None) -> PlacementProblem:
+    """``problem`` without its covered edges: every assignment keeps its exact score.
+
+    ``deadline`` (a ``time.perf_counter()`` value) stops the search for covered edges early; the
+    edges found by then are dropped, which stays exact.
+    """
+    drop = covered_edges(problem, deadline)
+    if not drop:
+        return problem
+    edges = tuple(e for k, e in enumerate(problem.edges) if k not in drop)
+    return dataclasses.replace(problem, edges=edges)
+
+
+def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> set[int]:
+    """Indices of the edges that a path of other edges always outlasts (see the module docstring)."""
+    index = problem.index()
+    n = len(problem.units)
+    pairs = [(index[e.src], index[e.dst]) for e in problem.edges]
+    out: list[dict[int, int]] = [{} for _ in range(n)]  # a -> {b: edge index}
+    for k, (a, b) in enumerate(pairs):
+        out[a].setdefault(b, k)
+    reaches = _descendants(out, n)
+    execs = [sorted({o.execution for o in u.options}) for u in problem.units]
+    fastest = [{ph: {x: min(getattr(o, ph) for o in u.options if o.execution == x) for x in execs[v]}
+                for ph in _PHASES} for v, u in enumerate(problem.units)]
+    # Traced graphs repeat one layer's pattern: the same witness shape (edge prices and devices)
+    # recurs once per layer. Each shape is checked once with the inner durations taken as 0 (a
+    # sufficient test, durations are >= 0); only the shapes that fail it are checked path by path.
+    edge_key = _interned([(tuple(sorted(e.prefill_ns.items())), tuple(sorted(e.decode_ns.items())))
+                          for e in problem.edges])
+    unit_key = _interned([tuple(x) for x in execs])
+    seen: dict[tuple, bool] = {}
+    drop: set[int] = set()
+    for step, k in enumerate(sorted(range(len(pairs)), key=lambda k: pairs[k][1] - pairs[k][0])):
+        if deadline is not None and step % 256 == 0 and time.perf_counter() > deadline:
+            break  # what is dropped so far is covered by kept edges (shorter spans come first)
+        a, b = pairs[k]
+        if out[a].get(b) != k:  # a parallel duplicate: the first edge of the pair is kept
+            if _dominates(problem.edges[out[a][b]], problem.edges[k], execs[a], execs[b]):
+                drop.add(k)
+            continue
+        path = _witness(out, reaches, a, b)
+        if not path:
+            continue
+        hops = [out[v][w] for v, w in zip(path, path[1:], strict=False)]
+        shape = (edge_key[k], unit_key[a], unit_key[b], *((edge_key[h], unit_key[v]) for h, v in zip(hops, path[1:],
+                                                                                                    strict=True)))
+        if shape not in seen:
+            seen[shape] = _covers(problem, hops, path, k, execs, None)
+        if seen[shape] or _covers(problem, hops, path, k, execs, fastest):
+            drop.add(k)
+    return drop
+
+
+def _interned(keys: list) -> list[int]:
+    """A small int per distinct key."""
+    ids: dict = {}
+    return [ids.setdefault(key, len(ids)) for key in keys]
+
+
+def _descendants(out: list[dict[int, int]], n: int) -> list[int]:
+    """Bitset per unit of the units reachable from it (edges point forward in the order)."""
+    reach = [0] * n
+    for v in range(n - 1, -1, -1):
+        bits = 0
+        for w in out[v]:
+            bits |= reach[w] | (1 << w)
+        reach[v] = bits
+    return reach
+
+
+def _witness(out: list[dict[int, int]], reaches: list[int], a: int, b: int) -> list[int]:
+    """A path a -> ... -> b of at least two edges, each hop to the furthest unit that still reaches b."""
+    path, v = [a], a
+    while v != b:
+        hops = [w for w in out[v] if w < b and (reaches[w] >> b) & 1]
+        if v != a and b in out[v]:
+            hops.append(b)
+        if not hops:
+            return []
+        v = max(hops)
+        path.append(v)
+    return path if len(path) > 2 else []
+
+
+def _cost(costs: Mapping[tuple[str, str], int], p: str, q: str) -> int:
+    return 0 if p == q else costs.get((p, q), 0)
+
+
+def _dominates(kept: EdgeSpec, other: EdgeSpec, src: list[str], dst: list[str]) -> bool:
+    """A parallel edge costing at least as much on every device pair covers ``other``."""
+    return all(_cost(getattr(kept, ph), p, q) >= _cost(getattr(other, ph), p, q)
+               for ph in _PHASES for p in src for q in dst)
+
+
+def _covers(problem: PlacementProblem, hops: list[int], path: list[int], k: int, execs: list[list[str]],
+            fastest: list[dict[str, dict[str, int]]] | None) -> bool:
+    """True when the path's least length from each device of its source to each of its sink is >= edge k.
+
+    ``fastest`` (per unit, phase and execution device, the least duration) adds the inner units'
+    durations to the path; ``None`` counts them as 0.
+    """
+    edge = problem.edges[k]
+    a, b = path[0], path[-1]
+    for ph in _PHASES:
+        direct = getattr(edge, ph)
+        for p in execs[a]:
+            reach = {p: 0.0}  # least path length so far, per execution device of the current unit
+            for h, v in zip(hops, path[1:], strict=True):
+                costs = getattr(problem.edges[h], ph)
+                inner = v != b and fastest is not None
+                reach = {x: min((r + _cost(costs, y, x) for y, r in reach.items()), default=_INF)
+                         + (fastest[v][ph][x] if inner else 0) for x in execs[v]}  # type: ignore[index]
+            if any(reach[q] < _cost(direct, p, q) for q in execs[b]):
+                return False
+    return True

@@ -1,0 +1,108 @@
+"""Identical devices: relabelling them never changes a cost, so the model may fix their order.
+
+Torch-free. Four T4s or two H100s are interchangeable: every unit prices its options on one exactly
+as on the other, every edge prices a transfer between them as between any other pair they swap
+into, and nothing (a pin, a capacity) tells them apart. Swapping two such devices in an assignment
+gives one with the same score and the same feasibility, so for every assignment there is one as
+good whose devices of each class are *first used* (stored on or executed on) in the class's order.
+The CP-SAT model states that order (:meth:`~.cpsat.PlacementModel` ``_identical_devices_in_order``);
+:func:`relabel` moves the hint into it. Without the order, CP-SAT explores each placement once per
+permutation of the devices (24 times on four GPUs) and its bound stalls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .problem import PlacementOption, PlacementProblem
+
+__all__ = ["identical_devices", "relabel", "first_use"]
+
+_Key = tuple[str, str, str]
+
+
+def _key(o: PlacementOption) -> _Key:
+    return (o.storage, o.execution, o.mode)
+
+
+def _numbers(o: PlacementOption) -> tuple[int, ...]:
+    return (o.prefill_ns, o.decode_ns, o.stored_bytes, o.resident_bytes, o.peak_bytes)
+
+
+def _swap(name: str, a: str, b: str) -> str:
+    return b if name == a else a if name == b else name
+
+
+def identical_devices(problem: PlacementProblem) -> list[list[str]]:
+    """Classes (2+ devices each, in ``problem.devices`` order) whose members are interchangeable."""
+    pinned = set(problem.pins.values())
+    menus = [_menu(u.options) for u in problem.units]
+    classes: list[list[str]] = []
+    for d in problem.devices:
+        if d.name in pinned:
+            continue
+        home = next((c for c in classes if _interchangeable(problem, menus, c[0], d.name)), None)
+        if home is None:
+            classes.append([d.name])
+        else:
+            home.append(d.name)
+    return [c for c in classes if len(c) > 1]
+
+
+def _menu(options: Sequence[PlacementOption]) -> dict[_Key, list[tuple[int, ...]]]:
+    menu: dict[_Key, list[tuple[int, ...]]] = {}
+    for o in options:
+        menu.setdefault(_key(o), []).append(_numbers(o))
+    return {k: sorted(v) for k, v in menu.items()}
+
+
+def _interchangeable(problem: PlacementProblem, menus: list[dict[_Key, list[tuple[int, ...]]]], a: str,
+                     b: str) -> bool:
+    """True when swapping devices a and b maps every option menu and every edge price onto itself."""
+    da, db = problem.device(a), problem.device(b)
+    if (da.kind, da.capacity_bytes) != (db.kind, db.capacity_bytes):
+        return False
+    for menu in menus:
+        for (s, e, m), numbers in menu.items():
+            if menu.get((_swap(s, a, b), _swap(e, a, b), m)) != numbers:
+                return False
+    devices = [d.name for d in problem.devices]
+    for edge in problem.edges:
+        for costs in (edge.prefill_ns, edge.decode_ns):
+            if any(_price(costs, p, q) != _price(costs, _swap(p, a, b), _swap(q, a, b))
+                   for p in devices for q in devices):
+                return False
+    return True
+
+
+def _price(costs: Mapping[tuple[str, str], int], p: str, q: str) -> int:
+    return 0 if p == q else costs.get((p, q), 0)
+
+
+def first_use(problem: PlacementProblem, choice: Sequence[int]) -> dict[str, int]:
+    """Device -> index of the first unit storing or executing on it (units in order; unused: absent)."""
+    first: dict[str, int] = {}
+    for i, o in enumerate(problem.options(choice)):
+        first.setdefault(o.storage, i)
+        first.setdefault(o.execution, i)
+    return first
+
+
+def relabel(problem: PlacementProblem, choice: Sequence[int], classes: Sequence[Sequence[str]]) -> list[int]:
+    """``choice`` with each class's devices renamed so that they are first used in the class's order.
+
+    The result has the same score and feasibility (the devices are interchangeable).
+    """
+    first = first_use(problem, choice)
+    rename: dict[str, str] = {}
+    for members in classes:
+        by_use = sorted(members, key=lambda d: (first.get(d, len(problem.units)), members.index(d)))
+        rename.update(zip(by_use, members, strict=True))
+    if all(k == v for k, v in rename.items()):
+        return list(choice)
+    out = []
+    for u, c in zip(problem.units, choice, strict=True):
+        o = u.options[c]
+        want = (rename.get(o.storage, o.storage), rename.get(o.execution, o.execution), o.mode)
+        out.append(next(k for k, p in enumerate(u.options) if _key(p) == want and _numbers(p) == _numbers(o)))
+    return out

@@ -1,0 +1,61 @@
+"""Brute force over every assignment, from the definitions in problem.py's docstring written anew.
+
+Shared by the solver's property tests: nothing here calls ``PlacementProblem.score`` or ``satisfies``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+
+def reference_value(problem, choice, objective):
+    """``objective`` of ``choice`` from the definitions in problem.py's docstring, written anew here."""
+    chosen = dict(zip([u.name for u in problem.units], (u.options[c] for u, c in zip(problem.units, choice, strict=True)), strict=True))
+    devices = [d.name for d in problem.devices]
+
+    def phase(key):
+        finish = {}
+        for name, o in chosen.items():  # units are in execution order and edges point forward
+            arrivals = [finish[e.src] + (getattr(e, key).get((chosen[e.src].execution, o.execution), 0)
+                                         if chosen[e.src].execution != o.execution else 0)
+                        for e in problem.edges if e.dst == name]
+            finish[name] = max(arrivals, default=0) + getattr(o, key)
+        busiest = max(sum(getattr(o, key) for o in chosen.values() if o.execution == d) for d in devices)
+        return max(max(finish.values()), busiest)
+
+    if objective == "latency":
+        return phase("prefill_ns") + phase("decode_ns")
+    if objective == "throughput":
+        return max(sum(o.prefill_ns + o.decode_ns for o in chosen.values() if o.execution == d) for d in devices)
+    return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
+
+
+def reference_bytes(chosen, device):
+    stored = sum(o.stored_bytes for o in chosen if o.storage == device)
+    resident = sum(o.resident_bytes for o in chosen if o.execution == device)
+    return stored + resident + max((o.peak_bytes for o in chosen if o.execution == device), default=0)
+
+
+def reference_valid(problem, choice):
+    chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
+    storage = {u.name: o.storage for u, o in zip(problem.units, chosen, strict=True)}
+    if any(reference_bytes(chosen, d.name) > d.capacity_bytes for d in problem.devices):
+        return False
+    if any(storage[n] != d for n, d in problem.pins.items()):
+        return False
+    if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
+        return False
+    runs = [k for k, _ in itertools.groupby(o.storage for o in chosen)]
+    return not problem.contiguous or len(runs) == len(set(runs))
+
+
+def reference_optimum(problem, objective, memory_slack=0.05):
+    """The optimum over every assignment (None when none is valid); memory: within the latency slack."""
+    every = [c for c in itertools.product(*(range(len(u.options)) for u in problem.units))
+             if reference_valid(problem, c)]
+    if not every:
+        return None
+    if objective != "memory":
+        return min(reference_value(problem, c, objective) for c in every)
+    cap = int(min(reference_value(problem, c, "latency") for c in every) * (1 + memory_slack))
+    return min(reference_value(problem, c, "memory") for c in every if reference_value(problem, c, "latency") <= cap)

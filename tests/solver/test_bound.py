@@ -1,0 +1,208 @@
+"""The bound is a bound: every reduction forced on, checked against brute force over all assignments.
+
+``solve_problem`` is run with its thresholds lowered so that small problems go through every path
+large ones take: the coarse start (``COARSEN_ABOVE``), integer time with a rounding slack
+(``TIME_RESOLUTION`` / ``SLACK_STEPS``), covered edges dropped, interchangeable devices ordered.
+Each exact reduction is then checked on its own: it keeps the score of every assignment (edges),
+or the optimum over the assignments it keeps equals the optimum over all (device order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+
+from _brute import reference_optimum, reference_valid, reference_value
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.solver import search
+from placement_opt.solver.edges import covered_edges, prune_edges
+from placement_opt.solver.problem import (
+    OBJECTIVES,
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
+from placement_opt.solver.symmetry import first_use, identical_devices, relabel
+
+_MAX_ASSIGNMENTS = 2500  # brute force stays around 0.1 s a case
+
+
+@contextlib.contextmanager
+def every_reduction_on():
+    """Lower the thresholds so that a 2-unit problem is coarsened first and solved in rounded time."""
+    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS")}
+    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS = 1, 7, 1
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(search, k, v)
+
+
+def _matrix(draw, devices, twins):
+    """Transfer prices per ordered pair; with ``twins`` the GPUs are interchangeable (one price per kind pair)."""
+    if twins:
+        kinds = {(a, b): draw(st.integers(0, 9)) for a in ("gpu", "cpu") for b in ("gpu", "cpu")}
+        return {(p, q): kinds["gpu" if p.startswith("cuda") else "cpu", "gpu" if q.startswith("cuda") else "cpu"]
+                for p in devices for q in devices if p != q}
+    return {(p, q): draw(st.integers(0, 9)) for p in devices for q in devices if p != q}
+
+
+def _menu(draw, gpus, twins):
+    """Resident on every GPU and on the CPU, streamed from the CPU to every GPU; twins price GPUs alike."""
+    def numbers():
+        return dict(prefill_ns=draw(st.integers(0, 30)), decode_ns=draw(st.integers(0, 60)),
+                    resident_bytes=draw(st.integers(0, 2)), peak_bytes=draw(st.integers(0, 4)))
+    stored = draw(st.integers(0, 6))
+    on_gpu, streamed = numbers(), numbers()
+    options = []
+    for g in gpus:
+        if not twins:
+            on_gpu, streamed = numbers(), numbers()
+        options.append(PlacementOption(storage=g, execution=g, mode="resident", stored_bytes=stored, **on_gpu))
+        options.append(PlacementOption(storage="cpu", execution=g, mode="stream", stored_bytes=stored, **streamed))
+    options.append(PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=stored, **numbers()))
+    return tuple(options)
+
+
+@st.composite
+def problems(draw):
+    """Chains and DAGs with runs of identical units, identical GPUs, pins, ties and contiguity."""
+    n_gpus = draw(st.integers(1, 3))
+    gpus = [f"cuda:{i}" for i in range(n_gpus)]
+    twins = n_gpus > 1 and draw(st.booleans())
+    options = 2 * n_gpus + 1
+    n = draw(st.integers(1, max(1, int(math.log(_MAX_ASSIGNMENTS) / math.log(options)))))
+    menus = [_menu(draw, gpus, twins)]
+    for _ in range(n - 1):  # runs of identical units (decoder layers) or a new menu
+        menus.append(menus[-1] if draw(st.booleans()) else _menu(draw, gpus, twins))
+    units = tuple(UnitSpec(name=f"u{i}", options=m) for i, m in enumerate(menus))
+    devices = [*gpus, "cpu"]
+    shared = _matrix(draw, devices, twins)
+    pairs = [(i, i + 1) for i in range(n - 1)]
+    if draw(st.booleans()):  # a DAG: skip edges, some chain edges dropped
+        pairs = [p for p in pairs if draw(st.integers(0, 3))] + \
+            [(i, j) for i in range(n) for j in range(i + 2, n) if draw(st.booleans())]
+    edges = []
+    for i, j in pairs:
+        prefill = shared if draw(st.booleans()) else _matrix(draw, devices, twins)
+        edges.append(EdgeSpec(src=f"u{i}", dst=f"u{j}", prefill_ns=prefill, decode_ns=_matrix(draw, devices, twins)))
+    gpu_cap = draw(st.integers(0, 16))
+    specs = tuple(DeviceSpec(name=g, kind="gpu", capacity_bytes=gpu_cap if twins else draw(st.integers(0, 16)))
+                  for g in gpus) + (DeviceSpec(name="cpu", kind="cpu", capacity_bytes=draw(st.integers(0, 30))),)
+    tied = (("u0", f"u{n - 1}"),) if n >= 2 and draw(st.integers(0, 3)) == 0 else ()
+    pins = {f"u{draw(st.integers(0, n - 1))}": draw(st.sampled_from(devices))} if draw(st.integers(0, 3)) == 0 else {}
+    return PlacementProblem(units=units, edges=tuple(edges), devices=specs, tied_groups=tied, pins=pins,
+                            contiguous=draw(st.integers(0, 4)) == 0)
+
+
+def _assignments(problem):
+    return itertools.product(*(range(len(u.options)) for u in problem.units))
+
+
+@settings(max_examples=300)
+@given(problems(), st.sampled_from(OBJECTIVES), st.data())
+def test_bound_status_and_plan_against_brute_force_with_every_reduction_on(problem, objective, data):
+    hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]  # often invalid
+    best = reference_optimum(problem, objective)
+    with every_reduction_on():
+        sol = search.solve_problem(problem, objective, time_limit_s=5, workers=1, gap_limit=0.0, hint=hint)
+    if best is None:
+        assert not sol.feasible and sol.choice == ()
+        return
+    assert sol.feasible, "brute force finds a plan; the solver must return one"
+    assert reference_valid(problem, sol.choice)  # capacities, pins, ties, contiguity
+    assert sol.objective_value == reference_value(problem, sol.choice, objective)
+    # memory: the first solve's latency cap is >= the best latency's, so its optimum is <= brute force's.
+    assert sol.best_bound <= best, f"bound {sol.best_bound} above the brute-force optimum {best}"
+    if sol.status == "OPTIMAL":
+        assert sol.objective_value == best if objective != "memory" else sol.objective_value <= best
+    assert sol.gap >= 0.0
+
+
+@settings(max_examples=300)
+@given(problems())
+def test_dropping_covered_edges_keeps_every_assignments_score(problem):
+    pruned = prune_edges(problem)
+    for choice in _assignments(problem):
+        assert pruned.score(choice) == problem.score(choice)
+
+
+def test_covered_edges_are_found_on_a_residual_pattern():
+    # a -> b -> c with a skip a -> c whose price is at most a path's: dropped; a dearer skip is kept.
+    def unit(name):
+        return UnitSpec(name=name, options=tuple(PlacementOption(storage=d, execution=d, mode="resident", prefill_ns=1,
+                                                                 decode_ns=1, stored_bytes=0, resident_bytes=0,
+                                                                 peak_bytes=0) for d in ("cuda:0", "cuda:1")))
+    hop = {("cuda:0", "cuda:1"): 5, ("cuda:1", "cuda:0"): 5}
+    cheap = {("cuda:0", "cuda:1"): 4, ("cuda:1", "cuda:0"): 5}
+    dear = {("cuda:0", "cuda:1"): 6, ("cuda:1", "cuda:0"): 5}
+    devices = tuple(DeviceSpec(name=d, kind="gpu", capacity_bytes=1) for d in ("cuda:0", "cuda:1"))
+
+    def problem(skip):
+        edges = tuple(EdgeSpec(src=s, dst=t, prefill_ns=c, decode_ns=c) for s, t, c in
+                      [("a", "b", hop), ("b", "c", hop), ("a", "c", skip)])
+        return PlacementProblem(units=(unit("a"), unit("b"), unit("c")), edges=edges, devices=devices)
+
+    # Either way round, the path a -> b -> c costs one hop (5) and b's 1 ns: 6 between different GPUs.
+    assert covered_edges(problem(cheap)) == {2}
+    assert covered_edges(problem(dear)) == {2}
+    dearer = {("cuda:0", "cuda:1"): 7, ("cuda:1", "cuda:0"): 5}
+    assert covered_edges(problem(dearer)) == set()
+
+
+@settings(max_examples=300)
+@given(problems())
+def test_interchangeable_devices_are_relabelled_at_no_cost_and_ordered_optimum_is_the_optimum(problem):
+    classes = identical_devices(problem)
+    best_all = best_ordered = None
+    for k, choice in enumerate(_assignments(problem)):
+        if k % 7 == 0:  # relabelling checked on a seventh of the assignments: the slow part
+            moved = relabel(problem, choice, classes)
+            _same_cost(problem, choice, moved)
+            assert problem.satisfies(moved) == problem.satisfies(choice)
+            assert _in_order(problem, moved, classes)
+        if problem.satisfies(choice):
+            value = problem.objective_value(choice, "latency")
+            best_all = value if best_all is None else min(best_all, value)
+            if _in_order(problem, choice, classes):
+                best_ordered = value if best_ordered is None else min(best_ordered, value)
+    assert best_ordered == best_all
+
+
+def _same_cost(problem, choice, moved):
+    """``moved`` is ``choice`` with devices renamed: the same times, the same loads and bytes per device, renamed."""
+    a, b = problem.score(choice), problem.score(moved)
+    assert (a.prefill_ns, a.decode_ns) == (b.prefill_ns, b.decode_ns)
+    assert sorted(a.used_bytes.values()) == sorted(b.used_bytes.values())
+    assert sorted(a.stage_ns.values()) == sorted(b.stage_ns.values())
+    for objective in OBJECTIVES:
+        assert problem.objective_value(choice, objective) == problem.objective_value(moved, objective)
+
+
+def _in_order(problem, choice, classes):
+    first = first_use(problem, choice)
+    never = len(problem.units)
+    return all(first.get(a, never) <= first.get(b, never) for c in classes for a, b in itertools.pairwise(c))
+
+
+def test_twin_gpus_form_a_class_and_one_price_apart_do_not():
+    def menu(extra):
+        return tuple(PlacementOption(storage=d, execution=d, mode="resident", prefill_ns=10 + (extra if d == "cuda:1"
+                                                                                              else 0),
+                                     decode_ns=5, stored_bytes=1, resident_bytes=0, peak_bytes=0)
+                     for d in ("cuda:0", "cuda:1", "cpu"))
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=4), DeviceSpec(name="cuda:1", kind="gpu",
+                                                                                   capacity_bytes=4),
+               DeviceSpec(name="cpu", kind="cpu", capacity_bytes=4))
+    same = PlacementProblem(units=(UnitSpec(name="a", options=menu(0)),), edges=(), devices=devices)
+    apart = PlacementProblem(units=(UnitSpec(name="a", options=menu(1)),), edges=(), devices=devices)
+    pinned = PlacementProblem(units=(UnitSpec(name="a", options=menu(0)),), edges=(), devices=devices,
+                              pins={"a": "cuda:1"})
+    assert identical_devices(same) == [["cuda:0", "cuda:1"]]
+    assert identical_devices(apart) == [] == identical_devices(pinned)
