@@ -21,7 +21,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.starts import _pack, executor_starts, improve
+from placement_opt.solver.starts import _pack, executor_starts, fits, improve
 
 
 def opt(storage, execution=None, *, t=100, stored=1, resident=0, peak=0, mode=None):
@@ -149,6 +149,13 @@ def test_every_start_and_its_fill_is_valid_and_the_fill_no_slower(problem):
         filled = improve(problem, start)
         assert problem.satisfies(filled)
         assert problem.objective_value(filled, "latency") <= problem.objective_value(start, "latency")
+
+
+@given(problems(), st.data())
+def test_fits_agrees_with_satisfies(problem, data):
+    # fits() is satisfies() without the time schedule: the same verdict on any assignment
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    assert fits(problem, choice) == problem.satisfies(choice)
 
 
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=8), st.integers(0, 40))

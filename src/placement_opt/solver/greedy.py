@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
 from .problem import PlacementOption, PlacementProblem
-from .starts import constructive_starts, improve
+from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -264,6 +264,10 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
 # ---------------------------------------------------------------------------------------------
 #: Reserve fractions tried by :func:`best_greedy_choice` (None: no reserve).
 GREEDY_RESERVES = (None, 0.0, 0.1, 0.25, 0.5)
+#: How many of the best valid starts :func:`best_greedy_choice` fills greedily beside the constructive
+#: ones on problems above :data:`_FILL_ALL_UNITS` units (each fill is priced once: ~35 ms at 724 units).
+_FILLED = 2
+_FILL_ALL_UNITS = 200
 
 
 def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = None) -> list[int]:
@@ -281,19 +285,18 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     storage: dict[str, str] = {}
     choice = []
     for u in problem.units:
-        def fits(o: PlacementOption) -> bool:
+        def room_for(o: PlacementOption) -> bool:
             extra_peak = max(0, o.peak_bytes - peak[o.execution])
             if o.storage == o.execution:
                 return o.stored_bytes + o.resident_bytes + extra_peak + reserve[o.storage] <= free[o.storage]
             return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
 
         lead = tied_to.get(u.name)
-        ranked = sorted(range(len(u.options)),
-                        key=lambda i: (not problem.allows(u, u.options[i]),
-                                       lead in storage and u.options[i].storage != storage[lead],
-                                       not fits(u.options[i]),
-                                       u.options[i].prefill_ns + u.options[i].decode_ns, i))
-        best = ranked[0]
+        best = min(range(len(u.options)),
+                   key=lambda i: (not problem.allows(u, u.options[i]),
+                                  lead in storage and u.options[i].storage != storage[lead],
+                                  not room_for(u.options[i]),
+                                  u.options[i].prefill_ns + u.options[i].decode_ns, i))
         o = u.options[best]
         free[o.storage] -= o.stored_bytes
         free[o.execution] -= o.resident_bytes + max(0, o.peak_bytes - peak[o.execution])
@@ -308,24 +311,36 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None) -> 
     reserve = {d.name: 0 for d in problem.devices}
     if reserve_fraction is None:
         return reserve
+    buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per execution device, in one pass
+    for u in problem.units:
+        for o in u.options:
+            if o.execution != o.storage and o.peak_bytes > buffer[o.execution]:
+                buffer[o.execution] = o.peak_bytes
     for d in problem.devices:
         if d.kind == "gpu":
-            streams = [o.peak_bytes for u in problem.units for o in u.options
-                       if o.execution == d.name and o.storage != d.name]
-            reserve[d.name] = max(streams, default=0) + int(reserve_fraction * d.capacity_bytes)
+            reserve[d.name] = buffer[d.name] + int(reserve_fraction * d.capacity_bytes)
     return reserve
 
 
 def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") -> list[int]:
     """The best valid start: :func:`greedy_choice` over :data:`GREEDY_RESERVES` and the constructive
-    starts of :mod:`.starts` (one execution device, then filled greedily), each valid one also filled.
+    starts of :mod:`.starts` (every unit on one execution device), filled greedily: every
+    constructive start and, on large problems, only the best :data:`_FILLED` others.
 
     Valid whenever one of those starts is, in particular whenever every unit can compute on the CPU
     with its weights on the CPU or the disk. With no valid start: ``greedy_choice(problem)``.
     """
     key = "latency" if objective == "memory" else objective
     variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
-    variants += [improve(problem, c, key) for c in variants if problem.satisfies(c)]
-    variants += constructive_starts(problem, key)
-    valid = [(problem.objective_value(c, key), i) for i, c in enumerate(variants) if problem.satisfies(c)]
-    return variants[min(valid)[1]] if valid else variants[0]
+    constructive = {tuple(c) for c in executor_starts(problem)}
+    unique = list(dict.fromkeys([*(tuple(c) for c in variants), *constructive]))
+    valid = sorted((problem.objective_value(c, key), c) for c in unique if fits(problem, c))
+    if not valid:
+        return variants[0]
+    others = len(valid) if len(problem.units) <= _FILL_ALL_UNITS else _FILLED
+    to_fill = [(v, c) for rank, (v, c) in enumerate(valid) if rank < others or c in constructive]
+    for value, start in to_fill:
+        better = tuple(improve(problem, start, key, value=value))
+        if better != start:  # improve() keeps only fills that lower the objective
+            valid.append((problem.objective_value(better, key), better))
+    return list(min(valid)[1])

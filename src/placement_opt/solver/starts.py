@@ -22,12 +22,12 @@ execution device; capacities already exclude the reserve):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .problem import PlacementOption, PlacementProblem
 
-__all__ = ["executor_starts", "improve", "constructive_starts"]
+__all__ = ["executor_starts", "improve", "fits"]
 
 #: Pareto states the knapsack keeps; beyond this it thins them (no longer exact, still valid).
 _MAX_STATES = 1024
@@ -41,11 +41,6 @@ _MODE_RANK = {"resident": 0, "stream": 1, "stream_sync": 2}
 
 def _work(o: PlacementOption) -> int:
     return o.prefill_ns + o.decode_ns
-
-
-def _best(options: Iterable[tuple[int, PlacementOption]]) -> tuple[int, PlacementOption] | None:
-    """The preferred option: overlapped streams before synchronous ones, then the fastest."""
-    return min(options, key=lambda io: (_MODE_RANK[io[1].mode], _work(io[1]), io[0]), default=None)
 
 
 def _pack(items: Sequence[tuple[int, int]], budget: int) -> list[int]:
@@ -122,25 +117,32 @@ def _groups(problem: PlacementProblem) -> list[list[int]]:
     return tied + [[i] for i in range(len(problem.units)) if i not in seen]
 
 
-def _items(problem: PlacementProblem, groups: list[list[int]], executor: str, stores: Sequence[str],
-           peak_cap: int) -> list[_Item] | None:
+def _menus(problem: PlacementProblem, executor: str) -> list[list[tuple[int, PlacementOption]]]:
+    """Per unit, its allowed options computed on ``executor``, preferred first: overlapped streams
+    before synchronous ones, then the fastest."""
+    return [sorted(((k, o) for k, o in enumerate(u.options) if o.execution == executor and problem.allows(u, o)),
+                   key=lambda ko: (_MODE_RANK[ko[1].mode], _work(ko[1]), ko[0])) for u in problem.units]
+
+
+def _items(menus: list[list[tuple[int, PlacementOption]]], groups: list[list[int]], executor: str,
+           stores: Sequence[str], peak_cap: int) -> list[_Item] | None:
     """Each group's options on ``executor`` whose transient stays within ``peak_cap`` (None: one has none)."""
     items = []
     for g in groups:
         resident: list | None = []
         streamed: dict[str, list] = {s: [] for s in stores}
         for i in g:
-            u = problem.units[i]
-            allowed = [(k, o) for k, o in enumerate(u.options) if o.execution == executor
-                       and o.peak_bytes <= peak_cap and problem.allows(u, o)]
-            res = _best((k, o) for k, o in allowed if o.storage == executor)
+            first: dict[str, tuple[int, PlacementOption]] = {}  # storage -> preferred option within the cap
+            for k, o in menus[i]:
+                if o.peak_bytes <= peak_cap and o.storage not in first:
+                    first[o.storage] = (k, o)
+            res = first.get(executor)
             resident = None if resident is None or res is None else [*resident, res]
             for s in list(streamed):
-                best = _best((k, o) for k, o in allowed if o.storage == s)
-                if best is None:
-                    del streamed[s]
+                if s in first:
+                    streamed[s].append(first[s])
                 else:
-                    streamed[s].append(best)
+                    del streamed[s]
         if resident is None and not streamed:
             return None
         items.append(_Item(g, resident, streamed))
@@ -247,46 +249,71 @@ def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, 
     return best
 
 
-def _peak_caps(problem: PlacementProblem, executor: str) -> list[int]:
-    """Every distinct transient on ``executor`` for small problems (exact), else a spread of them."""
-    peaks = sorted({o.peak_bytes for u in problem.units for o in u.options if o.execution == executor})
+def _peak_caps(problem: PlacementProblem, executor: str, capacity: int) -> list[int]:
+    """Caps on the executor's largest transient worth trying, smallest first: from the least any unit
+    can run with up to the capacity; all of them on small problems (exact), else a spread."""
+    per_unit = [[o.peak_bytes for o in u.options if o.execution == executor] for u in problem.units]
+    if not all(per_unit):  # a unit that cannot compute here
+        return []
+    low = max(min(p) for p in per_unit)
+    peaks = sorted({x for p in per_unit for x in p if low <= x <= capacity})
     if len(peaks) <= _MAX_PEAK_CAPS or len(problem.units) <= _EXACT_ITEMS:
         return peaks
     step = (len(peaks) - 1) / (_MAX_PEAK_CAPS - 1)
     return sorted({peaks[round(k * step)] for k in range(_MAX_PEAK_CAPS)})
 
 
-def _executor_start(problem: PlacementProblem, executor: str, stores: Sequence[str]) -> list[list[int]]:
-    """Every feasible start with all units computed on ``executor`` (one per peak cap that works)."""
-    found, groups = [], _groups(problem)
+def _executor_start(problem: PlacementProblem, executor: str, stores: Sequence[str]) -> list[int] | None:
+    """A valid start with every unit computed on ``executor``: the first peak cap that gives one."""
+    groups, menus = _groups(problem), _menus(problem, executor)
     capacity = problem.device(executor).capacity_bytes
-    for cap in _peak_caps(problem, executor):
-        items = _items(problem, groups, executor, stores, cap)
-        if items is None or capacity - cap < 0:
+    for cap in _peak_caps(problem, executor, capacity):
+        items = _items(menus, groups, executor, stores, cap)
+        if items is None:
             continue
         splits = ([_contiguous_split(problem, items, stores, capacity - cap, r) for r in (False, True)]
                   if problem.contiguous else [_split(problem, items, executor, stores, capacity - cap)])
         for split in splits:
-            if split is not None:
-                choice = _choice(problem, items, *split)
-                if problem.satisfies(choice):
-                    found.append(choice)
-    return found
+            choice = None if split is None else _choice(problem, items, *split)
+            if choice is not None and fits(problem, choice):
+                return choice
+    return None
 
 
 def executor_starts(problem: PlacementProblem) -> list[list[int]]:
-    """Feasible starts with one execution device: the CPU (stores: disk), then one GPU of each size
+    """Valid starts with one execution device: the CPU (stores: disk), then one GPU of each size
     (stores: cpu, then disk). Empty when none of them fits."""
     kinds = {d.name: d.kind for d in problem.devices}
     cpu = [n for n, k in kinds.items() if k == "cpu"]
     disk = [n for n, k in kinds.items() if k == "disk"]
-    starts = [c for e in cpu for c in _executor_start(problem, e, disk)]
+    starts = [_executor_start(problem, e, disk) for e in cpu]
     seen_sizes: set[int] = set()
     for d in problem.devices:
         if d.kind == "gpu" and d.capacity_bytes not in seen_sizes:  # identical GPUs give identical starts
             seen_sizes.add(d.capacity_bytes)
-            starts += _executor_start(problem, d.name, cpu + disk)
-    return starts
+            starts.append(_executor_start(problem, d.name, cpu + disk))
+    return [c for c in starts if c is not None]
+
+
+def fits(problem: PlacementProblem, choice: Sequence[int]) -> bool:
+    """:meth:`PlacementProblem.satisfies` without pricing the schedule (linear, no time model):
+    capacities, pins, tied storage and contiguity."""
+    chosen = problem.options(choice)
+    used = problem.used_bytes(chosen)
+    if any(used[d.name] > d.capacity_bytes for d in problem.devices):
+        return False
+    if not all(problem.allows(u, o) for u, o in zip(problem.units, chosen, strict=True)):
+        return False
+    index = problem.index()
+    if any(len({chosen[index[n]].storage for n in g}) > 1 for g in problem.tied_groups):
+        return False
+    return not problem.contiguous or _one_range_each([o.storage for o in chosen])
+
+
+def _one_range_each(storage: Sequence[str]) -> bool:
+    """True when every device's units form one contiguous range of the execution order."""
+    runs = [d for k, d in enumerate(storage) if k == 0 or storage[k - 1] != d]
+    return len(runs) == len(set(runs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,31 +326,39 @@ class _Memory:
         self.capacity = {d.name: d.capacity_bytes for d in problem.devices}
         self.held = dict.fromkeys(self.capacity, 0)
         self.peaks: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}
+        self.top = dict.fromkeys(self.capacity, 0)
+        """The largest transient per device (kept up to date by _apply)."""
         for o in chosen:
             self._apply(o, 1)
 
     def _apply(self, o: PlacementOption, sign: int) -> None:
         self.held[o.storage] += sign * o.stored_bytes
         self.held[o.execution] += sign * o.resident_bytes
-        self.peaks[o.execution][o.peak_bytes] += sign
+        peaks = self.peaks[o.execution]
+        peaks[o.peak_bytes] += sign
+        if sign > 0:
+            self.top[o.execution] = max(self.top[o.execution], o.peak_bytes)
+        elif peaks[o.peak_bytes] == 0:
+            del peaks[o.peak_bytes]
+            if o.peak_bytes == self.top[o.execution]:
+                self.top[o.execution] = max(peaks, default=0)
 
     def _fits(self, device: str) -> bool:
-        peak = max((p for p, n in self.peaks[device].items() if n > 0), default=0)
-        return self.held[device] + peak <= self.capacity[device]
+        return self.held[device] + self.top[device] <= self.capacity[device]
 
     def move(self, old: PlacementOption, new: PlacementOption) -> bool:
         """Replace ``old`` by ``new`` if every device still fits; False (and nothing changed) otherwise."""
         self._apply(old, -1)
         self._apply(new, 1)
-        if all(self._fits(d) for d in {new.storage, new.execution}):
+        if self._fits(new.storage) and self._fits(new.execution):
             return True
         self._apply(new, -1)
         self._apply(old, 1)
         return False
 
 
-def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int]]:
-    """(unit, option) moves that save time, by time saved per byte added to the new devices."""
+def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int, int]]:
+    """(unit, option, bytes it adds) moves that save time, by time saved per byte added."""
     ranked = []
     for i, (u, c) in enumerate(zip(problem.units, choice, strict=True)):
         cur = u.options[c]
@@ -332,27 +367,22 @@ def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[b
             if saved <= 0 or not problem.allows(u, o) or (not movable[i] and o.storage != cur.storage):
                 continue
             added = o.stored_bytes + o.resident_bytes + o.peak_bytes
-            ranked.append((-saved / max(1, added), i, k))
-    return [(i, k) for _, i, k in sorted(ranked)]
+            ranked.append((-saved / max(1, added), i, k, added))
+    return [(i, k, added) for _, i, k, added in sorted(ranked)]
 
 
-def improve(problem: PlacementProblem, choice: Sequence[int], objective: str = "latency",
-            passes: int = 2) -> list[int]:
-    """``choice`` with units moved to faster options while everything fits; never worse for ``objective``.
-
-    Units of a tied group keep their storage (they may change where they compute).
-    """
-    current = list(choice)
-    if not problem.satisfies(current):
-        return current
+def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
+    """Apply the moves of :func:`_moves` that keep every device within capacity (in place)."""
     tied = {n for g in problem.tied_groups for n in g}
     movable = [u.name not in tied for u in problem.units]
     memory = _Memory(problem, problem.options(current))
     for _ in range(passes):
-        moved = False
-        for i, k in _moves(problem, current, movable):
+        moved, refused = False, {}  # (storage, execution) -> fewest bytes a move there failed with
+        for i, k, added in _moves(problem, current, movable):
             old, new = problem.units[i].options[current[i]], problem.units[i].options[k]
-            if _work(new) >= _work(old) or not memory.move(old, new):
+            pair = (new.storage, new.execution)
+            if _work(new) >= _work(old) or added >= refused.get(pair, added + 1) or not memory.move(old, new):
+                refused[pair] = min(added, refused.get(pair, added))
                 continue
             current[i], before = k, current[i]
             if problem.contiguous and not _one_range_each([o.storage for o in problem.options(current)]):
@@ -362,19 +392,22 @@ def improve(problem: PlacementProblem, choice: Sequence[int], objective: str = "
             moved = True
         if not moved:
             break
+
+
+def improve(problem: PlacementProblem, choice: Sequence[int], objective: str = "latency", passes: int = 2,
+            value: int | None = None) -> list[int]:
+    """``choice`` with units moved to faster options while everything fits; never worse for ``objective``.
+
+    Units go in order of time saved per byte added, so the fastest devices fill with the units that
+    gain most from them. Units of a tied group keep their storage (they may change where they
+    compute); pins hold. ``value``: the objective of ``choice`` when the caller knows it.
+    """
+    if not fits(problem, choice):
+        return list(choice)
+    current = list(choice)
+    _fill(problem, current, passes)
+    if current == list(choice) or not fits(problem, current):
+        return list(choice)
     key = "latency" if objective == "memory" else objective
-    if problem.satisfies(current) and problem.objective_value(current, key) < problem.objective_value(choice, key):
-        return current
-    return list(choice)
-
-
-def _one_range_each(storage: Sequence[str]) -> bool:
-    """True when every device's units form one contiguous range of the execution order."""
-    runs = [d for k, d in enumerate(storage) if k == 0 or storage[k - 1] != d]
-    return len(runs) == len(set(runs))
-
-
-def constructive_starts(problem: PlacementProblem, objective: str = "latency") -> list[list[int]]:
-    """The one-executor starts, each followed by its greedy fill (both kept)."""
-    starts = executor_starts(problem)
-    return starts + [improve(problem, s, objective) for s in starts]
+    value = problem.objective_value(choice, key) if value is None else value
+    return current if problem.objective_value(current, key) < value else list(choice)
