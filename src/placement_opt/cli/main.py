@@ -31,6 +31,7 @@ from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..report import gap_advice
 from .options import (
     DTYPES,
+    EXTRA_SEARCH_S,
     check_outputs,
     check_plot_suffix,
     model_dtype,
@@ -60,10 +61,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
 
 __all__ = ["main", "cli"]
-
-#: ``plan`` without ``--time-limit``: when the default search stops above the report's gap target
-#: (1 %), it searches again for at most this long and keeps the better plan.
-EXTRA_SEARCH_S = 4.0
 
 
 def _trace(model: Any, workload: Workload, dtype: str | None) -> Any:
