@@ -65,3 +65,14 @@ def test_no_second_search_with_a_time_limit_or_a_small_gap(solver, args, plan):
     assert calls == [float(args[1]) if args else None]
     assert "searching again" not in result.output
     assert ("gap: not proven" in result.output) == (plan.gap > 0.01)
+
+
+def test_compare_names_the_gap_of_a_plan_far_from_its_bound():
+    from placement_opt.cli.tables import why_lines
+    from placement_opt.compare import StrategyOutcome
+
+    lines = why_lines([StrategyOutcome(strategy="cpsat", plan=FAR),
+                       StrategyOutcome(strategy="sequential", plan=report_plan(strategy="sequential")),
+                       StrategyOutcome(strategy="balanced", plan=replace(FAR, gap=0.005))])
+    assert len(lines) == 1
+    assert lines[0].startswith("[bold yellow]cpsat gap[/]: not proven within 1% of the best")

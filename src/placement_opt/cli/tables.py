@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..compare import objective_value
+from ..report import gap_advice
 from ..units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,6 +106,8 @@ def why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
             lines.append(f"[bold red]{o.strategy}[/]: {error}")
         else:
             lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
+            advice = gap_advice(o.plan)
+            lines += [f"[bold yellow]{o.strategy} gap[/]: {advice}"] if advice else []
     return lines
 
 
