@@ -17,7 +17,7 @@ from _brute import reference_optimum, reference_valid, reference_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.solver import search
+from placement_opt.solver import aggregate, search
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
     OBJECTIVES,
@@ -29,19 +29,22 @@ from placement_opt.solver.problem import (
 )
 from placement_opt.solver.symmetry import first_use, identical_devices, relabel
 
-_MAX_ASSIGNMENTS = 2500  # brute force stays around 0.1 s a case
+_MAX_ASSIGNMENTS = 3200  # brute force stays around 0.1 s a case
 
 
 @contextlib.contextmanager
 def every_reduction_on():
-    """Lower the thresholds so that a 2-unit problem is coarsened first and solved in rounded time."""
+    """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, time is rounded."""
     saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS")}
+    saved_interior = aggregate.MIN_INTERIOR
     search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS = 1, 7, 1
+    aggregate.MIN_INTERIOR = 2
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(search, k, v)
+        aggregate.MIN_INTERIOR = saved_interior
 
 
 def _matrix(draw, devices, twins):
@@ -71,32 +74,43 @@ def _menu(draw, gpus, twins):
 
 
 @st.composite
-def problems(draw):
-    """Chains and DAGs with runs of identical units, identical GPUs, pins, ties and contiguity."""
-    n_gpus = draw(st.integers(1, 3))
+def problems(draw, run=False):
+    """Chains and DAGs with runs of identical units, identical GPUs, pins, ties and contiguity.
+
+    ``run``: units 1 to n - 1 (n >= 5) are identical and joined by one price: a run with an interior
+    of 2+ units that the solver counts per option (``u0`` may still take a skip edge or a pin).
+    """
+    n_gpus = draw(st.integers(1, 2 if run else 3))
     gpus = [f"cuda:{i}" for i in range(n_gpus)]
     twins = n_gpus > 1 and draw(st.booleans())
     options = 2 * n_gpus + 1
-    n = draw(st.integers(1, max(1, int(math.log(_MAX_ASSIGNMENTS) / math.log(options)))))
+    most = max(1, int(math.log(_MAX_ASSIGNMENTS) / math.log(options)))
+    n = draw(st.integers(5, max(5, most)) if run else st.integers(1, most))
     menus = [_menu(draw, gpus, twins)]
-    for _ in range(n - 1):  # runs of identical units (decoder layers) or a new menu
-        menus.append(menus[-1] if draw(st.booleans()) else _menu(draw, gpus, twins))
+    for k in range(n - 1):  # runs of identical units (decoder layers) or a new menu
+        same = (run and k > 0) or (not run and draw(st.integers(0, 3)) > 0)
+        menus.append(menus[-1] if same else _menu(draw, gpus, twins))
     units = tuple(UnitSpec(name=f"u{i}", options=m) for i, m in enumerate(menus))
     devices = [*gpus, "cpu"]
     shared = _matrix(draw, devices, twins)
     pairs = [(i, i + 1) for i in range(n - 1)]
-    if draw(st.booleans()):  # a DAG: skip edges, some chain edges dropped
+    if run and n >= 6 and draw(st.booleans()):  # the run's ends then take two edges: 6 units keep 2 inside
+        pairs.append((0, n - 1))
+    elif not run and draw(st.booleans()):  # a DAG: skip edges, some chain edges dropped
         pairs = [p for p in pairs if draw(st.integers(0, 3))] + \
             [(i, j) for i in range(n) for j in range(i + 2, n) if draw(st.booleans())]
+    shared_decode = _matrix(draw, devices, twins)
     edges = []
-    for i, j in pairs:
-        prefill = shared if draw(st.booleans()) else _matrix(draw, devices, twins)
-        edges.append(EdgeSpec(src=f"u{i}", dst=f"u{j}", prefill_ns=prefill, decode_ns=_matrix(draw, devices, twins)))
+    for i, j in pairs:  # mostly one price for every edge, as the hidden state between layers
+        same = run or draw(st.integers(0, 3)) > 0
+        edges.append(EdgeSpec(src=f"u{i}", dst=f"u{j}", prefill_ns=shared if same else _matrix(draw, devices, twins),
+                              decode_ns=shared_decode if same else _matrix(draw, devices, twins)))
     gpu_cap = draw(st.integers(0, 16))
     specs = tuple(DeviceSpec(name=g, kind="gpu", capacity_bytes=gpu_cap if twins else draw(st.integers(0, 16)))
                   for g in gpus) + (DeviceSpec(name="cpu", kind="cpu", capacity_bytes=draw(st.integers(0, 30))),)
-    tied = (("u0", f"u{n - 1}"),) if n >= 2 and draw(st.integers(0, 3)) == 0 else ()
-    pins = {f"u{draw(st.integers(0, n - 1))}": draw(st.sampled_from(devices))} if draw(st.integers(0, 3)) == 0 else {}
+    tied = (("u0", f"u{n - 1}"),) if n >= 2 and not run and draw(st.integers(0, 3)) == 0 else ()
+    pinned = f"u{draw(st.integers(0, 0 if run else n - 1))}"
+    pins = {pinned: draw(st.sampled_from(devices))} if draw(st.integers(0, 3)) == 0 else {}
     return PlacementProblem(units=units, edges=tuple(edges), devices=specs, tied_groups=tied, pins=pins,
                             contiguous=draw(st.integers(0, 4)) == 0)
 
@@ -108,6 +122,18 @@ def _assignments(problem):
 @settings(max_examples=300)
 @given(problems(), st.sampled_from(OBJECTIVES), st.data())
 def test_bound_status_and_plan_against_brute_force_with_every_reduction_on(problem, objective, data):
+    check_against_brute_force(problem, objective, data)
+
+
+@settings(max_examples=200)
+@given(problems(run=True), st.sampled_from(OBJECTIVES), st.data())
+def test_counted_runs_against_brute_force(problem, objective, data):
+    with every_reduction_on():
+        assert aggregate.identical_runs(problem) or problem.contiguous  # the relaxation is built
+    check_against_brute_force(problem, objective, data)
+
+
+def check_against_brute_force(problem, objective, data):
     hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]  # often invalid
     best = reference_optimum(problem, objective)
     with every_reduction_on():

@@ -16,6 +16,7 @@ span): :func:`prune_edges` is exact for every objective.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -50,13 +51,14 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
     for k, (a, b) in enumerate(pairs):
         out[a].setdefault(b, k)
     reaches = _descendants(out, n)
+    succ = [sorted(o) for o in out]
     execs = [sorted({o.execution for o in u.options}) for u in problem.units]
     fastest = [{ph: {x: min(getattr(o, ph) for o in u.options if o.execution == x) for x in execs[v]}
                 for ph in _PHASES} for v, u in enumerate(problem.units)]
     # Traced graphs repeat one layer's pattern: the same witness shape (edge prices and devices)
     # recurs once per layer. Each shape is checked once with the inner durations taken as 0 (a
     # sufficient test, durations are >= 0); only the shapes that fail it are checked path by path.
-    edge_key = _interned([(tuple(sorted(e.prefill_ns.items())), tuple(sorted(e.decode_ns.items())))
+    edge_key = _interned([(tuple(e.prefill_ns.items()), tuple(e.decode_ns.items()))
                           for e in problem.edges])
     unit_key = _interned([tuple(x) for x in execs])
     seen: dict[tuple, bool] = {}
@@ -69,7 +71,7 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
             if _dominates(problem.edges[out[a][b]], problem.edges[k], execs[a], execs[b]):
                 drop.add(k)
             continue
-        path = _witness(out, reaches, a, b)
+        path = _witness(out, succ, reaches, a, b)
         if not path:
             continue
         hops = [out[v][w] for v, w in zip(path, path[1:], strict=False)]
@@ -99,16 +101,20 @@ def _descendants(out: list[dict[int, int]], n: int) -> list[int]:
     return reach
 
 
-def _witness(out: list[dict[int, int]], reaches: list[int], a: int, b: int) -> list[int]:
+def _witness(out: list[dict[int, int]], succ: list[list[int]], reaches: list[int], a: int, b: int) -> list[int]:
     """A path a -> ... -> b of at least two edges, each hop to the furthest unit that still reaches b."""
     path, v = [a], a
     while v != b:
-        hops = [w for w in out[v] if w < b and (reaches[w] >> b) & 1]
         if v != a and b in out[v]:
-            hops.append(b)
-        if not hops:
+            path.append(b)
+            break
+        after = succ[v]
+        k = bisect.bisect_left(after, b) - 1  # successors below b, the furthest first
+        while k >= 0 and not (reaches[after[k]] >> b) & 1:
+            k -= 1
+        if k < 0:
             return []
-        v = max(hops)
+        v = after[k]
         path.append(v)
     return path if len(path) > 2 else []
 

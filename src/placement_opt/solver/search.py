@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
+from .aggregate import AggregateModel, identical_runs
 from .cpsat import PlacementModel
 from .edges import prune_edges
 from .greedy import best_greedy_choice
@@ -62,6 +63,8 @@ COARSEN_ABOVE = 1000
 PRUNE_SHARE = 0.25
 #: Share of the time left that the coarse solve gets; the full problem gets the rest.
 COARSE_SHARE = 0.4
+#: Most of the time left that the aggregated relaxation (runs of identical units as counts) may take.
+AGGREGATE_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,7 +196,21 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
                 hint, hint_ok = start, True
             notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
-    found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns)
+    relaxed = _Found([], "UNKNOWN", 0)
+    runs = identical_runs(problem)
+    if runs:
+        until = time.perf_counter() + AGGREGATE_SHARE * (deadline - time.perf_counter())
+        relaxed = _aggregate(problem, objective, runs, run, (hint, hint_ok), latency_cap_ns, until)
+        if relaxed.choice:
+            hint, hint_ok = relaxed.choice, True
+        notes.append(f"bound also from {sum(b - a + 1 for a, b in runs)} identical units counted per option")
+    if relaxed.status == "INFEASIBLE":  # a relaxation without a solution: neither has the real problem
+        found = relaxed
+    elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
+        found = _Found(hint, "FEASIBLE", relaxed.bound)
+    else:
+        found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns)
+        found = _Found(found.choice, found.status, max(found.bound, relaxed.bound))
     if not found.choice and not hint_ok:
         return Solution(choice=(), status=found.status, objective=objective, objective_value=0,
                         best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
@@ -221,6 +238,34 @@ def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[i
     if hint_ok and problem.objective_value(choice, objective) > problem.objective_value(hint, objective):
         return None
     return choice
+
+
+def _proven(problem: PlacementProblem, objective: str, choice: Sequence[int], bound: int, gap_limit: float) -> bool:
+    value = problem.objective_value(choice, objective)
+    return value <= 0 or (value - bound) / value <= gap_limit
+
+
+def _aggregate(problem: PlacementProblem, objective: str, runs: list[tuple[int, int]], run: _Run,
+               start: tuple[list[int], bool], latency_cap_ns: int | None, until: float) -> _Found:
+    """The aggregated relaxation's bound, and its rebuilt plan when valid and better than the start."""
+    hint, hint_ok = start
+    scale = _scale(problem, hint, objective)
+    slack = {"latency": len(problem.units) + len(problem.edges), "throughput": len(problem.units)}.get(objective, 0)
+    unit_scale = 1 if objective == "memory" else scale
+    max_work = problem.objective_value(hint, objective) if hint_ok and objective != "memory" else latency_cap_ns
+    m = AggregateModel(problem, scale, hint, runs, max_work)
+    m.minimize(objective, latency_cap_ns, len(problem.units) + len(problem.edges))  # the cap's slack: latency's
+    rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
+    solver, status = m.solve(until - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
+    if status == cp_model.INFEASIBLE:
+        return _Found([], "INFEASIBLE", 0)
+    bound = _bound(solver, unit_scale, slack) if status != cp_model.MODEL_INVALID else 0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return _Found([], "UNKNOWN", bound)
+    choice = m.read(solver)
+    better = problem.satisfies(choice) and _within_cap(problem, choice, latency_cap_ns) and (
+        not hint_ok or problem.objective_value(choice, objective) <= problem.objective_value(hint, objective))
+    return _Found(choice if better else [], "FEASIBLE", bound)
 
 
 def _within_cap(problem: PlacementProblem, choice: Sequence[int], latency_cap_ns: int | None) -> bool:

@@ -1,0 +1,330 @@
+"""Identical units as integer counts: a small relaxation that bounds, and a plan rebuilt from it.
+
+Torch-free. The 80 decoder layers of a 70B model are one *run*: consecutive units with the same
+option menu (same prices), joined by edges that are each the only edge out of their source and
+into their destination, all at the same prices, with no pin or tie. Inside a run (its *interior*,
+every unit but the first and the last, whose other edges may leave the run) a placement is, up to
+order, a count per option. :class:`AggregateModel` keeps those counts and drops the order:
+
+* work, bytes and the transient peak of the interior are read from the counts (exact);
+* ``first[d]`` / ``last[d]`` are the execution devices of the interior's first and last units; the
+  edges into and out of the interior are priced from them (exact);
+* the interior's own edges cost at least ``c_min x (devices used - 1)``: an order that visits k
+  devices changes device at least k - 1 times, each change costing at least the cheapest price
+  between two of the devices its units may compute on. A lower bound, not the price.
+
+Every assignment of the real problem maps to a solution of this model (counts, first and last
+device of each interior) that costs at most as much, so the model's proven bound is a bound of the
+real problem (less the rounding slack, as in :mod:`.cpsat`). Its solution is rebuilt into an order
+(:meth:`AggregateModel.read`: one block per execution device, the first and last devices at the
+ends) and priced exactly by the caller; that order is optimal when the prices between devices are
+all equal, as traced graphs price them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from .cpsat import DETERMINISTIC_TIME_PER_S
+from .problem import EdgeSpec, PlacementOption, PlacementProblem
+
+__all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR"]
+
+_PHASES = ("prefill_ns", "decode_ns")
+#: Fewest interior units worth a count variable.
+MIN_INTERIOR = 4
+
+
+def _links(problem: PlacementProblem) -> dict[int, EdgeSpec]:
+    """i -> the edge i -> i + 1 when it is i's only out-edge and i + 1's only in-edge."""
+    index = problem.index()
+    outs: dict[int, list[EdgeSpec]] = {}
+    ins: dict[int, int] = {}
+    for e in problem.edges:
+        outs.setdefault(index[e.src], []).append(e)
+        ins[index[e.dst]] = ins.get(index[e.dst], 0) + 1
+    return {i: es[0] for i, es in outs.items() if len(es) == 1 and index[es[0].dst] == i + 1 and ins.get(i + 1) == 1}
+
+
+def _prices(e: EdgeSpec) -> tuple:
+    return tuple(sorted(e.prefill_ns.items())), tuple(sorted(e.decode_ns.items()))
+
+
+def identical_runs(problem: PlacementProblem, min_interior: int | None = None) -> list[tuple[int, int]]:
+    """Interiors ``(first, last)`` (inclusive unit indices) of the runs of identical units (module docstring),
+    those of at least ``min_interior`` (default :data:`MIN_INTERIOR`) units."""
+    min_interior = MIN_INTERIOR if min_interior is None else min_interior
+    if problem.contiguous:
+        return []
+    links = _links(problem)
+    special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    runs: list[list[int]] = []
+    for i, u in enumerate(problem.units):
+        prev = i - 1
+        joined = (runs and runs[-1][-1] == prev and prev in links and u.name not in special
+                  and problem.units[prev].name not in special and u.options == problem.units[prev].options
+                  and (len(runs[-1]) < 2 or _prices(links[prev]) == _prices(links[prev - 1])))
+        if joined:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [(r[1], r[-2]) for r in runs if len(r) - 2 >= min_interior]
+
+
+class AggregateModel:
+    """The relaxation of one problem with each run interior as counts (see the module docstring)."""
+
+    def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
+                 runs: Sequence[tuple[int, int]], max_work_ns: int | None = None) -> None:
+        self.p, self.scale, self.hint = problem, scale_ns, list(hint)
+        self.runs = list(runs)
+        self.index = problem.index()
+        n = len(problem.units)
+        self.item_of = list(range(n))  # unit -> item (an item is a unit, or a run interior)
+        self.items: list[tuple[int, int]] = []
+        k = 0
+        while k < n:
+            run = next((r for r in self.runs if r[0] == k), (k, k))
+            for u in range(run[0], run[1] + 1):
+                self.item_of[u] = len(self.items)
+            self.items.append(run)
+            k = run[1] + 1
+        self.model = cp_model.CpModel()
+        self.vars: list[dict[int, Any]] = [self._counts(t, max_work_ns) for t in range(len(self.items))]
+        self.first = [self._ends(t, self.items[t][0]) for t in range(len(self.items))]
+        self.last = [self._ends(t, self.items[t][1]) if self._is_run(t) else self.first[t]
+                     for t in range(len(self.items))]
+        self.used = [self._used(t) for t in range(len(self.items))]
+        self._constraints()
+        self.goal: Any = 0
+
+    # -- variables ------------------------------------------------------------------------------
+    def _is_run(self, t: int) -> bool:
+        return self.items[t][0] != self.items[t][1]
+
+    def _size(self, t: int) -> int:
+        return self.items[t][1] - self.items[t][0] + 1
+
+    def _options(self, t: int) -> tuple[PlacementOption, ...]:
+        return self.p.units[self.items[t][0]].options
+
+    def _counts(self, t: int, max_work_ns: int | None) -> dict[int, Any]:
+        # n[t, o]: units of item t on option o (a 0/1 for a single unit). Options pinned away, or
+        # whose own work exceeds max_work_ns (no better plan uses them), are left out.
+        a, b = self.items[t]
+        spec = self.p.units[a]
+        size = b - a + 1
+        hinted = [self.hint[u] for u in range(a, b + 1)]
+        out = {}
+        for o, opt in enumerate(spec.options):
+            keep = self.p.allows(spec, opt) or o in hinted
+            if max_work_ns is not None and o not in hinted:
+                keep = keep and opt.prefill_ns + opt.decode_ns <= max_work_ns
+            if keep:
+                out[o] = self._hinted(self.model.new_int_var(0, size, f"n[{t},{o}]"), hinted.count(o))
+        self.model.add(sum(out.values()) == size)
+        return out
+
+    def _hinted(self, var: Any, value: int) -> Any:
+        self.model.add_hint(var, value)
+        return var
+
+    def _ends(self, t: int, unit: int) -> dict[str, Any]:
+        """Execution device of ``unit`` (the first or last of item t) as 0/1 per device."""
+        if not self._is_run(t):
+            return {d: sum(v for o, v in self.vars[t].items() if self._options(t)[o].execution == d)
+                    for d in self._devices()}
+        hinted = self.p.units[unit].options[self.hint[unit]].execution
+        flags = {d: self._hinted(self.model.new_bool_var(f"end[{t},{unit},{d}]"), int(d == hinted))
+                 for d in self._devices()}
+        self.model.add_exactly_one(list(flags.values()))
+        return flags
+
+    def _devices(self) -> list[str]:
+        return [d.name for d in self.p.devices]
+
+    def _used(self, t: int) -> dict[tuple[int, str], Any]:
+        """any[t, o] (item t uses option o at all) and, per device, whether item t computes there."""
+        if not self._is_run(t):
+            return {}
+        size = self._size(t)
+        hinted = [self.hint[u] for u in range(self.items[t][0], self.items[t][1] + 1)]
+        flags: dict[tuple[int, str], Any] = {}
+        for o, n in self.vars[t].items():
+            f = self._hinted(self.model.new_bool_var(f"any[{t},{o}]"), int(o in hinted))
+            self.model.add(n <= size * f)
+            self.model.add(n >= f)
+            flags[o, ""] = f
+        execs = {self.p.units[u].options[self.hint[u]].execution for u in range(self.items[t][0], self.items[t][1] + 1)}
+        for d in self._devices():
+            on = [f for (o, _), f in flags.items() if self._options(t)[o].execution == d]
+            g = self._hinted(self.model.new_bool_var(f"computes[{t},{d}]"), int(d in execs))
+            for f in on:
+                self.model.add(g >= f)
+            self.model.add(g <= sum(on))
+            self.model.add(self.first[t][d] <= g)
+            self.model.add(self.last[t][d] <= g)
+            flags[-1, d] = g
+        return flags
+
+    # -- constraints ----------------------------------------------------------------------------
+    def _terms(self, device: str | None = None) -> list[tuple[PlacementOption, Any]]:
+        return [(self._options(t)[o], v) for t in range(len(self.items)) for o, v in self.vars[t].items()
+                if device is None or self._options(t)[o].execution == device]
+
+    def _constraints(self) -> None:
+        self.peak = {d: self._peak(d) for d in self._devices()}
+        for dev in self.p.devices:
+            terms = [self.peak[dev.name]]
+            for opt, var in self._terms():
+                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
+                       (opt.resident_bytes if opt.execution == dev.name else 0)
+                if size:
+                    terms.append(size * var)
+            self.model.add(sum(terms) <= dev.capacity_bytes)
+        for u, d in self.p.pins.items():  # pinned units are never in a run: their item is the unit
+            t = self.item_of[self.index[u]]
+            for o, v in self.vars[t].items():
+                if self._options(t)[o].storage != d:
+                    self.model.add(v == 0)
+        for group in self.p.tied_groups:
+            first = self.item_of[self.index[group[0]]]
+            for name in group[1:]:
+                t = self.item_of[self.index[name]]
+                for d in self._devices():
+                    self.model.add(self._stored(first, d) == self._stored(t, d))
+
+    def _stored(self, t: int, d: str) -> Any:
+        return sum(v for o, v in self.vars[t].items() if self._options(t)[o].storage == d)
+
+    def _peak(self, dev: str) -> Any:
+        # z[d, j] is 1 if some unit computed on d has peak_bytes >= level j; peak = sum of the steps.
+        levels = sorted({opt.peak_bytes for opt, _ in self._terms(dev) if opt.peak_bytes > 0})
+        z = [self.model.new_bool_var(f"z[{dev},{j}]") for j in range(len(levels))]
+        for a, b in itertools.pairwise(z):
+            self.model.add_implication(b, a)
+        where = {level: j for j, level in enumerate(levels)}
+        for t in range(len(self.items)):
+            for o, v in self.vars[t].items():
+                opt = self._options(t)[o]
+                if opt.execution == dev and opt.peak_bytes > 0:
+                    flag = self.used[t][o, ""] if self._is_run(t) else v
+                    self.model.add_implication(flag, z[where[opt.peak_bytes]])
+        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
+        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
+
+    def _t(self, ns: int) -> int:
+        return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
+
+    def _transfer(self, ph: str, costs: dict, src: dict[str, Any], dst: dict[str, Any], name: str) -> Any:
+        # xfer >= sum_q c(p, q) dst[q] - max_q c(p, q) (1 - src[p]), one row per p (src and dst sum to 1).
+        costs = {pq: self._t(c) for pq, c in costs.items() if pq[0] != pq[1] and self._t(c) > 0}
+        if not costs:
+            return 0
+        var = self.model.new_int_var(0, max(costs.values()), name)
+        for p in sorted({pq[0] for pq in costs}):
+            row = {q: c for (s, q), c in costs.items() if s == p}
+            self.model.add(var >= sum(c * dst.get(q, 0) for q, c in row.items()) - max(row.values()) * (1 - src.get(p, 0)))
+        return var
+
+    def _inside(self, ph: str, t: int) -> Any:
+        # The interior's own edges: at least c_min per device change, and k devices need k - 1 changes.
+        a = self.items[t][0]
+        link = next(e for e in self.p.edges if self.index[e.src] == a)
+        execs = sorted({o.execution for o in self._options(t)})
+        prices = [self._t(getattr(link, ph).get((p, q), 0)) for p in execs for q in execs if p != q]
+        cheapest = min(prices, default=0)
+        if not cheapest:
+            return 0
+        return cheapest * (sum(self.used[t][-1, d] for d in self._devices()) - 1)
+
+    def _phase_latency(self, ph: str) -> Any:
+        # Items in order; an item ends at max(arrivals) + its work (+ the interior's own transfers).
+        ends: list[Any] = []
+        incoming: dict[int, list[tuple[int, EdgeSpec]]] = {}
+        for e in self.p.edges:
+            s, d = self.item_of[self.index[e.src]], self.item_of[self.index[e.dst]]
+            if s != d:
+                incoming.setdefault(d, []).append((s, e))
+        has_out = {s for es in incoming.values() for s, _ in es}
+        horizon = sum(self._size(t) * max(self._t(getattr(o, ph)) for o in self._options(t)) for t in range(len(self.items)))
+        horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
+        lat = self.model.new_int_var(0, horizon, f"lat[{ph}]")
+        for t in range(len(self.items)):
+            work = sum(self._t(getattr(self._options(t)[o], ph)) * v for o, v in self.vars[t].items())
+            if self._is_run(t):
+                work += self._inside(ph, t)
+            arrivals = [ends[s] + self._transfer(ph, getattr(e, ph), self.last[s], self.first[t], f"x[{ph},{s},{t}]")
+                        for s, e in incoming.get(t, [])]
+            if len(arrivals) <= 1:
+                ends.append((arrivals[0] if arrivals else 0) + work)
+            else:
+                end = self.model.new_int_var(0, horizon, f"end[{ph},{t}]")
+                for arrival in arrivals:
+                    self.model.add(end >= arrival + work)
+                ends.append(end)
+            if t not in has_out:
+                self.model.add(lat >= ends[t])
+        for dev in self._devices():
+            work = [self._t(getattr(o, ph)) * v for o, v in self._terms(dev)]
+            if work:
+                self.model.add(lat >= sum(work))
+        return lat
+
+    # -- objective, solve, read -----------------------------------------------------------------
+    def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
+        """The same goals as :meth:`.cpsat.PlacementModel.minimize`; ``slack`` is the latency's rounding
+        slack in solver units, added to the memory objective's latency cap."""
+        if objective == "throughput":
+            stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
+                                                  for u in self.p.units for o in u.options), "stage")
+            for dev in self._devices():
+                work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * v for o, v in self._terms(dev)]
+                if work:
+                    self.model.add(stage >= sum(work))
+            self.goal = stage
+            return
+        latency = self._phase_latency("prefill_ns") + self._phase_latency("decode_ns")
+        if objective == "latency":
+            self.goal = latency
+            return
+        assert latency_cap_ns is not None, "the memory objective needs a latency cap"
+        self.model.add(latency <= latency_cap_ns // self.scale + (slack if self.scale > 1 else 0))
+        gpus = set(self.p.gpu_names())
+        terms: list[Any] = [self.peak[g] for g in sorted(gpus)]
+        for opt, var in self._terms():
+            size = (opt.stored_bytes if opt.storage in gpus else 0) + (opt.resident_bytes if opt.execution in gpus else 0)
+            if size:
+                terms.append(size * var)
+        self.goal = sum(terms)
+
+    def solve(self, time_limit_s: float, seed: int, workers: int, gap_limit: float) -> tuple[cp_model.CpSolver, Any]:
+        self.model.minimize(self.goal)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        if workers == 1:
+            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
+        solver.parameters.random_seed = seed
+        solver.parameters.num_workers = workers
+        solver.parameters.relative_gap_limit = gap_limit
+        return solver, solver.solve(self.model)
+
+    def read(self, solver: cp_model.CpSolver) -> list[int]:
+        """An assignment: singles as solved, each interior in one block per device, first and last at the ends."""
+        choice: list[int] = []
+        for t in range(len(self.items)):
+            counts = {o: solver.value(v) for o, v in self.vars[t].items()}
+            if not self._is_run(t):
+                choice.append(next(o for o, c in counts.items() if c))
+                continue
+            opts = self._options(t)
+            head = next(d for d, f in self.first[t].items() if solver.boolean_value(f))
+            tail = next(d for d, f in self.last[t].items() if solver.boolean_value(f))
+            order = sorted(counts, key=lambda o: (opts[o].execution != head, opts[o].execution == tail,
+                                                  self._devices().index(opts[o].execution), o))
+            choice += [o for o in order for _ in range(counts[o])]
+        return choice
