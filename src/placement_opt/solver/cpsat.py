@@ -29,6 +29,7 @@ Integer time: every ``*_ns`` price is divided by ``scale_ns`` and rounded to the
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,13 +37,17 @@ from ortools.sat.python import cp_model
 
 from .problem import PlacementOption, PlacementProblem
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S"]
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
 #: with one worker), and a one-worker search stopped by it returns the same plan on every run.
 DETERMINISTIC_TIME_PER_S = 0.3
 _PHASES = ("prefill_ns", "decode_ns")
+
+
+class OutOfTime(Exception):
+    """The model's deadline passed while it was being built (a graph too large for the time limit)."""
 
 
 class PlacementModel:
@@ -58,9 +63,12 @@ class PlacementModel:
 
     # -- data ---------------------------------------------------------------------------------
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
-                 max_work_ns: int | None = None, device_classes: Sequence[Sequence[str]] = ()) -> None:
+                 max_work_ns: int | None = None, device_classes: Sequence[Sequence[str]] = (),
+                 deadline: float | None = None) -> None:
         """``max_work_ns`` drops options whose own work exceeds it; ``device_classes`` are classes of
-        interchangeable devices (:func:`~.symmetry.identical_devices`), used in their order."""
+        interchangeable devices (:func:`~.symmetry.identical_devices`), used in their order. Past
+        ``deadline`` (a ``time.perf_counter()`` value) building raises :class:`OutOfTime`."""
+        self.deadline = deadline
         self.p = problem
         self.scale = scale_ns
         self.hint = list(hint)
@@ -111,10 +119,19 @@ class PlacementModel:
         return self._opts_cache[u]
 
     def _on(self, u: int, device: str, where: str) -> Any:
-        """1 if unit u's storage (or execution) is on device, as a linear expression (cached)."""
+        """1 if unit u's storage (or execution) is on device: 0, one x, or a 0/1 variable equal to the sum
+        of its options there (cached). One variable keeps the many transfer rows short: rows of
+        sums took most of the building time of a 724-unit module graph."""
         key = (u, device, where)
         if key not in self._on_cache:
-            self._on_cache[key] = sum(self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device)
+            terms = [self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device]
+            if len(terms) <= 1:
+                self._on_cache[key] = terms[0] if terms else 0
+            else:
+                hinted = int(getattr(self.chosen[u], where) == device)
+                var = self._hinted(self.model.new_bool_var(f"on[{u},{device},{where}]"), hinted)
+                self.model.add(var == sum(terms))
+                self._on_cache[key] = var
         return self._on_cache[key]
 
     def _duration(self, u: int, ph: str) -> Any:
@@ -126,6 +143,8 @@ class PlacementModel:
         # (prefill + decode) exceeds max_work_ns (a bound no better solution can exceed) are left out.
         x = {}
         for u, spec in enumerate(self.p.units):
+            if u % 256 == 0:
+                self._in_time()
             for o, opt in enumerate(spec.options):
                 keep = self.p.allows(spec, opt) or self.hint[u] == o
                 if max_work_ns is not None and self.hint[u] != o:
@@ -188,9 +207,15 @@ class PlacementModel:
             starts.append(s)
         return starts
 
+    def _in_time(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OutOfTime(f"building the model of {len(self.p.units)} units and {len(self.p.edges)} edges")
+
     def _transfer(self, ph: str, k: int) -> Any:
         # xfer[ph, e] >= c(p, q) whenever src executes on p and dst on q (p != q), one row per p:
         # xfer >= sum_q c(p, q) exec[dst, q] - max_q c(p, q) (1 - exec[src, p]).
+        if k % 64 == 0:
+            self._in_time()
         e = self.p.edges[k]
         a, b = self.index[e.src], self.index[e.dst]
         costs = {pq: self._t(c) for pq, c in getattr(e, ph).items() if pq[0] != pq[1] and self._t(c) > 0}
@@ -206,7 +231,8 @@ class PlacementModel:
                 continue  # src can never execute on p
             top = max(row.values())
             self.model.add(var >= sum(c * self._on(b, q, "execution") for q, c in row.items()) - top * (1 - on_p))
-        self._leaving_costs_at_least(var, costs, a, b)
+        if len(set(costs.values())) > 1 or len(costs) < len(self._exec_devices) * (len(self._exec_devices) - 1):
+            self._leaving_costs_at_least(var, costs, a, b)  # with one price for every pair the rows above say it
         return var
 
     def _leaving_costs_at_least(self, var: Any, costs: dict[tuple[str, str], int], a: int, b: int) -> None:
@@ -310,8 +336,9 @@ class PlacementModel:
                 end.append((arrivals[0] if arrivals else 0) + self._duration(u, ph))
             else:
                 var = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
+                duration = self._duration(u, ph)
                 for arrival in arrivals:
-                    self.model.add(var >= arrival + self._duration(u, ph))
+                    self.model.add(var >= arrival + duration)
                 end.append(var)
             if u not in has_out:
                 self.model.add(lat >= end[u])

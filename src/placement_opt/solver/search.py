@@ -40,7 +40,7 @@ from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
 from .aggregate import AggregateModel, identical_runs
-from .cpsat import PlacementModel
+from .cpsat import OutOfTime, PlacementModel
 from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
@@ -320,8 +320,11 @@ def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run:
         max_work = latency_cap_ns
     classes = identical_devices(problem)
     hint = relabel(problem, hint, classes)  # the same cost, in the model's device order
-    m = PlacementModel(problem, scale, hint, max_work, classes)
-    m.minimize(objective, latency_cap_ns)
+    try:
+        m = PlacementModel(problem, scale, hint, max_work, classes, deadline=deadline)
+        m.minimize(objective, latency_cap_ns)
+    except OutOfTime:  # the time limit holds whatever the graph: the start stands, bound unknown
+        return _Found([], "UNKNOWN", 0)
     unit_scale, slack = m.unit_scale(objective), m.rounding_slack(objective)
     # CP-SAT's gap is on the rounded model; the reported one adds the rounding slack, so ask for less.
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
