@@ -101,14 +101,20 @@ _MENU = [("cuda:0", "cuda:0"), ("cpu", "cpu"), ("cpu", "cuda:0"), ("disk", "cpu"
 
 
 @st.composite
-def problems(draw):
-    """2-5 units with 1-5 options of the cost model's menu; random bytes, ties, pins and contiguity."""
+def problems(draw, host: bool = False):
+    """2-5 units with 1-5 options of the cost model's menu; random bytes, ties, pins and contiguity.
+
+    ``host``: every unit can compute on the CPU (resident there, and streamed from the disk when there
+    is one), so that the all-on-CPU family is often feasible, and often only just.
+    """
     n = draw(st.integers(2, 5))
     has_disk = draw(st.booleans())
     menu = [m for m in _MENU if has_disk or "disk" not in m]
+    host_menu = [m for m in menu if m[1] == "cpu"] if host else []
     units = []
     for i in range(n):
         where = draw(st.lists(st.sampled_from(menu), min_size=1, max_size=len(menu), unique=True))
+        where = host_menu + [m for m in where if m not in host_menu]
         stored = draw(st.integers(0, 8))
         resident = {e: draw(st.integers(0, 4)) for e in ("cpu", "cuda:0")}
         options = tuple(opt(s, e, t=draw(st.integers(1, 1000)), stored=stored, resident=resident[e],
@@ -126,7 +132,7 @@ def problems(draw):
     return chain(units, devices, tied_groups=tied, pins=pins, contiguous=draw(st.booleans()))
 
 
-@given(problems())
+@given(st.one_of(problems(), problems(host=True)))
 def test_valid_whenever_everything_can_compute_on_the_cpu(problem):
     if next(assignments(problem, only_cpu=True), None) is None:
         return

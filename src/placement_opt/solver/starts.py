@@ -212,7 +212,7 @@ def _contiguous_split(problem: PlacementProblem, items: list[_Item], stores: Seq
     for it in items:
         first, last = min(position[i] for i in it.units), max(position[i] for i in it.units)
         cuts_inside.update(range(first + 1, last + 1))
-    for store in stores:
+    for store in stores or [None]:  # no store: every unit resident on the executor
         cut = _best_cut(problem, items, item_of, order, store, budget, cuts_inside)
         if cut is not None:
             resident = {item_of[i] for i in order[:cut]}
@@ -220,7 +220,7 @@ def _contiguous_split(problem: PlacementProblem, items: list[_Item], stores: Seq
     return None
 
 
-def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, int], order: list[int], store: str,
+def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, int], order: list[int], store: str | None,
               budget: int, cuts_inside: set[int]) -> int | None:
     """The largest cut k (order[:k] resident) that fits the executor's budget and the store."""
     def picks(i: int, resident: bool) -> PlacementOption | None:
@@ -233,7 +233,7 @@ def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, 
     # executor bytes and store bytes when the cut is at k, starting from k = 0 (all streamed)
     on_executor = sum(o.resident_bytes for o in stream if o is not None)
     on_store = sum(o.stored_bytes for o in stream if o is not None)
-    store_cap = problem.device(store).capacity_bytes
+    store_cap = problem.device(store).capacity_bytes if store else 0
     # the suffix order[k:] is streamable from this store only past its last unit that is not
     last_unstreamable = max((j for j, o in enumerate(stream) if o is None), default=-1)
     best = None
