@@ -2,7 +2,8 @@
 
 ``solve_problem`` is run with its thresholds lowered so that small problems go through every path
 large ones take: the coarse start (``COARSEN_ABOVE``), integer time with a rounding slack
-(``TIME_RESOLUTION`` / ``SLACK_STEPS``), covered edges dropped, interchangeable devices ordered.
+(``TIME_RESOLUTION`` / ``SLACK_STEPS``), the counted runs (``aggregate.MIN_INTERIOR``) and the
+grouped relaxation (``GROUP_ABOVE``), covered edges dropped, interchangeable devices ordered.
 Each exact reduction is then checked on its own: it keeps the score of every assignment (edges),
 or the optimum over the assignments it keeps equals the optimum over all (device order).
 """
@@ -17,7 +18,7 @@ from _brute import reference_optimum, reference_valid, reference_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.solver import aggregate, search
+from placement_opt.solver import aggregate, relax, search
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
     OBJECTIVES,
@@ -34,10 +35,11 @@ _MAX_ASSIGNMENTS = 3200  # brute force stays around 0.1 s a case
 
 @contextlib.contextmanager
 def every_reduction_on():
-    """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, time is rounded."""
-    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS")}
+    """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, any problem
+    gets the grouped relaxation, time is rounded."""
+    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE")}
     saved_interior = aggregate.MIN_INTERIOR
-    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS = 1, 7, 1
+    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS, search.GROUP_ABOVE = 1, 7, 1, 0
     aggregate.MIN_INTERIOR = 2
     try:
         yield
@@ -232,3 +234,28 @@ def test_twin_gpus_form_a_class_and_one_price_apart_do_not():
                               pins={"a": "cuda:1"})
     assert identical_devices(same) == [["cuda:0", "cuda:1"]]
     assert identical_devices(apart) == [] == identical_devices(pinned)
+
+
+def test_grouped_relaxation_counts_only_groups_wholly_on_its_path():
+    # a -> (b1, b2) -> c, b1 and b2 identical (one group) and best on two GPUs side by side: the path
+    # holds one of them, so the bound may count one b, not both (a + 2b would exceed the optimum).
+    def unit(name, work):
+        return UnitSpec(name=name, options=tuple(PlacementOption(storage=d, execution=d, mode="resident",
+                                                                 prefill_ns=work, decode_ns=0, stored_bytes=1,
+                                                                 resident_bytes=0, peak_bytes=0)
+                                                 for d in ("cuda:0", "cuda:1")))
+    edges = tuple(EdgeSpec(src=s, dst=t, prefill_ns={}, decode_ns={}) for s, t in
+                  [("a", "b1"), ("a", "b2"), ("b1", "c"), ("b2", "c")])
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=2), DeviceSpec(name="cuda:1", kind="gpu",
+                                                                                   capacity_bytes=2))
+    problem = PlacementProblem(units=(unit("a", 1), unit("b1", 10), unit("b2", 10), unit("c", 1)), edges=edges,
+                               devices=devices)
+    best = reference_optimum(problem, "latency")
+    assert best == 12  # a, b1 on one GPU; b2, c on the other
+    with every_reduction_on():
+        sol = search.solve_problem(problem, time_limit_s=5, workers=1, gap_limit=0.0)
+    assert sol.best_bound <= best and sol.objective_value == best
+    model = relax.GroupModel(problem, 1, [0, 0, 1, 1], relax.groups_of(problem), [0, 1, 3], None)
+    model.minimize("latency", None, 0)
+    solver, _ = model.solve(5, 0, 1, 0.0)
+    assert solver.best_objective_bound <= best

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -45,6 +46,7 @@ from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
 from .reductions import coarsen, coarsen_groups, prefer_resident
+from .relax import GroupModel, critical_path, groups_of
 from .symmetry import identical_devices, relabel
 
 __all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
@@ -65,6 +67,10 @@ PRUNE_SHARE = 0.25
 COARSE_SHARE = 0.4
 #: Most of the time left that the aggregated relaxation (runs of identical units as counts) may take.
 AGGREGATE_SHARE = 0.5
+#: Problems with more units than this also get the grouped relaxation (identical units anywhere as
+#: counts, one path kept: module-level graphs), with at most this share of the time left.
+GROUP_ABOVE = 150
+GROUP_SHARE = 0.3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,13 +203,17 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
             notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
     relaxed = _Found([], "UNKNOWN", 0)
-    runs = identical_runs(problem)
-    if runs:
-        until = time.perf_counter() + AGGREGATE_SHARE * (deadline - time.perf_counter())
-        relaxed = _aggregate(problem, objective, runs, run, (hint, hint_ok), latency_cap_ns, until)
-        if relaxed.choice:
-            hint, hint_ok = relaxed.choice, True
-        notes.append(f"bound also from {sum(b - a + 1 for a, b in runs)} identical units counted per option")
+    for name, share, make in _relaxations(problem):
+        until = time.perf_counter() + share * (deadline - time.perf_counter())
+        found = _relax(problem, objective, make, run, (hint, hint_ok), latency_cap_ns, until)
+        if found.choice:
+            hint, hint_ok = found.choice, True
+        relaxed = _Found([], found.status if found.status == "INFEASIBLE" else relaxed.status,
+                         max(relaxed.bound, found.bound))
+        notes.append(f"bound also from {name}")
+        if relaxed.status == "INFEASIBLE" or (hint_ok and _proven(problem, objective, hint, relaxed.bound,
+                                                                   run.gap_limit)):
+            break
     if relaxed.status == "INFEASIBLE":  # a relaxation without a solution: neither has the real problem
         found = relaxed
     elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
@@ -245,15 +255,30 @@ def _proven(problem: PlacementProblem, objective: str, choice: Sequence[int], bo
     return value <= 0 or (value - bound) / value <= gap_limit
 
 
-def _aggregate(problem: PlacementProblem, objective: str, runs: list[tuple[int, int]], run: _Run,
-               start: tuple[list[int], bool], latency_cap_ns: int | None, until: float) -> _Found:
-    """The aggregated relaxation's bound, and its rebuilt plan when valid and better than the start."""
+def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
+    """(what it counts, share of the time left, model factory) of the relaxations worth building."""
+    out: list[tuple[str, float, Any]] = []
+    runs = identical_runs(problem)
+    if runs:
+        out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
+                    AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work)))
+    if len(problem.units) > GROUP_ABOVE:
+        groups = groups_of(problem)
+        out.append((f"{len(problem.units)} units counted per option in {len(groups)} groups of identical units",
+                    GROUP_SHARE, lambda scale, hint, work: GroupModel(problem, scale, hint, groups,
+                                                                      critical_path(problem, hint), work)))
+    return out
+
+
+def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
+           latency_cap_ns: int | None, until: float) -> _Found:
+    """A relaxation's proven bound, and its plan when valid and no worse than the start."""
     hint, hint_ok = start
     scale = _scale(problem, hint, objective)
     slack = {"latency": len(problem.units) + len(problem.edges), "throughput": len(problem.units)}.get(objective, 0)
     unit_scale = 1 if objective == "memory" else scale
     max_work = problem.objective_value(hint, objective) if hint_ok and objective != "memory" else latency_cap_ns
-    m = AggregateModel(problem, scale, hint, runs, max_work)
+    m = make(scale, hint, max_work)
     m.minimize(objective, latency_cap_ns, len(problem.units) + len(problem.edges))  # the cap's slack: latency's
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
     solver, status = m.solve(until - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))

@@ -1,0 +1,205 @@
+"""Identical units anywhere as counts, one path kept: a small relaxation for large DAGs.
+
+Torch-free. A module-level graph repeats one layer's pattern (norm, q, k, v, o, norm, gate, up,
+down) 32 or 80 times, and most of those modules are priced alike in every layer; but they are not
+consecutive, so :mod:`.aggregate`'s runs do not see them. :class:`GroupModel` keeps, per *group*
+of units with the same option menu (same prices), the number of units on each option, and of the
+latency only what counts alone can state:
+
+* every device's total work (exact: it does not depend on which unit of a group does what);
+* the length of one path ``P`` of the graph: the groups whose every unit lies on ``P`` add their
+  work, units alone in their group add theirs, the rest and every transfer add 0 (at most what the
+  path costs);
+* capacities with the transient peaks (exact), pins and ties (pinned and tied units are groups of
+  their own).
+
+Every assignment maps to counts that cost at most as much, so the proven bound is a bound of the
+real problem (less the rounding slack). :meth:`GroupModel.read` hands each group's options out in
+unit order, one device after another, so that a layer's modules share a device; the caller prices
+that plan exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from .cpsat import DETERMINISTIC_TIME_PER_S
+from .problem import PlacementOption, PlacementProblem
+
+__all__ = ["GroupModel", "groups_of", "critical_path"]
+
+
+def groups_of(problem: PlacementProblem) -> list[list[int]]:
+    """Units with the same option menu, in order of first appearance; pinned and tied units alone."""
+    alone = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    by_menu: dict[Any, list[int]] = {}
+    for u, spec in enumerate(problem.units):
+        key = ("alone", u) if spec.name in alone else spec.options
+        by_menu.setdefault(key, []).append(u)
+    return list(by_menu.values())
+
+
+def critical_path(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:
+    """The units of a longest prefill + decode path under ``choice`` (a real path of the graph)."""
+    chosen = problem.options(choice)
+    index = problem.index()
+    length = [0] * len(chosen)
+    before: list[int | None] = [None] * len(chosen)
+    incoming: dict[int, list[int]] = {}
+    for e in problem.edges:
+        incoming.setdefault(index[e.dst], []).append(index[e.src])
+    for u, o in enumerate(chosen):
+        best = max(incoming.get(u, []), key=lambda a: length[a], default=None)
+        before[u] = best
+        length[u] = (length[best] if best is not None else 0) + o.prefill_ns + o.decode_ns
+    end: int | None = max(range(len(chosen)), key=lambda u: length[u], default=None)
+    path = []
+    while end is not None:
+        path.append(end)
+        end = before[end]
+    return path[::-1]
+
+
+class GroupModel:
+    """The relaxation of one problem with each group of identical units as counts (module docstring)."""
+
+    def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int], groups: list[list[int]],
+                 path: Sequence[int], max_work_ns: int | None = None) -> None:
+        self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
+        self.model = cp_model.CpModel()
+        on_path = set(path)
+        self.spine = [k for k, g in enumerate(groups) if all(u in on_path for u in g)]
+        self.n = [self._counts(k, max_work_ns) for k in range(len(groups))]
+        self.peak = {d.name: self._peak(d.name) for d in problem.devices}
+        self._capacities()
+        self._pins_and_ties()
+        self.goal: Any = 0
+
+    def _options(self, k: int) -> tuple[PlacementOption, ...]:
+        return self.p.units[self.groups[k][0]].options
+
+    def _counts(self, k: int, max_work_ns: int | None) -> dict[int, tuple[Any, Any]]:
+        # n[k, o] units of group k on option o, and any[k, o] = (n[k, o] >= 1) for the peaks.
+        size = len(self.groups[k])
+        hinted = [self.hint[u] for u in self.groups[k]]
+        spec = self.p.units[self.groups[k][0]]
+        out = {}
+        for o, opt in enumerate(spec.options):
+            if max_work_ns is not None and o not in hinted and opt.prefill_ns + opt.decode_ns > max_work_ns:
+                continue  # no plan better than the start uses it
+            n = self.model.new_int_var(0, size, f"n[{k},{o}]")
+            self.model.add_hint(n, hinted.count(o))
+            flag = self.model.new_bool_var(f"any[{k},{o}]")
+            self.model.add(n <= size * flag)
+            self.model.add(n >= flag)
+            out[o] = (n, flag)
+        self.model.add(sum(n for n, _ in out.values()) == size)
+        return out
+
+    def _terms(self, device: str | None = None) -> list[tuple[PlacementOption, Any]]:
+        return [(self._options(k)[o], n) for k in range(len(self.groups)) for o, (n, _) in self.n[k].items()
+                if device is None or self._options(k)[o].execution == device]
+
+    def _peak(self, dev: str) -> Any:
+        levels = sorted({opt.peak_bytes for opt, _ in self._terms(dev) if opt.peak_bytes > 0})
+        z = [self.model.new_bool_var(f"z[{dev},{j}]") for j in range(len(levels))]
+        for a, b in itertools.pairwise(z):
+            self.model.add_implication(b, a)
+        where = {level: j for j, level in enumerate(levels)}
+        for k in range(len(self.groups)):
+            for o, (_, flag) in self.n[k].items():
+                opt = self._options(k)[o]
+                if opt.execution == dev and opt.peak_bytes > 0:
+                    self.model.add_implication(flag, z[where[opt.peak_bytes]])
+        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
+        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
+
+    def _capacities(self) -> None:
+        for dev in self.p.devices:
+            terms = [self.peak[dev.name]]
+            for opt, n in self._terms():
+                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
+                       (opt.resident_bytes if opt.execution == dev.name else 0)
+                if size:
+                    terms.append(size * n)
+            self.model.add(sum(terms) <= dev.capacity_bytes)
+
+    def _stored(self, u: int, d: str) -> Any:
+        k = next(k for k, g in enumerate(self.groups) if g == [u])  # pinned and tied units are alone
+        return sum(n for o, (n, _) in self.n[k].items() if self._options(k)[o].storage == d)
+
+    def _pins_and_ties(self) -> None:
+        index = self.p.index()
+        for name, d in self.p.pins.items():
+            self.model.add(self._stored(index[name], d) == 1)
+        for group in self.p.tied_groups:
+            for name in group[1:]:
+                for d in (dev.name for dev in self.p.devices):
+                    self.model.add(self._stored(index[group[0]], d) == self._stored(index[name], d))
+
+    def _t(self, ns: int) -> int:
+        return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
+
+    def _phase(self, ph: str) -> Any:
+        # lat >= every device's work, and >= the work of the groups lying wholly on the path.
+        top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
+        lat = self.model.new_int_var(0, top, f"lat[{ph}]")
+        for dev in {o.execution for u in self.p.units for o in u.options}:
+            work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev)]
+            if work:
+                self.model.add(lat >= sum(work))
+        spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in self.spine for o, (n, _) in self.n[k].items()]
+        if spine:
+            self.model.add(lat >= sum(spine))
+        return lat
+
+    def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
+        """The goals of :meth:`.cpsat.PlacementModel.minimize`; ``slack``: the latency's rounding slack."""
+        if objective == "throughput":
+            stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
+                                                  for u in self.p.units for o in u.options), "stage")
+            for dev in {o.execution for u in self.p.units for o in u.options}:
+                self.model.add(stage >= sum((self._t(o.prefill_ns) + self._t(o.decode_ns)) * n
+                                            for o, n in self._terms(dev)))
+            self.goal = stage
+            return
+        latency = self._phase("prefill_ns") + self._phase("decode_ns")
+        if objective == "latency":
+            self.goal = latency
+            return
+        assert latency_cap_ns is not None, "the memory objective needs a latency cap"
+        self.model.add(latency <= latency_cap_ns // self.scale + (slack if self.scale > 1 else 0))
+        gpus = set(self.p.gpu_names())
+        terms: list[Any] = [self.peak[g] for g in sorted(gpus)]
+        for opt, n in self._terms():
+            size = (opt.stored_bytes if opt.storage in gpus else 0) + (opt.resident_bytes if opt.execution in gpus else 0)
+            if size:
+                terms.append(size * n)
+        self.goal = sum(terms)
+
+    def solve(self, time_limit_s: float, seed: int, workers: int, gap_limit: float) -> tuple[cp_model.CpSolver, Any]:
+        self.model.minimize(self.goal)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        if workers == 1:  # reproducible, as the full model (cpsat.DETERMINISTIC_TIME_PER_S)
+            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
+        solver.parameters.random_seed = seed
+        solver.parameters.num_workers = workers
+        solver.parameters.relative_gap_limit = gap_limit
+        return solver, solver.solve(self.model)
+
+    def read(self, solver: cp_model.CpSolver) -> list[int]:
+        """Each group's options handed out in unit order, one execution device after another."""
+        devices = [d.name for d in self.p.devices]
+        choice = [0] * len(self.p.units)
+        for k, g in enumerate(self.groups):
+            opts = self._options(k)
+            order = sorted(self.n[k], key=lambda o: (devices.index(opts[o].execution), o))
+            handed = [o for o in order for _ in range(solver.value(self.n[k][o][0]))]
+            for u, o in zip(g, handed, strict=True):
+                choice[u] = o
+        return choice
