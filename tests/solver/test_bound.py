@@ -255,7 +255,7 @@ def test_grouped_relaxation_counts_only_groups_wholly_on_its_path():
     with every_reduction_on():
         sol = search.solve_problem(problem, time_limit_s=5, workers=1, gap_limit=0.0)
     assert sol.best_bound <= best and sol.objective_value == best
-    model = relax.GroupModel(problem, 1, [0, 0, 1, 1], relax.groups_of(problem), [0, 1, 3], None)
+    model = relax.GroupModel(problem, 1, [0, 0, 1, 1], relax.groups_of(problem, [0, 1, 3]), [0, 1, 3], None)
     model.minimize("latency", None, 0)
     solver, _ = model.solve(5, 0, 1, 0.0)
     assert solver.best_objective_bound <= best

@@ -263,11 +263,14 @@ def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
         out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
                     AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work)))
     if len(problem.units) > GROUP_ABOVE:
-        groups = groups_of(problem)
-        out.append((f"{len(problem.units)} units counted per option in {len(groups)} groups of identical units",
-                    GROUP_SHARE, lambda scale, hint, work: GroupModel(problem, scale, hint, groups,
-                                                                      critical_path(problem, hint), work)))
+        out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
+                    lambda scale, hint, work: _grouped(problem, scale, hint, work)))
     return out
+
+
+def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None) -> GroupModel:
+    path = critical_path(problem, hint)
+    return GroupModel(problem, scale, hint, groups_of(problem, path), path, work)
 
 
 def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
