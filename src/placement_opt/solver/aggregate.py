@@ -79,7 +79,11 @@ class AggregateModel:
     """The relaxation of one problem with each run interior as counts (see the module docstring)."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
-                 runs: Sequence[tuple[int, int]], max_work_ns: int | None = None) -> None:
+                 runs: Sequence[tuple[int, int]], max_work_ns: int | None = None,
+                 device_classes: Sequence[Sequence[str]] = ()) -> None:
+        """``device_classes``: interchangeable devices (:func:`~.symmetry.identical_devices`); within a
+        class, a later device holds or computes no more units than an earlier one (relabelling the
+        devices by that count maps every assignment onto one as good that meets it)."""
         self.p, self.scale, self.hint = problem, scale_ns, list(hint)
         self.runs = list(runs)
         self.index = problem.index()
@@ -100,6 +104,10 @@ class AggregateModel:
                      for t in range(len(self.items))]
         self.used = [self._used(t) for t in range(len(self.items))]
         self._constraints()
+        for members in device_classes:
+            usage = [self._usage(d) for d in members]
+            for a, b in itertools.pairwise(usage):
+                self.model.add(a >= b)
         self.goal: Any = 0
 
     # -- variables ------------------------------------------------------------------------------
@@ -197,6 +205,10 @@ class AggregateModel:
                 t = self.item_of[self.index[name]]
                 for d in self._devices():
                     self.model.add(self._stored(first, d) == self._stored(t, d))
+
+    def _usage(self, d: str) -> Any:
+        """Units stored or computed on d."""
+        return sum(v for opt, v in self._terms() if d in (opt.storage, opt.execution))
 
     def _stored(self, t: int, d: str) -> Any:
         return sum(v for o, v in self.vars[t].items() if self._options(t)[o].storage == d)

@@ -261,7 +261,8 @@ def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
     runs = identical_runs(problem)
     if runs:
         out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
-                    AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work)))
+                    AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work,
+                                                                              identical_devices(problem))))
     if len(problem.units) > GROUP_ABOVE:
         out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
                     lambda scale, hint, work: _grouped(problem, scale, hint, work)))
