@@ -100,7 +100,10 @@ class GroupModel:
     """The relaxation of one problem with each group of identical units as counts (module docstring)."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int], groups: list[list[int]],
-                 path: Sequence[int], max_work_ns: int | None = None) -> None:
+                 path: Sequence[int], max_work_ns: int | None = None,
+                 device_classes: Sequence[Sequence[str]] = ()) -> None:
+        """``device_classes``: interchangeable devices, ordered by the units they hold or compute
+        (as in :class:`~.aggregate.AggregateModel`)."""
         self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
         self.model = cp_model.CpModel()
         on_path = set(path)
@@ -110,6 +113,10 @@ class GroupModel:
         self.peak = {d.name: self._peak(d.name) for d in problem.devices}
         self._capacities()
         self._pins_and_ties()
+        for members in device_classes:
+            usage = [sum(n for o, n in self._terms() if d in (o.storage, o.execution)) for d in members]
+            for a, b in itertools.pairwise(usage):
+                self.model.add(a >= b)
         self.goal: Any = 0
 
     def _options(self, k: int) -> tuple[PlacementOption, ...]:

@@ -271,7 +271,7 @@ def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
 
 def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None) -> GroupModel:
     path = critical_path(problem, hint)
-    return GroupModel(problem, scale, hint, groups_of(problem, path), path, work)
+    return GroupModel(problem, scale, hint, groups_of(problem, path), path, work, identical_devices(problem))
 
 
 def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
