@@ -15,6 +15,13 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   (units + edges))`` steps). The objective read back is always ``problem.objective_value`` of the
   chosen assignment (exact); the proven bound is lowered by the largest possible rounding error
   (``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest;
+* relaxations, which give bounds and plans (the reported bound is the largest proven one, each a
+  bound of the real problem): runs of identical consecutive units as counts per option
+  (:mod:`.aggregate`, the decoder layers; up to :data:`AGGREGATE_SHARE` of the time left), and above
+  :data:`GROUP_ABOVE` units groups of like units anywhere as counts with one path kept
+  (:mod:`.relax`, module-level graphs; up to :data:`GROUP_SHARE`). A relaxation's plan, priced
+  exactly, starts the full solve when it is better; when the bound already proves the start within
+  ``gap_limit``, the full solve is skipped; a relaxation without a solution proves INFEASIBLE;
 * coarsening, a *restriction*: problems with more than :data:`COARSEN_ABOVE` units are first solved
   on super-units (:func:`~.reductions.coarsen`, runs of chain units merged by the hint's options) for
   :data:`COARSE_SHARE` of the time; the expanded plan starts the solve of the full problem, whose
