@@ -323,6 +323,8 @@ class AggregateModel:
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap_limit
+        solver.parameters.cp_model_probing_level = 0  # as the full model: presolve passes can eat the budget
+        solver.parameters.max_presolve_iterations = 1
         return solver, solver.solve(self.model)
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
