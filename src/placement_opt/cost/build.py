@@ -13,6 +13,7 @@ from ..errors import DeviceSpecError, SolverInputError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
+from .calibrated import calibration_for
 from .pins import resolve_pins
 from .pricing import NS_PER_S, OptionPrice, PricingContext, edge_ns, price_option, to_option
 from .workload import Workload
@@ -59,7 +60,7 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     ``pins`` are accelerate-style (:func:`~.pins.resolve_pins`).
     """
     modes = _check_modes(modes)
-    ctx = PricingContext(graph, machine, workload)
+    ctx = PricingContext(graph, machine, workload, calibration_for(graph, machine))
     menu = _menu(machine, modes)
     if not menu:
         raise DeviceSpecError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")

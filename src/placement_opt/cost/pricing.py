@@ -52,6 +52,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
+from .calibrated import Calibration, UnitTimes, logits_kept
 from .memory import STREAM_BUFFERS, WORKSPACE_FACTOR
 from .workload import Workload, unit_training_bytes
 
@@ -119,11 +120,16 @@ class OptionPrice:
 
 @dataclass(frozen=True)
 class PricingContext:
-    """What every price reads: the graph (dtype, traced length), the machine and the workload."""
+    """What every price reads: the graph (dtype, traced length), the machine and the workload.
+
+    ``calibration``: unit times measured on this model (:mod:`.calibrated`); they replace the
+    roofline and :data:`UNIT_OVERHEAD_S` wherever they exist.
+    """
 
     graph: LayerGraph
     machine: Machine
     workload: Workload
+    calibration: Calibration | None = None
 
 
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -209,10 +215,14 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
     return total
 
 
-def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int) -> float:
-    """Time to copy ``nbytes`` of weights from storage to execution once."""
+def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
+            unit: str = "") -> float:
+    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first)."""
     if mode == "resident" or nbytes <= 0:
         return 0.0
+    measured = ctx.calibration.copy_s(unit, storage, execution, mode) if ctx.calibration else None
+    if measured is not None:
+        return measured
     bandwidth = ctx.machine.bandwidth(storage, execution)
     latency = ctx.machine.latency_s(storage, execution)
     if mode == "stream_sync":
@@ -225,6 +235,11 @@ def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mo
 def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
     wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    if measured is not None:
+        seconds = measured.prefill_s(wl.batch_size, wl.prompt_len, logits_kept(wl))
+        if seconds is not None:
+            return seconds
     tokens = wl.batch_size * wl.prompt_len
     flops_s, bytes_s = _achieved(device, tokens)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
@@ -239,8 +254,15 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
 
 
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
-    """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line)."""
+    """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line).
+
+    A calibrated unit has one line: its measured step at the first context, growing with the context.
+    """
     wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    line = measured.decode_line(wl.batch_size, wl.prompt_len + 1) if measured is not None else None
+    if line is not None:
+        return [line]
     flops_s, bytes_s = _achieved(device, wl.batch_size)
     batch, ctx0 = wl.batch_size, wl.prompt_len + 1
     attn = unit.attn_flops_per_token_per_ctx
@@ -253,12 +275,19 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]
 
 
+def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTimes | None:
+    """The unit's measured times on ``device`` (inference only), or None."""
+    if ctx.calibration is None or ctx.workload.training:
+        return None
+    return ctx.calibration.times(unit.name, device.name)
+
+
 def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> OptionPrice:
     """Time and memory of one option of one unit."""
     wl = ctx.workload
     device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
-    copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors)
+    copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
     overlapped = mode == "stream" and device.is_gpu
