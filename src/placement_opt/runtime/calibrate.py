@@ -1,0 +1,468 @@
+"""``calibrate()``: time one unit of each distinct shape of a model on this machine, as it runs here.
+
+A profile of isolated kernels (:func:`placement_opt.profile`) misses what a unit does around its
+matmuls: attention, norms, Python hooks, a slow path of CPU-executed experts, per-op overheads that
+dominate small models. :func:`calibrate` measures the model itself:
+
+1. the model is traced; its units are grouped by shape (:func:`~placement_opt.cost.calibrated.shape_key`);
+2. a copy of the model cut to the fewest layers that hold one unit of every shape (a Hugging Face
+   config with ``num_hidden_layers`` lowered) is built with random weights on each compute device and
+   dispatched there with :func:`~.dispatcher.dispatch` (the project's hooks on every unit);
+3. each unit is timed from its call to the next unit's call (the glue between units counted with the
+   unit before it, so the units add up to the whole forward): a prefill at the workload's
+   ``(batch, prompt)`` and at a quarter of its prompt, and decode steps with a real KV cache at the
+   first context (``prompt + 1``) and at the last (``prompt + new_tokens``);
+4. with a GPU, the copy of each unit's weights is timed both ways they are streamed: the project's
+   pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
+   (``stream_sync``);
+5. the figures are saved in the profile of this machine, per shape key, with the host's name.
+
+Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
+whatever form ``devices`` takes. A device the profile has not measured yet is profiled first
+(``profile(quick=True)``), since only measured devices take calibrated times.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cost.calibrated import UnitTimes, logits_kept, shape_key
+from ..cost.workload import Workload
+from ..errors import PlacementError, ProfileError
+from ..hardware.profile_store import profile_path, save_calibration, saved_device
+from ..hardware.resolve import device_names
+from ..model.graph import LayerGraph
+from ..progress import bar
+
+__all__ = ["calibrate", "CalibrationResult"]
+
+#: Decode steps timed at each context (the fastest counts, per unit).
+DECODE_STEPS = 8
+#: Timed forwards of one shape go on until they add up to this (the fastest counts, per unit).
+MIN_TIMED_S = 0.5
+#: At most this many timed forwards of one shape.
+MAX_RUNS = 20
+#: A warm-up slower than this is followed by one timed forward only.
+SLOW_FORWARD_S = 2.0
+#: The smaller prefill measured beside the workload's, as a fraction of its prompt (for interpolation).
+SMALL_PROMPT_FRACTION = 4
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What :func:`calibrate` measured and where it saved it."""
+
+    path: Path
+    """The profile file that now holds the figures."""
+    took_s: float
+    model_name: str
+    devices: tuple[str, ...]
+    units: Mapping[str, str]
+    """The unit timed for each shape: unit name -> shape key."""
+    times: Mapping[str, Mapping[str, UnitTimes]]
+    """shape key -> device -> measured times."""
+    copies: Mapping[str, Mapping[str, Mapping[str, float]]]
+    """shape key -> ``"cpu->cuda:N"`` -> mode -> seconds (empty without a GPU)."""
+    layers_built: int
+    """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike)."""
+
+    def summary(self) -> str:
+        lines = [f"calibrated {self.model_name} on {', '.join(self.devices)} in {self.took_s:.1f} s "
+                 f"({len(self.units)} unit shape(s), {self.layers_built} layer(s) built); saved to {self.path}"]
+        for name, key in self.units.items():
+            for device, times in self.times[key].items():
+                prefill = max(times.prefill, key=lambda p: p[0] * p[1])
+                decode = min(times.decode, key=lambda d: d[1])
+                lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
+                             f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
+        return "\n".join(lines)
+
+
+def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
+              path: str | os.PathLike[str] | None = None, repeats: int = 2,
+              progress: bool | None = None) -> CalibrationResult:
+    """Time one unit of each distinct shape of ``model`` on this machine's compute devices and save it.
+
+    Example::
+
+        placement_opt.calibrate("out/llama-8b", ["cpu"], workload=Workload(batch_size=1, prompt_len=512,
+                                                                             new_tokens=32))
+        plan = placement_opt.solve("out/llama-8b", {"cpu": "20GiB", "disk": "1TB"}, workload=...)
+        # the plan's times now come from the model's own units
+
+    Args:
+        model: what :func:`placement_opt.solve` accepts except a ``LayerGraph`` (it has no modules
+            to run): an ``nn.Module``, a transformers config, a preset name, a checkpoint directory.
+        devices: what ``solve()`` accepts; its compute devices that are on this machine are timed
+            (default: every visible GPU and the CPU).
+        workload: the shapes to time (default ``Workload()``): prefill at ``batch x prompt``, decode
+            steps at contexts ``prompt + 1`` and ``prompt + new_tokens``.
+        dtype: the dtype to run in (default: the model's).
+        path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
+        repeats: timed prefill forwards per shape after one warm-up (the fastest counts).
+        progress: a progress bar on stderr (see :func:`placement_opt.profile`).
+
+    Returns:
+        A :class:`CalibrationResult` (``summary()`` prints it).
+
+    Raises:
+        PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here.
+        ProfileError: the profile file is unreadable.
+    """
+    from ..model.tracer import trace
+
+    started = time.perf_counter()
+    workload = workload if workload is not None else Workload()
+    if isinstance(model, LayerGraph):
+        raise PlacementError("calibrate() runs the model's units, and a LayerGraph has no modules: pass the "
+                             "model, its config, a preset name or a checkpoint directory")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise PlacementError(f"repeats must be an int >= 1, got {repeats!r}")
+    graph = trace(model, dtype=dtype)
+    config = _config_of(model)
+    names = _compute_devices(devices)
+    _profile_missing(names, graph.meta.dtype, path)
+    representatives = _representatives(graph)
+    cut = _cut_config(config, representatives)
+    times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
+    copies: dict[str, dict[str, dict[str, float]]] = {}
+    with bar("Calibrating", len(names), progress=progress) as counted:
+        for name in names:
+            counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
+            measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
+                                             many_devices=len(names) > 1)
+            for key, unit_times in measured.items():
+                times[key][name] = unit_times
+            for key, links in linked.items():
+                copies.setdefault(key, {}).update(links)
+            counted.advance(1)
+    where = _save(graph, representatives, times, copies, workload, path)
+    return CalibrationResult(path=where, took_s=time.perf_counter() - started, model_name=graph.meta.model_name,
+                             devices=tuple(names), units=dict(representatives), times=times, copies=copies,
+                             layers_built=_layers(cut))
+
+
+# ---------------------------------------------------------------------------------------------
+# What to build
+# ---------------------------------------------------------------------------------------------
+def _config_of(model: Any) -> Any:
+    from ..model._source import resolve_source
+
+    config = model.config if isinstance(model, nn.Module) else resolve_source(model, None)[2]
+    if config is None or not hasattr(config, "to_dict"):
+        raise PlacementError(f"calibrate() builds a copy of the model from its transformers config, and "
+                             f"{type(model).__name__} has none: pass a transformers model, config, preset or "
+                             f"checkpoint directory")
+    return config
+
+
+def _compute_devices(devices: Any) -> list[str]:
+    from ..hardware.detect import local_device_names
+
+    listed = device_names(local_device_names() if devices is None else devices)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = [n for n in listed if n == "cpu" or (n.startswith("cuda:") and int(n.split(":")[1]) < visible)]
+    if not local:
+        raise PlacementError(f"calibrate() times units on this machine's compute devices, and {listed} has none "
+                             f"here ({visible} GPU(s) visible): add 'cpu' or a visible GPU")
+    return list(dict.fromkeys(local))
+
+
+def _profile_missing(names: Iterable[str], dtype: str, path: str | os.PathLike[str] | None) -> None:
+    """Profile (quick) the devices the saved profile lacks: calibrated times apply to measured devices only."""
+    from ..hardware.profiler import profile
+
+    missing = [n for n in names if saved_device(n, dtype=dtype, path=path) is None]
+    if missing:
+        profile(missing, path=path, quick=True, dtype=dtype if dtype in ("float32", "bfloat16", "float16")
+                else "float32", progress=False)
+
+
+def _representatives(graph: LayerGraph) -> dict[str, str]:
+    """The first unit of each shape: unit name -> shape key, in execution order."""
+    found: dict[str, str] = {}
+    for unit in graph.units():
+        key = shape_key(unit, graph.meta.dtype, graph.meta.seq_len)
+        if key not in found.values():
+            found[unit.name] = key
+    return found
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)$")
+
+
+def _cut_config(config: Any, representatives: Mapping[str, str]) -> Any:
+    """The config with the fewest layers that still hold every representative (layer i kept: i + 1)."""
+    indices = [int(m.group(1)) for name in representatives if (m := _LAYER_INDEX.search(name))]
+    cut = copy.deepcopy(config)
+    layers = getattr(cut, "num_hidden_layers", None)
+    if not isinstance(layers, int) or not indices:
+        return cut
+    keep = min(layers, max(indices) + 1)
+    cut.num_hidden_layers = keep
+    if isinstance(getattr(cut, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
+        cut.layer_types = cut.layer_types[:keep]
+    return cut
+
+
+def _layers(config: Any) -> int:
+    return int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
+def _build(config: Any, dtype: str, device: torch.device) -> nn.Module:
+    """The model of ``config`` on ``device`` with random weights (transformers' own initialisation)."""
+    import transformers
+
+    auto = (transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False)
+            else transformers.AutoModelForCausalLM)
+    with torch.device(device):
+        try:
+            model = auto.from_config(config, dtype=getattr(torch, dtype))
+        except ValueError:
+            model = transformers.AutoModel.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+class _Stamps:
+    """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[str, Any]] = []
+        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
+
+    def _now(self) -> Any:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def mark(_module: nn.Module, _args: Any) -> None:
+            self.marks.append((name, self._now()))
+        return mark
+
+    def run(self, call: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+        self.marks = []
+        begin = self._now()
+        out = call()
+        end = self._now()
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
+        seconds: dict[str, float] = {}
+        stamps = [begin, *(t for _, t in self.marks[1:]), end]
+        for (name, _), start, stop in zip(self.marks, stamps, stamps[1:], strict=False):
+            seconds[name] = seconds.get(name, 0.0) + self._elapsed(start, stop)
+        return seconds, out
+
+    def _elapsed(self, start: Any, stop: Any) -> float:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            return start.elapsed_time(stop) / 1e3
+        return stop - start
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _fastest(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for run in runs:
+        for name, seconds in run.items():
+            best[name] = min(best.get(name, float("inf")), seconds)
+    return best
+
+
+def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
+                  workload: Workload, repeats: int, many_devices: bool
+                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
+    from .dispatcher import dispatch
+
+    model = _build(config, graph.meta.dtype, device)
+    handle = dispatch(model, {"": str(device)}, _hook_every_unit=many_devices)
+    try:
+        modules = _unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
+        stamps = _Stamps(modules, device)
+        try:
+            with torch.inference_mode():
+                prefill, decode = _time_forwards(model, stamps, workload, repeats, device)
+        finally:
+            stamps.close()
+        timed = {name: modules[name] for name in representatives}
+        copies = _time_copies(timed, representatives, device) if device.type == "cuda" else {}
+    finally:
+        handle.remove()
+        del model
+    kept = logits_kept(workload)
+    out = {}
+    for name, key in representatives.items():
+        unit = graph.unit(name)
+        out[key] = UnitTimes(prefill=tuple((b, p, run[name], kept) for (b, p), run in prefill.items() if name in run),
+                             decode=tuple((b, c, run[name]) for (b, c), run in decode.items() if name in run),
+                             attention=unit.attn_flops_per_token_per_ctx > 0 or unit.kv_bytes_per_token > 0)
+    return out, copies
+
+
+def _unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
+    """The modules of ``graph``'s units that the cut copy has (the layers beyond the cut are gone)."""
+    present = dict(model.named_modules())
+    return {name: present[name] for name in graph.names() if name in present}
+
+
+def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeats: int, device: torch.device
+                   ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
+    """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``."""
+    batch, prompt = workload.batch_size, workload.prompt_len
+    vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
+    keep = _logits_argument(model, logits_kept(workload))
+    shapes = dict.fromkeys([prompt, max(1, prompt // SMALL_PROMPT_FRACTION)])
+    prefill: dict[tuple[int, int], dict[str, float]] = {}
+    cache = None
+    for length in shapes:
+        ids = torch.randint(0, vocab, (batch, length), device=device)
+        runs, out = _repeated(lambda ids=ids: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
+        prefill[batch, length] = _fastest(runs)
+        if length == prompt:
+            cache = out.past_key_values
+        del out
+    return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+
+
+def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
+    """One warm-up, then timed calls: at least ``repeats``, more while they add up to under
+    :data:`MIN_TIMED_S` (fast forwards vary most: first calls of a shape, a busy moment).
+
+    Returns the per-unit seconds of every timed call and the last call's output.
+    """
+    runs: list[dict[str, float]] = []
+    warm = time.perf_counter()
+    stamps.run(call)
+    if time.perf_counter() - warm > SLOW_FORWARD_S:
+        repeats = 1  # a slow forward varies little; one more is the figure
+    spent, out = 0.0, None
+    while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
+        start = time.perf_counter()
+        out = None  # the previous output (a KV cache) is freed before the next call
+        seconds, out = stamps.run(call)
+        runs.append(seconds)
+        spent += time.perf_counter() - start
+    return runs, out
+
+
+def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Workload, vocab: int,
+                 device: torch.device) -> dict[tuple[int, int], dict[str, float]]:
+    """Decode steps at the first context and, after the cache is filled up, at the last."""
+    batch, prompt = workload.batch_size, workload.prompt_len
+    decode: dict[tuple[int, int], dict[str, float]] = {}
+    if workload.new_tokens == 0 or cache is None:
+        return decode
+    steps = min(DECODE_STEPS, workload.new_tokens)
+    decode[batch, prompt + 1] = _steps(model, stamps, cache, batch, steps, vocab, device)
+    filled = prompt + steps
+    last = prompt + workload.new_tokens
+    if last - filled > steps:  # fill the cache up to the last context in one forward, untimed
+        ids = torch.randint(0, vocab, (batch, last - filled - steps), device=device)
+        cache = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                      **_logits_argument(model, "last")).past_key_values
+        decode[batch, last - steps + 1] = _steps(model, stamps, cache, batch, steps, vocab, device)
+    return decode
+
+
+def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, steps: int, vocab: int,
+           device: torch.device) -> dict[str, float]:
+    runs = []
+    for step in range(steps + 1):  # the first step warms up the decode shapes, untimed
+        ids = torch.randint(0, vocab, (batch, 1), device=device)
+        seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
+                                                                     use_cache=True))
+        if step > 0:
+            runs.append(seconds)
+        cache = out.past_key_values
+    return _fastest(runs)
+
+
+def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model takes it and generation keeps the last position only."""
+    accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if kept == "last" and accepts else {}
+
+
+def _time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],
+                 device: torch.device) -> dict[str, dict[str, dict[str, float]]]:  # pragma: no cover - needs a GPU
+    """Seconds to bring each unit's weights from CPU RAM: pinned prefetch (``stream``), per tensor (``stream_sync``)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    side = torch.cuda.Stream(device)
+    for name, module in modules.items():
+        tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
+        if not tensors:
+            continue
+        pageable = [t.to("cpu") for t in tensors]
+        pinned = [t.pin_memory() for t in pageable]
+
+        def prefetch(pinned: list[torch.Tensor] = pinned) -> None:
+            with torch.cuda.stream(side):  # what the Streamer does: a side stream from pinned memory
+                [t.to(device, non_blocking=True) for t in pinned]
+            side.synchronize()
+
+        def per_tensor(pageable: list[torch.Tensor] = pageable) -> None:
+            for t in pageable:  # what accelerate's hooks do: one synchronous pageable copy per tensor
+                t.to(device)
+            torch.cuda.synchronize(device)
+
+        out[representatives[name]] = {f"cpu->{device}": {"stream": _best(prefetch), "stream_sync": _best(per_tensor)}}
+    return out
+
+
+def _best(call: Callable[[], None], repeats: int = 3) -> float:  # pragma: no cover - needs a GPU
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+def _save(graph: LayerGraph, representatives: Mapping[str, str], times: Mapping[str, Mapping[str, UnitTimes]],
+          copies: Mapping[str, Mapping[str, Mapping[str, float]]], workload: Workload,
+          path: str | os.PathLike[str] | None) -> Path:
+    from ..plan_check import graph_fingerprint
+
+    fingerprint = hashlib.sha1(json.dumps(graph_fingerprint(graph), sort_keys=True).encode()).hexdigest()[:16]
+    units = {}
+    for name, key in representatives.items():
+        unit = graph.unit(name)
+        units[key] = {"module_class": unit.module_class, "unit": name,
+                      "attention": any(t.attention for t in times[key].values()),
+                      "devices": {d: {"prefill": [list(p) for p in t.prefill], "decode": [list(p) for p in t.decode]}
+                                  for d, t in times[key].items()},
+                      "links": {link: dict(modes) for link, modes in copies.get(key, {}).items()}}
+    model = {"fingerprint": fingerprint, "name": graph.meta.model_name, "dtype": graph.meta.dtype,
+             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "workload": workload.to_dict(), "units": dict(representatives)}
+    try:
+        return save_calibration(units, model, path=path)
+    except OSError as exc:
+        raise ProfileError(f"cannot write the calibration to {str(profile_path(path))!r} ({exc}): pass "
+                           f"path= a writable file, or set $PLACEMENT_OPT_PROFILE") from None
