@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ProfileError
 from ..hardware.profile_store import saved_calibration
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -172,7 +173,8 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
         entry = entries.get(shape_key(unit, graph.meta.dtype, graph.meta.seq_len))
         if not entry:
             continue
-        on = {d: _unit_times(t) for d, t in entry.get("devices", {}).items() if d in measured}
+        attention = bool(entry.get("attention", False))
+        on = {d: _unit_times(t, attention) for d, t in entry.get("devices", {}).items() if d in measured}
         if on:
             compute[unit.name] = on
         links = {_link(k, m): float(s) for k, modes in entry.get("links", {}).items() for m, s in modes.items()
@@ -188,10 +190,16 @@ def _link(key: str, mode: str) -> tuple[str, str, str]:
     return storage, execution, mode
 
 
-def _unit_times(entry: Mapping[str, Any]) -> UnitTimes:
-    prefill = tuple((int(b), int(p), float(s), str(kept)) for b, p, s, kept in entry.get("prefill", ()))
-    decode = tuple((int(b), int(c), float(s)) for b, c, s in entry.get("decode", ()))
+def _unit_times(entry: Mapping[str, Any], attention: bool) -> UnitTimes:
+    """One device's saved figures; a malformed entry is a :class:`ProfileError` saying what to do."""
+    try:
+        prefill = tuple((int(b), int(p), float(s), str(kept)) for b, p, s, kept in entry.get("prefill", ()))
+        decode = tuple((int(b), int(c), float(s)) for b, c, s in entry.get("decode", ()))
+    except (TypeError, ValueError, AttributeError):
+        prefill, decode = (), ((0, 0, -1.0),)
     if any(not math.isfinite(s) or s < 0 for *_, s in decode) or any(
-            not math.isfinite(s) or s < 0 for _, _, s, _ in prefill):
-        return UnitTimes()
-    return UnitTimes(prefill=prefill, decode=decode, attention=bool(entry.get("attention", False)))
+            not math.isfinite(s) or s < 0 or b < 1 or p < 1 for b, p, s, _ in prefill):
+        raise ProfileError("the saved profile's calibration holds a malformed unit time (want [batch, prompt, "
+                           "seconds, 'last'|'all'] and [batch, context, seconds], seconds >= 0): run "
+                           "`placement-opt profile --model MODEL` again, or delete its 'calibration' entry")
+    return UnitTimes(prefill=prefill, decode=decode, attention=attention)
