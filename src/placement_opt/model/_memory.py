@@ -1,0 +1,140 @@
+"""Live activation bytes during the meta forward, and each unit's peak: its workspace.
+
+Meta tensors have storages with sizes (no data), and torch keeps a storage's Python object alive as
+long as any tensor uses it, so a finalizer on it fires exactly when the memory would be freed on a
+real device. :class:`LiveBytes` is fed every op's inputs and outputs by the recorder's dispatch mode:
+
+* an output whose storage is none of the op's inputs' storages is a new allocation (views and
+  in-place ops share their input's storage; parameters are never allocated by the forward);
+* every allocation is either *linear* (scales with the tokens of the forward) or *context-shaped*
+  (its last two dimensions are query x key tokens: attention scores, their softmax, the mask);
+* each unit's peak is the largest live total of each kind seen while it runs: everything alive on the
+  device at that moment (its inputs, what earlier units left alive, its intermediates, its outputs).
+
+Context-shaped tensors are recognised by provenance, not by shape alone (a head size may equal the
+traced length): the product of two activations whose result ends in ``(seq_len, seq_len)``
+(``q @ k^T``), anything computed from such a tensor with the same trailing shape (mask, softmax,
+casts), and tensors of that shape made outside every unit (the model's causal mask). A product
+that reads a context-shaped tensor (``probs @ v``) is linear again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LiveBytes", "UnitPeak"]
+
+#: Products of two tensors: the ops whose output may start a context-shaped tensor (``q @ k^T``).
+_PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm, torch.ops.aten.addmm,
+                       torch.ops.aten.matmul, torch.ops.aten.addbmm})
+
+
+@dataclass
+class UnitPeak:
+    """The most bytes alive while one unit ran, by kind, and what was alive when it started."""
+
+    linear_bytes: int = 0
+    context_bytes: int = 0
+    entry_linear_bytes: int = 0
+    entry_context_bytes: int = 0
+
+    def above_entry(self) -> tuple[int, int]:
+        """(linear, context) bytes the unit added on top of what it found alive: what a replay adds."""
+        return (max(0, self.linear_bytes - self.entry_linear_bytes),
+                max(0, self.context_bytes - self.entry_context_bytes))
+
+
+@dataclass
+class LiveBytes:
+    """Bytes of the activations alive during one meta forward, and every unit's peak."""
+
+    seq_len: int
+    """Tokens per sequence of the forward: context-shaped tensors end in ``(seq_len, seq_len)``."""
+    state_storages: frozenset[int] = frozenset()
+    """Storages of the parameters and buffers: products that read one are projections, never scores."""
+    linear_bytes: int = 0
+    context_bytes: int = 0
+    peaks: dict[str, UnitPeak] = field(default_factory=dict)
+    _alive: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+    # -- the recorder's calls --
+    def enter(self, unit: str) -> None:
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.entry_linear_bytes, peak.entry_context_bytes = self.linear_bytes, self.context_bytes
+        self._raise(unit)
+
+    def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]) -> None:
+        """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit)."""
+        inputs = list(inputs)
+        read = {_storage_key(t) for t in inputs}
+        packet = getattr(func, "_overloadpacket", func)
+        for tensor in outputs:
+            key = _storage_key(tensor)
+            if key is None or key in read or key in self._alive:
+                continue
+            context = self._is_context(packet, unit, inputs, tensor)
+            self._add(key, tensor.untyped_storage(), context)
+        if unit is not None:
+            self._raise(unit)
+
+    def replayed(self, unit: str, learned_from: str) -> None:
+        """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
+        linear, context = self.peaks[learned_from].above_entry()
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.linear_bytes = max(peak.linear_bytes, peak.entry_linear_bytes + linear)
+        peak.context_bytes = max(peak.context_bytes, peak.entry_context_bytes + context)
+
+    def is_context(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory was counted as attention-score shaped."""
+        return self._alive.get(_storage_key(tensor), (0, False))[1]
+
+    def mark_context(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s memory as attention-score shaped (a replayed block's output that was)."""
+        key = _storage_key(tensor)
+        size, context = self._alive.get(key, (0, True))
+        if not context:
+            self._alive[key] = (size, True)
+            self.linear_bytes -= size
+            self.context_bytes += size
+
+    # -- bookkeeping --
+    def _is_context(self, packet: object, unit: str | None, inputs: list[torch.Tensor], tensor: torch.Tensor) -> bool:
+        if self.seq_len < 2 or tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.seq_len, self.seq_len):
+            return False
+        from_context = any(self._alive.get(_storage_key(t), (0, False))[1] for t in inputs)
+        if packet in _PRODUCTS:
+            return not from_context and not any(_storage_key(t) in self.state_storages for t in inputs)
+        return from_context or unit is None
+
+    def _add(self, key: int, storage: torch.UntypedStorage, context: bool) -> None:
+        size = int(storage.nbytes())
+        self._alive[key] = (size, context)
+        if context:
+            self.context_bytes += size
+        else:
+            self.linear_bytes += size
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        size, context = self._alive.pop(key, (0, False))
+        if context:
+            self.context_bytes -= size
+        else:
+            self.linear_bytes -= size
+
+    def _raise(self, unit: str) -> None:
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.linear_bytes = max(peak.linear_bytes, self.linear_bytes)
+        peak.context_bytes = max(peak.context_bytes, self.context_bytes)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Identity of the memory a tensor uses (None for tensors without a plain storage)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
