@@ -4,8 +4,32 @@
 Memory per option (priced in :mod:`.pricing`): ``stored_bytes`` on S (parameters and buffers;
 training: gradients and optimizer states, which stay where the weights live), ``resident_bytes``
 on E (KV cache for ``batch x (prompt + new)`` tokens; training: saved activations), ``peak_bytes``
-on E (prefill activation workspace plus the stream buffer: x2 for ``stream``, whose next unit is
-prefetched).
+on E (activation workspace, :func:`workspace_bytes`, plus the stream buffer: x2 for ``stream``, whose
+next unit is prefetched).
+
+The workspace comes from the model itself: the meta trace measures, per unit, the most activation
+bytes alive while it runs (``UnitInfo.workspace_bytes_per_token``: its inputs, what earlier units left
+alive, its intermediates and outputs) and the attention-score bytes per query x context token
+(``workspace_bytes_per_token_ctx``). A unit's workspace is the larger of its prefill and decode:
+
+* prefill: ``per_token x batch x prompt``, plus ``ctx x batch x prompt x prompt`` where the attention
+  that runs materialises scores (eager; not sdpa or flash attention, whose fused kernels keep them in
+  on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions only, and
+  ``generate()`` adds a float32 copy of the last logits and their probabilities (:data:`SAMPLING_COPIES`);
+* decode: ``per_token x batch`` plus scores over the context, plus one unit's KV cache copy: the cache
+  grows by concatenation, so the old and the new tensor of one layer are alive at once.
+
+Graphs without the measured figures (written before them, static, hand-made) keep the old estimate,
+:data:`WORKSPACE_FACTOR` outputs per token.
+
+The CUDA caching allocator, and what it means for these figures (``torch.cuda.max_memory_allocated``
+is what they are checked against): every allocation is rounded up to 512 bytes, at most 511 bytes per
+live tensor, under 0.01 % of any real model's weights and activations, so it is not charged. Segments
+are reserved in 2 MiB steps (20 MiB for small blocks) and the CUDA context takes about 500 MiB on an
+H100 with torch 2.x: neither is *allocated* memory; both come out of the reserve
+(``Device.reserve_bytes``, :data:`~placement_opt.hardware.devices.DEFAULT_GPU_RESERVE_BYTES`, 1 GiB) that
+a GPU whose size was detected or taken from a preset keeps free. A capacity the user gives
+(``{0: "10GiB"}``) is, as for accelerate, a budget for the model's tensors: no reserve is taken from it.
 """
 
 from __future__ import annotations
@@ -15,20 +39,76 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..units import format_bytes
-from .workload import Workload
+from .workload import Workload, dtype_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Device
-    from ..model.graph import LayerGraph
+    from ..model.graph import GraphMeta, LayerGraph, UnitInfo
     from ..solver.problem import PlacementProblem
     from .pricing import OptionPrice
 
-__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "device_memory", "violation",
-           "shortage_message"]
+__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "SCORE_FREE_ATTENTION",
+           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
+           "materializes_scores"]
 
-#: Prefill activation workspace of a unit, in multiples of its output for all prefill tokens
-#: (q/k/v, MLP intermediates and their upcasts live at the same time).
+#: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
+#: tokens (q/k/v, MLP intermediates and their upcasts live at the same time).
 WORKSPACE_FACTOR = 6
+
+#: Attention implementations (transformers' names) whose kernels never hold the ``query x key`` scores
+#: in memory: flash and memory-efficient kernels work in tiles. Any other (eager, unknown) is charged them.
+SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                                  "paged_attention", "sdpa_paged", "flash_paged"})
+
+#: cuBLAS's workspace, which torch takes from the caching allocator on every GPU that runs a matmul
+#: (per handle and stream): 32 MiB on Hopper and later, 4-8 MiB before; the larger is charged.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+
+#: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
+#: the float32 copy of the next-token logits and the processed scores / probabilities.
+SAMPLING_COPIES = 2
+_FLOAT32_BYTES = 4
+
+
+def materializes_scores(meta: GraphMeta) -> bool:
+    """Whether the attention the model runs with holds its ``query x key`` scores in memory."""
+    return meta.extra.get("attn_implementation") not in SCORE_FREE_ATTENTION
+
+
+def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False) -> int:
+    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode
+    (plus :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``).
+
+    Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less).
+    """
+    return _activation_bytes(unit, workload, meta) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+
+
+def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta) -> int:
+    batch, prompt = workload.batch_size, workload.prompt_len
+    last = workload.logits == "last" and unit.name == meta.extra.get("logits_unit")
+    if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
+        return (batch if last else batch * prompt) * unit.out_bytes_per_token * WORKSPACE_FACTOR
+    per_token, scores = unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0
+    if not materializes_scores(meta):
+        scores = 0
+    prefill = per_token * batch * prompt + scores * batch * prompt * prompt
+    if last:  # only the last position's logits: the rest of what is alive still scales with the prompt
+        logits = min(unit.out_bytes_per_token, per_token)
+        prefill = (per_token - logits) * batch * prompt + logits * batch + _sampling_bytes(unit, batch, meta)
+    if workload.decode_steps == 0 or not unit.in_decode:
+        return prefill
+    context = workload.context_len
+    decode = (per_token * batch + scores * batch * context + unit.kv_bytes_per_token * batch * context
+              + (_sampling_bytes(unit, batch, meta) if last else 0))
+    return max(prefill, decode)
+
+
+def _sampling_bytes(unit: UnitInfo, batch: int, meta: GraphMeta) -> int:
+    """``generate()``'s float32 copies of the last logits (:data:`SAMPLING_COPIES` per sequence)."""
+    vocab = unit.out_bytes_per_token // dtype_bytes(meta.dtype)
+    return SAMPLING_COPIES * batch * vocab * _FLOAT32_BYTES
 
 
 #: Copies of a unit's weights its stream buffer holds, by mode (``stream`` prefetches the next unit).
@@ -54,6 +134,8 @@ class DeviceMemory:
     """Buffer that streamed weights pass through (prefetch included), at its peak."""
     other_bytes: int = 0
     """Anything else the memory model charges here (training states)."""
+    peak_unit: str = ""
+    """The unit executed here whose workspace and stream buffer set the peak ("" when none or not known)."""
 
     @property
     def used_bytes(self) -> int:
@@ -81,18 +163,24 @@ class Violation:
         return self.needed_bytes - self.capacity_bytes
 
 
-def device_memory(device: Device, chosen: Sequence[OptionPrice]) -> DeviceMemory:
-    """What ``device`` holds when the units take the ``chosen`` options, split by kind."""
+def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence[str] = ()) -> DeviceMemory:
+    """What ``device`` holds when the units take the ``chosen`` options, split by kind.
+
+    ``names``: the units' names, in the order of ``chosen``, to say which unit sets the peak.
+    """
     stored = [p for p in chosen if p.storage == device.name]
-    executed = [p for p in chosen if p.execution == device.name]
-    peak = max(executed, key=lambda p: p.workspace_bytes + p.stream_buffer_bytes, default=None)
+    executed = [i for i, p in enumerate(chosen) if p.execution == device.name]
+    top = max(executed, key=lambda i: chosen[i].workspace_bytes + chosen[i].stream_buffer_bytes, default=None)
+    peak = chosen[top] if top is not None else None
+    executed_parts = [chosen[i] for i in executed]
     return DeviceMemory(
         device=device.name, capacity_bytes=device.usable_bytes, reserve_bytes=device.reserve_bytes,
         weights_bytes=sum(p.weights_bytes for p in stored),
-        kv_cache_bytes=sum(p.kv_cache_bytes for p in executed),
+        kv_cache_bytes=sum(p.kv_cache_bytes for p in executed_parts),
         workspace_bytes=peak.workspace_bytes if peak else 0,
         stream_buffer_bytes=peak.stream_buffer_bytes if peak else 0,
-        other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed),
+        other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed_parts),
+        peak_unit=names[top] if top is not None and top < len(names) else "",
     )
 
 
