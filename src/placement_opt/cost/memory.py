@@ -76,20 +76,23 @@ def materializes_scores(meta: GraphMeta) -> bool:
 
 
 def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False) -> int:
-    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode
-    (plus :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``).
+    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode,
+    plus :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``. Units without measured figures keep the old estimate,
+    :data:`WORKSPACE_FACTOR` outputs per token, alone.
 
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
-    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less).
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU.
     """
-    return _activation_bytes(unit, workload, meta) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
-
-
-def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta) -> int:
-    batch, prompt = workload.batch_size, workload.prompt_len
     last = workload.logits == "last" and unit.name == meta.extra.get("logits_unit")
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
-        return (batch if last else batch * prompt) * unit.out_bytes_per_token * WORKSPACE_FACTOR
+        tokens = workload.batch_size * (1 if last else workload.prompt_len)
+        return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
+    return _activation_bytes(unit, workload, meta, last) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+
+
+def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool) -> int:
+    assert unit.workspace_bytes_per_token is not None  # checked by the caller
+    batch, prompt = workload.batch_size, workload.prompt_len
     per_token, scores = unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0
     if not materializes_scores(meta):
         scores = 0

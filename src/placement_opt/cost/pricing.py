@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
 from .calibrated import Calibration, UnitTimes, logits_kept
-from .memory import STREAM_BUFFERS, WORKSPACE_FACTOR
+from .memory import STREAM_BUFFERS, workspace_bytes
 from .workload import Workload, unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -301,14 +301,13 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
-    prefill_tokens = wl.batch_size * wl.prompt_len
     kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
     return OptionPrice(
         storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
         weights_bytes=unit.weight_bytes,
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
-        workspace_bytes=prefill_tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR,
+        workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode],
     )
 
