@@ -56,11 +56,8 @@ def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
 
 
 def logits_kept(workload: Workload) -> str:
-    """``"last"`` when the prefill computes only the last position's output (``generate``), else ``"all"``."""
-    keeps_all = getattr(workload, "all_logits", None)  # a Workload field may say it; else generation keeps one
-    if keeps_all is None:
-        keeps_all = workload.new_tokens == 0
-    return "all" if keeps_all else "last"
+    """``"last"`` when the prefill computes only the last position's logits (``generate``), else ``"all"``."""
+    return workload.logits or ("all" if workload.training or workload.new_tokens == 0 else "last")
 
 
 @dataclass(frozen=True)

@@ -241,16 +241,23 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
         if seconds is not None:
             return seconds
     tokens = wl.batch_size * wl.prompt_len
-    flops_s, bytes_s = _achieved(device, tokens)
+    # generate() asks the logits unit for the last position only: batch rows, not batch x prompt
+    rows = wl.batch_size if _last_logits_only(ctx, unit) else tokens
+    flops_s, bytes_s = _achieved(device, rows)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
-    flops = wl.batch_size * (wl.prompt_len * base + unit.attn_flops_per_token_per_ctx * causal_pairs)
-    touched = (_touched_weight_bytes(unit, tokens) + 2 * tokens * unit.out_bytes_per_token
+    flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
+    touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
                + tokens * unit.kv_bytes_per_token)
     seconds = max(flops / flops_s, touched / bytes_s) + UNIT_OVERHEAD_S[device.kind]
     if wl.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[wl.activation_checkpointing]
     return seconds
+
+
+def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
+    """Whether the prefill computes ``unit`` (the logits unit) at the last position of each sequence only."""
+    return logits_kept(ctx.workload) == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
 
 
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
