@@ -16,7 +16,7 @@ from placement_opt.hardware.resolve import as_machine
 from placement_opt.model.graph import chain_graph
 from placement_opt.model.tracer import trace
 
-WORKLOAD = Workload(batch_size=1, prompt_len=16, new_tokens=24)
+WORKLOAD = Workload(batch_size=1, prompt_len=16, new_tokens=96)
 
 
 def tiny_config(hidden: int = 64) -> LlamaConfig:
@@ -47,7 +47,8 @@ def test_calibrate_times_one_unit_of_each_shape_at_the_workloads_shapes(calibrat
     assert layer.attention
     assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(1, 4), (1, 16)]
     assert {kept for *_, kept in layer.prefill} == {"last"}  # generation computes the last position's logits
-    assert sorted(c for _, c, _ in layer.decode) == [17, 33]  # first context, and the last steps' context
+    first, last = sorted(c for _, c, _ in layer.decode)  # steps near the first context, and near the last
+    assert 17 <= first < 17 + 32 and 112 - 32 < last <= 112
     assert all(s > 0 for *_, s in layer.decode)
     assert result.path == path and result.devices == ("cpu",)
 

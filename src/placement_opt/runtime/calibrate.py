@@ -12,9 +12,11 @@ dominate small models. :func:`calibrate` measures the model itself:
    unit before it, so the units add up to the whole forward): a prefill at the workload's
    ``(batch, prompt)`` and at a quarter of its prompt, and decode steps with a real KV cache at the
    first context (``prompt + 1``) and at the last (``prompt + new_tokens``);
-4. with a GPU, the copy of each unit's weights is timed both ways they are streamed: the project's
+4. the copy of each unit's weights is timed both ways they are streamed: with a GPU, the project's
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
-   (``stream_sync``);
+   (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
+   ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
+   the resident step;
 5. the figures are saved in the profile of this machine, per shape key, with the host's name.
 
 Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
@@ -30,6 +32,7 @@ import inspect
 import json
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -50,9 +53,11 @@ from ..progress import bar
 
 __all__ = ["calibrate", "CalibrationResult"]
 
-#: Decode steps timed at each context (the fastest counts, per unit).
+#: Decode steps timed at each context at least (the median counts, per unit) ...
 DECODE_STEPS = 8
-#: Timed forwards of one shape go on until they add up to this (the fastest counts, per unit).
+#: ... and at most, while they add up to under half :data:`MIN_TIMED_S`.
+MAX_DECODE_STEPS = 32
+#: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
 MIN_TIMED_S = 0.5
 #: At most this many timed forwards of one shape.
 MAX_RUNS = 20
@@ -89,12 +94,15 @@ class CalibrationResult:
                 decode = min(times.decode, key=lambda d: d[1])
                 lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
                              f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
+            for link, modes in self.copies.get(key, {}).items():
+                read = ", ".join(f"{mode} {seconds * 1e3:.2f} ms" for mode, seconds in modes.items())
+                lines.append(f"  {name} weights {link}: {read}")
         return "\n".join(lines)
 
 
 def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
-              path: str | os.PathLike[str] | None = None, repeats: int = 2,
-              progress: bool | None = None) -> CalibrationResult:
+              path: str | os.PathLike[str] | None = None, offload_dir: str | os.PathLike[str] | None = None,
+              repeats: int = 2, progress: bool | None = None) -> CalibrationResult:
     """Time one unit of each distinct shape of ``model`` on this machine's compute devices and save it.
 
     Example::
@@ -113,7 +121,9 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
             steps at contexts ``prompt + 1`` and ``prompt + new_tokens``.
         dtype: the dtype to run in (default: the model's).
         path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
-        repeats: timed prefill forwards per shape after one warm-up (the fastest counts).
+        offload_dir: where disk reads are timed when ``devices`` has a disk (default the current
+            directory; scratch files are removed).
+        repeats: timed prefill forwards per shape at least, after one warm-up (the median counts).
         progress: a progress bar on stderr (see :func:`placement_opt.profile`).
 
     Returns:
@@ -135,7 +145,8 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     graph = trace(model, dtype=dtype)
     config = _config_of(model)
     names = _compute_devices(devices)
-    _profile_missing(names, graph.meta.dtype, path)
+    disk_folder = _disk_folder(devices, offload_dir)
+    _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
     representatives = _representatives(graph)
     cut = _cut_config(config, representatives)
     times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
@@ -144,7 +155,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         for name in names:
             counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
             measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
-                                             many_devices=len(names) > 1)
+                                             many_devices=len(names) > 1, disk_folder=disk_folder)
             for key, unit_times in measured.items():
                 times[key][name] = unit_times
             for key, links in linked.items():
@@ -182,14 +193,24 @@ def _compute_devices(devices: Any) -> list[str]:
     return list(dict.fromkeys(local))
 
 
-def _profile_missing(names: Iterable[str], dtype: str, path: str | os.PathLike[str] | None) -> None:
+def _profile_missing(names: Iterable[str], dtype: str, path: str | os.PathLike[str] | None,
+                     disk_folder: Path | None) -> None:
     """Profile (quick) the devices the saved profile lacks: calibrated times apply to measured devices only."""
     from ..hardware.profiler import profile
 
     missing = [n for n in names if saved_device(n, dtype=dtype, path=path) is None]
     if missing:
         profile(missing, path=path, quick=True, dtype=dtype if dtype in ("float32", "bfloat16", "float16")
-                else "float32", progress=False)
+                else "float32", offload_folder=disk_folder, progress=False)
+
+
+def _disk_folder(devices: Any, offload_dir: str | os.PathLike[str] | None) -> Path | None:
+    """Where cold disk reads are timed: ``offload_dir`` (default the current directory) when the
+    machine has a disk; None without one."""
+    from ..hardware.detect import local_device_names
+
+    listed = device_names(local_device_names() if devices is None else devices)
+    return Path(offload_dir or ".") if "disk" in listed else None
 
 
 def _representatives(graph: LayerGraph) -> dict[str, str]:
@@ -283,16 +304,18 @@ class _Stamps:
             handle.remove()
 
 
-def _fastest(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    best: dict[str, float] = {}
+def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The median seconds of each unit over the runs: on a machine other jobs share, the fastest run
+    is luck and the slowest a busy moment, while a plan runs through the usual ones."""
+    by_unit: dict[str, list[float]] = {}
     for run in runs:
         for name, seconds in run.items():
-            best[name] = min(best.get(name, float("inf")), seconds)
-    return best
+            by_unit.setdefault(name, []).append(seconds)
+    return {name: statistics.median(values) for name, values in by_unit.items()}
 
 
 def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
-                  workload: Workload, repeats: int, many_devices: bool
+                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None
                   ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
     from .dispatcher import dispatch
 
@@ -310,7 +333,11 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
         copies = _time_copies(timed, representatives, device) if device.type == "cuda" else {}
     finally:
         handle.remove()
-        del model
+    if device.type == "cpu" and disk_folder is not None and decode:
+        resident = decode[min(decode, key=lambda k: k[1])]
+        for key, links in _time_disk_reads(model, graph, representatives, workload, resident, disk_folder).items():
+            copies.setdefault(key, {}).update(links)
+    del model
     kept = logits_kept(workload)
     out = {}
     for name, key in representatives.items():
@@ -339,7 +366,7 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
     for length in shapes:
         ids = torch.randint(0, vocab, (batch, length), device=device)
         runs, out = _repeated(lambda ids=ids: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
-        prefill[batch, length] = _fastest(runs)
+        prefill[batch, length] = _typical(runs)
         if length == prompt:
             cache = out.past_key_values
         del out
@@ -356,7 +383,7 @@ def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[l
     warm = time.perf_counter()
     stamps.run(call)
     if time.perf_counter() - warm > SLOW_FORWARD_S:
-        repeats = 1  # a slow forward varies little; one more is the figure
+        repeats = 1  # a slow forward varies little (relative to itself); one more is the figure
     spent, out = 0.0, None
     while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
         start = time.perf_counter()
@@ -374,29 +401,129 @@ def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Worklo
     decode: dict[tuple[int, int], dict[str, float]] = {}
     if workload.new_tokens == 0 or cache is None:
         return decode
-    steps = min(DECODE_STEPS, workload.new_tokens)
-    decode[batch, prompt + 1] = _steps(model, stamps, cache, batch, steps, vocab, device)
-    filled = prompt + steps
+    most = min(MAX_DECODE_STEPS, workload.new_tokens)
+    seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+    decode[batch, prompt + 1 + (steps - 1) // 2] = seconds  # the middle context of the steps timed
     last = prompt + workload.new_tokens
-    if last - filled > steps:  # fill the cache up to the last context in one forward, untimed
-        ids = torch.randint(0, vocab, (batch, last - filled - steps), device=device)
+    if last - (prompt + steps + 1) > most:  # fill the cache up to the last context in one forward, untimed
+        filled = prompt + steps + 1
+        ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
         cache = model(input_ids=ids, past_key_values=cache, use_cache=True,
                       **_logits_argument(model, "last")).past_key_values
-        decode[batch, last - steps + 1] = _steps(model, stamps, cache, batch, steps, vocab, device)
+        seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+        decode[batch, last - most + (steps - 1) // 2] = seconds
     return decode
 
 
-def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, steps: int, vocab: int,
-           device: torch.device) -> dict[str, float]:
-    runs = []
-    for step in range(steps + 1):  # the first step warms up the decode shapes, untimed
+def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int, vocab: int,
+           device: torch.device) -> tuple[dict[str, float], int]:
+    """The typical per-unit seconds of decode steps and how many were timed (at least
+    :data:`DECODE_STEPS`, more while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
+    runs: list[dict[str, float]] = []
+    spent = 0.0
+    step = 0
+    while step <= min(DECODE_STEPS, most) or (spent < MIN_TIMED_S / 2 and step <= most):
         ids = torch.randint(0, vocab, (batch, 1), device=device)
+        start = time.perf_counter()
         seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
                                                                      use_cache=True))
-        if step > 0:
+        if step > 0:  # the first step warms up the decode shapes, untimed
             runs.append(seconds)
+            spent += time.perf_counter() - start
         cache = out.past_key_values
-    return _fastest(runs)
+        step += 1
+    return _typical(runs), len(runs)
+
+
+def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mapping[str, str], workload: Workload,
+                     resident: Mapping[str, float], folder: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """Seconds a CPU-executed unit adds when its weights come from a cold disk, both ways they are read.
+
+    ``stream``: placement_opt's dispatch computes from the memory-mapped file (pages fault in as the
+    kernels touch them); ``stream_sync``: accelerate's hooks copy each tensor out of its ``np.memmap``.
+    Each is a decode step with every file evicted from the page cache first, less the resident step.
+    """
+    import tempfile
+
+    reads: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="placement_opt_calibrate_", dir=folder) as scratch:
+        for mode, runner in (("stream", _run_mapped), ("stream_sync", _run_accelerate)):
+            steps = runner(model, graph, workload, Path(scratch) / mode)
+            if steps is None:
+                continue
+            for name, key in representatives.items():
+                if name in steps and graph.unit(name).weight_bytes > 0:
+                    extra = max(0.0, steps[name] - resident.get(name, 0.0))
+                    reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
+    return reads
+
+
+#: Cold decode steps timed per disk path (the median counts, per unit).
+DISK_STEPS = 3
+
+
+def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path) -> dict[str, float]:
+    from .dispatcher import dispatch
+
+    handle = dispatch(model, {"": "disk"}, offload_dir=folder)
+    try:
+        files = [file for unit in handle._units for file, _ in unit.disk]
+        return _cold_steps(model, graph, workload, lambda: _evict(folder, files))
+    finally:
+        handle.remove()
+
+
+def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path) -> dict[str, float] | None:
+    try:
+        from accelerate import dispatch_model
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        return None
+    clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on the meta device
+    units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in _unit_modules(clone, graph)}
+    dispatch_model(clone, device_map=units, offload_dir=str(folder))
+    return _cold_steps(clone, graph, workload, lambda: _evict(folder, []))
+
+
+def _cold_steps(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None]) -> dict[str, float]:
+    """Per-unit median seconds of decode steps, each after the weights' files left the page cache."""
+    vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
+    stamps = _Stamps(_unit_modules(model, graph), torch.device("cpu"))
+    runs = []
+    try:
+        with torch.inference_mode():
+            ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len))
+            cache = model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")).past_key_values
+            for _ in range(DISK_STEPS):
+                evict()
+                ids = torch.randint(0, vocab, (workload.batch_size, 1))
+                seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
+                                                                             use_cache=True))
+                runs.append(seconds)
+                cache = out.past_key_values
+    finally:
+        stamps.close()
+    return _typical(runs)
+
+
+def _evict(folder: Path, files: Iterable[Any]) -> None:
+    """Drop ``folder``'s files from the page cache; mapped pages first (``fadvise`` skips mapped pages)."""
+    import mmap
+
+    for file in files:
+        mapped = getattr(getattr(file, "_array", None), "base", None)
+        while mapped is not None and not isinstance(mapped, mmap.mmap):
+            mapped = getattr(mapped, "obj", None) or getattr(mapped, "base", None)
+        if isinstance(mapped, mmap.mmap):
+            mapped.madvise(mmap.MADV_DONTNEED)
+    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not Linux
+        return
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
