@@ -210,6 +210,8 @@ class NodeSchema(_Strict):
     in_decode: bool
     workspace_bytes_per_token: NonNegativeInt | None = None
     workspace_bytes_per_token_ctx: NonNegativeInt | None = None
+    scores_workspace_bytes_per_token: NonNegativeInt | None = None
+    scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

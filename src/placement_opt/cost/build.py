@@ -100,7 +100,8 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
     return (unit.param_bytes, unit.buffer_bytes, unit.flops_per_token, unit.attn_flops_per_token_per_ctx,
             unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
             unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class,
-            unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx, unit.name == logits_unit)
+            unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx, unit.scores_workspace_bytes_per_token,
+            unit.scores_workspace_bytes_per_token_ctx, unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

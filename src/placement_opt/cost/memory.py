@@ -7,17 +7,21 @@ on E (KV cache for ``batch x (prompt + new)`` tokens; training: saved activation
 on E (activation workspace, :func:`workspace_bytes`, plus the stream buffer: x2 for ``stream``, whose
 next unit is prefetched).
 
-The workspace comes from the model itself: the meta trace measures, per unit, the most activation
-bytes alive while it runs (``UnitInfo.workspace_bytes_per_token``: its inputs, what earlier units left
-alive, its intermediates and outputs) and the attention-score bytes per query x context token
-(``workspace_bytes_per_token_ctx``). A unit's workspace is the larger of its prefill and decode:
+The workspace comes from the model itself: the meta trace measures, per unit, the activation bytes
+alive at two moments of its run (everything alive: its inputs, what earlier units left alive, its
+intermediates and outputs), split into bytes per token and attention-score bytes per query x context
+token: the moment with the most per-token bytes (``UnitInfo.workspace_bytes_per_token``, ``..._ctx``)
+and the one with the most score bytes (``scores_workspace_bytes_per_token``, ``..._ctx``). Each is
+priced at the workload's shape and the larger counts. A unit's workspace is the larger of its prefill
+and decode:
 
-* prefill: ``per_token x batch x prompt``, plus ``ctx x batch x prompt x prompt`` where the attention
-  that runs materialises scores (eager; not sdpa or flash attention, whose fused kernels keep them in
-  on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions only, and
-  ``generate()`` adds a float32 copy of the last logits and their probabilities (:data:`SAMPLING_COPIES`);
-* decode: ``per_token x batch`` plus scores over the context, plus one unit's KV cache copy: the cache
-  grows by concatenation, so the old and the new tensor of one layer are alive at once.
+* prefill: ``per_token x batch x prompt + ctx x batch x prompt x prompt``; score bytes only where the
+  attention that runs materialises them (eager; not sdpa or flash attention, whose fused kernels keep
+  them in on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
+  only, and ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`);
+* decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
+  by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
+  on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair.
 
 Graphs without the measured figures (written before them, static, hand-made) keep the old estimate,
 :data:`WORKSPACE_FACTOR` outputs per token.
@@ -87,25 +91,39 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
-    return _activation_bytes(unit, workload, meta, last) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+    return _activation_bytes(unit, workload, meta, last, on_gpu) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
 
 
-def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool) -> int:
+def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool) -> int:
     assert unit.workspace_bytes_per_token is not None  # checked by the caller
     batch, prompt = workload.batch_size, workload.prompt_len
-    per_token, scores = unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0
+    moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
+               (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
     if not materializes_scores(meta):
-        scores = 0
-    prefill = per_token * batch * prompt + scores * batch * prompt * prompt
+        moments = [(max(linear for linear, _ in moments), 0)]
+
+    def alive(queries: int, context: int) -> int:  # the larger moment at this shape
+        return max(batch * queries * (linear + scores * context) for linear, scores in moments)
+
+    prefill = alive(prompt, prompt)
     if last:  # only the last position's logits: the rest of what is alive still scales with the prompt
-        logits = min(unit.out_bytes_per_token, per_token)
-        prefill = (per_token - logits) * batch * prompt + logits * batch + _sampling_bytes(unit, batch, meta)
+        logits = min(unit.out_bytes_per_token, unit.workspace_bytes_per_token)
+        prefill = prefill - logits * batch * (prompt - 1) + _sampling_bytes(unit, batch, meta)
     if workload.decode_steps == 0 or not unit.in_decode:
         return prefill
     context = workload.context_len
-    decode = (per_token * batch + scores * batch * context + unit.kv_bytes_per_token * batch * context
-              + (_sampling_bytes(unit, batch, meta) if last else 0))
+    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context
+              + (_sampling_bytes(unit, batch, meta) if last else 0)
+              + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return max(prefill, decode)
+
+
+def _gathered_expert_bytes(unit: UnitInfo, batch: int) -> int:
+    """transformers' ``batched_mm`` experts, which ``generate()`` switches GPU-executed experts to at decode,
+    copy the weights of the expert every (token, chosen expert) pair uses: ``batch x top_k`` experts."""
+    if not unit.is_moe:
+        return 0
+    return batch * unit.moe_experts_per_token * unit.moe_expert_bytes // unit.moe_num_experts
 
 
 def _sampling_bytes(unit: UnitInfo, batch: int, meta: GraphMeta) -> int:

@@ -8,8 +8,11 @@ real device. :class:`LiveBytes` is fed every op's inputs and outputs by the reco
   in-place ops share their input's storage; parameters are never allocated by the forward);
 * every allocation is either *linear* (scales with the tokens of the forward) or *context-shaped*
   (its last two dimensions are query x key tokens: attention scores, their softmax, the mask);
-* each unit's peak is the largest live total of each kind seen while it runs: everything alive on the
-  device at that moment (its inputs, what earlier units left alive, its intermediates, its outputs).
+* each unit keeps two moments of its run, as (linear, context-shaped) bytes alive then: the one with the
+  most linear bytes (an MLP's intermediates) and the one with the most context-shaped bytes (the softmax
+  of the scores). Everything alive counts (its inputs, what earlier units left alive, its intermediates,
+  its outputs). The two scale differently with the prompt (tokens against tokens x context), so the cost
+  model prices both at the workload's shape and takes the larger.
 
 Context-shaped tensors are recognised by provenance, not by shape alone (a head size may equal the
 traced length): the product of two activations whose result ends in ``(seq_len, seq_len)``
@@ -35,17 +38,31 @@ _PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.bad
 
 @dataclass
 class UnitPeak:
-    """The most bytes alive while one unit ran, by kind, and what was alive when it started."""
+    """Two moments of one unit's run as (linear, context-shaped) bytes alive then, and what was alive at entry."""
 
-    linear_bytes: int = 0
-    context_bytes: int = 0
-    entry_linear_bytes: int = 0
-    entry_context_bytes: int = 0
+    linear_peak: tuple[int, int] = (0, 0)
+    """The moment with the most linear bytes (ties: the most context-shaped)."""
+    score_peak: tuple[int, int] = (0, 0)
+    """The moment with the most context-shaped bytes (ties: the most linear)."""
+    entry: tuple[int, int] = (0, 0)
 
-    def above_entry(self) -> tuple[int, int]:
-        """(linear, context) bytes the unit added on top of what it found alive: what a replay adds."""
-        return (max(0, self.linear_bytes - self.entry_linear_bytes),
-                max(0, self.context_bytes - self.entry_context_bytes))
+    def see(self, alive: tuple[int, int]) -> None:
+        if alive > self.linear_peak:
+            self.linear_peak = alive
+        if (alive[1], alive[0]) > (self.score_peak[1], self.score_peak[0]):
+            self.score_peak = alive
+
+    def above_entry(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Both moments less what was alive at entry: what a replay of this unit adds to its own entry."""
+        return (_minus(self.linear_peak, self.entry), _minus(self.score_peak, self.entry))
+
+
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return (a[0] - b[0], a[1] - b[1])
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return (a[0] + b[0], a[1] + b[1])
 
 
 @dataclass
@@ -64,7 +81,7 @@ class LiveBytes:
     # -- the recorder's calls --
     def enter(self, unit: str) -> None:
         peak = self.peaks.setdefault(unit, UnitPeak())
-        peak.entry_linear_bytes, peak.entry_context_bytes = self.linear_bytes, self.context_bytes
+        peak.entry = (self.linear_bytes, self.context_bytes)
         self._raise(unit)
 
     def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]) -> None:
@@ -83,10 +100,9 @@ class LiveBytes:
 
     def replayed(self, unit: str, learned_from: str) -> None:
         """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
-        linear, context = self.peaks[learned_from].above_entry()
         peak = self.peaks.setdefault(unit, UnitPeak())
-        peak.linear_bytes = max(peak.linear_bytes, peak.entry_linear_bytes + linear)
-        peak.context_bytes = max(peak.context_bytes, peak.entry_context_bytes + context)
+        for added in self.peaks[learned_from].above_entry():
+            peak.see(_plus(peak.entry, added))
 
     def is_context(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory was counted as attention-score shaped."""
@@ -105,7 +121,7 @@ class LiveBytes:
     def _is_context(self, packet: object, unit: str | None, inputs: list[torch.Tensor], tensor: torch.Tensor) -> bool:
         if self.seq_len < 2 or tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.seq_len, self.seq_len):
             return False
-        from_context = any(self._alive.get(_storage_key(t), (0, False))[1] for t in inputs)
+        from_context = any(self.is_context(t) for t in inputs)
         if packet in _PRODUCTS:
             return not from_context and not any(_storage_key(t) in self.state_storages for t in inputs)
         return from_context or unit is None
@@ -127,9 +143,7 @@ class LiveBytes:
             self.linear_bytes -= size
 
     def _raise(self, unit: str) -> None:
-        peak = self.peaks.setdefault(unit, UnitPeak())
-        peak.linear_bytes = max(peak.linear_bytes, self.linear_bytes)
-        peak.context_bytes = max(peak.context_bytes, self.context_bytes)
+        self.peaks.setdefault(unit, UnitPeak()).see((self.linear_bytes, self.context_bytes))
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:

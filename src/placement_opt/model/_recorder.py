@@ -104,7 +104,7 @@ def run(
         replay.restore()
         restore()
     record.replayed_blocks = replay.replayed
-    record.workspace = {n: (p.linear_bytes, p.context_bytes) for n, p in memory.peaks.items()}
+    record.workspace = {n: (p.linear_peak, p.score_peak) for n, p in memory.peaks.items()}
     return record
 
 
@@ -147,8 +147,9 @@ class Record:
     value assumed. The forward's control flow there followed the guess; the other branch was not traced."""
     glue_flops: int = 0
     replayed_blocks: int = 0
-    workspace: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Unit -> the most (linear, context-shaped) activation bytes alive while it ran (:mod:`._memory`)."""
+    workspace: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    """Unit -> (linear, context-shaped) activation bytes alive at the moment of its run with the most linear
+    bytes, and at the moment with the most context-shaped bytes (:mod:`._memory`)."""
 
 
 class _Recorder(TorchDispatchMode):

@@ -32,16 +32,21 @@ Node attributes (all present on every node; bytes and FLOPs are ints):
 Measured by the meta trace (optional: graphs written before they existed, hand-made and static graphs
 lack them, and the cost model then prices the workspace as a multiple of the output):
 
-====================================  =======================================================
-``workspace_bytes_per_token``         the most activation bytes alive while the unit runs, per
-                                      token of the forward: its inputs, what earlier units left
-                                      alive, its intermediates and outputs (attention scores
-                                      excluded)
-``workspace_bytes_per_token_ctx``     the most attention-score bytes alive while it runs (scores,
-                                      softmax, mask: ``query x key`` shaped), per query token per
-                                      context token; charged only where the attention that runs
-                                      materialises them (``meta.extra["attn_implementation"]``)
-====================================  =======================================================
+=========================================  ==================================================
+``workspace_bytes_per_token``              the most activation bytes alive while the unit runs,
+                                           per token of the forward: its inputs, what earlier
+                                           units left alive, its intermediates and outputs
+                                           (attention scores apart)
+``workspace_bytes_per_token_ctx``          attention-score bytes alive at that moment (scores,
+                                           softmax, mask: ``query x key`` shaped), per query
+                                           token per context token
+``scores_workspace_bytes_per_token``       activation bytes per token alive at the moment the
+                                           unit holds the most attention-score bytes
+``scores_workspace_bytes_per_token_ctx``   those score bytes, per query token per context token
+=========================================  ==================================================
+
+Score bytes are charged only where the attention that runs materialises them
+(``meta.extra["attn_implementation"]``: eager does, sdpa and flash attention do not).
 
 Edge attributes: ``bytes_per_token`` (activation bytes per token crossing the edge).
 """
@@ -86,6 +91,8 @@ NODE_ATTRIBUTES: dict[str, type] = {
 MEASURED_NODE_ATTRIBUTES: dict[str, type] = {
     "workspace_bytes_per_token": int,
     "workspace_bytes_per_token_ctx": int,
+    "scores_workspace_bytes_per_token": int,
+    "scores_workspace_bytes_per_token_ctx": int,
 }
 
 
@@ -112,7 +119,11 @@ class UnitInfo:
     workspace_bytes_per_token: int | None = None
     """Peak activation bytes alive while the unit runs, per token; None when not measured."""
     workspace_bytes_per_token_ctx: int | None = None
-    """Peak attention-score bytes per query token per context token; None when not measured."""
+    """Attention-score bytes per query x context token alive at that peak; None when not measured."""
+    scores_workspace_bytes_per_token: int | None = None
+    """Activation bytes per token alive when the unit holds the most score bytes; None when not measured."""
+    scores_workspace_bytes_per_token_ctx: int | None = None
+    """The most score bytes alive while the unit runs, per query x context token; None when not measured."""
 
     @property
     def weight_bytes(self) -> int:

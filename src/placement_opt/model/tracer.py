@@ -307,11 +307,14 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
     return attrs
 
 
-def _workspace(ctx: TraceContext, peak: tuple[int, int]) -> dict[str, int]:
-    """A unit's peak (linear, score) bytes as the graph's per-token figures (see :mod:`._memory`)."""
-    linear, scores = peak
+def _workspace(ctx: TraceContext, peaks: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, int]:
+    """A unit's two peak moments, (linear, score) bytes, as the graph's per-token figures (see :mod:`._memory`)."""
+    (linear, scores), (linear_at_scores, most_scores) = peaks
+    pairs = ctx.tokens * ctx.seq_len
     attrs = {"workspace_bytes_per_token": math.ceil(linear / ctx.tokens),
-             "workspace_bytes_per_token_ctx": math.ceil(scores / (ctx.tokens * ctx.seq_len))}
+             "workspace_bytes_per_token_ctx": math.ceil(scores / pairs),
+             "scores_workspace_bytes_per_token": math.ceil(linear_at_scores / ctx.tokens),
+             "scores_workspace_bytes_per_token_ctx": math.ceil(most_scores / pairs)}
     assert set(attrs) == set(MEASURED_NODE_ATTRIBUTES)
     return attrs
 
