@@ -53,8 +53,11 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
         # one row per (token, chosen expert), all at once, as transformers' grouped_mm experts do: the
         # activations alive then are what the trace measures (the eager loop holds one expert's rows at a time)
         routed = flat.repeat_interleave(top_k, dim=0)  # kept to the end, as grouped_mm keeps its gathered rows
-        # and its routing bookkeeping per row: sorted expert ids, the permutation, the float copy histc reads
-        bookkeeping = torch.empty(routed.shape[0], 3, dtype=torch.int64, device=routed.device)
+        # and its routing bookkeeping: per row the sorted expert ids, the permutation and the float copy histc
+        # reads, per expert the token counts and their offsets
+        experts = max(w.shape[0] for w in weights) if weights else 1
+        bookkeeping = (torch.empty(routed.shape[0], 3, dtype=torch.int64, device=routed.device),
+                       torch.empty(2 * experts, dtype=torch.int32, device=routed.device))
         h = routed
         for w in weights:
             h = _apply_expert_weight(h, w[0], act)
