@@ -18,7 +18,7 @@ and decode:
 * prefill: ``per_token x batch x prompt + ctx x batch x prompt x prompt``; score bytes only where the
   attention that runs materialises them (eager; not sdpa or flash attention, whose fused kernels keep
   them in on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
-  only, and ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`);
+  only; ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`), whatever it keeps;
 * decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
   by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
   on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair.
@@ -105,15 +105,15 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
         return max(batch * queries * (linear + scores * context) for linear, scores in moments)
 
-    prefill = alive(prompt, prompt)
+    generating = workload.decode_steps > 0
+    sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
+    prefill = alive(prompt, prompt) + sampling
     if last:  # only the last position's logits: the rest of what is alive still scales with the prompt
-        logits = min(unit.out_bytes_per_token, unit.workspace_bytes_per_token)
-        prefill = prefill - logits * batch * (prompt - 1) + _sampling_bytes(unit, batch, meta)
-    if workload.decode_steps == 0 or not unit.in_decode:
+        prefill -= min(unit.out_bytes_per_token, unit.workspace_bytes_per_token) * batch * (prompt - 1)
+    if not generating or not unit.in_decode:
         return prefill
     context = workload.context_len
-    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context
-              + (_sampling_bytes(unit, batch, meta) if last else 0)
+    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return max(prefill, decode)
 
