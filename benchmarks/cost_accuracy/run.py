@@ -294,68 +294,95 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
 
 
 # -- GPU part ------------------------------------------------------------------------------------
+GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's shape, the issue's run
+
+
 def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no cover - needs a GPU
-    """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not."""
+    """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not.
+
+    The machine is profiled (cuda:0 and the CPU) and the model calibrated on both before any plan,
+    so placement_opt's plan and the price of accelerate's map use the same measured figures.
+    """
     if not torch.cuda.is_available():
         return ["No CUDA device on this machine: the GPU part was skipped."]
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import placement_opt
     from placement_opt.cost.evaluate import evaluate, predicted_memory
     from placement_opt.cost.workload import Workload
-
-    path = work / "gpu-model"
-    build(config_of("mid", None), path)
-    total = torch.cuda.get_device_properties(0).total_memory
-    budget = args.gpu_budget
-    max_memory = {0: budget, "cpu": "100GiB"}
-    lines = [f"GPU: {torch.cuda.get_device_name(0)}, max_memory {max_memory}", "",
-             "| runner | batch | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
-             "measured step (s) | predicted cuda:0 peak | measured peak |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    from placement_opt.model.tracer import trace
     from placement_opt.units import format_bytes, parse_size
 
+    path = work / "gpu-model"
+    config = LlamaConfig(**GPU_SHAPE, tie_word_embeddings=False, max_position_embeddings=8192)
+    config.dtype = "bfloat16"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    graph = trace(str(path))
+    placement_opt.profile(["cuda:0", "cpu"], dtype="bfloat16", quick=args.quick)
+    total = torch.cuda.get_device_properties(0).total_memory
+    max_memory = {0: args.gpu_budget, "cpu": "100GiB"}
+    lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
+             f"{max_memory}; prompt 512, {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
+             "| runner | batch | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
+             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for batch in (1, 16):
         workload = Workload(batch_size=batch, prompt_len=512, new_tokens=args.steps)
+        placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
         for cap in (False, True):
             for runner in ("accelerate", "placement_opt"):
-                torch.cuda.empty_cache()
-                torch.cuda.set_per_process_memory_fraction(parse_size(budget) / total if cap else 1.0, 0)
-                torch.cuda.reset_peak_memory_stats(0)
-                try:
-                    if runner == "accelerate":
-                        model = AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=max_memory)
-                        target = model.hf_device_map
-                    else:
-                        model = placement_opt.load(path, max_memory, workload=workload)
-                        target = model.plan
-                    cost = evaluate(target, model, max_memory, workload)
-                    predicted_peak = predicted_memory(target, model, max_memory, workload)["cuda:0"].used_bytes
-                    base = torch.cuda.memory_allocated(0)
-                    ids = torch.randint(0, VOCAB, (batch, 512), device="cuda:0")
-                    with torch.inference_mode():
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                        torch.cuda.synchronize()
-                        prefill = time.perf_counter() - start
-                        cache, token, steps = out.past_key_values, out.logits[:, -1:].argmax(-1), []
-                        for _ in range(args.steps):
-                            start = time.perf_counter()
-                            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                            torch.cuda.synchronize()
-                            steps.append(time.perf_counter() - start)
-                            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                    peak = torch.cuda.max_memory_allocated(0)
-                    lines.append(f"| {runner} | {batch} | {'yes' if cap else 'no'} | {cost.prefill_s:.3f} | "
-                                 f"{prefill:.3f} | {cost.decode_s / args.steps:.4f} | {statistics.median(steps):.4f} | "
-                                 f"{format_bytes(predicted_peak)} | {format_bytes(peak)} (base {format_bytes(base)}) |")
-                except torch.cuda.OutOfMemoryError as exc:
-                    lines.append(f"| {runner} | {batch} | {'yes' if cap else 'no'} | | OOM: {str(exc)[:80]} | | | | |")
-                finally:
-                    model = None
-                    gc.collect()
+                lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
+                                     (evaluate, predicted_memory, format_bytes, parse_size)))
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
     return lines
+
+
+def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memory: dict[Any, str],
+            workload: Any, total: int, steps: int, tools: tuple[Any, ...]) -> str:  # pragma: no cover - needs a GPU
+    from transformers import AutoModelForCausalLM
+
+    import placement_opt
+
+    evaluate, predicted_memory, format_bytes, parse_size = tools
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
+    torch.cuda.reset_peak_memory_stats(0)
+    model = None
+    head = f"| {runner} | {batch} | {'yes' if cap else 'no'} |"
+    try:
+        if runner == "accelerate":
+            model = AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=max_memory,
+                                                         dtype=torch.bfloat16)
+            target = model.hf_device_map
+        else:
+            model = placement_opt.load(path, max_memory, workload=workload)
+            target = model.plan
+        cost = evaluate(target, graph, max_memory, workload)
+        predicted_peak = predicted_memory(target, graph, max_memory, workload)["cuda:0"].used_bytes
+        ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, 512), device="cuda:0")
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            prefill = time.perf_counter() - start
+            cache, token, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+            for _ in range(steps):
+                start = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        peak = torch.cuda.max_memory_allocated(0)
+        return (f"{head} {cost.prefill_s:.3f} | {prefill:.3f} | {cost.decode_s / steps:.4f} | "
+                f"{statistics.median(times):.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} |")
+    except torch.cuda.OutOfMemoryError as exc:
+        return f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | |"
+    finally:
+        model = None
+        gc.collect()
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -433,7 +460,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 16, quick 6)")
     parser.add_argument("--repeats", type=int, default=None, help="prefill repeats (default 5, quick 3)")
     parser.add_argument("--runners", default="placement_opt,accelerate")
-    parser.add_argument("--gpu-budget", default="4GiB", help="GPU part: max_memory of cuda:0")
+    parser.add_argument("--gpu-budget", default="10GiB", help="GPU part: max_memory of cuda:0 (the issue's 10GiB)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for calibration and runs alike (default: torch's); 1 is steadier "
                              "on a machine other jobs share, whose cores the threads would wait for")

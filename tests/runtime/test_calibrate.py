@@ -112,3 +112,27 @@ def test_calibrate_refuses_what_it_cannot_run(tmp_path) -> None:
         placement_opt.calibrate(tiny_config(), ["disk"], path=tmp_path / "p.json")
     with pytest.raises(PlacementError, match="repeats"):
         placement_opt.calibrate(tiny_config(), ["cpu"], path=tmp_path / "p.json", repeats=0)
+
+
+def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    workload = Workload(batch_size=1, prompt_len=8, new_tokens=4)
+    result = placement_opt.calibrate(tiny_config(), ["cpu", "disk"], workload=workload, offload_dir=tmp_path,
+                                     repeats=1)
+    key = result.units["model.layers.0"]
+    reads = result.copies[key]["disk->cpu"]
+    assert set(reads) == {"stream", "stream_sync"}
+    assert all(set(r) == {"prefill", "decode"} and min(r.values()) >= 0 for r in reads.values())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("placement_opt_calibrate_")] == []
+    graph = trace(tiny_config())
+    machine = as_machine(["cpu", "disk"], dtype="float32")
+    found = calibration_for(graph, machine)
+    assert found.copy_s("model.layers.1", "disk", "cpu", "stream_sync") == reads["stream_sync"]["decode"]
+    assert found.copy_s("model.layers.1", "disk", "cpu", "stream", "prefill") == reads["stream"]["prefill"]
+    plan = placement_opt.evaluate({"model.layers": "disk", "model.embed_tokens": "cpu", "model.norm": "cpu",
+                                   "model.rotary_emb": "cpu", "lm_head": "cpu"}, graph, machine, workload)
+    layer = next(u for u in plan.units if u.name == "model.layers.1")
+    assert layer.mode == "stream_sync"  # a device_map runs as accelerate runs it: tensors copied out
+    calibrated = found.times("model.layers.1", "cpu").prefill_s(1, 8, "last")
+    assert layer.prefill_s == pytest.approx(calibrated + reads["stream_sync"]["prefill"], rel=1e-6)

@@ -137,14 +137,16 @@ class Calibration:
 
     compute: Mapping[str, Mapping[str, UnitTimes]] = field(default_factory=dict)
     """unit name -> execution device -> its measured times."""
-    copies: Mapping[str, Mapping[tuple[str, str, str], float]] = field(default_factory=dict)
-    """unit name -> (storage, execution, mode) -> seconds of one copy of its weights."""
+    copies: Mapping[str, Mapping[tuple[str, str, str], tuple[float, float]]] = field(default_factory=dict)
+    """unit name -> (storage, execution, mode) -> seconds its weights add to a prefill and to a decode step."""
 
     def times(self, unit: str, device: str) -> UnitTimes | None:
         return self.compute.get(unit, {}).get(device)
 
-    def copy_s(self, unit: str, storage: str, execution: str, mode: str) -> float | None:
-        return self.copies.get(unit, {}).get((storage, execution, mode))
+    def copy_s(self, unit: str, storage: str, execution: str, mode: str, phase: str = "decode") -> float | None:
+        """Seconds the unit's weights add per forward on that path, in ``phase`` (``"prefill"``/``"decode"``)."""
+        both = self.copies.get(unit, {}).get((storage, execution, mode))
+        return None if both is None else both[0 if phase == "prefill" else 1]
 
     def __bool__(self) -> bool:
         return bool(self.compute) or bool(self.copies)
@@ -174,12 +176,26 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
         on = {d: _unit_times(t, attention) for d, t in entry.get("devices", {}).items() if d in measured}
         if on:
             compute[unit.name] = on
-        links = {_link(k, m): float(s) for k, modes in entry.get("links", {}).items() for m, s in modes.items()
+        links = {_link(k, m): _phases(s) for k, modes in entry.get("links", {}).items() for m, s in modes.items()
                  if all(end in measured for end in k.split("->"))}
         if links:
             copies[unit.name] = links
     found = Calibration(compute, copies)
     return found if found else None
+
+
+def _phases(seconds: Any) -> tuple[float, float]:
+    """A saved copy time: one figure for both phases, or ``{"prefill": s, "decode": s}``."""
+    try:
+        both = ((float(seconds["prefill"]), float(seconds["decode"])) if isinstance(seconds, Mapping)
+                else (float(seconds), float(seconds)))
+    except (KeyError, TypeError, ValueError):
+        both = (-1.0, -1.0)
+    if not all(math.isfinite(s) and s >= 0 for s in both):
+        raise ProfileError("the saved profile's calibration holds a malformed copy time (want seconds >= 0, or "
+                           "{'prefill': s, 'decode': s}): run `placement-opt profile --model MODEL` again, or "
+                           "delete its 'calibration' entry")
+    return both
 
 
 def _link(key: str, mode: str) -> tuple[str, str, str]:

@@ -216,11 +216,12 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
 
 
 def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
-            unit: str = "") -> float:
-    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first)."""
+            unit: str = "", phase: str = "decode") -> float:
+    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first: what
+    the unit's weights added to a measured ``phase`` forward)."""
     if mode == "resident" or nbytes <= 0:
         return 0.0
-    measured = ctx.calibration.copy_s(unit, storage, execution, mode) if ctx.calibration else None
+    measured = ctx.calibration.copy_s(unit, storage, execution, mode, phase) if ctx.calibration else None
     if measured is not None:
         return measured
     bandwidth = ctx.machine.bandwidth(storage, execution)
@@ -295,10 +296,11 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
     copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
+    copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
     overlapped = mode == "stream" and device.is_gpu
-    prefill = max(compute, forwards * copy) if overlapped else compute + forwards * copy
+    prefill = max(compute, forwards * copy_prefill) if overlapped else compute + forwards * copy_prefill
     decode = 0.0
     if unit.in_decode and wl.decode_steps > 0:
         lines = _decode_lines(ctx, unit, device)

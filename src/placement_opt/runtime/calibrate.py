@@ -61,7 +61,7 @@ MAX_DECODE_STEPS = 32
 MIN_TIMED_S = 0.5
 #: At most this many timed forwards of one shape.
 MAX_RUNS = 20
-#: A warm-up slower than this is followed by one timed forward only.
+#: A warm-up slower than this is the figure itself (first-call costs are small beside it).
 SLOW_FORWARD_S = 2.0
 #: The smaller prefill measured beside the workload's, as a fraction of its prompt (for interpolation).
 SMALL_PROMPT_FRACTION = 4
@@ -80,8 +80,8 @@ class CalibrationResult:
     """The unit timed for each shape: unit name -> shape key."""
     times: Mapping[str, Mapping[str, UnitTimes]]
     """shape key -> device -> measured times."""
-    copies: Mapping[str, Mapping[str, Mapping[str, float]]]
-    """shape key -> ``"cpu->cuda:N"`` -> mode -> seconds (empty without a GPU)."""
+    copies: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``."""
     layers_built: int
     """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike)."""
 
@@ -95,9 +95,15 @@ class CalibrationResult:
                 lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
                              f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
             for link, modes in self.copies.get(key, {}).items():
-                read = ", ".join(f"{mode} {seconds * 1e3:.2f} ms" for mode, seconds in modes.items())
+                read = ", ".join(f"{mode} {_ms(seconds)}" for mode, seconds in modes.items())
                 lines.append(f"  {name} weights {link}: {read}")
         return "\n".join(lines)
+
+
+def _ms(seconds: Any) -> str:
+    if isinstance(seconds, Mapping):
+        return " / ".join(f"{phase} {value * 1e3:.2f} ms" for phase, value in seconds.items())
+    return f"{seconds * 1e3:.2f} ms"
 
 
 def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
@@ -150,7 +156,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     representatives = _representatives(graph)
     cut = _cut_config(config, representatives)
     times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
-    copies: dict[str, dict[str, dict[str, float]]] = {}
+    copies: dict[str, dict[str, dict[str, Any]]] = {}
     with bar("Calibrating", len(names), progress=progress) as counted:
         for name in names:
             counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
@@ -173,7 +179,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
 def _config_of(model: Any) -> Any:
     from ..model._source import resolve_source
 
-    config = model.config if isinstance(model, nn.Module) else resolve_source(model, None)[2]
+    config = getattr(model, "config", None) if isinstance(model, nn.Module) else resolve_source(model, None)[2]
     if config is None or not hasattr(config, "to_dict"):
         raise PlacementError(f"calibrate() builds a copy of the model from its transformers config, and "
                              f"{type(model).__name__} has none: pass a transformers model, config, preset or "
@@ -334,7 +340,8 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
     finally:
         handle.remove()
     if device.type == "cpu" and disk_folder is not None and decode:
-        resident = decode[min(decode, key=lambda k: k[1])]
+        resident = {"prefill": prefill[workload.batch_size, workload.prompt_len],
+                    "decode": decode[min(decode, key=lambda k: k[1])]}
         for key, links in _time_disk_reads(model, graph, representatives, workload, resident, disk_folder).items():
             copies.setdefault(key, {}).update(links)
     del model
@@ -381,9 +388,9 @@ def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[l
     """
     runs: list[dict[str, float]] = []
     warm = time.perf_counter()
-    stamps.run(call)
+    seconds, out = stamps.run(call)
     if time.perf_counter() - warm > SLOW_FORWARD_S:
-        repeats = 1  # a slow forward varies little (relative to itself); one more is the figure
+        return [seconds], out  # a slow forward's first call costs what the others do: it is the figure
     spent, out = 0.0, None
     while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
         start = time.perf_counter()
@@ -436,44 +443,56 @@ def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int,
 
 
 def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mapping[str, str], workload: Workload,
-                     resident: Mapping[str, float], folder: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """Seconds a CPU-executed unit adds when its weights come from a cold disk, both ways they are read.
+                     resident: Mapping[str, Mapping[str, float]], folder: Path) -> dict[str, dict[str, Any]]:
+    """Seconds a CPU-executed unit adds per forward when its weights come from a cold disk, both ways
+    they are read, at prefill and at a decode step.
 
     ``stream``: placement_opt's dispatch computes from the memory-mapped file (pages fault in as the
-    kernels touch them); ``stream_sync``: accelerate's hooks copy each tensor out of its ``np.memmap``.
-    Each is a decode step with every file evicted from the page cache first, less the resident step.
+    kernels touch them, the next unit read ahead); ``stream_sync``: accelerate's hooks copy each tensor
+    out of its ``np.memmap``. Each is a forward with every file evicted from the page cache first,
+    less the same forward resident (``resident``: phase -> unit -> seconds). A prefill hides more of
+    the read-ahead behind compute than a decode step does, so the two phases are kept apart.
     """
     import tempfile
 
-    reads: dict[str, dict[str, dict[str, float]]] = {}
+    reads: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="placement_opt_calibrate_", dir=folder) as scratch:
         for mode, runner in (("stream", _run_mapped), ("stream_sync", _run_accelerate)):
-            steps = runner(model, graph, workload, Path(scratch) / mode)
-            if steps is None:
+            cold = runner(model, graph, workload, Path(scratch) / mode)
+            if cold is None:
                 continue
             for name, key in representatives.items():
-                if name in steps and graph.unit(name).weight_bytes > 0:
-                    extra = max(0.0, steps[name] - resident.get(name, 0.0))
-                    reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
+                if graph.unit(name).weight_bytes == 0:
+                    continue
+                extra = {phase: max(0.0, cold[phase].get(name, 0.0) - resident[phase].get(name, 0.0))
+                         for phase in ("prefill", "decode")}
+                reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
     return reads
 
 
-#: Cold decode steps timed per disk path (the median counts, per unit).
+#: Cold decode steps timed per disk path (the median counts, per unit); one cold prefill beside them.
 DISK_STEPS = 3
 
 
-def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path) -> dict[str, float]:
+def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+                ) -> dict[str, dict[str, float]]:
+    import dataclasses
+
+    from ._device_map import plan_from_device_map
     from .dispatcher import dispatch
 
-    handle = dispatch(model, {"": "disk"}, offload_dir=folder)
+    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
+    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
+    handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
     try:
         files = [file for unit in handle._units for file, _ in unit.disk]
-        return _cold_steps(model, graph, workload, lambda: _evict(folder, files))
+        return _cold_forwards(model, graph, workload, lambda: _evict(folder, files))
     finally:
         handle.remove()
 
 
-def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path) -> dict[str, float] | None:
+def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+                    ) -> dict[str, dict[str, float]] | None:
     try:
         from accelerate import dispatch_model
     except ImportError:  # pragma: no cover - accelerate is a dependency
@@ -481,18 +500,23 @@ def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, fol
     clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on the meta device
     units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in _unit_modules(clone, graph)}
     dispatch_model(clone, device_map=units, offload_dir=str(folder))
-    return _cold_steps(clone, graph, workload, lambda: _evict(folder, []))
+    return _cold_forwards(clone, graph, workload, lambda: _evict(folder, []))
 
 
-def _cold_steps(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None]) -> dict[str, float]:
-    """Per-unit median seconds of decode steps, each after the weights' files left the page cache."""
+def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None]
+                   ) -> dict[str, dict[str, float]]:
+    """Per-unit seconds of one prefill and (median) of decode steps, each after the files left the page cache."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     stamps = _Stamps(_unit_modules(model, graph), torch.device("cpu"))
+    keep = _logits_argument(model, logits_kept(workload))
     runs = []
     try:
         with torch.inference_mode():
             ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len))
-            cache = model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")).past_key_values
+            model(input_ids=ids, use_cache=True, **keep)  # warm-up: first calls of the shapes
+            evict()
+            prefill, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
+            cache = out.past_key_values
             for _ in range(DISK_STEPS):
                 evict()
                 ids = torch.randint(0, vocab, (workload.batch_size, 1))
@@ -502,7 +526,7 @@ def _cold_steps(model: nn.Module, graph: LayerGraph, workload: Workload, evict: 
                 cache = out.past_key_values
     finally:
         stamps.close()
-    return _typical(runs)
+    return {"prefill": prefill, "decode": _typical(runs)}
 
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:
