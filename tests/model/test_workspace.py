@@ -195,3 +195,46 @@ def test_predicted_peak_covers_max_memory_allocated_on_a_gpu() -> None:
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0)
         predicted = max(workspace_bytes(u, workload, graph.meta) for u in graph.units())  # cuBLAS's is in `before`
         assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_module_granularity_charges_the_glue_between_units_to_the_next_unit(attention: str) -> None:
+    """With every Linear a unit, attention's scores and the MLP's activation run between units: the next
+    unit carries them, so the largest unit workspace still covers the whole forward's peak."""
+    model = real_model("llama", attention)
+    whole = measured_peaks(model, [""], 4, 128)[""]  # the root module: the peak of the whole forward
+    graph = trace(model, seq_len=TRACE_LEN, granularity="module")
+    workload = Workload(batch_size=4, prompt_len=128, new_tokens=0)
+    predicted = max(workspace_bytes(u, workload, graph.meta) for u in graph.units())
+    assert whole <= predicted <= 1.15 * whole
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_last_logits_workspace_covers_a_forward_that_keeps_one_position(family: str) -> None:
+    """generate()'s prefill asks for the last position's logits only (``logits_to_keep=1``); Gemma-2 also
+    soft-caps them outside lm_head, so what lm_head adds is more than the logits alone."""
+    if family == "gemma2":
+        config = T.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, vocab_size=512, final_logit_softcapping=30.0)
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    else:
+        model = real_model("llama", "eager")
+    graph = trace(model, seq_len=TRACE_LEN)
+    head = graph.unit(graph.meta.extra["logits_unit"])
+    for batch, prompt in SHAPES:
+        counter = LiveStorages()
+        module = model.get_submodule(head.name)
+        pre = module.register_forward_pre_hook(lambda _m, _a, c=counter: c.enter(head.name))
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt))
+        try:
+            with torch.no_grad(), counter:
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        finally:
+            pre.remove()
+        measured = counter.peak[head.name]  # from lm_head's start to the end of the forward (softcapping included)
+        predicted = workspace_bytes(head, Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, logits="last"),
+                                    graph.meta)
+        every = workspace_bytes(head, Workload(batch_size=batch, prompt_len=prompt, new_tokens=0), graph.meta)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
+        assert predicted < every / 2

@@ -108,14 +108,24 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
     prefill = alive(prompt, prompt) + sampling
-    if last:  # only the last position's logits: the rest of what is alive still scales with the prompt
-        prefill -= min(unit.out_bytes_per_token, unit.workspace_bytes_per_token) * batch * (prompt - 1)
+    if last:  # what was alive before the logits unit scales with the prompt, what it adds with the positions kept
+        prefill = _last_logits_bytes(unit, batch, prompt, meta) + sampling
     if not generating or not unit.in_decode:
         return prefill
     context = workload.context_len
     decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return max(prefill, decode)
+
+
+def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:
+    """The logits unit's peak when ``generate()`` asks for the last position only: what was alive when it
+    started (the hidden states of the whole prompt) plus what it and the glue after it (softcapping) add,
+    for one position per sequence. Graphs without the entry figure take the logits alone as what it adds."""
+    per_token = unit.workspace_bytes_per_token or 0
+    entry = meta.extra.get("logits_entry_bytes_per_token")
+    added = per_token - entry if isinstance(entry, int) else min(unit.out_bytes_per_token, per_token)
+    return (per_token - added) * batch * prompt + added * batch
 
 
 def _gathered_expert_bytes(unit: UnitInfo, batch: int) -> int:

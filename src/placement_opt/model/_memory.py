@@ -17,8 +17,8 @@ real device. :class:`LiveBytes` is fed every op's inputs and outputs by the reco
 Context-shaped tensors are recognised by provenance, not by shape alone (a head size may equal the
 traced length): the product of two activations whose result ends in ``(seq_len, seq_len)``
 (``q @ k^T``), anything computed from such a tensor with the same trailing shape (mask, softmax,
-casts), and tensors of that shape made outside every unit (the model's causal mask). A product
-that reads a context-shaped tensor (``probs @ v``) is linear again.
+casts), and mask-shaped tensors of that shape made outside every unit (the model's causal mask,
+``(batch, 1, q, k)``). A product that reads a context-shaped tensor (``probs @ v``) is linear again.
 """
 
 from __future__ import annotations
@@ -77,12 +77,23 @@ class LiveBytes:
     context_bytes: int = 0
     peaks: dict[str, UnitPeak] = field(default_factory=dict)
     _alive: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    _glue: UnitPeak = field(default_factory=UnitPeak)
+    """Moments seen outside every unit since the last one ran, charged to the next unit (as glue FLOPs are):
+    with ``granularity="module"`` that is where attention's ``q @ k^T`` and softmax are counted."""
 
     # -- the recorder's calls --
     def enter(self, unit: str) -> None:
         peak = self.peaks.setdefault(unit, UnitPeak())
         peak.entry = (self.linear_bytes, self.context_bytes)
         self._raise(unit)
+        self.charge_glue(unit)
+
+    def charge_glue(self, unit: str) -> None:
+        """Charge the moments seen outside every unit since the last one to ``unit``."""
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.see(self._glue.linear_peak)
+        peak.see(self._glue.score_peak)
+        self._glue = UnitPeak()
 
     def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]) -> None:
         """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit)."""
@@ -97,6 +108,8 @@ class LiveBytes:
             self._add(key, tensor.untyped_storage(), context)
         if unit is not None:
             self._raise(unit)
+        else:
+            self._glue.see((self.linear_bytes, self.context_bytes))
 
     def replayed(self, unit: str, learned_from: str) -> None:
         """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
@@ -124,7 +137,10 @@ class LiveBytes:
         from_context = any(self.is_context(t) for t in inputs)
         if packet in _PRODUCTS:
             return not from_context and not any(_storage_key(t) in self.state_storages for t in inputs)
-        return from_context or unit is None
+        # outside every unit: the model's mask, (batch, 1, q, k) or (q, k), boolean or additive; not q, k or v
+        # of a module-granularity attention, (batch, heads, q, head size) with head size == q
+        mask_shaped = tensor.dtype == torch.bool or tensor.dim() == 2 or tensor.shape[-3] == 1
+        return from_context or (unit is None and mask_shaped)
 
     def _add(self, key: int, storage: torch.UntypedStorage, context: bool) -> None:
         size = int(storage.nbytes())

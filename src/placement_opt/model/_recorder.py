@@ -97,6 +97,8 @@ def run(
         if recorder.pending_flops and record.order:
             record.flops[record.order[-1]] += recorder.pending_flops
             record.glue_flops += recorder.pending_flops
+        if record.order:
+            memory.charge_glue(record.order[-1])
     finally:
         module.train(was_training)
         for handle in handles:
@@ -105,6 +107,7 @@ def run(
         restore()
     record.replayed_blocks = replay.replayed
     record.workspace = {n: (p.linear_peak, p.score_peak) for n, p in memory.peaks.items()}
+    record.entry_bytes = {n: p.entry[0] for n, p in memory.peaks.items()}
     return record
 
 
@@ -150,6 +153,8 @@ class Record:
     workspace: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
     """Unit -> (linear, context-shaped) activation bytes alive at the moment of its run with the most linear
     bytes, and at the moment with the most context-shaped bytes (:mod:`._memory`)."""
+    entry_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit -> linear activation bytes alive when it started (what earlier units left alive)."""
 
 
 class _Recorder(TorchDispatchMode):

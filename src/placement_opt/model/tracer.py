@@ -260,7 +260,7 @@ def _build_graph(ctx: TraceContext, record: _recorder.Record | None) -> LayerGra
         is_encoder_decoder=bool(getattr(ctx.config, "is_encoder_decoder", False)),
         tied_param_groups=tuple(tuple(g) for g in tied_params),
         tied_unit_groups=tuple(g for g in tied_units if len(g) > 1), no_split=ctx.no_split,
-        extra={**graph_extra(ctx, record, attention, dropped), **_runtime_extra(ctx),
+        extra={**graph_extra(ctx, record, attention, dropped), **_runtime_extra(ctx, record),
                "total_param_bytes": sum(int(d["param_bytes"]) for _, d in digraph.nodes(data=True)),
                "total_buffer_bytes": sum(int(d["buffer_bytes"]) for _, d in digraph.nodes(data=True))})
     graph = LayerGraph(digraph, meta)
@@ -319,14 +319,18 @@ def _workspace(ctx: TraceContext, peaks: tuple[tuple[int, int], tuple[int, int]]
     return attrs
 
 
-def _runtime_extra(ctx: TraceContext) -> dict[str, str]:
-    """What the cost model must know of how the model runs: its attention, its logits unit."""
-    extra = {}
+def _runtime_extra(ctx: TraceContext, record: _recorder.Record | None) -> dict[str, str | int]:
+    """What the cost model must know of how the model runs: its attention, its logits unit and the activation
+    bytes per token alive when that unit starts (they scale with the prompt when only the last logits are kept;
+    what the unit and the glue after it add scales with the positions kept)."""
+    extra: dict[str, str | int] = {}
     if ctx.attn_implementation is not None:
         extra["attn_implementation"] = ctx.attn_implementation
     logits = _logits_unit(ctx)
     if logits is not None:
         extra["logits_unit"] = logits
+        if record is not None and logits in record.entry_bytes:
+            extra["logits_entry_bytes_per_token"] = math.ceil(record.entry_bytes[logits] / ctx.tokens)
     return extra
 
 
