@@ -107,9 +107,8 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
 
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
-    prefill = alive(prompt, prompt) + sampling
-    if last:  # what was alive before the logits unit scales with the prompt, what it adds with the positions kept
-        prefill = _last_logits_bytes(unit, batch, prompt, meta) + sampling
+    # last logits only: what was alive before the logits unit scales with the prompt, what it adds with the positions
+    prefill = (_last_logits_bytes(unit, batch, prompt, meta) if last else alive(prompt, prompt)) + sampling
     if not generating or not unit.in_decode:
         return prefill
     context = workload.context_len
