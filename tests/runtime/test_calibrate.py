@@ -136,3 +136,16 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
     assert layer.mode == "stream_sync"  # a device_map runs as accelerate runs it: tensors copied out
     calibrated = found.times("model.layers.1", "cpu").prefill_s(1, 8, "last")
     assert layer.prefill_s == pytest.approx(calibrated + reads["stream_sync"]["prefill"], rel=1e-6)
+
+
+def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(tmp_path, monkeypatch) -> None:
+    from placement_opt.runtime import calibrate as calibrating
+
+    monkeypatch.setattr(calibrating, "PREFILL_BUDGET_S", 0.0)  # as if the prompt's prefill took too long
+    workload = Workload(batch_size=2, prompt_len=64, new_tokens=8)
+    result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=workload, path=tmp_path / "p.json",
+                                     repeats=1)
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(2, 4), (2, 16)]  # a quarter, a sixteenth
+    assert [c for _, c, _ in layer.decode] and all(65 <= c <= 72 for _, c, _ in layer.decode)
+    assert layer.prefill_s(2, 64, "last") >= layer.prefill_s(2, 16, "last")  # extended to the prompt

@@ -9,9 +9,10 @@ dominate small models. :func:`calibrate` measures the model itself:
    config with ``num_hidden_layers`` lowered) is built with random weights on each compute device and
    dispatched there with :func:`~.dispatcher.dispatch` (the project's hooks on every unit);
 3. each unit is timed from its call to the next unit's call (the glue between units counted with the
-   unit before it, so the units add up to the whole forward): a prefill at the workload's
-   ``(batch, prompt)`` and at a quarter of its prompt, and decode steps with a real KV cache at the
-   first context (``prompt + 1``) and at the last (``prompt + new_tokens``);
+   unit before it, so the units add up to the whole forward): a prefill at a quarter of the
+   workload's prompt and at the prompt itself (or, when that would take over
+   :data:`PREFILL_BUDGET_S`, at a sixteenth: pricing extends the line), and decode steps with a
+   real KV cache near the first context (``prompt + 1``) and near the last (``prompt + new_tokens``);
 4. the copy of each unit's weights is timed both ways they are streamed: with a GPU, the project's
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
@@ -61,6 +62,10 @@ MAX_DECODE_STEPS = 32
 MIN_TIMED_S = 0.5
 #: At most this many timed forwards of one shape.
 MAX_RUNS = 20
+#: The workload's own prompt is timed when its prefill should take at most this; else a smaller one.
+PREFILL_BUDGET_S = 5.0
+#: A warm-up faster than this is followed by two more (first calls of small shapes run slow).
+FAST_FORWARD_S = 0.2
 #: A warm-up slower than this is the figure itself (first-call costs are small beside it).
 SLOW_FORWARD_S = 2.0
 #: The smaller prefill measured beside the workload's, as a fraction of its prompt (for interpolation).
@@ -363,21 +368,57 @@ def _unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
 
 def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeats: int, device: torch.device
                    ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
-    """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``."""
+    """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``.
+
+    The smaller prompt goes first; when it says the workload's prompt would take more than
+    :data:`PREFILL_BUDGET_S`, a still smaller one is timed instead and pricing extends the line
+    through the two (a prefill is linear in tokens but for attention's small quadratic part), and the
+    decode steps run on the smaller prompt's KV cache grown to the workload's prompt.
+    """
     batch, prompt = workload.batch_size, workload.prompt_len
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     keep = _logits_argument(model, logits_kept(workload))
-    shapes = dict.fromkeys([prompt, max(1, prompt // SMALL_PROMPT_FRACTION)])
+    small = max(1, prompt // SMALL_PROMPT_FRACTION)
     prefill: dict[tuple[int, int], dict[str, float]] = {}
-    cache = None
-    for length in shapes:
+
+    def timed(length: int) -> Any:
         ids = torch.randint(0, vocab, (batch, length), device=device)
-        runs, out = _repeated(lambda ids=ids: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
+        runs, out = _repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
         prefill[batch, length] = _typical(runs)
-        if length == prompt:
-            cache = out.past_key_values
-        del out
+        return out.past_key_values
+
+    cache = timed(small)
+    if prompt > small:
+        estimate = sum(prefill[batch, small].values()) * prompt / small
+        if estimate <= PREFILL_BUDGET_S:
+            cache = timed(prompt)
+        elif small > 1:
+            timed(max(1, small // SMALL_PROMPT_FRACTION))
+    if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
+        ids = torch.randint(0, vocab, (batch, prompt), device=device)
+        cache = model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")).past_key_values
     return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+
+
+def _cached_length(cache: Any) -> int:
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 0
+
+
+def _grown(cache: Any, length: int) -> bool:
+    """Grow a plain dynamic KV cache to ``length`` tokens by repeating what it holds (the values do
+    not change a step's time); False for other cache kinds (sliding windows, quantized, ...)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False)
+                         or getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in layers):
+        return False
+    for layer in layers:
+        have = layer.keys.shape[-2]
+        if have < length:
+            copies = -(-length // have)
+            layer.keys = torch.cat([layer.keys] * copies, dim=-2)[:, :, :length]
+            layer.values = torch.cat([layer.values] * copies, dim=-2)[:, :, :length]
+    return True
 
 
 def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
@@ -389,8 +430,12 @@ def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[l
     runs: list[dict[str, float]] = []
     warm = time.perf_counter()
     seconds, out = stamps.run(call)
-    if time.perf_counter() - warm > SLOW_FORWARD_S:
+    took = time.perf_counter() - warm
+    if took > SLOW_FORWARD_S:
         return [seconds], out  # a slow forward's first call costs what the others do: it is the figure
+    if took < FAST_FORWARD_S:  # the first calls of a small shape are slow for a while (allocator, kernels)
+        for _ in range(2):
+            stamps.run(call)
     spent, out = 0.0, None
     while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
         start = time.perf_counter()
@@ -414,9 +459,10 @@ def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Worklo
     last = prompt + workload.new_tokens
     if last - (prompt + steps + 1) > most:  # fill the cache up to the last context in one forward, untimed
         filled = prompt + steps + 1
-        ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
-        cache = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                      **_logits_argument(model, "last")).past_key_values
+        if not _grown(cache, last - most):
+            ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
+            cache = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                          **_logits_argument(model, "last")).past_key_values
         seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
         decode[batch, last - most + (steps - 1) // 2] = seconds
     return decode
