@@ -145,6 +145,8 @@ def test_predicted_memory_splits_each_device_and_names_the_peak_unit(traced: Lay
     widest = max(traced.units(), key=lambda u: workspace_bytes(u, workload, traced.meta))
     assert cpu.peak_unit == widest.name
     assert cpu.workspace_bytes == workspace_bytes(widest, workload, traced.meta)
+    short = evaluate(device_map, traced, {"cpu": "1MiB"}, workload).violations[0]
+    assert f"activation workspace of {widest.name} for 4 x 256 prompt tokens" in short.message
 
 
 QWEN2_72B = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,

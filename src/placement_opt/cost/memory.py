@@ -226,8 +226,8 @@ def violation(memory: DeviceMemory, workload: Workload) -> Violation:
     need, has = memory.used_bytes, memory.capacity_bytes
     parts = [("weights", memory.weights_bytes),
              (f"KV cache for batch {workload.batch_size} x {workload.context_len} tokens", memory.kv_cache_bytes),
-             (f"activation workspace for {workload.batch_size} x {workload.prompt_len} prompt tokens",
-              memory.workspace_bytes),
+             (f"activation workspace{f' of {memory.peak_unit}' if memory.peak_unit else ''} for "
+              f"{workload.batch_size} x {workload.prompt_len} prompt tokens", memory.workspace_bytes),
              ("stream buffer", memory.stream_buffer_bytes),
              ("gradients, optimizer states and saved activations" if workload.training else "other",
               memory.other_bytes)]
