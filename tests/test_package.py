@@ -24,7 +24,7 @@ def test_every_module_declares_all() -> None:
     assert missing == []
 
 
-PUBLIC = ["trace", "solve", "evaluate", "dispatch", "load", "profile", "Workload", "Device", "Machine", "Plan",
+PUBLIC = ["trace", "solve", "evaluate", "dispatch", "load", "profile", "calibrate", "Workload", "Device", "Machine", "Plan",
           "DispatchedModel", "PlacementError", "InfeasiblePlacementError"]
 
 

@@ -1,33 +1,41 @@
-"""Does the cost model predict measured times on this machine?
+"""Does the cost model predict measured times and memory on this machine, before and after calibration?
 
-A random-init Llama (fp32, about 1.6 GB) runs under several placements on this machine's CPU and
-disk; each forward is timed and compared with ``placement_opt.evaluate`` on the machine measured by
-``placement_opt.profile``. Two forwards: a prefill-like forward over ``--prompt`` tokens and a
-1-token decode-like forward (no cache), both batch 1.
+For each model shape (a small one, hidden 512 x 8 layers, where per-op overheads dominate; a mid-size
+one, hidden 2048 x 16 layers, about 0.85B parameters), random fp32 weights are written with
+``save_pretrained`` to a temporary folder, and every placement kind this machine offers is run and timed:
 
-Runners, side by side:
+* ``resident``: every unit in CPU RAM, computed on the CPU (the compute device of a GPU-less machine);
+* ``stream (1/3 on disk)`` and ``disk (all layers)``: decoder layers stored on disk, read per forward.
 
-* ``placement_opt``: ``placement_opt.dispatch(model, plan, offload_dir=...)`` (skipped, and said so,
-  when the dispatcher is not installed yet); disk units stream to the CPU as the plan says.
-* ``accelerate``: ``accelerate.dispatch_model`` with the same plan's ``device_map``; disk entries are
-  read synchronously (``evaluate`` of the device_map prices them as ``stream_sync``).
+Two runners per placement: ``placement_opt`` (``dispatch(model, plan)``: disk units computed from
+memory-mapped safetensors files, the next one read ahead) and ``accelerate`` (``dispatch_model`` with
+the plan's ``device_map``: each disk tensor copied out of its own ``np.memmap``, priced as
+``stream_sync``). Two phases: prefill (batch 1 x ``--prompt`` tokens, logits of the last position,
+as ``generate`` asks) and decode, timed **per step** over ``--steps`` tokens with the KV cache.
 
-Page cache: before every timed forward the offloaded files are evicted with
-``posix_fadvise(DONTNEED)``, so disk reads are cold, as the profile measures them (see
-``placement_opt.profile``). The machine is shared: the profile keeps the fastest of its repeats
-(what the machine can do, least disturbed by other load), and so does the accuracy check here
-(``best`` of ``--repeats`` forwards); medians are reported beside them. The machine is profiled
-once, before the first run, and every placement of both runners is predicted from that profile.
+Predictions side by side, in one run: ``before`` from ``placement_opt.profile`` (isolated kernels,
+the roofline) and ``after`` from ``placement_opt.calibrate`` on the same model, each through
+``placement_opt.evaluate``. Measured figures: the median of the repeats (prefill) or steps (decode),
+the fastest beside them (calibration keeps each unit's median as well); offloaded files are evicted from the page cache before every timed forward, so
+disk reads are cold, as a machine whose RAM cannot hold them reads them. Memory: the process's RSS
+growth during one more prefill forward, untimed (sampled every 2 ms) against the predicted peak of the CPU
+beyond its weights (KV cache + workspace + stream buffers, ``predicted_memory`` where the cost model
+has it). Rankings: the placements ordered by predicted and by measured time, per runner and phase.
+
+A GPU part runs when CUDA is present (skipped, and said so, otherwise): accelerate ``device_map="auto"``
+against ``placement_opt.load`` with the same ``max_memory``, batch 1 and 16, with and without
+``torch.cuda.set_per_process_memory_fraction`` as a hard cap (an over-budget plan then fails with OOM).
 
 Usage::
 
     python benchmarks/cost_accuracy/run.py            # writes benchmarks/cost_accuracy/RESULTS.md
-    python benchmarks/cost_accuracy/run.py --quick    # 2 layers, short prompt, 2 repeats
+    python benchmarks/cost_accuracy/run.py --quick    # fewer layers and steps (a smoke run, about 2 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import gc
 import mmap
@@ -37,113 +45,121 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 HERE = Path(__file__).resolve().parent
 GOAL = 0.25
+VOCAB = 32000
+SHAPES = {  # name -> (hidden, intermediate, layers, heads, kv heads); --quick cuts the layers
+    "small": (512, 1376, 8, 8, 8),
+    "mid": (2048, 5632, 16, 16, 4),
+}
 
 
-def build_model(layers: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass
+class Row:
+    model: str
+    runner: str
+    placement: str
+    phase: str
+    before_s: float
+    after_s: float
+    best_s: float
+    median_s: float
+    rss_growth: int | None = None
+    predicted_rss: int | None = None
+    notes: list[str] = field(default_factory=list)
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+
+# -- models and placements -----------------------------------------------------------------------
+def config_of(shape: str, layers: int | None) -> Any:
+    from transformers import LlamaConfig
+
+    hidden, inter, n, heads, kv = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers or n,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=VOCAB,
                          tie_word_embeddings=False, max_position_embeddings=4096)
-    config._attn_implementation = "sdpa"
+    config.dtype = "float32"
+    return config
+
+
+def build(config: Any, folder: Path) -> torch.nn.Module:
+    """Random weights (seeded), written with save_pretrained; the model stays in RAM for the runs."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
     return model
 
 
-def layer_graph(model: torch.nn.Module, prompt: int) -> tuple[Any, str]:
-    """The model's LayerGraph from placement_opt.trace; a static graph when trace is missing."""
-    try:
-        from placement_opt.model.tracer import trace
-    except ImportError:
-        return static_graph(model), "static graph (placement_opt.trace not available)"
-    return trace(model, dtype="float32"), "placement_opt.trace"
-
-
-def static_graph(model: torch.nn.Module) -> Any:
-    """A chain graph of embed, layers, norm, lm_head counted from the module shapes (fallback only)."""
-    from placement_opt.model.graph import chain_graph
-
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    hidden_bytes = cfg.hidden_size * 4
-
-    def unit(name: str, module: torch.nn.Module, **extra: Any) -> dict[str, Any]:
-        params = dict(module.named_parameters())
-        linear = sum(p.numel() for n, p in params.items() if p.dim() == 2)
-        return {"name": name, "param_bytes": sum(p.numel() * 4 for p in params.values()),
-                "buffer_bytes": sum(b.numel() * b.element_size() for b in module.buffers()),
-                "flops_per_token": 2 * linear, "out_bytes_per_token": hidden_bytes,
-                "param_names": tuple(f"{name}.{n}" for n in params), **extra}
-
-    attn = 4 * cfg.num_attention_heads * head_dim
-    units = [unit("model.embed_tokens", model.model.embed_tokens, flops_per_token=0)]
-    units += [unit(f"model.layers.{i}", layer, attn_flops_per_token_per_ctx=attn,
-                   kv_bytes_per_token=2 * cfg.num_key_value_heads * head_dim * 4)
-              for i, layer in enumerate(model.model.layers)]
-    for u in units[1:]:
-        u["flops_per_token"] += u["attn_flops_per_token_per_ctx"]  # traced at seq_len 1
-    units.append(unit("model.norm", model.model.norm, flops_per_token=4 * cfg.hidden_size))
-    units.append(unit("lm_head", model.lm_head, out_bytes_per_token=cfg.vocab_size * 4))
-    return chain_graph(units, model_name="llama-random", dtype="float32")
-
-
-def placements(graph: Any, layers: int) -> dict[str, dict[str, str]]:
-    """Named device_maps: everything on the CPU, the last third of the layers on disk, all layers on disk."""
+def placements(graph: Any) -> dict[str, dict[str, str]]:
     names = graph.names()
-    layer_names = [n for n in names if ".layers." in n]
-    third = max(1, layers // 3)
-    return {
-        "all cpu": {n: "cpu" for n in names},
-        f"{third} layer(s) on disk": {n: "disk" if n in layer_names[-third:] else "cpu" for n in names},
-        "all layers on disk": {n: "disk" if n in layer_names else "cpu" for n in names},
-    }
+    layers = [n for n in names if ".layers." in n]
+    third = max(1, len(layers) // 3)
+    return {"resident": {n: "cpu" for n in names},
+            f"stream ({third}/{len(layers)} layers on disk)": {n: "disk" if n in layers[-third:] else "cpu"
+                                                                for n in names},
+            "disk (all layers)": {n: "disk" if n in layers else "cpu" for n in names}}
 
 
-def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: Any, mode: str) -> Any:
+def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: Any) -> Any:
     from placement_opt.cost.evaluate import evaluate
     from placement_opt.plan import Plan, UnitPlacement
+    from placement_opt.plan_check import graph_fingerprint
 
-    placements = tuple(UnitPlacement(unit=n, storage=d, execution="cpu", mode="resident" if d == "cpu" else mode)
-                       for n, d in device_map.items())
-    probe = type("P", (), {"placements": placements})()
-    cost = evaluate(probe, graph, machine, workload)
-    return Plan(model_name="llama-random", dtype="float32", objective="latency", strategy="manual",
-                placements=placements, machine=machine, workload=workload, cost=cost, status="GREEDY",
-                objective_value=cost.total_s, best_bound=0.0, gap=1.0, solve_time_s=0.0)
+    placed = tuple(UnitPlacement(unit=n, storage=d, execution="cpu", mode="resident" if d == "cpu" else "stream")
+                   for n, d in device_map.items())
+    cost = evaluate(type("P", (), {"placements": placed})(), graph, machine, workload)
+    return Plan(model_name=graph.meta.model_name, dtype="float32", objective="latency", strategy="manual",
+                placements=placed, machine=machine, workload=workload, cost=cost, status="GREEDY",
+                objective_value=cost.total_s, best_bound=0.0, gap=1.0, solve_time_s=0.0,
+                fingerprint=graph_fingerprint(graph))
 
 
+def predict(target: Any, graph: Any, machine: Any, workload: Any) -> tuple[float, float, int | None]:
+    """(prefill s, mean decode step s, predicted CPU bytes beyond the weights)."""
+    from placement_opt.cost.evaluate import evaluate
+
+    cost = evaluate(target, graph, machine, workload)
+    extra = predicted_cpu_extra(target, graph, machine, workload)
+    return cost.prefill_s, cost.decode_s / max(1, workload.new_tokens), extra
+
+
+def predicted_cpu_extra(target: Any, graph: Any, machine: Any, workload: Any) -> int:
+    """KV cache + workspace + stream buffers the CPU holds beyond its weights (the memory model's figure)."""
+    from placement_opt.cost.evaluate import predicted_memory
+
+    cpu = predicted_memory(target, graph, machine, workload)["cpu"]
+    return int(cpu.used_bytes - cpu.weights_bytes)
+
+
+# -- page cache ----------------------------------------------------------------------------------
 def evict(folder: Path) -> None:
-    """Drop the offloaded files from the page cache, so the next forward reads them from disk.
-
-    Pages mapped into this process (the dispatcher computes from memory-mapped safetensors files)
-    are first unmapped with ``madvise(DONTNEED)``: ``fadvise`` skips mapped pages. This stands in
-    for a machine whose RAM cannot hold the offloaded weights, the case disk offload is for.
-    """
+    """Drop the offloaded files from the page cache (mapped pages first: ``fadvise`` skips them)."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    if not files:  # nothing offloaded (a resident placement)
+        return
     _unmap_safetensors_pages()
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _unmap_safetensors_pages() -> None:
-    try:
-        from placement_opt.runtime.offload import SafetensorsFile
-    except ImportError:
-        return
+    from placement_opt.runtime.offload import SafetensorsFile
+
     for obj in gc.get_objects():
         if isinstance(obj, SafetensorsFile) and getattr(obj, "_array", None) is not None:
             mapped = obj._array.base
@@ -153,165 +169,325 @@ def _unmap_safetensors_pages() -> None:
                 mapped.madvise(mmap.MADV_DONTNEED)
 
 
-def timed(model: torch.nn.Module, ids: torch.Tensor, folder: Path, repeats: int) -> tuple[float, float]:
-    """(fastest, median) seconds of ``repeats`` forwards, each after evicting the offloaded files."""
-    times = []
+# -- measuring -----------------------------------------------------------------------------------
+class PeakRss:
+    """The highest RSS of this process while the block runs, sampled every 2 ms."""
+
+    def __enter__(self) -> PeakRss:
+        self.process = psutil.Process()
+        self.start = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def measure(model: torch.nn.Module, folder: Path, prompt: int, steps: int, repeats: int
+            ) -> tuple[list[float], list[float], int]:
+    """Prefill seconds of ``repeats`` forwards, seconds of each of ``steps`` decode steps, peak RSS growth.
+
+    The RSS is sampled in one more prefill, untimed: a sampling thread would slow the timed ones.
+    """
+    ids = torch.randint(0, VOCAB, (1, prompt))
+    prefill = []
     with torch.inference_mode():
-        model(input_ids=ids, use_cache=False)  # warm-up (allocations, hooks)
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)  # warm-up (allocations, first calls)
         for _ in range(repeats):
+            out = None
             evict(folder)
             start = time.perf_counter()
-            model(input_ids=ids, use_cache=False)
-            times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            prefill.append(time.perf_counter() - start)
+        out = None
+        evict(folder)
+        gc.collect()
+        with PeakRss() as rss:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        decode = []
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            evict(folder)
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            decode.append(time.perf_counter() - start)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return prefill, decode, rss.growth
 
 
-def dispatcher() -> Callable[..., Any] | None:
-    try:
-        from placement_opt.runtime.dispatcher import dispatch
-    except ImportError:
-        return None
-    return dispatch
+def run_placement_opt(model: torch.nn.Module, plan: Any, folder: Path) -> tuple[torch.nn.Module, Callable[[], Any]]:
+    from placement_opt.runtime.dispatcher import dispatch
+
+    handle = dispatch(model, plan, offload_dir=str(folder))
+    return handle.model, handle.remove
 
 
-def run_accelerate(model: torch.nn.Module, device_map: dict[str, str], folder: Path) -> Callable[[], None]:
+def run_accelerate(model: torch.nn.Module, device_map: dict[str, str], folder: Path
+                   ) -> tuple[torch.nn.Module, Callable[[], Any]]:
     from accelerate import dispatch_model
-    from accelerate.hooks import remove_hook_from_module
 
-    dispatch_model(model, device_map=device_map, offload_dir=str(folder))
+    clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on meta: run a copy
+    dispatch_model(clone, device_map=device_map, offload_dir=str(folder))
+    return clone, lambda: None
 
-    def undo() -> None:
-        remove_hook_from_module(model, recurse=True)
 
-    return undo
+# -- one model -----------------------------------------------------------------------------------
+def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[Row], dict[str, Any]]:
+    import placement_opt
+    from placement_opt.cost.calibrated import calibration_for
+    from placement_opt.cost.workload import Workload
+    from placement_opt.hardware.resolve import as_machine
+    from placement_opt.model.tracer import trace
+
+    layers = 4 if args.quick and shape == "mid" else None
+    config = config_of(shape, layers)
+    folder = work / shape
+    model = build(config, folder)
+    graph = trace(model, dtype="float32")
+    machine = as_machine(["cpu", "disk"], dtype="float32")  # this machine, as the profile measured it
+    workload = Workload(batch_size=1, prompt_len=args.prompt, new_tokens=args.steps)
+    plans = {name: make_plan(m, graph, machine, workload) for name, m in placements(graph).items()}
+    targets = {(runner, name): (plan if runner == "placement_opt" else plan.device_map)
+               for name, plan in plans.items() for runner in args.runners}
+    before = {key: predict(t, graph, machine, workload) for key, t in targets.items()}
+    started = time.perf_counter()
+    result = placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
+                                     offload_dir=work)
+    info = {"calibrate_s": time.perf_counter() - started, "layers": config.num_hidden_layers,
+            "params": sum(p.numel() for p in model.parameters()), "summary": result.summary(),
+            "covered": len(calibration_for(graph, machine).compute), "units": len(graph)}
+    after = {key: predict(t, graph, machine, workload) for key, t in targets.items()}
+    rows = []
+    for (runner, name), target in targets.items():
+        offload = work / "offload" / f"{shape}-{runner}-{len(rows)}"
+        offload.mkdir(parents=True)
+        run = run_placement_opt if runner == "placement_opt" else run_accelerate
+        running, undo = run(model, target, offload)
+        try:
+            prefill, decode, growth = measure(running, offload, args.prompt, args.steps, args.repeats)
+        finally:
+            undo()
+            del running
+            gc.collect()
+            shutil.rmtree(offload, ignore_errors=True)
+        (b_pre, b_dec, _), (a_pre, a_dec, extra) = before[runner, name], after[runner, name]
+        rows.append(Row(shape, runner, name, "prefill", b_pre, a_pre, min(prefill), statistics.median(prefill),
+                        growth, extra))
+        rows.append(Row(shape, runner, name, "decode step", b_dec, a_dec, min(decode), statistics.median(decode)))
+        for row in rows[-2:]:
+            print(f"{shape:6s} {runner:14s} {name:28s} {row.phase:12s} before {row.before_s:8.4f} "
+                  f"after {row.after_s:8.4f} measured median {row.median_s:8.4f} (fastest {row.best_s:.4f})", flush=True)
+    return rows, info
+
+
+# -- GPU part ------------------------------------------------------------------------------------
+GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's shape, the issue's run
+
+
+def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no cover - needs a GPU
+    """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not.
+
+    The machine is profiled (cuda:0 and the CPU) and the model calibrated on both before any plan,
+    so placement_opt's plan and the price of accelerate's map use the same measured figures.
+    """
+    if not torch.cuda.is_available():
+        return ["No CUDA device on this machine: the GPU part was skipped."]
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import placement_opt
+    from placement_opt.cost.evaluate import evaluate, predicted_memory
+    from placement_opt.cost.workload import Workload
+    from placement_opt.model.tracer import trace
+    from placement_opt.units import format_bytes, parse_size
+
+    path = work / "gpu-model"
+    config = LlamaConfig(**GPU_SHAPE, tie_word_embeddings=False, max_position_embeddings=8192)
+    config.dtype = "bfloat16"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    graph = trace(str(path))
+    placement_opt.profile(["cuda:0", "cpu"], dtype="bfloat16", quick=args.quick)
+    total = torch.cuda.get_device_properties(0).total_memory
+    max_memory = {0: args.gpu_budget, "cpu": "100GiB"}
+    lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
+             f"{max_memory}; prompt 512, {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
+             "| runner | batch | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
+             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for batch in (1, 16):
+        workload = Workload(batch_size=batch, prompt_len=512, new_tokens=args.steps)
+        placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
+        for cap in (False, True):
+            for runner in ("accelerate", "placement_opt"):
+                lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
+                                     (evaluate, predicted_memory, format_bytes, parse_size)))
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    return lines
+
+
+def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memory: dict[Any, str],
+            workload: Any, total: int, steps: int, tools: tuple[Any, ...]) -> str:  # pragma: no cover - needs a GPU
+    from transformers import AutoModelForCausalLM
+
+    import placement_opt
+
+    evaluate, predicted_memory, format_bytes, parse_size = tools
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
+    torch.cuda.reset_peak_memory_stats(0)
+    model = None
+    head = f"| {runner} | {batch} | {'yes' if cap else 'no'} |"
+    try:
+        if runner == "accelerate":
+            model = AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=max_memory,
+                                                         dtype=torch.bfloat16)
+            target = model.hf_device_map
+        else:
+            model = placement_opt.load(path, max_memory, workload=workload)
+            target = model.plan
+        cost = evaluate(target, graph, max_memory, workload)
+        predicted_peak = predicted_memory(target, graph, max_memory, workload)["cuda:0"].used_bytes
+        ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, 512), device="cuda:0")
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            prefill = time.perf_counter() - start
+            cache, token, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+            for _ in range(steps):
+                start = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        peak = torch.cuda.max_memory_allocated(0)
+        return (f"{head} {cost.prefill_s:.3f} | {prefill:.3f} | {cost.decode_s / steps:.4f} | "
+                f"{statistics.median(times):.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} |")
+    except torch.cuda.OutOfMemoryError as exc:
+        return f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | |"
+    finally:
+        model = None
+        gc.collect()
+
+
+# -- report --------------------------------------------------------------------------------------
+def ranking(rows: list[Row], model: str, runner: str, phase: str, key: str) -> tuple[list[str], list[str]]:
+    mine = [r for r in rows if (r.model, r.runner, r.phase) == (model, runner, phase)]
+    return ([r.placement for r in sorted(mine, key=lambda r: getattr(r, key))],
+            [r.placement for r in sorted(mine, key=lambda r: r.median_s)])
+
+
+def mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], gpu: list[str],
+                  args: argparse.Namespace, load: tuple[float, float], wall_s: float) -> None:
+    within = [r for r in rows if abs(r.after_s / r.median_s - 1) <= GOAL]
+    lines = [
+        "# Cost-model accuracy on this machine: before and after `placement_opt.calibrate`",
+        "",
+        f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {wall_s:.0f} s",
+        f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads, Python {sys.version.split()[0]}; 1-minute load average "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the cores).",
+        f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}` (prompt "
+        f"{args.prompt}, {args.steps} decode steps, {args.repeats} prefill repeats)",
+        "- `before`: `placement_opt.profile(['cpu', 'disk'], dtype='float32')` and the roofline; `after`: the same "
+        "profile plus `placement_opt.calibrate(path, ['cpu', 'disk'], workload=...)` on the model. Both through "
+        "`placement_opt.evaluate`. Measured: the median prefill of the repeats and the median decode step of the "
+        "steps (calibration keeps each unit's median too; the fastest beside); ratios = prediction / median.",
+        f"- Within +-{GOAL:.0%} after calibration: {len(within)} of {len(rows)} rows.",
+        "",
+    ]
+    for shape, info in infos.items():
+        lines.append(f"- `{shape}`: {info['layers']} layers, {info['params'] / 1e9:.2f}B parameters (fp32); "
+                     f"calibrate took {info['calibrate_s']:.1f} s (CPU profiled first if it was not); calibrated "
+                     f"figures cover {info['covered']} of {info['units']} units.")
+    lines += ["", "| model | runner | placement | phase | before (s) | after (s) | measured median (s) | fastest (s) "
+              "| before / median | after / median | after within +-25% | RSS growth (MiB) | predicted CPU extra (MiB) |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|"]
+    for r in rows:
+        ok = abs(r.after_s / r.median_s - 1) <= GOAL
+        lines.append(f"| {r.model} | {r.runner} | {r.placement} | {r.phase} | {r.before_s:.4f} | {r.after_s:.4f} | "
+                     f"{r.median_s:.4f} | {r.best_s:.4f} | {r.before_s / r.median_s:.2f} | "
+                     f"{r.after_s / r.median_s:.2f} | "
+                     f"{'yes' if ok else 'NO'} | {mib(r.rss_growth)} | {mib(r.predicted_rss)} |")
+    lines += ["", "Predicted ranking of the placements against the measured one (fastest first):", ""]
+    for shape in infos:
+        for runner in args.runners:
+            for phase in ("prefill", "decode step"):
+                for key in ("before_s", "after_s"):
+                    predicted, measured = ranking(rows, shape, runner, phase, key)
+                    verdict = "matches" if predicted == measured else f"DIFFERS (measured: {', '.join(measured)})"
+                    lines.append(f"- {shape}, {runner}, {phase}, {key[:-2]}: {verdict}")
+    lines += ["", "## GPU part", "", *gpu, "", "## Calibrations", ""]
+    for shape, info in infos.items():
+        lines += [f"`{shape}`:", "", "```", info["summary"], "```", ""]
+    lines += ["How to read it:", "",
+              "- A unit's calibrated time runs from its call to the next unit's call, so the glue between units "
+              "(masks, rotary embeddings, the model's own Python) is counted once, with the unit before it.",
+              "- Disk rows, after calibration: the calibrated compute plus each unit's calibrated cold read (a decode "
+              "step from evicted files through `dispatch` for placement_opt, through accelerate's `dispatch_model` for "
+              "accelerate, less the resident step); before: the profile's memory-mapped read rate (x "
+              "`MAPPED_READ_FACTOR` for accelerate).",
+              "- RSS growth includes pages of memory-mapped disk weights faulted in during the forward; the "
+              "predicted CPU extra does not count disk-stored weights."]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--prompt", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="4 layers for the mid model, fewer steps")
+    parser.add_argument("--models", default="small,mid")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 16, quick 6)")
+    parser.add_argument("--repeats", type=int, default=None, help="prefill repeats (default 5, quick 3)")
     parser.add_argument("--runners", default="placement_opt,accelerate")
+    parser.add_argument("--gpu-budget", default="10GiB", help="GPU part: max_memory of cuda:0 (the issue's 10GiB)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for calibration and runs alike (default: torch's); 1 is steadier "
+                             "on a machine other jobs share, whose cores the threads would wait for")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
-    layers = args.layers or (2 if args.quick else 6)
-    prompt = args.prompt or (32 if args.quick else 128)
-    repeats = args.repeats or (2 if args.quick else 7)
-
-    import placement_opt
-    from placement_opt.cost.evaluate import evaluate
-    from placement_opt.cost.workload import Workload
-
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.steps = args.steps or (6 if args.quick else 16)
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.runners = args.runners.split(",")
     work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
+    os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
     load_before = os.getloadavg()[0]
+    started = time.perf_counter()
     try:
-        started = time.perf_counter()
-        model = build_model(layers)
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        graph, graph_source = layer_graph(model, prompt)
-        forwards = {"prefill": (Workload(batch_size=1, prompt_len=prompt, new_tokens=0),
-                                torch.randint(0, 32000, (1, prompt))),
-                    "decode": (Workload(batch_size=1, prompt_len=1, new_tokens=0), torch.randint(0, 32000, (1, 1)))}
-        rows, machines = [], []
-        dispatch = dispatcher()
-        # One profile for every prediction, as a user would calibrate once: the two runners of
-        # one placement are then predicted alike and only their measured runs differ.
-        machine = placement_opt.profile(["cpu", "disk"], path=work / "profile.json", quick=args.quick,
-                                        dtype="float32", offload_folder=work)
-        for runner in args.runners.split(","):
-            if runner == "placement_opt" and dispatch is None:
-                print("placement_opt.dispatch is not available: skipping its runs")
-                continue
-            for name, device_map in placements(graph, layers).items():
-                folder = work / "offload" / runner / name.replace(" ", "_").replace("(", "").replace(")", "")
-                folder.mkdir(parents=True)
-                machines.append(machine)
-                plan = make_plan(device_map, graph, machine, forwards["prefill"][0], "stream")
-                target = plan if runner == "placement_opt" else plan.device_map
-                undo = (dispatch(model, plan, offload_dir=str(folder)).remove if runner == "placement_opt"
-                        else run_accelerate(model, plan.device_map, folder))
-                try:
-                    for kind, (workload, ids) in forwards.items():
-                        best, median = timed(model, ids, folder, repeats)
-                        predicted = evaluate(target, graph, machine, workload).total_s
-                        rows.append((runner, name, kind, predicted, best, median, machine))
-                        print(f"{runner:14s} {name:24s} {kind:8s} predicted {predicted:8.3f} s  "
-                              f"measured {best:8.3f} s (median {median:.3f} s)", flush=True)
-                finally:
-                    undo()
-                shutil.rmtree(folder, ignore_errors=True)
-        write_results(Path(args.out), rows, graph_source, size, layers, prompt, repeats,
-                      time.perf_counter() - started, args, (load_before, os.getloadavg()[0]))
+        import placement_opt
+
+        placement_opt.profile(["cpu", "disk"], quick=args.quick, dtype="float32", offload_folder=work)
+        rows, infos = [], {}
+        for shape in args.models.split(","):
+            found, infos[shape] = bench_model(shape, args, work)
+            rows += found
+        gpu = gpu_part(args, work)
+        write_results(Path(args.out), rows, infos, gpu, args, (load_before, os.getloadavg()[0]),
+                      time.perf_counter() - started)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _interp(curve: Any, tokens: int) -> float:
-    from placement_opt.cost.pricing import _interpolate
-
-    return _interpolate(curve, tokens)
-
-
-def ranking_agrees(rows: list[tuple], runner: str, kind: str) -> bool | None:
-    mine = [r for r in rows if r[0] == runner and r[2] == kind]
-    if len(mine) < 2:
-        return None
-    by_pred = [r[1] for r in sorted(mine, key=lambda r: r[3])]
-    by_meas = [r[1] for r in sorted(mine, key=lambda r: r[4])]
-    return by_pred == by_meas
-
-
-def write_results(out: Path, rows: list[tuple], graph_source: str, size: int, layers: int,
-                  prompt: int, repeats: int, wall_s: float, args: argparse.Namespace,
-                  load: tuple[float, float]) -> None:
-    lines = [
-        "# Cost-model accuracy on this machine",
-        "",
-        f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {wall_s:.0f} s",
-        f"- Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPU cores, "
-        f"torch {torch.__version__} with {torch.get_num_threads()} threads, Python {sys.version.split()[0]}",
-        f"- Profile: `placement_opt.profile(['cpu', 'disk'], quick={args.quick}, dtype='float32')` once before the first "
-        "run; the last columns show its fp32 linear-layer GFLOP/s at the prefill's token count and at 1 "
-        "token, and its cold memory-mapped disk read rate",
-        f"- Model: random-init Llama, fp32, {layers} layers, hidden 2048, {size / 2**30:.2f} GiB of parameters; "
-        f"graph from {graph_source}",
-        f"- Forwards: prefill-like = batch 1 x {prompt} tokens, decode-like = batch 1 x 1 token (no cache); "
-        f"best and median of {repeats}; offloaded files evicted from the page cache before each forward",
-        f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}`",
-        f"- 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end ({os.cpu_count()} cores).",
-        "",
-        "| runner | placement | forward | predicted (s) | measured best (s) | measured median (s) "
-        "| predicted / best | within +-25% | profile: GFLOP/s (prefill / 1 token), disk GB/s |",
-        "|---|---|---|---:|---:|---:|---:|:---:|---|",
-    ]
-    for runner, name, kind, pred, meas, median, machine in rows:
-        ratio = pred / meas
-        curve = machine["cpu"].flops_by_tokens
-        at = {t: f for t, f in curve}
-        figures = (f"{at.get(prompt, _interp(curve, prompt)) / 1e9:.0f} / {curve[0][1] / 1e9:.0f}, "
-                   f"{machine['disk'].bandwidth_bytes_per_s / 1e9:.2f}")
-        lines.append(f"| {runner} | {name} | {kind} | {pred:.3f} | {meas:.3f} | {median:.3f} | {ratio:.2f} | "
-                     f"{'yes' if abs(ratio - 1) <= GOAL else 'NO'} | {figures} |")
-    lines += ["", "Predicted ranking of the placements matches the measured one:", ""]
-    for runner in sorted({r[0] for r in rows}):
-        for kind in ("prefill", "decode"):
-            agrees = ranking_agrees(rows, runner, kind)
-            if agrees is not None:
-                lines.append(f"- {runner}, {kind}: {'yes' if agrees else 'NO'}")
-    lines += ["", "How to read it:", "",
-              "- `placement_opt` runs disk units from memory-mapped safetensors files (zero copy) and the CPU "
-              "faults the pages in while it computes; `accelerate` copies each disk weight out of an "
-              "`np.memmap` before the unit runs. The cost model prices the first at the profile's memory-map "
-              "read rate (a cold file mapped and copied into a tensor), the second at `MAPPED_READ_FACTOR` "
-              "x that rate, both without overlap on the CPU.",
-              "- A matmul over many tokens reads a cold memory-mapped weight in panels, not front to back, so "
-              "the page faults come in a worse order than a 1-token matrix-vector product's: the prefill of "
-              "disk units in the `placement_opt` runner is where the model is most optimistic.",
-              "- The machine is a shared 2-core VM; the load average above says "
-              "how busy it was. Every placement is predicted from one profile taken before the first run."]
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The data flows one way, one stage folder per arrow::
     model/            hardware/ + cost/     solver/ (torch-free)         plan.py  runtime/
                       (Machine, Workload)
 
-The public surface is thirteen names:
+The public surface is fourteen names:
 
 ==========================  =====================================================================
 name                        what it is
@@ -17,6 +17,7 @@ name                        what it is
 :func:`dispatch`            apply a plan to a loaded model -> :class:`DispatchedModel`
 :func:`load`                a checkpoint read straight to each unit's storage -> :class:`DispatchedModel`
 :func:`profile`             measure this machine -> :class:`Machine`
+:func:`calibrate`           time one unit of each shape of a model here; ``solve()`` then prices with it
 :class:`Workload`           what the model is run for (generation, single forward, training)
 :class:`Device`             one GPU, the CPU or a disk, with its capacity and speeds
 :class:`Machine`            the devices a plan may use
@@ -64,6 +65,7 @@ _EXPORTS = {
     "dispatch": "runtime.dispatcher",
     "load": "runtime.loader",
     "profile": "hardware.profiler",
+    "calibrate": "runtime.calibrate",
     "Workload": "cost.workload",
     "Device": "hardware.devices",
     "Machine": "hardware.devices",

@@ -310,7 +310,9 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            truncated = " (the text ends early: was the file cut off?)" if err.pos >= len(text.rstrip()) else ""
+            # a string still open at the end reports where it started: the text ends early all the same
+            ends_early = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+            truncated = " (the text ends early: was the file cut off?)" if ends_early else ""
             raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
                                   f"{truncated}: give a file written by Plan.to_json()") from err
         return cls._from_dict(data, where)

@@ -112,6 +112,7 @@ class WorkloadSchema(_Strict):
     training: bool = False
     optimizer: str = "adam"
     activation_checkpointing: bool = False
+    logits: Literal["last", "all"] | None = None
 
 
 class CostSchema(_Open):
@@ -207,6 +208,10 @@ class NodeSchema(_Strict):
     moe_expert_bytes: NonNegativeInt
     param_names: list[str]
     in_decode: bool
+    workspace_bytes_per_token: NonNegativeInt | None = None
+    workspace_bytes_per_token_ctx: NonNegativeInt | None = None
+    scores_workspace_bytes_per_token: NonNegativeInt | None = None
+    scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -223,14 +223,24 @@ def explain(plan_path: str, plot: str | None) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="the dtype the model will run in, measured (default: --model's, else bfloat16)")
 @click.option("--model", default=None, metavar="MODEL",
-              help="measure the dtype this model runs in (a preset name, config.json or model directory)")
-def profile(out: str | None, quick: bool, dtype: str | None, model: str | None) -> None:
+              help="also calibrate this model (a preset name, config.json or model directory): one unit of "
+                   "each shape timed here at --batch/--prompt/--new-tokens; plans for this machine use it")
+@click.option("--batch", type=int, default=1, show_default=True, help="with --model: sequences generated together")
+@click.option("--prompt", type=int, default=512, show_default=True, help="with --model: prompt tokens (prefill)")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="with --model: tokens generated")
+def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, batch: int, prompt: int,
+            new_tokens: int) -> None:
     """Measure this machine (compute, memory and disk bandwidth, links) and save the profile.
 
     Only the dtype the model runs in is timed (a CPU computes float16, bfloat16 and float32 at
     very different speeds); earlier figures of other dtypes stay in the file. It takes, on a
     2-core CPU with no GPU: about 12 s in bfloat16 (6 s with --quick), 2.5 s in float32 with
     --quick; each GPU adds a few seconds.
+
+    With --model, the model is calibrated too: a copy cut to one layer of each shape is built
+    with random weights and each unit is timed through placement_opt's dispatch at the workload's
+    prefill and decode shapes (a few seconds for a 7B shape on a CPU); plans for this machine then
+    price those units with the times measured, whatever form --devices takes.
 
     Use the saved file with --devices PATH, or --devices auto when it is at the default place.
     """
@@ -239,11 +249,21 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None) 
         from ..hardware.profile_store import profile_path
         from ..hardware.profiler import profile as measure
 
+        resolved = resolve_model(model) if model else None
+        workload = workload_from(batch, prompt, new_tokens)
         dtype = dtype or (model_dtype(model) if model else "bfloat16")
         started = time.perf_counter()
         machine = measure(path=out, quick=quick, dtype=dtype)  # its bar: one step per measurement, on stderr
         took = time.perf_counter() - started
+        calibrated = None
+        if resolved is not None:
+            from ..runtime.calibrate import calibrate
+
+            calibrated = calibrate(resolved, machine.names, workload=workload, dtype=dtype, path=out,
+                                   repeats=1 if quick else 2)
     console.print(devices_table(machine))
+    if calibrated is not None:
+        console.print(calibrated.summary(), markup=False, highlight=False)
     say_written(console, f"measured in {took:.1f} s; saved to {profile_path(out)}")
 
 

@@ -13,6 +13,7 @@ from ..errors import DeviceSpecError, SolverInputError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
+from .calibrated import calibration_for
 from .pins import resolve_pins
 from .pricing import NS_PER_S, OptionPrice, PricingContext, edge_ns, price_option, to_option
 from .workload import Workload
@@ -59,7 +60,7 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     ``pins`` are accelerate-style (:func:`~.pins.resolve_pins`).
     """
     modes = _check_modes(modes)
-    ctx = PricingContext(graph, machine, workload)
+    ctx = PricingContext(graph, machine, workload, calibration_for(graph, machine))
     menu = _menu(machine, modes)
     if not menu:
         raise DeviceSpecError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
@@ -67,7 +68,7 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     priced: dict[tuple[Any, ...], list[OptionPrice]] = {}  # identical units (decoder layers) priced once
     parts = []
     for u in units:
-        key = _price_key(u)
+        key = _price_key(u, graph.meta.extra.get("logits_unit"))
         if key not in priced:
             priced[key] = [price_option(ctx, u, s, e, m) for s, e, m in menu]
         parts.append(priced[key])
@@ -93,11 +94,14 @@ def _check_limits(specs: Iterable[UnitSpec], workload: Workload) -> None:
             f"about 36 years, and 2**60 bytes): reduce the batch or the context, or check the device speeds")
 
 
-def _price_key(unit: UnitInfo) -> tuple[Any, ...]:
-    """Everything :func:`price_option` reads of a unit (its name and position do not change its price)."""
+def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
+    """Everything :func:`price_option` reads of a unit (its name and position do not change its price,
+    except that the logits unit's workspace follows ``Workload.logits``)."""
     return (unit.param_bytes, unit.buffer_bytes, unit.flops_per_token, unit.attn_flops_per_token_per_ctx,
             unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
-            unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class)
+            unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class,
+            unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx, unit.scores_workspace_bytes_per_token,
+            unit.scores_workspace_bytes_per_token_ctx, unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

@@ -23,7 +23,7 @@ from .workload import Workload
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph
 
-__all__ = ["UnitCost", "Cost", "evaluate", "evaluator", "as_graph"]
+__all__ = ["UnitCost", "Cost", "evaluate", "evaluator", "as_graph", "predicted_memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +164,20 @@ def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
     return evaluator(graph, machine, workload)(plan_or_device_map)
 
 
+def predicted_memory(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
+                     workload: Workload | None = None) -> dict[str, DeviceMemory]:
+    """The predicted peak memory of every device under a placement, split by term: device name ->
+    :class:`~.memory.DeviceMemory` (weights, KV cache, workspace, stream buffer, other; ``used_bytes`` is
+    the peak, ``peak_unit`` the unit whose workspace sets it). Arguments as for :func:`evaluate`.
+
+    Example::
+
+        cpu = predicted_memory(plan, graph, machine)["cpu"]
+        activations = cpu.used_bytes - cpu.weights_bytes   # what a forward adds once weights are loaded
+    """
+    return {m.device: m for m in evaluate(plan_or_device_map, model_or_graph, machine, workload).memory}
+
+
 def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[Any], Cost]:
     """:func:`evaluate` for one graph, machine and workload, pricing the options once for many plans.
 
@@ -192,7 +206,8 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
                  prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
                  stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
         for u, o in zip(problem.units, chosen, strict=True))
-    memory = tuple(device_memory(d, chosen_parts) for d in machine.devices)
+    names = [u.name for u in problem.units]
+    memory = tuple(device_memory(d, chosen_parts, names) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model
         assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
     violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)

@@ -4,8 +4,36 @@
 Memory per option (priced in :mod:`.pricing`): ``stored_bytes`` on S (parameters and buffers;
 training: gradients and optimizer states, which stay where the weights live), ``resident_bytes``
 on E (KV cache for ``batch x (prompt + new)`` tokens; training: saved activations), ``peak_bytes``
-on E (prefill activation workspace plus the stream buffer: x2 for ``stream``, whose next unit is
-prefetched).
+on E (activation workspace, :func:`workspace_bytes`, plus the stream buffer: x2 for ``stream``, whose
+next unit is prefetched).
+
+The workspace comes from the model itself: the meta trace measures, per unit, the activation bytes
+alive at two moments of its run (everything alive: its inputs, what earlier units left alive, its
+intermediates and outputs), split into bytes per token and attention-score bytes per query x context
+token: the moment with the most per-token bytes (``UnitInfo.workspace_bytes_per_token``, ``..._ctx``)
+and the one with the most score bytes (``scores_workspace_bytes_per_token``, ``..._ctx``). Each is
+priced at the workload's shape and the larger counts. A unit's workspace is the larger of its prefill
+and decode:
+
+* prefill: ``per_token x batch x prompt + ctx x batch x prompt x prompt``; score bytes only where the
+  attention that runs materialises them (eager; not sdpa or flash attention, whose fused kernels keep
+  them in on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
+  only; ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`), whatever it keeps;
+* decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
+  by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
+  on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair.
+
+Graphs without the measured figures (written before them, static, hand-made) keep the old estimate,
+:data:`WORKSPACE_FACTOR` outputs per token.
+
+The CUDA caching allocator, and what it means for these figures (``torch.cuda.max_memory_allocated``
+is what they are checked against): every allocation is rounded up to 512 bytes, at most 511 bytes per
+live tensor, under 0.01 % of any real model's weights and activations, so it is not charged. Segments
+are reserved in 2 MiB steps (20 MiB for small blocks) and the CUDA context takes about 500 MiB on an
+H100 with torch 2.x: neither is *allocated* memory; both come out of the reserve
+(``Device.reserve_bytes``, :data:`~placement_opt.hardware.devices.DEFAULT_GPU_RESERVE_BYTES`, 1 GiB) that
+a GPU whose size was detected or taken from a preset keeps free. A capacity the user gives
+(``{0: "10GiB"}``) is, as for accelerate, a budget for the model's tensors: no reserve is taken from it.
 """
 
 from __future__ import annotations
@@ -15,20 +43,102 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..units import format_bytes
-from .workload import Workload
+from .workload import Workload, dtype_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Device
-    from ..model.graph import LayerGraph
+    from ..model.graph import GraphMeta, LayerGraph, UnitInfo
     from ..solver.problem import PlacementProblem
     from .pricing import OptionPrice
 
-__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "device_memory", "violation",
-           "shortage_message"]
+__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "SCORE_FREE_ATTENTION",
+           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
+           "materializes_scores"]
 
-#: Prefill activation workspace of a unit, in multiples of its output for all prefill tokens
-#: (q/k/v, MLP intermediates and their upcasts live at the same time).
+#: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
+#: tokens (q/k/v, MLP intermediates and their upcasts live at the same time).
 WORKSPACE_FACTOR = 6
+
+#: Attention implementations (transformers' names) whose kernels never hold the ``query x key`` scores
+#: in memory: flash and memory-efficient kernels work in tiles. Any other (eager, unknown) is charged them.
+SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                                  "paged_attention", "sdpa_paged", "flash_paged"})
+
+#: cuBLAS's workspace, which torch takes from the caching allocator on every GPU that runs a matmul
+#: (per handle and stream): 32 MiB on Hopper and later, 4-8 MiB before; the larger is charged.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+
+#: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
+#: the float32 copy of the next-token logits and the processed scores / probabilities.
+SAMPLING_COPIES = 2
+_FLOAT32_BYTES = 4
+
+
+def materializes_scores(meta: GraphMeta) -> bool:
+    """Whether the attention the model runs with holds its ``query x key`` scores in memory."""
+    return meta.extra.get("attn_implementation") not in SCORE_FREE_ATTENTION
+
+
+def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False) -> int:
+    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode,
+    plus :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``. Units without measured figures keep the old estimate,
+    :data:`WORKSPACE_FACTOR` outputs per token, alone.
+
+    Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU.
+    """
+    last = workload.logits == "last" and unit.name == meta.extra.get("logits_unit")
+    if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
+        tokens = workload.batch_size * (1 if last else workload.prompt_len)
+        return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
+    return _activation_bytes(unit, workload, meta, last, on_gpu) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+
+
+def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool) -> int:
+    assert unit.workspace_bytes_per_token is not None  # checked by the caller
+    batch, prompt = workload.batch_size, workload.prompt_len
+    moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
+               (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
+    if not materializes_scores(meta):
+        moments = [(max(linear for linear, _ in moments), 0)]
+
+    def alive(queries: int, context: int) -> int:  # the larger moment at this shape
+        return max(batch * queries * (linear + scores * context) for linear, scores in moments)
+
+    generating = workload.decode_steps > 0
+    sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
+    # last logits only: what was alive before the logits unit scales with the prompt, what it adds with the positions
+    prefill = (_last_logits_bytes(unit, batch, prompt, meta) if last else alive(prompt, prompt)) + sampling
+    if not generating or not unit.in_decode:
+        return prefill
+    context = workload.context_len
+    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
+              + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
+    return max(prefill, decode)
+
+
+def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:
+    """The logits unit's peak when ``generate()`` asks for the last position only: what was alive when it
+    started (the hidden states of the whole prompt) plus what it and the glue after it (softcapping) add,
+    for one position per sequence. Graphs without the entry figure take the logits alone as what it adds."""
+    per_token = unit.workspace_bytes_per_token or 0
+    entry = meta.extra.get("logits_entry_bytes_per_token")
+    added = per_token - entry if isinstance(entry, int) else min(unit.out_bytes_per_token, per_token)
+    return (per_token - added) * batch * prompt + added * batch
+
+
+def _gathered_expert_bytes(unit: UnitInfo, batch: int) -> int:
+    """transformers' ``batched_mm`` experts, which ``generate()`` switches GPU-executed experts to at decode,
+    copy the weights of the expert every (token, chosen expert) pair uses: ``batch x top_k`` experts."""
+    if not unit.is_moe:
+        return 0
+    return batch * unit.moe_experts_per_token * unit.moe_expert_bytes // unit.moe_num_experts
+
+
+def _sampling_bytes(unit: UnitInfo, batch: int, meta: GraphMeta) -> int:
+    """``generate()``'s float32 copies of the last logits (:data:`SAMPLING_COPIES` per sequence)."""
+    vocab = unit.out_bytes_per_token // dtype_bytes(meta.dtype)
+    return SAMPLING_COPIES * batch * vocab * _FLOAT32_BYTES
 
 
 #: Copies of a unit's weights its stream buffer holds, by mode (``stream`` prefetches the next unit).
@@ -54,6 +164,8 @@ class DeviceMemory:
     """Buffer that streamed weights pass through (prefetch included), at its peak."""
     other_bytes: int = 0
     """Anything else the memory model charges here (training states)."""
+    peak_unit: str = ""
+    """The unit executed here whose workspace and stream buffer set the peak ("" when none or not known)."""
 
     @property
     def used_bytes(self) -> int:
@@ -81,18 +193,24 @@ class Violation:
         return self.needed_bytes - self.capacity_bytes
 
 
-def device_memory(device: Device, chosen: Sequence[OptionPrice]) -> DeviceMemory:
-    """What ``device`` holds when the units take the ``chosen`` options, split by kind."""
+def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence[str] = ()) -> DeviceMemory:
+    """What ``device`` holds when the units take the ``chosen`` options, split by kind.
+
+    ``names``: the units' names, in the order of ``chosen``, to say which unit sets the peak.
+    """
     stored = [p for p in chosen if p.storage == device.name]
-    executed = [p for p in chosen if p.execution == device.name]
-    peak = max(executed, key=lambda p: p.workspace_bytes + p.stream_buffer_bytes, default=None)
+    executed = [i for i, p in enumerate(chosen) if p.execution == device.name]
+    top = max(executed, key=lambda i: chosen[i].workspace_bytes + chosen[i].stream_buffer_bytes, default=None)
+    peak = chosen[top] if top is not None else None
+    executed_parts = [chosen[i] for i in executed]
     return DeviceMemory(
         device=device.name, capacity_bytes=device.usable_bytes, reserve_bytes=device.reserve_bytes,
         weights_bytes=sum(p.weights_bytes for p in stored),
-        kv_cache_bytes=sum(p.kv_cache_bytes for p in executed),
+        kv_cache_bytes=sum(p.kv_cache_bytes for p in executed_parts),
         workspace_bytes=peak.workspace_bytes if peak else 0,
         stream_buffer_bytes=peak.stream_buffer_bytes if peak else 0,
-        other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed),
+        other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed_parts),
+        peak_unit=names[top] if top is not None and top < len(names) else "",
     )
 
 
@@ -108,8 +226,8 @@ def violation(memory: DeviceMemory, workload: Workload) -> Violation:
     need, has = memory.used_bytes, memory.capacity_bytes
     parts = [("weights", memory.weights_bytes),
              (f"KV cache for batch {workload.batch_size} x {workload.context_len} tokens", memory.kv_cache_bytes),
-             (f"activation workspace for {workload.batch_size} x {workload.prompt_len} prompt tokens",
-              memory.workspace_bytes),
+             (f"activation workspace{f' of {memory.peak_unit}' if memory.peak_unit else ''} for "
+              f"{workload.batch_size} x {workload.prompt_len} prompt tokens", memory.workspace_bytes),
              ("stream buffer", memory.stream_buffer_bytes),
              ("gradients, optimizer states and saved activations" if workload.training else "other",
               memory.other_bytes)]

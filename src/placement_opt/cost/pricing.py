@@ -52,7 +52,8 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
-from .memory import STREAM_BUFFERS, WORKSPACE_FACTOR
+from .calibrated import Calibration, UnitTimes, logits_kept
+from .memory import STREAM_BUFFERS, workspace_bytes
 from .workload import Workload, unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,11 +120,16 @@ class OptionPrice:
 
 @dataclass(frozen=True)
 class PricingContext:
-    """What every price reads: the graph (dtype, traced length), the machine and the workload."""
+    """What every price reads: the graph (dtype, traced length), the machine and the workload.
+
+    ``calibration``: unit times measured on this model (:mod:`.calibrated`); they replace the
+    roofline and :data:`UNIT_OVERHEAD_S` wherever they exist.
+    """
 
     graph: LayerGraph
     machine: Machine
     workload: Workload
+    calibration: Calibration | None = None
 
 
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -209,10 +215,15 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
     return total
 
 
-def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int) -> float:
-    """Time to copy ``nbytes`` of weights from storage to execution once."""
+def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
+            unit: str = "", phase: str = "decode") -> float:
+    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first: what
+    the unit's weights added to a measured ``phase`` forward)."""
     if mode == "resident" or nbytes <= 0:
         return 0.0
+    measured = ctx.calibration.copy_s(unit, storage, execution, mode, phase) if ctx.calibration else None
+    if measured is not None:
+        return measured
     bandwidth = ctx.machine.bandwidth(storage, execution)
     latency = ctx.machine.latency_s(storage, execution)
     if mode == "stream_sync":
@@ -225,12 +236,19 @@ def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mo
 def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
     wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    if measured is not None:
+        seconds = measured.prefill_s(wl.batch_size, wl.prompt_len, logits_kept(wl))
+        if seconds is not None:
+            return seconds
     tokens = wl.batch_size * wl.prompt_len
-    flops_s, bytes_s = _achieved(device, tokens)
+    # generate() asks the logits unit for the last position only: batch rows, not batch x prompt
+    rows = wl.batch_size if _last_logits_only(ctx, unit) else tokens
+    flops_s, bytes_s = _achieved(device, rows)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
-    flops = wl.batch_size * (wl.prompt_len * base + unit.attn_flops_per_token_per_ctx * causal_pairs)
-    touched = (_touched_weight_bytes(unit, tokens) + 2 * tokens * unit.out_bytes_per_token
+    flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
+    touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
                + tokens * unit.kv_bytes_per_token)
     seconds = max(flops / flops_s, touched / bytes_s) + UNIT_OVERHEAD_S[device.kind]
     if wl.training:
@@ -238,9 +256,21 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     return seconds
 
 
+def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
+    """Whether the prefill computes ``unit`` (the logits unit) at the last position of each sequence only."""
+    return logits_kept(ctx.workload) == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
+
+
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
-    """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line)."""
+    """Compute time of decode step t as ``max`` of lines ``a + b t`` (FLOPs line, bytes line).
+
+    A calibrated unit has one line: its measured step at the first context, growing with the context.
+    """
     wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    line = measured.decode_line(wl.batch_size, wl.prompt_len + 1) if measured is not None else None
+    if line is not None:
+        return [line]
     flops_s, bytes_s = _achieved(device, wl.batch_size)
     batch, ctx0 = wl.batch_size, wl.prompt_len + 1
     attn = unit.attn_flops_per_token_per_ctx
@@ -253,16 +283,24 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]
 
 
+def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTimes | None:
+    """The unit's measured times on ``device`` (inference only), or None."""
+    if ctx.calibration is None or ctx.workload.training:
+        return None
+    return ctx.calibration.times(unit.name, device.name)
+
+
 def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> OptionPrice:
     """Time and memory of one option of one unit."""
     wl = ctx.workload
     device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
-    copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors)
+    copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
+    copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
     overlapped = mode == "stream" and device.is_gpu
-    prefill = max(compute, forwards * copy) if overlapped else compute + forwards * copy
+    prefill = max(compute, forwards * copy_prefill) if overlapped else compute + forwards * copy_prefill
     decode = 0.0
     if unit.in_decode and wl.decode_steps > 0:
         lines = _decode_lines(ctx, unit, device)
@@ -272,14 +310,13 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
-    prefill_tokens = wl.batch_size * wl.prompt_len
     kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
     return OptionPrice(
         storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
         weights_bytes=unit.weight_bytes,
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
-        workspace_bytes=prefill_tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR,
+        workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode],
     )
 

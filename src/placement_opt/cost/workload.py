@@ -26,6 +26,7 @@ __all__ = [
     "SAVED_ACTIVATION_FACTOR",
     "MAX_TOKENS",
     "OPTIMIZER_STATE_BYTES_PER_PARAM",
+    "LOGITS",
 ]
 
 #: Bytes per element of the dtypes a graph may name.
@@ -41,6 +42,10 @@ SAVED_ACTIVATION_FACTOR = 17
 #: fp32 optimizer-state bytes per parameter (master weights counted separately, half dtypes only).
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adam": 8, "sgd": 4, "none": 0}
 _MASTER_WEIGHT_BYTES_PER_PARAM = 4
+
+#: Which positions' logits the prefill computes: ``"last"`` (``generate()`` asks the model for the last
+#: position only), ``"all"`` (a plain forward, scoring, training: every prompt token).
+LOGITS = ("last", "all")
 
 #: The most tokens a workload may hold at once, ``batch_size x (prompt_len + new_tokens)``: 2**40
 #: (about 1.1e12). Beyond it the KV cache bytes and times overflow the solver's 64-bit integers.
@@ -72,6 +77,10 @@ class Workload:
     weights), ``"sgd"`` (momentum) or ``"none"``."""
     activation_checkpointing: bool = False
     """Training only: keep only unit inputs and recompute the rest in the backward."""
+    logits: str | None = None
+    """Positions whose logits the prefill computes: ``"last"`` (``generate()``, which asks for the last
+    position only) or ``"all"`` (a plain forward, scoring, training). Default (None): ``"all"`` for training
+    and single forwards (``new_tokens=0``), ``"last"`` for generation; the resolved value is stored."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len"):
@@ -89,6 +98,17 @@ class Workload:
                 f"which sizes and times overflow the solver's 64-bit integers; reduce the batch or the context")
         if self.optimizer not in ("adam", "sgd", "none"):
             raise WorkloadError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
+        self._resolve_logits()
+
+    def _resolve_logits(self) -> None:
+        if self.logits is None:
+            object.__setattr__(self, "logits", "all" if self.training or self.new_tokens == 0 else "last")
+        elif self.logits not in LOGITS:
+            raise WorkloadError(f"Workload.logits is {self.logits!r}: accepted are 'last' (generate(): the last "
+                                f"position only) and 'all' (a plain forward, scoring, training)")
+        elif self.training and self.logits == "last":
+            raise WorkloadError("Workload.logits is 'last' for a training step, whose loss reads every position's "
+                                "logits: leave logits unset or give 'all'")
 
     @property
     def context_len(self) -> int:

@@ -1,15 +1,22 @@
 """The saved profile of this machine (JSON) and the measured :class:`~.devices.Device` it gives back.
 
 :func:`~.profiler.profile` writes it; :func:`saved_device` reads it for :func:`~.detect.detect_device`.
+
+The same file keeps the per-unit times of :func:`placement_opt.calibrate` under ``"calibration"``
+(an optional key: profiles written before it load as they did). Its ``"host"`` says which machine
+measured them; :func:`saved_calibration` returns them only on that host, so a profile copied to
+another machine keeps its device figures but never prices that machine with this one's unit times.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
+from ..errors import ProfileError
 from ..schema import ProfileSchema, validated
 from .devices import Device, normalize_device_name
 
@@ -23,6 +30,10 @@ __all__ = [
     "PROFILED_DTYPES",
     "dtype_key",
     "device_from_measurement",
+    "saved_calibration",
+    "save_calibration",
+    "write_profile",
+    "this_host",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -53,13 +64,19 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     """The saved profile as a dict, or None when there is none (or it has another schema version).
 
     Raises:
+        ProfileError: the file exists but is not JSON (names the file and what to do).
         PlanFormatError: a profile of this schema version whose entries are malformed (names the file).
     """
     where = profile_path(path)
     try:
-        data = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = where.read_text(encoding="utf-8")
+    except OSError:
         return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ProfileError(f"the saved profile {str(where)!r} is not JSON ({exc}): run `placement-opt profile` "
+                           f"again to rewrite it, or delete the file") from None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         return None
     validated(ProfileSchema, data, what=f"the saved profile {str(where)!r}",
@@ -123,3 +140,62 @@ def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:
         if figures.get(key):
             return figures[key]
     return None
+
+
+# -- calibrated unit times (placement_opt.calibrate) ---------------------------------------------
+def this_host() -> str:
+    """The name calibrations are keyed by: the machine's network name."""
+    return platform.node()
+
+
+def saved_calibration(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The calibrated unit times measured on this host, as saved: ``{"units": {...}, "models": {...}}``.
+
+    None when the profile has none, or when another host measured them.
+
+    Raises:
+        ProfileError: the file is not JSON, or its ``"calibration"`` entry is not a mapping of units.
+    """
+    data = load_profile(path)
+    if data is None or "calibration" not in data:
+        return None
+    calibration = data["calibration"]
+    if not isinstance(calibration, dict) or not isinstance(calibration.get("units"), dict):
+        raise ProfileError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
+                           f"run `placement-opt profile --model MODEL` again, or delete the entry")
+    if calibration.get("host") != this_host():
+        return None
+    return calibration
+
+
+def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
+                     path: str | os.PathLike[str] | None = None) -> Path:
+    """Merge calibrated unit times into the profile (units measured again replace their old figures).
+
+    ``units``: shape key -> ``{"module_class": ..., "devices": {device: {...}}}``; ``model``: what was
+    calibrated (name, fingerprint, workload), listed under ``"models"``. A profile measured on
+    another host loses its old calibration (it priced that host, not this one).
+    """
+    where = profile_path(path)
+    data = load_profile(where) or {"schema_version": PROFILE_SCHEMA_VERSION, "created": model["created"],
+                                   "measurements": {}}
+    old = data.get("calibration") if isinstance(data.get("calibration"), dict) else {}
+    if old.get("host") != this_host():
+        old = {}
+    merged_units = dict(old.get("units", {}))
+    for key, entry in units.items():
+        previous = merged_units.get(key, {})
+        devices = {**previous.get("devices", {}), **entry.get("devices", {})}
+        merged_units[key] = {**previous, **entry, "devices": devices}
+    models = {**old.get("models", {}), model["fingerprint"]: model}
+    data["calibration"] = {"host": this_host(), "units": merged_units, "models": models}
+    write_profile(where, data)
+    return where
+
+
+def write_profile(where: Path, data: dict[str, Any]) -> None:
+    """Write the profile atomically: a reader sees the old file or the new one, never half of one."""
+    where.parent.mkdir(parents=True, exist_ok=True)
+    tmp = where.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(where)

@@ -26,7 +26,6 @@ efficiency derating. The file also holds ``"machine"`` (``Machine.to_dict()``) s
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -46,6 +45,7 @@ from .profile_store import (
     dtype_key,
     load_profile,
     profile_path,
+    write_profile,
 )
 
 __all__ = ["profile"]
@@ -299,7 +299,7 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     machine = Machine([replace_device(d, memory_bytes=detect_device(d.name).memory_bytes) for d in measured])
     _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
                   "quick": quick, "dtype": dtype_key(dtype), "measurements": merged,
-                  "machine": machine.to_dict()})
+                  "machine": machine.to_dict()}, previous)
     return machine
 
 
@@ -348,9 +348,8 @@ def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | No
     return _measure_cuda(int(name.split(":")[1]), quick, dtypes, counted)  # pragma: no cover
 
 
-def _save(where: Path, data: dict[str, Any]) -> None:
-    """Write the profile atomically: a reader sees the old file or the new one, never half of one."""
-    where.parent.mkdir(parents=True, exist_ok=True)
-    tmp = where.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(where)
+def _save(where: Path, data: dict[str, Any], previous: dict[str, Any]) -> None:
+    """Write the profile atomically, keeping the calibrated unit times of the previous one."""
+    if "calibration" in previous:
+        data = {**data, "calibration": previous["calibration"]}
+    write_profile(where, data)

@@ -20,6 +20,7 @@ from ..units import parse_size
 from .detect import detect_device, local_device_names
 from .devices import Device, Machine, normalize_device_name, replace_device
 from .presets import DEFAULT_PRESET, PRESETS
+from .profile_store import saved_device
 
 __all__ = [
     "RankContext",
@@ -144,7 +145,7 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
     if isinstance(devices, str):
         return parse_device_spec(devices, dtype=dtype)
     if isinstance(devices, Mapping):
-        return _from_max_memory(devices)
+        return _from_max_memory(devices, dtype)
     if isinstance(devices, Iterable):
         return Machine([d if isinstance(d, Device) else detect_device(d, dtype=dtype) for d in devices])
     raise DeviceSpecError(
@@ -168,11 +169,21 @@ def device_names(devices: Any) -> list[str]:
     return [normalize_device_name(devices)]
 
 
-def _from_max_memory(max_memory: Mapping[Any, Any]) -> Machine:
+def _from_max_memory(max_memory: Mapping[Any, Any], dtype: str) -> Machine:
+    """accelerate's budgets on this machine: the saved profile's speeds where it measured the device.
+
+    A ``max_memory`` dict describes this machine (accelerate reads it so), so a device the profile
+    measured gets its measured speeds, as a list of names does; the others get default speeds.
+    """
     devices = []
     for key, value in max_memory.items():
         name = normalize_device_name(key)
         capacity = parse_size(value, what=f"max_memory[{key!r}]")
+        measured = saved_device(name, dtype=dtype)
+        if measured is not None:
+            devices.append(replace_device(measured, memory_bytes=capacity, reserve_bytes=0,
+                                          source=f"{measured.source}, capacity from max_memory"))
+            continue
         default = Device.with_default_speeds(name, capacity)
         # The user's budget is what we may use: no reserve on top of it, as accelerate does.
         devices.append(replace_device(default, reserve_bytes=0,

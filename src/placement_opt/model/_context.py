@@ -24,6 +24,8 @@ class TraceContext:
     units: dict[str, nn.Module]
     no_split: tuple[str, ...]
     granularity: str = "block"
+    attn_implementation: str | None = None
+    """The attention the model runs with at run time (``"sdpa"``, ``"eager"``; None: not a transformers model)."""
 
     @property
     def tokens(self) -> int:

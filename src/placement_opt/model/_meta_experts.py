@@ -20,7 +20,9 @@ def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module],
     Fused experts (transformers 5 ``MixtralExperts``: 3D weights ``[num_experts, out, in]``) route tokens
     with data-dependent ops (``nonzero``) that cannot run on meta tensors. The stand-in sends every
     token through ``top_k`` experts' weights, so the FLOPs counted are exactly ``top_k / num_experts`` of
-    all experts' dense FLOPs: what a routed forward computes on average.
+    all experts' dense FLOPs: what a routed forward computes on average. It does so for all
+    ``tokens x top_k`` rows at once, as the ``grouped_mm`` implementation does (transformers 5's default),
+    so the activation bytes the trace measures are those of the widest implementation.
     """
     patched: list[nn.Module] = []
     for sub in module.modules():
@@ -47,14 +49,23 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
     def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
         # read the parameters at call time: functional_call has swapped in their meta stand-ins
         weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
-        total = torch.zeros_like(hidden_states)
-        for k in range(top_k):
-            h = hidden_states
-            for w in weights:
-                h = _apply_expert_weight(h, w[k % w.shape[0]], act)
-            if h.shape == total.shape:
-                total = total + h
-        return total
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        # one row per (token, chosen expert), all at once, as transformers' grouped_mm experts do: the
+        # activations alive then are what the trace measures (the eager loop holds one expert's rows at a time)
+        routed = flat.repeat_interleave(top_k, dim=0)  # kept to the end, as grouped_mm keeps its gathered rows
+        # and its routing bookkeeping: per row the sorted expert ids, the permutation and the float copy histc
+        # reads, per expert the token counts and their offsets
+        experts = max(w.shape[0] for w in weights) if weights else 1
+        bookkeeping = (torch.empty(routed.shape[0], 3, dtype=torch.int64, device=routed.device),
+                       torch.empty(2 * experts, dtype=torch.int32, device=routed.device))
+        h = routed
+        for w in weights:
+            h = _apply_expert_weight(h, w[0], act)
+        if h.shape[-1] != flat.shape[-1]:
+            return torch.zeros_like(hidden_states)
+        out = h.view(flat.shape[0], top_k, -1).sum(dim=1).reshape(hidden_states.shape)
+        del routed, bookkeeping
+        return out
     return forward
 
 

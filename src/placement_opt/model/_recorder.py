@@ -21,6 +21,7 @@ blocks are run once and replayed.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from ._memory import LiveBytes
 from ._meta_experts import stand_in_experts
 
 __all__ = ["Record", "run", "nbytes", "REPLAY_REPEATED_BLOCKS"]
@@ -54,6 +56,7 @@ def run(
     blocks: set[str],
     experts_per_token: Callable[[nn.Module], int],
     private: bool = False,
+    seq_len: int = 0,
 ) -> Record:
     """One meta forward of ``module`` with ``args``/``kwargs`` (meta tensors); returns what it observed.
 
@@ -66,13 +69,17 @@ def run(
         experts_per_token: top-k of a fused experts module.
         private: ``module`` is a meta copy no one else holds (every tensor on meta): with no ``dtype``
             it runs as it is, without swapping its tensors for stand-ins.
+        seq_len: tokens per sequence of the forward, to tell attention scores (query x key tokens) from
+            activations that scale with the tokens alone (0: no tensor is taken for scores).
 
     Raises:
         Exception: whatever the model's forward raises on meta tensors (the caller falls back).
     """
     record = Record()
     state = None if private and dtype is None else _meta_state(module, dtype)
-    recorder = _Recorder(record, _container_tensors(state, units, containers))
+    tensors = state.values() if state is not None else (*module.parameters(), *module.buffers())
+    memory = LiveBytes(seq_len=seq_len, state_storages=frozenset(_storage_keys(tensors)))
+    recorder = _Recorder(record, _container_tensors(state, units, containers), memory)
     handles = _hook_units(recorder, units, containers)
     restore = stand_in_experts(module, experts_per_token)
     replay = _BlockReplay(recorder)
@@ -90,6 +97,8 @@ def run(
         if recorder.pending_flops and record.order:
             record.flops[record.order[-1]] += recorder.pending_flops
             record.glue_flops += recorder.pending_flops
+        if record.order:
+            memory.charge_glue(record.order[-1])
     finally:
         module.train(was_training)
         for handle in handles:
@@ -97,7 +106,13 @@ def run(
         replay.restore()
         restore()
     record.replayed_blocks = replay.replayed
+    record.workspace = {n: (p.linear_peak, p.score_peak) for n, p in memory.peaks.items()}
+    record.entry_bytes = {n: p.entry[0] for n, p in memory.peaks.items()}
     return record
+
+
+def _storage_keys(tensors: Any) -> list[int]:
+    return [int(t.untyped_storage()._cdata) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _container_tensors(state: dict[str, torch.Tensor] | None, units: dict[str, nn.Module],
@@ -135,18 +150,24 @@ class Record:
     value assumed. The forward's control flow there followed the guess; the other branch was not traced."""
     glue_flops: int = 0
     replayed_blocks: int = 0
+    workspace: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    """Unit -> (linear, context-shaped) activation bytes alive at the moment of its run with the most linear
+    bytes, and at the moment with the most context-shaped bytes (:mod:`._memory`)."""
+    entry_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit -> linear activation bytes alive when it started (what earlier units left alive)."""
 
 
 class _Recorder(TorchDispatchMode):
     """Counts FLOPs per unit and follows which unit produced every tensor."""
 
-    def __init__(self, record: Record, param_owner: dict[int, str]) -> None:
+    def __init__(self, record: Record, param_owner: dict[int, str], memory: LiveBytes | None = None) -> None:
         super().__init__()
         self.record = record
+        self.memory = memory if memory is not None else LiveBytes(seq_len=0)
         self.param_owner = param_owner
         """id of a direct tensor of a container unit (a unit with units below it) -> that unit."""
         self.stack: list[str] = []
-        self.producers: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.producers = _Producers()
         self.pending_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -163,6 +184,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         current = self._current(inputs, out)
+        self.memory.record(current, func, inputs, _tensors(out))
         packet = func._overloadpacket
         if packet in flop_registry:
             self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
@@ -203,17 +225,17 @@ class _Recorder(TorchDispatchMode):
     def _follow(self, current: str | None, inputs: list[torch.Tensor], out: Any) -> None:
         sources: set[str] = set()
         for tensor in inputs:
-            entry = self.producers.get(id(tensor))
-            if entry is None or entry[0] is not tensor:
+            entry = self.producers.get(tensor)
+            if entry is None:
                 continue
             for unit in entry[1]:
                 if current is not None and unit != current:
-                    self.record.edges[(unit, current)][id(tensor)] = nbytes(tensor)
+                    self.record.edges[(unit, current)][entry[0]] = nbytes(tensor)
                 sources.add(unit)
         made = frozenset({current}) if current is not None else frozenset(sources)
         if made:
             for tensor in _tensors(out):
-                self.producers[id(tensor)] = (tensor, made)
+                self.producers.set(tensor, made)
 
     def _start(self, name: str) -> None:
         """First time ``name`` runs: give it the next execution index and the glue FLOPs before it."""
@@ -229,6 +251,7 @@ class _Recorder(TorchDispatchMode):
     def enter(self, name: str) -> None:
         self._start(name)
         self.stack.append(name)
+        self.memory.enter(name)
 
     def leave(self, name: str, output: Any) -> None:
         if self.stack and self.stack[-1] == name:
@@ -238,8 +261,31 @@ class _Recorder(TorchDispatchMode):
             self.record.out_bytes[name] = sum(seen.values())
         made = frozenset({name})
         for tensor in _tensors(output):
-            if id(tensor) not in self.producers:
-                self.producers[id(tensor)] = (tensor, made)
+            if self.producers.get(tensor) is None:
+                self.producers.set(tensor, made)
+
+
+class _Producers:
+    """Which units every live tensor came from, with a serial number per tensor (edges count tensors by it).
+
+    Tensors are held weakly, so that they die when the forward lets go of them, as they would on a device
+    (:class:`~._memory.LiveBytes` counts on it); serials, unlike ``id()``, are never reused.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
+        self._next = 0
+
+    def get(self, tensor: torch.Tensor) -> tuple[int, frozenset[str]] | None:
+        """(serial, producing units) of ``tensor``; None when no unit made it."""
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1], entry[2]
+
+    def set(self, tensor: torch.Tensor, units: frozenset[str]) -> None:
+        self._next += 1
+        self._entries[id(tensor)] = (weakref.ref(tensor), self._next, units)
 
 
 #: transformers modules whose data-dependent reads are mask and padding checks: with no attention mask
@@ -290,11 +336,14 @@ _PRIMITIVES = (int, float, bool, str, type(None))
 class _Learned:
     """What one real run of a block did, enough to replay it for an identical block."""
 
+    unit: str
+    """The unit whose real run this is (its workspace is the replay's)."""
     flops: int
     consumed: list[int]
     """Positions of the input tensors its ops read (the edges a replay must draw)."""
-    outputs: list[int | tuple[tuple[int, ...], torch.dtype]]
-    """Per output tensor: the position of the input it passes through, or (shape, dtype) of a new one."""
+    outputs: list[int | tuple[tuple[int, ...], torch.dtype, bool]]
+    """Per output tensor: the position of the input it passes through, or (shape, dtype, whether it is
+    attention-score shaped) of a new one."""
     spec: Any
 
 
@@ -339,27 +388,31 @@ class _BlockReplay:
         leaves, spec = tree_flatten(out)
         if any(not isinstance(leaf, (torch.Tensor, *_PRIMITIVES)) for leaf in leaves):
             return None  # caches or other objects with side effects: always run for real
-        read = {tid for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name for tid in tensors}
-        consumed = [i for i, t in enumerate(inputs) if id(t) in read]
+        read = {serial for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name
+                for serial in tensors}
+        entries = [self.recorder.producers.get(t) for t in inputs]
+        consumed = [i for i, entry in enumerate(entries) if entry is not None and entry[0] in read]
         outputs: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 same = next((i for i, t in enumerate(inputs) if t is leaf), None)
-                outputs.append(same if same is not None else (tuple(leaf.shape), leaf.dtype))
+                outputs.append(same if same is not None else
+                               (tuple(leaf.shape), leaf.dtype, self.recorder.memory.is_context(leaf)))
             else:
                 outputs.append(("value", leaf))
-        return _Learned(flops=flops, consumed=consumed, outputs=outputs, spec=spec)
+        return _Learned(unit=name, flops=flops, consumed=consumed, outputs=outputs, spec=spec)
 
     def _replay(self, name: str, learned: _Learned, args: Any, kwargs: Any) -> Any:
         recorder = self.recorder
         inputs = _tensors((args, kwargs))
         recorder.record.flops[name] += learned.flops
+        recorder.memory.replayed(name, learned.unit)
         for i in learned.consumed:
             tensor = inputs[i]
-            entry = recorder.producers.get(id(tensor))
-            if entry is not None and entry[0] is tensor:
+            entry = recorder.producers.get(tensor)
+            if entry is not None:
                 for unit in entry[1] - {name}:
-                    recorder.record.edges[(unit, name)][id(tensor)] = nbytes(tensor)
+                    recorder.record.edges[(unit, name)][entry[0]] = nbytes(tensor)
         leaves: list[Any] = []
         for item in learned.outputs:
             if isinstance(item, int):
@@ -368,7 +421,9 @@ class _BlockReplay:
                 leaves.append(item[1])
             else:
                 tensor = torch.empty(item[0], dtype=item[1], device="meta")
-                recorder.producers[id(tensor)] = (tensor, frozenset({name}))
+                if item[2]:
+                    recorder.memory.mark_context(tensor)
+                recorder.producers.set(tensor, frozenset({name}))
                 leaves.append(tensor)
         return tree_unflatten(leaves, learned.spec)
 

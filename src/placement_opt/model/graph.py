@@ -29,6 +29,25 @@ Node attributes (all present on every node; bytes and FLOPs are ints):
                                an encoder-decoder model, which ``generate()`` runs once)
 =============================  ==============================================================
 
+Measured by the meta trace (optional: graphs written before they existed, hand-made and static graphs
+lack them, and the cost model then prices the workspace as a multiple of the output):
+
+=========================================  ==================================================
+``workspace_bytes_per_token``              the most activation bytes alive while the unit runs,
+                                           per token of the forward: its inputs, what earlier
+                                           units left alive, its intermediates and outputs
+                                           (attention scores apart)
+``workspace_bytes_per_token_ctx``          attention-score bytes alive at that moment (scores,
+                                           softmax, mask: ``query x key`` shaped), per query
+                                           token per context token
+``scores_workspace_bytes_per_token``       activation bytes per token alive at the moment the
+                                           unit holds the most attention-score bytes
+``scores_workspace_bytes_per_token_ctx``   those score bytes, per query token per context token
+=========================================  ==================================================
+
+Score bytes are charged only where the attention that runs materialises them
+(``meta.extra["attn_implementation"]``: eager does, sdpa and flash attention do not).
+
 Edge attributes: ``bytes_per_token`` (activation bytes per token crossing the edge).
 """
 
@@ -44,7 +63,8 @@ import networkx as nx
 from ..errors import PlanFormatError, TraceError
 from ..schema import GraphSchema, validated
 
-__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
+__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
+           "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
 GRAPH_SCHEMA_VERSION = 1
@@ -65,6 +85,14 @@ NODE_ATTRIBUTES: dict[str, type] = {
     "moe_expert_bytes": int,
     "param_names": tuple,
     "in_decode": bool,
+}
+
+#: Attributes a node may carry (measured by the meta trace), with these types; absent means not measured.
+MEASURED_NODE_ATTRIBUTES: dict[str, type] = {
+    "workspace_bytes_per_token": int,
+    "workspace_bytes_per_token_ctx": int,
+    "scores_workspace_bytes_per_token": int,
+    "scores_workspace_bytes_per_token_ctx": int,
 }
 
 
@@ -88,6 +116,14 @@ class UnitInfo:
     moe_expert_bytes: int
     param_names: tuple[str, ...]
     in_decode: bool
+    workspace_bytes_per_token: int | None = None
+    """Peak activation bytes alive while the unit runs, per token; None when not measured."""
+    workspace_bytes_per_token_ctx: int | None = None
+    """Attention-score bytes per query x context token alive at that peak; None when not measured."""
+    scores_workspace_bytes_per_token: int | None = None
+    """Activation bytes per token alive when the unit holds the most score bytes; None when not measured."""
+    scores_workspace_bytes_per_token_ctx: int | None = None
+    """The most score bytes alive while the unit runs, per query x context token; None when not measured."""
 
     @property
     def weight_bytes(self) -> int:
@@ -190,11 +226,12 @@ class LayerGraph:
         problems: list[str] = []
         for name, data in self.nx.nodes(data=True):
             missing = sorted(set(NODE_ATTRIBUTES) - set(data))
-            extra = sorted(set(data) - set(NODE_ATTRIBUTES))
+            extra = sorted(set(data) - set(NODE_ATTRIBUTES) - set(MEASURED_NODE_ATTRIBUTES))
             if missing or extra:
                 problems.append(f"{name}: missing {missing}, unexpected {extra}")
                 continue
-            for key, typ in NODE_ATTRIBUTES.items():
+            present = {**NODE_ATTRIBUTES, **{k: t for k, t in MEASURED_NODE_ATTRIBUTES.items() if k in data}}
+            for key, typ in present.items():
                 if not isinstance(data[key], typ) or (typ is int and isinstance(data[key], bool)):
                     problems.append(f"{name}.{key} = {data[key]!r} is not {typ.__name__}")
                 elif typ is int and data[key] < 0 and key != "exec_index":
@@ -234,7 +271,7 @@ class LayerGraph:
         meta_d["no_split"] = tuple(meta_d.get("no_split", ()))
         digraph = nx.DiGraph()
         for node in data["nodes"]:
-            attrs = {k: v for k, v in node.items() if k != "name"}
+            attrs = {k: v for k, v in node.items() if k != "name" and v is not None}  # None: not measured
             attrs["param_names"] = tuple(attrs.get("param_names", ()))
             digraph.add_node(node["name"], **attrs)
         for edge in data["edges"]:

@@ -70,7 +70,7 @@ from ._units import (
     unit_tensors,
 )
 from .dtypes import dtype_bytes, dtype_name
-from .graph import NODE_ATTRIBUTES, GraphMeta, LayerGraph
+from .graph import MEASURED_NODE_ATTRIBUTES, NODE_ATTRIBUTES, GraphMeta, LayerGraph, covering_key
 
 __all__ = ["trace", "GRANULARITIES"]
 
@@ -140,7 +140,7 @@ def trace(
     units = find_units(module, split)
     ctx = TraceContext(module=module, name=name, config=config, dtype=torch_dtype, override=override,
                    batch_size=batch_size, seq_len=seq_len, units=units, no_split=tuple(sorted(split)),
-                   granularity=granularity)
+                   granularity=granularity, attn_implementation=_runtime_attention(model, module, config))
     try:
         record = _meta_forward(ctx, example_inputs)
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward means: fall back
@@ -169,6 +169,34 @@ def _branch_message(name: str, branches: Mapping[tuple[str | None, str], Any]) -
             f"or check those units' flops_per_token in the graph before trusting the plan")
 
 
+def _runtime_attention(given: Any, module: nn.Module, config: Any) -> str | None:
+    """The attention implementation the model runs with, which decides whether scores are materialised.
+
+    A module runs with its own; a model built here from a config is traced with eager attention (so that
+    its matmuls are counted) but runs with what transformers picks for that config: the config's choice,
+    else ``sdpa`` where the class supports it.
+    """
+    if config is None:
+        return None
+    chosen = getattr(config, "_attn_implementation", None)
+    if isinstance(given, nn.Module) or chosen:
+        return str(chosen) if chosen else None
+    return "sdpa" if getattr(type(module), "_supports_sdpa", False) else "eager"
+
+
+def _logits_unit(ctx: TraceContext) -> str | None:
+    """The unit whose output is the logits (the output embeddings' unit), None when the model has none."""
+    get = getattr(ctx.module, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if head is None:
+        return None
+    name = next((n for n, m in ctx.module.named_modules() if m is head), None)
+    return covering_key(name, ctx.units) if name is not None else None
+
+
 def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
     """Run the model once on meta tensors and record order, FLOPs and data flow per unit."""
     args, kwargs = _inputs(ctx, example_inputs)
@@ -178,7 +206,8 @@ def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
         blocks={n for n in ctx.units if n and is_block(ctx, n)},
         experts_per_token=lambda experts: experts_per_token(ctx, experts),
         # ours alone (a meta copy, or built from a config) and all on meta: no stand-ins needed
-        private=all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers())))
+        private=all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers())),
+        seq_len=ctx.seq_len)
 
 
 def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -231,7 +260,7 @@ def _build_graph(ctx: TraceContext, record: _recorder.Record | None) -> LayerGra
         is_encoder_decoder=bool(getattr(ctx.config, "is_encoder_decoder", False)),
         tied_param_groups=tuple(tuple(g) for g in tied_params),
         tied_unit_groups=tuple(g for g in tied_units if len(g) > 1), no_split=ctx.no_split,
-        extra={**graph_extra(ctx, record, attention, dropped),
+        extra={**graph_extra(ctx, record, attention, dropped), **_runtime_extra(ctx, record),
                "total_param_bytes": sum(int(d["param_bytes"]) for _, d in digraph.nodes(data=True)),
                "total_buffer_bytes": sum(int(d["buffer_bytes"]) for _, d in digraph.nodes(data=True))})
     graph = LayerGraph(digraph, meta)
@@ -273,7 +302,36 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
         "param_names": tuple(q for q, _, p in tensors if p), "in_decode": in_decode,
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
+    if record is not None and name in record.workspace:
+        attrs.update(_workspace(ctx, record.workspace[name]))
     return attrs
+
+
+def _workspace(ctx: TraceContext, peaks: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, int]:
+    """A unit's two peak moments, (linear, score) bytes, as the graph's per-token figures (see :mod:`._memory`)."""
+    (linear, scores), (linear_at_scores, most_scores) = peaks
+    pairs = ctx.tokens * ctx.seq_len
+    attrs = {"workspace_bytes_per_token": math.ceil(linear / ctx.tokens),
+             "workspace_bytes_per_token_ctx": math.ceil(scores / pairs),
+             "scores_workspace_bytes_per_token": math.ceil(linear_at_scores / ctx.tokens),
+             "scores_workspace_bytes_per_token_ctx": math.ceil(most_scores / pairs)}
+    assert set(attrs) == set(MEASURED_NODE_ATTRIBUTES)
+    return attrs
+
+
+def _runtime_extra(ctx: TraceContext, record: _recorder.Record | None) -> dict[str, str | int]:
+    """What the cost model must know of how the model runs: its attention, its logits unit and the activation
+    bytes per token alive when that unit starts (they scale with the prompt when only the last logits are kept;
+    what the unit and the glue after it add scales with the positions kept)."""
+    extra: dict[str, str | int] = {}
+    if ctx.attn_implementation is not None:
+        extra["attn_implementation"] = ctx.attn_implementation
+    logits = _logits_unit(ctx)
+    if logits is not None:
+        extra["logits_unit"] = logits
+        if record is not None and logits in record.entry_bytes:
+            extra["logits_entry_bytes_per_token"] = math.ceil(record.entry_bytes[logits] / ctx.tokens)
+    return extra
 
 
 def _leaving_bytes(record: _recorder.Record, name: str) -> int:

@@ -1,0 +1,170 @@
+"""Live activation bytes during the meta forward, and each unit's peak: its workspace.
+
+Meta tensors have storages with sizes (no data), and torch keeps a storage's Python object alive as
+long as any tensor uses it, so a finalizer on it fires exactly when the memory would be freed on a
+real device. :class:`LiveBytes` is fed every op's inputs and outputs by the recorder's dispatch mode:
+
+* an output whose storage is none of the op's inputs' storages is a new allocation (views and
+  in-place ops share their input's storage; parameters are never allocated by the forward);
+* every allocation is either *linear* (scales with the tokens of the forward) or *context-shaped*
+  (its last two dimensions are query x key tokens: attention scores, their softmax, the mask);
+* each unit keeps two moments of its run, as (linear, context-shaped) bytes alive then: the one with the
+  most linear bytes (an MLP's intermediates) and the one with the most context-shaped bytes (the softmax
+  of the scores). Everything alive counts (its inputs, what earlier units left alive, its intermediates,
+  its outputs). The two scale differently with the prompt (tokens against tokens x context), so the cost
+  model prices both at the workload's shape and takes the larger.
+
+Context-shaped tensors are recognised by provenance, not by shape alone (a head size may equal the
+traced length): the product of two activations whose result ends in ``(seq_len, seq_len)``
+(``q @ k^T``), anything computed from such a tensor with the same trailing shape (mask, softmax,
+casts), and mask-shaped tensors of that shape made outside every unit (the model's causal mask,
+``(batch, 1, q, k)``). A product that reads a context-shaped tensor (``probs @ v``) is linear again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LiveBytes", "UnitPeak"]
+
+#: Products of two tensors: the ops whose output may start a context-shaped tensor (``q @ k^T``).
+_PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm, torch.ops.aten.addmm,
+                       torch.ops.aten.matmul, torch.ops.aten.addbmm})
+
+
+@dataclass
+class UnitPeak:
+    """Two moments of one unit's run as (linear, context-shaped) bytes alive then, and what was alive at entry."""
+
+    linear_peak: tuple[int, int] = (0, 0)
+    """The moment with the most linear bytes (ties: the most context-shaped)."""
+    score_peak: tuple[int, int] = (0, 0)
+    """The moment with the most context-shaped bytes (ties: the most linear)."""
+    entry: tuple[int, int] = (0, 0)
+
+    def see(self, alive: tuple[int, int]) -> None:
+        if alive > self.linear_peak:
+            self.linear_peak = alive
+        if (alive[1], alive[0]) > (self.score_peak[1], self.score_peak[0]):
+            self.score_peak = alive
+
+    def above_entry(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Both moments less what was alive at entry: what a replay of this unit adds to its own entry."""
+        return (_minus(self.linear_peak, self.entry), _minus(self.score_peak, self.entry))
+
+
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return (a[0] - b[0], a[1] - b[1])
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return (a[0] + b[0], a[1] + b[1])
+
+
+@dataclass
+class LiveBytes:
+    """Bytes of the activations alive during one meta forward, and every unit's peak."""
+
+    seq_len: int
+    """Tokens per sequence of the forward: context-shaped tensors end in ``(seq_len, seq_len)``."""
+    state_storages: frozenset[int] = frozenset()
+    """Storages of the parameters and buffers: products that read one are projections, never scores."""
+    linear_bytes: int = 0
+    context_bytes: int = 0
+    peaks: dict[str, UnitPeak] = field(default_factory=dict)
+    _alive: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    _glue: UnitPeak = field(default_factory=UnitPeak)
+    """Moments seen outside every unit since the last one ran, charged to the next unit (as glue FLOPs are):
+    with ``granularity="module"`` that is where attention's ``q @ k^T`` and softmax are counted."""
+
+    # -- the recorder's calls --
+    def enter(self, unit: str) -> None:
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.entry = (self.linear_bytes, self.context_bytes)
+        self._raise(unit)
+        self.charge_glue(unit)
+
+    def charge_glue(self, unit: str) -> None:
+        """Charge the moments seen outside every unit since the last one to ``unit``."""
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        peak.see(self._glue.linear_peak)
+        peak.see(self._glue.score_peak)
+        self._glue = UnitPeak()
+
+    def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]) -> None:
+        """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit)."""
+        inputs = list(inputs)
+        read = {_storage_key(t) for t in inputs}
+        packet = getattr(func, "_overloadpacket", func)
+        for tensor in outputs:
+            key = _storage_key(tensor)
+            if key is None or key in read or key in self._alive:
+                continue
+            context = self._is_context(packet, unit, inputs, tensor)
+            self._add(key, tensor.untyped_storage(), context)
+        if unit is not None:
+            self._raise(unit)
+        else:
+            self._glue.see((self.linear_bytes, self.context_bytes))
+
+    def replayed(self, unit: str, learned_from: str) -> None:
+        """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
+        peak = self.peaks.setdefault(unit, UnitPeak())
+        for added in self.peaks[learned_from].above_entry():
+            peak.see(_plus(peak.entry, added))
+
+    def is_context(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory was counted as attention-score shaped."""
+        return self._alive.get(_storage_key(tensor), (0, False))[1]
+
+    def mark_context(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s memory as attention-score shaped (a replayed block's output that was)."""
+        key = _storage_key(tensor)
+        size, context = self._alive.get(key, (0, True))
+        if not context:
+            self._alive[key] = (size, True)
+            self.linear_bytes -= size
+            self.context_bytes += size
+
+    # -- bookkeeping --
+    def _is_context(self, packet: object, unit: str | None, inputs: list[torch.Tensor], tensor: torch.Tensor) -> bool:
+        if self.seq_len < 2 or tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.seq_len, self.seq_len):
+            return False
+        from_context = any(self.is_context(t) for t in inputs)
+        if packet in _PRODUCTS:
+            return not from_context and not any(_storage_key(t) in self.state_storages for t in inputs)
+        # outside every unit: the model's mask, (batch, 1, q, k) or (q, k), boolean or additive; not q, k or v
+        # of a module-granularity attention, (batch, heads, q, head size) with head size == q
+        mask_shaped = tensor.dtype == torch.bool or tensor.dim() == 2 or tensor.shape[-3] == 1
+        return from_context or (unit is None and mask_shaped)
+
+    def _add(self, key: int, storage: torch.UntypedStorage, context: bool) -> None:
+        size = int(storage.nbytes())
+        self._alive[key] = (size, context)
+        if context:
+            self.context_bytes += size
+        else:
+            self.linear_bytes += size
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        size, context = self._alive.pop(key, (0, False))
+        if context:
+            self.context_bytes -= size
+        else:
+            self.linear_bytes -= size
+
+    def _raise(self, unit: str) -> None:
+        self.peaks.setdefault(unit, UnitPeak()).see((self.linear_bytes, self.context_bytes))
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Identity of the memory a tensor uses (None for tensors without a plain storage)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None

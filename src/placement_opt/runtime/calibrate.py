@@ -1,0 +1,665 @@
+"""``calibrate()``: time one unit of each distinct shape of a model on this machine, as it runs here.
+
+A profile of isolated kernels (:func:`placement_opt.profile`) misses what a unit does around its
+matmuls: attention, norms, Python hooks, a slow path of CPU-executed experts, per-op overheads that
+dominate small models. :func:`calibrate` measures the model itself:
+
+1. the model is traced; its units are grouped by shape (:func:`~placement_opt.cost.calibrated.shape_key`);
+2. a copy of the model cut to the fewest layers that hold one unit of every shape (a Hugging Face
+   config with ``num_hidden_layers`` lowered) is built with random weights on each compute device and
+   dispatched there with :func:`~.dispatcher.dispatch` (the project's hooks on every unit);
+3. each unit is timed from its call to the next unit's call (the glue between units counted with the
+   unit before it, so the units add up to the whole forward): a prefill at a quarter of the
+   workload's prompt and at the prompt itself (or, when that would take over
+   :data:`PREFILL_BUDGET_S`, at a sixteenth: pricing extends the line), and decode steps with a
+   real KV cache near the first context (``prompt + 1``) and near the last (``prompt + new_tokens``);
+4. the copy of each unit's weights is timed both ways they are streamed: with a GPU, the project's
+   pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
+   (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
+   ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
+   the resident step;
+5. the figures are saved in the profile of this machine, per shape key, with the host's name.
+
+Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
+whatever form ``devices`` takes. A device the profile has not measured yet is profiled first
+(``profile(quick=True)``), since only measured devices take calibrated times.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cost.calibrated import UnitTimes, logits_kept, shape_key
+from ..cost.workload import Workload
+from ..errors import PlacementError, ProfileError
+from ..hardware.profile_store import profile_path, save_calibration, saved_device
+from ..hardware.resolve import device_names
+from ..model.graph import LayerGraph
+from ..progress import bar
+
+__all__ = ["calibrate", "CalibrationResult"]
+
+#: Decode steps timed at each context at least (the median counts, per unit) ...
+DECODE_STEPS = 8
+#: ... and at most, while they add up to under half :data:`MIN_TIMED_S`.
+MAX_DECODE_STEPS = 32
+#: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
+MIN_TIMED_S = 0.5
+#: At most this many timed forwards of one shape.
+MAX_RUNS = 20
+#: The workload's own prompt is timed when its prefill should take at most this; else a smaller one.
+PREFILL_BUDGET_S = 5.0
+#: A warm-up faster than this is followed by two more (first calls of small shapes run slow).
+FAST_FORWARD_S = 0.2
+#: A warm-up slower than this is the figure itself (first-call costs are small beside it).
+SLOW_FORWARD_S = 2.0
+#: The smaller prefill measured beside the workload's, as a fraction of its prompt (for interpolation).
+SMALL_PROMPT_FRACTION = 4
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What :func:`calibrate` measured and where it saved it."""
+
+    path: Path
+    """The profile file that now holds the figures."""
+    took_s: float
+    model_name: str
+    devices: tuple[str, ...]
+    units: Mapping[str, str]
+    """The unit timed for each shape: unit name -> shape key."""
+    times: Mapping[str, Mapping[str, UnitTimes]]
+    """shape key -> device -> measured times."""
+    copies: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``."""
+    layers_built: int
+    """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike)."""
+
+    def summary(self) -> str:
+        lines = [f"calibrated {self.model_name} on {', '.join(self.devices)} in {self.took_s:.1f} s "
+                 f"({len(self.units)} unit shape(s), {self.layers_built} layer(s) built); saved to {self.path}"]
+        for name, key in self.units.items():
+            for device, times in self.times[key].items():
+                prefill = max(times.prefill, key=lambda p: p[0] * p[1])
+                decode = min(times.decode, key=lambda d: d[1])
+                lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
+                             f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
+            for link, modes in self.copies.get(key, {}).items():
+                read = ", ".join(f"{mode} {_ms(seconds)}" for mode, seconds in modes.items())
+                lines.append(f"  {name} weights {link}: {read}")
+        return "\n".join(lines)
+
+
+def _ms(seconds: Any) -> str:
+    if isinstance(seconds, Mapping):
+        return " / ".join(f"{phase} {value * 1e3:.2f} ms" for phase, value in seconds.items())
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
+              path: str | os.PathLike[str] | None = None, offload_dir: str | os.PathLike[str] | None = None,
+              repeats: int = 2, progress: bool | None = None) -> CalibrationResult:
+    """Time one unit of each distinct shape of ``model`` on this machine's compute devices and save it.
+
+    Example::
+
+        placement_opt.calibrate("out/llama-8b", ["cpu"], workload=Workload(batch_size=1, prompt_len=512,
+                                                                             new_tokens=32))
+        plan = placement_opt.solve("out/llama-8b", {"cpu": "20GiB", "disk": "1TB"}, workload=...)
+        # the plan's times now come from the model's own units
+
+    Args:
+        model: what :func:`placement_opt.solve` accepts except a ``LayerGraph`` (it has no modules
+            to run): an ``nn.Module``, a transformers config, a preset name, a checkpoint directory.
+        devices: what ``solve()`` accepts; its compute devices that are on this machine are timed
+            (default: every visible GPU and the CPU).
+        workload: the shapes to time (default ``Workload()``): prefill at ``batch x prompt``, decode
+            steps at contexts ``prompt + 1`` and ``prompt + new_tokens``.
+        dtype: the dtype to run in (default: the model's).
+        path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
+        offload_dir: where disk reads are timed when ``devices`` has a disk (default the current
+            directory; scratch files are removed).
+        repeats: timed prefill forwards per shape at least, after one warm-up (the median counts).
+        progress: a progress bar on stderr (see :func:`placement_opt.profile`).
+
+    Returns:
+        A :class:`CalibrationResult` (``summary()`` prints it).
+
+    Raises:
+        PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here.
+        ProfileError: the profile file is unreadable.
+    """
+    from ..model.tracer import trace
+
+    started = time.perf_counter()
+    workload = workload if workload is not None else Workload()
+    if isinstance(model, LayerGraph):
+        raise PlacementError("calibrate() runs the model's units, and a LayerGraph has no modules: pass the "
+                             "model, its config, a preset name or a checkpoint directory")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise PlacementError(f"repeats must be an int >= 1, got {repeats!r}")
+    graph = trace(model, dtype=dtype)
+    config = _config_of(model)
+    names = _compute_devices(devices)
+    disk_folder = _disk_folder(devices, offload_dir)
+    _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
+    representatives = _representatives(graph)
+    cut = _cut_config(config, representatives)
+    times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
+    copies: dict[str, dict[str, dict[str, Any]]] = {}
+    with bar("Calibrating", len(names), progress=progress) as counted:
+        for name in names:
+            counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
+            measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
+                                             many_devices=len(names) > 1, disk_folder=disk_folder)
+            for key, unit_times in measured.items():
+                times[key][name] = unit_times
+            for key, links in linked.items():
+                copies.setdefault(key, {}).update(links)
+            counted.advance(1)
+    where = _save(graph, representatives, times, copies, workload, path)
+    return CalibrationResult(path=where, took_s=time.perf_counter() - started, model_name=graph.meta.model_name,
+                             devices=tuple(names), units=dict(representatives), times=times, copies=copies,
+                             layers_built=_layers(cut))
+
+
+# ---------------------------------------------------------------------------------------------
+# What to build
+# ---------------------------------------------------------------------------------------------
+def _config_of(model: Any) -> Any:
+    from ..model._source import resolve_source
+
+    config = getattr(model, "config", None) if isinstance(model, nn.Module) else resolve_source(model, None)[2]
+    if config is None or not hasattr(config, "to_dict"):
+        raise PlacementError(f"calibrate() builds a copy of the model from its transformers config, and "
+                             f"{type(model).__name__} has none: pass a transformers model, config, preset or "
+                             f"checkpoint directory")
+    return config
+
+
+def _compute_devices(devices: Any) -> list[str]:
+    from ..hardware.detect import local_device_names
+
+    listed = device_names(local_device_names() if devices is None else devices)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = [n for n in listed if n == "cpu" or (n.startswith("cuda:") and int(n.split(":")[1]) < visible)]
+    if not local:
+        raise PlacementError(f"calibrate() times units on this machine's compute devices, and {listed} has none "
+                             f"here ({visible} GPU(s) visible): add 'cpu' or a visible GPU")
+    return list(dict.fromkeys(local))
+
+
+def _profile_missing(names: Iterable[str], dtype: str, path: str | os.PathLike[str] | None,
+                     disk_folder: Path | None) -> None:
+    """Profile (quick) the devices the saved profile lacks: calibrated times apply to measured devices only."""
+    from ..hardware.profiler import profile
+
+    missing = [n for n in names if saved_device(n, dtype=dtype, path=path) is None]
+    if missing:
+        profile(missing, path=path, quick=True, dtype=dtype if dtype in ("float32", "bfloat16", "float16")
+                else "float32", offload_folder=disk_folder, progress=False)
+
+
+def _disk_folder(devices: Any, offload_dir: str | os.PathLike[str] | None) -> Path | None:
+    """Where cold disk reads are timed: ``offload_dir`` (default the current directory) when the
+    machine has a disk; None without one."""
+    from ..hardware.detect import local_device_names
+
+    listed = device_names(local_device_names() if devices is None else devices)
+    return Path(offload_dir or ".") if "disk" in listed else None
+
+
+def _representatives(graph: LayerGraph) -> dict[str, str]:
+    """The first unit of each shape: unit name -> shape key, in execution order."""
+    found: dict[str, str] = {}
+    for unit in graph.units():
+        key = shape_key(unit, graph.meta.dtype, graph.meta.seq_len)
+        if key not in found.values():
+            found[unit.name] = key
+    return found
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)$")
+
+
+def _cut_config(config: Any, representatives: Mapping[str, str]) -> Any:
+    """The config with the fewest layers that still hold every representative (layer i kept: i + 1)."""
+    indices = [int(m.group(1)) for name in representatives if (m := _LAYER_INDEX.search(name))]
+    cut = copy.deepcopy(config)
+    layers = getattr(cut, "num_hidden_layers", None)
+    if not isinstance(layers, int) or not indices:
+        return cut
+    keep = min(layers, max(indices) + 1)
+    cut.num_hidden_layers = keep
+    if isinstance(getattr(cut, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
+        cut.layer_types = cut.layer_types[:keep]
+    return cut
+
+
+def _layers(config: Any) -> int:
+    return int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
+def _build(config: Any, dtype: str, device: torch.device) -> nn.Module:
+    """The model of ``config`` on ``device`` with random weights (transformers' own initialisation)."""
+    import transformers
+
+    auto = (transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False)
+            else transformers.AutoModelForCausalLM)
+    with torch.device(device):
+        try:
+            model = auto.from_config(config, dtype=getattr(torch, dtype))
+        except ValueError:
+            model = transformers.AutoModel.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+class _Stamps:
+    """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[str, Any]] = []
+        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
+
+    def _now(self) -> Any:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def mark(_module: nn.Module, _args: Any) -> None:
+            self.marks.append((name, self._now()))
+        return mark
+
+    def run(self, call: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+        self.marks = []
+        begin = self._now()
+        out = call()
+        end = self._now()
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
+        seconds: dict[str, float] = {}
+        stamps = [begin, *(t for _, t in self.marks[1:]), end]
+        for (name, _), start, stop in zip(self.marks, stamps, stamps[1:], strict=False):
+            seconds[name] = seconds.get(name, 0.0) + self._elapsed(start, stop)
+        return seconds, out
+
+    def _elapsed(self, start: Any, stop: Any) -> float:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            return start.elapsed_time(stop) / 1e3
+        return stop - start
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The median seconds of each unit over the runs: on a machine other jobs share, the fastest run
+    is luck and the slowest a busy moment, while a plan runs through the usual ones."""
+    by_unit: dict[str, list[float]] = {}
+    for run in runs:
+        for name, seconds in run.items():
+            by_unit.setdefault(name, []).append(seconds)
+    return {name: statistics.median(values) for name, values in by_unit.items()}
+
+
+def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
+                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None
+                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
+    from .dispatcher import dispatch
+
+    model = _build(config, graph.meta.dtype, device)
+    handle = dispatch(model, {"": str(device)}, _hook_every_unit=many_devices)
+    try:
+        modules = _unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
+        stamps = _Stamps(modules, device)
+        try:
+            with torch.inference_mode():
+                prefill, decode = _time_forwards(model, stamps, workload, repeats, device)
+        finally:
+            stamps.close()
+        timed = {name: modules[name] for name in representatives}
+        copies = _time_copies(timed, representatives, device) if device.type == "cuda" else {}
+    finally:
+        handle.remove()
+    if device.type == "cpu" and disk_folder is not None and decode:
+        resident = {"prefill": prefill[workload.batch_size, workload.prompt_len],
+                    "decode": decode[min(decode, key=lambda k: k[1])]}
+        for key, links in _time_disk_reads(model, graph, representatives, workload, resident, disk_folder).items():
+            copies.setdefault(key, {}).update(links)
+    del model
+    kept = logits_kept(workload)
+    out = {}
+    for name, key in representatives.items():
+        unit = graph.unit(name)
+        out[key] = UnitTimes(prefill=tuple((b, p, run[name], kept) for (b, p), run in prefill.items() if name in run),
+                             decode=tuple((b, c, run[name]) for (b, c), run in decode.items() if name in run),
+                             attention=unit.attn_flops_per_token_per_ctx > 0 or unit.kv_bytes_per_token > 0)
+    return out, copies
+
+
+def _unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
+    """The modules of ``graph``'s units that the cut copy has (the layers beyond the cut are gone)."""
+    present = dict(model.named_modules())
+    return {name: present[name] for name in graph.names() if name in present}
+
+
+def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeats: int, device: torch.device
+                   ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
+    """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``.
+
+    The smaller prompt goes first; when it says the workload's prompt would take more than
+    :data:`PREFILL_BUDGET_S`, a still smaller one is timed instead and pricing extends the line
+    through the two (a prefill is linear in tokens but for attention's small quadratic part), and the
+    decode steps run on the smaller prompt's KV cache grown to the workload's prompt.
+    """
+    batch, prompt = workload.batch_size, workload.prompt_len
+    vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
+    keep = _logits_argument(model, logits_kept(workload))
+    small = max(1, prompt // SMALL_PROMPT_FRACTION)
+    prefill: dict[tuple[int, int], dict[str, float]] = {}
+
+    def timed(length: int) -> Any:
+        ids = torch.randint(0, vocab, (batch, length), device=device)
+        runs, out = _repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
+        prefill[batch, length] = _typical(runs)
+        return out.past_key_values
+
+    cache = timed(small)
+    if prompt > small:
+        estimate = sum(prefill[batch, small].values()) * prompt / small
+        if estimate <= PREFILL_BUDGET_S:
+            cache = timed(prompt)
+        elif small > 1:
+            timed(max(1, small // SMALL_PROMPT_FRACTION))
+    if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
+        ids = torch.randint(0, vocab, (batch, prompt), device=device)
+        cache = model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")).past_key_values
+    return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+
+
+def _cached_length(cache: Any) -> int:
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 0
+
+
+def _grown(cache: Any, length: int) -> bool:
+    """Grow a plain dynamic KV cache to ``length`` tokens by repeating what it holds (the values do
+    not change a step's time); False for other cache kinds (sliding windows, quantized, ...)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False)
+                         or getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in layers):
+        return False
+    for layer in layers:
+        have = layer.keys.shape[-2]
+        if have < length:
+            copies = -(-length // have)
+            layer.keys = torch.cat([layer.keys] * copies, dim=-2)[:, :, :length]
+            layer.values = torch.cat([layer.values] * copies, dim=-2)[:, :, :length]
+    return True
+
+
+def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
+    """One warm-up, then timed calls: at least ``repeats``, more while they add up to under
+    :data:`MIN_TIMED_S` (fast forwards vary most: first calls of a shape, a busy moment).
+
+    Returns the per-unit seconds of every timed call and the last call's output.
+    """
+    runs: list[dict[str, float]] = []
+    warm = time.perf_counter()
+    seconds, out = stamps.run(call)
+    took = time.perf_counter() - warm
+    if took > SLOW_FORWARD_S:
+        return [seconds], out  # a slow forward's first call costs what the others do: it is the figure
+    if took < FAST_FORWARD_S:  # the first calls of a small shape are slow for a while (allocator, kernels)
+        for _ in range(2):
+            stamps.run(call)
+    spent, out = 0.0, None
+    while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
+        start = time.perf_counter()
+        out = None  # the previous output (a KV cache) is freed before the next call
+        seconds, out = stamps.run(call)
+        runs.append(seconds)
+        spent += time.perf_counter() - start
+    return runs, out
+
+
+def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Workload, vocab: int,
+                 device: torch.device) -> dict[tuple[int, int], dict[str, float]]:
+    """Decode steps at the first context and, after the cache is filled up, at the last."""
+    batch, prompt = workload.batch_size, workload.prompt_len
+    decode: dict[tuple[int, int], dict[str, float]] = {}
+    if workload.new_tokens == 0 or cache is None:
+        return decode
+    most = min(MAX_DECODE_STEPS, workload.new_tokens)
+    seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+    decode[batch, prompt + 1 + (steps - 1) // 2] = seconds  # the middle context of the steps timed
+    last = prompt + workload.new_tokens
+    if last - (prompt + steps + 1) > most:  # fill the cache up to the last context in one forward, untimed
+        filled = prompt + steps + 1
+        if not _grown(cache, last - most):
+            ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
+            cache = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                          **_logits_argument(model, "last")).past_key_values
+        seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+        decode[batch, last - most + (steps - 1) // 2] = seconds
+    return decode
+
+
+def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int, vocab: int,
+           device: torch.device) -> tuple[dict[str, float], int]:
+    """The typical per-unit seconds of decode steps and how many were timed (at least
+    :data:`DECODE_STEPS`, more while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
+    runs: list[dict[str, float]] = []
+    spent = 0.0
+    step = 0
+    while step <= min(DECODE_STEPS, most) or (spent < MIN_TIMED_S / 2 and step <= most):
+        ids = torch.randint(0, vocab, (batch, 1), device=device)
+        start = time.perf_counter()
+        seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
+                                                                     use_cache=True))
+        if step > 0:  # the first step warms up the decode shapes, untimed
+            runs.append(seconds)
+            spent += time.perf_counter() - start
+        cache = out.past_key_values
+        step += 1
+    return _typical(runs), len(runs)
+
+
+def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mapping[str, str], workload: Workload,
+                     resident: Mapping[str, Mapping[str, float]], folder: Path) -> dict[str, dict[str, Any]]:
+    """Seconds a CPU-executed unit adds per forward when its weights come from a cold disk, both ways
+    they are read, at prefill and at a decode step.
+
+    ``stream``: placement_opt's dispatch computes from the memory-mapped file (pages fault in as the
+    kernels touch them, the next unit read ahead); ``stream_sync``: accelerate's hooks copy each tensor
+    out of its ``np.memmap``. Each is a forward with every file evicted from the page cache first,
+    less the same forward resident (``resident``: phase -> unit -> seconds). A prefill hides more of
+    the read-ahead behind compute than a decode step does, so the two phases are kept apart.
+    """
+    import tempfile
+
+    reads: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="placement_opt_calibrate_", dir=folder) as scratch:
+        for mode, runner in (("stream", _run_mapped), ("stream_sync", _run_accelerate)):
+            cold = runner(model, graph, workload, Path(scratch) / mode)
+            if cold is None:
+                continue
+            for name, key in representatives.items():
+                if graph.unit(name).weight_bytes == 0:
+                    continue
+                extra = {phase: max(0.0, cold[phase].get(name, 0.0) - resident[phase].get(name, 0.0))
+                         for phase in ("prefill", "decode")}
+                reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
+    return reads
+
+
+#: Cold decode steps timed per disk path (the median counts, per unit); one cold prefill beside them.
+DISK_STEPS = 3
+
+
+def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+                ) -> dict[str, dict[str, float]]:
+    import dataclasses
+
+    from ._device_map import plan_from_device_map
+    from .dispatcher import dispatch
+
+    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
+    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
+    handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
+    try:
+        files = [file for unit in handle._units for file, _ in unit.disk]
+        return _cold_forwards(model, graph, workload, lambda: _evict(folder, files))
+    finally:
+        handle.remove()
+
+
+def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+                    ) -> dict[str, dict[str, float]] | None:
+    try:
+        from accelerate import dispatch_model
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        return None
+    clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on the meta device
+    units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in _unit_modules(clone, graph)}
+    dispatch_model(clone, device_map=units, offload_dir=str(folder))
+    return _cold_forwards(clone, graph, workload, lambda: _evict(folder, []))
+
+
+def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None]
+                   ) -> dict[str, dict[str, float]]:
+    """Per-unit seconds of one prefill and (median) of decode steps, each after the files left the page cache."""
+    vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
+    stamps = _Stamps(_unit_modules(model, graph), torch.device("cpu"))
+    keep = _logits_argument(model, logits_kept(workload))
+    runs = []
+    try:
+        with torch.inference_mode():
+            ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len))
+            model(input_ids=ids, use_cache=True, **keep)  # warm-up: first calls of the shapes
+            evict()
+            prefill, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
+            cache = out.past_key_values
+            for _ in range(DISK_STEPS):
+                evict()
+                ids = torch.randint(0, vocab, (workload.batch_size, 1))
+                seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
+                                                                             use_cache=True))
+                runs.append(seconds)
+                cache = out.past_key_values
+    finally:
+        stamps.close()
+    return {"prefill": prefill, "decode": _typical(runs)}
+
+
+def _evict(folder: Path, files: Iterable[Any]) -> None:
+    """Drop ``folder``'s files from the page cache; mapped pages first (``fadvise`` skips mapped pages)."""
+    import mmap
+
+    for file in files:
+        mapped = getattr(getattr(file, "_array", None), "base", None)
+        while mapped is not None and not isinstance(mapped, mmap.mmap):
+            mapped = getattr(mapped, "obj", None) or getattr(mapped, "base", None)
+        if isinstance(mapped, mmap.mmap):
+            mapped.madvise(mmap.MADV_DONTNEED)
+    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not Linux
+        return
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model takes it and generation keeps the last position only."""
+    accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if kept == "last" and accepts else {}
+
+
+def _time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],
+                 device: torch.device) -> dict[str, dict[str, dict[str, float]]]:  # pragma: no cover - needs a GPU
+    """Seconds to bring each unit's weights from CPU RAM: pinned prefetch (``stream``), per tensor (``stream_sync``)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    side = torch.cuda.Stream(device)
+    for name, module in modules.items():
+        tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
+        if not tensors:
+            continue
+        pageable = [t.to("cpu") for t in tensors]
+        pinned = [t.pin_memory() for t in pageable]
+
+        def prefetch(pinned: list[torch.Tensor] = pinned) -> None:
+            with torch.cuda.stream(side):  # what the Streamer does: a side stream from pinned memory
+                [t.to(device, non_blocking=True) for t in pinned]
+            side.synchronize()
+
+        def per_tensor(pageable: list[torch.Tensor] = pageable) -> None:
+            for t in pageable:  # what accelerate's hooks do: one synchronous pageable copy per tensor
+                t.to(device)
+            torch.cuda.synchronize(device)
+
+        out[representatives[name]] = {f"cpu->{device}": {"stream": _best(prefetch), "stream_sync": _best(per_tensor)}}
+    return out
+
+
+def _best(call: Callable[[], None], repeats: int = 3) -> float:  # pragma: no cover - needs a GPU
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+def _save(graph: LayerGraph, representatives: Mapping[str, str], times: Mapping[str, Mapping[str, UnitTimes]],
+          copies: Mapping[str, Mapping[str, Mapping[str, float]]], workload: Workload,
+          path: str | os.PathLike[str] | None) -> Path:
+    from ..plan_check import graph_fingerprint
+
+    fingerprint = hashlib.sha1(json.dumps(graph_fingerprint(graph), sort_keys=True).encode()).hexdigest()[:16]
+    units = {}
+    for name, key in representatives.items():
+        unit = graph.unit(name)
+        units[key] = {"module_class": unit.module_class, "unit": name,
+                      "attention": any(t.attention for t in times[key].values()),
+                      "devices": {d: {"prefill": [list(p) for p in t.prefill], "decode": [list(p) for p in t.decode]}
+                                  for d, t in times[key].items()},
+                      "links": {link: dict(modes) for link, modes in copies.get(key, {}).items()}}
+    model = {"fingerprint": fingerprint, "name": graph.meta.model_name, "dtype": graph.meta.dtype,
+             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "workload": workload.to_dict(), "units": dict(representatives)}
+    try:
+        return save_calibration(units, model, path=path)
+    except OSError as exc:
+        raise ProfileError(f"cannot write the calibration to {str(profile_path(path))!r} ({exc}): pass "
+                           f"path= a writable file, or set $PLACEMENT_OPT_PROFILE") from None

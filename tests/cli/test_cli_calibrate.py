@@ -1,0 +1,35 @@
+"""`placement-opt profile --model`: the machine measured and the model calibrated in one command."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import LlamaConfig
+
+from _cli import run_cli
+from placement_opt.hardware.profile_store import saved_calibration
+
+
+def test_profile_with_a_model_calibrates_it(tmp_path) -> None:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    config.dtype = "float32"
+    folder = tmp_path / "tiny"
+    config.save_pretrained(folder)
+    out = tmp_path / "profile.json"
+    result = run_cli("profile", "--out", str(out), "--quick", "--model", str(folder), "--prompt", "16",
+                     "--new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert "calibrated" in result.output and "model.layers.0 on cpu" in result.output
+    saved = saved_calibration(out)
+    assert saved is not None and len(saved["models"]) == 1
+    recorded = next(iter(saved["models"].values()))
+    assert recorded["workload"]["prompt_len"] == 16 and recorded["units"]["model.layers.0"] in saved["units"]
+    assert json.loads(out.read_text())["dtype"] == "float32"  # the model's dtype was measured
+
+
+def test_profile_refuses_a_bad_workload_before_measuring(tmp_path) -> None:
+    result = run_cli("profile", "--out", str(tmp_path / "p.json"), "--model", "llama-2-7b", "--prompt", "0",
+                     catch_exceptions=True)
+    assert result.exit_code != 0 and "prompt_len" in result.output
+    assert not (tmp_path / "p.json").exists()

@@ -1,0 +1,75 @@
+"""The calibration's place in the profile file: merged, keyed by host, old files loading, corrupt ones refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from placement_opt.errors import ProfileError
+from placement_opt.hardware.profile_store import (
+    load_profile,
+    save_calibration,
+    saved_calibration,
+    saved_device,
+    this_host,
+)
+
+OLD_PROFILE = {"schema_version": 1, "created": "2026-11-01T00:00:00+00:00", "host": "box", "quick": True,
+               "dtype": "float32", "measurements": {"cpu": {
+                   "memory_bytes": 2**34, "threads": 2, "matmul_flops_per_s": {"float32": 1e11},
+                   "matvec_bytes_per_s": {"float32": 1e10}, "copy_bytes_per_s": 1e10,
+                   "linear_flops_by_tokens": {"float32": [[1, 1e10], [64, 1e11]]}}}}
+
+
+def unit(seconds: float) -> dict:
+    return {"module_class": "Layer", "devices": {"cpu": {"prefill": [[1, 8, seconds, "last"]], "decode": []}}}
+
+
+def model(name: str) -> dict:
+    return {"fingerprint": name, "name": name, "created": "2026-11-22T00:00:00+00:00"}
+
+
+def test_an_old_profile_without_calibration_still_loads(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(OLD_PROFILE))
+    assert saved_device("cpu", dtype="float32", path=path).flops_per_s == 1e11
+    assert saved_calibration(path) is None
+
+
+def test_calibrations_merge_into_the_profile_and_keep_its_measurements(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(OLD_PROFILE))
+    save_calibration({"a": unit(1.0), "b": unit(2.0)}, model("m1"), path=path)
+    save_calibration({"b": unit(3.0)}, model("m2"), path=path)
+    saved = saved_calibration(path)
+    assert saved["host"] == this_host()
+    assert saved["units"]["a"]["devices"]["cpu"]["prefill"][0][2] == 1.0
+    assert saved["units"]["b"]["devices"]["cpu"]["prefill"][0][2] == 3.0  # measured again: replaced
+    assert set(saved["models"]) == {"m1", "m2"}
+    assert saved_device("cpu", dtype="float32", path=path) is not None
+    assert load_profile(path)["measurements"] == OLD_PROFILE["measurements"]
+
+
+def test_a_calibration_of_another_host_is_dropped_when_this_one_saves(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**OLD_PROFILE, "calibration": {"host": "elsewhere", "units": {"a": unit(1.0)},
+                                                                "models": {}}}))
+    assert saved_calibration(path) is None
+    save_calibration({"b": unit(2.0)}, model("m"), path=path)
+    assert set(saved_calibration(path)["units"]) == {"b"}
+
+
+def test_a_calibration_alone_makes_a_profile(tmp_path) -> None:
+    path = tmp_path / "new" / "profile.json"
+    save_calibration({"a": unit(1.0)}, model("m"), path=path)
+    assert set(saved_calibration(path)["units"]) == {"a"}
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"schema_version": 1, "created": "x", "measurements": {}, '
+                                                '"calibration": []}'])
+def test_a_corrupt_profile_is_a_profile_error_that_says_what_to_do(tmp_path, text) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=r"profile.json.*(placement-opt profile|delete)"):
+        saved_calibration(path)

@@ -1,0 +1,151 @@
+"""calibrate(): a tiny model's units timed here, saved in the profile, and used by solve() on this machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+import placement_opt
+from placement_opt.cost.calibrated import calibration_for, shape_key
+from placement_opt.cost.workload import Workload
+from placement_opt.errors import PlacementError
+from placement_opt.hardware.profile_store import PROFILE_ENV_VAR, saved_calibration
+from placement_opt.hardware.resolve import as_machine
+from placement_opt.model.graph import chain_graph
+from placement_opt.model.tracer import trace
+
+WORKLOAD = Workload(batch_size=1, prompt_len=16, new_tokens=96)
+
+
+def tiny_config(hidden: int = 64) -> LlamaConfig:
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False,
+                         max_position_embeddings=256)
+    config.dtype = "float32"
+    return config
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("calibrate") / "profile.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PROFILE_ENV_VAR, str(path))
+        result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=WORKLOAD, repeats=1)
+    return path, result
+
+
+def test_calibrate_times_one_unit_of_each_shape_at_the_workloads_shapes(calibrated) -> None:
+    path, result = calibrated
+    graph = trace(tiny_config())
+    shapes = {shape_key(u, graph.meta.dtype, graph.meta.seq_len) for u in graph.units()}
+    assert result.layers_built == 1  # the three layers are alike: one is built
+    assert set(result.units.values()) == shapes and "model.layers.0" in result.units
+    assert "model.layers.1" not in result.units
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert layer.attention
+    assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(1, 4), (1, 16)]
+    assert {kept for *_, kept in layer.prefill} == {"last"}  # generation computes the last position's logits
+    first, last = sorted(c for _, c, _ in layer.decode)  # steps near the first context, and near the last
+    assert 17 <= first < 17 + 32 and 112 - 32 < last <= 112
+    assert all(s > 0 for *_, s in layer.decode)
+    assert result.path == path and result.devices == ("cpu",)
+
+
+def test_the_calibration_round_trips_through_the_profile_file(calibrated, monkeypatch) -> None:
+    path, result = calibrated
+    saved = saved_calibration(path)
+    assert saved is not None and set(saved["units"]) == set(result.units.values())
+    data = json.loads(path.read_text())
+    assert data["measurements"]["cpu"]["memory_bytes"] > 0  # the CPU was profiled first (quick)
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    graph = trace(tiny_config())
+    found = calibration_for(graph, as_machine(["cpu"], dtype="float32"))
+    key = result.units["model.layers.0"]
+    for name in ("model.layers.0", "model.layers.2"):  # every layer of the shape, not only the one timed
+        assert found.times(name, "cpu") == result.times[key]["cpu"]
+
+
+def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calibrated, monkeypatch) -> None:
+    path, result = calibrated
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    by_list = placement_opt.solve(tiny_config(), ["cpu"], workload=WORKLOAD, workers=1)
+    by_dict = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, workers=1)
+    assert by_dict.machine["cpu"].source.startswith("measured")
+    assert by_list.cost.prefill_s == pytest.approx(by_dict.cost.prefill_s)
+    graph = trace(tiny_config())
+    expected = sum(result.times[shape_key(u, "float32", graph.meta.seq_len)]["cpu"].prefill_s(1, 16, "last")
+                   for u in graph.units())
+    assert by_list.cost.prefill_s == pytest.approx(expected, rel=1e-6)
+    # without the calibration, the same measured CPU is priced by the roofline: another figure
+    data = json.loads(path.read_text())
+    del data["calibration"]
+    bare = path.with_name("bare.json")
+    bare.write_text(json.dumps(data))
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(bare))
+    roofline = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, workers=1)
+    assert roofline.cost.prefill_s != pytest.approx(expected, rel=1e-3)
+
+
+def test_the_calibration_is_ignored_for_other_machines_hosts_and_models(calibrated, monkeypatch) -> None:
+    path, _ = calibrated
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    graph = trace(tiny_config())
+    described = as_machine("cpu=4GiB")  # datasheet speeds: a machine described, not this one measured
+    assert calibration_for(graph, described) is None
+    assert calibration_for(trace(tiny_config(hidden=96)), as_machine(["cpu"], dtype="float32")) is None
+    data = json.loads(path.read_text())
+    data["calibration"]["host"] = "another-host"
+    elsewhere = path.with_name("elsewhere.json")
+    elsewhere.write_text(json.dumps(data))
+    assert saved_calibration(elsewhere) is None
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(elsewhere))
+    assert calibration_for(graph, as_machine(["cpu"], dtype="float32")) is None
+
+
+def test_calibrate_refuses_what_it_cannot_run(tmp_path) -> None:
+    graph = chain_graph([{"name": "a", "param_bytes": 8}])
+    with pytest.raises(PlacementError, match="LayerGraph has no modules"):
+        placement_opt.calibrate(graph, ["cpu"], path=tmp_path / "p.json")
+    with pytest.raises(PlacementError, match="compute devices.*add 'cpu'"):
+        placement_opt.calibrate(tiny_config(), ["disk"], path=tmp_path / "p.json")
+    with pytest.raises(PlacementError, match="repeats"):
+        placement_opt.calibrate(tiny_config(), ["cpu"], path=tmp_path / "p.json", repeats=0)
+
+
+def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    workload = Workload(batch_size=1, prompt_len=8, new_tokens=4)
+    result = placement_opt.calibrate(tiny_config(), ["cpu", "disk"], workload=workload, offload_dir=tmp_path,
+                                     repeats=1)
+    key = result.units["model.layers.0"]
+    reads = result.copies[key]["disk->cpu"]
+    assert set(reads) == {"stream", "stream_sync"}
+    assert all(set(r) == {"prefill", "decode"} and min(r.values()) >= 0 for r in reads.values())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("placement_opt_calibrate_")] == []
+    graph = trace(tiny_config())
+    machine = as_machine(["cpu", "disk"], dtype="float32")
+    found = calibration_for(graph, machine)
+    assert found.copy_s("model.layers.1", "disk", "cpu", "stream_sync") == reads["stream_sync"]["decode"]
+    assert found.copy_s("model.layers.1", "disk", "cpu", "stream", "prefill") == reads["stream"]["prefill"]
+    plan = placement_opt.evaluate({"model.layers": "disk", "model.embed_tokens": "cpu", "model.norm": "cpu",
+                                   "model.rotary_emb": "cpu", "lm_head": "cpu"}, graph, machine, workload)
+    layer = next(u for u in plan.units if u.name == "model.layers.1")
+    assert layer.mode == "stream_sync"  # a device_map runs as accelerate runs it: tensors copied out
+    calibrated = found.times("model.layers.1", "cpu").prefill_s(1, 8, "last")
+    assert layer.prefill_s == pytest.approx(calibrated + reads["stream_sync"]["prefill"], rel=1e-6)
+
+
+def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(tmp_path, monkeypatch) -> None:
+    from placement_opt.runtime import calibrate as calibrating
+
+    monkeypatch.setattr(calibrating, "PREFILL_BUDGET_S", 0.0)  # as if the prompt's prefill took too long
+    workload = Workload(batch_size=2, prompt_len=64, new_tokens=8)
+    result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=workload, path=tmp_path / "p.json",
+                                     repeats=1)
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(2, 4), (2, 16)]  # a quarter, a sixteenth
+    assert [c for _, c, _ in layer.decode] and all(65 <= c <= 72 for _, c, _ in layer.decode)
+    assert layer.prefill_s(2, 64, "last") >= layer.prefill_s(2, 16, "last")  # extended to the prompt
