@@ -135,6 +135,8 @@ class Run:
     objective: float | None
     bound: float | None
     message: str = ""
+    runs: list | None = None
+    """The plan as runs of units: ``[first unit, count, storage, execution, mode]`` (to re-price it later)."""
 
 
 @dataclass
@@ -149,6 +151,10 @@ class Cell:
     """solve(time_limit_s=5) when the first left a gap above 1 % or no plan."""
     limit_s: float = 1.0
     """The first solve's time limit (the default 1 s; 2 s for module-granularity cells)."""
+    recorded_now: float | None = None
+    """The recorded run's 1 s plan priced by today's cost model (None: no recorded plan, or it no
+    longer maps onto today's options or capacities; ``recorded_note`` says which)."""
+    recorded_note: str = ""
 
     @property
     def key(self) -> str:
@@ -183,7 +189,35 @@ def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | No
         return Run("NO PLAN", None, time.perf_counter() - t0, None, None, str(exc)[:160])
     except Exception as exc:  # a bug must not stop the grid: it is reported as its own row
         return Run("ERROR", None, time.perf_counter() - t0, None, None, f"{type(exc).__name__}: {exc}"[:160])
-    return Run(plan.status, plan.gap, time.perf_counter() - t0, plan.objective_value, plan.best_bound)
+    runs = [[units[0], len(units), storage, execution, mode] for units, storage, execution, mode in plan.runs()]
+    return Run(plan.status, plan.gap, time.perf_counter() - t0, plan.objective_value, plan.best_bound, runs=runs)
+
+
+def _reprice(graph, machine: Machine, workload: Workload, runs: list) -> tuple[float | None, str]:
+    """The latency (s) of a recorded plan under today's cost model, or None and why not.
+
+    Plans recorded before a cost-model change are compared on today's prices: the same placement
+    (storage, execution, mode per unit) is priced again, so "at least as good" means the same model.
+    """
+    from placement_opt.cost.build import build_problem
+
+    problem = build_problem(graph, machine, workload)
+    choice: list[int] = []
+    for first, count, storage, execution, mode in runs:
+        units = problem.units[len(choice):len(choice) + count]
+        if not units or units[0].name != first:
+            return None, f"the recorded plan's units no longer match the graph at {first}"
+        for u in units:
+            index = next((k for k, o in enumerate(u.options)
+                          if (o.storage, o.execution, o.mode) == (storage, execution, mode)), None)
+            if index is None:
+                return None, f"{u.name} has no {storage}->{execution} {mode} option today"
+            choice.append(index)
+    if len(choice) != len(problem.units):
+        return None, "the recorded plan covers a different number of units"
+    if not problem.satisfies(choice):
+        return None, "the recorded plan does not fit today's memory model"
+    return problem.objective_value(choice, "latency") / 1e9, ""
 
 
 def _needs_again(run: Run) -> bool:
@@ -202,7 +236,7 @@ def _graph(model: str):
     return trace(_config(name), granularity=granularity or "block")
 
 
-def run_grid(args: argparse.Namespace) -> list[Cell]:
+def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]:
     graphs, out = {}, []
     for model, machine, workload in _cells(args):
         if model not in graphs:
@@ -214,6 +248,9 @@ def run_grid(args: argparse.Namespace) -> list[Cell]:
         cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit), limit_s=limit or 1.0)
         if not args.no_resolve and _needs_again(cell.first):
             cell.again = _solve(graph, make(), wl, RESOLVE_S)
+        recorded = (before or {}).get(cell.key)
+        if recorded and recorded["first"].get("runs"):
+            cell.recorded_now, cell.recorded_note = _reprice(graph, make(), wl, recorded["first"]["runs"])
         out.append(cell)
         print(_row(cell, None), flush=True)
     return out
@@ -251,14 +288,23 @@ def _best(run: Run | None, other: Run | None) -> float | None:
     return min(values) if values else None
 
 
+def _recorded(b: dict, cell: Cell) -> float | None:
+    """The recorded 1 s plan's objective to compare with: re-priced today when it could be."""
+    return cell.recorded_now if cell.recorded_now is not None else b["first"]["objective"]
+
+
 def _before_text(b: dict, cell: Cell) -> str:
     old = b["first"]
     if old["objective"] is None:
         return f"{old['status']}"
     text = f"{old['objective']:.4g} {_pct(old['gap'])}"
-    now = cell.first.objective
-    if now is not None:
-        text += f" ({now / old['objective'] - 1:+.2%})"
+    if cell.recorded_now is not None and abs(cell.recorded_now / old["objective"] - 1) > REL_TOL:
+        text += f", {cell.recorded_now:.4g} today"
+    elif cell.recorded_note:
+        return text + f" ({cell.recorded_note})"
+    now, ref = cell.first.objective, _recorded(b, cell)
+    if now is not None and ref:
+        text += f" ({now / ref - 1:+.2%})"
     return text
 
 
@@ -268,9 +314,9 @@ def compare(cells: list[Cell], before: dict) -> tuple[list[str], list[str], list
     worse, slightly, lost = [], [], []
     for cell in cells:
         b = before.get(cell.key)
-        if b is None or b["first"]["objective"] is None:
-            continue
-        old, now = b["first"]["objective"], cell.first.objective
+        if b is None or b["first"]["objective"] is None or (cell.recorded_note and cell.recorded_now is None):
+            continue  # nothing recorded, or the recorded plan has no price today (its note says why)
+        old, now = _recorded(b, cell), cell.first.objective
         if now is None:
             lost.append(f"{cell.key}: before {old:.4g}, now {cell.first.status} ({cell.first.message})")
         elif now > old * (1 + REL_TOL):
@@ -348,15 +394,26 @@ def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: di
         lines += [f"Against the recorded run: {len(worse)} cell(s) with a plan worse by more than {NOISE:.1%} at 1 s, "
                   f"{len(slightly)} worse by less (within the gap limit, where the search may stop anywhere), "
                   f"{len(lost)} cell(s) that lost their plan.", ""]
+        repriced = sum(c.recorded_now is not None for c in cells)
+        unpriced = [c for c in cells if c.recorded_note]
+        lines += [f"Recorded plans priced again with today's cost model: {repriced} (compared at that price); "
+                  f"{len(unpriced)} recorded plan(s) with no price today (left out of the comparison).", ""]
         listed = [f"- worse: {w}" for w in worse] + [f"- lost: {x}" for x in lost]
+        listed += [f"- recorded plan not comparable: {c.key}: {c.recorded_note}" for c in unpriced]
         listed += [f"- worse by less than {NOISE:.1%}: {w}" for w in slightly]
         lines += listed + ([""] if listed else [])
     cols = "| model (units) | machine | workload | status at 1 s | gap | wall s | objective (s) | at 5 s |"
     rule = "|---|---|---|---|---|---|---|---|"
     if before is not None:
-        cols, rule = cols + " recorded objective, gap (change) |", rule + "---|"
+        cols, rule = cols + " recorded objective, gap (its price today; change) |", rule + "---|"
     lines += [cols, rule, *(_row(c, before) for c in cells), ""]
     return "\n".join(lines)
+
+
+def dump(record: dict) -> str:
+    """A --json record: the meta indented, one line per cell (small files, one diff line per cell)."""
+    cells = ",\n".join(json.dumps(c, separators=(",", ":")) for c in record["cells"])
+    return f'{{"meta": {json.dumps(record["meta"], indent=1)},\n"cells": [\n{cells}\n]}}\n'
 
 
 def _key(c: dict) -> str:
@@ -383,22 +440,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="a recorded --json run: report cells whose plan is worse (default: before.json; '' for none)")
     args = parser.parse_args(argv)
     load_start = os.getloadavg()[0]
-    cells = run_grid(args)
+    recorded = json.loads(args.compare.read_text()) if args.compare else None
+    before = {_key(c): c for c in recorded["cells"]} if recorded else None
+    cells = run_grid(args, before)
     meta = {"date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "command": " ".join(["python", "benchmarks/solve_time/run.py", *(argv if argv is not None else sys.argv[1:])]),
             "code": _code(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells)}
-    recorded = json.loads(args.compare.read_text()) if args.compare else None
-    before = {_key(c): c for c in recorded["cells"]} if recorded else None
     text = markdown(cells, meta, before, recorded)
     out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module) else None)
     if out:
         out.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "cells": [
+        args.json.write_text(dump({"meta": meta, "cells": [
             {"model": c.model, "machine": c.machine, "workload": c.workload, "units": c.units, "limit_s": c.limit_s,
-             "first": asdict(c.first), "again": asdict(c.again) if c.again else None} for c in cells]}, indent=1))
+             "first": asdict(c.first), "again": asdict(c.again) if c.again else None} for c in cells]}))
     print(text)
     if before is not None:
         worse, _, lost = compare(cells, before)
