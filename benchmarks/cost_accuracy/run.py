@@ -18,7 +18,7 @@ the roofline) and ``after`` from ``placement_opt.calibrate`` on the same model, 
 ``placement_opt.evaluate``. Measured figures: the median of the repeats (prefill) or steps (decode),
 the fastest beside them (calibration keeps each unit's median as well); offloaded files are evicted from the page cache before every timed forward, so
 disk reads are cold, as a machine whose RAM cannot hold them reads them. Memory: the process's RSS
-growth during one more prefill forward, untimed (sampled every 2 ms) against the predicted peak of the CPU
+growth during the first prefill forward, untimed (sampled every 2 ms) against the predicted peak of the CPU
 beyond its weights (KV cache + workspace + stream buffers, ``predicted_memory`` where the cost model
 has it). Rankings: the placements ordered by predicted and by measured time, per runner and phase.
 
@@ -200,23 +200,22 @@ def measure(model: torch.nn.Module, folder: Path, prompt: int, steps: int, repea
             ) -> tuple[list[float], list[float], int]:
     """Prefill seconds of ``repeats`` forwards, seconds of each of ``steps`` decode steps, peak RSS growth.
 
-    The RSS is sampled in one more prefill, untimed: a sampling thread would slow the timed ones.
+    The RSS is sampled in the first forward, untimed (a sampling thread would slow the timed ones):
+    later forwards reuse the memory the allocator kept from it, and their RSS would not grow at all.
     """
     ids = torch.randint(0, VOCAB, (1, prompt))
     prefill = []
     with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1)  # warm-up (allocations, first calls)
+        evict(folder)
+        gc.collect()
+        with PeakRss() as rss:  # the first forward: what it adds is what a forward needs
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
         for _ in range(repeats):
             out = None
             evict(folder)
             start = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             prefill.append(time.perf_counter() - start)
-        out = None
-        evict(folder)
-        gc.collect()
-        with PeakRss() as rss:
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         decode = []
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
@@ -446,8 +445,10 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
               "step from evicted files through `dispatch` for placement_opt, through accelerate's `dispatch_model` for "
               "accelerate, less the resident step); before: the profile's memory-mapped read rate (x "
               "`MAPPED_READ_FACTOR` for accelerate).",
-              "- RSS growth includes pages of memory-mapped disk weights faulted in during the forward; the "
-              "predicted CPU extra does not count disk-stored weights."]
+              "- RSS growth is measured in the first forward after dispatch (later ones reuse what the allocator "
+              "kept); it includes one-time allocations (kernel caches) and the pages of memory-mapped disk weights "
+              "faulted in, which the predicted CPU extra (KV cache + workspace + stream buffers, "
+              "`predicted_memory(...)['cpu']` less its weights) does not count."]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(out.read_text())
 
