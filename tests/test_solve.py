@@ -163,3 +163,37 @@ def test_random_graphs_solve_at_least_as_well_as_every_hinted_baseline(layers, g
         hint = choice_from_storage(problem, baseline_storage(graph, m, strategy))
         if problem.score(hint).feasible:
             assert problem.objective_value(choice, objective) <= problem.objective_value(hint, objective)
+
+
+@pytest.mark.parametrize("pins", [{}, {"lm_head": "cpu"}])
+def test_one_pricing_gives_the_problem_build_problem_gives(pins):
+    """solve() prices every option once (stream_sync included, for the scorer) and drops stream_sync for
+    the solver: the problem must be exactly build_problem's, option order included."""
+    from placement_opt.planner import _priced
+    from placement_opt.solver.edges import prune_edges
+
+    graph, wl = llama_like(tied=True), Workload(batch_size=2, prompt_len=128, new_tokens=8)
+    for m in (machine(1200, 1500), machine(300), machine(300, disk=False)):
+        problem, score = _priced(graph, m, wl, pins, False)
+        assert problem == prune_edges(build_problem(graph, m, wl, pins=pins))
+        device_map = {u: "cpu" for u in graph.names()}
+        assert score(device_map) == evaluate(device_map, graph, m, wl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit_s", [1.0, 2.0])
+def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s):
+    """Pricing, baselines, search and the final scoring together stay within the limit + 0.5 s."""
+    pytest.importorskip("transformers")
+    import time
+
+    from placement_opt import trace
+    from placement_opt.model import catalog
+
+    graph = trace(catalog.model_config("llama-3-70b"), granularity="module")
+    m = Machine([Device.preset("t4", name=f"cuda:{i}") for i in range(4)]
+                + [Device.preset("cpu-desktop", name="cpu").with_memory("128GiB"), Device.preset("nvme-gen4", name="disk")])
+    t0 = time.perf_counter()
+    plan = solve(graph, m, workload=Workload(prompt_len=512, new_tokens=128), time_limit_s=limit_s)
+    assert time.perf_counter() - t0 <= limit_s + 0.5
+    assert plan.cost.fits and plan.best_bound <= plan.objective_value

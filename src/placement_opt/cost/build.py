@@ -72,8 +72,8 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
         if key not in priced:
             priced[key] = [price_option(ctx, u, s, e, m) for s, e, m in menu]
         parts.append(priced[key])
-    specs = tuple(UnitSpec(name=u.name, options=tuple(to_option(p) for p in row))
-                  for u, row in zip(units, parts, strict=True))
+    options = {id(row): tuple(to_option(p) for p in row) for row in priced.values()}  # once per distinct row
+    specs = tuple(UnitSpec(name=u.name, options=options[id(row)]) for u, row in zip(units, parts, strict=True))
     _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
@@ -111,8 +111,9 @@ def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
     times = 2 if wl.training else 1
     specs = []
     priced: dict[tuple[int, bool], tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
+    decodes = {u.name: u.in_decode for u in ctx.graph.units()}  # graph.unit() builds a UnitInfo per call
     for src, dst, bpt in ctx.graph.edges():
-        in_decode = ctx.graph.unit(src).in_decode and ctx.graph.unit(dst).in_decode
+        in_decode = decodes[src] and decodes[dst]
         if (bpt, in_decode) not in priced:  # edges of equal size cost the same: price each size once
             steps = wl.decode_steps if in_decode else 0
             priced[bpt, in_decode] = ({p: edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},

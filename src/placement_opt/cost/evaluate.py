@@ -188,6 +188,13 @@ def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[
     """
     machine = as_machine(machine, dtype=graph.meta.dtype)
     problem, parts = price_problem(graph, machine, workload, MODES, None, False)
+    return priced_evaluator(graph, machine, workload, problem, parts)
+
+
+def priced_evaluator(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
+                     parts: list[list[OptionPrice]]) -> Callable[[Any], Cost]:
+    """:func:`evaluator` on options already priced by :func:`~.build.price_problem` with every mode
+    (:data:`MODES`): solve() prices once for both the solver and the scores."""
 
     def score(plan_or_device_map: Any) -> Cost:
         placements = placements_of(plan_or_device_map, graph, machine)

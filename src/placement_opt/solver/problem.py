@@ -27,6 +27,7 @@ and must not exceed the device's ``capacity_bytes`` (its memory less the reserve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +96,8 @@ class PlacementOption:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise SolverInputError(f"option mode {self.mode!r} is not one of {MODES}")
+        if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes) >= 0:
+            return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
         for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes"):
             if getattr(self, key) < 0:
                 raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
@@ -259,17 +262,12 @@ class PlacementProblem:
 
         ``rounded`` maps every price (durations and transfers) first: the solver's scaled integers.
         """
-        index = self.index()
         finish = [0] * len(chosen)
         load: dict[str, int] = {}
-        incoming: dict[int, list[EdgeSpec]] = {}
-        for edge in self.edges:
-            incoming.setdefault(index[edge.dst], []).append(edge)
         # Edges point forward in execution order, so one pass in that order is a topological pass.
         for i, opt in enumerate(chosen):
             ready = 0
-            for edge in incoming.get(i, ()):
-                j = index[edge.src]
+            for j, edge in self._incoming.get(i, ()):
                 pair = (chosen[j].execution, opt.execution)
                 cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
                 ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
@@ -277,6 +275,15 @@ class PlacementProblem:
             finish[i] = ready + duration
             load[opt.execution] = load.get(opt.execution, 0) + duration
         return finish, load
+
+    @functools.cached_property
+    def _incoming(self) -> dict[int, list[tuple[int, EdgeSpec]]]:
+        """dst -> (src, edge) of every edge, built once per problem (score() runs often on 724 units)."""
+        index = self.index()
+        incoming: dict[int, list[tuple[int, EdgeSpec]]] = {}
+        for edge in self.edges:
+            incoming.setdefault(index[edge.dst], []).append((index[edge.src], edge))
+        return incoming
 
     def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
         finish, load = self.schedule(chosen, key)

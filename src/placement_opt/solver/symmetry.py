@@ -36,12 +36,14 @@ def _swap(name: str, a: str, b: str) -> str:
 def identical_devices(problem: PlacementProblem) -> list[list[str]]:
     """Classes (2+ devices each, in ``problem.devices`` order) whose members are interchangeable."""
     pinned = set(problem.pins.values())
-    menus = [_menu(u.options) for u in problem.units]
+    # Traced graphs repeat a few menus and a few edge prices many times: each distinct one is checked once.
+    menus = list({_frozen(m): m for m in (_menu(u.options) for u in problem.units)}.values())
+    prices = list({tuple(sorted(c.items())): c for e in problem.edges for c in (e.prefill_ns, e.decode_ns)}.values())
     classes: list[list[str]] = []
     for d in problem.devices:
         if d.name in pinned:
             continue
-        home = next((c for c in classes if _interchangeable(problem, menus, c[0], d.name)), None)
+        home = next((c for c in classes if _interchangeable(problem, (menus, prices), c[0], d.name)), None)
         if home is None:
             classes.append([d.name])
         else:
@@ -56,9 +58,15 @@ def _menu(options: Sequence[PlacementOption]) -> dict[_Key, list[tuple[int, ...]
     return {k: sorted(v) for k, v in menu.items()}
 
 
-def _interchangeable(problem: PlacementProblem, menus: list[dict[_Key, list[tuple[int, ...]]]], a: str,
-                     b: str) -> bool:
-    """True when swapping devices a and b maps every option menu and every edge price onto itself."""
+def _frozen(menu: dict[_Key, list[tuple[int, ...]]]) -> tuple:
+    return tuple(sorted((k, tuple(v)) for k, v in menu.items()))
+
+
+def _interchangeable(problem: PlacementProblem,
+                     distinct: tuple[list[dict[_Key, list[tuple[int, ...]]]], list[Mapping[tuple[str, str], int]]],
+                     a: str, b: str) -> bool:
+    """True when swapping devices a and b maps every (distinct) option menu and edge price map onto itself."""
+    menus, prices = distinct
     da, db = problem.device(a), problem.device(b)
     if (da.kind, da.capacity_bytes) != (db.kind, db.capacity_bytes):
         return False
@@ -68,10 +76,9 @@ def _interchangeable(problem: PlacementProblem, menus: list[dict[_Key, list[tupl
                 return False
     # The swap is its own inverse, so checking the image of every priced pair covers the unpriced
     # ones too (an unpriced pair whose image is priced is the image of that priced pair).
-    for edge in problem.edges:
-        for costs in (edge.prefill_ns, edge.decode_ns):
-            if any(_price(costs, p, q) != _price(costs, _swap(p, a, b), _swap(q, a, b)) for p, q in costs):
-                return False
+    for costs in prices:
+        if any(_price(costs, p, q) != _price(costs, _swap(p, a, b), _swap(q, a, b)) for p, q in costs):
+            return False
     return True
 
 
