@@ -73,7 +73,7 @@ PRUNE_SHARE = 0.25
 #: Share of the time left that the coarse solve gets; the full problem gets the rest.
 COARSE_SHARE = 0.4
 #: Most of the time left that the aggregated relaxation (runs of identical units as counts) may take.
-AGGREGATE_SHARE = 0.5
+AGGREGATE_SHARE = 0.8
 #: Problems with more units than this also get the grouped relaxation (identical units anywhere as
 #: counts, one path kept: module-level graphs), with at most this share of the time left.
 GROUP_ABOVE = 150
