@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pricing import OptionPrice
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "SCORE_FREE_ATTENTION",
-           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
+           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
            "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
@@ -68,6 +68,12 @@ SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_
 #: (per handle and stream): 32 MiB on Hopper and later, 4-8 MiB before; the larger is charged.
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
+#: The CPU's matmul scratch: MKL's sgemm packs panels of each operand into buffers of its own (freed after
+#: the call, so never a live tensor): 5.0 MiB measured per intra-op thread for a weight of 8192 or more
+#: output features (1.4 MiB at 1376), torch 2.13 / MKL 2024.2, AVX2. Charged for one thread: the Device has no
+#: thread count, so each further thread's ~5 MiB is not charged (benchmarks/cost_accuracy/memory.py).
+CPU_GEMM_WORKSPACE_BYTES = 6 * 2**20
+
 #: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
 #: the float32 copy of the next-token logits and the processed scores / probabilities.
 SAMPLING_COPIES = 2
@@ -81,17 +87,19 @@ def materializes_scores(meta: GraphMeta) -> bool:
 
 def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False) -> int:
     """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode,
-    plus :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``. Units without measured figures keep the old estimate,
+    plus the matmul library's scratch: :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``, else
+    :data:`CPU_GEMM_WORKSPACE_BYTES`. Units without measured figures keep the old estimate,
     :data:`WORKSPACE_FACTOR` outputs per token, alone.
 
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
-    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU.
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (6 MiB on the CPU).
     """
     last = workload.logits == "last" and unit.name == meta.extra.get("logits_unit")
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
-    return _activation_bytes(unit, workload, meta, last, on_gpu) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else CPU_GEMM_WORKSPACE_BYTES
+    return _activation_bytes(unit, workload, meta, last, on_gpu) + scratch
 
 
 def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool) -> int:
