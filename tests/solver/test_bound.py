@@ -259,3 +259,19 @@ def test_grouped_relaxation_counts_only_groups_wholly_on_its_path():
     model.minimize("latency", None, 0)
     solver, _ = model.solve(5, 0, 1, 0.0)
     assert solver.best_objective_bound <= best
+
+
+@given(stored=st.integers(0, 9), resident=st.integers(0, 9), peak=st.integers(0, 20), cap=st.integers(0, 40),
+       same=st.booleans(), units=st.integers(1, 12))
+def test_most_beside_peak_is_the_largest_count_that_fits(stored, resident, peak, cap, same, units):
+    """n units on one option fit their execution device (with its peak) exactly when n <= most_beside_peak."""
+    opt = PlacementOption(storage="cuda:0" if same else "cpu", execution="cuda:0", mode="resident" if same else "stream",
+                          prefill_ns=1, decode_ns=1, stored_bytes=stored, resident_bytes=resident, peak_bytes=peak)
+    problem = PlacementProblem(units=tuple(UnitSpec(name=f"u{i}", options=(opt,)) for i in range(units)), edges=(),
+                               devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=cap),
+                                        DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10**6)))
+    most = aggregate.most_beside_peak(problem, opt)
+    for n in range(1, units + 1):
+        chosen = [opt] * n
+        fits = problem.used_bytes(chosen)["cuda:0"] <= cap
+        assert fits == (n <= most), (n, most)

@@ -32,11 +32,27 @@ from ortools.sat.python import cp_model
 from .cpsat import DETERMINISTIC_TIME_PER_S
 from .problem import EdgeSpec, PlacementOption, PlacementProblem
 
-__all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR"]
+__all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
 
 _PHASES = ("prefill_ns", "decode_ns")
 #: Fewest interior units worth a count variable.
 MIN_INTERIOR = 4
+
+
+def most_beside_peak(problem: PlacementProblem, opt: PlacementOption) -> int:
+    """Most units on ``opt`` that its execution device can hold beside ``opt``'s own peak.
+
+    A device that runs ``opt`` at all holds its transient peak (the device's peak is the largest of
+    its units'), and every unit on ``opt`` adds its bytes there: ``n x bytes + peak <= capacity``.
+    As ``n <= most x any`` it ties the count to its peak flag far tighter than ``n <= size x any``
+    for the LP: three L4s streaming 38 layers of Llama-3.1-405B each hold a 19 GB buffer beside 38
+    layers' KV cache, no more.
+    """
+    here = opt.resident_bytes + (opt.stored_bytes if opt.storage == opt.execution else 0)
+    room = problem.device(opt.execution).capacity_bytes - opt.peak_bytes
+    if room < 0:
+        return 0
+    return room // here if here > 0 else len(problem.units)
 
 
 def _links(problem: PlacementProblem) -> dict[int, EdgeSpec]:
@@ -164,7 +180,7 @@ class AggregateModel:
         flags: dict[tuple[int, str], Any] = {}
         for o, n in self.vars[t].items():
             f = self._hinted(self.model.new_bool_var(f"any[{t},{o}]"), int(o in hinted))
-            self.model.add(n <= size * f)
+            self.model.add(n <= min(size, most_beside_peak(self.p, self._options(t)[o])) * f)
             self.model.add(n >= f)
             flags[o, ""] = f
         execs = {self.p.units[u].options[self.hint[u]].execution for u in range(self.items[t][0], self.items[t][1] + 1)}

@@ -31,6 +31,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from .aggregate import most_beside_peak
 from .cpsat import DETERMINISTIC_TIME_PER_S
 from .problem import PlacementOption, PlacementProblem
 
@@ -133,7 +134,7 @@ class GroupModel:
             n = self.model.new_int_var(0, size, f"n[{k},{o}]")
             self.model.add_hint(n, hinted.count(o))
             flag = self.model.new_bool_var(f"any[{k},{o}]")
-            self.model.add(n <= size * flag)
+            self.model.add(n <= min(size, most_beside_peak(self.p, opt)) * flag)
             self.model.add(n >= flag)
             out[o] = (n, flag)
         self.model.add(sum(n for n, _ in out.values()) == size)
