@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from _cli import run_cli
-
 from placement_opt.distributed.pipeline_plan import PipelinePlan
 
 

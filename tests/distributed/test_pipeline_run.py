@@ -22,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from placement_opt.distributed.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
 from placement_opt.cost.workload import Workload  # noqa: E402
+from placement_opt.distributed.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

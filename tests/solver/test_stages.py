@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.errors import InfeasiblePlacementError, SolverInputError
-from placement_opt.solver.stages import StageProblem, solve_stages, stage_memory_bytes, stage_time_ns
+from placement_opt.solver.stages import (
+    StageProblem,
+    solve_stages,
+    stage_memory_bytes,
+    stage_time_ns,
+)
 
 
 def _brute(problem: StageProblem) -> int | None:

@@ -31,11 +31,11 @@ from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..report import gap_advice
 from .options import (
     DTYPES,
-    cluster_options,
-    require_devices,
     check_outputs,
     check_plot_suffix,
+    cluster_options,
     model_dtype,
+    require_devices,
     resolve_devices,
     resolve_model,
     solve_options,

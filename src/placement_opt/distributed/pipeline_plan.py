@@ -36,7 +36,13 @@ from ..errors import DeviceSpecError, PlanFormatError, SolverInputError
 from ..hardware.cluster import Cluster, Rank
 from ..hardware.devices import Machine
 from ..model.graph import LayerGraph
-from ..solver.stages import StageProblem, StageSolution, solve_stages, stage_memory_bytes, stage_time_ns
+from ..solver.stages import (
+    StageProblem,
+    StageSolution,
+    solve_stages,
+    stage_memory_bytes,
+    stage_time_ns,
+)
 from ..units import format_bytes, format_seconds
 
 __all__ = ["PipelinePlan", "StagePlan", "plan_pipeline", "SCHEDULES", "layer_count_cuts", "PIPELINE_PLAN_VERSION",
