@@ -165,7 +165,9 @@ def _shortage(problem: StageProblem) -> str:
                 f"against {format_bytes(problem.capacity_bytes[k])} ({format_bytes(short)} short); use a device with more memory for rank {k}, "
                 f"fewer micro-batches in flight (Schedule1F1B, a smaller micro-batch) or more ranks")
     total = sum(sum(r) for r in problem.stored_bytes) // problem.n_stages**2  # rows hold the whole chain
+    caps = problem.capacity_bytes
     return (f"no split of {problem.n_units} units into {problem.n_stages} contiguous stages fits every rank's "
-            f"memory (the stored bytes alone average {format_bytes(total)} per stage against capacities "
-            f"{', '.join(format_bytes(c) for c in problem.capacity_bytes)}); add ranks, use devices with more memory, or reduce the "
-            f"micro-batches in flight")
+            f"memory (what the stages store, without buffers or workspace, averages {format_bytes(total)} per "
+            f"stage against capacities of {format_bytes(min(caps))} to {format_bytes(max(caps))}); add ranks, "
+            f"use devices with more memory, or keep fewer activations (fewer micro-batches in flight, "
+            f"activation checkpointing)")
