@@ -149,8 +149,7 @@ class Cluster:
         object.__setattr__(self, "hosts", tuple(self.hosts))
         if not self.hosts:
             raise DeviceSpecError("a cluster needs at least one host, e.g. '(cpu)' or '2x(h100-sxm*8)'")
-        total = sum(h.n_ranks for h in self.hosts)
-        if total > MAX_RANKS:
+        if (total := sum(h.n_ranks for h in self.hosts)) > MAX_RANKS:
             raise DeviceSpecError(f"cluster has {total} ranks: accepted are up to {MAX_RANKS}; describe the hosts "
                                   f"that run the pipeline only")
 
@@ -163,9 +162,7 @@ class Cluster:
                 out.append(Rank(rank=len(out), host=h, local_rank=local, device=device))
         return tuple(out)
 
-    @property
-    def world_size(self) -> int:
-        return sum(h.n_ranks for h in self.hosts)
+    world_size = property(lambda self: sum(h.n_ranks for h in self.hosts), doc="Ranks in all hosts.")
 
     def link(self, a: Rank, b: Rank) -> Link:
         """The path from rank ``a`` to rank ``b``: the network between hosts, else the host's own link."""
