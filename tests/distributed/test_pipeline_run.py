@@ -170,3 +170,31 @@ def test_plan_refuses_a_world_of_another_size(tmp_path: Path) -> None:
     finally:
         dist.get_world_size = real
     assert PipelinePlan.from_json(plan.to_json()) == plan
+
+
+def test_under_torchrun_standalone(tmp_path: Path) -> None:
+    """The real launcher: ``torchrun --standalone`` sets the rank variables, GROUP_RANK included."""
+    import shutil
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    if not Path(torchrun).exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    model, ids, _ = _tiny_llama(tmp_path)
+    plan = plan_pipeline(model, "(cpu*2)", Workload(batch_size=2, prompt_len=SEQ), schedule="gpipe", n_microbatches=2)
+    (tmp_path / "plan-forward.json").write_text(plan.to_json())
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", str(tmp_path / "worker.py"),
+                             str(tmp_path), "forward"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and its workers: the session this test started
+        proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s")
+    assert proc.returncode == 0, err[-4000:]
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
