@@ -56,6 +56,7 @@ def test_a_faster_rank_gets_more_layers_and_beats_the_layer_count_split() -> Non
     assert plan.layer_count_s is not None and plan.objective_s < plan.layer_count_s
     assert plan.bound_s == plan.objective_s and plan.gap == 0.0 and plan.status == "OPTIMAL"
     assert [s.host for s in plan.stages] == [0, 1] and plan.stages[1].device == "cuda:0 (t4)"
+    assert plan.stages[1].local_device == "cuda:0"
 
 
 def test_the_network_is_priced_between_hosts_only() -> None:

@@ -76,6 +76,11 @@ class StagePlan:
     def predicted_s(self) -> float:
         return self.compute_s + self.send_s
 
+    @property
+    def local_device(self) -> str:
+        """``cuda:<local GPU>`` or ``cpu``: the device to run the stage on, on its host."""
+        return self.device.split(" ")[0]
+
 
 @dataclass(frozen=True)
 class PipelinePlan:

@@ -228,7 +228,7 @@ def pipeline(model_or_checkpoint: Any, plan: PipelinePlan, *, rank: int | None =
                             f"one process per stage (torchrun --nproc-per-node ... for {len(plan.stages)} in all)")
     rank = dist.get_rank(group) if rank is None else rank
     stage_plan = plan.stage_of_rank(rank)
-    where = torch.device(device if device is not None else stage_plan.device.split(" ")[0])
+    where = torch.device(device if device is not None else stage_plan.local_device)
     module = stage_module(model_or_checkpoint, plan, stage_plan.stage, device=where, dtype=dtype)
     stage = PipelineStage(module, stage_plan.stage, len(plan.stages), where, group=group)
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
