@@ -25,7 +25,7 @@ def test_every_module_declares_all() -> None:
 
 
 PUBLIC = ["trace", "solve", "evaluate", "dispatch", "load", "profile", "calibrate", "Workload", "Device", "Machine", "Plan",
-          "DispatchedModel", "PlacementError", "InfeasiblePlacementError"]
+          "DispatchedModel", "PlacementError", "InfeasiblePlacementError", "pipeline", "Cluster"]
 
 
 def test_the_public_surface_is_the_documented_dozen() -> None:

@@ -6,7 +6,7 @@ The data flows one way, one stage folder per arrow::
     model/            hardware/ + cost/     solver/ (torch-free)         plan.py  runtime/
                       (Machine, Workload)
 
-The public surface is fourteen names:
+The public surface is sixteen names:
 
 ==========================  =====================================================================
 name                        what it is
@@ -25,6 +25,8 @@ name                        what it is
 :class:`DispatchedModel`    a running model with hooks; ``remove()`` undoes the dispatch
 :class:`PlacementError`     base of every error (a ``ValueError``); the others are in ``errors``
 :class:`InfeasiblePlacementError`  no placement fits: says which device is short and by how much
+:func:`pipeline`            this rank's ``torch.distributed.pipelining`` stage and schedule for a pipeline plan
+:class:`Cluster`            hosts (each a :class:`Machine`) and the network: what pipeline stages are planned over
 ==========================  =====================================================================
 
 Example::
@@ -73,6 +75,8 @@ _EXPORTS = {
     "DispatchedModel": "runtime.dispatcher",
     "PlacementError": "errors",
     "InfeasiblePlacementError": "errors",
+    "pipeline": "runtime.pipelining",
+    "Cluster": "hardware.cluster",
 }
 
 # Names that were top-level before the stage layout (issue 11): still resolved, with a

@@ -119,10 +119,17 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 
     Raises:
         InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
+
+    Given a :class:`~placement_opt.hardware.cluster.Cluster` as ``devices`` (with
+    ``objective="throughput"``), returns a ``PipelinePlan`` instead: one contiguous stage per rank,
+    from :func:`placement_opt.distributed.pipeline_plan.plan_pipeline` (1F1B, one micro-batch per rank;
+    call that function for other schedules).
         SolverInputError: a bad argument or pin (the message lists what is accepted).
         PlacementError: no solution in time, or another stage's error (a device spec, the model).
     """
     _check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
+    if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
+        return _pipeline_plan(model, devices, objective, workload)
     _check_types(workload, pins, contiguous)
     from .model.graph import LayerGraph
 
@@ -351,3 +358,19 @@ def baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objec
                 placements=placements, machine=machine, workload=workload, cost=cost, status="GREEDY",
                 objective_value=value, best_bound=0.0, gap=1.0 if value > 0 else 0.0, solve_time_s=solve_time_s,
                 baselines=tuple(baselines), notes=tuple(notes), extra={"device_map": dict(device_map)})
+
+
+def _is_cluster(devices: Any) -> bool:
+    from .hardware.cluster import Cluster
+
+    return isinstance(devices, Cluster)
+
+
+def _pipeline_plan(model: Any, cluster: Any, objective: str, workload: Workload | None) -> Any:
+    """``solve(model, cluster, "throughput")``: the exact stage program of issue 16."""
+    from .distributed.pipeline_plan import plan_pipeline
+
+    if objective != "throughput":
+        raise SolverInputError(f"a cluster is planned as pipeline stages, whose objective is the slowest stage: "
+                               f"pass objective='throughput' (got {objective!r}), or a Machine for one host")
+    return plan_pipeline(model, cluster, workload)

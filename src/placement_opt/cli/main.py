@@ -34,7 +34,9 @@ from .options import (
     EXTRA_SEARCH_S,
     check_outputs,
     check_plot_suffix,
+    cluster_options,
     model_dtype,
+    require_devices,
     resolve_devices,
     resolve_model,
     solve_options,
@@ -99,6 +101,7 @@ def cli() -> None:
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
              dtype: str | None) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words."""
+    devices = require_devices(devices)
     workload = workload_from(batch, prompt, new_tokens)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
@@ -115,10 +118,14 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="write the plan as JSON here ('-': to stdout, with the tables on stderr)")
 @click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
+@cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str | None,
-         time_limit: float | None, strategy: str, json_path: str | None, plot: str | None) -> None:
+         time_limit: float | None, strategy: str, json_path: str | None, plot: str | None, cluster: str | None,
+         schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
+    if cluster is not None:
+        return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
@@ -132,6 +139,33 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     for part in plan_renderables(result):
         console.print(part)
     write_outputs(console, result, json_path, plot)
+
+
+def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str | None, schedule: str,
+                  microbatches: int | None, train: bool, json_path: str | None) -> None:
+    """``plan --cluster``: contiguous pipeline stages, one per rank, printed per host and rank."""
+    from ..cost.workload import Workload
+    from ..distributed.pipeline_plan import plan_pipeline
+    from ..hardware.cluster import Cluster
+
+    def parse(dtype_name: str) -> Cluster:
+        if cluster.endswith(".json"):
+            return Cluster.from_file(cluster, dtype=dtype_name)
+        return Cluster.from_spec(cluster, dtype=dtype_name)
+
+    console = console_for(stderr=json_path == STDOUT)
+    with errors_as_messages():
+        parse(dtype or "float16")  # a bad spec fails before tracing
+        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, training=train)
+        with progress(f"Tracing {model} on the meta device ..."):
+            graph = _trace(resolve_model(model), workload, dtype)
+        result = plan_pipeline(graph, parse(dtype or graph.meta.dtype), workload, schedule=schedule,
+                               n_microbatches=microbatches)
+    console.print(result.summary(), markup=False, highlight=False)
+    if json_path == STDOUT:
+        click.echo(result.to_json())
+    elif json_path:
+        Path(json_path).write_text(result.to_json(), encoding="utf-8")
 
 
 def _search_longer(console: Console, first: Plan, solve_again: Callable[[float], Plan]) -> Plan:

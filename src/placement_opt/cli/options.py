@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
 
 __all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "solve_options",
-           "check_plot_suffix", "EXTRA_SEARCH_S"]
+           "check_plot_suffix", "EXTRA_SEARCH_S", "cluster_options",
+           "require_devices"]
 
 #: ``plan`` without ``--time-limit``: when the default search stops above the report's gap target
 #: (1 %), it searches again for at most this long and keeps the better plan.
@@ -149,9 +150,9 @@ def workload_from(batch: int, prompt: int, new_tokens: int) -> Workload:
 def solve_options(func: Any) -> Any:
     options = [
         click.argument("model"),
-        click.option("--devices", "-d", required=True, metavar="SPEC",
+        click.option("--devices", "-d", default=None, metavar="SPEC",
                      help="'cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk', 'auto' (this machine) "
-                          "or a saved profile .json"),
+                          "or a saved profile .json (required unless plan --cluster)"),
         click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True),
         click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
         click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
@@ -165,6 +166,29 @@ def solve_options(func: Any) -> Any:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def cluster_options(func: Any) -> Any:
+    """``plan --cluster SPEC``: pipeline stages over the ranks of several hosts (issue 16)."""
+    options = [
+        click.option("--cluster", default=None, metavar="SPEC|FILE.json",
+                     help="plan pipeline stages over a cluster, e.g. '2x(h100-sxm*8,cpu-server)@ib-200g' or a "
+                          "JSON file; --batch is then one micro-batch, --prompt its sequence length"),
+        click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True,
+                     help="with --cluster: the torch.distributed.pipelining schedule"),
+        click.option("--microbatches", type=int, default=None, metavar="N",
+                     help="with --cluster: micro-batches per step (default: one per rank)"),
+        click.option("--train", is_flag=True, help="with --cluster: price training steps (forward + backward, Adam)"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def require_devices(devices: str | None) -> str:
+    if devices is None:
+        raise click.UsageError("Missing option '--devices' / '-d' (or, for plan, '--cluster')")
+    return devices
 
 
 def check_output_folder(path: str | None, option: str) -> None:

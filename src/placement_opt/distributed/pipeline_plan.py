@@ -1,0 +1,326 @@
+"""Pipeline plans: contiguous stages of a model over the ranks of a :class:`~..hardware.cluster.Cluster`.
+
+:func:`plan_pipeline` prices every unit on every rank's device with the cost model
+(:func:`placement_opt.cost.pricing.price_option`, the unit resident where it computes), adds the
+activation transfer over the link to the next rank (the network between hosts, NVLink/PCIe or
+shared memory within one) and the memory of the schedule's micro-batches in flight, and cuts the
+chain with the exact dynamic program of :mod:`placement_opt.solver.stages`: stage ``k`` on rank
+``k``, the slowest stage as small as it can be. The bound equals the value (gap 0): the program is
+exact for this cost model.
+
+What a stage holds, per micro-batch of ``workload.batch_size x workload.prompt_len`` tokens:
+
+* weights; training adds gradients, optimizer states (:func:`~..cost.workload.unit_training_bytes`)
+  and the activations saved for the backward times the micro-batches in flight: all
+  ``n_microbatches`` under GPipe, ``min(n_stages - k, n_microbatches)`` on stage ``k`` under 1F1B;
+* the receive and send buffers of the activations crossing its cuts, same count in flight;
+* the largest unit's workspace.
+
+Stage time per micro-batch: the units' forward (training: forward + backward, x3) plus the send
+of the crossing activations (training: the gradients back too). Units without parameters (rotary
+tables) are recomputed by every stage that needs them, so their outputs never cross a cut.
+Generation is not pipelined here (``torch.distributed.pipelining`` has no KV cache): decode steps
+of the workload are not priced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..cost.pricing import PricingContext, price_option
+from ..cost.workload import Workload
+from ..errors import DeviceSpecError, PlanFormatError, SolverInputError
+from ..hardware.cluster import Cluster, Rank
+from ..hardware.devices import Machine
+from ..model.graph import LayerGraph
+from ..solver.stages import (
+    StageProblem,
+    StageSolution,
+    solve_stages,
+    stage_memory_bytes,
+    stage_time_ns,
+)
+from ..units import format_bytes, format_seconds
+
+__all__ = ["PipelinePlan", "StagePlan", "plan_pipeline", "SCHEDULES", "layer_count_cuts", "PIPELINE_PLAN_VERSION",
+           "stage_problem", "crossing_bytes_per_token"]
+
+#: Schedules a plan can be made for: ``torch.distributed.pipelining``'s ScheduleGPipe and Schedule1F1B.
+SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_PLAN_VERSION = 1
+_NS = 1e9
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its units, where it runs, and what the cost model predicts for it."""
+
+    stage: int
+    rank: int
+    host: int
+    local_rank: int
+    device: str
+    """The rank's device on its host (``cuda:N`` or ``cpu``) and its class, e.g. ``cuda:3 (h100-sxm)``."""
+    units: tuple[str, ...]
+    compute_s: float
+    """Per micro-batch: the units' forward (training: forward and backward)."""
+    send_s: float
+    """Per micro-batch: activations to the next stage (training: and gradients back)."""
+    memory_bytes: int
+    capacity_bytes: int
+
+    @property
+    def predicted_s(self) -> float:
+        return self.compute_s + self.send_s
+
+    @property
+    def local_device(self) -> str:
+        """``cuda:<local GPU>`` or ``cpu``: the device to run the stage on, on its host."""
+        return self.device.split(" ")[0]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages of a model over a cluster, with the predicted time of each and of the whole step."""
+
+    model_name: str
+    schedule: str
+    n_microbatches: int
+    workload: Workload
+    """One micro-batch: ``batch_size`` sequences of ``prompt_len`` tokens; ``training`` for steps."""
+    stages: tuple[StagePlan, ...]
+    bound_s: float
+    """Lower bound on the slowest stage; equal to it, since the stage program is exact."""
+    layer_count_s: float | None
+    """The slowest stage of the layer-count split (equal decoder layers per rank), None when it does not fit."""
+    cluster_spec: str = ""
+    status: str = "OPTIMAL"
+
+    @property
+    def objective_s(self) -> float:
+        """The slowest stage: one micro-batch leaves the pipeline this often in steady state."""
+        return max(s.predicted_s for s in self.stages)
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+    @property
+    def step_s(self) -> float:
+        """One step of ``n_microbatches``: fill and drain the pipeline, ``(M + S - 1)`` slowest stages."""
+        return (self.n_microbatches + len(self.stages) - 1) * self.objective_s
+
+    @property
+    def unit_ranges(self) -> list[tuple[str, ...]]:
+        return [s.units for s in self.stages]
+
+    def stage_of_rank(self, rank: int) -> StagePlan:
+        for stage in self.stages:
+            if stage.rank == rank:
+                return stage
+        raise SolverInputError(f"rank {rank} has no stage in this plan (ranks 0 to {len(self.stages) - 1}): "
+                               f"launch as many processes as the plan has stages")
+
+    def summary(self) -> str:
+        """Stages per host and rank, as ``placement-opt plan --cluster`` prints them."""
+        kind = "training step" if self.workload.training else "forward"
+        lines = [f"pipeline of {self.model_name}: {len(self.stages)} stages, {self.schedule}, "
+                 f"{self.n_microbatches} micro-batches of {self.workload.batch_size} x {self.workload.prompt_len} "
+                 f"tokens ({kind})",
+                 f"slowest stage {format_seconds(self.objective_s)} per micro-batch (bound "
+                 f"{format_seconds(self.bound_s)}, gap {self.gap:.1%}, {self.status}); step "
+                 f"{format_seconds(self.step_s)}, {1 / self.step_s if self.step_s else math.inf:.3g} steps/s"]
+        if self.layer_count_s is not None:
+            lines.append(f"layer-count split: slowest stage {format_seconds(self.layer_count_s)} "
+                         f"({self.layer_count_s / self.objective_s:.2f}x this plan's)")
+        else:
+            lines.append("layer-count split: does not fit the ranks' memory")
+        for s in self.stages:
+            first, last = s.units[0], s.units[-1]
+            span = first if first == last else f"{first} .. {last} ({len(s.units)} units)"
+            lines.append(f"  host {s.host} rank {s.rank} ({s.device}): {span}; {format_seconds(s.compute_s)} "
+                         f"+ send {format_seconds(s.send_s)}; {format_bytes(s.memory_bytes)} of "
+                         f"{format_bytes(s.capacity_bytes)}")
+        return "\n".join(lines)
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["version"] = PIPELINE_PLAN_VERSION
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        try:
+            data = json.loads(text)
+            if data.pop("version") != PIPELINE_PLAN_VERSION:
+                raise ValueError(f"version is not {PIPELINE_PLAN_VERSION}")
+            stages = tuple(StagePlan(**{**s, "units": tuple(s["units"])}) for s in data.pop("stages"))
+            return cls(**{**data, "workload": Workload.from_dict(data["workload"]), "stages": stages})
+        except (ValueError, KeyError, TypeError) as err:
+            raise PlanFormatError(f"not a pipeline plan ({err}): write it with PipelinePlan.to_json() of this "
+                                  f"version ({PIPELINE_PLAN_VERSION})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------
+def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None = None, *,
+                  schedule: str = "1f1b", n_microbatches: int | None = None) -> PipelinePlan:
+    """Cut ``model`` into one contiguous stage per rank of ``cluster``, the slowest stage least.
+
+    Example::
+
+        plan = plan_pipeline("llama-2-70b", "2x(h100-sxm*4,cpu-server)@ib-200g",
+                             Workload(batch_size=1, prompt_len=4096, training=True), n_microbatches=16)
+        print(plan.summary())
+
+    Args:
+        model: a ``LayerGraph`` or anything :func:`placement_opt.trace` accepts.
+        cluster: a :class:`Cluster` or its spec string.
+        workload: ONE micro-batch (``batch_size`` sequences of ``prompt_len`` tokens); ``training``
+            prices forward + backward and the training states. Default ``Workload(new_tokens=0)``.
+        schedule: ``"gpipe"`` (all micro-batches in flight) or ``"1f1b"`` (at most one per later stage).
+        n_microbatches: micro-batches per step; default the number of stages.
+
+    Raises:
+        SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches < 1``.
+        InfeasiblePlacementError: no split fits every rank's memory (says which and by how much).
+    """
+    cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    graph = _graph(model)
+    ranks = cluster.ranks
+    micro = n_microbatches if n_microbatches is not None else len(ranks)
+    _check(schedule, micro, graph, len(ranks))
+    workload = replace(workload or Workload(), new_tokens=0)
+    problem = stage_problem(graph, cluster, workload, schedule, micro)
+    solution = solve_stages(problem)
+    names = graph.names()
+    stages = tuple(_stage_plan(problem, solution, k, rank, names) for k, rank in enumerate(ranks))
+    even = layer_count_cuts(graph, len(ranks))
+    return PipelinePlan(model_name=graph.meta.model_name, schedule=schedule, n_microbatches=micro,
+                        workload=workload, stages=stages, bound_s=solution.objective_ns / _NS,
+                        layer_count_s=_cuts_time(problem, even), cluster_spec=_spec_or_blank(cluster))
+
+
+def _graph(model: Any) -> LayerGraph:
+    from ..cost.evaluate import as_graph
+
+    return as_graph(model)
+
+
+def _check(schedule: str, micro: int, graph: LayerGraph, n_ranks: int) -> None:
+    if schedule not in SCHEDULES:
+        raise SolverInputError(f"schedule {schedule!r} is unknown: accepted are {', '.join(SCHEDULES)}")
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise SolverInputError(f"n_microbatches is {micro!r}: it must be an int >= 1 (default: one per stage)")
+    if schedule == "1f1b" and micro < n_ranks:
+        raise SolverInputError(f"Schedule1F1B needs at least one micro-batch per stage: n_microbatches is {micro} "
+                               f"for {n_ranks} stages; use n_microbatches >= {n_ranks} or schedule='gpipe'")
+    if len(graph) < n_ranks:
+        raise SolverInputError(f"{graph.meta.model_name} has {len(graph)} units but the cluster has {n_ranks} ranks: "
+                               f"every stage needs one unit; use at most {len(graph)} ranks")
+
+
+def _in_flight(schedule: str, micro: int, n_stages: int, k: int) -> int:
+    return micro if schedule == "gpipe" else min(n_stages - k, micro)
+
+
+def crossing_bytes_per_token(graph: LayerGraph) -> list[int]:
+    """Bytes per token that cross cut ``j`` (between units ``j - 1`` and ``j``), ``j = 0 .. n``.
+
+    Outputs of units without parameters (rotary tables: buffers only) are recomputed by each stage.
+    """
+    names = graph.names()
+    index = {n: i for i, n in enumerate(names)}
+    free = {u.name for u in graph.units() if u.param_bytes == 0}
+    crossing = [0] * (len(names) + 1)
+    for src, dst, nbytes in graph.edges():
+        if src in free:
+            continue
+        for j in range(index[src] + 1, index[dst] + 1):
+            crossing[j] += nbytes
+    return crossing
+
+
+def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, schedule: str,
+                  micro: int) -> StageProblem:
+    """The integer stage problem: every unit priced on every rank, links between consecutive ranks."""
+    ranks = cluster.ranks
+    tokens = workload.batch_size * workload.prompt_len
+    crossing = crossing_bytes_per_token(graph)
+    times = 2 if workload.training else 1  # activations forward, gradients back
+    rows: dict[str, list[tuple[int, ...]]] = {k: [] for k in ("time", "stored", "peak", "send", "in", "out")}
+    for k, rank in enumerate(ranks):
+        flight = _in_flight(schedule, micro, len(ranks), k)
+        prices = _prices(graph, rank, workload)
+        rows["time"].append(tuple(_ns(p.prefill_s) for p in prices))
+        rows["stored"].append(tuple(p.weights_bytes + p.stored_other_bytes + flight * p.resident_other_bytes
+                                    for p in prices))
+        rows["peak"].append(tuple(p.workspace_bytes for p in prices))
+        last = k == len(ranks) - 1
+        link = None if last else cluster.link(rank, ranks[k + 1])
+        rows["send"].append(tuple(0 if link is None else _ns(times * link.seconds(tokens * c)) for c in crossing))
+        rows["in"].append(tuple(0 if k == 0 else flight * tokens * c for c in crossing))
+        rows["out"].append(tuple(0 if last else flight * tokens * c for c in crossing))
+    return StageProblem(time_ns=tuple(rows["time"]), stored_bytes=tuple(rows["stored"]),
+                        peak_bytes=tuple(rows["peak"]), send_ns=tuple(rows["send"]), in_bytes=tuple(rows["in"]),
+                        out_bytes=tuple(rows["out"]),
+                        capacity_bytes=tuple(r.device.usable_bytes for r in ranks))
+
+
+def _prices(graph: LayerGraph, rank: Rank, workload: Workload) -> list[Any]:
+    name = rank.device.name
+    ctx = PricingContext(graph, Machine([rank.device]), workload)
+    return [price_option(ctx, unit, name, name, "resident") for unit in graph.units()]
+
+
+def _ns(seconds: float) -> int:
+    return math.ceil(round(seconds * _NS, 3))
+
+
+def layer_count_cuts(graph: LayerGraph, n_stages: int) -> list[int]:
+    """Cuts of the usual hand split: the repeated layers shared out evenly (earlier stages take the
+    remainder), everything before the first layer on stage 0, everything after the last on the last stage.
+
+    The layers are the units of the most common module class (``LlamaDecoderLayer``); a model
+    with fewer layers than stages is cut unit by unit instead.
+    """
+    units = graph.units()
+    classes = [u.module_class for u in units]
+    layer_class = max(set(classes), key=classes.count)
+    layers = [i for i, c in enumerate(classes) if c == layer_class]
+    if len(layers) < n_stages:
+        per, extra = divmod(len(units), n_stages)
+        sizes = [per + (1 if k < extra else 0) for k in range(n_stages)]
+        return [sum(sizes[:k]) for k in range(n_stages)] + [len(units)]
+    per, extra = divmod(len(layers), n_stages)
+    starts = [layers[sum(per + (1 if j < extra else 0) for j in range(k))] for k in range(n_stages)]
+    return [0] + starts[1:] + [len(units)]
+
+
+def _cuts_time(problem: StageProblem, cuts: list[int]) -> float | None:
+    ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
+    if any(stage_memory_bytes(problem, k, a, b) > problem.capacity_bytes[k] for k, (a, b) in enumerate(ranges)):
+        return None
+    return max(stage_time_ns(problem, k, a, b) for k, (a, b) in enumerate(ranges)) / _NS
+
+
+def _stage_plan(problem: StageProblem, solution: StageSolution, k: int, rank: Rank, names: list[str]) -> StagePlan:
+    a, b = solution.ranges()[k]
+    send = problem.send_ns[k][b]
+    preset = rank.device.source.split(":", 1)[-1]
+    return StagePlan(stage=k, rank=rank.rank, host=rank.host, local_rank=rank.local_rank,
+                     device=f"{rank.device.name} ({preset})", units=tuple(names[a:b]),
+                     compute_s=(solution.stage_ns[k] - send) / _NS, send_s=send / _NS,
+                     memory_bytes=solution.stage_bytes[k], capacity_bytes=problem.capacity_bytes[k])
+
+
+def _spec_or_blank(cluster: Cluster) -> str:
+    try:
+        return cluster.to_spec()
+    except DeviceSpecError:  # measured devices have no spec; the plan still names each rank's device
+        return ""

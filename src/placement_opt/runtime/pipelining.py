@@ -1,0 +1,236 @@
+"""Run a :class:`~..distributed.pipeline_plan.PipelinePlan` on ``torch.distributed.pipelining``.
+
+:func:`pipeline` is called on every rank of a ``torchrun`` launch (the process group already
+initialised). It builds the rank's stage as an ``nn.Module`` that holds only the plan's units for
+that rank, under their original names (``model.layers.3.mlp.up_proj.weight``), so the stage's
+``state_dict`` keys are the checkpoint's. From a checkpoint directory (``save_pretrained``) the
+model is built on the meta device and only the stage's tensors are read. It wraps the module in a
+``PipelineStage`` and returns it with the plan's schedule (``ScheduleGPipe`` or ``Schedule1F1B``).
+
+A stage of a Hugging Face decoder-only model runs, in order, the units it holds among: the token
+embedding (first stage: token ids in), the decoder layers (each stage computes the rotary tables
+and the causal mask itself, from the hidden states' shape), the final norm and the output head
+(last stage: logits out). Between stages only the hidden states travel. ``use_cache`` is off: a
+pipeline runs whole sequences (forward for inference, forward + backward for training).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed.pipeline_plan import PipelinePlan
+from ..errors import DispatchError
+from .checkpoint import checkpoint_files, checkpoint_index, collect_slots, meta_model
+
+__all__ = ["pipeline", "PipelineRun", "DecoderStage", "stage_module"]
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """What :func:`pipeline` returns on one rank."""
+
+    stage: Any
+    """The rank's ``torch.distributed.pipelining.PipelineStage``."""
+    schedule: Any
+    """``ScheduleGPipe`` or ``Schedule1F1B``: call ``schedule.step(...)`` on every rank."""
+    module: DecoderStage
+    """The stage's module (its parameters: the ones to give the optimizer on this rank)."""
+    stage_index: int
+
+
+class DecoderStage(nn.Module):
+    """The units of one stage of a decoder-only model, under their original names."""
+
+    def __init__(self, model: nn.Module, units: tuple[str, ...]) -> None:
+        super().__init__()
+        self.unit_names = units
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        roles = _roles(model, decoder)
+        self._steps: list[tuple[str, str]] = []  # (role, unit name), in the plan's order
+        for name in units:
+            module = model.get_submodule(name)
+            role = roles.get(id(module))
+            if role is None:
+                raise DispatchError(f"unit {name} ({type(module).__name__}) is not a token embedding, decoder layer, "
+                                    f"rotary table, norm or output head: pipeline() runs Hugging Face decoder-only "
+                                    f"models (LlamaForCausalLM and kin); plan with those, or split the model yourself")
+            _graft(self, name, module)
+            if role != "rotary":
+                self._steps.append((role, name))
+        # Rotary tables are recomputed on every stage with layers (only hidden states travel).
+        self._rotary = getattr(decoder, "rotary_emb", None)
+        self._config = getattr(decoder, "config", None) or getattr(model, "config", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x
+        extras: dict[str, Any] | None = None
+        for role, name in self._steps:
+            module = self.get_submodule(name)
+            if role == "layer":
+                extras = extras or self._layer_inputs(hidden)
+                hidden = module(hidden, use_cache=False, **extras)
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            else:
+                hidden = module(hidden)
+        return hidden
+
+    def _layer_inputs(self, hidden: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = self._rotary.to(hidden.device) if self._rotary is not None else None
+        mask = create_causal_mask(config=self._config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        out: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
+        if rotary is not None:
+            out["position_embeddings"] = rotary(hidden, position_ids=position_ids)
+        return out
+
+
+def _roles(model: nn.Module, decoder: nn.Module | None) -> dict[int, str]:
+    if decoder is None:
+        return {}
+    roles: dict[int, str] = {}
+    for attr, role in (("embed_tokens", "embed"), ("rotary_emb", "rotary"), ("norm", "norm")):
+        if getattr(decoder, attr, None) is not None:
+            roles[id(getattr(decoder, attr))] = role
+    for layer in getattr(decoder, "layers", ()):
+        roles[id(layer)] = "layer"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        roles[id(head)] = "head"
+    return roles
+
+
+def _graft(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at dotted ``name`` under ``root``, creating empty containers on the way."""
+    *path, leaf = name.split(".")
+    node = root
+    for part in path:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    node.add_module(leaf, module)
+
+
+def stage_module(model_or_checkpoint: Any, plan: PipelinePlan, stage_index: int, *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DecoderStage:
+    """The module of stage ``stage_index``: units from ``model`` (real weights), or built on meta and read
+    from the checkpoint directory (only this stage's tensors are read)."""
+    units = plan.stages[stage_index].units
+    if isinstance(model_or_checkpoint, (str, os.PathLike)):
+        root = Path(model_or_checkpoint)
+        model = meta_model(root, dtype)
+        _check_units(model, units)
+        _load_stage(model, units, root, torch.device(device))
+    else:
+        model = model_or_checkpoint
+        _check_units(model, units)
+        if any(p.is_meta for n, p in model.named_parameters() if _covered(n, units)):
+            raise DispatchError("the model's weights are on the meta device: pass its checkpoint directory "
+                                "(model.save_pretrained(path)) so that pipeline() reads this stage's tensors")
+    module = DecoderStage(model, units).to(device)
+    if plan.workload.training and _tied_across(model, plan, stage_index):
+        raise DispatchError("the model ties weights (e.g. lm_head to embed_tokens) between stages; their gradients "
+                            "would not be summed across ranks: untie them (tie_word_embeddings=False) to train")
+    return module
+
+
+def _covered(param: str, units: tuple[str, ...]) -> bool:
+    return any(param == u or param.startswith(u + ".") for u in units)
+
+
+def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names]
+    if missing:
+        raise DispatchError(f"the plan's units {missing[:3]} are not modules of this model: plan with the same "
+                            f"model (plan_pipeline(model, ...)) that you run")
+
+
+def _load_stage(model: nn.Module, units: tuple[str, ...], root: Path, device: torch.device) -> None:
+    index = checkpoint_index(checkpoint_files(root))
+    for slot in collect_slots(model):
+        if not any(_covered(n, units) for n in slot.names):
+            continue
+        key = next((n for n in slot.names if n in index), None)
+        if key is None:
+            if not slot.tensor.is_meta:
+                continue  # a buffer computed at init (rotary tables), not in checkpoints
+            raise DispatchError(f"checkpoint {root} has no tensor {slot.names[0]}: save the model with "
+                                f"save_pretrained and plan with the same model")
+        file, name = index[key]
+        data = torch.empty(file.spans[name].shape, dtype=file.spans[name].dtype)
+        file.read_into(name, data)
+        data = data.to(device=device, dtype=slot.tensor.dtype)
+        for full in slot.names:
+            owner_name, _, attr = full.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if attr in owner._parameters:
+                owner._parameters[attr] = nn.Parameter(data, requires_grad=slot.tensor.requires_grad)
+            else:
+                owner._buffers[attr] = data
+
+
+def _tied_across(model: nn.Module, plan: PipelinePlan, stage_index: int) -> bool:
+    mine = plan.stages[stage_index].units
+    for slot in collect_slots(model):
+        owners = {k for n in slot.names for k, s in enumerate(plan.stages) if _covered(n, s.units)}
+        if len(owners) > 1 and any(_covered(n, mine) for n in slot.names):
+            return True
+    return False
+
+
+def pipeline(model_or_checkpoint: Any, plan: PipelinePlan, *, rank: int | None = None,
+             loss_fn: Callable[..., torch.Tensor] | None = None, device: str | torch.device | None = None,
+             group: Any = None, dtype: torch.dtype | None = None) -> PipelineRun:
+    """This rank's ``PipelineStage`` and schedule for ``plan``.
+
+    Example (every rank of ``torchrun --nnodes 2 --nproc-per-node 4 run.py``)::
+
+        dist.init_process_group("nccl")
+        run = placement_opt.pipeline("/ckpt/llama", plan, loss_fn=loss)
+        optimizer = torch.optim.AdamW(run.module.parameters())
+        if run.stage_index == 0:
+            run.schedule.step(input_ids)
+        elif run.stage_index == len(plan.stages) - 1:
+            run.schedule.step(target=labels, losses=losses)
+        else:
+            run.schedule.step()
+
+    Args:
+        model_or_checkpoint: a checkpoint directory written by ``save_pretrained`` (built on meta,
+            only this stage's tensors read), or the model itself with real weights.
+        plan: from :func:`placement_opt.distributed.pipeline_plan.plan_pipeline`.
+        rank: this process's global rank; default ``torch.distributed.get_rank(group)``.
+        loss_fn: ``loss_fn(output, target)`` for training steps; None for forward-only batches.
+        device: where the stage runs; default the plan's device for this rank (``cuda:<local rank>``, ``cpu``).
+        group: the process group of the pipeline; default the world.
+        dtype: the dtype to build a checkpoint's model in; default the checkpoint's.
+
+    Raises:
+        DispatchError: the world size is not the plan's stage count, the model is not a decoder-only
+            Hugging Face model, the checkpoint lacks a tensor, or tied weights span stages in training.
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    world = dist.get_world_size(group)
+    if world != len(plan.stages):
+        raise DispatchError(f"the process group has {world} ranks but the plan has {len(plan.stages)} stages: launch "
+                            f"one process per stage (torchrun --nproc-per-node ... for {len(plan.stages)} in all)")
+    rank = dist.get_rank(group) if rank is None else rank
+    stage_plan = plan.stage_of_rank(rank)
+    where = torch.device(device if device is not None else stage_plan.local_device)
+    module = stage_module(model_or_checkpoint, plan, stage_plan.stage, device=where, dtype=dtype)
+    stage = PipelineStage(module, stage_plan.stage, len(plan.stages), where, group=group)
+    kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+    schedule = kind(stage, n_microbatches=plan.n_microbatches, loss_fn=loss_fn)
+    return PipelineRun(stage=stage, schedule=schedule, module=module, stage_index=stage_plan.stage)

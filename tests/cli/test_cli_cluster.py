@@ -1,0 +1,34 @@
+"""placement-opt plan --cluster: stages per host and rank, JSON out, errors before tracing."""
+
+from __future__ import annotations
+
+import json
+
+from _cli import run_cli
+from placement_opt.distributed.pipeline_plan import PipelinePlan
+
+
+def test_plan_cluster_prints_stages_per_host_and_rank(tmp_path) -> None:
+    out = tmp_path / "pipe.json"
+    result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2,cpu)+(l4*2,cpu)@eth-25g", "--prompt", "1024",
+                     "--microbatches", "4", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "pipeline of llama-2-7b: 4 stages, 1f1b, 4 micro-batches of 1 x 1024 tokens (forward)"
+    assert "gap 0.0%, OPTIMAL" in lines[1]
+    stage_lines = [x for x in lines if x.startswith("  host ")]
+    assert [x.split(":")[0] for x in stage_lines] == [
+        "  host 0 rank 0 (cuda", "  host 0 rank 1 (cuda", "  host 1 rank 2 (cuda", "  host 1 rank 3 (cuda"]
+    assert "(l4))" in stage_lines[3] and stage_lines[0].split("): ")[1].startswith("model.embed_tokens")
+    plan = PipelinePlan.from_json(out.read_text())
+    assert plan.stages[-1].units[-1] == "lm_head" and plan.n_microbatches == 4
+    assert json.loads(out.read_text())["version"] == 1
+
+
+def test_plan_cluster_errors_are_one_line() -> None:
+    result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2")
+    assert result.exit_code != 0 and "unclosed '('" in result.output
+    result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--schedule", "1f1b", "--microbatches", "1")
+    assert result.exit_code != 0 and "n_microbatches >= 2" in result.output
+    result = run_cli("plan", "llama-2-7b")
+    assert result.exit_code != 0 and "--devices" in result.output

@@ -1,0 +1,135 @@
+"""plan_pipeline: stages over a cluster priced by the cost model, cut by the exact stage program."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import placement_opt as po
+from placement_opt.cost.workload import Workload
+from placement_opt.distributed.pipeline_plan import (
+    PipelinePlan,
+    crossing_bytes_per_token,
+    layer_count_cuts,
+    plan_pipeline,
+    stage_problem,
+)
+from placement_opt.errors import InfeasiblePlacementError, PlanFormatError, SolverInputError
+from placement_opt.model.graph import chain_graph
+from placement_opt.solver.stages import stage_time_ns
+
+MIB = 2**20
+
+
+def _decoder(layers: int = 8, layer_mib: int = 200, hidden_bytes: int = 8192, head_bytes: int = 64000):
+    """embed, a parameter-free rotary unit feeding every layer, the layers, norm, head."""
+    units = [{"name": "embed", "param_bytes": 250 * MIB, "flops_per_token": 1000, "out_bytes_per_token": hidden_bytes,
+              "module_class": "Embedding"},
+             {"name": "rotary", "out_bytes_per_token": 256, "module_class": "Rotary"}]
+    units += [{"name": f"layers.{i}", "param_bytes": layer_mib * MIB, "flops_per_token": 2 * layer_mib * MIB // 2,
+               "out_bytes_per_token": hidden_bytes, "module_class": "DecoderLayer"} for i in range(layers)]
+    units += [{"name": "norm", "param_bytes": 8192, "flops_per_token": 10_000, "out_bytes_per_token": hidden_bytes,
+               "module_class": "Norm"},
+              {"name": "head", "param_bytes": 250 * MIB, "flops_per_token": 250 * MIB, "out_bytes_per_token": head_bytes,
+               "module_class": "Linear"}]
+    chain = ["embed", *[f"layers.{i}" for i in range(layers)], "norm", "head"]
+    edges = [(a, b, hidden_bytes) for a, b in zip(chain, chain[1:], strict=False)]
+    edges += [("rotary", f"layers.{i}", 256) for i in range(layers)]
+    return chain_graph(units, edges=edges)
+
+
+def test_rotary_tables_never_cross_a_cut() -> None:
+    graph = _decoder(layers=3)
+    crossing = crossing_bytes_per_token(graph)
+    # cut j sits before unit j: embed | rotary | layers.0 ... every inner cut carries the hidden state only.
+    assert crossing == [0, 8192, 8192, 8192, 8192, 8192, 8192, 0]
+
+
+def test_a_faster_rank_gets_more_layers_and_beats_the_layer_count_split() -> None:
+    graph = _decoder()
+    plan = plan_pipeline(graph, "(h100-sxm)+(t4)@ib-200g", Workload(batch_size=1, prompt_len=1024))
+    fast, slow = (sum(u.startswith("layers.") for u in s.units) for s in plan.stages)
+    assert fast > slow
+    assert plan.layer_count_s is not None and plan.objective_s < plan.layer_count_s
+    assert plan.bound_s == plan.objective_s and plan.gap == 0.0 and plan.status == "OPTIMAL"
+    assert [s.host for s in plan.stages] == [0, 1] and plan.stages[1].device == "cuda:0 (t4)"
+    assert plan.stages[1].local_device == "cuda:0"
+
+
+def test_the_network_is_priced_between_hosts_only() -> None:
+    graph = _decoder()
+    workload = Workload(batch_size=1, prompt_len=1024)
+    one_host = plan_pipeline(graph, "(a10*2)@eth-10g", workload)
+    two_hosts = plan_pipeline(graph, "2x(a10)@eth-10g", workload)
+    assert one_host.stages[0].send_s < two_hosts.stages[0].send_s
+    # 1024 tokens x 8192 bytes over 1 GB/s + 50 us, once (forward only)
+    assert two_hosts.stages[0].send_s == pytest.approx(1024 * 8192 / 1e9 + 50e-6, rel=1e-6)
+    train = plan_pipeline(graph, "2x(a10)@eth-10g", dataclasses.replace(workload, training=True, optimizer="sgd"))
+    assert train.stages[0].send_s == pytest.approx(2 * two_hosts.stages[0].send_s, rel=1e-6)
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight_1f1b_does_not() -> None:
+    graph = _decoder(layers=4, layer_mib=100, hidden_bytes=512, head_bytes=512)
+    workload = Workload(batch_size=4, prompt_len=2048, training=True, optimizer="sgd")
+    roomy = "2x(l4)@ib-100g"
+    one_f = plan_pipeline(graph, roomy, workload, schedule="1f1b", n_microbatches=16)
+    gpipe = plan_pipeline(graph, roomy, workload, schedule="gpipe", n_microbatches=16)
+    peak_1f, peak_gp = (max(s.memory_bytes for s in p.stages) for p in (one_f, gpipe))
+    # 16 micro-batches' saved activations (8192 tokens x 512 bytes x 17 per layer each) against 2.
+    assert peak_gp - peak_1f > 14 * 8192 * 512 * 17
+    between = (peak_1f + peak_gp) // 2 + 2**30  # + the GPU's 1 GiB reserve
+    tight = f"2x(l4={between})@ib-100g"
+    assert max(s.memory_bytes for s in plan_pipeline(graph, tight, workload, n_microbatches=16).stages) <= between
+    with pytest.raises(InfeasiblePlacementError, match="stage|split"):
+        plan_pipeline(graph, tight, workload, schedule="gpipe", n_microbatches=16)
+
+
+def test_solve_with_a_cluster_is_the_pipeline_plan_and_round_trips() -> None:
+    graph = _decoder()
+    cluster = po.Cluster.from_spec("(a100-40gb*2)+(l4*2)@ib-100g")
+    plan = po.solve(graph, cluster, "throughput", workload=Workload(prompt_len=256))
+    assert plan == plan_pipeline(graph, cluster, Workload(prompt_len=256))
+    assert plan.n_microbatches == 4 and plan.schedule == "1f1b"
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+    assert plan.stage_of_rank(3).units[-1] == "head"
+    with pytest.raises(SolverInputError, match="objective='throughput'"):
+        po.solve(graph, cluster)
+    with pytest.raises(PlanFormatError, match="not a pipeline plan"):
+        PipelinePlan.from_json('{"version": 1}')
+
+
+def test_bad_arguments() -> None:
+    graph = _decoder(layers=1)
+    with pytest.raises(SolverInputError, match="schedule"):
+        plan_pipeline(graph, "(a10*2)", schedule="zb")
+    with pytest.raises(SolverInputError, match="n_microbatches >= 2"):
+        plan_pipeline(graph, "(a10*2)", n_microbatches=1)
+    with pytest.raises(SolverInputError, match="5 units but the cluster has 8 ranks"):
+        plan_pipeline(graph, "(a10*8)")
+
+
+def test_layer_count_cuts_share_the_layers_evenly() -> None:
+    graph = _decoder(layers=10)
+    cuts = layer_count_cuts(graph, 4)
+    names = graph.names()
+    per_stage = [sum(n.startswith("layers.") for n in names[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    assert per_stage == [3, 3, 2, 2] and names[cuts[0]] == "embed" and cuts[-1] == len(names)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["h100-sxm", "a100-40gb", "l4", "t4", "a10"]), min_size=2, max_size=4),
+       st.integers(1, 4), st.booleans())
+def test_the_plan_is_never_slower_than_the_layer_count_split(gpus: list[str], batch: int, gpipe: bool) -> None:
+    graph = _decoder(layers=6)
+    spec = "+".join(f"({g})" for g in gpus) + "@eth-25g"
+    workload = Workload(batch_size=batch, prompt_len=512)
+    schedule = "gpipe" if gpipe else "1f1b"
+    plan = plan_pipeline(graph, spec, workload, schedule=schedule)
+    problem = stage_problem(graph, po.Cluster.from_spec(spec), workload, schedule, len(gpus))
+    even = layer_count_cuts(graph, len(gpus))
+    even_s = max(stage_time_ns(problem, k, a, b) for k, (a, b) in enumerate(zip(even[:-1], even[1:], strict=True)))
+    assert plan.objective_s <= even_s / 1e9 + 1e-12
+    assert [u for s in plan.stages for u in s.units] == graph.names()

@@ -1,0 +1,71 @@
+"""Stage modules in one process: chained, they are the model; only a stage's tensors are read."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from placement_opt.cost.workload import Workload  # noqa: E402
+from placement_opt.distributed.pipeline_plan import plan_pipeline  # noqa: E402
+from placement_opt.errors import DispatchError  # noqa: E402
+from placement_opt.runtime.pipelining import stage_module  # noqa: E402
+
+
+def _llama(tie: bool = False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_stages_chained_are_the_model(tmp_path, ranks: int) -> None:
+    model = _llama()
+    model.save_pretrained(tmp_path)
+    plan = plan_pipeline(model, f"(cpu*{ranks})", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        for source in (model, tmp_path):
+            x = ids
+            for k in range(ranks):
+                x = stage_module(source, plan, k)(x)
+            torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_holds_only_its_units_under_their_names(tmp_path) -> None:
+    model = _llama()
+    model.save_pretrained(tmp_path)
+    plan = plan_pipeline(model, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    first = stage_module(tmp_path, plan, 0)
+    names = set(dict(first.named_parameters()))
+    units = plan.stages[0].units
+    assert names and all(any(n.startswith(u + ".") for u in units) for n in names)
+    assert not any(p.is_meta for p in first.parameters())
+    reference = dict(model.named_parameters())
+    for name, param in first.named_parameters():
+        torch.testing.assert_close(param, reference[name])
+
+
+def test_meta_models_and_tied_training_are_refused(tmp_path) -> None:
+    with torch.device("meta"):
+        meta = _llama()
+    plan = plan_pipeline(meta, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    with pytest.raises(DispatchError, match="meta device: pass its checkpoint directory"):
+        stage_module(meta, plan, 0)
+    tied = _llama(tie=True)
+    train = plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8, training=True), schedule="gpipe")
+    with pytest.raises(DispatchError, match="ties weights"):
+        stage_module(tied, train, 0)
+    infer = plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    assert stage_module(tied, infer, 1) is not None  # two copies are right for inference
+
+
+def test_a_model_without_decoder_roles_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    plan = plan_pipeline(model, "(cpu*2)", Workload(batch_size=1, prompt_len=4), schedule="gpipe")
+    with pytest.raises(DispatchError, match="decoder-only"):
+        stage_module(model, plan, 0)
