@@ -67,13 +67,13 @@ def test_generate_keeps_the_last_logits_only() -> None:
     head = graph.unit("head")
     generation = Workload(batch_size=2, prompt_len=10, new_tokens=5)
     forward = Workload(batch_size=2, prompt_len=10, new_tokens=5, logits="all")
-    assert generation.logits == "last"
+    assert generation.logits_kept == "last"
     sampling = 2 * 2 * 100 * 4  # generate()'s 2 float32 copies of 100 logits, per sequence
     assert workspace_bytes(head, forward, graph.meta) == 20 * 1000 + sampling + GEMM
     # 200 logit bytes per position kept for 2 positions instead of 20
     assert workspace_bytes(head, generation, graph.meta) == 20 * 1000 - 18 * 200 + sampling + GEMM
     single = Workload(batch_size=2, prompt_len=10, new_tokens=0)  # a plain forward: every logit, no sampling
-    assert single.logits == "all" and workspace_bytes(head, single, graph.meta) == 20 * 1000 + GEMM
+    assert single.logits_kept == "all" and workspace_bytes(head, single, graph.meta) == 20 * 1000 + GEMM
     assert workspace_bytes(graph.unit("layer"), generation, graph.meta) == workspace_bytes(
         graph.unit("layer"), forward, graph.meta)  # only the logits unit changes
 
@@ -127,9 +127,9 @@ def test_workload_round_trips_and_resolves_its_logits(shape, training: bool, log
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new, training=training, logits=logits)
     assert Workload.from_dict(workload.to_dict()) == workload
     expected = logits or ("all" if training or new == 0 else "last")
-    assert workload.logits == expected
+    assert workload.logits_kept == expected
     older = {k: v for k, v in workload.to_dict().items() if k != "logits"}  # written before the field existed
-    assert Workload.from_dict(older).logits == ("all" if training or new == 0 else "last")
+    assert Workload.from_dict(older).logits_kept == ("all" if training or new == 0 else "last")
 
 
 def test_unknown_logits_are_refused() -> None:
@@ -172,3 +172,10 @@ def test_batch_16_grid_cells_are_not_infeasible_because_of_logits(model: str) ->
     plan = solve(graph, machine, workload=workload, time_limit_s=5)
     assert plan.cost.fits, [v.message for v in plan.cost.violations]
     assert time.perf_counter() - start < 120
+
+
+def test_an_unset_logits_follows_a_replaced_workload() -> None:
+    # Kept unresolved: turning a generation workload into a training step must not trip the 'last' check.
+    generation = Workload(prompt_len=64, new_tokens=8)
+    training = dataclasses.replace(generation, training=True)
+    assert (generation.logits_kept, training.logits_kept) == ("last", "all")

@@ -57,7 +57,7 @@ def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
 
 def logits_kept(workload: Workload) -> str:
     """``"last"`` when the prefill computes only the last position's logits (``generate``), else ``"all"``."""
-    return workload.logits or ("all" if workload.training or workload.new_tokens == 0 else "last")
+    return workload.logits_kept
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
     60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (6 MiB on the CPU).
     """
-    last = workload.logits == "last" and unit.name == meta.extra.get("logits_unit")
+    last = workload.logits_kept == "last" and unit.name == meta.extra.get("logits_unit")
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR

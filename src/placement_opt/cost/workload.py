@@ -79,8 +79,8 @@ class Workload:
     """Training only: keep only unit inputs and recompute the rest in the backward."""
     logits: str | None = None
     """Positions whose logits the prefill computes: ``"last"`` (``generate()``, which asks for the last
-    position only) or ``"all"`` (a plain forward, scoring, training). Default (None): ``"all"`` for training
-    and single forwards (``new_tokens=0``), ``"last"`` for generation; the resolved value is stored."""
+    position only) or ``"all"`` (a plain forward, scoring, training). Default (None): follows the workload,
+    see :attr:`logits_kept`; kept unresolved so that ``dataclasses.replace(w, training=True)`` follows too."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len"):
@@ -102,13 +102,21 @@ class Workload:
 
     def _resolve_logits(self) -> None:
         if self.logits is None:
-            object.__setattr__(self, "logits", "all" if self.training or self.new_tokens == 0 else "last")
-        elif self.logits not in LOGITS:
+            return
+        if self.logits not in LOGITS:
             raise WorkloadError(f"Workload.logits is {self.logits!r}: accepted are 'last' (generate(): the last "
                                 f"position only) and 'all' (a plain forward, scoring, training)")
         elif self.training and self.logits == "last":
             raise WorkloadError("Workload.logits is 'last' for a training step, whose loss reads every position's "
                                 "logits: leave logits unset or give 'all'")
+
+    @property
+    def logits_kept(self) -> str:
+        """``logits`` resolved: as given, else ``"all"`` for training and single forwards (``new_tokens=0``)
+        and ``"last"`` for generation."""
+        if self.logits is not None:
+            return self.logits
+        return "all" if self.training or self.new_tokens == 0 else "last"
 
     @property
     def context_len(self) -> int:
