@@ -104,7 +104,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         pins: accelerate vocabulary, ``{"lm_head": "cuda:1", "model.embed_tokens": "cpu",
             "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed.
         time_limit_s: wall-clock limit of everything after tracing: pricing, baselines and the CP-SAT
-            search, which gets what is left (at least a quarter of the limit).
+            search, which gets what is left (at least 0.2 s: a limit already spent on pricing is
+            overrun by that much).
         seed: CP-SAT's random seed.
         contiguous: each device stores one contiguous range of units (pipeline stages).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
