@@ -445,10 +445,12 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
               "step from evicted files through `dispatch` for placement_opt, through accelerate's `dispatch_model` for "
               "accelerate, less the resident step); before: the profile's memory-mapped read rate (x "
               "`MAPPED_READ_FACTOR` for accelerate).",
-              "- RSS growth is measured in the first forward after dispatch (later ones reuse what the allocator "
-              "kept); it includes one-time allocations (kernel caches) and the pages of memory-mapped disk weights "
-              "faulted in, which the predicted CPU extra (KV cache + workspace + stream buffers, "
-              "`predicted_memory(...)['cpu']` less its weights) does not count."]
+              "- RSS growth is sampled in the first forward after each dispatch, in one process for every row: the "
+              "allocator keeps what earlier rows freed, so resident rows read 0 and the column is NOT a validation "
+              "of the predicted peak (that needs a fresh process per row: `benchmarks/cost_accuracy/memory.py`, "
+              "table in MEMORY.md). It also includes the pages of memory-mapped disk weights faulted in, which the "
+              "predicted CPU extra (KV cache + workspace + stream buffers, `predicted_memory(...)['cpu']` less its "
+              "weights) does not count."]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(out.read_text())
 
