@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from placement_opt.cost.evaluate import evaluate, predicted_memory
 from placement_opt.cost.memory import (
-    CPU_GEMM_WORKSPACE_BYTES as GEMM,
+    CPU_GEMM_WORKSPACE_BYTES,
+    CUBLAS_WORKSPACE_BYTES,
+    WORKSPACE_FACTOR,
+    workspace_bytes,
 )
-from placement_opt.cost.memory import CUBLAS_WORKSPACE_BYTES, WORKSPACE_FACTOR, workspace_bytes
 from placement_opt.cost.workload import Workload
 from placement_opt.errors import WorkloadError
 from placement_opt.hardware.devices import Device, Machine
@@ -32,6 +34,11 @@ HEAD = {"name": "head", "out_bytes_per_token": 200, "workspace_bytes_per_token":
         "scores_workspace_bytes_per_token_ctx": 0}
 
 
+def gemm(unit) -> int:
+    """MKL's packing buffers charged on the CPU: a few MiB, at most the unit's weights."""
+    return min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+
+
 def graph_with(attention: str | None) -> LayerGraph:
     graph = chain_graph([LAYER, HEAD], dtype="float16")
     extra = {"logits_unit": "head"} | ({"attn_implementation": attention} if attention else {})
@@ -43,12 +50,12 @@ def test_both_moments_are_priced_at_the_workload_shape_by_hand() -> None:
     layer = eager.unit("layer")
     short = Workload(batch_size=2, prompt_len=10, new_tokens=5)
     # prefill, 2 x 10 tokens: MLP moment 20 x (1000 + 2 x 10) = 20,400; score moment 20 x (400 + 50 x 10) = 18,000
-    assert workspace_bytes(layer, short, eager.meta) == 20_400 + GEMM  # + MKL's packing buffers
+    assert workspace_bytes(layer, short, eager.meta) == 20_400 + gemm(layer)  # + MKL's packing buffers
     long = Workload(batch_size=2, prompt_len=100, new_tokens=5)
     # at 100 tokens the scores win: 200 x (400 + 50 x 100) = 1,080,000 (MLP moment: 200 x 1,200 = 240,000)
-    assert workspace_bytes(layer, long, eager.meta) == 1_080_000 + GEMM
+    assert workspace_bytes(layer, long, eager.meta) == 1_080_000 + gemm(layer)
     # sdpa holds no scores: the larger per-token figure alone, 200 x 1,000
-    assert workspace_bytes(sdpa.unit("layer"), long, sdpa.meta) == 200_000 + GEMM
+    assert workspace_bytes(sdpa.unit("layer"), long, sdpa.meta) == 200_000 + gemm(sdpa.unit("layer"))
     # on a GPU, cuBLAS's workspace instead of MKL's
     assert workspace_bytes(layer, long, eager.meta, on_gpu=True) == 1_080_000 + CUBLAS_WORKSPACE_BYTES
 
@@ -59,7 +66,7 @@ def test_decode_holds_one_layer_of_kv_cache_twice() -> None:
     # prompt 1, 1,000 new tokens: prefill 4 x 1 x 1,000 = 4,000; decode at context 1,001:
     # 4 x 1,000 activations + the concatenated copy of this layer's cache 4 x 1,001 x 100
     workload = Workload(batch_size=4, prompt_len=1, new_tokens=1000)
-    assert workspace_bytes(layer, workload, graph.meta) == 4_000 + 400_400 + GEMM
+    assert workspace_bytes(layer, workload, graph.meta) == 4_000 + 400_400 + gemm(layer)
 
 
 def test_generate_keeps_the_last_logits_only() -> None:
@@ -69,11 +76,11 @@ def test_generate_keeps_the_last_logits_only() -> None:
     forward = Workload(batch_size=2, prompt_len=10, new_tokens=5, logits="all")
     assert generation.logits_kept == "last"
     sampling = 2 * 2 * 100 * 4  # generate()'s 2 float32 copies of 100 logits, per sequence
-    assert workspace_bytes(head, forward, graph.meta) == 20 * 1000 + sampling + GEMM
+    assert workspace_bytes(head, forward, graph.meta) == 20 * 1000 + sampling + gemm(head)
     # 200 logit bytes per position kept for 2 positions instead of 20
-    assert workspace_bytes(head, generation, graph.meta) == 20 * 1000 - 18 * 200 + sampling + GEMM
+    assert workspace_bytes(head, generation, graph.meta) == 20 * 1000 - 18 * 200 + sampling + gemm(head)
     single = Workload(batch_size=2, prompt_len=10, new_tokens=0)  # a plain forward: every logit, no sampling
-    assert single.logits_kept == "all" and workspace_bytes(head, single, graph.meta) == 20 * 1000 + GEMM
+    assert single.logits_kept == "all" and workspace_bytes(head, single, graph.meta) == 20 * 1000 + gemm(head)
     assert workspace_bytes(graph.unit("layer"), generation, graph.meta) == workspace_bytes(
         graph.unit("layer"), forward, graph.meta)  # only the logits unit changes
 
@@ -85,7 +92,7 @@ def test_moe_experts_on_a_gpu_gather_the_chosen_experts_weights_at_decode() -> N
     workload = Workload(batch_size=16, prompt_len=1, new_tokens=4)
     cpu = workspace_bytes(unit, workload, graph.meta)
     gpu = workspace_bytes(unit, workload, graph.meta, on_gpu=True)
-    assert gpu - cpu == CUBLAS_WORKSPACE_BYTES - GEMM + 16 * 2 * 10**6  # 32 (token, expert) pairs x 1 MB
+    assert gpu - cpu == CUBLAS_WORKSPACE_BYTES - gemm(unit) + 16 * 2 * 10**6  # 32 (token, expert) pairs x 1 MB
 
 
 def test_graphs_without_figures_keep_the_old_factor() -> None:

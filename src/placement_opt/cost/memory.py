@@ -71,7 +71,8 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 #: The CPU's matmul scratch: MKL's sgemm packs panels of each operand into buffers of its own (freed after
 #: the call, so never a live tensor): 5.0 MiB measured per intra-op thread for a weight of 8192 or more
 #: output features (1.4 MiB at 1376), torch 2.13 / MKL 2024.2, AVX2. Charged for one thread: the Device has no
-#: thread count, so each further thread's ~5 MiB is not charged (benchmarks/cost_accuracy/memory.py).
+#: thread count, so each further thread's ~5 MiB is not charged (benchmarks/cost_accuracy/memory.py). Capped
+#: at the unit's weight bytes (:func:`_cpu_gemm_scratch`).
 CPU_GEMM_WORKSPACE_BYTES = 6 * 2**20
 
 #: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
@@ -98,8 +99,14 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
-    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else CPU_GEMM_WORKSPACE_BYTES
+    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else _cpu_gemm_scratch(unit)
     return _activation_bytes(unit, workload, meta, last, on_gpu) + scratch
+
+
+def _cpu_gemm_scratch(unit: UnitInfo) -> int:
+    """MKL packs panels of a matmul's weight: a few MiB at most and, for the tiny units of tests and toy
+    models, no more than the unit's weights."""
+    return min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
 
 
 def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool) -> int:
