@@ -184,8 +184,9 @@ class AggregateModel:
             self.model.add(n >= f)
             flags[o, ""] = f
         execs = {self.p.units[u].options[self.hint[u]].execution for u in range(self.items[t][0], self.items[t][1] + 1)}
+        options = list(flags.items())  # before the (-1, d) keys go in: -1 would index the last option
         for d in self._devices():
-            on = [f for (o, _), f in flags.items() if self._options(t)[o].execution == d]
+            on = [f for (o, _), f in options if self._options(t)[o].execution == d]
             g = self._hinted(self.model.new_bool_var(f"computes[{t},{d}]"), int(d in execs))
             for f in on:
                 self.model.add(g >= f)
