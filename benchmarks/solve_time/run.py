@@ -343,6 +343,9 @@ def summary(cells: list[Cell]) -> dict:
         "median_wall_s": statistics.median(walls) if walls else 0.0, "worst_wall_s": max(walls, default=0.0),
         "over_limit": sum(c.first.wall_s > c.limit_s + 0.5 for c in cells),
         "worst_gap_at_1s": max((c.first.gap for c in planned if c.first.gap is not None), default=0.0),
+        # A bound above its own plan's value is a wrong bound (it is never clamped): must stay 0.
+        "bound_above_value": sum(r.gap is not None and r.gap < -1e-9 for c in cells for r in (c.first, c.again)
+                                 if r is not None),
     }
 
 
@@ -352,7 +355,7 @@ def _summary_lines(s: dict, label: str) -> list[str]:
         f"| {label} | {s['cells']} | {s['with_plan']} | {s['proven_infeasible']} | {s['no_plan']} "
         f"| {s['within_1pct_at_1s']}/{s['feasible']} ({s['within_1pct_at_1s'] / feasible:.1%}) "
         f"| {s['rest_within_1pct_at_5s']}/{s['rest']} | {s['median_wall_s']:.2f} | {s['worst_wall_s']:.2f} "
-        f"| {s['over_limit']} | {s['worst_gap_at_1s']:.1%} |"]
+        f"| {s['over_limit']} | {s['worst_gap_at_1s']:.1%} | {s.get('bound_above_value', '-')} |"]
 
 
 def _code() -> str:
@@ -370,8 +373,9 @@ def _code() -> str:
 
 def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: dict | None) -> str:
     head = ["| run | cells | with a plan | proven infeasible | no plan | within 1 % at the limit (of feasible) "
-            "| rest within 1 % at 5 s | median wall s | worst wall s | walls > limit + 0.5 s | worst gap at the limit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| rest within 1 % at 5 s | median wall s | worst wall s | walls > limit + 0.5 s | worst gap at the limit "
+            "| bounds above their plan's value (wrong bounds) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     head += _summary_lines(meta["summary"], "this run")
     if before_meta is not None:
         keys = {c.key for c in cells}
