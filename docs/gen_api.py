@@ -182,7 +182,8 @@ def _module_section(module_name: str, role: str) -> list[str]:
         elif callable(obj):
             lines += [f"### `{name}{_signature(obj)}`", "", _doc(obj), ""]
         else:
-            text = repr(obj)
+            # Sets print in hash order, which changes between runs: sorted, the page is reproducible.
+            text = f"{type(obj).__name__}({sorted(obj)!r})" if isinstance(obj, (set, frozenset)) else repr(obj)
             text = text if len(text) < 300 else text[:300] + " ..."
             lines += [f"### `{name}`", "", f"`{text}`", ""]
     return lines
