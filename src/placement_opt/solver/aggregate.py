@@ -29,7 +29,8 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .cpsat import DETERMINISTIC_TIME_PER_S
+from ._counted import CountedRelaxation
+from .cpsat import add_capacity_row
 from .problem import EdgeSpec, PlacementOption, PlacementProblem
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
@@ -91,7 +92,7 @@ def identical_runs(problem: PlacementProblem, min_interior: int | None = None) -
     return [(r[1], r[-2]) for r in runs if len(r) - 2 >= min_interior]
 
 
-class AggregateModel:
+class AggregateModel(CountedRelaxation):
     """The relaxation of one problem with each run interior as counts (see the module docstring)."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int],
@@ -203,14 +204,9 @@ class AggregateModel:
 
     def _constraints(self) -> None:
         self.peak = {d: self._peak(d) for d in self._devices()}
+        terms = self._terms()
         for dev in self.p.devices:
-            terms = [self.peak[dev.name]]
-            for opt, var in self._terms():
-                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
-                       (opt.resident_bytes if opt.execution == dev.name else 0)
-                if size:
-                    terms.append(size * var)
-            self.model.add(sum(terms) <= dev.capacity_bytes)
+            add_capacity_row(self.model, dev, self.peak[dev.name], terms)
         for u, d in self.p.pins.items():  # pinned units are never in a run: their item is the unit
             t = self.item_of[self.index[u]]
             for o, v in self.vars[t].items():
@@ -246,9 +242,6 @@ class AggregateModel:
         steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
         return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
 
-    def _t(self, ns: int) -> int:
-        return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
-
     def _transfer(self, ph: str, costs: dict, src: dict[str, Any], dst: dict[str, Any], name: str) -> Any:
         # xfer >= sum_q c(p, q) dst[q] - max_q c(p, q) (1 - src[p]), one row per p (src and dst sum to 1).
         costs = {pq: self._t(c) for pq, c in costs.items() if pq[0] != pq[1] and self._t(c) > 0}
@@ -271,7 +264,7 @@ class AggregateModel:
             return 0
         return cheapest * (sum(self.used[t][-1, d] for d in self._devices()) - 1)
 
-    def _phase_latency(self, ph: str) -> Any:
+    def _phase(self, ph: str) -> Any:
         # Items in order; an item ends at max(arrivals) + its work (+ the interior's own transfers).
         ends: list[Any] = []
         incoming: dict[int, list[tuple[int, EdgeSpec]]] = {}
@@ -305,45 +298,6 @@ class AggregateModel:
         return lat
 
     # -- objective, solve, read -----------------------------------------------------------------
-    def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
-        """The same goals as :meth:`.cpsat.PlacementModel.minimize`; ``slack`` is the latency's rounding
-        slack in solver units, added to the memory objective's latency cap."""
-        if objective == "throughput":
-            stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
-                                                  for u in self.p.units for o in u.options), "stage")
-            for dev in self._devices():
-                work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * v for o, v in self._terms(dev)]
-                if work:
-                    self.model.add(stage >= sum(work))
-            self.goal = stage
-            return
-        latency = self._phase_latency("prefill_ns") + self._phase_latency("decode_ns")
-        if objective == "latency":
-            self.goal = latency
-            return
-        assert latency_cap_ns is not None, "the memory objective needs a latency cap"
-        self.model.add(latency <= latency_cap_ns // self.scale + (slack if self.scale > 1 else 0))
-        gpus = set(self.p.gpu_names())
-        terms: list[Any] = [self.peak[g] for g in sorted(gpus)]
-        for opt, var in self._terms():
-            size = (opt.stored_bytes if opt.storage in gpus else 0) + (opt.resident_bytes if opt.execution in gpus else 0)
-            if size:
-                terms.append(size * var)
-        self.goal = sum(terms)
-
-    def solve(self, time_limit_s: float, seed: int, workers: int, gap_limit: float) -> tuple[cp_model.CpSolver, Any]:
-        self.model.minimize(self.goal)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        if workers == 1:
-            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
-        solver.parameters.random_seed = seed
-        solver.parameters.num_workers = workers
-        solver.parameters.relative_gap_limit = gap_limit
-        solver.parameters.cp_model_probing_level = 0  # as the full model: presolve passes can eat the budget
-        solver.parameters.max_presolve_iterations = 1
-        return solver, solver.solve(self.model)
-
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """An assignment: singles as solved, each interior in one block per device, first and last at the ends."""
         choice: list[int] = []

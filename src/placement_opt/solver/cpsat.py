@@ -35,9 +35,9 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .problem import PlacementOption, PlacementProblem
+from .problem import DeviceSpec, PlacementOption, PlacementProblem
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime"]
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
@@ -259,16 +259,10 @@ class PlacementModel:
 
     def _capacity_rows(self) -> None:
         # Stored + resident + peak bytes on every device stay within its capacity.
+        terms = self._terms()
         for dev in self.p.devices:
-            peak = self._peak(dev.name)
-            self.peak[dev.name] = peak
-            terms = [peak]
-            for opt, var in self._terms():
-                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
-                       (opt.resident_bytes if opt.execution == dev.name else 0)
-                if size:
-                    terms.append(size * var)
-            self.model.add(sum(terms) <= dev.capacity_bytes)
+            self.peak[dev.name] = self._peak(dev.name)
+            add_capacity_row(self.model, dev, self.peak[dev.name], terms)
 
     def _tied_groups_share_storage(self) -> None:
         # Units holding tied parameters store them on one device.
@@ -413,13 +407,7 @@ class PlacementModel:
         self.model.minimize(self.goal)
         for var, value in self.hints:
             self.model.add_hint(var, value)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        if workers == 1:  # reproducible: the deterministic budget, not the clock, ends the search
-            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
-        solver.parameters.random_seed = seed
-        solver.parameters.num_workers = workers
-        solver.parameters.relative_gap_limit = gap_limit
+        solver = new_solver(time_limit_s, seed, workers, gap_limit)
         if len(self.counts) > len(self.p.units) // 2:
             # Mostly distinct units (random or module-level graphs): no count variables tighten the
             # LP, and the full linearization (max_lp) proves gaps that default_lp does not reach in
@@ -427,8 +415,6 @@ class PlacementModel:
             # (the only one with 1 or 2 workers; LNS shares the second worker). Measured with one
             # worker on benchmarks/solve_time: 23/26 runs <= 1 % gap against 21/26 without it.
             solver.parameters.subsolvers.append("max_lp")
-        solver.parameters.cp_model_probing_level = 0  # probing and repeated presolve passes can eat
-        solver.parameters.max_presolve_iterations = 1  # most of a 1 s budget before the hint is loaded
         return solver, solver.solve(self.model)
 
     # -- read the solution --------------------------------------------------------------------
@@ -436,3 +422,33 @@ class PlacementModel:
         """The option index of every unit in the solver's best solution."""
         return [next(o for o, _ in self._opts(u) if solver.boolean_value(self.x[u, o]))
                 for u in range(len(self.p.units))]
+
+
+def new_solver(time_limit_s: float, seed: int, workers: int, gap_limit: float) -> cp_model.CpSolver:
+    """A CP-SAT solver with the settings every model here runs under (the full one and the relaxations)."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    if workers == 1:  # reproducible: the deterministic budget, not the clock, ends the search
+        solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    solver.parameters.relative_gap_limit = gap_limit
+    solver.parameters.cp_model_probing_level = 0  # probing and repeated presolve passes can eat
+    solver.parameters.max_presolve_iterations = 1  # most of a 1 s budget before the hint is loaded
+    return solver
+
+
+def add_capacity_row(model: cp_model.CpModel, device: DeviceSpec, peak: Any,
+                     terms: Sequence[tuple[PlacementOption, Any]]) -> None:
+    """Stored + resident + peak bytes on ``device`` stay within its capacity.
+
+    ``terms``: (option, how many units use it) pairs, a 0/1 variable in the full model and a count in
+    the relaxations; ``peak``: the device's transient peak bytes.
+    """
+    row = [peak]
+    for opt, n in terms:
+        size = (opt.stored_bytes if opt.storage == device.name else 0) + \
+               (opt.resident_bytes if opt.execution == device.name else 0)
+        if size:
+            row.append(size * n)
+    model.add(sum(row) <= device.capacity_bytes)

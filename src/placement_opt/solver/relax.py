@@ -31,8 +31,9 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from ._counted import CountedRelaxation
 from .aggregate import most_beside_peak
-from .cpsat import DETERMINISTIC_TIME_PER_S
+from .cpsat import add_capacity_row
 from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "PEAK_STEP"]
@@ -97,7 +98,7 @@ def critical_path(problem: PlacementProblem, choice: Sequence[int]) -> list[int]
     return path[::-1]
 
 
-class GroupModel:
+class GroupModel(CountedRelaxation):
     """The relaxation of one problem with each group of identical units as counts (module docstring)."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int], groups: list[list[int]],
@@ -159,14 +160,9 @@ class GroupModel:
         return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
 
     def _capacities(self) -> None:
+        terms = self._terms()
         for dev in self.p.devices:
-            terms = [self.peak[dev.name]]
-            for opt, n in self._terms():
-                size = (opt.stored_bytes if opt.storage == dev.name else 0) + \
-                       (opt.resident_bytes if opt.execution == dev.name else 0)
-                if size:
-                    terms.append(size * n)
-            self.model.add(sum(terms) <= dev.capacity_bytes)
+            add_capacity_row(self.model, dev, self.peak[dev.name], terms)
 
     def _stored(self, u: int, d: str) -> Any:
         k = next(k for k, g in enumerate(self.groups) if g == [u])  # pinned and tied units are alone
@@ -181,9 +177,6 @@ class GroupModel:
                 for d in (dev.name for dev in self.p.devices):
                     self.model.add(self._stored(index[group[0]], d) == self._stored(index[name], d))
 
-    def _t(self, ns: int) -> int:
-        return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
-
     def _phase(self, ph: str) -> Any:
         # lat >= every device's work, and >= the work of the groups lying wholly on the path.
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
@@ -196,43 +189,6 @@ class GroupModel:
         if spine:
             self.model.add(lat >= sum(spine))
         return lat
-
-    def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
-        """The goals of :meth:`.cpsat.PlacementModel.minimize`; ``slack``: the latency's rounding slack."""
-        if objective == "throughput":
-            stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
-                                                  for u in self.p.units for o in u.options), "stage")
-            for dev in {o.execution for u in self.p.units for o in u.options}:
-                self.model.add(stage >= sum((self._t(o.prefill_ns) + self._t(o.decode_ns)) * n
-                                            for o, n in self._terms(dev)))
-            self.goal = stage
-            return
-        latency = self._phase("prefill_ns") + self._phase("decode_ns")
-        if objective == "latency":
-            self.goal = latency
-            return
-        assert latency_cap_ns is not None, "the memory objective needs a latency cap"
-        self.model.add(latency <= latency_cap_ns // self.scale + (slack if self.scale > 1 else 0))
-        gpus = set(self.p.gpu_names())
-        terms: list[Any] = [self.peak[g] for g in sorted(gpus)]
-        for opt, n in self._terms():
-            size = (opt.stored_bytes if opt.storage in gpus else 0) + (opt.resident_bytes if opt.execution in gpus else 0)
-            if size:
-                terms.append(size * n)
-        self.goal = sum(terms)
-
-    def solve(self, time_limit_s: float, seed: int, workers: int, gap_limit: float) -> tuple[cp_model.CpSolver, Any]:
-        self.model.minimize(self.goal)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        if workers == 1:  # reproducible, as the full model (cpsat.DETERMINISTIC_TIME_PER_S)
-            solver.parameters.max_deterministic_time = max(0.01, time_limit_s) * DETERMINISTIC_TIME_PER_S
-        solver.parameters.random_seed = seed
-        solver.parameters.num_workers = workers
-        solver.parameters.relative_gap_limit = gap_limit
-        solver.parameters.cp_model_probing_level = 0  # as the full model: presolve passes can eat the budget
-        solver.parameters.max_presolve_iterations = 1
-        return solver, solver.solve(self.model)
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """Each group's options handed out in unit order, one execution device after another."""
