@@ -30,7 +30,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
-from .cpsat import add_capacity_row
+from .cpsat import add_capacity_row, peak_levels
 from .problem import EdgeSpec, PlacementOption, PlacementProblem
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
@@ -227,20 +227,11 @@ class AggregateModel(CountedRelaxation):
         return sum(v for o, v in self.vars[t].items() if self._options(t)[o].storage == d)
 
     def _peak(self, dev: str) -> Any:
-        # z[d, j] is 1 if some unit computed on d has peak_bytes >= level j; peak = sum of the steps.
-        levels = sorted({opt.peak_bytes for opt, _ in self._terms(dev) if opt.peak_bytes > 0})
-        z = [self.model.new_bool_var(f"z[{dev},{j}]") for j in range(len(levels))]
-        for a, b in itertools.pairwise(z):
-            self.model.add_implication(b, a)
-        where = {level: j for j, level in enumerate(levels)}
-        for t in range(len(self.items)):
-            for o, v in self.vars[t].items():
-                opt = self._options(t)[o]
-                if opt.execution == dev and opt.peak_bytes > 0:
-                    flag = self.used[t][o, ""] if self._is_run(t) else v
-                    self.model.add_implication(flag, z[where[opt.peak_bytes]])
-        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
-        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
+        # A run's option sets its peak level through its any[t, o] flag (a count is not a 0/1).
+        flagged = [(self._options(t)[o].peak_bytes, self.used[t][o, ""] if self._is_run(t) else v)
+                   for t in range(len(self.items)) for o, v in self.vars[t].items()
+                   if self._options(t)[o].execution == dev]
+        return peak_levels(self.model, dev, flagged)[0]
 
     def _transfer(self, ph: str, costs: dict, src: dict[str, Any], dst: dict[str, Any], name: str) -> Any:
         # xfer >= sum_q c(p, q) dst[q] - max_q c(p, q) (1 - src[p]), one row per p (src and dst sum to 1).

@@ -37,7 +37,7 @@ from ortools.sat.python import cp_model
 
 from .problem import DeviceSpec, PlacementOption, PlacementProblem
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row"]
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "peak_levels"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
@@ -178,22 +178,14 @@ class PlacementModel:
         return groups
 
     def _peak(self, dev: str) -> Any:
-        # z[d, j] is 1 if some unit executed on d has peak_bytes >= level j (levels: the distinct
-        # peaks on d, ascending); peak[d] = sum of the level steps switched on. x[u, o] <= z[d, j(o)].
-        levels = sorted({opt.peak_bytes for u in range(len(self.p.units)) for _, opt in self._opts(u)
-                         if opt.execution == dev and opt.peak_bytes > 0})
+        # peak[d] from level flags (see peak_levels); x[u, o] switches on the level of its option's peak.
+        flagged = [(opt.peak_bytes, self.x[u, o]) for u in range(len(self.p.units)) for o, opt in self._opts(u)
+                   if opt.execution == dev]
+        peak, levels, z = peak_levels(self.model, dev, flagged)
         hinted = max((o.peak_bytes for o in self.chosen if o.execution == dev), default=0)
-        z = [self._hinted(self.model.new_bool_var(f"z[{dev},{j}]"), int(hinted >= level))
-             for j, level in enumerate(levels)]
-        for a, b in itertools.pairwise(z):
-            self.model.add_implication(b, a)
-        where = {level: j for j, level in enumerate(levels)}
-        for u in range(len(self.p.units)):
-            for o, opt in self._opts(u):
-                if opt.execution == dev and opt.peak_bytes > 0:
-                    self.model.add_implication(self.x[u, o], z[where[opt.peak_bytes]])
-        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
-        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
+        for level, zj in zip(levels, z, strict=True):
+            self._hinted(zj, int(hinted >= level))
+        return peak
 
     def _range_starts(self, units: Sequence[int], dev: str, where: str, name: str) -> list[Any]:
         # s[u, d] >= on(u, d) - on(previous u, d): 1 where a range of units on d opens.
@@ -452,3 +444,24 @@ def add_capacity_row(model: cp_model.CpModel, device: DeviceSpec, peak: Any,
         if size:
             row.append(size * n)
     model.add(sum(row) <= device.capacity_bytes)
+
+
+def peak_levels(model: cp_model.CpModel, device: str,
+                flagged: Sequence[tuple[int, Any]]) -> tuple[Any, list[int], list[Any]]:
+    """The transient peak of ``device`` as level flags: ``(peak expression, levels, z)``.
+
+    ``flagged``: (peak_bytes, a 0/1 that is 1 when some unit runs with that peak on ``device``).
+    ``z[j]`` is 1 if some unit computed there has a peak of at least ``levels[j]`` (the distinct
+    peaks, ascending); the peak is the sum of the level steps switched on. The full model and both
+    relaxations state it this way.
+    """
+    levels = sorted({peak for peak, _ in flagged if peak > 0})
+    z = [model.new_bool_var(f"z[{device},{j}]") for j in range(len(levels))]
+    for a, b in itertools.pairwise(z):
+        model.add_implication(b, a)
+    where = {level: j for j, level in enumerate(levels)}
+    for peak, flag in flagged:
+        if peak > 0:
+            model.add_implication(flag, z[where[peak]])
+    steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
+    return (sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0), levels, z

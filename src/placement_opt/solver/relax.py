@@ -33,7 +33,7 @@ from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
 from .aggregate import most_beside_peak
-from .cpsat import add_capacity_row
+from .cpsat import add_capacity_row, peak_levels
 from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "PEAK_STEP"]
@@ -146,18 +146,9 @@ class GroupModel(CountedRelaxation):
                 if device is None or self._options(k)[o].execution == device]
 
     def _peak(self, dev: str) -> Any:
-        levels = sorted({opt.peak_bytes for opt, _ in self._terms(dev) if opt.peak_bytes > 0})
-        z = [self.model.new_bool_var(f"z[{dev},{j}]") for j in range(len(levels))]
-        for a, b in itertools.pairwise(z):
-            self.model.add_implication(b, a)
-        where = {level: j for j, level in enumerate(levels)}
-        for k in range(len(self.groups)):
-            for o, (_, flag) in self.n[k].items():
-                opt = self._options(k)[o]
-                if opt.execution == dev and opt.peak_bytes > 0:
-                    self.model.add_implication(flag, z[where[opt.peak_bytes]])
-        steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
-        return sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0
+        flagged = [(self._options(k)[o].peak_bytes, flag) for k in range(len(self.groups))
+                   for o, (_, flag) in self.n[k].items() if self._options(k)[o].execution == dev]
+        return peak_levels(self.model, dev, flagged)[0]
 
     def _capacities(self) -> None:
         terms = self._terms()
