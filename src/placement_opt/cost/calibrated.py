@@ -36,9 +36,8 @@ from ..hardware.profile_store import saved_calibration
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
     from ..model.graph import LayerGraph, UnitInfo
-    from .workload import Workload
 
-__all__ = ["UnitTimes", "Calibration", "shape_key", "calibration_for", "logits_kept", "line_through"]
+__all__ = ["UnitTimes", "Calibration", "shape_key", "calibration_for", "line_through"]
 
 
 def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
@@ -53,11 +52,6 @@ def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
              unit.moe_num_experts, unit.moe_experts_per_token, unit.moe_expert_bytes, len(unit.param_names),
              unit.in_decode]
     return hashlib.sha1(json.dumps(facts).encode()).hexdigest()[:16]
-
-
-def logits_kept(workload: Workload) -> str:
-    """``"last"`` when the prefill computes only the last position's logits (``generate``), else ``"all"``."""
-    return workload.logits_kept
 
 
 @dataclass(frozen=True)

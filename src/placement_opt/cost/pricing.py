@@ -52,7 +52,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
-from .calibrated import Calibration, UnitTimes, logits_kept
+from .calibrated import Calibration, UnitTimes
 from .memory import STREAM_BUFFERS, workspace_bytes
 from .workload import Workload, unit_training_bytes
 
@@ -238,7 +238,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     wl = ctx.workload
     measured = _calibrated(ctx, unit, device)
     if measured is not None:
-        seconds = measured.prefill_s(wl.batch_size, wl.prompt_len, logits_kept(wl))
+        seconds = measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
         if seconds is not None:
             return seconds
     tokens = wl.batch_size * wl.prompt_len
@@ -258,7 +258,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
 
 def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
     """Whether the prefill computes ``unit`` (the logits unit) at the last position of each sequence only."""
-    return logits_kept(ctx.workload) == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
+    return ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
 
 
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cost.calibrated import UnitTimes, logits_kept, shape_key
+from ..cost.calibrated import UnitTimes, shape_key
 from ..cost.workload import Workload
 from ..errors import PlacementError, ProfileError
 from ..hardware.profile_store import profile_path, save_calibration, saved_device
@@ -350,7 +350,7 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
         for key, links in _time_disk_reads(model, graph, representatives, workload, resident, disk_folder).items():
             copies.setdefault(key, {}).update(links)
     del model
-    kept = logits_kept(workload)
+    kept = workload.logits_kept
     out = {}
     for name, key in representatives.items():
         unit = graph.unit(name)
@@ -377,7 +377,7 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
     """
     batch, prompt = workload.batch_size, workload.prompt_len
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
-    keep = _logits_argument(model, logits_kept(workload))
+    keep = _logits_argument(model, workload.logits_kept)
     small = max(1, prompt // SMALL_PROMPT_FRACTION)
     prefill: dict[tuple[int, int], dict[str, float]] = {}
 
@@ -554,7 +554,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
     """Per-unit seconds of one prefill and (median) of decode steps, each after the files left the page cache."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     stamps = _Stamps(_unit_modules(model, graph), torch.device("cpu"))
-    keep = _logits_argument(model, logits_kept(workload))
+    keep = _logits_argument(model, workload.logits_kept)
     runs = []
     try:
         with torch.inference_mode():
