@@ -182,18 +182,43 @@ def test_one_pricing_gives_the_problem_build_problem_gives(pins):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("limit_s", [1.0, 2.0])
-def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s):
-    """Pricing, baselines, search and the final scoring together stay within the limit + 0.5 s."""
+def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s, monkeypatch):
+    """Pricing, baselines, search and the final scoring together stay within the limit + 0.5 s.
+
+    The contract (solve's docstring): the search gets what pricing and baselines leave, at least
+    MIN_SEARCH_S. Pricing a module-level 70B takes ~0.7 s of a quiet 2-core machine and can exceed
+    a 1 s limit on a busy one, so the test times each part: the search must end within the budget it
+    was given, the budget must be what was left, and the whole call within the limit whenever
+    pricing left room for the minimum search.
+    """
     pytest.importorskip("transformers")
     import time
 
+    import placement_opt.planner as planner
     from placement_opt import trace
     from placement_opt.model import catalog
 
     graph = trace(catalog.model_config("llama-3-70b"), granularity="module")
     m = Machine([Device.preset("t4", name=f"cuda:{i}") for i in range(4)]
                 + [Device.preset("cpu-desktop", name="cpu").with_memory("128GiB"), Device.preset("nvme-gen4", name="disk")])
+    searches = []
+    search = planner.solve_problem
+
+    def timed_search(*args, **kwargs):
+        begun = time.perf_counter()
+        sol = search(*args, **kwargs)
+        searches.append((begun, kwargs["time_limit_s"], time.perf_counter() - begun))
+        return sol
+
+    monkeypatch.setattr(planner, "solve_problem", timed_search)
     t0 = time.perf_counter()
     plan = solve(graph, m, workload=Workload(prompt_len=512, new_tokens=128), time_limit_s=limit_s)
-    assert time.perf_counter() - t0 <= limit_s + 0.5
+    total_s = time.perf_counter() - t0
+    [(begun, budget_s, searched_s)] = searches
+    before_s = begun - t0
+    assert searched_s <= budget_s + 0.25
+    assert budget_s <= max(planner.MIN_SEARCH_S, limit_s - before_s) + 1e-6
+    assert total_s - before_s - searched_s <= 0.25  # the final scoring
+    if before_s + planner.MIN_SEARCH_S <= limit_s:
+        assert total_s <= limit_s + 0.5
     assert plan.cost.fits and plan.best_bound <= plan.objective_value
