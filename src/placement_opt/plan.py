@@ -43,7 +43,24 @@ class UnitPlacement:
     storage: str
     execution: str
     mode: str
-    """``resident``, ``stream`` or ``stream_sync`` (see :data:`placement_opt.solver.problem.MODES`)."""
+    """``resident``, ``stream``, ``stream_sync`` or ``phased`` (see :data:`placement_opt.solver.problem.MODES`)."""
+    prefill_execution: str | None = None
+    """``phased`` only: where the unit computes in the prefill (its weights streamed there from
+    ``storage``); ``execution`` is where it computes in the decode."""
+
+    def device_in(self, phase: str) -> str:
+        """Where the unit computes in ``phase``: ``"prefill"`` or ``"decode"``."""
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"phase {phase!r} is not 'prefill' or 'decode'")
+        return self.prefill_execution if phase == "prefill" and self.prefill_execution else self.execution
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; ``prefill_execution`` only where set (plans without phased units read as before)."""
+        out: dict[str, Any] = {"unit": self.unit, "storage": self.storage, "execution": self.execution,
+                               "mode": self.mode}
+        if self.prefill_execution is not None:
+            out["prefill_execution"] = self.prefill_execution
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +225,7 @@ class Plan:
             "dtype": self.dtype,
             "objective": self.objective,
             "strategy": self.strategy,
-            "placements": [vars(p).copy() for p in self.placements],
+            "placements": [p.to_dict() for p in self.placements],
             "machine": self.machine.to_dict(),
             "workload": self.workload.to_dict(),
             "cost": self.cost.to_dict(),

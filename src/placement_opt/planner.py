@@ -317,7 +317,8 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
         raise PlacementError(f"CP-SAT found no placement within {time_limit_s:g} s and no baseline fits: "
                              f"{shortage_message(problem, graph, workload)}; or raise time_limit_s")
     chosen = problem.options(sol.choice)
-    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
+    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
+                                       prefill_execution=o.prefill_execution)
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S

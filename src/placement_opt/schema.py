@@ -9,7 +9,7 @@ read it from the validation context, so each concept keeps its one home.
 Example::
 
     data = validated(PlanSchema, json.loads(text), what="the plan", fix="solve the plan again",
-                     context={"modes": ("resident", "stream", "stream_sync")})
+                     context={"modes": ("resident", "stream", "stream_sync", "phased")})
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ class PlacementSchema(_Strict):
     storage: str = Field(min_length=1)
     execution: str = Field(min_length=1)
     mode: str
+    prefill_execution: str | None = Field(default=None, min_length=1)
+    """``phased`` placements only: the device that computes the unit in the prefill."""
+
+    @model_validator(mode="after")
+    def _phased(self) -> PlacementSchema:
+        phased = self.prefill_execution is not None and self.prefill_execution != self.execution
+        if phased != (self.mode == "phased"):
+            raise ValueError(f"unit {self.unit!r}: a 'phased' placement, and only one, names a prefill_execution "
+                             f"other than its execution (mode {self.mode!r}, prefill_execution "
+                             f"{self.prefill_execution!r})")
+        return self
 
     @field_validator("mode")
     @classmethod
@@ -179,6 +190,10 @@ class PlanSchema(_Strict):
             elif p.execution.split(":")[0] == "disk":
                 problems.append(f"placements[{i}] ({p.unit!r}): execution {p.execution!r} cannot compute: "
                                 f"a unit executes on a GPU or the CPU")
+            if p.prefill_execution is not None and (p.prefill_execution not in devices
+                                                    or p.prefill_execution.split(":")[0] == "disk"):
+                problems.append(f"placements[{i}] ({p.unit!r}): prefill_execution {p.prefill_execution!r} is not "
+                                f"a GPU or CPU of the plan's machine (devices: {', '.join(devices)})")
         if self.fingerprint is not None:
             missing = [u for u in self.fingerprint.units if u not in set(units)]
             unknown = [u for u in units if u not in self.fingerprint.units]

@@ -12,7 +12,8 @@ The latency of one phase (prefill, or all decode steps together) is
     max( longest path through the DAG,  busiest device's total work )
 
 where a unit weighs its option's duration and an edge weighs its transfer time when its two
-ends execute on different devices. For a chain (every decoder-only LLM) the longest path is
+ends execute on different devices in that phase (a ``phased`` option computes on
+``prefill_execution`` in the prefill and on ``execution`` in the decode). For a chain (every decoder-only LLM) the longest path is
 the plain sum. For DAGs it is the critical path; the device-load term keeps two parallel
 branches on one device from being counted as if they overlapped. It is the classic lower
 bound of the precedence-constrained scheduling problem (a list schedule is within 2x of it).
@@ -20,7 +21,7 @@ bound of the precedence-constrained scheduling problem (a list schedule is withi
 Memory on a device is
 
     sum(stored_bytes of units stored there) + sum(resident_bytes of units executed there)
-    + max(peak_bytes of units executed there)
+    + max(peak_bytes of units executed there, prefill_peak_bytes of phased units prefilled there)
 
 and must not exceed the device's ``capacity_bytes`` (its memory less the reserve).
 """
@@ -35,6 +36,7 @@ from ..errors import SolverInputError
 
 __all__ = [
     "MODES",
+    "PHASES",
     "OBJECTIVES",
     "objective_value",
     "PlacementOption",
@@ -49,7 +51,12 @@ __all__ = [
 #: ``storage`` to ``execution`` for every forward, the next unit's copy overlapped with this
 #: unit's compute (placement_opt's dispatcher). ``stream_sync``: the same copy done
 #: synchronously, tensor by tensor (accelerate's hooks); used to score accelerate's maps.
-MODES = ("resident", "stream", "stream_sync")
+#: ``phased``: the prefill streams the weights from ``storage`` to ``prefill_execution`` (a GPU) and
+#: computes there; the decode computes on ``execution`` (the device holding the weights: the CPU,
+#: from RAM or a memory-mapped disk file) with the KV cache there, moved once after the prefill.
+MODES = ("resident", "stream", "stream_sync", "phased")
+#: The phases every price comes in: the keys of :class:`PlacementOption`'s times.
+PHASES = ("prefill_ns", "decode_ns")
 #: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
 #: total work) or ``memory`` (bytes used on the GPUs).
 OBJECTIVES = ("latency", "throughput", "memory")
@@ -79,7 +86,7 @@ class PlacementOption:
     storage: str
     """Device that holds the weights between forwards (the ``device_map`` value)."""
     execution: str
-    """Device that computes the unit."""
+    """Device that computes the unit (in the decode, for a ``phased`` option)."""
     mode: str
     """One of :data:`MODES`."""
     prefill_ns: int
@@ -92,16 +99,41 @@ class PlacementOption:
     """Bytes held on ``execution`` for the whole run (KV cache; training states)."""
     peak_bytes: int
     """Transient bytes on ``execution`` while the unit runs (activation workspace, stream buffer)."""
+    prefill_execution: str | None = None
+    """``phased`` only: the device that computes the unit in the prefill (None: ``execution``)."""
+    prefill_peak_bytes: int = 0
+    """``phased`` only: transient bytes on ``prefill_execution`` while the unit runs in the prefill
+    (its streamed weights, workspace and the prompt's KV cache before it moves to ``execution``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise SolverInputError(f"option mode {self.mode!r} is not one of {MODES}")
-        if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes) >= 0:
+        phased = self.prefill_execution is not None and self.prefill_execution != self.execution
+        if phased != (self.mode == "phased") or (self.prefill_peak_bytes and not phased):
+            raise SolverInputError(
+                f"option {self.storage}->{self.execution} ({self.mode}): a phased option, and only a phased "
+                f"one, names a prefill_execution other than its execution (got {self.prefill_execution!r}) "
+                f"and may carry prefill_peak_bytes")
+        if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes,
+               self.prefill_peak_bytes) >= 0:
             return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
-        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes"):
+        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes"):
             if getattr(self, key) < 0:
                 raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
                                        f"{getattr(self, key)}, must be >= 0")
+
+    def device_in(self, phase: str) -> str:
+        """The device that computes the unit in ``phase`` (one of :data:`PHASES`)."""
+        if phase == "prefill_ns" and self.prefill_execution is not None:
+            return self.prefill_execution
+        return self.execution
+
+    def peaks(self) -> tuple[tuple[str, int], ...]:
+        """(device, transient bytes) this option adds to each device's peak: its execution device's,
+        and a phased option's prefill device's too."""
+        if self.prefill_execution is None:
+            return ((self.execution, self.peak_bytes),)
+        return ((self.execution, self.peak_bytes), (self.prefill_execution, self.prefill_peak_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +170,8 @@ class Score:
     prefill_ns: int
     decode_ns: int
     stage_ns: Mapping[str, int]
-    """Total work (prefill + decode) per execution device: the pipeline stage times."""
+    """Total work (prefill + decode) per execution device, each phase's on the device that computes it:
+    the pipeline stage times."""
     used_bytes: Mapping[str, int]
     """Memory used per device under the memory model."""
     over_bytes: Mapping[str, int]
@@ -179,9 +212,10 @@ class PlacementProblem:
         problems = [f"unit {u.name} has no option" for u in self.units if not u.options]
         problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in self.edges
                      if e.src not in known or e.dst not in known]
-        problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}"
+        problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}/{o.prefill_execution}"
                      for u in self.units for o in u.options
-                     if o.storage not in devices or o.execution not in devices]
+                     if o.storage not in devices or o.execution not in devices
+                     or (o.prefill_execution or o.execution) not in devices]
         problems += [f"tied group names unknown unit {n}" for g in self.tied_groups for n in g
                      if n not in known]
         problems += [f"pin names unknown unit {n}" for n in self.pins if n not in known]
@@ -214,7 +248,9 @@ class PlacementProblem:
         decode = self._phase_latency(chosen, "decode_ns")
         stage: dict[str, int] = {}
         for opt in chosen:
-            stage[opt.execution] = stage.get(opt.execution, 0) + opt.prefill_ns + opt.decode_ns
+            for phase in PHASES:
+                device = opt.device_in(phase)
+                stage[device] = stage.get(device, 0) + getattr(opt, phase)
         used = self.used_bytes(chosen)
         over = {d.name: used[d.name] - d.capacity_bytes for d in self.devices
                 if used[d.name] > d.capacity_bytes}
@@ -227,7 +263,8 @@ class PlacementProblem:
         for opt in chosen:
             used[opt.storage] += opt.stored_bytes
             used[opt.execution] += opt.resident_bytes
-            peak[opt.execution] = max(peak[opt.execution], opt.peak_bytes)
+            for device, nbytes in opt.peaks():
+                peak[device] = max(peak[device], nbytes)
         return {name: used[name] + peak[name] for name in used}
 
     def objective_value(self, choice: Sequence[int], objective: str) -> int:
@@ -267,13 +304,14 @@ class PlacementProblem:
         # Edges point forward in execution order, so one pass in that order is a topological pass.
         for i, opt in enumerate(chosen):
             ready = 0
+            device = opt.device_in(key)
             for j, edge in self._incoming.get(i, ()):
-                pair = (chosen[j].execution, opt.execution)
+                pair = (chosen[j].device_in(key), device)
                 cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
                 ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
             duration = rounded(getattr(opt, key)) if rounded else getattr(opt, key)
             finish[i] = ready + duration
-            load[opt.execution] = load.get(opt.execution, 0) + duration
+            load[device] = load.get(device, 0) + duration
         return finish, load
 
     @functools.cached_property
