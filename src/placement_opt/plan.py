@@ -139,8 +139,8 @@ class Plan:
 
     @property
     def streams_weights(self) -> bool:
-        """True when some unit computes away from its storage: needs placement_opt's dispatcher."""
-        return any(p.storage != p.execution for p in self.placements)
+        """True when some unit computes away from its storage (in either phase): needs placement_opt's dispatcher."""
+        return any(p.storage != p.execution or p.prefill_execution for p in self.placements)
 
     def placement(self, unit: str) -> UnitPlacement:
         for p in self.placements:
@@ -150,10 +150,15 @@ class Plan:
 
     # -- reading ------------------------------------------------------------------------
     def runs(self) -> list[tuple[list[str], str, str, str]]:
-        """Consecutive units sharing (storage, execution, mode): ``(units, storage, execution, mode)``."""
+        """Consecutive units sharing (storage, execution, mode): ``(units, storage, execution, mode)``.
+
+        A phased run's mode names its prefill device, ``"phased (prefill on cuda:0)"``; its execution is
+        the decode's device.
+        """
         out: list[tuple[list[str], str, str, str]] = []
         for p in self.placements:
-            key = (p.storage, p.execution, p.mode)
+            mode = f"phased (prefill on {p.prefill_execution})" if p.prefill_execution else p.mode
+            key = (p.storage, p.execution, mode)
             if out and out[-1][1:] == key:
                 out[-1][0].append(p.unit)
             else:
@@ -197,7 +202,13 @@ class Plan:
         free = {m.device: m.free_bytes for m in c.memory}
         for units, storage, execution, mode in self.runs():
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)} units)"
-            if storage != execution:
+            if mode.startswith("phased"):
+                gpu = mode.removeprefix("phased (prefill on ").rstrip(")")
+                lines.append(f"- {span}: weights stay on {storage}; the prompt streams them to {gpu}, which "
+                             f"computes many tokens at once far faster, and each decode step computes them on "
+                             f"{execution}, which reads them in place faster than {gpu} could receive them "
+                             f"({_full(gpu, free)}); their KV cache moves to {execution} once, after the prompt.")
+            elif storage != execution:
                 lines.append(f"- {span}: weights stay on {storage} and are {mode}ed to {execution} at every "
                              f"forward, because {_full(execution, free)}; {execution} still computes them faster "
                              f"than {storage} would.")

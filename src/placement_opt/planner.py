@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +80,7 @@ class _Baseline:
 def solve(model: Any, devices: Any = None, objective: str = "latency", *, workload: Workload | None = None,
           strategy: str = "cpsat", pins: Mapping[str, Any] | None = None, time_limit_s: float = 1.0,
           seed: int = 0, contiguous: bool = False, gap_limit: float = GAP_LIMIT,
-          workers: int = SOLVER_WORKERS) -> Plan:
+          workers: int = SOLVER_WORKERS, modes: Sequence[str] = SOLVER_MODES) -> Plan:
     """Decide where every unit of ``model`` is stored and computed on ``devices``.
 
     Example::
@@ -114,6 +114,10 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             budget, so the same inputs give the same plan on every run. The default ``2`` adds a
             large-neighbourhood search beside it, which finds better plans on hard problems but
             can return a different (equally bounded) plan from one run to the next.
+        modes: what the solver may choose for weights kept off the GPUs: ``"resident"`` (always),
+            ``"stream"`` (copied to a GPU at every forward, overlapped) and ``"phased"`` (streamed to a
+            GPU for the prompt, computed on the CPU at every decode step; run by :func:`dispatch`
+            and :func:`load` only: ``from_pretrained(device_map=plan.device_map)`` streams them).
 
     Returns:
         A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline.
@@ -129,6 +133,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         PlacementError: no solution in time, or another stage's error (a device spec, the model).
     """
     _check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
+    modes = _check_modes(modes)
     if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
         return _pipeline_plan(model, devices, objective, workload)
     _check_types(workload, pins, contiguous)
@@ -146,7 +151,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         raise _nothing_to_place(graph.meta.model_name)
     machine, context_note = _machine(devices, graph.meta.dtype)
     workload = workload if workload is not None else Workload()
-    problem, score = _priced(graph, machine, workload, pins or {}, contiguous)
+    problem, score = _priced(graph, machine, workload, pins or {}, contiguous, modes)
     scored = time.perf_counter()
     baselines = _baselines(graph, machine, score, problem, model)
     # The plan is scored once more after the search: about one baseline's share of that time.
@@ -197,6 +202,14 @@ def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: i
         raise SolverInputError("; ".join(problems))
 
 
+def _check_modes(modes: Any) -> tuple[str, ...]:
+    chosen = (modes,) if isinstance(modes, str) else tuple(modes) if isinstance(modes, Iterable) else None
+    if chosen is None or "resident" not in chosen or any(m not in SOLVER_MODES for m in chosen):
+        raise SolverInputError(f"modes must name some of {', '.join(SOLVER_MODES)}, 'resident' included, got "
+                               f"{modes!r}: e.g. modes=('resident', 'stream') for plans without phased units")
+    return chosen
+
+
 def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
     problems = []
     if workload is not None and not isinstance(workload, Workload):
@@ -221,7 +234,7 @@ def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
 
 
 def _priced(graph: LayerGraph, machine: Machine, workload: Workload, pins: Mapping[str, Any],
-            contiguous: bool) -> tuple[PlacementProblem, Callable[[Any], Cost]]:
+            contiguous: bool, modes: Sequence[str] = SOLVER_MODES) -> tuple[PlacementProblem, Callable[[Any], Cost]]:
     """The solver's problem and the scorer of maps and plans, from one pricing of every option.
 
     The scorer needs accelerate's ``stream_sync`` options too; the solver's problem is the same
@@ -230,7 +243,7 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, pins: Mappi
     priced on the small graph. One pricing instead of two saves 0.3 s of a module-level 70B.
     """
     full, parts = price_problem(graph, machine, workload, MODES, pins, contiguous)
-    kept = {id(u.options): tuple(o for o in u.options if o.mode in SOLVER_MODES) for u in full.units}
+    kept = {id(u.options): tuple(o for o in u.options if o.mode in modes) for u in full.units}
     units = tuple(dataclasses.replace(u, options=kept[id(u.options)]) for u in full.units)
     score = priced_evaluator(graph, machine, workload, dataclasses.replace(full, pins={}, contiguous=False), parts)
     return prune_edges(dataclasses.replace(full, units=units)), score
@@ -322,12 +335,25 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
-    notes = [*notes, f"warm start: {hint_name}", *sol.notes]
+    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
                 objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,
                 solve_time_s=sol.wall_time_s, baselines=tuple(b.result for b in baselines), notes=tuple(notes),
                 extra={"scale_ns": sol.scale_ns, "units": sol.units, "coarse_units": sol.coarse_units})
+
+
+def _phased_note(placements: Sequence[UnitPlacement]) -> list[str]:
+    """What accelerate cannot express: a unit computed on a GPU for the prompt and on the CPU after."""
+    phased = [p for p in placements if p.prefill_execution]
+    if not phased:
+        return []
+    span = phased[0].unit + (f" .. {phased[-1].unit}" if len(phased) > 1 else "")
+    gpus = ", ".join(sorted({str(p.prefill_execution) for p in phased}))
+    return [f"{len(phased)} unit(s) are phased ({span}): the prompt computes them on {gpus}, each decode step "
+            f"on the CPU. plan.device_map gives their storage, and from_pretrained(device_map=...) would stream "
+            f"them to the GPU at every step instead: run the plan with placement_opt.dispatch() or load() to get "
+            f"its speed"]
 
 
 def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,

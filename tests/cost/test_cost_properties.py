@@ -70,7 +70,8 @@ def reference_phase_s(graph, machine, workload, units, key):
         for src, dst, bytes_per_token in graph.edges():
             if dst != u.name:
                 continue
-            a, b = at[src].execution, u.execution
+            phase = "prefill" if key == "prefill_s" else "decode"
+            a, b = _device_in(at[src], phase), _device_in(u, phase)
             transfer = 0.0
             if a != b:
                 if key == "prefill_s":
@@ -83,14 +84,21 @@ def reference_phase_s(graph, machine, workload, units, key):
         finish[u.name] = max(arrivals) + getattr(u, key)
     load = {}
     for u in units:
-        load[u.execution] = load.get(u.execution, 0.0) + getattr(u, key)
+        device = _device_in(u, "prefill" if key == "prefill_s" else "decode")
+        load[device] = load.get(device, 0.0) + getattr(u, key)
     return max(max(finish.values(), default=0.0), max(load.values(), default=0.0))
+
+
+def _device_in(unit, phase):
+    """A phased unit computes the prefill on its prefill_execution, the decode on its execution."""
+    return unit.prefill_execution if phase == "prefill" and unit.prefill_execution else unit.execution
 
 
 def reference_used_bytes(machine, units):
     used = {}
     for d in machine.devices:
-        peak = max((u.peak_bytes for u in units if u.execution == d.name), default=0)
+        peak = max([u.peak_bytes for u in units if u.execution == d.name]
+                   + [u.prefill_peak_bytes for u in units if u.prefill_execution == d.name], default=0)
         used[d.name] = (sum(u.stored_bytes for u in units if u.storage == d.name)
                         + sum(u.resident_bytes for u in units if u.execution == d.name) + peak)
     return used
@@ -103,19 +111,21 @@ def test_evaluate_totals_match_an_independent_computation(graph, machine, worklo
     # priced anew, the stage times, the memory per device and the violations.
     problem = build_problem(graph, machine, workload, modes=MODES)
     choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
-    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode)
+    placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
+                                     prefill_execution=o.prefill_execution)
                        for u, o in zip(problem.units, problem.options(choice), strict=True))
     cost = evaluate(SimpleNamespace(placements=placements), graph, machine, workload)
     units = cost.units
-    assert [(u.name, u.storage, u.execution, u.mode) for u in units] == \
-        [(p.unit, p.storage, p.execution, p.mode) for p in placements]
+    assert [(u.name, u.storage, u.execution, u.mode, u.prefill_execution) for u in units] == \
+        [(p.unit, p.storage, p.execution, p.mode, p.prefill_execution) for p in placements]
     tolerance = (len(units) + len(graph.edges())) / NS_PER_S  # every price is rounded up to a whole ns
     for key in ("prefill_s", "decode_s"):
         want = reference_phase_s(graph, machine, workload, units, key)
         assert abs(getattr(cost, key) - want) <= tolerance + 1e-9 * want, key
     stages = {}
     for u in units:
-        stages[u.execution] = stages.get(u.execution, 0.0) + u.prefill_s + u.decode_s
+        for phase, seconds in (("prefill", u.prefill_s), ("decode", u.decode_s)):
+            stages[_device_in(u, phase)] = stages.get(_device_in(u, phase), 0.0) + seconds
     assert cost.stage_s.keys() == stages.keys()
     assert all(abs(cost.stage_s[d] - stages[d]) <= 1e-9 * max(1.0, stages[d]) for d in stages)
     used = reference_used_bytes(machine, units)

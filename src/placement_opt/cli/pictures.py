@@ -86,7 +86,8 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     """Draw the units of ``plan`` in execution order: storage row on top, execution row below.
 
     A unit whose weights are streamed (stored away from where it computes) is hatched in both
-    rows; the legend names every device.
+    rows; a phased unit's execution cell is split: the prefill's device in its upper half, the
+    decode's below; the legend names every device.
 
     Example::
 
@@ -98,16 +99,23 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     ax = _axes(ax, (12, 2.2))
     colors = device_colors(plan.machine.names)
     for i, p in enumerate(plan.placements):
-        hatch = "///" if p.storage != p.execution else None
+        hatch = "///" if p.storage != p.execution or p.prefill_execution else None
         ax.bar(i, 1, bottom=1.1, width=1.0, color=colors.get(p.storage, "#cccccc"), hatch=hatch,
                edgecolor="white", linewidth=0.3)
+        if p.prefill_execution:  # upper half: the prefill's device (streamed), lower half: the decode's
+            ax.bar(i, 0.5, bottom=0.5, width=1.0, color=colors.get(p.prefill_execution, "#cccccc"), hatch=hatch,
+                   edgecolor="white", linewidth=0.3)
+            ax.bar(i, 0.5, bottom=0.0, width=1.0, color=colors.get(p.execution, "#cccccc"),
+                   edgecolor="white", linewidth=0.3)
+            continue
         ax.bar(i, 1, bottom=0.0, width=1.0, color=colors.get(p.execution, "#cccccc"), hatch=hatch,
                edgecolor="white", linewidth=0.3)
     n = len(plan.placements)
     ax.set_xlim(-0.5, n - 0.5)
     ax.set_ylim(0, 2.1)
     ax.set_yticks([0.5, 1.6])
-    ax.set_yticklabels(["executes on", "stored on"])
+    ax.set_yticklabels(["executes on\n(phased: prefill / decode)" if any(p.prefill_execution for p in plan.placements)
+                        else "executes on", "stored on"])
     ax.set_xlabel(f"{n} units in execution order ({plan.placements[0].unit} ... "
                   f"{plan.placements[-1].unit})" if n else "no units")
     ax.spines[["top", "right", "left"]].set_visible(False)

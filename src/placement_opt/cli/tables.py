@@ -91,11 +91,13 @@ def _memory_cells(plan: Plan, devices: Sequence[str]) -> list[str]:
 
 
 def where_computed(plan: Plan) -> str:
-    """``"40/44/0"``: units resident on a GPU, computed by the CPU, streamed to a GPU."""
+    """``"40/44/0"``: units resident on a GPU, computed by the CPU, streamed to a GPU; ``"40/20/0+24"``
+    when 24 more are phased (prefill streamed to a GPU, decode on the CPU)."""
     gpu = sum(1 for p in plan.placements if p.execution.startswith("cuda:") and p.storage == p.execution)
-    cpu = sum(1 for p in plan.placements if p.execution == "cpu")
+    cpu = sum(1 for p in plan.placements if p.execution == "cpu" and not p.prefill_execution)
     streamed = sum(1 for p in plan.placements if p.execution.startswith("cuda:") and p.storage != p.execution)
-    return f"{gpu}/{cpu}/{streamed}"
+    phased = sum(1 for p in plan.placements if p.prefill_execution)
+    return f"{gpu}/{cpu}/{streamed}" + (f"+{phased}" if phased else "")
 
 
 def why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:

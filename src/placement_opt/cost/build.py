@@ -29,19 +29,29 @@ __all__ = ["build_problem", "price_problem", "MAX_SOLVER_INT"]
 MAX_SOLVER_INT = 2**60
 
 
-def _menu(machine: Machine, modes: Iterable[str]) -> list[tuple[str, str, str]]:
-    """(storage, execution, mode) of every option, in a fixed order."""
+#: One option of the menu: (storage, execution, mode, prefill_execution or None).
+_Entry = tuple[str, str, str, "str | None"]
+
+
+def _menu(machine: Machine, modes: Iterable[str], workload: Workload) -> list[_Entry]:
+    """(storage, execution, mode, prefill execution) of every option, in a fixed order.
+
+    ``phased`` options (CPU-stored or disk-stored weights, prefill on each GPU, decode on the CPU) come
+    last, and only for generation: a workload without decode steps, or a training step, has no phases.
+    """
     gpus = [d.name for d in machine.gpus]
     cpu = machine.cpu.name if machine.cpu else None
     disk = machine.disk.name if machine.disk else None
     streamed = [m for m in ("stream", "stream_sync") if m in modes]
-    menu = [(g, g, "resident") for g in gpus]
+    menu: list[_Entry] = [(g, g, "resident", None) for g in gpus]
     if cpu:
-        menu.append((cpu, cpu, "resident"))
-        menu += [(cpu, g, m) for m in streamed for g in gpus]
+        menu.append((cpu, cpu, "resident", None))
+        menu += [(cpu, g, m, None) for m in streamed for g in gpus]
     if disk:
         targets = ([cpu] if cpu else []) + gpus
-        menu += [(disk, e, m) for m in streamed for e in targets]
+        menu += [(disk, e, m, None) for m in streamed for e in targets]
+    if "phased" in modes and cpu and workload.decode_steps > 0 and not workload.training:
+        menu += [(s, cpu, "phased", g) for s in ([cpu] + ([disk] if disk else [])) for g in gpus]
     return menu
 
 
@@ -61,7 +71,7 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     """
     modes = _check_modes(modes)
     ctx = PricingContext(graph, machine, workload, calibration_for(graph, machine))
-    menu = _menu(machine, modes)
+    menu = _menu(machine, modes, workload)
     if not menu:
         raise DeviceSpecError(f"machine {machine.names} has no device that can compute: add 'cpu' or a GPU")
     units = graph.units()
@@ -69,8 +79,8 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     parts = []
     for u in units:
         key = _price_key(u, graph.meta.extra.get("logits_unit"))
-        if key not in priced:
-            priced[key] = [price_option(ctx, u, s, e, m) for s, e, m in menu]
+        if key not in priced:  # a unit outside the decode has one phase: no phased option
+            priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if u.in_decode or m != "phased"]
         parts.append(priced[key])
     options = {id(row): tuple(to_option(p) for p in row) for row in priced.values()}  # once per distinct row
     specs = tuple(UnitSpec(name=u.name, options=options[id(row)]) for u, row in zip(units, parts, strict=True))
@@ -149,14 +159,15 @@ def build_problem(
         machine: a :class:`Machine` or anything :func:`as_machine` accepts.
         workload: batch, prompt and new tokens (or a training step).
         modes: which modes to offer: ``"resident"`` always; ``"stream"`` (overlapped copies) and
-            ``"stream_sync"`` (accelerate's synchronous copies) for weights kept in CPU RAM or on disk.
+            ``"stream_sync"`` (accelerate's synchronous copies) for weights kept in CPU RAM or on disk;
+            ``"phased"`` (prefill streamed to a GPU, decode on the CPU) for those weights when generating.
         pins: module name or prefix -> required storage device of every unit it covers
             (accelerate vocabulary, :func:`~.pins.resolve_pins`).
         contiguous: ask the solver for one contiguous range of units per device.
 
     Returns:
         A :class:`PlacementProblem`: options in the order GPUs resident, CPU resident, CPU -> GPU
-        streams, disk -> CPU/GPU streams; integer ns and bytes.
+        streams, disk -> CPU/GPU streams, phased; integer ns and bytes.
 
     Raises:
         SolverInputError: an unknown mode, or a pin naming an unknown module or device.

@@ -105,8 +105,13 @@ def _device_of(value: Any, machine: Machine, key: str) -> str:
     return name
 
 
+def _prefill_device(placement: Any) -> str | None:
+    prefill = getattr(placement, "prefill_execution", None)
+    return normalize_device_name(prefill) if prefill is not None else None
+
+
 def _placements_from_device_map(device_map: Mapping[str, Any], graph: LayerGraph,
-                                machine: Machine) -> dict[str, tuple[str, str, str]]:
+                                machine: Machine) -> dict[str, tuple[str, str, str, str | None]]:
     """accelerate's run-time semantics: cpu/disk entries run on the main GPU with synchronous copies.
 
     The main device is the first GPU among the map's values (accelerate's ``dispatch_model``);
@@ -118,21 +123,24 @@ def _placements_from_device_map(device_map: Mapping[str, Any], graph: LayerGraph
     placements = {}
     for unit, device in per_unit.items():
         if device.startswith("cuda:"):
-            placements[unit] = (device, device, "resident")
+            placements[unit] = (device, device, "resident", None)
         elif main is not None:
-            placements[unit] = (device, main, "stream_sync")
+            placements[unit] = (device, main, "stream_sync", None)
         elif device == "cpu":
-            placements[unit] = (device, device, "resident")
+            placements[unit] = (device, device, "resident", None)
         else:
-            placements[unit] = (device, "cpu", "stream_sync")
+            placements[unit] = (device, "cpu", "stream_sync", None)
     return placements
 
 
-def placements_of(plan_or_map: Any, graph: LayerGraph, machine: Machine) -> dict[str, tuple[str, str, str]]:
-    """(storage, execution, mode) per unit of a Plan (as placed) or a device_map (as accelerate runs it)."""
+def placements_of(plan_or_map: Any, graph: LayerGraph,
+                  machine: Machine) -> dict[str, tuple[str, str, str, str | None]]:
+    """(storage, execution, mode, prefill execution or None) per unit of a Plan (as placed) or a
+    device_map (as accelerate runs it)."""
     placements = getattr(plan_or_map, "placements", None)
     if placements is not None:
-        entries = {p.unit: (normalize_device_name(p.storage), normalize_device_name(p.execution), p.mode)
+        entries = {p.unit: (normalize_device_name(p.storage), normalize_device_name(p.execution), p.mode,
+                            _prefill_device(p))
                    for p in placements}
         return _resolve_keys(entries, graph)
     if isinstance(plan_or_map, Mapping):

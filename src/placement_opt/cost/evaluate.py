@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanFormatError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
-from ..solver.problem import MODES, PlacementOption, PlacementProblem, objective_value
+from ..solver.problem import MODES, PHASES, PlacementOption, PlacementProblem, objective_value
 from .build import price_problem
 from .device_map import placements_of
 from .memory import DeviceMemory, Violation, device_memory, violation
@@ -36,6 +36,10 @@ class UnitCost:
     mode: str
     prefill_s: float
     """Time in the prefill, weight copies included."""
+    prefill_execution: str | None = None
+    """``phased`` only: where the unit computes in the prefill (``execution``: in the decode)."""
+    prefill_peak_bytes: int = 0
+    """``phased`` only: transient bytes on ``prefill_execution`` during the prefill."""
     decode_s: float
     """Time summed over every decode step."""
     stored_bytes: int
@@ -90,6 +94,9 @@ class Cost:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stage_s"] = dict(self.stage_s)
+        for unit in data["units"]:  # written only where set: plans without phased units read as before
+            if unit["prefill_execution"] is None:
+                del unit["prefill_execution"], unit["prefill_peak_bytes"]
         return data
 
     @classmethod
@@ -117,15 +124,16 @@ def as_graph(model_or_graph: Any) -> LayerGraph:
     return trace(model_or_graph)
 
 
-def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str]]) -> list[int]:
+def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str, str | None]]) -> list[int]:
     choice = []
     for unit in problem.units:
         wanted = placements[unit.name]
-        keys = [(o.storage, o.execution, o.mode) for o in unit.options]
+        keys = [(o.storage, o.execution, o.mode, o.prefill_execution) for o in unit.options]
         if wanted not in keys:
+            prefill = f", prefill_execution={wanted[3]}" if wanted[3] else ""
             raise PlanFormatError(f"unit {unit.name} is placed as storage={wanted[0]}, execution={wanted[1]}, "
-                             f"mode={wanted[2]}, which the cost model does not offer on this machine; "
-                             f"offered: {', '.join('/'.join(k) for k in keys)}")
+                             f"mode={wanted[2]}{prefill}, which the cost model does not offer on this machine "
+                             f"and workload; offered: {', '.join('/'.join(filter(None, k)) for k in keys)}")
         choice.append(keys.index(wanted))
     return choice
 
@@ -210,6 +218,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
     units = tuple(
         UnitCost(name=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
+                 prefill_execution=o.prefill_execution, prefill_peak_bytes=o.prefill_peak_bytes,
                  prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
                  stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
         for u, o in zip(problem.units, chosen, strict=True))
@@ -229,7 +238,9 @@ def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption]) -
     index = problem.index()
     total = 0
     for edge in problem.edges:
-        pair = (chosen[index[edge.src]].execution, chosen[index[edge.dst]].execution)
-        if pair[0] != pair[1]:
-            total += edge.prefill_ns.get(pair, 0) + edge.decode_ns.get(pair, 0)
+        src, dst = chosen[index[edge.src]], chosen[index[edge.dst]]
+        for phase in PHASES:
+            pair = (src.device_in(phase), dst.device_in(phase))
+            if pair[0] != pair[1]:
+                total += getattr(edge, phase).get(pair, 0)
     return total

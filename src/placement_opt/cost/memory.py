@@ -5,7 +5,10 @@ Memory per option (priced in :mod:`.pricing`): ``stored_bytes`` on S (parameters
 training: gradients and optimizer states, which stay where the weights live), ``resident_bytes``
 on E (KV cache for ``batch x (prompt + new)`` tokens; training: saved activations), ``peak_bytes``
 on E (activation workspace, :func:`workspace_bytes`, plus the stream buffer: x2 for ``stream``, whose
-next unit is prefetched).
+next unit is prefetched). A ``phased`` option (prefill on a GPU P, decode on the CPU E) holds on P, while
+its prefill runs, its prefill workspace, a stream buffer and the prompt's KV cache of that unit (moved to E
+right after): ``prefill_peak_bytes``, which counts in P's peak like any unit's workspace; its decode workspace
+and whole KV cache count on E.
 
 The workspace comes from the model itself: the meta trace measures, per unit, the activation bytes
 alive at two moments of its run (everything alive: its inputs, what earlier units left alive, its
@@ -86,11 +89,12 @@ def materializes_scores(meta: GraphMeta) -> bool:
     return meta.extra.get("attn_implementation") not in SCORE_FREE_ATTENTION
 
 
-def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False) -> int:
-    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode,
-    plus the matmul library's scratch: :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``, else
-    :data:`CPU_GEMM_WORKSPACE_BYTES`. Units without measured figures keep the old estimate,
-    :data:`WORKSPACE_FACTOR` outputs per token, alone.
+def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False,
+                    phase: str | None = None) -> int:
+    """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode
+    (``phase``: only that one, for a ``phased`` option's two devices), plus the matmul library's
+    scratch: :data:`CUBLAS_WORKSPACE_BYTES` ``on_gpu``, else :data:`CPU_GEMM_WORKSPACE_BYTES`. Units
+    without measured figures keep the old estimate, :data:`WORKSPACE_FACTOR` outputs per token, alone.
 
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
     60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (6 MiB on the CPU).
@@ -100,7 +104,7 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
     scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else _cpu_gemm_scratch(unit)
-    return _activation_bytes(unit, workload, meta, last, on_gpu) + scratch
+    return _activation_bytes(unit, workload, meta, last, on_gpu, phase) + scratch
 
 
 def _cpu_gemm_scratch(unit: UnitInfo) -> int:
@@ -109,7 +113,8 @@ def _cpu_gemm_scratch(unit: UnitInfo) -> int:
     return min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
 
 
-def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool) -> int:
+def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool,
+                      phase: str | None = None) -> int:
     assert unit.workspace_bytes_per_token is not None  # checked by the caller
     batch, prompt = workload.batch_size, workload.prompt_len
     moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
@@ -124,12 +129,12 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
     # last logits only: what was alive before the logits unit scales with the prompt, what it adds with the positions
     prefill = (_last_logits_bytes(unit, batch, prompt, meta) if last else alive(prompt, prompt)) + sampling
-    if not generating or not unit.in_decode:
+    if not generating or not unit.in_decode or phase == "prefill":
         return prefill
     context = workload.context_len
     decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
-    return max(prefill, decode)
+    return decode if phase == "decode" else max(prefill, decode)
 
 
 def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:
@@ -156,8 +161,9 @@ def _sampling_bytes(unit: UnitInfo, batch: int, meta: GraphMeta) -> int:
     return SAMPLING_COPIES * batch * vocab * _FLOAT32_BYTES
 
 
-#: Copies of a unit's weights its stream buffer holds, by mode (``stream`` prefetches the next unit).
-STREAM_BUFFERS = {"resident": 0, "stream": 2, "stream_sync": 1}
+#: Copies of a unit's weights its stream buffer holds, by mode (``stream`` prefetches the next unit; a
+#: ``phased`` unit's prefill is a ``stream``, its decode computes where the weights are stored).
+STREAM_BUFFERS = {"resident": 0, "stream": 2, "stream_sync": 1, "phased": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,16 +220,20 @@ def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence
     ``names``: the units' names, in the order of ``chosen``, to say which unit sets the peak.
     """
     stored = [p for p in chosen if p.storage == device.name]
-    executed = [i for i, p in enumerate(chosen) if p.execution == device.name]
-    top = max(executed, key=lambda i: chosen[i].workspace_bytes + chosen[i].stream_buffer_bytes, default=None)
-    peak = chosen[top] if top is not None else None
-    executed_parts = [chosen[i] for i in executed]
+    executed_parts = [p for p in chosen if p.execution == device.name]
+    # (workspace, stream buffer) each unit computed here adds at its peak; a phased unit adds its prefill's
+    # (the prompt's KV cache, held until it moves to the decode device, counted as workspace)
+    transients = [(i, p.workspace_bytes, p.stream_buffer_bytes) for i, p in enumerate(chosen)
+                  if p.execution == device.name]
+    transients += [(i, p.prefill_workspace_bytes + p.prefill_kv_bytes, p.prefill_stream_buffer_bytes)
+                   for i, p in enumerate(chosen) if p.prefill_execution == device.name]
+    top, workspace, buffer = max(transients, key=lambda t: t[1] + t[2], default=(None, 0, 0))
     return DeviceMemory(
         device=device.name, capacity_bytes=device.usable_bytes, reserve_bytes=device.reserve_bytes,
         weights_bytes=sum(p.weights_bytes for p in stored),
         kv_cache_bytes=sum(p.kv_cache_bytes for p in executed_parts),
-        workspace_bytes=peak.workspace_bytes if peak else 0,
-        stream_buffer_bytes=peak.stream_buffer_bytes if peak else 0,
+        workspace_bytes=workspace,
+        stream_buffer_bytes=buffer,
         other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed_parts),
         peak_unit=names[top] if top is not None and top < len(names) else "",
     )

@@ -32,6 +32,9 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
   datasheet disk's sequential rate) and for any stream executed on the
   CPU: the same cores fault the weights in and compute, and measured runs on a CPU show no
   overlap (benchmarks/cost_accuracy).
+* ``phased`` (a unit stored in CPU RAM or on disk): the prefill is the ``stream`` to a GPU plus the
+  prompt's KV cache of the unit copied to the CPU once; each decode step computes on the CPU where the
+  weights are (llama.cpp's split: GPU for prompt processing, CPU for generation, chosen per unit here).
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
   devices, per prefill and per decode step.
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
@@ -116,6 +119,14 @@ class OptionPrice:
     resident_other_bytes: int
     workspace_bytes: int
     stream_buffer_bytes: int
+    prefill_execution: str | None = None
+    """``phased`` only: the GPU that computes the prefill (``execution`` computes the decode)."""
+    prefill_workspace_bytes: int = 0
+    """``phased`` only: the prefill's workspace on ``prefill_execution``."""
+    prefill_stream_buffer_bytes: int = 0
+    """``phased`` only: the prefill's stream buffer on ``prefill_execution``."""
+    prefill_kv_bytes: int = 0
+    """``phased`` only: the prompt's KV cache of this unit, held on ``prefill_execution`` until it moves."""
 
 
 @dataclass(frozen=True)
@@ -290,8 +301,13 @@ def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTime
     return ctx.calibration.times(unit.name, device.name)
 
 
-def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> OptionPrice:
-    """Time and memory of one option of one unit."""
+def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str,
+                 prefill_execution: str | None = None) -> OptionPrice:
+    """Time and memory of one option of one unit (``phased``: ``prefill_execution`` computes the prefill)."""
+    if mode == "phased":
+        if prefill_execution is None:
+            raise ValueError("a phased option needs its prefill_execution")
+        return _price_phased(ctx, unit, storage, execution, prefill_execution)
     wl = ctx.workload
     device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
@@ -321,6 +337,26 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     )
 
 
+def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, gpu: str) -> OptionPrice:
+    """A ``phased`` option: the prefill of a ``stream`` to ``gpu`` plus the prompt's KV cache moved to
+    ``execution`` once; the decode of the unit computed on ``execution`` from ``storage`` (resident in
+    RAM, or memory-mapped from disk); the whole KV cache on ``execution``."""
+    wl = ctx.workload
+    prefill = price_option(ctx, unit, storage, gpu, "stream")
+    decode = price_option(ctx, unit, storage, execution, "resident" if storage == execution else "stream")
+    prompt_kv = unit.kv_bytes_per_token * wl.batch_size * wl.prompt_len
+    move_s = (prompt_kv / ctx.machine.bandwidth(gpu, execution) + ctx.machine.latency_s(gpu, execution)
+              if prompt_kv else 0.0)
+    return OptionPrice(
+        storage=storage, execution=execution, mode="phased", prefill_s=prefill.prefill_s + move_s,
+        decode_s=decode.decode_s, weights_bytes=unit.weight_bytes, stored_other_bytes=0,
+        kv_cache_bytes=decode.kv_cache_bytes, resident_other_bytes=0,
+        workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=False, phase="decode"),
+        stream_buffer_bytes=decode.stream_buffer_bytes, prefill_execution=gpu,
+        prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),
+        prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv)
+
+
 def _ns(seconds: float) -> int:
     """Seconds -> integer nanoseconds, rounded up (after dropping float noise below 1e-3 ns)."""
     return math.ceil(round(seconds * NS_PER_S, 3))
@@ -335,6 +371,9 @@ def to_option(parts: OptionPrice) -> PlacementOption:
         stored_bytes=parts.weights_bytes + parts.stored_other_bytes,
         resident_bytes=parts.kv_cache_bytes + parts.resident_other_bytes,
         peak_bytes=parts.workspace_bytes + parts.stream_buffer_bytes,
+        prefill_execution=parts.prefill_execution,
+        prefill_peak_bytes=(parts.prefill_workspace_bytes + parts.prefill_stream_buffer_bytes + parts.prefill_kv_bytes
+                            if parts.prefill_execution else 0),
     )
 
 
