@@ -24,11 +24,11 @@ STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 
 
 def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
-                   time_limit_s: float | None, source: Any = None) -> Plan:
+                   time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None) -> Plan:
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
-    ``solve`` on the graph; ``accelerate`` asks the installed library with ``source`` (the model or
-    config the graph was traced from).
+    ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
+    installed library with ``source`` (the model or config the graph was traced from).
     """
     if strategy == "accelerate":
         return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
@@ -37,6 +37,8 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
     kwargs: dict[str, Any] = {"workload": workload, "strategy": strategy}
     if time_limit_s is not None:
         kwargs["time_limit_s"] = time_limit_s
+    if modes is not None:
+        kwargs["modes"] = modes
     return solve(graph, machine, objective, **kwargs)
 
 

@@ -237,3 +237,31 @@ def test_progress_spinner_shows_on_a_terminal_only(monkeypatch):
     with output.progress("Solving ..."):
         pass
     assert quiet.getvalue() == ""  # piped output stays clean
+
+
+def test_logits_flag_prices_every_prompt_position(tmp_path):
+    """--logits all: the head computes the whole prompt's logits, so the prefill costs more and the
+    workload line says so; the plan JSON keeps the choice."""
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb,cpu=64GiB", "--prompt", "2048", "--new-tokens", "8")
+    last, every = tmp_path / "last.json", tmp_path / "all.json"
+    assert run_cli(*common, "--json", str(last)).exit_code == 0
+    result = run_cli(*common, "--logits", "all", "--json", str(every))
+    assert result.exit_code == 0 and "logits at every prompt position" in result.output
+    from placement_opt import Plan
+
+    plans = Plan.from_json(str(last)), Plan.from_json(str(every))
+    assert plans[1].workload.logits == "all" and plans[0].workload.logits_kept == "last"
+    assert plans[1].cost.prefill_s > plans[0].cost.prefill_s
+
+
+def test_modes_flag_limits_the_solvers_choices_and_refuses_unknown_modes(tmp_path):
+    from placement_opt import Plan
+
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb/8GiB,cpu=64GiB", "--new-tokens", "8")
+    for modes in ("resident", "resident,stream"):
+        assert run_cli(*common, "--modes", modes, "--json", str(tmp_path / f"{modes}.json")).exit_code == 0
+    chosen = {m: {p.mode for p in Plan.from_json(str(tmp_path / f"{m}.json")).placements}
+              for m in ("resident", "resident,stream")}
+    assert chosen == {"resident": {"resident"}, "resident,stream": {"resident", "stream"}}
+    bad = run_cli(*common, "--modes", "resident,teleport", catch_exceptions=True)
+    assert bad.exit_code != 0 and "modes must name some of" in bad.output and "Traceback" not in bad.output

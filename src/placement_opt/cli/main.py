@@ -36,6 +36,7 @@ from .options import (
     check_plot_suffix,
     cluster_options,
     model_dtype,
+    parse_modes,
     require_devices,
     resolve_devices,
     resolve_model,
@@ -99,10 +100,10 @@ def cli() -> None:
 
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
-             dtype: str | None) -> tuple[Any, Machine, Workload, Any]:
+             dtype: str | None, logits: str | None = None) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words."""
     devices = require_devices(devices)
-    workload = workload_from(batch, prompt, new_tokens)
+    workload = workload_from(batch, prompt, new_tokens, logits)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with progress(f"Tracing {model} on the meta device ..."):
@@ -118,24 +119,29 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="write the plan as JSON here ('-': to stdout, with the tables on stderr)")
 @click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")
+@click.option("--modes", default=None, metavar="LIST",
+              help="what the solver may choose for weights off the GPUs, e.g. 'resident,stream': resident, stream, "
+                   "phased (prompt on the GPU, decode steps on the CPU; run by placement_opt's dispatch/load "
+                   "only). Default: all of them")
 @cluster_options
-def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, dtype: str | None,
-         time_limit: float | None, strategy: str, json_path: str | None, plot: str | None, cluster: str | None,
-         schedule: str, microbatches: int | None, train: bool) -> None:
+def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
+         dtype: str | None, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
+         modes: str, cluster: str | None, schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     if cluster is not None:
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits)
+        chosen = parse_modes(modes) if modes is not None else None
         with progress(f"Solving ({strategy}, {objective}) ..."):
             result = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
-                                    time_limit_s=time_limit, source=resolved)
+                                    time_limit_s=time_limit, source=resolved, modes=chosen)
         if time_limit is None and gap_advice(result) is not None:
             result = _search_longer(console, result, lambda limit: solve_strategy(
                 graph, machine, objective=objective, workload=workload, strategy=strategy, time_limit_s=limit,
-                source=resolved))
+                source=resolved, modes=chosen))
     for part in plan_renderables(result):
         console.print(part)
     write_outputs(console, result, json_path, plot)
@@ -189,13 +195,13 @@ def _search_longer(console: Console, first: Plan, solve_again: Callable[[float],
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
 def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int,
-            dtype: str | None,
+            logits: str | None, dtype: str | None,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
     check_outputs(json_path, plot)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype)
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits)
         with progress("Solving with every strategy ..."):
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
                                           time_limit_s=time_limit, source=resolved)

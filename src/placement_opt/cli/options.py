@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..cost.workload import Workload
     from ..hardware.devices import Machine
 
-__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "solve_options",
+__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "parse_modes", "solve_options",
            "check_plot_suffix", "EXTRA_SEARCH_S", "cluster_options",
            "require_devices"]
 
@@ -138,11 +138,11 @@ def _machine_from_file(path: Path) -> Machine:
     return Machine.from_dict(data)
 
 
-def workload_from(batch: int, prompt: int, new_tokens: int) -> Workload:
+def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None) -> Workload:
     from ..cost.workload import Workload
 
     try:
-        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens)
+        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, logits=logits)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -157,6 +157,9 @@ def solve_options(func: Any) -> Any:
         click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
         click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
         click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
+        click.option("--logits", type=click.Choice(["last", "all"]), default=None,
+                     help="positions whose logits the prompt computes: 'last' (generate(), the default when "
+                          "generating) or 'all' (a plain forward, e.g. scoring every position)"),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="weight dtype (default: the model's own, from its config)"),
         click.option("--time-limit", type=float, default=None, metavar="S",
@@ -183,6 +186,11 @@ def cluster_options(func: Any) -> Any:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"resident,stream"`` -> the modes the solver may choose (checked by ``solve``)."""
+    return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
 def require_devices(devices: str | None) -> str:
