@@ -134,14 +134,14 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits)
-        chosen = parse_modes(modes) if modes is not None else None
+        chosen = {"modes": parse_modes(modes)} if modes is not None else {}
         with progress(f"Solving ({strategy}, {objective}) ..."):
             result = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
-                                    time_limit_s=time_limit, source=resolved, modes=chosen)
+                                    time_limit_s=time_limit, source=resolved, **chosen)
         if time_limit is None and gap_advice(result) is not None:
             result = _search_longer(console, result, lambda limit: solve_strategy(
                 graph, machine, objective=objective, workload=workload, strategy=strategy, time_limit_s=limit,
-                source=resolved, modes=chosen))
+                source=resolved, **chosen))
     for part in plan_renderables(result):
         console.print(part)
     write_outputs(console, result, json_path, plot)
