@@ -105,16 +105,23 @@ def phased_plan(model: torch.nn.Module, choose, units: list[str] | None = None) 
 
 
 class PathRecorder:
-    """Per phased unit, the path each call took: "prefill" when a submodule computed from a copy
-    of its weight (streamed), "decode" when from the stored tensor itself."""
+    """Per phased unit, the path each call took: "prefill" when the Streamer handed it copied weights,
+    "decode" otherwise. Where the unit's weights sit in a submodule, the weights that submodule
+    computed from are recorded too (:attr:`sources`): a copy in the prefill, the stored tensor itself
+    in the decode; :meth:`close` checks that the two agree."""
 
     def __init__(self, handle, names: list[str]) -> None:
         self.calls: dict[str, list[str]] = {name: [] for name in names}
+        self.sources: dict[str, list[str]] = {}
         self._hooks = []
         for name in names:
-            leaf, weight = self._weighted_leaf(handle.model.get_submodule(name))
-            stored = weight.data_ptr()
-            self._hooks.append(leaf.register_forward_pre_hook(self._record(name, weight, stored)))
+            unit = handle.model.get_submodule(name)
+            self._hooks.append(unit.register_forward_pre_hook(
+                lambda module, args, _name=name: self.calls[_name].append("decode")))
+            leaf, weight = self._weighted_leaf(unit)
+            if leaf is not unit:  # a unit's own pre-hooks run before its wrapper puts the copies in place
+                self.sources[name] = []
+                self._hooks.append(leaf.register_forward_pre_hook(self._source(name, weight, weight.data_ptr())))
 
     @staticmethod
     def _weighted_leaf(module):
@@ -124,10 +131,15 @@ class PathRecorder:
                 return sub, weight
         raise AssertionError("no 2-d weight in the unit")
 
-    def _record(self, name, weight, stored):
+    def _source(self, name, weight, stored):
         def hook(module, args):
-            self.calls[name].append("decode" if weight.data_ptr() == stored else "prefill")
+            self.sources[name].append("stored" if weight.data_ptr() == stored else "copy")
         return hook
+
+    def took(self, unit: str) -> None:
+        """The Streamer handed ``unit`` its weights: the call under way is a prefill."""
+        if unit in self.calls:
+            self.calls[unit][-1] = "prefill"
 
     def counts(self, name: str) -> tuple[int, int]:
         return self.calls[name].count("prefill"), self.calls[name].count("decode")
@@ -135,6 +147,28 @@ class PathRecorder:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        for name, sources in self.sources.items():
+            assert sources == [{"prefill": "copy", "decode": "stored"}[c] for c in self.calls[name]], name
+
+
+@pytest.fixture
+def record_paths(monkeypatch):
+    """``record_paths(handle, unit names)`` -> a :class:`PathRecorder` told of every Streamer.take."""
+    recorders: list[PathRecorder] = []
+    real_take = _streamer.Streamer.take
+
+    def take(self, unit):
+        for recorder in recorders:
+            recorder.took(unit.name)
+        return real_take(self, unit)
+
+    monkeypatch.setattr(_streamer.Streamer, "take", take)
+
+    def make(handle, names):
+        recorders.append(PathRecorder(handle, names))
+        return recorders[-1]
+
+    return make
 
 
 def _phased_names(plan: Plan) -> list[str]:
@@ -155,7 +189,7 @@ def _mix(storage_row):
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("phased", [PHASED_CPU, PHASED_DISK], ids=["cpu", "disk"])
-def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, tmp_path):
+def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, tmp_path, record_paths):
     model = model_of(family)
     batch, steps = prompt(), 5
     with torch.no_grad():
@@ -165,7 +199,7 @@ def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, t
     handle = dispatch(model, plan, offload_dir=tmp_path)
     names = _phased_names(plan)
     assert set(handle.unit_kinds()[n] for n in names) == {"phased"} and "stream" in handle.unit_kinds().values()
-    paths = PathRecorder(handle, names)
+    paths = record_paths(handle, names)
     with torch.no_grad():
         out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
     paths.close()
@@ -179,11 +213,11 @@ def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, t
     assert_restored(model, before)
 
 
-def test_generate_twice_prefills_once_each(gpu_on_cpu, kv_moves, tmp_path):
+def test_generate_twice_prefills_once_each(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     model = tiny("llama")
     plan = phased_plan(model, _mix(PHASED_DISK))
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         first = handle.generate(**prompt(), max_new_tokens=3, **GENERATE).sequences
         second = handle.generate(**prompt(), max_new_tokens=3, **GENERATE).sequences
@@ -196,7 +230,7 @@ def test_generate_twice_prefills_once_each(gpu_on_cpu, kv_moves, tmp_path):
 
 @pytest.mark.parametrize("options", [{"cache_implementation": "static"}, {"num_beams": 3}],
                          ids=["static-cache", "beam-search"])
-def test_generate_with_a_static_cache_or_beams(options, gpu_on_cpu, kv_moves, tmp_path):
+def test_generate_with_a_static_cache_or_beams(options, gpu_on_cpu, kv_moves, tmp_path, record_paths):
     # a static cache's layers hold a preallocated buffer and a position counter; beams reorder the cache
     model = tiny("llama")
     kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, **options}
@@ -204,7 +238,7 @@ def test_generate_with_a_static_cache_or_beams(options, gpu_on_cpu, kv_moves, tm
         expected = model.generate(**prompt(), **kwargs)
     plan = phased_plan(model, _mix(PHASED_DISK))
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         tokens = handle.generate(**prompt(), **kwargs)
     paths.close()
@@ -214,14 +248,14 @@ def test_generate_with_a_static_cache_or_beams(options, gpu_on_cpu, kv_moves, tm
     handle.remove()
 
 
-def test_a_one_token_prompt_never_takes_the_prefill_path(gpu_on_cpu, kv_moves, tmp_path):
+def test_a_one_token_prompt_never_takes_the_prefill_path(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     model = tiny("llama")
     batch = prompt(1)
     with torch.no_grad():
         expected = model.generate(**batch, max_new_tokens=4, **GENERATE)
     plan = phased_plan(model, _mix(PHASED_CPU))
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         out = handle.generate(**batch, max_new_tokens=4, **GENERATE)
     paths.close()
@@ -231,7 +265,7 @@ def test_a_one_token_prompt_never_takes_the_prefill_path(gpu_on_cpu, kv_moves, t
     handle.remove()
 
 
-def test_a_multi_token_call_on_a_filled_cache_runs_where_the_unit_decodes(gpu_on_cpu, kv_moves, tmp_path):
+def test_a_multi_token_call_on_a_filled_cache_runs_where_the_unit_decodes(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     # chunked prefill (or a speculative verification): 4 tokens, then 3 more on that cache
     model = tiny("llama")
     ids = prompt()["input_ids"]
@@ -240,7 +274,7 @@ def test_a_multi_token_call_on_a_filled_cache_runs_where_the_unit_decodes(gpu_on
         expected = model(input_ids=ids[:, 4:], past_key_values=head.past_key_values, use_cache=True).logits
     plan = phased_plan(model, _mix(PHASED_CPU))
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         head = handle(input_ids=ids[:, :4], use_cache=True)
         logits = handle(input_ids=ids[:, 4:], past_key_values=head.past_key_values, use_cache=True).logits
@@ -251,13 +285,13 @@ def test_a_multi_token_call_on_a_filled_cache_runs_where_the_unit_decodes(gpu_on
     handle.remove()
 
 
-def test_a_forward_without_cache_is_a_prefill_with_nothing_to_move(gpu_on_cpu, tmp_path):
+def test_a_forward_without_cache_is_a_prefill_with_nothing_to_move(gpu_on_cpu, tmp_path, record_paths):
     model = tiny("llama")
     with torch.no_grad():
         expected = model(**prompt(), use_cache=False).logits
     plan = phased_plan(model, _mix(PHASED_DISK))
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         logits = handle(**prompt(), use_cache=False).logits
     paths.close()
@@ -281,7 +315,7 @@ def _fine_units(model: torch.nn.Module) -> list[str]:
     return units
 
 
-def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path):
+def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     model = tiny("llama")
     batch, steps = prompt(), 4
     with torch.no_grad():
@@ -292,7 +326,7 @@ def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path):
               "model.layers.2.self_attn": PHASED_DISK, "model.layers.2.mlp": GPU_STREAM, "lm_head": PHASED_CPU}
     plan = phased_plan(model, lambda i, u: chosen.get(u, RESIDENT), units)
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
     paths.close()
@@ -311,7 +345,7 @@ def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Weights: the decode computes from the stored tensors, the checkpoint's own bytes for load()
 # ---------------------------------------------------------------------------------------------
-def test_load_decodes_from_the_checkpoints_memory_map(gpu_on_cpu, tmp_path_factory):
+def test_load_decodes_from_the_checkpoints_memory_map(gpu_on_cpu, tmp_path_factory, record_paths):
     model = tiny("llama")
     path = tmp_path_factory.mktemp("llama-ckpt")
     model.save_pretrained(path)
@@ -323,7 +357,7 @@ def test_load_decodes_from_the_checkpoints_memory_map(gpu_on_cpu, tmp_path_facto
     weight = handle.model.model.layers[2].mlp.up_proj.weight
     file, key = next((f, k) for u in handle._units for f, k in u.disk if k.endswith("layers.2.mlp.up_proj.weight"))
     assert weight.data_ptr() == file._mapped().ctypes.data + file.spans[key].offset_bytes  # no copy
-    paths = PathRecorder(handle, _phased_names(plan))
+    paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         tokens = handle.generate(**batch, max_new_tokens=4, **GENERATE).sequences
     paths.close()
@@ -359,7 +393,7 @@ def test_prefetch_includes_phased_units_in_the_prefill_only(gpu_on_cpu, monkeypa
     handle.remove()
 
 
-def test_a_phased_unit_drops_a_prefetch_it_does_not_take(gpu_on_cpu, monkeypatch, tmp_path):
+def test_a_phased_unit_drops_a_prefetch_it_does_not_take(gpu_on_cpu, monkeypatch, tmp_path, record_paths):
     # Layer 0 streamed, layer 1 phased from disk. The model's call looks like a prefill (several tokens,
     # layer 0's cache empty), so layer 0 starts reading layer 1; layer 1 finds its own cache filled and
     # decodes: the read it will not take is let go, nothing stays in flight.
@@ -370,7 +404,7 @@ def test_a_phased_unit_drops_a_prefetch_it_does_not_take(gpu_on_cpu, monkeypatch
     real_init = _streamer.Streamer.__init__
     monkeypatch.setattr(_streamer.Streamer, "__init__", lambda self: (streamers.append(self), real_init(self))[1])
     handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = PathRecorder(handle, ["model.layers.1"])
+    paths = record_paths(handle, ["model.layers.1"])
     ids = prompt()["input_ids"]
     with torch.no_grad():
         cache = handle(input_ids=ids[:, :4], use_cache=True).past_key_values
