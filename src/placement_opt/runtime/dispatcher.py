@@ -6,7 +6,8 @@ straight to its device, then dispatches). The per-unit forward wrappers live in 
 the copies and prefetching of streamed weights in :mod:`._streamer`, what is checked before
 anything changes in :mod:`._preflight`, the undo log in :mod:`._undo`.
 
-What each unit gets, from its ``storage`` S and ``execution`` E:
+What each unit gets, from its ``storage`` S and ``execution`` E (a unit of mode ``phased``,
+whose ``prefill_execution`` P computes its prefill: the last row, whatever S and E):
 
 ==========================  ==================================================================
 S == E (GPU or CPU)         weights moved once; no per-forward work
@@ -18,10 +19,10 @@ S != E otherwise            streamed: weights copied to E for the forward, relea
                             ``stream`` prefetches the next streamed unit while this one computes
                             (a CUDA side stream from pinned memory; disk reads in a background
                             thread); ``stream_sync`` copies when the unit is called.
-``phased``: S = cpu or      the prefill computes on P, weights streamed S -> P as ``stream``
-disk, E = cpu, P =          units' are (pinned copies, side stream, prefetched by the streamed
-``prefill_execution``, a    unit before it); right after that forward the unit's KV cache layers
-GPU                         move P -> E. The decode computes on E from the weights where they
+mode phased: S = cpu or     the prefill computes on P, weights streamed S -> P as ``stream``
+disk, E = cpu, P = the      units' are (pinned copies, side stream, prefetched by the streamed
+prefill_execution (a GPU)   unit before it); right after that forward the unit's KV cache layers
+                            move P -> E. The decode computes on E from the weights where they
                             are stored (RAM, or the memory map: no copy), its cache there. A call
                             is a prefill when it has more than one token per sequence and the
                             unit's cache layers hold no tokens yet (:mod:`._phases`).
