@@ -3,8 +3,9 @@
 Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and
 :func:`~.loader.load`, which builds the model on the meta device, solves, reads each weight
 straight to its device, then dispatches). The per-unit forward wrappers live in :mod:`._hooks`,
-the copies and prefetching of streamed weights in :mod:`._streamer`, what is checked before
-anything changes in :mod:`._preflight`, the undo log in :mod:`._undo`.
+the copies and prefetching of streamed weights in :mod:`._streamer`, the phase of a phased unit's
+call and its KV cache's move in :mod:`._phases`, what is checked before anything changes in
+:mod:`._preflight`, the undo log in :mod:`._undo`.
 
 What each unit gets, from its ``storage`` S and ``execution`` E (a unit of mode ``phased``,
 whose ``prefill_execution`` P computes its prefill: the last row, whatever S and E):
