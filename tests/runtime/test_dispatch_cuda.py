@@ -82,3 +82,89 @@ def test_kv_cache_lives_where_each_layer_computes():
     devices = [layer.keys.device.type for layer in out.past_key_values.layers]
     assert devices == ["cuda", "cpu", "cuda", "cpu"]
     handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Phased units: the prefill streamed to the GPU, the decode on the CPU where the weights are stored
+# ---------------------------------------------------------------------------------------------
+PHASED_CPU = ("cpu", "cpu", "phased", "cuda:0")
+PHASED_DISK = ("disk", "cpu", "phased", "cuda:0")
+
+
+def phased_plan(model, choose):
+    """``choose(i, unit)`` -> (storage, execution, mode[, prefill_execution]); tied units follow the first."""
+    import dataclasses
+
+    from _models import tied_groups, units_of
+    from placement_opt.plan import UnitPlacement
+
+    units = units_of(model)
+    rows = {u: choose(i, u) for i, u in enumerate(units)}
+    for group in tied_groups(model, units):
+        for u in group:
+            rows[u] = rows[min(group, key=units.index)]
+    placements = tuple(UnitPlacement(unit=u, storage=r[0], execution=r[1], mode=r[2],
+                                     prefill_execution=r[3] if len(r) > 3 else None) for u, r in rows.items())
+    return dataclasses.replace(plan_from(model, lambda i, u: RESIDENT), placements=placements)
+
+
+def record_weight_devices(model, names):
+    """Per unit, the device its first 2-d weight computes from at each call (a forward pre-hook)."""
+    seen, hooks = {name: [] for name in names}, []
+    for name in names:
+        leaf = next(m for m in model.get_submodule(name).modules()
+                    if m._parameters.get("weight") is not None and m.weight.dim() == 2)
+        hooks.append(leaf.register_forward_pre_hook(
+            lambda module, args, _name=name: seen[_name].append(module.weight.device.type)))
+    return seen, hooks
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("phased", [PHASED_CPU, PHASED_DISK], ids=["cpu", "disk"])
+def test_phased_generate_matches_the_plain_model(family, phased, tmp_path):
+    model = tiny(family)
+    batch = inputs_for(model)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+              "return_dict_in_generate": True}
+    with torch.no_grad():
+        expected = model.generate(**batch, **kwargs)
+    before = snapshot(model)
+    layers = {"model.layers.0": phased, "model.layers.1": CPU_STREAM, "model.layers.2": phased}
+    plan = phased_plan(model, lambda i, u: layers.get(u, GPU_RESIDENT))
+    handle = dispatch(model, plan, offload_dir=tmp_path)
+    phased_units = [u for u in layers if layers[u] is phased and u in handle.unit_kinds()]
+    seen, hooks = record_weight_devices(model, phased_units)
+    with torch.no_grad():
+        out = handle.generate(**batch, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(out.sequences.cpu(), expected.sequences)
+    for got, want in zip(out.logits, expected.logits, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    for name in phased_units:  # prefill from the GPU copy, every decode step from the CPU's weights
+        assert seen[name] == ["cuda"] + ["cpu"] * 5, name
+        assert out.past_key_values.layers[int(name.split(".")[-1])].keys.device.type == "cpu"
+    assert out.past_key_values.layers[1].keys.device.type == "cuda"  # the streamed layer's cache stays on the GPU
+    handle.remove()
+    assert_restored(model, before)
+
+
+def test_phased_weights_leave_the_gpu_after_the_prefill(tmp_path):
+    model = tiny("llama")
+    plan = phased_plan(model, lambda i, u: (PHASED_CPU, PHASED_DISK)[i % 2] if "layers." in u else GPU_RESIDENT)
+    handle = dispatch(model, plan, offload_dir=tmp_path)
+    layer = model.model.layers[0]
+    assert layer.mlp.up_proj.weight.device.type == "cpu" and layer.mlp.up_proj.weight.is_pinned()
+    layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    with torch.no_grad():
+        handle(**inputs_for(model), use_cache=False)  # warm up: cuBLAS workspace and the allocator's pools
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        out = handle(**inputs_for(model), use_cache=True)
+        torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - baseline
+    assert held < layer_bytes, f"{held} bytes still on the GPU after the prefill (a layer is {layer_bytes})"
+    assert {layer.keys.device.type for layer in out.past_key_values.layers} == {"cpu"}
+    assert layer.mlp.up_proj.weight.device.type == "cpu"
+    handle.remove()
+    assert not model.model.layers[0].mlp.up_proj.weight.is_pinned()

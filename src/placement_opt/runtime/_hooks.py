@@ -3,6 +3,10 @@
 A unit's forward is wrapped only when the plan executes units on more than one device (its
 inputs may need moving) or when its weights move per forward; the model's own forward is wrapped
 once to move the caller's inputs to the first unit's device and return outputs on the caller's.
+A ``phased`` unit's wrapper picks the phase of each call (:mod:`._phases`): a prefill streams the
+weights to the prefill device like a ``stream`` unit and moves the prompt's KV cache to the decode
+device afterwards; a decode computes where the weights are stored. With phased units in the plan
+the model's forward also notes whether its call is a prefill, for the streamed units' prefetching.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._phases import CallPhase, call_is_prefill, move_cache_layers, unit_is_prefill
 from ._streamer import DispatchUnit, Streamer
 
 __all__ = ["install_hooks", "restore_forwards"]
@@ -61,14 +66,18 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
     its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
     """
     if move_inputs is None:
-        move_inputs = len({u.execution for u in units}) > 1
+        move_inputs = len({u.execution for u in units} | {u.prefill for u in units if u.prefill}) > 1
+    phase = CallPhase()
     for unit in units:
-        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs=move_inputs)
+        wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs, phase)
         if wrapper is not None:
             _wrap(unit.module, wrapper, hooked)
     main = units[0].execution if units else torch.device("cpu")
     if model not in hooked:
-        _wrap(model, _entry_forward(model.forward, main), hooked)
+        entry = _entry_forward(model.forward, main)
+        if any(u.kind == "phased" for u in units):  # only then: plans without phased units keep their entry as it was
+            entry = _noting_phase(entry, phase)
+        _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
         _wrap(encoder, _entry_forward(encoder.forward, _first_execution(encoder, model, units, main)), hooked)
@@ -120,14 +129,26 @@ def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[
     return functools.wraps(forward)(entry)
 
 
+def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:
+    """The model's forward noting whether its call is a prefill before any unit runs."""
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        phase.prefill = call_is_prefill(args, kwargs)
+        return entry(*args, **kwargs)
+
+    return functools.wraps(entry)(noting)
+
+
 def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
-                  move_inputs: bool) -> Callable[..., Any] | None:
+                  move_inputs: bool, phase: CallPhase) -> Callable[..., Any] | None:
     """The wrapped forward of one unit, or None when the unit needs no per-call work."""
     device = unit.execution
+    if unit.kind == "phased":
+        return _phased_forward(unit, forward, streamer, phase)
     if unit.kind == "stream":
-        return _streamed_forward(unit, forward, streamer, move_inputs)
+        return _streamed_forward(unit, forward, streamer, move_inputs, phase, unit.next_unit)
     if unit.kind == "mmap" and unit.next_unit is not None:
-        ahead = [(file, key) for file, key in unit.next_unit.disk]
+        ahead = _disk_keys(unit.next_unit)
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
             for file, key in ahead:
@@ -147,15 +168,23 @@ def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Str
     return functools.wraps(forward)(moved)
 
 
-def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
-                      move_inputs: bool) -> Callable[..., Any]:
-    """A streamed unit's forward: take its copied weights, start the next unit's copy, run, put back."""
-    device, following, slots = unit.execution, unit.next_unit, unit.uses
+def _disk_keys(unit: DispatchUnit) -> list[tuple[Any, str]]:
+    return [(file, key) for file, key in unit.disk]
+
+
+def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer, move_inputs: bool,
+                      phase: CallPhase, following: DispatchUnit | None) -> Callable[..., Any]:
+    """A streamed unit's forward: take its copied weights, start the next unit's copy, run, put back.
+
+    The next unit is ``following``, or in a prefill (``phase``) the next streamed one, phased units included.
+    """
+    device, slots, in_prefill = unit.streams_to, unit.uses, unit.next_prefill
 
     def streamed(*args: Any, **kwargs: Any) -> Any:
         weights = streamer.take(unit)
-        if following is not None:
-            streamer.start(following)
+        ahead = in_prefill if phase.prefill else following
+        if ahead is not None:
+            streamer.start(ahead)
         for slot, data in zip(slots, weights, strict=True):
             slot.tensor.data = data
         try:
@@ -168,3 +197,29 @@ def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer:
                 slot.tensor.data = slot.stored
 
     return functools.wraps(forward)(streamed)
+
+
+def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
+                    phase: CallPhase) -> Callable[..., Any]:
+    """A phased unit's forward: the prefill streamed to its prefill device, the decode where it is stored."""
+    name, layer_ids, decode_device = unit.name, unit.layer_ids, unit.execution
+    prefill = _streamed_forward(unit, forward, streamer, True, phase, unit.next_prefill)
+    # a disk unit decodes from the memory map: read the next mapped unit ahead, as mmap units do
+    ahead = _disk_keys(unit.next_unit) if unit.disk and unit.next_unit is not None else []
+
+    def phased(*args: Any, **kwargs: Any) -> Any:
+        if unit_is_prefill(name, layer_ids, args, kwargs, phase.prefill):
+            phase.prefill = True
+            # a cache layer filled elsewhere before (a static cache, reset) is written where the prefill runs
+            move_cache_layers(name, layer_ids, args, kwargs, unit.streams_to)
+            out = prefill(*args, **kwargs)
+            move_cache_layers(name, layer_ids, args, kwargs, decode_device)
+            return out
+        phase.prefill = False
+        streamer.drop(unit)  # a prefetch started for a prefill this call is not
+        for file, key in ahead:
+            file.prefetch((key,))
+        return forward(*[_move(a, decode_device) for a in args],
+                       **{k: _move(v, decode_device) for k, v in kwargs.items()})
+
+    return functools.wraps(forward)(phased)

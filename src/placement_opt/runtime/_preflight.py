@@ -1,9 +1,10 @@
 """What :func:`~.dispatcher.dispatch` works out and checks before it changes the model.
 
-The plan against this run (no other rank's GPU, CUDA devices present, nothing executes on disk),
-the model (not dispatched already, by placement_opt or by accelerate; every unit a module of it),
-and each tensor given to the unit that owns it (tied tensors stored on one device). Everything
-here raises :class:`~placement_opt.errors.DispatchError` and leaves the model as it is.
+The plan against this run (no other rank's GPU, CUDA devices present, nothing executes on disk,
+phased units stored on the CPU or disk, prefilled on a GPU and decoded on the CPU), the model (not
+dispatched already, by placement_opt or by accelerate; every unit a module of it), and each tensor
+given to the unit that owns it (tied tensors stored on one device). Everything here raises
+:class:`~placement_opt.errors.DispatchError` and leaves the model as it is.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from torch import nn
 from ..errors import DispatchError, PlacementError
 from ..hardware.detect import cuda_device_count
 from ..model.graph import covering_key
-from ..plan import Plan
+from ..plan import Plan, UnitPlacement
 from ..units import few
-from ._streamer import DispatchUnit, torch_device
+from . import _streamer
+from ._phases import attention_layers
+from ._streamer import DispatchUnit
 from .checkpoint import Slot
 
-__all__ = ["check_model", "build_units", "assign_slots", "check_devices"]
+__all__ = ["check_model", "check_phased", "build_units", "assign_slots", "check_devices"]
 
 
 def check_model(model: nn.Module, plan: Plan) -> None:
@@ -58,8 +61,45 @@ def build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
             f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
             f"Solve the plan for this model (placement_opt.solve(model, ...))"
         )
-    return [DispatchUnit(placement=p, module=modules[p.unit], execution=torch_device(p.execution))
-            for p in plan.placements]
+    return [_unit(p, modules[p.unit]) for p in plan.placements]
+
+
+def _unit(placement: UnitPlacement, module: nn.Module) -> DispatchUnit:
+    torch_device = _streamer.torch_device  # looked up at each dispatch: tests map GPUs onto the CPU through it
+    execution = torch_device(placement.execution)
+    if placement.mode != "phased" or placement.prefill_execution is None:  # the latter: refused by check_phased
+        return DispatchUnit(placement=placement, module=module, execution=execution)
+    return DispatchUnit(placement=placement, module=module, execution=execution,
+                        prefill=torch_device(placement.prefill_execution), layer_ids=attention_layers(module))
+
+
+def check_phased(plan: Plan) -> None:
+    """Phased units are stored on cpu/disk, decode on the CPU and prefill on a GPU; no other mode names a
+    prefill device. Read from the plan's names, before any of them becomes a ``torch.device``."""
+    problems = [text for text in map(_phased_problem, plan.placements) if text]
+    if problems:
+        raise DispatchError(f"{len(problems)} placement(s) cannot run phased: {'; '.join(problems[:3])}"
+                            f"{'; ...' if len(problems) > 3 else ''}. A phased unit is stored on 'cpu' or "
+                            f"'disk', computes its prefill on a GPU (prefill_execution='cuda:N', its weights "
+                            f"streamed there) and its decode on 'cpu' (execution): fix those placements or "
+                            f"solve the plan again")
+
+
+def _phased_problem(p: UnitPlacement) -> str:
+    prefill = p.prefill_execution
+    if p.mode != "phased":
+        if prefill is not None and prefill != p.execution:
+            return f"{p.unit!r} ({p.mode}) names prefill_execution {prefill!r}, which only phased units have"
+        return ""
+    if prefill is None or prefill == p.execution:
+        return f"{p.unit!r} has no prefill_execution other than its execution {p.execution!r}"
+    if not prefill.startswith("cuda"):
+        return f"{p.unit!r} would compute its prefill on {prefill!r}, not a GPU"
+    if p.execution != "cpu":
+        return f"{p.unit!r} would decode on {p.execution!r}, not 'cpu'"
+    if p.storage not in ("cpu", "disk"):
+        return f"{p.unit!r} is stored on {p.storage!r}, not 'cpu' or 'disk'"
+    return ""
 
 
 def assign_slots(units: list[DispatchUnit], slots: list[Slot], plan: Plan) -> None:
@@ -85,12 +125,16 @@ def assign_slots(units: list[DispatchUnit], slots: list[Slot], plan: Plan) -> No
 
 def check_devices(units: list[DispatchUnit]) -> None:
     """Every CUDA device the units use is present, and no unit executes on disk."""
-    wanted = sorted({d for u in units for d in (u.placement.storage, u.placement.execution)
+    wanted = sorted({d for u in units for d in (u.placement.storage, u.placement.execution,
+                                                u.placement.prefill_execution or "")
                      if d.startswith("cuda")})
     count = cuda_device_count()
     absent = [d for d in wanted if count == 0 or (torch.device(d).index or 0) >= count]
     if absent:
-        raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s): "
+        phased = sorted({u.name for u in units if u.placement.prefill_execution in absent})
+        hint = (f" ({len(phased)} phased unit(s) compute their prefill there: {few(phased)}; without that "
+                f"GPU, place them resident on 'cpu')" if phased else "")
+        raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s){hint}: "
                             f"solve the plan for this machine")
     bad = [u.name for u in units if u.placement.execution == "disk"]
     if bad:

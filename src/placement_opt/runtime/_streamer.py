@@ -1,7 +1,9 @@
-"""Streamed weights: each unit's bookkeeping, copies to the execution device, prefetching the next unit.
+"""Streamed weights: each unit's bookkeeping, copies to the device it streams to, prefetching the next unit.
 
 Disk reads and GPU copies run in one background thread (GPU copies on a CUDA side stream, from
 pinned memory); :class:`Streamer` hands the copied weights to the unit's forward (:mod:`._hooks`).
+A ``stream`` unit streams to its execution device; a ``phased`` unit to its prefill device, in the
+prefill only.
 """
 
 from __future__ import annotations
@@ -32,15 +34,28 @@ class DispatchUnit:
     placement: UnitPlacement
     module: nn.Module
     execution: torch.device
+    """Where the unit computes (in the decode, for a ``phased`` unit)."""
+    prefill: torch.device | None = None
+    """``phased`` only: where the unit computes in the prefill, its weights streamed there."""
     slots: list[Slot] = field(default_factory=list)
     """Tensors this unit owns (their first name is under it): placed on its storage."""
     uses: list[Slot] = field(default_factory=list)
     """Tensors its modules reference (owned or tied to another unit's): swapped when streamed."""
     kind: str = "resident"
-    """``resident``, ``mmap`` (disk, CPU-executed, zero-copy) or ``stream``."""
+    """``resident``, ``mmap`` (disk, CPU-executed, zero-copy), ``stream`` or ``phased``."""
     disk: list[tuple[SafetensorsFile, str]] = field(default_factory=list)
     next_unit: DispatchUnit | None = None
-    """The unit to prefetch when this one starts (``stream`` mode)."""
+    """The unit to prefetch when this one starts (``stream`` mode); in a prefill, see :attr:`next_prefill`.
+    A ``phased`` disk unit reads this one ahead when it decodes from the memory map."""
+    next_prefill: DispatchUnit | None = None
+    """The unit to prefetch when this one starts in a prefill, where ``phased`` units stream too."""
+    layer_ids: tuple[int, ...] = ()
+    """``phased`` only: the KV cache layers of its attention modules (their ``layer_idx``)."""
+    streams_to: torch.device = field(init=False)
+    """Where :class:`Streamer` copies the weights: the prefill device of a phased unit, else the execution device."""
+
+    def __post_init__(self) -> None:
+        self.streams_to = self.prefill or self.execution
 
     @property
     def name(self) -> str:
@@ -66,8 +81,8 @@ class Streamer:
         return self.side_streams[device]
 
     def _copy(self, unit: DispatchUnit, side: bool) -> tuple[list[torch.Tensor], Any]:
-        """Copy every stored tensor of ``unit`` to its execution device (on a side stream if asked)."""
-        device = unit.execution
+        """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked)."""
+        device = unit.streams_to
         if device.type != "cuda":
             return [slot.stored.to(device, copy=True) for slot in unit.uses], None
         sources = []
@@ -92,20 +107,30 @@ class Streamer:
         Disk reads and GPU copies run in the prefetch thread (GPU copies on a side stream);
         a CPU-to-CPU copy gains nothing from running early and is made when taken.
         """
-        if id(unit) not in self.inflight and (unit.disk or unit.execution.type == "cuda"):
-            self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.execution.type == "cuda")
+        if id(unit) not in self.inflight and (unit.disk or unit.streams_to.type == "cuda"):
+            self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.streams_to.type == "cuda")
 
     def take(self, unit: DispatchUnit) -> list[torch.Tensor]:
         """The unit's weights on its device: the prefetched ones, or copied now."""
         future = self.inflight.pop(id(unit), None)
         tensors, event = future.result() if future is not None else self._copy(unit, side=False)
-        if unit.execution.type == "cuda":
-            stream = torch.cuda.current_stream(unit.execution)
+        if unit.streams_to.type == "cuda":
+            stream = torch.cuda.current_stream(unit.streams_to)
             if event is not None:
                 stream.wait_event(event)
             for tensor in tensors:
                 tensor.record_stream(stream)
         return tensors
+
+    def drop(self, unit: DispatchUnit) -> None:
+        """Let go of a prefetch ``unit`` will not take (a phased unit that decodes where it is stored).
+
+        Waits for the copy to finish, so its memory is free when this returns; a failed copy is
+        forgotten with it (nothing needs those weights).
+        """
+        future = self.inflight.pop(id(unit), None)
+        if future is not None:
+            future.exception()
 
     def close(self) -> None:
         for future in self.inflight.values():

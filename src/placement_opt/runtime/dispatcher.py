@@ -3,10 +3,12 @@
 Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and
 :func:`~.loader.load`, which builds the model on the meta device, solves, reads each weight
 straight to its device, then dispatches). The per-unit forward wrappers live in :mod:`._hooks`,
-the copies and prefetching of streamed weights in :mod:`._streamer`, what is checked before
-anything changes in :mod:`._preflight`, the undo log in :mod:`._undo`.
+the copies and prefetching of streamed weights in :mod:`._streamer`, the phase of a phased unit's
+call and its KV cache's move in :mod:`._phases`, what is checked before anything changes in
+:mod:`._preflight`, the undo log in :mod:`._undo`.
 
-What each unit gets, from its ``storage`` S and ``execution`` E:
+What each unit gets, from its ``storage`` S and ``execution`` E (a unit of mode ``phased``,
+whose ``prefill_execution`` P computes its prefill: the last row, whatever S and E):
 
 ==========================  ==================================================================
 S == E (GPU or CPU)         weights moved once; no per-forward work
@@ -18,6 +20,13 @@ S != E otherwise            streamed: weights copied to E for the forward, relea
                             ``stream`` prefetches the next streamed unit while this one computes
                             (a CUDA side stream from pinned memory; disk reads in a background
                             thread); ``stream_sync`` copies when the unit is called.
+mode phased: S = cpu or     the prefill computes on P, weights streamed S -> P as ``stream``
+disk, E = cpu, P = the      units' are (pinned copies, side stream, prefetched by the streamed
+prefill_execution (a GPU)   unit before it); right after that forward the unit's KV cache layers
+                            move P -> E. The decode computes on E from the weights where they
+                            are stored (RAM, or the memory map: no copy), its cache there. A call
+                            is a prefill when it has more than one token per sequence and the
+                            unit's cache layers hold no tokens yet (:mod:`._phases`).
 ==========================  ==================================================================
 
 Streamed units are for inference: their weights leave the device after the forward, so a
@@ -34,7 +43,8 @@ units on more than one device (its inputs may need moving) or when its weights m
 forward; when inputs are already on the unit's device the wrapper does nothing but compare
 devices. The model's own forward is wrapped once to move the caller's inputs to the first
 unit's device and to return the outputs on the caller's device. KV caches stay where each
-attention unit computes (the cache creates each layer's tensors on the device of its keys).
+attention unit computes (the cache creates each layer's tensors on the device of its keys); a
+phased unit's are created on its GPU in the prefill and moved to the CPU once, where it decodes.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from ..errors import DispatchError, PlacementError
 from ..plan import Plan
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
-from ._preflight import assign_slots, build_units, check_devices, check_model
+from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
 from ._streamer import DispatchUnit, Streamer
 from ._undo import UndoLog, Weights, attribute_restorer
 from .checkpoint import Slot, collect_slots
@@ -109,7 +119,7 @@ class DispatchedModel:
         return list(self._hooked)
 
     def unit_kinds(self) -> dict[str, str]:
-        """``unit -> "resident" | "mmap" | "stream"``: how each unit's weights are handled."""
+        """``unit -> "resident" | "mmap" | "stream" | "phased"``: how each unit's weights are handled."""
         return {unit.name: unit.kind for unit in self._units}
 
     def remove(self) -> nn.Module:
@@ -224,6 +234,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
               hook_every_unit: bool) -> DispatchedModel:
     """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
     check_model(model, plan)
+    check_phased(plan)
     units = build_units(model, plan)
     from ..plan_check import check_plan  # coverage and sizes against the plan's fingerprint
 
@@ -236,6 +247,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     streamer = Streamer()
     log.push("prefetch thread", streamer.close)
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log)
+    log.doing = "linking the units that prefetch"
     _link_prefetch(units)
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
@@ -299,17 +311,20 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             else:
                 _map_from_sources(unit, disk_sources)
             unit.kind = "mmap" if execution == "cpu" and disk_reads == "mmap" else "stream"
-        elif storage == execution:
+        elif storage == execution and unit.prefill is None:
             for slot in unit.slots:
                 _set(slot, slot.tensor.data.to(execution), foreign=False)
         else:
-            pin = execution.startswith("cuda") and storage == "cpu"
+            # pinned, so the copies to the GPU run asynchronously (a phased unit decodes from it too)
+            pin = unit.streams_to.type == "cuda" and storage == "cpu"
             for slot in unit.slots:
                 data = slot.tensor.data.to(storage)
                 if pin:
                     data = data.pin_memory()
                 _set(slot, data, foreign=pin)
             unit.kind = "stream"
+        if unit.prefill is not None:
+            unit.kind = "phased"  # decodes from RAM or the memory map (disk_reads aside), streams the prefill
     _place_unowned(units, slots, weights, log)
 
 
@@ -346,9 +361,29 @@ def _map_from_sources(unit: DispatchUnit, sources: Mapping[str, tuple[Safetensor
 
 
 def _link_prefetch(units: list[DispatchUnit]) -> None:
-    """Each ``stream``-mode unit prefetches the next unit of its kind, wrapping to the first."""
-    for kind in ("stream", "mmap"):
-        chain = [u for u in units if u.kind == kind]
+    """Each ``stream``-mode unit prefetches the next unit of its kind, wrapping to the first.
+
+    Phased disk units join the memory-mapped chain (they decode from the map). In a prefill, phased
+    units stream too: :func:`_link_prefill` gives the streamed units their next unit then.
+    """
+    for kinds in (("stream",), ("mmap", "phased")):
+        chain = [u for u in units if u.kind in kinds and (u.kind != "phased" or u.disk)]
         for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
-            if unit.placement.mode == "stream" and following is not unit:
+            if unit.placement.mode in ("stream", "phased") and following is not unit:
                 unit.next_unit = following
+    _link_prefill(units)
+
+
+def _link_prefill(units: list[DispatchUnit]) -> None:
+    """``next_prefill``: the next unit streamed in a prefill, phased ones included.
+
+    The last one wraps to the first ``stream`` unit, not to a phased one: the call after a prefill
+    is a decode step, where phased units do not stream.
+    """
+    chain = [u for u in units if u.kind in ("stream", "phased")]
+    if not chain:
+        return
+    first = next((u for u in chain if u.kind == "stream"), None)
+    for unit, following in zip(chain, [*chain[1:], first], strict=True):
+        if unit.placement.mode in ("stream", "phased") and following is not unit:
+            unit.next_prefill = following

@@ -1,0 +1,166 @@
+"""Phased units: which phase a call is in, and the prompt's KV cache moved to where the decode runs.
+
+A ``phased`` unit computes the prefill on a GPU from weights streamed there and the decode on the
+CPU where the weights are stored (:mod:`._hooks` runs it). The phase is read from each call:
+
+* a unit with attention (its modules carry transformers' ``layer_idx``) is in a prefill when the
+  call has more than one token per sequence and the KV cache holds no tokens yet for its layers;
+* a unit without attention (an MLP, ``lm_head``) when its input has more than one token per
+  sequence; when the input does not say (tokens flattened across sequences, as an experts module
+  gets them) the phase of the model's call is taken.
+
+Anything else runs where the unit decodes: decode steps, a 1-token prompt, and a multi-token call
+on a cache already filled (chunked prefill, speculative verification), whose cache is there.
+Right after a unit's prefill its layers' cache tensors move to the decode device, so the GPU holds
+one unit's prompt KV at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import DispatchError
+
+__all__ = ["CallPhase", "attention_layers", "call_is_prefill", "unit_is_prefill", "move_cache_layers"]
+
+# The names transformers gives the KV cache argument (5.x: past_key_values; older layers: the others).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# The names of the argument that says how many tokens a call has, most telling first.
+_TOKEN_ARGUMENTS = ("hidden_states", "input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds")
+
+
+class CallPhase:
+    """Whether the model's current call is a prefill, as last seen: streamed units read it to pick
+    which unit to prefetch (phased units stream in the prefill only)."""
+
+    __slots__ = ("prefill",)
+
+    def __init__(self) -> None:
+        self.prefill = False
+
+
+def attention_layers(module: nn.Module) -> tuple[int, ...]:
+    """The KV cache layers a unit's attention modules write: their ``layer_idx``, in order.
+
+    Only attention modules count: other modules may carry a ``layer_idx`` too (routers, MLPs of some
+    families), and reading the cache for them would see the tokens their own layer's attention
+    wrote before them in the same call.
+    """
+    found = []
+    for sub in module.modules():
+        idx = getattr(sub, "layer_idx", None)
+        if isinstance(idx, int) and "attention" in type(sub).__name__.lower() and idx not in found:
+            found.append(idx)
+    return tuple(found)
+
+
+def _tokens_per_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens per sequence of the call's main input; None when the input does not say."""
+    tensor = next((kwargs[k] for k in _TOKEN_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)), None)
+    if tensor is None:
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if tensor is None:
+        return None
+    if tensor.is_floating_point():
+        # [batch, tokens, hidden] (or [batch, heads, tokens, dim]); [tokens, hidden] mixes the sequences
+        return tensor.shape[-2] if tensor.dim() >= 3 else None
+    return tensor.shape[-1] if tensor.dim() >= 2 else None  # token ids: [batch, tokens]
+
+
+def _cache_argument(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    for name in _CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return next((a for a in args if hasattr(a, "get_seq_length")), None)
+
+
+def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """The model's call is a prefill: more than one token per sequence and an empty (or no) cache."""
+    tokens = _tokens_per_sequence(args, kwargs)
+    if tokens is None or tokens <= 1:
+        return False
+    cache = _cache_argument(args, kwargs)
+    return cache is None or not hasattr(cache, "get_seq_length") or int(cache.get_seq_length()) == 0
+
+
+def unit_is_prefill(unit: str, layer_ids: tuple[int, ...], args: Sequence[Any], kwargs: Mapping[str, Any],
+                    call_prefill: bool) -> bool:
+    """This call of a phased unit is its prefill (see the module's docstring); ``call_prefill``: the
+    model call's phase, taken when the unit's input does not say how many tokens each sequence has."""
+    tokens = _tokens_per_sequence(args, kwargs)
+    if tokens is None:
+        return call_prefill
+    if tokens <= 1 or not layer_ids:
+        return tokens > 1
+    cache = _cache_argument(args, kwargs)
+    if cache is None:
+        return True  # no cache (use_cache=False): a whole sequence at once, nothing to keep
+    return all(_cached_tokens(layer) == 0 for idx in layer_ids for layer in _cache_layers(unit, cache, idx))
+
+
+def _cached_tokens(layer: Any) -> int:
+    return int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else 0
+
+
+def _cache_layers(unit: str, cache: Any, idx: int) -> list[Any]:
+    """The per-layer objects of ``cache`` that layer ``idx`` writes (an encoder-decoder cache has two)."""
+    parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    caches = [c for c in parts if c is not None] or [cache]
+    layers = []
+    for part in caches:
+        held = getattr(part, "layers", None)
+        if not isinstance(held, Sequence):
+            raise DispatchError(
+                f"phased unit {unit!r} got a KV cache of type {type(part).__name__}, which keeps no per-layer "
+                f"keys/values (no .layers): the prompt's cache cannot move from the prefill's GPU to where the "
+                f"unit decodes. Use a transformers Cache (DynamicCache, StaticCache), or give {unit!r} mode "
+                f"'resident' or 'stream'")
+        if idx < len(held):
+            layers.append(held[idx])
+    return layers
+
+
+def move_cache_layers(unit: str, layer_ids: tuple[int, ...], args: Sequence[Any], kwargs: Mapping[str, Any],
+                      device: torch.device) -> None:
+    """Move the cache tensors of ``layer_ids`` (from the call's cache argument) to ``device``."""
+    cache = _cache_argument(args, kwargs)
+    if cache is None:
+        return
+    for idx in layer_ids:
+        for layer in _cache_layers(unit, cache, idx):
+            _move_layer(unit, idx, layer, device)
+
+
+def _move_layer(unit: str, idx: int, layer: Any, device: torch.device) -> None:
+    """Every tensor a cache layer holds to ``device``, and its ``device`` attribute (which later
+    allocations follow, e.g. a static layer's positions)."""
+    state = getattr(layer, "__dict__", {})
+    if "keys" not in state or "values" not in state:
+        raise DispatchError(
+            f"phased unit {unit!r}: cache layer {idx} is a {type(layer).__name__}, which holds no keys/values "
+            f"(attributes: {', '.join(sorted(state)) or 'none'}), so its prompt state cannot move from the "
+            f"prefill's GPU to {device}. Phased units need a key/value cache (DynamicCache, StaticCache): give "
+            f"{unit!r} mode 'resident' or 'stream'")
+    for name, value in list(state.items()):
+        moved = _to(value, device)
+        if moved is not value:
+            setattr(layer, name, moved)
+    if isinstance(state.get("device"), torch.device | str):
+        layer.device = device
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors on ``device`` (through tuples, lists and dicts, as quantized layers keep them)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if type(value) in (tuple, list):
+        moved = [_to(v, device) for v in value]
+        return value if all(a is b for a, b in zip(moved, value, strict=True)) else type(value)(moved)
+    if type(value) is dict:
+        items = {k: _to(v, device) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    return value
