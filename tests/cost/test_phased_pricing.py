@@ -140,3 +140,14 @@ def test_phased_memory_split_adds_up_and_the_gpu_holds_each_prompts_kv(case, dat
             gpu = cost.device_memory(o.prefill_execution)
             assert gpu.workspace_bytes + gpu.stream_buffer_bytes >= prompt_kv + 2 * unit.weight_bytes
             assert cost.device_memory("cpu").kv_cache_bytes >= unit.kv_bytes_per_token * wl.batch_size * wl.context_len
+
+
+def test_the_logits_unit_is_phased_only_when_the_prefill_computes_every_position() -> None:
+    """generate() asks lm_head for the last position: the dispatcher sees one token and runs it on the CPU
+    in both phases, so a phased lm_head would be priced for a GPU prefill that never happens."""
+    graph = chain_graph([layer(0), {**layer(1, kv=0), "name": "lm_head"}])
+    graph.meta.extra["logits_unit"] = "lm_head"
+    for logits, offered in (("last", False), ("all", True)):
+        problem = build_problem(graph, machine(), Workload(prompt_len=128, new_tokens=8, logits=logits), modes=MODES)
+        assert any(o.mode == "phased" for o in problem.units[0].options)
+        assert any(o.mode == "phased" for o in problem.units[1].options) == offered

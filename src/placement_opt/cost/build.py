@@ -79,8 +79,9 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     parts = []
     for u in units:
         key = _price_key(u, graph.meta.extra.get("logits_unit"))
-        if key not in priced:  # a unit outside the decode has one phase: no phased option
-            priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if u.in_decode or m != "phased"]
+        if key not in priced:
+            phased = _two_phases(u, ctx)
+            priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]
         parts.append(priced[key])
     options = {id(row): tuple(to_option(p) for p in row) for row in priced.values()}  # once per distinct row
     specs = tuple(UnitSpec(name=u.name, options=options[id(row)]) for u, row in zip(units, parts, strict=True))
@@ -89,6 +90,14 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
         pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous)
     return problem, parts
+
+
+def _two_phases(unit: UnitInfo, ctx: PricingContext) -> bool:
+    """Whether ``unit`` may be phased: it runs in the decode, and its prefill is a many-token call. The
+    logits unit of a ``logits="last"`` workload computes one position per sequence in the prefill too,
+    so the dispatcher (which tells a prefill by its tokens) would run both phases on the CPU."""
+    last_only = ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
+    return unit.in_decode and not last_only
 
 
 def _check_limits(specs: Iterable[UnitSpec], workload: Workload) -> None:
