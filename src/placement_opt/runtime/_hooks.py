@@ -59,20 +59,28 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 
 
 def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
-                   move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
+                   move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]],
+                   home: torch.device | None = None) -> None:
     """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices.
+
+    ``home`` (sublayer plans): the model's inputs go there, and a unit computing elsewhere hands its
+    outputs back to its caller's device, so the glue between units (residual adds, routing) always
+    runs on ``home``.
 
     Each wrapped module is entered in ``hooked`` (module -> had its own forward, that forward) before
     its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
     """
     if move_inputs is None:
-        move_inputs = len({u.execution for u in units} | {u.prefill for u in units if u.prefill}) > 1
+        move_inputs = len({u.execution for u in units} | {u.prefill for u in units if u.prefill}
+                          | ({home} if home is not None else set())) > 1
     phase = CallPhase()
     for unit in units:
         wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs, phase)
+        if home is not None and (unit.execution != home or (unit.prefill is not None and unit.prefill != home)):
+            wrapper = _returning(wrapper or unit.module.forward)
         if wrapper is not None:
             _wrap(unit.module, wrapper, hooked)
-    main = units[0].execution if units else torch.device("cpu")
+    main = home if home is not None else units[0].execution if units else torch.device("cpu")
     if model not in hooked:
         entry = _entry_forward(model.forward, main)
         if any(u.kind == "phased" for u in units):  # only then: plans without phased units keep their entry as it was
@@ -127,6 +135,17 @@ def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[
         return _move_output(out, caller)
 
     return functools.wraps(forward)(entry)
+
+
+def _returning(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A unit's forward whose outputs go back to the device its inputs came from (a sublayer plan's home)."""
+
+    def returning(*args: Any, **kwargs: Any) -> Any:
+        caller = _first_device(args, kwargs)
+        out = forward(*args, **kwargs)
+        return out if caller is None else _move_output(out, caller)
+
+    return functools.wraps(forward)(returning)
 
 
 def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:

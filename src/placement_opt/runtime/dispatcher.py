@@ -58,6 +58,7 @@ from torch import nn
 
 from ..errors import DispatchError, PlacementError
 from ..plan import Plan
+from . import _streamer
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
@@ -249,7 +250,9 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log)
     log.doing = "linking the units that prefetch"
     _link_prefetch(units)
-    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log)
+    home = getattr(plan, "home", None)  # sublayer plans: the glue between units stays on one device
+    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log,
+                                               _streamer.torch_device(home) if home else None)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
     log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units},
@@ -260,13 +263,13 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
 
 
 def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Streamer, hook_every_unit: bool,
-                   log: UndoLog) -> tuple[dict[nn.Module, Any], set[int]]:
+                   log: UndoLog, home: torch.device | None = None) -> tuple[dict[nn.Module, Any], set[int]]:
     """Install the forward wrappers; (the modules wrapped, ids of modules that carried accelerate hooks)."""
     log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
     log.push("forwards", lambda: restore_forwards(hooked))
-    install_hooks(model, units, streamer, hook_every_unit or None, hooked)
+    install_hooks(model, units, streamer, hook_every_unit or None, hooked, home)
     return dict(hooked), hf_hooked
 
 
