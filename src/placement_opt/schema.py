@@ -227,6 +227,7 @@ class NodeSchema(_Strict):
     workspace_bytes_per_token_ctx: NonNegativeInt | None = None
     scores_workspace_bytes_per_token: NonNegativeInt | None = None
     scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
+    in_bytes_per_token: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):
