@@ -73,10 +73,10 @@ def run(
         seq_len: tokens per sequence of the forward, to tell attention scores (query x key tokens) from
             activations that scale with the tokens alone (0: no tensor is taken for scores).
         frontier: a tensor made outside every unit (glue) comes only from its latest producers: a
-            producer that another producer of the same tensor already depends on is dropped. The edges
-            are then the transitive reduction of the data flow (a residual stream that glue adds up
-            otherwise reaches every later unit from every earlier one); right where edges are only an
-            order (``"sublayer"`` graphs, whose data goes through one home device), not transfers.
+            producer that another producer of the same tensor already depends on is dropped. A residual
+            stream that glue adds up then reaches each unit from its latest producers only, not from every
+            earlier unit (edges the longest path never needs); right where edges are only an order
+            (``"sublayer"`` graphs, whose data goes through one home device), not transfers.
 
     Raises:
         Exception: whatever the model's forward raises on meta tensors (the caller falls back).

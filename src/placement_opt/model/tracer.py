@@ -125,9 +125,10 @@ def trace(
             directly stay in a unit of the block's name. Such units can run on different devices because
             the glue between them (residual adds, routing math) stays on one home device: the attention
             unit holds the KV cache, the experts unit the MoE facts, each unit records the bytes it
-            reads (``in_bytes_per_token``) and returns (``out_bytes_per_token``), and edges are the data
-            flow's transitive reduction (an order: nothing crosses them but through home). Anything
-            coarser is asked for by naming bigger container classes in ``no_split``.
+            reads (``in_bytes_per_token``) and returns (``out_bytes_per_token``), and edges order the units
+            (nothing crosses them but through home; a residual stream comes from its latest producers
+            only, not from every earlier unit). Anything coarser is asked for by naming bigger
+            container classes in ``no_split``.
         example_inputs: inputs of the forward for plain modules (a tuple of positional arguments or a
             dict of keyword arguments); only shapes and dtypes are used. Default: token ids for
             ``transformers`` models, a ``(batch, seq_len, in_features)`` tensor for modules whose first
