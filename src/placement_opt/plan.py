@@ -120,6 +120,10 @@ class Plan:
     """The units of the model the plan was solved for: per unit, how many parameters it owns, their
     bytes and a digest of their names (:func:`placement_opt.plan_check.graph_fingerprint`); ``None``
     when unknown. :func:`placement_opt.dispatch` compares it with the model it is given."""
+    home: str | None = None
+    """The device the residual stream stays on; set for sublayer plans (``trace(granularity="sublayer")``):
+    the model's inputs and the glue between units stay there, and a unit computed elsewhere receives its
+    inputs from it and returns its outputs to it (:func:`placement_opt.cost.pricing.home_device`)."""
 
     # -- maps in accelerate's vocabulary --------------------------------------------------
     @property
@@ -181,7 +185,8 @@ class Plan:
         """
         from .report import plan_report, report_text
 
-        return report_text(plan_report(self))
+        text = report_text(plan_report(self))
+        return text if self.home is None else _with_home_line(text, self.home)
 
     def _repr_html_(self) -> str:
         """The plan's tables as HTML: how a notebook (Jupyter, VS Code) shows a plan."""
@@ -249,6 +254,8 @@ class Plan:
             "notes": list(self.notes),
             "extra": dict(self.extra),
             "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
+            # only where set: plans of other granularities (and files written before) read and write as before
+            **({"home": self.home} if self.home is not None else {}),
         }
 
     def to_json(self, path: str | None = None) -> str:
@@ -309,6 +316,7 @@ class Plan:
             notes=tuple(checked.notes),
             extra=dict(data.get("extra") or {}),
             fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
+            home=checked.home,
         )
 
     @classmethod
@@ -355,6 +363,15 @@ def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
 
 def _time(value: float | None) -> float:
     return float("inf") if value is None else value
+
+
+def _with_home_line(text: str, home: str) -> str:
+    """The summary with one line saying where the residual stream stays, after the machine's line."""
+    line = f"home       {home}: the residual stream and the glue between units stay here; units elsewhere " \
+           f"receive their inputs from it and return their outputs to it at every forward"
+    lines = text.splitlines()
+    at = next((i + 1 for i, x in enumerate(lines) if x.startswith("machine")), len(lines))
+    return "\n".join([*lines[:at], line, *lines[at:]])
 
 
 def _full(device: str, free: Mapping[str, int]) -> str:

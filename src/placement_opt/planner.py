@@ -23,6 +23,7 @@ from .cost.build import price_problem
 from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, priced_evaluator
 from .cost.memory import shortage_message
+from .cost.pricing import home_device
 from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
 from .hardware.devices import Machine, normalize_device_name
@@ -120,7 +121,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             and :func:`load` only: ``from_pretrained(device_map=plan.device_map)`` streams them).
 
     Returns:
-        A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline.
+        A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline;
+        for a ``trace(granularity="sublayer")`` graph, ``plan.home`` names the device the residual
+        stream stays on (the first GPU, else the CPU), which the round trips were priced around.
 
     Raises:
         InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
@@ -164,7 +167,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
                            (time_limit_s, seed, gap_limit, workers, started - after_s), notes)
     else:
         plan = _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
-    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph))
+    # a sublayer graph was priced around a home device (cost.pricing): the plan says which, for the runtime
+    home = home_device(machine) if graph.meta.granularity == "sublayer" else None
+    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
 # ---------------------------------------------------------------------------------------------

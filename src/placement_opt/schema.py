@@ -171,6 +171,8 @@ class PlanSchema(_Strict):
     notes: list[str] = []
     extra: dict[str, Any] = {}
     fingerprint: FingerprintSchema | None = None
+    home: str | None = Field(default=None, min_length=1)
+    """Sublayer plans only: the device the residual stream stays on (a GPU or the CPU of the machine)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> PlanSchema:
@@ -194,6 +196,9 @@ class PlanSchema(_Strict):
                                                     or p.prefill_execution.split(":")[0] == "disk"):
                 problems.append(f"placements[{i}] ({p.unit!r}): prefill_execution {p.prefill_execution!r} is not "
                                 f"a GPU or CPU of the plan's machine (devices: {', '.join(devices)})")
+        if self.home is not None and (self.home not in devices or self.home.split(":")[0] == "disk"):
+            problems.append(f"home {self.home!r} is not a GPU or CPU of the plan's machine (devices: "
+                            f"{', '.join(devices)}): the residual stream stays on a device that computes")
         if self.fingerprint is not None:
             missing = [u for u in self.fingerprint.units if u not in set(units)]
             unknown = [u for u in units if u not in self.fingerprint.units]
@@ -227,6 +232,7 @@ class NodeSchema(_Strict):
     workspace_bytes_per_token_ctx: NonNegativeInt | None = None
     scores_workspace_bytes_per_token: NonNegativeInt | None = None
     scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
+    in_bytes_per_token: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -15,7 +15,15 @@ from ..hardware.resolve import as_machine
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
 from .calibrated import calibration_for
 from .pins import resolve_pins
-from .pricing import NS_PER_S, OptionPrice, PricingContext, edge_ns, price_option, to_option
+from .pricing import (
+    NS_PER_S,
+    OptionPrice,
+    PricingContext,
+    edge_ns,
+    price_option,
+    to_option,
+    unit_io_bytes,
+)
 from .workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,6 +87,8 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     parts = []
     for u in units:
         key = _price_key(u, graph.meta.extra.get("logits_unit"))
+        if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
+            key += (unit_io_bytes(graph, u)[0],)
         if key not in priced:
             phased = _two_phases(u, ctx)
             priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]
@@ -124,6 +134,10 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
+    """Every edge priced per pair of devices; those of a sublayer graph cost 0 (its data goes through the
+    home device, which the units' round trips price: see :mod:`.pricing`) and only order the units."""
+    if ctx.home is not None:
+        return tuple(EdgeSpec(src=src, dst=dst, prefill_ns={}, decode_ns={}) for src, dst, _ in ctx.graph.edges())
     wl = ctx.workload
     compute = [d.name for d in ctx.machine.compute_devices]
     pairs = [(a, b) for a in compute for b in compute if a != b]

@@ -37,6 +37,23 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
   weights are (llama.cpp's split: GPU for prompt processing, CPU for generation, chosen per unit here).
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
   devices, per prefill and per decode step.
+* ``"sublayer"`` graphs (``graph.meta.granularity``; norms, attention, MLP or router and experts as
+  units) run around a *home* device (:func:`home_device`: the first GPU, else the CPU): the model's
+  inputs, the residual stream and all glue stay there, and each unit moves its inputs to its device
+  and returns its outputs home. So a unit computing on ``d != home`` in a phase pays, in that phase,
+  one round trip per forward (:func:`round_trip_s`, the one place of the rule)::
+
+      in_bytes x tokens / link(home -> d) + latency(home -> d)
+      + out_bytes x tokens / link(d -> home) + latency(d -> home)
+
+  with ``in_bytes`` the unit's ``in_bytes_per_token`` (the sum of its incoming edges' bytes where the
+  trace did not measure it) and ``out_bytes`` its ``out_bytes_per_token``; tokens are those of an edge
+  (prefill: ``batch x prompt``, the logits unit ``batch`` when only the last logits are kept, twice in
+  a training step; decode: ``batch`` per step, summed over the steps). A unit on home pays none; a
+  ``phased`` unit pays it in the phase whose device is not home (its CPU decode, when home is a GPU).
+  The round trip follows the unit's compute and weight copy (it is added, never overlapped). Edges of
+  sublayer graphs cost 0 (everything crosses through home, which the round trips price) and stay as
+  the order of the units: a phase's latency is still the longest path.
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
   checkpointing), weights streamed twice, activations and gradients cross edges twice.
 
@@ -66,6 +83,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "OptionPrice",
     "PricingContext",
+    "home_device",
+    "round_trip_s",
+    "unit_io_bytes",
     "price_option",
     "to_option",
     "edge_ns",
@@ -141,6 +161,39 @@ class PricingContext:
     machine: Machine
     workload: Workload
     calibration: Calibration | None = None
+
+    @property
+    def home(self) -> str | None:
+        """The device a ``"sublayer"`` graph's residual stream stays on; None for other graphs (no round trips)."""
+        return home_device(self.machine) if self.graph.meta.granularity == "sublayer" else None
+
+
+def home_device(machine: Machine) -> str | None:
+    """Where the residual stream and the glue of a sublayer plan stay: the first GPU, else the CPU
+    (None for a machine that computes nowhere, which no plan can use)."""
+    computing = machine.gpus or machine.compute_devices
+    return computing[0].name if computing else None
+
+
+def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:
+    """(bytes in, bytes out) per token of a unit run away from home: the traced ``in_bytes_per_token``, else
+    the sum of its incoming edges (a hand-made or static graph), and ``out_bytes_per_token``."""
+    inputs = unit.in_bytes_per_token
+    if inputs is None:
+        inputs = sum(int(d["bytes_per_token"]) for _, _, d in graph.nx.in_edges(unit.name, data=True))
+    return inputs, unit.out_bytes_per_token
+
+
+def round_trip_s(ctx: PricingContext, unit: UnitInfo, device: str, tokens: int) -> float:
+    """One forward's inputs sent from home to ``device`` and outputs back (0 on home, or outside a sublayer
+    graph): the rule of the module docstring, for ``tokens`` tokens."""
+    home = ctx.home
+    if home is None or device == home or tokens <= 0:
+        return 0.0
+    inputs, outputs = unit_io_bytes(ctx.graph, unit)
+    machine = ctx.machine
+    return (inputs * tokens / machine.bandwidth(home, device) + machine.latency_s(home, device)
+            + outputs * tokens / machine.bandwidth(device, home) + machine.latency_s(device, home))
 
 
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -253,8 +306,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
         if seconds is not None:
             return seconds
     tokens = wl.batch_size * wl.prompt_len
-    # generate() asks the logits unit for the last position only: batch rows, not batch x prompt
-    rows = wl.batch_size if _last_logits_only(ctx, unit) else tokens
+    rows = _prefill_rows(ctx, unit)
     flops_s, bytes_s = _achieved(device, rows)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
@@ -265,6 +317,13 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     if wl.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[wl.activation_checkpointing]
     return seconds
+
+
+def _prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
+    """Tokens the unit computes in the prefill: batch x prompt, but generate() asks the logits unit for the
+    last position only (batch rows)."""
+    wl = ctx.workload
+    return wl.batch_size if _last_logits_only(ctx, unit) else wl.batch_size * wl.prompt_len
 
 
 def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
@@ -325,6 +384,9 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
+    prefill += forwards * round_trip_s(ctx, unit, execution, _prefill_rows(ctx, unit))
+    if unit.in_decode:
+        decode += wl.decode_steps * round_trip_s(ctx, unit, execution, wl.batch_size)
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
     kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
     return OptionPrice(

@@ -24,6 +24,9 @@ class TraceContext:
     units: dict[str, nn.Module]
     no_split: tuple[str, ...]
     granularity: str = "block"
+    whole: frozenset[str] = frozenset()
+    """Units that own every tensor below them (no-split blocks, or their parts at ``"sublayer"``); the
+    others own only their direct tensors."""
     attn_implementation: str | None = None
     """The attention the model runs with at run time (``"sdpa"``, ``"eager"``; None: not a transformers model)."""
 
@@ -39,7 +42,7 @@ def is_container(ctx: TraceContext, name: str) -> bool:
 
 def is_block(ctx: TraceContext, name: str) -> bool:
     """A unit kept whole (owns every tensor below it), as opposed to one owning only its direct tensors."""
-    return bool(name) and type(ctx.units[name]).__name__ in ctx.no_split or len(ctx.units) == 1
+    return name in ctx.whole or len(ctx.units) == 1
 
 
 def experts_per_token(ctx: TraceContext, experts: nn.Module) -> int:

@@ -46,7 +46,12 @@ def is_fused_experts(module: nn.Module) -> bool:
 def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
     act = getattr(module, "act_fn", torch.nn.functional.silu)
 
-    def forward(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+    def forward(hidden_states: torch.Tensor, *routing: Any, **more: Any) -> torch.Tensor:
+        # read the router's choice as the routed forward does, so that the trace sees the data flow from
+        # the router to the experts (a "sublayer" graph's edge); a view allocates nothing and counts no FLOPs
+        for tensor in (*routing, *more.values()):
+            if isinstance(tensor, torch.Tensor):
+                tensor.view(tensor.shape)
         # read the parameters at call time: functional_call has swapped in their meta stand-ins
         weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])

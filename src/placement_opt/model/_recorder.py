@@ -57,6 +57,7 @@ def run(
     experts_per_token: Callable[[nn.Module], int],
     private: bool = False,
     seq_len: int = 0,
+    frontier: bool = False,
 ) -> Record:
     """One meta forward of ``module`` with ``args``/``kwargs`` (meta tensors); returns what it observed.
 
@@ -71,6 +72,11 @@ def run(
             it runs as it is, without swapping its tensors for stand-ins.
         seq_len: tokens per sequence of the forward, to tell attention scores (query x key tokens) from
             activations that scale with the tokens alone (0: no tensor is taken for scores).
+        frontier: a tensor made outside every unit (glue) comes only from its latest producers: a
+            producer that another producer of the same tensor already depends on is dropped. A residual
+            stream that glue adds up then reaches each unit from its latest producers only, not from every
+            earlier unit (edges the longest path never needs); right where edges are only an order
+            (``"sublayer"`` graphs, whose data goes through one home device), not transfers.
 
     Raises:
         Exception: whatever the model's forward raises on meta tensors (the caller falls back).
@@ -79,7 +85,7 @@ def run(
     state = None if private and dtype is None else _meta_state(module, dtype)
     tensors = state.values() if state is not None else (*module.parameters(), *module.buffers())
     memory = LiveBytes(seq_len=seq_len, state_storages=frozenset(_storage_keys(tensors)))
-    recorder = _Recorder(record, _container_tensors(state, units, containers), memory)
+    recorder = _Recorder(record, _container_tensors(state, units, containers), memory, frontier=frontier)
     handles = _hook_units(recorder, units, containers)
     restore = stand_in_experts(module, experts_per_token)
     replay = _BlockReplay(recorder)
@@ -131,8 +137,11 @@ def _hook_units(recorder: _Recorder, units: dict[str, nn.Module], containers: se
     for name, sub in units.items():
         if name in containers:
             continue
-        handles.append(sub.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
-        handles.append(sub.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
+        # a list unit (a "sublayer" list of experts) has no forward of its own: its members run as the unit
+        called = list(sub.children()) if isinstance(sub, (nn.ModuleList, nn.ModuleDict)) else [sub]
+        for module in called:
+            handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: recorder.enter(n)))
+            handles.append(module.register_forward_hook(lambda _m, _a, out, n=name: recorder.leave(n, out)))
     return handles
 
 
@@ -155,13 +164,20 @@ class Record:
     bytes, and at the moment with the most context-shaped bytes (:mod:`._memory`)."""
     entry_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> linear activation bytes alive when it started (what earlier units left alive)."""
+    returned_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit -> bytes of the distinct tensors its forward returned, attention-score shaped ones apart (eager
+    attention's probabilities, which the fused kernels that run never return)."""
 
 
 class _Recorder(TorchDispatchMode):
     """Counts FLOPs per unit and follows which unit produced every tensor."""
 
-    def __init__(self, record: Record, param_owner: dict[int, str], memory: LiveBytes | None = None) -> None:
+    def __init__(self, record: Record, param_owner: dict[int, str], memory: LiveBytes | None = None,
+                 frontier: bool = False) -> None:
         super().__init__()
+        self.frontier = frontier
+        self.ancestors: dict[str, set[str]] = defaultdict(set)
+        """Unit -> every unit it (transitively) read from: what :meth:`_made_by` drops with ``frontier``."""
         self.record = record
         self.memory = memory if memory is not None else LiveBytes(seq_len=0)
         self.param_owner = param_owner
@@ -230,12 +246,24 @@ class _Recorder(TorchDispatchMode):
                 continue
             for unit in entry[1]:
                 if current is not None and unit != current:
-                    self.record.edges[(unit, current)][entry[0]] = nbytes(tensor)
+                    self._edge(unit, current, entry[0], tensor)
                 sources.add(unit)
-        made = frozenset({current}) if current is not None else frozenset(sources)
+        made = frozenset({current}) if current is not None else self._made_by(sources)
         if made:
             for tensor in _tensors(out):
                 self.producers.set(tensor, made)
+
+    def _edge(self, src: str, dst: str, serial: int, tensor: torch.Tensor) -> None:
+        self.record.edges[(src, dst)][serial] = nbytes(tensor)
+        if self.frontier and src not in self.ancestors[dst]:
+            self.ancestors[dst] |= self.ancestors[src]
+            self.ancestors[dst].add(src)
+
+    def _made_by(self, sources: set[str]) -> frozenset[str]:
+        """The producers of a glue tensor made from tensors of ``sources`` (see ``frontier`` in :func:`run`)."""
+        if not self.frontier or len(sources) < 2:
+            return frozenset(sources)
+        return frozenset(s for s in sources if not any(s in self.ancestors[t] for t in sources if t != s))
 
     def _start(self, name: str) -> None:
         """First time ``name`` runs: give it the next execution index and the glue FLOPs before it."""
@@ -259,6 +287,8 @@ class _Recorder(TorchDispatchMode):
         if name not in self.record.out_bytes:
             seen: dict[int, int] = {id(t): nbytes(t) for t in _tensors(output)}
             self.record.out_bytes[name] = sum(seen.values())
+            context = {id(t) for t in _tensors(output) if self.memory.is_context(t)}
+            self.record.returned_bytes[name] = sum(b for i, b in seen.items() if i not in context)
         made = frozenset({name})
         for tensor in _tensors(output):
             if self.producers.get(tensor) is None:
@@ -357,7 +387,7 @@ class _BlockReplay:
     def __init__(self, recorder: _Recorder) -> None:
         self.recorder = recorder
         self.cache: dict[Any, _Learned | None] = {}
-        self.patched: list[nn.Module] = []
+        self.patched: list[tuple[nn.Module, Any]] = []
         self.replayed = 0
 
     def patch(self, name: str, module: nn.Module) -> None:
@@ -376,12 +406,15 @@ class _BlockReplay:
                 self.cache[key] = self._learn(name, args, kwargs, out, self.recorder.record.flops[name] - before)
             return out
 
+        self.patched.append((module, module.__dict__.get("forward")))
         module.forward = forward
-        self.patched.append(module)
 
     def restore(self) -> None:
-        for module in self.patched:
-            del module.forward
+        for module, before in self.patched:
+            if before is None:
+                del module.forward
+            else:  # a stand-in installed before (fused experts): its own restore removes it
+                module.forward = before
 
     def _learn(self, name: str, args: Any, kwargs: Any, out: Any, flops: int) -> _Learned | None:
         inputs = _tensors((args, kwargs))
@@ -412,7 +445,7 @@ class _BlockReplay:
             entry = recorder.producers.get(tensor)
             if entry is not None:
                 for unit in entry[1] - {name}:
-                    recorder.record.edges[(unit, name)][entry[0]] = nbytes(tensor)
+                    recorder._edge(unit, name, entry[0], tensor)
         leaves: list[Any] = []
         for item in learned.outputs:
             if isinstance(item, int):

@@ -8,11 +8,11 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from ._context import TraceContext, experts_per_token, is_block
+from ._context import TraceContext, experts_per_token, is_block, is_container
 from ._meta_experts import is_fused_experts
 from .dtypes import dtype_bytes
 
-__all__ = ["no_split_names", "find_units", "unit_tensors", "tensor_bytes", "tie_key", "tied_groups", "owner_of",
+__all__ = ["no_split_names", "find_units", "block_parts", "is_moe_block", "unit_tensors", "tensor_bytes", "tie_key", "tied_groups", "owner_of",
            "moe_facts"]
 
 
@@ -24,22 +24,58 @@ def no_split_names(module: nn.Module, no_split: Iterable[str] | None, granularit
     return {str(n) for n in (getattr(module, "_no_split_modules", None) or ())}
 
 
-def find_units(module: nn.Module, no_split: set[str]) -> dict[str, nn.Module]:
-    """Unit name -> module, in registration order: no-split instances, then any module owning tensors."""
+def find_units(module: nn.Module, no_split: set[str],
+               granularity: str = "block") -> tuple[dict[str, nn.Module], frozenset[str]]:
+    """Unit name -> module, in registration order: no-split instances (``"sublayer"``: their parts, see
+    :func:`block_parts`), then any module owning tensors; and the names of the units that own every
+    tensor below them (the others own only their direct tensors)."""
     units: dict[str, nn.Module] = {}
+    whole: set[str] = set()
     block: str | None = None
     for name, sub in module.named_modules():
         if block is not None and name.startswith(block + "."):
             continue
         block = None
         if name and type(sub).__name__ in no_split:
-            units[name] = sub
+            parts = block_parts(name, sub) if granularity == "sublayer" else {name: sub}
+            units.update(parts)
+            whole.update(n for n in parts if not any(m.startswith(n + ".") for m in parts))
             block = name
         elif _has_direct_tensors(sub):
             units[name] = sub
     if not units:
         units[""] = module
-    return units
+    return units, frozenset(whole)
+
+
+def block_parts(name: str, block: nn.Module) -> dict[str, nn.Module]:
+    """The ``"sublayer"`` units of one no-split block: its direct children that hold tensors.
+
+    An MoE block (a child with an ``experts`` child: Mixtral's, Qwen2-MoE's) is split one level further
+    (router, experts, shared expert), since the experts are the part worth computing elsewhere; module
+    lists are looked through (they have no forward of their own), except a list of experts, one unit. The block, or an MoE block, that owns
+    tensors directly keeps them in a unit of its own name (before its parts, as registration has it).
+    """
+    parts: dict[str, nn.Module] = {name: block} if _has_direct_tensors(block) else {}
+    for child_name, child in block.named_children():
+        qualified = f"{name}.{child_name}"
+        if not _holds_tensors(child):
+            continue  # parameter-free children (activations, dropout) are glue: the next unit pays
+        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict)) and child_name != "experts"  # experts: one unit
+        if listed or is_moe_block(child):
+            parts.update(block_parts(qualified, child))
+        else:
+            parts[qualified] = child
+    return parts
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A mixture-of-experts block: a module with an ``experts`` child (its router and shared experts beside)."""
+    return "experts" in module._modules and module._modules["experts"] is not None
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(_has_direct_tensors(m) for m in module.modules())
 
 
 def _has_direct_tensors(module: nn.Module) -> bool:
@@ -117,10 +153,15 @@ def owner_of(pname: str, owners: Mapping[str, list[str]]) -> str | None:
 
 
 def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int, int]:
-    """(experts, experts per token, bytes of expert weights) of a unit; zeros when it is not MoE."""
+    """(experts, experts per token, bytes of expert weights) of a unit; zeros when it is not MoE, or owns only
+    its direct tensors (the experts below it are another unit's)."""
+    if is_container(ctx, name):
+        return 0, 0, 0
     experts = [m for m in module.modules() if is_fused_experts(m)]
     if not experts:
-        lists = [m for n, m in module.named_modules() if n.endswith("experts") and isinstance(m, nn.ModuleList)]
+        # full names: the unit may be the expert list itself (a "sublayer" experts unit)
+        lists = [m for n, m in module.named_modules(prefix=name) if n.endswith("experts")
+                 and isinstance(m, nn.ModuleList)]
         if not lists:
             return 0, 0, 0
         count = sum(len(m) for m in lists)

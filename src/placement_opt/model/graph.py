@@ -19,7 +19,8 @@ Node attributes (all present on every node; bytes and FLOPs are ints):
 ``attn_flops_per_token_per_ctx``  extra FLOPs per query token for every context token it
                                attends to (0 for units without attention); the context-free
                                part is ``flops_per_token - attn_flops_per_token_per_ctx * seq_len``
-``out_bytes_per_token``        bytes of the activation leaving the unit, per token
+``out_bytes_per_token``        bytes of the activation leaving the unit, per token (``"sublayer"``
+                               graphs: what its forward returns)
 ``kv_bytes_per_token``         KV-cache bytes this unit keeps per cached token per sequence
 ``moe_num_experts``            number of experts (0 when not MoE)
 ``moe_experts_per_token``      experts each token is routed to (0 when not MoE)
@@ -45,6 +46,10 @@ lack them, and the cost model then prices the workspace as a multiple of the out
 ``scores_workspace_bytes_per_token_ctx``   those score bytes, per query token per context token
 =========================================  ==================================================
 
+Measured for traced ``"sublayer"`` graphs only (``meta.granularity``), whose units away from the home
+device receive their inputs from it: ``in_bytes_per_token``, the bytes per token of the distinct tensors
+the unit reads from other units.
+
 Score bytes are charged only where the attention that runs materialises them
 (``meta.extra["attn_implementation"]``: eager does, sdpa and flash attention do not).
 
@@ -64,6 +69,7 @@ from ..errors import PlanFormatError, TraceError
 from ..schema import GraphSchema, validated
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
+           "SUBLAYER_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -95,6 +101,12 @@ MEASURED_NODE_ATTRIBUTES: dict[str, type] = {
     "scores_workspace_bytes_per_token_ctx": int,
 }
 
+#: Attributes a node of a ``"sublayer"`` graph carries (measured by the meta trace), with these types.
+SUBLAYER_NODE_ATTRIBUTES: dict[str, type] = {"in_bytes_per_token": int}
+
+
+_OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES}
+
 
 @dataclass(frozen=True, kw_only=True)
 class UnitInfo:
@@ -124,6 +136,9 @@ class UnitInfo:
     """Activation bytes per token alive when the unit holds the most score bytes; None when not measured."""
     scores_workspace_bytes_per_token_ctx: int | None = None
     """The most score bytes alive while the unit runs, per query x context token; None when not measured."""
+    in_bytes_per_token: int | None = None
+    """Bytes per token of the distinct tensors the unit reads from other units; measured for ``"sublayer"``
+    graphs only (None otherwise), whose units away from home receive them."""
 
     @property
     def weight_bytes(self) -> int:
@@ -158,6 +173,15 @@ class GraphMeta:
     """Module class names that were kept whole."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form facts (config name, number of layers, ...); JSON-serialisable values only."""
+
+    @property
+    def granularity(self) -> str:
+        """What a unit is: ``"block"``, ``"module"`` or ``"sublayer"`` (:data:`~.tracer.GRANULARITIES`).
+
+        Kept in ``extra["granularity"]``, where the tracer has always written it, so graphs written before
+        it was read keep their meaning; hand-made graphs without it are ``"block"``.
+        """
+        return str(self.extra.get("granularity", "block"))
 
 
 class LayerGraph:
@@ -226,11 +250,11 @@ class LayerGraph:
         problems: list[str] = []
         for name, data in self.nx.nodes(data=True):
             missing = sorted(set(NODE_ATTRIBUTES) - set(data))
-            extra = sorted(set(data) - set(NODE_ATTRIBUTES) - set(MEASURED_NODE_ATTRIBUTES))
+            extra = sorted(set(data) - set(NODE_ATTRIBUTES) - set(_OPTIONAL))
             if missing or extra:
                 problems.append(f"{name}: missing {missing}, unexpected {extra}")
                 continue
-            present = {**NODE_ATTRIBUTES, **{k: t for k, t in MEASURED_NODE_ATTRIBUTES.items() if k in data}}
+            present = {**NODE_ATTRIBUTES, **{k: t for k, t in _OPTIONAL.items() if k in data}}
             for key, typ in present.items():
                 if not isinstance(data[key], typ) or (typ is int and isinstance(data[key], bool)):
                     problems.append(f"{name}.{key} = {data[key]!r} is not {typ.__name__}")
@@ -247,7 +271,11 @@ class LayerGraph:
         meta["extra"] = dict(self.meta.extra)
         nodes = [{"name": n, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
                  for n, d in ((n, self.nx.nodes[n]) for n in self.names())]
-        edges = [{"src": u, "dst": v, "bytes_per_token": b} for u, v, b in self.edges()]
+        # in execution order: the same list whatever order the nodes were added in (a graph read back adds
+        # them in execution order, the tracer in registration order)
+        order = {n: i for i, n in enumerate(self.names())}
+        edges = [{"src": u, "dst": v, "bytes_per_token": b}
+                 for u, v, b in sorted(self.edges(), key=lambda e: (order[e[0]], order[e[1]]))]
         return {"schema_version": GRAPH_SCHEMA_VERSION, "meta": meta, "nodes": nodes, "edges": edges}
 
     def to_json(self) -> str:
@@ -296,10 +324,12 @@ def chain_graph(
     dtype: str = "float16",
     edges: list[tuple[str, str, int]] | None = None,
     tied_unit_groups: tuple[tuple[str, ...], ...] = (),
+    granularity: str = "block",
 ) -> LayerGraph:
     """Build a LayerGraph by hand (tests, benchmarks): each dict needs ``name``; missing attributes are 0.
 
     Without ``edges`` the units are chained in list order with their ``out_bytes_per_token``.
+    ``granularity`` is recorded in ``meta.extra`` (``"sublayer"``: priced with a home device).
     """
     digraph = nx.DiGraph()
     for index, spec in enumerate(units):
@@ -315,7 +345,8 @@ def chain_graph(
     for src, dst, nbytes in edges:
         digraph.add_edge(src, dst, bytes_per_token=int(nbytes))
     meta = GraphMeta(model_name=model_name, dtype=dtype, batch_size=1, seq_len=1, traced=False,
-                     tied_unit_groups=tied_unit_groups)
+                     tied_unit_groups=tied_unit_groups,
+                     extra={"granularity": granularity} if granularity != "block" else {})
     return LayerGraph(digraph, meta)
 
 

@@ -12,6 +12,7 @@ Placement units are the instances of the model's no-split classes (``model._no_s
 or buffers itself (embeddings, final norm, ``lm_head``, a rotary embedding's ``inv_freq``). A module
 that owns tensors and also has units below it owns only its direct tensors and is charged for the ops
 that read them.
+With ``granularity="sublayer"`` the no-split instances are replaced by their parts (see :func:`trace`).
 
 Conventions the cost model relies on:
 
@@ -76,8 +77,11 @@ __all__ = ["trace", "GRANULARITIES"]
 
 #: ``"block"``: no-split blocks are kept whole (default); ``"module"``: every module with its own
 #: parameters or buffers is a unit, no-split classes are ignored (finest; a coarser graph is obtained
-#: by naming container classes in ``no_split``).
-GRANULARITIES = ("block", "module")
+#: by naming container classes in ``no_split``); ``"sublayer"``: each no-split block is split into its
+#: direct children (norms, attention, MLP) and an MoE block further into router, experts and shared
+#: expert, for plans that keep the residual stream on one home device (attention on the GPU, experts on
+#: the CPU).
+GRANULARITIES = ("block", "module", "sublayer")
 
 
 
@@ -114,8 +118,17 @@ def trace(
             own, accelerate's rule), integer buffers at their own.
         no_split: module class names kept whole (default: ``model._no_split_modules``).
         granularity: ``"block"`` keeps no-split blocks whole (default); ``"module"`` ignores them and
-            makes every module with its own parameters or buffers a unit. Anything coarser is asked
-            for by naming bigger container classes in ``no_split``.
+            makes every module with its own parameters or buffers a unit. ``"sublayer"`` splits each
+            no-split block into its direct children that hold tensors (``input_layernorm``, ``self_attn``,
+            ``post_attention_layernorm``, ``mlp``), and an MoE block (a child with an ``experts`` child)
+            into its children (router ``gate``, ``experts``, ``shared_expert``...); tensors a block owns
+            directly stay in a unit of the block's name. Such units can run on different devices because
+            the glue between them (residual adds, routing math) stays on one home device: the attention
+            unit holds the KV cache, the experts unit the MoE facts, each unit records the bytes it
+            reads (``in_bytes_per_token``) and returns (``out_bytes_per_token``), and edges order the units
+            (nothing crosses them but through home; a residual stream comes from its latest producers
+            only, not from every earlier unit). Anything coarser is asked for by naming bigger
+            container classes in ``no_split``.
         example_inputs: inputs of the forward for plain modules (a tuple of positional arguments or a
             dict of keyword arguments); only shapes and dtypes are used. Default: token ids for
             ``transformers`` models, a ``(batch, seq_len, in_features)`` tensor for modules whose first
@@ -137,10 +150,11 @@ def trace(
         raise TraceError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
     module, name, config, torch_dtype, override = resolve_source(model, dtype)
     split = no_split_names(module, no_split, granularity)
-    units = find_units(module, split)
+    units, whole = find_units(module, split, granularity)
     ctx = TraceContext(module=module, name=name, config=config, dtype=torch_dtype, override=override,
-                   batch_size=batch_size, seq_len=seq_len, units=units, no_split=tuple(sorted(split)),
-                   granularity=granularity, attn_implementation=_runtime_attention(model, module, config))
+                       batch_size=batch_size, seq_len=seq_len, units=units, no_split=tuple(sorted(split)),
+                       granularity=granularity, whole=whole,
+                       attn_implementation=_runtime_attention(model, module, config))
     try:
         record = _meta_forward(ctx, example_inputs)
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward means: fall back
@@ -207,7 +221,7 @@ def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
         experts_per_token=lambda experts: experts_per_token(ctx, experts),
         # ours alone (a meta copy, or built from a config) and all on meta: no stand-ins needed
         private=all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers())),
-        seq_len=ctx.seq_len)
+        seq_len=ctx.seq_len, frontier=ctx.granularity == "sublayer")
 
 
 def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -304,7 +318,23 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
     assert set(attrs) == set(NODE_ATTRIBUTES)
     if record is not None and name in record.workspace:
         attrs.update(_workspace(ctx, record.workspace[name]))
+    if record is not None and ctx.granularity == "sublayer":
+        attrs.update(_round_trip_bytes(ctx, record, name))
     return attrs
+
+
+def _round_trip_bytes(ctx: TraceContext, record: _recorder.Record, name: str) -> dict[str, int]:
+    """What a sublayer unit computed away from the home device moves per token: the distinct tensors it
+    reads from other units (home -> its device) and what its forward returns (back home; eager attention's
+    probabilities apart, see :attr:`~._recorder.Record.returned_bytes`)."""
+    read: dict[int, int] = {}
+    for (_src, dst), tensors in record.edges.items():
+        if dst == name:
+            read.update(tensors)
+    # a unit owning a block's own tensors is never called: what it makes leaves it
+    returned = record.returned_bytes.get(name, _leaving_bytes(record, name))
+    return {"in_bytes_per_token": math.ceil(sum(read.values()) / ctx.tokens),
+            "out_bytes_per_token": math.ceil(returned / ctx.tokens)}
 
 
 def _workspace(ctx: TraceContext, peaks: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, int]:

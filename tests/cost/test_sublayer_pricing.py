@@ -1,0 +1,206 @@
+"""Pricing of ``"sublayer"`` graphs around a home device (issue 15, item 2).
+
+The rule, restated here from the issue and not from the code: the residual stream and the glue stay on
+home (the first GPU, else the CPU); a unit computing on another device ``d`` in a phase pays, per forward of
+that phase, its input bytes home -> d and its output bytes d -> home, each at the link's bandwidth plus its
+latency; edges cost nothing. The references below price the same graph as if it were block-granular (the
+units' own compute and weight copies, no round trips) and add the round trips by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement_opt.cost.build import build_problem
+from placement_opt.cost.pricing import NS_PER_S, home_device
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import LayerGraph, UnitInfo, chain_graph
+from placement_opt.model.tracer import trace
+from placement_opt.solver.problem import MODES, PHASES, PlacementOption, PlacementProblem
+
+GIB = 2**30
+
+
+@functools.cache
+def _graph(family: str) -> LayerGraph:
+    """Tiny sublayer graphs: Mixtral's is a chain with side edges, Qwen2-MoE's branches (shared expert)."""
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        config = transformers.Qwen2MoeConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=4, num_experts_per_tok=2)
+    return trace(config, seq_len=16, granularity="sublayer")
+
+
+def _as_block(graph: LayerGraph) -> LayerGraph:
+    """The same units priced without a home device: their compute and copies alone."""
+    meta = dataclasses.replace(graph.meta, extra={**graph.meta.extra, "granularity": "block"})
+    return LayerGraph(graph.nx, meta)
+
+
+def _machine(gpus: int = 2) -> Machine:
+    # slow links and large latencies, so that round trips are visible against the tiny units' compute
+    devices = [Device(f"cuda:{i}", 8 * GIB, flops=4e14, bandwidth=2e12, host_link=1e9, reserve=0)
+               for i in range(gpus)]
+    devices += [Device("cpu", 64 * GIB, flops=1e12, bandwidth=8e10), Device("disk", 10**12, bandwidth=3e9)]
+    return Machine(devices)
+
+
+def _trip_s(machine: Machine, home: str, device: str, unit: UnitInfo, tokens: int) -> float:
+    """The rule: inputs home -> device, outputs device -> home, bandwidth plus latency each way."""
+    if device == home or tokens == 0:
+        return 0.0
+    there = unit.in_bytes_per_token * tokens / machine.bandwidth(home, device) + machine.latency_s(home, device)
+    back = unit.out_bytes_per_token * tokens / machine.bandwidth(device, home) + machine.latency_s(device, home)
+    return there + back
+
+
+def _round_trips(graph: LayerGraph, unit: UnitInfo, wl: Workload, phase: str) -> tuple[int, int]:
+    """(forwards, tokens each) of a phase: the prompt once (twice in training: forward and backward; the
+    logits unit at its last positions only when generating), one token per sequence at every decode step."""
+    if phase == "decode_ns":
+        return (wl.decode_steps if unit.in_decode else 0), wl.batch_size
+    last_only = wl.logits_kept == "last" and unit.name == graph.meta.extra.get("logits_unit")
+    return (2 if wl.training else 1), (wl.batch_size if last_only else wl.batch_size * wl.prompt_len)
+
+
+def _expected_ns(graph: LayerGraph, machine: Machine, wl: Workload, option: PlacementOption,
+                 reference: PlacementOption, unit: UnitInfo, phase: str) -> float:
+    """An option's price in one phase: its compute (the reference) plus a round trip per forward off home."""
+    home = machine.gpus[0].name if machine.gpus else machine.cpu.name
+    forwards, tokens = _round_trips(graph, unit, wl, phase)
+    trip = _trip_s(machine, home, option.device_in(phase), unit, tokens)
+    return getattr(reference, phase) + forwards * trip * NS_PER_S
+
+
+def _phase_latency(graph: LayerGraph, durations: dict[str, float], devices: dict[str, str]) -> float:
+    """Longest path through the graph (edges free) against the busiest device's sum of durations."""
+    finish: dict[str, float] = {}
+    for name in graph.names():
+        ready = max((finish[src] for src, dst, _ in graph.edges() if dst == name), default=0.0)
+        finish[name] = ready + durations[name]
+    load: dict[str, float] = {}
+    for name, device in devices.items():
+        load[device] = load.get(device, 0.0) + durations[name]
+    return max(max(finish.values()), max(load.values()))
+
+
+_workloads = st.builds(Workload, batch_size=st.integers(1, 8), prompt_len=st.integers(1, 256),
+                       new_tokens=st.integers(0, 32), logits=st.sampled_from([None, "all"]))
+_training = st.builds(Workload, batch_size=st.integers(1, 4), prompt_len=st.integers(1, 64), new_tokens=st.just(0),
+                      training=st.just(True))
+
+
+@settings(max_examples=60)
+@given(family=st.sampled_from(["mixtral", "qwen2_moe"]), wl=st.one_of(_workloads, _training),
+       gpus=st.integers(0, 2), data=st.data())
+def test_score_is_each_units_compute_plus_its_round_trips_off_home(family: str, wl: Workload, gpus: int,
+                                                                   data: st.DataObject) -> None:
+    graph, machine = _graph(family), _machine(gpus)
+    problem = build_problem(graph, machine, wl, modes=MODES)
+    reference = build_problem(_as_block(graph), machine, wl, modes=MODES)
+    choice = [data.draw(st.integers(0, len(u.options) - 1), label=u.name) for u in problem.units]
+    chosen = problem.options(choice)
+    score = problem.score(choice)
+    units = {u.name: u for u in graph.units()}
+    for phase in PHASES:
+        durations = {spec.name: _expected_ns(graph, machine, wl, opt, ref.options[c], units[spec.name], phase)
+                     for spec, opt, ref, c in zip(problem.units, chosen, reference.units, choice, strict=True)}
+        devices = {spec.name: opt.device_in(phase) for spec, opt in zip(problem.units, chosen, strict=True)}
+        # every price is rounded up to a whole ns once, in the problem and in the reference: 1 ns per unit
+        assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations, devices),
+                                                      abs=len(problem.units) + 1)
+
+
+def test_edges_of_a_sublayer_graph_are_free_and_kept() -> None:
+    graph = _graph("qwen2_moe")
+    problem = build_problem(graph, _machine(), Workload(prompt_len=64, new_tokens=8))
+    assert len(problem.edges) == len(graph.edges()) > 0
+    assert all(not e.prefill_ns and not e.decode_ns for e in problem.edges)
+    block = build_problem(_as_block(graph), _machine(), Workload(prompt_len=64, new_tokens=8))
+    assert all(e.prefill_ns and e.decode_ns for e in block.edges)  # priced per pair as before
+
+
+def _options(problem: PlacementProblem, name: str) -> dict[tuple[str, str, str, str | None], PlacementOption]:
+    spec = next(u for u in problem.units if u.name == name)
+    return {(o.storage, o.execution, o.mode, o.prefill_execution): o for o in spec.options}
+
+
+def test_a_unit_on_home_pays_no_round_trip_and_one_elsewhere_does() -> None:
+    graph, machine = _graph("mixtral"), _machine(2)
+    wl = Workload(batch_size=2, prompt_len=100, new_tokens=10)
+    name = "model.layers.1.self_attn"
+    unit = graph.unit(name)
+    ours = _options(build_problem(graph, machine, wl, modes=MODES), name)
+    theirs = _options(build_problem(_as_block(graph), machine, wl, modes=MODES), name)
+    for key in [("cuda:0", "cuda:0", "resident", None), ("cpu", "cuda:0", "stream", None)]:  # home
+        assert (ours[key].prefill_ns, ours[key].decode_ns) == (theirs[key].prefill_ns, theirs[key].decode_ns)
+    for device, key in [("cuda:1", ("cuda:1", "cuda:1", "resident", None)), ("cpu", ("cpu", "cpu", "resident", None))]:
+        prefill = _trip_s(machine, "cuda:0", device, unit, 2 * 100) * NS_PER_S
+        decode = 10 * _trip_s(machine, "cuda:0", device, unit, 2) * NS_PER_S
+        assert ours[key].prefill_ns == pytest.approx(theirs[key].prefill_ns + prefill, abs=2)
+        assert ours[key].decode_ns == pytest.approx(theirs[key].decode_ns + decode, abs=2)
+        assert decode > 10 * 2 * machine.latency_s("cuda:0", device) * NS_PER_S  # bytes and both latencies
+    # memory stays as it was
+    for key, option in ours.items():
+        assert (option.stored_bytes, option.resident_bytes, option.peak_bytes, option.prefill_peak_bytes) == (
+            theirs[key].stored_bytes, theirs[key].resident_bytes, theirs[key].peak_bytes,
+            theirs[key].prefill_peak_bytes)
+
+
+def test_a_phased_experts_unit_pays_the_round_trip_in_the_decode_only() -> None:
+    graph, machine = _graph("mixtral"), _machine(1)
+    wl = Workload(batch_size=4, prompt_len=64, new_tokens=16)
+    name = "model.layers.0.mlp.experts"
+    unit = graph.unit(name)
+    key = ("cpu", "cpu", "phased", "cuda:0")
+    phased = _options(build_problem(graph, machine, wl, modes=MODES), name)[key]
+    reference = _options(build_problem(_as_block(graph), machine, wl, modes=MODES), name)[key]
+    assert phased.prefill_ns == reference.prefill_ns  # prefill computed on cuda:0, home
+    trips = 16 * _trip_s(machine, "cuda:0", "cpu", unit, 4) * NS_PER_S
+    assert trips > 0
+    assert phased.decode_ns == pytest.approx(reference.decode_ns + trips, abs=2)
+
+
+def test_home_is_the_first_gpu_else_the_cpu() -> None:
+    assert home_device(_machine(2)) == "cuda:0"
+    assert home_device(_machine(0)) == "cpu"
+    assert home_device(Machine([Device("disk", 10**12, bandwidth=3e9)])) is None
+
+
+def test_on_a_cpu_only_machine_nothing_pays_a_round_trip() -> None:
+    graph, machine = _graph("qwen2_moe"), _machine(0)
+    wl = Workload(batch_size=2, prompt_len=32, new_tokens=4)
+    ours, theirs = build_problem(graph, machine, wl), build_problem(_as_block(graph), machine, wl)
+    for a, b in zip(ours.units, theirs.units, strict=True):
+        for x, y in zip(a.options, b.options, strict=True):
+            if x.execution == "cpu":
+                assert (x.prefill_ns, x.decode_ns) == (y.prefill_ns, y.decode_ns), a.name
+
+
+def test_a_hand_made_sublayer_graph_sends_its_incoming_edges() -> None:
+    """Without a traced in_bytes_per_token, a unit's inputs are the sum of its incoming edges."""
+    units = [{"name": "norm", "out_bytes_per_token": 100, "param_bytes": 10},
+             {"name": "experts", "param_bytes": GIB, "flops_per_token": 2 * GIB, "out_bytes_per_token": 300}]
+    edges = [("norm", "experts", 1000)]
+    graph = chain_graph(units, edges=edges, granularity="sublayer")
+    assert graph.meta.granularity == "sublayer"
+    machine, wl = _machine(1), Workload(batch_size=1, prompt_len=10, new_tokens=1)
+    ours = _options(build_problem(graph, machine, wl), "experts")[("cpu", "cpu", "resident", None)]
+    theirs = _options(build_problem(chain_graph(units, edges=edges), machine, wl), "experts")[
+        ("cpu", "cpu", "resident", None)]
+    link, latency = machine.bandwidth("cuda:0", "cpu"), machine.latency_s("cuda:0", "cpu")
+    back = machine.bandwidth("cpu", "cuda:0")
+    trip = (1000 * 10 / link + 300 * 10 / back + 2 * latency) * NS_PER_S
+    assert ours.prefill_ns == pytest.approx(theirs.prefill_ns + trip, abs=2)
