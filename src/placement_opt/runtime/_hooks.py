@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _streamer
 from ._phases import CallPhase, call_is_prefill, move_cache_layers, unit_is_prefill
 from ._streamer import DispatchUnit, Streamer
 
@@ -60,7 +61,7 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 
 def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
                    move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]],
-                   home: torch.device | None = None) -> None:
+                   home: str | None = None) -> None:
     """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices.
 
     ``home`` (sublayer plans): the model's inputs go there, and a unit computing elsewhere hands its
@@ -70,17 +71,18 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
     Each wrapped module is entered in ``hooked`` (module -> had its own forward, that forward) before
     its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
     """
+    home_device = _streamer.torch_device(home) if home is not None else None
     if move_inputs is None:
         move_inputs = len({u.execution for u in units} | {u.prefill for u in units if u.prefill}
-                          | ({home} if home is not None else set())) > 1
+                          | ({home_device} if home_device is not None else set())) > 1
     phase = CallPhase()
     for unit in units:
         wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs, phase)
-        if home is not None and (unit.execution != home or (unit.prefill is not None and unit.prefill != home)):
+        if home is not None and _off_home(unit, home):
             wrapper = _returning(wrapper or unit.module.forward)
         if wrapper is not None:
             _wrap(unit.module, wrapper, hooked)
-    main = home if home is not None else units[0].execution if units else torch.device("cpu")
+    main = home_device if home_device is not None else units[0].execution if units else torch.device("cpu")
     if model not in hooked:
         entry = _entry_forward(model.forward, main)
         if any(u.kind == "phased" for u in units):  # only then: plans without phased units keep their entry as it was
@@ -135,6 +137,12 @@ def _entry_forward(forward: Callable[..., Any], main: torch.device) -> Callable[
         return _move_output(out, caller)
 
     return functools.wraps(forward)(entry)
+
+
+def _off_home(unit: DispatchUnit, home: str) -> bool:
+    """Whether the plan computes ``unit`` away from ``home`` in some phase (by the plan's device names)."""
+    placement = unit.placement
+    return placement.execution != home or placement.device_in("prefill") != home
 
 
 def _returning(forward: Callable[..., Any]) -> Callable[..., Any]:

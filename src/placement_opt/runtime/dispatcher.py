@@ -247,23 +247,23 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     log.push("weights", weights.undo)
     streamer = Streamer()
     log.push("prefetch thread", streamer.close)
-    _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log)
+    home = getattr(plan, "home", None)  # sublayer plans: the glue between units stays on one device
+    home_device = _streamer.torch_device(home) if home else None
+    main = home_device or (units[0].execution if units else torch.device("cpu"))
+    _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log, main)
     log.doing = "linking the units that prefetch"
     _link_prefetch(units)
-    home = getattr(plan, "home", None)  # sublayer plans: the glue between units stays on one device
-    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log,
-                                               _streamer.torch_device(home) if home else None)
+    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
-    log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units},
-                                                       units[0].execution if units else torch.device("cpu")))
+    log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units}, main))
     handle = _attach(model, plan, units, hooked_modules, hf_hooked, log)
     weights.commit()
     return handle
 
 
 def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Streamer, hook_every_unit: bool,
-                   log: UndoLog, home: torch.device | None = None) -> tuple[dict[nn.Module, Any], set[int]]:
+                   log: UndoLog, home: str | None = None) -> tuple[dict[nn.Module, Any], set[int]]:
     """Install the forward wrappers; (the modules wrapped, ids of modules that carried accelerate hooks)."""
     log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
@@ -293,8 +293,8 @@ def _drop_handle(model: nn.Module, handle: DispatchedModel) -> None:
 
 def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offload_dir: Any,
            disk_reads: str, disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None,
-           weights: Weights, log: UndoLog) -> None:
-    """Move or map every tensor to its storage; decide each unit's kind."""
+           weights: Weights, log: UndoLog, main: torch.device) -> None:
+    """Move or map every tensor to its storage (tensors no unit owns: to ``main``); decide each unit's kind."""
     store = None
     for unit in units:
         storage, execution = unit.placement.storage, unit.placement.execution
@@ -316,7 +316,7 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             unit.kind = "mmap" if execution == "cpu" and disk_reads == "mmap" else "stream"
         elif storage == execution and unit.prefill is None:
             for slot in unit.slots:
-                _set(slot, slot.tensor.data.to(execution), foreign=False)
+                _set(slot, slot.tensor.data.to(unit.execution), foreign=False)
         else:
             # pinned, so the copies to the GPU run asynchronously (a phased unit decodes from it too)
             pin = unit.streams_to.type == "cuda" and storage == "cpu"
@@ -328,12 +328,13 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             unit.kind = "stream"
         if unit.prefill is not None:
             unit.kind = "phased"  # decodes from RAM or the memory map (disk_reads aside), streams the prefill
-    _place_unowned(units, slots, weights, log)
+    _place_unowned(units, slots, weights, log, main)
 
 
-def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog) -> None:
-    """Tensors no unit owns (e.g. a rotary table) live on the first unit's execution device."""
-    main = units[0].execution if units else torch.device("cpu")
+def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog,
+                   main: torch.device) -> None:
+    """Tensors no unit owns (e.g. a rotary table) live where the glue runs: the home device of a sublayer
+    plan, else the first unit's execution device."""
     owned = {id(s) for u in units for s in u.slots}
     log.doing = f"moving the tensors outside every unit to {main}"
     for slot in slots:
