@@ -5,7 +5,9 @@ For each machine, model, GPU budget and workload, two plans are solved side by s
 * ``layer``: the solver's choices before phased execution: each unit resident on the GPU, resident in CPU
   RAM and computed by the CPU, or streamed to the GPU at every forward (``modes=("resident", "stream")``);
 * ``phased``: the same, plus phased units (streamed to the GPU for the prompt, computed by the CPU at every
-  decode step where the weights are, KV cache on the CPU).
+  decode step where the weights are, KV cache on the CPU);
+* ``sublayer``: every mode, on the model traced at ``granularity="sublayer"`` (attention, MLP, router and
+  experts as units around a home GPU: kTransformers' split when the solver finds it pays).
 
 accelerate ``auto`` with the same ``max_memory`` is priced beside them (its synchronous streams). All three
 are estimates: nothing runs here. The machines:
@@ -53,12 +55,13 @@ def _qwen_moe_config():
                           max_position_embeddings=8192, torch_dtype="bfloat16")
 
 
-def _graph(name: str):
+def _graphs(name: str):
+    """(block graph, sublayer graph, config) of a model, traced on the meta device."""
     from placement_opt import trace
     from placement_opt.model import catalog
 
     config = _qwen_moe_config() if name.startswith("qwen1.5-moe") else catalog.model_config(name)
-    return trace(config, dtype="bfloat16"), config
+    return trace(config, dtype="bfloat16"), trace(config, dtype="bfloat16", granularity="sublayer"), config
 
 
 def _h100_host(budget: str):
@@ -79,18 +82,21 @@ def _this_cpu_with_h100(budget: str, profile: Path):
     return Machine([Device.preset("h100-sxm", name="cuda:0").with_memory(budget), cpu.with_memory(CPU_MEMORY)])
 
 
-def _row(machine_name, model, budget, wl, graph, config, machine):
+def _row(machine_name, model, budget, wl, graphs, config, machine):
     from placement_opt import Workload, solve
     from placement_opt.cost.evaluate import evaluate
 
+    graph, sublayer_graph = graphs
     workload = Workload(batch_size=wl[0], prompt_len=wl[1], new_tokens=wl[2])
     plans = {}
-    for label, modes in (("layer", ("resident", "stream")), ("phased", ("resident", "stream", "phased"))):
+    every = ("resident", "stream", "phased")
+    for label, g, modes in (("layer", graph, ("resident", "stream")), ("phased", graph, every),
+                            ("sublayer", sublayer_graph, every)):
         started = time.perf_counter()
-        plan = solve(graph, machine, workload=workload, modes=modes, time_limit_s=2.0)
+        plan = solve(g, machine, workload=workload, modes=modes, time_limit_s=2.0)
         plans[label] = (plan, time.perf_counter() - started)
     accelerate = _accelerate_cost(config, machine, graph, workload, evaluate)
-    layer, phased = plans["layer"][0], plans["phased"][0]
+    layer, phased, sublayer = plans["layer"][0], plans["phased"][0], plans["sublayer"][0]
     modes = {}
     for p in phased.placements:
         modes[p.mode] = modes.get(p.mode, 0) + 1
@@ -99,11 +105,25 @@ def _row(machine_name, model, budget, wl, graph, config, machine):
         "accelerate_decode_tps": accelerate.decode_tokens_per_s if accelerate else None,
         "accelerate_fits": accelerate.fits if accelerate else None,
         "layer_decode_tps": layer.cost.decode_tokens_per_s, "phased_decode_tps": phased.cost.decode_tokens_per_s,
+        "sublayer_decode_tps": sublayer.cost.decode_tokens_per_s,
         "layer_prefill_s": layer.cost.prefill_s, "phased_prefill_s": phased.cost.prefill_s,
+        "sublayer_prefill_s": sublayer.cost.prefill_s,
         "layer_total_s": layer.cost.total_s, "phased_total_s": phased.cost.total_s,
-        "phased_modes": modes, "gaps": (layer.gap, phased.gap),
-        "solve_s": (plans["layer"][1], plans["phased"][1]),
+        "sublayer_total_s": sublayer.cost.total_s,
+        "phased_modes": modes, "sublayer_split": _split(sublayer), "gaps": (layer.gap, phased.gap, sublayer.gap),
+        "solve_s": (plans["layer"][1], plans["phased"][1], plans["sublayer"][1]),
     }
+
+
+def _split(plan) -> str:
+    """Where a sublayer plan computes attention and MLP/experts in the decode: 'attn gpu 32, experts cpu 24 ...'."""
+    counts: dict[str, int] = {}
+    for p in plan.placements:
+        part = next((k for k in ("self_attn", "experts", "mlp") if p.unit.endswith(k)), None)
+        if part is not None:
+            where = "gpu" if p.execution.startswith("cuda") else ("phased" if p.prefill_execution else "cpu")
+            counts[f"{part} {where}"] = counts.get(f"{part} {where}", 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 
 def _accelerate_cost(config, machine, graph, workload, evaluate):
@@ -120,19 +140,23 @@ def _accelerate_cost(config, machine, graph, workload, evaluate):
 
 def _table(rows) -> list[str]:
     lines = ["| machine | model | GPU budget | batch x prompt + new | accelerate auto decode tok/s | layer plan "
-             "decode tok/s | phased plan decode tok/s | phased / layer (decode) | prefill layer -> phased | "
-             "total layer -> phased | phased plan's units |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode tok/s | phased plan decode tok/s | sublayer plan decode tok/s | best / layer (decode) | "
+             "prefill layer -> phased -> sublayer | total layer -> phased -> sublayer | phased plan's units | "
+             "sublayer plan's attention / MLP / experts (decode device) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = ("-" if r["accelerate_decode_tps"] is None else
                f"{r['accelerate_decode_tps']:.2f}" + ("" if r["accelerate_fits"] else " (OOM)"))
         units = ", ".join(f"{n} {m}" for m, n in sorted(r["phased_modes"].items()))
+        best = max(r["phased_decode_tps"], r["sublayer_decode_tps"])
         lines.append(
             f"| {r['machine']} | {r['model']} | {r['budget']} | {r['batch']} x {r['prompt']} + {r['new']} | {acc} | "
-            f"{r['layer_decode_tps']:.2f} | {r['phased_decode_tps']:.2f} | "
-            f"{r['phased_decode_tps'] / r['layer_decode_tps']:.2f}x | "
-            f"{r['layer_prefill_s'] * 1e3:.0f} -> {r['phased_prefill_s'] * 1e3:.0f} ms | "
-            f"{r['layer_total_s']:.2f} -> {r['phased_total_s']:.2f} s | {units} |")
+            f"{r['layer_decode_tps']:.2f} | {r['phased_decode_tps']:.2f} | {r['sublayer_decode_tps']:.2f} | "
+            f"{best / r['layer_decode_tps']:.2f}x | "
+            f"{r['layer_prefill_s'] * 1e3:.0f} -> {r['phased_prefill_s'] * 1e3:.0f} -> "
+            f"{r['sublayer_prefill_s'] * 1e3:.0f} ms | "
+            f"{r['layer_total_s']:.2f} -> {r['phased_total_s']:.2f} -> {r['sublayer_total_s']:.2f} s | {units} | "
+            f"{r['sublayer_split']} |")
     return lines
 
 
@@ -153,12 +177,12 @@ def main() -> None:
         this_cpu = _this_cpu_with_h100("1GiB", profile)["cpu"]
         rows = []
         for model, budgets in CASES:
-            graph, config = _graph(model)
+            graph, sublayer_graph, config = _graphs(model)
             for budget in budgets:
                 for name, machine in (("h100-host", _h100_host(budget)),
                                       ("this-cpu+h100", _this_cpu_with_h100(budget, profile))):
                     for wl in workloads:
-                        rows.append(_row(name, model, budget, wl, graph, config, machine))
+                        rows.append(_row(name, model, budget, wl, (graph, sublayer_graph), config, machine))
                         print(_table(rows[-1:])[-1], flush=True)
     _write(args.out, rows, this_cpu, profile_s)
 
@@ -182,8 +206,9 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
         "H100: a what-if, since this machine has no GPU.",
         "",
         "decode tok/s: generated tokens per second over the decode steps (batch included). The layer plan chooses "
-        "among resident, CPU-computed and streamed units; the phased plan may also stream a unit for the prompt "
-        "and compute it on the CPU for every decode step.",
+        "among resident, CPU-computed and streamed decoder layers; the phased plan may also stream a layer for the "
+        "prompt and compute it on the CPU for every decode step; the sublayer plan makes those choices for "
+        "attention, MLP, router and experts separately (home cuda:0).",
         "",
         *_table(rows),
         "",
