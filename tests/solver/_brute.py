@@ -1,11 +1,17 @@
 """Brute force over every assignment, from the definitions in problem.py's docstring written anew.
 
-Shared by the solver's property tests: nothing here calls ``PlacementProblem.score`` or ``satisfies``.
+Shared by the solver's property tests: nothing here calls ``PlacementProblem.score`` or ``satisfies``
+(nor ``PlacementOption.device_in`` or ``peaks``: a phased option's prefill device is read off its fields).
 """
 
 from __future__ import annotations
 
 import itertools
+
+
+def computes(o, key):
+    """The device computing option ``o`` in phase ``key``: a phased option prefills on its prefill_execution."""
+    return o.prefill_execution if key == "prefill_ns" and o.prefill_execution is not None else o.execution
 
 
 def reference_value(problem, choice, objective):
@@ -16,24 +22,28 @@ def reference_value(problem, choice, objective):
     def phase(key):
         finish = {}
         for name, o in chosen.items():  # units are in execution order and edges point forward
-            arrivals = [finish[e.src] + (getattr(e, key).get((chosen[e.src].execution, o.execution), 0)
-                                         if chosen[e.src].execution != o.execution else 0)
+            here = computes(o, key)
+            arrivals = [finish[e.src] + (getattr(e, key).get((computes(chosen[e.src], key), here), 0)
+                                         if computes(chosen[e.src], key) != here else 0)
                         for e in problem.edges if e.dst == name]
             finish[name] = max(arrivals, default=0) + getattr(o, key)
-        busiest = max(sum(getattr(o, key) for o in chosen.values() if o.execution == d) for d in devices)
+        busiest = max(sum(getattr(o, key) for o in chosen.values() if computes(o, key) == d) for d in devices)
         return max(max(finish.values()), busiest)
 
     if objective == "latency":
         return phase("prefill_ns") + phase("decode_ns")
     if objective == "throughput":
-        return max(sum(o.prefill_ns + o.decode_ns for o in chosen.values() if o.execution == d) for d in devices)
+        return max(sum(getattr(o, key) for o in chosen.values() for key in ("prefill_ns", "decode_ns")
+                       if computes(o, key) == d) for d in devices)
     return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
 
 
 def reference_bytes(chosen, device):
     stored = sum(o.stored_bytes for o in chosen if o.storage == device)
     resident = sum(o.resident_bytes for o in chosen if o.execution == device)
-    return stored + resident + max((o.peak_bytes for o in chosen if o.execution == device), default=0)
+    peaks = [o.peak_bytes for o in chosen if o.execution == device]
+    peaks += [o.prefill_peak_bytes for o in chosen if o.prefill_execution == device]
+    return stored + resident + max(peaks, default=0)
 
 
 def reference_valid(problem, choice):

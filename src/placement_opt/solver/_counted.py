@@ -12,7 +12,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .cpsat import new_solver
+from .cpsat import new_solver, stage_work
 from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["CountedRelaxation"]
@@ -29,8 +29,9 @@ class CountedRelaxation:
     """Device name -> its transient peak bytes (a linear expression)."""
     goal: Any = 0
 
-    def _terms(self, device: str | None = None) -> list[tuple[PlacementOption, Any]]:
-        """(option, count of units on it), for the options executed on ``device`` (all when None)."""
+    def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
+        """(option, count of units on it), for the options computing on ``device`` in ``phase`` (in either
+        phase when None; every option when ``device`` is None)."""
         raise NotImplementedError
 
     def _phase(self, ph: str) -> Any:
@@ -46,8 +47,8 @@ class CountedRelaxation:
         if objective == "throughput":
             stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
                                                   for u in self.p.units for o in u.options), "stage")
-            for dev in (d.name for d in self.p.devices):
-                work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * n for o, n in self._terms(dev)]
+            for dev in (d.name for d in self.p.devices):  # each phase's work on the device computing it
+                work = [stage_work(o, dev, self._t) * n for o, n in self._terms(dev)]
                 if work:
                     self.model.add(stage >= sum(work))
             self.goal = stage

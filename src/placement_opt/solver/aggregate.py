@@ -7,11 +7,14 @@ every unit but the first and the last, whose other edges may leave the run) a pl
 order, a count per option. :class:`AggregateModel` keeps those counts and drops the order:
 
 * work, bytes and the transient peak of the interior are read from the counts (exact);
-* ``first[d]`` / ``last[d]`` are the execution devices of the interior's first and last units; the
-  edges into and out of the interior are priced from them (exact);
-* the interior's own edges cost at least ``c_min x (devices used - 1)``: an order that visits k
-  devices changes device at least k - 1 times, each change costing at least the cheapest price
-  between two of the devices its units may compute on. A lower bound, not the price.
+* ``first[ph][d]`` / ``last[ph][d]`` are the devices computing the interior's first and last units in
+  phase ``ph`` (both phases on the execution device, and one set of flags, unless the run's options
+  include ``phased`` ones); the edges into and out of the interior are priced from them (exact);
+* the interior's own edges cost at least ``c_min x (devices used - 1)`` in each phase: an order that
+  visits k devices in that phase changes device at least k - 1 times, each change costing at least
+  the cheapest price between two of the devices its units may compute on in that phase. A lower
+  bound, not the price. (A phased run's first and last devices are not tied across the phases to
+  one option: a relaxation still.)
 
 Every assignment of the real problem maps to a solution of this model (counts, first and last
 device of each interior) that costs at most as much, so the model's proven bound is a bound of the
@@ -30,12 +33,12 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
-from .cpsat import add_capacity_row, peak_levels
-from .problem import EdgeSpec, PlacementOption, PlacementProblem
+from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
+from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
 
-_PHASES = ("prefill_ns", "decode_ns")
+_PHASES = PHASES
 #: Fewest interior units worth a count variable.
 MIN_INTERIOR = 4
 
@@ -45,6 +48,7 @@ def most_beside_peak(problem: PlacementProblem, opt: PlacementOption) -> int:
 
     A device that runs ``opt`` at all holds its transient peak (the device's peak is the largest of
     its units'), and every unit on ``opt`` adds its bytes there: ``n x bytes + peak <= capacity``.
+    (A phased option's prefill transient sits on another device: the bound holds without it.)
     As ``n <= most x any`` it ties the count to its peak flag far tighter than ``n <= size x any``
     for the LP: three L4s streaming 38 layers of Llama-3.1-405B each hold a 19 GB buffer beside 38
     layers' KV cache, no more.
@@ -116,10 +120,16 @@ class AggregateModel(CountedRelaxation):
             k = run[1] + 1
         self.model = cp_model.CpModel()
         self.vars: list[dict[int, Any]] = [self._counts(t, max_work_ns) for t in range(len(self.items))]
+        # first[t][ph][d] / last[t][ph][d]: the device computing item t's first / last unit in phase ph
         self.first = [self._ends(t, self.items[t][0]) for t in range(len(self.items))]
         self.last = [self._ends(t, self.items[t][1]) if self._is_run(t) else self.first[t]
                      for t in range(len(self.items))]
-        self.used = [self._used(t) for t in range(len(self.items))]
+        self.any: list[dict[int, Any]] = []  # run t: any[t][o], 1 when some unit of the interior uses o
+        self.computes: list[dict[str, dict[str, Any]]] = []  # run t: computes[t][ph][d], some unit on d in ph
+        for t in range(len(self.items)):
+            flags, computes = self._used(t)
+            self.any.append(flags)
+            self.computes.append(computes)
         self._constraints()
         for members in device_classes:
             usage = [self._usage(d) for d in members]
@@ -137,6 +147,11 @@ class AggregateModel(CountedRelaxation):
     def _options(self, t: int) -> tuple[PlacementOption, ...]:
         return self.p.units[self.items[t][0]].options
 
+    def _phases(self, t: int) -> tuple[str, ...]:
+        """The phases whose device flags item t needs: the decode's (the execution device) alone unless
+        an option of t is phased (then the prefill computes elsewhere and gets flags of its own)."""
+        return _PHASES[::-1] if any(o.mode == "phased" for o in self._options(t)) else ("decode_ns",)
+
     def _counts(self, t: int, max_work_ns: int | None) -> dict[int, Any]:
         # n[t, o]: units of item t on option o (a 0/1 for a single unit). Options pinned away, or
         # whose own work exceeds max_work_ns (no better plan uses them), are left out.
@@ -148,7 +163,7 @@ class AggregateModel(CountedRelaxation):
         for o, opt in enumerate(spec.options):
             keep = self.p.allows(spec, opt) or o in hinted
             if max_work_ns is not None and o not in hinted:
-                keep = keep and opt.prefill_ns + opt.decode_ns <= max_work_ns
+                keep = keep and own_work(opt) <= max_work_ns
             if keep:
                 out[o] = self._hinted(self.model.new_int_var(0, size, f"n[{t},{o}]"), hinted.count(o))
         self.model.add(sum(out.values()) == size)
@@ -158,13 +173,18 @@ class AggregateModel(CountedRelaxation):
         self.model.add_hint(var, value)
         return var
 
-    def _ends(self, t: int, unit: int) -> dict[str, Any]:
-        """Execution device of ``unit`` (the first or last of item t) as 0/1 per device."""
+    def _ends(self, t: int, unit: int) -> dict[str, dict[str, Any]]:
+        """Phase -> the device computing ``unit`` (the first or last of item t) in it, as 0/1 per device."""
+        ends = {ph: self._end(t, unit, ph) for ph in self._phases(t)}
+        return {ph: ends.get(ph, ends["decode_ns"]) for ph in _PHASES}
+
+    def _end(self, t: int, unit: int, ph: str) -> dict[str, Any]:
         if not self._is_run(t):
-            return {d: sum(v for o, v in self.vars[t].items() if self._options(t)[o].execution == d)
+            return {d: sum(v for o, v in self.vars[t].items() if self._options(t)[o].device_in(ph) == d)
                     for d in self._devices()}
-        hinted = self.p.units[unit].options[self.hint[unit]].execution
-        flags = {d: self._hinted(self.model.new_bool_var(f"end[{t},{unit},{d}]"), int(d == hinted))
+        hinted = self.p.units[unit].options[self.hint[unit]].device_in(ph)
+        tag = "" if ph == "decode_ns" else f"{ph},"
+        flags = {d: self._hinted(self.model.new_bool_var(f"end[{tag}{t},{unit},{d}]"), int(d == hinted))
                  for d in self._devices()}
         self.model.add_exactly_one(list(flags.values()))
         return flags
@@ -172,35 +192,43 @@ class AggregateModel(CountedRelaxation):
     def _devices(self) -> list[str]:
         return [d.name for d in self.p.devices]
 
-    def _used(self, t: int) -> dict[tuple[int, str], Any]:
-        """any[t, o] (item t uses option o at all) and, per device, whether item t computes there."""
+    def _used(self, t: int) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:
+        """any[t, o] (item t uses option o at all) and, per phase and device, whether item t computes there."""
         if not self._is_run(t):
-            return {}
+            return {}, {}
         size = self._size(t)
         hinted = [self.hint[u] for u in range(self.items[t][0], self.items[t][1] + 1)]
-        flags: dict[tuple[int, str], Any] = {}
+        flags: dict[int, Any] = {}
         for o, n in self.vars[t].items():
             f = self._hinted(self.model.new_bool_var(f"any[{t},{o}]"), int(o in hinted))
             self.model.add(n <= min(size, most_beside_peak(self.p, self._options(t)[o])) * f)
             self.model.add(n >= f)
-            flags[o, ""] = f
-        execs = {self.p.units[u].options[self.hint[u]].execution for u in range(self.items[t][0], self.items[t][1] + 1)}
-        options = list(flags.items())  # before the (-1, d) keys go in: -1 would index the last option
+            flags[o] = f
+        computes = {ph: self._computes(t, ph, flags, hinted) for ph in self._phases(t)}
+        return flags, {ph: computes.get(ph, computes["decode_ns"]) for ph in _PHASES}
+
+    def _computes(self, t: int, ph: str, flags: dict[int, Any], hinted: list[int]) -> dict[str, Any]:
+        # computes[t, d] = OR of any[t, o] over the options computing on d in phase ph; the interior's
+        # first and last units compute only where some unit of it does.
+        opts = self._options(t)
+        execs = {opts[o].device_in(ph) for o in hinted}
+        tag = "" if ph == "decode_ns" else f"{ph},"
+        out = {}
         for d in self._devices():
-            on = [f for (o, _), f in options if self._options(t)[o].execution == d]
-            g = self._hinted(self.model.new_bool_var(f"computes[{t},{d}]"), int(d in execs))
+            on = [f for o, f in flags.items() if opts[o].device_in(ph) == d]
+            g = self._hinted(self.model.new_bool_var(f"computes[{tag}{t},{d}]"), int(d in execs))
             for f in on:
                 self.model.add(g >= f)
             self.model.add(g <= sum(on))
-            self.model.add(self.first[t][d] <= g)
-            self.model.add(self.last[t][d] <= g)
-            flags[-1, d] = g
-        return flags
+            self.model.add(self.first[t][ph][d] <= g)
+            self.model.add(self.last[t][ph][d] <= g)
+            out[d] = g
+        return out
 
     # -- constraints ----------------------------------------------------------------------------
-    def _terms(self, device: str | None = None) -> list[tuple[PlacementOption, Any]]:
+    def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
         return [(self._options(t)[o], v) for t in range(len(self.items)) for o, v in self.vars[t].items()
-                if device is None or self._options(t)[o].execution == device]
+                if device is None or computes_on(self._options(t)[o], device, phase)]
 
     def _constraints(self) -> None:
         self.peak = {d: self._peak(d) for d in self._devices()}
@@ -220,17 +248,18 @@ class AggregateModel(CountedRelaxation):
                     self.model.add(self._stored(first, d) == self._stored(t, d))
 
     def _usage(self, d: str) -> Any:
-        """Units stored or computed on d."""
-        return sum(v for opt, v in self._terms() if d in (opt.storage, opt.execution))
+        """Units stored or computed (in either phase) on d."""
+        return sum(v for opt, v in self._terms() if d in (opt.storage, opt.execution, opt.prefill_execution))
 
     def _stored(self, t: int, d: str) -> Any:
         return sum(v for o, v in self.vars[t].items() if self._options(t)[o].storage == d)
 
     def _peak(self, dev: str) -> Any:
-        # A run's option sets its peak level through its any[t, o] flag (a count is not a 0/1).
-        flagged = [(self._options(t)[o].peak_bytes, self.used[t][o, ""] if self._is_run(t) else v)
+        # A run's option sets its peak levels (each transient it puts on dev) through its any[t, o] flag
+        # (a count is not a 0/1).
+        flagged = [(nbytes, self.any[t][o] if self._is_run(t) else v)
                    for t in range(len(self.items)) for o, v in self.vars[t].items()
-                   if self._options(t)[o].execution == dev]
+                   for nbytes in peak_flags(self._options(t)[o], dev)]
         return peak_levels(self.model, dev, flagged)[0]
 
     def _transfer(self, ph: str, costs: dict, src: dict[str, Any], dst: dict[str, Any], name: str) -> Any:
@@ -245,15 +274,15 @@ class AggregateModel(CountedRelaxation):
         return var
 
     def _inside(self, ph: str, t: int) -> Any:
-        # The interior's own edges: at least c_min per device change, and k devices need k - 1 changes.
+        # The interior's own edges: at least c_min per device change in phase ph, and k devices need k - 1 changes.
         a = self.items[t][0]
         link = next(e for e in self.p.edges if self.index[e.src] == a)
-        execs = sorted({o.execution for o in self._options(t)})
+        execs = sorted({o.device_in(ph) for o in self._options(t)})
         prices = [self._t(getattr(link, ph).get((p, q), 0)) for p in execs for q in execs if p != q]
         cheapest = min(prices, default=0)
         if not cheapest:
             return 0
-        return cheapest * (sum(self.used[t][-1, d] for d in self._devices()) - 1)
+        return cheapest * (sum(self.computes[t][ph][d] for d in self._devices()) - 1)
 
     def _phase(self, ph: str) -> Any:
         # Items in order; an item ends at max(arrivals) + its work (+ the interior's own transfers).
@@ -271,7 +300,8 @@ class AggregateModel(CountedRelaxation):
             work = sum(self._t(getattr(self._options(t)[o], ph)) * v for o, v in self.vars[t].items())
             if self._is_run(t):
                 work += self._inside(ph, t)
-            arrivals = [ends[s] + self._transfer(ph, getattr(e, ph), self.last[s], self.first[t], f"x[{ph},{s},{t}]")
+            arrivals = [ends[s] + self._transfer(ph, getattr(e, ph), self.last[s][ph], self.first[t][ph],
+                                                 f"x[{ph},{s},{t}]")
                         for s, e in incoming.get(t, [])]
             if len(arrivals) <= 1:
                 ends.append((arrivals[0] if arrivals else 0) + work)
@@ -283,7 +313,7 @@ class AggregateModel(CountedRelaxation):
             if t not in has_out:
                 self.model.add(lat >= ends[t])
         for dev in self._devices():
-            work = [self._t(getattr(o, ph)) * v for o, v in self._terms(dev)]
+            work = [self._t(getattr(o, ph)) * v for o, v in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
         return lat
@@ -298,8 +328,8 @@ class AggregateModel(CountedRelaxation):
                 choice.append(next(o for o, c in counts.items() if c))
                 continue
             opts = self._options(t)
-            head = next(d for d, f in self.first[t].items() if solver.boolean_value(f))
-            tail = next(d for d, f in self.last[t].items() if solver.boolean_value(f))
+            head = next(d for d, f in self.first[t]["decode_ns"].items() if solver.boolean_value(f))
+            tail = next(d for d, f in self.last[t]["decode_ns"].items() if solver.boolean_value(f))
             order = sorted(counts, key=lambda o: (opts[o].execution != head, opts[o].execution == tail,
                                                   self._devices().index(opts[o].execution), o))
             choice += [o for o in order for _ in range(counts[o])]

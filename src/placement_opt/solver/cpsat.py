@@ -8,19 +8,26 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 
 * ``x[u, o]`` is 1 if unit ``u`` uses option ``o`` (exactly one per unit).
 * ``n[g, o]`` is the number of units of group ``g`` (identical option menus) that use option ``o``.
-* ``z[d, j]`` is 1 if some unit executed on ``d`` has a peak of at least level ``j``;
-  ``peak[d]`` (the largest ``peak_bytes`` executed on ``d``) is the sum of the level steps switched on.
+* ``z[d, j]`` is 1 if some unit's option puts a transient of at least level ``j`` on ``d``
+  (:meth:`~.problem.PlacementOption.peaks`: ``peak_bytes`` on its execution device, and a phased
+  option's ``prefill_peak_bytes`` on its prefill device); ``peak[d]`` is the sum of the level steps
+  switched on.
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
-* ``used[d, u]`` is 1 once some unit up to ``u`` stores or executes on ``d`` (interchangeable
-  devices only: their first uses are ordered).
+* ``used[d, u]`` is 1 once some unit up to ``u`` stores or computes (in either phase) on ``d``
+  (interchangeable devices only: their first uses are ordered).
 * ``xfer[ph, e]`` is the transfer time of edge ``e`` in phase ``ph`` (0 when both ends
-  execute on one device); linearized: ``xfer >= c(p, q) * (exec[src, p] + exec[dst, q] - 1)``.
+  compute on one device in ``ph``); linearized: ``xfer >= c(p, q) * (on[src, p] + on[dst, q] - 1)``,
+  ``on`` the device computing the unit in ``ph`` (:meth:`~.problem.PlacementOption.device_in`).
 * ``end[ph, u]`` is the time unit ``u`` finishes in phase ``ph`` (DAGs only, and only where two or
   more edges enter ``u``; elsewhere the finish time is a linear expression, and a chain's longest
   path is the plain sum of durations and transfers).
-* ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` and ``>= every device's load``,
-  exactly :meth:`PlacementProblem.score`'s ``max(longest path, busiest device)``.
-* ``stage`` is the slowest device's total work (``throughput`` objective only).
+* ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` and ``>= every device's load``
+  in ``ph``, exactly :meth:`PlacementProblem.score`'s ``max(longest path, busiest device)``.
+* ``stage`` is the slowest device's total work, each phase's on the device computing it
+  (``throughput`` objective only).
+
+A problem without phased options builds the same variables and rows as before they existed: a
+unit's per-phase ``on`` flags are its ``execution`` flags unless one of its options is phased.
 
 Integer time: every ``*_ns`` price is divided by ``scale_ns`` and rounded to the nearest integer
 (:meth:`PlacementModel.rounding_slack` bounds the error). Every variable gets the hint's value.
@@ -35,15 +42,16 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .problem import DeviceSpec, PlacementOption, PlacementProblem
+from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "peak_levels"]
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "peak_levels",
+           "computes_on", "stage_work", "own_work", "peak_flags"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
 #: with one worker), and a one-worker search stopped by it returns the same plan on every run.
 DETERMINISTIC_TIME_PER_S = 0.3
-_PHASES = ("prefill_ns", "decode_ns")
+_PHASES = PHASES
 
 
 class OutOfTime(Exception):
@@ -76,13 +84,16 @@ class PlacementModel:
         self.index = problem.index()
         self.devices = [d.name for d in problem.devices]
         self.chain = self._is_chain()
-        self._exec_devices = sorted({o.execution for u in problem.units for o in u.options})
+        # per phase, every device some option computes on in it: where "elsewhere" is, for transfers
+        self._exec_devices = {ph: sorted({o.device_in(ph) for u in problem.units for o in u.options})
+                              for ph in _PHASES}
         self.model = cp_model.CpModel()
         self.hints: list[tuple[Any, int]] = []
         self.peak: dict[str, Any] = {}
         self.goal: Any = 0
         self._on_cache: dict[tuple[int, str, str], Any] = {}
         self._opts_cache: dict[int, list[tuple[int, PlacementOption]]] = {}
+        self._phased_cache: dict[int, bool] = {}
         # -- variables --
         self.x = self._option_vars(max_work_ns)
         self.counts = self._count_vars()
@@ -106,11 +117,12 @@ class PlacementModel:
         self.hints.append((var, value))
         return var
 
-    def _terms(self, execution: str | None = None) -> list[tuple[PlacementOption, Any]]:
-        """(option, 0/1 or count expression) over every unit, optionally only options executed on a device."""
+    def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
+        """(option, 0/1 or count expression) over every unit; with ``device``, only the options computing
+        there in ``phase`` (in either phase when None)."""
         return [(self.p.units[units[0]].options[o], var) for units, counts in self.counts
                 for o, var in counts.items()
-                if execution is None or self.p.units[units[0]].options[o].execution == execution]
+                if device is None or computes_on(self.p.units[units[0]].options[o], device, phase)]
 
     def _opts(self, u: int) -> list[tuple[int, PlacementOption]]:
         """(index, option) of the options unit u may take (cached once x exists)."""
@@ -119,20 +131,29 @@ class PlacementModel:
         return self._opts_cache[u]
 
     def _on(self, u: int, device: str, where: str) -> Any:
-        """1 if unit u's storage (or execution) is on device: 0, one x, or a 0/1 variable equal to the sum
+        """1 if unit u's storage (``where="storage"``), execution (``"execution"``) or device computing it
+        in a phase (``where`` one of PHASES) is ``device``: 0, one x, or a 0/1 variable equal to the sum
         of its options there (cached). One variable keeps the many transfer rows short: rows of
         sums took most of the building time of a 724-unit module graph."""
+        if where == "decode_ns" or (where == "prefill_ns" and not self._phased(u)):
+            where = "execution"  # the decode always, and the prefill of a unit never phased: one flag as before
         key = (u, device, where)
         if key not in self._on_cache:
-            terms = [self.x[u, o] for o, opt in self._opts(u) if getattr(opt, where) == device]
+            terms = [self.x[u, o] for o, opt in self._opts(u) if _place(opt, where) == device]
             if len(terms) <= 1:
                 self._on_cache[key] = terms[0] if terms else 0
             else:
-                hinted = int(getattr(self.chosen[u], where) == device)
+                hinted = int(_place(self.chosen[u], where) == device)
                 var = self._hinted(self.model.new_bool_var(f"on[{u},{device},{where}]"), hinted)
                 self.model.add(var == sum(terms))
                 self._on_cache[key] = var
         return self._on_cache[key]
+
+    def _phased(self, u: int) -> bool:
+        """Some option unit u may take is phased (its prefill computes elsewhere than its decode)."""
+        if u not in self._phased_cache:
+            self._phased_cache[u] = any(opt.mode == "phased" for _, opt in self._opts(u))
+        return self._phased_cache[u]
 
     def _duration(self, u: int, ph: str) -> Any:
         return sum(self._t(getattr(opt, ph)) * self.x[u, o] for o, opt in self._opts(u))
@@ -140,7 +161,8 @@ class PlacementModel:
     # -- variables ----------------------------------------------------------------------------
     def _option_vars(self, max_work_ns: int | None) -> dict[tuple[int, int], Any]:
         # x[u, o] is 1 if unit u uses option o; pinned-away options and options whose own work
-        # (prefill + decode) exceeds max_work_ns (a bound no better solution can exceed) are left out.
+        # (own_work: the most it puts on one device) exceeds max_work_ns (a bound no better solution
+        # can exceed) are left out.
         x = {}
         for u, spec in enumerate(self.p.units):
             if u % 256 == 0:
@@ -148,7 +170,7 @@ class PlacementModel:
             for o, opt in enumerate(spec.options):
                 keep = self.p.allows(spec, opt) or self.hint[u] == o
                 if max_work_ns is not None and self.hint[u] != o:
-                    keep = keep and opt.prefill_ns + opt.decode_ns <= max_work_ns
+                    keep = keep and own_work(opt) <= max_work_ns
                 if keep:
                     x[u, o] = self._hinted(self.model.new_bool_var(f"x[{spec.name},{o}]"), int(self.hint[u] == o))
         return x
@@ -178,11 +200,12 @@ class PlacementModel:
         return groups
 
     def _peak(self, dev: str) -> Any:
-        # peak[d] from level flags (see peak_levels); x[u, o] switches on the level of its option's peak.
-        flagged = [(opt.peak_bytes, self.x[u, o]) for u in range(len(self.p.units)) for o, opt in self._opts(u)
-                   if opt.execution == dev]
+        # peak[d] from level flags (see peak_levels); x[u, o] switches on the level of each transient its
+        # option puts on d (peaks(): the execution device's, and a phased option's prefill device's).
+        flagged = [(nbytes, self.x[u, o]) for u in range(len(self.p.units)) for o, opt in self._opts(u)
+                   for nbytes in peak_flags(opt, dev)]
         peak, levels, z = peak_levels(self.model, dev, flagged)
-        hinted = max((o.peak_bytes for o in self.chosen if o.execution == dev), default=0)
+        hinted = max((nbytes for o in self.chosen for nbytes in peak_flags(o, dev)), default=0)
         for level, zj in zip(levels, z, strict=True):
             self._hinted(zj, int(hinted >= level))
         return peak
@@ -213,27 +236,28 @@ class PlacementModel:
         costs = {pq: self._t(c) for pq, c in getattr(e, ph).items() if pq[0] != pq[1] and self._t(c) > 0}
         if not costs:
             return 0
-        pair = (self.chosen[a].execution, self.chosen[b].execution)
+        pair = (self.chosen[a].device_in(ph), self.chosen[b].device_in(ph))
         var = self._hinted(self.model.new_int_var(0, max(costs.values()), f"xfer[{ph},{e.src}->{e.dst}]"),
                            costs.get(pair, 0))
         for p in sorted({pq[0] for pq in costs}):
             row = {q: c for (s, q), c in costs.items() if s == p}
-            on_p = self._on(a, p, "execution")
+            on_p = self._on(a, p, ph)
             if isinstance(on_p, int):
-                continue  # src can never execute on p
+                continue  # src never computes on p in this phase
             top = max(row.values())
-            self.model.add(var >= sum(c * self._on(b, q, "execution") for q, c in row.items()) - top * (1 - on_p))
-        if len(set(costs.values())) > 1 or len(costs) < len(self._exec_devices) * (len(self._exec_devices) - 1):
-            self._leaving_costs_at_least(var, costs, a, b)  # with one price for every pair the rows above say it
+            self.model.add(var >= sum(c * self._on(b, q, ph) for q, c in row.items()) - top * (1 - on_p))
+        devices = self._exec_devices[ph]
+        if len(set(costs.values())) > 1 or len(costs) < len(devices) * (len(devices) - 1):
+            self._leaving_costs_at_least(ph, var, costs, a, b)  # with one price for every pair the rows above say it
         return var
 
-    def _leaving_costs_at_least(self, var: Any, costs: dict[tuple[str, str], int], a: int, b: int) -> None:
+    def _leaving_costs_at_least(self, ph: str, var: Any, costs: dict[tuple[str, str], int], a: int, b: int) -> None:
         # Tighter for the LP: leaving p costs at least the cheapest pair out of p (into p likewise).
         for p in {pq[0] for pq in costs} | {pq[1] for pq in costs}:
-            others = [q for q in self._exec_devices if q != p]
+            others = [q for q in self._exec_devices[ph] if q != p]
             out_p = min(costs.get((p, q), 0) for q in others) if others else 0
             in_p = min(costs.get((q, p), 0) for q in others) if others else 0
-            on_a, on_b = self._on(a, p, "execution"), self._on(b, p, "execution")
+            on_a, on_b = self._on(a, p, ph), self._on(b, p, ph)
             if out_p:
                 self.model.add(var >= out_p * (on_a - on_b))
             if in_p:
@@ -272,9 +296,9 @@ class PlacementModel:
             self.model.add(sum(self._range_starts(range(len(self.p.units)), dev, "storage", "start")) <= 1)
 
     def _identical_devices_in_order(self, classes: Sequence[Sequence[str]]) -> None:
-        # Symmetry breaking (see symmetry.py): used[d, i] is 1 once some unit <= i stores or executes
-        # on d; within a class of interchangeable devices, a later device is never used before an
-        # earlier one: used[d_k+1, i] <= used[d_k, i].
+        # Symmetry breaking (see symmetry.py): used[d, i] is 1 once some unit <= i stores or computes
+        # (in either phase) on d; within a class of interchangeable devices, a later device is never
+        # used before an earlier one: used[d_k+1, i] <= used[d_k, i].
         for members in classes:
             used = {d: self._first_use_flags(d) for d in members}
             for a, b in itertools.pairwise(members):
@@ -285,8 +309,8 @@ class PlacementModel:
         flags: list[Any] = []
         seen = False
         for u in range(len(self.p.units)):
-            use = sum(self.x[u, o] for o, opt in self._opts(u) if dev in (opt.storage, opt.execution))
-            seen = seen or dev in (self.chosen[u].storage, self.chosen[u].execution)
+            use = sum(self.x[u, o] for o, opt in self._opts(u) if _uses(opt, dev))
+            seen = seen or _uses(self.chosen[u], dev)
             f = self._hinted(self.model.new_bool_var(f"used[{dev},{u}]"), int(seen))
             prev = flags[-1] if flags else 0
             self.model.add(f >= prev)
@@ -329,20 +353,19 @@ class PlacementModel:
             if u not in has_out:
                 self.model.add(lat >= end[u])
         for dev in self.devices:
-            work = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev)]
+            work = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
         return lat
 
     def _slowest_stage(self) -> Any:
-        # stage >= every device's total work (prefill + decode).
+        # stage >= every device's total work (prefill + decode, each phase on the device computing it).
         n = len(self.p.units)
-        stages = {d: sum(self._t(o.prefill_ns) + self._t(o.decode_ns) for o in self.chosen if o.execution == d)
-                  for d in self.devices}
+        stages = {d: sum(stage_work(o, d, self._t) for o in self.chosen) for d in self.devices}
         top = sum(max(self._t(o.prefill_ns) + self._t(o.decode_ns) for _, o in self._opts(u)) for u in range(n))
         z = self._hinted(self.model.new_int_var(0, max(top, max(stages.values())), "stage"), max(stages.values()))
         for dev in self.devices:
-            work = [(self._t(o.prefill_ns) + self._t(o.decode_ns)) * v for o, v in self._terms(dev)]
+            work = [stage_work(o, dev, self._t) * v for o, v in self._terms(dev)]
             if work:
                 self.model.add(z >= sum(work))
         return z
@@ -435,7 +458,8 @@ def add_capacity_row(model: cp_model.CpModel, device: DeviceSpec, peak: Any,
     """Stored + resident + peak bytes on ``device`` stay within its capacity.
 
     ``terms``: (option, how many units use it) pairs, a 0/1 variable in the full model and a count in
-    the relaxations; ``peak``: the device's transient peak bytes.
+    the relaxations; ``peak``: the device's transient peak bytes (every option's :func:`peak_flags`,
+    a phased option's prefill transient included). Resident bytes stay on ``execution``, phased or not.
     """
     row = [peak]
     for opt, n in terms:
@@ -450,7 +474,8 @@ def peak_levels(model: cp_model.CpModel, device: str,
                 flagged: Sequence[tuple[int, Any]]) -> tuple[Any, list[int], list[Any]]:
     """The transient peak of ``device`` as level flags: ``(peak expression, levels, z)``.
 
-    ``flagged``: (peak_bytes, a 0/1 that is 1 when some unit runs with that peak on ``device``).
+    ``flagged``: (transient bytes, a 0/1 that is 1 when some unit runs with that transient on ``device``;
+    see :func:`peak_flags`).
     ``z[j]`` is 1 if some unit computed there has a peak of at least ``levels[j]`` (the distinct
     peaks, ascending); the peak is the sum of the level steps switched on. The full model and both
     relaxations state it this way.
@@ -465,3 +490,41 @@ def peak_levels(model: cp_model.CpModel, device: str,
             model.add_implication(flag, z[where[peak]])
     steps = [b - a for a, b in zip([0, *levels], levels, strict=False)]
     return (sum(step * zj for step, zj in zip(steps, z, strict=True)) if z else 0), levels, z
+
+
+def computes_on(opt: PlacementOption, device: str, phase: str | None = None) -> bool:
+    """True when ``opt`` computes on ``device`` in ``phase`` (in either phase when None)."""
+    if phase is not None:
+        return opt.device_in(phase) == device
+    return device in (opt.execution, opt.device_in("prefill_ns"))
+
+
+def stage_work(opt: PlacementOption, device: str, t: Any) -> int:
+    """What ``opt`` adds to ``device``'s stage (throughput) in solver time (``t``: ns -> solver units):
+    each phase on the device computing it, as :meth:`~.problem.PlacementProblem.score` adds it."""
+    return sum(t(getattr(opt, ph)) for ph in _PHASES if opt.device_in(ph) == device)
+
+
+def own_work(opt: PlacementOption) -> int:
+    """The most work (ns) ``opt`` puts on one device: prefill + decode, or for a phased option the larger
+    of the two (they land on two devices). At most both the latency (a phase's longest path holds the
+    unit) and the slowest stage of any assignment using ``opt``, so options above a known objective
+    value can be left out."""
+    if opt.device_in("prefill_ns") == opt.execution:
+        return opt.prefill_ns + opt.decode_ns
+    return max(opt.prefill_ns, opt.decode_ns)
+
+
+def peak_flags(opt: PlacementOption, device: str) -> list[int]:
+    """The transient bytes ``opt`` puts on ``device`` (:meth:`~.problem.PlacementOption.peaks`)."""
+    return [nbytes for d, nbytes in opt.peaks() if d == device]
+
+
+def _place(opt: PlacementOption, where: str) -> str:
+    """``opt``'s device for ``where``: ``"storage"``, ``"execution"`` or a phase (the device computing it there)."""
+    return opt.device_in(where) if where in _PHASES else getattr(opt, where)
+
+
+def _uses(opt: PlacementOption, device: str) -> bool:
+    """``opt`` stores or computes (in either phase) on ``device``: symmetry.first_use's notion of use."""
+    return device in (opt.storage, opt.execution, opt.prefill_execution)

@@ -5,11 +5,13 @@ has an edge from every ``o_proj`` and ``down_proj`` to every later norm (the res
 a block-level one an edge from ``rotary_emb`` to every layer. 724 units carry 13,922 edges, and
 each edge costs the CP-SAT model a transfer variable and a precedence row per phase.
 
-An edge ``a -> b`` is *covered* when another path ``a -> v1 -> ... -> b`` is, for every choice of
-execution devices, at least as long as the edge: the path's transfers plus the cheapest durations
-of its inner units ``>= c_ab(exec a, exec b)``, in both phases. Then ``finish[b]`` never depends on
-the edge, and dropping it leaves the longest path of every assignment unchanged (the device loads
-do not read edges). Covered edges are dropped shortest span first and a witness path uses only
+An edge ``a -> b`` is *covered* when another path ``a -> v1 -> ... -> b`` is, in each phase and for
+every choice of the devices computing its units in that phase, at least as long as the edge: the
+path's transfers plus the cheapest durations of its inner units ``>= c_ab(dev a, dev b)``. Each
+phase is its own schedule, priced on the devices computing in it (a ``phased`` option computes its
+prefill elsewhere than its decode), so each is checked on its own devices. Then ``finish[b]`` never
+depends on the edge, and dropping it leaves the longest path of every assignment unchanged (the
+device loads do not read edges). Covered edges are dropped shortest span first and a witness path uses only
 shorter edges, so a dropped edge in a witness is itself covered by kept ones (induction on the
 span): :func:`prune_edges` is exact for every objective.
 """
@@ -22,11 +24,11 @@ import time
 import weakref
 from collections.abc import Mapping
 
-from .problem import EdgeSpec, PlacementProblem
+from .problem import PHASES, EdgeSpec, PlacementProblem
 
 __all__ = ["prune_edges", "covered_edges"]
 
-_PHASES = ("prefill_ns", "decode_ns")
+_PHASES = PHASES
 _INF = float("inf")
 
 
@@ -62,14 +64,15 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
         out[a].setdefault(b, k)
     reaches = _descendants(out, n)
     succ = [sorted(o) for o in out]
-    execs = [sorted({o.execution for o in u.options}) for u in problem.units]
+    # per unit and phase (in _PHASES order), the devices its options compute on in that phase
+    execs = [tuple(tuple(sorted({o.device_in(ph) for o in u.options})) for ph in _PHASES) for u in problem.units]
     fastest = _fastest(problem)
     # Traced graphs repeat one layer's pattern: the same witness shape (edge prices and devices)
     # recurs once per layer. Each shape is checked once with the inner durations taken as 0 (a
     # sufficient test, durations are >= 0); only the shapes that fail it are checked path by path.
     edge_key = _interned([(tuple(e.prefill_ns.items()), tuple(e.decode_ns.items()))
                           for e in problem.edges])
-    unit_key = _interned([tuple(x) for x in execs])
+    unit_key = _interned(execs)
     seen: dict[tuple, bool] = {}
     drop: set[int] = set()
     for step, k in enumerate(sorted(range(len(pairs)), key=lambda k: pairs[k][1] - pairs[k][0])):
@@ -94,15 +97,16 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
 
 
 def _fastest(problem: PlacementProblem) -> list[dict[str, dict[str, int]]]:
-    """Per unit and phase, the least duration on each execution device (each distinct menu once)."""
+    """Per unit and phase, the least duration on each device computing it in that phase (each distinct menu once)."""
     by_menu: dict[tuple, dict[str, dict[str, int]]] = {}
     out = []
     for u in problem.units:
-        key = tuple((o.execution, o.prefill_ns, o.decode_ns) for o in u.options)
+        key = tuple((o.device_in("prefill_ns"), o.prefill_ns, o.device_in("decode_ns"), o.decode_ns)
+                    for o in u.options)
         if key not in by_menu:
             least: dict[str, dict[str, int]] = {ph: {} for ph in _PHASES}
-            for x, *times in key:
-                for ph, t in zip(_PHASES, times, strict=True):
+            for x_pre, t_pre, x_dec, t_dec in key:
+                for ph, x, t in (("prefill_ns", x_pre, t_pre), ("decode_ns", x_dec, t_dec)):
                     least[ph][x] = min(t, least[ph].get(x, t))
             by_menu[key] = least
         out.append(by_menu[key])
@@ -148,30 +152,31 @@ def _cost(costs: Mapping[tuple[str, str], int], p: str, q: str) -> int:
     return 0 if p == q else costs.get((p, q), 0)
 
 
-def _dominates(kept: EdgeSpec, other: EdgeSpec, src: list[str], dst: list[str]) -> bool:
-    """A parallel edge costing at least as much on every device pair covers ``other``."""
+def _dominates(kept: EdgeSpec, other: EdgeSpec, src: tuple[tuple[str, ...], ...], dst: tuple[tuple[str, ...], ...]) -> bool:
+    """A parallel edge costing at least as much on every device pair of each phase covers ``other``."""
     return all(_cost(getattr(kept, ph), p, q) >= _cost(getattr(other, ph), p, q)
-               for ph in _PHASES for p in src for q in dst)
+               for k, ph in enumerate(_PHASES) for p in src[k] for q in dst[k])
 
 
-def _covers(problem: PlacementProblem, hops: list[int], path: list[int], k: int, execs: list[list[str]],
-            fastest: list[dict[str, dict[str, int]]] | None) -> bool:
-    """True when the path's least length from each device of its source to each of its sink is >= edge k.
+def _covers(problem: PlacementProblem, hops: list[int], path: list[int], k: int,
+            execs: list[tuple[tuple[str, ...], ...]], fastest: list[dict[str, dict[str, int]]] | None) -> bool:
+    """True when, in each phase, the path's least length from each device of its source to each of its
+    sink (the devices computing them in that phase) is >= edge k.
 
-    ``fastest`` (per unit, phase and execution device, the least duration) adds the inner units'
-    durations to the path; ``None`` counts them as 0.
+    ``fastest`` (per unit, phase and device, the least duration) adds the inner units' durations to
+    the path; ``None`` counts them as 0.
     """
     edge = problem.edges[k]
     a, b = path[0], path[-1]
-    for ph in _PHASES:
+    for i, ph in enumerate(_PHASES):
         direct = getattr(edge, ph)
-        for p in execs[a]:
-            reach = {p: 0.0}  # least path length so far, per execution device of the current unit
+        for p in execs[a][i]:
+            reach = {p: 0.0}  # least path length so far, per device computing the current unit in ph
             for h, v in zip(hops, path[1:], strict=True):
                 costs = getattr(problem.edges[h], ph)
                 inner = v != b and fastest is not None
                 reach = {x: min((r + _cost(costs, y, x) for y, r in reach.items()), default=_INF)
-                         + (fastest[v][ph][x] if inner else 0) for x in execs[v]}  # type: ignore[index]
-            if any(reach[q] < _cost(direct, p, q) for q in execs[b]):
+                         + (fastest[v][ph][x] if inner else 0) for x in execs[v][i]}  # type: ignore[index]
+            if any(reach[q] < _cost(direct, p, q) for q in execs[b][i]):
                 return False
     return True

@@ -241,7 +241,7 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
     """
     gpus = [d.name for d in problem.devices if d.kind == "gpu"]
     main = gpus[0] if gpus else "cpu"
-    rank = {"resident": 0, "stream": 1, "stream_sync": 2}
+    rank = {"resident": 0, "stream": 1, "stream_sync": 2, "phased": 3}  # phased: not an accelerate map
     choice = []
     for u in problem.units:
         if u.name not in storage:
@@ -286,10 +286,9 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     choice = []
     for u in problem.units:
         def room_for(o: PlacementOption) -> bool:
-            extra_peak = max(0, o.peak_bytes - peak[o.execution])
-            if o.storage == o.execution:
-                return o.stored_bytes + o.resident_bytes + extra_peak + reserve[o.storage] <= free[o.storage]
-            return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
+            # resident weights leave the reserve free on their device
+            kept = reserve[o.storage] if o.storage == o.execution else 0
+            return all(added + (kept if d == o.storage else 0) <= free[d] for d, added in _adds(o, peak).items())
 
         lead = tied_to.get(u.name)
         best = min(range(len(u.options)),
@@ -298,12 +297,26 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
                                   not room_for(u.options[i]),
                                   u.options[i].prefill_ns + u.options[i].decode_ns, i))
         o = u.options[best]
-        free[o.storage] -= o.stored_bytes
-        free[o.execution] -= o.resident_bytes + max(0, o.peak_bytes - peak[o.execution])
-        peak[o.execution] = max(peak[o.execution], o.peak_bytes)
+        for d, added in _adds(o, peak).items():
+            free[d] -= added
+        for d, nbytes in o.peaks():
+            peak[d] = max(peak[d], nbytes)
         storage[u.name] = o.storage
         choice.append(best)
     return choice
+
+
+def _adds(o: PlacementOption, peak: dict[str, int]) -> dict[str, int]:
+    """Bytes ``o`` adds per device beside the transient ``peak`` each already holds: stored bytes on its
+    storage, resident ones on its execution device, and each transient (peaks()) above the peak there."""
+    added = {o.storage: o.stored_bytes}
+    added[o.execution] = added.get(o.execution, 0) + o.resident_bytes
+    top: dict[str, int] = {}
+    for d, nbytes in o.peaks():
+        top[d] = max(top.get(d, 0), nbytes)
+    for d, nbytes in top.items():
+        added[d] = added.get(d, 0) + max(0, nbytes - peak[d])
+    return added
 
 
 def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None) -> dict[str, int]:
@@ -311,11 +324,13 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None) -> 
     reserve = {d.name: 0 for d in problem.devices}
     if reserve_fraction is None:
         return reserve
-    buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per execution device, in one pass
+    buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per computing device, in one pass
     for u in problem.units:
         for o in u.options:
             if o.execution != o.storage and o.peak_bytes > buffer[o.execution]:
                 buffer[o.execution] = o.peak_bytes
+            if o.mode == "phased" and o.prefill_peak_bytes > buffer[o.device_in("prefill_ns")]:
+                buffer[o.device_in("prefill_ns")] = o.prefill_peak_bytes  # weights streamed there for the prefill
     for d in problem.devices:
         if d.kind == "gpu":
             reserve[d.name] = buffer[d.name] + int(reserve_fraction * d.capacity_bytes)

@@ -3,8 +3,8 @@
 Torch-free, like :mod:`placement_opt.solver.search`, which calls them.
 
 * :func:`coarsen_groups` / :func:`coarsen`: runs of chain units with the same option menu and the
-  same hinted option become one super-unit (durations and stored/resident bytes summed, peak the
-  max). Every coarse assignment costs exactly what it expands to, and the hint stays representable;
+  same hinted option become one super-unit (durations and stored/resident bytes summed, peaks the
+  max, a phased option's prefill device kept). Every coarse assignment costs exactly what it expands to, and the hint stays representable;
   but the coarse problem forbids the units of a run to differ, so it is a *restriction*: its plans
   are plans of the real problem, its bound is not a bound of it (search.py never reports it).
 * :func:`prefer_resident`: a streamed unit that would be no slower stored where it computes is
@@ -24,8 +24,8 @@ __all__ = ["coarsen_groups", "coarsen", "prefer_resident"]
 
 
 # -- coarsening: merge runs of chain units with the same menu and the same hinted option --------
-def _menu_key(u: UnitSpec) -> tuple[tuple[str, str, str], ...]:
-    return tuple((o.storage, o.execution, o.mode) for o in u.options)
+def _menu_key(u: UnitSpec) -> tuple[tuple[str, str, str, str | None], ...]:
+    return tuple((o.storage, o.execution, o.mode, o.prefill_execution) for o in u.options)
 
 
 def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) -> list[list[int]]:
@@ -65,7 +65,8 @@ def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:
             storage=first.storage, execution=first.execution, mode=first.mode,
             prefill_ns=sum(o.prefill_ns for o in opts), decode_ns=sum(o.decode_ns for o in opts),
             stored_bytes=sum(o.stored_bytes for o in opts), resident_bytes=sum(o.resident_bytes for o in opts),
-            peak_bytes=max(o.peak_bytes for o in opts)))
+            peak_bytes=max(o.peak_bytes for o in opts), prefill_execution=first.prefill_execution,
+            prefill_peak_bytes=max(o.prefill_peak_bytes for o in opts)))
     return tuple(merged)
 
 
@@ -88,6 +89,7 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
     solver then picks either. A resident unit is simpler to run (plain ``from_pretrained`` maps) and
     never slower: its execution device and every transfer stay the same and its copy disappears.
     Only units outside tied groups and pins move, and only while the device keeps room for them.
+    Phased units stay: residency would move their prefill (its load and transfers) to another device.
     """
     if problem.contiguous:
         return list(choice)
@@ -97,7 +99,7 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
     fixed = {n for g in problem.tied_groups for n in g} | set(problem.pins)
     for i, u in enumerate(problem.units):
         o = u.options[out[i]]
-        if o.storage == o.execution or u.name in fixed:
+        if o.storage == o.execution or u.name in fixed or o.mode == "phased":
             continue
         target = next((k for k, c in enumerate(u.options) if c.storage == c.execution == o.execution
                        and c.mode == "resident"), None)

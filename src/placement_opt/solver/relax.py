@@ -7,8 +7,8 @@ of units with the same options and bytes (:func:`groups_of`), the number of unit
 each option priced at the least time and peak of the group's units, and of the latency only what
 counts alone can state:
 
-* every device's total work (at most the real one: which unit of a group does what changes it
-  only above the least prices);
+* every device's total work in each phase, on the device computing it there (at most the real one:
+  which unit of a group does what changes it only above the least prices);
 * the length of one path ``P`` of the graph: the groups whose every unit lies on ``P`` add their
   work, units alone in their group add theirs, the rest and every transfer add 0 (at most what the
   path costs);
@@ -33,7 +33,7 @@ from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
 from .aggregate import most_beside_peak
-from .cpsat import add_capacity_row, peak_levels
+from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "PEAK_STEP"]
@@ -59,6 +59,7 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = ()) -> list[list[
     for u, spec in enumerate(problem.units):
         key = ("alone", u) if spec.name in alone else (u in on_path, tuple(
             (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, _bucket(o.peak_bytes))
+            + ((o.prefill_execution, _bucket(o.prefill_peak_bytes)) if o.mode == "phased" else ())
             for o in spec.options))
         by_menu.setdefault(key, []).append(u)
     return list(by_menu.values())
@@ -70,10 +71,11 @@ def _bucket(peak_bytes: int) -> int:
 
 
 def _least(options: Sequence[Sequence[PlacementOption]]) -> tuple[PlacementOption, ...]:
-    """Option by option, the least time and peak over the units of a group (bytes are equal)."""
+    """Option by option, the least time and peaks over the units of a group (bytes and devices are equal)."""
     return tuple(dataclasses.replace(same[0], prefill_ns=min(o.prefill_ns for o in same),
                                      decode_ns=min(o.decode_ns for o in same),
-                                     peak_bytes=min(o.peak_bytes for o in same))
+                                     peak_bytes=min(o.peak_bytes for o in same),
+                                     prefill_peak_bytes=min(o.prefill_peak_bytes for o in same))
                  for same in zip(*options, strict=True))
 
 
@@ -116,7 +118,8 @@ class GroupModel(CountedRelaxation):
         self._capacities()
         self._pins_and_ties()
         for members in device_classes:
-            usage = [sum(n for o, n in self._terms() if d in (o.storage, o.execution)) for d in members]
+            usage = [sum(n for o, n in self._terms() if d in (o.storage, o.execution, o.prefill_execution))
+                     for d in members]
             for a, b in itertools.pairwise(usage):
                 self.model.add(a >= b)
         self.goal: Any = 0
@@ -130,7 +133,7 @@ class GroupModel(CountedRelaxation):
         hinted = [self.hint[u] for u in self.groups[k]]
         out = {}
         for o, opt in enumerate(self._options(k)):
-            if max_work_ns is not None and o not in hinted and opt.prefill_ns + opt.decode_ns > max_work_ns:
+            if max_work_ns is not None and o not in hinted and own_work(opt) > max_work_ns:
                 continue  # no plan better than the start uses it
             n = self.model.new_int_var(0, size, f"n[{k},{o}]")
             self.model.add_hint(n, hinted.count(o))
@@ -141,13 +144,13 @@ class GroupModel(CountedRelaxation):
         self.model.add(sum(n for n, _ in out.values()) == size)
         return out
 
-    def _terms(self, device: str | None = None) -> list[tuple[PlacementOption, Any]]:
+    def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
         return [(self._options(k)[o], n) for k in range(len(self.groups)) for o, (n, _) in self.n[k].items()
-                if device is None or self._options(k)[o].execution == device]
+                if device is None or computes_on(self._options(k)[o], device, phase)]
 
     def _peak(self, dev: str) -> Any:
-        flagged = [(self._options(k)[o].peak_bytes, flag) for k in range(len(self.groups))
-                   for o, (_, flag) in self.n[k].items() if self._options(k)[o].execution == dev]
+        flagged = [(nbytes, flag) for k in range(len(self.groups)) for o, (_, flag) in self.n[k].items()
+                   for nbytes in peak_flags(self._options(k)[o], dev)]
         return peak_levels(self.model, dev, flagged)[0]
 
     def _capacities(self) -> None:
@@ -172,8 +175,8 @@ class GroupModel(CountedRelaxation):
         # lat >= every device's work, and >= the work of the groups lying wholly on the path.
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
         lat = self.model.new_int_var(0, top, f"lat[{ph}]")
-        for dev in {o.execution for u in self.p.units for o in u.options}:
-            work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev)]
+        for dev in {o.device_in(ph) for u in self.p.units for o in u.options}:
+            work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
         spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in self.spine for o, (n, _) in self.n[k].items()]

@@ -7,16 +7,16 @@ layers). The starts here are built the other way round, from every memory term o
 execution device; capacities already exclude the reserve):
 
 1. **One executor** (:func:`executor_starts`): every unit computes on one device ``E`` (the CPU,
-   or one GPU of each kind). For each cap ``p`` on ``E``'s largest transient (workspace, stream
+   or one GPU of each kind) in both phases (``phased`` options, which prefill elsewhere, are left to the fill). For each cap ``p`` on ``E``'s largest transient (workspace, stream
    buffer), the units kept resident on ``E`` are a knapsack (weights: the bytes ``E`` gains when the
    unit is resident instead of streamed; values: the bytes the stores are spared), and the others
    are streamed from the stores in order (``cpu`` then ``disk``), each store packed as full as it
    goes. The knapsack is exact on small problems, so "everything computed on the CPU, stored on the
    CPU or the disk" is found whenever one such assignment fits (tied groups and pins included).
    With ``contiguous`` the split is a prefix or suffix of the execution order instead.
-2. **Fill** (:func:`improve`): from a feasible start, move units to faster options in order of time
-   saved per byte added (the fastest devices fill first) while every capacity, pin and tie still
-   holds; the result is kept only when the objective improves.
+2. **Fill** (:func:`improve`): from a feasible start, move units to faster options (phased ones
+   included) in order of time saved per byte added (the fastest devices fill first) while every
+   capacity, pin and tie still holds; the result is kept only when the objective improves.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _MAX_STATES = 1024
 _EXACT_ITEMS = 24
 #: Caps on the executor's largest transient tried per executor (the distinct peaks, thinned).
 _MAX_PEAK_CAPS = 6
-_MODE_RANK = {"resident": 0, "stream": 1, "stream_sync": 2}
+_MODE_RANK = {"resident": 0, "stream": 1, "stream_sync": 2, "phased": 3}
 
 
 def _work(o: PlacementOption) -> int:
@@ -117,10 +117,15 @@ def _groups(problem: PlacementProblem) -> list[list[int]]:
     return tied + [[i] for i in range(len(problem.units)) if i not in seen]
 
 
+def _only_on(o: PlacementOption, executor: str) -> bool:
+    """``o`` computes on ``executor`` in both phases (its transients all there)."""
+    return o.execution == executor and o.mode != "phased"
+
+
 def _menus(problem: PlacementProblem, executor: str) -> list[list[tuple[int, PlacementOption]]]:
-    """Per unit, its allowed options computed on ``executor``, preferred first: overlapped streams
+    """Per unit, its allowed options computed on ``executor`` alone, preferred first: overlapped streams
     before synchronous ones, then the fastest."""
-    return [sorted(((k, o) for k, o in enumerate(u.options) if o.execution == executor and problem.allows(u, o)),
+    return [sorted(((k, o) for k, o in enumerate(u.options) if _only_on(o, executor) and problem.allows(u, o)),
                    key=lambda ko: (_MODE_RANK[ko[1].mode], _work(ko[1]), ko[0])) for u in problem.units]
 
 
@@ -252,7 +257,7 @@ def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, 
 def _peak_caps(problem: PlacementProblem, executor: str, capacity: int) -> list[int]:
     """Caps on the executor's largest transient worth trying, smallest first: from the least any unit
     can run with up to the capacity; all of them on small problems (exact), else a spread."""
-    per_unit = [[o.peak_bytes for o in u.options if o.execution == executor] for u in problem.units]
+    per_unit = [[o.peak_bytes for o in u.options if _only_on(o, executor)] for u in problem.units]
     if not all(per_unit):  # a unit that cannot compute here
         return []
     low = max(min(p) for p in per_unit)
@@ -320,7 +325,7 @@ def _one_range_each(storage: Sequence[str]) -> bool:
 # Greedy fill
 # ---------------------------------------------------------------------------------------------
 class _Memory:
-    """Bytes per device under the problem's memory model, updated one move at a time."""
+    """Bytes per device under the problem's memory model (transients from peaks()), updated one move at a time."""
 
     def __init__(self, problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> None:
         self.capacity = {d.name: d.capacity_bytes for d in problem.devices}
@@ -334,14 +339,15 @@ class _Memory:
     def _apply(self, o: PlacementOption, sign: int) -> None:
         self.held[o.storage] += sign * o.stored_bytes
         self.held[o.execution] += sign * o.resident_bytes
-        peaks = self.peaks[o.execution]
-        peaks[o.peak_bytes] += sign
-        if sign > 0:
-            self.top[o.execution] = max(self.top[o.execution], o.peak_bytes)
-        elif peaks[o.peak_bytes] == 0:
-            del peaks[o.peak_bytes]
-            if o.peak_bytes == self.top[o.execution]:
-                self.top[o.execution] = max(peaks, default=0)
+        for device, nbytes in o.peaks():
+            peaks = self.peaks[device]
+            peaks[nbytes] += sign
+            if sign > 0:
+                self.top[device] = max(self.top[device], nbytes)
+            elif peaks[nbytes] == 0:
+                del peaks[nbytes]
+                if nbytes == self.top[device]:
+                    self.top[device] = max(peaks, default=0)
 
     def _fits(self, device: str) -> bool:
         return self.held[device] + self.top[device] <= self.capacity[device]
@@ -350,7 +356,8 @@ class _Memory:
         """Replace ``old`` by ``new`` if every device still fits; False (and nothing changed) otherwise."""
         self._apply(old, -1)
         self._apply(new, 1)
-        if self._fits(new.storage) and self._fits(new.execution):
+        # only new's devices can have grown (everything fitted before the move)
+        if all(self._fits(d) for d in (new.storage, new.execution, new.prefill_execution) if d is not None):
             return True
         self._apply(new, -1)
         self._apply(old, 1)
@@ -366,7 +373,7 @@ def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[b
             saved = _work(cur) - _work(o)
             if saved <= 0 or not problem.allows(u, o) or (not movable[i] and o.storage != cur.storage):
                 continue
-            added = o.stored_bytes + o.resident_bytes + o.peak_bytes
+            added = o.stored_bytes + o.resident_bytes + o.peak_bytes + o.prefill_peak_bytes
             ranked.append((-saved / max(1, added), i, k, added))
     return [(i, k, added) for _, i, k, added in sorted(ranked)]
 
@@ -377,10 +384,10 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
     movable = [u.name not in tied for u in problem.units]
     memory = _Memory(problem, problem.options(current))
     for _ in range(passes):
-        moved, refused = False, {}  # (storage, execution) -> fewest bytes a move there failed with
+        moved, refused = False, {}  # devices a move touches -> fewest bytes a move there failed with
         for i, k, added in _moves(problem, current, movable):
             old, new = problem.units[i].options[current[i]], problem.units[i].options[k]
-            pair = (new.storage, new.execution)
+            pair = (new.storage, new.execution, new.prefill_execution)
             if _work(new) >= _work(old) or added >= refused.get(pair, added + 1) or not memory.move(old, new):
                 refused[pair] = min(added, refused.get(pair, added))
                 continue

@@ -4,7 +4,8 @@ Torch-free. Four T4s or two H100s are interchangeable: every unit prices its opt
 as on the other, every edge prices a transfer between them as between any other pair they swap
 into, and nothing (a pin, a capacity) tells them apart. Swapping two such devices in an assignment
 gives one with the same score and the same feasibility, so for every assignment there is one as
-good whose devices of each class are *first used* (stored on or executed on) in the class's order.
+good whose devices of each class are *first used* (stored on, or computed on in either phase) in the
+class's order. A phased option names two computing devices; the swap renames both.
 The CP-SAT model states that order (:meth:`~.cpsat.PlacementModel` ``_identical_devices_in_order``);
 :func:`relabel` moves the hint into it. Without the order, CP-SAT explores each placement once per
 permutation of the devices (24 times on four GPUs) and its bound stalls.
@@ -18,18 +19,18 @@ from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["identical_devices", "relabel", "first_use"]
 
-_Key = tuple[str, str, str]
+_Key = tuple[str, str, str, str | None]
 
 
 def _key(o: PlacementOption) -> _Key:
-    return (o.storage, o.execution, o.mode)
+    return (o.storage, o.execution, o.mode, o.prefill_execution)
 
 
 def _numbers(o: PlacementOption) -> tuple[int, ...]:
-    return (o.prefill_ns, o.decode_ns, o.stored_bytes, o.resident_bytes, o.peak_bytes)
+    return (o.prefill_ns, o.decode_ns, o.stored_bytes, o.resident_bytes, o.peak_bytes, o.prefill_peak_bytes)
 
 
-def _swap(name: str, a: str, b: str) -> str:
+def _swap(name: str | None, a: str, b: str) -> str | None:
     return b if name == a else a if name == b else name
 
 
@@ -71,8 +72,8 @@ def _interchangeable(problem: PlacementProblem,
     if (da.kind, da.capacity_bytes) != (db.kind, db.capacity_bytes):
         return False
     for menu in menus:
-        for (s, e, m), numbers in menu.items():
-            if menu.get((_swap(s, a, b), _swap(e, a, b), m)) != numbers:
+        for (s, e, m, pe), numbers in menu.items():
+            if menu.get((_swap(s, a, b), _swap(e, a, b), m, _swap(pe, a, b))) != numbers:
                 return False
     # The swap is its own inverse, so checking the image of every priced pair covers the unpriced
     # ones too (an unpriced pair whose image is priced is the image of that priced pair).
@@ -87,11 +88,14 @@ def _price(costs: Mapping[tuple[str, str], int], p: str, q: str) -> int:
 
 
 def first_use(problem: PlacementProblem, choice: Sequence[int]) -> dict[str, int]:
-    """Device -> index of the first unit storing or executing on it (units in order; unused: absent)."""
+    """Device -> index of the first unit storing or computing (in either phase) on it (units in order;
+    unused: absent)."""
     first: dict[str, int] = {}
     for i, o in enumerate(problem.options(choice)):
         first.setdefault(o.storage, i)
         first.setdefault(o.execution, i)
+        if o.prefill_execution is not None:
+            first.setdefault(o.prefill_execution, i)
     return first
 
 
@@ -110,6 +114,7 @@ def relabel(problem: PlacementProblem, choice: Sequence[int], classes: Sequence[
     out = []
     for u, c in zip(problem.units, choice, strict=True):
         o = u.options[c]
-        want = (rename.get(o.storage, o.storage), rename.get(o.execution, o.execution), o.mode)
+        want = (rename.get(o.storage, o.storage), rename.get(o.execution, o.execution), o.mode,
+                None if o.prefill_execution is None else rename.get(o.prefill_execution, o.prefill_execution))
         out.append(next(k for k, p in enumerate(u.options) if _key(p) == want and _numbers(p) == _numbers(o)))
     return out
