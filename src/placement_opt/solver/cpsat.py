@@ -135,19 +135,20 @@ class PlacementModel:
         in a phase (``where`` one of PHASES) is ``device``: 0, one x, or a 0/1 variable equal to the sum
         of its options there (cached). One variable keeps the many transfer rows short: rows of
         sums took most of the building time of a 724-unit module graph."""
-        if where == "decode_ns" or (where == "prefill_ns" and not self._phased(u)):
-            where = "execution"  # the decode always, and the prefill of a unit never phased: one flag as before
         key = (u, device, where)
-        if key not in self._on_cache:
+        if key in self._on_cache:
+            return self._on_cache[key]
+        if where == "decode_ns" or (where == "prefill_ns" and not self._phased(u)):
+            flag = self._on(u, device, "execution")  # the decode always, the prefill of a unit never phased
+        else:
             terms = [self.x[u, o] for o, opt in self._opts(u) if _place(opt, where) == device]
-            if len(terms) <= 1:
-                self._on_cache[key] = terms[0] if terms else 0
-            else:
+            flag = terms[0] if len(terms) == 1 else 0
+            if len(terms) > 1:
                 hinted = int(_place(self.chosen[u], where) == device)
-                var = self._hinted(self.model.new_bool_var(f"on[{u},{device},{where}]"), hinted)
-                self.model.add(var == sum(terms))
-                self._on_cache[key] = var
-        return self._on_cache[key]
+                flag = self._hinted(self.model.new_bool_var(f"on[{u},{device},{where}]"), hinted)
+                self.model.add(flag == sum(terms))
+        self._on_cache[key] = flag
+        return flag
 
     def _phased(self, u: int) -> bool:
         """Some option unit u may take is phased (its prefill computes elsewhere than its decode)."""
@@ -199,13 +200,19 @@ class PlacementModel:
             groups.append((members, counts))
         return groups
 
-    def _peak(self, dev: str) -> Any:
+    def _transients(self, options: Any) -> dict[str, list[tuple[int, Any]]]:
+        """Device -> (transient bytes, x or 1) of each of ``options`` ((x, option) pairs) putting one there
+        (peaks(): the execution device's, and a phased option's prefill device's), in order; one pass."""
+        out: dict[str, list[tuple[int, Any]]] = {d: [] for d in self.devices}
+        for var, opt in options:
+            for d, nbytes in opt.peaks():
+                out[d].append((nbytes, var))
+        return out
+
+    def _peak(self, dev: str, flagged: list[tuple[int, Any]], hinted: int) -> Any:
         # peak[d] from level flags (see peak_levels); x[u, o] switches on the level of each transient its
-        # option puts on d (peaks(): the execution device's, and a phased option's prefill device's).
-        flagged = [(nbytes, self.x[u, o]) for u in range(len(self.p.units)) for o, opt in self._opts(u)
-                   for nbytes in peak_flags(opt, dev)]
+        # option puts on d; ``hinted``: the hint's peak there.
         peak, levels, z = peak_levels(self.model, dev, flagged)
-        hinted = max((nbytes for o in self.chosen for nbytes in peak_flags(o, dev)), default=0)
         for level, zj in zip(levels, z, strict=True):
             self._hinted(zj, int(hinted >= level))
         return peak
@@ -276,8 +283,11 @@ class PlacementModel:
     def _capacity_rows(self) -> None:
         # Stored + resident + peak bytes on every device stay within its capacity.
         terms = self._terms()
+        flagged = self._transients((self.x[u, o], opt) for u in range(len(self.p.units)) for o, opt in self._opts(u))
+        hinted = self._transients((1, opt) for opt in self.chosen)
         for dev in self.p.devices:
-            self.peak[dev.name] = self._peak(dev.name)
+            top = max((nbytes for nbytes, _ in hinted[dev.name]), default=0)
+            self.peak[dev.name] = self._peak(dev.name, flagged[dev.name], top)
             add_capacity_row(self.model, dev, self.peak[dev.name], terms)
 
     def _tied_groups_share_storage(self) -> None:
@@ -494,9 +504,11 @@ def peak_levels(model: cp_model.CpModel, device: str,
 
 def computes_on(opt: PlacementOption, device: str, phase: str | None = None) -> bool:
     """True when ``opt`` computes on ``device`` in ``phase`` (in either phase when None)."""
+    if opt.prefill_execution is None:  # the common case first: both phases on its execution device
+        return opt.execution == device
     if phase is not None:
         return opt.device_in(phase) == device
-    return device in (opt.execution, opt.device_in("prefill_ns"))
+    return device in (opt.execution, opt.prefill_execution)
 
 
 def stage_work(opt: PlacementOption, device: str, t: Any) -> int:

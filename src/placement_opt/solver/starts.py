@@ -117,15 +117,11 @@ def _groups(problem: PlacementProblem) -> list[list[int]]:
     return tied + [[i] for i in range(len(problem.units)) if i not in seen]
 
 
-def _only_on(o: PlacementOption, executor: str) -> bool:
-    """``o`` computes on ``executor`` in both phases (its transients all there)."""
-    return o.execution == executor and o.mode != "phased"
-
-
 def _menus(problem: PlacementProblem, executor: str) -> list[list[tuple[int, PlacementOption]]]:
-    """Per unit, its allowed options computed on ``executor`` alone, preferred first: overlapped streams
-    before synchronous ones, then the fastest."""
-    return [sorted(((k, o) for k, o in enumerate(u.options) if _only_on(o, executor) and problem.allows(u, o)),
+    """Per unit, its allowed options computed on ``executor`` alone (in both phases: not phased), preferred
+    first: overlapped streams before synchronous ones, then the fastest."""
+    return [sorted(((k, o) for k, o in enumerate(u.options)
+                    if o.execution == executor and o.mode != "phased" and problem.allows(u, o)),
                    key=lambda ko: (_MODE_RANK[ko[1].mode], _work(ko[1]), ko[0])) for u in problem.units]
 
 
@@ -257,7 +253,8 @@ def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, 
 def _peak_caps(problem: PlacementProblem, executor: str, capacity: int) -> list[int]:
     """Caps on the executor's largest transient worth trying, smallest first: from the least any unit
     can run with up to the capacity; all of them on small problems (exact), else a spread."""
-    per_unit = [[o.peak_bytes for o in u.options if _only_on(o, executor)] for u in problem.units]
+    per_unit = [[o.peak_bytes for o in u.options if o.execution == executor and o.mode != "phased"]
+                for u in problem.units]  # the options of _menus
     if not all(per_unit):  # a unit that cannot compute here
         return []
     low = max(min(p) for p in per_unit)
@@ -339,15 +336,19 @@ class _Memory:
     def _apply(self, o: PlacementOption, sign: int) -> None:
         self.held[o.storage] += sign * o.stored_bytes
         self.held[o.execution] += sign * o.resident_bytes
-        for device, nbytes in o.peaks():
-            peaks = self.peaks[device]
-            peaks[nbytes] += sign
-            if sign > 0:
-                self.top[device] = max(self.top[device], nbytes)
-            elif peaks[nbytes] == 0:
-                del peaks[nbytes]
-                if nbytes == self.top[device]:
-                    self.top[device] = max(peaks, default=0)
+        self._transient(o.execution, o.peak_bytes, sign)  # peaks(), the common case without a call
+        if o.prefill_execution is not None:
+            self._transient(o.prefill_execution, o.prefill_peak_bytes, sign)
+
+    def _transient(self, device: str, nbytes: int, sign: int) -> None:
+        peaks = self.peaks[device]
+        peaks[nbytes] += sign
+        if sign > 0:
+            self.top[device] = max(self.top[device], nbytes)
+        elif peaks[nbytes] == 0:
+            del peaks[nbytes]
+            if nbytes == self.top[device]:
+                self.top[device] = max(peaks, default=0)
 
     def _fits(self, device: str) -> bool:
         return self.held[device] + self.top[device] <= self.capacity[device]
