@@ -154,8 +154,9 @@ def test_random_graphs_solve_at_least_as_well_as_every_hinted_baseline(layers, g
     wl = Workload(batch_size=batch, prompt_len=128, new_tokens=16)
     plan = solve(graph, m, objective, workload=wl, time_limit_s=0.5)
     problem = build_problem(graph, m, wl)
-    index = {(o.storage, o.execution, o.mode): i for i, o in enumerate(problem.units[0].options)}
-    choice = [index[(p.storage, p.execution, p.mode)] for p in plan.placements]
+    keys = [[(o.storage, o.execution, o.mode, o.prefill_execution) for o in u.options] for u in problem.units]
+    choice = [k.index((p.storage, p.execution, p.mode, p.prefill_execution)) for k, p in zip(keys, plan.placements,
+                                                                                           strict=True)]
     assert problem.score(choice).feasible
     from placement_opt.solver.greedy import baseline_storage, choice_from_storage
 

@@ -51,7 +51,7 @@ __all__ = ["solve", "baseline_plan", "STRATEGIES", "OBJECTIVES", "SOLVER_WORKERS
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
 #: The modes the solver chooses from (build_problem's default); ``stream_sync`` only scores baselines.
-SOLVER_MODES = ("resident", "stream")
+SOLVER_MODES = ("resident", "stream", "phased")
 _NS_PER_S = 1e9
 #: Least search time (s) CP-SAT gets however long pricing and baselines took: past the limit by then,
 #: solve() overruns it by at most this and the final scoring (the acceptance allows 0.5 s).

@@ -130,17 +130,19 @@ def test_option_menu_default_and_with_sync() -> None:
     machine = Machine([Device("cuda:0", "1GB"), Device("cuda:1", "1GB"), Device("cpu", "1GB"),
                        Device("disk", "1GB")])
     default = build_problem(graph, machine, Workload())
-    menu = [(o.storage, o.execution, o.mode) for o in default.units[0].options]
+    menu = [(o.storage, o.execution, o.mode, o.prefill_execution) for o in default.units[0].options]
     assert menu == [
-        ("cuda:0", "cuda:0", "resident"), ("cuda:1", "cuda:1", "resident"), ("cpu", "cpu", "resident"),
-        ("cpu", "cuda:0", "stream"), ("cpu", "cuda:1", "stream"),
-        ("disk", "cpu", "stream"), ("disk", "cuda:0", "stream"), ("disk", "cuda:1", "stream"),
+        ("cuda:0", "cuda:0", "resident", None), ("cuda:1", "cuda:1", "resident", None),
+        ("cpu", "cpu", "resident", None), ("cpu", "cuda:0", "stream", None), ("cpu", "cuda:1", "stream", None),
+        ("disk", "cpu", "stream", None), ("disk", "cuda:0", "stream", None), ("disk", "cuda:1", "stream", None),
+        ("cpu", "cpu", "phased", "cuda:0"), ("cpu", "cpu", "phased", "cuda:1"),
+        ("disk", "cpu", "phased", "cuda:0"), ("disk", "cpu", "phased", "cuda:1"),
     ]
     every = build_problem(graph, machine, Workload(), modes=("resident", "stream", "stream_sync"))
-    assert len(every.units[0].options) == 8 + 5
+    assert len(every.units[0].options) == 8 + 5  # no phased option unless asked
     cpu_only = build_problem(graph, Machine([Device("cpu", "1GB")]), Workload())
     assert [(o.storage, o.mode) for o in cpu_only.units[0].options] == [("cpu", "resident")]
-    with pytest.raises(ValueError, match="'teleport'.*resident, stream, stream_sync"):
+    with pytest.raises(ValueError, match="'teleport'.*resident, stream, stream_sync, phased"):
         build_problem(graph, machine, Workload(), modes=("resident", "teleport"))
 
 

@@ -71,8 +71,8 @@ def test_phased_options_only_where_there_are_two_phases_and_a_cpu() -> None:
         assert not [o for u in problem.units for o in u.options if o.mode == "phased"]
     assert not [o for o in build_problem(graph, machine(gpus=0), Workload(new_tokens=8), modes=MODES).units[0].options
                 if o.mode == "phased"]
-    default = build_problem(graph, machine(), Workload(prompt_len=128, new_tokens=8))
-    assert not [o for u in default.units for o in u.options if o.mode == "phased"]  # only when asked
+    layered = build_problem(graph, machine(), Workload(prompt_len=128, new_tokens=8), modes=("resident", "stream"))
+    assert not [o for u in layered.units for o in u.options if o.mode == "phased"]  # only when asked
 
 
 def test_a_phased_units_prefill_counts_on_the_gpus_peak_not_the_cpus() -> None:

@@ -6,7 +6,12 @@ Shared by the solver's property tests: nothing here calls ``PlacementProblem.sco
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+
+from hypothesis import strategies as st
+
+from placement_opt.solver import aggregate, search
 
 
 def computes(o, key):
@@ -69,3 +74,37 @@ def reference_optimum(problem, objective, memory_slack=0.05):
         return min(reference_value(problem, c, objective) for c in every)
     cap = int(min(reference_value(problem, c, "latency") for c in every) * (1 + memory_slack))
     return min(reference_value(problem, c, "memory") for c in every if reference_value(problem, c, "latency") <= cap)
+
+
+@contextlib.contextmanager
+def every_reduction_on():
+    """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, any problem
+    gets the grouped relaxation, time is rounded."""
+    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE")}
+    saved_interior = aggregate.MIN_INTERIOR
+    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS, search.GROUP_ABOVE = 1, 7, 1, 0
+    aggregate.MIN_INTERIOR = 2
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(search, k, v)
+        aggregate.MIN_INTERIOR = saved_interior
+
+
+def check_against_brute_force(problem, objective, data):
+    hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]  # often invalid
+    best = reference_optimum(problem, objective)
+    with every_reduction_on():
+        sol = search.solve_problem(problem, objective, time_limit_s=5, workers=1, gap_limit=0.0, hint=hint)
+    if best is None:
+        assert not sol.feasible and sol.choice == ()
+        return
+    assert sol.feasible, "brute force finds a plan; the solver must return one"
+    assert reference_valid(problem, sol.choice)  # capacities, pins, ties, contiguity
+    assert sol.objective_value == reference_value(problem, sol.choice, objective)
+    # memory: the first solve's latency cap is >= the best latency's, so its optimum is <= brute force's.
+    assert sol.best_bound <= best, f"bound {sol.best_bound} above the brute-force optimum {best}"
+    if sol.status == "OPTIMAL":
+        assert sol.objective_value == best if objective != "memory" else sol.objective_value <= best
+    assert sol.gap >= 0.0

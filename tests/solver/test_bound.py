@@ -10,11 +10,14 @@ or the optimum over the assignments it keeps equals the optimum over all (device
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 
-from _brute import reference_optimum, reference_valid, reference_value
+from _brute import (
+    check_against_brute_force,
+    every_reduction_on,
+    reference_optimum,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,22 +34,6 @@ from placement_opt.solver.problem import (
 from placement_opt.solver.symmetry import first_use, identical_devices, relabel
 
 _MAX_ASSIGNMENTS = 3200  # brute force stays around 0.1 s a case
-
-
-@contextlib.contextmanager
-def every_reduction_on():
-    """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, any problem
-    gets the grouped relaxation, time is rounded."""
-    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE")}
-    saved_interior = aggregate.MIN_INTERIOR
-    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS, search.GROUP_ABOVE = 1, 7, 1, 0
-    aggregate.MIN_INTERIOR = 2
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(search, k, v)
-        aggregate.MIN_INTERIOR = saved_interior
 
 
 def _matrix(draw, devices, twins):
@@ -133,24 +120,6 @@ def test_counted_runs_against_brute_force(problem, objective, data):
     with every_reduction_on():
         assert aggregate.identical_runs(problem) or problem.contiguous  # the relaxation is built
     check_against_brute_force(problem, objective, data)
-
-
-def check_against_brute_force(problem, objective, data):
-    hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]  # often invalid
-    best = reference_optimum(problem, objective)
-    with every_reduction_on():
-        sol = search.solve_problem(problem, objective, time_limit_s=5, workers=1, gap_limit=0.0, hint=hint)
-    if best is None:
-        assert not sol.feasible and sol.choice == ()
-        return
-    assert sol.feasible, "brute force finds a plan; the solver must return one"
-    assert reference_valid(problem, sol.choice)  # capacities, pins, ties, contiguity
-    assert sol.objective_value == reference_value(problem, sol.choice, objective)
-    # memory: the first solve's latency cap is >= the best latency's, so its optimum is <= brute force's.
-    assert sol.best_bound <= best, f"bound {sol.best_bound} above the brute-force optimum {best}"
-    if sol.status == "OPTIMAL":
-        assert sol.objective_value == best if objective != "memory" else sol.objective_value <= best
-    assert sol.gap >= 0.0
 
 
 @settings(max_examples=300)

@@ -15,10 +15,15 @@ import itertools
 import math
 
 import pytest
-from _brute import reference_optimum, reference_valid, reference_value
+from _brute import (
+    check_against_brute_force,
+    every_reduction_on,
+    reference_optimum,
+    reference_valid,
+    reference_value,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_bound import check_against_brute_force, every_reduction_on
 
 from placement_opt.solver import aggregate, cpsat, search
 from placement_opt.solver.aggregate import AggregateModel, identical_runs

@@ -165,7 +165,7 @@ def build_problem(
     machine: Any,
     workload: Workload,
     *,
-    modes: Iterable[str] = ("resident", "stream"),
+    modes: Iterable[str] = ("resident", "stream", "phased"),
     pins: Mapping[str, str] | None = None,
     contiguous: bool = False,
 ) -> PlacementProblem:
@@ -181,9 +181,10 @@ def build_problem(
         graph: the layer graph (units in execution order, edges with bytes per token).
         machine: a :class:`Machine` or anything :func:`as_machine` accepts.
         workload: batch, prompt and new tokens (or a training step).
-        modes: which modes to offer: ``"resident"`` always; ``"stream"`` (overlapped copies) and
-            ``"stream_sync"`` (accelerate's synchronous copies) for weights kept in CPU RAM or on disk;
-            ``"phased"`` (prefill streamed to a GPU, decode on the CPU) for those weights when generating.
+        modes: which modes to offer (default: what ``solve()`` chooses from): ``"resident"`` always;
+            ``"stream"`` (overlapped copies) and ``"stream_sync"`` (accelerate's synchronous copies) for
+            weights kept in CPU RAM or on disk; ``"phased"`` (prefill streamed to a GPU, decode on the CPU)
+            for those weights when generating.
         pins: module name or prefix -> required storage device of every unit it covers
             (accelerate vocabulary, :func:`~.pins.resolve_pins`).
         contiguous: ask the solver for one contiguous range of units per device.
