@@ -13,7 +13,7 @@ accelerate ``auto`` with the same ``max_memory`` is priced beside them (its sync
 are estimates: nothing runs here. The machines:
 
 * ``h100-host``: the H100 80GB host's measured profile (``shared/measurements/h100-host-profile.json``:
-  the GPU's bf16 matmul curve and pinned host-to-device rate, the 16-core CPU's bf16 curve and matrix-vector
+  ``../shared`` beside the repository: the GPU's bf16 matmul curve and pinned host-to-device rate, the 16-core CPU's bf16 curve and matrix-vector
   read rate), GPU capped at the budget as ``max_memory`` does;
 * ``this-cpu+h100``: this machine's CPU as ``placement_opt.profile`` measures it now (bf16), beside a
   datasheet H100 at the budget: a what-if (this machine has no GPU), showing how the choice moves with a
@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-H100_PROFILE = HERE.parents[1] / "shared" / "measurements" / "h100-host-profile.json"
+#: The H100 host's profile, in the team's shared folder beside the repository (``--h100-profile`` elsewhere).
+H100_PROFILE = HERE.parents[2] / "shared" / "measurements" / "h100-host-profile.json"
 CPU_MEMORY = "100GiB"
 #: (model, GPU budgets): the issue's 8B at 10 and 4 GiB, the MoE shapes at 24 GiB (Qwen-MoE at 8 GiB: it
 #: is 14 B parameters, 28 GiB in bf16, so 24 GiB would hold nearly all of it).
@@ -208,7 +209,9 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
         "decode tok/s: generated tokens per second over the decode steps (batch included). The layer plan chooses "
         "among resident, CPU-computed and streamed decoder layers; the phased plan may also stream a layer for the "
         "prompt and compute it on the CPU for every decode step; the sublayer plan makes those choices for "
-        "attention, MLP, router and experts separately (home cuda:0).",
+        "attention, MLP, router and experts separately (home cuda:0). Every plan minimises the whole workload's "
+        "latency (prefill + decode), so a plan may give up some decode speed for a much faster prompt: the "
+        "decode ratio can fall below 1 where the total still drops (compare the total column).",
         "",
         *_table(rows),
         "",
