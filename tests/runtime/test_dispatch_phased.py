@@ -32,7 +32,7 @@ from _models import (
 )
 from placement_opt.errors import DispatchError
 from placement_opt.plan import Plan, UnitPlacement
-from placement_opt.runtime import _hooks, _preflight, _streamer
+from placement_opt.runtime import _hooks, _streamer
 from placement_opt.runtime.dispatcher import dispatch
 from placement_opt.runtime.loader import load
 
@@ -40,13 +40,6 @@ PHASED_CPU = ("cpu", "cpu", "phased", "cuda:0")
 PHASED_DISK = ("disk", "cpu", "phased", "cuda:0")
 GPU_STREAM = ("cpu", "cuda:0", "stream")  # cuda:0 is the CPU under gpu_on_cpu: a CPU -> CPU copy
 GENERATE = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
-
-
-@pytest.fixture
-def gpu_on_cpu(monkeypatch):
-    """"cuda:N" computes on the CPU inside the runtime, and preflight counts one CUDA device."""
-    monkeypatch.setattr(_streamer, "torch_device", lambda name: torch.device("cpu" if name.startswith("cuda") else name))
-    monkeypatch.setattr(_preflight, "cuda_device_count", lambda: 1)
 
 
 @pytest.fixture
@@ -64,20 +57,6 @@ def kv_moves(monkeypatch):
 
     monkeypatch.setattr(_hooks, "move_cache_layers", spy)
     return moves
-
-
-def tiny_qwen2_moe() -> torch.nn.Module:
-    """2 layers, 4 experts of 2 x 32x16 + 32x16, top-2, a shared expert of 3 x 32x32, 128 x 32 embed/head."""
-    torch.manual_seed(0)
-    config = T.Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                              shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                              max_position_embeddings=64, decoder_sparse_step=1)
-    return T.Qwen2MoeForCausalLM(config).eval()
-
-
-def model_of(family: str) -> torch.nn.Module:
-    return tiny_qwen2_moe() if family == "qwen2_moe" else tiny(family)
 
 
 def prompt(length: int = 7) -> dict[str, torch.Tensor]:
@@ -190,7 +169,7 @@ def _mix(storage_row):
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("phased", [PHASED_CPU, PHASED_DISK], ids=["cpu", "disk"])
 def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, tmp_path, record_paths):
-    model = model_of(family)
+    model = tiny(family)
     batch, steps = prompt(), 5
     with torch.no_grad():
         expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
@@ -315,16 +294,14 @@ def _fine_units(model: torch.nn.Module, kinds: tuple[str, ...]) -> list[str]:
     return units
 
 
-def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_paths):
-    model = tiny("llama")
-    batch, steps = prompt(), 4
+def _generate_fine(model, kinds, chosen, tmp_path, record_paths, steps=4):
+    """generate() with the units of ``kinds`` placed as ``chosen`` (the rest resident): checks tokens and logits
+    against the plain model, and returns (plan, the phased units' paths, handle, snapshot before)."""
+    batch = prompt()
     with torch.no_grad():
         expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
     before = snapshot(model)
-    units = _fine_units(model, ("LlamaAttention", "LlamaMLP"))
-    chosen = {"model.layers.1.self_attn": PHASED_CPU, "model.layers.1.mlp": PHASED_DISK,
-              "model.layers.2.self_attn": PHASED_DISK, "model.layers.2.mlp": GPU_STREAM, "lm_head": PHASED_CPU}
-    plan = phased_plan(model, lambda i, u: chosen.get(u, RESIDENT), units)
+    plan = phased_plan(model, lambda i, u: chosen.get(u, RESIDENT), _fine_units(model, kinds))
     handle = dispatch(model, plan, offload_dir=tmp_path)
     paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
@@ -333,6 +310,15 @@ def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_
     assert torch.equal(out.sequences, expected.sequences)
     for got, want in zip(out.logits, expected.logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    return plan, paths, handle, before
+
+
+def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_paths):
+    model, steps = tiny("llama"), 4
+    chosen = {"model.layers.1.self_attn": PHASED_CPU, "model.layers.1.mlp": PHASED_DISK,
+              "model.layers.2.self_attn": PHASED_DISK, "model.layers.2.mlp": GPU_STREAM, "lm_head": PHASED_CPU}
+    plan, paths, handle, before = _generate_fine(model, ("LlamaAttention", "LlamaMLP"), chosen, tmp_path,
+                                                 record_paths, steps)
     for name in ("model.layers.1.self_attn", "model.layers.1.mlp", "model.layers.2.self_attn"):
         assert paths.calls[name] == ["prefill"] + ["decode"] * (steps - 1), name
     # generate() keeps the last position's logits: lm_head sees one token per sequence, a decode
@@ -345,23 +331,11 @@ def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_
 def test_experts_units_take_the_phase_of_the_models_call(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     # an experts module gets the tokens of all sequences flattened ([tokens, hidden]): its input does not
     # say how many each sequence has, so it follows the phase the model's call (and the units before it) set
-    model = tiny_qwen2_moe()
-    batch, steps = prompt(), 4
-    with torch.no_grad():
-        expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
-    before = snapshot(model)
-    units = _fine_units(model, ("Qwen2MoeAttention", "Qwen2MoeExperts"))
+    model, steps = tiny("qwen2_moe"), 4
     chosen = {"model.layers.0.self_attn": PHASED_CPU, "model.layers.0.mlp.experts": PHASED_DISK,
               "model.layers.1.mlp.experts": PHASED_CPU, "model.layers.1.self_attn": GPU_STREAM}
-    plan = phased_plan(model, lambda i, u: chosen.get(u, RESIDENT), units)
-    handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = record_paths(handle, _phased_names(plan))
-    with torch.no_grad():
-        out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
-    paths.close()
-    assert torch.equal(out.sequences, expected.sequences)
-    for got, want in zip(out.logits, expected.logits, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    plan, paths, handle, before = _generate_fine(model, ("Qwen2MoeAttention", "Qwen2MoeExperts"), chosen, tmp_path,
+                                                 record_paths, steps)
     for name in _phased_names(plan):
         assert paths.calls[name] == ["prefill"] + ["decode"] * (steps - 1), name
     assert kv_moves == [("model.layers.0.self_attn", (0,))]

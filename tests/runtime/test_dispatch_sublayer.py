@@ -16,35 +16,14 @@ import dataclasses
 
 import pytest
 import torch
-import transformers as T
 
 from _models import assert_restored, make_plan, snapshot, tiny
 from placement_opt import Workload, solve, trace
 from placement_opt.plan import Plan, UnitPlacement
-from placement_opt.runtime import _hooks, _preflight, _streamer
+from placement_opt.runtime import _hooks
 from placement_opt.runtime.dispatcher import dispatch
 
 GENERATE = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
-
-
-@pytest.fixture
-def gpu_on_cpu(monkeypatch):
-    """"cuda:N" computes on the CPU inside the runtime, and preflight counts one CUDA device."""
-    monkeypatch.setattr(_streamer, "torch_device", lambda name: torch.device("cpu" if name.startswith("cuda") else name))
-    monkeypatch.setattr(_preflight, "cuda_device_count", lambda: 1)
-
-
-def tiny_qwen2_moe() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = T.Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                              shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                              max_position_embeddings=64, decoder_sparse_step=1)
-    return T.Qwen2MoeForCausalLM(config).eval()
-
-
-def model_of(family: str) -> torch.nn.Module:
-    return tiny_qwen2_moe() if family == "qwen2_moe" else tiny(family)
 
 
 def prompt() -> dict[str, torch.Tensor]:
@@ -80,7 +59,7 @@ def sublayer_plan(model: torch.nn.Module, choose) -> Plan:
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 def test_generate_equals_the_plain_model(family, gpu_on_cpu, tmp_path):
-    model = model_of(family)
+    model = tiny(family)
     with torch.no_grad():
         expected = model.generate(**prompt(), max_new_tokens=5, **GENERATE)
     before = snapshot(model)
@@ -99,7 +78,7 @@ def test_generate_equals_the_plain_model(family, gpu_on_cpu, tmp_path):
 def test_off_home_units_hand_their_outputs_back_to_the_caller(gpu_on_cpu, monkeypatch):
     """Every call of an off-home unit ends with its outputs moved to the device its inputs came from;
     units on home are not wrapped for it."""
-    model = model_of("mixtral")
+    model = tiny("mixtral")
     plan = sublayer_plan(model, kt_style)
     returned: list[str] = []
     real = _hooks._move_output
@@ -125,7 +104,7 @@ def test_off_home_units_hand_their_outputs_back_to_the_caller(gpu_on_cpu, monkey
 
 def test_a_solved_sublayer_plan_runs(gpu_on_cpu, tmp_path):
     """solve() on a sublayer graph sets the home; the plan it gives runs and matches the plain model."""
-    model = model_of("mixtral")
+    model = tiny("mixtral")
     graph = trace(model, granularity="sublayer")
     experts_bytes = sum(u.weight_bytes for u in graph.units() if u.name.endswith(".experts"))
     # the GPU holds everything but about half the experts: some must go to the CPU
@@ -145,7 +124,7 @@ def test_a_solved_sublayer_plan_runs(gpu_on_cpu, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 def test_on_a_gpu_attention_stays_there_and_experts_decode_on_the_cpu(family, tmp_path):
-    model = model_of(family)
+    model = tiny(family)
     with torch.no_grad():
         expected = model.generate(**prompt(), max_new_tokens=5, **GENERATE)
     plan = sublayer_plan(model, kt_style)
