@@ -44,7 +44,7 @@ def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]
     table = Table(title=f"Strategies side by side, one cost model. total = prefill + every decode step; "
                         f"'vs cpsat' compares the {objective} objective ({measure}); device columns: memory "
                         f"used; GPU/CPU/strm: units resident on a GPU / computed by the CPU / streamed "
-                        f"to a GPU", title_justify="left")
+                        f"to a GPU (+N: N more phased, prompt on a GPU, decode on the CPU)", title_justify="left")
     for col in ("strategy", "fits", "prefill", "decode", "total", "vs cpsat", "tokens/s"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for d in devices:
