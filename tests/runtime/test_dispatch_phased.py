@@ -157,6 +157,24 @@ def _phased_names(plan: Plan) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # generate(): the plain model's tokens and logits; one prefill per generate, a decode per step
 # ---------------------------------------------------------------------------------------------
+def _generate_checked(model, plan, tmp_path, record_paths, steps):
+    """generate() under ``plan``, its tokens and logits checked against the plain model's; returns (the phased
+    units' paths, handle, snapshot of the model before dispatch)."""
+    batch = prompt()
+    with torch.no_grad():
+        expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
+    before = snapshot(model)
+    handle = dispatch(model, plan, offload_dir=tmp_path)
+    paths = record_paths(handle, _phased_names(plan))
+    with torch.no_grad():
+        out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
+    paths.close()
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.logits, expected.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    return paths, handle, before
+
+
 def _mix(storage_row):
     """Layer 0 phased, layer 1 streamed, layer 2 phased, layer 3 memory-mapped; the rest resident."""
     def choose(i, unit):
@@ -169,22 +187,11 @@ def _mix(storage_row):
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("phased", [PHASED_CPU, PHASED_DISK], ids=["cpu", "disk"])
 def test_generate_equals_the_plain_model(family, phased, gpu_on_cpu, kv_moves, tmp_path, record_paths):
-    model = tiny(family)
-    batch, steps = prompt(), 5
-    with torch.no_grad():
-        expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
-    before = snapshot(model)
+    model, steps = tiny(family), 5
     plan = phased_plan(model, _mix(phased))
-    handle = dispatch(model, plan, offload_dir=tmp_path)
+    paths, handle, before = _generate_checked(model, plan, tmp_path, record_paths, steps)
     names = _phased_names(plan)
     assert set(handle.unit_kinds()[n] for n in names) == {"phased"} and "stream" in handle.unit_kinds().values()
-    paths = record_paths(handle, names)
-    with torch.no_grad():
-        out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
-    paths.close()
-    assert torch.equal(out.sequences, expected.sequences)
-    for got, want in zip(out.logits, expected.logits, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name in names:  # the prompt streamed once, each new token decoded where the weights are stored
         assert paths.calls[name] == ["prefill"] + ["decode"] * (steps - 1), name
     assert kv_moves == [(n, (int(n.split(".")[-1]),)) for n in names]  # once per layer, its own layer
@@ -295,22 +302,10 @@ def _fine_units(model: torch.nn.Module, kinds: tuple[str, ...]) -> list[str]:
 
 
 def _generate_fine(model, kinds, chosen, tmp_path, record_paths, steps=4):
-    """generate() with the units of ``kinds`` placed as ``chosen`` (the rest resident): checks tokens and logits
-    against the plain model, and returns (plan, the phased units' paths, handle, snapshot before)."""
-    batch = prompt()
-    with torch.no_grad():
-        expected = model.generate(**batch, max_new_tokens=steps, **GENERATE)
-    before = snapshot(model)
+    """:func:`_generate_checked` with the units of ``kinds`` placed as ``chosen`` (the rest resident); returns
+    (plan, the phased units' paths, handle, snapshot before)."""
     plan = phased_plan(model, lambda i, u: chosen.get(u, RESIDENT), _fine_units(model, kinds))
-    handle = dispatch(model, plan, offload_dir=tmp_path)
-    paths = record_paths(handle, _phased_names(plan))
-    with torch.no_grad():
-        out = handle.generate(**batch, max_new_tokens=steps, **GENERATE)
-    paths.close()
-    assert torch.equal(out.sequences, expected.sequences)
-    for got, want in zip(out.logits, expected.logits, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    return plan, paths, handle, before
+    return (plan, *_generate_checked(model, plan, tmp_path, record_paths, steps))
 
 
 def test_attention_mlp_and_lm_head_units(gpu_on_cpu, kv_moves, tmp_path, record_paths):
