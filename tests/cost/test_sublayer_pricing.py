@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement_opt.cost.build import build_problem
+from placement_opt.cost.evaluate import evaluate
 from placement_opt.cost.pricing import NS_PER_S, home_device
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
@@ -204,3 +205,21 @@ def test_a_hand_made_sublayer_graph_sends_its_incoming_edges() -> None:
     back = machine.bandwidth("cpu", "cuda:0")
     trip = (1000 * 10 / link + 300 * 10 / back + 2 * latency) * NS_PER_S
     assert ours.prefill_ns == pytest.approx(theirs.prefill_ns + trip, abs=2)
+
+
+@settings(max_examples=30)
+@given(family=st.sampled_from(["mixtral", "qwen2_moe"]), wl=_workloads, data=st.data())
+def test_evaluate_counts_the_round_trips_with_the_transfers(family: str, wl: Workload, data: st.DataObject) -> None:
+    """``Cost.transfer_s`` of a sublayer plan is every off-home unit's round trips (its edges are free)."""
+    graph, machine = _graph(family), _machine(2)
+    device_map = {u.name: data.draw(st.sampled_from(["cuda:0", "cuda:1", "cpu"]), label=u.name)
+                  for u in graph.units()}
+    cost = evaluate(device_map, graph, machine, wl)
+    expected = 0.0
+    for unit in graph.units():
+        execution = next(u.execution for u in cost.units if u.name == unit.name)
+        for phase in PHASES:
+            forwards, tokens = _round_trips(graph, unit, wl, phase)
+            expected += forwards * _trip_s(machine, "cuda:0", execution, unit, tokens)
+    assert cost.transfer_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert (cost.transfer_s > 0) == any(u.execution != "cuda:0" for u in cost.units)

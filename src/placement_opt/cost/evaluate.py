@@ -55,7 +55,8 @@ class Cost:
     prefill_s: float
     decode_s: float
     transfer_s: float
-    """Activation transfers between devices, included in the phase times."""
+    """Activation transfers between devices, included in the phase times: the edges', and in a
+    sublayer graph each off-home unit's round trip (its inputs from home and its outputs back)."""
     stage_s: Mapping[str, float]
     """Total work per execution device: the pipeline stage times."""
     units: tuple[UnitCost, ...]
@@ -229,7 +230,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)
     return Cost(
         workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
-        transfer_s=_transfer_ns(problem, chosen) / NS_PER_S,
+        transfer_s=_transfer_ns(problem, chosen) / NS_PER_S + sum(p.round_trip_s for p in chosen_parts),
         stage_s={k: v / NS_PER_S for k, v in score.stage_ns.items()},
         units=units, memory=memory, violations=violations)
 

@@ -147,6 +147,9 @@ class OptionPrice:
     """``phased`` only: the prefill's stream buffer on ``prefill_execution``."""
     prefill_kv_bytes: int = 0
     """``phased`` only: the prompt's KV cache of this unit, held on ``prefill_execution`` until it moves."""
+    round_trip_s: float = 0.0
+    """Of ``prefill_s + decode_s``: the sublayer round trips to home and back (:func:`round_trip_s`);
+    ``evaluate`` counts them with the transfers."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,15 @@ def round_trip_s(ctx: PricingContext, unit: UnitInfo, device: str, tokens: int) 
     machine = ctx.machine
     return (inputs * tokens / machine.bandwidth(home, device) + machine.latency_s(home, device)
             + outputs * tokens / machine.bandwidth(device, home) + machine.latency_s(device, home))
+
+
+def _round_trips(ctx: PricingContext, unit: UnitInfo, prefill_device: str, decode_device: str) -> tuple[float, float]:
+    """The unit's round trips over a whole workload: (prefill, every decode step)."""
+    wl = ctx.workload
+    forwards = 2 if wl.training else 1
+    prefill = forwards * round_trip_s(ctx, unit, prefill_device, _prefill_rows(ctx, unit))
+    decode = wl.decode_steps * round_trip_s(ctx, unit, decode_device, wl.batch_size) if unit.in_decode else 0.0
+    return prefill, decode
 
 
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -384,9 +396,9 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
-    prefill += forwards * round_trip_s(ctx, unit, execution, _prefill_rows(ctx, unit))
-    if unit.in_decode:
-        decode += wl.decode_steps * round_trip_s(ctx, unit, execution, wl.batch_size)
+    trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
+    prefill += trip_prefill
+    decode += trip_decode
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
     kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
     return OptionPrice(
@@ -395,7 +407,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode],
+        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
     )
 
 
@@ -416,7 +428,8 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=False, phase="decode"),
         stream_buffer_bytes=decode.stream_buffer_bytes, prefill_execution=gpu,
         prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),
-        prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv)
+        prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv,
+        round_trip_s=sum(_round_trips(ctx, unit, gpu, execution)))
 
 
 def _ns(seconds: float) -> int:
