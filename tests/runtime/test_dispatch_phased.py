@@ -480,3 +480,21 @@ def test_a_cache_whose_layers_hold_no_keys_values_is_refused_at_the_boundary(gpu
         handle(**prompt(), use_cache=True)
     handle.remove()
     assert_restored(model, before)
+
+
+@pytest.mark.parametrize("disk_reads, warned", [("copy", True), ("mmap", False)])
+def test_copied_disk_reads_warn_about_phased_units_that_decode_from_the_map(disk_reads, warned, gpu_on_cpu,
+                                                                            tmp_path):
+    """disk_reads='copy' cannot reach a phased disk unit's decode: the user is told which units and what to do."""
+    import warnings
+
+    model = tiny("llama")
+    plan = phased_plan(model, lambda i, u: {"model.layers.1": PHASED_DISK}.get(u, RESIDENT))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = dispatch(model, plan, offload_dir=tmp_path, disk_reads=disk_reads)
+    said = [str(w.message) for w in caught if "phased" in str(w.message)]
+    assert bool(said) == warned
+    if warned:
+        assert "model.layers.1" in said[0] and "modes=('resident', 'stream')" in said[0]
+    handle.remove()

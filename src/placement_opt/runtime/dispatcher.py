@@ -50,6 +50,7 @@ phased unit's are created on its GPU in the prefill and moved to the CPU once, w
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -186,6 +187,7 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         disk_reads: ``"mmap"`` (default): disk units executed on the CPU compute from the memory
             map, zero copy. ``"copy"``: they are streamed, copied into RAM for each forward and
             prefetched by a background thread (for file systems where mapped reads are slow).
+            ``phased`` disk units decode from the memory map either way (a warning names them).
 
     Returns:
         A :class:`DispatchedModel`; ``model`` itself is modified in place (hooks, devices,
@@ -328,7 +330,19 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             unit.kind = "stream"
         if unit.prefill is not None:
             unit.kind = "phased"  # decodes from RAM or the memory map (disk_reads aside), streams the prefill
+    _warn_mapped_phased(units, disk_reads)
     _place_unowned(units, slots, weights, log, main)
+
+
+def _warn_mapped_phased(units: list[DispatchUnit], disk_reads: str) -> None:
+    """``disk_reads="copy"`` does not reach phased disk units: their decode reads the memory map."""
+    mapped = [u.name for u in units if u.kind == "phased" and u.placement.storage == "disk"]
+    if disk_reads == "copy" and mapped:
+        shown = ", ".join(mapped[:3]) + (f" and {len(mapped) - 3} more" if len(mapped) > 3 else "")
+        warnings.warn(
+            f"disk_reads='copy' does not apply to phased units: {len(mapped)} disk-stored phased unit(s) "
+            f"({shown}) decode from the memory map. To copy every disk read, plan without phased units: "
+            f"solve(..., modes=('resident', 'stream'))", UserWarning, stacklevel=4)
 
 
 def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog,
