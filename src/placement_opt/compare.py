@@ -24,11 +24,13 @@ STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 
 
 def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
-                   time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None) -> Plan:
+                   time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None,
+                   granularity: str | None = None) -> Plan:
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
     ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
-    installed library with ``source`` (the model or config the graph was traced from).
+    installed library with ``source`` (the model or config the graph was traced from), and so does
+    ``granularity="auto"``, which traces ``source`` at block and sublayer granularity.
     """
     if strategy == "accelerate":
         return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
@@ -39,6 +41,8 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
         kwargs["time_limit_s"] = time_limit_s
     if modes is not None:
         kwargs["modes"] = modes
+    if granularity == "auto":
+        return solve(source, machine, objective, granularity="auto", **kwargs)
     return solve(graph, machine, objective, **kwargs)
 
 

@@ -81,7 +81,8 @@ class _Baseline:
 def solve(model: Any, devices: Any = None, objective: str = "latency", *, workload: Workload | None = None,
           strategy: str = "cpsat", pins: Mapping[str, Any] | None = None, time_limit_s: float = 1.0,
           seed: int = 0, contiguous: bool = False, gap_limit: float = GAP_LIMIT,
-          workers: int = SOLVER_WORKERS, modes: Sequence[str] = SOLVER_MODES) -> Plan:
+          workers: int = SOLVER_WORKERS, modes: Sequence[str] = SOLVER_MODES,
+          granularity: str | None = None) -> Plan:
     """Decide where every unit of ``model`` is stored and computed on ``devices``.
 
     Example::
@@ -119,6 +120,11 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             ``"stream"`` (copied to a GPU at every forward, overlapped) and ``"phased"`` (streamed to a
             GPU for the prompt, computed on the CPU at every decode step; run by :func:`dispatch`
             and :func:`load` only: ``from_pretrained(device_map=plan.device_map)`` streams them).
+        granularity: what a model is cut into (:func:`placement_opt.trace`): ``"block"`` (decoder
+            layers whole; the default for a model), ``"module"``, ``"sublayer"`` (attention, MLP, experts
+            apart), or ``"auto"``: block and sublayer both, each solved with half of ``time_limit_s``,
+            the better plan kept (its notes give both values). ``None``: a ``LayerGraph`` as traced, a
+            model at ``"block"``. A ``LayerGraph`` takes no other value than its own.
 
     Returns:
         A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline;
@@ -142,13 +148,19 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     _check_types(workload, pins, contiguous)
     from .model.graph import LayerGraph
 
+    _check_granularity(model, granularity)
+    if granularity == "auto":
+        return _solve_either_granularity(model, devices, objective, workload=workload, strategy=strategy, pins=pins,
+                                         time_limit_s=time_limit_s, seed=seed, contiguous=contiguous,
+                                         gap_limit=gap_limit, workers=workers, modes=modes)
+
     if strategy == "accelerate" and isinstance(model, LayerGraph):
         raise SolverInputError("strategy='accelerate' runs the installed library on the model itself, so it "
                                "needs a transformers model or config, not a LayerGraph: pass the model (or its "
                                "config), or use strategy='balanced' on a LayerGraph")
     if _holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
         raise _nothing_to_place(type(model).__name__)
-    graph = as_graph(model)
+    graph = as_graph(model, granularity)
     started = time.perf_counter()  # the time limit covers everything from here (tracing excluded)
     if not graph.names() or (not isinstance(model, LayerGraph) and graph.total_param_bytes + graph.total_buffer_bytes == 0):
         raise _nothing_to_place(graph.meta.model_name)
@@ -172,9 +184,55 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
+def _solve_either_granularity(model: Any, devices: Any, objective: str, **options: Any) -> Plan:
+    """``granularity="auto"``: the block plan and the sublayer plan, each in half the time; the better one.
+
+    Both are priced by one cost model (the sublayer plan with its round trips to home), so their
+    objective values compare. A model without sublayer parts (no decoder blocks to split) is solved once.
+    """
+    from .model.tracer import trace
+
+    block, sublayer = trace(model, granularity="block"), trace(model, granularity="sublayer")
+    if set(block.names()) == set(sublayer.names()):
+        return solve(block, devices, objective, **options)
+    half = {**options, "time_limit_s": options["time_limit_s"] / 2}
+    plans: dict[str, Plan] = {}
+    refusals: dict[str, PlacementError] = {}
+    for name, graph in (("block", block), ("sublayer", sublayer)):
+        try:
+            plans[name] = solve(graph, devices, objective, **half)
+        except InfeasiblePlacementError as exc:
+            refusals[name] = exc
+    if not plans:
+        raise refusals["block"]
+    best = min(plans, key=lambda name: (plans[name].objective_value, name != "block"))
+    other = "sublayer" if best == "block" else "block"
+    said = (f"{other} units: {_value(plans[other])}" if other in plans else f"{other} units: no placement fits")
+    note = (f"granularity auto: {best} units chosen ({len(plans[best].placements)} units, objective "
+            f"{_value(plans[best])}; {said}), each solved in {half['time_limit_s']:.2g} s")
+    return dataclasses.replace(plans[best], notes=(*plans[best].notes, note))
+
+
+def _value(plan: Plan) -> str:
+    """The objective with its unit: bytes for ``memory``, else seconds."""
+    return format_bytes(int(plan.objective_value)) if plan.objective == "memory" else f"{plan.objective_value:.4g} s"
+
+
 # ---------------------------------------------------------------------------------------------
 # Boundary checks
 # ---------------------------------------------------------------------------------------------
+def _check_granularity(model: Any, granularity: str | None) -> None:
+    """A known granularity, and for a traced graph its own (a LayerGraph cannot be cut again)."""
+    from .model.graph import GRANULARITIES, LayerGraph
+
+    accepted = (*GRANULARITIES, "auto")
+    if granularity is not None and granularity not in accepted:
+        raise SolverInputError(f"granularity {granularity!r} is not one of {', '.join(accepted)} (or None)")
+    if isinstance(model, LayerGraph) and granularity not in (None, model.meta.granularity):
+        raise SolverInputError(
+            f"granularity={granularity!r} needs the model itself, but a LayerGraph traced at "
+            f"{model.meta.granularity!r} was given: pass the model (or its config), or "
+            f"trace(model, granularity=...) first and leave granularity out")
 def _holds_no_tensors(model: Any) -> bool:
     """An ``nn.Module`` (duck-typed: the planner imports no torch) without any parameter or buffer."""
     parameters, buffers = getattr(model, "parameters", None), getattr(model, "buffers", None)

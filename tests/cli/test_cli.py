@@ -265,3 +265,14 @@ def test_modes_flag_limits_the_solvers_choices_and_refuses_unknown_modes(tmp_pat
     assert chosen == {"resident": {"resident"}, "resident,stream": {"resident", "stream"}}
     bad = run_cli(*common, "--modes", "resident,teleport", catch_exceptions=True)
     assert bad.exit_code != 0 and "modes must name some of" in bad.output and "Traceback" not in bad.output
+
+
+def test_plan_granularity_places_sublayer_units_or_picks_the_better(tmp_path):
+    common = ("plan", "mixtral-8x7b", "-d", "cuda:0=a100-40gb/24GiB,cpu=256GiB", "--new-tokens", "8")
+    sub = run_cli(*common, "--granularity", "sublayer", "--json", str(tmp_path / "sub.json"))
+    assert sub.exit_code == 0, sub.output
+    plan = Plan.from_json(str(tmp_path / "sub.json"))
+    assert plan.home == "cuda:0" and any(p.unit.endswith(".mlp.experts") for p in plan.placements)
+    auto = run_cli(*common, "--granularity", "auto")
+    assert auto.exit_code == 0, auto.output
+    assert "granularity auto:" in " ".join(auto.output.split())

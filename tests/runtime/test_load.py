@@ -123,3 +123,27 @@ def test_disk_units_in_another_dtype_are_cast_once_into_offload_dir(tmp_path_fac
     with torch.no_grad():
         torch.testing.assert_close(handle(**inputs_for(model)).logits, reference(**inputs_for(model)).logits,
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("granularity", ["sublayer", "auto"])
+def test_load_places_sublayer_units_when_asked(granularity, tmp_path_factory):
+    """load(granularity=...) plans attention and MLP apart (or picks block or sublayer): same logits."""
+    from placement_opt.cost.workload import Workload
+
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp(f"llama-{granularity}")
+    model.save_pretrained(path)
+    handle = load(path, {"cpu": "150KB", "disk": "1GB"}, workload=Workload(batch_size=2, prompt_len=8, new_tokens=4),
+                  granularity=granularity)
+    assert {p.storage for p in handle.plan.placements} == {"cpu", "disk"}  # as in the block test above
+    names = [p.unit for p in handle.plan.placements]
+    if granularity == "sublayer":
+        assert "model.layers.0.mlp" in names and "model.layers.0" not in names
+        assert handle.plan.home == "cpu"
+    else:
+        assert any(n.startswith("granularity auto:") for n in handle.plan.notes)
+    with torch.no_grad():
+        logits = handle(**inputs_for(model)).logits
+        reference = model(**inputs_for(model)).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+    handle.remove()

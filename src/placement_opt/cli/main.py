@@ -66,10 +66,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["main", "cli"]
 
 
-def _trace(model: Any, workload: Workload, dtype: str | None) -> Any:
+def _trace(model: Any, workload: Workload, dtype: str | None, granularity: str = "block") -> Any:
     from ..model.tracer import trace
 
-    return trace(model, dtype=dtype)
+    return trace(model, dtype=dtype, granularity=granularity)
 
 
 class _Group(click.Group):
@@ -100,14 +100,14 @@ def cli() -> None:
 
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
-             dtype: str | None, logits: str | None = None) -> tuple[Any, Machine, Workload, Any]:
-    """(graph, machine, workload, resolved model) from the command-line words."""
+             dtype: str | None, logits: str | None = None, granularity: str = "block") -> tuple[Any, Machine, Workload, Any]:
+    """(graph, machine, workload, resolved model) from the command-line words (``auto``: the block graph)."""
     devices = require_devices(devices)
     workload = workload_from(batch, prompt, new_tokens, logits)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with progress(f"Tracing {model} on the meta device ..."):
-        graph = _trace(resolved, workload, dtype)
+        graph = _trace(resolved, workload, dtype, "block" if granularity == "auto" else granularity)
     if dtype is None:  # the model's own dtype: devices' FLOP/s are looked up for it
         machine = resolve_devices(devices, dtype=graph.meta.dtype)
     return graph, machine, workload, resolved
@@ -123,18 +123,26 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
               help="what the solver may choose for weights off the GPUs, e.g. 'resident,stream': resident, stream, "
                    "phased (prompt on the GPU, decode steps on the CPU; run by placement_opt's dispatch/load "
                    "only). Default: all of them")
+@click.option("--granularity", type=click.Choice(["block", "sublayer", "module", "auto"]), default="block",
+              show_default=True,
+              help="units to place: decoder layers whole (block), attention/MLP/experts apart (sublayer), every "
+                   "module, or auto: block and sublayer both, each in half the time limit, the better plan kept")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          dtype: str | None, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, cluster: str | None, schedule: str, microbatches: int | None, train: bool) -> None:
+         modes: str, granularity: str, cluster: str | None, schedule: str, microbatches: int | None,
+         train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     if cluster is not None:
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits)
-        chosen = {"modes": parse_modes(modes)} if modes is not None else {}
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
+                                                      granularity)
+        chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
+        if granularity == "auto" and strategy == "cpsat":
+            chosen["granularity"] = "auto"
         with progress(f"Solving ({strategy}, {objective}) ..."):
             result = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
                                     time_limit_s=time_limit, source=resolved, **chosen)

@@ -114,15 +114,16 @@ class Cost:
         )
 
 
-def as_graph(model_or_graph: Any) -> LayerGraph:
-    """A LayerGraph as it is; anything else :func:`placement_opt.trace` accepts is traced (imports torch)."""
+def as_graph(model_or_graph: Any, granularity: str | None = None) -> LayerGraph:
+    """A LayerGraph as it is; anything else :func:`placement_opt.trace` accepts is traced (imports torch),
+    at ``granularity`` (default ``"block"``)."""
     from ..model.graph import LayerGraph
 
     if isinstance(model_or_graph, LayerGraph):
         return model_or_graph
     from ..model.tracer import trace  # lazy: tracing imports torch
 
-    return trace(model_or_graph)
+    return trace(model_or_graph, granularity=granularity or "block")
 
 
 def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str, str | None]]) -> list[int]:

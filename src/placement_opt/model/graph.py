@@ -68,7 +68,16 @@ import networkx as nx
 from ..errors import PlanFormatError, TraceError
 from ..schema import GraphSchema, validated
 
-__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
+#: What :func:`~.tracer.trace` cuts a model into (torch-free here, for the planner). ``"block"``:
+#: no-split blocks are kept whole (default); ``"module"``: every module with its own parameters or
+#: buffers is a unit, no-split classes are ignored (finest; a coarser graph is obtained
+#: by naming container classes in ``no_split``); ``"sublayer"``: each no-split block is split into its
+#: direct children (norms, attention, MLP) and an MoE block further into router, experts and shared
+#: expert, for plans that keep the residual stream on one home device (attention on the GPU, experts on
+#: the CPU).
+GRANULARITIES = ("block", "module", "sublayer")
+
+__all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
@@ -176,7 +185,7 @@ class GraphMeta:
 
     @property
     def granularity(self) -> str:
-        """What a unit is: ``"block"``, ``"module"`` or ``"sublayer"`` (:data:`~.tracer.GRANULARITIES`).
+        """What a unit is: ``"block"``, ``"module"`` or ``"sublayer"`` (:data:`GRANULARITIES`).
 
         Kept in ``extra["granularity"]``, where the tracer has always written it, so graphs written before
         it was read keep their meaning; hand-made graphs without it are ``"block"``.

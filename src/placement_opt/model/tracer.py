@@ -71,18 +71,16 @@ from ._units import (
     unit_tensors,
 )
 from .dtypes import dtype_bytes, dtype_name
-from .graph import MEASURED_NODE_ATTRIBUTES, NODE_ATTRIBUTES, GraphMeta, LayerGraph, covering_key
+from .graph import (
+    GRANULARITIES,
+    MEASURED_NODE_ATTRIBUTES,
+    NODE_ATTRIBUTES,
+    GraphMeta,
+    LayerGraph,
+    covering_key,
+)
 
 __all__ = ["trace", "GRANULARITIES"]
-
-#: ``"block"``: no-split blocks are kept whole (default); ``"module"``: every module with its own
-#: parameters or buffers is a unit, no-split classes are ignored (finest; a coarser graph is obtained
-#: by naming container classes in ``no_split``); ``"sublayer"``: each no-split block is split into its
-#: direct children (norms, attention, MLP) and an MoE block further into router, experts and shared
-#: expert, for plans that keep the residual stream on one home device (attention on the GPU, experts on
-#: the CPU).
-GRANULARITIES = ("block", "module", "sublayer")
-
 
 
 def trace(

@@ -27,7 +27,7 @@ __all__ = ["load"]
 def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
          workload: Any = None, dtype: torch.dtype | str | None = None,
          offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
-         progress: bool | None = None) -> DispatchedModel:
+         progress: bool | None = None, granularity: str | None = None) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
     Each tensor goes from the checkpoint's safetensors files straight to its storage device:
@@ -56,6 +56,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         progress: a bar of the checkpoint's bytes read, on stderr. ``None`` (default): shown on a
             terminal or in a notebook, silent in pipes and under pytest, or as the environment
             variable ``PLACEMENT_OPT_PROGRESS`` (``1``/``0``/``auto``) says; ``True``/``False`` decide.
+        granularity: what the solver places (:func:`~placement_opt.planner.solve`): ``"block"``
+            (default: decoder layers whole), ``"sublayer"`` (attention, MLP, experts apart), ``"module"``
+            or ``"auto"`` (block and sublayer both, the better plan kept); ignored when ``plan`` is given.
 
     Returns:
         A :class:`DispatchedModel` in eval mode.
@@ -70,7 +73,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
-        plan = _solve(model, devices, objective, workload)
+        plan = _solve(model, devices, objective, workload, granularity)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
@@ -93,7 +96,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         raise
 
 
-def _solve(model: nn.Module, devices: Any, objective: str, workload: Any) -> Plan:
+def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granularity: str | None) -> Plan:
     """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank)."""
     from ..distributed.context import current_context
     from ..hardware.resolve import resolve_machine
@@ -101,7 +104,7 @@ def _solve(model: nn.Module, devices: Any, objective: str, workload: Any) -> Pla
     from ..planner import solve  # the planner imports no runtime module
 
     machine = resolve_machine(devices, current_context(), dtype=dtype_name(module_dtype(model)))
-    return solve(model, machine, objective=objective, workload=workload)
+    return solve(model, machine, objective=objective, workload=workload, granularity=granularity)
 
 
 def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
