@@ -10,6 +10,7 @@ or the optimum over the assignments it keeps equals the optimum over all (device
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -18,10 +19,11 @@ from _brute import (
     every_reduction_on,
     reference_optimum,
 )
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
-from placement_opt.solver import aggregate, relax, search
+from placement_opt.solver import aggregate, cpsat, relax, search
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
     OBJECTIVES,
@@ -268,3 +270,48 @@ def test_counted_runs_do_not_charge_a_device_change_the_plan_does_not_make(monke
     best = reference_optimum(problem, "latency")
     sol = search.solve_problem(problem, "latency", time_limit_s=5.0, gap_limit=0.0)
     assert sol.best_bound <= best, (sol.best_bound, best, sol.notes)
+
+
+@settings(max_examples=100)
+@given(cap=st.integers(0, 40), extra_peak=st.integers(0, 30), data=st.data())
+def test_level_caps_cut_no_assignment_that_fits(cap, extra_peak, data):
+    """Every count vector that fits its device (the exact memory model) meets add_level_caps' rows.
+
+    ``extra_peak``: a transient another unit puts there with no bytes of its own (a phased prefill).
+    """
+    k = data.draw(st.integers(1, 4))
+    opts = [PlacementOption(storage="cuda:0" if data.draw(st.booleans()) else "cpu", execution="cuda:0",
+                            mode="resident", prefill_ns=1, decode_ns=1, stored_bytes=data.draw(st.integers(0, 9)),
+                            resident_bytes=data.draw(st.integers(0, 3)), peak_bytes=data.draw(st.integers(0, 20)))
+            for _ in range(k)]
+    opts = [dataclasses.replace(o, mode="stream") if o.storage == "cpu" else o for o in opts]
+    counts = [data.draw(st.integers(0, 4)) for _ in opts]
+    device = DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=cap)
+    chosen = [o for o, n in zip(opts, counts, strict=True) for _ in range(n)]
+    peak = max([o.peak_bytes for o in chosen] + [extra_peak])
+    used = sum(o.stored_bytes * (o.storage == "cuda:0") + o.resident_bytes for o in chosen) + peak
+    assume(used <= cap)
+    model = cp_model.CpModel()
+    levels = sorted({o.peak_bytes for o in opts if o.peak_bytes > 0} | ({extra_peak} - {0}))
+    z = [model.new_constant(int(peak >= level)) for level in levels]
+    n = [model.new_constant(c) for c in counts]
+    cpsat.add_level_caps(model, device, levels, z, [(o, v, 4) for o, v in zip(opts, n, strict=True)])
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    assert solver.solve(model) == cp_model.OPTIMAL
+
+
+def test_level_caps_keep_a_prefill_gpu_from_also_holding_layers():
+    # 405B on 8 x L4 in small: a layer (6 bytes, workspace 7) fits twice beside its own peak (6 + 6 + 7 <= 21),
+    # never beside a phased prefill's 19; the capacity row alone lets a 1/8 prefill flag cost 1.5 bytes.
+    layer = PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=1,
+                            stored_bytes=6, resident_bytes=0, peak_bytes=7)
+    model = cp_model.CpModel()
+    n = model.new_int_var(0, 4, "n")
+    z = [model.new_bool_var("z7"), model.new_bool_var("z19")]
+    cpsat.add_level_caps(model, DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=21), [7, 19], z,
+                         [(layer, n, 4)])
+    model.add(z[1] == 1)
+    model.maximize(n)
+    solver = cp_model.CpSolver()
+    assert solver.solve(model) == cp_model.OPTIMAL and solver.value(n) == 0
