@@ -33,6 +33,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
+from placement_opt.solver.reductions import make_room
 from placement_opt.solver.symmetry import first_use, identical_devices, relabel
 
 _MAX_ASSIGNMENTS = 3200  # brute force stays around 0.1 s a case
@@ -128,6 +129,8 @@ def test_counted_runs_against_brute_force(problem, objective, data):
 @given(problems())
 def test_dropping_covered_edges_keeps_every_assignments_score(problem):
     pruned = prune_edges(problem)
+    if pruned.edges == problem.edges:
+        return  # nothing dropped: the same problem (the loop below took 10 s of the suite for nothing)
     for choice in _assignments(problem):
         assert pruned.score(choice) == problem.score(choice)
 
@@ -232,6 +235,27 @@ def test_grouped_relaxation_counts_only_groups_wholly_on_its_path():
     assert solver.best_objective_bound <= best
 
 
+def test_covering_paths_put_parallel_siblings_on_paths_of_their_own():
+    # a -> (q, k, v) -> o -> (gate, up) -> down, a layer's pattern: the critical path holds one sibling of
+    # each fan-out, covering_paths the others, so the grouped relaxation cannot make them slow for free.
+    names = ["a", "q", "k", "v", "o", "gate", "up", "down"]
+    pairs = [("a", "q"), ("a", "k"), ("a", "v"), ("q", "o"), ("k", "o"), ("v", "o"), ("o", "gate"), ("o", "up"),
+             ("gate", "down"), ("up", "down")]
+    option = PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=1, decode_ns=1,
+                             stored_bytes=1, resident_bytes=0, peak_bytes=0)
+    problem = PlacementProblem(units=tuple(UnitSpec(name=n, options=(option,)) for n in names),
+                               edges=tuple(EdgeSpec(src=s, dst=t, prefill_ns={}, decode_ns={}) for s, t in pairs),
+                               devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100),))
+    path = relax.critical_path(problem, [0] * len(names))
+    others = relax.covering_paths(problem, path)
+    assert len(others) == 2 and set().union(path, *others) == set(range(len(names)))
+    index = problem.index()
+    siblings = [{index[n] for n in ("q", "k", "v")}, {index[n] for n in ("gate", "up")}]
+    assert all(len(set(p_) & s_) == 1 for p_ in (path, *others) for s_ in siblings)  # real paths: one of each
+    groups = relax.groups_of(problem, path, others)
+    assert not any({index["q"], index["k"]} <= set(g) for g in groups)  # siblings on different paths: apart
+
+
 @given(stored=st.integers(0, 9), resident=st.integers(0, 9), peak=st.integers(0, 20), cap=st.integers(0, 40),
        same=st.booleans(), units=st.integers(1, 12))
 def test_most_beside_peak_is_the_largest_count_that_fits(stored, resident, peak, cap, same, units):
@@ -315,3 +339,13 @@ def test_level_caps_keep_a_prefill_gpu_from_also_holding_layers():
     model.maximize(n)
     solver = cp_model.CpSolver()
     assert solver.solve(model) == cp_model.OPTIMAL and solver.value(n) == 0
+
+
+@settings(max_examples=50)
+@given(problems(), st.data())
+def test_make_room_returns_a_plan_that_fits_or_the_one_it_got(problem, data):
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = make_room(problem, choice)
+    assert out == choice or not problem.score(out).over_bytes
+    assert all(problem.allows(u, u.options[c]) or c == choice[i] for i, (u, c) in enumerate(zip(problem.units, out,
+                                                                                                   strict=True)))
