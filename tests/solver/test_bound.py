@@ -235,7 +235,7 @@ def test_grouped_relaxation_counts_only_groups_wholly_on_its_path():
     assert solver.best_objective_bound <= best
 
 
-def test_covering_paths_put_parallel_siblings_on_paths_of_their_own():
+def test_covering_and_sibling_paths_put_parallel_siblings_on_paths_of_their_own():
     # a -> (q, k, v) -> o -> (gate, up) -> down, a layer's pattern: the critical path holds one sibling of
     # each fan-out, covering_paths the others, so the grouped relaxation cannot make them slow for free.
     names = ["a", "q", "k", "v", "o", "gate", "up", "down"]
@@ -254,6 +254,13 @@ def test_covering_paths_put_parallel_siblings_on_paths_of_their_own():
     assert all(len(set(p_) & s_) == 1 for p_ in (path, *others) for s_ in siblings)  # real paths: one of each
     groups = relax.groups_of(problem, path, others)
     assert not any({index["q"], index["k"]} <= set(g) for g in groups)  # siblings on different paths: apart
+    # sibling_paths: every combination of roles (3 x 2), each a real path (k and v share a menu: roles by index)
+    combos = relax.sibling_paths(problem, path)
+    edges = {(index[s], index[t]) for s, t in pairs}
+    assert len(combos) == 6 and len({tuple(c) for c in combos}) == 6
+    assert all((a, b) in edges for c in combos for a, b in itertools.pairwise(c))
+    assert {frozenset(set(c) & (siblings[0] | siblings[1])) for c in combos} == {
+        frozenset({x, y}) for x in siblings[0] for y in siblings[1]}
 
 
 @given(stored=st.integers(0, 9), resident=st.integers(0, 9), peak=st.integers(0, 20), cap=st.integers(0, 40),
@@ -349,3 +356,35 @@ def test_make_room_returns_a_plan_that_fits_or_the_one_it_got(problem, data):
     assert out == choice or not problem.score(out).over_bytes
     assert all(problem.allows(u, u.options[c]) or c == choice[i] for i, (u, c) in enumerate(zip(problem.units, out,
                                                                                                    strict=True)))
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_sibling_paths_bound_a_layer_pattern_against_brute_force(data):
+    """A decoder layer per module (q, k, v and gate, up side by side), priced at random on a GPU and the
+    CPU: the grouped relaxation with its six sibling paths never bounds above the brute-force optimum.
+    (The random DAGs of the whole-solver check above rarely have siblings.)"""
+    names = ["a", "q", "k", "v", "o", "gate", "up", "down"]
+    pairs = [("a", "q"), ("a", "k"), ("a", "v"), ("q", "o"), ("k", "o"), ("v", "o"), ("o", "gate"), ("o", "up"),
+             ("gate", "down"), ("up", "down")]
+    menus = {n: _menu(data.draw, ["cuda:0"], False)[::2] for n in names}  # resident on the GPU or the CPU: 2^8 plans
+    if data.draw(st.booleans()):
+        menus["v"], menus["up"] = menus["k"], menus["gate"]  # identical siblings, as in a traced graph
+    price = _matrix(data.draw, ["cuda:0", "cpu"], False)
+    problem = PlacementProblem(
+        units=tuple(UnitSpec(name=n, options=menus[n]) for n in names),
+        edges=tuple(EdgeSpec(src=s, dst=t, prefill_ns=price, decode_ns=price) for s, t in pairs),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=data.draw(st.integers(0, 16))),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=data.draw(st.integers(20, 60)))))
+    best = reference_optimum(problem, "latency")
+    hint = [data.draw(st.integers(0, 1)) for _ in names]
+    index = problem.index()
+    through = [data.draw(st.sampled_from(["q", "k", "v"])), data.draw(st.sampled_from(["gate", "up"]))]
+    path, *others = relax.sibling_paths(problem, [index[n] for n in ("a", through[0], "o", through[1], "down")])
+    assert len(others) == 5  # 3 x 2 roles
+    model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path, others), path, None, (), others)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(5, 0, 1, 0.0)
+    if best is None:
+        return  # a relaxation may find room where the problem has none
+    assert solver.best_objective_bound <= best

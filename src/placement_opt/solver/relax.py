@@ -39,13 +39,16 @@ from .aggregate import most_beside_peak
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 from .problem import PlacementOption, PlacementProblem
 
-__all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "PEAK_STEP", "MORE_PATHS"]
+__all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "PEAK_STEP", "MORE_PATHS",
+           "MOST_SIBLING_PATHS"]
 
 #: Units whose peaks differ by less than this factor may share a group (priced at the least peak):
 #: the relaxation then understates a device's transient memory by at most that factor.
 PEAK_STEP = 1.1
 #: Paths beside the critical one that :func:`covering_paths` adds (a layer's widest fan-out is 3: q, k, v).
 MORE_PATHS = 3
+#: Most paths :func:`sibling_paths` states (one per combination of sibling roles: 3 x 2 in a decoder layer).
+MOST_SIBLING_PATHS = 12
 
 
 def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
@@ -131,6 +134,46 @@ def covering_paths(problem: PlacementProblem, path: Sequence[int], most: int = M
         out.append(found[::-1])
         covered.update(found)
     return out
+
+
+def sibling_paths(problem: PlacementProblem, path: Sequence[int],
+                  most: int = MOST_SIBLING_PATHS) -> list[list[int]]:
+    """``path`` with its siblings swapped in, one path per combination of sibling roles (``[path]`` when
+    it has no siblings or more than ``most`` combinations).
+
+    A unit ``p`` of ``path`` between ``a`` and ``b`` has siblings when other units ``u`` also have the
+    edges ``a -> u -> b`` (``q``, ``k``, ``v`` between a layer's norm and ``o_proj``). Siblings are
+    ordered by menu; a *role* is a position in that order among sibling sets of the same menus. Each
+    returned path takes the same role in every such set, so the longest of them is at least
+    ``sum(unshared units) + sum over kinds of sets of max over roles (their work summed)``: the sum of
+    the per-layer maxima that the paths through one role each (:func:`covering_paths`) do not bound.
+    """
+    index = problem.index()
+    succ: dict[int, set[int]] = {}
+    for e in problem.edges:
+        succ.setdefault(index[e.src], set()).add(index[e.dst])
+    slots: list[tuple[int, tuple[Any, ...], list[int]]] = []  # (position on path, kind, siblings by role)
+    for i in range(1, len(path) - 1):
+        a, b = path[i - 1], path[i + 1]
+        alt = sorted((u for u in succ.get(a, ()) if b in succ.get(u, ())), key=lambda u: (_menu(problem, u), u))
+        if len(alt) > 1:
+            slots.append((i, tuple(_menu(problem, u) for u in alt), alt))
+    kinds = sorted({kind for _, kind, _ in slots}, key=repr)
+    combos = list(itertools.product(*(range(len(kind)) for kind in kinds)))
+    if not slots or len(combos) > most:
+        return [list(path)]
+    out = []
+    for roles in combos:
+        role = dict(zip(kinds, roles, strict=True))
+        p = list(path)
+        for i, kind, alt in slots:
+            p[i] = alt[role[kind]]
+        out.append(p)
+    return out
+
+
+def _menu(problem: PlacementProblem, u: int) -> tuple[Any, ...]:
+    return tuple((o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes) for o in problem.units[u].options)
 
 
 class GroupModel(CountedRelaxation):

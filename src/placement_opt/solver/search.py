@@ -57,7 +57,7 @@ from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
 from .reductions import coarsen, coarsen_groups, make_room, prefer_resident
-from .relax import GroupModel, covering_paths, critical_path, groups_of
+from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
 from .symmetry import identical_devices, relabel
 
 __all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
@@ -294,8 +294,8 @@ def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
 
 
 def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None) -> GroupModel:
-    path = critical_path(problem, hint)
-    others = covering_paths(problem, path)
+    path, *others = sibling_paths(problem, critical_path(problem, hint))
+    others += covering_paths(problem, path, MORE_PATHS - len(others)) if len(others) < MORE_PATHS else []
     return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, identical_devices(problem),
                       others)
 
