@@ -130,6 +130,7 @@ class AggregateModel(CountedRelaxation):
             flags, computes = self._used(t)
             self.any.append(flags)
             self.computes.append(computes)
+        self.twins = {d for members in device_classes for d in members}
         self._constraints()
         for members in device_classes:
             usage = [self._usage(d) for d in members]
@@ -237,7 +238,8 @@ class AggregateModel(CountedRelaxation):
         bounded = [(self._options(t)[o], v, self._size(t)) for t in range(len(self.items)) for o, v in self.vars[t].items()]
         for dev in self.p.devices:
             add_capacity_row(self.model, dev, self.peak[dev.name], terms)
-            add_level_caps(self.model, dev, *self.levels[dev.name], bounded)
+            if dev.name in self.twins:  # where the LP spreads a transient over interchangeable GPUs
+                add_level_caps(self.model, dev, *self.levels[dev.name], bounded)
         for u, d in self.p.pins.items():  # pinned units are never in a run: their item is the unit
             t = self.item_of[self.index[u]]
             for o, v in self.vars[t].items():
