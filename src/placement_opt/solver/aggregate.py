@@ -33,7 +33,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
-from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
+from .cpsat import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
@@ -130,6 +130,7 @@ class AggregateModel(CountedRelaxation):
             flags, computes = self._used(t)
             self.any.append(flags)
             self.computes.append(computes)
+        self.twins = {d for members in device_classes for d in members}
         self._constraints()
         for members in device_classes:
             usage = [self._usage(d) for d in members]
@@ -231,10 +232,14 @@ class AggregateModel(CountedRelaxation):
                 if device is None or computes_on(self._options(t)[o], device, phase)]
 
     def _constraints(self) -> None:
+        self.levels: dict[str, tuple[list[int], list[Any]]] = {}
         self.peak = {d: self._peak(d) for d in self._devices()}
         terms = self._terms()
+        bounded = [(self._options(t)[o], v, self._size(t)) for t in range(len(self.items)) for o, v in self.vars[t].items()]
         for dev in self.p.devices:
             add_capacity_row(self.model, dev, self.peak[dev.name], terms)
+            if dev.name in self.twins:  # where the LP spreads a transient over interchangeable GPUs
+                add_level_caps(self.model, dev, *self.levels[dev.name], bounded)
         for u, d in self.p.pins.items():  # pinned units are never in a run: their item is the unit
             t = self.item_of[self.index[u]]
             for o, v in self.vars[t].items():
@@ -260,7 +265,9 @@ class AggregateModel(CountedRelaxation):
         flagged = [(nbytes, self.any[t][o] if self._is_run(t) else v)
                    for t in range(len(self.items)) for o, v in self.vars[t].items()
                    for nbytes in peak_flags(self._options(t)[o], dev)]
-        return peak_levels(self.model, dev, flagged)[0]
+        peak, levels, z = peak_levels(self.model, dev, flagged)
+        self.levels[dev] = (levels, z)
+        return peak
 
     def _transfer(self, ph: str, costs: dict, src: dict[str, Any], dst: dict[str, Any], name: str) -> Any:
         # xfer >= sum_q c(p, q) dst[q] - max_q c(p, q) (1 - src[p]), one row per p (src and dst sum to 1).

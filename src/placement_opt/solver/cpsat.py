@@ -44,13 +44,15 @@ from ortools.sat.python import cp_model
 
 from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "peak_levels",
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "add_level_caps", "peak_levels",
            "computes_on", "stage_work", "own_work", "peak_flags"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
 #: first; this one comes first on this project's 2-core VMs (about 0.35-0.4 units accrue per second
 #: with one worker), and a one-worker search stopped by it returns the same plan on every run.
 DETERMINISTIC_TIME_PER_S = 0.3
+#: add_level_caps states its rows for the units at least as large as each of this many largest sizes.
+LEVEL_CAP_SIZES = 2
 _PHASES = PHASES
 
 
@@ -478,6 +480,33 @@ def add_capacity_row(model: cp_model.CpModel, device: DeviceSpec, peak: Any,
         if size:
             row.append(size * n)
     model.add(sum(row) <= device.capacity_bytes)
+
+
+def add_level_caps(model: cp_model.CpModel, device: DeviceSpec, levels: Sequence[int], z: Sequence[Any],
+                   terms: Sequence[tuple[PlacementOption, Any, int]]) -> None:
+    """How many units of each option fit on ``device`` beside each level of its peak: a valid cut.
+
+    ``terms``: (option, count of units on it, the count's upper bound); ``levels``/``z`` from
+    :func:`peak_levels`. When ``z[j]`` is 1 the device's peak is at least ``levels[j]``, so ``n`` units
+    putting ``b`` bytes each there fit only if ``n <= (capacity - levels[j]) // b``; stated as
+    ``n <= top - (top - cap_j) z[j]`` (``top``: the most beside the option's own peak). Every
+    assignment meets it, so it cuts no solution; the LP loses its cheapest trick: a large transient
+    (a stream buffer, a phased prefill) spread as a small fraction over every GPU of a class, each
+    then still holding its full share of resident layers (Llama-3.1-405B on 8 x L4).
+    """
+    sized = []  # (bytes on device, own transient there, count, its bound)
+    for opt, n, most in terms:
+        size = ((opt.stored_bytes if opt.storage == device.name else 0)
+                + (opt.resident_bytes if opt.execution == device.name else 0))
+        if size > 0:
+            sized.append((size, max(peak_flags(opt, device.name), default=0), n, most))
+    for b in sorted({size for size, *_ in sized}, reverse=True)[:LEVEL_CAP_SIZES]:
+        group = [(own, n, most) for size, own, n, most in sized if size >= b]
+        top = min(sum(most for *_, most in group), max(0, (device.capacity_bytes - min(own for own, *_ in group)) // b))
+        for level, zj in zip(levels, z, strict=True):
+            cap = min(top, max(0, (device.capacity_bytes - level) // b))
+            if cap < top:
+                model.add(sum(n for _, n, _ in group) <= top - (top - cap) * zj)
 
 
 def peak_levels(model: cp_model.CpModel, device: str,

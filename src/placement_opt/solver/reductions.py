@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from .problem import EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 
-__all__ = ["coarsen_groups", "coarsen", "prefer_resident"]
+__all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room"]
 
 
 # -- coarsening: merge runs of chain units with the same menu and the same hinted option --------
@@ -113,3 +113,50 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
             free[o.execution] -= grow
             free[o.storage] += o.stored_bytes
     return out
+
+
+def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) -> list[int]:
+    """A plan a little over some capacity moved into it: up to ``moves`` units, one at a time, each the
+    cheapest move (least added prefill + decode, among those freeing enough bytes when some do) of a
+    unit off the most overfull device to an option that puts no bytes and no larger transient there. A counted relaxation's plan prices each group at
+    its least peak (within :data:`~.relax.PEAK_STEP`) and can land a few MiB over; without this its
+    plan was dropped. Returns ``choice`` unchanged when nothing fits; the caller checks the result.
+    """
+    out = list(choice)
+    for _ in range(moves):
+        over = problem.score(out).over_bytes
+        if not over:
+            break
+        dev = max(over, key=over.get)
+        move = _cheapest_move(problem, out, dev)
+        if move is None:
+            return list(choice)
+        out[move[0]] = move[1]
+    return out
+
+
+def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -> tuple[int, int] | None:
+    """(unit, option) of the least extra time that takes bytes off ``dev`` (enough of them to fit, if any
+    move does), raises no transient there and puts its bytes where there is room."""
+    score = problem.score(choice)
+    free = {d.name: d.capacity_bytes - score.used_bytes[d.name] for d in problem.devices}
+    best: tuple[bool, int, int, int] | None = None  # (frees too little, extra ns, unit, option): least first
+    for u, spec in enumerate(problem.units):
+        now = spec.options[choice[u]]
+        if _bytes_on(now, dev) == 0 or not problem.allows(spec, now):
+            continue
+        for k, o in enumerate(spec.options):
+            if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= _peak_on(now, dev)
+                    and all(_bytes_on(o, d) - _bytes_on(now, d) <= free[d] for d in free if d != dev)):
+                key = (_bytes_on(now, dev) < -free[dev], o.prefill_ns + o.decode_ns - now.prefill_ns - now.decode_ns,
+                       u, k)
+                best = key if best is None or key < best else best
+    return None if best is None else (best[2], best[3])
+
+
+def _peak_on(opt: PlacementOption, dev: str) -> int:
+    return max((b for d, b in opt.peaks() if d == dev), default=0)
+
+
+def _bytes_on(opt: PlacementOption, dev: str) -> int:
+    return (opt.stored_bytes if opt.storage == dev else 0) + (opt.resident_bytes if opt.execution == dev else 0)

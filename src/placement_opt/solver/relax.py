@@ -9,9 +9,12 @@ counts alone can state:
 
 * every device's total work in each phase, on the device computing it there (at most the real one:
   which unit of a group does what changes it only above the least prices);
-* the length of one path ``P`` of the graph: the groups whose every unit lies on ``P`` add their
-  work, units alone in their group add theirs, the rest and every transfer add 0 (at most what the
-  path costs);
+* the length of a few paths ``P`` of the graph (the hint's critical path, then
+  :func:`covering_paths` until every unit lies on one): on each, the groups whose every unit lies on
+  ``P`` add their work, the rest and every transfer add 0 (at most what the path costs). Parallel
+  siblings (``q``/``k``/``v``, ``gate``/``up``) lie on different paths, so a slow option given to a
+  sibling costs on its path: with the critical path alone the relaxation made every off-path
+  sibling slow for free;
 * capacities with the transient peaks (the least ones: at most the real ones), pins and ties
   (pinned and tied units are groups of their own).
 
@@ -36,17 +39,23 @@ from .aggregate import most_beside_peak
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 from .problem import PlacementOption, PlacementProblem
 
-__all__ = ["GroupModel", "groups_of", "critical_path", "PEAK_STEP"]
+__all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "PEAK_STEP", "MORE_PATHS",
+           "MOST_SIBLING_PATHS"]
 
 #: Units whose peaks differ by less than this factor may share a group (priced at the least peak):
 #: the relaxation then understates a device's transient memory by at most that factor.
 PEAK_STEP = 1.1
+#: Paths beside the critical one that :func:`covering_paths` adds (a layer's widest fan-out is 3: q, k, v).
+MORE_PATHS = 3
+#: Most paths :func:`sibling_paths` states (one per combination of sibling roles: 3 x 2 in a decoder layer).
+MOST_SIBLING_PATHS = 12
 
 
-def groups_of(problem: PlacementProblem, path: Sequence[int] = ()) -> list[list[int]]:
-    """Units with the same options and bytes, peaks within :data:`PEAK_STEP`, on ``path`` or both off it,
-    in order of first appearance; pinned and tied units alone. Times may differ: the group prices each
-    option at its least time and peak.
+def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
+              others: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+    """Units with the same options and bytes, peaks within :data:`PEAK_STEP`, on the same ones of
+    ``path`` and ``others``, in order of first appearance; pinned and tied units alone. Times may
+    differ: the group prices each option at its least time and peak.
 
     The same module is priced a little differently in every layer of a traced graph (an ``o_proj``'s
     workspace grows with the residual stream it is charged with): exact menus would leave 160 of
@@ -54,10 +63,10 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = ()) -> list[list[
     groups still lie wholly on it.
     """
     alone = {n for g in problem.tied_groups for n in g} | set(problem.pins)
-    on_path = set(path)
+    on_paths = [set(p) for p in (path, *others)]
     by_menu: dict[Any, list[int]] = {}
     for u, spec in enumerate(problem.units):
-        key = ("alone", u) if spec.name in alone else (u in on_path, tuple(
+        key = ("alone", u) if spec.name in alone else (tuple(u in p for p in on_paths), tuple(
             (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, _bucket(o.peak_bytes))
             + ((o.prefill_execution, _bucket(o.prefill_peak_bytes)) if o.mode == "phased" else ())
             for o in spec.options))
@@ -100,18 +109,86 @@ def critical_path(problem: PlacementProblem, choice: Sequence[int]) -> list[int]
     return path[::-1]
 
 
+def covering_paths(problem: PlacementProblem, path: Sequence[int], most: int = MORE_PATHS) -> list[list[int]]:
+    """Up to ``most`` more paths of the graph, each through as many units on no earlier path as any path
+    goes (then the longest such), until every unit lies on a path."""
+    covered = set(path)
+    incoming: dict[int, list[int]] = {}
+    index = problem.index()
+    for e in problem.edges:
+        incoming.setdefault(index[e.dst], []).append(index[e.src])
+    out: list[list[int]] = []
+    weight = len(problem.units) + 1  # a new unit outweighs any number of covered ones
+    while len(out) < most and len(covered) < len(problem.units):
+        new = [0] * len(problem.units)
+        before: list[int | None] = [None] * len(problem.units)
+        for u in range(len(problem.units)):
+            best = max(incoming.get(u, []), key=lambda a: new[a], default=None)
+            before[u] = best
+            new[u] = (new[best] if best is not None else 0) + (u not in covered) * weight + 1  # then the longest
+        end: int | None = max(range(len(new)), key=lambda u: new[u])
+        found = []
+        while end is not None:
+            found.append(end)
+            end = before[end]
+        out.append(found[::-1])
+        covered.update(found)
+    return out
+
+
+def sibling_paths(problem: PlacementProblem, path: Sequence[int],
+                  most: int = MOST_SIBLING_PATHS) -> list[list[int]]:
+    """``path`` with its siblings swapped in, one path per combination of sibling roles (``[path]`` when
+    it has no siblings or more than ``most`` combinations).
+
+    A unit ``p`` of ``path`` between ``a`` and ``b`` has siblings when other units ``u`` also have the
+    edges ``a -> u -> b`` (``q``, ``k``, ``v`` between a layer's norm and ``o_proj``). Siblings are
+    ordered by menu; a *role* is a position in that order among sibling sets of the same menus. Each
+    returned path takes the same role in every such set, so the longest of them is at least
+    ``sum(unshared units) + sum over kinds of sets of max over roles (their work summed)``: the sum of
+    the per-layer maxima that the paths through one role each (:func:`covering_paths`) do not bound.
+    """
+    index = problem.index()
+    succ: dict[int, set[int]] = {}
+    for e in problem.edges:
+        succ.setdefault(index[e.src], set()).add(index[e.dst])
+    slots: list[tuple[int, tuple[Any, ...], list[int]]] = []  # (position on path, kind, siblings by role)
+    for i in range(1, len(path) - 1):
+        a, b = path[i - 1], path[i + 1]
+        alt = sorted((u for u in succ.get(a, ()) if b in succ.get(u, ())), key=lambda u: (_menu(problem, u), u))
+        if len(alt) > 1:
+            slots.append((i, tuple(_menu(problem, u) for u in alt), alt))
+    kinds = sorted({kind for _, kind, _ in slots}, key=repr)
+    combos = list(itertools.product(*(range(len(kind)) for kind in kinds)))
+    if not slots or len(combos) > most:
+        return [list(path)]
+    out = []
+    for roles in combos:
+        role = dict(zip(kinds, roles, strict=True))
+        p = list(path)
+        for i, kind, alt in slots:
+            p[i] = alt[role[kind]]
+        out.append(p)
+    return out
+
+
+def _menu(problem: PlacementProblem, u: int) -> tuple[Any, ...]:
+    return tuple((o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes) for o in problem.units[u].options)
+
+
 class GroupModel(CountedRelaxation):
     """The relaxation of one problem with each group of identical units as counts (module docstring)."""
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int], groups: list[list[int]],
                  path: Sequence[int], max_work_ns: int | None = None,
-                 device_classes: Sequence[Sequence[str]] = ()) -> None:
+                 device_classes: Sequence[Sequence[str]] = (), others: Sequence[Sequence[int]] = ()) -> None:
         """``device_classes``: interchangeable devices, ordered by the units they hold or compute
-        (as in :class:`~.aggregate.AggregateModel`)."""
+        (as in :class:`~.aggregate.AggregateModel`); ``others``: more paths whose length bounds the
+        latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest)."""
         self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
         self.model = cp_model.CpModel()
-        on_path = set(path)
-        self.spine = [k for k, g in enumerate(groups) if all(u in on_path for u in g)]
+        self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
+                       for on in (set(p) for p in (path, *others))]
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
         self.n = [self._counts(k, max_work_ns) for k in range(len(groups))]
         self.peak = {d.name: self._peak(d.name) for d in problem.devices}
@@ -172,16 +249,17 @@ class GroupModel(CountedRelaxation):
                     self.model.add(self._stored(index[group[0]], d) == self._stored(index[name], d))
 
     def _phase(self, ph: str) -> Any:
-        # lat >= every device's work, and >= the work of the groups lying wholly on the path.
+        # lat >= every device's work, and >= the work of the groups lying wholly on each path.
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
         lat = self.model.new_int_var(0, top, f"lat[{ph}]")
         for dev in {o.device_in(ph) for u in self.p.units for o in u.options}:
             work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
-        spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in self.spine for o, (n, _) in self.n[k].items()]
-        if spine:
-            self.model.add(lat >= sum(spine))
+        for groups in self.spines:
+            spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in groups for o, (n, _) in self.n[k].items()]
+            if spine:
+                self.model.add(lat >= sum(spine))
         return lat
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
@@ -190,7 +268,7 @@ class GroupModel(CountedRelaxation):
         choice = [0] * len(self.p.units)
         for k, g in enumerate(self.groups):
             opts = self._options(k)
-            order = sorted(self.n[k], key=lambda o: (devices.index(opts[o].execution), o))
+            order = sorted(self.n[k], key=lambda o: (-(opts[o].prefill_ns + opts[o].decode_ns), devices.index(opts[o].execution), o))
             handed = [o for o in order for _ in range(solver.value(self.n[k][o][0]))]
             for u, o in zip(g, handed, strict=True):
                 choice[u] = o

@@ -56,8 +56,8 @@ from .cpsat import OutOfTime, PlacementModel
 from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
-from .reductions import coarsen, coarsen_groups, prefer_resident
-from .relax import GroupModel, critical_path, groups_of
+from .reductions import coarsen, coarsen_groups, make_room, prefer_resident
+from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
 from .symmetry import identical_devices, relabel
 
 __all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
@@ -294,8 +294,10 @@ def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
 
 
 def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None) -> GroupModel:
-    path = critical_path(problem, hint)
-    return GroupModel(problem, scale, hint, groups_of(problem, path), path, work, identical_devices(problem))
+    path, *others = sibling_paths(problem, critical_path(problem, hint))
+    others += covering_paths(problem, path, MORE_PATHS - len(others)) if len(others) < MORE_PATHS else []
+    return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, identical_devices(problem),
+                      others)
 
 
 def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
@@ -316,6 +318,8 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found([], "UNKNOWN", bound)
     choice = m.read(solver)
+    if not problem.satisfies(choice):
+        choice = make_room(problem, choice)
     better = problem.satisfies(choice) and _within_cap(problem, choice, latency_cap_ns) and (
         not hint_ok or problem.objective_value(choice, objective) <= problem.objective_value(hint, objective))
     return _Found(choice if better else [], "FEASIBLE", bound)
