@@ -19,7 +19,8 @@ dominate small models. :func:`calibrate` measures the model itself:
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
    ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
-   the resident step;
+   the resident step, in a copy cut one layer longer whose second layer reads as a chain does
+   (:func:`_read_in_chain`);
 5. the figures are saved in the profile of this machine, per shape key, with the host's name.
 
 Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
@@ -172,13 +173,14 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
     representatives = _representatives(graph)
     cut = _cut_config(config, representatives)
+    chain = _cut_config(config, representatives, extra=1) if disk_folder else None  # disk reads: a layer after a layer
     times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
     copies: dict[str, dict[str, dict[str, Any]]] = {}
     with bar("Calibrating", len(names), progress=progress) as counted:
         for name in names:
             counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
             measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
-                                             many_devices=len(names) > 1, disk_folder=disk_folder)
+                                             many_devices=len(names) > 1, disk_folder=disk_folder, chain=chain)
             for key, unit_times in measured.items():
                 times[key][name] = unit_times
             for key, links in linked.items():
@@ -249,14 +251,15 @@ def _representatives(graph: LayerGraph) -> dict[str, str]:
 _LAYER_INDEX = re.compile(r"\.(\d+)$")
 
 
-def _cut_config(config: Any, representatives: Mapping[str, str]) -> Any:
-    """The config with the fewest layers that still hold every representative (layer i kept: i + 1)."""
+def _cut_config(config: Any, representatives: Mapping[str, str], extra: int = 0) -> Any:
+    """The config with the fewest layers that still hold every representative (layer i kept: i + 1),
+    and ``extra`` more where the model has them."""
     indices = [int(m.group(1)) for name in representatives if (m := _LAYER_INDEX.search(name))]
     cut = copy.deepcopy(config)
     layers = getattr(cut, "num_hidden_layers", None)
     if not isinstance(layers, int) or not indices:
         return cut
-    keep = min(layers, max(indices) + 1)
+    keep = min(layers, max(indices) + 1 + extra)
     cut.num_hidden_layers = keep
     if isinstance(getattr(cut, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
         cut.layer_types = cut.layer_types[:keep]
@@ -374,8 +377,9 @@ def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
 
 def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
-                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None
-                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
+                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None,
+                  chain: Any = None) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
+    """One device's unit times (and copies); ``chain``: the config whose copy times cold disk reads."""
     from .dispatcher import dispatch
 
     model = _build(config, graph.meta.dtype, device)
@@ -396,6 +400,9 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
         longest = max(prefill, key=lambda k: k[1])  # the cold prefill runs at it: the workload's prompt may be slow
         resident = {"prefill": prefill[longest], "decode": decode[min(decode, key=lambda k: k[1])]}
         cold_workload = dataclasses.replace(workload, prompt_len=longest[1])
+        if chain is not None and _layers(chain) > _layers(config):
+            model = None  # the compute copy goes before the chain copy comes: one in RAM at a time
+            model = _build(chain, graph.meta.dtype, device)
         for key, links in _time_disk_reads(model, graph, representatives, cold_workload, resident,
                                            disk_folder).items():
             copies.setdefault(key, {}).update(links)
@@ -573,38 +580,44 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
             for name, key in representatives.items():
                 if graph.unit(name).weight_bytes == 0:
                     continue
-                extra = {phase: max(0.0, cold[phase].get(name, 0.0) - resident[phase].get(name, 0.0))
+                read = _read_in_chain(name, graph, cold["decode"])
+                extra = {phase: max(0.0, cold[phase].get(read, 0.0) - resident[phase].get(name, 0.0))
                          for phase in ("prefill", "decode")}
                 reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
     return reads
 
 
-#: Cold decode steps timed per pass of a disk path (the median counts, per unit); one cold prefill beside them.
-DISK_STEPS = 2
+def _read_in_chain(name: str, graph: LayerGraph, timed: Mapping[str, float]) -> str:
+    """The unit whose cold read stands for ``name``'s: the next layer, when the copy ran it and it has
+    ``name``'s shape, so that the read is one a chain of streamed layers makes.
 
-#: A cold step: what to evict before it, and the units it times cold.
-_ColdPass = tuple[Callable[[], None], frozenset[str]]
+    A streamed unit reads the next one ahead while it runs. In a chain of disk layers that head start
+    is one layer's compute, and the disk is still busy with that layer's own faults; the first layer
+    of the cut copy follows the embedding instead, whose cold page faults hid half of a small layer's
+    read (benchmarks/cost_accuracy: 4.9 ms calibrated against 10 ms per layer of an 8-layer chain).
+    """
+    found = _LAYER_INDEX.search(name)
+    if found is None:
+        return name
+    following = f"{name[:found.start()]}.{int(found.group(1)) + 1}"
+    if following not in timed or following not in graph.names():
+        return name
+    dtype, seq = graph.meta.dtype, graph.meta.seq_len
+    same = shape_key(graph.unit(following), dtype, seq) == shape_key(graph.unit(name), dtype, seq)
+    return following if same else name
+
+
+#: Cold decode steps timed per disk path (the median counts, per unit); one cold prefill beside them.
+DISK_STEPS = 3
 
 
 def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
                 ) -> dict[str, dict[str, float]]:
-    """Cold reads through ``dispatch``, each unit timed in a pass where the unit before it is warm.
-
-    A streamed unit reads the next one ahead while it runs. In the model's own chain of disk layers
-    that head start is one layer's compute; in the cut copy, were every file cold, a layer's head start
-    would be the embedding's cold page faults before it, which hid half a small layer's read
-    (benchmarks/cost_accuracy: 4.9 ms against the 10 ms per layer of an 8-layer chain). So the
-    decode steps run in two passes: even units of the chain cold and odd ones warm, then the reverse.
-    """
     plan = _plan_from_device_map(model)
     handle = _dispatch(model, plan, folder)
     try:
-        chain = [unit for unit in handle._units if unit.disk]  # execution order: each reads the next ahead
-        files = [file for unit in chain for file, _ in unit.disk]
-        passes: list[_ColdPass] = [(_evicting([file for unit in part for file, _ in unit.disk]),
-                                    frozenset(unit.name for unit in part))
-                                   for part in (chain[0::2], chain[1::2]) if part]
-        return _cold_forwards(model, graph, workload, lambda: _evict(folder, files), passes)
+        files = [file for unit in handle._units for file, _ in unit.disk]
+        return _cold_forwards(model, graph, workload, lambda: _evict(folder, files))
     finally:
         handle.remove()
 
@@ -633,18 +646,16 @@ def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, fol
     clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on the meta device
     units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in _unit_modules(clone, graph)}
     dispatch_model(clone, device_map=units, offload_dir=str(folder))
-    evict = lambda: _evict(folder, [])  # noqa: E731
-    return _cold_forwards(clone, graph, workload, evict, [(evict, frozenset(units))])
+    return _cold_forwards(clone, graph, workload, lambda: _evict(folder, []))
 
 
-def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None],
-                   passes: list[_ColdPass]) -> dict[str, dict[str, float]]:
-    """Per-unit seconds of one prefill after ``evict()``, and (median) of decode steps: each unit's from
-    the pass that times it cold (:data:`DISK_STEPS` steps per pass, its eviction before each)."""
+def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None]
+                   ) -> dict[str, dict[str, float]]:
+    """Per-unit seconds of one prefill and (median) of decode steps, each after the files left the page cache."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     stamps = _Stamps(_unit_modules(model, graph), torch.device("cpu"))
     keep = _logits_argument(model, workload.logits_kept)
-    decode: dict[str, float] = {}
+    runs = []
     try:
         with torch.inference_mode():
             ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len))
@@ -652,33 +663,16 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
             evict()
             prefill, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
             cache = out.past_key_values
-            for evict_some, cold in passes:
-                runs, cache = _cold_steps(model, stamps, cache, evict_some, workload.batch_size, vocab)
-                decode.update({name: s for name, s in _typical(runs).items() if name in cold})
+            for _ in range(DISK_STEPS):
+                evict()
+                ids = torch.randint(0, vocab, (workload.batch_size, 1))
+                seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
+                                                                             use_cache=True))
+                runs.append(seconds)
+                cache = out.past_key_values
     finally:
         stamps.close()
-    return {"prefill": prefill, "decode": decode}
-
-
-def _cold_steps(model: nn.Module, stamps: _Stamps, cache: Any, evict: Callable[[], None], batch: int,
-                vocab: int) -> tuple[list[dict[str, float]], Any]:
-    runs = []
-    for _ in range(DISK_STEPS):
-        evict()
-        ids = torch.randint(0, vocab, (batch, 1))
-        seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
-                                                                     use_cache=True))
-        runs.append(seconds)
-        cache = out.past_key_values
-    return runs, cache
-
-
-def _evicting(files: list[Any]) -> Callable[[], None]:
-    """A call that drops these memory-mapped files (only these) from the page cache."""
-    def evict() -> None:
-        _unmap(files)
-        _fadvise_dontneed(Path(file.path) for file in files)
-    return evict
+    return {"prefill": prefill, "decode": _typical(runs)}
 
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:
