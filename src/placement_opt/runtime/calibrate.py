@@ -19,8 +19,8 @@ dominate small models. :func:`calibrate` measures the model itself:
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
    ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
-   the resident step, in a copy cut one layer longer whose second layer reads as a chain does
-   (:func:`_read_in_chain`);
+   the resident step, in a copy cut one layer longer: a layer's read is the mean of two consecutive
+   layers', as in a chain of streamed layers (:func:`_read_in_chain`);
 5. the figures are saved in the profile of this machine, per shape key, with the host's name.
 
 Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
@@ -580,31 +580,32 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
             for name, key in representatives.items():
                 if graph.unit(name).weight_bytes == 0:
                     continue
-                read = _read_in_chain(name, graph, cold["decode"])
-                extra = {phase: max(0.0, cold[phase].get(read, 0.0) - resident[phase].get(name, 0.0))
-                         for phase in ("prefill", "decode")}
+                chain = _read_in_chain(name, graph, cold["decode"])
+                extra = {phase: max(0.0, statistics.fmean(cold[phase].get(unit, 0.0) for unit in chain)
+                                    - resident[phase].get(name, 0.0)) for phase in ("prefill", "decode")}
                 reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
     return reads
 
 
-def _read_in_chain(name: str, graph: LayerGraph, timed: Mapping[str, float]) -> str:
-    """The unit whose cold read stands for ``name``'s: the next layer, when the copy ran it and it has
-    ``name``'s shape, so that the read is one a chain of streamed layers makes.
+def _read_in_chain(name: str, graph: LayerGraph, timed: Mapping[str, float]) -> list[str]:
+    """The units whose cold reads, averaged, stand for ``name``'s: the layer and the next one, when the
+    copy ran it and it has ``name``'s shape, so that the figure is what a chain of streamed layers pays.
 
-    A streamed unit reads the next one ahead while it runs. In a chain of disk layers that head start
-    is one layer's compute, and the disk is still busy with that layer's own faults; the first layer
-    of the cut copy follows the embedding instead, whose cold page faults hid half of a small layer's
-    read (benchmarks/cost_accuracy: 4.9 ms calibrated against 10 ms per layer of an 8-layer chain).
+    A streamed unit reads the next one ahead while it runs, and a chain of disk layers is bound by the
+    disk's rate: each layer's read overlaps the one before. Alone, the cut copy's one layer read ahead
+    during the cold embedding's page faults (4.9 ms calibrated against 10 ms per layer measured in an
+    8-layer chain); the second of two is hidden behind the first's faults (2 ms) while the first pays
+    for both. The pair's mean is a chain's per-layer read.
     """
     found = _LAYER_INDEX.search(name)
     if found is None:
-        return name
+        return [name]
     following = f"{name[:found.start()]}.{int(found.group(1)) + 1}"
     if following not in timed or following not in graph.names():
-        return name
+        return [name]
     dtype, seq = graph.meta.dtype, graph.meta.seq_len
     same = shape_key(graph.unit(following), dtype, seq) == shape_key(graph.unit(name), dtype, seq)
-    return following if same else name
+    return [name, following] if same else [name]
 
 
 #: Cold decode steps timed per disk path (the median counts, per unit); one cold prefill beside them.
