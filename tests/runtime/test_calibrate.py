@@ -171,17 +171,3 @@ def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_v
     rotary = model.model.rotary_emb
     assert torch.equal(rotary.inv_freq, type(rotary)(tiny_config()).inv_freq)  # buffers as __init__ made them
 
-
-def test_a_layer_s_cold_read_is_the_mean_of_two_consecutive_layers_when_the_copy_ran_them() -> None:
-    """Alone, the cut copy's first layer reads ahead during the cold embedding; of two, the second hides behind
-    the first's faults: their mean is what each layer of a chain of streamed layers pays."""
-    from placement_opt.runtime.calibrate import _cut_config, _read_in_chain
-
-    graph = trace(tiny_config())
-    timed = {"model.layers.0": 0.01, "model.layers.1": 0.02, "lm_head": 0.03}
-    assert _read_in_chain("model.layers.0", graph, timed) == ["model.layers.0", "model.layers.1"]
-    assert _read_in_chain("model.layers.0", graph, {"model.layers.0": 0.01}) == ["model.layers.0"]  # not run
-    assert _read_in_chain("lm_head", graph, timed) == ["lm_head"]
-    assert _read_in_chain("model.layers.2", graph, timed) == ["model.layers.2"]  # the last layer: none after it
-    assert _cut_config(tiny_config(), {"model.layers.0": "k"}, extra=1).num_hidden_layers == 2
-    assert _cut_config(tiny_config(), {"model.layers.2": "k"}, extra=1).num_hidden_layers == 3  # the model's all

@@ -19,8 +19,7 @@ dominate small models. :func:`calibrate` measures the model itself:
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
    ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
-   the resident step, in a copy cut one layer longer: a layer's read is the mean of two consecutive
-   layers', as in a chain of streamed layers (:func:`_read_in_chain`);
+   the resident step;
 5. the figures are saved in the profile of this machine, per shape key, with the host's name.
 
 Pricing uses them whenever ``solve()`` / ``evaluate()`` plan for this machine's measured devices,
@@ -173,14 +172,13 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
     representatives = _representatives(graph)
     cut = _cut_config(config, representatives)
-    chain = _cut_config(config, representatives, extra=1) if disk_folder else None  # disk reads: a layer after a layer
     times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
     copies: dict[str, dict[str, dict[str, Any]]] = {}
     with bar("Calibrating", len(names), progress=progress) as counted:
         for name in names:
             counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
             measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
-                                             many_devices=len(names) > 1, disk_folder=disk_folder, chain=chain)
+                                             many_devices=len(names) > 1, disk_folder=disk_folder)
             for key, unit_times in measured.items():
                 times[key][name] = unit_times
             for key, links in linked.items():
@@ -251,15 +249,14 @@ def _representatives(graph: LayerGraph) -> dict[str, str]:
 _LAYER_INDEX = re.compile(r"\.(\d+)$")
 
 
-def _cut_config(config: Any, representatives: Mapping[str, str], extra: int = 0) -> Any:
-    """The config with the fewest layers that still hold every representative (layer i kept: i + 1),
-    and ``extra`` more where the model has them."""
+def _cut_config(config: Any, representatives: Mapping[str, str]) -> Any:
+    """The config with the fewest layers that still hold every representative (layer i kept: i + 1)."""
     indices = [int(m.group(1)) for name in representatives if (m := _LAYER_INDEX.search(name))]
     cut = copy.deepcopy(config)
     layers = getattr(cut, "num_hidden_layers", None)
     if not isinstance(layers, int) or not indices:
         return cut
-    keep = min(layers, max(indices) + 1 + extra)
+    keep = min(layers, max(indices) + 1)
     cut.num_hidden_layers = keep
     if isinstance(getattr(cut, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
         cut.layer_types = cut.layer_types[:keep]
@@ -377,9 +374,8 @@ def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
 
 def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
-                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None,
-                  chain: Any = None) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
-    """One device's unit times (and copies); ``chain``: the config whose copy times cold disk reads."""
+                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None
+                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
     from .dispatcher import dispatch
 
     model = _build(config, graph.meta.dtype, device)
@@ -400,9 +396,6 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
         longest = max(prefill, key=lambda k: k[1])  # the cold prefill runs at it: the workload's prompt may be slow
         resident = {"prefill": prefill[longest], "decode": decode[min(decode, key=lambda k: k[1])]}
         cold_workload = dataclasses.replace(workload, prompt_len=longest[1])
-        if chain is not None and _layers(chain) > _layers(config):
-            model = None  # the compute copy goes before the chain copy comes: one in RAM at a time
-            model = _build(chain, graph.meta.dtype, device)
         for key, links in _time_disk_reads(model, graph, representatives, cold_workload, resident,
                                            disk_folder).items():
             copies.setdefault(key, {}).update(links)
@@ -580,32 +573,10 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
             for name, key in representatives.items():
                 if graph.unit(name).weight_bytes == 0:
                     continue
-                chain = _read_in_chain(name, graph, cold["decode"])
-                extra = {phase: max(0.0, statistics.fmean(cold[phase].get(unit, 0.0) for unit in chain)
-                                    - resident[phase].get(name, 0.0)) for phase in ("prefill", "decode")}
+                extra = {phase: max(0.0, cold[phase].get(name, 0.0) - resident[phase].get(name, 0.0))
+                         for phase in ("prefill", "decode")}
                 reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
     return reads
-
-
-def _read_in_chain(name: str, graph: LayerGraph, timed: Mapping[str, float]) -> list[str]:
-    """The units whose cold reads, averaged, stand for ``name``'s: the layer and the next one, when the
-    copy ran it and it has ``name``'s shape, so that the figure is what a chain of streamed layers pays.
-
-    A streamed unit reads the next one ahead while it runs, and a chain of disk layers is bound by the
-    disk's rate: each layer's read overlaps the one before. Alone, the cut copy's one layer read ahead
-    during the cold embedding's page faults (4.9 ms calibrated against 10 ms per layer measured in an
-    8-layer chain); the second of two is hidden behind the first's faults (2 ms) while the first pays
-    for both. The pair's mean is a chain's per-layer read.
-    """
-    found = _LAYER_INDEX.search(name)
-    if found is None:
-        return [name]
-    following = f"{name[:found.start()]}.{int(found.group(1)) + 1}"
-    if following not in timed or following not in graph.names():
-        return [name]
-    dtype, seq = graph.meta.dtype, graph.meta.seq_len
-    same = shape_key(graph.unit(following), dtype, seq) == shape_key(graph.unit(name), dtype, seq)
-    return [name, following] if same else [name]
 
 
 #: Cold decode steps timed per disk path (the median counts, per unit); one cold prefill beside them.
