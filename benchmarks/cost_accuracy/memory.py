@@ -138,6 +138,11 @@ def child(row: dict[str, Any], new: int) -> dict[str, Any]:
     from placement_opt.runtime.dispatcher import dispatch
 
     torch.set_num_threads(1)
+    if os.environ.get("COST_ACCURACY_FIX_MMAP"):
+        from placement_opt.runtime.allocator import fix_mmap_threshold
+
+        if not fix_mmap_threshold():
+            raise RuntimeError("fix_mmap_threshold() did not take: no glibc?")
     workload = Workload(batch_size=row["batch"], prompt_len=row["prompt"],
                         new_tokens=0 if row["call"] == "forward" else new)
     model = build_model(row)
@@ -170,10 +175,11 @@ def evict(folder: Path) -> None:
 
 
 # -- the parent: the grid --------------------------------------------------------------------------
-MALLOC = {"glibc": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+MALLOC = {"glibc": {}, "mmap64k": {"COST_ACCURACY_FIX_MMAP": "1"}}
 """Allocator settings a row runs under: glibc's defaults (a dynamic mmap threshold, which rises to the size of
 the largest block freed, up to 32 MiB: blocks below it come from the heap, whose freed middle is not given
-back), and a fixed 64 KiB threshold (every block of 64 KiB or more is its own mapping, unmapped when freed)."""
+back), and a fixed 64 KiB threshold set in the child by ``placement_opt.runtime.allocator.fix_mmap_threshold()``
+before the model is built (every block of 64 KiB or more is its own mapping, unmapped when freed)."""
 
 
 def run_row(name: str, new: int, malloc: str) -> dict[str, Any]:
@@ -239,7 +245,7 @@ def write(out: Path, results: list[dict[str, dict[str, Any]]], args: argparse.Na
         f"- Command: `python benchmarks/cost_accuracy/memory.py --new {args.new}` (see its docstring for the rows, "
         "the warm-up and how the peak is read).",
         f"- Rule `1.00 <= predicted / measured <= 1.15`: glibc defaults {ok['glibc']} of {len(rows)} rows; "
-        f"`MALLOC_MMAP_THRESHOLD_=65536` {ok['mmap64k']} of {len(rows)}.",
+        f"`fix_mmap_threshold()` (64 KiB, `mmap64k` columns) {ok['mmap64k']} of {len(rows)}.",
         "",
     ]
     out.write_text("\n".join(head + table(results)) + "\n", encoding="utf-8")

@@ -405,7 +405,8 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
         f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
         f"{torch.get_num_threads()} threads, Python {sys.version.split()[0]}; 1-minute load average "
         f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the cores).",
-        f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}` (prompt "
+        f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}"
+        f"{f' --threads {args.threads}' if args.threads else ''}` (prompt "
         f"{args.prompt}, {args.steps} decode steps, {args.repeats} prefill repeats)",
         "- `before`: `placement_opt.profile(['cpu', 'disk'], dtype='float32')` and the roofline; `after`: the same "
         "profile plus `placement_opt.calibrate(path, ['cpu', 'disk'], workload=...)` on the model. Both through "

@@ -149,3 +149,25 @@ def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(t
     assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(2, 4), (2, 16)]  # a quarter, a sixteenth
     assert [c for _, c, _ in layer.decode] and all(65 <= c <= 72 for _, c, _ in layer.decode)
     assert layer.prefill_s(2, 64, "last") >= layer.prefill_s(2, 16, "last")  # extended to the prompt
+
+
+@pytest.mark.parametrize(("prompt", "first"), [(1, 1), (16, 4), (64, 16), (128, 8), (512, 8), (4096, 16)])
+def test_prefills_start_short_and_grow_4x_toward_the_prompt(prompt: int, first: int) -> None:
+    from placement_opt.runtime.calibrate import PROBE_TOKENS, _first_length
+
+    assert _first_length(prompt) == first
+    assert first == prompt or first <= prompt // 4  # a shorter point beside the prompt: a line to extend
+    assert prompt < 4 * PROBE_TOKENS or first >= PROBE_TOKENS
+
+
+def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_varied() -> None:
+    import torch
+
+    from placement_opt.runtime.calibrate import _build
+
+    model = _build(tiny_config(), "float32", torch.device("cpu"))
+    for name, param in model.named_parameters():
+        assert param.isfinite().all() and param.std() > 0.01, name  # tiled N(0, 0.02): no garbage, no zeros
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, type(rotary)(tiny_config()).inv_freq)  # buffers as __init__ made them
+

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
-from ._memory import LiveBytes
+from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
 
 __all__ = ["Record", "run", "nbytes", "REPLAY_REPEATED_BLOCKS"]
@@ -95,7 +95,7 @@ def run(
     was_training = module.training
     try:
         module.eval()
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), FusedAttention(memory, recorder.running), recorder:
             if state is None:
                 module(*args, **kwargs)
             else:
@@ -220,6 +220,10 @@ class _Recorder(TorchDispatchMode):
             self.record.out_bytes[owner] = sum(nbytes(t) for t in _tensors(out))
         return owner
 
+    def running(self) -> str | None:
+        """The innermost hooked unit running now (None: glue between units)."""
+        return self.stack[-1] if self.stack else None
+
     def _guess_scalar(self, tensor: torch.Tensor) -> Any:
         # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
         self.record.guessed_scalars += 1
@@ -327,12 +331,16 @@ _MASK_CHECK_MODULES = frozenset({"transformers.masking_utils", "transformers.mod
 _PADDING_CHECKS = frozenset({("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask")})
 
 
+#: This package's modules that run inside the forward (never the model code that asked).
+_OWN_MODULES = frozenset({__name__, FusedAttention.__module__})
+
+
 def _asking_code() -> str | None:
     """``file:line (function)`` of the model code that read a tensor's value; None for a known mask check."""
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module != __name__ and module != "torch" and not module.startswith("torch."):
+        if module not in _OWN_MODULES and module != "torch" and not module.startswith("torch."):
             code = frame.f_code
             if module in _MASK_CHECK_MODULES or (module, code.co_name) in _PADDING_CHECKS:
                 return None

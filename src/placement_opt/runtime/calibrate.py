@@ -6,12 +6,14 @@ dominate small models. :func:`calibrate` measures the model itself:
 
 1. the model is traced; its units are grouped by shape (:func:`~placement_opt.cost.calibrated.shape_key`);
 2. a copy of the model cut to the fewest layers that hold one unit of every shape (a Hugging Face
-   config with ``num_hidden_layers`` lowered) is built with random weights on each compute device and
-   dispatched there with :func:`~.dispatcher.dispatch` (the project's hooks on every unit);
+   config with ``num_hidden_layers`` lowered) is built on each compute device, its initialisers skipped
+   and its weights filled from one small random block (:func:`_fill`: the values do not change a
+   kernel's time, and drawing a 7B layer's weights took longer than timing it), and dispatched there
+   with :func:`~.dispatcher.dispatch` (the project's hooks on every unit);
 3. each unit is timed from its call to the next unit's call (the glue between units counted with the
-   unit before it, so the units add up to the whole forward): a prefill at a quarter of the
-   workload's prompt and at the prompt itself (or, when that would take over
-   :data:`PREFILL_BUDGET_S`, at a sixteenth: pricing extends the line), and decode steps with a
+   unit before it, so the units add up to the whole forward): prefills at prompts growing 4x from a
+   short one (:data:`PROBE_TOKENS`) up to the workload's prompt while the next one should take at most
+   :data:`PREFILL_BUDGET_S` (pricing extends the line beyond the last), and decode steps with a
    real KV cache near the first context (``prompt + 1``) and near the last (``prompt + new_tokens``);
 4. the copy of each unit's weights is timed both ways they are streamed: with a GPU, the project's
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
@@ -28,6 +30,7 @@ whatever form ``devices`` takes. A device the profile has not measured yet is pr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -56,20 +59,29 @@ __all__ = ["calibrate", "CalibrationResult"]
 
 #: Decode steps timed at each context at least (the median counts, per unit) ...
 DECODE_STEPS = 8
+#: ... unless they add up to :data:`DECODE_BUDGET_S` first (a large model's steps vary little beside their
+#: length), and then at least this many ...
+MIN_DECODE_STEPS = 3
+DECODE_BUDGET_S = 0.5
 #: ... and at most, while they add up to under half :data:`MIN_TIMED_S`.
 MAX_DECODE_STEPS = 32
 #: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
 MIN_TIMED_S = 0.5
 #: At most this many timed forwards of one shape.
 MAX_RUNS = 20
-#: The workload's own prompt is timed when its prefill should take at most this; else a smaller one.
-PREFILL_BUDGET_S = 5.0
+#: The next, 4x longer prefill is timed when it should take at most this (estimated from the last one).
+PREFILL_BUDGET_S = 2.0
+#: The shortest prefill timed: the workload's prompt divided by 4 until one more division would go below this.
+PROBE_TOKENS = 8
 #: A warm-up faster than this is followed by two more (first calls of small shapes run slow).
 FAST_FORWARD_S = 0.2
-#: A warm-up slower than this is the figure itself (first-call costs are small beside it).
-SLOW_FORWARD_S = 2.0
-#: The smaller prefill measured beside the workload's, as a fraction of its prompt (for interpolation).
+#: A warm-up slower than this is the figure itself: first-call costs (allocator pages, kernel
+#: selection) are a few ms, small beside it; a 7B layer's 32-token prefill takes ~1 s on 2 cores.
+SLOW_FORWARD_S = 0.5
+#: Prefill prompts grow by this factor from one timed length to the next.
 SMALL_PROMPT_FRACTION = 4
+#: Elements of the random block every weight is filled from (:func:`_fill`): 4 MiB in float32.
+FILL_BLOCK_ELEMENTS = 2**20 + 7
 
 
 @dataclass(frozen=True)
@@ -256,17 +268,53 @@ def _layers(config: Any) -> int:
 
 
 def _build(config: Any, dtype: str, device: torch.device) -> nn.Module:
-    """The model of ``config`` on ``device`` with random weights (transformers' own initialisation)."""
+    """The model of ``config`` on ``device`` with random weights, built without running its initialisers."""
     import transformers
 
     auto = (transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False)
             else transformers.AutoModelForCausalLM)
-    with torch.device(device):
+    with torch.device(device), _no_init():
         try:
             model = auto.from_config(config, dtype=getattr(torch, dtype))
         except ValueError:
             model = transformers.AutoModel.from_config(config, dtype=getattr(torch, dtype))
+    _fill(model)
     return model.eval()
+
+
+def _no_init() -> Any:
+    """transformers' context that skips torch's and its own weight initialisers (a 7B layer's draws took
+    ~5 s of a 16 s calibration on 2 cores); a no-op where this transformers has none."""
+    import contextlib
+
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            module = __import__(where, fromlist=["no_init_weights"])
+        except ImportError:  # pragma: no cover - depends on the transformers version
+            continue
+        if hasattr(module, "no_init_weights"):
+            return module.no_init_weights()
+    return contextlib.nullcontext()  # pragma: no cover - an old transformers: initialisers run, only slower
+
+
+def _fill(model: nn.Module) -> None:
+    """Every floating weight tiled from one seeded random block (N(0, 0.02), as transformers initialises):
+    a copy runs at memory speed where drawing runs at a few hundred MB/s. The values matter only for
+    being finite and not denormal, as a kernel's time depends on nothing else."""
+    block = torch.randn(FILL_BLOCK_ELEMENTS, generator=torch.Generator().manual_seed(0)) * 0.02
+    converted: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    with torch.no_grad():
+        for tensor in model.parameters():
+            if not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            if not tensor.is_contiguous():  # pragma: no cover - no transformers weight is strided
+                tensor.normal_(0.0, 0.02)
+                continue
+            source = converted.setdefault((tensor.device, tensor.dtype), block.to(tensor.device, tensor.dtype))
+            flat = tensor.view(-1)
+            for start in range(0, flat.numel(), source.numel()):
+                piece = flat[start:start + source.numel()]
+                piece.copy_(source[:piece.numel()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,9 +393,11 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
     finally:
         handle.remove()
     if device.type == "cpu" and disk_folder is not None and decode:
-        resident = {"prefill": prefill[workload.batch_size, workload.prompt_len],
-                    "decode": decode[min(decode, key=lambda k: k[1])]}
-        for key, links in _time_disk_reads(model, graph, representatives, workload, resident, disk_folder).items():
+        longest = max(prefill, key=lambda k: k[1])  # the cold prefill runs at it: the workload's prompt may be slow
+        resident = {"prefill": prefill[longest], "decode": decode[min(decode, key=lambda k: k[1])]}
+        cold_workload = dataclasses.replace(workload, prompt_len=longest[1])
+        for key, links in _time_disk_reads(model, graph, representatives, cold_workload, resident,
+                                           disk_folder).items():
             copies.setdefault(key, {}).update(links)
     del model
     kept = workload.logits_kept
@@ -370,15 +420,15 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
                    ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
     """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``.
 
-    The smaller prompt goes first; when it says the workload's prompt would take more than
-    :data:`PREFILL_BUDGET_S`, a still smaller one is timed instead and pricing extends the line
-    through the two (a prefill is linear in tokens but for attention's small quadratic part), and the
-    decode steps run on the smaller prompt's KV cache grown to the workload's prompt.
+    Prompts grow 4x from :func:`_first_length` to the workload's while the next one should take at
+    most :data:`PREFILL_BUDGET_S` (estimated from the last, in proportion); when only one fits, a 4x
+    shorter one is timed too, so that pricing has a line to extend (a prefill is linear in tokens but
+    for attention's small quadratic part). The decode steps run on the longest prompt's KV cache
+    grown to the workload's prompt.
     """
     batch, prompt = workload.batch_size, workload.prompt_len
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     keep = _logits_argument(model, workload.logits_kept)
-    small = max(1, prompt // SMALL_PROMPT_FRACTION)
     prefill: dict[tuple[int, int], dict[str, float]] = {}
 
     def timed(length: int) -> Any:
@@ -387,17 +437,27 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
         prefill[batch, length] = _typical(runs)
         return out.past_key_values
 
-    cache = timed(small)
-    if prompt > small:
-        estimate = sum(prefill[batch, small].values()) * prompt / small
-        if estimate <= PREFILL_BUDGET_S:
-            cache = timed(prompt)
-        elif small > 1:
-            timed(max(1, small // SMALL_PROMPT_FRACTION))
+    length = _first_length(prompt)
+    cache = timed(length)
+    while length < prompt:
+        longer = min(prompt, length * SMALL_PROMPT_FRACTION)
+        if sum(prefill[batch, length].values()) * longer / length > PREFILL_BUDGET_S:
+            if len(prefill) == 1 and length > 1:
+                timed(max(1, length // SMALL_PROMPT_FRACTION))
+            break
+        cache, length = timed(longer), longer
     if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
         ids = torch.randint(0, vocab, (batch, prompt), device=device)
         cache = model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")).past_key_values
     return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+
+
+def _first_length(prompt: int) -> int:
+    """The shortest prefill timed: the prompt divided by 4, and again while that stays >= :data:`PROBE_TOKENS`."""
+    length = max(1, prompt // SMALL_PROMPT_FRACTION)
+    while length // SMALL_PROMPT_FRACTION >= PROBE_TOKENS:
+        length //= SMALL_PROMPT_FRACTION
+    return length
 
 
 def _cached_length(cache: Any) -> int:
@@ -471,11 +531,13 @@ def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Worklo
 def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int, vocab: int,
            device: torch.device) -> tuple[dict[str, float], int]:
     """The typical per-unit seconds of decode steps and how many were timed (at least
-    :data:`DECODE_STEPS`, more while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
+    :data:`DECODE_STEPS`, or :data:`MIN_DECODE_STEPS` once they add up to :data:`DECODE_BUDGET_S`; more
+    while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
     runs: list[dict[str, float]] = []
     spent = 0.0
     step = 0
-    while step <= min(DECODE_STEPS, most) or (spent < MIN_TIMED_S / 2 and step <= most):
+    while (step <= min(DECODE_STEPS, most) and not (spent >= DECODE_BUDGET_S and len(runs) >= MIN_DECODE_STEPS)
+           or (spent < MIN_TIMED_S / 2 and step <= most)):
         ids = torch.randint(0, vocab, (batch, 1), device=device)
         start = time.perf_counter()
         seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, past_key_values=cache,
@@ -495,9 +557,10 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
 
     ``stream``: placement_opt's dispatch computes from the memory-mapped file (pages fault in as the
     kernels touch them, the next unit read ahead); ``stream_sync``: accelerate's hooks copy each tensor
-    out of its ``np.memmap``. Each is a forward with every file evicted from the page cache first,
-    less the same forward resident (``resident``: phase -> unit -> seconds). A prefill hides more of
-    the read-ahead behind compute than a decode step does, so the two phases are kept apart.
+    out of its ``np.memmap``. Each is a forward with files evicted from the page cache first, less the
+    same forward resident (``resident``: phase -> unit -> seconds). A prefill hides more of the
+    read-ahead behind compute than a decode step does, so the two phases are kept apart. The prefill is
+    ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps short).
     """
     import tempfile
 
@@ -522,14 +585,8 @@ DISK_STEPS = 3
 
 def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
                 ) -> dict[str, dict[str, float]]:
-    import dataclasses
-
-    from ._device_map import plan_from_device_map
-    from .dispatcher import dispatch
-
-    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
-    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
-    handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
+    plan = _plan_from_device_map(model)
+    handle = _dispatch(model, plan, folder)
     try:
         files = [file for unit in handle._units for file, _ in unit.disk]
         return _cold_forwards(model, graph, workload, lambda: _evict(folder, files))
@@ -537,8 +594,23 @@ def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder:
         handle.remove()
 
 
+def _plan_from_device_map(model: nn.Module) -> Any:
+    from ._device_map import plan_from_device_map
+
+    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
+    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
+    return dataclasses.replace(plan, placements=streamed)
+
+
+def _dispatch(model: nn.Module, plan: Any, folder: Path) -> Any:
+    from .dispatcher import dispatch
+
+    return dispatch(model, plan, offload_dir=folder)
+
+
 def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
                     ) -> dict[str, dict[str, float]] | None:
+    """Cold reads through accelerate's ``dispatch_model`` (no read-ahead: every file cold in each step)."""
     try:
         from accelerate import dispatch_model
     except ImportError:  # pragma: no cover - accelerate is a dependency
@@ -577,6 +649,12 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:
     """Drop ``folder``'s files from the page cache; mapped pages first (``fadvise`` skips mapped pages)."""
+    _unmap(files)
+    _fadvise_dontneed(path for path in folder.rglob("*") if path.is_file())
+
+
+def _unmap(files: Iterable[Any]) -> None:
+    """Let go of the mapped pages of these files (``MADV_DONTNEED``), so that the page cache can drop them."""
     import mmap
 
     for file in files:
@@ -585,15 +663,17 @@ def _evict(folder: Path, files: Iterable[Any]) -> None:
             mapped = getattr(mapped, "obj", None) or getattr(mapped, "base", None)
         if isinstance(mapped, mmap.mmap):
             mapped.madvise(mmap.MADV_DONTNEED)
+
+
+def _fadvise_dontneed(paths: Iterable[Path]) -> None:
     if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not Linux
         return
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
