@@ -85,16 +85,10 @@ def _expected_ns(graph: LayerGraph, machine: Machine, wl: Workload, option: Plac
     return getattr(reference, phase) + forwards * trip * NS_PER_S
 
 
-def _phase_latency(graph: LayerGraph, durations: dict[str, float], devices: dict[str, str]) -> float:
-    """Longest path through the graph (edges free) against the busiest device's sum of durations."""
-    finish: dict[str, float] = {}
-    for name in graph.names():
-        ready = max((finish[src] for src, dst, _ in graph.edges() if dst == name), default=0.0)
-        finish[name] = ready + durations[name]
-    load: dict[str, float] = {}
-    for name, device in devices.items():
-        load[device] = load.get(device, 0.0) + durations[name]
-    return max(max(finish.values()), max(load.values()))
+def _phase_latency(graph: LayerGraph, durations: dict[str, float]) -> float:
+    """A forward calls the units one after another, parallel branches too (a shared expert beside the
+    routed experts): the phase takes the sum of their durations."""
+    return sum(durations[name] for name in graph.names())
 
 
 _workloads = st.builds(Workload, batch_size=st.integers(1, 8), prompt_len=st.integers(1, 256),
@@ -118,16 +112,17 @@ def test_score_is_each_units_compute_plus_its_round_trips_off_home(family: str, 
     for phase in PHASES:
         durations = {spec.name: _expected_ns(graph, machine, wl, opt, ref.options[c], units[spec.name], phase)
                      for spec, opt, ref, c in zip(problem.units, chosen, reference.units, choice, strict=True)}
-        devices = {spec.name: opt.device_in(phase) for spec, opt in zip(problem.units, chosen, strict=True)}
         # every price is rounded up to a whole ns once, in the problem and in the reference: 1 ns per unit
-        assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations, devices),
+        assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations),
                                                       abs=len(problem.units) + 1)
 
 
-def test_edges_of_a_sublayer_graph_are_free_and_kept() -> None:
-    graph = _graph("qwen2_moe")
+def test_a_sublayer_graph_is_a_free_chain_in_execution_order() -> None:
+    graph = _graph("qwen2_moe")  # branches: the shared expert beside the router and the experts
+    assert len(graph.edges()) > len(graph.names()) - 1
     problem = build_problem(graph, _machine(), Workload(prompt_len=64, new_tokens=8))
-    assert len(problem.edges) == len(graph.edges()) > 0
+    names = graph.names()
+    assert [(e.src, e.dst) for e in problem.edges] == list(zip(names, names[1:]))
     assert all(not e.prefill_ns and not e.decode_ns for e in problem.edges)
     block = build_problem(_as_block(graph), _machine(), Workload(prompt_len=64, new_tokens=8))
     assert all(e.prefill_ns and e.decode_ns for e in block.edges)  # priced per pair as before

@@ -134,10 +134,14 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
-    """Every edge priced per pair of devices; those of a sublayer graph cost 0 (its data goes through the
-    home device, which the units' round trips price: see :mod:`.pricing`) and only order the units."""
+    """Every edge priced per pair of devices. A sublayer graph's units are chained in execution order
+    instead, each link free: its data goes through the home device, which the units' round trips price
+    (see :mod:`.pricing`), and its forward runs them one after another. A parallel branch (a shared
+    expert beside the routed experts) does not overlap the other in a real forward: the module calls
+    them in turn, and moving the router's output to a CPU-computed unit waits for the GPU's queue."""
     if ctx.home is not None:
-        return tuple(EdgeSpec(src=src, dst=dst, prefill_ns={}, decode_ns={}) for src, dst, _ in ctx.graph.edges())
+        names = ctx.graph.names()
+        return tuple(EdgeSpec(src=src, dst=dst, prefill_ns={}, decode_ns={}) for src, dst in zip(names, names[1:]))
     wl = ctx.workload
     compute = [d.name for d in ctx.machine.compute_devices]
     pairs = [(a, b) for a in compute for b in compute if a != b]

@@ -51,9 +51,10 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
   (prefill: ``batch x prompt``, the logits unit ``batch`` when only the last logits are kept, twice in
   a training step; decode: ``batch`` per step, summed over the steps). A unit on home pays none; a
   ``phased`` unit pays it in the phase whose device is not home (its CPU decode, when home is a GPU).
-  The round trip follows the unit's compute and weight copy (it is added, never overlapped). Edges of
-  sublayer graphs cost 0 (everything crosses through home, which the round trips price) and stay as
-  the order of the units: a phase's latency is still the longest path.
+  The round trip follows the unit's compute and weight copy (it is added, never overlapped). A sublayer
+  graph's units are chained in execution order with free links (everything crosses through home,
+  which the round trips price): a phase's latency is the sum of its units' times, as the forward calls
+  them one after another (a shared expert beside the routed experts included: see ``build._edges``).
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
   checkpointing), weights streamed twice, activations and gradients cross edges twice.
 
