@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import pytest
 import transformers
@@ -121,8 +122,7 @@ def test_a_sublayer_graph_is_a_free_chain_in_execution_order() -> None:
     graph = _graph("qwen2_moe")  # branches: the shared expert beside the router and the experts
     assert len(graph.edges()) > len(graph.names()) - 1
     problem = build_problem(graph, _machine(), Workload(prompt_len=64, new_tokens=8))
-    names = graph.names()
-    assert [(e.src, e.dst) for e in problem.edges] == list(zip(names, names[1:]))
+    assert [(e.src, e.dst) for e in problem.edges] == list(itertools.pairwise(graph.names()))
     assert all(not e.prefill_ns and not e.decode_ns for e in problem.edges)
     block = build_problem(_as_block(graph), _machine(), Workload(prompt_len=64, new_tokens=8))
     assert all(e.prefill_ns and e.decode_ns for e in block.edges)  # priced per pair as before
