@@ -585,27 +585,17 @@ DISK_STEPS = 3
 
 def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
                 ) -> dict[str, dict[str, float]]:
-    plan = _plan_from_device_map(model)
-    handle = _dispatch(model, plan, folder)
+    from ._device_map import plan_from_device_map
+    from .dispatcher import dispatch
+
+    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
+    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
+    handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
     try:
         files = [file for unit in handle._units for file, _ in unit.disk]
         return _cold_forwards(model, graph, workload, lambda: _evict(folder, files))
     finally:
         handle.remove()
-
-
-def _plan_from_device_map(model: nn.Module) -> Any:
-    from ._device_map import plan_from_device_map
-
-    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
-    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
-    return dataclasses.replace(plan, placements=streamed)
-
-
-def _dispatch(model: nn.Module, plan: Any, folder: Path) -> Any:
-    from .dispatcher import dispatch
-
-    return dispatch(model, plan, offload_dir=folder)
 
 
 def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
