@@ -29,8 +29,9 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
     ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
-    installed library with ``source`` (the model or config the graph was traced from), and so does
-    ``granularity="auto"``, which traces ``source`` at block and sublayer granularity.
+    installed library with ``source`` (the model or config the graph was traced from);
+    ``granularity="auto"`` traces ``source`` at sublayer granularity too (``graph`` is its block graph,
+    at the same dtype) and keeps the better plan.
     """
     if strategy == "accelerate":
         return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
@@ -42,7 +43,11 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
     if modes is not None:
         kwargs["modes"] = modes
     if granularity == "auto":
-        return solve(source, machine, objective, granularity="auto", **kwargs)
+        from .model.tracer import trace
+        from .planner import solve_best_granularity
+
+        sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer")
+        return solve_best_granularity(graph, sublayer, machine, objective, **kwargs)
     return solve(graph, machine, objective, **kwargs)
 
 

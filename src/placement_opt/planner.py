@@ -46,7 +46,7 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
-__all__ = ["solve", "baseline_plan", "STRATEGIES", "OBJECTIVES", "SOLVER_WORKERS"]
+__all__ = ["solve", "solve_best_granularity", "baseline_plan", "STRATEGIES", "OBJECTIVES", "SOLVER_WORKERS"]
 
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
@@ -185,14 +185,23 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 
 
 def _solve_either_granularity(model: Any, devices: Any, objective: str, **options: Any) -> Plan:
-    """``granularity="auto"``: the block plan and the sublayer plan, each in half the time; the better one.
-
-    Both are priced by one cost model (the sublayer plan with its round trips to home), so their
-    objective values compare. A model without sublayer parts (no decoder blocks to split) is solved once.
-    """
+    """``granularity="auto"`` on a model: traced at both granularities, then :func:`solve_best_granularity`."""
     from .model.tracer import trace
 
-    block, sublayer = trace(model, granularity="block"), trace(model, granularity="sublayer")
+    return solve_best_granularity(trace(model, granularity="block"), trace(model, granularity="sublayer"),
+                                  devices, objective, **options)
+
+
+def solve_best_granularity(block: LayerGraph, sublayer: LayerGraph, devices: Any, objective: str = "latency",
+                           **options: Any) -> Plan:
+    """The block plan and the sublayer plan of one model, each in half of ``time_limit_s``; the better one.
+
+    What ``solve(model, granularity="auto")`` does once it has traced the model both ways; callers that
+    hold the block graph already (the CLI) trace only the sublayer one. Both are priced by one cost model
+    (the sublayer plan with its round trips to home), so their objective values compare. A model without
+    sublayer parts (no decoder blocks to split) is solved once. ``options``: :func:`solve`'s keywords.
+    """
+    options.setdefault("time_limit_s", 1.0)
     if set(block.names()) == set(sublayer.names()):
         return solve(block, devices, objective, **options)
     half = {**options, "time_limit_s": options["time_limit_s"] / 2}
@@ -233,6 +242,8 @@ def _check_granularity(model: Any, granularity: str | None) -> None:
             f"granularity={granularity!r} needs the model itself, but a LayerGraph traced at "
             f"{model.meta.granularity!r} was given: pass the model (or its config), or "
             f"trace(model, granularity=...) first and leave granularity out")
+
+
 def _holds_no_tensors(model: Any) -> bool:
     """An ``nn.Module`` (duck-typed: the planner imports no torch) without any parameter or buffer."""
     parameters, buffers = getattr(model, "parameters", None), getattr(model, "buffers", None)
