@@ -11,6 +11,7 @@ import itertools
 
 from hypothesis import strategies as st
 
+from _overlap import simulated_waits
 from placement_opt.solver import aggregate, search
 
 
@@ -25,22 +26,33 @@ def reference_value(problem, choice, objective):
     devices = [d.name for d in problem.devices]
 
     def phase(key):
+        options = list(chosen.values())
+        waits = dict(zip(chosen, simulated_waits([getattr(o, key) for o in options],
+                                                 [copy_of(o, key) for o in options], cyclic=key == "decode_ns"),
+                         strict=True))
         finish = {}
         for name, o in chosen.items():  # units are in execution order and edges point forward
             here = computes(o, key)
             arrivals = [finish[e.src] + (getattr(e, key).get((computes(chosen[e.src], key), here), 0)
                                          if computes(chosen[e.src], key) != here else 0)
                         for e in problem.edges if e.dst == name]
-            finish[name] = max(arrivals, default=0) + getattr(o, key)
-        busiest = max(sum(getattr(o, key) for o in chosen.values() if computes(o, key) == d) for d in devices)
-        return max(max(finish.values()), busiest)
+            finish[name] = max(arrivals, default=0) + waits[name] + getattr(o, key)
+        busiest = max(sum(getattr(o, key) for o in options if computes(o, key) == d) for d in devices)
+        copies = sum(copy_of(o, key) for o in options)
+        host = sum(o.host_prefill_ns if key == "prefill_ns" else o.host_decode_ns for o in options)
+        disk = sum(o.disk_prefill_ns if key == "prefill_ns" else o.disk_decode_ns for o in options)
+        return max(max(finish.values()), busiest, copies, host, disk)
 
     if objective == "latency":
         return phase("prefill_ns") + phase("decode_ns")
-    if objective == "throughput":
-        return max(sum(getattr(o, key) for o in chosen.values() for key in ("prefill_ns", "decode_ns")
-                       if computes(o, key) == d) for d in devices)
+    if objective == "throughput":  # a streamed unit's stage work: the longer of its compute and its copy
+        return max(sum(max(getattr(o, key), copy_of(o, key)) for o in chosen.values()
+                       for key in ("prefill_ns", "decode_ns") if computes(o, key) == d) for d in devices)
     return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
+
+
+def copy_of(o, key):
+    return o.copy_prefill_ns if key == "prefill_ns" else o.copy_decode_ns
 
 
 def reference_bytes(chosen, device):

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from placement_opt.solver import aggregate, cpsat, relax, search
+from placement_opt.solver._counted import hiding
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
     OBJECTIVES,
@@ -32,6 +33,7 @@ from placement_opt.solver.problem import (
     PlacementOption,
     PlacementProblem,
     UnitSpec,
+    spine,
 )
 from placement_opt.solver.reductions import make_room
 from placement_opt.solver.symmetry import first_use, identical_devices, relabel
@@ -50,18 +52,25 @@ def _matrix(draw, devices, twins):
 
 def _menu(draw, gpus, twins):
     """Resident on every GPU and on the CPU, streamed from the CPU to every GPU; twins price GPUs alike."""
-    def numbers():
-        return dict(prefill_ns=draw(st.integers(0, 30)), decode_ns=draw(st.integers(0, 60)),
-                    resident_bytes=draw(st.integers(0, 2)), peak_bytes=draw(st.integers(0, 4)))
+    def numbers(copies=False):
+        out = dict(prefill_ns=draw(st.integers(0, 30)), decode_ns=draw(st.integers(0, 60)),
+                   resident_bytes=draw(st.integers(0, 2)), peak_bytes=draw(st.integers(0, 4)))
+        if copies:  # the prefetch thread's copies, and host memory's time (cf. problem.py's Overlap)
+            out.update(copy_prefill_ns=draw(st.integers(0, 40)), copy_decode_ns=draw(st.integers(0, 80)),
+                       host_prefill_ns=draw(st.integers(0, 20)), host_decode_ns=draw(st.integers(0, 40)),
+                       disk_prefill_ns=draw(st.integers(0, 20)), disk_decode_ns=draw(st.integers(0, 40)))
+        return out
     stored = draw(st.integers(0, 6))
-    on_gpu, streamed = numbers(), numbers()
+    on_gpu, streamed = numbers(), numbers(copies=True)
     options = []
     for g in gpus:
         if not twins:
-            on_gpu, streamed = numbers(), numbers()
+            on_gpu, streamed = numbers(), numbers(copies=True)
         options.append(PlacementOption(storage=g, execution=g, mode="resident", stored_bytes=stored, **on_gpu))
         options.append(PlacementOption(storage="cpu", execution=g, mode="stream", stored_bytes=stored, **streamed))
-    options.append(PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=stored, **numbers()))
+    on_cpu = numbers() | dict(host_prefill_ns=draw(st.integers(0, 20)), host_decode_ns=draw(st.integers(0, 40)),
+                              disk_prefill_ns=draw(st.integers(0, 20)), disk_decode_ns=draw(st.integers(0, 40)))
+    options.append(PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=stored, **on_cpu))
     return tuple(options)
 
 
@@ -388,3 +397,30 @@ def test_sibling_paths_bound_a_layer_pattern_against_brute_force(data):
     if best is None:
         return  # a relaxation may find room where the problem has none
     assert solver.best_objective_bound <= best
+
+
+@given(gap=st.integers(1, 120), sizes=st.lists(st.integers(1, 70), min_size=1, max_size=3), data=st.data())
+def test_the_stall_rows_never_exceed_a_windows_real_stall(gap, sizes, data):
+    # _counted._stalls: per window, delta (j0 + 1) - sum of worths <= max(0, gap - what the window computes),
+    # for every mix of whole units (each count 0..4) and any unit size B
+    size = data.draw(st.sampled_from(sizes) | st.integers(1, 70))
+    j0, delta = divmod(gap, size)
+    if delta == 0:
+        return  # no row is stated then
+    for counts in itertools.product(range(5), repeat=len(sizes)):
+        row = delta * (j0 + 1) - sum(hiding(b, size, j0, delta) * k for b, k in zip(sizes, counts, strict=True))
+        assert row <= max(0, gap - sum(b * k for b, k in zip(sizes, counts, strict=True)))
+
+
+def test_the_spine_is_every_unit_on_all_paths():
+    def unit(name):
+        return UnitSpec(name=name, options=(PlacementOption(storage="cpu", execution="cpu", mode="resident",
+                                                             prefill_ns=1, decode_ns=1, stored_bytes=0,
+                                                             resident_bytes=0, peak_bytes=0),))
+    names = ["embed", "rotary", "l0", "l1", "l2", "head"]
+    edges = [("embed", "l0"), ("rotary", "l0"), ("l0", "l1"), ("l0", "l2"), ("l1", "l2"), ("l2", "head")]
+    problem = PlacementProblem(units=tuple(unit(n) for n in names),
+                               edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in edges),
+                               devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1),))
+    # two sources (embed, rotary); l0 -> l2 jumps over l1
+    assert spine(problem) == {2, 4, 5}

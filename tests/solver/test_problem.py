@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _overlap import simulated_waits
+from placement_opt.errors import SolverInputError
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
     PlacementOption,
     PlacementProblem,
     UnitSpec,
+    stalls,
 )
 
 
@@ -65,3 +72,72 @@ def test_malformed_problems_list_every_problem():
     assert "pin names unknown unit z" in str(err.value)
     with pytest.raises(ValueError, match="3 entries for 4 units"):
         _diamond().score([0, 0, 0])
+
+
+# -- overlap: the prefetch thread's copies beside the compute (problem.py's Overlap) ----------------
+def _chain(*options_per_unit: PlacementOption) -> PlacementProblem:
+    names = [f"u{i}" for i in range(len(options_per_unit))]
+    return PlacementProblem(
+        units=tuple(UnitSpec(name=n, options=(o,)) for n, o in zip(names, options_per_unit, strict=True)),
+        edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(names)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=100),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+
+
+def _streamed(compute, copy):
+    return PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=compute, decode_ns=compute,
+                           copy_prefill_ns=copy, copy_decode_ns=copy, stored_bytes=0, resident_bytes=0, peak_bytes=0)
+
+
+def _on_cpu(compute, host=0):
+    return PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=compute, decode_ns=compute,
+                           host_prefill_ns=host, host_decode_ns=host, stored_bytes=0, resident_bytes=0, peak_bytes=0)
+
+
+def test_a_copy_behind_cpu_compute_costs_the_longer_of_the_two_not_their_sum():
+    # decode, cyclic: CPU 40, streamed (compute 2, copy 30): the copy runs while the CPU computes
+    s = _chain(_on_cpu(40), _streamed(2, 30)).score([0, 0])
+    assert s.decode_ns == 42
+    # the prefill's first copy starts with the call: the CPU's 40 hide it as well
+    assert s.prefill_ns == 42
+    # a copy longer than the compute beside it shows what is left: in the decode the copy for the next step
+    # starts as the streamed unit does, so the step takes the copy's 60; the prefill's waits 60 - 40
+    longer = _chain(_on_cpu(40), _streamed(2, 60)).score([0, 0])
+    assert (longer.decode_ns, longer.prefill_ns) == (60, 40 + 20 + 2)
+
+
+def test_back_to_back_streamed_units_cost_the_longer_of_compute_and_copy_each():
+    s = _chain(_streamed(2, 30), _streamed(2, 30), _streamed(2, 30)).score([0, 0, 0])
+    assert s.decode_ns == 90  # every copy waits on the one before: 3 x max(2, 30)
+    # the prefill's first copy has nothing before it to hide behind: it waits 30, then 28 each
+    assert s.prefill_ns == 30 + 2 + 28 + 2 + 28 + 2
+
+
+def test_interleaving_streamed_units_with_cpu_ones_hides_their_copies():
+    blocks = _chain(_on_cpu(30), _on_cpu(30), _streamed(2, 30), _streamed(2, 30))
+    spread = _chain(_on_cpu(30), _streamed(2, 30), _on_cpu(30), _streamed(2, 30))
+    assert blocks.score([0] * 4).decode_ns == 30 + 30 + 2 + 28 + 2  # the second copy waits behind 2
+    assert spread.score([0] * 4).decode_ns == 64  # every copy hidden
+
+
+def test_the_prefetch_thread_and_host_memory_bound_a_phase():
+    # a DAG cannot hide a copy behind parallel branches beyond the thread's own time: lat >= sum of copies
+    s = _chain(_streamed(1, 10), _streamed(1, 10)).score([0, 0])
+    assert s.decode_ns >= 20
+    # host memory serves the CPU's reads and the copies: 50 + 50 of host time, longer than anything else
+    shared = _chain(_on_cpu(30, host=50), PlacementOption(
+        storage="cpu", execution="cuda:0", mode="stream", prefill_ns=2, decode_ns=2, copy_prefill_ns=30,
+        copy_decode_ns=30, host_prefill_ns=50, host_decode_ns=50, stored_bytes=0, resident_bytes=0, peak_bytes=0))
+    assert shared.score([0, 0]).decode_ns == 100
+
+
+@given(durations=st.lists(st.integers(0, 50), min_size=1, max_size=12), data=st.data(), cyclic=st.booleans())
+def test_stalls_match_the_prefetch_played_in_time(durations, data, cyclic):
+    copies = [data.draw(st.integers(0, 60)) if data.draw(st.booleans()) else 0 for _ in durations]
+    assert stalls(durations, copies, cyclic) == simulated_waits(durations, copies, cyclic)
+
+
+def test_copies_belong_to_stream_and_phased_options_only():
+    with pytest.raises(SolverInputError, match="only a stream or phased option"):
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=1, decode_ns=1, copy_decode_ns=3,
+                        stored_bytes=0, resident_bytes=0, peak_bytes=0)

@@ -13,9 +13,23 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from .cpsat import new_solver, stage_work
-from .problem import PlacementOption, PlacementProblem
+from .problem import SHARED, PlacementOption, PlacementProblem
 
-__all__ = ["CountedRelaxation"]
+__all__ = ["CountedRelaxation", "STALL_CUT_SIZES", "hiding"]
+
+#: The stall rows use each of this many largest distinct unit times (below the widest copy gap) as the
+#: window's unit size ``B``.
+STALL_CUT_SIZES = 4
+
+
+def hiding(b: int, size: int, j0: int, delta: int) -> int:
+    """What one unit computing ``b`` takes off a window's stall row (:meth:`CountedRelaxation._stalls`, unit
+    size ``size``, ``j0`` and ``delta`` of its copy gap): ``min(b, delta)`` up to the unit size, where it
+    hides ``b`` of a gap that whole units of ``size`` leave at ``delta``; above it, as ``ceil(b / size)``
+    units of ``size`` (which hide more), ``delta`` each, at most ``j0 + 1`` (the whole gap)."""
+    if b <= size:
+        return min(b, delta)
+    return delta * min(j0 + 1, -(-b // size))
 
 
 class CountedRelaxation:
@@ -41,11 +55,61 @@ class CountedRelaxation:
     def _t(self, ns: int) -> int:
         return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
 
+    def _shared_rows(self, ph: str, lat: Any) -> None:
+        """``lat >=`` each of ``SHARED``'s time in ``ph`` (copies, host memory, disk). Durations count compute
+        alone and stalls are left out: both models stay relaxations (stalls are >= 0)."""
+        for res in SHARED:
+            shared = [self._t(o.shared_in(res, ph)) * n for o, n in self._terms() if self._t(o.shared_in(res, ph))]
+            if shared:
+                self.model.add(lat >= sum(shared))
+
+    def _stalls(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> Any:
+        """A lower bound of the total stall of the units of ``spine`` (their options and counts) in phase ``ph``,
+        in solver units (0 when none copies in ``ph``).
+
+        ``spine``: units on every path of the DAG (:func:`~.problem.spine`): each longest path holds their
+        stalls, so the caller adds this to it. Each streamed
+        unit waits for what the units since the previous streamed unit (a *window*) leave of its copy
+        ``c``: at least ``max(0, c - a - x)``, ``a`` the most a streamed unit computes in ``ph``, ``x`` what
+        the window's other units compute. With windows of whole units of at most ``B`` each, ``j`` units
+        hide at most ``j B``, and over integers ``j`` the convex envelope of ``max(0, g - j B)``
+        (``g = c - a``) is ``delta (j0 + 1 - j)`` above ``j0 = g // B`` (``delta = g - j0 B``): summed over
+        the windows of the units on one copy price, ``stall >= delta (j0 + 1) n_streamed - sum of worths``,
+        a unit's worth (:func:`hiding`) ``delta`` for a unit of ``B``. Exact for identical layers: the
+        bound balanced windows reach. (Valid per window for every mix of units: tests/solver/test_bound.py.)
+        """
+        terms = self._terms()
+        streamed: dict[int, list[Any]] = {}
+        for o, n in spine:
+            if self._t(o.copy_in(ph)) > 0:
+                streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
+        if not streamed:
+            return 0
+        a = max(self._t(getattr(o, ph)) for o, _ in terms if self._t(o.copy_in(ph)) > 0)
+        hiders = [(self._t(getattr(o, ph)), n) for o, n in terms if self._t(o.copy_in(ph)) == 0]
+        widest = max(streamed) - a  # a unit size B above every copy's gap cuts nothing: the largest below it
+        sizes = sorted({b for b, _ in hiders if 0 < b < widest})
+        most = sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
+        stall = self.model.new_int_var(0, most, f"stall[{ph}]")
+        for copy, counts in streamed.items():
+            gap = copy - a
+            for size in sizes[-STALL_CUT_SIZES:]:
+                j0, delta = divmod(gap, size)
+                if gap <= 0 or delta == 0:
+                    continue
+                worth = [(hiding(b, size, j0, delta), n) for b, n in hiders if b > 0]
+                self.model.add(stall >= delta * (j0 + 1) * sum(counts) - sum(w * n for w, n in worth))
+        return stall
+
+    def _shared_horizon(self, ph: str) -> int:
+        """The most the shared rows can ask of ``lat[ph]``: what its horizon must allow."""
+        return sum(max(sum(self._t(o.shared_in(res, ph)) for res in SHARED) for o in u.options) for u in self.p.units)
+
     def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
         """The goals of :meth:`.cpsat.PlacementModel.minimize`; ``slack`` is the latency's rounding slack
         in solver units, added to the memory objective's latency cap."""
         if objective == "throughput":
-            stage = self.model.new_int_var(0, sum(self._t(o.prefill_ns) + self._t(o.decode_ns)
+            stage = self.model.new_int_var(0, sum(self._t(o.work_in("prefill_ns")) + self._t(o.work_in("decode_ns"))
                                                   for u in self.p.units for o in u.options), "stage")
             for dev in (d.name for d in self.p.devices):  # each phase's work on the device computing it
                 work = [stage_work(o, dev, self._t) * n for o, n in self._terms(dev)]

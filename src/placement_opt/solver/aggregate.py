@@ -34,7 +34,7 @@ from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
 from .cpsat import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
-from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem
+from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
 
@@ -119,6 +119,7 @@ class AggregateModel(CountedRelaxation):
             self.items.append(run)
             k = run[1] + 1
         self.model = cp_model.CpModel()
+        self.spine = spine(problem)
         self.vars: list[dict[int, Any]] = [self._counts(t, max_work_ns) for t in range(len(self.items))]
         # first[t][ph][d] / last[t][ph][d]: the device computing item t's first / last unit in phase ph
         self.first = [self._ends(t, self.items[t][0]) for t in range(len(self.items))]
@@ -302,7 +303,11 @@ class AggregateModel(CountedRelaxation):
         has_out = {s for es in incoming.values() for s, _ in es}
         horizon = sum(self._size(t) * max(self._t(getattr(o, ph)) for o in self._options(t)) for t in range(len(self.items)))
         horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
-        lat = self.model.new_int_var(0, horizon, f"lat[{ph}]")
+        lat = self.model.new_int_var(0, horizon + self._shared_horizon(ph), f"lat[{ph}]")
+        self._shared_rows(ph, lat)
+        stall = self._stalls(ph, [(self._options(t)[o], v) for t in range(len(self.items))
+                                  if all(u in self.spine for u in range(self.items[t][0], self.items[t][1] + 1))
+                                  for o, v in self.vars[t].items()])
         for t in range(len(self.items)):
             work = sum(self._t(getattr(self._options(t)[o], ph)) * v for o, v in self.vars[t].items())
             if self._is_run(t):
@@ -318,7 +323,7 @@ class AggregateModel(CountedRelaxation):
                     self.model.add(end >= arrival + work)
                 ends.append(end)
             if t not in has_out:
-                self.model.add(lat >= ends[t])
+                self.model.add(lat >= ends[t] + stall)
         for dev in self._devices():
             work = [self._t(getattr(o, ph)) * v for o, v in self._terms(dev, ph)]
             if work:
@@ -327,7 +332,17 @@ class AggregateModel(CountedRelaxation):
 
     # -- objective, solve, read -----------------------------------------------------------------
     def read(self, solver: cp_model.CpSolver) -> list[int]:
-        """An assignment: singles as solved, each interior in one block per device, first and last at the ends."""
+        """An assignment: singles as solved, each interior in one block per device, first and last at the
+        ends; or, when it prices lower, each interior's streamed units spread among its others, so that
+        their copies run beside the others' compute (problem.stalls)."""
+        blocks = self._read(solver, None, False)
+        spreads = [c for c in (self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True))
+                   if c != blocks]
+        if not spreads:
+            return blocks
+        return min([blocks, *spreads], key=lambda c: self.p.score(c).latency_ns)
+
+    def _read(self, solver: cp_model.CpSolver, spread: str | None, balance: bool) -> list[int]:
         choice: list[int] = []
         for t in range(len(self.items)):
             counts = {o: solver.value(v) for o, v in self.vars[t].items()}
@@ -339,5 +354,47 @@ class AggregateModel(CountedRelaxation):
             tail = next(d for d, f in self.last[t]["decode_ns"].items() if solver.boolean_value(f))
             order = sorted(counts, key=lambda o: (opts[o].execution != head, opts[o].execution == tail,
                                                   self._devices().index(opts[o].execution), o))
-            choice += [o for o in order for _ in range(counts[o])]
+            units = [o for o in order for _ in range(counts[o])]
+            if spread is None:
+                choice += units
+            else:
+                choice += (_balanced if balance else _spread)(units, opts, spread)
         return choice
+
+
+def _balanced(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
+    """``units`` as windows, each a streamed unit (copied in ``phase``) after its share of the rest: the rest
+    dealt out largest first, each to the window whose copy is least covered by the compute before it (the
+    streamed unit ahead of the window included), each window's units in the order ``units`` had them."""
+    streamed = [o for o in units if opts[o].copy_in(phase)]
+    if not streamed or len(streamed) == len(units):
+        return units
+    windows: list[list[int]] = [[] for _ in streamed]
+    # window k precedes streamed[k]; the streamed unit before it (cyclically) computes in it too
+    short = [opts[o].copy_in(phase) - getattr(opts[streamed[k - 1]], phase) for k, o in enumerate(streamed)]
+    rank = {o: k for k, o in enumerate(dict.fromkeys(units))}
+    for o in sorted((o for o in units if not opts[o].copy_in(phase)), key=lambda o: -getattr(opts[o], phase)):
+        k = max(range(len(windows)), key=short.__getitem__)
+        windows[k].append(o)
+        short[k] -= getattr(opts[o], phase)
+    out: list[int] = []
+    for window, o in zip(windows, streamed, strict=True):
+        out += sorted(window, key=rank.__getitem__) + [o]
+    return out
+
+
+def _spread(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
+    """``units`` (option indices) with those the prefetch thread copies in ``phase`` spaced evenly among the
+    rest, each after its share of them."""
+    streamed = [o for o in units if opts[o].copy_in(phase)]
+    rest = [o for o in units if not opts[o].copy_in(phase)]
+    if not streamed or not rest:
+        return units
+    out: list[int] = []
+    taken = 0
+    for k, o in enumerate(streamed):
+        upto = round((k + 1) * len(rest) / len(streamed))
+        out += rest[taken:upto]
+        taken = upto
+        out.append(o)
+    return out + rest[taken:]

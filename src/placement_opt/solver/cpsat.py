@@ -21,8 +21,15 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 * ``end[ph, u]`` is the time unit ``u`` finishes in phase ``ph`` (DAGs only, and only where two or
   more edges enter ``u``; elsewhere the finish time is a linear expression, and a chain's longest
   path is the plain sum of durations and transfers).
-* ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` and ``>= every device's load``
-  in ``ph``, exactly :meth:`PlacementProblem.score`'s ``max(longest path, busiest device)``.
+* ``wait[ph, u]`` is streamed unit ``u``'s stall (:func:`~.problem.stalls`) and ``beside[ph, u]`` the
+  time since the previous streamed unit started, through ``u``, capped at the largest copy (which
+  leaves every stall as it is): ``beside[u] <= duration[u] + beside[u - 1]``, and
+  ``<= duration[u]`` when ``u`` streams (a big-M row on its copy options);
+  ``wait[u] >= copy[u] - beside[u - 1]``; cyclic in the decode. Exact: the objective pushes each
+  ``beside`` to its largest value, the recurrence's. Only problems with copy options have them.
+* ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` (stalls included), ``>= every
+  device's load`` and ``>=`` each of ``SHARED``'s time (copies, host memory, disk) in ``ph``, exactly
+  :meth:`PlacementProblem.score`'s maximum.
 * ``stage`` is the slowest device's total work, each phase's on the device computing it
   (``throughput`` objective only).
 
@@ -42,7 +49,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem
+from .problem import PHASES, SHARED, DeviceSpec, PlacementOption, PlacementProblem, stalls
 
 __all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "add_level_caps", "peak_levels",
            "computes_on", "stage_work", "own_work", "peak_flags"]
@@ -86,6 +93,7 @@ class PlacementModel:
         self.index = problem.index()
         self.devices = [d.name for d in problem.devices]
         self.chain = self._is_chain()
+        self._copies = any(o.copy_prefill_ns or o.copy_decode_ns for u in problem.units for o in u.options)
         # per phase, every device some option computes on in it: where "elsewhere" is, for transfers
         self._exec_devices = {ph: sorted({o.device_in(ph) for u in problem.units for o in u.options})
                               for ph in _PHASES}
@@ -335,13 +343,19 @@ class PlacementModel:
         # lat[ph] >= the longest path (transfers included) and >= every device's total work.
         n = len(self.p.units)
         finish, load = self.p.schedule(self.chosen, ph, self._t)
-        hinted = max(max(finish, default=0), max(load.values(), default=0))
-        horizon = sum(max(self._t(getattr(opt, ph)) for _, opt in self._opts(u)) for u in range(n))
+        hinted = max(max(finish, default=0), max(load.values(), default=0), *self.p.shared_rows(self.chosen, ph, self._t))
+        horizon = sum(max(self._t(getattr(opt, ph)) + sum(self._t(opt.shared_in(res, ph)) for res in SHARED)
+                          for _, opt in self._opts(u)) for u in range(n))
         horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
         lat = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"lat[{ph}]"), hinted)
+        for res in SHARED:  # the prefetch thread, host memory, the disk
+            shared = [self._t(opt.shared_in(res, ph)) * v for opt, v in self._terms() if self._t(opt.shared_in(res, ph))]
+            if shared:
+                self.model.add(lat >= sum(shared))
         xfer = [self._transfer(ph, k) for k in range(len(self.p.edges))]
+        wait = self._waits(ph)
         if self.chain:
-            self.model.add(lat >= sum(self._t(getattr(opt, ph)) * v for opt, v in self._terms()) + sum(xfer))
+            self.model.add(lat >= sum(self._t(getattr(opt, ph)) * v for opt, v in self._terms()) + sum(xfer) + sum(wait))
             return lat
         # end[ph, u]: a variable only where paths merge (two or more in-edges); a unit with one
         # in-edge ends at its source's end + transfer + duration, a linear expression, so chain
@@ -355,10 +369,10 @@ class PlacementModel:
             ins = incoming.get(u, [])
             arrivals = [end[self.index[self.p.edges[k].src]] + xfer[k] for k in ins]
             if len(ins) <= 1:
-                end.append((arrivals[0] if arrivals else 0) + self._duration(u, ph))
+                end.append((arrivals[0] if arrivals else 0) + self._duration(u, ph) + wait[u])
             else:
                 var = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
-                duration = self._duration(u, ph)
+                duration = self._duration(u, ph) + wait[u]
                 for arrival in arrivals:
                     self.model.add(var >= arrival + duration)
                 end.append(var)
@@ -370,11 +384,43 @@ class PlacementModel:
                 self.model.add(lat >= sum(work))
         return lat
 
+    def _waits(self, ph: str) -> list[Any]:
+        """wait[ph, u] of every unit (0 where no option of u copies in ph): the module docstring's rows."""
+        n = len(self.p.units)
+        copies = [{o: self._t(opt.copy_in(ph)) for o, opt in self._opts(u) if self._t(opt.copy_in(ph)) > 0}
+                  for u in range(n)]
+        if not any(copies):
+            return [0] * n
+        most = max(c for row in copies for c in row.values())
+        cyclic = ph == "decode_ns"
+        durations = [self._t(getattr(o, ph)) for o in self.chosen]
+        hinted_copy = [self._t(o.copy_in(ph)) for o in self.chosen]
+        hinted_wait = stalls(durations, hinted_copy, cyclic)
+        beside: list[Any] = []
+        running = sum(durations[max((i for i, c in enumerate(hinted_copy) if c), default=n):]) if cyclic else 0
+        for u in range(n):
+            running = durations[u] if hinted_copy[u] else running + durations[u]
+            beside.append(self._hinted(self.model.new_int_var(0, most, f"beside[{ph},{u}]"), min(most, running)))
+        wait: list[Any] = []
+        for u in range(n):
+            before = beside[u - 1] if u > 0 else (beside[n - 1] if cyclic else 0)
+            self.model.add(beside[u] <= self._duration(u, ph) + before)
+            if not copies[u]:
+                wait.append(0)
+                continue
+            streams = sum(self.x[u, o] for o in copies[u])
+            self.model.add(beside[u] <= self._duration(u, ph) + most * (1 - streams))
+            w = self._hinted(self.model.new_int_var(0, most, f"wait[{ph},{u}]"), hinted_wait[u])
+            self.model.add(w >= sum(c * self.x[u, o] for o, c in copies[u].items()) - before)
+            wait.append(w)
+        return wait
+
     def _slowest_stage(self) -> Any:
         # stage >= every device's total work (prefill + decode, each phase on the device computing it).
         n = len(self.p.units)
         stages = {d: sum(stage_work(o, d, self._t) for o in self.chosen) for d in self.devices}
-        top = sum(max(self._t(o.prefill_ns) + self._t(o.decode_ns) for _, o in self._opts(u)) for u in range(n))
+        top = sum(max(stage_work(o, o.execution, self._t) + stage_work(o, o.device_in("prefill_ns"), self._t)
+                      for _, o in self._opts(u)) for u in range(n))
         z = self._hinted(self.model.new_int_var(0, max(top, max(stages.values())), "stage"), max(stages.values()))
         for dev in self.devices:
             work = [stage_work(o, dev, self._t) * v for o, v in self._terms(dev)]
@@ -421,7 +467,9 @@ class PlacementModel:
         """The most the rounded objective can differ from the exact one, in solver units."""
         if objective == "memory":
             return 0
-        return len(self.p.units) + (len(self.p.edges) if objective == "latency" else 0)
+        # A stall's rounding error is at most half a unit per unit it spans (module docstring's bound, doubled).
+        waits = len(self.p.units) if objective == "latency" and self._copies else 0
+        return len(self.p.units) + (len(self.p.edges) if objective == "latency" else 0) + waits
 
     def unit_scale(self, objective: str) -> int:
         """Objective units per solver unit: ``scale_ns`` for times, 1 for bytes."""
@@ -543,7 +591,7 @@ def computes_on(opt: PlacementOption, device: str, phase: str | None = None) -> 
 def stage_work(opt: PlacementOption, device: str, t: Any) -> int:
     """What ``opt`` adds to ``device``'s stage (throughput) in solver time (``t``: ns -> solver units):
     each phase on the device computing it, as :meth:`~.problem.PlacementProblem.score` adds it."""
-    return sum(t(getattr(opt, ph)) for ph in _PHASES if opt.device_in(ph) == device)
+    return sum(t(opt.work_in(ph)) for ph in _PHASES if opt.device_in(ph) == device)
 
 
 def own_work(opt: PlacementOption) -> int:
@@ -552,8 +600,8 @@ def own_work(opt: PlacementOption) -> int:
     unit) and the slowest stage of any assignment using ``opt``, so options above a known objective
     value can be left out."""
     if opt.device_in("prefill_ns") == opt.execution:
-        return opt.prefill_ns + opt.decode_ns
-    return max(opt.prefill_ns, opt.decode_ns)
+        return opt.work_in("prefill_ns") + opt.work_in("decode_ns")
+    return max(opt.work_in("prefill_ns"), opt.work_in("decode_ns"))
 
 
 def peak_flags(opt: PlacementOption, device: str) -> list[int]:

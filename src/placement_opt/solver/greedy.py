@@ -255,8 +255,13 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
         exact = [i for i in options if u.options[i].execution == execution]
         pool = exact or options
         choice.append(min(pool, key=lambda i: (rank[u.options[i].mode],
-                                               u.options[i].prefill_ns + u.options[i].decode_ns)))
+                                               _work(u.options[i]))))
     return choice
+
+
+def _work(o: PlacementOption) -> int:
+    """What a baseline ranks an option by: its time when nothing else hides its copy."""
+    return o.work_in("prefill_ns") + o.work_in("decode_ns")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +304,7 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
                    key=lambda i: (not problem.allows(u, u.options[i]),
                                   lead in storage and u.options[i].storage != storage[lead],
                                   not room_for(u.options[i]),
-                                  u.options[i].prefill_ns + u.options[i].decode_ns, i))
+                                  _work(u.options[i]), i))
         o = u.options[best]
         for d, added in _adds(o, peak).items():
             free[d] -= added

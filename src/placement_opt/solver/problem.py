@@ -9,14 +9,34 @@ CP-SAT model, the baselines and ``evaluate`` all agree with it.
 
 The latency of one phase (prefill, or all decode steps together) is
 
-    max( longest path through the DAG,  busiest device's total work )
+    max( longest path through the DAG,  busiest device's total work,
+         the prefetch thread's copies,  host memory's traffic,  the disk's reads )
 
-where a unit weighs its option's duration and an edge weighs its transfer time when its two
-ends execute on different devices in that phase (a ``phased`` option computes on
-``prefill_execution`` in the prefill and on ``execution`` in the decode). For a chain (every decoder-only LLM) the longest path is
-the plain sum. For DAGs it is the critical path; the device-load term keeps two parallel
-branches on one device from being counted as if they overlapped. It is the classic lower
-bound of the precedence-constrained scheduling problem (a list schedule is within 2x of it).
+where a unit weighs its option's duration plus its *stall* and an edge weighs its transfer time
+when its two ends execute on different devices in that phase (a ``phased`` option computes on
+``prefill_execution`` in the prefill and on ``execution`` in the decode). For a chain (every
+decoder-only LLM) the longest path is the plain sum. For DAGs it is the critical path; the
+device-load term keeps two parallel branches on one device from being counted as if they
+overlapped. It is the classic lower bound of the precedence-constrained scheduling problem (a
+list schedule is within 2x of it).
+
+Overlap. A ``stream`` option to a GPU has a ``copy_*_ns`` the dispatcher's one prefetch thread
+spends copying its weights; its duration is its compute alone. The thread starts the copy of the
+next streamed unit when the previous streamed unit starts computing, so the copy runs beside
+every unit in between, CPU-executed ones included (and, in the decode, wraps to the next step's
+first streamed unit). A streamed unit waits for what is left of its copy: with ``C`` the time the
+units from the previous streamed unit (included) up to this one (excluded) take,
+
+    stall = max(0, copy - C)
+
+(:func:`stalls`; the decode is cyclic, steady state; in the prefill the first copy runs from the
+call's start). Consecutive streamed units of equal size cost ``max(compute, copy)`` each, as a
+plain prefetch does; a streamed unit behind CPU-executed ones hides its copy behind their compute.
+The copies share one thread (``lat >= sum of copies``), host memory serves the copies and the
+CPU's weight reads together (``lat >= sum of host_*_ns``), and one disk serves every read of the
+weights stored on it (``lat >= sum of disk_*_ns``). Edge transfers are not counted as time
+that hides a copy (a pessimistic simplification), and the decode's recurrence runs on the sums
+over its steps (optimistic by at most the variation of a step's compute across the context).
 
 Memory on a device is
 
@@ -37,6 +57,7 @@ from ..errors import SolverInputError
 __all__ = [
     "MODES",
     "PHASES",
+    "SHARED",
     "OBJECTIVES",
     "objective_value",
     "PlacementOption",
@@ -45,6 +66,8 @@ __all__ = [
     "DeviceSpec",
     "PlacementProblem",
     "Score",
+    "stalls",
+    "spine",
 ]
 
 #: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
@@ -57,6 +80,10 @@ __all__ = [
 MODES = ("resident", "stream", "stream_sync", "phased")
 #: The phases every price comes in: the keys of :class:`PlacementOption`'s times.
 PHASES = ("prefill_ns", "decode_ns")
+#: What one thread or device does for every unit beside the compute, each bounding a phase's latency by its
+#: sum over the units (``copy_*``, ``host_*`` and ``disk_*`` of :class:`PlacementOption`): the prefetch
+#: thread's copies, host memory's traffic, the disk's reads.
+SHARED = ("copy", "host", "disk")
 #: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
 #: total work) or ``memory`` (bytes used on the GPUs).
 OBJECTIVES = ("latency", "throughput", "memory")
@@ -104,6 +131,21 @@ class PlacementOption:
     prefill_peak_bytes: int = 0
     """``phased`` only: transient bytes on ``prefill_execution`` while the unit runs in the prefill
     (its streamed weights, workspace and the prompt's KV cache before it moves to ``execution``)."""
+    copy_prefill_ns: int = 0
+    """The prefetch thread's copy of the weights in the prefill (``stream`` to a GPU; ``phased``), beside
+    ``prefill_ns`` (the compute): other units' compute hides it (module docstring, Overlap)."""
+    copy_decode_ns: int = 0
+    """The prefetch thread's copies over every decode step (``stream`` to a GPU)."""
+    host_prefill_ns: int = 0
+    """Time host memory spends serving this unit in the prefill (the CPU's weight reads, a copy's reads)
+    at the host's whole bandwidth: the host row, ``lat >= sum``, shares it between copies and compute."""
+    host_decode_ns: int = 0
+    """As ``host_prefill_ns``, over every decode step."""
+    disk_prefill_ns: int = 0
+    """Time the disk spends reading this option's weights in the prefill (stored on disk): the disk row,
+    ``lat >= sum``, shares one disk between the prefetch thread's reads and the CPU's mapped reads."""
+    disk_decode_ns: int = 0
+    """As ``disk_prefill_ns``, over every decode step."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,10 +156,16 @@ class PlacementOption:
                 f"option {self.storage}->{self.execution} ({self.mode}): a phased option, and only a phased "
                 f"one, names a prefill_execution other than its execution (got {self.prefill_execution!r}) "
                 f"and may carry prefill_peak_bytes")
+        if (self.copy_prefill_ns or self.copy_decode_ns) and self.mode not in ("stream", "phased"):
+            raise SolverInputError(f"option {self.storage}->{self.execution} ({self.mode}): only a stream or "
+                                   f"phased option copies in the background (copy_*_ns must be 0)")
         if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes,
-               self.prefill_peak_bytes) >= 0:
+               self.prefill_peak_bytes, self.copy_prefill_ns, self.copy_decode_ns, self.host_prefill_ns,
+               self.host_decode_ns, self.disk_prefill_ns, self.disk_decode_ns) >= 0:
             return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
-        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes"):
+        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
+                    "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
+                    "disk_decode_ns"):
             if getattr(self, key) < 0:
                 raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
                                        f"{getattr(self, key)}, must be >= 0")
@@ -127,6 +175,22 @@ class PlacementOption:
         if phase == "prefill_ns" and self.prefill_execution is not None:
             return self.prefill_execution
         return self.execution
+
+    def copy_in(self, phase: str) -> int:
+        """The prefetch thread's copy time in ``phase`` (one of :data:`PHASES`)."""
+        return self.copy_prefill_ns if phase == "prefill_ns" else self.copy_decode_ns
+
+    def shared_in(self, resource: str, phase: str) -> int:
+        """The time one of :data:`SHARED` (``"copy"``, ``"host"``, ``"disk"``) spends on this option in ``phase``."""
+        return getattr(self, f"{resource}_{phase}")
+
+    def work_in(self, phase: str) -> int:
+        """The option's time in ``phase`` when nothing else hides its copy: ``max(compute, copy)``, what a
+        plain prefetch of equal units gives each. Its device's stage (throughput) and what the baselines
+        rank options by; a lower bound of the phase's latency of any plan using it."""
+        own = self.prefill_ns if phase == "prefill_ns" else self.decode_ns
+        copy = self.copy_in(phase)
+        return own if copy <= own else copy
 
     def peaks(self) -> tuple[tuple[str, int], ...]:
         """(device, transient bytes) this option adds to each device's peak: its execution device's,
@@ -250,7 +314,7 @@ class PlacementProblem:
         for opt in chosen:
             for phase in PHASES:
                 device = opt.device_in(phase)
-                stage[device] = stage.get(device, 0) + getattr(opt, phase)
+                stage[device] = stage.get(device, 0) + opt.work_in(phase)
         used = self.used_bytes(chosen)
         over = {d.name: used[d.name] - d.capacity_bytes for d in self.devices
                 if used[d.name] > d.capacity_bytes}
@@ -295,12 +359,15 @@ class PlacementProblem:
 
     def schedule(self, chosen: Sequence[PlacementOption], key: str,
                  rounded: Callable[[int], int] | None = None) -> tuple[list[int], dict[str, int]]:
-        """Finish time of every unit and total work per execution device in one phase (``key``).
+        """Finish time of every unit (its stall included) and total work per execution device in one phase
+        (``key``).
 
-        ``rounded`` maps every price (durations and transfers) first: the solver's scaled integers.
+        ``rounded`` maps every price (durations, copies and transfers) first: the solver's scaled integers.
         """
         finish = [0] * len(chosen)
         load: dict[str, int] = {}
+        durations = [rounded(getattr(o, key)) if rounded else getattr(o, key) for o in chosen]
+        waits = self.waits(chosen, key, rounded)
         # Edges point forward in execution order, so one pass in that order is a topological pass.
         for i, opt in enumerate(chosen):
             ready = 0
@@ -309,10 +376,24 @@ class PlacementProblem:
                 pair = (chosen[j].device_in(key), device)
                 cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
                 ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
-            duration = rounded(getattr(opt, key)) if rounded else getattr(opt, key)
-            finish[i] = ready + duration
-            load[device] = load.get(device, 0) + duration
+            finish[i] = ready + durations[i] + waits[i]
+            load[device] = load.get(device, 0) + durations[i]
         return finish, load
+
+    def waits(self, chosen: Sequence[PlacementOption], key: str,
+              rounded: Callable[[int], int] | None = None) -> list[int]:
+        """Every unit's stall in phase ``key`` (:func:`stalls`; the decode is cyclic)."""
+        def r(ns: int) -> int:
+            return rounded(ns) if rounded else ns
+        return stalls([r(getattr(o, key)) for o in chosen], [r(o.copy_in(key)) for o in chosen],
+                      cyclic=key == "decode_ns")
+
+    def shared_rows(self, chosen: Sequence[PlacementOption], key: str,
+                    rounded: Callable[[int], int] | None = None) -> tuple[int, ...]:
+        """Each of :data:`SHARED`'s total time in phase ``key``: each bounds its latency."""
+        def r(ns: int) -> int:
+            return rounded(ns) if rounded else ns
+        return tuple(sum(r(o.shared_in(res, key)) for o in chosen) for res in SHARED)
 
     @functools.cached_property
     def _incoming(self) -> dict[int, list[tuple[int, EdgeSpec]]]:
@@ -325,7 +406,52 @@ class PlacementProblem:
 
     def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
         finish, load = self.schedule(chosen, key)
-        return max(max(finish, default=0), max(load.values(), default=0))
+        return max(max(finish, default=0), max(load.values(), default=0), *self.shared_rows(chosen, key))
+
+
+def spine(problem: PlacementProblem) -> set[int]:
+    """Indices of the units on every path from a source to a sink (every unit of a chain): no edge jumps
+    over one, no source comes after it and no sink before it. Each longest path holds their durations and
+    stalls, whatever the assignment."""
+    n = len(problem.units)
+    index = problem.index()
+    has_in, has_out = [False] * n, [False] * n
+    over = [0] * (n + 1)  # edges jumping over each position, by a difference array
+    for e in problem.edges:
+        a, b = index[e.src], index[e.dst]
+        has_out[a] = has_in[b] = True
+        if b > a + 1:
+            over[a + 1] += 1
+            over[b] -= 1
+    last_source = max((u for u in range(n) if not has_in[u]), default=-1)
+    first_sink = min((u for u in range(n) if not has_out[u]), default=n)
+    out, jumped = set(), 0
+    for u in range(n):
+        jumped += over[u]
+        if not jumped and last_source <= u <= first_sink:
+            out.add(u)
+    return out
+
+
+def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool) -> list[int]:
+    """Each unit's wait for its weights under the prefetch thread (module docstring, Overlap).
+
+    ``copies[i] > 0`` marks a streamed unit. Its copy started when the previous streamed unit started, and
+    ran beside that unit and every unit after it; ``cyclic`` (the decode): the previous one of the first is
+    the last, a step earlier; else the first copy runs from the start.
+    """
+    waits = [0] * len(durations)
+    last = next((i for i in range(len(copies) - 1, -1, -1) if copies[i] > 0), None)
+    if last is None:
+        return waits
+    beside = sum(durations[last:]) if cyclic else 0  # time since the previous streamed unit started
+    for i, (duration, copy) in enumerate(zip(durations, copies, strict=True)):
+        if copy > 0:
+            waits[i] = max(0, copy - beside)
+            beside = duration
+        else:
+            beside += duration
+    return waits
 
 
 def _one_range_per_device(storage: Sequence[str]) -> bool:

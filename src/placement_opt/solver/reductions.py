@@ -4,7 +4,9 @@ Torch-free, like :mod:`placement_opt.solver.search`, which calls them.
 
 * :func:`coarsen_groups` / :func:`coarsen`: runs of chain units with the same option menu and the
   same hinted option become one super-unit (durations and stored/resident bytes summed, peaks the
-  max, a phased option's prefill device kept). Every coarse assignment costs exactly what it expands to, and the hint stays representable;
+  max, a phased option's prefill device kept, copies summed). Every coarse assignment costs what it
+  expands to (but for stalls: a super-unit waits for its units' copies at once; its plan is priced
+  again on the real problem), and the hint stays representable;
   but the coarse problem forbids the units of a run to differ, so it is a *restriction*: its plans
   are plans of the real problem, its bound is not a bound of it (search.py never reports it).
 * :func:`prefer_resident`: a streamed unit that would be no slower stored where it computes is
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .problem import EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 
 __all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room"]
 
@@ -64,6 +66,9 @@ def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:
         merged.append(PlacementOption(
             storage=first.storage, execution=first.execution, mode=first.mode,
             prefill_ns=sum(o.prefill_ns for o in opts), decode_ns=sum(o.decode_ns for o in opts),
+            copy_prefill_ns=sum(o.copy_prefill_ns for o in opts), copy_decode_ns=sum(o.copy_decode_ns for o in opts),
+            host_prefill_ns=sum(o.host_prefill_ns for o in opts), host_decode_ns=sum(o.host_decode_ns for o in opts),
+            disk_prefill_ns=sum(o.disk_prefill_ns for o in opts), disk_decode_ns=sum(o.disk_decode_ns for o in opts),
             stored_bytes=sum(o.stored_bytes for o in opts), resident_bytes=sum(o.resident_bytes for o in opts),
             peak_bytes=max(o.peak_bytes for o in opts), prefill_execution=first.prefill_execution,
             prefill_peak_bytes=max(o.prefill_peak_bytes for o in opts)))
@@ -107,7 +112,9 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
             continue
         c = u.options[target]
         grow = c.stored_bytes + c.resident_bytes - o.resident_bytes
-        if (c.prefill_ns <= o.prefill_ns and c.decode_ns <= o.decode_ns and grow <= free[o.execution]
+        if (c.work_in("prefill_ns") <= o.prefill_ns and c.work_in("decode_ns") <= o.decode_ns
+                and all(c.shared_in(r, ph) <= o.shared_in(r, ph) for r in ("host", "disk") for ph in PHASES)
+                and grow <= free[o.execution]
                 and c.peak_bytes <= o.peak_bytes):
             out[i] = target
             free[o.execution] -= grow
@@ -132,7 +139,7 @@ def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) 
         if move is None:
             return list(choice)
         out[move[0]] = move[1]
-    return out
+    return out if not problem.score(out).over_bytes else list(choice)  # still over after the moves: unchanged
 
 
 def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -> tuple[int, int] | None:
@@ -148,10 +155,14 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
         for k, o in enumerate(spec.options):
             if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= _peak_on(now, dev)
                     and all(_bytes_on(o, d) - _bytes_on(now, d) <= free[d] for d in free if d != dev)):
-                key = (_bytes_on(now, dev) < -free[dev], o.prefill_ns + o.decode_ns - now.prefill_ns - now.decode_ns,
+                key = (_bytes_on(now, dev) < -free[dev], _work(o) - _work(now),
                        u, k)
                 best = key if best is None or key < best else best
     return None if best is None else (best[2], best[3])
+
+
+def _work(opt: PlacementOption) -> int:
+    return opt.work_in("prefill_ns") + opt.work_in("decode_ns")
 
 
 def _peak_on(opt: PlacementOption, dev: str) -> int:

@@ -83,6 +83,12 @@ def _least(options: Sequence[Sequence[PlacementOption]]) -> tuple[PlacementOptio
     """Option by option, the least time and peaks over the units of a group (bytes and devices are equal)."""
     return tuple(dataclasses.replace(same[0], prefill_ns=min(o.prefill_ns for o in same),
                                      decode_ns=min(o.decode_ns for o in same),
+                                     copy_prefill_ns=min(o.copy_prefill_ns for o in same),
+                                     copy_decode_ns=min(o.copy_decode_ns for o in same),
+                                     host_prefill_ns=min(o.host_prefill_ns for o in same),
+                                     host_decode_ns=min(o.host_decode_ns for o in same),
+                                     disk_prefill_ns=min(o.disk_prefill_ns for o in same),
+                                     disk_decode_ns=min(o.disk_decode_ns for o in same),
                                      peak_bytes=min(o.peak_bytes for o in same),
                                      prefill_peak_bytes=min(o.prefill_peak_bytes for o in same))
                  for same in zip(*options, strict=True))
@@ -251,7 +257,8 @@ class GroupModel(CountedRelaxation):
     def _phase(self, ph: str) -> Any:
         # lat >= every device's work, and >= the work of the groups lying wholly on each path.
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
-        lat = self.model.new_int_var(0, top, f"lat[{ph}]")
+        lat = self.model.new_int_var(0, top + self._shared_horizon(ph), f"lat[{ph}]")
+        self._shared_rows(ph, lat)
         for dev in {o.device_in(ph) for u in self.p.units for o in u.options}:
             work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev, ph)]
             if work:
@@ -268,7 +275,8 @@ class GroupModel(CountedRelaxation):
         choice = [0] * len(self.p.units)
         for k, g in enumerate(self.groups):
             opts = self._options(k)
-            order = sorted(self.n[k], key=lambda o: (-(opts[o].prefill_ns + opts[o].decode_ns), devices.index(opts[o].execution), o))
+            order = sorted(self.n[k], key=lambda o: (-(opts[o].work_in("prefill_ns") + opts[o].work_in("decode_ns")),
+                                                     devices.index(opts[o].execution), o))
             handed = [o for o in order for _ in range(solver.value(self.n[k][o][0]))]
             for u, o in zip(g, handed, strict=True):
                 choice[u] = o

@@ -305,11 +305,14 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     """A relaxation's proven bound, and its plan when valid and no worse than the start."""
     hint, hint_ok = start
     scale = _scale(problem, hint, objective)
-    slack = {"latency": len(problem.units) + len(problem.edges), "throughput": len(problem.units)}.get(objective, 0)
+    n = len(problem.units)
+    copies = any(o.copy_prefill_ns or o.copy_decode_ns for u in problem.units for o in u.options)
+    # a stall's rounding error is at most half a unit per unit its window spans (cpsat.rounding_slack)
+    slack = {"latency": n + len(problem.edges) + (n if copies else 0), "throughput": n}.get(objective, 0)
     unit_scale = 1 if objective == "memory" else scale
     max_work = problem.objective_value(hint, objective) if hint_ok and objective != "memory" else latency_cap_ns
     m = make(scale, hint, max_work)
-    m.minimize(objective, latency_cap_ns, len(problem.units) + len(problem.edges))  # the cap's slack: latency's
+    m.minimize(objective, latency_cap_ns, n + len(problem.edges) + (n if copies else 0))  # the cap's slack: latency's
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
     solver, status = m.solve(until - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     if status == cp_model.INFEASIBLE:
@@ -336,6 +339,8 @@ def _report(problem: PlacementProblem, objective: str, run: _Run, found: _Found,
     hint, hint_ok = start
     if objective != "memory":
         choice = prefer_resident(problem, choice)
+    elif hint_ok and not _within_cap(problem, choice, latency_cap_ns):
+        choice = hint  # the model's cap allows its rounding slack; the plan keeps the exact cap (the hint does)
     value = problem.objective_value(choice, objective)
     if hint_ok and problem.objective_value(hint, objective) < value and _within_cap(problem, hint, latency_cap_ns):
         choice, value = hint, problem.objective_value(hint, objective)  # rounding: never worse than the start

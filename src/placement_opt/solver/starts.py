@@ -40,7 +40,7 @@ _MODE_RANK = {"resident": 0, "stream": 1, "stream_sync": 2, "phased": 3}
 
 
 def _work(o: PlacementOption) -> int:
-    return o.prefill_ns + o.decode_ns
+    return o.work_in("prefill_ns") + o.work_in("decode_ns")
 
 
 def _pack(items: Sequence[tuple[int, int]], budget: int) -> list[int]:
