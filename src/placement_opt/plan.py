@@ -220,7 +220,13 @@ class Plan:
             elif execution == "cpu" and any(m.device.startswith("cuda:") for m in c.memory):
                 lines.append(f"- {span}: computed on the CPU: {_full('the GPUs', free)}, and streaming these "
                              f"weights at every step would cost more than computing them on the CPU.")
-        slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s, reverse=True)[:3]
+        if c.copy_s:
+            hidden = 1 - c.wait_s / c.copy_s
+            lines.append(f"- streamed weights: {format_seconds(c.copy_s)} of copies run on the prefetch thread beside "
+                         f"the compute (each starts when the streamed unit before it does, and in the decode the "
+                         f"last one fetches the next step's first); {hidden:.0%} of it is hidden, "
+                         f"{format_seconds(c.wait_s)} is spent waiting for weights.")
+        slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s + u.wait_s, reverse=True)[:3]
         for u in slow:
             lines.append(f"- {u.name} is among the most expensive units ({format_seconds(u.prefill_s + u.decode_s)}: "
                          f"prefill {format_seconds(u.prefill_s)}, decode {format_seconds(u.decode_s)}) on "

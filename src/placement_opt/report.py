@@ -117,7 +117,9 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
         ("objective", Cell(f"{plan.objective}, strategy {plan.strategy}")),
         ("solver", solver),
         ("time", Cell(f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
-                      f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)})")),
+                      f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)}"
+                      + (f"; weight copies {format_seconds(cost.copy_s)} beside the compute, "
+                         f"{format_seconds(cost.wait_s)} of them waited for" if cost.copy_s else "") + ")")),
         ("tokens/s", Cell(f"{cost.tokens_per_s:.2f} end to end (prefill included), "
                           f"{cost.decode_tokens_per_s:.2f} while decoding")),
         ("fits", Cell("yes", "good") if cost.fits else Cell("NO, runs out of memory", "bad")),

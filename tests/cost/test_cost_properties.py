@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _overlap import simulated_waits
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
 from placement_opt.cost.pricing import NS_PER_S, _sum_max_lines
@@ -60,10 +61,15 @@ workloads = st.builds(Workload, batch_size=st.integers(1, 32), prompt_len=st.int
 
 def reference_phase_s(graph, machine, workload, units, key):
     """One phase's latency written from the cost model's definition, not from PlacementProblem.score:
-    max(longest path, busiest device), an edge costing ``bytes x tokens / link + latency`` per transfer
-    when its ends compute on different devices."""
+    max(longest path, busiest device, the prefetch thread's copies), an edge costing
+    ``bytes x tokens / link + latency`` per transfer when its ends compute on different devices, a
+    streamed unit waiting for what the prefetch thread has left of its copy (tests/_overlap.py), and host
+    memory's and the disk's time summed over units."""
     wl = workload
     at = {u.name: u for u in units}
+    copy_key = "copy_prefill_s" if key == "prefill_s" else "copy_decode_s"
+    wait = dict(zip(at, simulated_waits([getattr(u, key) for u in units], [getattr(u, copy_key) for u in units],
+                                        cyclic=key == "decode_s"), strict=True))
     finish = {}
     for u in units:  # execution order; edges point forward
         arrivals = [0.0]
@@ -81,12 +87,15 @@ def reference_phase_s(graph, machine, workload, units, key):
                     tokens, times = wl.batch_size, wl.decode_steps if in_decode else 0
                 transfer = times * (tokens * bytes_per_token / machine.bandwidth(a, b) + machine.latency_s(a, b))
             arrivals.append(finish[src] + transfer)
-        finish[u.name] = max(arrivals) + getattr(u, key)
+        finish[u.name] = max(arrivals) + wait[u.name] + getattr(u, key)
     load = {}
     for u in units:
         device = _device_in(u, "prefill" if key == "prefill_s" else "decode")
         load[device] = load.get(device, 0.0) + getattr(u, key)
-    return max(max(finish.values(), default=0.0), max(load.values(), default=0.0))
+    copies = sum(getattr(u, copy_key) for u in units)
+    host = sum(u.host_prefill_s if key == "prefill_s" else u.host_decode_s for u in units)
+    disk = sum(u.disk_prefill_s if key == "prefill_s" else u.disk_decode_s for u in units)
+    return max(max(finish.values(), default=0.0), max(load.values(), default=0.0), copies, host, disk)
 
 
 def _device_in(unit, phase):
@@ -124,7 +133,7 @@ def test_evaluate_totals_match_an_independent_computation(graph, machine, worklo
         assert abs(getattr(cost, key) - want) <= tolerance + 1e-9 * want, key
     stages = {}
     for u in units:
-        for phase, seconds in (("prefill", u.prefill_s), ("decode", u.decode_s)):
+        for phase, seconds in (("prefill", max(u.prefill_s, u.copy_prefill_s)), ("decode", max(u.decode_s, u.copy_decode_s))):
             stages[_device_in(u, phase)] = stages.get(_device_in(u, phase), 0.0) + seconds
     assert cost.stage_s.keys() == stages.keys()
     assert all(abs(cost.stage_s[d] - stages[d]) <= 1e-9 * max(1.0, stages[d]) for d in stages)

@@ -18,6 +18,7 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _overlap import simulated_waits
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
 from placement_opt.cost.pricing import NS_PER_S, home_device
@@ -86,10 +87,14 @@ def _expected_ns(graph: LayerGraph, machine: Machine, wl: Workload, option: Plac
     return getattr(reference, phase) + forwards * trip * NS_PER_S
 
 
-def _phase_latency(graph: LayerGraph, durations: dict[str, float]) -> float:
+def _phase_latency(graph: LayerGraph, durations: dict[str, float], chosen: list, phase: str) -> float:
     """A forward calls the units one after another, parallel branches too (a shared expert beside the
-    routed experts): the phase takes the sum of their durations."""
-    return sum(durations[name] for name in graph.names())
+    routed experts): the phase takes the sum of their durations and of the streamed units' waits for their
+    weights (tests/_overlap.py), and at least the prefetch thread's copies, host memory's and the disk's time."""
+    copies = [o.copy_in(phase) for o in chosen]
+    waits = simulated_waits([durations[name] for name in graph.names()], copies, cyclic=phase == "decode_ns")
+    return max(sum(durations[name] for name in graph.names()) + sum(waits), sum(copies),
+               sum(o.shared_in("host", phase) for o in chosen), sum(o.shared_in("disk", phase) for o in chosen))
 
 
 _workloads = st.builds(Workload, batch_size=st.integers(1, 8), prompt_len=st.integers(1, 256),
@@ -114,7 +119,7 @@ def test_score_is_each_units_compute_plus_its_round_trips_off_home(family: str, 
         durations = {spec.name: _expected_ns(graph, machine, wl, opt, ref.options[c], units[spec.name], phase)
                      for spec, opt, ref, c in zip(problem.units, chosen, reference.units, choice, strict=True)}
         # every price is rounded up to a whole ns once, in the problem and in the reference: 1 ns per unit
-        assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations),
+        assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations, chosen, phase),
                                                       abs=len(problem.units) + 1)
 
 

@@ -35,7 +35,7 @@ class UnitCost:
     execution: str
     mode: str
     prefill_s: float
-    """Time in the prefill, weight copies included."""
+    """Time in the prefill: compute, and weight copies unless the prefetch thread makes them (``copy_s``)."""
     prefill_execution: str | None = None
     """``phased`` only: where the unit computes in the prefill (``execution``: in the decode)."""
     prefill_peak_bytes: int = 0
@@ -45,6 +45,34 @@ class UnitCost:
     stored_bytes: int
     resident_bytes: int
     peak_bytes: int
+    copy_prefill_s: float = 0.0
+    """The prefetch thread's copy of the weights in the prefill (``stream`` to a GPU; a ``phased`` unit):
+    beside the compute of the units before it, not in ``prefill_s``."""
+    copy_decode_s: float = 0.0
+    """The prefetch thread's copies over every decode step (``stream`` to a GPU), not in ``decode_s``."""
+    wait_prefill_s: float = 0.0
+    """How long the unit waits for its copy in the prefill: what compute before it did not hide
+    (``solver.problem``'s Overlap); part of the phase's latency, beside ``prefill_s``."""
+    wait_decode_s: float = 0.0
+    """As ``wait_prefill_s``, over every decode step."""
+    host_prefill_s: float = 0.0
+    """Host memory's time for the unit's traffic in the prefill (its CPU reads, its copy out of RAM): the
+    phase lasts at least the sum over units, as the cores and the copies share host memory."""
+    host_decode_s: float = 0.0
+    """As ``host_prefill_s``, over every decode step."""
+    disk_prefill_s: float = 0.0
+    """The disk's time reading the unit's weights in the prefill (stored on disk): the phase lasts at least
+    the sum over units, as every read shares the one disk."""
+    disk_decode_s: float = 0.0
+    """As ``disk_prefill_s``, over every decode step."""
+
+    @property
+    def copy_s(self) -> float:
+        return self.copy_prefill_s + self.copy_decode_s
+
+    @property
+    def wait_s(self) -> float:
+        return self.wait_prefill_s + self.wait_decode_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +101,16 @@ class Cost:
         return not self.violations
 
     @property
+    def copy_s(self) -> float:
+        """The prefetch thread's weight copies over the workload (beside the compute)."""
+        return sum(u.copy_s for u in self.units)
+
+    @property
+    def wait_s(self) -> float:
+        """Of the phase times: the waits for weight copies that compute did not hide."""
+        return sum(u.wait_s for u in self.units)
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second over the decode phase (all sequences of the batch)."""
         tokens = self.workload.batch_size * self.workload.new_tokens
@@ -98,6 +136,10 @@ class Cost:
         for unit in data["units"]:  # written only where set: plans without phased units read as before
             if unit["prefill_execution"] is None:
                 del unit["prefill_execution"], unit["prefill_peak_bytes"]
+            for key in ("copy_prefill_s", "copy_decode_s", "wait_prefill_s", "wait_decode_s", "host_prefill_s",
+                        "host_decode_s", "disk_prefill_s", "disk_decode_s"):
+                if not unit[key]:
+                    del unit[key]
         return data
 
     @classmethod
@@ -218,12 +260,17 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     score = problem.score(choice)
     chosen = problem.options(choice)
     chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
+    waits = zip(*(problem.waits(chosen, ph) for ph in PHASES), strict=True)
     units = tuple(
         UnitCost(name=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
                  prefill_execution=o.prefill_execution, prefill_peak_bytes=o.prefill_peak_bytes,
                  prefill_s=o.prefill_ns / NS_PER_S, decode_s=o.decode_ns / NS_PER_S,
-                 stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes)
-        for u, o in zip(problem.units, chosen, strict=True))
+                 stored_bytes=o.stored_bytes, resident_bytes=o.resident_bytes, peak_bytes=o.peak_bytes,
+                 copy_prefill_s=o.copy_prefill_ns / NS_PER_S, copy_decode_s=o.copy_decode_ns / NS_PER_S,
+                 wait_prefill_s=wait_prefill / NS_PER_S, wait_decode_s=wait_decode / NS_PER_S,
+                 host_prefill_s=o.host_prefill_ns / NS_PER_S, host_decode_s=o.host_decode_ns / NS_PER_S,
+                 disk_prefill_s=o.disk_prefill_ns / NS_PER_S, disk_decode_s=o.disk_decode_ns / NS_PER_S)
+        for u, o, (wait_prefill, wait_decode) in zip(problem.units, chosen, waits, strict=True))
     names = [u.name for u in problem.units]
     memory = tuple(device_memory(d, chosen_parts, names) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model

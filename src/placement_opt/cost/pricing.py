@@ -25,8 +25,11 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
   bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
   closed form (:func:`_sum_max_lines`), never a loop over steps.
-* Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for
-  ``stream`` to a GPU (its copy engines work while it computes), ``compute + copy`` for
+* Streamed weights add ``bytes / link + latency`` per forward: for ``stream`` to a GPU the copy is
+  the prefetch thread's (``copy_*_s``, beside the compute in ``prefill_s``/``decode_s``), and the
+  problem's score runs it beside the compute of the units before it (``solver.problem``'s Overlap:
+  behind CPU-executed units it hides; between equal streamed units it costs ``max(compute, copy)``
+  each); ``compute + copy`` for
   ``stream_sync`` (one latency per tensor, pageable copies; disk reads through a memory map at
   :data:`MAPPED_READ_FACTOR` of the disk's rate: a profiled disk's memory-map read rate, a
   datasheet disk's sequential rate) and for any stream executed on the
@@ -35,6 +38,11 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * ``phased`` (a unit stored in CPU RAM or on disk): the prefill is the ``stream`` to a GPU plus the
   prompt's KV cache of the unit copied to the CPU once; each decode step computes on the CPU where the
   weights are (llama.cpp's split: GPU for prompt processing, CPU for generation, chosen per unit here).
+* Host memory (``host_*_s``): the bytes an option moves through host RAM (a CPU-executed unit's weights
+  and KV cache read, a streamed unit's weights copied out) over :func:`host_memory_bytes_per_s`; the
+  problem bounds each phase by their sum, so copies and CPU compute share the host's bandwidth. The disk
+  (``disk_*_s``): the weights an option reads off it at the disk's rate, summed likewise, so the
+  prefetch thread's reads and the CPU's mapped reads share one disk.
 * Edges: ``bytes_per_token x tokens / link + latency`` when the two ends execute on different
   devices, per prefill and per decode step.
 * ``"sublayer"`` graphs (``graph.meta.granularity``; norms, attention, MLP or router and experts as
@@ -85,6 +93,7 @@ __all__ = [
     "OptionPrice",
     "PricingContext",
     "home_device",
+    "host_memory_bytes_per_s",
     "round_trip_s",
     "unit_io_bytes",
     "price_option",
@@ -151,6 +160,18 @@ class OptionPrice:
     round_trip_s: float = 0.0
     """Of ``prefill_s + decode_s``: the sublayer round trips to home and back (:func:`round_trip_s`);
     ``evaluate`` counts them with the transfers."""
+    copy_prefill_s: float = 0.0
+    """``stream`` to a GPU, ``phased``: the prefetch thread's weight copies in the prefill (not in ``prefill_s``)."""
+    copy_decode_s: float = 0.0
+    """``stream`` to a GPU: the prefetch thread's weight copies over every decode step (not in ``decode_s``)."""
+    host_prefill_s: float = 0.0
+    """Host memory's time for this option's traffic in the prefill (module docstring)."""
+    host_decode_s: float = 0.0
+    """Host memory's time for this option's traffic over every decode step."""
+    disk_prefill_s: float = 0.0
+    """The disk's time reading this option's weights in the prefill (stored on disk)."""
+    disk_decode_s: float = 0.0
+    """The disk's time reading this option's weights over every decode step."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,53 @@ def home_device(machine: Machine) -> str | None:
     (None for a machine that computes nowhere, which no plan can use)."""
     computing = machine.gpus or machine.compute_devices
     return computing[0].name if computing else None
+
+
+def host_memory_bytes_per_s(machine: Machine) -> float | None:
+    """What host RAM serves all its readers together (the cores and the GPUs' copies): the CPU's
+    ``shared_bandwidth_bytes_per_s``; None without a CPU (no host row)."""
+    cpu = machine.cpu
+    return cpu.shared_bandwidth_bytes_per_s if cpu is not None else None
+
+
+def _host_s(ctx: PricingContext, nbytes: float) -> float:
+    rate = host_memory_bytes_per_s(ctx.machine)
+    return nbytes / rate if rate else 0.0
+
+
+def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
+    """(prefill, decode) host-memory time of one non-phased option: a CPU-executed unit reads its weights
+    (the experts hit) and KV cache from RAM; a GPU-executed unit stored off the GPU is copied out of RAM."""
+    wl = ctx.workload
+    forwards = 2 if wl.training else 1
+    steps = wl.decode_steps if unit.in_decode else 0
+    device = ctx.machine[execution]
+    if device.kind == "cpu":
+        rows = _prefill_rows(ctx, unit)
+        kv = unit.kv_bytes_per_token * wl.batch_size
+        ctx0 = wl.prompt_len + 1
+        kv_read = kv * (ctx0 * steps + steps * (steps - 1) / 2)  # step t reads ctx0 + t positions
+        return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
+                _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
+    if storage == execution:
+        return 0.0, 0.0
+    return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
+
+
+def _disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
+    """(prefill, decode) time the disk spends reading a non-phased option's weights: every forward reads
+    what it computes with (a CPU-executed unit from its memory map: the experts hit), at the disk's rate."""
+    if ctx.machine[storage].kind != "disk":
+        return 0.0, 0.0
+    wl = ctx.workload
+    rate = ctx.machine[storage].bandwidth_bytes_per_s
+    forwards = 2 if wl.training else 1
+    steps = wl.decode_steps if unit.in_decode else 0
+    if ctx.machine[execution].kind == "cpu":
+        read_prefill, read_decode = _touched_weight_bytes(unit, _prefill_rows(ctx, unit)), _touched_weight_bytes(unit, wl.batch_size)
+    else:
+        read_prefill = read_decode = unit.weight_bytes
+    return forwards * read_prefill / rate, steps * read_decode / rate
 
 
 def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:
@@ -387,16 +455,19 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
+    # stream to a GPU: the prefetch thread copies (copy_*), beside the compute; otherwise the copy adds
     overlapped = mode == "stream" and device.is_gpu
-    prefill = max(compute, forwards * copy_prefill) if overlapped else compute + forwards * copy_prefill
-    decode = 0.0
+    prefill = compute if overlapped else compute + forwards * copy_prefill
+    decode = copy_decode = 0.0
     if unit.in_decode and wl.decode_steps > 0:
         lines = _decode_lines(ctx, unit, device)
         if overlapped:
-            lines.append((copy, 0.0))
+            copy_decode = wl.decode_steps * copy
         else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
+    host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
+    disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
     trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
     prefill += trip_prefill
     decode += trip_decode
@@ -409,6 +480,8 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
+        copy_prefill_s=forwards * copy_prefill if overlapped else 0.0, copy_decode_s=copy_decode,
+        host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )
 
 
@@ -430,7 +503,9 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         stream_buffer_bytes=decode.stream_buffer_bytes, prefill_execution=gpu,
         prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),
         prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv,
-        round_trip_s=sum(_round_trips(ctx, unit, gpu, execution)))
+        round_trip_s=sum(_round_trips(ctx, unit, gpu, execution)),
+        copy_prefill_s=prefill.copy_prefill_s, host_prefill_s=prefill.host_prefill_s,
+        host_decode_s=decode.host_decode_s, disk_prefill_s=prefill.disk_prefill_s, disk_decode_s=decode.disk_decode_s)
 
 
 def _ns(seconds: float) -> int:
@@ -450,6 +525,9 @@ def to_option(parts: OptionPrice) -> PlacementOption:
         prefill_execution=parts.prefill_execution,
         prefill_peak_bytes=(parts.prefill_workspace_bytes + parts.prefill_stream_buffer_bytes + parts.prefill_kv_bytes
                             if parts.prefill_execution else 0),
+        copy_prefill_ns=_ns(parts.copy_prefill_s), copy_decode_ns=_ns(parts.copy_decode_s),
+        host_prefill_ns=_ns(parts.host_prefill_s), host_decode_ns=_ns(parts.host_decode_s),
+        disk_prefill_ns=_ns(parts.disk_prefill_s), disk_decode_ns=_ns(parts.disk_decode_s),
     )
 
 

@@ -106,7 +106,8 @@ class Host:
         share = Device("cpu", cpu.memory_bytes // self.cpu_ranks, flops=cpu.flops_per_s / self.cpu_ranks,
                        bandwidth=cpu.bandwidth_bytes_per_s / self.cpu_ranks,
                        reserve=cpu.reserve_bytes // self.cpu_ranks, source=cpu.source,
-                       flops_by_tokens=[(t, f / self.cpu_ranks) for t, f in cpu.flops_by_tokens])
+                       flops_by_tokens=[(t, f / self.cpu_ranks) for t, f in cpu.flops_by_tokens],
+                       shared_bandwidth=cpu.shared_bandwidth_bytes_per_s / self.cpu_ranks)
         return [share] * self.cpu_ranks
 
 

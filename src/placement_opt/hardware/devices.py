@@ -121,6 +121,9 @@ class Device:
         flops_by_tokens: measured achieved FLOP/s of a linear layer by tokens per forward, as
             ``((tokens, flop_per_s), ...)`` (small batches run matmuls far below peak); the cost
             model interpolates it and uses ``flops`` where it is empty.
+        shared_bandwidth: CPU: what host RAM serves all its readers together, the cores and the GPUs'
+            copies (bytes/s); default ``bandwidth`` (a datasheet's memory bandwidth). A profile sets it
+            from its fastest measured traffic, as ``bandwidth`` there is one dtype's matrix-vector rate.
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -136,6 +139,7 @@ class Device:
     peer_link_bytes_per_s: float
     source: str
     flops_by_tokens: tuple[tuple[int, float], ...]
+    shared_bandwidth_bytes_per_s: float
 
     def __init__(
         self,
@@ -149,6 +153,7 @@ class Device:
         peer_link: float | None = None,
         source: str | None = None,
         flops_by_tokens: Iterable[tuple[int, float]] = (),
+        shared_bandwidth: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -159,7 +164,7 @@ class Device:
                 f"memory of {canonical} is {format_bytes(memory_bytes)} ({memory_bytes} bytes): accepted are "
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
-                             ("peer_link", peer_link)):
+                             ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth)):
             _checked_speed(label, canonical, value)
         guessed = flops is None or bandwidth is None
         values = {
@@ -175,6 +180,7 @@ class Device:
             "source": source or (f"default:{default.key}" if guessed else "user"),
             "flops_by_tokens": _check_curve(canonical, flops_by_tokens),
         }
+        values["shared_bandwidth_bytes_per_s"] = float(shared_bandwidth or values["bandwidth_bytes_per_s"])
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -242,7 +248,8 @@ class Device:
                    bandwidth=data["bandwidth_bytes_per_s"], reserve=int(data["reserve_bytes"]),
                    host_link=data.get("host_link_bytes_per_s") or None,
                    peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"),
-                   flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())])
+                   flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())],
+                   shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
