@@ -38,6 +38,7 @@ import argparse
 import copy
 import datetime as dt
 import gc
+import glob
 import mmap
 import os
 import platform
@@ -149,6 +150,10 @@ def evict(folder: Path) -> None:
     if not files:  # nothing offloaded (a resident placement)
         return
     _unmap_safetensors_pages()
+    fadvise_dontneed(files)
+
+
+def fadvise_dontneed(files: list[Path]) -> None:
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -196,9 +201,12 @@ class PeakRss:
         return self.peak - self.start
 
 
-def measure(model: torch.nn.Module, folder: Path, prompt: int, steps: int, repeats: int
+def measure(model: torch.nn.Module, evict_all: Callable[[], None], prompt: int, steps: int, repeats: int
             ) -> tuple[list[float], list[float], int]:
     """Prefill seconds of ``repeats`` forwards, seconds of each of ``steps`` decode steps, peak RSS growth.
+
+    ``evict_all`` runs before each forward (a runner whose units evict their own files as they are
+    called passes a no-op).
 
     The RSS is sampled in the first forward, untimed (a sampling thread would slow the timed ones):
     later forwards reuse the memory the allocator kept from it, and their RSS would not grow at all.
@@ -206,20 +214,20 @@ def measure(model: torch.nn.Module, folder: Path, prompt: int, steps: int, repea
     ids = torch.randint(0, VOCAB, (1, prompt))
     prefill = []
     with torch.inference_mode():
-        evict(folder)
+        evict_all()
         gc.collect()
         with PeakRss() as rss:  # the first forward: what it adds is what a forward needs
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
         for _ in range(repeats):
             out = None
-            evict(folder)
+            evict_all()
             start = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             prefill.append(time.perf_counter() - start)
         decode = []
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
-            evict(folder)
+            evict_all()
             start = time.perf_counter()
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
             decode.append(time.perf_counter() - start)
@@ -227,20 +235,42 @@ def measure(model: torch.nn.Module, folder: Path, prompt: int, steps: int, repea
     return prefill, decode, rss.growth
 
 
-def run_placement_opt(model: torch.nn.Module, plan: Any, folder: Path) -> tuple[torch.nn.Module, Callable[[], Any]]:
+def run_placement_opt(model: torch.nn.Module, plan: Any, folder: Path
+                      ) -> tuple[torch.nn.Module, Callable[[], Any], Callable[[], None]]:
+    """``dispatch(model, plan)``; every offloaded file evicted before each forward (the next unit's
+    read-ahead starts while the one before computes, so a unit's files cannot be evicted as it is called)."""
     from placement_opt.runtime.dispatcher import dispatch
 
     handle = dispatch(model, plan, offload_dir=str(folder))
-    return handle.model, handle.remove
+    return handle.model, handle.remove, lambda: evict(folder)
 
 
 def run_accelerate(model: torch.nn.Module, device_map: dict[str, str], folder: Path
-                   ) -> tuple[torch.nn.Module, Callable[[], Any]]:
+                   ) -> tuple[torch.nn.Module, Callable[[], Any], Callable[[], None]]:
+    """``dispatch_model`` with the plan's ``device_map``; each disk unit's files evicted as it is called.
+
+    accelerate reads a unit's files when the unit is called, and evicting them just then is what a
+    machine whose RAM cannot hold them does (its least recently used pages make room). Evicting every
+    file before the forward frees all that memory at once, and on this virtual machine memory free for
+    ~2 s goes back to the host, so the last units of a long forward read at half the rate
+    (``placement_opt.calibrate`` times the same path the same way).
+    """
     from accelerate import dispatch_model
 
     clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on meta: run a copy
     dispatch_model(clone, device_map=device_map, offload_dir=str(folder))
-    return clone, lambda: None
+    modules = dict(clone.named_modules())
+    handles = []
+    for unit, where in device_map.items():
+        if where != "disk":
+            continue
+        files = sorted(folder.glob(f"{glob.escape(unit)}.*.dat"))  # accelerate's file per tensor
+
+        def evict_unit(_module: Any, _args: Any, files: list[Path] = files) -> None:
+            fadvise_dontneed(files)
+
+        handles.append(modules[unit].register_forward_pre_hook(evict_unit))
+    return clone, lambda: [h.remove() for h in handles], lambda: None
 
 
 # -- one model -----------------------------------------------------------------------------------
@@ -274,9 +304,9 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
         offload = work / "offload" / f"{shape}-{runner}-{len(rows)}"
         offload.mkdir(parents=True)
         run = run_placement_opt if runner == "placement_opt" else run_accelerate
-        running, undo = run(model, target, offload)
+        running, undo, evict_all = run(model, target, offload)
         try:
-            prefill, decode, growth = measure(running, offload, args.prompt, args.steps, args.repeats)
+            prefill, decode, growth = measure(running, evict_all, args.prompt, args.steps, args.repeats)
         finally:
             undo()
             del running

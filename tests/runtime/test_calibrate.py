@@ -171,3 +171,23 @@ def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_v
     rotary = model.model.rotary_emb
     assert torch.equal(rotary.inv_freq, type(rotary)(tiny_config()).inv_freq)  # buffers as __init__ made them
 
+
+
+@pytest.mark.parametrize(("budget_s", "most", "steps"), [(0.0, 16, 3), (1e9, 5, 5)])
+def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path, monkeypatch, budget_s, most,
+                                                                         steps) -> None:
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    evicted: list[list[str]] = []  # the names of the files of each eviction, in order
+    monkeypatch.setattr(calibrate_module, "_fadvise_dontneed", lambda paths: evicted.append([p.name for p in paths]))
+    monkeypatch.setattr(calibrate_module, "DISK_BUDGET_S", budget_s)
+    monkeypatch.setattr(calibrate_module, "MAX_DISK_STEPS", most)
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    placement_opt.calibrate(tiny_config(), ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8, new_tokens=4),
+                            offload_dir=tmp_path, repeats=1)
+    dat = [names for names in evicted if names and all(n.endswith(".dat") for n in names)]  # accelerate's files
+    order = ["model.embed_tokens", "model.layers.0", "model.norm", "lm_head"]  # the layers are alike: one is built
+    units = [next(u for u in order if all(n.startswith(f"{u}.") for n in names)) for names in dat]
+    # one unit's files at a time, as the forward calls it (never the folder), in the warm-up, the cold
+    # prefill and each cold decode step
+    assert units == order * (2 + steps)
