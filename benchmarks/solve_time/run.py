@@ -21,12 +21,14 @@ Usage::
     python benchmarks/solve_time/run.py --quick         # 12 hard cells, a minute or two
     python benchmarks/solve_time/run.py --only "4x T4"  # cells whose "model | machine | workload" holds it
     python benchmarks/solve_time/run.py --module        # module-granularity 7B and 70B graphs, limit 2 s
+    python benchmarks/solve_time/run.py --overlap --out benchmarks/solve_time/OVERLAP.md   # Workload(overlap=True)
     python benchmarks/solve_time/run.py --compare benchmarks/solve_time/before.json   # the default when present
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -244,6 +246,8 @@ def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]
             graphs[model] = _graph(model)
             print(f"# traced {model}: {len(graphs[model])} units in {time.perf_counter() - t0:.1f} s", flush=True)
         graph, make, wl = graphs[model], {**MACHINES, **MODULE_MACHINES}[machine], WORKLOADS[workload]
+        if args.overlap:  # the opt-in pricing of copies beside every unit before them (not in older checkouts)
+            wl = dataclasses.replace(wl, overlap=True)
         limit = MODULE_TIME_LIMIT_S if model.endswith("/module") else None
         cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit), limit_s=limit or 1.0)
         if not args.no_resolve and _needs_again(cell.first):
@@ -437,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="cells whose 'model | machine | workload' contains TEXT (repeatable: all must match)")
     parser.add_argument("--no-resolve", action="store_true", help="skip the 5 s second solves")
+    parser.add_argument("--overlap", action="store_true",
+                        help="every workload with overlap=True (streamed copies beside the units before them)")
     parser.add_argument("--out", type=Path, default=None,
                         help="Markdown report (default: RESULTS.md beside this script for the full grid, none else)")
     parser.add_argument("--json", type=Path, default=None, help="every cell as JSON (the format of before.json)")

@@ -124,6 +124,7 @@ class WorkloadSchema(_Strict):
     optimizer: str = "adam"
     activation_checkpointing: bool = False
     logits: Literal["last", "all"] | None = None
+    overlap: bool = False
 
 
 class CostSchema(_Open):

@@ -59,11 +59,16 @@ def test_stream_overlaps_copy_and_stream_sync_adds_it() -> None:
     # 1 GB unit on a GPU of 100 TFLOP/s, 1 TB/s, host link 10 GB/s (latency 10 us).
     graph = chain_graph([{"name": "w", "param_bytes": 10**9, "flops_per_token": 2 * 10**9,
                           "param_names": ("w.a", "w.b")}])
-    workload = Workload(batch_size=1, prompt_len=1000, new_tokens=2)
+    workload = Workload(batch_size=1, prompt_len=1000, new_tokens=2, overlap=True)
     problem = build_problem(graph, measured_machine(), workload, modes=("resident", "stream", "stream_sync"))
     resident = option(problem, "w", "cuda:0", "cuda:0", "resident")
     stream = option(problem, "w", "cpu", "cuda:0", "stream")
     sync = option(problem, "w", "cpu", "cuda:0", "stream_sync")
+    # by default the copy hides behind this unit's compute alone: max(compute, copy), no copy apart
+    plain = option(build_problem(graph, measured_machine(), Workload(batch_size=1, prompt_len=1000, new_tokens=2),
+                                 modes=("stream",)), "w", "cpu", "cuda:0", "stream")
+    assert (plain.prefill_ns, plain.decode_ns, plain.copy_prefill_ns, plain.copy_decode_ns) == \
+        (100_010_000, 2 * 100_010_000, 0, 0)
     # compute: max(1000 x 2e9 / 1e14 = 20 ms, 1e9 / 1e12 = 1 ms) + 60 us = 20.06 ms
     assert resident.prefill_ns == 20_060_000
     # stream: the compute in prefill_ns, the prefetch thread's copy 1e9 / 1e10 + 10 us = 100.01 ms beside it;

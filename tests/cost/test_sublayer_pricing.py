@@ -98,7 +98,7 @@ def _phase_latency(graph: LayerGraph, durations: dict[str, float], chosen: list,
 
 
 _workloads = st.builds(Workload, batch_size=st.integers(1, 8), prompt_len=st.integers(1, 256),
-                       new_tokens=st.integers(0, 32), logits=st.sampled_from([None, "all"]))
+                       new_tokens=st.integers(0, 32), logits=st.sampled_from([None, "all"]), overlap=st.booleans())
 _training = st.builds(Workload, batch_size=st.integers(1, 4), prompt_len=st.integers(1, 64), new_tokens=st.just(0),
                       training=st.just(True))
 

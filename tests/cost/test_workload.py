@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from placement_opt.cost.workload import Workload, dtype_bytes, training_memory, unit_training_bytes
+from placement_opt.errors import WorkloadError
 from placement_opt.hardware.devices import Device
 from placement_opt.model.graph import chain_graph
 
@@ -72,3 +73,11 @@ def test_training_memory_says_when_optimizer_offload_is_needed() -> None:
     ckpt = training_memory(graph, Workload(training=True, batch_size=2, prompt_len=8,
                                            activation_checkpointing=True), capacity_bytes=10_000)
     assert ckpt.activation_bytes == 2 * 16 * 64 and "activation checkpointing" not in ckpt.message
+
+
+def test_overlap_is_opt_in_and_written_only_when_set() -> None:
+    assert "overlap" not in Workload().to_dict()  # plan files read as before
+    on = Workload(overlap=True)
+    assert on.to_dict()["overlap"] is True and Workload.from_dict(on.to_dict()) == on
+    with pytest.raises(WorkloadError, match="overlap"):
+        Workload(overlap="yes")

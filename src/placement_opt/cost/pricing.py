@@ -25,11 +25,12 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
   bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
   closed form (:func:`_sum_max_lines`), never a loop over steps.
-* Streamed weights add ``bytes / link + latency`` per forward: for ``stream`` to a GPU the copy is
-  the prefetch thread's (``copy_*_s``, beside the compute in ``prefill_s``/``decode_s``), and the
-  problem's score runs it beside the compute of the units before it (``solver.problem``'s Overlap:
-  behind CPU-executed units it hides; between equal streamed units it costs ``max(compute, copy)``
-  each); ``compute + copy`` for
+* Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for ``stream``
+  to a GPU (its copy runs while the unit before it computes); with ``Workload.overlap`` the copy is
+  the prefetch thread's (``copy_*_s``, apart from the compute in ``prefill_s``/``decode_s``), and the
+  problem's score runs it beside the compute of every unit since the previous streamed one
+  (``solver.problem``'s Overlap: behind CPU-executed units it hides; between equal streamed units it
+  costs ``max(compute, copy)`` each); ``compute + copy`` for
   ``stream_sync`` (one latency per tensor, pageable copies; disk reads through a memory map at
   :data:`MAPPED_READ_FACTOR` of the disk's rate: a profiled disk's memory-map read rate, a
   datasheet disk's sequential rate) and for any stream executed on the
@@ -455,14 +456,21 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
-    # stream to a GPU: the prefetch thread copies (copy_*), beside the compute; otherwise the copy adds
+    # stream to a GPU: the prefetch thread copies beside the compute: of the units before it (copy_*, with
+    # Workload.overlap), or of this unit alone (max); otherwise the copy adds
     overlapped = mode == "stream" and device.is_gpu
-    prefill = compute if overlapped else compute + forwards * copy_prefill
+    apart = overlapped and wl.overlap
+    if apart:
+        prefill = compute
+    else:
+        prefill = max(compute, forwards * copy_prefill) if overlapped else compute + forwards * copy_prefill
     decode = copy_decode = 0.0
     if unit.in_decode and wl.decode_steps > 0:
         lines = _decode_lines(ctx, unit, device)
-        if overlapped:
+        if apart:
             copy_decode = wl.decode_steps * copy
+        elif overlapped:
+            lines.append((copy, 0.0))
         else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_max_lines(lines, wl.decode_steps)
@@ -480,7 +488,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
-        copy_prefill_s=forwards * copy_prefill if overlapped else 0.0, copy_decode_s=copy_decode,
+        copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )
 

@@ -81,6 +81,11 @@ class Workload:
     """Positions whose logits the prefill computes: ``"last"`` (``generate()``, which asks for the last
     position only) or ``"all"`` (a plain forward, scoring, training). Default (None): follows the workload,
     see :attr:`logits_kept`; kept unresolved so that ``dataclasses.replace(w, training=True)`` follows too."""
+    overlap: bool = False
+    """Price a streamed unit's copy as the dispatcher's prefetch thread makes it: beside the compute of every
+    unit since the previous streamed unit started, CPU-computed ones included (``solver.problem``'s Overlap),
+    instead of beside its own unit's compute only (``max(compute, copy)`` each). Opt-in: not yet measured
+    on a GPU, and its plans' bounds are looser at the 1 s default (benchmarks/solve_time/OVERLAP.md)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len"):
@@ -96,6 +101,8 @@ class Workload:
                 f"Workload holds {tokens:.3g} tokens (batch_size {self.batch_size} x (prompt_len {self.prompt_len} "
                 f"+ new_tokens {self.new_tokens})): accepted are up to 2**40 ({MAX_TOKENS:.3g}) tokens, beyond "
                 f"which sizes and times overflow the solver's 64-bit integers; reduce the batch or the context")
+        if not isinstance(self.overlap, bool):
+            raise WorkloadError(f"Workload.overlap is {self.overlap!r}: it must be True or False")
         if self.optimizer not in ("adam", "sgd", "none"):
             raise WorkloadError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
         self._resolve_logits()
@@ -128,7 +135,10 @@ class Workload:
         return 0 if self.training else self.new_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.overlap:  # written only when set: plan files read as before
+            del data["overlap"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
