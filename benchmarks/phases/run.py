@@ -1,9 +1,15 @@
 """Layer-granular plans against phased plans (issue 15), estimated by the cost model.
 
-For each machine, model, GPU budget and workload, two plans are solved side by side in one run:
+For each machine, model, GPU budget and workload, these plans are solved side by side in one run:
 
+* ``layer, no overlap``: the layer plan solved with the default pricing (each streamed unit
+  ``max(compute, copy)``, its copy hidden behind its own unit only), then priced with
+  ``Workload(overlap=True)`` (the dispatcher's prefetch beside every unit since the previous streamed one):
+  what it would run at by that model;
 * ``layer``: the solver's choices before phased execution: each unit resident on the GPU, resident in CPU
-  RAM and computed by the CPU, or streamed to the GPU at every forward (``modes=("resident", "stream")``);
+  RAM and computed by the CPU, or streamed to the GPU at every forward (``modes=("resident", "stream")``),
+  solved with ``overlap=True`` (streamed copies beside the compute of the units before them, CPU-computed
+  ones included), as are the phased and sublayer plans;
 * ``phased``: the same, plus phased units (streamed to the GPU for the prompt, computed by the CPU at every
   decode step where the weights are, KV cache on the CPU);
 * ``sublayer``: every mode, on the model traced at ``granularity="sublayer"`` (attention, MLP, router and
@@ -88,7 +94,10 @@ def _row(machine_name, model, budget, wl, graphs, config, machine):
     from placement_opt.cost.evaluate import evaluate
 
     graph, sublayer_graph = graphs
-    workload = Workload(batch_size=wl[0], prompt_len=wl[1], new_tokens=wl[2])
+    workload = Workload(batch_size=wl[0], prompt_len=wl[1], new_tokens=wl[2], overlap=True)
+    plain = solve(graph, machine, workload=Workload(batch_size=wl[0], prompt_len=wl[1], new_tokens=wl[2]),
+                  modes=("resident", "stream"), time_limit_s=2.0)
+    before = evaluate(plain, graph, machine, workload)
     plans = {}
     every = ("resident", "stream", "phased")
     for label, g, modes in (("layer", graph, ("resident", "stream")), ("phased", graph, every),
@@ -105,6 +114,8 @@ def _row(machine_name, model, budget, wl, graphs, config, machine):
         "machine": machine_name, "model": model, "budget": budget, "batch": wl[0], "prompt": wl[1], "new": wl[2],
         "accelerate_decode_tps": accelerate.decode_tokens_per_s if accelerate else None,
         "accelerate_fits": accelerate.fits if accelerate else None,
+        "before_decode_tps": before.decode_tokens_per_s, "before_total_s": before.total_s,
+        "before_split": _modes(plain), "layer_split": _modes(layer),
         "layer_decode_tps": layer.cost.decode_tokens_per_s, "phased_decode_tps": phased.cost.decode_tokens_per_s,
         "sublayer_decode_tps": sublayer.cost.decode_tokens_per_s,
         "layer_prefill_s": layer.cost.prefill_s, "phased_prefill_s": phased.cost.prefill_s,
@@ -114,6 +125,15 @@ def _row(machine_name, model, budget, wl, graphs, config, machine):
         "phased_modes": modes, "sublayer_split": _split(sublayer), "gaps": (layer.gap, phased.gap, sublayer.gap),
         "solve_s": (plans["layer"][1], plans["phased"][1], plans["sublayer"][1]),
     }
+
+
+def _modes(plan) -> str:
+    """'12 cpu, 20 resident, 4 stream': where a plan's units compute (cpu) or how they reach the GPU."""
+    modes: dict[str, int] = {}
+    for p in plan.placements:
+        key = "cpu" if p.execution == "cpu" else p.mode
+        modes[key] = modes.get(key, 0) + 1
+    return ", ".join(f"{n} {m}" for m, n in sorted(modes.items()))
 
 
 def _split(plan) -> str:
@@ -140,24 +160,25 @@ def _accelerate_cost(config, machine, graph, workload, evaluate):
 
 
 def _table(rows) -> list[str]:
-    lines = ["| machine | model | GPU budget | batch x prompt + new | accelerate auto decode tok/s | layer plan "
-             "decode tok/s | phased plan decode tok/s | sublayer plan decode tok/s | best / layer (decode) | "
-             "prefill layer -> phased -> sublayer | total layer -> phased -> sublayer | phased plan's units | "
+    lines = ["| machine | model | GPU budget | batch x prompt + new | accelerate auto decode tok/s | layer plan, "
+             "no overlap decode tok/s | layer plan decode tok/s | phased plan decode tok/s | sublayer plan decode "
+             "tok/s | best / layer no overlap (decode) | prefill layer -> phased -> sublayer | total layer no "
+             "overlap -> layer -> phased -> sublayer | layer plans' units (no overlap; overlap) | phased plan's units | "
              "sublayer plan's attention / MLP / experts (decode device) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = ("-" if r["accelerate_decode_tps"] is None else
                f"{r['accelerate_decode_tps']:.2f}" + ("" if r["accelerate_fits"] else " (OOM)"))
         units = ", ".join(f"{n} {m}" for m, n in sorted(r["phased_modes"].items()))
-        best = max(r["phased_decode_tps"], r["sublayer_decode_tps"])
+        best = max(r["layer_decode_tps"], r["phased_decode_tps"], r["sublayer_decode_tps"])
         lines.append(
             f"| {r['machine']} | {r['model']} | {r['budget']} | {r['batch']} x {r['prompt']} + {r['new']} | {acc} | "
-            f"{r['layer_decode_tps']:.2f} | {r['phased_decode_tps']:.2f} | {r['sublayer_decode_tps']:.2f} | "
-            f"{best / r['layer_decode_tps']:.2f}x | "
+            f"{r['before_decode_tps']:.2f} | {r['layer_decode_tps']:.2f} | {r['phased_decode_tps']:.2f} | "
+            f"{r['sublayer_decode_tps']:.2f} | {best / r['before_decode_tps']:.2f}x | "
             f"{r['layer_prefill_s'] * 1e3:.0f} -> {r['phased_prefill_s'] * 1e3:.0f} -> "
-            f"{r['sublayer_prefill_s'] * 1e3:.0f} ms | "
-            f"{r['layer_total_s']:.2f} -> {r['phased_total_s']:.2f} -> {r['sublayer_total_s']:.2f} s | {units} | "
-            f"{r['sublayer_split']} |")
+            f"{r['sublayer_prefill_s'] * 1e3:.0f} ms | {r['before_total_s']:.2f} -> "
+            f"{r['layer_total_s']:.2f} -> {r['phased_total_s']:.2f} -> {r['sublayer_total_s']:.2f} s | "
+            f"{r['before_split']}; {r['layer_split']} | {units} | {r['sublayer_split']} |")
     return lines
 
 
@@ -193,7 +214,7 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
 
     h100 = json.loads(H100_PROFILE.read_text())["measurements"]
     text = [
-        "# Layer-granular plans against phased plans (estimates)",
+        "# Layer-granular plans against phased, sublayer and overlapped plans (estimates)",
         "",
         f"`python benchmarks/phases/run.py`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}. "
@@ -205,6 +226,10 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
         f"{h100['cpu']['matvec_bytes_per_s']['bfloat16'] / 1e9:.1f} GB/s.",
         f"- this-cpu+h100: this machine's CPU profiled now ({profile_s:.0f} s; {this_cpu}) beside a datasheet "
         "H100: a what-if, since this machine has no GPU.",
+        "",
+        "Every figure is priced with `Workload(overlap=True)`: a streamed unit's copy runs on the prefetch thread "
+        "beside every unit since the previous streamed one. 'layer plan, no overlap' is the plan the default pricing "
+        "(each copy hidden behind its own unit only) chooses, priced that way: the plan before overlap was priced.",
         "",
         "decode tok/s: generated tokens per second over the decode steps (batch included). The layer plan chooses "
         "among resident, CPU-computed and streamed decoder layers; the phased plan may also stream a layer for the "
