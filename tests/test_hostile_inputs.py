@@ -283,3 +283,15 @@ def _one_line_error(result, words: str) -> None:
     assert "Traceback" not in text
     assert re.search(words, lines[0]), lines[0]
 
+
+
+@pytest.mark.parametrize("cut", ['{"schema_version": 0.', '{"schema_version": 1', '{"a": tru', '{"a": "x'])
+def test_a_plan_cut_inside_a_number_or_literal_says_it_was_cut_off(cut):
+    with pytest.raises(PlanFormatError, match="cut off"):
+        Plan.from_json(cut)
+
+
+def test_a_plan_with_a_bad_token_inside_is_not_called_cut_off():
+    with pytest.raises(PlanFormatError) as err:
+        Plan.from_json('{"a": 1, "b": x}')
+    assert "cut off" not in str(err.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -352,8 +353,10 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            # a string still open at the end reports where it started: the text ends early all the same
-            ends_early = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+            # a string still open at the end reports where it started, a number cut after its point ("0.")
+            # where the point is: the text ends early all the same
+            ends_early = (err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+                          or re.fullmatch(r"[\w.+-]+", text[err.pos:].strip()) is not None)
             truncated = " (the text ends early: was the file cut off?)" if ends_early else ""
             raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
                                   f"{truncated}: give a file written by Plan.to_json()") from err
