@@ -260,7 +260,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     score = problem.score(choice)
     chosen = problem.options(choice)
     chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
-    waits = zip(*(problem.waits(chosen, ph) for ph in PHASES), strict=True)
+    waits = zip(*(problem.waits(chosen, ph) or [0] * len(chosen) for ph in PHASES), strict=True)
     units = tuple(
         UnitCost(name=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
                  prefill_execution=o.prefill_execution, prefill_peak_bytes=o.prefill_peak_bytes,

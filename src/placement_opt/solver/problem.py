@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..errors import SolverInputError
 
@@ -366,7 +367,9 @@ class PlacementProblem:
         """
         finish = [0] * len(chosen)
         load: dict[str, int] = {}
-        durations = [rounded(getattr(o, key)) if rounded else getattr(o, key) for o in chosen]
+        durations = list(map(attrgetter(key), chosen))
+        if rounded:
+            durations = list(map(rounded, durations))
         waits = self.waits(chosen, key, rounded)
         # Edges point forward in execution order, so one pass in that order is a topological pass.
         for i, opt in enumerate(chosen):
@@ -376,24 +379,26 @@ class PlacementProblem:
                 pair = (chosen[j].device_in(key), device)
                 cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
                 ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
-            finish[i] = ready + durations[i] + waits[i]
+            finish[i] = ready + durations[i] + (waits[i] if waits else 0)
             load[device] = load.get(device, 0) + durations[i]
         return finish, load
 
     def waits(self, chosen: Sequence[PlacementOption], key: str,
               rounded: Callable[[int], int] | None = None) -> list[int]:
-        """Every unit's stall in phase ``key`` (:func:`stalls`; the decode is cyclic)."""
-        def r(ns: int) -> int:
-            return rounded(ns) if rounded else ns
-        return stalls([r(getattr(o, key)) for o in chosen], [r(o.copy_in(key)) for o in chosen],
-                      cyclic=key == "decode_ns")
+        """Every unit's stall in phase ``key`` (:func:`stalls`; the decode is cyclic); ``[]`` when none copies."""
+        copies = list(map(attrgetter("copy_" + key), chosen))
+        if not any(copies):
+            return []  # the common case (no copy apart from compute), at once: score() runs often
+        durations = list(map(attrgetter(key), chosen))
+        if rounded:
+            durations, copies = list(map(rounded, durations)), list(map(rounded, copies))
+        return stalls(durations, copies, cyclic=key == "decode_ns")
 
     def shared_rows(self, chosen: Sequence[PlacementOption], key: str,
                     rounded: Callable[[int], int] | None = None) -> tuple[int, ...]:
         """Each of :data:`SHARED`'s total time in phase ``key``: each bounds its latency."""
-        def r(ns: int) -> int:
-            return rounded(ns) if rounded else ns
-        return tuple(sum(r(o.shared_in(res, key)) for o in chosen) for res in SHARED)
+        rows = (map(attrgetter(f"{res}_{key}"), chosen) for res in SHARED)
+        return tuple(sum(map(rounded, row)) if rounded else sum(row) for row in rows)
 
     @functools.cached_property
     def _incoming(self) -> dict[int, list[tuple[int, EdgeSpec]]]:
