@@ -167,7 +167,7 @@ def test_covered_edges_are_found_on_a_residual_pattern():
     assert covered_edges(problem(dearer)) == set()
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)  # every assignment priced 2-3 times: 500,000 scores at 300 (30 s)
 @given(problems())
 def test_interchangeable_devices_are_relabelled_at_no_cost_and_ordered_optimum_is_the_optimum(problem):
     classes = identical_devices(problem)
@@ -178,8 +178,9 @@ def test_interchangeable_devices_are_relabelled_at_no_cost_and_ordered_optimum_i
             _same_cost(problem, choice, moved)
             assert problem.satisfies(moved) == problem.satisfies(choice)
             assert _in_order(problem, moved, classes)
-        if problem.satisfies(choice):
-            value = problem.objective_value(choice, "latency")
+        score = problem.score(choice)  # once: satisfies() and objective_value() would each price it again
+        if score.feasible and problem.satisfies(choice):
+            value = score.latency_ns
             best_all = value if best_all is None else min(best_all, value)
             if _in_order(problem, choice, classes):
                 best_ordered = value if best_ordered is None else min(best_ordered, value)
