@@ -49,7 +49,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .problem import PHASES, SHARED, DeviceSpec, PlacementOption, PlacementProblem, stalls
+from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem, stalls
 
 __all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "add_level_caps", "peak_levels",
            "computes_on", "stage_work", "own_work", "peak_flags"]
@@ -344,14 +344,15 @@ class PlacementModel:
         n = len(self.p.units)
         finish, load = self.p.schedule(self.chosen, ph, self._t)
         hinted = max(max(finish, default=0), max(load.values(), default=0), *self.p.shared_rows(self.chosen, ph, self._t))
-        horizon = sum(max(self._t(getattr(opt, ph)) + sum(self._t(opt.shared_in(res, ph)) for res in SHARED)
+        shared = self.p.shared_in(ph)
+        horizon = sum(max(self._t(getattr(opt, ph)) + sum(self._t(opt.shared_in(res, ph)) for res in shared)
                           for _, opt in self._opts(u)) for u in range(n))
         horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
         lat = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"lat[{ph}]"), hinted)
-        for res in SHARED:  # the prefetch thread, host memory, the disk
-            shared = [self._t(opt.shared_in(res, ph)) * v for opt, v in self._terms() if self._t(opt.shared_in(res, ph))]
-            if shared:
-                self.model.add(lat >= sum(shared))
+        for res in shared:  # the prefetch thread, host memory, the disk: those some option uses
+            row = [self._t(opt.shared_in(res, ph)) * v for opt, v in self._terms() if self._t(opt.shared_in(res, ph))]
+            if row:
+                self.model.add(lat >= sum(row))
         xfer = [self._transfer(ph, k) for k in range(len(self.p.edges))]
         wait = self._waits(ph)
         if self.chain:
@@ -387,6 +388,8 @@ class PlacementModel:
     def _waits(self, ph: str) -> list[Any]:
         """wait[ph, u] of every unit (0 where no option of u copies in ph): the module docstring's rows."""
         n = len(self.p.units)
+        if "copy" not in self.p.shared_in(ph):
+            return [0] * n
         copies = [{o: self._t(opt.copy_in(ph)) for o, opt in self._opts(u) if self._t(opt.copy_in(ph)) > 0}
                   for u in range(n)]
         if not any(copies):

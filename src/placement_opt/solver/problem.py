@@ -400,6 +400,15 @@ class PlacementProblem:
         rows = (map(attrgetter(f"{res}_{key}"), chosen) for res in SHARED)
         return tuple(sum(map(rounded, row)) if rounded else sum(row) for row in rows)
 
+    def shared_in(self, phase: str) -> tuple[str, ...]:
+        """The resources of :data:`SHARED` that some option uses in ``phase``: the rows worth stating."""
+        return self._shared_used[phase]
+
+    @functools.cached_property
+    def _shared_used(self) -> dict[str, tuple[str, ...]]:
+        options = [o for u in self.units for o in u.options]
+        return {ph: tuple(res for res in SHARED if any(map(attrgetter(f"{res}_{ph}"), options))) for ph in PHASES}
+
     @functools.cached_property
     def _incoming(self) -> dict[int, list[tuple[int, EdgeSpec]]]:
         """dst -> (src, edge) of every edge, built once per problem (score() runs often on 724 units)."""
