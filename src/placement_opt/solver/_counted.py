@@ -58,7 +58,7 @@ class CountedRelaxation:
     def _shared_rows(self, ph: str, lat: Any) -> None:
         """``lat >=`` each of ``SHARED``'s time in ``ph`` (copies, host memory, disk). Durations count compute
         alone and stalls are left out: both models stay relaxations (stalls are >= 0)."""
-        for res in self.p.shared_in(ph):
+        for res in self.p.shared_used(ph):
             shared = [self._t(o.shared_in(res, ph)) * n for o, n in self._terms() if self._t(o.shared_in(res, ph))]
             if shared:
                 self.model.add(lat >= sum(shared))
@@ -78,7 +78,7 @@ class CountedRelaxation:
         a unit's worth (:func:`hiding`) ``delta`` for a unit of ``B``. Exact for identical layers: the
         bound balanced windows reach. (Valid per window for every mix of units: tests/solver/test_bound.py.)
         """
-        if "copy" not in self.p.shared_in(ph):
+        if "copy" not in self.p.shared_used(ph):
             return 0
         terms = self._terms()
         streamed: dict[int, list[Any]] = {}
@@ -105,7 +105,7 @@ class CountedRelaxation:
 
     def _shared_horizon(self, ph: str) -> int:
         """The most the shared rows can ask of ``lat[ph]``: what its horizon must allow."""
-        used = self.p.shared_in(ph)
+        used = self.p.shared_used(ph)
         if not used:
             return 0
         return sum(max(sum(self._t(o.shared_in(res, ph)) for res in used) for o in u.options) for u in self.p.units)

@@ -344,7 +344,7 @@ class PlacementModel:
         n = len(self.p.units)
         finish, load = self.p.schedule(self.chosen, ph, self._t)
         hinted = max(max(finish, default=0), max(load.values(), default=0), *self.p.shared_rows(self.chosen, ph, self._t))
-        shared = self.p.shared_in(ph)
+        shared = self.p.shared_used(ph)
         horizon = sum(max(self._t(getattr(opt, ph)) + sum(self._t(opt.shared_in(res, ph)) for res in shared)
                           for _, opt in self._opts(u)) for u in range(n))
         horizon += sum(max([self._t(c) for c in getattr(e, ph).values()], default=0) for e in self.p.edges)
@@ -388,7 +388,7 @@ class PlacementModel:
     def _waits(self, ph: str) -> list[Any]:
         """wait[ph, u] of every unit (0 where no option of u copies in ph): the module docstring's rows."""
         n = len(self.p.units)
-        if "copy" not in self.p.shared_in(ph):
+        if "copy" not in self.p.shared_used(ph):
             return [0] * n
         copies = [{o: self._t(opt.copy_in(ph)) for o, opt in self._opts(u) if self._t(opt.copy_in(ph)) > 0}
                   for u in range(n)]
@@ -603,7 +603,7 @@ def own_work(opt: PlacementOption) -> int:
     unit) and the slowest stage of any assignment using ``opt``, so options above a known objective
     value can be left out."""
     if opt.device_in("prefill_ns") == opt.execution:
-        return opt.work_in("prefill_ns") + opt.work_in("decode_ns")
+        return opt.work_ns
     return max(opt.work_in("prefill_ns"), opt.work_in("decode_ns"))
 
 

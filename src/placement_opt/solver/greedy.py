@@ -255,13 +255,8 @@ def choice_from_storage(problem: PlacementProblem, storage: Mapping[str, str]) -
         exact = [i for i in options if u.options[i].execution == execution]
         pool = exact or options
         choice.append(min(pool, key=lambda i: (rank[u.options[i].mode],
-                                               _work(u.options[i]))))
+                                               u.options[i].work_ns)))
     return choice
-
-
-def _work(o: PlacementOption) -> int:
-    """What a baseline ranks an option by: its time when nothing else hides its copy."""
-    return o.work_in("prefill_ns") + o.work_in("decode_ns")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +299,7 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
                    key=lambda i: (not problem.allows(u, u.options[i]),
                                   lead in storage and u.options[i].storage != storage[lead],
                                   not room_for(u.options[i]),
-                                  _work(u.options[i]), i))
+                                  u.options[i].work_ns, i))
         o = u.options[best]
         for d, added in _adds(o, peak).items():
             free[d] -= added

@@ -193,6 +193,11 @@ class PlacementOption:
         copy = self.copy_in(phase)
         return own if copy <= own else copy
 
+    @property
+    def work_ns(self) -> int:
+        """:meth:`work_in` of both phases: what the baselines rank options by."""
+        return self.work_in("prefill_ns") + self.work_in("decode_ns")
+
     def peaks(self) -> tuple[tuple[str, int], ...]:
         """(device, transient bytes) this option adds to each device's peak: its execution device's,
         and a phased option's prefill device's too."""
@@ -400,7 +405,7 @@ class PlacementProblem:
         rows = (map(attrgetter(f"{res}_{key}"), chosen) for res in SHARED)
         return tuple(sum(map(rounded, row)) if rounded else sum(row) for row in rows)
 
-    def shared_in(self, phase: str) -> tuple[str, ...]:
+    def shared_used(self, phase: str) -> tuple[str, ...]:
         """The resources of :data:`SHARED` that some option uses in ``phase``: the rows worth stating."""
         return self._shared_used[phase]
 

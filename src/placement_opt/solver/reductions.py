@@ -155,14 +155,10 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
         for k, o in enumerate(spec.options):
             if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= _peak_on(now, dev)
                     and all(_bytes_on(o, d) - _bytes_on(now, d) <= free[d] for d in free if d != dev)):
-                key = (_bytes_on(now, dev) < -free[dev], _work(o) - _work(now),
+                key = (_bytes_on(now, dev) < -free[dev], o.work_ns - now.work_ns,
                        u, k)
                 best = key if best is None or key < best else best
     return None if best is None else (best[2], best[3])
-
-
-def _work(opt: PlacementOption) -> int:
-    return opt.work_in("prefill_ns") + opt.work_in("decode_ns")
 
 
 def _peak_on(opt: PlacementOption, dev: str) -> int:

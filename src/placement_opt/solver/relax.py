@@ -275,7 +275,7 @@ class GroupModel(CountedRelaxation):
         choice = [0] * len(self.p.units)
         for k, g in enumerate(self.groups):
             opts = self._options(k)
-            order = sorted(self.n[k], key=lambda o: (-(opts[o].work_in("prefill_ns") + opts[o].work_in("decode_ns")),
+            order = sorted(self.n[k], key=lambda o: (-opts[o].work_ns,
                                                      devices.index(opts[o].execution), o))
             handed = [o for o in order for _ in range(solver.value(self.n[k][o][0]))]
             for u, o in zip(g, handed, strict=True):

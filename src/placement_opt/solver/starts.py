@@ -39,10 +39,6 @@ _MAX_PEAK_CAPS = 6
 _MODE_RANK = {"resident": 0, "stream": 1, "stream_sync": 2, "phased": 3}
 
 
-def _work(o: PlacementOption) -> int:
-    return o.work_in("prefill_ns") + o.work_in("decode_ns")
-
-
 def _pack(items: Sequence[tuple[int, int]], budget: int) -> list[int]:
     """Indices of ``(weight, value)`` items of total weight <= ``budget`` with the largest value found.
 
@@ -122,7 +118,7 @@ def _menus(problem: PlacementProblem, executor: str) -> list[list[tuple[int, Pla
     first: overlapped streams before synchronous ones, then the fastest."""
     return [sorted(((k, o) for k, o in enumerate(u.options)
                     if o.execution == executor and o.mode != "phased" and problem.allows(u, o)),
-                   key=lambda ko: (_MODE_RANK[ko[1].mode], _work(ko[1]), ko[0])) for u in problem.units]
+                   key=lambda ko: (_MODE_RANK[ko[1].mode], ko[1].work_ns, ko[0])) for u in problem.units]
 
 
 def _items(menus: list[list[tuple[int, PlacementOption]]], groups: list[list[int]], executor: str,
@@ -371,7 +367,7 @@ def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[b
     for i, (u, c) in enumerate(zip(problem.units, choice, strict=True)):
         cur = u.options[c]
         for k, o in enumerate(u.options):
-            saved = _work(cur) - _work(o)
+            saved = cur.work_ns - o.work_ns
             if saved <= 0 or not problem.allows(u, o) or (not movable[i] and o.storage != cur.storage):
                 continue
             added = o.stored_bytes + o.resident_bytes + o.peak_bytes + o.prefill_peak_bytes
@@ -389,7 +385,7 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
         for i, k, added in _moves(problem, current, movable):
             old, new = problem.units[i].options[current[i]], problem.units[i].options[k]
             pair = (new.storage, new.execution, new.prefill_execution)
-            if _work(new) >= _work(old) or added >= refused.get(pair, added + 1) or not memory.move(old, new):
+            if new.work_ns >= old.work_ns or added >= refused.get(pair, added + 1) or not memory.move(old, new):
                 refused[pair] = min(added, refused.get(pair, added))
                 continue
             current[i], before = k, current[i]
