@@ -108,7 +108,8 @@ class CountedRelaxation:
         used = self.p.shared_used(ph)
         if not used:
             return 0
-        return sum(max(sum(self._t(o.shared_in(res, ph)) for res in used) for o in u.options) for u in self.p.units)
+        # each row rounds each of a unit's terms by at most half a solver unit
+        return sum(self._t(most) + len(used) for most in self.p.shared_most(ph))
 
     def minimize(self, objective: str, latency_cap_ns: int | None, slack: int) -> None:
         """The goals of :meth:`.cpsat.PlacementModel.minimize`; ``slack`` is the latency's rounding slack

@@ -88,6 +88,8 @@ SHARED = ("copy", "host", "disk")
 #: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
 #: total work) or ``memory`` (bytes used on the GPUs).
 OBJECTIVES = ("latency", "throughput", "memory")
+#: Scores a problem remembers (by assignment) before it forgets them all: a search prices a handful.
+SCORES_KEPT = 64
 
 
 def objective_value(objective: str, *, latency: float, stage: Mapping[str, float],
@@ -313,6 +315,21 @@ class PlacementProblem:
 
     def score(self, choice: Sequence[int]) -> Score:
         """Price an assignment (one option index per unit, in execution order)."""
+        # the search prices its start and each plan found several times (scale, caps, proofs, the report):
+        # a module-level 70B's score takes ~15 ms, and a search under a 0.2 s budget can spend 0.2 s on repeats
+        key = tuple(choice)
+        known = self._scores.get(key)
+        if known is None:
+            if len(self._scores) >= SCORES_KEPT:
+                self._scores.clear()
+            known = self._scores[key] = self._score(choice)
+        return known
+
+    @functools.cached_property
+    def _scores(self) -> dict[tuple[int, ...], Score]:
+        return {}
+
+    def _score(self, choice: Sequence[int]) -> Score:
         chosen = self.options(choice)
         prefill = self._phase_latency(chosen, "prefill_ns")
         decode = self._phase_latency(chosen, "decode_ns")
@@ -408,6 +425,19 @@ class PlacementProblem:
     def shared_used(self, phase: str) -> tuple[str, ...]:
         """The resources of :data:`SHARED` that some option uses in ``phase``: the rows worth stating."""
         return self._shared_used[phase]
+
+    def shared_most(self, phase: str) -> tuple[int, ...]:
+        """Per unit, the most any of its options asks of the shared rows used in ``phase`` together (ns):
+        what a latency horizon must allow them."""
+        return self._shared_most[phase]
+
+    @functools.cached_property
+    def _shared_most(self) -> dict[str, tuple[int, ...]]:
+        most = {}
+        for ph in PHASES:
+            rows = [attrgetter(f"{res}_{ph}") for res in self.shared_used(ph)]
+            most[ph] = tuple(max(sum(row(o) for row in rows) for o in u.options) if rows else 0 for u in self.units)
+        return most
 
     @functools.cached_property
     def _shared_used(self) -> dict[str, tuple[str, ...]]:

@@ -223,7 +223,8 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
             notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
     relaxed = _Found([], "UNKNOWN", 0)
-    relaxations = _relaxations(problem)
+    classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
+    relaxations = _relaxations(problem, classes)
     full_s = FULL_S_PER_TERM * (n + len(problem.edges))
     for k, (name, share, make) in enumerate(relaxations):
         if k == len(relaxations) - 1 and deadline - time.perf_counter() < 2 * full_s:
@@ -243,7 +244,7 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
         found = _Found(hint, "FEASIBLE", relaxed.bound)
     else:
-        found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns)
+        found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns, classes)
         found = _Found(found.choice, found.status, max(found.bound, relaxed.bound))
     if not found.choice and not hint_ok:
         return Solution(choice=(), status=found.status, objective=objective, objective_value=0,
@@ -279,24 +280,25 @@ def _proven(problem: PlacementProblem, objective: str, choice: Sequence[int], bo
     return value <= 0 or (value - bound) / value <= gap_limit
 
 
-def _relaxations(problem: PlacementProblem) -> list[tuple[str, float, Any]]:
+def _relaxations(problem: PlacementProblem, classes: list[list[str]]) -> list[tuple[str, float, Any]]:
     """(what it counts, share of the time left, model factory) of the relaxations worth building."""
     out: list[tuple[str, float, Any]] = []
     runs = identical_runs(problem)
     if runs:
         out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
                     AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work,
-                                                                              identical_devices(problem))))
+                                                                              classes)))
     if len(problem.units) > GROUP_ABOVE:
         out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
-                    lambda scale, hint, work: _grouped(problem, scale, hint, work)))
+                    lambda scale, hint, work: _grouped(problem, scale, hint, work, classes)))
     return out
 
 
-def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None) -> GroupModel:
+def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None,
+             classes: list[list[str]]) -> GroupModel:
     path, *others = sibling_paths(problem, critical_path(problem, hint))
     others += covering_paths(problem, path, MORE_PATHS - len(others)) if len(others) < MORE_PATHS else []
-    return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, identical_devices(problem),
+    return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, classes,
                       others)
 
 
@@ -373,15 +375,18 @@ def _work_lower_bound(problem: PlacementProblem) -> int:
 
 
 def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run: _Run,
-                hint: list[int], hint_ok: bool, latency_cap_ns: int | None) -> _Found:
-    """The choice (or []), status and proven bound (in the objective's unit) of one CP-SAT run."""
+                hint: list[int], hint_ok: bool, latency_cap_ns: int | None,
+                classes: list[list[str]] | None = None) -> _Found:
+    """The choice (or []), status and proven bound (in the objective's unit) of one CP-SAT run.
+
+    ``classes``: :func:`.symmetry.identical_devices` of ``problem`` when the caller has them."""
     scale = _scale(problem, hint, objective)
     max_work = None  # latency and the slowest stage are >= every unit's own prefill + decode
     if hint_ok and objective in ("latency", "throughput"):
         max_work = problem.objective_value(hint, objective)
     elif latency_cap_ns is not None:
         max_work = latency_cap_ns
-    classes = identical_devices(problem)
+    classes = identical_devices(problem) if classes is None else classes
     hint = relabel(problem, hint, classes)  # the same cost, in the model's device order
     building = time.perf_counter()
     try:
