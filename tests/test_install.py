@@ -6,7 +6,8 @@ This test runs where no host but the package registry is reachable; ``torch==2.1
 from the local pip configuration (``PIP_FIND_LINKS``, a local CPU wheel, as ``.ci/run`` installs it),
 exactly the pin the README names. Everything else (the venv, the editable install with the ``dev``
 extra, the first ``placement-opt plan``) runs verbatim, in a copy of the working tree so that the
-command's ``.venv`` never touches the checkout's own.
+command's ``.venv`` never touches the checkout's own. ``.ci/run`` builds its own virtualenv with the same
+command and says so (``PLACEMENT_OPT_README_ROUTE_BUILT_THIS_VENV``): the replay is skipped there.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def test_readme_cpu_route_names_the_cpu_index_and_the_pin():
 
 @pytest.mark.slow
 def test_readme_cpu_route_installs_and_plans_in_a_fresh_virtualenv(tmp_path):
+    if os.environ.get("PLACEMENT_OPT_README_ROUTE_BUILT_THIS_VENV"):
+        pytest.skip(".ci/run built this test run's virtualenv with the README's CPU-route command itself "
+                    "(and checked its plan and its torch): no need to build a second one")
     if not os.environ.get("PIP_FIND_LINKS") and not os.environ.get("PIP_INDEX_URL"):
         pytest.skip("no local pip configuration provides torch==2.13.0 (PIP_FIND_LINKS), and the CPU "
                     "index is not reachable from the test machine")
