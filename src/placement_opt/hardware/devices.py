@@ -313,6 +313,9 @@ class Machine:
 
     # -- lookup -------------------------------------------------------------------------
     def __getitem__(self, name: str | int) -> Device:
+        for device in self.devices:  # pricing looks up canonical names tens of thousands of times
+            if device.name == name:
+                return device
         canonical = normalize_device_name(name)
         for device in self.devices:
             if device.name == canonical:

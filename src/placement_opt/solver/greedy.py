@@ -295,11 +295,16 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
             return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
 
         lead = tied_to.get(u.name)
-        best = min(range(len(u.options)),
-                   key=lambda i: (not problem.allows(u, u.options[i]),
-                                  lead in storage and u.options[i].storage != storage[lead],
-                                  not room_for(u.options[i]),
-                                  u.options[i].work_ns, i))
+        # the least (disallowed, off its tie, without room, work_ns, index): options in work order, the first
+        # that is allowed, tied right and fits ends the scan (most units: the first or second option)
+        best, least = 0, None
+        for i in sorted(range(len(u.options)), key=lambda i: (u.options[i].work_ns, i)):
+            o = u.options[i]
+            flaws = (not problem.allows(u, o), lead in storage and o.storage != storage[lead], not room_for(o))
+            if least is None or flaws < least:
+                best, least = i, flaws
+                if not any(flaws):
+                    break
         o = u.options[best]
         for d, added in _adds(o, peak).items():
             free[d] -= added
