@@ -254,6 +254,25 @@ def test_logits_flag_prices_every_prompt_position(tmp_path):
     assert plans[1].cost.prefill_s > plans[0].cost.prefill_s
 
 
+def test_overlap_flag_prices_copies_beside_earlier_compute_and_is_kept_in_the_plan(tmp_path):
+    """--overlap: the workload asks for overlap pricing, the plan file keeps it, and the time line counts
+    the copies made beside the compute; without it neither; with --cluster it is a usage error."""
+    from placement_opt import Plan
+
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb/8GiB,cpu=64GiB", "--new-tokens", "8",
+              "--modes", "resident,stream", "--time-limit", "1")
+    plain, overlapped = tmp_path / "plain.json", tmp_path / "overlap.json"
+    first = run_cli(*common, "--json", str(plain))
+    second = run_cli(*common, "--overlap", "--json", str(overlapped))
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    assert "beside the compute" in second.output and "beside the compute" not in first.output
+    plans = Plan.from_json(str(plain)), Plan.from_json(str(overlapped))
+    assert (plans[0].workload.overlap, plans[1].workload.overlap) == (False, True)
+    assert any(p.mode == "stream" for p in plans[1].placements)
+    bad = run_cli("plan", "llama-2-7b", "--cluster", "2x1xa100-40gb", "--overlap", catch_exceptions=True)
+    assert bad.exit_code == 2 and "leave --overlap out" in bad.output and "Traceback" not in bad.output
+
+
 def test_modes_flag_limits_the_solvers_choices_and_refuses_unknown_modes(tmp_path):
     from placement_opt import Plan
 

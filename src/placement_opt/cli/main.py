@@ -100,10 +100,11 @@ def cli() -> None:
 
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
-             dtype: str | None, logits: str | None = None, granularity: str = "block") -> tuple[Any, Machine, Workload, Any]:
+             dtype: str | None, logits: str | None = None, granularity: str = "block",
+             overlap: bool = False) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words (``auto``: the block graph)."""
     devices = require_devices(devices)
-    workload = workload_from(batch, prompt, new_tokens, logits)
+    workload = workload_from(batch, prompt, new_tokens, logits, overlap)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with progress(f"Tracing {model} on the meta device ..."):
@@ -129,17 +130,20 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
                    "module, or auto: block and sublayer both, each in half the time limit, the better plan kept")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
-         dtype: str | None, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
+         dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
          modes: str, granularity: str, cluster: str | None, schedule: str, microbatches: int | None,
          train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     if cluster is not None:
+        if overlap:
+            raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
+                                   "pipeline stages without it: leave --overlap out")
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      granularity)
+                                                      granularity, overlap)
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
         if granularity == "auto" and strategy == "cpsat":
             chosen["granularity"] = "auto"
@@ -203,13 +207,14 @@ def _search_longer(console: Console, first: Plan, solve_again: Callable[[float],
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
 def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int,
-            logits: str | None, dtype: str | None,
+            logits: str | None, dtype: str | None, overlap: bool,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
     check_outputs(json_path, plot)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits)
+        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
+                                                      overlap=overlap)
         with progress("Solving with every strategy ..."):
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
                                           time_limit_s=time_limit, source=resolved)

@@ -138,11 +138,12 @@ def _machine_from_file(path: Path) -> Machine:
     return Machine.from_dict(data)
 
 
-def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None) -> Workload:
+def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None,
+                  overlap: bool = False) -> Workload:
     from ..cost.workload import Workload
 
     try:
-        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, logits=logits)
+        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, logits=logits, overlap=overlap)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -162,6 +163,10 @@ def solve_options(func: Any) -> Any:
                           "generating) or 'all' (a plain forward, e.g. scoring every position)"),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="weight dtype (default: the model's own, from its config)"),
+        click.option("--overlap", is_flag=True,
+                     help="price each streamed copy as the prefetch thread runs it, beside the compute of the "
+                          "units before it (CPU-computed ones included), not beside its own unit's only "
+                          "(Workload.overlap; opt-in: not yet measured on a GPU, looser bounds in 1 s)"),
         click.option("--time-limit", type=float, default=None, metavar="S",
                      help=f"CP-SAT time limit in seconds (default: the solver's 1 s; without it, `plan` searches "
                           f"up to {EXTRA_SEARCH_S:g} s more when the plan is not proven within 1 % of the best)"),
