@@ -15,7 +15,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.reductions import coarsen, coarsen_groups, prefer_resident
+from placement_opt.solver.reductions import coarsen, coarsen_groups, make_room, prefer_resident
 
 DEVICES = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
 XFER = {("cuda:0", "cpu"): 7, ("cpu", "cuda:0"): 7}
@@ -63,3 +63,51 @@ def test_streamed_units_become_resident_only_while_they_fit():
     score = problem.score(moved)
     assert score.feasible and moved.count(0) == 3 and moved.count(2) == 1
     assert score.latency_ns <= problem.score([2, 2, 2, 2]).latency_ns
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 5), st.integers(0, 3), st.integers(0, 3))
+def test_make_room_repairs_a_plan_over_on_two_gpus_at_once(n0, n1, over0, over1):
+    """Units of 10 bytes resident on two GPUs, each GPU a few bytes short: moving units to the CPU fixes
+    both. A move off the first GPU adds nothing to the second, so the second's overflow must not forbid it."""
+    gpus = {"cuda:0": n0, "cuda:1": n1}
+    devices = tuple(DeviceSpec(name=g, kind="gpu", capacity_bytes=10 * n - over) for (g, n), over
+                    in zip(gpus.items(), (over0, over1), strict=True)) + (DeviceSpec(name="cpu", kind="cpu",
+                                                                                      capacity_bytes=1000),)
+
+    def unit(name: str) -> UnitSpec:
+        return UnitSpec(name=name, options=tuple(
+            PlacementOption(storage=d, execution=d, mode="resident", prefill_ns=1 if d != "cpu" else 10,
+                            decode_ns=1 if d != "cpu" else 10, stored_bytes=10, resident_bytes=0, peak_bytes=0)
+            for d in ("cuda:0", "cuda:1", "cpu")))
+
+    units = tuple(unit(f"u{i}") for i in range(n0 + n1))
+    problem = PlacementProblem(units=units, edges=(), devices=devices)
+    choice = [0] * n0 + [1] * n1
+    out = make_room(problem, choice)
+    assert problem.satisfies(out)
+    # each GPU over by 1-3 bytes gives up exactly one 10-byte unit, to the CPU (no room on the other GPU)
+    moved = [i for i, (a, b) in enumerate(zip(choice, out, strict=True)) if a != b]
+    assert len(moved) == (over0 > 0) + (over1 > 0) and all(out[i] == 2 for i in moved)
+
+
+def test_make_room_does_not_move_a_unit_onto_a_transient_the_other_gpu_has_no_room_for():
+    """Off an overfull cuda:0, the faster move is a phased-like option whose prompt buffer lands on a full
+    cuda:1; the slower plain CPU option adds nothing there and is the one that fits."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=19), DeviceSpec(name="cuda:1", kind="gpu",
+                                                                                      capacity_bytes=10),
+               DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
+
+    def unit(name: str, home: str) -> UnitSpec:
+        return UnitSpec(name=name, options=(
+            PlacementOption(storage=home, execution=home, mode="resident", prefill_ns=1, decode_ns=1,
+                            stored_bytes=10, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="cpu", execution="cpu", mode="phased", prefill_execution="cuda:1", prefill_ns=1,
+                            decode_ns=2, stored_bytes=10, resident_bytes=0, peak_bytes=0, prefill_peak_bytes=5),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=10, decode_ns=10,
+                            stored_bytes=10, resident_bytes=0, peak_bytes=0)))
+
+    problem = PlacementProblem(units=(unit("a", "cuda:0"), unit("b", "cuda:0"), unit("c", "cuda:1")), edges=(),
+                               devices=devices)
+    out = make_room(problem, [0, 0, 0])
+    assert problem.satisfies(out) and sorted(out) == [0, 0, 2]

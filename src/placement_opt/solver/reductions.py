@@ -144,9 +144,26 @@ def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) 
 
 def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -> tuple[int, int] | None:
     """(unit, option) of the least extra time that takes bytes off ``dev`` (enough of them to fit, if any
-    move does), raises no transient there and puts its bytes where there is room."""
+    move does), raises no transient there and puts its bytes where there is room. A device that is over
+    itself only refuses moves that add to it: one that adds nothing there stays allowed (a relaxation's
+    plan over on two GPUs was dropped because every move off the first was checked against the second's
+    negative room)."""
     score = problem.score(choice)
     free = {d.name: d.capacity_bytes - score.used_bytes[d.name] for d in problem.devices}
+    peak = dict.fromkeys(free, 0)  # the transient each device already holds room for
+    for o in problem.options(choice):
+        for d, nbytes in o.peaks():
+            peak[d] = max(peak[d], nbytes)
+
+    def fits(o: PlacementOption, now: PlacementOption) -> bool:
+        # what o adds to every other device, its transient included (a phased option's prompt buffer
+        # lands on a GPU), fits there; a move adding nothing is fine even where the device is over
+        for d in free:
+            added = _bytes_on(o, d) - _bytes_on(now, d) + max(0, _peak_on(o, d) - peak[d])
+            if d != dev and added > max(0, free[d]):
+                return False
+        return True
+
     best: tuple[bool, int, int, int] | None = None  # (frees too little, extra ns, unit, option): least first
     for u, spec in enumerate(problem.units):
         now = spec.options[choice[u]]
@@ -154,7 +171,7 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
             continue
         for k, o in enumerate(spec.options):
             if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= _peak_on(now, dev)
-                    and all(_bytes_on(o, d) - _bytes_on(now, d) <= free[d] for d in free if d != dev)):
+                    and fits(o, now)):
                 key = (_bytes_on(now, dev) < -free[dev], o.work_ns - now.work_ns,
                        u, k)
                 best = key if best is None or key < best else best
