@@ -13,23 +13,15 @@ command and says so (``PLACEMENT_OPT_README_ROUTE_BUILT_THIS_VENV``): the replay
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from _readme import CPU_INDEX, readme_cpu_command, without_cpu_index
+
 ROOT = Path(__file__).resolve().parent.parent
-CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
-
-
-def readme_cpu_command() -> str:
-    """The first line of the Quickstart's first bash block: the CPU route."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    quickstart = text[text.index("## Quickstart"):]
-    block = re.search(r"```bash\n(.*?)```", quickstart, re.S).group(1)
-    return block.splitlines()[0]
 
 
 def test_readme_cpu_route_names_the_cpu_index_and_the_pin():
@@ -52,7 +44,7 @@ def test_readme_cpu_route_installs_and_plans_in_a_fresh_virtualenv(tmp_path):
         if (ROOT / name).is_file():
             (checkout / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, checkout / name)
-    command = readme_cpu_command().replace(f" {CPU_INDEX}", "")
+    command = without_cpu_index(readme_cpu_command())
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
     env["COLUMNS"] = "160"

@@ -51,7 +51,7 @@ from ortools.sat.python import cp_model
 
 from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem, stalls
 
-__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "add_capacity_row", "add_level_caps", "peak_levels",
+__all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "rounding_slack", "add_capacity_row", "add_level_caps", "peak_levels",
            "computes_on", "stage_work", "own_work", "peak_flags"]
 
 #: CP-SAT deterministic time per second of time limit. The search stops at whichever limit comes
@@ -93,7 +93,6 @@ class PlacementModel:
         self.index = problem.index()
         self.devices = [d.name for d in problem.devices]
         self.chain = self._is_chain()
-        self._copies = any(o.copy_prefill_ns or o.copy_decode_ns for u in problem.units for o in u.options)
         # per phase, every device some option computes on in it: where "elsewhere" is, for transfers
         self._exec_devices = {ph: sorted({o.device_in(ph) for u in problem.units for o in u.options})
                               for ph in _PHASES}
@@ -468,11 +467,7 @@ class PlacementModel:
 
     def rounding_slack(self, objective: str) -> int:
         """The most the rounded objective can differ from the exact one, in solver units."""
-        if objective == "memory":
-            return 0
-        # A stall's rounding error is at most half a unit per unit it spans (module docstring's bound, doubled).
-        waits = len(self.p.units) if objective == "latency" and self._copies else 0
-        return len(self.p.units) + (len(self.p.edges) if objective == "latency" else 0) + waits
+        return rounding_slack(self.p, objective)
 
     def unit_scale(self, objective: str) -> int:
         """Objective units per solver unit: ``scale_ns`` for times, 1 for bytes."""
@@ -500,6 +495,19 @@ class PlacementModel:
         """The option index of every unit in the solver's best solution."""
         return [next(o for o, _ in self._opts(u) if solver.boolean_value(self.x[u, o]))
                 for u in range(len(self.p.units))]
+
+
+def rounding_slack(problem: PlacementProblem, objective: str) -> int:
+    """The most ``objective`` rounded to solver units can differ from the exact one, in solver units: half a
+    unit per rounded term (units, and edges for latency), doubled, and for latency as much again when some
+    option copies (a stall's error is at most half a unit per unit its window spans). Memory is exact."""
+    if objective == "memory":
+        return 0
+    n = len(problem.units)
+    if objective != "latency":
+        return n
+    copies = any("copy" in problem.shared_used(ph) for ph in PHASES)
+    return n + len(problem.edges) + (n if copies else 0)
 
 
 def new_solver(time_limit_s: float, seed: int, workers: int, gap_limit: float) -> cp_model.CpSolver:

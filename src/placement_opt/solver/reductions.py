@@ -158,11 +158,8 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
     def fits(o: PlacementOption, now: PlacementOption) -> bool:
         # what o adds to every other device, its transient included (a phased option's prompt buffer
         # lands on a GPU), fits there; a move adding nothing is fine even where the device is over
-        for d in free:
-            added = _bytes_on(o, d) - _bytes_on(now, d) + max(0, _peak_on(o, d) - peak[d])
-            if d != dev and added > max(0, free[d]):
-                return False
-        return True
+        return all(_bytes_on(o, d) - _bytes_on(now, d) + max(0, _peak_on(o, d) - peak[d]) <= max(0, free[d])
+                   for d in free if d != dev)
 
     best: tuple[bool, int, int, int] | None = None  # (frees too little, extra ns, unit, option): least first
     for u, spec in enumerate(problem.units):

@@ -52,7 +52,7 @@ from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
 from .aggregate import AggregateModel, identical_runs
-from .cpsat import OutOfTime, PlacementModel
+from .cpsat import OutOfTime, PlacementModel, rounding_slack
 from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .problem import OBJECTIVES, PlacementProblem
@@ -307,14 +307,11 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     """A relaxation's proven bound, and its plan when valid and no worse than the start."""
     hint, hint_ok = start
     scale = _scale(problem, hint, objective)
-    n = len(problem.units)
-    copies = any(o.copy_prefill_ns or o.copy_decode_ns for u in problem.units for o in u.options)
-    # a stall's rounding error is at most half a unit per unit its window spans (cpsat.rounding_slack)
-    slack = {"latency": n + len(problem.edges) + (n if copies else 0), "throughput": n}.get(objective, 0)
+    slack = rounding_slack(problem, objective)
     unit_scale = 1 if objective == "memory" else scale
     max_work = problem.objective_value(hint, objective) if hint_ok and objective != "memory" else latency_cap_ns
     m = make(scale, hint, max_work)
-    m.minimize(objective, latency_cap_ns, n + len(problem.edges) + (n if copies else 0))  # the cap's slack: latency's
+    m.minimize(objective, latency_cap_ns, rounding_slack(problem, "latency"))  # the cap's slack: latency's
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
     solver, status = m.solve(until - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     if status == cp_model.INFEASIBLE:
