@@ -1,0 +1,97 @@
+"""A relaxation's earlier solutions: kept, read like the solver's last one, and the best plan among them wins."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ortools.sat.python import cp_model
+
+from placement_opt.solver import _counted, relax, search
+from placement_opt.solver.problem import DeviceSpec, PlacementOption, PlacementProblem, UnitSpec
+
+
+def _unit(name: str, works: tuple[int, ...]) -> UnitSpec:
+    return UnitSpec(name=name, options=tuple(
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0, stored_bytes=1,
+                        resident_bytes=0, peak_bytes=0) for w in works))
+
+
+def _problem(n: int = 3) -> PlacementProblem:
+    # option k of every unit costs 10 * (k + 1): a plan's latency is the sum of its options' prices
+    return PlacementProblem(units=tuple(_unit(f"u{i}", (10, 20, 30)) for i in range(n)), edges=(),
+                            devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100),))
+
+
+class _Reads:
+    """A stand-in relaxation whose k-th solution reads into ``plans[k]``."""
+
+    def __init__(self, plans: list[list[int]]) -> None:
+        self.plans = plans
+        self.read_count = 0
+
+    def read(self, solution: int) -> list[int]:
+        self.read_count += 1
+        return list(self.plans[solution])
+
+
+def test_a_snapshot_reads_values_and_literals_as_the_solver_does():
+    model = cp_model.CpModel()
+    x = model.new_int_var(0, 7, "x")
+    b = model.new_bool_var("b")
+    model.add(x + 3 * b <= 8)
+    model.maximize(2 * x + b)
+    solver = cp_model.CpSolver()
+    assert solver.solve(model) == cp_model.OPTIMAL
+    snap = _counted.Snapshot(list(solver.response_proto.solution))
+    assert snap.value(x) == solver.value(x) == 7
+    assert snap.boolean_value(b) is solver.boolean_value(b) is False
+    assert snap.boolean_value(~b) is solver.boolean_value(~b) is True
+
+
+def test_the_best_read_is_the_lowest_priced_plan_not_the_last_solutions():
+    problem = _problem()
+    reads = _Reads([[2, 2, 1], [0, 0, 1], [0, 1, 1]])  # 80, 40, 50: the second one wins
+    best = search._best_read(problem, "latency", reads, [0, 1, 2], ([2, 2, 2], True), None, time.perf_counter() + 5)
+    assert best == [0, 0, 1]
+    assert reads.read_count == 3
+
+
+def test_the_best_read_is_never_worse_than_a_valid_start():
+    problem = _problem()
+    reads = _Reads([[2, 2, 1], [1, 1, 1]])  # 80, 60 against a start of 50
+    assert search._best_read(problem, "latency", reads, [0, 1], ([0, 1, 1], True), None,
+                             time.perf_counter() + 5) == []
+
+
+def test_past_its_deadline_only_the_last_solution_is_read():
+    problem = _problem()
+    reads = _Reads([[1, 1, 1], [0, 0, 0]])
+    best = search._best_read(problem, "latency", reads, [0, 1], ([2, 2, 2], False), None, time.perf_counter() - 1)
+    assert best == [1, 1, 1] and reads.read_count == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 40), min_size=3, max_size=3), min_size=4, max_size=7),
+       st.integers(1, 60))
+def test_kept_solutions_read_into_valid_plans_priced_at_or_above_the_bound(works, capacity):
+    # Units on one CPU of limited capacity, option k storing k + 1 bytes: every solution the grouped
+    # relaxation kept reads into a plan that fits, and no plan prices below the relaxation's bound.
+    units = tuple(UnitSpec(name=f"u{i}", options=tuple(
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0,
+                        stored_bytes=k + 1, resident_bytes=0, peak_bytes=0) for k, w in enumerate(row)))
+        for i, row in enumerate(works))
+    problem = PlacementProblem(units=units, edges=(), devices=(DeviceSpec(name="cpu", kind="cpu",
+                                                                          capacity_bytes=capacity),))
+    model = relax.GroupModel(problem, 1, [2] * len(units), relax.groups_of(problem), [], None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(5, 0, 1, 0.0)
+    if status == cp_model.INFEASIBLE:
+        assert len(units) > capacity  # every option stores a byte at least
+        return
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    assert len(model.solutions) <= _counted.KEEP_SOLUTIONS
+    for plan in [model.read(solver), *map(model.read, model.solutions)]:
+        assert problem.satisfies(plan)
+        assert problem.objective_value(plan, "latency") >= solver.best_objective_bound
