@@ -33,6 +33,7 @@ from .plan_check import graph_fingerprint
 from .solver.edges import prune_edges
 from .solver.greedy import (
     GREEDY_RESERVES,
+    ONE_GPU_RESERVES,
     baseline_storage,
     best_greedy_choice,
     choice_from_storage,
@@ -370,8 +371,11 @@ def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, 
 def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_Baseline]) -> tuple[list[int], str]:
     key = "latency" if objective == "memory" else objective
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
+    plain = len(candidates)  # the first greedy start: the fallback when none is valid
     candidates += [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
                    for r in GREEDY_RESERVES]
+    candidates += [(greedy_choice(problem, r, one_gpu=True), f"greedy (GPU reserve {r:.0%} on the largest GPU only)")
+                   for r in ONE_GPU_RESERVES]
     valid = [(problem.objective_value(c, key), i, c, s) for i, (c, s) in enumerate(candidates)
              if problem.satisfies(c)]
     if not valid:  # the constructive starts (every memory term counted) find one whenever the simple ones fit
@@ -381,7 +385,7 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
     if valid:
         _, _, choice, name = min(valid)
         return choice, name
-    return candidates[-len(GREEDY_RESERVES)][0], "greedy"
+    return candidates[plain][0], "greedy"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,12 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement_opt.solver.greedy import GREEDY_RESERVES, best_greedy_choice, greedy_choice
+from placement_opt.solver.greedy import (
+    GREEDY_RESERVES,
+    ONE_GPU_RESERVES,
+    best_greedy_choice,
+    greedy_choice,
+)
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -64,6 +69,30 @@ def test_cpu_full_of_early_weights_leaves_no_room_for_a_later_kv_cache():
     choice = best_greedy_choice(problem)
     assert choice == [1, 0]
     assert problem.score(choice).used_bytes == {"cpu": 10, "disk": 6}
+
+
+def test_a_prompt_buffer_kept_on_one_gpu_lets_the_others_hold_layers():
+    # Two 10-byte GPUs and six layers. Resident on a GPU: 4 bytes + a 1-byte workspace, 100 ns. Phased
+    # (weights on the CPU, decode there, the prompt streamed through one GPU): a 7-byte prompt buffer
+    # there, 300 ns. On the CPU alone: 2000 ns. No reserve: four layers resident, then no GPU has room
+    # for the buffer (two at 2000 ns). The buffer kept on both GPUs: nothing resident (six phased). Kept
+    # on cuda:0 only: two resident on cuda:1 and four phased through cuda:0, the fastest of the three.
+    def layer(i):
+        phased = [PlacementOption(storage="cpu", execution="cpu", mode="phased", prefill_ns=30, decode_ns=300,
+                                  stored_bytes=4, resident_bytes=0, peak_bytes=0, prefill_execution=g,
+                                  prefill_peak_bytes=7) for g in ("cuda:0", "cuda:1")]
+        return UnitSpec(name=f"l{i}", options=(opt("cuda:0", stored=4, peak=1), opt("cuda:1", stored=4, peak=1),
+                                               *phased, opt("cpu", t=2000, stored=4)))
+    problem = chain([layer(i) for i in range(6)], [dev("cuda:0", 10), dev("cuda:1", 10), dev("cpu", 100)])
+    value = {}
+    for name, choice in [("none", greedy_choice(problem)), ("every GPU", greedy_choice(problem, 0.0)),
+                         ("one GPU", greedy_choice(problem, ONE_GPU_RESERVES[0], one_gpu=True))]:
+        assert problem.satisfies(choice), name
+        value[name] = problem.objective_value(choice, "latency")
+    one = greedy_choice(problem, 0.0, one_gpu=True)
+    assert [problem.units[i].options[c].storage for i, c in enumerate(one)] == ["cuda:1"] * 2 + ["cpu"] * 4
+    assert value["one GPU"] < min(value["none"], value["every GPU"])
+    assert problem.objective_value(best_greedy_choice(problem), "latency") <= value["one GPU"]
 
 
 def test_fill_moves_the_units_that_gain_most_per_byte_to_the_gpu():
