@@ -374,8 +374,9 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
     plain = len(candidates)  # the first greedy start: the fallback when none is valid
     candidates += [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
                    for r in GREEDY_RESERVES]
-    candidates += [(greedy_choice(problem, r, one_gpu=True), f"greedy (GPU reserve {r:.0%} on the largest GPU only)")
-                   for r in ONE_GPU_RESERVES]
+    if len(problem.gpu_names()) > 1:  # with one GPU, the same starts as GREEDY_RESERVES'
+        candidates += [(greedy_choice(problem, r, one_gpu=True), f"greedy (GPU reserve {r:.0%} on the largest GPU only)")
+                       for r in ONE_GPU_RESERVES]
     valid = [(problem.objective_value(c, key), i, c, s) for i, (c, s) in enumerate(candidates)
              if problem.satisfies(c)]
     if not valid:  # the constructive starts (every memory term counted) find one whenever the simple ones fit

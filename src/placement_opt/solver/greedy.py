@@ -368,7 +368,8 @@ def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") ->
     """
     key = "latency" if objective == "memory" else objective
     variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
-    variants += [greedy_choice(problem, r, one_gpu=True) for r in ONE_GPU_RESERVES]
+    if len(problem.gpu_names()) > 1:  # with one GPU, the same starts as GREEDY_RESERVES'
+        variants += [greedy_choice(problem, r, one_gpu=True) for r in ONE_GPU_RESERVES]
     constructive = {tuple(c) for c in executor_starts(problem)}
     unique = list(dict.fromkeys([*(tuple(c) for c in variants), *constructive]))
     valid = sorted((problem.objective_value(c, key), c) for c in unique if fits(problem, c))
