@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import math
 
+import pytest
 from _brute import (
     check_against_brute_force,
     every_reduction_on,
@@ -425,3 +426,61 @@ def test_the_spine_is_every_unit_on_all_paths():
                                devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1),))
     # two sources (embed, rotary); l0 -> l2 jumps over l1
     assert spine(problem) == {2, 4, 5}
+
+
+_MOST_SLOT_COMBOS = relax.MOST_SLOT_COMBOS
+
+
+def _two_layers(times, gpu_bytes):
+    """a0 -> (q0, k0, v0) -> o0 -> (q1, k1, v1) -> o1, one byte each, on a GPU of ``gpu_bytes`` or the CPU;
+    ``times[role] = (on the GPU, on the CPU)`` (decode only), 1 for a0, o0 and o1 anywhere."""
+    def unit(name, gpu, cpu):
+        return UnitSpec(name=name, options=tuple(
+            PlacementOption(storage=d, execution=d, mode="resident", prefill_ns=0, decode_ns=t, stored_bytes=1,
+                            resident_bytes=0, peak_bytes=0) for d, t in (("cuda:0", gpu), ("cpu", cpu))))
+    units, pairs, before = [unit("a0", 1, 1)], [], "a0"
+    for layer in range(2):
+        for role in "qkv":
+            units.append(unit(f"{role}{layer}", *times[role]))
+            pairs += [(before, f"{role}{layer}"), (f"{role}{layer}", f"o{layer}")]
+        units.append(unit(f"o{layer}", 1, 1))
+        before = f"o{layer}"
+    return PlacementProblem(units=tuple(units), edges=tuple(EdgeSpec(src=s, dst=t, prefill_ns={}, decode_ns={})
+                                                            for s, t in pairs),
+                            devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=gpu_bytes),
+                                     DeviceSpec(name="cpu", kind="cpu", capacity_bytes=20)))
+
+
+def _grouped_bound(problem, combos, monkeypatch):
+    monkeypatch.setattr(relax, "MOST_SLOT_COMBOS", _MOST_SLOT_COMBOS if combos else 0)
+    hint = [1] * len(problem.units)
+    path, *others = relax.sibling_paths(problem, relax.critical_path(problem, hint))
+    model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path, others), path, None, (), others)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(5, 0, 1, 0.0)
+    assert status == cp_model.OPTIMAL
+    return solver.best_objective_bound
+
+
+def test_sibling_combinations_bound_what_sibling_paths_cannot(monkeypatch):
+    # Five GPU slots for nine units. The sibling paths let the relaxation take a fast k in one layer and a
+    # fast v in the other on paths of their own (18); counted by combination, each layer's slowest
+    # sibling is on the path, as in every real plan (19, brute force's optimum).
+    problem = _two_layers({"q": (2, 24), "k": (1, 14), "v": (1, 21)}, 5)
+    assert reference_optimum(problem, "latency") == 19
+    assert _grouped_bound(problem, False, monkeypatch) == 18
+    assert _grouped_bound(problem, True, monkeypatch) == 19
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_sibling_combinations_never_bound_above_brute_force(data):
+    times = {r: (data.draw(st.integers(0, 6)), data.draw(st.integers(0, 30))) for r in "qkv"}
+    if data.draw(st.booleans()):
+        times["v"] = times["k"]  # identical siblings share a menu (one kind, roles by index)
+    problem = _two_layers(times, data.draw(st.integers(0, 9)))
+    best = reference_optimum(problem, "latency")
+    with pytest.MonkeyPatch.context() as mp:
+        with_combos = _grouped_bound(problem, True, mp)
+        without = _grouped_bound(problem, False, mp)
+    assert without <= with_combos <= best

@@ -15,6 +15,11 @@ counts alone can state:
   siblings (``q``/``k``/``v``, ``gate``/``up``) lie on different paths, so a slow option given to a
   sibling costs on its path: with the critical path alone the relaxation made every off-path
   sibling slow for free;
+* the critical path with each set of parallel siblings at its slowest: per *kind* of sibling set (a
+  layer's ``q, k, v``; its ``gate, up``), the number of sets whose roles take each combination of
+  option classes (:data:`MOST_SLOT_COMBOS` at most). The sibling paths bound ``sum over sets of
+  max over roles`` only as ``max over roles of sums``: with ``k`` slow in half the layers and ``v``
+  in the other half, each of their paths carried half, the real one all of it;
 * capacities with the transient peaks (the least ones: at most the real ones), pins and ties
   (pinned and tied units are groups of their own).
 
@@ -37,10 +42,10 @@ from ortools.sat.python import cp_model
 from ._counted import CountedRelaxation
 from .aggregate import most_beside_peak
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
-from .problem import PlacementOption, PlacementProblem
+from .problem import PHASES, PlacementOption, PlacementProblem
 
-__all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "PEAK_STEP", "MORE_PATHS",
-           "MOST_SIBLING_PATHS"]
+__all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "sibling_slots",
+           "PEAK_STEP", "MORE_PATHS", "MOST_SIBLING_PATHS", "MOST_SLOT_COMBOS"]
 
 #: Units whose peaks differ by less than this factor may share a group (priced at the least peak):
 #: the relaxation then understates a device's transient memory by at most that factor.
@@ -49,6 +54,11 @@ PEAK_STEP = 1.1
 MORE_PATHS = 3
 #: Most paths :func:`sibling_paths` states (one per combination of sibling roles: 3 x 2 in a decoder layer).
 MOST_SIBLING_PATHS = 12
+#: Most combinations of option classes a kind of sibling set counts (one integer each), else it keeps
+#: its sibling paths only: 392 for a module-level Mistral-7B's q, k, v on one GPU + CPU + disk (and for
+#: Llama-3-70B on 4x T4, identical GPUs being one class), 576 on an RTX 4090 + 3090, where the larger
+#: model left the 2 s solve of Llama-3-70B at a 16 % gap instead of 5 %.
+MOST_SLOT_COMBOS = 400
 
 
 def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
@@ -154,16 +164,7 @@ def sibling_paths(problem: PlacementProblem, path: Sequence[int],
     ``sum(unshared units) + sum over kinds of sets of max over roles (their work summed)``: the sum of
     the per-layer maxima that the paths through one role each (:func:`covering_paths`) do not bound.
     """
-    index = problem.index()
-    succ: dict[int, set[int]] = {}
-    for e in problem.edges:
-        succ.setdefault(index[e.src], set()).add(index[e.dst])
-    slots: list[tuple[int, tuple[Any, ...], list[int]]] = []  # (position on path, kind, siblings by role)
-    for i in range(1, len(path) - 1):
-        a, b = path[i - 1], path[i + 1]
-        alt = sorted((u for u in succ.get(a, ()) if b in succ.get(u, ())), key=lambda u: (_menu(problem, u), u))
-        if len(alt) > 1:
-            slots.append((i, tuple(_menu(problem, u) for u in alt), alt))
+    slots = sibling_slots(problem, path)
     kinds = sorted({kind for _, kind, _ in slots}, key=repr)
     combos = list(itertools.product(*(range(len(kind)) for kind in kinds)))
     if not slots or len(combos) > most:
@@ -178,6 +179,23 @@ def sibling_paths(problem: PlacementProblem, path: Sequence[int],
     return out
 
 
+def sibling_slots(problem: PlacementProblem, path: Sequence[int]) -> list[tuple[int, tuple[Any, ...], list[int]]]:
+    """(position on ``path``, kind, siblings by role) of every unit of ``path`` with parallel siblings:
+    other units ``u`` with the same edges ``a -> u -> b`` to its neighbours on the path. The kind is
+    the siblings' menus in order; a role is a position in that order (:func:`sibling_paths`)."""
+    index = problem.index()
+    succ: dict[int, set[int]] = {}
+    for e in problem.edges:
+        succ.setdefault(index[e.src], set()).add(index[e.dst])
+    slots = []
+    for i in range(1, len(path) - 1):
+        a, b = path[i - 1], path[i + 1]
+        alt = sorted((u for u in succ.get(a, ()) if b in succ.get(u, ())), key=lambda u: (_menu(problem, u), u))
+        if len(alt) > 1:
+            slots.append((i, tuple(_menu(problem, u) for u in alt), alt))
+    return slots
+
+
 def _menu(problem: PlacementProblem, u: int) -> tuple[Any, ...]:
     return tuple((o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes) for o in problem.units[u].options)
 
@@ -190,7 +208,9 @@ class GroupModel(CountedRelaxation):
                  device_classes: Sequence[Sequence[str]] = (), others: Sequence[Sequence[int]] = ()) -> None:
         """``device_classes``: interchangeable devices, ordered by the units they hold or compute
         (as in :class:`~.aggregate.AggregateModel`); ``others``: more paths whose length bounds the
-        latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest)."""
+        latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest).
+        ``path``'s sibling sets (:func:`sibling_slots`) are counted by combination where ``groups``
+        keep each role's units apart (:func:`sibling_paths` as ``others`` does)."""
         self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
         self.model = cp_model.CpModel()
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
@@ -198,6 +218,7 @@ class GroupModel(CountedRelaxation):
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
         self.n = [self._counts(k, max_work_ns) for k in range(len(groups))]
         self.peak = {d.name: self._peak(d.name) for d in problem.devices}
+        self.chain, self.combos = self._slot_combos(path)
         self._capacities()
         self._pins_and_ties()
         for members in device_classes:
@@ -267,7 +288,66 @@ class GroupModel(CountedRelaxation):
             spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in groups for o, (n, _) in self.n[k].items()]
             if spine:
                 self.model.add(lat >= sum(spine))
+        if self.combos:  # the path's chain, and each sibling set at its slowest role
+            j = PHASES.index(ph)
+            row = [self._t(getattr(self._options(k)[o], ph)) * n for k in self.chain for o, (n, _) in self.n[k].items()]
+            row += [max(c[j] for c in combo) * count for kind in self.combos for combo, count in kind]
+            self.model.add(lat >= sum(row))
         return lat
+
+    def _slot_combos(self, path: Sequence[int]) -> tuple[list[int], list[list[tuple[tuple[Any, ...], Any]]]]:
+        """The groups of ``path``'s units outside sibling sets, and per kind of sibling set ``[(the
+        (prefill, decode) class of each role, count of sets on it)]``: every assignment puts each set
+        on one combination, and a role's units on a class number the sets whose combination has it."""
+        slots = sibling_slots(self.p, path)
+        if not slots:
+            return [], []
+        of = {u: k for k, g in enumerate(self.groups) for u in g}
+        in_slots = {u for _, _, alt in slots for u in alt}
+        chain = [k for k, g in enumerate(self.groups) if all(u in path and u not in in_slots for u in g)]
+        kinds: dict[Any, list[list[int]]] = {}
+        for _, kind, alt in slots:
+            kinds.setdefault(kind, []).append(alt)
+        combos = []
+        for sets in kinds.values():
+            roles = [self._role_classes([alt[r] for alt in sets], of) for r in range(len(sets[0]))]
+            if any(r is None for r in roles) or math.prod(len(r[0]) for r in roles) > MOST_SLOT_COMBOS:
+                continue  # its sibling paths still bound it
+            combos.append(self._count_combos(roles, sets))  # type: ignore[arg-type]
+        return chain, combos
+
+    def _role_classes(self, units: list[int], of: dict[int, int]
+                      ) -> tuple[dict[tuple[int, ...], list[Any]], dict[int, tuple[int, ...]]] | None:
+        """A role's count variables per (prefill, decode) class of their options (least time over the role,
+        solver units), and each option's class; None when a group mixes the role's units with others."""
+        groups = {of[u] for u in units}
+        if any(not set(self.groups[k]) <= set(units) for k in groups):
+            return None
+        classes: dict[tuple[int, ...], list[Any]] = {}
+        key_of: dict[int, tuple[int, ...]] = {}
+        for k in groups:
+            for o, (n, _) in self.n[k].items():
+                key = key_of.setdefault(o, tuple(min(self._t(getattr(self.p.units[u].options[o], ph)) for u in units)
+                                                 for ph in PHASES))
+                classes.setdefault(key, []).append(n)
+        return classes, key_of
+
+    def _count_combos(self, roles: list[tuple[dict[tuple[int, ...], list[Any]], dict[int, tuple[int, ...]]]],
+                      sets: list[list[int]]) -> list[tuple[tuple[Any, ...], Any]]:
+        hinted: dict[tuple[Any, ...], int] = {}
+        for alt in sets:
+            combo = tuple(key_of.get(self.hint[u]) for (_, key_of), u in zip(roles, alt, strict=True))
+            hinted[combo] = hinted.get(combo, 0) + 1
+        out = []
+        for combo in itertools.product(*(classes for classes, _ in roles)):
+            count = self.model.new_int_var(0, len(sets), "combo")
+            self.model.add_hint(count, hinted.get(combo, 0))
+            out.append((combo, count))
+        self.model.add(sum(count for _, count in out) == len(sets))
+        for r, (classes, _) in enumerate(roles):
+            for key, counts in classes.items():
+                self.model.add(sum(count for combo, count in out if combo[r] == key) == sum(counts))
+        return out
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """Each group's options handed out in unit order, one execution device after another."""
