@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -59,6 +60,36 @@ def test_plan_fits_beats_baselines_and_matches_evaluate():
         if b.fits:
             assert plan.cost.total_s <= b.total_s * (1 + 1e-9)
     assert "cuda:0" in plan.summary() and "baseline" in plan.explain()
+
+
+def test_solve_leaves_the_cycle_collector_as_it_found_it(monkeypatch):
+    # solve() freezes what is alive when it starts (a full collection would scan the traced graph inside
+    # the time limit) and unfreezes it after; a caller's own freeze is left alone.
+    graph, m = llama_like(), machine(1200, 1500)
+    seen = []
+    monkeypatch.setattr("placement_opt.planner._cpsat_plan", _recording(seen))
+    assert gc.get_freeze_count() == 0
+    solve(graph, m, time_limit_s=1)
+    assert seen[0] > 0 and gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        solve(graph, m, time_limit_s=1)
+        assert gc.get_freeze_count() >= frozen and seen[1] >= frozen
+    finally:
+        gc.unfreeze()
+
+
+def _recording(seen):
+    """_cpsat_plan, noting how many objects were frozen while it ran."""
+    from placement_opt import planner
+
+    real = planner._cpsat_plan
+
+    def run(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return real(*args, **kwargs)
+    return run
 
 
 def test_pins_use_accelerate_vocabulary():

@@ -246,6 +246,8 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         found = relaxed
     elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
         found = _Found(hint, "FEASIBLE", relaxed.bound)
+    elif deadline - time.perf_counter() < max(MIN_SOLVE_S, full_s):  # no time to build it: the start stands
+        found = _Found([], relaxed.status, relaxed.bound)
     else:
         found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns, classes)
         found = _Found(found.choice, found.status, max(found.bound, relaxed.bound))
