@@ -91,8 +91,9 @@ LOAD_SHARE = 0.75
 #: (about 0.9 s for a module-level 70B's 724 units and 963 edges). With less than twice that left, the
 #: full model would not search at all: the relaxations get the time instead.
 FULL_S_PER_TERM = 0.0005
-#: Share of a relaxation's time kept from CP-SAT for reading and pricing its earlier solutions
-#: (:func:`_best_read`; 7-8 ms each on a module-level 70B).
+#: Share of a relaxation's time for reading and pricing its earlier solutions (:func:`_best_read`; 7-8 ms
+#: each on a module-level 70B): kept from its CP-SAT run when it takes all the time left, else taken
+#: from the stage after it.
 READ_SHARE = 0.1
 
 
@@ -230,9 +231,13 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     relaxations = _relaxations(problem, classes)
     full_s = FULL_S_PER_TERM * (n + len(problem.edges))
     for k, (name, share, make) in enumerate(relaxations):
-        if k == len(relaxations) - 1 and deadline - time.perf_counter() < 2 * full_s:
+        if k == len(relaxations) - 1 and (1 - share) * (deadline - time.perf_counter()) < max(MIN_SOLVE_S, 2 * full_s):
             share = 1.0  # the full model would not get to search: the last relaxation takes all the time
-        until = time.perf_counter() + share * (deadline - time.perf_counter())
+        now = time.perf_counter()
+        span = share * (deadline - now)
+        # Its earlier solutions are read after CP-SAT stops: in time taken from what comes next, or,
+        # when nothing does, from its own (READ_SHARE).
+        until = (now + span * (1 - READ_SHARE), deadline) if share == 1.0 else (now + span, now + span * (1 + READ_SHARE))
         found = _relax(problem, objective, make, run, (hint, hint_ok), latency_cap_ns, until)
         if found.choice:
             hint, hint_ok = found.choice, True
@@ -308,8 +313,9 @@ def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int |
 
 
 def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
-           latency_cap_ns: int | None, until: float) -> _Found:
-    """A relaxation's proven bound, and its plan when valid and no worse than the start."""
+           latency_cap_ns: int | None, until: tuple[float, float]) -> _Found:
+    """A relaxation's proven bound, and its plan when valid and no worse than the start. ``until``: when
+    CP-SAT stops, and when reading its earlier solutions stops (:func:`_best_read`)."""
     hint, hint_ok = start
     scale = _scale(problem, hint, objective)
     slack = rounding_slack(problem, objective)
@@ -318,14 +324,13 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     m = make(scale, hint, max_work)
     m.minimize(objective, latency_cap_ns, rounding_slack(problem, "latency"))  # the cap's slack: latency's
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
-    left_s = until - time.perf_counter()
-    solver, status = m.solve(left_s * (1 - READ_SHARE), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
+    solver, status = m.solve(until[0] - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     if status == cp_model.INFEASIBLE:
         return _Found([], "INFEASIBLE", 0)
     bound = _bound(solver, unit_scale, slack) if status != cp_model.MODEL_INVALID else 0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found([], "UNKNOWN", bound)
-    return _Found(_best_read(problem, objective, m, [solver, *m.solutions], start, latency_cap_ns, until),
+    return _Found(_best_read(problem, objective, m, [solver, *m.solutions], start, latency_cap_ns, until[1]),
                   "FEASIBLE", bound)
 
 
