@@ -110,7 +110,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed.
         time_limit_s: wall-clock limit of everything after tracing: pricing, baselines and the CP-SAT
             search, which gets what is left (at least 0.2 s: a limit already spent on pricing is
-            overrun by that much).
+            overrun by that much). Meanwhile the objects alive at the start are left out of Python's
+            cycle collections (``gc.freeze``, undone on return), so that scanning a large traced graph
+            does not take the search's time.
         seed: CP-SAT's random seed.
         contiguous: each device stores one contiguous range of units (pipeline stages).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum

@@ -19,8 +19,8 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   bound of the real problem): runs of identical consecutive units as counts per option
   (:mod:`.aggregate`, the decoder layers; up to :data:`AGGREGATE_SHARE` of the time left), and above
   :data:`GROUP_ABOVE` units groups of like units anywhere as counts with one path kept
-  (:mod:`.relax`, module-level graphs; up to :data:`GROUP_SHARE`). A relaxation's plan, priced
-  exactly, starts the full solve when it is better; when the bound already proves the start within
+  (:mod:`.relax`, module-level graphs; up to :data:`GROUP_SHARE`). A relaxation's plan (the cheapest
+  of its last solutions read back, :func:`_best_read`), priced exactly, starts the full solve when it is better; when the bound already proves the start within
   ``gap_limit``, the full solve is skipped; a relaxation without a solution proves INFEASIBLE; when
   less time is left than twice what the full model would take to build and load
   (:data:`FULL_S_PER_TERM` per unit and edge), the last relaxation gets all of it;
