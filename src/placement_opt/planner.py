@@ -33,15 +33,13 @@ from .model.graph import covering_key
 from .plan import BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
 from .solver.edges import prune_edges
+from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .solver.greedy import (
-    GREEDY_RESERVES,
-    ONE_GPU_RESERVES,
     baseline_storage,
     best_greedy_choice,
     choice_from_storage,
-    greedy_choice,
+    greedy_starts,
 )
-from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .solver.problem import MODES, OBJECTIVES, PlacementProblem
 from .solver.search import GAP_LIMIT, solve_problem
 from .units import format_bytes
@@ -213,11 +211,9 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     if problem.pins:
         notes.append(f"{len(problem.pins)} unit(s) pinned by {len(pins or {})} pin(s)")
     if strategy == "cpsat":
-        plan = _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
+        return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers, started - after_s), notes)
-    else:
-        plan = _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
-    return plan
+    return _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
 
 
 def _solve_either_granularity(model: Any, devices: Any, objective: str, **options: Any) -> Plan:
@@ -407,11 +403,7 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
     key = "latency" if objective == "memory" else objective
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
     plain = len(candidates)  # the first greedy start: the fallback when none is valid
-    candidates += [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
-                   for r in GREEDY_RESERVES]
-    if len(problem.gpu_names()) > 1:  # with one GPU, the same starts as GREEDY_RESERVES'
-        candidates += [(greedy_choice(problem, r, one_gpu=True), f"greedy (GPU reserve {r:.0%} on the largest GPU only)")
-                       for r in ONE_GPU_RESERVES]
+    candidates += greedy_starts(problem)
     valid = [(problem.objective_value(c, key), i, c, s) for i, (c, s) in enumerate(candidates)
              if problem.satisfies(c)]
     if not valid:  # the constructive starts (every memory term counted) find one whenever the simple ones fit

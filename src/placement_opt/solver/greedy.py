@@ -49,6 +49,7 @@ __all__ = [
     "GREEDY_RESERVES",
     "ONE_GPU_RESERVES",
     "greedy_choice",
+    "greedy_starts",
     "best_greedy_choice",
 ]
 
@@ -357,9 +358,20 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None, one
     return reserve
 
 
+def greedy_starts(problem: PlacementProblem) -> list[tuple[list[int], str]]:
+    """(assignment, name) of :func:`greedy_choice` over :data:`GREEDY_RESERVES`, the first without a
+    reserve, then over :data:`ONE_GPU_RESERVES` kept on one GPU (machines with two GPUs or more: with
+    one, the same starts)."""
+    starts = [(greedy_choice(problem, r), "greedy" if r is None else f"greedy (GPU reserve {r:.0%})")
+              for r in GREEDY_RESERVES]
+    if len(problem.gpu_names()) > 1:
+        starts += [(greedy_choice(problem, r, one_gpu=True), f"greedy (GPU reserve {r:.0%} on the largest GPU only)")
+                   for r in ONE_GPU_RESERVES]
+    return starts
+
+
 def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") -> list[int]:
-    """The best valid start: :func:`greedy_choice` over :data:`GREEDY_RESERVES` (and
-    :data:`ONE_GPU_RESERVES` on one GPU) and the constructive
+    """The best valid start: :func:`greedy_starts` and the constructive
     starts of :mod:`.starts` (every unit on one execution device), filled greedily: every
     constructive start and, on large problems, only the best :data:`_FILLED` others.
 
@@ -367,9 +379,7 @@ def best_greedy_choice(problem: PlacementProblem, objective: str = "latency") ->
     with its weights on the CPU or the disk. With no valid start: ``greedy_choice(problem)``.
     """
     key = "latency" if objective == "memory" else objective
-    variants = [greedy_choice(problem, r) for r in GREEDY_RESERVES]
-    if len(problem.gpu_names()) > 1:  # with one GPU, the same starts as GREEDY_RESERVES'
-        variants += [greedy_choice(problem, r, one_gpu=True) for r in ONE_GPU_RESERVES]
+    variants = [choice for choice, _ in greedy_starts(problem)]
     constructive = {tuple(c) for c in executor_starts(problem)}
     unique = list(dict.fromkeys([*(tuple(c) for c in variants), *constructive]))
     valid = sorted((problem.objective_value(c, key), c) for c in unique if fits(problem, c))

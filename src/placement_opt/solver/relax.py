@@ -303,8 +303,8 @@ class GroupModel(CountedRelaxation):
         if not slots:
             return [], []
         of = {u: k for k, g in enumerate(self.groups) for u in g}
-        in_slots = {u for _, _, alt in slots for u in alt}
-        chain = [k for k, g in enumerate(self.groups) if all(u in path and u not in in_slots for u in g)]
+        chain_units = set(path) - {u for _, _, alt in slots for u in alt}
+        chain = [k for k, g in enumerate(self.groups) if chain_units.issuperset(g)]
         kinds: dict[Any, list[list[int]]] = {}
         for _, kind, alt in slots:
             kinds.setdefault(kind, []).append(alt)

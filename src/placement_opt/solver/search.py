@@ -20,10 +20,11 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   (:mod:`.aggregate`, the decoder layers; up to :data:`AGGREGATE_SHARE` of the time left), and above
   :data:`GROUP_ABOVE` units groups of like units anywhere as counts with one path kept
   (:mod:`.relax`, module-level graphs; up to :data:`GROUP_SHARE`). A relaxation's plan (the cheapest
-  of its last solutions read back, :func:`_best_read`), priced exactly, starts the full solve when it is better; when the bound already proves the start within
-  ``gap_limit``, the full solve is skipped; a relaxation without a solution proves INFEASIBLE; when
-  less time is left than twice what the full model would take to build and load
-  (:data:`FULL_S_PER_TERM` per unit and edge), the last relaxation gets all of it;
+  of its last solutions read back, :func:`_best_read`), priced exactly, starts the full solve when it
+  is better; when the bound already proves the start within ``gap_limit``, the full solve is skipped;
+  a relaxation without a solution proves INFEASIBLE; when its share would leave the full model less
+  than twice what it takes to build and load (:data:`FULL_S_PER_TERM` per unit and edge), the last
+  relaxation gets all the time, and the full model is not built with less than that once left;
 * the time limit: the full model's build checks the deadline, and CP-SAT is given what is left less
   :data:`LOAD_SHARE` x the build time (it loads and presolves past its own limit);
 * coarsening, a *restriction*: problems with more than :data:`COARSEN_ABOVE` units are first solved
