@@ -225,6 +225,19 @@ def test_granularity_module_splits_blocks() -> None:
     assert o_proj.flops_per_token >= o_proj.attn_flops_per_token_per_ctx * SEQ
 
 
+def test_module_units_send_their_output_once_however_many_residual_sums_read_it() -> None:
+    """The residual adds run between modules: every later norm reads a sum that derives from an early
+    ``o_proj``, but only the projection's own output (one hidden state) leaves its device."""
+    config = TINY["llama"]()
+    config.num_hidden_layers = 4
+    graph = trace(config, seq_len=SEQ, dtype="float16", granularity="module")
+    hidden = 32 * 2
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj", "model.layers.3.mlp.down_proj"):
+        assert graph.unit(name).out_bytes_per_token == hidden, name
+    # ...while the data flow keeps every read: layer 3's norm still depends on layer 0's projection
+    assert ("model.layers.0.self_attn.o_proj", "model.layers.3.input_layernorm", hidden) in graph.edges()
+
+
 def test_user_no_split_coarsens() -> None:
     graph = trace(TINY["llama"](), seq_len=SEQ, no_split={"LlamaModel"})
     assert graph.names() == ["model", "lm_head"]
