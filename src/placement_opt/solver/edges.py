@@ -71,8 +71,7 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
     # Traced graphs repeat one layer's pattern: the same witness shape (edge prices and devices)
     # recurs once per layer. Each shape is checked once with the inner durations taken as 0 (a
     # sufficient test, durations are >= 0); only the shapes that fail it are checked path by path.
-    edge_key = _interned([(tuple(e.prefill_ns.items()), tuple(e.decode_ns.items()))
-                          for e in problem.edges])
+    edge_key = _edge_keys(problem.edges)
     unit_key = _interned(execs)
     seen: dict[tuple, bool] = {}
     drop: set[int] = set()
@@ -112,6 +111,20 @@ def _fastest(problem: PlacementProblem) -> list[dict[str, dict[str, int]]]:
             by_menu[key] = least
         out.append(by_menu[key])
     return out
+
+
+def _edge_keys(edges: tuple[EdgeSpec, ...]) -> list[int]:
+    """A small int per distinct pair of price tables. build_problem gives edges of one size the same
+    dict objects, so each object pair is turned into items once (13,922 edges of a module-level 70B
+    share a handful), not once per edge (0.1 s)."""
+    items: dict[tuple[int, int], tuple] = {}
+    keys = []
+    for e in edges:
+        ids = (id(e.prefill_ns), id(e.decode_ns))  # the edges hold their dicts: ids stay unique meanwhile
+        if ids not in items:
+            items[ids] = (tuple(e.prefill_ns.items()), tuple(e.decode_ns.items()))
+        keys.append(items[ids])
+    return _interned(keys)
 
 
 def _interned(keys: list) -> list[int]:
