@@ -95,3 +95,17 @@ def test_kept_solutions_read_into_valid_plans_priced_at_or_above_the_bound(works
     for plan in [model.read(solver), *map(model.read, model.solutions)]:
         assert problem.satisfies(plan)
         assert problem.objective_value(plan, "latency") >= solver.best_objective_bound
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.integers(2, 20))
+def test_kept_solutions_hold_the_last_and_span_a_long_run(found, most):
+    keep = _counted._Keep(most)
+    for k in range(found):  # the k-th solution's values: [k]
+        keep.add([k])
+    kept = [v[0] for v in keep.kept]
+    assert kept == sorted(set(kept)) and kept[-1] == found - 1  # in order, the last always kept
+    assert len(kept) == found if found <= most else len(kept) <= most
+    if found > most:  # thinned from the front: the oldest half of the run still has a solution
+        assert kept[0] < found / 2

@@ -23,8 +23,11 @@ STALL_CUT_SIZES = 4
 #: Solutions of a relaxation kept besides its last one (:attr:`CountedRelaxation.solutions`). A
 #: relaxation's later solutions are better *counts*, not better plans: on a module-level Llama-3-70B
 #: on an RTX 4090 + 3090, one run's 35 solutions read into plans priced from 453.7 s to 508 s, its
-#: last one at 466.8 s, its best at its 13th.
-KEEP_SOLUTIONS = 12
+#: last one at 466.8 s, its best at its 13th; a 15 s run's 30 solutions read best (453.1 s) at the
+#: 21st, and its last 12 had read worse than the start in an earlier run, so that 15 s returned the
+#: start (560 s) where 5 s had returned 468 s. Past this many, every other one of the older half is
+#: let go: a long run keeps solutions from all along it.
+KEEP_SOLUTIONS = 48
 
 
 class Snapshot:
@@ -42,16 +45,22 @@ class Snapshot:
 
 
 class _Keep(cp_model.CpSolverSolutionCallback):
-    """Keeps the last ``most`` solutions' variable values (a copy of the response's list: cheap)."""
+    """Keeps up to ``most`` solutions' variable values (a copy of the response's list: cheap), the last
+    one always; when full, every other one of the older half goes."""
 
     def __init__(self, most: int) -> None:
         super().__init__()
-        self.most = most
+        self.most = max(2, most)
         self.kept: list[list[int]] = []
 
     def on_solution_callback(self) -> None:
-        self.kept.append(list(self.response_proto.solution))
-        del self.kept[:-self.most]
+        self.add(list(self.response_proto.solution))
+
+    def add(self, values: list[int]) -> None:
+        self.kept.append(values)
+        if len(self.kept) > self.most:
+            half = (len(self.kept) + 1) // 2
+            self.kept[:half] = self.kept[:half][::2]
 
 
 def hiding(b: int, size: int, j0: int, delta: int) -> int:
@@ -75,8 +84,8 @@ class CountedRelaxation:
     """Device name -> its transient peak bytes (a linear expression)."""
     goal: Any = 0
     solutions: list[Snapshot] = []
-    """After :meth:`solve`: up to :data:`KEEP_SOLUTIONS` earlier solutions, newest first; each reads
-    (``read(snapshot)``) into a plan that may price lower than the last one's."""
+    """After :meth:`solve`: up to :data:`KEEP_SOLUTIONS` earlier solutions (from all along a long run),
+    newest first; each reads (``read(snapshot)``) into a plan that may price lower than the last one's."""
 
     def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
         """(option, count of units on it), for the options computing on ``device`` in ``phase`` (in either
