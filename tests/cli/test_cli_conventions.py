@@ -70,14 +70,17 @@ def test_presets_lists_models_and_devices_with_their_figures():
 
 def test_a_normal_plan_prints_no_stray_lines(tiny_config):
     """In a real process (a library's logging reaches the terminal there): stderr stays empty."""
-    for extra in ([], ["--strategy", "accelerate"]):
-        proc = subprocess.run([sys.executable, "-c", "from placement_opt.cli.main import main; main()", "plan", str(tiny_config),
-                               "--devices", MACHINE, *extra], capture_output=True, text=True,
-                              env={**os.environ, "COLUMNS": "200"}, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stderr == ""
-        lines = proc.stdout.splitlines()
-        assert lines[0].startswith("model ") and "fits" in proc.stdout
+    # both processes at once: importing torch and transformers takes most of their 10 s each
+    procs = [subprocess.Popen([sys.executable, "-c", "from placement_opt.cli.main import main; main()", "plan",
+                               str(tiny_config), "--devices", MACHINE, *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+             for extra in ([], ["--strategy", "accelerate"])]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        assert stderr == ""
+        lines = stdout.splitlines()
+        assert lines[0].startswith("model ") and "fits" in stdout
         assert not any("available" in line or "Warning" in line or "warn" in line for line in lines)
 
 
