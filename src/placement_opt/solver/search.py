@@ -331,7 +331,7 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     solver, status = m.solve(until[0] - time.perf_counter(), run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     if status == cp_model.INFEASIBLE:
         return _Found([], "INFEASIBLE", 0)
-    bound = _bound(solver, unit_scale, slack) if status != cp_model.MODEL_INVALID else 0
+    bound = _bound(m.proven_bound(solver), unit_scale, slack) if status != cp_model.MODEL_INVALID else 0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found([], "UNKNOWN", bound)
     return _Found(_best_read(problem, objective, m, [solver, *m.solutions], start, latency_cap_ns, until[1]),
@@ -441,9 +441,10 @@ def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run:
     solver, status = m.solve(left_s, run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _Found(m.read(solver), name, _bound(solver, unit_scale, slack))
-    return _Found([], name, _bound(solver, unit_scale, slack) if status == cp_model.UNKNOWN else 0)
+        return _Found(m.read(solver), name, _bound(solver.best_objective_bound, unit_scale, slack))
+    return _Found([], name, _bound(solver.best_objective_bound, unit_scale, slack) if status == cp_model.UNKNOWN else 0)
 
 
-def _bound(solver: cp_model.CpSolver, scale: int, slack_units: int) -> int:
-    return max(0, int(solver.best_objective_bound) * scale - (slack_units * scale if scale > 1 else 0))
+def _bound(objective_bound: float, scale: int, slack_units: int) -> int:
+    """A CP-SAT objective bound (solver units) as a bound of the real problem: scaled, less the rounding slack."""
+    return max(0, int(objective_bound) * scale - (slack_units * scale if scale > 1 else 0))
