@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from hypothesis import given, settings
@@ -109,3 +110,30 @@ def test_kept_solutions_hold_the_last_and_span_a_long_run(found, most):
     assert len(kept) == found if found <= most else len(kept) <= most
     if found > most:  # thinned from the front: the oldest half of the run still has a solution
         assert kept[0] < found / 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 40), min_size=3, max_size=3), min_size=3, max_size=6),
+       st.integers(3, 30), st.sampled_from([1, 2]))
+def test_a_bound_pass_bounds_the_brute_force_optimum_and_its_solutions_read_into_plans(works, capacity, workers):
+    # The grouped relaxation's bound pass (max_lp and objective_lb_search with two workers, max_lp's
+    # linearization with one) before its search: the bound it reports stays at or below the real
+    # problem's optimum, and every solution kept from either run reads into a plan that fits.
+    units = tuple(UnitSpec(name=f"u{i}", options=tuple(
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0,
+                        stored_bytes=k + 1, resident_bytes=0, peak_bytes=0) for k, w in enumerate(row)))
+        for i, row in enumerate(works))
+    problem = PlacementProblem(units=units, edges=(), devices=(DeviceSpec(name="cpu", kind="cpu",
+                                                                          capacity_bytes=capacity),))
+    plans = [list(c) for c in itertools.product(range(3), repeat=len(units)) if problem.satisfies(c)]
+    model = relax.GroupModel(problem, 1, [0] * len(units), relax.groups_of(problem), [], None)
+    model.bound_share = 0.5
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(1.0, 0, workers, 0.0)
+    if not plans:
+        return  # counts may still fit where no plan does (each group priced at its least)
+    best = min(problem.objective_value(c, "latency") for c in plans)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    assert model.proven_bound(solver) <= best
+    for plan in [model.read(solver), *map(model.read, model.solutions)]:
+        assert problem.satisfies(plan)

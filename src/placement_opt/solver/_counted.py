@@ -15,7 +15,8 @@ from ortools.sat.python import cp_model
 from .cpsat import new_solver, stage_work
 from .problem import PlacementOption, PlacementProblem
 
-__all__ = ["CountedRelaxation", "Snapshot", "STALL_CUT_SIZES", "KEEP_SOLUTIONS", "MIN_BOUND_PASS_S", "hiding"]
+__all__ = ["CountedRelaxation", "Snapshot", "STALL_CUT_SIZES", "KEEP_SOLUTIONS", "MIN_BOUND_PASS_S",
+           "BOUND_PASS_SUBSOLVERS", "hiding"]
 
 #: The stall rows use each of this many largest distinct unit times (below the widest copy gap) as the
 #: window's unit size ``B``.
@@ -28,6 +29,12 @@ STALL_CUT_SIZES = 4
 #: start (560 s) where 5 s had returned 468 s. Past this many, every other one of the older half is
 #: let go: a long run keeps solutions from all along it.
 KEEP_SOLUTIONS = 48
+#: The bound pass's full workers (as many as the search has): ``max_lp``, CP-SAT's strongest linear
+#: relaxation, and ``objective_lb_search``, which searches at the objective's lower bound and raises
+#: it, from ``max_lp``'s bound once shared. Module-level Llama-3-70B on RTX 4090 + 3090, alone on the
+#: relaxation: 435.6 s after 0.3 s and 436.1 s after 1 s with ``max_lp`` (and neighbourhood search
+#: beside it), 443.2 s and 451.1 s with both; on 4x T4 235.1 s and 236.0 s.
+BOUND_PASS_SUBSOLVERS = ("max_lp", "objective_lb_search")
 #: Least time a bound pass (:attr:`CountedRelaxation.bound_share`) is worth running for: loading the
 #: model twice costs about this much.
 MIN_BOUND_PASS_S = 0.05
@@ -87,8 +94,8 @@ class CountedRelaxation:
     """Device name -> its transient peak bytes (a linear expression)."""
     goal: Any = 0
     bound_share: float = 0.0
-    """Share of :meth:`solve`'s time for a first pass by CP-SAT's ``max_lp`` worker alone (its strongest
-    linear relaxation), for the bound only; the search for plans gets the rest."""
+    """Share of :meth:`solve`'s time for a first pass by :data:`BOUND_PASS_SUBSOLVERS`, mostly for the
+    bound (its solutions are kept too); the search for plans gets the rest."""
     pass_bound: float = 0.0
     """After :meth:`solve`: the bound pass's proven objective bound (0 without one), solver units."""
     solutions: list[Snapshot] = []
@@ -194,12 +201,11 @@ class CountedRelaxation:
         the bound pass's bound (when :attr:`bound_share` asks for one) in :attr:`pass_bound`:
         :meth:`proven_bound` reads both."""
         self.model.minimize(self.goal)
+        found: list[list[int]] = []  # the bound pass's solutions, read like the search's
         if self.bound_share * time_limit_s >= MIN_BOUND_PASS_S:
-            first = new_solver(self.bound_share * time_limit_s, seed, workers, gap_limit)
-            first.parameters.subsolvers.append("max_lp")
-            status = first.solve(self.model)
+            first, status, found = self._bound_pass(self.bound_share * time_limit_s, seed, workers, gap_limit)
             if status in (cp_model.INFEASIBLE, cp_model.OPTIMAL):  # settled: nothing left to search
-                self.solutions = []
+                self.solutions = [Snapshot(v) for v in reversed(found[:-1])]
                 return first, status
             # The bound is not added to the model as a constraint: that led the search to worse plans
             # (module-level Llama-3-70B on 4x T4, 4 seeds: 249-309 s against 242-284 s without).
@@ -208,8 +214,22 @@ class CountedRelaxation:
         solver = new_solver(time_limit_s, seed, workers, gap_limit)
         keep = _Keep(KEEP_SOLUTIONS + 1)
         status = solver.solve(self.model, keep)
-        self.solutions = [Snapshot(v) for v in reversed(keep.kept[:-1])]
+        self.solutions = [Snapshot(v) for v in reversed(found + keep.kept[:-1])]
         return solver, status
+
+    def _bound_pass(self, time_limit_s: float, seed: int, workers: int,
+                    gap_limit: float) -> tuple[cp_model.CpSolver, Any, list[list[int]]]:
+        """CP-SAT's run with :data:`BOUND_PASS_SUBSOLVERS` as its full workers (no neighbourhood search):
+        the solver, its status and its solutions. One worker runs ``max_lp``'s linearization alone."""
+        first = new_solver(time_limit_s, seed, workers, gap_limit)
+        if workers == 1:
+            first.parameters.linearization_level = 2
+        else:
+            names = BOUND_PASS_SUBSOLVERS[:workers]
+            first.parameters.subsolvers.extend(names)
+            first.parameters.num_full_subsolvers = len(names)
+        keep = _Keep(KEEP_SOLUTIONS)
+        return first, first.solve(self.model, keep), keep.kept
 
 
     def proven_bound(self, solver: cp_model.CpSolver) -> float:

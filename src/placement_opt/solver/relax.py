@@ -60,10 +60,11 @@ MOST_SIBLING_PATHS = 12
 #: model left the 2 s solve of Llama-3-70B at a 16 % gap instead of 5 %.
 MOST_SLOT_COMBOS = 400
 #: :attr:`~._counted.CountedRelaxation.bound_share` of the grouped relaxation. Which options a group
-#: uses at all (their transient peaks) is what its default search proves slowly; ``max_lp``'s cuts
-#: see more of it at once. Module-level Llama-3-70B at 2 s, seeds 0-3: on 4x T4, bounds 234.8-235.0 s
-#: against 231.5-232.2 s, plans 241.5-254.7 s against 241.8-284.5 s; on RTX 4090 + 3090, bounds
-#: 435.6-436.1 s against 390.8-436.1 s, plans 454.1-469.4 s against 453.5-469.4 s.
+#: uses at all (their transient peaks) is what its default search proves slowly; the bound pass's
+#: workers see more of it at once. Module-level Llama-3-70B at 2 s, seeds 0-3: on 4x T4, bounds
+#: 234.8-235.0 s against 231.5-232.2 s without a pass; on RTX 4090 + 3090, 442.5-449.0 s against
+#: 390.8-436.1 s. Plans move with the seed either way (241.8-265.4 s and 453.9-477.9 s with it,
+#: 241.8-284.5 s and 453.5-469.4 s without); shares of 0.35 and 0.5 gave no better bounds or plans.
 BOUND_SHARE = 0.2
 
 
