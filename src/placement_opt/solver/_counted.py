@@ -231,7 +231,6 @@ class CountedRelaxation:
         keep = _Keep(KEEP_SOLUTIONS)
         return first, first.solve(self.model, keep), keep.kept
 
-
     def proven_bound(self, solver: cp_model.CpSolver) -> float:
         """The objective bound proven by ``solver`` (this model's last :meth:`solve`) or its bound pass."""
         return max(solver.best_objective_bound, self.pass_bound)
