@@ -73,18 +73,23 @@ def test_past_its_deadline_only_the_last_solution_is_read():
     assert best == [1, 1, 1] and reads.read_count == 1
 
 
+def _sized_problem(works: list[list[int]], capacity: int) -> PlacementProblem:
+    """Units on one CPU of ``capacity`` bytes, option k of unit i taking ``works[i][k]`` and storing k + 1 bytes."""
+    units = tuple(UnitSpec(name=f"u{i}", options=tuple(
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0,
+                        stored_bytes=k + 1, resident_bytes=0, peak_bytes=0) for k, w in enumerate(row)))
+        for i, row in enumerate(works))
+    return PlacementProblem(units=units, edges=(), devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=capacity),))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 40), min_size=3, max_size=3), min_size=4, max_size=7),
        st.integers(1, 60))
 def test_kept_solutions_read_into_valid_plans_priced_at_or_above_the_bound(works, capacity):
     # Units on one CPU of limited capacity, option k storing k + 1 bytes: every solution the grouped
     # relaxation kept reads into a plan that fits, and no plan prices below the relaxation's bound.
-    units = tuple(UnitSpec(name=f"u{i}", options=tuple(
-        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0,
-                        stored_bytes=k + 1, resident_bytes=0, peak_bytes=0) for k, w in enumerate(row)))
-        for i, row in enumerate(works))
-    problem = PlacementProblem(units=units, edges=(), devices=(DeviceSpec(name="cpu", kind="cpu",
-                                                                          capacity_bytes=capacity),))
+    problem = _sized_problem(works, capacity)
+    units = problem.units
     model = relax.GroupModel(problem, 1, [2] * len(units), relax.groups_of(problem), [], None)
     model.minimize("latency", None, 0)
     solver, status = model.solve(5, 0, 1, 0.0)
@@ -119,12 +124,8 @@ def test_a_bound_pass_bounds_the_brute_force_optimum_and_its_solutions_read_into
     # The grouped relaxation's bound pass (max_lp and objective_lb_search with two workers, max_lp's
     # linearization with one) before its search: the bound it reports stays at or below the real
     # problem's optimum, and every solution kept from either run reads into a plan that fits.
-    units = tuple(UnitSpec(name=f"u{i}", options=tuple(
-        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=w, decode_ns=0,
-                        stored_bytes=k + 1, resident_bytes=0, peak_bytes=0) for k, w in enumerate(row)))
-        for i, row in enumerate(works))
-    problem = PlacementProblem(units=units, edges=(), devices=(DeviceSpec(name="cpu", kind="cpu",
-                                                                          capacity_bytes=capacity),))
+    problem = _sized_problem(works, capacity)
+    units = problem.units
     plans = [list(c) for c in itertools.product(range(3), repeat=len(units)) if problem.satisfies(c)]
     model = relax.GroupModel(problem, 1, [0] * len(units), relax.groups_of(problem), [], None)
     model.bound_share = 0.5
