@@ -21,6 +21,7 @@ Usage::
     python benchmarks/solve_time/run.py --quick         # 12 hard cells, a minute or two
     python benchmarks/solve_time/run.py --only "4x T4"  # cells whose "model | machine | workload" holds it
     python benchmarks/solve_time/run.py --module        # module-granularity 7B and 70B graphs, limit 2 s
+    python benchmarks/solve_time/run.py --sublayer      # sublayer graphs of Mixtral, 70B and 72B, limit 1 s
     python benchmarks/solve_time/run.py --overlap --out benchmarks/solve_time/OVERLAP.md   # Workload(overlap=True)
     python benchmarks/solve_time/run.py --compare benchmarks/solve_time/before.json   # the default when present
 """
@@ -125,6 +126,14 @@ MODULE_MACHINES: dict[str, Callable[[], Machine]] = {
 }
 MODULE = [(f"{m}/module", h, "chat 1x512+128") for m in ("mistral-7b", "llama-3-70b") for h in MODULE_MACHINES]
 
+#: --sublayer: issue 15's sublayer graphs (norms, attention, MLP or experts as units) of the models whose
+#: graphs pass GROUP_ABOVE (164 units for Mixtral-8x7B, 324 for the 72B-class ones), at the default 1 s:
+#: the solve time that issue asks to keep within issue 12's figures. Model names carry "/sublayer".
+SUBLAYER = [(f"{m}/sublayer", h, w) for m in ("mixtral-8x7b", "llama-3-70b", "qwen2-72b")
+            for h in ("RTX 4090 + RTX 3090 + 64 GiB + NVMe", "4x T4 + 128 GiB + NVMe", "1x RTX 3060 12GB + 32 GiB + NVMe",
+                      "8x L4 + 512 GiB + NVMe")
+            for w in ("chat 1x512+128", "batch 16x1024+128")]
+
 
 @dataclass
 class Run:
@@ -227,13 +236,14 @@ def _needs_again(run: Run) -> bool:
 
 
 def _cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    cells = QUICK if args.quick else MODULE if args.module else [
+    cells = QUICK if args.quick else MODULE if args.module else SUBLAYER if args.sublayer else [
         (m, h, w) for m in MODELS for h in MACHINES for w in WORKLOADS]
     return [c for c in cells if all(o in " | ".join(c) for o in args.only)]
 
 
 def _graph(model: str):
-    """The traced graph of a cell's model ("name" at block granularity, "name/module" per module)."""
+    """The traced graph of a cell's model ("name" at block granularity, "name/module" per module,
+    "name/sublayer" per sublayer)."""
     name, _, granularity = model.partition("/")
     return trace(_config(name), granularity=granularity or "block")
 
@@ -393,7 +403,8 @@ def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: di
         f"{meta['load_end']:.1f} at the end (other work shares these cores: wall times are upper bounds).  ",
         "Each cell: `solve(graph, machine, workload=...)` with the defaults (latency, time limit 1 s, gap limit "
         "0.1 %, 2 workers, seed 0); wall = build + baselines + CP-SAT + scoring (tracing excluded); "
-        f"`/module` cells: module granularity and `time_limit_s={MODULE_TIME_LIMIT_S:g}`. Cells left "
+        f"`/module` cells: module granularity and `time_limit_s={MODULE_TIME_LIMIT_S:g}`; `/sublayer` cells: sublayer "
+        "granularity, the default limit. Cells left "
         f"above 1 % or without a plan are solved again with `time_limit_s={RESOLVE_S:g}`.", "",
         *head, "",
     ]
@@ -438,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the 12 hard cells of QUICK only")
     parser.add_argument("--module", action="store_true",
                         help=f"module-granularity Mistral-7B and Llama-3-70B instead, time limit {MODULE_TIME_LIMIT_S:g} s")
+    parser.add_argument("--sublayer", action="store_true",
+                        help="sublayer graphs of Mixtral-8x7B, Llama-3-70B and Qwen2-72B instead (24 cells, 1 s)")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="cells whose 'model | machine | workload' contains TEXT (repeatable: all must match)")
     parser.add_argument("--no-resolve", action="store_true", help="skip the 5 s second solves")
@@ -459,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells)}
     text = markdown(cells, meta, before, recorded)
-    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module) else None)
+    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module or args.sublayer) else None)
     if out:
         out.write_text(text)
     if args.json:
