@@ -61,10 +61,11 @@ MOST_SIBLING_PATHS = 12
 MOST_SLOT_COMBOS = 400
 #: :attr:`~._counted.CountedRelaxation.bound_share` of the grouped relaxation. Which options a group
 #: uses at all (their transient peaks) is what its default search proves slowly; the bound pass's
-#: workers see more of it at once. Module-level Llama-3-70B at 2 s, seeds 0-3: on 4x T4, bounds
-#: 234.8-235.0 s against 231.5-232.2 s without a pass; on RTX 4090 + 3090, 442.5-449.0 s against
-#: 390.8-436.1 s. Plans move with the seed either way (241.8-265.4 s and 453.9-477.9 s with it,
-#: 241.8-284.5 s and 453.5-469.4 s without); shares of 0.35 and 0.5 gave no better bounds or plans.
+#: workers see more of it at once. Module-level Llama-3-70B at 2 s, seeds 0-3, four runs (16 solves):
+#: on 4x T4, bounds 234.8-235.0 s in 15 (231.5 s once) against 231.5-232.2 s in 8 without a pass; on
+#: RTX 4090 + 3090, 435.7-449.1 s in 15 (390.0 s once) against 390.8-436.1 s. Plans move with the
+#: seed and the run either way (241.8-286.8 s and 453.9-560 s with it, 241.8-284.5 s and 453.5-500.9 s
+#: without); shares of 0.35 and 0.5 gave no better bounds or plans in one run each.
 BOUND_SHARE = 0.2
 
 
