@@ -419,3 +419,19 @@ def test_evaluate_accepts_a_map_that_leaves_out_buffers_only_units():
     assert evaluate(without, graph, machine).total_s == evaluate(with_rotary, graph, machine).total_s
     with pytest.raises(PlanFormatError, match="no entry for units model.norm"):
         evaluate({k: v for k, v in without.items() if k != "model.norm"}, graph, machine)
+
+
+def test_transfers_count_a_residual_stream_once_not_once_per_reader():
+    """A skip edge a -> c beside the path a -> b -> c (a module graph's residual stream) moves nothing of
+    its own: with a on one GPU and b, c on the other, the plan pays one crossing, as its latency does."""
+    units = [{"name": n, "param_bytes": 2**20, "flops_per_token": 2**20, "out_bytes_per_token": 4096}
+             for n in ("a", "b", "c")]
+    machine = Machine([Device.preset("rtx-4090", name="cuda:0"), Device.preset("rtx-4090", name="cuda:1"),
+                       Device.preset("cpu-desktop", name="cpu")])
+    workload = Workload(prompt_len=64, new_tokens=4)
+    placement = {"a": 1, "b": 0, "c": 0}
+    skip = evaluate(placement, chain_graph(units, edges=[("a", "b", 4096), ("b", "c", 4096), ("a", "c", 4096)]),
+                    machine, workload)
+    chain = evaluate(placement, chain_graph(units), machine, workload)
+    assert skip.transfer_s == pytest.approx(chain.transfer_s) and chain.transfer_s > 0
+    assert (skip.prefill_s, skip.decode_s) == pytest.approx((chain.prefill_s, chain.decode_s))

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanFormatError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
-from ..solver.problem import MODES, PHASES, PlacementOption, PlacementProblem, objective_value
+from ..solver.edges import prune_edges
+from ..solver.problem import (
+    MODES,
+    PHASES,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    objective_value,
+)
 from .build import price_problem
 from .device_map import placements_of
 from .memory import DeviceMemory, Violation, device_memory, violation
@@ -83,8 +91,12 @@ class Cost:
     prefill_s: float
     decode_s: float
     transfer_s: float
-    """Activation transfers between devices, included in the phase times: the edges', and in a
-    sublayer graph each off-home unit's round trip (its inputs from home and its outputs back)."""
+    """Activation transfers between devices, included in the phase times: the edges' (those no other
+    path between their ends always outlasts, :func:`~..solver.edges.prune_edges`), and in a sublayer
+    graph each off-home unit's round trip (its inputs from home and its outputs back). Leaving out the
+    covered edges keeps a module graph's residual stream (an edge from every earlier projection to
+    each norm) from counting once per reader; it also leaves out the copies of a small tensor passed
+    to many units (rotary's cos and sin, a few KiB per token), which hooks do make once per unit."""
     stage_s: Mapping[str, float]
     """Total work per execution device: the pipeline stage times."""
     units: tuple[UnitCost, ...]
@@ -244,19 +256,26 @@ def evaluator(graph: LayerGraph, machine: Any, workload: Workload) -> Callable[[
 
 
 def priced_evaluator(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
-                     parts: list[list[OptionPrice]]) -> Callable[[Any], Cost]:
+                     parts: list[list[OptionPrice]], kept_edges: tuple[EdgeSpec, ...] | None = None
+                     ) -> Callable[[Any], Cost]:
     """:func:`evaluator` on options already priced by :func:`~.build.price_problem` with every mode
-    (:data:`MODES`): solve() prices once for both the solver and the scores."""
+    (:data:`MODES`): solve() prices once for both the solver and the scores.
+
+    ``kept_edges``: ``problem``'s edges less the covered ones (:func:`~..solver.edges.prune_edges` of
+    ``problem``), which ``Cost.transfer_s`` sums; found here when not given.
+    """
+    kept = prune_edges(problem).edges if kept_edges is None else kept_edges
 
     def score(plan_or_device_map: Any) -> Cost:
         placements = placements_of(plan_or_device_map, graph, machine)
-        return _cost(problem, parts, _choice(problem, placements), machine, workload)
+        return _cost(problem, parts, _choice(problem, placements), (machine, workload), kept)
 
     return score
 
 
-def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: list[int], machine: Machine,
-          workload: Workload) -> Cost:
+def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: list[int],
+          context: tuple[Machine, Workload], kept_edges: tuple[EdgeSpec, ...]) -> Cost:
+    machine, workload = context
     score = problem.score(choice)
     chosen = problem.options(choice)
     chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
@@ -278,15 +297,19 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)
     return Cost(
         workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
-        transfer_s=_transfer_ns(problem, chosen) / NS_PER_S + sum(p.round_trip_s for p in chosen_parts),
+        transfer_s=_transfer_ns(problem, chosen, kept_edges) / NS_PER_S + sum(p.round_trip_s for p in chosen_parts),
         stage_s={k: v / NS_PER_S for k, v in score.stage_ns.items()},
         units=units, memory=memory, violations=violations)
 
 
-def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> int:
+def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption], edges: Sequence[EdgeSpec]) -> int:
+    """What ``edges`` move between devices. Covered edges are left out by the caller: a module graph has
+    an edge from every earlier ``o_proj`` and ``down_proj`` to each norm (the residual stream, one
+    tensor), and summing them all counted 20 s of transfers in a module-level Llama-3-70B plan of
+    242 s on 4x T4 whose longest path holds far less."""
     index = problem.index()
     total = 0
-    for edge in problem.edges:
+    for edge in edges:
         src, dst = chosen[index[edge.src]], chosen[index[edge.dst]]
         for phase in PHASES:
             pair = (src.device_in(phase), dst.device_in(phase))
