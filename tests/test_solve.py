@@ -75,7 +75,9 @@ def test_solve_leaves_the_cycle_collector_as_it_found_it(monkeypatch):
     try:
         frozen = gc.get_freeze_count()
         solve(graph, m, time_limit_s=1)
-        assert gc.get_freeze_count() >= frozen and seen[1] >= frozen
+        # Left alone: unfreezing would take the count to 0. Frozen objects can still die, so it may drop by
+        # the few freed (2 in one CI run).
+        assert gc.get_freeze_count() > frozen - 1000 and seen[1] > frozen - 1000
     finally:
         gc.unfreeze()
 
