@@ -268,14 +268,13 @@ def priced_evaluator(graph: LayerGraph, machine: Machine, workload: Workload, pr
 
     def score(plan_or_device_map: Any) -> Cost:
         placements = placements_of(plan_or_device_map, graph, machine)
-        return _cost(problem, parts, _choice(problem, placements), (machine, workload), kept)
+        return _cost(problem, parts, _choice(problem, placements), machine, workload, kept)
 
     return score
 
 
-def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: list[int],
-          context: tuple[Machine, Workload], kept_edges: tuple[EdgeSpec, ...]) -> Cost:
-    machine, workload = context
+def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: list[int], machine: Machine,
+          workload: Workload, kept_edges: tuple[EdgeSpec, ...]) -> Cost:
     score = problem.score(choice)
     chosen = problem.options(choice)
     chosen_parts = [row[c] for row, c in zip(parts, choice, strict=True)]
@@ -303,10 +302,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
 
 
 def _transfer_ns(problem: PlacementProblem, chosen: Sequence[PlacementOption], edges: Sequence[EdgeSpec]) -> int:
-    """What ``edges`` move between devices. Covered edges are left out by the caller: a module graph has
-    an edge from every earlier ``o_proj`` and ``down_proj`` to each norm (the residual stream, one
-    tensor), and summing them all counted 20 s of transfers in a module-level Llama-3-70B plan of
-    242 s on 4x T4 whose longest path holds far less."""
+    """What ``edges`` (the kept ones, :attr:`Cost.transfer_s` says why) move between devices."""
     index = problem.index()
     total = 0
     for edge in edges:
