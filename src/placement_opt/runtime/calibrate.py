@@ -580,13 +580,18 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
     return reads
 
 
-#: Cold decode steps timed per disk path at least (the median counts, per unit); one cold prefill beside them ...
+#: Cold decode steps timed per disk path at least (the median counts, per unit) ...
 DISK_STEPS = 3
 #: ... and more while they add up to under this, at most :data:`MAX_DISK_STEPS`: a small unit's cold read
 #: varies by 1.7x between medians of 3 steps on a loaded 2-core machine, and by 1.2x between medians of 12
-#: (hidden 512, 6 calibrations each); a large model's 3 steps already take longer than this.
+#: (hidden 512, 6 calibrations each); a large model's 3 steps already take longer than this. The cold
+#: prefills share the rule: one, then more while they add up to under it, at most :data:`MAX_DISK_PREFILLS`.
 DISK_BUDGET_S = 2.0
 MAX_DISK_STEPS = 16
+#: A single cold prefill of a hidden-2048 layer read at 61 ms in one calibration and 125 ms in the next,
+#: which left the streamed prefills of the cost_accuracy benchmark at 0.66-0.74x of measured in the first
+#: run; a median of three keeps one such sample from being the figure.
+MAX_DISK_PREFILLS = 3
 
 
 def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
@@ -649,8 +654,8 @@ def _evict_when_called(modules: Mapping[str, nn.Module], files: Mapping[str, Ite
 
 def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None],
                    evicted_when_called: Mapping[str, Iterable[Path]] | None = None) -> dict[str, dict[str, float]]:
-    """Per-unit seconds of one prefill and (median) of :data:`DISK_STEPS` to :data:`MAX_DISK_STEPS` decode
-    steps, each after the files left the page cache: all of them before the forward (``evict``), or each
+    """Per-unit seconds (medians) of 1 to :data:`MAX_DISK_PREFILLS` prefills and of :data:`DISK_STEPS` to
+    :data:`MAX_DISK_STEPS` decode steps, each after the files left the page cache: all of them before the forward (``evict``), or each
     unit's as it is called (``evicted_when_called``)."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     modules = _unit_modules(model, graph)
@@ -662,9 +667,14 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
         with torch.inference_mode():
             ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len))
             model(input_ids=ids, use_cache=True, **keep)  # warm-up: first calls of the shapes
-            evict()
-            prefill, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
-            cache = out.past_key_values
+            prefills, spent = [], 0.0
+            while not prefills or (spent < DISK_BUDGET_S and len(prefills) < MAX_DISK_PREFILLS):
+                evict()
+                start = time.perf_counter()
+                seconds, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
+                spent += time.perf_counter() - start
+                prefills.append(seconds)
+            cache = out.past_key_values  # the last prefill's: the decode steps go on from it
             spent = 0.0
             while len(runs) < DISK_STEPS or (spent < DISK_BUDGET_S and len(runs) < MAX_DISK_STEPS):
                 evict()
@@ -679,7 +689,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
         stamps.close()
         for handle in evicting:
             handle.remove()
-    return {"prefill": prefill, "decode": _typical(runs)}
+    return {"prefill": _typical(prefills), "decode": _typical(runs)}
 
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:
