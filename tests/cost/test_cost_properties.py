@@ -62,7 +62,8 @@ workloads = st.builds(Workload, batch_size=st.integers(1, 32), prompt_len=st.int
 def reference_phase_s(graph, machine, workload, units, key):
     """One phase's latency written from the cost model's definition, not from PlacementProblem.score:
     max(longest path, busiest device, the prefetch thread's copies), an edge costing
-    ``bytes x tokens / link + latency`` per transfer when its ends compute on different devices, a
+    ``bytes x tokens / link + latency`` per transfer when its ends compute on different devices, each
+    unit starting no earlier than the one before it in execution order ends (one forward runs them in turn), a
     streamed unit waiting for what the prefetch thread has left of its copy (tests/_overlap.py), and host
     memory's and the disk's time summed over units."""
     wl = workload
@@ -71,8 +72,10 @@ def reference_phase_s(graph, machine, workload, units, key):
     wait = dict(zip(at, simulated_waits([getattr(u, key) for u in units], [getattr(u, copy_key) for u in units],
                                         cyclic=key == "decode_s"), strict=True))
     finish = {}
+    previous = None
     for u in units:  # execution order; edges point forward
-        arrivals = [0.0]
+        arrivals = [0.0 if previous is None else finish[previous]]
+        previous = u.name
         for src, dst, bytes_per_token in graph.edges():
             if dst != u.name:
                 continue

@@ -129,8 +129,14 @@ def test_a_sublayer_graph_is_a_free_chain_in_execution_order() -> None:
     problem = build_problem(graph, _machine(), Workload(prompt_len=64, new_tokens=8))
     assert [(e.src, e.dst) for e in problem.edges] == list(itertools.pairwise(graph.names()))
     assert all(not e.prefill_ns and not e.decode_ns for e in problem.edges)
-    block = build_problem(_as_block(graph), _machine(), Workload(prompt_len=64, new_tokens=8))
-    assert all(e.prefill_ns and e.decode_ns for e in block.edges)  # priced per pair as before
+    as_block = _as_block(graph)
+    block = build_problem(as_block, _machine(), Workload(prompt_len=64, new_tokens=8))
+    data = {(src, dst) for src, dst, _ in as_block.edges()}
+    assert all(e.prefill_ns and e.decode_ns for e in block.edges if (e.src, e.dst) in data)  # priced per pair
+    # beside them, free links from each unit to the next where no data edge joins them (run in turn)
+    free = [(e.src, e.dst) for e in block.edges if (e.src, e.dst) not in data]
+    assert free == [pair for pair in itertools.pairwise(as_block.names()) if pair not in data]
+    assert free and all(not e.prefill_ns and not e.decode_ns for e in block.edges if (e.src, e.dst) in free)
 
 
 def _options(problem: PlacementProblem, name: str) -> dict[tuple[str, str, str, str | None], PlacementOption]:

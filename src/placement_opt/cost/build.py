@@ -157,7 +157,21 @@ def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
                                       {p: edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
         prefill, decode = priced[bpt, in_decode]
         specs.append(EdgeSpec(src=src, dst=dst, prefill_ns=prefill, decode_ns=decode))
-    return tuple(specs)
+    return tuple(specs) + _in_turn(ctx.graph.names(), specs)
+
+
+def _in_turn(names: list[str], edges: Iterable[EdgeSpec]) -> tuple[EdgeSpec, ...]:
+    """A free link from each unit to the next in execution order where no data edge joins them.
+
+    The dispatcher runs a forward's units one after another, in that order, on one Python thread: a
+    unit computed on the CPU blocks it, and a GPU runs its own units one at a time. Without these
+    links, a module-level graph's parallel siblings (``q/k/v_proj``, ``gate/up_proj``) overlapped
+    in the longest path even on one device: a module-level Mistral-7B on an RTX 4090 + 3090 was
+    priced at 3.3 s split over both GPUs against 4.6 s on either alone, for a forward that runs the
+    same modules in turn either way. With them, the longest path holds every unit's duration."""
+    linked = {(e.src, e.dst) for e in edges}
+    return tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={})
+                 for a, b in pairwise(names) if (a, b) not in linked)
 
 
 def _devices(machine: Machine) -> tuple[DeviceSpec, ...]:
