@@ -111,3 +111,28 @@ def test_make_room_does_not_move_a_unit_onto_a_transient_the_other_gpu_has_no_ro
                                devices=devices)
     out = make_room(problem, [0, 0, 0])
     assert problem.satisfies(out) and sorted(out) == [0, 0, 2]
+
+
+def test_make_room_streams_a_resident_unit_under_a_buffer_the_gpu_already_holds():
+    """cuda:0 holds two 10-byte resident units and a 50-byte stream buffer (of ``big``), 3 bytes over; the
+    CPU has no room. Streaming one resident unit from the disk puts a 10-byte transient on cuda:0, larger
+    than its own (0) but under the 50 bytes already held: the peak stays, and 10 bytes leave."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=67), DeviceSpec(name="cpu", kind="cpu",
+                                                                                      capacity_bytes=5),
+               DeviceSpec(name="disk", kind="disk", capacity_bytes=1000))
+
+    def unit(name: str, size: int) -> UnitSpec:
+        return UnitSpec(name=name, options=(
+            PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=1,
+                            stored_bytes=size, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=10, decode_ns=10,
+                            stored_bytes=size, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="disk", execution="cuda:0", mode="stream", prefill_ns=5, decode_ns=5,
+                            stored_bytes=size, resident_bytes=0, peak_bytes=size)))
+
+    problem = PlacementProblem(units=(unit("a", 10), unit("big", 50), unit("b", 10)), edges=(), devices=devices)
+    choice = [0, 2, 0]
+    assert problem.score(choice).over_bytes == {"cuda:0": 3}
+    out = make_room(problem, choice)
+    assert problem.satisfies(out)
+    assert sorted(out) == [0, 2, 2] and out[1] == 2  # one of a, b streamed; big as it was

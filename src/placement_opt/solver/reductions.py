@@ -125,7 +125,8 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
 def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) -> list[int]:
     """A plan a little over some capacity moved into it: up to ``moves`` units, one at a time, each the
     cheapest move (least added prefill + decode, among those freeing enough bytes when some do) of a
-    unit off the most overfull device to an option that puts no bytes and no larger transient there. A counted relaxation's plan prices each group at
+    unit off the most overfull device to an option that puts no bytes there and no transient above the
+    largest it holds already. A counted relaxation's plan prices each group at
     its least peak (within :data:`~.relax.PEAK_STEP`) and can land a few MiB over; without this its
     plan was dropped. Returns ``choice`` unchanged when nothing fits; the caller checks the result.
     """
@@ -161,13 +162,18 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
         return all(_bytes_on(o, d) - _bytes_on(now, d) + max(0, _peak_on(o, d) - peak[d]) <= max(0, free[d])
                    for d in free if d != dev)
 
+    # A transient up to the one dev already holds room for does not raise its peak: streaming a resident
+    # unit from the disk instead is allowed under a larger stream buffer. Only the unit's own transient
+    # (a 6 GiB GPU holding 79 units' 1 GiB buffers and a relaxation's plan 6 MiB over) refused every
+    # move off it once the CPU was full.
+    top = peak[dev]
     best: tuple[bool, int, int, int] | None = None  # (frees too little, extra ns, unit, option): least first
     for u, spec in enumerate(problem.units):
         now = spec.options[choice[u]]
         if _bytes_on(now, dev) == 0 or not problem.allows(spec, now):
             continue
         for k, o in enumerate(spec.options):
-            if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= _peak_on(now, dev)
+            if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= top
                     and fits(o, now)):
                 key = (_bytes_on(now, dev) < -free[dev], o.work_ns - now.work_ns,
                        u, k)
