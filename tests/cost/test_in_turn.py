@@ -61,10 +61,11 @@ def test_a_phase_takes_at_least_every_units_duration_in_turn(data, prompt, new_t
 def test_siblings_split_over_two_gpus_take_as_long_as_on_one() -> None:
     # q_proj on cuda:0 with k_proj and v_proj on cuda:1 in every layer, everything else on cuda:0
     problem = build_problem(_module_graph(), _machine(), Workload(prompt_len=32, new_tokens=4))
-    on = {d: [k for k, o in enumerate(u.options) if o.storage == o.execution == d and o.mode == "resident"][0]
-          for u in problem.units[:1] for d in ("cuda:0", "cuda:1")}
-    one = [on["cuda:0"]] * len(problem.units)
-    split = [on["cuda:1"] if u.name.endswith(("k_proj", "v_proj")) else on["cuda:0"] for u in problem.units]
+    def resident(u, device: str) -> int:
+        return next(k for k, o in enumerate(u.options) if o.storage == o.execution == device and o.mode == "resident")
+
+    one = [resident(u, "cuda:0") for u in problem.units]
+    split = [resident(u, "cuda:1" if u.name.endswith(("k_proj", "v_proj")) else "cuda:0") for u in problem.units]
     alone = problem.score(one)
     spread = problem.score(split)
     # the same modules run in turn either way; the split adds the transfers to and from cuda:1

@@ -141,7 +141,7 @@ def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
     expert beside the routed experts) does not overlap the other in a real forward: the module calls
     them in turn, and moving the router's output to a CPU-computed unit waits for the GPU's queue."""
     if ctx.home is not None:
-        return tuple(EdgeSpec(src=src, dst=dst, prefill_ns={}, decode_ns={}) for src, dst in pairwise(ctx.graph.names()))
+        return _in_turn(ctx.graph.names(), ())
     wl = ctx.workload
     compute = [d.name for d in ctx.machine.compute_devices]
     pairs = [(a, b) for a in compute for b in compute if a != b]
