@@ -324,9 +324,10 @@ class Machine:
 
     def __contains__(self, name: object) -> bool:
         try:
-            return any(d.name == normalize_device_name(name) for d in self.devices)  # type: ignore[arg-type]
+            canonical = normalize_device_name(name)  # type: ignore[arg-type]
         except DeviceSpecError:
             return False
+        return any(d.name == canonical for d in self.devices)
 
     @property
     def names(self) -> list[str]:

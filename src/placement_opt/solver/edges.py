@@ -73,7 +73,9 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
     # sufficient test, durations are >= 0); only the shapes that fail it are checked path by path.
     edge_key = _edge_keys(problem.edges)
     unit_key = _interned(execs)
+    tails = _Tails(out, succ, reaches, edge_key, unit_key)
     seen: dict[tuple, bool] = {}
+    timed: dict[tuple, bool] = {}  # shapes that fail without durations, with their inner units' menus
     drop: set[int] = set()
     for step, k in enumerate(sorted(range(len(pairs)), key=lambda k: pairs[k][1] - pairs[k][0])):
         if deadline is not None and step % 256 == 0 and time.perf_counter() > deadline:
@@ -83,17 +85,70 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
             if _dominates(problem.edges[out[a][b]], problem.edges[k], execs[a], execs[b]):
                 drop.add(k)
             continue
-        path = _witness(out, succ, reaches, a, b)
-        if not path:
+        v = _furthest(succ[a], reaches, b)  # the witness's first hop: never the edge itself
+        tail = tails.of(v, b) if v >= 0 else None
+        if tail is None:
             continue
-        hops = [out[v][w] for v, w in zip(path, path[1:], strict=False)]
-        shape = (edge_key[k], unit_key[a], unit_key[b], *((edge_key[h], unit_key[v]) for h, v in zip(hops, path[1:],
-                                                                                                    strict=True)))
-        if shape not in seen:
-            seen[shape] = _covers(problem, hops, path, k, execs, None)
-        if seen[shape] or _covers(problem, hops, path, k, execs, fastest):
+        shape = (edge_key[k], unit_key[a], unit_key[b], edge_key[out[a][v]], unit_key[v], tail[1])
+        covered = seen.get(shape)
+        if covered is None or not covered:
+            path = [a, *tail[0]]
+            hops = [out[x][y] for x, y in zip(path, path[1:], strict=False)]
+            if covered is None:
+                covered = seen[shape] = _covers(problem, hops, path, k, execs, None)
+            if not covered:  # _fastest shares one dict per distinct menu: its id stands for the durations
+                timed_key = (shape, *(id(fastest[v]) for v in path[1:-1]))
+                if timed_key not in timed:
+                    timed[timed_key] = _covers(problem, hops, path, k, execs, fastest)
+                covered = timed[timed_key]
+        if covered:
             drop.add(k)
     return drop
+
+
+class _Tails:
+    """The witness path's tail from ``v`` to ``b``, each hop the direct edge to ``b`` when there is one,
+    else to ``v``'s furthest successor that still reaches ``b``: (path, shape id) per ``(v, b)``, found
+    once. Witnesses of a fan of edges share their tails (every residual edge into one norm goes
+    through the norm before it), so each edge costs one hop and a few lookups."""
+
+    def __init__(self, out: list[dict[int, int]], succ: list[list[int]], reaches: list[int],
+                 edge_key: list[int], unit_key: list[int]) -> None:
+        self.out, self.succ, self.reaches = out, succ, reaches
+        self.edge_key, self.unit_key = edge_key, unit_key
+        self.memo: dict[tuple[int, int], tuple[tuple[int, ...], int] | None] = {}
+        self.ids: dict[tuple[int, ...], int] = {}
+
+    def of(self, v: int, b: int) -> tuple[tuple[int, ...], int] | None:
+        """(``v`` .. ``b``, an id equal for tails of equal edge prices and devices), or None: no path."""
+        walk = []  # iterative: a hand-built chain can be longer than the recursion limit
+        while (v, b) not in self.memo:
+            walk.append(v)
+            if b in self.out[v]:
+                self.memo[(b, b)] = ((b,), -1)
+                v = b
+                break
+            nxt = _furthest(self.succ[v], self.reaches, b)
+            if nxt < 0:
+                self.memo[(v, b)] = None
+                walk.pop()
+                break
+            v = nxt
+        tail = self.memo[(v, b)]
+        for u in reversed(walk):  # fill the memo back from where the walk stopped
+            if tail is not None:
+                shape = (self.edge_key[self.out[u][tail[0][0]]], self.unit_key[tail[0][0]], tail[1])
+                tail = ((u, *tail[0]), self.ids.setdefault(shape, len(self.ids)))
+            self.memo[(u, b)] = tail
+        return self.memo[(walk[0], b)] if walk else tail
+
+
+def _furthest(after: list[int], reaches: list[int], b: int) -> int:
+    """The furthest of the sorted successors ``after`` below ``b`` that reaches ``b``; -1 if none."""
+    k = bisect.bisect_left(after, b) - 1
+    while k >= 0 and not (reaches[after[k]] >> b) & 1:
+        k -= 1
+    return after[k] if k >= 0 else -1
 
 
 def _fastest(problem: PlacementProblem) -> list[dict[str, dict[str, int]]]:
@@ -142,24 +197,6 @@ def _descendants(out: list[dict[int, int]], n: int) -> list[int]:
             bits |= reach[w] | (1 << w)
         reach[v] = bits
     return reach
-
-
-def _witness(out: list[dict[int, int]], succ: list[list[int]], reaches: list[int], a: int, b: int) -> list[int]:
-    """A path a -> ... -> b of at least two edges, each hop to the furthest unit that still reaches b."""
-    path, v = [a], a
-    while v != b:
-        if v != a and b in out[v]:
-            path.append(b)
-            break
-        after = succ[v]
-        k = bisect.bisect_left(after, b) - 1  # successors below b, the furthest first
-        while k >= 0 and not (reaches[after[k]] >> b) & 1:
-            k -= 1
-        if k < 0:
-            return []
-        v = after[k]
-        path.append(v)
-    return path if len(path) > 2 else []
 
 
 def _cost(costs: Mapping[tuple[str, str], int], p: str, q: str) -> int:
