@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,6 +55,18 @@ def test_totals_are_sums_of_units(graph: LayerGraph) -> None:
     assert graph.total_param_bytes == sum(u.param_bytes for u in units)
     assert graph.total_flops_per_token == sum(u.flops_per_token for u in units)
     assert [u.exec_index for u in units] == sorted(u.exec_index for u in units)
+
+
+@given(_graphs(), st.sampled_from(_INT_KEYS), st.integers(min_value=0, max_value=2**50))
+def test_unit_views_follow_edits_of_the_networkx_graph(graph: LayerGraph, key: str, value: int) -> None:
+    # unit() reuses a UnitInfo while its node is unchanged: an edit through graph.nx must still show
+    name = graph.names()[-1]
+    before = graph.unit(name)
+    graph.nx.nodes[name][key] = value
+    assert getattr(graph.unit(name), key) == value
+    assert graph.units()[-1] == dataclasses.replace(before, **{key: value})
+    graph.nx.nodes[name]["in_decode"] = not before.in_decode
+    assert graph.unit(name).in_decode is not before.in_decode
 
 
 def test_chain_and_not_chain() -> None:

@@ -119,16 +119,20 @@ def test_kept_solutions_hold_the_last_and_span_a_long_run(found, most):
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 40), min_size=3, max_size=3), min_size=3, max_size=6),
-       st.integers(3, 30), st.sampled_from([1, 2]))
-def test_a_bound_pass_bounds_the_brute_force_optimum_and_its_solutions_read_into_plans(works, capacity, workers):
-    # The grouped relaxation's bound pass (max_lp and objective_lb_search with two workers, max_lp's
-    # linearization with one) before its search: the bound it reports stays at or below the real
-    # problem's optimum, and every solution kept from either run reads into a plan that fits.
+       st.integers(3, 30), st.sampled_from([(1, True), (2, True), (2, False)]))
+def test_a_bound_pass_bounds_the_brute_force_optimum_and_its_solutions_read_into_plans(works, capacity, run):
+    # The grouped relaxation's runs: with two workers, objective_lb_search and default_lp as full
+    # workers in one run (its default), or a bound pass (max_lp and objective_lb_search; max_lp's
+    # linearization with one worker) before the default search: the bound it reports stays at or below
+    # the real problem's optimum, and every solution kept from either run reads into a plan that fits.
+    workers, full = run
     problem = _sized_problem(works, capacity)
     units = problem.units
     plans = [list(c) for c in itertools.product(range(3), repeat=len(units)) if problem.satisfies(c)]
     model = relax.GroupModel(problem, 1, [0] * len(units), relax.groups_of(problem), [], None)
     model.bound_share = 0.5
+    if not full:
+        model.full_subsolvers = ()
     model.minimize("latency", None, 0)
     solver, status = model.solve(1.0, 0, workers, 0.0)
     if not plans:

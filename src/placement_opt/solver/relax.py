@@ -39,7 +39,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from ._counted import CountedRelaxation
+from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation
 from .aggregate import most_beside_peak
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 from .problem import PHASES, PlacementOption, PlacementProblem
@@ -59,9 +59,11 @@ MOST_SIBLING_PATHS = 12
 #: Llama-3-70B on 4x T4, identical GPUs being one class), 576 on an RTX 4090 + 3090, where the larger
 #: model left the 2 s solve of Llama-3-70B at a 16 % gap instead of 5 %.
 MOST_SLOT_COMBOS = 400
-#: :attr:`~._counted.CountedRelaxation.bound_share` of the grouped relaxation. Which options a group
+#: :attr:`~._counted.CountedRelaxation.bound_share` of the grouped relaxation with one worker (two or
+#: more run :data:`~._counted.SEARCH_SUBSOLVERS` instead). Which options a group
 #: uses at all (their transient peaks) is what its default search proves slowly; the bound pass's
-#: workers see more of it at once. Module-level Llama-3-70B at 2 s, seeds 0-3, four runs (16 solves):
+#: workers see more of it at once. Measured before units were priced in turn, with the pass's two
+#: workers: module-level Llama-3-70B at 2 s, seeds 0-3, four runs (16 solves):
 #: on 4x T4, bounds 234.8-235.0 s in 15 (231.5 s once) against 231.5-232.2 s in 8 without a pass; on
 #: RTX 4090 + 3090, 435.7-449.1 s in 15 (390.0 s once) against 390.8-436.1 s. Plans move with the
 #: seed and the run either way (241.8-286.8 s and 453.9-560 s with it, 241.8-284.5 s and 453.5-500.9 s
@@ -235,7 +237,8 @@ class GroupModel(CountedRelaxation):
             for a, b in itertools.pairwise(usage):
                 self.model.add(a >= b)
         self.goal: Any = 0
-        self.bound_share = BOUND_SHARE
+        self.bound_share = BOUND_SHARE  # with one worker: two or more run SEARCH_SUBSOLVERS instead
+        self.full_subsolvers = SEARCH_SUBSOLVERS
 
     def _options(self, k: int) -> tuple[PlacementOption, ...]:
         return self.menus[k]

@@ -404,8 +404,10 @@ def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> in
 def _work_lower_bound(problem: PlacementProblem) -> int:
     """Every unit's least prefill + decode, shared evenly by the devices that compute (in either phase):
     <= either time objective."""
-    total = sum(min(o.prefill_ns + o.decode_ns for o in u.options) for u in problem.units)
-    computing = {d for u in problem.units for o in u.options for d in (o.execution, o.device_in("prefill_ns"))}
+    menus = {id(u.options): u.options for u in problem.units}  # each shared option tuple once
+    least = {k: min(o.prefill_ns + o.decode_ns for o in options) for k, options in menus.items()}
+    total = sum(least[id(u.options)] for u in problem.units)
+    computing = {d for options in menus.values() for o in options for d in (o.execution, o.device_in("prefill_ns"))}
     return total // max(1, len(computing))
 
 
