@@ -189,8 +189,10 @@ def _config(name: str):
         return config
 
 
-def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | None) -> Run:
+def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | None, seed: int = 0) -> Run:
     kwargs = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
+    if seed:
+        kwargs["seed"] = seed
     t0 = time.perf_counter()
     try:
         plan = solve(graph, machine, workload=workload, **kwargs)
@@ -259,9 +261,10 @@ def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]
         if args.overlap:  # the opt-in pricing of copies beside every unit before them (not in older checkouts)
             wl = dataclasses.replace(wl, overlap=True)
         limit = MODULE_TIME_LIMIT_S if model.endswith("/module") else None
-        cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit), limit_s=limit or 1.0)
+        cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit, args.seed),
+                    limit_s=limit or 1.0)
         if not args.no_resolve and _needs_again(cell.first):
-            cell.again = _solve(graph, make(), wl, RESOLVE_S)
+            cell.again = _solve(graph, make(), wl, RESOLVE_S, args.seed)
         recorded = (before or {}).get(cell.key)
         if recorded and recorded["first"].get("runs"):
             cell.recorded_now, cell.recorded_note = _reprice(graph, make(), wl, recorded["first"]["runs"])
@@ -402,7 +405,7 @@ def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: di
         f"Machine: {meta['machine']}; 1-minute load average {meta['load_start']:.1f} at the start and "
         f"{meta['load_end']:.1f} at the end (other work shares these cores: wall times are upper bounds).  ",
         "Each cell: `solve(graph, machine, workload=...)` with the defaults (latency, time limit 1 s, gap limit "
-        "0.1 %, 2 workers, seed 0); wall = build + baselines + CP-SAT + scoring (tracing excluded); "
+        f"0.1 %, 2 workers, seed {meta.get('seed', 0)}); wall = build + baselines + CP-SAT + scoring (tracing excluded); "
         f"`/module` cells: module granularity and `time_limit_s={MODULE_TIME_LIMIT_S:g}`; `/sublayer` cells: sublayer "
         "granularity, the default limit. Cells left "
         f"above 1 % or without a plan are solved again with `time_limit_s={RESOLVE_S:g}`.", "",
@@ -454,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="cells whose 'model | machine | workload' contains TEXT (repeatable: all must match)")
     parser.add_argument("--no-resolve", action="store_true", help="skip the 5 s second solves")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="CP-SAT's random seed for every solve (default 0, solve()'s own): a sweep over seeds "
+                             "shows how much a cell's gap at the limit owes to the search's luck")
     parser.add_argument("--overlap", action="store_true",
                         help="every workload with overlap=True (streamed copies beside the units before them)")
     parser.add_argument("--out", type=Path, default=None,
@@ -470,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python", "benchmarks/solve_time/run.py", *(argv if argv is not None else sys.argv[1:])]),
             "code": _code(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                                         f"{sys.version.split()[0]}",
-            "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells)}
+            "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
     out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module or args.sublayer) else None)
     if out:
