@@ -89,10 +89,10 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
         tail = tails.of(v, b) if v >= 0 else None
         if tail is None:
             continue
-        shape = (edge_key[k], unit_key[a], unit_key[b], edge_key[out[a][v]], unit_key[v], tail[1])
+        shape = (edge_key[k], unit_key[a], unit_key[b], edge_key[out[a][v]], unit_key[v], tail)
         covered = seen.get(shape)
         if covered is None or not covered:
-            path = [a, *tail[0]]
+            path = [a, *tails.path(v, b)]
             hops = [out[x][y] for x, y in zip(path, path[1:], strict=False)]
             if covered is None:
                 covered = seen[shape] = _covers(problem, hops, path, k, execs, None)
@@ -108,39 +108,43 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
 
 class _Tails:
     """The witness path's tail from ``v`` to ``b``, each hop the direct edge to ``b`` when there is one,
-    else to ``v``'s furthest successor that still reaches ``b``: (path, shape id) per ``(v, b)``, found
-    once. Witnesses of a fan of edges share their tails (every residual edge into one norm goes
-    through the norm before it), so each edge costs one hop and a few lookups."""
+    else to ``v``'s furthest successor that still reaches ``b``: its next hop and a shape id per
+    ``(v, b)``, found once. Witnesses of a fan of edges share their tails (every residual edge into
+    one norm goes through the norm before it), so each edge costs one hop and a few lookups. Only the
+    next hop is kept (a path is walked back from them when checked): a hand-built chain with many
+    long edges would otherwise keep a path per unit and target."""
 
     def __init__(self, out: list[dict[int, int]], succ: list[list[int]], reaches: list[int],
                  edge_key: list[int], unit_key: list[int]) -> None:
         self.out, self.succ, self.reaches = out, succ, reaches
         self.edge_key, self.unit_key = edge_key, unit_key
-        self.memo: dict[tuple[int, int], tuple[tuple[int, ...], int] | None] = {}
+        self.memo: dict[tuple[int, int], tuple[int, int] | None] = {}  # (v, b) -> (next hop, shape id)
         self.ids: dict[tuple[int, ...], int] = {}
 
-    def of(self, v: int, b: int) -> tuple[tuple[int, ...], int] | None:
-        """(``v`` .. ``b``, an id equal for tails of equal edge prices and devices), or None: no path."""
+    def of(self, v: int, b: int) -> int | None:
+        """An id equal for tails ``v`` .. ``b`` (``v < b``) of equal edge prices and devices; None: no witness."""
         walk = []  # iterative: a hand-built chain can be longer than the recursion limit
-        while (v, b) not in self.memo:
+        while v != b and (v, b) not in self.memo:
             walk.append(v)
-            if b in self.out[v]:
-                self.memo[(b, b)] = ((b,), -1)
-                v = b
+            v = b if b in self.out[v] else _furthest(self.succ[v], self.reaches, b)
+            if v < 0:
                 break
-            nxt = _furthest(self.succ[v], self.reaches, b)
-            if nxt < 0:
-                self.memo[(v, b)] = None
-                walk.pop()
-                break
-            v = nxt
-        tail = self.memo[(v, b)]
+        known = self.memo.get((v, b)) if 0 <= v != b else None
+        tail = -1 if v == b else None if known is None else known[1]
         for u in reversed(walk):  # fill the memo back from where the walk stopped
             if tail is not None:
-                shape = (self.edge_key[self.out[u][tail[0][0]]], self.unit_key[tail[0][0]], tail[1])
-                tail = ((u, *tail[0]), self.ids.setdefault(shape, len(self.ids)))
-            self.memo[(u, b)] = tail
-        return self.memo[(walk[0], b)] if walk else tail
+                tail = self.ids.setdefault((self.edge_key[self.out[u][v]], self.unit_key[v], tail), len(self.ids))
+            self.memo[(u, b)] = None if tail is None else (v, tail)
+            v = u
+        return tail
+
+    def path(self, v: int, b: int) -> list[int]:
+        """The tail ``v`` .. ``b`` itself (``of(v, b)`` found it)."""
+        out = [v]
+        while v != b:
+            v = self.memo[(v, b)][0]  # type: ignore[index]
+            out.append(v)
+        return out
 
 
 def _furthest(after: list[int], reaches: list[int], b: int) -> int:
