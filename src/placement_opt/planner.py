@@ -345,10 +345,10 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, pins: Mappi
 
     The scorer needs accelerate's ``stream_sync`` options too; the solver's problem is the same
     options without them (:func:`build_problem`'s default modes, in the same order). Covered edges
-    are dropped (exact): 13,922 -> 963 on a module-level 70B, so that every baseline and start is
-    priced on the small graph; they are found once, on every option (an edge covered there is covered
-    with fewer options: 10 ms to confirm), and the scorer's transfers sum the same edges. One pricing
-    instead of two saves 0.3 s of a module-level 70B.
+    are dropped (exact): 14,164 -> 965 on a module-level 70B on 4x T4, so that every baseline and start
+    is priced on the small graph; they are found once, on every option (an edge covered there is
+    covered with fewer options; a second search on the solver's options drops 80 more, to 885, in 20-30
+    ms), and the scorer's transfers sum the same edges. One pricing instead of two saves 0.2 s there.
     """
     full, parts = price_problem(graph, machine, workload, MODES, pins, contiguous)
     kept = {id(u.options): tuple(o for o in u.options if o.mode in modes) for u in full.units}

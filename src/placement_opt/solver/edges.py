@@ -38,7 +38,7 @@ def prune_edges(problem: PlacementProblem, deadline: float | None = None) -> Pla
     ``deadline`` (a ``time.perf_counter()`` value) stops the search for covered edges early; the
     edges found by then are dropped, which stays exact. A problem this function returned from a
     search without a deadline is returned as it is (solve() prunes before its baselines, and the
-    search would otherwise spend 0.3 s of a module-level 70B's budget finding nothing more).
+    search would otherwise spend 0.1 s of a module-level 70B's budget finding nothing more).
     """
     if _PRUNED.get(id(problem)) is problem:
         return problem

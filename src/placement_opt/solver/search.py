@@ -73,7 +73,7 @@ SLACK_STEPS = 2000
 GAP_LIMIT = 0.001
 #: Problems with more units than this are first solved coarsened into about this many super-units.
 COARSEN_ABOVE = 1000
-#: Most of the time limit the search for covered edges may take (0.3 s for 13,922 edges of 724 units).
+#: Most of the time limit the search for covered edges may take (0.1 s for 14,164 edges of 724 units).
 PRUNE_SHARE = 0.25
 #: Share of the time left that the coarse solve gets; the full problem gets the rest.
 COARSE_SHARE = 0.4
