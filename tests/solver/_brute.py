@@ -104,11 +104,11 @@ def every_reduction_on():
         aggregate.MIN_INTERIOR = saved_interior
 
 
-def check_against_brute_force(problem, objective, data):
+def check_against_brute_force(problem, objective, data, workers=1):
     hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]  # often invalid
     best = reference_optimum(problem, objective)
     with every_reduction_on():
-        sol = search.solve_problem(problem, objective, time_limit_s=5, workers=1, gap_limit=0.0, hint=hint)
+        sol = search.solve_problem(problem, objective, time_limit_s=5, workers=workers, gap_limit=0.0, hint=hint)
     if best is None:
         assert not sol.feasible and sol.choice == ()
         return

@@ -127,6 +127,14 @@ def test_bound_status_and_plan_against_brute_force_with_every_reduction_on(probl
     check_against_brute_force(problem, objective, data)
 
 
+@settings(max_examples=60)
+@given(problems(), st.sampled_from(OBJECTIVES), st.data())
+def test_two_workers_bound_status_and_plan_against_brute_force(problem, objective, data):
+    # The default of two workers takes other paths: the grouped relaxation runs objective_lb_search and
+    # default_lp as full workers in one run (one worker: a bound pass, then the default search).
+    check_against_brute_force(problem, objective, data, workers=2)
+
+
 @settings(max_examples=200)
 @given(problems(run=True), st.sampled_from(OBJECTIVES), st.data())
 def test_counted_runs_against_brute_force(problem, objective, data):
