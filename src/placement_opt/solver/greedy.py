@@ -350,8 +350,8 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None, one
         return reserve
     keeping = {max(gpus, key=lambda d: d.capacity_bytes).name} if one_gpu else {d.name for d in gpus}
     buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per computing device, in one pass
-    for options in {id(u.options): u.options for u in problem.units}.values():  # each shared menu once
-        for o in options:
+    for menu in problem.menu_units:  # each shared options tuple once
+        for o in menu.options:
             if o.execution != o.storage and o.peak_bytes > buffer[o.execution]:
                 buffer[o.execution] = o.peak_bytes
             if o.mode == "phased" and o.prefill_peak_bytes > buffer[o.device_in("prefill_ns")]:

@@ -404,10 +404,9 @@ def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> in
 def _work_lower_bound(problem: PlacementProblem) -> int:
     """Every unit's least prefill + decode, shared evenly by the devices that compute (in either phase):
     <= either time objective."""
-    menus = {id(u.options): u.options for u in problem.units}  # each shared option tuple once
-    least = {k: min(o.prefill_ns + o.decode_ns for o in options) for k, options in menus.items()}
+    least = {id(m.options): min(o.prefill_ns + o.decode_ns for o in m.options) for m in problem.menu_units}
     total = sum(least[id(u.options)] for u in problem.units)
-    computing = {d for options in menus.values() for o in options for d in (o.execution, o.device_in("prefill_ns"))}
+    computing = {d for m in problem.menu_units for o in m.options for d in (o.execution, o.device_in("prefill_ns"))}
     return total // max(1, len(computing))
 
 

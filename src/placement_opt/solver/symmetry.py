@@ -39,8 +39,7 @@ def identical_devices(problem: PlacementProblem) -> list[list[str]]:
     """Classes (2+ devices each, in ``problem.devices`` order) whose members are interchangeable."""
     pinned = set(problem.pins.values())
     # Traced graphs repeat a few menus and a few edge prices many times: each distinct one is checked once.
-    shared = {id(u.options): u.options for u in problem.units}.values()  # units share a few option tuples
-    menus = list({_frozen(m): m for m in map(_menu, shared)}.values())
+    menus = list({_frozen(m): m for m in (_menu(u.options) for u in problem.menu_units)}.values())
     prices = list({tuple(sorted(c.items())): c for e in problem.edges for c in (e.prefill_ns, e.decode_ns)}.values())
     classes: list[list[str]] = []
     for d in problem.devices:
