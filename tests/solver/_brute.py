@@ -92,9 +92,11 @@ def reference_optimum(problem, objective, memory_slack=0.05):
 def every_reduction_on():
     """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, any problem
     gets the grouped relaxation, time is rounded."""
-    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE")}
+    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE",
+                                             "GROUP_WITHOUT_RUNS_ABOVE")}
     saved_interior = aggregate.MIN_INTERIOR
-    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS, search.GROUP_ABOVE = 1, 7, 1, 0
+    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS = 1, 7, 1
+    search.GROUP_ABOVE = search.GROUP_WITHOUT_RUNS_ABOVE = 0
     aggregate.MIN_INTERIOR = 2
     try:
         yield

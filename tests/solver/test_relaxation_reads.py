@@ -1,4 +1,5 @@
-"""A relaxation's earlier solutions: kept, read like the solver's last one, and the best plan among them wins."""
+"""A relaxation's earlier solutions: kept, read like the solver's last one, and the best plan among them wins; which
+relaxations a problem gets."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from placement_opt.solver import _counted, relax, search
-from placement_opt.solver.problem import DeviceSpec, PlacementOption, PlacementProblem, UnitSpec
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
 
 
 def _unit(name: str, works: tuple[int, ...]) -> UnitSpec:
@@ -142,3 +149,27 @@ def test_a_bound_pass_bounds_the_brute_force_optimum_and_its_solutions_read_into
     assert model.proven_bound(solver) <= best
     for plan in [model.read(solver), *map(model.read, model.solutions)]:
         assert problem.satisfies(plan)
+
+
+def _chain(menus: list[tuple[int, ...]]) -> PlacementProblem:
+    """A chain of units on one CPU, unit i with ``menus[i]``'s prices, each edge the only one in and out."""
+    units = tuple(_unit(f"u{i}", works) for i, works in enumerate(menus))
+    edges = tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns={}, decode_ns={}) for i in range(len(units) - 1))
+    return PlacementProblem(units=units, edges=edges, devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10**6),))
+
+
+def _relaxation_kinds(problem: PlacementProblem) -> list[str]:
+    names = [name for name, _, _ in search._relaxations(problem, [["cpu"]])]
+    return ["grouped" if "groups of like units" in n else "runs" if "consecutive" in n else n for n in names]
+
+
+def test_alternating_units_get_the_grouped_relaxation_from_fewer_units_than_runs_do():
+    # two menus in turn, as a sublayer graph's attention and MLP: no run of identical consecutive units
+    alternating = [(10, 20), (30, 40)]
+    above, at = search.GROUP_WITHOUT_RUNS_ABOVE + 1, search.GROUP_WITHOUT_RUNS_ABOVE
+    assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(above)])) == ["grouped"]
+    assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(at)])) == []
+    # the same size with a run of identical layers: counted as a run, grouped only above GROUP_ABOVE
+    assert above <= search.GROUP_ABOVE
+    assert _relaxation_kinds(_chain([(10, 20)] * above)) == ["runs"]
+    assert _relaxation_kinds(_chain([(10, 20)] * (search.GROUP_ABOVE + 1))) == ["runs", "grouped"]
