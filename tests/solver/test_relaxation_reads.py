@@ -173,3 +173,36 @@ def test_alternating_units_get_the_grouped_relaxation_from_fewer_units_than_runs
     assert above <= search.GROUP_ABOVE
     assert _relaxation_kinds(_chain([(10, 20)] * above)) == ["runs"]
     assert _relaxation_kinds(_chain([(10, 20)] * (search.GROUP_ABOVE + 1))) == ["runs", "grouped"]
+
+
+def _overlap_problem(n: int) -> PlacementProblem:
+    """``n`` like units, each computed on the CPU in 10 ns per decode or streamed to the GPU and computed there in
+    1 ns, its copy taking the prefetch thread 10 ns: a CPU unit before a streamed one hides its copy."""
+    cpu = PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=10,
+                          stored_bytes=1, resident_bytes=0, peak_bytes=0)
+    stream = PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=1,
+                             stored_bytes=1, resident_bytes=0, peak_bytes=1, copy_decode_ns=10)
+    units = tuple(UnitSpec(name=f"u{i}", options=(cpu, stream)) for i in range(n))
+    edges = tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns={}, decode_ns={}) for i in range(n - 1))
+    return PlacementProblem(units=units, edges=edges, devices=(
+        DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(4, 9), st.integers(0, 3))
+def test_the_grouped_read_spreads_streamed_units_among_the_others_under_overlap(n, seed):
+    # Handed out in unit order, the streamed units of a group sit together and each but the first waits for
+    # its copy; the read spreads them among the CPU units instead, so that it prices like the best order of
+    # its own counts (every arrangement of them, brute force).
+    problem = _overlap_problem(n)
+    model = relax.GroupModel(problem, 1, [0] * n, relax.groups_of(problem), [], None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(2.0, seed, 1, 0.0)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    plan = model.read(solver)
+    assert problem.satisfies(plan)
+    streamed = sum(plan)
+    orders = {tuple(1 if i in picked else 0 for i in range(n)) for picked in itertools.combinations(range(n), streamed)}
+    best = min(problem.objective_value(list(c), "latency") for c in orders)
+    assert problem.objective_value(plan, "latency") == best
+    assert 0 < streamed < n  # both kinds used: the test is about their order

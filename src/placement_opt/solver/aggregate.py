@@ -36,7 +36,7 @@ from ._counted import CountedRelaxation
 from .cpsat import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
 
-__all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak"]
+__all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak", "spread_streamed"]
 
 _PHASES = PHASES
 #: Fewest interior units worth a count variable.
@@ -358,7 +358,7 @@ class AggregateModel(CountedRelaxation):
             if spread is None:
                 choice += units
             else:
-                choice += (_balanced if balance else _spread)(units, opts, spread)
+                choice += (_balanced if balance else spread_streamed)(units, opts, spread)
         return choice
 
 
@@ -383,7 +383,7 @@ def _balanced(units: list[int], opts: Sequence[PlacementOption], phase: str) -> 
     return out
 
 
-def _spread(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
+def spread_streamed(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
     """``units`` (option indices) with those the prefetch thread copies in ``phase`` spaced evenly among the
     rest, each after its share of them."""
     streamed = [o for o in units if opts[o].copy_in(phase)]
