@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import multiprocessing
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from _offload_helpers import (
     snapshot,
     tiny_llama,
     units_of,
+    write_and_pause_child,
 )
 from placement_opt.errors import DispatchError
 from placement_opt.model.graph import covering_key
@@ -39,8 +40,6 @@ from placement_opt.runtime.offload import (
     OffloadStore,
     fingerprint,
 )
-
-HELPERS = Path(__file__).parents[1] / "_offload_helpers.py"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,45 +233,48 @@ def killed_writers(tmp_path_factory):
     """One directory per write point, whose writer was killed there with SIGKILL.
 
     Each directory first holds a foreign file carrying the name model A's ``model.layers.0``
-    file would get. All writers run at once (importing torch dominates their time).
+    file would get. Each writer is its own process, forked from a forkserver that imported torch and
+    the offload store once (a fresh interpreter per writer took 20 s for the twelve on two cores).
     Returns {point: (directory, foreign file, its (sha256, mtime) before, temporaries seen)}.
     """
     model_a = Model(31)
     tensors = tmp_path_factory.mktemp("tensors") / "units.pt"
     units = model_a.unit_tensors()
     torch.save({u: units[u] for u in ("model.embed_tokens", "model.layers.0", PAUSED_UNIT, "lm_head")}, tensors)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "placement_opt.runtime.offload", "_offload_helpers"])
     runs = {}
     for point in WRITE_POINTS:
         directory = tmp_path_factory.mktemp(f"killed-at-{point}")
         foreign = directory / model_a.file_name("model.layers.0")
         foreign.write_bytes(os.urandom(3000))
-        command = [sys.executable, str(HELPERS), "write-and-pause", str(directory), str(tensors), point,
-                   f"{PAUSED_UNIT}."]
-        runs[point] = (directory, foreign, foreign_state(foreign),
-                       subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        heard, told = context.Pipe(duplex=False)
+        child = context.Process(target=write_and_pause_child,
+                                args=(str(directory), str(tensors), point, f"{PAUSED_UNIT}.", told))
+        child.start()
+        told.close()
+        runs[point] = (directory, foreign, foreign_state(foreign), child, heard)
     results = {}
     try:
-        for point, (directory, foreign, state, child) in runs.items():
-            ready, _, _ = select.select([child.stdout], [], [], 120)
-            said = child.stdout.readline().strip() if ready else "(nothing within 120 s)"
-            assert said == point, f"the writer did not stop at {point!r}: {said} {child.stderr.read()[-2000:]}"
+        for point, (directory, foreign, state, child, heard) in runs.items():
+            said = heard.recv() if heard.poll(120) else "(nothing within 120 s)"
+            assert said == point, f"the writer did not stop at {point!r}: {said}"
             seen = temporaries(directory)
             if point in HOLDS_LOCK:  # the paused writer holds the lock
                 assert not lock_is_free(directory)
             else:  # opening a store now must leave the live writer's temporary file alone
                 OffloadStore(directory)
                 assert temporaries(directory) == seen
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=30)
-            assert child.returncode == -signal.SIGKILL
+            child.kill()
+            child.join(timeout=30)
+            assert child.exitcode == -signal.SIGKILL
             results[point] = (directory, foreign, state, seen)
     finally:
-        for *_, child in runs.values():
-            if child.poll() is None:
+        for *_, child, heard in runs.values():
+            if child.exitcode is None:
                 child.kill()
-                child.wait()
-            child.stdout.close()
-            child.stderr.close()
+                child.join()
+            heard.close()
     return results
 
 
