@@ -16,7 +16,7 @@ For each machine, model, GPU budget and workload, these plans are solved side by
   experts as units around a home GPU: kTransformers' split when the solver finds it pays).
 
 accelerate ``auto`` with the same ``max_memory`` is priced beside them (its synchronous streams). All three
-are estimates: nothing runs here. The machines:
+are estimates: nothing runs here (``gpu.py`` beside this script runs them on a CUDA machine). The machines:
 
 * ``h100-host``: the H100 80GB host's measured profile (``shared/measurements/h100-host-profile.json``:
   ``../shared`` beside the repository: the GPU's bf16 matmul curve and pinned host-to-device rate, the 16-core CPU's bf16 curve and matrix-vector

@@ -1,0 +1,325 @@
+"""Issue 15 measured on a GPU: accelerate ``auto`` against the layer, phased and sublayer plans, in one run.
+
+``run.py`` beside this script prices these plans; this one runs them. For each case (the Llama-3.1-8B shape at
+10 and 4 GiB of ``cuda:0``; a Mixtral-8x7B shape cut to ``--mixtral-layers`` layers at 24 GiB), a checkpoint with
+random bf16 weights is written with ``save_pretrained``, and each runner loads it with the same ``max_memory``:
+
+* ``accelerate auto``: ``from_pretrained(path, device_map="auto", max_memory=M)``, the reference tokens;
+* ``layer``: ``placement_opt.load(path, M, plan=...)`` with the block plan of ``modes=("resident", "stream")``;
+* ``phased``: the block plan with phased units too (prompt streamed to the GPU, decode on the CPU);
+* ``sublayer``: every mode, on ``trace(path, granularity="sublayer")`` (attention, MLP, experts apart).
+
+Every plan is solved with ``Workload(overlap=True)`` after ``placement_opt.profile`` and
+``placement_opt.calibrate`` on this machine (into a profile file of this run, never the user's), and each row puts
+the plan's prediction beside the measurement: the prefill (one forward of the prompt, the last position's logits)
+and the decode (one token per step in a hand-written loop over the KV cache, the median step; never the difference
+of two ``generate()`` calls), the GPU's ``max_memory_allocated`` against the predicted ``cuda:0`` peak, and how many
+greedy tokens equal accelerate's (bf16 on the CPU rounds differently from the GPU, so a few may not).
+``--cap`` adds ``torch.cuda.set_per_process_memory_fraction(budget)``: an over-budget plan then fails with OOM.
+
+Without CUDA, ``--smoke`` runs the same code on the CPU with a tiny Llama (devices ``{"cpu": ...}``, where every
+runner computes on the CPU): a check of the script, not a measurement of issue 15.
+
+Usage::
+
+    python benchmarks/phases/gpu.py             # on a CUDA machine: writes GPU.md beside this script
+    python benchmarks/phases/gpu.py --cap       # the same with the hard cap
+    python benchmarks/phases/gpu.py --case llama --budget 4GiB   # one case and budget: rows merged into GPU.json
+    python benchmarks/phases/gpu.py --smoke     # any machine: a tiny Llama on the CPU (about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from run import _modes, _split  # noqa: E402  (this folder's pricing benchmark: the same unit summaries)
+
+EVERY = ("resident", "stream", "phased")
+RUNNERS = ("accelerate auto", "layer", "phased", "sublayer")
+#: Llama-3.1-8B's published shape (the issue's checkpoint) and Mixtral-8x7B's, its layer count set per run.
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=8192)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=256)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str
+    shape: dict[str, Any]
+    budgets: tuple[str, ...]
+    workload: tuple[int, int, int]
+    """batch, prompt tokens, decode steps."""
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    budget: str
+    runner: str
+    units: str
+    predicted_prefill_s: float | None
+    measured_prefill_s: float | None
+    predicted_decode_tps: float | None
+    measured_decode_tps: float | None
+    predicted_peak_gib: float | None
+    measured_peak_gib: float | None
+    tokens_equal: str
+    note: str = ""
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    """The cases to run: every one, or those ``--case`` names, at ``--budget`` when given."""
+    if args.smoke:
+        return [Case("tiny-llama (smoke)", "llama", TINY, ("1GiB",), (1, 32, 8))]
+    every = [Case("llama-3.1-8b shape", "llama", LLAMA_8B, ("10GiB", "4GiB"), (1, 512, args.steps)),
+             Case(f"mixtral-8x7b shape, {args.mixtral_layers} layers", "mixtral",
+                  {**MIXTRAL, "num_hidden_layers": args.mixtral_layers}, ("24GiB",), (1, 512, args.steps))]
+    chosen = [c for c in every if args.case in (None, c.family)]
+    if args.budget:
+        chosen = [dataclasses.replace(c, budgets=(args.budget,)) for c in chosen]
+    return chosen
+
+
+def write_checkpoint(case: Case, path: Path) -> None:
+    """Random bf16 weights of ``case``'s shape, written with ``save_pretrained`` (4 GB shards)."""
+    import transformers as T
+
+    config_class = T.MixtralConfig if case.family == "mixtral" else T.LlamaConfig
+    config = config_class(**case.shape, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="4GB")
+
+
+def max_memory(budget: str, smoke: bool) -> dict[Any, str]:
+    return {"cpu": "4GiB"} if smoke else {0: budget, "cpu": "100GiB"}
+
+
+def compute_devices(smoke: bool) -> list[str]:
+    return ["cpu"] if smoke else ["cuda:0", "cpu"]
+
+
+def solve_plans(path: Path, devices: dict[Any, str], workload: Any, time_limit_s: float) -> dict[str, Any]:
+    """The three plans, each solved with ``workload`` (overlap on) on this machine's profile."""
+    import placement_opt
+
+    block, sublayer = placement_opt.trace(str(path)), placement_opt.trace(str(path), granularity="sublayer")
+    return {
+        "layer": (placement_opt.solve(block, devices, workload=workload, modes=("resident", "stream"),
+                                      time_limit_s=time_limit_s), block),
+        "phased": (placement_opt.solve(block, devices, workload=workload, modes=EVERY, time_limit_s=time_limit_s),
+                   block),
+        "sublayer": (placement_opt.solve(sublayer, devices, workload=workload, modes=EVERY,
+                                         time_limit_s=time_limit_s), sublayer),
+    }
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]]]:
+    """Prefill seconds, each decode step's seconds, and the greedy tokens (prompt's next token first)."""
+    with torch.inference_mode():
+        synchronize()
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        synchronize()
+        prefill = time.perf_counter() - start
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        tokens, times = [token[:, 0].tolist()], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            synchronize()
+            times.append(time.perf_counter() - start)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens.append(token[:, 0].tolist())
+    return prefill, times, tokens
+
+
+def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[str, Any]) -> Any:
+    import transformers as T
+
+    import placement_opt
+
+    if runner == "accelerate auto":
+        return T.AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=devices,
+                                                      dtype=torch.bfloat16)
+    return placement_opt.load(path, devices, plan=plans[runner][0])
+
+
+def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, Any], reference: list | None,
+            args: argparse.Namespace, block: Any) -> tuple[Row, list | None]:
+    """One runner: loaded, measured, compared with its prediction; an OOM is a row of its own."""
+    from placement_opt.cost.evaluate import evaluate, predicted_memory
+    from placement_opt.cost.workload import Workload
+
+    batch, prompt, steps = case.workload
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
+    devices = max_memory(budget, args.smoke)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if cuda:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, _bytes(budget) / total) if args.cap else 1.0
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        torch.cuda.reset_peak_memory_stats(0)
+    model = None
+    try:
+        model = load_runner(runner, path, devices, plans)
+        # with the CPU alone, transformers loads the model whole and sets no map
+        accelerate_map = getattr(model, "hf_device_map", None) or {"": "cpu"}
+        target, graph = (accelerate_map, block) if runner == "accelerate auto" else plans[runner]
+        cost = evaluate(target, graph, devices, workload)
+        peak_predicted = predicted_memory(target, graph, devices, workload).get("cuda:0")
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, case.shape["vocab_size"], (batch, prompt), generator=generator)
+        prefill, times, tokens = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
+        step = statistics.median(times)
+        equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
+        units = _modes(target) if runner in ("layer", "phased") else (_split(target) if runner == "sublayer" else "")
+        row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
+                  peak_predicted.used_bytes / 2**30 if peak_predicted else None,
+                  torch.cuda.max_memory_allocated(0) / 2**30 if cuda else None, equal)
+        return row, tokens if reference is None else reference
+    except torch.cuda.OutOfMemoryError as exc:
+        return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
+                   f"OOM: {str(exc).splitlines()[0][:80]}"), reference
+    finally:
+        model = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _bytes(size: str) -> int:
+    from placement_opt.units import parse_size
+
+    return parse_size(size)
+
+
+def run_case(case: Case, work: Path, args: argparse.Namespace) -> list[Row]:
+    import placement_opt
+    from placement_opt.cost.workload import Workload
+
+    path = work / case.name.split(",")[0].replace(" ", "-")
+    write_checkpoint(case, path)
+    batch, prompt, steps = case.workload
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
+    placement_opt.calibrate(path, compute_devices(args.smoke), workload=workload)
+    rows = []
+    try:
+        for budget in case.budgets:
+            plans = solve_plans(path, max_memory(budget, args.smoke), workload, args.time_limit)
+            reference = None
+            for runner in RUNNERS:
+                row, reference = run_row(case, budget, runner, path, plans, reference, args, plans["layer"][1])
+                rows.append(row)
+                print(table([row])[-1], flush=True)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # the next case's checkpoint needs the disk
+    return rows
+
+
+def table(rows: list[Row]) -> list[str]:
+    def f(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    layer = {(r.case, r.budget): r.measured_decode_tps for r in rows if r.runner == "layer"}
+    lines = ["| case | budget | runner | units | prefill predicted / measured (s) | decode tok/s predicted / measured | "
+             "measured / layer plan | cuda:0 peak predicted / measured (GiB) | greedy tokens equal to the reference's "
+             "(accelerate's; the first runner's that ran when it ran out of memory) | "
+             "note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = layer.get((r.case, r.budget))
+        ratio = f"{r.measured_decode_tps / base:.2f}x" if base and r.measured_decode_tps else "-"
+        lines.append(f"| {r.case} | {r.budget} | {r.runner} | {r.units} | {f(r.predicted_prefill_s, 3)} / "
+                     f"{f(r.measured_prefill_s, 3)} | {f(r.predicted_decode_tps, 2)} / {f(r.measured_decode_tps, 2)} | "
+                     f"{ratio} | {f(r.predicted_peak_gib, 2)} / {f(r.measured_peak_gib, 2)} | {r.tokens_equal} | "
+                     f"{r.note} |")
+    return lines
+
+
+def merged(rows: list[Row], recorded: Path) -> list[Row]:
+    """``rows`` over the rows of earlier runs kept in ``recorded`` (one per case, budget and runner), which a
+    run of one case or budget (``--case``, ``--budget``: a GPU session's 10-minute commands) adds to."""
+    kept = [Row(**r) for r in json.loads(recorded.read_text())] if recorded.exists() else []
+    fresh = {(r.case, r.budget, r.runner) for r in rows}
+    return [r for r in kept if (r.case, r.budget, r.runner) not in fresh] + rows
+
+
+def write(out: Path, rows: list[Row], args: argparse.Namespace, seconds: float) -> None:
+    import transformers
+
+    recorded = out.with_suffix(".json")
+    rows = merged(rows, recorded)
+    recorded.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.smoke else "CPU only (--smoke)"
+    text = ["# Issue 15 measured: accelerate auto against the layer, phased and sublayer plans", "",
+            f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC (the last run; `{recorded.name}` keeps "
+            f"every run's rows, one per case, budget and runner); wall time of the last run {seconds:.0f} s",
+            f"- Device: {device}; {os.cpu_count()} CPU cores; torch {torch.__version__}, transformers "
+            f"{transformers.__version__}",
+            f"- Command: `python benchmarks/phases/gpu.py {' '.join(sys.argv[1:])}`".rstrip(),
+            f"- Plans solved with `time_limit_s={args.time_limit:g}` and `Workload(overlap=True)` after `profile` and "
+            f"`calibrate` on this machine; hard cap: {'yes' if args.cap else 'no'}.", "",
+            *table(rows), ""]
+    out.write_text("\n".join(text))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU: checks the script anywhere")
+    parser.add_argument("--cap", action="store_true", help="set_per_process_memory_fraction(budget) on cuda:0")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed (default 32)")
+    parser.add_argument("--mixtral-layers", type=int, default=12, help="layers of the Mixtral shape (default 12)")
+    parser.add_argument("--time-limit", type=float, default=2.0, help="solve() time limit per plan (default 2 s)")
+    parser.add_argument("--case", choices=("llama", "mixtral"), default=None, help="one case only (default: both)")
+    parser.add_argument("--budget", default=None, help="one GPU budget only, e.g. 10GiB (default: each case's)")
+    parser.add_argument("--out", type=Path, default=None, help="default: GPU.md here (smoke runs: no file)")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="phases_gpu_") as tmp:
+        work = Path(tmp)
+        os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
+        import placement_opt
+
+        placement_opt.profile(compute_devices(args.smoke), dtype="bfloat16", quick=args.smoke)
+        rows = [row for case in cases(args) for row in run_case(case, work, args)]
+    out = args.out or (None if args.smoke else HERE / "GPU.md")
+    if out:
+        write(out, rows, args, time.perf_counter() - started)
+    else:
+        print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
