@@ -221,9 +221,12 @@ def _reprice(graph, machine: Machine, workload: Workload, runs: list) -> tuple[f
         units = problem.units[len(choice):len(choice) + count]
         if not units or units[0].name != first:
             return None, f"the recorded plan's units no longer match the graph at {first}"
+        # Plan.runs() names a phased run's prefill device in its mode: "phased (prefill on cuda:0)"
+        plain, _, prefill = mode.partition(" (prefill on ")
+        key = (storage, execution, plain, prefill.rstrip(")") or None)
         for u in units:
             index = next((k for k, o in enumerate(u.options)
-                          if (o.storage, o.execution, o.mode) == (storage, execution, mode)), None)
+                          if (o.storage, o.execution, o.mode, o.prefill_execution) == key), None)
             if index is None:
                 return None, f"{u.name} has no {storage}->{execution} {mode} option today"
             choice.append(index)
