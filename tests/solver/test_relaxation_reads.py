@@ -3,6 +3,7 @@ relaxations a problem gets."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -173,6 +174,9 @@ def test_alternating_units_get_the_grouped_relaxation_from_fewer_units_than_runs
     assert above <= search.GROUP_ABOVE
     assert _relaxation_kinds(_chain([(10, 20)] * above)) == ["runs"]
     assert _relaxation_kinds(_chain([(10, 20)] * (search.GROUP_ABOVE + 1))) == ["runs", "grouped"]
+    # contiguous storage counts no runs at all: the grouped relaxation waits for GROUP_ABOVE there, as before
+    contiguous = dataclasses.replace(_chain([alternating[i % 2] for i in range(above)]), contiguous=True)
+    assert _relaxation_kinds(contiguous) == []
 
 
 def _overlap_problem(n: int) -> PlacementProblem:
@@ -206,3 +210,22 @@ def test_the_grouped_read_spreads_streamed_units_among_the_others_under_overlap(
     best = min(problem.objective_value(list(c), "latency") for c in orders)
     assert problem.objective_value(plan, "latency") == best
     assert 0 < streamed < n  # both kinds used: the test is about their order
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(4, 9), st.integers(0, 3))
+def test_the_grouped_read_keeps_contiguous_storage_in_one_range_per_device(n, seed):
+    # Streamed units stored on the disk, CPU units in RAM: spread among each other they would interleave the
+    # two devices' ranges, which contiguous storage forbids; the read keeps each device's units together.
+    base = _overlap_problem(n)
+    disk = dataclasses.replace(base.units[0].options[1], storage="disk")
+    units = tuple(dataclasses.replace(u, options=(u.options[0], disk)) for u in base.units)
+    problem = dataclasses.replace(base, units=units, contiguous=True,
+                                  devices=(*base.devices, DeviceSpec(name="disk", kind="disk", capacity_bytes=100)))
+    model = relax.GroupModel(problem, 1, [0] * n, relax.groups_of(problem), [], None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(2.0, seed, 1, 0.0)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    plan = model.read(solver)
+    assert 0 < sum(plan) < n  # both devices store units: the order decides contiguity
+    assert problem.satisfies(plan)

@@ -370,6 +370,8 @@ class GroupModel(CountedRelaxation):
         unit at most: sublayer Llama-3-8B on the H100 host at 4 GiB (1 x 512 + 32, overlap, 2 s) read 5.29-5.42 s
         plans that way, 3.89-3.93 s spread."""
         blocks = self._handed(solver)
+        if self.p.contiguous:  # spreading would interleave the storage devices' ranges
+            return blocks
         spreads = [c for c in (self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph))
                    if c != blocks]
         if not spreads:

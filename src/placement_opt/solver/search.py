@@ -88,7 +88,7 @@ AGGREGATE_SHARE = 0.8
 GROUP_ABOVE = 150
 #: Graphs with no run of identical consecutive units (sublayer and module graphs: their like units
 #: alternate, so the aggregated relaxation has nothing to count) get the grouped relaxation from this
-#: many units. At 1 s on the solve_time machines, sublayer Llama-3-8B and Mistral-7B (132 units) on 8x L4
+#: many units; ``contiguous`` problems, which never count runs, keep GROUP_ABOVE. At 1 s on the solve_time machines, sublayer Llama-3-8B and Mistral-7B (132 units) on 8x L4
 #: went from a 99.8 % gap to 0.05 %, Mistral-7B on an RTX 3060 from 18.44 s at 12 % to 16.91 s at 0.06 %;
 #: module-level 8- and 15-layer Llamas (76 and 139 units) from a 100 % gap (no bound) on 6 of 16 cells to
 #: 0.06 % at most, and every one of these solves ran in about half the time.
@@ -310,7 +310,9 @@ def _relaxations(problem: PlacementProblem, classes: list[list[str]]) -> list[tu
         out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
                     AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work,
                                                                               classes)))
-    if len(problem.units) > (GROUP_ABOVE if runs else GROUP_WITHOUT_RUNS_ABOVE):
+    # contiguous problems have no runs by construction (identical_runs), not for want of like neighbours
+    runless = not runs and not problem.contiguous
+    if len(problem.units) > (GROUP_WITHOUT_RUNS_ABOVE if runless else GROUP_ABOVE):
         out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
                     lambda scale, hint, work: _grouped(problem, scale, hint, work, classes)))
     return out
