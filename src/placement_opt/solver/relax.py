@@ -25,8 +25,9 @@ counts alone can state:
 
 Every assignment maps to counts that cost at most as much, so the proven bound is a bound of the
 real problem (less the rounding slack). :meth:`GroupModel.read` hands each group's options out in
-unit order, one device after another, so that a layer's modules share a device (under overlap, or
-spread among the group's units when that prices lower); the caller prices that plan exactly.
+unit order, one device after another, so that a layer's modules share a device; under overlap it
+spreads each group's streamed units among its others instead when that prices lower. The caller
+prices the plan exactly.
 """
 
 from __future__ import annotations

@@ -88,10 +88,12 @@ AGGREGATE_SHARE = 0.8
 GROUP_ABOVE = 150
 #: Graphs with no run of identical consecutive units (sublayer and module graphs: their like units
 #: alternate, so the aggregated relaxation has nothing to count) get the grouped relaxation from this
-#: many units; ``contiguous`` problems, which never count runs, keep GROUP_ABOVE. At 1 s on the solve_time machines, sublayer Llama-3-8B and Mistral-7B (132 units) on 8x L4
-#: went from a 99.8 % gap to 0.05 %, Mistral-7B on an RTX 3060 from 18.44 s at 12 % to 16.91 s at 0.06 %;
-#: module-level 8- and 15-layer Llamas (76 and 139 units) from a 100 % gap (no bound) on 6 of 16 cells to
-#: 0.06 % at most, and every one of these solves ran in about half the time.
+#: many units; ``contiguous`` problems, which never count runs, keep GROUP_ABOVE. At 1 s on the
+#: solve_time machines, sublayer Llama-3-8B and Mistral-7B (132 units) on 8x L4 went from a 99.8 % gap
+#: to 0.05 %, Mistral-7B on an RTX 3060 from 18.44 s at 12 % to 16.91 s at 0.06 %; module-level 8- and
+#: 15-layer Llamas (76 and 139 units) from no bound on 6 of 16 cells to 0.06 % at most, most of these
+#: solves in about half the wall time; block Llama-3-70B on 4x T4 with every other layer pinned (pins
+#: break the runs) from 4.7 % to 0.05 %.
 GROUP_WITHOUT_RUNS_ABOVE = 64
 GROUP_SHARE = 0.9
 #: Least time left after building the full model for CP-SAT to run it at all: loading a 724-unit model
