@@ -172,19 +172,18 @@ def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[st
 
 
 def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, Any], reference: list | None,
-            args: argparse.Namespace, block: Any) -> tuple[Row, list | None]:
+            args: argparse.Namespace, workload: Any) -> tuple[Row, list | None]:
     """One runner: loaded, measured, compared with its prediction; an OOM is a row of its own."""
     from placement_opt.cost.evaluate import evaluate, predicted_memory
-    from placement_opt.cost.workload import Workload
+    from placement_opt.units import parse_size
 
     batch, prompt, steps = case.workload
-    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
     devices = max_memory(budget, args.smoke)
     cuda = torch.cuda.is_available() and not args.smoke
     if cuda:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
-        fraction = min(1.0, _bytes(budget) / total) if args.cap else 1.0
+        fraction = min(1.0, parse_size(budget) / total) if args.cap else 1.0
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
         torch.cuda.reset_peak_memory_stats(0)
     model = None
@@ -192,7 +191,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         model = load_runner(runner, path, devices, plans)
         # with the CPU alone, transformers loads the model whole and sets no map
         accelerate_map = getattr(model, "hf_device_map", None) or {"": "cpu"}
-        target, graph = (accelerate_map, block) if runner == "accelerate auto" else plans[runner]
+        # accelerate's map is priced on the block graph, the layer plan's
+        target, graph = (accelerate_map, plans["layer"][1]) if runner == "accelerate auto" else plans[runner]
         cost = evaluate(target, graph, devices, workload)
         peak_predicted = predicted_memory(target, graph, devices, workload).get("cuda:0")
         generator = torch.Generator().manual_seed(1)
@@ -215,12 +215,6 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
             torch.cuda.empty_cache()
 
 
-def _bytes(size: str) -> int:
-    from placement_opt.units import parse_size
-
-    return parse_size(size)
-
-
 def run_case(case: Case, work: Path, args: argparse.Namespace) -> list[Row]:
     import placement_opt
     from placement_opt.cost.workload import Workload
@@ -236,7 +230,7 @@ def run_case(case: Case, work: Path, args: argparse.Namespace) -> list[Row]:
             plans = solve_plans(path, max_memory(budget, args.smoke), workload, args.time_limit)
             reference = None
             for runner in RUNNERS:
-                row, reference = run_row(case, budget, runner, path, plans, reference, args, plans["layer"][1])
+                row, reference = run_row(case, budget, runner, path, plans, reference, args, workload)
                 rows.append(row)
                 print(table([row])[-1], flush=True)
     finally:

@@ -127,6 +127,14 @@ class CountedRelaxation:
     def _t(self, ns: int) -> int:
         return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
 
+    def _cheapest(self, first: list[int], others: list[list[int]]) -> list[int]:
+        """``first`` (the plain read), or the lowest-priced of ``others`` (the same counts in other orders) when
+        one prices lower; ``first`` wins ties, and is not priced at all when no other order differs from it."""
+        others = [c for c in others if c != first]
+        if not others:
+            return first
+        return min([first, *others], key=lambda c: self.p.score(c).latency_ns)
+
     def _shared_rows(self, ph: str, lat: Any) -> None:
         """``lat >=`` each of ``SHARED``'s time in ``ph`` (copies, host memory, disk). Durations count compute
         alone and stalls are left out: both models stay relaxations (stalls are >= 0)."""

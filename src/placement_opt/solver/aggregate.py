@@ -335,12 +335,8 @@ class AggregateModel(CountedRelaxation):
         """An assignment: singles as solved, each interior in one block per device, first and last at the
         ends; or, when it prices lower, each interior's streamed units spread among its others, so that
         their copies run beside the others' compute (problem.stalls)."""
-        blocks = self._read(solver, None, False)
-        spreads = [c for c in (self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True))
-                   if c != blocks]
-        if not spreads:
-            return blocks
-        return min([blocks, *spreads], key=lambda c: self.p.score(c).latency_ns)
+        return self._cheapest(self._read(solver, None, False),
+                              [self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True)])
 
     def _read(self, solver: cp_model.CpSolver, spread: str | None, balance: bool) -> list[int]:
         choice: list[int] = []

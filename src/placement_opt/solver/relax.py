@@ -373,11 +373,7 @@ class GroupModel(CountedRelaxation):
         blocks = self._handed(solver)
         if self.p.contiguous:  # spreading would interleave the storage devices' ranges
             return blocks
-        spreads = [c for c in (self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph))
-                   if c != blocks]
-        if not spreads:
-            return blocks
-        return min([blocks, *spreads], key=lambda c: self.p.score(c).latency_ns)
+        return self._cheapest(blocks, [self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph)])
 
     def _handed(self, solver: cp_model.CpSolver) -> list[int]:
         devices = [d.name for d in self.p.devices]
