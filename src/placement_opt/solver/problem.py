@@ -342,10 +342,12 @@ class PlacementProblem:
         prefill = self._phase_latency(chosen, "prefill_ns")
         decode = self._phase_latency(chosen, "decode_ns")
         stage: dict[str, int] = {}
-        for opt in chosen:
-            for phase in PHASES:
-                device = opt.device_in(phase)
-                stage[device] = stage.get(device, 0) + opt.work_in(phase)
+        for opt in chosen:  # work_in() of each phase on device_in() of it, inlined: score() runs often
+            device = opt.execution if opt.prefill_execution is None else opt.prefill_execution
+            own, copy = opt.prefill_ns, opt.copy_prefill_ns
+            stage[device] = stage.get(device, 0) + (own if copy <= own else copy)
+            own, copy = opt.decode_ns, opt.copy_decode_ns
+            stage[opt.execution] = stage.get(opt.execution, 0) + (own if copy <= own else copy)
         used = self.used_bytes(chosen)
         over = {d.name: used[d.name] - d.capacity_bytes for d in self.devices
                 if used[d.name] > d.capacity_bytes}
@@ -359,7 +361,8 @@ class PlacementProblem:
             used[opt.storage] += opt.stored_bytes
             used[opt.execution] += opt.resident_bytes
             for device, nbytes in opt.peaks():
-                peak[device] = max(peak[device], nbytes)
+                if nbytes > peak[device]:
+                    peak[device] = nbytes
         return {name: used[name] + peak[name] for name in used}
 
     def objective_value(self, choice: Sequence[int], objective: str) -> int:
@@ -395,21 +398,26 @@ class PlacementProblem:
 
         ``rounded`` maps every price (durations, copies and transfers) first: the solver's scaled integers.
         """
-        finish = [0] * len(chosen)
+        n = len(chosen)
+        finish = [0] * n
         load: dict[str, int] = {}
         durations = list(map(attrgetter(key), chosen))
         if rounded:
             durations = list(map(rounded, durations))
-        waits = self.waits(chosen, key, rounded)
+        waits = self.waits(chosen, key, rounded) or [0] * n
+        devices = [o.device_in(key) for o in chosen]
+        incoming = self._incoming_prices[key]
         # Edges point forward in execution order, so one pass in that order is a topological pass.
-        for i, opt in enumerate(chosen):
+        for i in range(n):
             ready = 0
-            device = opt.device_in(key)
-            for j, edge in self._incoming.get(i, ()):
-                pair = (chosen[j].device_in(key), device)
-                cost = getattr(edge, key).get(pair, 0) if pair[0] != pair[1] else 0
-                ready = max(ready, finish[j] + (rounded(cost) if rounded else cost))
-            finish[i] = ready + durations[i] + (waits[i] if waits else 0)
+            device = devices[i]
+            for j, prices in incoming[i]:
+                src = devices[j]
+                cost = prices.get((src, device), 0) if src != device else 0
+                arrival = finish[j] + (rounded(cost) if rounded else cost)
+                if arrival > ready:
+                    ready = arrival
+            finish[i] = ready + durations[i] + waits[i]
             load[device] = load.get(device, 0) + durations[i]
         return finish, load
 
@@ -461,6 +469,12 @@ class PlacementProblem:
             incoming.setdefault(index[edge.dst], []).append((index[edge.src], edge))
         return incoming
 
+    @functools.cached_property
+    def _incoming_prices(self) -> dict[str, list[tuple[tuple[int, Mapping[tuple[str, str], int]], ...]]]:
+        """Per phase, per unit in execution order: (src, the edge's prices in that phase) of its in-edges."""
+        return {ph: [tuple((j, getattr(edge, ph)) for j, edge in self._incoming.get(i, ())) for i in range(len(self.units))]
+                for ph in PHASES}
+
     def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
         finish, load = self.schedule(chosen, key)
         return max(max(finish, default=0), max(load.values(), default=0), *self.shared_rows(chosen, key))
@@ -504,7 +518,8 @@ def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool) -> lis
     beside = sum(durations[last:]) if cyclic else 0  # time since the previous streamed unit started
     for i, (duration, copy) in enumerate(zip(durations, copies, strict=True)):
         if copy > 0:
-            waits[i] = max(0, copy - beside)
+            if copy > beside:
+                waits[i] = copy - beside
             beside = duration
         else:
             beside += duration
