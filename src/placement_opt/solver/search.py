@@ -26,6 +26,11 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   a relaxation without a solution proves INFEASIBLE; when its share would leave the full model less
   than twice what it takes to build and load (:data:`FULL_S_PER_TERM` per unit and edge), the last
   relaxation gets all the time, and the full model is not built with less than that once left;
+* under overlap (some option copies beside the compute, the latency objective, units free to move), the
+  full solve's start is first polished (:func:`~.polish.polish`: swaps of like units and moves to options
+  their likes use, priced exactly, for up to :data:`POLISH_SHARE` of the time left): the order of the same
+  counts sets the stalls, and neither the relaxations' reads nor the full model's big-M stall rows find it
+  fast; a polished start proven within ``gap_limit`` skips the full solve;
 * the time limit: the full model's build checks the deadline, and CP-SAT is given what is left less
   :data:`LOAD_SHARE` x the build time (it loads and presolves past its own limit);
 * coarsening, a *restriction*: problems with more than :data:`COARSEN_ABOVE` units are first solved
@@ -57,7 +62,8 @@ from .aggregate import AggregateModel, identical_runs
 from .cpsat import OutOfTime, PlacementModel, rounding_slack
 from .edges import prune_edges
 from .greedy import best_greedy_choice
-from .problem import OBJECTIVES, PlacementProblem
+from .polish import polish
+from .problem import OBJECTIVES, PHASES, PlacementProblem
 from .reductions import coarsen, coarsen_groups, make_room, prefer_resident
 from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
 from .symmetry import identical_devices, relabel
@@ -96,6 +102,10 @@ GROUP_ABOVE = 150
 #: break the runs) from 4.7 % to 0.05 %.
 GROUP_WITHOUT_RUNS_ABOVE = 64
 GROUP_SHARE = 0.9
+#: Most of the time left that :func:`~.polish.polish` may take on the full solve's start, where orders
+#: matter (:func:`_orders_matter`); it mostly stops sooner, at a plan no single step improves. All of it
+#: when the rest would leave the full model less than twice its build (:data:`FULL_S_PER_TERM`).
+POLISH_SHARE = 0.3
 #: Least time left after building the full model for CP-SAT to run it at all: loading a 724-unit model
 #: into CP-SAT takes about this long before its clock starts.
 MIN_SOLVE_S = 0.05
@@ -261,6 +271,11 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         if relaxed.status == "INFEASIBLE" or (hint_ok and _proven(problem, objective, hint, relaxed.bound,
                                                                    run.gap_limit)):
             break
+    if (relaxed.status != "INFEASIBLE" and hint_ok and _orders_matter(problem, objective)
+            and not _proven(problem, objective, hint, relaxed.bound, run.gap_limit)):
+        left = deadline - time.perf_counter()  # all of it when the full model would not get to search after
+        share = POLISH_SHARE if (1 - POLISH_SHARE) * left >= max(MIN_SOLVE_S, 2 * full_s) else 1.0
+        hint = polish(problem, hint, time.perf_counter() + share * left)
     if relaxed.status == "INFEASIBLE":  # a relaxation without a solution: neither has the real problem
         found = relaxed
     elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
@@ -278,6 +293,13 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         found = _Found(hint, "FEASIBLE", found.bound)
     return _report(problem, objective, run, found, (hint, hint_ok), latency_cap_ns, coarse_units=coarse_units,
                    notes=notes)
+
+
+def _orders_matter(problem: PlacementProblem, objective: str) -> bool:
+    """Whether :func:`~.polish.polish` may lower the start: the latency objective, some option copying beside
+    the compute (where the order of the same counts sets the stalls), units free to move (not contiguous)."""
+    return objective == "latency" and not problem.contiguous and any(
+        "copy" in problem.shared_used(ph) for ph in PHASES)
 
 
 def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: _Run,

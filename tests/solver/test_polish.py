@@ -1,0 +1,131 @@
+"""polish(): a valid start comes back valid and no worse, at a plan no single step improves; which problems
+the search polishes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_bound import problems
+
+from placement_opt.solver import polish as polish_module
+from placement_opt.solver import search
+from placement_opt.solver.polish import SWAP_RADIUS, polish
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
+
+_LATER = 1e18  # a deadline that never comes
+
+
+def _latency(problem, choice):
+    return problem.objective_value(choice, "latency")
+
+
+def _neighbours(problem, choice):
+    """Every plan one step from ``choice``, written out here on its own: swaps of like units with different
+    options at most SWAP_RADIUS apart, and a unit moved to an option a like unit uses."""
+    n = len(choice)
+    for i, j in itertools.combinations(range(n), 2):
+        if j - i <= SWAP_RADIUS and choice[i] != choice[j] and problem.units[i].options is problem.units[j].options:
+            out = list(choice)
+            out[i], out[j] = out[j], out[i]
+            yield out
+    for i in range(n):
+        used = {c for u, c in zip(problem.units, choice, strict=True) if u.options is problem.units[i].options}
+        for o in used - {choice[i]}:
+            out = list(choice)
+            out[i] = o
+            yield out
+
+
+@settings(max_examples=150)
+@given(problems(), st.data())
+def test_a_valid_start_comes_back_valid_no_worse_and_at_a_local_optimum(problem, data):
+    start = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = polish(problem, start, _LATER, most=10**9)
+    if not problem.satisfies(start):
+        assert out == start
+        return
+    assert problem.satisfies(out)
+    assert _latency(problem, out) <= _latency(problem, start)
+    better = [c for c in _neighbours(problem, out) if problem.satisfies(c) and _latency(problem, c) < _latency(problem, out)]
+    assert not better, f"{out} ({_latency(problem, out)}) has a better neighbour {better[0]}"
+
+
+def _stream_or_compute() -> tuple[PlacementOption, ...]:
+    """Computed by the CPU (10 ns a step), or streamed to the GPU (1 ns, after a 10 ns copy)."""
+    return (PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=1, resident_bytes=0,
+                            peak_bytes=0, prefill_ns=10, decode_ns=10),
+            PlacementOption(storage="cpu", execution="cuda:0", mode="stream", stored_bytes=1, resident_bytes=1,
+                            peak_bytes=0, prefill_ns=1, decode_ns=1, copy_prefill_ns=10, copy_decode_ns=10))
+
+
+def _spread_problem(n: int) -> PlacementProblem:
+    menu = _stream_or_compute()
+    free = {("cpu", "cuda:0"): 0, ("cuda:0", "cpu"): 0}
+    return PlacementProblem(
+        units=tuple(UnitSpec(name=f"u{i}", options=menu) for i in range(n)),
+        edges=tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns=free, decode_ns=free) for i in range(n - 1)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=100),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+
+
+def test_bunched_streamed_units_are_spread_behind_the_cpus_compute():
+    # three streamed units in a row wait for their copies; one behind each CPU-computed unit hides its copy in
+    # the decode (cyclic), and every order of these counts but one leaves the prefill's first copy in view
+    problem = _spread_problem(6)
+    start = [1, 1, 1, 0, 0, 0]
+    out = polish(problem, start, _LATER, most=10**9)
+    prices = {p: _latency(problem, list(p)) for p in set(itertools.permutations(start))}
+    assert sorted(out) == sorted(start)
+    assert _latency(problem, out) < _latency(problem, start)
+    # a local search: [1, 0, 1, 0, 1, 0] is as far as single swaps go from here; the best order is one more
+    # swap of every pair away
+    assert _latency(problem, out) == prices[(1, 0, 1, 0, 1, 0)] > min(prices.values()) == prices[(0, 1, 0, 1, 0, 1)]
+
+
+def test_no_price_or_time_left_returns_the_start():
+    problem = _spread_problem(6)
+    start = [1, 1, 1, 0, 0, 0]
+    assert polish(problem, start, _LATER, most=0) == start
+    assert polish(problem, start, time.perf_counter() - 1) == start
+
+
+def test_a_polish_prices_at_most_its_budget(monkeypatch):
+    problem = _spread_problem(8)
+    priced = []
+    real = PlacementProblem.objective_value
+    monkeypatch.setattr(PlacementProblem, "objective_value", lambda self, c, o: priced.append(1) or real(self, c, o))
+    polish(problem, [1, 1, 1, 1, 0, 0, 0, 0], _LATER, most=5)
+    assert len(priced) <= 5 + 1  # the start, then at most five steps
+
+
+def test_only_latency_with_copies_and_free_order_is_polished():
+    problem = _spread_problem(4)
+    assert search._orders_matter(problem, "latency")
+    assert not search._orders_matter(problem, "throughput")
+    assert not search._orders_matter(problem, "memory")
+    no_copies = _spread_problem(4)
+    menu = tuple(o for o in no_copies.units[0].options if not o.copy_decode_ns)
+    no_copies = PlacementProblem(units=tuple(UnitSpec(name=u.name, options=menu) for u in no_copies.units),
+                                 edges=no_copies.edges, devices=no_copies.devices)
+    assert not search._orders_matter(no_copies, "latency")
+    contiguous = PlacementProblem(units=problem.units, edges=problem.edges, devices=problem.devices, contiguous=True)
+    assert not search._orders_matter(contiguous, "latency")
+
+
+def test_the_search_polishes_its_start_where_orders_matter(monkeypatch):
+    seen = []
+    real = polish_module.polish
+    monkeypatch.setattr(search, "polish", lambda p, c, d: seen.append(list(c)) or real(p, c, d))
+    problem = _spread_problem(6)
+    sol = search.solve_problem(problem, "latency", time_limit_s=2, hint=[1, 1, 1, 0, 0, 0], workers=1)
+    assert len(seen) == 1 and problem.satisfies(seen[0])  # the start the relaxation's read gave, polished once
+    assert sol.objective_value <= _latency(problem, polish(problem, seen[0], _LATER))
