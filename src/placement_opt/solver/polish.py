@@ -1,7 +1,6 @@
-"""Local search on the exact price: a plan's like units swapped, and moved to options their likes use,
-while one such step lowers its latency.
+"""Local search on the exact price: like units swapped, or moved to options their likes use.
 
-Torch-free; :func:`~.search.solve_problem` runs it on the start of the full CP-SAT solve when some option
+Each step is kept while it lowers the plan's latency. Torch-free; :func:`~.search.solve_problem` runs it on the start of the full CP-SAT solve when some option
 copies beside the compute (``Workload(overlap=True)``). There a streamed unit's stall depends on what
 computes before it (:func:`~.problem.stalls`), so the *order* of the same counts decides the price; the
 counting relaxations read their counts into an order by rule (:mod:`.aggregate`, :mod:`.relax`), and the
