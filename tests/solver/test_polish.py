@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 import time
 
+from _problems import problems
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_bound import problems
 
 from placement_opt.solver import polish as polish_module
 from placement_opt.solver import search
