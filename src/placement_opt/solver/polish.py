@@ -1,13 +1,14 @@
 """Local search on the exact price: like units swapped, or moved to options their likes use.
 
-Each step is kept while it lowers the plan's latency. Torch-free; :func:`~.search.solve_problem` runs it on the start of the full CP-SAT solve when some option
-copies beside the compute (``Workload(overlap=True)``). There a streamed unit's stall depends on what
-computes before it (:func:`~.problem.stalls`), so the *order* of the same counts decides the price; the
-counting relaxations read their counts into an order by rule (:mod:`.aggregate`, :mod:`.relax`), and the
-full model's stall rows (big-M) leave CP-SAT's search slow to reorder. Mixtral-8x7B on RTX 4090 + 3090
-(chat, overlap): a relaxation proved 46.97 s and its counts read into a plan priced 53.81 s, which the full
-model took to 52.41 s in the 0.75 s it had; swaps of units at most two apart and option moves take that
-start to 47.28 s in 0.2 s.
+Each step is kept while it lowers the plan's latency. Torch-free; :func:`~.search.solve_problem` runs it
+on the start of the full CP-SAT solve when some option copies beside the compute
+(``Workload(overlap=True)``). There a streamed unit's stall depends on what computes before it
+(:func:`~.problem.stalls`), so the *order* of the same counts decides the price; the counting
+relaxations read their counts into an order by rule (:mod:`.aggregate`, :mod:`.relax`), and the full
+model's stall rows (big-M) leave CP-SAT's search slow to reorder. Mixtral-8x7B on RTX 4090 + 3090
+(chat, overlap): a relaxation proved 46.97 s and its counts read into a plan priced 53.81 s, which the
+full model took to 52.41 s in the 0.75 s it had; swaps of units at most two apart and option moves take
+that start to 47.28 s in 0.2 s.
 
 Every step keeps the plan valid (:meth:`~.problem.PlacementProblem.satisfies`), so the result is a plan
 of the real problem; it says nothing about the bound.
@@ -16,7 +17,7 @@ of the real problem; it says nothing about the bound.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .problem import PlacementProblem
 
@@ -78,7 +79,7 @@ class _Budget:
         return True
 
 
-def _steps(problem: PlacementProblem, current: list[int]):  # noqa: ANN202 - a generator of plans
+def _steps(problem: PlacementProblem, current: list[int]) -> Iterator[list[int]]:
     """Each step from ``current`` as a new plan; ``current`` is read as it is when each step is made, so
     an improvement the caller keeps (written into ``current``) is the base of the steps after it."""
     units = problem.units
