@@ -342,12 +342,10 @@ class PlacementProblem:
         prefill = self._phase_latency(chosen, "prefill_ns")
         decode = self._phase_latency(chosen, "decode_ns")
         stage: dict[str, int] = {}
-        for opt in chosen:  # work_in() of each phase on device_in() of it, inlined: score() runs often
-            device = opt.execution if opt.prefill_execution is None else opt.prefill_execution
-            own, copy = opt.prefill_ns, opt.copy_prefill_ns
-            stage[device] = stage.get(device, 0) + (own if copy <= own else copy)
-            own, copy = opt.decode_ns, opt.copy_decode_ns
-            stage[opt.execution] = stage.get(opt.execution, 0) + (own if copy <= own else copy)
+        for opt in chosen:
+            for phase in PHASES:
+                device = opt.device_in(phase)
+                stage[device] = stage.get(device, 0) + opt.work_in(phase)
         used = self.used_bytes(chosen)
         over = {d.name: used[d.name] - d.capacity_bytes for d in self.devices
                 if used[d.name] > d.capacity_bytes}
@@ -461,19 +459,16 @@ class PlacementProblem:
         return {ph: tuple(res for res in SHARED if any(map(attrgetter(f"{res}_{ph}"), options))) for ph in PHASES}
 
     @functools.cached_property
-    def _incoming(self) -> dict[int, list[tuple[int, EdgeSpec]]]:
-        """dst -> (src, edge) of every edge, built once per problem (score() runs often on 724 units)."""
+    def _incoming_prices(self) -> dict[str, list[list[tuple[int, Mapping[tuple[str, str], int]]]]]:
+        """Per phase, per unit in execution order: (src, the edge's prices in that phase) of each in-edge,
+        built once per problem (score() runs often on 724 units)."""
         index = self.index()
-        incoming: dict[int, list[tuple[int, EdgeSpec]]] = {}
+        incoming: dict[str, list[list[tuple[int, Mapping[tuple[str, str], int]]]]] = {
+            ph: [[] for _ in self.units] for ph in PHASES}
         for edge in self.edges:
-            incoming.setdefault(index[edge.dst], []).append((index[edge.src], edge))
+            for ph in PHASES:
+                incoming[ph][index[edge.dst]].append((index[edge.src], getattr(edge, ph)))
         return incoming
-
-    @functools.cached_property
-    def _incoming_prices(self) -> dict[str, list[tuple[tuple[int, Mapping[tuple[str, str], int]], ...]]]:
-        """Per phase, per unit in execution order: (src, the edge's prices in that phase) of its in-edges."""
-        return {ph: [tuple((j, getattr(edge, ph)) for j, edge in self._incoming.get(i, ())) for i in range(len(self.units))]
-                for ph in PHASES}
 
     def _phase_latency(self, chosen: Sequence[PlacementOption], key: str) -> int:
         finish, load = self.schedule(chosen, key)
