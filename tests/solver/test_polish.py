@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from placement_opt.solver import polish as polish_module
 from placement_opt.solver import search
-from placement_opt.solver.polish import SWAP_RADIUS, polish
+from placement_opt.solver.polish import SWAP_RADIUS, polish, sequenced
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -82,13 +82,58 @@ def test_bunched_streamed_units_are_spread_behind_the_cpus_compute():
     # the decode (cyclic), and every order of these counts but one leaves the prefill's first copy in view
     problem = _spread_problem(6)
     start = [1, 1, 1, 0, 0, 0]
-    out = polish(problem, start, _LATER, most=10**9)
     prices = {p: _latency(problem, list(p)) for p in set(itertools.permutations(start))}
-    assert sorted(out) == sorted(start)
-    assert _latency(problem, out) < _latency(problem, start)
-    # a local search: [1, 0, 1, 0, 1, 0] is as far as single swaps go from here; the best order is one more
+    # the steps alone: [1, 0, 1, 0, 1, 0] is as far as single swaps go from here; the best order is one more
     # swap of every pair away
-    assert _latency(problem, out) == prices[(1, 0, 1, 0, 1, 0)] > min(prices.values()) == prices[(0, 1, 0, 1, 0, 1)]
+    descended, _ = polish_module._descend(problem, start, _latency(problem, start), polish_module._Budget(10**9, _LATER))
+    assert _latency(problem, descended) == prices[(1, 0, 1, 0, 1, 0)] > min(prices.values()) == prices[(0, 1, 0, 1, 0, 1)]
+    # dealt out for the prefill, the start reads as the best order
+    assert sequenced(problem, start, "prefill_ns") == [0, 1, 0, 1, 0, 1]
+    assert polish(problem, start, _LATER, most=10**9) == [0, 1, 0, 1, 0, 1]
+
+
+def _three_kinds() -> tuple[PlacementOption, ...]:
+    """Resident on the GPU (1 ns a step), computed by the CPU (10 ns) or streamed to the GPU (1 ns, a 6 ns copy)."""
+    common = dict(stored_bytes=1, resident_bytes=0, peak_bytes=0, prefill_ns=1)
+    return (PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", decode_ns=1, **common),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", decode_ns=10, **common),
+            PlacementOption(storage="cpu", execution="cuda:0", mode="stream", decode_ns=1, copy_decode_ns=6, **common))
+
+
+def test_sequencing_hides_every_copy_the_counts_can_hide():
+    # two CPU units hide one copy each; the third needs six units of 1 ns since the streamed unit before it:
+    # the rule streams the first unit behind the step before's tail (cyclic), spends a CPU unit before each
+    # next copy, and leaves the GPU units at the end, where they hide the next step's first copy
+    menu = _three_kinds()
+    free = {("cpu", "cuda:0"): 0, ("cuda:0", "cpu"): 0}
+    n = 10
+    problem = PlacementProblem(
+        units=tuple(UnitSpec(name=f"u{i}", options=menu) for i in range(n)),
+        edges=tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns=free, decode_ns=free) for i in range(n - 1)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=100),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+    start = [2, 2, 2, 1, 1, 0, 0, 0, 0, 0]
+    out = sequenced(problem, start, "decode_ns")
+    assert out == [2, 1, 2, 1, 2, 0, 0, 0, 0, 0]
+    assert not any(problem.waits(problem.options(out), "decode_ns"))
+    assert any(problem.waits(problem.options(start), "decode_ns"))
+
+
+@settings(max_examples=150)
+@given(problems(), st.sampled_from(["prefill_ns", "decode_ns"]), st.data())
+def test_sequencing_keeps_each_menus_options_and_pins(problem, phase, data):
+    start = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = sequenced(problem, start, phase)
+    assert len(out) == len(start)
+    menus = {}
+    for u, a, b in zip(problem.units, start, out, strict=True):
+        menus.setdefault(id(u.options), ([], []))
+        menus[id(u.options)][0].append(a)
+        menus[id(u.options)][1].append(b)
+    assert all(sorted(a) == sorted(b) for a, b in menus.values())
+    if problem.satisfies(start) and not problem.contiguous and not problem.tied_groups and not problem.pins:
+        # like units hold the same bytes: only the order, never the capacities, can make the plan invalid
+        assert problem.score(out).feasible
 
 
 def test_no_price_or_time_left_returns_the_start():
