@@ -121,7 +121,7 @@ def test_sequencing_hides_every_copy_the_counts_can_hide():
 
 @settings(max_examples=150)
 @given(problems(), st.sampled_from(["prefill_ns", "decode_ns"]), st.data())
-def test_sequencing_keeps_each_menus_options_and_pins(problem, phase, data):
+def test_sequencing_keeps_each_menus_options_and_a_valid_plans_fit(problem, phase, data):
     start = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
     out = sequenced(problem, start, phase)
     assert len(out) == len(start)
