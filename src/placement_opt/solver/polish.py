@@ -61,11 +61,13 @@ def polish(problem: PlacementProblem, choice: Sequence[int], deadline: float,
         return start
     best, value = start, problem.objective_value(start, "latency")
     budget = _Budget(most, deadline)
+    seen = {tuple(start)}
     for trial in [start, *(sequenced(problem, start, phase) for phase in PHASES)]:
         trial_value = value
         if trial is not start:  # a later start gets what the descents before it left
-            if trial == start or not budget.take() or not problem.satisfies(trial):
+            if tuple(trial) in seen or not budget.take() or not problem.satisfies(trial):
                 continue
+            seen.add(tuple(trial))
             trial_value = problem.objective_value(trial, "latency")
         found, found_value = _descend(problem, trial, trial_value, budget)
         if found_value < value:
