@@ -30,7 +30,8 @@ def _latency(problem, choice):
 
 def _neighbours(problem, choice):
     """Every plan one step from ``choice``, written out here on its own: swaps of like units with different
-    options at most SWAP_RADIUS apart, and a unit moved to an option a like unit uses."""
+    options at most SWAP_RADIUS apart, and a unit moved to an option a like unit uses (any option of its
+    menu, for a unit alone in it)."""
     n = len(choice)
     for i, j in itertools.combinations(range(n), 2):
         if j - i <= SWAP_RADIUS and choice[i] != choice[j] and problem.units[i].options is problem.units[j].options:
@@ -38,7 +39,8 @@ def _neighbours(problem, choice):
             out[i], out[j] = out[j], out[i]
             yield out
     for i in range(n):
-        used = {c for u, c in zip(problem.units, choice, strict=True) if u.options is problem.units[i].options}
+        likes = [c for u, c in zip(problem.units, choice, strict=True) if u.options is problem.units[i].options]
+        used = set(likes) if len(likes) > 1 else set(range(len(problem.units[i].options)))  # alone: any option
         for o in used - {choice[i]}:
             out = list(choice)
             out[i] = o

@@ -1,4 +1,5 @@
-"""Local search on the exact price: like units swapped, or moved to options their likes use.
+"""Local search on the exact price: like units swapped, or moved to options their likes use (any option,
+for a unit alone in its menu).
 
 Each step is kept while it lowers the plan's latency. Torch-free; :func:`~.search.solve_problem` runs it
 on the start of the full CP-SAT solve when some option copies beside the compute
@@ -47,7 +48,8 @@ def polish(problem: PlacementProblem, choice: Sequence[int], deadline: float,
     it, ``most`` plans were priced, or ``time.perf_counter()`` passes ``deadline``.
 
     Steps: swap two units with the same option menu (the same tuple) and different options, at most
-    :data:`SWAP_RADIUS` apart; move one unit to an option another unit of its menu uses. The search descends
+    :data:`SWAP_RADIUS` apart; move one unit to an option another unit of its menu uses, or to any option of
+    its menu when no other unit has that menu (an embedding, lm_head). The search descends
     from ``choice``, then, with what is left, from ``choice`` :func:`sequenced` for each phase, and keeps
     the best plan it saw. An invalid ``choice`` is returned as it is.
 
@@ -176,10 +178,15 @@ def _steps(problem: PlacementProblem, current: list[int]) -> Iterator[list[int]]
                 trial[i], trial[j] = current[j], current[i]
                 yield trial
     used: dict[int, set[int]] = {}
+    likes: dict[int, int] = {}
     for u, c in zip(units, current, strict=True):
         used.setdefault(id(u.options), set()).add(c)
+        likes[id(u.options)] = likes.get(id(u.options), 0) + 1
     for i in range(n):
-        for o in sorted(used[id(units[i].options)]):
+        menu = units[i].options
+        # a unit alone in its menu has no like to take an option from: it may take any (few units, and
+        # otherwise an embedding streamed just after lm_head's copy would never move)
+        for o in (range(len(menu)) if likes[id(menu)] == 1 else sorted(used[id(menu)])):
             if o != current[i]:
                 trial = list(current)
                 trial[i] = o
