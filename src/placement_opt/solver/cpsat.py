@@ -506,8 +506,7 @@ def rounding_slack(problem: PlacementProblem, objective: str) -> int:
     n = len(problem.units)
     if objective != "latency":
         return n
-    copies = any("copy" in problem.shared_used(ph) for ph in PHASES)
-    return n + len(problem.edges) + (n if copies else 0)
+    return n + len(problem.edges) + (n if problem.copies_beside else 0)
 
 
 def new_solver(time_limit_s: float, seed: int, workers: int, gap_limit: float) -> cp_model.CpSolver:

@@ -61,17 +61,15 @@ def polish(problem: PlacementProblem, choice: Sequence[int], deadline: float,
     start = list(choice)
     if not problem.satisfies(start):
         return start
-    best, value = start, problem.objective_value(start, "latency")
     budget = _Budget(most, deadline)
+    best, value = _descend(problem, start, problem.objective_value(start, "latency"), budget)
     seen = {tuple(start)}
-    for trial in [start, *(sequenced(problem, start, phase) for phase in PHASES)]:
-        trial_value = value
-        if trial is not start:  # a later start gets what the descents before it left
-            if tuple(trial) in seen or not budget.take() or not problem.satisfies(trial):
-                continue
-            seen.add(tuple(trial))
-            trial_value = problem.objective_value(trial, "latency")
-        found, found_value = _descend(problem, trial, trial_value, budget)
+    for phase in PHASES:  # each later start gets what the descents before it left
+        trial = sequenced(problem, start, phase)
+        if tuple(trial) in seen or not budget.take() or not problem.satisfies(trial):
+            continue
+        seen.add(tuple(trial))
+        found, found_value = _descend(problem, trial, problem.objective_value(trial, "latency"), budget)
         if found_value < value:
             best, value = found, found_value
     return best
@@ -116,19 +114,22 @@ def sequenced(problem: PlacementProblem, choice: Sequence[int], phase: str) -> l
     for u, original in zip(units, choice, strict=True):
         counts = left[id(u.options)]
         pick = _pick(u.options, counts, beside, phase, original, min(copies, default=0))
-        counts[pick] -= 1
-        if not counts[pick]:
-            del counts[pick]
+        _take_one(counts, pick)
         option = u.options[pick]
         out.append(pick)
         if option.copy_in(phase) > 0:
-            copies[option.copy_in(phase)] -= 1
-            if not copies[option.copy_in(phase)]:
-                del copies[option.copy_in(phase)]
+            _take_one(copies, option.copy_in(phase))
             beside = getattr(option, phase)
         else:
             beside += getattr(option, phase)
     return out
+
+
+def _take_one(counter: Counter[int], key: int) -> None:
+    """One ``key`` fewer in ``counter``; a key at zero leaves it (``min`` and ``sorted`` read the keys)."""
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 def _pick(options: Sequence[PlacementOption], counts: Counter[int], beside: int, phase: str, original: int,
@@ -178,10 +179,9 @@ def _steps(problem: PlacementProblem, current: list[int]) -> Iterator[list[int]]
                 trial[i], trial[j] = current[j], current[i]
                 yield trial
     used: dict[int, set[int]] = {}
-    likes: dict[int, int] = {}
     for u, c in zip(units, current, strict=True):
         used.setdefault(id(u.options), set()).add(c)
-        likes[id(u.options)] = likes.get(id(u.options), 0) + 1
+    likes = Counter(id(u.options) for u in units)
     for i in range(n):
         menu = units[i].options
         # a unit alone in its menu has no like to take an option from: it may take any (few units, and

@@ -440,6 +440,12 @@ class PlacementProblem:
         """The resources of :data:`SHARED` that some option uses in ``phase``: the rows worth stating."""
         return self._shared_used[phase]
 
+    @property
+    def copies_beside(self) -> bool:
+        """Whether some option copies beside the compute in some phase (``Workload(overlap=True)``): then
+        streamed units stall, and the order of the same options sets the price."""
+        return any("copy" in self._shared_used[ph] for ph in PHASES)
+
     def shared_most(self, phase: str) -> tuple[int, ...]:
         """Per unit, the most any of its options asks of the shared rows used in ``phase`` together (ns):
         what a latency horizon must allow them."""

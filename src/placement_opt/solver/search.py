@@ -28,7 +28,8 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   relaxation gets all the time, and the full model is not built with less than that once left;
 * under overlap (some option copies beside the compute, the latency objective, units free to move), the
   full solve's start is first polished (:func:`~.polish.polish`: swaps of like units and moves to options
-  their likes use, priced exactly, for up to :data:`POLISH_SHARE` of the time left): the order of the same
+  their likes use, from the start and from the start re-ordered per phase, priced exactly, for up to
+  :data:`POLISH_SHARE` of the time left): the order of the same
   counts sets the stalls, and neither the relaxations' reads nor the full model's big-M stall rows find it
   fast; a polished start proven within ``gap_limit`` skips the full solve;
 * the time limit: the full model's build checks the deadline, and CP-SAT is given what is left less
@@ -63,7 +64,7 @@ from .cpsat import OutOfTime, PlacementModel, rounding_slack
 from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .polish import polish
-from .problem import OBJECTIVES, PHASES, PlacementProblem
+from .problem import OBJECTIVES, PlacementProblem
 from .reductions import coarsen, coarsen_groups, make_room, prefer_resident
 from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
 from .symmetry import identical_devices, relabel
@@ -298,8 +299,7 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
 def _orders_matter(problem: PlacementProblem, objective: str) -> bool:
     """Whether :func:`~.polish.polish` may lower the start: the latency objective, some option copying beside
     the compute (where the order of the same counts sets the stalls), units free to move (not contiguous)."""
-    return objective == "latency" and not problem.contiguous and any(
-        "copy" in problem.shared_used(ph) for ph in PHASES)
+    return objective == "latency" and not problem.contiguous and problem.copies_beside
 
 
 def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: _Run,
