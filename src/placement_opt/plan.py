@@ -48,6 +48,10 @@ class UnitPlacement:
     prefill_execution: str | None = None
     """``phased`` only: where the unit computes in the prefill (its weights streamed there from
     ``storage``); ``execution`` is where it computes in the decode."""
+    copy_group: str | None = None
+    """The decoder layer a sublayer unit belongs to (the no-split block it was cut from), or None: its own
+    group. The dispatcher copies a group's streamed units together, one prefetch per group, and the cost
+    model prices them so (:func:`placement_opt.solver.problem.stalls`)."""
 
     def device_in(self, phase: str) -> str:
         """Where the unit computes in ``phase``: ``"prefill"`` or ``"decode"``."""
@@ -56,11 +60,13 @@ class UnitPlacement:
         return self.prefill_execution if phase == "prefill" and self.prefill_execution else self.execution
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form; ``prefill_execution`` only where set (plans without phased units read as before)."""
+        """The JSON form; ``prefill_execution`` and ``copy_group`` only where set (older plans read as before)."""
         out: dict[str, Any] = {"unit": self.unit, "storage": self.storage, "execution": self.execution,
                                "mode": self.mode}
         if self.prefill_execution is not None:
             out["prefill_execution"] = self.prefill_execution
+        if self.copy_group is not None:
+            out["copy_group"] = self.copy_group
         return out
 
 

@@ -67,6 +67,8 @@ class PlacementSchema(_Strict):
     mode: str
     prefill_execution: str | None = Field(default=None, min_length=1)
     """``phased`` placements only: the device that computes the unit in the prefill."""
+    copy_group: str | None = Field(default=None, min_length=1)
+    """Sublayer units only: the block whose streamed units are copied together."""
 
     @model_validator(mode="after")
     def _phased(self) -> PlacementSchema:
