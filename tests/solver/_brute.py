@@ -28,7 +28,8 @@ def reference_value(problem, choice, objective):
     def phase(key):
         options = list(chosen.values())
         waits = dict(zip(chosen, simulated_waits([getattr(o, key) for o in options],
-                                                 [copy_of(o, key) for o in options], cyclic=key == "decode_ns"),
+                                                 [copy_of(o, key) for o in options], cyclic=key == "decode_ns",
+                                                 runs=reference_runs(problem)),
                          strict=True))
         finish = {}
         for name, o in chosen.items():  # units are in execution order and edges point forward
@@ -49,6 +50,19 @@ def reference_value(problem, choice, objective):
         return max(sum(max(getattr(o, key), copy_of(o, key)) for o in chosen.values()
                        for key in ("prefill_ns", "decode_ns") if computes(o, key) == d) for d in devices)
     return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
+
+
+def reference_runs(problem):
+    """``copy_groups`` as ranges covering every unit (None without a group of two units or more)."""
+    if all(len(g) < 2 for g in problem.copy_groups):
+        return None
+    position = {u.name: i for i, u in enumerate(problem.units)}
+    heads = {position[g[0]]: len(g) for g in problem.copy_groups}
+    runs, u = [], 0
+    while u < len(problem.units):
+        runs.append((u, u + heads.get(u, 1)))
+        u = runs[-1][1]
+    return runs
 
 
 def copy_of(o, key):

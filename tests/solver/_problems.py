@@ -1,5 +1,5 @@
 """Random placement problems for hypothesis: chains and DAGs with runs of identical units, identical GPUs,
-pins, ties, contiguity, and options that copy beside the compute. Shared by test_bound (against brute force)
+pins, ties, contiguity, options that copy beside the compute, and copy groups. Shared by test_bound (against brute force)
 and test_polish."""
 
 from __future__ import annotations
@@ -91,4 +91,13 @@ def problems(draw, run=False):
     pinned = f"u{draw(st.integers(0, 0 if run else n - 1))}"
     pins = {pinned: draw(st.sampled_from(devices))} if draw(st.integers(0, 3)) == 0 else {}
     return PlacementProblem(units=units, edges=tuple(edges), devices=specs, tied_groups=tied, pins=pins,
-                            contiguous=draw(st.integers(0, 4)) == 0)
+                            contiguous=draw(st.integers(0, 4)) == 0, copy_groups=_copy_groups(draw, n))
+
+
+def _copy_groups(draw, n):
+    """Now and then, runs of consecutive units copied as one (a sublayer graph's layers)."""
+    if n < 2 or draw(st.integers(0, 2)):
+        return ()
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
+    bounds = [0, *cuts, n]
+    return tuple(tuple(f"u{i}" for i in range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False))

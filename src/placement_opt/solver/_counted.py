@@ -157,8 +157,11 @@ class CountedRelaxation:
         the windows of the units on one copy price, ``stall >= delta (j0 + 1) n_streamed - sum of worths``,
         a unit's worth (:func:`hiding`) ``delta`` for a unit of ``B``. Exact for identical layers: the
         bound balanced windows reach. (Valid per window for every mix of units: tests/solver/test_bound.py.)
+
+        With copy runs (``copy_groups``) it is 0: a run's copy hides behind one window for all its streamed
+        units, so the per-unit windows above would over-count (the copy thread's row still holds).
         """
-        if "copy" not in self.p.shared_used(ph):
+        if "copy" not in self.p.shared_used(ph) or self.p.copy_runs is not None:
             return 0
         terms = self._terms()
         streamed: dict[int, list[Any]] = {}

@@ -27,6 +27,8 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
   ``<= duration[u]`` when ``u`` streams (a big-M row on its copy options);
   ``wait[u] >= copy[u] - beside[u - 1]``; cyclic in the decode. Exact: the objective pushes each
   ``beside`` to its largest value, the recurrence's. Only problems with copy options have them.
+  With copy runs (``copy_groups``), the same rows per run: durations and copies summed over the run,
+  ``streams[ph, r]`` a flag implied by each copying option of the run, the wait on the run's head.
 * ``lat[ph]`` is the latency of phase ``ph``: ``>= longest path`` (stalls included), ``>= every
   device's load`` and ``>=`` each of ``SHARED``'s time (copies, host memory, disk) in ``ph``, exactly
   :meth:`PlacementProblem.score`'s maximum.
@@ -385,37 +387,53 @@ class PlacementModel:
         return lat
 
     def _waits(self, ph: str) -> list[Any]:
-        """wait[ph, u] of every unit (0 where no option of u copies in ph): the module docstring's rows."""
+        """wait[ph, u] of every unit (0 where no option of u's copy run copies in ph): the module docstring's
+        rows, on the problem's copy runs (:attr:`~.problem.PlacementProblem.copy_runs`; each unit its own run
+        when None), a run's stall charged to its head."""
         n = len(self.p.units)
         if "copy" not in self.p.shared_used(ph):
             return [0] * n
-        copies = [{o: self._t(opt.copy_in(ph)) for o, opt in self._opts(u) if self._t(opt.copy_in(ph)) > 0}
-                  for u in range(n)]
+        runs = self.p.copy_runs or tuple((u, u + 1) for u in range(n))
+        copies = [[(u, o, self._t(opt.copy_in(ph))) for u in range(a, b) for o, opt in self._opts(u)
+                   if self._t(opt.copy_in(ph)) > 0] for a, b in runs]
         if not any(copies):
             return [0] * n
-        most = max(c for row in copies for c in row.values())
+        most = max(sum(max((c for v, _, c in row if v == u), default=0) for u in range(a, b))
+                   for (a, b), row in zip(runs, copies, strict=True))
         cyclic = ph == "decode_ns"
-        durations = [self._t(getattr(o, ph)) for o in self.chosen]
-        hinted_copy = [self._t(o.copy_in(ph)) for o in self.chosen]
+        durations = [sum(self._t(getattr(o, ph)) for o in self.chosen[a:b]) for a, b in runs]
+        hinted_copy = [sum(self._t(o.copy_in(ph)) for o in self.chosen[a:b]) for a, b in runs]
         hinted_wait = stalls(durations, hinted_copy, cyclic)
         beside: list[Any] = []
-        running = sum(durations[max((i for i, c in enumerate(hinted_copy) if c), default=n):]) if cyclic else 0
-        for u in range(n):
-            running = durations[u] if hinted_copy[u] else running + durations[u]
-            beside.append(self._hinted(self.model.new_int_var(0, most, f"beside[{ph},{u}]"), min(most, running)))
-        wait: list[Any] = []
-        for u in range(n):
-            before = beside[u - 1] if u > 0 else (beside[n - 1] if cyclic else 0)
-            self.model.add(beside[u] <= self._duration(u, ph) + before)
-            if not copies[u]:
-                wait.append(0)
+        k = len(runs)
+        running = sum(durations[max((i for i, c in enumerate(hinted_copy) if c), default=k):]) if cyclic else 0
+        for r in range(k):
+            running = durations[r] if hinted_copy[r] else running + durations[r]
+            beside.append(self._hinted(self.model.new_int_var(0, most, f"beside[{ph},{r}]"), min(most, running)))
+        wait: list[Any] = [0] * n
+        for r, (a, b) in enumerate(runs):
+            before = beside[r - 1] if r > 0 else (beside[k - 1] if cyclic else 0)
+            duration = sum(self._duration(u, ph) for u in range(a, b))
+            self.model.add(beside[r] <= duration + before)
+            if not copies[r]:
                 continue
-            streams = sum(self.x[u, o] for o in copies[u])
-            self.model.add(beside[u] <= self._duration(u, ph) + most * (1 - streams))
-            w = self._hinted(self.model.new_int_var(0, most, f"wait[{ph},{u}]"), hinted_wait[u])
-            self.model.add(w >= sum(c * self.x[u, o] for o, c in copies[u].items()) - before)
-            wait.append(w)
+            self.model.add(beside[r] <= duration + most * (1 - self._streams(r, a, b, copies[r], ph)))
+            w = self._hinted(self.model.new_int_var(0, most, f"wait[{ph},{r}]"), hinted_wait[r])
+            self.model.add(w >= sum(c * self.x[u, o] for u, o, c in copies[r]) - before)
+            wait[a] = w
         return wait
+
+    def _streams(self, r: int, a: int, b: int, copies: list[tuple[int, int, int]], ph: str) -> Any:
+        """1 when some unit of run ``r`` (units ``a`` to ``b``) copies in ``ph``: the sum of the copying
+        options of a one-unit run; for a longer run a flag at least each of them (the objective keeps it at 0
+        otherwise: it only lowers ``beside``)."""
+        if b - a == 1:
+            return sum(self.x[u, o] for u, o, _ in copies)
+        hinted = int(any(self._t(self.chosen[u].copy_in(ph)) > 0 for u in range(a, b)))
+        flag = self._hinted(self.model.new_bool_var(f"streams[{ph},{r}]"), hinted)
+        for u, o, _ in copies:
+            self.model.add_implication(self.x[u, o], flag)
+        return flag
 
     def _slowest_stage(self) -> Any:
         # stage >= every device's total work (prefill + decode, each phase on the device computing it).

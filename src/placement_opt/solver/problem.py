@@ -32,6 +32,8 @@ units from the previous streamed unit (included) up to this one (excluded) take,
 (:func:`stalls`; the decode is cyclic, steady state; in the prefill the first copy runs from the
 call's start). Consecutive streamed units of equal size cost ``max(compute, copy)`` each, as a
 plain prefetch does; a streamed unit behind CPU-executed ones hides its copy behind their compute.
+``copy_groups`` (a sublayer graph's parts of one decoder layer) are copied as one: the rule above on
+groups, a group's duration and copy the sums of its units', its stall charged to its first unit.
 The copies share one thread (``lat >= sum of copies``), host memory serves the copies and the
 CPU's weight reads together (``lat >= sum of host_*_ns``), and one disk serves every read of the
 weights stored on it (``lat >= sum of disk_*_ns``). Edge transfers are not counted as time
@@ -276,6 +278,10 @@ class PlacementProblem:
     """Unit name -> required storage device."""
     contiguous: bool = False
     """Each device stores one contiguous range of units (in execution order)."""
+    copy_groups: tuple[tuple[str, ...], ...] = ()
+    """Runs of consecutive units (in execution order) whose streamed weights the prefetch thread copies as
+    one (a sublayer graph's parts of one decoder layer): :func:`stalls` with ``runs``. Units in no group
+    are groups of their own."""
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.units]
@@ -292,6 +298,7 @@ class PlacementProblem:
                      if n not in known]
         problems += [f"pin names unknown unit {n}" for n in self.pins if n not in known]
         order = {n: i for i, n in enumerate(names)}
+        problems += _copy_group_problems(self.copy_groups, order)
         problems += [f"edge {e.src}->{e.dst} points backwards in execution order" for e in self.edges
                      if e.src in order and e.dst in order and order[e.src] >= order[e.dst]]
         if len(known) != len(names):
@@ -428,7 +435,22 @@ class PlacementProblem:
         durations = list(map(attrgetter(key), chosen))
         if rounded:
             durations, copies = list(map(rounded, durations)), list(map(rounded, copies))
-        return stalls(durations, copies, cyclic=key == "decode_ns")
+        return stalls(durations, copies, cyclic=key == "decode_ns", runs=self.copy_runs)
+
+    @functools.cached_property
+    def copy_runs(self) -> tuple[tuple[int, int], ...] | None:
+        """``copy_groups`` as ``(first, end)`` index ranges covering every unit in order (a unit in no group
+        alone), or None when no group has two units: then every unit is its own group, as before groups."""
+        if all(len(g) < 2 for g in self.copy_groups):
+            return None
+        index = self.index()
+        starts = {index[g[0]]: index[g[0]] + len(g) for g in self.copy_groups}
+        runs, u = [], 0
+        while u < len(self.units):
+            end = starts.get(u, u + 1)
+            runs.append((u, end))
+            u = end
+        return tuple(runs)
 
     def shared_rows(self, chosen: Sequence[PlacementOption], key: str,
                     rounded: Callable[[int], int] | None = None) -> tuple[int, ...]:
@@ -505,13 +527,25 @@ def spine(problem: PlacementProblem) -> set[int]:
     return out
 
 
-def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool) -> list[int]:
+def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool,
+           runs: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """Each unit's wait for its weights under the prefetch thread (module docstring, Overlap).
 
     ``copies[i] > 0`` marks a streamed unit. Its copy started when the previous streamed unit started, and
     ran beside that unit and every unit after it; ``cyclic`` (the decode): the previous one of the first is
     the last, a step earlier; else the first copy runs from the start.
+
+    ``runs`` (:attr:`PlacementProblem.copy_runs`): ``(first, end)`` ranges covering the units in order, each
+    copied as one: a run streams when one of its units does, its copy is its units' copies together, and
+    the run's first unit (its *head*, whatever it computes) waits for all of it; the next run's copy starts
+    when this head starts. The same rule on runs' summed durations and copies.
     """
+    if runs is not None:
+        per_run = stalls([sum(durations[a:b]) for a, b in runs], [sum(copies[a:b]) for a, b in runs], cyclic)
+        waits = [0] * len(durations)
+        for (head, _), wait in zip(runs, per_run, strict=True):
+            waits[head] = wait
+        return waits
     waits = [0] * len(durations)
     last = next((i for i in range(len(copies) - 1, -1, -1) if copies[i] > 0), None)
     if last is None:
@@ -525,6 +559,22 @@ def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool) -> lis
         else:
             beside += duration
     return waits
+
+
+def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:
+    """What is wrong with ``copy_groups``: unknown units, a unit in two groups, a group not consecutive."""
+    problems, seen = [], set()
+    for group in groups:
+        if not group or any(n not in order for n in group):
+            problems.append(f"copy group {list(group)} is empty or names an unknown unit")
+            continue
+        if seen & set(group) or len(set(group)) < len(group):
+            problems.append(f"copy group {list(group)} repeats a unit of another group or of itself")
+        seen.update(group)
+        positions = [order[n] for n in group]
+        if positions != list(range(positions[0], positions[0] + len(group))):
+            problems.append(f"copy group {list(group)} is not a run of consecutive units in execution order")
+    return problems
 
 
 def _one_range_per_device(storage: Sequence[str]) -> bool:
