@@ -443,7 +443,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                              f"{shortage_message(problem, graph, workload)}; or raise time_limit_s")
     chosen = problem.options(sol.choice)
     placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
-                                       prefill_execution=o.prefill_execution)
+                                       prefill_execution=o.prefill_execution, copy_group=graph.unit(u.name).block)
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
@@ -490,7 +490,8 @@ def baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objec
     ``objective_value`` is the plan's value under the solver's definition of ``objective``; each
     capacity violation is added to ``notes`` ("does not fit: ...").
     """
-    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode)
+    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode,
+                                     copy_group=graph.unit(u.name).block)
                        for u in cost.units)
     value = cost.objective_value(objective, [d.name for d in machine.gpus])
     notes = [*notes, *(f"does not fit: {v.message}" for v in cost.violations)]

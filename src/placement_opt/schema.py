@@ -236,6 +236,7 @@ class NodeSchema(_Strict):
     scores_workspace_bytes_per_token: NonNegativeInt | None = None
     scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
     in_bytes_per_token: NonNegativeInt | None = None
+    block: str | None = Field(default=None, min_length=1)
 
 
 class EdgeSchema(_Strict):

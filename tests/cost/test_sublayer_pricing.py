@@ -92,9 +92,19 @@ def _phase_latency(graph: LayerGraph, durations: dict[str, float], chosen: list,
     routed experts): the phase takes the sum of their durations and of the streamed units' waits for their
     weights (tests/_overlap.py), and at least the prefetch thread's copies, host memory's and the disk's time."""
     copies = [o.copy_in(phase) for o in chosen]
-    waits = simulated_waits([durations[name] for name in graph.names()], copies, cyclic=phase == "decode_ns")
+    waits = simulated_waits([durations[name] for name in graph.names()], copies, cyclic=phase == "decode_ns",
+                            runs=_block_runs(graph))
     return max(sum(durations[name] for name in graph.names()) + sum(waits), sum(copies),
                sum(o.shared_in("host", phase) for o in chosen), sum(o.shared_in("disk", phase) for o in chosen))
+
+
+def _block_runs(graph: LayerGraph) -> list[tuple[int, int]]:
+    """The parts of each decoder layer, copied together: ranges of consecutive units of one block."""
+    runs: list[tuple[int, int]] = []
+    for k, unit in enumerate(graph.units()):
+        joins = runs and unit.block is not None and graph.units()[runs[-1][0]].block == unit.block
+        runs[-1:] = [(runs[-1][0], k + 1)] if joins else [*runs[-1:], (k, k + 1)]
+    return runs
 
 
 _workloads = st.builds(Workload, batch_size=st.integers(1, 8), prompt_len=st.integers(1, 256),
@@ -229,3 +239,20 @@ def test_evaluate_counts_the_round_trips_with_the_transfers(family: str, wl: Wor
             expected += forwards * _trip_s(machine, "cuda:0", execution, unit, tokens)
     assert cost.transfer_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert (cost.transfer_s > 0) == any(u.execution != "cuda:0" for u in cost.units)
+
+
+def test_a_layers_parts_form_one_copy_group_and_share_its_stream_buffer() -> None:
+    graph = _graph("mixtral")
+    problem = build_problem(graph, _machine(1), Workload(prompt_len=64, new_tokens=8, overlap=True))
+    layer = [u.name for u in graph.units() if u.block == "model.layers.0"]
+    assert layer == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                     "model.layers.0.post_attention_layernorm", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts"]
+    assert problem.copy_groups == (tuple(layer), tuple(n.replace(".0.", ".1.") for n in layer))
+    # a streamed part holds the whole layer twice (its layer and the next, prefetched), a resident one none
+    units = {u.name: u for u in graph.units()}
+    layer_bytes = sum(units[n].weight_bytes for n in layer)
+    attention = problem.units[problem.index()["model.layers.0.self_attn"]]
+    streamed = next(o for o in attention.options if o.mode == "stream")
+    resident = next(o for o in attention.options if o.mode == "resident" and o.execution == "cuda:0")
+    assert streamed.peak_bytes - resident.peak_bytes == 2 * layer_bytes
+    assert problem.units[0].options[0].stored_bytes == units["model.embed_tokens"].weight_bytes

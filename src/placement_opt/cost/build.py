@@ -6,8 +6,10 @@ there (:func:`~.pricing.to_option`); this module lays out the option menu, the e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeviceSpecError, SolverInputError, WorkloadError
@@ -88,8 +90,9 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     parts = []
     for u in units:
         key = _price_key(u, graph.meta.extra.get("logits_unit"))
-        if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
-            key += (unit_io_bytes(graph, u)[0],)
+        if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too, and a
+            # part of a block streams with the block's other parts (its buffer)
+            key += (unit_io_bytes(graph, u)[0], ctx.stream_buffer_bytes(u, "stream"))
         if key not in priced:
             phased = _two_phases(u, ctx)
             priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]
@@ -99,8 +102,16 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
-        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous)
+        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous, copy_groups=copy_groups(units))
     return problem, parts
+
+
+def copy_groups(units: Sequence[UnitInfo]) -> tuple[tuple[str, ...], ...]:
+    """Runs of consecutive units (in execution order) cut from one block (``UnitInfo.block``): the parts the
+    dispatcher copies together, one prefetch per block. A block whose parts do not run consecutively is cut
+    into its consecutive runs."""
+    return tuple(tuple(u.name for u in run) for block, run in itertools.groupby(units, key=attrgetter("block"))
+                 if block is not None)
 
 
 def _two_phases(unit: UnitInfo, ctx: PricingContext) -> bool:

@@ -75,6 +75,7 @@ Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_op
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,6 +188,24 @@ class PricingContext:
     machine: Machine
     workload: Workload
     calibration: Calibration | None = None
+
+    def stream_buffer_bytes(self, unit: UnitInfo, mode: str) -> int:
+        """The stream buffer a ``unit`` in ``mode`` holds at its peak (:data:`~.memory.STREAM_BUFFERS` copies).
+        A part of a block (``UnitInfo.block``) streamed with prefetch is copied with the block's other
+        streamed parts, one block ahead: its copies are of the whole block's weights (an upper bound when only
+        some parts stream)."""
+        copies = STREAM_BUFFERS[mode]
+        if copies < 2 or unit.block is None:
+            return unit.weight_bytes * copies
+        return self._block_bytes[unit.block] * copies
+
+    @functools.cached_property
+    def _block_bytes(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for u in self.graph.units():
+            if u.block is not None:
+                total[u.block] = total.get(u.block, 0) + u.weight_bytes
+        return total
 
     @property
     def home(self) -> str | None:
@@ -487,7 +506,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
+        stream_buffer_bytes=ctx.stream_buffer_bytes(unit, mode), round_trip_s=trip_prefill + trip_decode,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )

@@ -111,7 +111,7 @@ MEASURED_NODE_ATTRIBUTES: dict[str, type] = {
 }
 
 #: Attributes a node of a ``"sublayer"`` graph carries (measured by the meta trace), with these types.
-SUBLAYER_NODE_ATTRIBUTES: dict[str, type] = {"in_bytes_per_token": int}
+SUBLAYER_NODE_ATTRIBUTES: dict[str, type] = {"in_bytes_per_token": int, "block": str}
 
 
 _OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES}
@@ -148,6 +148,9 @@ class UnitInfo:
     in_bytes_per_token: int | None = None
     """Bytes per token of the distinct tensors the unit reads from other units; measured for ``"sublayer"``
     graphs only (None otherwise), whose units away from home receive them."""
+    block: str | None = None
+    """``"sublayer"`` graphs: the no-split block (decoder layer) the unit was cut from, whose streamed parts
+    are copied together (one prefetch per block); None otherwise, or for a unit outside every block."""
 
     @property
     def weight_bytes(self) -> int:

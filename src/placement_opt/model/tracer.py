@@ -318,7 +318,19 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
         attrs.update(_workspace(ctx, record.workspace[name]))
     if record is not None and ctx.granularity == "sublayer":
         attrs.update(_round_trip_bytes(ctx, record, name))
+    if ctx.granularity == "sublayer" and (block := _enclosing_block(ctx, name)) is not None:
+        attrs["block"] = block
     return attrs
+
+
+def _enclosing_block(ctx: TraceContext, name: str) -> str | None:
+    """The no-split block a ``"sublayer"`` unit was cut from (the longest such prefix of its name), or None."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if type(ctx.module.get_submodule(prefix)).__name__ in ctx.no_split:
+            return prefix
+    return None
 
 
 def _round_trip_bytes(ctx: TraceContext, record: _recorder.Record, name: str) -> dict[str, int]:
