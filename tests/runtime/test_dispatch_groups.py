@@ -1,0 +1,294 @@
+"""Group prefetch: the streamed units of one copy group (a decoder layer cut into sublayer units) are copied
+together, started by the group's head (its first unit) one group ahead.
+
+The dispatcher's behaviour is read from a log of one model's calls: each unit's module called (``run``)
+and returning (``end``, forward hooks), and every call of the Streamer's ``start``/``take``/``drop``. The
+expected log is written from the semantics, not from the dispatcher's code: :func:`expected_ops` (copy_group
+None everywhere: each streamed unit takes its weights, then starts the next streamed unit, as before copy
+groups; the literal logs pin that too) and the same with groups (a group's head starts its own group's
+streamed units and the next group's before anything else of its own).
+
+This machine may have no GPU: ``gpu_on_cpu`` makes "cuda:0" resolve to the CPU inside the runtime, so
+streamed units are CPU -> CPU copies; the disk-stored ones are read by the prefetch thread (Streamer.start
+copies ahead only for disk reads and GPU copies), the RAM ones copied when taken. The CUDA test at the end
+runs the same plans on a real GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _models import assert_restored, make_plan, snapshot, tiny
+from placement_opt import trace
+from placement_opt.plan import Plan, UnitPlacement
+from placement_opt.runtime import _streamer
+from placement_opt.runtime.dispatcher import dispatch
+
+GENERATE = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
+
+# (storage, execution, mode, prefill_execution) and the kind the dispatcher makes of it
+ROWS = {
+    "gpu": (("cuda:0", "cuda:0", "resident", None), "resident"),
+    "cpu": (("cpu", "cpu", "resident", None), "resident"),            # computed off home, on the CPU
+    "ram>gpu": (("cpu", "cuda:0", "stream", None), "stream"),         # copied when taken (CPU -> CPU here)
+    "disk>gpu": (("disk", "cuda:0", "stream", None), "stream"),       # read ahead by the prefetch thread
+    "disk>gpu sync": (("disk", "cuda:0", "stream_sync", None), "stream"),  # prefetched, prefetches nothing
+    "mmap": (("disk", "cpu", "stream", None), "mmap"),                # computed from the memory map
+    "phased ram": (("cpu", "cpu", "phased", "cuda:0"), "phased"),
+    "phased disk": (("disk", "cpu", "phased", "cuda:0"), "phased"),
+}
+# units that see one token per sequence in generate's prefill (lm_head) or hold no weight stay off phased
+OUTSIDE = ("gpu", "cpu", "ram>gpu", "disk>gpu", "disk>gpu sync")
+
+
+def prompt() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def layer_of(unit: str) -> str | None:
+    """The decoder layer a sublayer unit was cut from (its copy group), None outside the layers."""
+    found = re.match(r"model\.layers\.\d+(?=\.)", unit)
+    return found.group(0) if found else None
+
+
+def group_plan(model: torch.nn.Module, rows: dict[str, str], grouped: bool) -> Plan:
+    """A sublayer plan (home cuda:0) with ``rows[unit]`` (a key of ROWS, default "gpu"); ``grouped``: each
+    unit's copy_group is its layer."""
+    units = trace(model, granularity="sublayer").names()
+    placements = []
+    for unit in units:
+        (storage, execution, mode, prefill), _ = ROWS[rows.get(unit, "gpu")]
+        placements.append(UnitPlacement(unit=unit, storage=storage, execution=execution, mode=mode,
+                                        prefill_execution=prefill, copy_group=layer_of(unit) if grouped else None))
+    base = make_plan([(u, "cpu", "cpu", "resident") for u in units], name=type(model).__name__)
+    return dataclasses.replace(base, placements=tuple(placements), home="cuda:0")
+
+
+# ---------------------------------------------------------------------------------------------
+# The log
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def logging_streamer():
+    """Every Streamer's start/take/drop, as (operation, unit name), into the list yielded."""
+    log: list[tuple[str, str]] = []
+    with pytest.MonkeyPatch.context() as patch:
+        for op in ("start", "take", "drop"):
+            real = getattr(_streamer.Streamer, op)
+            patch.setattr(_streamer.Streamer, op,
+                          lambda self, unit, _op=op, _real=real: (log.append((_op, unit.name)), _real(self, unit))[1])
+        yield log
+
+
+@contextlib.contextmanager
+def logging_units(model: torch.nn.Module, plan: Plan, log: list[tuple[str, str]]):
+    """("run", unit) when a unit's module is called (before its wrapper), ("end", unit) when it returns."""
+    hooks = []
+    for p in plan.placements:
+        module = model.get_submodule(p.unit)
+        hooks.append(module.register_forward_pre_hook(lambda m, a, _u=p.unit: log.append(("run", _u))))
+        hooks.append(module.register_forward_hook(lambda m, a, o, _u=p.unit: log.append(("end", _u))))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def calls(log: list[tuple[str, str]], first: str) -> list[list[tuple[str, str]]]:
+    """The log cut into the model's calls: each begins when ``first`` (the first unit) runs."""
+    out: list[list[tuple[str, str]]] = []
+    for event in log:
+        if event == ("run", first) or not out:
+            out.append([])
+        out[-1].append(event)
+    return out
+
+
+def streamer_ops(call: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [e for e in call if e[0] in ("start", "take", "drop")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The semantics, written from the brief (not from the dispatcher)
+# ---------------------------------------------------------------------------------------------
+class Semantics:
+    """What each unit does with the Streamer when it runs in a prefill or a decode call of ``plan``."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.kind = {}
+        for p in plan.placements:
+            row = next(name for name, (r, _) in ROWS.items()
+                       if r == (p.storage, p.execution, p.mode, p.prefill_execution))
+            self.kind[p.unit] = ROWS[row][1]
+        self.mode = {p.unit: p.mode for p in plan.placements}
+        self.groups: list[list[str]] = []  # runs of consecutive units with one copy_group; None: alone
+        last = None
+        for p in plan.placements:
+            if p.copy_group is not None and p.copy_group == last:
+                self.groups[-1].append(p.unit)
+            else:
+                self.groups.append([p.unit])
+            last = p.copy_group
+        self.index = {u: i for i, g in enumerate(self.groups) for u in g}
+
+    def item(self, g: int, prefill: bool) -> list[str]:
+        streamed = ("stream", "phased") if prefill else ("stream",)
+        return [u for u in self.groups[g] if self.kind[u] in streamed]
+
+    def following(self, g: int, prefill: bool) -> list[str]:
+        """The next group's item: a later group's in this phase, else (wrapping; the call after a prefill is a
+        decode) the first group's with a decode item; none when that is ``g`` itself."""
+        later = next((j for j in range(g + 1, len(self.groups)) if self.item(j, prefill)), None)
+        if later is not None:
+            return self.item(later, prefill)
+        first = next((j for j in range(len(self.groups)) if self.item(j, False)), None)
+        return [] if first is None or first == g else self.item(first, False)
+
+    def ops(self, unit: str, prefill: bool) -> list[tuple[str, str]]:
+        """What ``unit`` does with the Streamer when it runs."""
+        g, kind = self.index[unit], self.kind[unit]
+        group = self.groups[g]
+        own = {"stream": [("take", unit)], "phased": [("take" if prefill else "drop", unit)]}.get(kind, [])
+        if len(group) > 1:  # a group: its head starts its item and the next one, before it takes its own
+            starts = self.item(g, prefill) + self.following(g, prefill) if unit == group[0] else []
+            return [("start", u) for u in starts] + own
+        # a unit alone: takes its weights, then (stream mode, or phased in a prefill) starts the next group's
+        ahead = kind == "stream" and self.mode[unit] == "stream" or kind == "phased" and prefill
+        return own + [("start", u) for u in (self.following(g, prefill) if ahead else [])]
+
+    def expected(self, call: list[tuple[str, str]], prefill: bool) -> list[tuple[str, str]]:
+        return [op for event, unit in call if event == "run" for op in self.ops(unit, prefill)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans, and running them
+# ---------------------------------------------------------------------------------------------
+# Llama's 4 layers: a phased attention before a streamed MLP; a CPU norm heading streamed units, one of
+# them stream_sync; a memory-mapped attention before a phased MLP (a group streaming in the prefill only);
+# a CPU attention between two streamed units; the embedding and the head streamed alone.
+MIXED = {
+    "model.embed_tokens": "disk>gpu",
+    "model.layers.0.self_attn": "phased ram", "model.layers.0.mlp": "ram>gpu",
+    "model.layers.1.input_layernorm": "cpu", "model.layers.1.self_attn": "disk>gpu",
+    "model.layers.1.mlp": "disk>gpu sync",
+    "model.layers.2.self_attn": "mmap", "model.layers.2.mlp": "phased disk",
+    "model.layers.3.self_attn": "cpu", "model.layers.3.post_attention_layernorm": "disk>gpu",
+    "model.layers.3.mlp": "disk>gpu",
+    "lm_head": "ram>gpu",
+}
+
+
+def run_logged(model: torch.nn.Module, plan: Plan, offload_dir, steps: int = 3):
+    """generate() under ``plan`` checked against the plain model (tokens and logits) and remove() against
+    the model before; returns the log cut into calls (the first a prefill, then decode steps)."""
+    with torch.no_grad():
+        expected = model.generate(**prompt(), max_new_tokens=steps, **GENERATE)
+    before = snapshot(model)
+    with logging_streamer() as log:
+        handle = dispatch(model, plan, offload_dir=offload_dir)
+        with logging_units(model, plan, log), torch.no_grad():
+            got = handle.generate(**prompt(), max_new_tokens=steps, **GENERATE)
+        handle.remove()
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert_restored(model, before)
+    cut = calls(log, plan.placements[0].unit)
+    assert len(cut) == steps
+    return cut
+
+
+def S(*names: str) -> list[tuple[str, str]]:
+    """("start", "model.layers.N.x") written S("3.x"); T(...) and D(...) for take and drop."""
+    return [("start", _name(n)) for n in names]
+
+
+def T(name: str) -> list[tuple[str, str]]:
+    return [("take", _name(name))]
+
+
+def D(name: str) -> list[tuple[str, str]]:
+    return [("drop", _name(name))]
+
+
+def _name(short: str) -> str:
+    return short if short in ("lm_head", "model.embed_tokens") else f"model.layers.{short}"
+
+
+# ---------------------------------------------------------------------------------------------
+# copy_group None everywhere: as before groups
+# ---------------------------------------------------------------------------------------------
+def test_without_copy_groups_each_streamed_unit_starts_the_next_one_as_before(gpu_on_cpu, tmp_path):
+    """Pinned before group prefetch existed: take your weights, then start the next streamed unit (in the
+    prefill phased ones too, wrapping to the first stream unit); stream_sync starts none; a phased unit's
+    decode drops what a prefill started for it."""
+    model = tiny("llama")
+    prefill, *decodes = run_logged(model, group_plan(model, MIXED, grouped=False), tmp_path)
+    embed = "model.embed_tokens"
+    assert streamer_ops(prefill) == [
+        *T(embed), *S("0.self_attn"), *T("0.self_attn"), *S("0.mlp"), *T("0.mlp"), *S("1.self_attn"),
+        *T("1.self_attn"), *S("1.mlp"), *T("1.mlp"), *T("2.mlp"), *S("3.post_attention_layernorm"),
+        *T("3.post_attention_layernorm"), *S("3.mlp"), *T("3.mlp"), *S("lm_head"), *T("lm_head"), *S(embed)]
+    for decode in decodes:
+        assert streamer_ops(decode) == [
+            *T(embed), *S("0.mlp"), *D("0.self_attn"), *T("0.mlp"), *S("1.self_attn"), *T("1.self_attn"),
+            *S("1.mlp"), *T("1.mlp"), *D("2.mlp"),  # 1.mlp (stream_sync) starts none, 2.mlp decodes on the CPU
+            *T("3.post_attention_layernorm"), *S("3.mlp"), *T("3.mlp"), *S("lm_head"), *T("lm_head"), *S(embed)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Any modes: the semantics' log, outputs equal, the model restored
+# ---------------------------------------------------------------------------------------------
+def assert_heads_prefetch_one_group_ahead(sem: Semantics, call: list[tuple[str, str]], prefill: bool) -> None:
+    """Within a group of several units only the head starts copies; a group's head starts the whole item of
+    the next group streaming in this call before any unit of that group runs."""
+    running, starts_by, position = None, {}, {}
+    for i, (event, unit) in enumerate(call):
+        position.setdefault((event, unit), i)
+        if event in ("run", "end"):
+            running = unit if event == "run" else None
+        elif event == "start":
+            assert running is not None, f"{unit} started outside every unit"
+            starts_by.setdefault(running, []).append(unit)
+    for group in sem.groups:
+        if len(group) > 1:
+            assert not any(starts_by.get(u) for u in group[1:]), (group, starts_by)
+    copying = [g for g in range(len(sem.groups)) if sem.item(g, prefill)]
+    for g, after in zip(copying, copying[1:], strict=False):
+        head = sem.groups[g][0]
+        if len(sem.groups[g]) > 1:
+            assert set(sem.item(after, prefill)) <= set(starts_by.get(head, ())), (head, after)
+            assert position[("end", head)] < min(position[("run", u)] for u in sem.groups[after])
+
+
+_FAMILIES = ("llama", "qwen2_moe")
+_MODELS = {family: tiny(family) for family in _FAMILIES}
+_UNITS = {family: trace(model, granularity="sublayer").names() for family, model in _MODELS.items()}
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), family=st.sampled_from(_FAMILIES))
+@pytest.mark.parametrize("grouped", [False], ids=["copy_group None"])
+def test_any_modes_run_as_the_semantics_say(gpu_on_cpu, grouped, data, family):
+    model, units = _MODELS[family], _UNITS[family]
+    inside = sorted(name for name in ROWS)
+    rows = {u: data.draw(st.sampled_from(inside if layer_of(u) else OUTSIDE), label=u)
+            for u in units if u != "model.rotary_emb"}
+    plan = group_plan(model, rows, grouped)
+    sem = Semantics(plan)
+    with tempfile.TemporaryDirectory() as offload_dir:
+        prefill, *decodes = run_logged(model, plan, offload_dir)
+    for call, in_prefill in ((prefill, True), *((d, False) for d in decodes)):
+        assert streamer_ops(call) == sem.expected(call, in_prefill)
+        assert_heads_prefetch_one_group_ahead(sem, call, in_prefill)
