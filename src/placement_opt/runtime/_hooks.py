@@ -7,6 +7,11 @@ A ``phased`` unit's wrapper picks the phase of each call (:mod:`._phases`): a pr
 weights to the prefill device like a ``stream`` unit and moves the prompt's KV cache to the decode
 device afterwards; a decode computes where the weights are stored. With phased units in the plan
 the model's forward also notes whether its call is a prefill, for the streamed units' prefetching.
+
+The head of a copy group with streamed units (:func:`~.dispatcher._link_groups`) is wrapped whatever
+its kind, even a resident unit that needs nothing else: it starts its group's copies and the next
+group's first thing, in the phase of the call; the group's other units only take their own weights.
+What to start in each phase is fixed at dispatch, so a call only reads a tuple.
 """
 
 from __future__ import annotations
@@ -169,11 +174,20 @@ def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., 
 def _unit_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
                   move_inputs: bool, phase: CallPhase) -> Callable[..., Any] | None:
     """The wrapped forward of one unit, or None when the unit needs no per-call work."""
-    device = unit.execution
     if unit.kind == "phased":
-        return _phased_forward(unit, forward, streamer, phase)
+        return _phased_forward(unit, forward, streamer, phase)  # starts its group's copies once it knows its phase
+    wrapper = _own_forward(unit, forward, streamer, move_inputs, phase)
+    if unit.heads_group:
+        return _heading(unit, wrapper or forward, streamer, phase)
+    return wrapper
+
+
+def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
+                 move_inputs: bool, phase: CallPhase) -> Callable[..., Any] | None:
+    """What a unit other than phased does for itself each call (its weights, its inputs), or None."""
+    device = unit.execution
     if unit.kind == "stream":
-        return _streamed_forward(unit, forward, streamer, move_inputs, phase, unit.next_unit)
+        return _streamed_forward(unit, forward, streamer, move_inputs, phase)
     if unit.kind == "mmap" and unit.next_unit is not None:
         ahead = _disk_keys(unit.next_unit)
 
@@ -199,19 +213,37 @@ def _disk_keys(unit: DispatchUnit) -> list[tuple[Any, str]]:
     return [(file, key) for file, key in unit.disk]
 
 
-def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer, move_inputs: bool,
-                      phase: CallPhase, following: DispatchUnit | None) -> Callable[..., Any]:
-    """A streamed unit's forward: take its copied weights, start the next unit's copy, run, put back.
+def _heading(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
+             phase: CallPhase) -> Callable[..., Any]:
+    """A copy group's head: start its group's copies and the next group's (``unit.ahead``), then run.
 
-    The next unit is ``following``, or in a prefill (``phase``) the next streamed one, phased units included.
+    First thing, whatever the head computes: the copies then run beside the whole group, and the next
+    group's queue behind this one's in the prefetch thread.
     """
-    device, slots, in_prefill = unit.streams_to, unit.uses, unit.next_prefill
+    in_decode, in_prefill = unit.ahead, unit.ahead_prefill
+
+    def heading(*args: Any, **kwargs: Any) -> Any:
+        for other in in_prefill if phase.prefill else in_decode:
+            streamer.start(other)
+        return forward(*args, **kwargs)
+
+    return functools.wraps(forward)(heading)
+
+
+def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer, move_inputs: bool,
+                      phase: CallPhase) -> Callable[..., Any]:
+    """A streamed unit's forward: take its copied weights, start the next group's copies, run, put back.
+
+    Only a unit alone in its copy group starts copies here (``unit.ahead``, in a prefill ``ahead_prefill``,
+    phased units included): a group's head started its group's first thing (:func:`_heading`).
+    """
+    device, slots = unit.streams_to, unit.uses
+    in_decode, in_prefill = ((), ()) if unit.heads_group else (unit.ahead, unit.ahead_prefill)
 
     def streamed(*args: Any, **kwargs: Any) -> Any:
         weights = streamer.take(unit)
-        ahead = in_prefill if phase.prefill else following
-        if ahead is not None:
-            streamer.start(ahead)
+        for other in in_prefill if phase.prefill else in_decode:
+            streamer.start(other)
         for slot, data in zip(slots, weights, strict=True):
             slot.tensor.data = data
         try:
@@ -230,19 +262,25 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
                     phase: CallPhase) -> Callable[..., Any]:
     """A phased unit's forward: the prefill streamed to its prefill device, the decode where it is stored."""
     name, layer_ids, decode_device = unit.name, unit.layer_ids, unit.execution
-    prefill = _streamed_forward(unit, forward, streamer, True, phase, unit.next_prefill)
+    prefill = _streamed_forward(unit, forward, streamer, True, phase)
     # a disk unit decodes from the memory map: read the next mapped unit ahead, as mmap units do
     ahead = _disk_keys(unit.next_unit) if unit.disk and unit.next_unit is not None else []
+    # a copy group's head starts its group's copies and the next group's in the phase it finds
+    in_decode, in_prefill = (unit.ahead, unit.ahead_prefill) if unit.heads_group else ((), ())
 
     def phased(*args: Any, **kwargs: Any) -> Any:
         if unit_is_prefill(name, layer_ids, args, kwargs, phase.prefill):
             phase.prefill = True
+            for other in in_prefill:
+                streamer.start(other)
             # a cache layer filled elsewhere before (a static cache, reset) is written where the prefill runs
             move_cache_layers(name, layer_ids, args, kwargs, unit.streams_to)
             out = prefill(*args, **kwargs)
             move_cache_layers(name, layer_ids, args, kwargs, decode_device)
             return out
         phase.prefill = False
+        for other in in_decode:
+            streamer.start(other)
         streamer.drop(unit)  # a prefetch started for a prefill this call is not
         for file, key in ahead:
             file.prefetch((key,))

@@ -1,9 +1,14 @@
-"""Streamed weights: each unit's bookkeeping, copies to the device it streams to, prefetching the next unit.
+"""Streamed weights: each unit's bookkeeping, copies to the device it streams to, prefetching one group ahead.
 
 Disk reads and GPU copies run in one background thread (GPU copies on a CUDA side stream, from
 pinned memory); :class:`Streamer` hands the copied weights to the unit's forward (:mod:`._hooks`).
 A ``stream`` unit streams to its execution device; a ``phased`` unit to its prefill device, in the
 prefill only.
+
+Copies are started a copy group ahead (a decoder layer cut into sublayer units is one group; a unit
+without ``copy_group`` is a group alone): the thread runs them first in, first out, so the next
+group's copies queue behind what is left of the current group's, and the streamed weights of at most
+two groups are on the device at once.
 """
 
 from __future__ import annotations
@@ -45,10 +50,17 @@ class DispatchUnit:
     """``resident``, ``mmap`` (disk, CPU-executed, zero-copy), ``stream`` or ``phased``."""
     disk: list[tuple[SafetensorsFile, str]] = field(default_factory=list)
     next_unit: DispatchUnit | None = None
-    """The unit to prefetch when this one starts (``stream`` mode); in a prefill, see :attr:`next_prefill`.
-    A ``phased`` disk unit reads this one ahead when it decodes from the memory map."""
-    next_prefill: DispatchUnit | None = None
-    """The unit to prefetch when this one starts in a prefill, where ``phased`` units stream too."""
+    """The memory-mapped unit to read ahead (kernel read-ahead, no copy) when this one starts: ``mmap``
+    units, and ``phased`` disk units when they decode from the memory map."""
+    ahead: tuple[DispatchUnit, ...] = ()
+    """The units whose copies this one starts when it begins, in a decode (:func:`~.dispatcher._link_groups`):
+    a streamed unit alone in its copy group starts the next group's after taking its own weights; the head
+    of a group of several units (:attr:`heads_group`) its own group's and the next group's, first thing."""
+    ahead_prefill: tuple[DispatchUnit, ...] = ()
+    """The same in a prefill, where ``phased`` units stream too."""
+    heads_group: bool = False
+    """First unit of a copy group of several units with copies to start: it starts :attr:`ahead` before
+    anything else of its own forward, whatever its kind (its group's other units start none)."""
     layer_ids: tuple[int, ...] = ()
     """``phased`` only: the KV cache layers of its attention modules (their ``layer_idx``)."""
     streams_to: torch.device = field(init=False)
@@ -63,7 +75,7 @@ class DispatchUnit:
 
 
 class Streamer:
-    """Copies streamed units' weights to their execution device; prefetches the next one."""
+    """Copies streamed units' weights to their execution device, in one thread, in the order started."""
 
     def __init__(self) -> None:
         self.pool: ThreadPoolExecutor | None = None

@@ -17,17 +17,29 @@ S = disk, E = cpu           weights are views of a memory-mapped safetensors fil
                             CPU computes from the page cache, nothing is copied. ``stream`` mode
                             asks the kernel to read the next disk unit ahead.
 S != E otherwise            streamed: weights copied to E for the forward, released after.
-                            ``stream`` prefetches the next streamed unit while this one computes
-                            (a CUDA side stream from pinned memory; disk reads in a background
-                            thread); ``stream_sync`` copies when the unit is called.
+                            ``stream`` prefetches one copy group ahead (below) while this one
+                            computes (a CUDA side stream from pinned memory; disk reads in a
+                            background thread); ``stream_sync`` copies when the unit is called.
 mode phased: S = cpu or     the prefill computes on P, weights streamed S -> P as ``stream``
-disk, E = cpu, P = the      units' are (pinned copies, side stream, prefetched by the streamed
-prefill_execution (a GPU)   unit before it); right after that forward the unit's KV cache layers
+disk, E = cpu, P = the      units' are (pinned copies, side stream, prefetched a group ahead);
+prefill_execution (a GPU)   right after that forward the unit's KV cache layers
                             move P -> E. The decode computes on E from the weights where they
                             are stored (RAM, or the memory map: no copy), its cache there. A call
                             is a prefill when it has more than one token per sequence and the
                             unit's cache layers hold no tokens yet (:mod:`._phases`).
 ==========================  ==================================================================
+
+Prefetching goes by copy groups (``UnitPlacement.copy_group``: the decoder layer a sublayer unit was
+cut from; a unit without one is a group alone): runs of consecutive units with one group, whose
+streamed units (in a prefill, phased ones too) are copied together. When a group's first unit (its
+head, whatever it computes: often a norm resident on the GPU) starts, it starts its group's copies
+and the next streaming group's, in order, on the one prefetch thread. Prefetching one *unit* ahead
+would hide an MLP's copy behind its own layer's attention only; a group ahead, it runs beside a
+whole layer, and first in first out keeps the next group's copies behind this one's: the device
+holds two groups' streamed weights at most. The cost model charges a group's wait at its head and
+starts the next group's copy there (:func:`placement_opt.solver.problem.stalls`); the dispatcher is
+never later than that. A unit alone starts the next group's after taking its own weights, so a plan
+without copy groups prefetches one streamed unit ahead, as before groups existed.
 
 Streamed units are for inference: their weights leave the device after the forward, so a
 backward pass through them is not supported (resident and memory-mapped units train normally).
@@ -379,29 +391,55 @@ def _map_from_sources(unit: DispatchUnit, sources: Mapping[str, tuple[Safetensor
 
 
 def _link_prefetch(units: list[DispatchUnit]) -> None:
-    """Each ``stream``-mode unit prefetches the next unit of its kind, wrapping to the first.
+    """Which copies each unit starts (:func:`_link_groups`), and the memory-mapped read-ahead chain.
 
-    Phased disk units join the memory-mapped chain (they decode from the map). In a prefill, phased
-    units stream too: :func:`_link_prefill` gives the streamed units their next unit then.
+    ``mmap`` units, and phased disk units (they decode from the map), of mode ``stream``/``phased`` ask
+    the kernel to read the next one of them ahead (``next_unit``), wrapping to the first.
     """
-    for kinds in (("stream",), ("mmap", "phased")):
-        chain = [u for u in units if u.kind in kinds and (u.kind != "phased" or u.disk)]
-        for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
-            if unit.placement.mode in ("stream", "phased") and following is not unit:
-                unit.next_unit = following
-    _link_prefill(units)
-
-
-def _link_prefill(units: list[DispatchUnit]) -> None:
-    """``next_prefill``: the next unit streamed in a prefill, phased ones included.
-
-    The last one wraps to the first ``stream`` unit, not to a phased one: the call after a prefill
-    is a decode step, where phased units do not stream.
-    """
-    chain = [u for u in units if u.kind in ("stream", "phased")]
-    if not chain:
-        return
-    first = next((u for u in chain if u.kind == "stream"), None)
-    for unit, following in zip(chain, [*chain[1:], first], strict=True):
+    chain = [u for u in units if u.kind == "mmap" or (u.kind == "phased" and u.disk)]
+    for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
         if unit.placement.mode in ("stream", "phased") and following is not unit:
-            unit.next_prefill = following
+            unit.next_unit = following
+    _link_groups(units)
+
+
+def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
+    """Maximal runs of consecutive units with one ``copy_group``; a unit whose copy_group is None is alone."""
+    groups: list[list[DispatchUnit]] = []
+    for unit in units:
+        name = unit.placement.copy_group
+        if name is not None and groups and groups[-1][-1].placement.copy_group == name:
+            groups[-1].append(unit)
+        else:
+            groups.append([unit])
+    return groups
+
+
+def _link_groups(units: list[DispatchUnit]) -> None:
+    """One prefetch per copy group: each unit's ``ahead`` (decode) and ``ahead_prefill``.
+
+    A group's *item* in a phase is its units streamed then: ``stream`` ones, in a prefill ``phased``
+    ones too. A group with an item starts the next group's item (the next with one in that phase,
+    wrapping to the first): a group of several units at its head, first thing (its own item too,
+    those not started yet), as the cost model charges a group's wait at its head and starts the next
+    group's copy there; a unit alone (every unit of a plan without copy groups) after taking its own
+    weights, in mode ``stream`` or ``phased`` (not ``stream_sync``), as before groups. A prefill wraps
+    to the first group with a *decode* item: the call after a prefill is a decode step, where phased
+    units do not stream.
+    """
+    groups = _copy_groups(units)
+    decode = [tuple(u for u in g if u.kind == "stream") for g in groups]
+    prefill = [tuple(u for u in g if u.kind in ("stream", "phased")) for g in groups]
+    first = next((i for i, item in enumerate(decode) if item), None)
+    for i, group in enumerate(groups):
+        wrap = decode[first] if first is not None and first != i else ()
+        next_decode = next((item for item in decode[i + 1:] if item), wrap)
+        next_prefill = next((item for item in prefill[i + 1:] if item), wrap)
+        head = group[0]
+        if len(group) > 1:
+            head.ahead = decode[i] + next_decode if decode[i] else ()
+            head.ahead_prefill = prefill[i] + next_prefill if prefill[i] else ()
+            head.heads_group = bool(head.ahead or head.ahead_prefill)
+        elif head.placement.mode in ("stream", "phased") and prefill[i]:
+            head.ahead = next_decode if decode[i] else ()  # a phased unit decodes where it is stored
+            head.ahead_prefill = next_prefill
