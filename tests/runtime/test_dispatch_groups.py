@@ -40,7 +40,7 @@ ROWS = {
     "cpu": (("cpu", "cpu", "resident", None), "resident"),            # computed off home, on the CPU
     "ram>gpu": (("cpu", "cuda:0", "stream", None), "stream"),         # copied when taken (CPU -> CPU here)
     "disk>gpu": (("disk", "cuda:0", "stream", None), "stream"),       # read ahead by the prefetch thread
-    "disk>gpu sync": (("disk", "cuda:0", "stream_sync", None), "stream"),  # prefetched, prefetches nothing
+    "disk>gpu sync": (("disk", "cuda:0", "stream_sync", None), "stream"),  # alone: prefetched, prefetches nothing; in a group: copied when called
     "mmap": (("disk", "cpu", "stream", None), "mmap"),                # computed from the memory map
     "phased ram": (("cpu", "cpu", "phased", "cuda:0"), "phased"),
     "phased disk": (("disk", "cpu", "phased", "cuda:0"), "phased"),
@@ -144,8 +144,11 @@ class Semantics:
         self.index = {u: i for i, g in enumerate(self.groups) for u in g}
 
     def item(self, g: int, prefill: bool) -> list[str]:
+        """A group's units the prefetch thread copies ahead in a phase; in a group of several, not the
+        ``stream_sync`` ones (priced as copied when called)."""
         streamed = ("stream", "phased") if prefill else ("stream",)
-        return [u for u in self.groups[g] if self.kind[u] in streamed]
+        group = self.groups[g]
+        return [u for u in group if self.kind[u] in streamed and (len(group) == 1 or self.mode[u] != "stream_sync")]
 
     def following(self, g: int, prefill: bool) -> list[str]:
         """The next group's item: a later group's in this phase, else (wrapping; the call after a prefill is a
@@ -258,22 +261,23 @@ def test_a_groups_head_starts_its_group_and_the_next_one_first_thing(gpu_on_cpu,
     or on the CPU for layer 1) starts its layer's streamed units and the next streaming layer's before
     anything else; the other units of a layer only take (or drop) their own; the embedding and the head,
     alone, take theirs then start the next group's, as before. Layer 2 streams in the prefill only (a
-    phased MLP): in a decode layer 1's head starts layer 3's units, and layer 2's starts none."""
+    phased MLP): in a decode layer 1's head starts layer 3's units, and layer 2's starts none. Layer 1's
+    stream_sync MLP is no group's copy: it is copied when called, as the cost model prices it."""
     model = tiny("llama")
     prefill, *decodes = run_logged(model, group_plan(model, MIXED, grouped=True), tmp_path)
     embed, post = "model.embed_tokens", "3.post_attention_layernorm"
     assert streamer_ops(prefill) == [
         *T(embed), *S("0.self_attn", "0.mlp"),
-        *S("0.self_attn", "0.mlp", "1.self_attn", "1.mlp"), *T("0.self_attn"), *T("0.mlp"),
-        *S("1.self_attn", "1.mlp", "2.mlp"), *T("1.self_attn"), *T("1.mlp"),
+        *S("0.self_attn", "0.mlp", "1.self_attn"), *T("0.self_attn"), *T("0.mlp"),
+        *S("1.self_attn", "2.mlp"), *T("1.self_attn"), *T("1.mlp"),  # 1.mlp (stream_sync): copied when called
         *S("2.mlp", post, "3.mlp"), *T("2.mlp"),
         *S(post, "3.mlp", "lm_head"), *T(post), *T("3.mlp"),
         *T("lm_head"), *S(embed)]
     for decode in decodes:
         assert streamer_ops(decode) == [
             *T(embed), *S("0.mlp"),
-            *S("0.mlp", "1.self_attn", "1.mlp"), *D("0.self_attn"), *T("0.mlp"),
-            *S("1.self_attn", "1.mlp", post, "3.mlp"), *T("1.self_attn"), *T("1.mlp"),
+            *S("0.mlp", "1.self_attn"), *D("0.self_attn"), *T("0.mlp"),
+            *S("1.self_attn", post, "3.mlp"), *T("1.self_attn"), *T("1.mlp"),
             *D("2.mlp"),
             *S(post, "3.mlp", "lm_head"), *T(post), *T("3.mlp"),
             *T("lm_head"), *S(embed)]

@@ -415,6 +415,14 @@ def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
     return groups
 
 
+def _prefetched(unit: DispatchUnit, group: list[DispatchUnit]) -> bool:
+    """Whether ``unit`` is copied ahead by the prefetch thread: a ``stream``-kind unit, but in a group of several
+    not a ``stream_sync`` one, which the cost model prices as copied when called (a group of those alone
+    must not start the next group's copies later than the model says). A unit alone keeps the rule from
+    before groups: the streamed unit before it prefetches it whatever its mode."""
+    return unit.kind == "stream" and (len(group) == 1 or unit.placement.mode != "stream_sync")
+
+
 def _link_groups(units: list[DispatchUnit]) -> None:
     """One prefetch per copy group: each unit's ``ahead`` (decode) and ``ahead_prefill``.
 
@@ -428,8 +436,8 @@ def _link_groups(units: list[DispatchUnit]) -> None:
     units do not stream.
     """
     groups = _copy_groups(units)
-    decode = [tuple(u for u in g if u.kind == "stream") for g in groups]
-    prefill = [tuple(u for u in g if u.kind in ("stream", "phased")) for g in groups]
+    decode = [tuple(u for u in g if _prefetched(u, g)) for g in groups]
+    prefill = [tuple(u for u in g if u.kind == "phased" or _prefetched(u, g)) for g in groups]
     first = next((i for i, item in enumerate(decode) if item), None)
     for i, group in enumerate(groups):
         wrap = decode[first] if first is not None and first != i else ()
