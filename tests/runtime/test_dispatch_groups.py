@@ -159,18 +159,30 @@ class Semantics:
         first = next((j for j in range(len(self.groups)) if self.item(j, False)), None)
         return [] if first is None or first == g else self.item(first, False)
 
+    def again(self, unit: str, prefill: bool) -> list[str]:
+        """In a decode, the only group streaming then starts its item again when its last unit has taken
+        its weights (a stream-mode one): nothing else would prefetch it for the next step. A plan without
+        phased units does not tell a prefill from a decode: there every call does it."""
+        streaming = [j for j in range(len(self.groups)) if self.item(j, False)]
+        told = prefill and "phased" in self.kind.values()  # only a plan with phased units tells a prefill
+        if told or len(streaming) != 1:
+            return []
+        item = self.item(streaming[0], False)
+        return item if unit == item[-1] and self.mode[unit] == "stream" else []
+
     def ops(self, unit: str, prefill: bool) -> list[tuple[str, str]]:
         """What ``unit`` does with the Streamer when it runs."""
         g, kind = self.index[unit], self.kind[unit]
         group = self.groups[g]
         own = {"stream": [("take", unit)], "phased": [("take" if prefill else "drop", unit)]}.get(kind, [])
+        again = [("start", u) for u in self.again(unit, prefill)]
         if len(group) > 1:  # a group streaming in this phase: its head starts its item and the next one, first
             item = self.item(g, prefill)
             starts = item + self.following(g, prefill) if unit == group[0] and item else []
-            return [("start", u) for u in starts] + own
+            return [("start", u) for u in starts] + own + again
         # a unit alone: takes its weights, then (stream mode, or phased in a prefill) starts the next group's
         ahead = kind == "stream" and self.mode[unit] == "stream" or kind == "phased" and prefill
-        return own + [("start", u) for u in (self.following(g, prefill) if ahead else [])]
+        return own + [("start", u) for u in (self.following(g, prefill) if ahead else [])] + again
 
     def expected(self, call: list[tuple[str, str]], prefill: bool) -> list[tuple[str, str]]:
         return [op for event, unit in call if event == "run" for op in self.ops(unit, prefill)]
@@ -401,3 +413,17 @@ def test_on_a_gpu_group_prefetch_generates_the_plain_models_tokens(family, tmp_p
     for call, in_prefill in ((prefill, True), *((d, False) for d in decodes)):
         assert streamer_ops(call) == sem.expected(call, in_prefill)
         assert_heads_prefetch_one_group_ahead(sem, call, in_prefill)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["copy_group None", "grouped"])
+def test_the_only_group_streaming_in_a_decode_copies_itself_for_the_next_step(gpu_on_cpu, tmp_path, grouped):
+    """One streamed MLP (from disk, so the prefetch thread reads it): no other group's head would start its
+    copy, so once it has its weights it starts them again for the next call; the next call takes that copy
+    (its head's start finds it under way). The cost model prices the decode so. A plan without phased
+    units does not tell a prefill from a decode (both stream alike): every call does the same."""
+    model = tiny("llama")
+    plan = group_plan(model, {"model.layers.2.mlp": "disk>gpu"}, grouped=grouped)
+    calls_ = run_logged(model, plan, tmp_path)
+    head = S("2.mlp") if grouped else []
+    for call in calls_:
+        assert streamer_ops(call) == [*head, *T("2.mlp"), *S("2.mlp")]
