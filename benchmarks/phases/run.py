@@ -234,7 +234,8 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
         "decode tok/s: generated tokens per second over the decode steps (batch included). The layer plan chooses "
         "among resident, CPU-computed and streamed decoder layers; the phased plan may also stream a layer for the "
         "prompt and compute it on the CPU for every decode step; the sublayer plan makes those choices for "
-        "attention, MLP, router and experts separately (home cuda:0). Every plan minimises the whole workload's "
+        "attention, MLP, router and experts separately (home cuda:0; a layer's streamed parts copied together, one "
+        "prefetch per layer). Every plan minimises the whole workload's "
         "latency (prefill + decode), so a plan may give up some decode speed for a much faster prompt: the "
         "decode ratio can fall below 1 where the total still drops (compare the total column).",
         "",
