@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,9 @@ def plans(draw) -> Plan:
     units = draw(st.lists(names, min_size=1, max_size=8, unique=True))
     rows = [(u, *draw(st.sampled_from(_ROWS))) for u in units]
     base = make_plan(rows, name=draw(names))
+    groups = draw(st.lists(st.one_of(st.none(), names), min_size=len(units), max_size=len(units)))
+    base = dataclasses.replace(base, placements=tuple(dataclasses.replace(p, copy_group=g)
+                                                      for p, g in zip(base.placements, groups, strict=True)))
     baselines = tuple(BaselineResult(strategy=draw(names), total_s=draw(times), fits=draw(st.booleans()),
                                      short_bytes=draw(st.integers(0, 2**40)), note=draw(st.text(max_size=20)))
                       for _ in range(draw(st.integers(0, 3))))
@@ -123,3 +127,16 @@ def test_the_fingerprint_catches_a_renamed_parameter():
     del layer.up_proj.weight
     with pytest.raises(po.errors.DispatchError, match=r"model.layers.0: .*parameters in the plan"):
         check_plan(model, plan)
+
+
+def test_a_sublayer_plan_names_each_parts_layer_as_its_copy_group():
+    model = tiny("llama")
+    plan = po.solve(po.trace(model, granularity="sublayer"), {"cpu": "8GiB"}, time_limit_s=2, workers=1)
+    groups = {p.unit: p.copy_group for p in plan.placements}
+    assert groups["model.layers.1.mlp"] == groups["model.layers.1.input_layernorm"] == "model.layers.1"
+    assert groups["model.embed_tokens"] is None and groups["lm_head"] is None
+    assert Plan.from_json(plan.to_json()).placements == plan.placements
+    data = plan.to_dict()
+    data["placements"][3]["copy_group"] = ""
+    with pytest.raises(PlanFormatError, match="copy_group"):
+        Plan.from_dict(data)
