@@ -69,3 +69,25 @@ def test_a_graph_with_its_own_granularity_is_accepted():
     plan = solve(graph, {0: "1GiB", "cpu": "1GiB"}, workload=WL, granularity="sublayer", workers=1)
     same = solve(graph, {0: "1GiB", "cpu": "1GiB"}, workload=WL, workers=1)
     assert (plan.placements, plan.objective_value) == (same.placements, same.objective_value)
+
+
+@pytest.mark.parametrize("gpu", ["2GiB", "3GiB", "40GiB"])
+def test_a_plan_says_when_a_layers_parts_stream_together(gpu):
+    """The note is there exactly when some layer streams a part, and counts those layers; block plans have none.
+    A 4-layer Llama-3-8B shape on an H100 preset: a tight budget streams parts, a roomy one keeps all resident."""
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    devices = f"cuda:0=h100-sxm/{gpu},cpu=64GiB"
+    options = {"workload": Workload(batch_size=1, prompt_len=512, new_tokens=32, overlap=True), "time_limit_s": 1.0,
+               "workers": 1}
+    plan = solve(trace(config, dtype="bfloat16", granularity="sublayer"), devices, **options)
+    layers = {p.copy_group for p in plan.placements if p.copy_group and p.mode in ("stream", "phased")}
+    assert bool(layers) == (gpu != "40GiB")  # the case streams, or not, as it is meant to
+    notes = [n for n in plan.notes if "(copy_group)" in n]
+    assert notes == ([f"{len(layers)} layer(s) stream some of their sublayer units (copy_group): placement_opt's "
+                      "dispatcher copies a layer's streamed units together, one layer ahead, and the estimate "
+                      "assumes it; from_pretrained(device_map=...) would copy each unit when it is called"]
+                     if layers else [])
+    block = solve(trace(config, dtype="bfloat16"), devices, **options)
+    assert all(p.copy_group is None for p in block.placements)
+    assert not [n for n in block.notes if "(copy_group)" in n]

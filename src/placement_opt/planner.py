@@ -447,7 +447,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
-    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements)]
+    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
                 objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,
@@ -466,6 +466,16 @@ def _phased_note(placements: Sequence[UnitPlacement]) -> list[str]:
             f"on the CPU. plan.device_map gives their storage, and from_pretrained(device_map=...) would stream "
             f"them to the GPU at every step instead: run the plan with placement_opt.dispatch() or load() to get "
             f"its speed"]
+
+
+def _group_note(placements: Sequence[UnitPlacement]) -> list[str]:
+    """What accelerate cannot express: a layer's streamed sublayer units copied together, a layer ahead."""
+    layers = {p.copy_group for p in placements if p.copy_group is not None and p.mode in ("stream", "phased")}
+    if not layers:
+        return []
+    return [f"{len(layers)} layer(s) stream some of their sublayer units (copy_group): placement_opt's dispatcher "
+            f"copies a layer's streamed units together, one layer ahead, and the estimate assumes it; "
+            f"from_pretrained(device_map=...) would copy each unit when it is called"]
 
 
 def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
