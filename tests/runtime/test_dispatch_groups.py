@@ -133,6 +133,7 @@ class Semantics:
                        if r == (p.storage, p.execution, p.mode, p.prefill_execution))
             self.kind[p.unit] = ROWS[row][1]
         self.mode = {p.unit: p.mode for p in plan.placements}
+        self.execution = {p.unit: p.execution for p in plan.placements}
         self.groups: list[list[str]] = []  # runs of consecutive units with one copy_group; None: alone
         last = None
         for p in plan.placements:
@@ -144,11 +145,13 @@ class Semantics:
         self.index = {u: i for i, g in enumerate(self.groups) for u in g}
 
     def item(self, g: int, prefill: bool) -> list[str]:
-        """A group's units the prefetch thread copies ahead in a phase; in a group of several, not the
-        ``stream_sync`` ones (priced as copied when called)."""
+        """A group's units the prefetch thread copies ahead in a phase; in a group of several, only a ``stream``
+        to a GPU or a phased unit (the others are priced as copied when called)."""
         streamed = ("stream", "phased") if prefill else ("stream",)
         group = self.groups[g]
-        return [u for u in group if self.kind[u] in streamed and (len(group) == 1 or self.mode[u] != "stream_sync")]
+        return [u for u in group if self.kind[u] in streamed
+                and (len(group) == 1 or self.kind[u] == "phased"
+                     or (self.mode[u] == "stream" and self.execution[u] != "cpu"))]
 
     def following(self, g: int, prefill: bool) -> list[str]:
         """The next group's item: a later group's in this phase, else (wrapping; the call after a prefill is a
@@ -427,3 +430,25 @@ def test_the_only_group_streaming_in_a_decode_copies_itself_for_the_next_step(gp
     head = S("2.mlp") if grouped else []
     for call in calls_:
         assert streamer_ops(call) == [*head, *T("2.mlp"), *S("2.mlp")]
+
+
+def test_in_a_group_a_disk_read_for_the_cpu_is_made_when_called(gpu_on_cpu, tmp_path):
+    """disk_reads="copy": a CPU-executed disk unit is copied out of the file, by the prefetch thread when it is
+    alone (as before groups); in a group, its read is made when it is called, as the cost model prices it,
+    and only the layer's GPU-streamed MLP is its head's to start."""
+    model = tiny("llama")
+    rows = {"model.layers.1.self_attn": "mmap", "model.layers.1.mlp": "disk>gpu"}
+    plan = group_plan(model, rows, grouped=True)
+    with torch.no_grad():
+        expected = model.generate(**prompt(), max_new_tokens=2, **GENERATE)
+    before = snapshot(model)
+    with logging_streamer() as log:
+        handle = dispatch(model, plan, offload_dir=tmp_path, disk_reads="copy")
+        with torch.no_grad():
+            got = handle.generate(**prompt(), max_new_tokens=2, **GENERATE)
+        handle.remove()
+    assert torch.equal(got.sequences.cpu(), expected.sequences)
+    assert_restored(model, before)
+    starts = {unit for op, unit in log if op == "start"}
+    assert starts == {"model.layers.1.mlp"}
+    assert ("take", "model.layers.1.self_attn") in log  # copied out of the file when called

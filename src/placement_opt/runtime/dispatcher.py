@@ -417,10 +417,13 @@ def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
 
 def _prefetched(unit: DispatchUnit, group: list[DispatchUnit]) -> bool:
     """Whether ``unit`` is copied ahead by the prefetch thread: a ``stream``-kind unit, but in a group of several
-    not a ``stream_sync`` one, which the cost model prices as copied when called (a group of those alone
+    only a ``stream`` to a GPU, the one option the cost model prices as copied beside the compute
+    (``stream_sync``, and a disk read for the CPU, are priced as made when called: a group of those alone
     must not start the next group's copies later than the model says). A unit alone keeps the rule from
     before groups: the streamed unit before it prefetches it whatever its mode."""
-    return unit.kind == "stream" and (len(group) == 1 or unit.placement.mode != "stream_sync")
+    if unit.kind != "stream":
+        return False
+    return len(group) == 1 or (unit.placement.mode == "stream" and unit.placement.execution != "cpu")
 
 
 def _link_groups(units: list[DispatchUnit]) -> None:
