@@ -66,7 +66,8 @@ def dispatcher_step_time(durations, copies, cyclic, runs):
     then the next copying run's on the one prefetch thread, which copies them in order, one at a time; each
     streamed unit waits only for its own copy. Written from that behaviour, not from the cost model's
     charge, which waits for the whole run at its head. The first copying run is queued at time 0, as the
-    call before wrapping around does (a first call ever copies it when its head starts).
+    call before wrapping around does (a first call ever copies it when its head starts). The only copying
+    run of a decode has each unit copy itself again once it has its weights (it would be its own next).
     """
     run_of = {u: r for r, (a, b) in enumerate(runs) for u in range(a, b)}
     copying = [r for r, (a, b) in enumerate(runs) if any(copies[a:b])]
@@ -96,6 +97,8 @@ def dispatcher_step_time(durations, copies, cyclic, runs):
             if copies[u] > 0:
                 clock = max(clock, done[u])
                 queued.discard(u)  # taken: the next round copies it again
+                if cyclic and len(copying) == 1:
+                    queue(r)  # the only copying run: each unit copies itself again for the next step
             clock += durations[u]
         step = clock - begun
     return step

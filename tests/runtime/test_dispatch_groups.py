@@ -163,15 +163,14 @@ class Semantics:
         return [] if first is None or first == g else self.item(first, False)
 
     def again(self, unit: str, prefill: bool) -> list[str]:
-        """In a decode, the only group streaming then starts its item again when its last unit has taken
+        """In a decode, each unit of the only group streaming then starts its own copy again once it has taken
         its weights (a stream-mode one): nothing else would prefetch it for the next step. A plan without
         phased units does not tell a prefill from a decode: there every call does it."""
         streaming = [j for j in range(len(self.groups)) if self.item(j, False)]
         told = prefill and "phased" in self.kind.values()  # only a plan with phased units tells a prefill
         if told or len(streaming) != 1:
             return []
-        item = self.item(streaming[0], False)
-        return item if unit == item[-1] and self.mode[unit] == "stream" else []
+        return [unit] if unit in self.item(streaming[0], False) and self.mode[unit] == "stream" else []
 
     def ops(self, unit: str, prefill: bool) -> list[tuple[str, str]]:
         """What ``unit`` does with the Streamer when it runs."""

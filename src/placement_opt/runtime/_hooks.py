@@ -235,8 +235,8 @@ def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer:
     """A streamed unit's forward: take its copied weights, start the next group's copies, run, put back.
 
     Only a unit alone in its copy group starts copies here (``unit.ahead``, in a prefill ``ahead_prefill``,
-    phased units included): a group's head started its group's first thing (:func:`_heading`). The last
-    unit of the only group streaming in a decode starts that group again (``unit.again``).
+    phased units included): a group's head started its group's first thing (:func:`_heading`). A unit of
+    the only group streaming in a decode starts its own copy again, for the next step (``unit.again``).
     """
     device, slots = unit.streams_to, unit.uses
     in_decode, in_prefill = ((), ()) if unit.heads_group else (unit.ahead, unit.ahead_prefill)

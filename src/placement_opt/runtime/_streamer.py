@@ -62,8 +62,8 @@ class DispatchUnit:
     """First unit of a copy group of several units with copies to start: it starts :attr:`ahead` before
     anything else of its own forward, whatever its kind (its group's other units start none)."""
     again: tuple[DispatchUnit, ...] = ()
-    """Set on the last prefetched unit of the only group streaming in a decode: its group's units, started
-    again after this one takes its weights, for the next decode step (no other group's head would)."""
+    """``(self,)`` for a unit of the only group streaming in a decode: its copy, started again once it has
+    taken its weights, for the next decode step (no other group's head would start it)."""
     layer_ids: tuple[int, ...] = ()
     """``phased`` only: the KV cache layers of its attention modules (their ``layer_idx``)."""
     streams_to: torch.device = field(init=False)

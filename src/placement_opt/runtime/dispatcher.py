@@ -436,8 +436,8 @@ def _link_groups(units: list[DispatchUnit]) -> None:
     group's copy there; a unit alone (every unit of a plan without copy groups) after taking its own
     weights, in mode ``stream`` or ``phased`` (not ``stream_sync``), as before groups. A prefill wraps
     to the first group with a *decode* item: the call after a prefill is a decode step, where phased
-    units do not stream. When one group alone streams in a decode, its last prefetched unit starts the
-    group again once it has its weights (``again``), for the next step.
+    units do not stream. When one group alone streams in a decode, each of its units starts its own copy
+    again once it has its weights (``again``), for the next step.
     """
     groups = _copy_groups(units)
     decode = [tuple(u for u in g if _prefetched(u, g)) for g in groups]
@@ -456,7 +456,8 @@ def _link_groups(units: list[DispatchUnit]) -> None:
             head.ahead = next_decode if decode[i] else ()  # a phased unit decodes where it is stored
             head.ahead_prefill = next_prefill
     streaming = [item for item in decode if item]
-    if len(streaming) == 1 and streaming[0][-1].placement.mode == "stream":
-        # it would be its own next group: once its last unit has its weights, copy them for the next step, as
-        # the cost model prices the decode (each copy beside the whole step before it)
-        streaming[0][-1].again = streaming[0]
+    if len(streaming) == 1:
+        # it would be its own next group: each of its units, once it has its weights, copies them again for
+        # the next step, as the cost model prices the decode (a copy beside the whole step before it)
+        for unit in streaming[0]:
+            unit.again = (unit,) if unit.placement.mode == "stream" else ()
