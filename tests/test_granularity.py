@@ -88,6 +88,10 @@ def test_a_plan_says_when_a_layers_parts_stream_together(gpu):
                       "dispatcher copies a layer's streamed units together, one layer ahead, and the estimate "
                       "assumes it; from_pretrained(device_map=...) would copy each unit when it is called"]
                      if layers else [])
+    grouped = "a layer's streamed sublayer units are copied together"
+    assert (grouped in plan.explain()) == bool(layers)  # explain() says where the waits are charged
     block = solve(trace(config, dtype="bfloat16"), devices, **options)
     assert all(p.copy_group is None for p in block.placements)
     assert not [n for n in block.notes if "(copy_group)" in n]
+    assert grouped not in block.explain()
+    assert ("each starts when the streamed unit before it does" in block.explain()) == (block.cost.copy_s > 0)

@@ -229,10 +229,13 @@ class Plan:
                              f"weights at every step would cost more than computing them on the CPU.")
         if c.copy_s:
             hidden = 1 - c.wait_s / c.copy_s
+            grouped = any(p.copy_group for p in self.placements)
+            when = ("a layer's streamed sublayer units are copied together, starting when the layer before them "
+                    "that streams starts, and the wait is charged to the layer's first unit" if grouped else
+                    "each starts when the streamed unit before it does")
             lines.append(f"- streamed weights: {format_seconds(c.copy_s)} of copies run on the prefetch thread beside "
-                         f"the compute (each starts when the streamed unit before it does, and in the decode the "
-                         f"last one fetches the next step's first); {hidden:.0%} of it is hidden, "
-                         f"{format_seconds(c.wait_s)} is spent waiting for weights.")
+                         f"the compute ({when}; in the decode the last one fetches the next step's first); "
+                         f"{hidden:.0%} of it is hidden, {format_seconds(c.wait_s)} is spent waiting for weights.")
         slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s + u.wait_s, reverse=True)[:3]
         for u in slow:
             lines.append(f"- {u.name} is among the most expensive units ({format_seconds(u.prefill_s + u.decode_s)}: "
