@@ -61,6 +61,7 @@ phased unit's are created on its GPU in the prefill and moved to the CPU once, w
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Mapping
@@ -406,12 +407,9 @@ def _link_prefetch(units: list[DispatchUnit]) -> None:
 def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
     """Maximal runs of consecutive units with one ``copy_group``; a unit whose copy_group is None is alone."""
     groups: list[list[DispatchUnit]] = []
-    for unit in units:
-        name = unit.placement.copy_group
-        if name is not None and groups and groups[-1][-1].placement.copy_group == name:
-            groups[-1].append(unit)
-        else:
-            groups.append([unit])
+    for name, run in itertools.groupby(units, key=lambda u: u.placement.copy_group):
+        members = list(run)
+        groups += [members] if name is not None else [[u] for u in members]
     return groups
 
 

@@ -398,8 +398,10 @@ class PlacementModel:
                    if self._t(opt.copy_in(ph)) > 0] for a, b in runs]
         if not any(copies):
             return [0] * n
-        most = max(sum(max((c for v, _, c in row if v == u), default=0) for u in range(a, b))
-                   for (a, b), row in zip(runs, copies, strict=True))
+        unit_most: dict[int, int] = {}  # each unit's largest copy; a run's largest is their sum
+        for u, _, c in itertools.chain.from_iterable(copies):
+            unit_most[u] = max(c, unit_most.get(u, 0))
+        most = max(sum(unit_most.get(u, 0) for u in range(a, b)) for a, b in runs)
         cyclic = ph == "decode_ns"
         durations = [sum(self._t(getattr(o, ph)) for o in self.chosen[a:b]) for a, b in runs]
         hinted_copy = [sum(self._t(o.copy_in(ph)) for o in self.chosen[a:b]) for a, b in runs]
