@@ -49,7 +49,8 @@ def reference_value(problem, choice, objective):
     if objective == "throughput":  # a streamed unit's stage work: the longer of its compute and its copy
         return max(sum(max(getattr(o, key), copy_of(o, key)) for o in chosen.values()
                        for key in ("prefill_ns", "decode_ns") if computes(o, key) == d) for d in devices)
-    return sum(reference_bytes(chosen.values(), d.name) for d in problem.devices if d.kind == "gpu")
+    return sum(reference_bytes(list(chosen.values()), d.name, reference_runs(problem))
+               for d in problem.devices if d.kind == "gpu")
 
 
 def reference_runs(problem):
@@ -69,18 +70,27 @@ def copy_of(o, key):
     return o.copy_prefill_ns if key == "prefill_ns" else o.copy_decode_ns
 
 
-def reference_bytes(chosen, device):
+def reference_bytes(chosen, device, runs=None):
+    """Stored + resident + the largest transient, each less its group copies (twice ``group_copy_bytes``, on
+    the prefill GPU of a phased option), + twice the largest sum of one copy run's group copies to ``device``."""
+    def apart(o, prefill):
+        return 2 * o.group_copy_bytes if (o.prefill_execution is not None) == prefill else 0
+
     stored = sum(o.stored_bytes for o in chosen if o.storage == device)
     resident = sum(o.resident_bytes for o in chosen if o.execution == device)
-    peaks = [o.peak_bytes for o in chosen if o.execution == device]
-    peaks += [o.prefill_peak_bytes for o in chosen if o.prefill_execution == device]
-    return stored + resident + max(peaks, default=0)
+    peaks = [o.peak_bytes - apart(o, False) for o in chosen if o.execution == device]
+    peaks += [o.prefill_peak_bytes - apart(o, True) for o in chosen if o.prefill_execution == device]
+    runs = runs or [(u, u + 1) for u in range(len(chosen))]
+    group = max((sum(o.group_copy_bytes for o in chosen[a:b] if (o.prefill_execution or o.execution) == device)
+                 for a, b in runs), default=0)
+    return stored + resident + max(peaks, default=0) + 2 * group
 
 
 def reference_valid(problem, choice):
     chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
     storage = {u.name: o.storage for u, o in zip(problem.units, chosen, strict=True)}
-    if any(reference_bytes(chosen, d.name) > d.capacity_bytes for d in problem.devices):
+    runs = reference_runs(problem)
+    if any(reference_bytes(chosen, d.name, runs) > d.capacity_bytes for d in problem.devices):
         return False
     if any(storage[n] != d for n, d in problem.pins.items()):
         return False

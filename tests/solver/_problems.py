@@ -37,6 +37,8 @@ def _menu(draw, gpus, twins):
             out.update(copy_prefill_ns=draw(st.integers(0, 40)), copy_decode_ns=draw(st.integers(0, 80)),
                        host_prefill_ns=draw(st.integers(0, 20)), host_decode_ns=draw(st.integers(0, 40)),
                        disk_prefill_ns=draw(st.integers(0, 20)), disk_decode_ns=draw(st.integers(0, 40)))
+            share = draw(st.integers(0, 2))  # its group copy, held twice in its peak (problem.py's memory)
+            out.update(group_copy_bytes=share, peak_bytes=out["peak_bytes"] + 2 * share)
         return out
     stored = draw(st.integers(0, 6))
     on_gpu, streamed = numbers(), numbers(copies=True)
@@ -91,10 +93,10 @@ def problems(draw, run=False):
     pinned = f"u{draw(st.integers(0, 0 if run else n - 1))}"
     pins = {pinned: draw(st.sampled_from(devices))} if draw(st.integers(0, 3)) == 0 else {}
     return PlacementProblem(units=units, edges=tuple(edges), devices=specs, tied_groups=tied, pins=pins,
-                            contiguous=draw(st.integers(0, 4)) == 0, copy_groups=_copy_groups(draw, n))
+                            contiguous=draw(st.integers(0, 4)) == 0, copy_groups=copy_groups(draw, n))
 
 
-def _copy_groups(draw, n):
+def copy_groups(draw, n):
     """Now and then, runs of consecutive units copied as one (a sublayer graph's layers)."""
     if n < 2 or draw(st.integers(0, 2)):
         return ()

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given
+from _problems import problems as grouped_problems
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from placement_opt.solver.greedy import (
     GREEDY_RESERVES,
     ONE_GPU_RESERVES,
+    _GroupBuffers,
     best_greedy_choice,
     greedy_choice,
 )
@@ -25,8 +27,9 @@ from placement_opt.solver.problem import (
     PlacementOption,
     PlacementProblem,
     UnitSpec,
+    group_buffer_bytes,
 )
-from placement_opt.solver.starts import _pack, executor_starts, fits, improve
+from placement_opt.solver.starts import _Memory, _pack, executor_starts, fits, improve
 
 
 def opt(storage, execution=None, *, t=100, stored=1, resident=0, peak=0, mode=None):
@@ -201,3 +204,38 @@ def test_pack_finds_the_best_value_within_the_budget(items, budget):
     best = max(sum(v for _, v in sub) for k in range(len(items) + 1) for sub in itertools.combinations(items, k)
                if sum(w for w, _ in sub) <= budget)
     assert sum(items[i][1] for i in chosen) == best
+
+
+def _within_capacities(problem, choice):
+    used = problem.score(choice).used_bytes
+    return all(used[d.name] <= d.capacity_bytes for d in problem.devices)
+
+
+@given(grouped_problems(), st.data())
+def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data):
+    """The fill's running account (_Memory: transients, copy-group buffers) against the problem's memory model,
+    move by move: a move is taken if and only if every device still fits after it."""
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    assume(_within_capacities(problem, choice))
+    memory = _Memory(problem, problem.options(choice))
+    for _ in range(8):
+        i = data.draw(st.integers(0, len(problem.units) - 1))
+        k = data.draw(st.integers(0, len(problem.units[i].options) - 1))
+        trial = [*choice[:i], k, *choice[i + 1:]]
+        old, new = problem.units[i].options[choice[i]], problem.units[i].options[k]
+        assert memory.move(i, old, new) == _within_capacities(problem, trial)
+        if _within_capacities(problem, trial):
+            choice = trial
+
+
+@given(grouped_problems(), st.data())
+def test_the_greedy_grows_the_group_buffers_to_what_the_problem_counts(problem, data):
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    chosen = problem.options(choice)
+    groups, grown = _GroupBuffers(problem), {}
+    for k, o in enumerate(chosen):
+        groups.enter(k)
+        if o.group_copy_bytes:
+            grown[o.group_device] = grown.get(o.group_device, 0) + groups.grows(o)
+        groups.add(o)
+    assert {d: n for d, n in grown.items() if n} == group_buffer_bytes(chosen, problem.copy_runs)

@@ -22,6 +22,7 @@ from _brute import (
     reference_valid,
     reference_value,
 )
+from _problems import copy_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +87,10 @@ def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS):
             if kind == "gpu":
                 options.append(PlacementOption(storage=g, execution=g, mode="resident", stored_bytes=stored, **n))
             elif kind == "stream":
-                options.append(PlacementOption(storage="cpu", execution=g, mode="stream", stored_bytes=stored, **n))
+                share = draw(st.integers(0, 2))  # its group copy, twice in its peak (problem.py's memory)
+                options.append(PlacementOption(storage="cpu", execution=g, mode="stream", stored_bytes=stored,
+                                               **(n | dict(peak_bytes=n["peak_bytes"] + 2 * share,
+                                                           group_copy_bytes=share))))
             elif kind == "cpu":
                 options.append(PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=stored,
                                                **n))
@@ -95,8 +99,10 @@ def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS):
                                                **n))
             else:
                 peak = prefill_peak if twins else draw(st.integers(0, 6))
+                share = draw(st.integers(0, 2))  # its prefill's group copy, twice in its prefill peak
                 options.append(PlacementOption(storage=store, execution="cpu", mode="phased", prefill_execution=g,
-                                               prefill_peak_bytes=peak, stored_bytes=stored, **n))
+                                               prefill_peak_bytes=peak + 2 * share, group_copy_bytes=share,
+                                               stored_bytes=stored, **n))
     return tuple(options)
 
 
@@ -150,7 +156,7 @@ def phased_problems(draw, run=False):
         unit = units[0 if run else draw(st.integers(0, n - 1))]
         pins = {unit.name: draw(st.sampled_from(sorted({o.storage for o in unit.options})))}
     return PlacementProblem(units=units, edges=tuple(edges), devices=tuple(specs), tied_groups=tied, pins=pins,
-                            contiguous=not run and draw(st.integers(0, 5)) == 0)
+                            contiguous=not run and draw(st.integers(0, 5)) == 0, copy_groups=copy_groups(draw, n))
 
 
 def _assignments(problem):
@@ -435,9 +441,12 @@ def test_baseline_maps_skip_phased_options():
 @settings(max_examples=100)
 @given(phased_problems(run=True), st.data())
 def test_coarse_phased_assignments_cost_what_they_expand_to(problem, data):
-    def varied(o):  # the run's units keep their menu's devices and modes, not its numbers
-        return dataclasses.replace(o, prefill_ns=data.draw(st.integers(0, 30)), peak_bytes=data.draw(st.integers(0, 4)),
-                                   prefill_peak_bytes=data.draw(st.integers(0, 6)) if o.mode == "phased" else 0)
+    def varied(o):  # the run's units keep their menu's devices and modes, not its numbers (nor group copies)
+        held = 2 * o.group_copy_bytes
+        return dataclasses.replace(
+            o, prefill_ns=data.draw(st.integers(0, 30)),
+            peak_bytes=data.draw(st.integers(0, 4)) + (held if o.mode == "stream" else 0),
+            prefill_peak_bytes=data.draw(st.integers(0, 6)) + held if o.mode == "phased" else 0)
     problem = dataclasses.replace(problem, units=problem.units[:1] + tuple(
         dataclasses.replace(u, options=tuple(varied(o) for o in u.options)) for u in problem.units[1:]))
     hint = _hint(problem, data)

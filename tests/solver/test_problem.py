@@ -16,6 +16,7 @@ from placement_opt.solver.problem import (
     PlacementOption,
     PlacementProblem,
     UnitSpec,
+    group_buffer_bytes,
     stalls,
 )
 
@@ -193,3 +194,40 @@ def test_copy_groups_must_be_runs_of_known_consecutive_units():
     grouped = PlacementProblem(units=units, edges=(), devices=devices, copy_groups=(("u1", "u2"),))
     assert grouped.copy_runs == ((0, 1), (1, 3), (3, 4))
     assert PlacementProblem(units=units, edges=(), devices=devices, copy_groups=(("u1",),)).copy_runs is None
+
+
+def _part(storage, peak, share=0):
+    mode = "resident" if storage == "cuda:0" else "stream"
+    return PlacementOption(storage=storage, execution="cuda:0", mode=mode, prefill_ns=1, decode_ns=1,
+                           stored_bytes=10, resident_bytes=0, peak_bytes=peak, group_copy_bytes=share)
+
+
+def test_a_gpu_holds_one_buffer_per_copy_group_beside_its_largest_workspace():
+    # two layers of two parts each: workspaces 4, 6, 4, 6; a streamed part copies 10 bytes (peak 6 + 2 x 10)
+    resident = (_part("cuda:0", 4), _part("cuda:0", 6))
+    streamed = (_part("cpu", 4 + 20, share=10), _part("cpu", 6 + 20, share=10))
+    units = tuple(UnitSpec(name=f"l{layer}.p{k}", options=(resident[k], streamed[k])) for layer in (0, 1) for k in (0, 1))
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=1000), DeviceSpec(name="cpu", kind="cpu",
+                                                                                       capacity_bytes=1000))
+    problem = PlacementProblem(units=units, edges=(), devices=devices,
+                               copy_groups=(("l0.p0", "l0.p1"), ("l1.p0", "l1.p1")))
+    on_gpu = {c: problem.score(c).used_bytes["cuda:0"] for c in ((0, 0, 0, 0), (1, 0, 1, 0), (1, 1, 0, 0),
+                                                                  (1, 1, 1, 1))}
+    assert on_gpu == {(0, 0, 0, 0): 40 + 6,  # all resident: weights, the largest workspace
+                      (1, 0, 1, 0): 20 + 6 + 2 * 10,  # one part per layer: one part's copy twice
+                      (1, 1, 0, 0): 20 + 6 + 2 * 20,  # one whole layer: the layer's copy twice
+                      (1, 1, 1, 1): 0 + 6 + 2 * 20}  # every part: two layers' copies, not four parts' twice
+    # without groups, each streamed unit is a group of its own
+    alone = PlacementProblem(units=units, edges=(), devices=devices)
+    assert alone.score((1, 1, 1, 1)).used_bytes["cuda:0"] == 6 + 2 * 10
+    assert group_buffer_bytes(problem.options((1, 1, 1, 1)), problem.copy_runs) == {"cuda:0": 40}
+    # the baselines' conservative price of a part: its group's whole buffer at the most
+    assert problem.most_peak(streamed[0]) == 4 + 2 * 20
+
+
+def test_a_group_copy_must_be_a_streamed_option_holding_it_twice():
+    with pytest.raises(SolverInputError, match="group_copy_bytes 10 needs a stream or phased option whose peak "
+                                               "holds it 2 times"):
+        _part("cpu", 19, share=10)
+    with pytest.raises(SolverInputError, match="needs a stream or phased option"):
+        _part("cuda:0", 40, share=10)

@@ -10,8 +10,11 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 * ``n[g, o]`` is the number of units of group ``g`` (identical option menus) that use option ``o``.
 * ``z[d, j]`` is 1 if some unit's option puts a transient of at least level ``j`` on ``d``
   (:meth:`~.problem.PlacementOption.peaks`: ``peak_bytes`` on its execution device, and a phased
-  option's ``prefill_peak_bytes`` on its prefill device); ``peak[d]`` is the sum of the level steps
-  switched on.
+  option's ``prefill_peak_bytes`` on its prefill device; :meth:`~.problem.PlacementOption.peaks_apart`,
+  less its group copies); ``peak[d]`` is the sum of the level steps switched on, plus ``GROUP_BUFFERS x
+  group[d]``.
+* ``group[d]`` is at least every copy run's ``group_copy_bytes`` copied to ``d`` (problems whose options
+  copy with their group only; :func:`~.problem.group_buffer_bytes`).
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
 * ``used[d, u]`` is 1 once some unit up to ``u`` stores or computes (in either phase) on ``d``
   (interchangeable devices only: their first uses are ordered).
@@ -46,12 +49,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .problem import PHASES, DeviceSpec, PlacementOption, PlacementProblem, stalls
+from .problem import (
+    GROUP_BUFFERS,
+    PHASES,
+    DeviceSpec,
+    PlacementOption,
+    PlacementProblem,
+    group_buffer_bytes,
+    stalls,
+)
 
 __all__ = ["PlacementModel", "DETERMINISTIC_TIME_PER_S", "OutOfTime", "new_solver", "rounding_slack", "add_capacity_row", "add_level_caps", "peak_levels",
            "computes_on", "stage_work", "own_work", "peak_flags"]
@@ -216,7 +227,7 @@ class PlacementModel:
         (peaks(): the execution device's, and a phased option's prefill device's), in order; one pass."""
         out: dict[str, list[tuple[int, Any]]] = {d: [] for d in self.devices}
         for var, opt in options:
-            for d, nbytes in opt.peaks():
+            for d, nbytes in opt.peaks_apart():
                 out[d].append((nbytes, var))
         return out
 
@@ -227,6 +238,23 @@ class PlacementModel:
         for level, zj in zip(levels, z, strict=True):
             self._hinted(zj, int(hinted >= level))
         return peak
+
+    def _group_buffer(self, dev: str, hinted: Mapping[str, int]) -> Any:
+        # b[d] >= each copy run's group copies to d (problem.group_buffer_bytes); the device holds
+        # GROUP_BUFFERS of it beside its peak. 0 where no option copies a group to d.
+        rows = []
+        for a, b in self.p.copy_runs or tuple((u, u + 1) for u in range(len(self.p.units))):
+            per_unit = [[(opt.group_copy_bytes, self.x[u, o]) for o, opt in self._opts(u)
+                         if opt.group_copy_bytes and opt.group_device == dev] for u in range(a, b)]
+            if any(per_unit):
+                rows.append(per_unit)
+        if not rows:
+            return 0
+        most = max(sum(max((n for n, _ in unit), default=0) for unit in row) for row in rows)
+        b = self._hinted(self.model.new_int_var(0, most, f"group[{dev}]"), hinted.get(dev, 0) // GROUP_BUFFERS)
+        for row in rows:
+            self.model.add(b >= sum(n * x for unit in row for n, x in unit))
+        return GROUP_BUFFERS * b
 
     def _range_starts(self, units: Sequence[int], dev: str, where: str, name: str) -> list[Any]:
         # s[u, d] >= on(u, d) - on(previous u, d): 1 where a range of units on d opens.
@@ -296,9 +324,12 @@ class PlacementModel:
         terms = self._terms()
         flagged = self._transients((self.x[u, o], opt) for u in range(len(self.p.units)) for o, opt in self._opts(u))
         hinted = self._transients((1, opt) for opt in self.chosen)
+        groups = group_buffer_bytes(self.chosen, self.p.copy_runs) if self.p.group_copies else {}
         for dev in self.p.devices:
             top = max((nbytes for nbytes, _ in hinted[dev.name]), default=0)
             self.peak[dev.name] = self._peak(dev.name, flagged[dev.name], top)
+            if self.p.group_copies:
+                self.peak[dev.name] += self._group_buffer(dev.name, groups)
             add_capacity_row(self.model, dev, self.peak[dev.name], terms)
 
     def _tied_groups_share_storage(self) -> None:

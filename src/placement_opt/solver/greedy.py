@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
-from .problem import PlacementOption, PlacementProblem
+from .problem import GROUP_BUFFERS, PlacementOption, PlacementProblem
 from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,11 +294,15 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     storage: dict[str, str] = {}
     choice = []
     by_work: dict[int, list[int]] = {}  # per menu (units share a few option tuples: 22 of 724 units' own)
-    for u in problem.units:
+    groups = _GroupBuffers(problem)
+    for k, u in enumerate(problem.units):
+        groups.enter(k)
+
         def room_for(o: PlacementOption) -> bool:
             kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
-            if o.mode == "phased":  # two transients on two devices: every device it adds bytes to
-                return all(added + (kept if d == o.storage else 0) <= free[d] for d, added in _adds(o, peak).items())
+            if o.mode == "phased" or o.group_copy_bytes:  # transients on two devices, or a group buffer grown
+                return all(added + (kept if d == o.storage else 0) <= free[d]
+                           for d, added in _adds(o, peak, groups).items())
             extra_peak = max(0, o.peak_bytes - peak[o.execution])  # the common case, inline (5 x 11,000 calls)
             if o.storage == o.execution:
                 return o.stored_bytes + o.resident_bytes + extra_peak + kept <= free[o.storage]
@@ -319,25 +323,58 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
                 if not any(flaws):
                     break
         o = u.options[best]
-        for d, added in _adds(o, peak).items():
+        for d, added in _adds(o, peak, groups).items():
             free[d] -= added
-        for d, nbytes in o.peaks():
+        for d, nbytes in o.peaks_apart():
             peak[d] = max(peak[d], nbytes)
+        groups.add(o)
         storage[u.name] = o.storage
         choice.append(best)
     return choice
 
 
-def _adds(o: PlacementOption, peak: dict[str, int]) -> dict[str, int]:
+class _GroupBuffers:
+    """The copy groups' buffer per device (:func:`~.problem.group_buffer_bytes`) as units are placed in
+    execution order: the current copy run's sums and the largest run's so far."""
+
+    def __init__(self, problem: PlacementProblem) -> None:
+        runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(problem.units)))
+        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+        self.run = -1
+        self.now: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+
+    def enter(self, unit: int) -> None:
+        if self.run_of[unit] != self.run:
+            self.run, self.now = self.run_of[unit], {}
+
+    def grows(self, o: PlacementOption) -> int:
+        """What the buffer on ``o.group_device`` grows by when ``o`` joins the current run."""
+        if not o.group_copy_bytes:
+            return 0
+        d = o.group_device
+        return GROUP_BUFFERS * max(0, self.now.get(d, 0) + o.group_copy_bytes - self.most.get(d, 0))
+
+    def add(self, o: PlacementOption) -> None:
+        if o.group_copy_bytes:
+            d = o.group_device
+            self.now[d] = self.now.get(d, 0) + o.group_copy_bytes
+            self.most[d] = max(self.most.get(d, 0), self.now[d])
+
+
+def _adds(o: PlacementOption, peak: dict[str, int], groups: _GroupBuffers) -> dict[str, int]:
     """Bytes ``o`` adds per device beside the transient ``peak`` each already holds: stored bytes on its
-    storage, resident ones on its execution device, and each transient (peaks()) above the peak there."""
+    storage, resident ones on its execution device, each transient (peaks_apart()) above the peak there,
+    and what its group copy grows the group buffer by."""
     added = {o.storage: o.stored_bytes}
     added[o.execution] = added.get(o.execution, 0) + o.resident_bytes
     top: dict[str, int] = {}
-    for d, nbytes in o.peaks():
+    for d, nbytes in o.peaks_apart():
         top[d] = max(top.get(d, 0), nbytes)
     for d, nbytes in top.items():
         added[d] = added.get(d, 0) + max(0, nbytes - peak[d])
+    if o.group_copy_bytes:
+        added[o.group_device] = added.get(o.group_device, 0) + groups.grows(o)
     return added
 
 
@@ -352,8 +389,8 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None, one
     buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per computing device, in one pass
     for menu in problem.menu_units:  # each shared options tuple once
         for o in menu.options:
-            if o.execution != o.storage and o.peak_bytes > buffer[o.execution]:
-                buffer[o.execution] = o.peak_bytes
+            if o.execution != o.storage and problem.most_peak(o) > buffer[o.execution]:
+                buffer[o.execution] = problem.most_peak(o)  # a copy group's whole buffer, where it has one
             if o.mode == "phased" and o.prefill_peak_bytes > buffer[o.device_in("prefill_ns")]:
                 buffer[o.device_in("prefill_ns")] = o.prefill_peak_bytes  # weights streamed there for the prefill
     for d in gpus:

@@ -45,7 +45,14 @@ Memory on a device is
     sum(stored_bytes of units stored there) + sum(resident_bytes of units executed there)
     + max(peak_bytes of units executed there, prefill_peak_bytes of phased units prefilled there)
 
-and must not exceed the device's ``capacity_bytes`` (its memory less the reserve).
+and must not exceed the device's ``capacity_bytes`` (its memory less the reserve). With copy groups, the
+parts of a group streamed ahead (``group_copy_bytes``) hold one buffer together, not one each: such an
+option's peak counts less its own :data:`GROUP_BUFFERS` copies, and the device adds
+
+    GROUP_BUFFERS x max over copy runs of sum(group_copy_bytes of the run's units copied to it)
+
+beside the largest peak: the dispatcher holds one group's copies while the next streaming group's arrive,
+whichever unit is running (:func:`group_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ __all__ = [
     "Score",
     "stalls",
     "spine",
+    "GROUP_BUFFERS",
+    "group_buffer_bytes",
 ]
 
 #: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
@@ -90,6 +99,8 @@ SHARED = ("copy", "host", "disk")
 #: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
 #: total work) or ``memory`` (bytes used on the GPUs).
 OBJECTIVES = ("latency", "throughput", "memory")
+#: Copy groups a device holds at once: the running group's copies and the next streaming group's.
+GROUP_BUFFERS = 2
 #: Scores a problem remembers (by assignment) before it forgets them all: a search prices a handful.
 SCORES_KEPT = 64
 
@@ -151,6 +162,11 @@ class PlacementOption:
     ``lat >= sum``, shares one disk between the prefetch thread's reads and the CPU's mapped reads."""
     disk_decode_ns: int = 0
     """As ``disk_prefill_ns``, over every decode step."""
+    group_copy_bytes: int = 0
+    """A part of a copy group copied ahead (a ``stream``, or a ``phased`` option's prefill): the bytes it adds
+    to its group's copy on :attr:`group_device`. Its peak (``peak_bytes``, a phased option's
+    ``prefill_peak_bytes``) holds them :data:`GROUP_BUFFERS` times, as a unit alone's buffer: the least the
+    group buffer adds. The device's memory counts them with the group's instead (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -164,6 +180,8 @@ class PlacementOption:
         if (self.copy_prefill_ns or self.copy_decode_ns) and self.mode not in ("stream", "phased"):
             raise SolverInputError(f"option {self.storage}->{self.execution} ({self.mode}): only a stream or "
                                    f"phased option copies in the background (copy_*_ns must be 0)")
+        if self.group_copy_bytes:
+            self._check_group_copy()
         if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes,
                self.prefill_peak_bytes, self.copy_prefill_ns, self.copy_decode_ns, self.host_prefill_ns,
                self.host_decode_ns, self.disk_prefill_ns, self.disk_decode_ns) >= 0:
@@ -174,6 +192,19 @@ class PlacementOption:
             if getattr(self, key) < 0:
                 raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
                                        f"{getattr(self, key)}, must be >= 0")
+
+    def _check_group_copy(self) -> None:
+        own = self.prefill_peak_bytes if self.mode == "phased" else self.peak_bytes
+        if self.mode not in ("stream", "phased") or not 0 < self.group_copy_bytes * GROUP_BUFFERS <= own:
+            raise SolverInputError(
+                f"option {self.storage}->{self.execution} ({self.mode}): group_copy_bytes "
+                f"{self.group_copy_bytes} needs a stream or phased option whose peak holds it "
+                f"{GROUP_BUFFERS} times (peak {own})")
+
+    @property
+    def group_device(self) -> str:
+        """Where the option's ``group_copy_bytes`` land: a phased option's prefill GPU, else its execution."""
+        return self.prefill_execution if self.prefill_execution is not None else self.execution
 
     def device_in(self, phase: str) -> str:
         """The device that computes the unit in ``phase`` (one of :data:`PHASES`)."""
@@ -208,6 +239,16 @@ class PlacementOption:
         if self.prefill_execution is None:
             return ((self.execution, self.peak_bytes),)
         return ((self.execution, self.peak_bytes), (self.prefill_execution, self.prefill_peak_bytes))
+
+    def peaks_apart(self) -> tuple[tuple[str, int], ...]:
+        """:meth:`peaks` less the group copies (``group_copy_bytes``), which the device's group buffer counts
+        (:func:`group_buffer_bytes`): what the memory model takes the largest of."""
+        if not self.group_copy_bytes:
+            return self.peaks()
+        apart = self.group_copy_bytes * GROUP_BUFFERS
+        if self.prefill_execution is None:
+            return ((self.execution, self.peak_bytes - apart),)
+        return ((self.execution, self.peak_bytes), (self.prefill_execution, self.prefill_peak_bytes - apart))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,10 +406,43 @@ class PlacementProblem:
         for opt in chosen:
             used[opt.storage] += opt.stored_bytes
             used[opt.execution] += opt.resident_bytes
-            for device, nbytes in opt.peaks():
+            for device, nbytes in opt.peaks_apart():
                 if nbytes > peak[device]:
                     peak[device] = nbytes
+        if self.group_copies:
+            for device, nbytes in group_buffer_bytes(chosen, self.copy_runs).items():
+                used[device] += nbytes
         return {name: used[name] + peak[name] for name in used}
+
+    def most_peak(self, opt: PlacementOption) -> int:
+        """``opt``'s transient on its execution device with its copy group's buffer at the most any copy run
+        puts there: what the device holds while it runs is at most this beside the other units' transients
+        (the baselines' conservative price; :meth:`used_bytes` is the exact one)."""
+        if not opt.group_copy_bytes or opt.prefill_execution is not None:
+            return opt.peak_bytes
+        return opt.peak_bytes + GROUP_BUFFERS * (self._group_most[opt.execution] - opt.group_copy_bytes)
+
+    @functools.cached_property
+    def _group_most(self) -> dict[str, int]:
+        """Device -> the most group copies one copy run can put there (each unit on its largest option there)."""
+        most: dict[str, int] = {}
+        for a, b in self.copy_runs or ((u, u + 1) for u in range(len(self.units))):
+            run: dict[str, int] = {}
+            for unit in self.units[a:b]:
+                largest: dict[str, int] = {}
+                for o in unit.options:
+                    if o.group_copy_bytes > largest.get(o.group_device, 0):
+                        largest[o.group_device] = o.group_copy_bytes
+                for d, nbytes in largest.items():
+                    run[d] = run.get(d, 0) + nbytes
+            for d, nbytes in run.items():
+                most[d] = max(most.get(d, 0), nbytes)
+        return most
+
+    @functools.cached_property
+    def group_copies(self) -> bool:
+        """Whether some option is copied with its group (``group_copy_bytes``): then devices hold group buffers."""
+        return any(o.group_copy_bytes for u in self.menu_units for o in u.options)
 
     def objective_value(self, choice: Sequence[int], objective: str) -> int:
         """The exact value of ``objective`` for ``choice``: ns for latency/throughput, GPU bytes for memory."""
@@ -559,6 +633,23 @@ def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool,
         else:
             beside += duration
     return waits
+
+
+def group_buffer_bytes(chosen: Sequence[PlacementOption],
+                       runs: Sequence[tuple[int, int]] | None) -> dict[str, int]:
+    """Device -> the buffer its copy groups hold at most: :data:`GROUP_BUFFERS` x the largest sum of a run's
+    ``group_copy_bytes`` copied to it (``runs``: :attr:`PlacementProblem.copy_runs`, None: each unit alone).
+    Devices without group copies are left out."""
+    most: dict[str, int] = {}
+    for a, b in runs if runs is not None else ((u, u + 1) for u in range(len(chosen))):
+        run: dict[str, int] = {}
+        for opt in chosen[a:b]:
+            if opt.group_copy_bytes:
+                run[opt.group_device] = run.get(opt.group_device, 0) + opt.group_copy_bytes
+        for device, nbytes in run.items():
+            if nbytes > most.get(device, 0):
+                most[device] = nbytes
+    return {device: nbytes * GROUP_BUFFERS for device, nbytes in most.items()}
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:

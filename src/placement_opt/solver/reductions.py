@@ -4,7 +4,8 @@ Torch-free, like :mod:`placement_opt.solver.search`, which calls them.
 
 * :func:`coarsen_groups` / :func:`coarsen`: runs of chain units with the same option menu and the
   same hinted option become one super-unit (durations and stored/resident bytes summed, peaks the
-  max, a phased option's prefill device kept, copies summed). Every coarse assignment costs what it
+  max, a phased option's prefill device kept, copies summed). A super-unit stays inside one copy run,
+  its group copies summed and the coarse runs the fine ones'. Every coarse assignment costs what it
   expands to (but for stalls: a super-unit waits for its units' copies at once; its plan is priced
   again on the real problem), and the hint stays representable;
   but the coarse problem forbids the units of a run to differ, so it is a *restriction*: its plans
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from .problem import GROUP_BUFFERS, PHASES, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
 
 __all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room"]
 
@@ -46,10 +47,12 @@ def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) 
         if j == i + 1:
             linked[i] = True
     special = {n_ for g in problem.tied_groups for n_ in g} | set(problem.pins)
+    run_of = _run_of(problem)
     groups: list[list[int]] = []
     for i, u in enumerate(problem.units):
         prev = groups[-1][-1] if groups else None
         if (prev is not None and prev == i - 1 and len(groups[-1]) < size and linked[prev]
+                and run_of[prev] == run_of[i]
                 and outs[prev] == 1 and ins[i] == 1 and u.name not in special
                 and problem.units[prev].name not in special
                 and _menu_key(u) == _menu_key(problem.units[prev]) and hint[i] == hint[prev]):
@@ -59,10 +62,27 @@ def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) 
     return groups
 
 
+def _run_of(problem: PlacementProblem) -> list[int]:
+    """Each unit's copy run (its own index without runs; every unit 0 when nothing is copied by groups)."""
+    if problem.copy_runs is None and not problem.group_copies:
+        return [0] * len(problem.units)
+    runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(problem.units)))
+    return [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+
+
 def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:
     merged = []
     for opts in zip(*(u.options for u in units), strict=True):
         first = opts[0]
+        # group copies summed; the peak holding them keeps its largest part apart from them on top
+        share = sum(o.group_copy_bytes for o in opts)
+        peak = max(o.peak_bytes for o in opts)
+        prefill_peak = max(o.prefill_peak_bytes for o in opts)
+        if share and first.mode == "phased":
+            prefill_peak = max(o.prefill_peak_bytes - GROUP_BUFFERS * o.group_copy_bytes for o in opts)
+            prefill_peak += GROUP_BUFFERS * share
+        elif share:
+            peak = max(o.peak_bytes - GROUP_BUFFERS * o.group_copy_bytes for o in opts) + GROUP_BUFFERS * share
         merged.append(PlacementOption(
             storage=first.storage, execution=first.execution, mode=first.mode,
             prefill_ns=sum(o.prefill_ns for o in opts), decode_ns=sum(o.decode_ns for o in opts),
@@ -70,8 +90,8 @@ def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:
             host_prefill_ns=sum(o.host_prefill_ns for o in opts), host_decode_ns=sum(o.host_decode_ns for o in opts),
             disk_prefill_ns=sum(o.disk_prefill_ns for o in opts), disk_decode_ns=sum(o.disk_decode_ns for o in opts),
             stored_bytes=sum(o.stored_bytes for o in opts), resident_bytes=sum(o.resident_bytes for o in opts),
-            peak_bytes=max(o.peak_bytes for o in opts), prefill_execution=first.prefill_execution,
-            prefill_peak_bytes=max(o.prefill_peak_bytes for o in opts)))
+            peak_bytes=peak, prefill_execution=first.prefill_execution, prefill_peak_bytes=prefill_peak,
+            group_copy_bytes=share))
     return tuple(merged)
 
 
@@ -83,8 +103,12 @@ def coarsen(problem: PlacementProblem, groups: list[list[int]]) -> PlacementProb
     head_of = {problem.units[i].name: problem.units[g[0]].name for g in groups for i in g}
     edges = tuple(EdgeSpec(src=head_of[e.src], dst=e.dst, prefill_ns=e.prefill_ns, decode_ns=e.decode_ns)
                   for e in problem.edges if e.dst in heads and head_of[e.src] != e.dst)
+    runs: dict[int, list[str]] = {}  # the fine copy runs' super-units (a super-unit lies in one run)
+    for g, run in zip(groups, (_run_of(problem)[g[0]] for g in groups), strict=True):
+        runs.setdefault(run, []).append(problem.units[g[0]].name)
+    copy_groups = tuple(tuple(names) for names in runs.values()) if problem.copy_runs is not None else ()
     return PlacementProblem(units=units, edges=edges, devices=problem.devices, tied_groups=problem.tied_groups,
-                            pins=problem.pins, contiguous=problem.contiguous)
+                            pins=problem.pins, contiguous=problem.contiguous, copy_groups=copy_groups)
 
 
 def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:

@@ -22,10 +22,10 @@ execution device; capacities already exclude the reserve):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .problem import PlacementOption, PlacementProblem
+from .problem import GROUP_BUFFERS, PlacementOption, PlacementProblem
 
 __all__ = ["executor_starts", "improve", "fits"]
 
@@ -122,8 +122,9 @@ def _menus(problem: PlacementProblem, executor: str) -> list[list[tuple[int, Pla
 
 
 def _items(menus: list[list[tuple[int, PlacementOption]]], groups: list[list[int]], executor: str,
-           stores: Sequence[str], peak_cap: int) -> list[_Item] | None:
-    """Each group's options on ``executor`` whose transient stays within ``peak_cap`` (None: one has none)."""
+           stores: Sequence[str], peak_cap: int, most_peak: Callable[[PlacementOption], int]) -> list[_Item] | None:
+    """Each group's options on ``executor`` whose transient (``most_peak``: a copy group's whole buffer where it
+    has one) stays within ``peak_cap`` (None: one has none)."""
     items = []
     for g in groups:
         resident: list | None = []
@@ -131,7 +132,7 @@ def _items(menus: list[list[tuple[int, PlacementOption]]], groups: list[list[int
         for i in g:
             first: dict[str, tuple[int, PlacementOption]] = {}  # storage -> preferred option within the cap
             for k, o in menus[i]:
-                if o.peak_bytes <= peak_cap and o.storage not in first:
+                if most_peak(o) <= peak_cap and o.storage not in first:
                     first[o.storage] = (k, o)
             res = first.get(executor)
             resident = None if resident is None or res is None else [*resident, res]
@@ -249,7 +250,7 @@ def _best_cut(problem: PlacementProblem, items: list[_Item], item_of: dict[int, 
 def _peak_caps(problem: PlacementProblem, executor: str, capacity: int) -> list[int]:
     """Caps on the executor's largest transient worth trying, smallest first: from the least any unit
     can run with up to the capacity; all of them on small problems (exact), else a spread."""
-    per_unit = [[o.peak_bytes for o in u.options if o.execution == executor and o.mode != "phased"]
+    per_unit = [[problem.most_peak(o) for o in u.options if o.execution == executor and o.mode != "phased"]
                 for u in problem.units]  # the options of _menus
     if not all(per_unit):  # a unit that cannot compute here
         return []
@@ -266,7 +267,7 @@ def _executor_start(problem: PlacementProblem, executor: str, stores: Sequence[s
     groups, menus = _groups(problem), _menus(problem, executor)
     capacity = problem.device(executor).capacity_bytes
     for cap in _peak_caps(problem, executor, capacity):
-        items = _items(menus, groups, executor, stores, cap)
+        items = _items(menus, groups, executor, stores, cap, problem.most_peak)
         if items is None:
             continue
         splits = ([_contiguous_split(problem, items, stores, capacity - cap, r) for r in (False, True)]
@@ -318,7 +319,8 @@ def _one_range_each(storage: Sequence[str]) -> bool:
 # Greedy fill
 # ---------------------------------------------------------------------------------------------
 class _Memory:
-    """Bytes per device under the problem's memory model (transients from peaks()), updated one move at a time."""
+    """Bytes per device under the problem's memory model (transients from peaks_apart(), group buffers from
+    the copy runs' sums), updated one move at a time."""
 
     def __init__(self, problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> None:
         self.capacity = {d.name: d.capacity_bytes for d in problem.devices}
@@ -326,15 +328,35 @@ class _Memory:
         self.peaks: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}
         self.top = dict.fromkeys(self.capacity, 0)
         """The largest transient per device (kept up to date by _apply)."""
-        for o in chosen:
-            self._apply(o, 1)
+        runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(chosen)))
+        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+        self.run_sum: dict[tuple[str, int], int] = {}  # (device, copy run) -> its group copies there
+        self.sums: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}  # the run sums per device
+        for i, o in enumerate(chosen):
+            self._apply(i, o, 1)
 
-    def _apply(self, o: PlacementOption, sign: int) -> None:
+    def _apply(self, i: int, o: PlacementOption, sign: int) -> None:
         self.held[o.storage] += sign * o.stored_bytes
         self.held[o.execution] += sign * o.resident_bytes
+        if o.group_copy_bytes:
+            for d, nbytes in o.peaks_apart():
+                self._transient(d, nbytes, sign)
+            self._group(o.group_device, self.run_of[i], sign * o.group_copy_bytes)
+            return
         self._transient(o.execution, o.peak_bytes, sign)  # peaks(), the common case without a call
         if o.prefill_execution is not None:
             self._transient(o.prefill_execution, o.prefill_peak_bytes, sign)
+
+    def _group(self, device: str, run: int, delta: int) -> None:
+        before = self.run_sum.get((device, run), 0)
+        after = self.run_sum[device, run] = before + delta
+        sums = self.sums[device]
+        if before:
+            sums[before] -= 1
+            if not sums[before]:
+                del sums[before]
+        if after:
+            sums[after] += 1
 
     def _transient(self, device: str, nbytes: int, sign: int) -> None:
         peaks = self.peaks[device]
@@ -347,17 +369,19 @@ class _Memory:
                 self.top[device] = max(peaks, default=0)
 
     def _fits(self, device: str) -> bool:
-        return self.held[device] + self.top[device] <= self.capacity[device]
+        group = GROUP_BUFFERS * max(self.sums[device], default=0)
+        return self.held[device] + self.top[device] + group <= self.capacity[device]
 
-    def move(self, old: PlacementOption, new: PlacementOption) -> bool:
-        """Replace ``old`` by ``new`` if every device still fits; False (and nothing changed) otherwise."""
-        self._apply(old, -1)
-        self._apply(new, 1)
+    def move(self, i: int, old: PlacementOption, new: PlacementOption) -> bool:
+        """Replace unit ``i``'s ``old`` by ``new`` if every device still fits; False (and nothing changed)
+        otherwise."""
+        self._apply(i, old, -1)
+        self._apply(i, new, 1)
         # only new's devices can have grown (everything fitted before the move)
         if all(self._fits(d) for d in (new.storage, new.execution, new.prefill_execution) if d is not None):
             return True
-        self._apply(new, -1)
-        self._apply(old, 1)
+        self._apply(i, new, -1)
+        self._apply(i, old, 1)
         return False
 
 
@@ -385,12 +409,12 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
         for i, k, added in _moves(problem, current, movable):
             old, new = problem.units[i].options[current[i]], problem.units[i].options[k]
             pair = (new.storage, new.execution, new.prefill_execution)
-            if new.work_ns >= old.work_ns or added >= refused.get(pair, added + 1) or not memory.move(old, new):
+            if new.work_ns >= old.work_ns or added >= refused.get(pair, added + 1) or not memory.move(i, old, new):
                 refused[pair] = min(added, refused.get(pair, added))
                 continue
             current[i], before = k, current[i]
             if problem.contiguous and not _one_range_each([o.storage for o in problem.options(current)]):
-                memory.move(new, old)
+                memory.move(i, new, old)
                 current[i] = before
                 continue
             moved = True

@@ -28,7 +28,8 @@ def _key(o: PlacementOption) -> _Key:
 
 def _numbers(o: PlacementOption) -> tuple[int, ...]:
     return (o.prefill_ns, o.decode_ns, o.stored_bytes, o.resident_bytes, o.peak_bytes, o.prefill_peak_bytes,
-            o.copy_prefill_ns, o.copy_decode_ns, o.host_prefill_ns, o.host_decode_ns, o.disk_prefill_ns, o.disk_decode_ns)
+            o.copy_prefill_ns, o.copy_decode_ns, o.host_prefill_ns, o.host_decode_ns, o.disk_prefill_ns, o.disk_decode_ns,
+            o.group_copy_bytes)
 
 
 def _swap(name: str | None, a: str, b: str) -> str | None:
