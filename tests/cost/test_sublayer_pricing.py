@@ -248,11 +248,34 @@ def test_a_layers_parts_form_one_copy_group_and_share_its_stream_buffer() -> Non
     assert layer == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
                      "model.layers.0.post_attention_layernorm", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts"]
     assert problem.copy_groups == (tuple(layer), tuple(n.replace(".0.", ".1.") for n in layer))
-    # a streamed part holds the whole layer twice (its layer and the next, prefetched), a resident one none
+    # a streamed part's peak holds its own weights twice, as a layer's would; it adds them to its group's copy
     units = {u.name: u for u in graph.units()}
-    layer_bytes = sum(units[n].weight_bytes for n in layer)
     attention = problem.units[problem.index()["model.layers.0.self_attn"]]
     streamed = next(o for o in attention.options if o.mode == "stream")
     resident = next(o for o in attention.options if o.mode == "resident" and o.execution == "cuda:0")
-    assert streamed.peak_bytes - resident.peak_bytes == 2 * layer_bytes
+    attention_bytes = units["model.layers.0.self_attn"].weight_bytes
+    assert streamed.peak_bytes - resident.peak_bytes == 2 * attention_bytes
+    assert (streamed.group_copy_bytes, resident.group_copy_bytes) == (attention_bytes, 0)
     assert problem.units[0].options[0].stored_bytes == units["model.embed_tokens"].weight_bytes
+
+
+def test_the_gpu_holds_one_copy_group_buffer_of_the_parts_that_stream() -> None:
+    """Streaming parts of every layer frees their weights on the GPU and takes twice one layer's streamed parts
+    (the running group and the next one's copies), not twice each part's layer as before groups were priced."""
+    graph = _graph("mixtral")
+    problem = build_problem(graph, _machine(1), Workload(prompt_len=64, new_tokens=8, overlap=True))
+    units = {u.name: u for u in graph.units()}
+
+    def used(streamed_parts: tuple[str, ...]) -> int:
+        choice = []
+        for u in problem.units:
+            mode = "stream" if u.name.endswith(streamed_parts) else "resident"
+            choice.append(next(k for k, o in enumerate(u.options) if o.execution == "cuda:0" and o.mode == mode
+                                and o.storage == ("cpu" if mode == "stream" else "cuda:0")))
+        return problem.score(choice).used_bytes["cuda:0"]
+
+    layers = sorted({u.block for u in graph.units() if u.block is not None})
+    for parts in ((".self_attn",), (".self_attn", ".mlp.experts")):
+        one_layer = sum(units[f"{layers[0]}{p}"].weight_bytes for p in parts)
+        freed = sum(units[f"{b}{p}"].weight_bytes for b in layers for p in parts)
+        assert used(parts) - used(()) == 2 * one_layer - freed, parts

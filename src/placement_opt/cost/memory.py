@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..solver.problem import GROUP_BUFFERS
 from ..units import format_bytes
 from .workload import Workload, dtype_bytes
 
@@ -214,18 +215,22 @@ class Violation:
         return self.needed_bytes - self.capacity_bytes
 
 
-def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence[str] = ()) -> DeviceMemory:
+def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence[str] = (),
+                  group_buffer_bytes: int = 0) -> DeviceMemory:
     """What ``device`` holds when the units take the ``chosen`` options, split by kind.
 
     ``names``: the units' names, in the order of ``chosen``, to say which unit sets the peak.
+    ``group_buffer_bytes``: the copy groups' buffer on ``device``
+    (:func:`~..solver.problem.group_buffer_bytes`); the options' group copies count there, not in their peaks.
     """
     stored = [p for p in chosen if p.storage == device.name]
     executed_parts = [p for p in chosen if p.execution == device.name]
     # (workspace, stream buffer) each unit computed here adds at its peak; a phased unit adds its prefill's
     # (the prompt's KV cache, held until it moves to the decode device, counted as workspace)
-    transients = [(i, p.workspace_bytes, p.stream_buffer_bytes) for i, p in enumerate(chosen)
-                  if p.execution == device.name]
-    transients += [(i, p.prefill_workspace_bytes + p.prefill_kv_bytes, p.prefill_stream_buffer_bytes)
+    transients = [(i, p.workspace_bytes, p.stream_buffer_bytes - _group_copies(p, prefill=False))
+                  for i, p in enumerate(chosen) if p.execution == device.name]
+    transients += [(i, p.prefill_workspace_bytes + p.prefill_kv_bytes,
+                    p.prefill_stream_buffer_bytes - _group_copies(p, prefill=True))
                    for i, p in enumerate(chosen) if p.prefill_execution == device.name]
     top, workspace, buffer = max(transients, key=lambda t: t[1] + t[2], default=(None, 0, 0))
     return DeviceMemory(
@@ -233,10 +238,18 @@ def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence
         weights_bytes=sum(p.weights_bytes for p in stored),
         kv_cache_bytes=sum(p.kv_cache_bytes for p in executed_parts),
         workspace_bytes=workspace,
-        stream_buffer_bytes=buffer,
+        stream_buffer_bytes=buffer + group_buffer_bytes,
         other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed_parts),
         peak_unit=names[top] if top is not None and top < len(names) else "",
     )
+
+
+def _group_copies(price: OptionPrice, prefill: bool) -> int:
+    """The copies of ``price``'s group share held in its (prefill) stream buffer: a phased option's are in its
+    prefill's, a stream's in its own."""
+    if not price.group_copy_bytes or (price.prefill_execution is not None) != prefill:
+        return 0
+    return price.group_copy_bytes * GROUP_BUFFERS
 
 
 _ADVICE = {

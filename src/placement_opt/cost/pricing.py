@@ -75,7 +75,6 @@ Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_op
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,6 +158,9 @@ class OptionPrice:
     """``phased`` only: the prefill's stream buffer on ``prefill_execution``."""
     prefill_kv_bytes: int = 0
     """``phased`` only: the prompt's KV cache of this unit, held on ``prefill_execution`` until it moves."""
+    group_copy_bytes: int = 0
+    """A part of a block copied ahead with its copy group (``stream`` to a GPU; ``phased``: its prefill): its
+    weights, its share of the group's buffer on that GPU (:attr:`~..solver.problem.PlacementOption.group_copy_bytes`)."""
     round_trip_s: float = 0.0
     """Of ``prefill_s + decode_s``: the sublayer round trips to home and back (:func:`round_trip_s`);
     ``evaluate`` counts them with the transfers."""
@@ -190,22 +192,10 @@ class PricingContext:
     calibration: Calibration | None = None
 
     def stream_buffer_bytes(self, unit: UnitInfo, mode: str) -> int:
-        """The stream buffer a ``unit`` in ``mode`` holds at its peak (:data:`~.memory.STREAM_BUFFERS` copies).
-        A part of a block (``UnitInfo.block``) streamed with prefetch is copied with the block's other
-        streamed parts, one block ahead: its copies are of the whole block's weights (an upper bound when only
-        some parts stream)."""
-        copies = STREAM_BUFFERS[mode]
-        if copies < 2 or unit.block is None:
-            return unit.weight_bytes * copies
-        return self._block_bytes[unit.block] * copies
-
-    @functools.cached_property
-    def _block_bytes(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for u in self.graph.units():
-            if u.block is not None:
-                total[u.block] = total.get(u.block, 0) + u.weight_bytes
-        return total
+        """The stream buffer a ``unit`` in ``mode`` holds at its peak (:data:`~.memory.STREAM_BUFFERS` copies of
+        its weights). A part of a block copied ahead with its group holds its share of the group's buffer
+        instead (:func:`group_copy_bytes`; the problem counts the group's once per device)."""
+        return unit.weight_bytes * STREAM_BUFFERS[mode]
 
     @property
     def home(self) -> str | None:
@@ -507,6 +497,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=ctx.stream_buffer_bytes(unit, mode), round_trip_s=trip_prefill + trip_decode,
+        group_copy_bytes=unit.weight_bytes if overlapped and unit.block is not None else 0,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )
@@ -530,6 +521,7 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         stream_buffer_bytes=decode.stream_buffer_bytes, prefill_execution=gpu,
         prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),
         prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv,
+        group_copy_bytes=prefill.group_copy_bytes,
         round_trip_s=sum(_round_trips(ctx, unit, gpu, execution)),
         copy_prefill_s=prefill.copy_prefill_s, host_prefill_s=prefill.host_prefill_s,
         host_decode_s=decode.host_decode_s, disk_prefill_s=prefill.disk_prefill_s, disk_decode_s=decode.disk_decode_s)
@@ -555,6 +547,7 @@ def to_option(parts: OptionPrice) -> PlacementOption:
         copy_prefill_ns=_ns(parts.copy_prefill_s), copy_decode_ns=_ns(parts.copy_decode_s),
         host_prefill_ns=_ns(parts.host_prefill_s), host_decode_ns=_ns(parts.host_decode_s),
         disk_prefill_ns=_ns(parts.disk_prefill_s), disk_decode_ns=_ns(parts.disk_decode_s),
+        group_copy_bytes=parts.group_copy_bytes,
     )
 
 
