@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import re
 import tempfile
+import threading
+import weakref
 
 import pytest
 import torch
@@ -451,3 +453,104 @@ def test_in_a_group_a_disk_read_for_the_cpu_is_made_when_called(gpu_on_cpu, tmp_
     starts = {unit for op, unit in log if op == "start"}
     assert starts == {"model.layers.1.mlp"}
     assert ("take", "model.layers.1.self_attn") in log  # copied out of the file when called
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: the copies alive at once, against the group buffer the cost model charges
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def live_copies():
+    """The most bytes of Streamer copies alive at once (a copy lives until its last reference goes: the
+    prefetch's future, the unit's forward) and each unit's copy size, in the dict yielded."""
+    state: dict = {"live": 0, "most": 0, "size": {}}
+    lock = threading.Lock()
+    real = _streamer.Streamer._copy
+
+    def release(nbytes: int) -> None:
+        with lock:
+            state["live"] -= nbytes
+
+    def copy(self, unit, side):
+        tensors, event = real(self, unit, side)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        with lock:
+            state["size"][unit.name] = sum(sizes)
+            state["live"] += sum(sizes)
+            state["most"] = max(state["most"], state["live"])
+        for tensor, nbytes in zip(tensors, sizes, strict=True):
+            weakref.finalize(tensor, release, nbytes)
+        return tensors, event
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_streamer.Streamer, "_copy", copy)
+        yield state
+
+
+def group_buffer(plan: Plan, size: dict[str, int]) -> int:
+    """The cost model's group buffer (solver.problem.group_buffer_bytes) written anew from the plan: twice the
+    most one copy group (a unit without one: alone) streams, phased units counted (their prefill streams)."""
+    most, run, last = 0, 0, object()
+    for p in plan.placements:
+        if p.copy_group is None or p.copy_group != last:
+            run = 0
+        last = p.copy_group
+        run += size.get(p.unit, 0) if p.mode in ("stream", "phased") else 0
+        most = max(most, run)
+    return 2 * most
+
+
+def run_counting(model: torch.nn.Module, plan: Plan, offload_dir) -> dict:
+    with live_copies() as state:
+        handle = dispatch(model, plan, offload_dir=offload_dir)
+        with torch.no_grad():
+            handle.generate(**prompt(), max_new_tokens=3, **GENERATE)
+        handle.remove()
+    assert state["live"] == 0, "every copy is let go after the call"
+    return state
+
+
+def test_streaming_every_part_holds_two_layers_copies_not_each_parts_twice(gpu_on_cpu, tmp_path):
+    """Every attention and MLP read from the disk ahead by their layer's head: at its most the prefetch holds
+    a layer's parts and the next layer's (the group buffer), more than any part's own two copies, the price
+    before copy groups were counted as one."""
+    model = tiny("llama")
+    rows = {u: "disk>gpu" for u in _UNITS["llama"] if u.endswith(("self_attn", "mlp"))}
+    plan = group_plan(model, rows, grouped=True)
+    state = run_counting(model, plan, tmp_path)
+    assert 2 * max(state["size"].values()) < state["most"] <= group_buffer(plan, state["size"])
+
+
+def test_an_attention_streamed_alone_holds_its_own_copies_not_its_layers(gpu_on_cpu, tmp_path):
+    model = tiny("llama")
+    rows = {u: "disk>gpu" for u in _UNITS["llama"] if u.endswith("self_attn")}
+    plan = group_plan(model, rows, grouped=True)
+    state = run_counting(model, plan, tmp_path)
+    attention = max(state["size"].values())
+    assert state["most"] <= group_buffer(plan, state["size"]) == 2 * attention
+
+
+_STREAMING = ("gpu", "cpu", "ram>gpu", "disk>gpu", "phased ram", "phased disk")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), family=st.sampled_from(_FAMILIES))
+def test_the_copies_alive_at_once_never_exceed_the_group_buffer(gpu_on_cpu, data, family):
+    model, units = _MODELS[family], _UNITS[family]
+    rows = {u: data.draw(st.sampled_from(_STREAMING if layer_of(u) else _STREAMING[:4]), label=u)
+            for u in units if u != "model.rotary_emb"}
+    plan = group_plan(model, rows, grouped=True)
+    with tempfile.TemporaryDirectory() as offload_dir:
+        state = run_counting(model, plan, offload_dir)
+    assert state["most"] <= group_buffer(plan, state["size"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_on_a_gpu_the_copies_alive_at_once_never_exceed_the_group_buffer(tmp_path):
+    """Pinned copies on the side stream: the prefetch's copies alive at once stay within the group buffer."""
+    model = tiny("llama")
+    rows = {u: "disk>gpu" if u.endswith("mlp") else "ram>gpu" for u in _UNITS["llama"]
+            if u.endswith(("self_attn", "mlp"))}
+    plan = group_plan(model, rows, grouped=True)
+    state = run_counting(model, plan, tmp_path)
+    assert 2 * max(state["size"].values()) < state["most"] <= group_buffer(plan, state["size"])
