@@ -279,3 +279,19 @@ def test_the_gpu_holds_one_copy_group_buffer_of_the_parts_that_stream() -> None:
         one_layer = sum(units[f"{layers[0]}{p}"].weight_bytes for p in parts)
         freed = sum(units[f"{b}{p}"].weight_bytes for b in layers for p in parts)
         assert used(parts) - used(()) == 2 * one_layer - freed, parts
+
+
+def test_a_layer_cut_into_parts_pays_the_layers_overhead_once() -> None:
+    """Everything resident on the GPU, the same model as layers and as sublayer units: the tiny units' time is
+    their fixed overhead, which a layer's parts share (5 parts a Mixtral layer used to pay 5 layers' worth)."""
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    machine, wl = _machine(1), Workload(prompt_len=8, new_tokens=4)
+    latency = {}
+    for granularity in ("block", "sublayer"):
+        problem = build_problem(trace(config, seq_len=16, granularity=granularity), machine, wl)
+        choice = [next(k for k, o in enumerate(u.options) if o.storage == o.execution == "cuda:0")
+                  for u in problem.units]
+        latency[granularity] = problem.score(choice).latency_ns
+    assert latency["sublayer"] == pytest.approx(latency["block"], rel=0.02)

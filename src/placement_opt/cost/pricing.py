@@ -75,6 +75,8 @@ Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_op
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,6 +198,20 @@ class PricingContext:
         its weights). A part of a block copied ahead with its group holds its share of the group's buffer
         instead (:func:`group_copy_bytes`; the problem counts the group's once per device)."""
         return unit.weight_bytes * STREAM_BUFFERS[mode]
+
+    def overhead_s(self, unit: UnitInfo, device: Device) -> float:
+        """:data:`UNIT_OVERHEAD_S` of ``device``'s kind, shared equally among the parts of a block
+        (``UnitInfo.block``): a layer launches the same kernels whether it runs as one unit or as its
+        attention and MLP, so cutting it does not multiply its overhead."""
+        return UNIT_OVERHEAD_S[device.kind] / self.block_parts(unit)
+
+    def block_parts(self, unit: UnitInfo) -> int:
+        """How many units were cut from ``unit``'s block (1 for a unit that is not a part)."""
+        return self._block_parts[unit.block] if unit.block is not None else 1
+
+    @functools.cached_property
+    def _block_parts(self) -> collections.Counter[str]:
+        return collections.Counter(u.block for u in self.graph.units() if u.block is not None)
 
     @property
     def home(self) -> str | None:
@@ -404,7 +420,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
     touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
                + tokens * unit.kv_bytes_per_token)
-    seconds = max(flops / flops_s, touched / bytes_s) + UNIT_OVERHEAD_S[device.kind]
+    seconds = max(flops / flops_s, touched / bytes_s) + ctx.overhead_s(unit, device)
     if wl.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[wl.activation_checkpointing]
     return seconds
@@ -436,7 +452,7 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     batch, ctx0 = wl.batch_size, wl.prompt_len + 1
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
-    overhead = UNIT_OVERHEAD_S[device.kind]
+    overhead = ctx.overhead_s(unit, device)
     flops = (batch * (base + attn * ctx0), batch * attn)
     kv = batch * unit.kv_bytes_per_token
     touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
