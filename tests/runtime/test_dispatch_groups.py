@@ -487,8 +487,9 @@ def live_copies():
 
 
 def group_buffer(plan: Plan, size: dict[str, int]) -> int:
-    """The cost model's group buffer (solver.problem.group_buffer_bytes) written anew from the plan: twice the
-    most one copy group (a unit without one: alone) streams, phased units counted (their prefill streams)."""
+    """The most copies the cost model lets a device hold (solver.problem.device_transients: a run's own copies
+    and the largest run's, in flight), written anew from the plan: twice the most one copy group (a unit
+    without one: alone) streams, phased units counted (their prefill streams)."""
     most, run, last = 0, 0, object()
     for p in plan.placements:
         if p.copy_group is None or p.copy_group != last:

@@ -71,19 +71,34 @@ def copy_of(o, key):
 
 
 def reference_bytes(chosen, device, runs=None):
-    """Stored + resident + the largest transient, each less its group copies (twice ``group_copy_bytes``, on
-    the prefill GPU of a phased option), + twice the largest sum of one copy run's group copies to ``device``."""
-    def apart(o, prefill):
-        return 2 * o.group_copy_bytes if (o.prefill_execution is not None) == prefill else 0
-
+    """Stored + resident + the transient: without group copies the largest peak there; with them, over the copy
+    runs, the largest of (the run's largest peak there, each less twice its group copy on the device it copies
+    to, + the run's group copies there), + the largest run's group copies there."""
     stored = sum(o.stored_bytes for o in chosen if o.storage == device)
     resident = sum(o.resident_bytes for o in chosen if o.execution == device)
-    peaks = [o.peak_bytes - apart(o, False) for o in chosen if o.execution == device]
-    peaks += [o.prefill_peak_bytes - apart(o, True) for o in chosen if o.prefill_execution == device]
+    if not any(o.group_copy_bytes for o in chosen):
+        peaks = [o.peak_bytes for o in chosen if o.execution == device]
+        peaks += [o.prefill_peak_bytes for o in chosen if o.prefill_execution == device]
+        return stored + resident + max(peaks, default=0)
+
+    def copy_to(o):  # where a group copy lands: a phased option's prefill GPU
+        return (o.prefill_execution or o.execution) if o.group_copy_bytes else None
+
+    def own(o):
+        sides = [(o.execution, o.peak_bytes), (o.prefill_execution, o.prefill_peak_bytes)]
+        sides = [(d, p - (2 * o.group_copy_bytes if d == copy_to(o) else 0)) for d, p in sides if d is not None]
+        return [p for d, p in sides if d == device]
+
     runs = runs or [(u, u + 1) for u in range(len(chosen))]
-    group = max((sum(o.group_copy_bytes for o in chosen[a:b] if (o.prefill_execution or o.execution) == device)
-                 for a, b in runs), default=0)
-    return stored + resident + max(peaks, default=0) + 2 * group
+    values, copies = [], []
+    for a, b in runs:
+        run = chosen[a:b]
+        copied = sum(o.group_copy_bytes for o in run if copy_to(o) == device)
+        peaks = [p for o in run for p in own(o)]
+        if peaks or copied:
+            values.append(max(peaks, default=0) + copied)
+        copies.append(copied)
+    return stored + resident + max(values, default=0) + max(copies, default=0)
 
 
 def reference_valid(problem, choice):

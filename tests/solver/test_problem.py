@@ -16,7 +16,7 @@ from placement_opt.solver.problem import (
     PlacementOption,
     PlacementProblem,
     UnitSpec,
-    group_buffer_bytes,
+    device_transients,
     stalls,
 )
 
@@ -202,26 +202,30 @@ def _part(storage, peak, share=0):
                            stored_bytes=10, resident_bytes=0, peak_bytes=peak, group_copy_bytes=share)
 
 
-def test_a_gpu_holds_one_buffer_per_copy_group_beside_its_largest_workspace():
-    # two layers of two parts each: workspaces 4, 6, 4, 6; a streamed part copies 10 bytes (peak 6 + 2 x 10)
+def test_a_gpu_holds_a_layers_copies_and_the_next_layers_beside_the_running_units_peak():
+    # two layers of two parts each, then a head: workspaces 4, 6, 4, 6, 30; a streamed part copies 10 bytes
+    # (peak 4 or 6, + 2 x 10 as a unit alone would hold)
     resident = (_part("cuda:0", 4), _part("cuda:0", 6))
     streamed = (_part("cpu", 4 + 20, share=10), _part("cpu", 6 + 20, share=10))
     units = tuple(UnitSpec(name=f"l{layer}.p{k}", options=(resident[k], streamed[k])) for layer in (0, 1) for k in (0, 1))
+    units += (UnitSpec(name="head", options=(_part("cuda:0", 30),)),)
     devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=1000), DeviceSpec(name="cpu", kind="cpu",
                                                                                        capacity_bytes=1000))
     problem = PlacementProblem(units=units, edges=(), devices=devices,
                                copy_groups=(("l0.p0", "l0.p1"), ("l1.p0", "l1.p1")))
-    on_gpu = {c: problem.score(c).used_bytes["cuda:0"] for c in ((0, 0, 0, 0), (1, 0, 1, 0), (1, 1, 0, 0),
-                                                                  (1, 1, 1, 1))}
-    assert on_gpu == {(0, 0, 0, 0): 40 + 6,  # all resident: weights, the largest workspace
-                      (1, 0, 1, 0): 20 + 6 + 2 * 10,  # one part per layer: one part's copy twice
-                      (1, 1, 0, 0): 20 + 6 + 2 * 20,  # one whole layer: the layer's copy twice
-                      (1, 1, 1, 1): 0 + 6 + 2 * 20}  # every part: two layers' copies, not four parts' twice
-    # without groups, each streamed unit is a group of its own
-    alone = PlacementProblem(units=units, edges=(), devices=devices)
-    assert alone.score((1, 1, 1, 1)).used_bytes["cuda:0"] == 6 + 2 * 10
-    assert group_buffer_bytes(problem.options((1, 1, 1, 1)), problem.copy_runs) == {"cuda:0": 40}
-    # the baselines' conservative price of a part: its group's whole buffer at the most
+    on_gpu = {c: problem.score(c).used_bytes["cuda:0"] - 10 for c in ((0, 0, 0, 0, 0), (1, 0, 1, 0, 0),
+                                                                       (1, 1, 0, 0, 0), (1, 1, 1, 1, 0))}
+    assert on_gpu == {(0, 0, 0, 0, 0): 40 + 30,  # all resident: weights, the head's workspace
+                      (1, 0, 1, 0, 0): 20 + 30 + 10,  # the head runs while a layer's part (10) may be in flight
+                      (1, 1, 0, 0, 0): 20 + 30 + 20,  # ... a whole layer's (20)
+                      (1, 1, 1, 1, 0): 0 + 30 + 20}  # not two layers' copies: only the next one's is held then
+    # the layers' peak itself: a layer's workspace (6) with its own copies (20) and the next layer's (20)
+    assert device_transients(problem.options((1, 1, 1, 1, 0))[:4], problem.copy_runs[:2])["cuda:0"].total_bytes \
+        == 6 + 20 + 20
+    # without groups, each streamed unit is a run of its own: its own copy and the next one's, 10 each
+    alone = PlacementProblem(units=units[:4], edges=(), devices=devices)
+    assert alone.score((1, 1, 1, 1)).used_bytes["cuda:0"] == 6 + 10 + 10
+    # the executor starts' conservative price of a part: its run's and the next run's copies at the most
     assert problem.most_peak(streamed[0]) == 4 + 2 * 20
 
 

@@ -20,7 +20,7 @@ from ..solver.problem import (
     EdgeSpec,
     PlacementOption,
     PlacementProblem,
-    group_buffer_bytes,
+    device_transients,
     objective_value,
 )
 from .build import price_problem
@@ -291,8 +291,8 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
                  disk_prefill_s=o.disk_prefill_ns / NS_PER_S, disk_decode_s=o.disk_decode_ns / NS_PER_S)
         for u, o, (wait_prefill, wait_decode) in zip(problem.units, chosen, waits, strict=True))
     names = [u.name for u in problem.units]
-    groups = group_buffer_bytes(chosen, problem.copy_runs) if problem.group_copies else {}
-    memory = tuple(device_memory(d, chosen_parts, names, groups.get(d.name, 0)) for d in machine.devices)
+    peaks = device_transients(chosen, problem.copy_runs) if problem.group_copies else {}
+    memory = tuple(device_memory(d, chosen_parts, names, peaks.get(d.name)) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model
         assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
     violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)

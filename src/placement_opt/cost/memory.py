@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..solver.problem import GROUP_BUFFERS
+from ..solver.problem import GROUP_BUFFERS, Transient
 from ..units import format_bytes
 from .workload import Workload, dtype_bytes
 
@@ -216,12 +216,13 @@ class Violation:
 
 
 def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence[str] = (),
-                  group_buffer_bytes: int = 0) -> DeviceMemory:
+                  transient: Transient | None = None) -> DeviceMemory:
     """What ``device`` holds when the units take the ``chosen`` options, split by kind.
 
     ``names``: the units' names, in the order of ``chosen``, to say which unit sets the peak.
-    ``group_buffer_bytes``: the copy groups' buffer on ``device``
-    (:func:`~..solver.problem.group_buffer_bytes`); the options' group copies count there, not in their peaks.
+    ``transient``: with copy groups, the device's peak as the problem counts it
+    (:func:`~..solver.problem.device_transients`): that unit's workspace, and its own buffer plus the groups'
+    copies as the stream buffer.
     """
     stored = [p for p in chosen if p.storage == device.name]
     executed_parts = [p for p in chosen if p.execution == device.name]
@@ -232,13 +233,17 @@ def device_memory(device: Device, chosen: Sequence[OptionPrice], names: Sequence
     transients += [(i, p.prefill_workspace_bytes + p.prefill_kv_bytes,
                     p.prefill_stream_buffer_bytes - _group_copies(p, prefill=True))
                    for i, p in enumerate(chosen) if p.prefill_execution == device.name]
-    top, workspace, buffer = max(transients, key=lambda t: t[1] + t[2], default=(None, 0, 0))
+    if transient is None:
+        top, workspace, buffer = max(transients, key=lambda t: t[1] + t[2], default=(None, 0, 0))
+    else:  # the unit the problem names (its side on this device), and the groups' copies
+        top, workspace, buffer = next((t for t in transients if t[0] == transient.unit), (None, 0, 0))
+        buffer += transient.run_copies_bytes + transient.next_copies_bytes
     return DeviceMemory(
         device=device.name, capacity_bytes=device.usable_bytes, reserve_bytes=device.reserve_bytes,
         weights_bytes=sum(p.weights_bytes for p in stored),
         kv_cache_bytes=sum(p.kv_cache_bytes for p in executed_parts),
         workspace_bytes=workspace,
-        stream_buffer_bytes=buffer + group_buffer_bytes,
+        stream_buffer_bytes=buffer,
         other_bytes=sum(p.stored_other_bytes for p in stored) + sum(p.resident_other_bytes for p in executed_parts),
         peak_unit=names[top] if top is not None and top < len(names) else "",
     )

@@ -161,8 +161,9 @@ class OptionPrice:
     prefill_kv_bytes: int = 0
     """``phased`` only: the prompt's KV cache of this unit, held on ``prefill_execution`` until it moves."""
     group_copy_bytes: int = 0
-    """A part of a block copied ahead with its copy group (``stream`` to a GPU; ``phased``: its prefill): its
-    weights, its share of the group's buffer on that GPU (:attr:`~..solver.problem.PlacementOption.group_copy_bytes`)."""
+    """A sublayer graph's unit copied ahead (``stream`` to a GPU; ``phased``: its prefill): its weights, its share
+    of its copy group's buffer on that GPU (a unit outside the layers is a group alone;
+    :attr:`~..solver.problem.PlacementOption.group_copy_bytes`)."""
     round_trip_s: float = 0.0
     """Of ``prefill_s + decode_s``: the sublayer round trips to home and back (:func:`round_trip_s`);
     ``evaluate`` counts them with the transfers."""
@@ -195,8 +196,8 @@ class PricingContext:
 
     def stream_buffer_bytes(self, unit: UnitInfo, mode: str) -> int:
         """The stream buffer a ``unit`` in ``mode`` holds at its peak (:data:`~.memory.STREAM_BUFFERS` copies of
-        its weights). A part of a block copied ahead with its group holds its share of the group's buffer
-        instead (:func:`group_copy_bytes`; the problem counts the group's once per device)."""
+        its weights). In a sublayer graph a unit copied ahead counts in its copy group's buffer instead
+        (``OptionPrice.group_copy_bytes``; the problem counts the groups' once per device)."""
         return unit.weight_bytes * STREAM_BUFFERS[mode]
 
     def overhead_s(self, unit: UnitInfo, device: Device) -> float:
@@ -513,7 +514,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=ctx.stream_buffer_bytes(unit, mode), round_trip_s=trip_prefill + trip_decode,
-        group_copy_bytes=unit.weight_bytes if overlapped and unit.block is not None else 0,
+        group_copy_bytes=unit.weight_bytes if overlapped and ctx.home is not None else 0,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )

@@ -10,11 +10,12 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
 * ``n[g, o]`` is the number of units of group ``g`` (identical option menus) that use option ``o``.
 * ``z[d, j]`` is 1 if some unit's option puts a transient of at least level ``j`` on ``d``
   (:meth:`~.problem.PlacementOption.peaks`: ``peak_bytes`` on its execution device, and a phased
-  option's ``prefill_peak_bytes`` on its prefill device; :meth:`~.problem.PlacementOption.peaks_apart`,
-  less its group copies); ``peak[d]`` is the sum of the level steps switched on, plus ``GROUP_BUFFERS x
-  group[d]``.
-* ``group[d]`` is at least every copy run's ``group_copy_bytes`` copied to ``d`` (problems whose options
-  copy with their group only; :func:`~.problem.group_buffer_bytes`).
+  option's ``prefill_peak_bytes`` on its prefill device); ``peak[d]`` is the sum of the level steps
+  switched on.
+* With copy groups, on a device some option copies a group to (:func:`~.problem.device_transients`):
+  ``copies[r, d]`` is copy run ``r``'s group copies to ``d``; ``t[d] >=`` each own peak
+  (:meth:`~.problem.PlacementOption.peaks_apart`) of a unit of ``r`` ``+ copies[r, d]``; ``g[d] >=`` every
+  ``copies[r, d]``; ``peak[d] = t[d] + g[d]`` instead of the levels.
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
 * ``used[d, u]`` is 1 once some unit up to ``u`` stores or computes (in either phase) on ``d``
   (interchangeable devices only: their first uses are ordered).
@@ -49,18 +50,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ortools.sat.python import cp_model
 
 from .problem import (
-    GROUP_BUFFERS,
     PHASES,
     DeviceSpec,
     PlacementOption,
     PlacementProblem,
-    group_buffer_bytes,
+    Transient,
+    device_transients,
     stalls,
 )
 
@@ -239,22 +240,35 @@ class PlacementModel:
             self._hinted(zj, int(hinted >= level))
         return peak
 
-    def _group_buffer(self, dev: str, hinted: Mapping[str, int]) -> Any:
-        # b[d] >= each copy run's group copies to d (problem.group_buffer_bytes); the device holds
-        # GROUP_BUFFERS of it beside its peak. 0 where no option copies a group to d.
+    def _run_peak(self, dev: str, hinted: Transient | None) -> Any:
+        # device_transients as rows: s[r, d] = run r's group copies to d; t[d] >= every own peak (peaks_apart)
+        # of a unit of r + s[r, d], and >= s[r, d]; g[d] >= every s[r, d]; the peak is t[d] + g[d].
         rows = []
         for a, b in self.p.copy_runs or tuple((u, u + 1) for u in range(len(self.p.units))):
-            per_unit = [[(opt.group_copy_bytes, self.x[u, o]) for o, opt in self._opts(u)
-                         if opt.group_copy_bytes and opt.group_device == dev] for u in range(a, b)]
-            if any(per_unit):
-                rows.append(per_unit)
-        if not rows:
-            return 0
-        most = max(sum(max((n for n, _ in unit), default=0) for unit in row) for row in rows)
-        b = self._hinted(self.model.new_int_var(0, most, f"group[{dev}]"), hinted.get(dev, 0) // GROUP_BUFFERS)
-        for row in rows:
-            self.model.add(b >= sum(n * x for unit in row for n, x in unit))
-        return GROUP_BUFFERS * b
+            own = [(n, self.x[u, o]) for u in range(a, b) for o, opt in self._opts(u)
+                   for d, n in opt.peaks_apart() if d == dev and n > 0]
+            copies = [[(opt.group_copy_bytes, self.x[u, o]) for o, opt in self._opts(u)
+                       if opt.group_copy_bytes and opt.group_device == dev] for u in range(a, b)]
+            most = sum(max((n for n, _ in unit), default=0) for unit in copies)
+            run = None
+            if most:
+                hint = sum(o.group_copy_bytes for o in self.chosen[a:b] if o.group_copy_bytes and o.group_device == dev)
+                run = self._hinted(self.model.new_int_var(0, most, f"copies[{a},{dev}]"), hint)
+                self.model.add(run == sum(n * x for unit in copies for n, x in unit))
+            if own or run is not None:
+                rows.append((own, run, most))
+        top_copies = max((most for *_, most in rows), default=0)
+        top_own = max((n for own, *_ in rows for n, _ in own), default=0)
+        t = self._hinted(self.model.new_int_var(0, top_own + top_copies, f"t[{dev}]"),
+                         hinted.own_bytes + hinted.run_copies_bytes if hinted else 0)
+        g = self._hinted(self.model.new_int_var(0, top_copies, f"g[{dev}]"), hinted.next_copies_bytes if hinted else 0)
+        for own, run, _ in rows:
+            if run is not None:
+                self.model.add(g >= run)
+                self.model.add(t >= run)
+            for n, x in own:
+                self.model.add(t >= n * x + (run if run is not None else 0))
+        return t + g
 
     def _range_starts(self, units: Sequence[int], dev: str, where: str, name: str) -> list[Any]:
         # s[u, d] >= on(u, d) - on(previous u, d): 1 where a range of units on d opens.
@@ -324,12 +338,14 @@ class PlacementModel:
         terms = self._terms()
         flagged = self._transients((self.x[u, o], opt) for u in range(len(self.p.units)) for o, opt in self._opts(u))
         hinted = self._transients((1, opt) for opt in self.chosen)
-        groups = group_buffer_bytes(self.chosen, self.p.copy_runs) if self.p.group_copies else {}
+        copied = {o.group_device for u in self.p.menu_units for o in u.options if o.group_copy_bytes}
+        transients = device_transients(self.chosen, self.p.copy_runs) if copied else {}
         for dev in self.p.devices:
-            top = max((nbytes for nbytes, _ in hinted[dev.name]), default=0)
-            self.peak[dev.name] = self._peak(dev.name, flagged[dev.name], top)
-            if self.p.group_copies:
-                self.peak[dev.name] += self._group_buffer(dev.name, groups)
+            if dev.name in copied:  # copy groups: peak rows per copy run
+                self.peak[dev.name] = self._run_peak(dev.name, transients.get(dev.name))
+            else:
+                top = max((nbytes for nbytes, _ in hinted[dev.name]), default=0)
+                self.peak[dev.name] = self._peak(dev.name, flagged[dev.name], top)
             add_capacity_row(self.model, dev, self.peak[dev.name], terms)
 
     def _tied_groups_share_storage(self) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
-from .problem import GROUP_BUFFERS, PlacementOption, PlacementProblem
+from .problem import PlacementOption, PlacementProblem
 from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,13 +294,14 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     storage: dict[str, str] = {}
     choice = []
     by_work: dict[int, list[int]] = {}  # per menu (units share a few option tuples: 22 of 724 units' own)
-    groups = _GroupBuffers(problem)
+    groups = _RunTransients(problem) if problem.group_copies else None
     for k, u in enumerate(problem.units):
-        groups.enter(k)
+        if groups is not None:
+            groups.enter(k)
 
         def room_for(o: PlacementOption) -> bool:
             kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
-            if o.mode == "phased" or o.group_copy_bytes:  # transients on two devices, or a group buffer grown
+            if o.mode == "phased" or groups is not None:  # transients on two devices, or counted per copy run
                 return all(added + (kept if d == o.storage else 0) <= free[d]
                            for d, added in _adds(o, peak, groups).items())
             extra_peak = max(0, o.peak_bytes - peak[o.execution])  # the common case, inline (5 x 11,000 calls)
@@ -325,56 +326,70 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
         o = u.options[best]
         for d, added in _adds(o, peak, groups).items():
             free[d] -= added
-        for d, nbytes in o.peaks_apart():
-            peak[d] = max(peak[d], nbytes)
-        groups.add(o)
+        if groups is not None:
+            groups.add(o)
+        else:
+            for d, nbytes in o.peaks():
+                peak[d] = max(peak[d], nbytes)
         storage[u.name] = o.storage
         choice.append(best)
     return choice
 
 
-class _GroupBuffers:
-    """The copy groups' buffer per device (:func:`~.problem.group_buffer_bytes`) as units are placed in
-    execution order: the current copy run's sums and the largest run's so far."""
+class _RunTransients:
+    """Each device's transient with copy groups (:func:`~.problem.device_transients`) as units are placed in
+    execution order: the current copy run's own peaks and copies, the largest run value and copies so far."""
 
     def __init__(self, problem: PlacementProblem) -> None:
         runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(problem.units)))
         self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
         self.run = -1
-        self.now: dict[str, int] = {}
-        self.most: dict[str, int] = {}
+        self.own: dict[str, int] = {}
+        self.copies: dict[str, int] = {}
+        self.value: dict[str, int] = {}  # the largest run's own peak + copies, per device
+        self.most: dict[str, int] = {}  # the largest run's copies, per device
 
     def enter(self, unit: int) -> None:
         if self.run_of[unit] != self.run:
-            self.run, self.now = self.run_of[unit], {}
+            self.run, self.own, self.copies = self.run_of[unit], {}, {}
 
-    def grows(self, o: PlacementOption) -> int:
-        """What the buffer on ``o.group_device`` grows by when ``o`` joins the current run."""
-        if not o.group_copy_bytes:
-            return 0
-        d = o.group_device
-        return GROUP_BUFFERS * max(0, self.now.get(d, 0) + o.group_copy_bytes - self.most.get(d, 0))
+    def _after(self, o: PlacementOption) -> dict[str, tuple[int, int, int, int]]:
+        """Device -> (own, copies, value, most) once ``o`` joins the current run."""
+        touched = {d: nbytes for d, nbytes in o.peaks_apart()}
+        if o.group_copy_bytes:
+            touched.setdefault(o.group_device, 0)
+        out = {}
+        for d, nbytes in touched.items():
+            own = max(self.own.get(d, 0), nbytes)
+            copies = self.copies.get(d, 0) + (o.group_copy_bytes if o.group_copy_bytes and o.group_device == d else 0)
+            out[d] = (own, copies, max(self.value.get(d, 0), own + copies), max(self.most.get(d, 0), copies))
+        return out
+
+    def grows(self, o: PlacementOption) -> dict[str, int]:
+        """What each device's transient grows by when ``o`` joins the current run."""
+        return {d: value + most - self.value.get(d, 0) - self.most.get(d, 0)
+                for d, (_, _, value, most) in self._after(o).items()}
 
     def add(self, o: PlacementOption) -> None:
-        if o.group_copy_bytes:
-            d = o.group_device
-            self.now[d] = self.now.get(d, 0) + o.group_copy_bytes
-            self.most[d] = max(self.most.get(d, 0), self.now[d])
+        for d, (own, copies, value, most) in self._after(o).items():
+            self.own[d], self.copies[d], self.value[d], self.most[d] = own, copies, value, most
 
 
-def _adds(o: PlacementOption, peak: dict[str, int], groups: _GroupBuffers) -> dict[str, int]:
+def _adds(o: PlacementOption, peak: dict[str, int], groups: _RunTransients | None) -> dict[str, int]:
     """Bytes ``o`` adds per device beside the transient ``peak`` each already holds: stored bytes on its
-    storage, resident ones on its execution device, each transient (peaks_apart()) above the peak there,
-    and what its group copy grows the group buffer by."""
+    storage, resident ones on its execution device, and each transient (peaks()) above the peak there; with
+    copy groups (``groups``), what the device's transient grows by instead."""
     added = {o.storage: o.stored_bytes}
     added[o.execution] = added.get(o.execution, 0) + o.resident_bytes
+    if groups is not None:
+        for d, grown in groups.grows(o).items():
+            added[d] = added.get(d, 0) + grown
+        return added
     top: dict[str, int] = {}
-    for d, nbytes in o.peaks_apart():
+    for d, nbytes in o.peaks():
         top[d] = max(top.get(d, 0), nbytes)
     for d, nbytes in top.items():
         added[d] = added.get(d, 0) + max(0, nbytes - peak[d])
-    if o.group_copy_bytes:
-        added[o.group_device] = added.get(o.group_device, 0) + groups.grows(o)
     return added
 
 

@@ -47,16 +47,18 @@ Memory on a device is
 
 and must not exceed the device's ``capacity_bytes`` (its memory less the reserve). With copy groups, the
 parts of a group streamed ahead (``group_copy_bytes``) hold one buffer together, not one each: such an
-option's peak counts less its own :data:`GROUP_BUFFERS` copies, and the device adds
+option's peak counts less its own :data:`GROUP_BUFFERS` copies, and the last term becomes
 
-    GROUP_BUFFERS x max over copy runs of sum(group_copy_bytes of the run's units copied to it)
+    max over copy runs R of ( max(peaks of R's units there) + R's group copies to the device )
+    + max over copy runs of their group copies to the device
 
-beside the largest peak: the dispatcher holds one group's copies while the next streaming group's arrive,
-whichever unit is running (:func:`group_buffer_bytes`).
+(:func:`device_transients`): while a unit of R runs, the dispatcher holds R's copies and those of the next
+streaming group, in flight, which the largest group's bound; a unit outside the layers is a run alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +81,8 @@ __all__ = [
     "stalls",
     "spine",
     "GROUP_BUFFERS",
-    "group_buffer_bytes",
+    "Transient",
+    "device_transients",
 ]
 
 #: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
@@ -99,7 +102,7 @@ SHARED = ("copy", "host", "disk")
 #: What a plan can minimise: ``latency`` (prefill + decode), ``throughput`` (the slowest device's
 #: total work) or ``memory`` (bytes used on the GPUs).
 OBJECTIVES = ("latency", "throughput", "memory")
-#: Copy groups a device holds at once: the running group's copies and the next streaming group's.
+#: Copies of its weights a streamed option's peak holds (its own, and the next one's in flight, of its size).
 GROUP_BUFFERS = 2
 #: Scores a problem remembers (by assignment) before it forgets them all: a search prices a handful.
 SCORES_KEPT = 64
@@ -406,18 +409,19 @@ class PlacementProblem:
         for opt in chosen:
             used[opt.storage] += opt.stored_bytes
             used[opt.execution] += opt.resident_bytes
-            for device, nbytes in opt.peaks_apart():
-                if nbytes > peak[device]:
-                    peak[device] = nbytes
+            if not self.group_copies:
+                for device, nbytes in opt.peaks():
+                    if nbytes > peak[device]:
+                        peak[device] = nbytes
         if self.group_copies:
-            for device, nbytes in group_buffer_bytes(chosen, self.copy_runs).items():
-                used[device] += nbytes
+            for device, transient in device_transients(chosen, self.copy_runs).items():
+                peak[device] = transient.total_bytes
         return {name: used[name] + peak[name] for name in used}
 
     def most_peak(self, opt: PlacementOption) -> int:
-        """``opt``'s transient on its execution device with its copy group's buffer at the most any copy run
-        puts there: what the device holds while it runs is at most this beside the other units' transients
-        (the baselines' conservative price; :meth:`used_bytes` is the exact one)."""
+        """``opt``'s transient on its execution device with its copy run's and the next run's copies at the most
+        any copy run puts there (the executor starts' conservative price; :meth:`used_bytes` is the exact one).
+        A peak of another unit of its run may still exceed its own."""
         if not opt.group_copy_bytes or opt.prefill_execution is not None:
             return opt.peak_bytes
         return opt.peak_bytes + GROUP_BUFFERS * (self._group_most[opt.execution] - opt.group_copy_bytes)
@@ -635,21 +639,49 @@ def stalls(durations: Sequence[int], copies: Sequence[int], cyclic: bool,
     return waits
 
 
-def group_buffer_bytes(chosen: Sequence[PlacementOption],
-                       runs: Sequence[tuple[int, int]] | None) -> dict[str, int]:
-    """Device -> the buffer its copy groups hold at most: :data:`GROUP_BUFFERS` x the largest sum of a run's
-    ``group_copy_bytes`` copied to it (``runs``: :attr:`PlacementProblem.copy_runs`, None: each unit alone).
-    Devices without group copies are left out."""
-    most: dict[str, int] = {}
+@dataclass(frozen=True)
+class Transient:
+    """A device's transient peak with copy groups (:func:`device_transients`): the copy run that sets it."""
+
+    unit: int | None
+    """The unit of that run whose own peak (:meth:`PlacementOption.peaks_apart`) counts; None: no unit of the run
+    computes on the device."""
+    own_bytes: int
+    run_copies_bytes: int
+    """The run's group copies to the device."""
+    next_copies_bytes: int
+    """The largest run's group copies to the device: the next streaming group's, in flight, are at most these."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.own_bytes + self.run_copies_bytes + self.next_copies_bytes
+
+
+def device_transients(chosen: Sequence[PlacementOption],
+                      runs: Sequence[tuple[int, int]] | None) -> dict[str, Transient]:
+    """Device -> its transient peak with copy groups (module docstring): over the copy runs (``runs``:
+    :attr:`PlacementProblem.copy_runs`, None: each unit alone), the largest of a run's largest own peak there plus
+    its group copies there, plus the largest run's copies there. Devices without a transient are left out."""
+    best: dict[str, Transient] = {}
+    largest: dict[str, int] = {}
     for a, b in runs if runs is not None else ((u, u + 1) for u in range(len(chosen))):
-        run: dict[str, int] = {}
-        for opt in chosen[a:b]:
+        own: dict[str, tuple[int, int]] = {}  # device -> (peak, unit)
+        copies: dict[str, int] = {}
+        for u in range(a, b):
+            opt = chosen[u]
+            for device, nbytes in opt.peaks_apart():
+                if device not in own or nbytes > own[device][0]:
+                    own[device] = (nbytes, u)
             if opt.group_copy_bytes:
-                run[opt.group_device] = run.get(opt.group_device, 0) + opt.group_copy_bytes
-        for device, nbytes in run.items():
-            if nbytes > most.get(device, 0):
-                most[device] = nbytes
-    return {device: nbytes * GROUP_BUFFERS for device, nbytes in most.items()}
+                copies[opt.group_device] = copies.get(opt.group_device, 0) + opt.group_copy_bytes
+        for device in own.keys() | copies.keys():
+            nbytes, unit = own.get(device, (0, None))
+            run = copies.get(device, 0)
+            held = best.get(device)
+            if held is None or nbytes + run > held.own_bytes + held.run_copies_bytes:
+                best[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=run, next_copies_bytes=0)
+            largest[device] = max(largest.get(device, 0), run)
+    return {device: dataclasses.replace(t, next_copies_bytes=largest[device]) for device, t in best.items()}
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:

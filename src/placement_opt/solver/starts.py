@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .problem import GROUP_BUFFERS, PlacementOption, PlacementProblem
+from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["executor_starts", "improve", "fits"]
 
@@ -319,8 +319,8 @@ def _one_range_each(storage: Sequence[str]) -> bool:
 # Greedy fill
 # ---------------------------------------------------------------------------------------------
 class _Memory:
-    """Bytes per device under the problem's memory model (transients from peaks_apart(), group buffers from
-    the copy runs' sums), updated one move at a time."""
+    """Bytes per device under the problem's memory model (transients from peaks(); with copy groups, per copy
+    run as :func:`~.problem.device_transients` counts them), updated one move at a time."""
 
     def __init__(self, problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> None:
         self.capacity = {d.name: d.capacity_bytes for d in problem.devices}
@@ -328,35 +328,19 @@ class _Memory:
         self.peaks: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}
         self.top = dict.fromkeys(self.capacity, 0)
         """The largest transient per device (kept up to date by _apply)."""
-        runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(chosen)))
-        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
-        self.run_sum: dict[tuple[str, int], int] = {}  # (device, copy run) -> its group copies there
-        self.sums: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}  # the run sums per device
+        self.runs = _RunPeaks(problem, len(chosen)) if problem.group_copies else None
         for i, o in enumerate(chosen):
             self._apply(i, o, 1)
 
     def _apply(self, i: int, o: PlacementOption, sign: int) -> None:
         self.held[o.storage] += sign * o.stored_bytes
         self.held[o.execution] += sign * o.resident_bytes
-        if o.group_copy_bytes:
-            for d, nbytes in o.peaks_apart():
-                self._transient(d, nbytes, sign)
-            self._group(o.group_device, self.run_of[i], sign * o.group_copy_bytes)
+        if self.runs is not None:
+            self.runs.apply(i, o, sign)
             return
         self._transient(o.execution, o.peak_bytes, sign)  # peaks(), the common case without a call
         if o.prefill_execution is not None:
             self._transient(o.prefill_execution, o.prefill_peak_bytes, sign)
-
-    def _group(self, device: str, run: int, delta: int) -> None:
-        before = self.run_sum.get((device, run), 0)
-        after = self.run_sum[device, run] = before + delta
-        sums = self.sums[device]
-        if before:
-            sums[before] -= 1
-            if not sums[before]:
-                del sums[before]
-        if after:
-            sums[after] += 1
 
     def _transient(self, device: str, nbytes: int, sign: int) -> None:
         peaks = self.peaks[device]
@@ -369,8 +353,8 @@ class _Memory:
                 self.top[device] = max(peaks, default=0)
 
     def _fits(self, device: str) -> bool:
-        group = GROUP_BUFFERS * max(self.sums[device], default=0)
-        return self.held[device] + self.top[device] + group <= self.capacity[device]
+        top = self.top[device] if self.runs is None else self.runs.peak(device)
+        return self.held[device] + top <= self.capacity[device]
 
     def move(self, i: int, old: PlacementOption, new: PlacementOption) -> bool:
         """Replace unit ``i``'s ``old`` by ``new`` if every device still fits; False (and nothing changed)
@@ -383,6 +367,56 @@ class _Memory:
         self._apply(i, new, -1)
         self._apply(i, old, 1)
         return False
+
+
+class _RunPeaks:
+    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per copy run."""
+
+    def __init__(self, problem: PlacementProblem, n: int) -> None:
+        runs = problem.copy_runs or tuple((u, u + 1) for u in range(n))
+        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+        self.own: dict[tuple[str, int], Counter[int]] = {}  # (device, run) -> own peaks of its units there
+        self.copies: dict[tuple[str, int], int] = {}  # (device, run) -> its group copies there
+        self.values: dict[str, Counter[int]] = {}  # device -> each run's largest own peak + copies
+        self.sums: dict[str, Counter[int]] = {}  # device -> each run's copies
+
+    def apply(self, i: int, o: PlacementOption, sign: int) -> None:
+        run = self.run_of[i]
+        touched = {d for d, _ in o.peaks_apart()} | ({o.group_device} if o.group_copy_bytes else set())
+        before = {d: self._value(d, run) for d in touched}
+        for d, nbytes in o.peaks_apart():
+            own = self.own.setdefault((d, run), Counter())
+            own[nbytes] += sign
+            if not own[nbytes]:
+                del own[nbytes]
+        if o.group_copy_bytes:
+            d = o.group_device
+            old = self.copies.get((d, run), 0)
+            self.copies[d, run] = old + sign * o.group_copy_bytes
+            _swap(self.sums.setdefault(d, Counter()), old, self.copies[d, run])
+        for d in touched:
+            _swap(self.values.setdefault(d, Counter()), before[d], self._value(d, run))
+
+    def _value(self, device: str, run: int) -> int:
+        """The run's largest own peak on ``device`` plus its copies there (-1: nothing of the run there)."""
+        own = self.own.get((device, run))
+        copies = self.copies.get((device, run), 0)
+        if not own and not copies:
+            return -1
+        return max(own, default=0) + copies
+
+    def peak(self, device: str) -> int:
+        return max(self.values.get(device, ()), default=0) + max(self.sums.get(device, ()), default=0)
+
+
+def _swap(counter: Counter[int], old: int, new: int) -> None:
+    """Move one count from ``old`` to ``new`` (values <= 0 are not kept)."""
+    if old > 0:
+        counter[old] -= 1
+        if not counter[old]:
+            del counter[old]
+    if new > 0:
+        counter[new] += 1
 
 
 def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int, int]]:
