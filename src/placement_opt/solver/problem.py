@@ -168,8 +168,8 @@ class PlacementOption:
     group_copy_bytes: int = 0
     """A part of a copy group copied ahead (a ``stream``, or a ``phased`` option's prefill): the bytes it adds
     to its group's copy on :attr:`group_device`. Its peak (``peak_bytes``, a phased option's
-    ``prefill_peak_bytes``) holds them :data:`GROUP_BUFFERS` times, as a unit alone's buffer: the least the
-    group buffer adds. The device's memory counts them with the group's instead (module docstring)."""
+    ``prefill_peak_bytes``) holds them :data:`GROUP_BUFFERS` times, as a unit alone's buffer: the least they
+    add to the device. The device's memory counts them per copy run instead (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -244,8 +244,8 @@ class PlacementOption:
         return ((self.execution, self.peak_bytes), (self.prefill_execution, self.prefill_peak_bytes))
 
     def peaks_apart(self) -> tuple[tuple[str, int], ...]:
-        """:meth:`peaks` less the group copies (``group_copy_bytes``), which the device's group buffer counts
-        (:func:`group_buffer_bytes`): what the memory model takes the largest of."""
+        """:meth:`peaks` less the group copies (``group_copy_bytes``), which the device counts per copy run
+        (:func:`device_transients`): each unit's own peak there."""
         if not self.group_copy_bytes:
             return self.peaks()
         apart = self.group_copy_bytes * GROUP_BUFFERS
@@ -445,7 +445,8 @@ class PlacementProblem:
 
     @functools.cached_property
     def group_copies(self) -> bool:
-        """Whether some option is copied with its group (``group_copy_bytes``): then devices hold group buffers."""
+        """Whether some option is copied with its group (``group_copy_bytes``): then devices count transients per
+        copy run (:func:`device_transients`)."""
         return any(o.group_copy_bytes for u in self.menu_units for o in u.options)
 
     def objective_value(self, choice: Sequence[int], objective: str) -> int:
