@@ -28,8 +28,9 @@ def _matrix(draw, devices, twins):
     return {(p, q): draw(st.integers(0, 9)) for p in devices for q in devices if p != q}
 
 
-def _menu(draw, gpus, twins):
-    """Resident on every GPU and on the CPU, streamed from the CPU to every GPU; twins price GPUs alike."""
+def _menu(draw, gpus, twins, copying=False):
+    """Resident on every GPU and on the CPU, streamed from the CPU to every GPU; twins price GPUs alike;
+    ``copying``: streamed options may copy with their group (``group_copy_bytes``)."""
     def numbers(copies=False):
         out = dict(prefill_ns=draw(st.integers(0, 30)), decode_ns=draw(st.integers(0, 60)),
                    resident_bytes=draw(st.integers(0, 2)), peak_bytes=draw(st.integers(0, 4)))
@@ -37,7 +38,7 @@ def _menu(draw, gpus, twins):
             out.update(copy_prefill_ns=draw(st.integers(0, 40)), copy_decode_ns=draw(st.integers(0, 80)),
                        host_prefill_ns=draw(st.integers(0, 20)), host_decode_ns=draw(st.integers(0, 40)),
                        disk_prefill_ns=draw(st.integers(0, 20)), disk_decode_ns=draw(st.integers(0, 40)))
-            share = draw(st.integers(0, 2))  # its group copy, held twice in its peak (problem.py's memory)
+            share = draw(st.integers(0, 2)) if copying else 0  # its group copy, twice in its peak (problem.py)
             out.update(group_copy_bytes=share, peak_bytes=out["peak_bytes"] + 2 * share)
         return out
     stored = draw(st.integers(0, 6))
@@ -67,10 +68,11 @@ def problems(draw, run=False):
     options = 2 * n_gpus + 1
     most = max(1, int(math.log(_MAX_ASSIGNMENTS) / math.log(options)))
     n = draw(st.integers(5, max(5, most)) if run else st.integers(1, most))
-    menus = [_menu(draw, gpus, twins)]
+    copying = draw(st.integers(0, 2)) == 0  # one problem in three copies with groups
+    menus = [_menu(draw, gpus, twins, copying)]
     for k in range(n - 1):  # runs of identical units (decoder layers) or a new menu
         same = (run and k > 0) or (not run and draw(st.integers(0, 3)) > 0)
-        menus.append(menus[-1] if same else _menu(draw, gpus, twins))
+        menus.append(menus[-1] if same else _menu(draw, gpus, twins, copying))
     units = tuple(UnitSpec(name=f"u{i}", options=m) for i, m in enumerate(menus))
     devices = [*gpus, "cpu"]
     shared = _matrix(draw, devices, twins)

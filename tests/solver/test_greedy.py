@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from _problems import problems as grouped_problems
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from placement_opt.solver.greedy import (
@@ -211,6 +211,7 @@ def _within_capacities(problem, choice):
     return all(used[d.name] <= d.capacity_bytes for d in problem.devices)
 
 
+@settings(max_examples=80)
 @given(grouped_problems(), st.data())
 def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data):
     """The fill's running account (_Memory: transients, copy-group buffers) against the problem's memory model,
@@ -228,6 +229,7 @@ def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data)
             choice = trial
 
 
+@settings(max_examples=80)
 @given(grouped_problems(), st.data())
 def test_the_greedy_grows_each_transient_to_what_the_problem_counts(problem, data):
     """The one-pass greedy's account of the transients with copy groups, unit by unit in execution order, against

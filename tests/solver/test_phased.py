@@ -64,8 +64,9 @@ def _prices(draw, devices, twins):
     return {(p, q): draw(st.integers(0, 9)) for p in devices for q in devices if p != q}
 
 
-def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS):
-    """A menu of at most ``most`` options from a random set of ``allowed`` kinds (phased most often)."""
+def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS, copying=False):
+    """A menu of at most ``most`` options from a random set of ``allowed`` kinds (phased most often);
+    ``copying``: streamed and phased options may copy with their group (``group_copy_bytes``)."""
     kinds = [k for k in allowed if (has_disk or k != "disk") and draw(st.integers(0, 3 if k == "phased" else 1))]
     per_kind = {k: len(gpus) if k in ("gpu", "stream", "phased") else 1 for k in _KINDS}
     while sum(per_kind[k] for k in kinds) > most:  # keep the later kinds (phased before disk)
@@ -87,7 +88,7 @@ def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS):
             if kind == "gpu":
                 options.append(PlacementOption(storage=g, execution=g, mode="resident", stored_bytes=stored, **n))
             elif kind == "stream":
-                share = draw(st.integers(0, 2))  # its group copy, twice in its peak (problem.py's memory)
+                share = draw(st.integers(0, 2)) if copying else 0  # its group copy, twice in its peak
                 options.append(PlacementOption(storage="cpu", execution=g, mode="stream", stored_bytes=stored,
                                                **(n | dict(peak_bytes=n["peak_bytes"] + 2 * share,
                                                            group_copy_bytes=share))))
@@ -99,7 +100,7 @@ def _menu(draw, gpus, twins, has_disk, most, allowed=_KINDS):
                                                **n))
             else:
                 peak = prefill_peak if twins else draw(st.integers(0, 6))
-                share = draw(st.integers(0, 2))  # its prefill's group copy, twice in its prefill peak
+                share = draw(st.integers(0, 2)) if copying else 0  # its prefill's group copy, twice there
                 options.append(PlacementOption(storage=store, execution="cpu", mode="phased", prefill_execution=g,
                                                prefill_peak_bytes=peak + 2 * share, group_copy_bytes=share,
                                                stored_bytes=stored, **n))
@@ -120,15 +121,17 @@ def phased_problems(draw, run=False):
     has_disk = draw(st.booleans())
     compute = [*gpus, "cpu"]
     allowed = ("cpu", "phased", "disk") if draw(st.integers(0, 3)) == 0 else _KINDS
-    first = _menu(draw, gpus, twins, has_disk, 8, allowed)
+    copying = draw(st.integers(0, 2)) == 0  # one problem in three copies with groups
+    first = _menu(draw, gpus, twins, has_disk, 8, allowed, copying)
     if run:
-        body = _menu(draw, gpus, twins, has_disk, 4, allowed)
+        body = _menu(draw, gpus, twins, has_disk, 4, allowed, copying)
         n = max(5, min(7, int(math.log(_MAX_ASSIGNMENTS / len(first)) / math.log(max(2, len(body))))))
         menus = [first] + [body] * (n - 1)
     else:
         menus, target = [first], draw(st.integers(2, 6))
         while len(menus) < target:
-            menu = menus[-1] if draw(st.integers(0, 2)) == 0 else _menu(draw, gpus, twins, has_disk, 8, allowed)
+            menu = menus[-1] if draw(st.integers(0, 2)) == 0 else _menu(draw, gpus, twins, has_disk, 8, allowed,
+                                                                        copying)
             if math.prod(len(m) for m in menus) * len(menu) > _MAX_ASSIGNMENTS:
                 break
             menus.append(menu)
