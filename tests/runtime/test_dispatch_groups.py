@@ -548,10 +548,11 @@ def test_the_copies_alive_at_once_never_exceed_the_group_buffer(gpu_on_cpu, data
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
 def test_on_a_gpu_the_copies_alive_at_once_never_exceed_the_group_buffer(tmp_path):
-    """Pinned copies on the side stream: the prefetch's copies alive at once stay within the group buffer."""
+    """Pinned copies on the side stream: the prefetch's copies alive at once stay within the group buffer (how many
+    are alive at once depends on how far the thread is ahead: only the bound is asserted)."""
     model = tiny("llama")
     rows = {u: "disk>gpu" if u.endswith("mlp") else "ram>gpu" for u in _UNITS["llama"]
             if u.endswith(("self_attn", "mlp"))}
     plan = group_plan(model, rows, grouped=True)
     state = run_counting(model, plan, tmp_path)
-    assert 2 * max(state["size"].values()) < state["most"] <= group_buffer(plan, state["size"])
+    assert 0 < state["most"] <= group_buffer(plan, state["size"])
