@@ -91,8 +91,8 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     for u in units:
         key = _price_key(u, graph.meta.extra.get("logits_unit"))
         if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too, and a
-            # part of a block streams with the block's other parts (its group copy) and shares its overhead
-            key += (unit_io_bytes(graph, u)[0], u.block is not None, ctx.block_parts(u))
+            # part of a block shares the block's overhead
+            key += (unit_io_bytes(graph, u)[0], ctx.block_parts(u))
         if key not in priced:
             phased = _two_phases(u, ctx)
             priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]

@@ -291,7 +291,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
                  disk_prefill_s=o.disk_prefill_ns / NS_PER_S, disk_decode_s=o.disk_decode_ns / NS_PER_S)
         for u, o, (wait_prefill, wait_decode) in zip(problem.units, chosen, waits, strict=True))
     names = [u.name for u in problem.units]
-    peaks = device_transients(chosen, problem.copy_runs) if problem.group_copies else {}
+    peaks = device_transients(chosen, problem.runs) if problem.group_copies else {}
     memory = tuple(device_memory(d, chosen_parts, names, peaks.get(d.name)) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model
         assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)

@@ -194,12 +194,6 @@ class PricingContext:
     workload: Workload
     calibration: Calibration | None = None
 
-    def stream_buffer_bytes(self, unit: UnitInfo, mode: str) -> int:
-        """The stream buffer a ``unit`` in ``mode`` holds at its peak (:data:`~.memory.STREAM_BUFFERS` copies of
-        its weights). In a sublayer graph a unit copied ahead counts in its copy group's buffer instead
-        (``OptionPrice.group_copy_bytes``; the problem counts the groups' once per device)."""
-        return unit.weight_bytes * STREAM_BUFFERS[mode]
-
     def overhead_s(self, unit: UnitInfo, device: Device) -> float:
         """:data:`UNIT_OVERHEAD_S` of ``device``'s kind, shared equally among the parts of a block
         (``UnitInfo.block``): a layer launches the same kernels whether it runs as one unit or as its
@@ -513,7 +507,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=ctx.stream_buffer_bytes(unit, mode), round_trip_s=trip_prefill + trip_decode,
+        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
         group_copy_bytes=unit.weight_bytes if overlapped and ctx.home is not None else 0,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,

@@ -244,7 +244,7 @@ class PlacementModel:
         # device_transients as rows: s[r, d] = run r's group copies to d; t[d] >= every own peak (peaks_apart)
         # of a unit of r + s[r, d], and >= s[r, d]; g[d] >= every s[r, d]; the peak is t[d] + g[d].
         rows = []
-        for a, b in self.p.copy_runs or tuple((u, u + 1) for u in range(len(self.p.units))):
+        for a, b in self.p.runs:
             own = [(n, self.x[u, o]) for u in range(a, b) for o, opt in self._opts(u)
                    for d, n in opt.peaks_apart() if d == dev and n > 0]
             copies = [[(opt.group_copy_bytes, self.x[u, o]) for o, opt in self._opts(u)
@@ -339,7 +339,7 @@ class PlacementModel:
         flagged = self._transients((self.x[u, o], opt) for u in range(len(self.p.units)) for o, opt in self._opts(u))
         hinted = self._transients((1, opt) for opt in self.chosen)
         copied = {o.group_device for u in self.p.menu_units for o in u.options if o.group_copy_bytes}
-        transients = device_transients(self.chosen, self.p.copy_runs) if copied else {}
+        transients = device_transients(self.chosen, self.p.runs) if copied else {}
         for dev in self.p.devices:
             if dev.name in copied:  # copy groups: peak rows per copy run
                 self.peak[dev.name] = self._run_peak(dev.name, transients.get(dev.name))
@@ -440,7 +440,7 @@ class PlacementModel:
         n = len(self.p.units)
         if "copy" not in self.p.shared_used(ph):
             return [0] * n
-        runs = self.p.copy_runs or tuple((u, u + 1) for u in range(n))
+        runs = self.p.runs
         copies = [[(u, o, self._t(opt.copy_in(ph))) for u in range(a, b) for o, opt in self._opts(u)
                    if self._t(opt.copy_in(ph)) > 0] for a, b in runs]
         if not any(copies):

@@ -341,8 +341,7 @@ class _RunTransients:
     execution order: the current copy run's own peaks and copies, the largest run value and copies so far."""
 
     def __init__(self, problem: PlacementProblem) -> None:
-        runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(problem.units)))
-        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+        self.run_of = problem.run_of
         self.run = -1
         self.own: dict[str, int] = {}
         self.copies: dict[str, int] = {}
@@ -404,8 +403,8 @@ def _gpu_reserves(problem: PlacementProblem, reserve_fraction: float | None, one
     buffer = dict.fromkeys(reserve, 0)  # the largest stream buffer per computing device, in one pass
     for menu in problem.menu_units:  # each shared options tuple once
         for o in menu.options:
-            if o.execution != o.storage and problem.most_peak(o) > buffer[o.execution]:
-                buffer[o.execution] = problem.most_peak(o)  # a copy group's whole buffer, where it has one
+            if o.execution != o.storage:  # with copy groups, a group's whole buffer
+                buffer[o.execution] = max(buffer[o.execution], problem.most_peak(o))
             if o.mode == "phased" and o.prefill_peak_bytes > buffer[o.device_in("prefill_ns")]:
                 buffer[o.device_in("prefill_ns")] = o.prefill_peak_bytes  # weights streamed there for the prefill
     for d in gpus:

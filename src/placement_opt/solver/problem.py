@@ -409,13 +409,14 @@ class PlacementProblem:
         for opt in chosen:
             used[opt.storage] += opt.stored_bytes
             used[opt.execution] += opt.resident_bytes
-            if not self.group_copies:
+        if self.group_copies:
+            for device, transient in device_transients(chosen, self.runs).items():
+                peak[device] = transient.total_bytes
+        else:
+            for opt in chosen:
                 for device, nbytes in opt.peaks():
                     if nbytes > peak[device]:
                         peak[device] = nbytes
-        if self.group_copies:
-            for device, transient in device_transients(chosen, self.copy_runs).items():
-                peak[device] = transient.total_bytes
         return {name: used[name] + peak[name] for name in used}
 
     def most_peak(self, opt: PlacementOption) -> int:
@@ -430,7 +431,7 @@ class PlacementProblem:
     def _group_most(self) -> dict[str, int]:
         """Device -> the most group copies one copy run can put there (each unit on its largest option there)."""
         most: dict[str, int] = {}
-        for a, b in self.copy_runs or ((u, u + 1) for u in range(len(self.units))):
+        for a, b in self.runs:
             run: dict[str, int] = {}
             for unit in self.units[a:b]:
                 largest: dict[str, int] = {}
@@ -530,6 +531,16 @@ class PlacementProblem:
             runs.append((u, end))
             u = end
         return tuple(runs)
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """:attr:`copy_runs`, or every unit alone when there are none: the ranges stalls and memory go by."""
+        return self.copy_runs or tuple((u, u + 1) for u in range(len(self.units)))
+
+    @functools.cached_property
+    def run_of(self) -> tuple[int, ...]:
+        """Each unit's index in :attr:`runs`."""
+        return tuple(k for k, (a, b) in enumerate(self.runs) for _ in range(a, b))
 
     def shared_rows(self, chosen: Sequence[PlacementOption], key: str,
                     rounded: Callable[[int], int] | None = None) -> tuple[int, ...]:

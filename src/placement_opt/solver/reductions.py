@@ -62,12 +62,11 @@ def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) 
     return groups
 
 
-def _run_of(problem: PlacementProblem) -> list[int]:
+def _run_of(problem: PlacementProblem) -> Sequence[int]:
     """Each unit's copy run (its own index without runs; every unit 0 when nothing is copied by groups)."""
     if problem.copy_runs is None and not problem.group_copies:
         return [0] * len(problem.units)
-    runs = problem.copy_runs or tuple((u, u + 1) for u in range(len(problem.units)))
-    return [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+    return problem.run_of
 
 
 def _merge_options(units: Sequence[UnitSpec]) -> tuple[PlacementOption, ...]:

@@ -328,7 +328,7 @@ class _Memory:
         self.peaks: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}
         self.top = dict.fromkeys(self.capacity, 0)
         """The largest transient per device (kept up to date by _apply)."""
-        self.runs = _RunPeaks(problem, len(chosen)) if problem.group_copies else None
+        self.runs = _RunPeaks(problem) if problem.group_copies else None
         for i, o in enumerate(chosen):
             self._apply(i, o, 1)
 
@@ -372,9 +372,8 @@ class _Memory:
 class _RunPeaks:
     """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per copy run."""
 
-    def __init__(self, problem: PlacementProblem, n: int) -> None:
-        runs = problem.copy_runs or tuple((u, u + 1) for u in range(n))
-        self.run_of = [k for k, (a, b) in enumerate(runs) for _ in range(a, b)]
+    def __init__(self, problem: PlacementProblem) -> None:
+        self.run_of = problem.run_of
         self.own: dict[tuple[str, int], Counter[int]] = {}  # (device, run) -> own peaks of its units there
         self.copies: dict[tuple[str, int], int] = {}  # (device, run) -> its group copies there
         self.values: dict[str, Counter[int]] = {}  # device -> each run's largest own peak + copies
