@@ -56,11 +56,12 @@ def _menu(draw, gpus, twins, copying=False):
 
 
 @st.composite
-def problems(draw, run=False):
+def problems(draw, run=False, copying=None):
     """Chains and DAGs with runs of identical units, identical GPUs, pins, ties and contiguity.
 
     ``run``: units 1 to n - 1 (n >= 5) are identical and joined by one price: a run with an interior
     of 2+ units that the solver counts per option (``u0`` may still take a skip edge or a pin).
+    ``copying``: streamed options may copy with their group (None: in one problem in three).
     """
     n_gpus = draw(st.integers(1, 2 if run else 3))
     gpus = [f"cuda:{i}" for i in range(n_gpus)]
@@ -68,7 +69,8 @@ def problems(draw, run=False):
     options = 2 * n_gpus + 1
     most = max(1, int(math.log(_MAX_ASSIGNMENTS) / math.log(options)))
     n = draw(st.integers(5, max(5, most)) if run else st.integers(1, most))
-    copying = draw(st.integers(0, 2)) == 0  # one problem in three copies with groups
+    if copying is None:
+        copying = draw(st.integers(0, 2)) == 0  # one problem in three copies with groups
     menus = [_menu(draw, gpus, twins, copying)]
     for k in range(n - 1):  # runs of identical units (decoder layers) or a new menu
         same = (run and k > 0) or (not run and draw(st.integers(0, 3)) > 0)

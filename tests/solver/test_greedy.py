@@ -230,7 +230,7 @@ def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data)
 
 
 @settings(max_examples=80)
-@given(grouped_problems(), st.data())
+@given(grouped_problems(copying=True), st.data())
 def test_the_greedy_grows_each_transient_to_what_the_problem_counts(problem, data):
     """The one-pass greedy's account of the transients with copy groups, unit by unit in execution order, against
     device_transients of the whole assignment."""
