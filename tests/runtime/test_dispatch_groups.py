@@ -488,16 +488,22 @@ def live_copies():
 
 def group_buffer(plan: Plan, size: dict[str, int]) -> int:
     """The most copies the cost model lets a device hold (solver.problem.device_transients: a run's own copies
-    and the largest run's, in flight), written anew from the plan: twice the most one copy group (a unit
-    without one: alone) streams, phased units counted (their prefill streams)."""
-    most, run, last = 0, 0, object()
+    and those of the next run that copies, in flight, round the cycle, at least its own), written anew from the
+    plan: the runs are the copy groups (a unit without one: alone); in the prefill stream and phased units copy,
+    in the decode stream units only."""
+    runs: list[list] = []
     for p in plan.placements:
-        if p.copy_group is None or p.copy_group != last:
-            run = 0
-        last = p.copy_group
-        run += size.get(p.unit, 0) if p.mode in ("stream", "phased") else 0
-        most = max(most, run)
-    return 2 * most
+        if not runs or p.copy_group is None or p.copy_group != runs[-1][0].copy_group:
+            runs.append([])
+        runs[-1].append(p)
+    prefill = [sum(size.get(p.unit, 0) for p in run if p.mode in ("stream", "phased")) for run in runs]
+    decode = [sum(size.get(p.unit, 0) for p in run if p.mode == "stream") for run in runs]
+
+    def following(copies, r):
+        return next((copies[(r + k) % len(runs)] for k in range(1, len(runs) + 1) if copies[(r + k) % len(runs)]), 0)
+
+    return max((prefill[r] + max(prefill[r], following(prefill, r), following(decode, r)) for r in range(len(runs))),
+               default=0)
 
 
 def run_counting(model: torch.nn.Module, plan: Plan, offload_dir) -> dict:

@@ -72,8 +72,10 @@ def copy_of(o, key):
 
 def reference_bytes(chosen, device, runs=None):
     """Stored + resident + the transient: without group copies the largest peak there; with them, over the copy
-    runs, the largest of (the run's largest peak there, each less twice its group copy on the device it copies
-    to, + the run's group copies there), + the largest run's group copies there."""
+    runs with a unit computing or copying there, the largest of (the run's largest peak there, each less twice
+    its group copy on the device it copies to, + the run's group copies there + those of the next run, round
+    the cycle, that copies there: in the prefill any group copy, in the decode a stream option's; the larger,
+    and at least the run's own)."""
     stored = sum(o.stored_bytes for o in chosen if o.storage == device)
     resident = sum(o.resident_bytes for o in chosen if o.execution == device)
     if not any(o.group_copy_bytes for o in chosen):
@@ -90,15 +92,23 @@ def reference_bytes(chosen, device, runs=None):
         return [p for d, p in sides if d == device]
 
     runs = runs or [(u, u + 1) for u in range(len(chosen))]
-    values, copies = [], []
-    for a, b in runs:
-        run = chosen[a:b]
-        copied = sum(o.group_copy_bytes for o in run if copy_to(o) == device)
-        peaks = [p for o in run for p in own(o)]
-        if peaks or copied:
-            values.append(max(peaks, default=0) + copied)
-        copies.append(copied)
-    return stored + resident + max(values, default=0) + max(copies, default=0)
+    prefill = [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device) for a, b in runs]
+    decode = [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device and o.mode == "stream")
+              for a, b in runs]
+
+    def following(copies, r):  # the next run after r (r itself last) that copies
+        for step in range(1, len(runs) + 1):
+            if copies[(r + step) % len(runs)]:
+                return copies[(r + step) % len(runs)]
+        return 0
+
+    values = []
+    for r, (a, b) in enumerate(runs):
+        peaks = [p for o in chosen[a:b] for p in own(o)]
+        if peaks or prefill[r]:
+            values.append(max(peaks, default=0) + prefill[r]
+                          + max(prefill[r], following(prefill, r), following(decode, r)))
+    return stored + resident + max(values, default=0)
 
 
 def reference_valid(problem, choice):

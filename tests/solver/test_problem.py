@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -219,6 +220,13 @@ def test_a_gpu_holds_a_layers_copies_and_the_next_layers_beside_the_running_unit
                       (1, 0, 1, 0, 0): 20 + 30 + 10,  # the head runs while a layer's part (10) may be in flight
                       (1, 1, 0, 0, 0): 20 + 30 + 20,  # ... a whole layer's (20)
                       (1, 1, 1, 1, 0): 0 + 30 + 20}  # not two layers' copies: only the next one's is held then
+    # the next copying layer's, not the largest's: layer 0 copies 10, layer 1 20; the head waits with layer 0's
+    # 10 in flight (the next step's), layer 0 with its 10 and layer 1's 20, layer 1 with its 20 and, at least
+    # as many as its own, 20 (layer 0's 10 are next)
+    assert problem.score((1, 0, 1, 1, 0)).used_bytes["cuda:0"] - 10 == 10 + max(30 + 10, 6 + 10 + 20, 6 + 20 + 20)
+    # the head's workspace grown to 50 sets the peak: with layer 0's 10 in flight, not the largest layer's 20
+    bigger = dataclasses.replace(problem, units=(*units[:4], UnitSpec(name="head", options=(_part("cuda:0", 50),))))
+    assert bigger.score((1, 0, 1, 1, 0)).used_bytes["cuda:0"] - 10 == 10 + 50 + 10
     # the layers' peak itself: a layer's workspace (6) with its own copies (20) and the next layer's (20)
     assert device_transients(problem.options((1, 1, 1, 1, 0))[:4], problem.copy_runs[:2])["cuda:0"].total_bytes \
         == 6 + 20 + 20

@@ -13,9 +13,13 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
   option's ``prefill_peak_bytes`` on its prefill device); ``peak[d]`` is the sum of the level steps
   switched on.
 * With copy groups, on a device some option copies a group to (:func:`~.problem.device_transients`):
-  ``copies[r, d]`` is copy run ``r``'s group copies to ``d``; ``t[d] >=`` each own peak
-  (:meth:`~.problem.PlacementOption.peaks_apart`) of a unit of ``r`` ``+ copies[r, d]``; ``g[d] >=`` every
-  ``copies[r, d]``; ``peak[d] = t[d] + g[d]`` instead of the levels.
+  ``copies[r, d]`` is copy run ``r``'s group copies to ``d`` (and ``copies[decode, r, d]`` its stream
+  options' alone, where phased ones copy too); ``any[ph, r, d]`` is 1 if they are not 0 (each copying option
+  implies it, and it implies one of them); ``first[ph, r, d] >= copies[r, d]``, and ``>= first[ph, r', d]``
+  of the next copying run ``r'`` (round the cycle) where ``any`` is 0: the copies of the first run from ``r``
+  on that copies, at the least; ``peak[d] >=`` each own peak (:meth:`~.problem.PlacementOption.peaks_apart`)
+  of a unit of ``r`` ``+ copies[r, d] + ahead[r, d]``, ``ahead`` at least the ``first`` of the run after
+  ``r`` in each phase and ``copies[r, d]``, instead of the levels.
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
 * ``used[d, u]`` is 1 once some unit up to ``u`` stores or computes (in either phase) on ``d``
   (interchangeable devices only: their first uses are ordered).
@@ -48,9 +52,10 @@ Integer time: every ``*_ns`` price is divided by ``scale_ns`` and rounded to the
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -112,6 +117,7 @@ class PlacementModel:
                               for ph in _PHASES}
         self.model = cp_model.CpModel()
         self.hints: list[tuple[Any, int]] = []
+        self._hint_values: dict[int, int] = {}
         self.peak: dict[str, Any] = {}
         self.goal: Any = 0
         self._on_cache: dict[tuple[int, str, str], Any] = {}
@@ -138,6 +144,7 @@ class PlacementModel:
 
     def _hinted(self, var: Any, value: int) -> Any:
         self.hints.append((var, value))
+        self._hint_values[var.index] = value
         return var
 
     def _terms(self, device: str | None = None, phase: str | None = None) -> list[tuple[PlacementOption, Any]]:
@@ -241,34 +248,77 @@ class PlacementModel:
         return peak
 
     def _run_peak(self, dev: str, hinted: Transient | None) -> Any:
-        # device_transients as rows: s[r, d] = run r's group copies to d; t[d] >= every own peak (peaks_apart)
-        # of a unit of r + s[r, d], and >= s[r, d]; g[d] >= every s[r, d]; the peak is t[d] + g[d].
-        rows = []
-        for a, b in self.p.runs:
+        # device_transients as rows: copies[r, d] = run r's group copies to d; the next copying run's, in each
+        # phase (_next_chain); ahead[r, d] >= either, and >= copies[r, d]; peak[d] >= every own peak (peaks_apart)
+        # of a unit of r + copies[r, d] + ahead[r, d], and >= copies[r, d] + ahead[r, d].
+        rows, chains = [], {"prefill": [], "decode": []}
+        for r, (a, b) in enumerate(self.p.runs):
             own = [(n, self.x[u, o]) for u in range(a, b) for o, opt in self._opts(u)
                    for d, n in opt.peaks_apart() if d == dev and n > 0]
-            copies = [[(opt.group_copy_bytes, self.x[u, o]) for o, opt in self._opts(u)
-                       if opt.group_copy_bytes and opt.group_device == dev] for u in range(a, b)]
-            most = sum(max((n for n, _ in unit), default=0) for unit in copies)
+            copying = [(u, o, opt) for u in range(a, b) for o, opt in self._opts(u)
+                       if opt.group_copy_bytes and opt.group_device == dev]
             run = None
-            if most:
-                hint = sum(o.group_copy_bytes for o in self.chosen[a:b] if o.group_copy_bytes and o.group_device == dev)
-                run = self._hinted(self.model.new_int_var(0, most, f"copies[{a},{dev}]"), hint)
-                self.model.add(run == sum(n * x for unit in copies for n, x in unit))
+            if copying:
+                run, most = self._copies(f"copies[{a},{dev}]", copying, a, b)
+                chains["prefill"].append((r, run, most, copying))
+                streamed = [(u, o, opt) for u, o, opt in copying if opt.prefill_execution is None]
+                if streamed:  # a phased part copies in the prefill only
+                    decode = (run, most) if len(streamed) == len(copying) else \
+                        self._copies(f"copies[decode,{a},{dev}]", streamed, a, b)
+                    chains["decode"].append((r, *decode, streamed))
             if own or run is not None:
-                rows.append((own, run, most))
-        top_copies = max((most for *_, most in rows), default=0)
-        top_own = max((n for own, *_ in rows for n, _ in own), default=0)
-        t = self._hinted(self.model.new_int_var(0, top_own + top_copies, f"t[{dev}]"),
-                         hinted.own_bytes + hinted.run_copies_bytes if hinted else 0)
-        g = self._hinted(self.model.new_int_var(0, top_copies, f"g[{dev}]"), hinted.next_copies_bytes if hinted else 0)
-        for own, run, _ in rows:
+                rows.append((r, own, run))
+        heads = [self._next_chain(dev, phase, chain) for phase, chain in chains.items() if chain]
+        most = max((m for _, _, m, _ in chains["prefill"]), default=0)
+        top = max((n for _, own, _ in rows for n, _ in own), default=0) + 2 * most
+        peak = self._hinted(self.model.new_int_var(0, top, f"peak[{dev}]"), hinted.total_bytes if hinted else 0)
+        for r, own, run in rows:
+            ahead = [head(r) for head in heads] + ([run] if run is not None else [])
+            if len(ahead) > 1:  # the larger of the prefill's next and the decode's, and at least the run's own
+                held = self._hinted(self.model.new_int_var(0, most, f"ahead[{r},{dev}]"),
+                                    max(self._hint_of(a) for a in ahead))
+                for a in ahead:
+                    self.model.add(held >= a)
+                ahead = [held]
+            tail = (run if run is not None else 0) + sum(ahead)
             if run is not None:
-                self.model.add(g >= run)
-                self.model.add(t >= run)
+                self.model.add(peak >= tail)
             for n, x in own:
-                self.model.add(t >= n * x + (run if run is not None else 0))
-        return t + g
+                self.model.add(peak >= n * x + tail)
+        return peak
+
+    def _copies(self, name: str, copying: list[tuple[int, int, PlacementOption]], a: int, b: int) -> tuple[Any, int]:
+        # A run's group copies to a device, as a variable (sum of its copying options' bytes x), and its bound.
+        most = sum(max((opt.group_copy_bytes for v, _, opt in copying if v == u), default=0) for u in range(a, b))
+        hint = sum(opt.group_copy_bytes for u, o, opt in copying if self.hint[u] == o)
+        var = self._hinted(self.model.new_int_var(0, most, name), hint)
+        self.model.add(var == sum(opt.group_copy_bytes * self.x[u, o] for u, o, opt in copying))
+        return var, most
+
+    def _next_chain(self, dev: str, phase: str,
+                    chain: list[tuple[int, Any, int, list[tuple[int, int, PlacementOption]]]]) -> Callable[[int], Any]:
+        # first[j] >= copies[j] and, where run j copies nothing (any[j] = 0; each of its copying options sets it),
+        # >= first[j + 1], round the cycle: at the least, the copies of the first copying run from j on.
+        # Returns run r -> first[] of the chain's first run after r (r itself when it is the only one).
+        values = [self._hint_of(copies) for _, copies, _, _ in chain]
+        most = max(m for _, _, m, _ in chain)
+        first = [self._hinted(self.model.new_int_var(0, most, f"first[{phase},{r},{dev}]"),
+                              next((c for c in values[j:] + values[:j] if c > 0), 0))
+                 for j, (r, *_) in enumerate(chain)]
+        for j, (r, copies, _, copying) in enumerate(chain):
+            xs = [self.x[u, o] for u, o, _ in copying]
+            any_ = self._hinted(self.model.new_bool_var(f"any[{phase},{r},{dev}]"), int(values[j] > 0))
+            for x in xs:
+                self.model.add_implication(x, any_)
+            self.model.add_bool_or(xs).only_enforce_if(any_)
+            self.model.add(first[j] >= copies)
+            self.model.add(first[j] >= first[(j + 1) % len(chain)]).only_enforce_if(any_.Not())
+        positions = [r for r, *_ in chain]
+        return lambda r: first[bisect.bisect_right(positions, r) % len(chain)]
+
+    def _hint_of(self, var: Any) -> int:
+        """The value hinted for ``var`` (set with :meth:`_hinted`)."""
+        return self._hint_values[var.index]
 
     def _range_starts(self, units: Sequence[int], dev: str, where: str, name: str) -> list[Any]:
         # s[u, d] >= on(u, d) - on(previous u, d): 1 where a range of units on d opens.

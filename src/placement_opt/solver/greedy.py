@@ -336,42 +336,104 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     return choice
 
 
+_NONE = -(1 << 62)  # "no run there": below any sum of bytes
+
+
+@dataclass
+class _Chain:
+    """One phase's copies on one device over the runs placed so far (:func:`~.problem.next_copies`'s cycle):
+    runs before the first copying run have its copies next (``head``); runs between two copying runs the later
+    one's (``closed``, counted); runs from the last copying run on wait for the next, or round to the first."""
+
+    first: int = 0
+    head: int = _NONE
+    closed: int = _NONE
+    tail: int = _NONE
+
+    def total(self, value: int, copies: int) -> int:
+        """The device's transient were the run now placed (``value``: its own peak + copies, ``copies``: this
+        phase's) the last to copy."""
+        if copies and not self.first:
+            return max(self.head, value) + copies
+        if copies:
+            return max(self.closed, self.head + self.first, self.tail + copies, value + self.first)
+        if not self.first:
+            return max(self.head, value)
+        return max(self.closed, self.head + self.first, max(self.tail, value) + self.first)
+
+    def close(self, value: int, copies: int) -> None:
+        """The run now placed is done."""
+        if copies and not self.first:
+            self.first, self.tail = copies, value
+        elif copies:
+            self.closed, self.tail = max(self.closed, self.tail + copies), value
+        elif not self.first:
+            self.head = max(self.head, value)
+        else:
+            self.tail = max(self.tail, value)
+
+
 class _RunTransients:
     """Each device's transient with copy groups (:func:`~.problem.device_transients`) as units are placed in
-    execution order: the current copy run's own peaks and copies, the largest run value and copies so far."""
+    execution order: the current copy run's own peaks and copies, and per phase the runs before it
+    (:class:`_Chain`), a run's own copies its least next. Exact for the units placed so far, later runs taken
+    to copy nothing."""
 
     def __init__(self, problem: PlacementProblem) -> None:
         self.run_of = problem.run_of
         self.run = -1
         self.own: dict[str, int] = {}
-        self.copies: dict[str, int] = {}
-        self.value: dict[str, int] = {}  # the largest run's own peak + copies, per device
-        self.most: dict[str, int] = {}  # the largest run's copies, per device
+        self.copies: dict[str, tuple[int, int]] = {}  # device -> the run's (copies in the prefill, in the decode)
+        self.chains: dict[str, tuple[_Chain, _Chain]] = {}
+        self.twice: dict[str, int] = {}  # device -> the largest done run's value + its copies (its least next)
 
     def enter(self, unit: int) -> None:
-        if self.run_of[unit] != self.run:
-            self.run, self.own, self.copies = self.run_of[unit], {}, {}
+        if self.run_of[unit] == self.run:
+            return
+        for d in self.own.keys() | self.copies.keys():
+            value, copies = self._value(d, self.own, self.copies)
+            for chain, phase in zip(self._chains(d), copies, strict=True):
+                chain.close(value, phase)
+            self.twice[d] = max(self.twice.get(d, _NONE), value + copies[0])
+        self.run, self.own, self.copies = self.run_of[unit], {}, {}
 
-    def _after(self, o: PlacementOption) -> dict[str, tuple[int, int, int, int]]:
-        """Device -> (own, copies, value, most) once ``o`` joins the current run."""
-        touched = {d: nbytes for d, nbytes in o.peaks_apart()}
+    def _chains(self, d: str) -> tuple[_Chain, _Chain]:
+        if d not in self.chains:
+            self.chains[d] = (_Chain(), _Chain())
+        return self.chains[d]
+
+    @staticmethod
+    def _value(d: str, own: dict[str, int], copies: dict[str, tuple[int, int]]) -> tuple[int, tuple[int, int]]:
+        both = copies.get(d, (0, 0))
+        return (own.get(d, 0) + both[0] if d in own or both[0] else _NONE), both
+
+    def _total(self, d: str, own: dict[str, int], copies: dict[str, tuple[int, int]]) -> int:
+        value, both = self._value(d, own, copies)
+        return max(0, self.twice.get(d, _NONE), value + both[0],
+                   *(chain.total(value, phase) for chain, phase in zip(self._chains(d), both, strict=True)))
+
+    def _after(self, o: PlacementOption) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+        """The current run's own peaks and copies once ``o`` joins it (the devices it touches only)."""
+        own = {d: max(self.own.get(d, 0), nbytes) for d, nbytes in o.peaks_apart()}
+        copies = {}
         if o.group_copy_bytes:
-            touched.setdefault(o.group_device, 0)
-        out = {}
-        for d, nbytes in touched.items():
-            own = max(self.own.get(d, 0), nbytes)
-            copies = self.copies.get(d, 0) + (o.group_copy_bytes if o.group_copy_bytes and o.group_device == d else 0)
-            out[d] = (own, copies, max(self.value.get(d, 0), own + copies), max(self.most.get(d, 0), copies))
-        return out
+            d = o.group_device
+            prefill, decode = self.copies.get(d, (0, 0))
+            copies[d] = (prefill + o.group_copy_bytes,
+                         decode + (o.group_copy_bytes if o.prefill_execution is None else 0))
+        return own, copies
 
     def grows(self, o: PlacementOption) -> dict[str, int]:
-        """What each device's transient grows by when ``o`` joins the current run."""
-        return {d: value + most - self.value.get(d, 0) - self.most.get(d, 0)
-                for d, (_, _, value, most) in self._after(o).items()}
+        """What each device's transient grows by when ``o`` joins the current run (less than 0: shrinks, as
+        earlier runs' next copies are this run's instead of the first run's)."""
+        own, copies = self._after(o)
+        return {d: self._total(d, {**self.own, **own}, {**self.copies, **copies}) - self._total(d, self.own, self.copies)
+                for d in own.keys() | copies.keys()}
 
     def add(self, o: PlacementOption) -> None:
-        for d, (own, copies, value, most) in self._after(o).items():
-            self.own[d], self.copies[d], self.value[d], self.most[d] = own, copies, value, most
+        own, copies = self._after(o)
+        self.own.update(own)
+        self.copies.update(copies)
 
 
 def _adds(o: PlacementOption, peak: dict[str, int], groups: _RunTransients | None) -> dict[str, int]:

@@ -49,16 +49,20 @@ and must not exceed the device's ``capacity_bytes`` (its memory less the reserve
 parts of a group streamed ahead (``group_copy_bytes``) hold one buffer together, not one each: such an
 option's peak counts less its own :data:`GROUP_BUFFERS` copies, and the last term becomes
 
-    max over copy runs R of ( max(peaks of R's units there) + R's group copies to the device )
-    + max over copy runs of their group copies to the device
+    max over copy runs R of ( max(peaks of R's units there) + R's group copies to the device
+                              + max(R's group copies, those of the next run after R that copies there) )
 
 (:func:`device_transients`): while a unit of R runs, the dispatcher holds R's copies and those of the next
-streaming group, in flight, which the largest group's bound; a unit outside the layers is a run alone.
+streaming group, in flight, which R's head started; a unit outside the layers is a run alone. The runs go
+round in a cycle (the last run's next is the first copying run: the decode's next step, or the next call),
+and the next run is taken in each phase (the prefill copies a phased unit's group, the decode does not),
+the larger of the two counting. The next copies count at least as R's own: a streamed option's peak (its own
+copies twice, as a unit alone holds them) then stays what the device holds at the least, which the
+relaxations and cuts read one option at a time; it over-counts where a run copies more than the next.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +87,7 @@ __all__ = [
     "GROUP_BUFFERS",
     "Transient",
     "device_transients",
+    "next_copies",
 ]
 
 #: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
@@ -662,38 +667,69 @@ class Transient:
     run_copies_bytes: int
     """The run's group copies to the device."""
     next_copies_bytes: int
-    """The largest run's group copies to the device: the next streaming group's, in flight, are at most these."""
+    """The group copies to the device of the next run that copies there, in flight while this run computes
+    (:func:`next_copies`; the larger of the prefill's and the decode's next), and at least this run's."""
 
     @property
     def total_bytes(self) -> int:
         return self.own_bytes + self.run_copies_bytes + self.next_copies_bytes
 
 
+def next_copies(copies: Sequence[int]) -> list[int]:
+    """For each run, the ``copies`` of the first run after it with any, in a cycle (the run's own when it is the
+    only one; 0 when none copies): what the prefetch thread holds ahead while the run computes."""
+    out = [0] * len(copies)
+    following = 0
+    for i in range(2 * len(copies) - 1, -1, -1):  # twice round, backwards: the second lap wraps the cycle
+        r = i % len(copies)
+        if i < len(copies):
+            out[r] = following
+        if copies[r] > 0:
+            following = copies[r]
+    return out
+
+
 def device_transients(chosen: Sequence[PlacementOption],
                       runs: Sequence[tuple[int, int]] | None) -> dict[str, Transient]:
     """Device -> its transient peak with copy groups (module docstring): over the copy runs (``runs``:
-    :attr:`PlacementProblem.copy_runs`, None: each unit alone), the largest of a run's largest own peak there plus
-    its group copies there, plus the largest run's copies there. Devices without a transient are left out."""
-    best: dict[str, Transient] = {}
-    largest: dict[str, int] = {}
-    for a, b in runs if runs is not None else ((u, u + 1) for u in range(len(chosen))):
-        own: dict[str, tuple[int, int]] = {}  # device -> (peak, unit)
-        copies: dict[str, int] = {}
+    :attr:`PlacementProblem.copy_runs`, None: each unit alone) with a unit computing or copying there, the
+    largest of the run's largest own peak there, plus its group copies there, plus the next copying run's (at
+    least as many as its own).
+
+    The next run differs by phase: the prefill copies every ``group_copy_bytes``, the decode only a ``stream``
+    option's (a ``phased`` one computes where it is stored); the larger of the two counts. Devices without a
+    transient are left out."""
+    runs = runs if runs is not None else [(u, u + 1) for u in range(len(chosen))]
+    own: list[dict[str, tuple[int, int]]] = []  # per run: device -> (largest own peak, its unit)
+    both: dict[str, list[int]] = {}  # device -> each run's group copies there (either phase)
+    decode: dict[str, list[int]] = {}  # device -> each run's copies there in the decode (stream options)
+    for r, (a, b) in enumerate(runs):
+        here: dict[str, tuple[int, int]] = {}
         for u in range(a, b):
             opt = chosen[u]
             for device, nbytes in opt.peaks_apart():
-                if device not in own or nbytes > own[device][0]:
-                    own[device] = (nbytes, u)
+                if device not in here or nbytes > here[device][0]:
+                    here[device] = (nbytes, u)
             if opt.group_copy_bytes:
-                copies[opt.group_device] = copies.get(opt.group_device, 0) + opt.group_copy_bytes
-        for device in own.keys() | copies.keys():
-            nbytes, unit = own.get(device, (0, None))
-            run = copies.get(device, 0)
+                device = opt.group_device
+                both.setdefault(device, [0] * len(runs))[r] += opt.group_copy_bytes
+                if opt.prefill_execution is None:
+                    decode.setdefault(device, [0] * len(runs))[r] += opt.group_copy_bytes
+        own.append(here)
+    best: dict[str, Transient] = {}
+    for device in {d for here in own for d in here} | both.keys():
+        copies = both.get(device, [0] * len(runs))
+        ahead = [max(c, p, d) for c, p, d in zip(copies, next_copies(copies),
+                                                 next_copies(decode.get(device, [0] * len(runs))), strict=True)]
+        for r, here in enumerate(own):
+            if device not in here and not copies[r]:
+                continue
+            nbytes, unit = here.get(device, (0, None))
             held = best.get(device)
-            if held is None or nbytes + run > held.own_bytes + held.run_copies_bytes:
-                best[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=run, next_copies_bytes=0)
-            largest[device] = max(largest.get(device, 0), run)
-    return {device: dataclasses.replace(t, next_copies_bytes=largest[device]) for device, t in best.items()}
+            if held is None or nbytes + copies[r] + ahead[r] > held.total_bytes:
+                best[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=copies[r],
+                                         next_copies_bytes=ahead[r])
+    return best
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:

@@ -138,11 +138,20 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
         if (c.work_in("prefill_ns") <= o.prefill_ns and c.work_in("decode_ns") <= o.decode_ns
                 and all(c.shared_in(r, ph) <= o.shared_in(r, ph) for r in ("host", "disk") for ph in PHASES)
                 and grow <= free[o.execution]
-                and c.peak_bytes <= o.peak_bytes):
+                and c.peak_bytes <= o.peak_bytes
+                and (not o.group_copy_bytes or _fits_with(problem, out, i, target))):
             out[i] = target
             free[o.execution] -= grow
             free[o.storage] += o.stored_bytes
     return out
+
+
+def _fits_with(problem: PlacementProblem, choice: list[int], i: int, option: int) -> bool:
+    """Whether ``choice`` with unit ``i`` on ``option`` fits every device. With copy groups a unit that stops
+    copying can grow the others' transients: the runs before it then wait with a later run's copies in flight
+    (:func:`~.problem.device_transients`)."""
+    used = problem.used_bytes(problem.options([*choice[:i], option, *choice[i + 1:]]))
+    return all(used[d.name] <= d.capacity_bytes for d in problem.devices)
 
 
 def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) -> list[int]:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .problem import PlacementOption, PlacementProblem
+from .problem import PlacementOption, PlacementProblem, next_copies
 
 __all__ = ["executor_starts", "improve", "fits"]
 
@@ -370,52 +370,41 @@ class _Memory:
 
 
 class _RunPeaks:
-    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per copy run."""
+    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per copy run;
+    a device's peak is counted anew (one pass over the runs) when a move touched it."""
 
     def __init__(self, problem: PlacementProblem) -> None:
         self.run_of = problem.run_of
+        self.n_runs = len(problem.runs)
         self.own: dict[tuple[str, int], Counter[int]] = {}  # (device, run) -> own peaks of its units there
-        self.copies: dict[tuple[str, int], int] = {}  # (device, run) -> its group copies there
-        self.values: dict[str, Counter[int]] = {}  # device -> each run's largest own peak + copies
-        self.sums: dict[str, Counter[int]] = {}  # device -> each run's copies
+        self.copies: dict[str, list[int]] = {}  # device -> each run's group copies there
+        self.decode: dict[str, list[int]] = {}  # device -> each run's copies there in the decode (stream options)
+        self.peaks: dict[str, int] = {}  # device -> its transient, while no move touched it
 
     def apply(self, i: int, o: PlacementOption, sign: int) -> None:
         run = self.run_of[i]
-        touched = {d for d, _ in o.peaks_apart()} | ({o.group_device} if o.group_copy_bytes else set())
-        before = {d: self._value(d, run) for d in touched}
         for d, nbytes in o.peaks_apart():
             own = self.own.setdefault((d, run), Counter())
             own[nbytes] += sign
             if not own[nbytes]:
                 del own[nbytes]
+            self.peaks.pop(d, None)
         if o.group_copy_bytes:
             d = o.group_device
-            old = self.copies.get((d, run), 0)
-            self.copies[d, run] = old + sign * o.group_copy_bytes
-            _swap(self.sums.setdefault(d, Counter()), old, self.copies[d, run])
-        for d in touched:
-            _swap(self.values.setdefault(d, Counter()), before[d], self._value(d, run))
-
-    def _value(self, device: str, run: int) -> int:
-        """The run's largest own peak on ``device`` plus its copies there (-1: nothing of the run there)."""
-        own = self.own.get((device, run))
-        copies = self.copies.get((device, run), 0)
-        if not own and not copies:
-            return -1
-        return max(own, default=0) + copies
+            self.copies.setdefault(d, [0] * self.n_runs)[run] += sign * o.group_copy_bytes
+            if o.prefill_execution is None:
+                self.decode.setdefault(d, [0] * self.n_runs)[run] += sign * o.group_copy_bytes
+            self.peaks.pop(d, None)
 
     def peak(self, device: str) -> int:
-        return max(self.values.get(device, ()), default=0) + max(self.sums.get(device, ()), default=0)
-
-
-def _swap(counter: Counter[int], old: int, new: int) -> None:
-    """Move one count from ``old`` to ``new`` (values <= 0 are not kept)."""
-    if old > 0:
-        counter[old] -= 1
-        if not counter[old]:
-            del counter[old]
-    if new > 0:
-        counter[new] += 1
+        if device not in self.peaks:
+            none = [0] * self.n_runs
+            copies = self.copies.get(device, none)
+            ahead = map(max, copies, next_copies(copies), next_copies(self.decode.get(device, none)))
+            self.peaks[device] = max((max(self.own.get((device, r)) or (0,)) + copies[r] + nxt
+                                      for r, nxt in enumerate(ahead) if self.own.get((device, r)) or copies[r]),
+                                     default=0)
+        return self.peaks[device]
 
 
 def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int, int]]:
