@@ -488,9 +488,9 @@ def live_copies():
 
 def group_buffer(plan: Plan, size: dict[str, int]) -> int:
     """The most copies the cost model lets a device hold (solver.problem.device_transients: a run's own copies
-    and those of the next run that copies, in flight, round the cycle, at least its own), written anew from the
-    plan: the runs are the copy groups (a unit without one: alone); in the prefill stream and phased units copy,
-    in the decode stream units only."""
+    and those of the next run that copies, in flight, at least its own), written anew from the plan: the runs
+    are the copy groups (a unit without one: alone); in the prefill stream and phased units copy, and the last
+    is followed by the decode's first; in the decode stream units only, round the cycle."""
     runs: list[list] = []
     for p in plan.placements:
         if not runs or p.copy_group is None or p.copy_group != runs[-1][0].copy_group:
@@ -499,11 +499,12 @@ def group_buffer(plan: Plan, size: dict[str, int]) -> int:
     prefill = [sum(size.get(p.unit, 0) for p in run if p.mode in ("stream", "phased")) for run in runs]
     decode = [sum(size.get(p.unit, 0) for p in run if p.mode == "stream") for run in runs]
 
-    def following(copies, r):
-        return next((copies[(r + k) % len(runs)] for k in range(1, len(runs) + 1) if copies[(r + k) % len(runs)]), 0)
+    def following(copies, r, cycle):  # a prefill's last copying run is followed by the decode's first
+        later = copies[r + 1:] + (copies[:r + 1] if cycle else [])
+        return next((c for c in later if c), 0 if cycle else next((c for c in decode if c), 0))
 
-    return max((prefill[r] + max(prefill[r], following(prefill, r), following(decode, r)) for r in range(len(runs))),
-               default=0)
+    return max((c[r] + max(c[r], following(c, r, cycle)) for c, cycle in ((prefill, False), (decode, True))
+                for r in range(len(runs))), default=0)
 
 
 def run_counting(model: torch.nn.Module, plan: Plan, offload_dir) -> dict:

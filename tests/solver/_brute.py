@@ -71,11 +71,12 @@ def copy_of(o, key):
 
 
 def reference_bytes(chosen, device, runs=None):
-    """Stored + resident + the transient: without group copies the largest peak there; with them, over the copy
-    runs with a unit computing or copying there, the largest of (the run's largest peak there, each less twice
-    its group copy on the device it copies to, + the run's group copies there + those of the next run, round
-    the cycle, that copies there: in the prefill any group copy, in the decode a stream option's; the larger,
-    and at least the run's own)."""
+    """Stored + resident + the transient: without group copies the largest peak there; with them, in each
+    phase, over the copy runs with a unit computing or copying there then, the largest of (the run's largest
+    peak there in the phase, each less twice its group copy on the device it copies to, + the run's group
+    copies there in the phase + the larger of those and the next copying run's). The prefill copies and holds
+    a phased option's prefill side, the decode neither; the decode's next goes round the cycle, a prefill's
+    last copying run is followed by the decode's first."""
     stored = sum(o.stored_bytes for o in chosen if o.storage == device)
     resident = sum(o.resident_bytes for o in chosen if o.execution == device)
     if not any(o.group_copy_bytes for o in chosen):
@@ -86,28 +87,33 @@ def reference_bytes(chosen, device, runs=None):
     def copy_to(o):  # where a group copy lands: a phased option's prefill GPU
         return (o.prefill_execution or o.execution) if o.group_copy_bytes else None
 
-    def own(o):
-        sides = [(o.execution, o.peak_bytes), (o.prefill_execution, o.prefill_peak_bytes)]
-        sides = [(d, p - (2 * o.group_copy_bytes if d == copy_to(o) else 0)) for d, p in sides if d is not None]
+    def own(o, prefill):
+        sides = [(o.execution, o.peak_bytes)] + ([(o.prefill_execution, o.prefill_peak_bytes)]
+                                                 if prefill and o.prefill_execution else [])
+        sides = [(d, p - (2 * o.group_copy_bytes if d == copy_to(o) else 0)) for d, p in sides]
         return [p for d, p in sides if d == device]
 
     runs = runs or [(u, u + 1) for u in range(len(chosen))]
-    prefill = [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device) for a, b in runs]
-    decode = [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device and o.mode == "stream")
-              for a, b in runs]
+    made = {True: [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device) for a, b in runs],
+            False: [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device and o.mode == "stream")
+                    for a, b in runs]}
 
-    def following(copies, r):  # the next run after r (r itself last) that copies
-        for step in range(1, len(runs) + 1):
+    def following(prefill, r):  # the next run after r that copies (the decode: r itself last)
+        copies = made[prefill]
+        for step in range(1, len(runs) + (0 if prefill else 1)):
+            if r + step >= len(runs) and prefill:
+                break
             if copies[(r + step) % len(runs)]:
                 return copies[(r + step) % len(runs)]
-        return 0
+        return next((c for c in made[False] if c), 0) if prefill else 0
 
     values = []
-    for r, (a, b) in enumerate(runs):
-        peaks = [p for o in chosen[a:b] for p in own(o)]
-        if peaks or prefill[r]:
-            values.append(max(peaks, default=0) + prefill[r]
-                          + max(prefill[r], following(prefill, r), following(decode, r)))
+    for prefill in (True, False):
+        for r, (a, b) in enumerate(runs):
+            peaks = [p for o in chosen[a:b] for p in own(o, prefill)]
+            if peaks or made[prefill][r]:
+                values.append(max(peaks, default=0) + made[prefill][r]
+                              + max(made[prefill][r], following(prefill, r)))
     return stored + resident + max(values, default=0)
 
 

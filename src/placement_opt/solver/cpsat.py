@@ -67,6 +67,8 @@ from .problem import (
     PlacementProblem,
     Transient,
     device_transients,
+    phase_copies,
+    phase_peaks,
     stalls,
 )
 
@@ -118,6 +120,7 @@ class PlacementModel:
         self.model = cp_model.CpModel()
         self.hints: list[tuple[Any, int]] = []
         self._hint_values: dict[int, int] = {}
+        self._own_vars: dict[tuple[tuple[int, int], ...], Any] = {}
         self.peak: dict[str, Any] = {}
         self.goal: Any = 0
         self._on_cache: dict[tuple[int, str, str], Any] = {}
@@ -248,77 +251,102 @@ class PlacementModel:
         return peak
 
     def _run_peak(self, dev: str, hinted: Transient | None) -> Any:
-        # device_transients as rows: copies[r, d] = run r's group copies to d; the next copying run's, in each
-        # phase (_next_chain); ahead[r, d] >= either, and >= copies[r, d]; peak[d] >= every own peak (peaks_apart)
-        # of a unit of r + copies[r, d] + ahead[r, d], and >= copies[r, d] + ahead[r, d].
-        rows, chains = [], {"prefill": [], "decode": []}
-        for r, (a, b) in enumerate(self.p.runs):
-            own = [(n, self.x[u, o]) for u in range(a, b) for o, opt in self._opts(u)
-                   for d, n in opt.peaks_apart() if d == dev and n > 0]
-            copying = [(u, o, opt) for u in range(a, b) for o, opt in self._opts(u)
-                       if opt.group_copy_bytes and opt.group_device == dev]
-            run = None
-            if copying:
-                run, most = self._copies(f"copies[{a},{dev}]", copying, a, b)
-                chains["prefill"].append((r, run, most, copying))
-                streamed = [(u, o, opt) for u, o, opt in copying if opt.prefill_execution is None]
-                if streamed:  # a phased part copies in the prefill only
-                    decode = (run, most) if len(streamed) == len(copying) else \
-                        self._copies(f"copies[decode,{a},{dev}]", streamed, a, b)
-                    chains["decode"].append((r, *decode, streamed))
-            if own or run is not None:
-                rows.append((r, own, run))
-        heads = [self._next_chain(dev, phase, chain) for phase, chain in chains.items() if chain]
-        most = max((m for _, _, m, _ in chains["prefill"]), default=0)
-        top = max((n for _, own, _ in rows for n, _ in own), default=0) + 2 * most
-        peak = self._hinted(self.model.new_int_var(0, top, f"peak[{dev}]"), hinted.total_bytes if hinted else 0)
-        for r, own, run in rows:
-            ahead = [head(r) for head in heads] + ([run] if run is not None else [])
-            if len(ahead) > 1:  # the larger of the prefill's next and the decode's, and at least the run's own
-                held = self._hinted(self.model.new_int_var(0, most, f"ahead[{r},{dev}]"),
-                                    max(self._hint_of(a) for a in ahead))
-                for a in ahead:
-                    self.model.add(held >= a)
-                ahead = [held]
-            tail = (run if run is not None else 0) + sum(ahead)
-            if run is not None:
-                self.model.add(peak >= tail)
-            for n, x in own:
-                self.model.add(peak >= n * x + tail)
+        # device_transients as rows, per phase: copies[ph, r, d] = run r's group copies to d in ph; the next
+        # copying run's (_next_chain; a prefill's last wraps to the decode's first); peak[d] >= own[r] (the
+        # largest own peak in ph of a unit of r, phase_peaks) + copies + the larger of the next and the copies,
+        # as two rows.
+        top = max((n for u in range(len(self.p.units)) for _, opt in self._opts(u) for d, n in opt.peaks_apart()
+                   if d == dev), default=0)
+        most = max((opt.group_copy_bytes for u in range(len(self.p.units)) for _, opt in self._opts(u)
+                    if opt.group_copy_bytes and opt.group_device == dev), default=0)
+        most *= max(b - a for a, b in self.p.runs)
+        peak = self._hinted(self.model.new_int_var(0, top + 2 * most, f"peak[{dev}]"),
+                            hinted.total_bytes if hinted else 0)
+        wrap: Any = 0
+        own = {phase: [self._run_own(dev, phase, a, b) for a, b in self.p.runs] for phase in ("decode_ns", "prefill_ns")}
+        for phase in ("decode_ns", "prefill_ns"):
+            rows, chain = [], []
+            for r, (a, b) in enumerate(self.p.runs):
+                copying = [(u, o, opt) for u in range(a, b) for o, opt in self._opts(u)
+                           if phase_copies(opt, phase) and opt.group_device == dev]
+                run = None
+                if copying:
+                    run, bound = self._copies(f"copies[{phase},{a},{dev}]", copying, a, b)
+                    chain.append((r, run, bound, copying))
+                if own[phase][r] is not None or run is not None:
+                    rows.append((r, own[phase][r], run))
+            if not chain:
+                for _, mine, _ in rows:
+                    self.model.add(peak >= mine)
+                continue
+            head, first = self._next_chain(dev, phase, chain, wrap if phase == "prefill_ns" else None)
+            wrap = first
+            for r, mine, run in rows:
+                base = (mine if mine is not None else 0) + (run if run is not None else 0)
+                self.model.add(peak >= base + head(r))
+                if run is not None:  # the next copies count at least as the run's own
+                    self.model.add(peak >= base + run)
         return peak
 
+    def _run_own(self, dev: str, phase: str, a: int, b: int) -> Any:
+        # The largest own peak on dev (phase_peaks) of the run's units a..b-1 in phase: an expression, or None
+        # when no option of theirs computes there. The phases share one variable where their peaks agree.
+        terms = [(n, self.x[u, o]) for u in range(a, b) for o, opt in self._opts(u)
+                 for d, n in phase_peaks(opt, phase) if d == dev and n > 0]
+        if not terms:
+            return None
+        if len(terms) == 1:
+            return terms[0][0] * terms[0][1]
+        key = tuple(sorted((n, x.index) for n, x in terms))
+        if key not in self._own_vars:
+            hint = max((n for n, x in terms if self._hint_of(x)), default=0)
+            var = self._hinted(self.model.new_int_var(0, max(n for n, _ in terms), f"own[{a},{dev}]"), hint)
+            for n, x in terms:
+                self.model.add(var >= n * x)
+            self._own_vars[key] = var
+        return self._own_vars[key]
+
     def _copies(self, name: str, copying: list[tuple[int, int, PlacementOption]], a: int, b: int) -> tuple[Any, int]:
-        # A run's group copies to a device, as a variable (sum of its copying options' bytes x), and its bound.
+        # A run's group copies to a device in a phase, as a variable (sum of its copying options' bytes x), and
+        # its bound.
         most = sum(max((opt.group_copy_bytes for v, _, opt in copying if v == u), default=0) for u in range(a, b))
         hint = sum(opt.group_copy_bytes for u, o, opt in copying if self.hint[u] == o)
         var = self._hinted(self.model.new_int_var(0, most, name), hint)
         self.model.add(var == sum(opt.group_copy_bytes * self.x[u, o] for u, o, opt in copying))
         return var, most
 
-    def _next_chain(self, dev: str, phase: str,
-                    chain: list[tuple[int, Any, int, list[tuple[int, int, PlacementOption]]]]) -> Callable[[int], Any]:
-        # first[j] >= copies[j] and, where run j copies nothing (any[j] = 0; each of its copying options sets it),
-        # >= first[j + 1], round the cycle: at the least, the copies of the first copying run from j on.
-        # Returns run r -> first[] of the chain's first run after r (r itself when it is the only one).
+    def _next_chain(self, dev: str, phase: str, chain: list[tuple[int, Any, int, list[tuple[int, int, PlacementOption]]]],
+                    wrap: Any) -> tuple[Callable[[int], Any], Any]:
+        # first[j] >= copies[j] and, where run j copies nothing (any[j] = 0, which copies[j] > 0 rules out),
+        # >= first[j + 1], round the cycle (wrap None) or, past the last, >= ``wrap``: at the least, the copies of
+        # the first copying run from j on. Returns (run r -> the next copies after r, first[0]).
         values = [self._hint_of(copies) for _, copies, _, _ in chain]
+        after = self._hint_of(wrap) if wrap is not None else 0
         most = max(m for _, _, m, _ in chain)
-        first = [self._hinted(self.model.new_int_var(0, most, f"first[{phase},{r},{dev}]"),
-                              next((c for c in values[j:] + values[:j] if c > 0), 0))
-                 for j, (r, *_) in enumerate(chain)]
-        for j, (r, copies, _, copying) in enumerate(chain):
-            xs = [self.x[u, o] for u, o, _ in copying]
+        first = []
+        for j, (r, *_) in enumerate(chain):
+            later = values[j:] + (values[:j] if wrap is None else [])
+            hint = next((c for c in later if c > 0), 0 if wrap is None else after)
+            first.append(self._hinted(self.model.new_int_var(0, most, f"first[{phase},{r},{dev}]"), hint))
+        for j, (r, copies, bound, copying) in enumerate(chain):
             any_ = self._hinted(self.model.new_bool_var(f"any[{phase},{r},{dev}]"), int(values[j] > 0))
-            for x in xs:
-                self.model.add_implication(x, any_)
-            self.model.add_bool_or(xs).only_enforce_if(any_)
+            least = min(opt.group_copy_bytes for _, _, opt in copying)
+            self.model.add(copies <= bound * any_)  # copying sets it ...
+            self.model.add(copies >= least * any_)  # ... and only copying
             self.model.add(first[j] >= copies)
-            self.model.add(first[j] >= first[(j + 1) % len(chain)]).only_enforce_if(any_.Not())
+            following = first[(j + 1) % len(chain)] if wrap is None or j + 1 < len(chain) else wrap
+            if not isinstance(following, int):  # a wrap of 0: no decode copies to start
+                self.model.add(first[j] >= following).only_enforce_if(any_.Not())
         positions = [r for r, *_ in chain]
-        return lambda r: first[bisect.bisect_right(positions, r) % len(chain)]
+
+        def head(r: int) -> Any:
+            j = bisect.bisect_right(positions, r)
+            return first[j % len(chain)] if wrap is None or j < len(chain) else wrap
+        return head, first[0]
 
     def _hint_of(self, var: Any) -> int:
-        """The value hinted for ``var`` (set with :meth:`_hinted`)."""
-        return self._hint_values[var.index]
+        """The value hinted for ``var`` (set with :meth:`_hinted`); a plain number is its own."""
+        return var if isinstance(var, int) else self._hint_values[var.index]
 
     def _range_starts(self, units: Sequence[int], dev: str, where: str, name: str) -> list[Any]:
         # s[u, d] >= on(u, d) - on(previous u, d): 1 where a range of units on d opens.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
-from .problem import PlacementOption, PlacementProblem
+from .problem import PlacementOption, PlacementProblem, phase_copies, phase_peaks
 from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -337,29 +337,33 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
 
 
 _NONE = -(1 << 62)  # "no run there": below any sum of bytes
+_PHASES = ("prefill_ns", "decode_ns")
 
 
 @dataclass
 class _Chain:
-    """One phase's copies on one device over the runs placed so far (:func:`~.problem.next_copies`'s cycle):
-    runs before the first copying run have its copies next (``head``); runs between two copying runs the later
-    one's (``closed``, counted); runs from the last copying run on wait for the next, or round to the first."""
+    """One phase's copies on one device over the runs placed so far (:func:`~.problem.next_copies`): runs
+    before the first copying run have its copies next (``head``); runs between two copying runs the later
+    one's (``closed``, counted); runs from the last copying run on wait for the next, or the ``wrap``."""
 
     first: int = 0
     head: int = _NONE
     closed: int = _NONE
     tail: int = _NONE
 
-    def total(self, value: int, copies: int) -> int:
-        """The device's transient were the run now placed (``value``: its own peak + copies, ``copies``: this
-        phase's) the last to copy."""
+    def total(self, value: int, copies: int, wrap: int | None) -> int:
+        """The device's transient in the phase were the run now placed (``value``: its own peak + copies,
+        ``copies``: its copies) the last to copy; ``wrap``: what follows the last copying run (None: the
+        first, round the cycle)."""
         if copies and not self.first:
-            return max(self.head, value) + copies
+            return max(self.head + copies, value + (copies if wrap is None else wrap))
         if copies:
-            return max(self.closed, self.head + self.first, self.tail + copies, value + self.first)
+            return max(self.closed, self.head + self.first, self.tail + copies,
+                       value + (self.first if wrap is None else wrap))
         if not self.first:
             return max(self.head, value)
-        return max(self.closed, self.head + self.first, max(self.tail, value) + self.first)
+        after = self.first if wrap is None else wrap
+        return max(self.closed, self.head + self.first, max(self.tail, value) + after)
 
     def close(self, value: int, copies: int) -> None:
         """The run now placed is done."""
@@ -375,60 +379,68 @@ class _Chain:
 
 class _RunTransients:
     """Each device's transient with copy groups (:func:`~.problem.device_transients`) as units are placed in
-    execution order: the current copy run's own peaks and copies, and per phase the runs before it
+    execution order: per phase the current copy run's own peaks and copies, and the runs before it
     (:class:`_Chain`), a run's own copies its least next. Exact for the units placed so far, later runs taken
     to copy nothing."""
 
     def __init__(self, problem: PlacementProblem) -> None:
         self.run_of = problem.run_of
         self.run = -1
-        self.own: dict[str, int] = {}
-        self.copies: dict[str, tuple[int, int]] = {}  # device -> the run's (copies in the prefill, in the decode)
-        self.chains: dict[str, tuple[_Chain, _Chain]] = {}
-        self.twice: dict[str, int] = {}  # device -> the largest done run's value + its copies (its least next)
+        self.own: dict[tuple[str, str], int] = {}  # (phase, device) -> the current run's largest own peak
+        self.copies: dict[tuple[str, str], int] = {}  # (phase, device) -> the current run's copies
+        self.chains: dict[tuple[str, str], _Chain] = {}
+        self.twice: dict[tuple[str, str], int] = {}  # the largest done run's value + its copies (its least next)
 
     def enter(self, unit: int) -> None:
         if self.run_of[unit] == self.run:
             return
-        for d in self.own.keys() | self.copies.keys():
-            value, copies = self._value(d, self.own, self.copies)
-            for chain, phase in zip(self._chains(d), copies, strict=True):
-                chain.close(value, phase)
-            self.twice[d] = max(self.twice.get(d, _NONE), value + copies[0])
+        for key in self.own.keys() | self.copies.keys():
+            value, copies = self._value(key, self.own, self.copies)
+            self._chain(key).close(value, copies)
+            self.twice[key] = max(self.twice.get(key, _NONE), value + copies)
         self.run, self.own, self.copies = self.run_of[unit], {}, {}
 
-    def _chains(self, d: str) -> tuple[_Chain, _Chain]:
-        if d not in self.chains:
-            self.chains[d] = (_Chain(), _Chain())
-        return self.chains[d]
+    def _chain(self, key: tuple[str, str]) -> _Chain:
+        if key not in self.chains:
+            self.chains[key] = _Chain()
+        return self.chains[key]
 
     @staticmethod
-    def _value(d: str, own: dict[str, int], copies: dict[str, tuple[int, int]]) -> tuple[int, tuple[int, int]]:
-        both = copies.get(d, (0, 0))
-        return (own.get(d, 0) + both[0] if d in own or both[0] else _NONE), both
+    def _value(key: tuple[str, str], own: dict[tuple[str, str], int],
+               copies: dict[tuple[str, str], int]) -> tuple[int, int]:
+        made = copies.get(key, 0)
+        return (own.get(key, 0) + made if key in own or made else _NONE), made
 
-    def _total(self, d: str, own: dict[str, int], copies: dict[str, tuple[int, int]]) -> int:
-        value, both = self._value(d, own, copies)
-        return max(0, self.twice.get(d, _NONE), value + both[0],
-                   *(chain.total(value, phase) for chain, phase in zip(self._chains(d), both, strict=True)))
+    def _total(self, d: str, own: dict[tuple[str, str], int], copies: dict[tuple[str, str], int]) -> int:
+        # the decode's first copies there: what a prefill's last copying run starts (the next call's)
+        decode = ("decode_ns", d)
+        wrap = self._chain(decode).first or copies.get(decode, 0)
+        out = 0
+        for phase in _PHASES:
+            key = (phase, d)
+            value, made = self._value(key, own, copies)
+            out = max(out, self.twice.get(key, _NONE), value + made,
+                      self._chain(key).total(value, made, wrap if phase == "prefill_ns" else None))
+        return out
 
-    def _after(self, o: PlacementOption) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
-        """The current run's own peaks and copies once ``o`` joins it (the devices it touches only)."""
-        own = {d: max(self.own.get(d, 0), nbytes) for d, nbytes in o.peaks_apart()}
-        copies = {}
-        if o.group_copy_bytes:
-            d = o.group_device
-            prefill, decode = self.copies.get(d, (0, 0))
-            copies[d] = (prefill + o.group_copy_bytes,
-                         decode + (o.group_copy_bytes if o.prefill_execution is None else 0))
+    def _after(self, o: PlacementOption) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """The current run's own peaks and copies once ``o`` joins it (the keys it touches only)."""
+        own, copies = {}, {}
+        for phase in _PHASES:
+            for d, nbytes in phase_peaks(o, phase):
+                own[phase, d] = max(self.own.get((phase, d), 0), nbytes)
+            made = phase_copies(o, phase)
+            if made:
+                copies[phase, o.group_device] = self.copies.get((phase, o.group_device), 0) + made
         return own, copies
 
     def grows(self, o: PlacementOption) -> dict[str, int]:
         """What each device's transient grows by when ``o`` joins the current run (less than 0: shrinks, as
         earlier runs' next copies are this run's instead of the first run's)."""
         own, copies = self._after(o)
+        devices = {d for _, d in own.keys() | copies.keys()}
         return {d: self._total(d, {**self.own, **own}, {**self.copies, **copies}) - self._total(d, self.own, self.copies)
-                for d in own.keys() | copies.keys()}
+                for d in devices}
 
     def add(self, o: PlacementOption) -> None:
         own, copies = self._after(o)

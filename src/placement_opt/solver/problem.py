@@ -53,12 +53,13 @@ option's peak counts less its own :data:`GROUP_BUFFERS` copies, and the last ter
                               + max(R's group copies, those of the next run after R that copies there) )
 
 (:func:`device_transients`): while a unit of R runs, the dispatcher holds R's copies and those of the next
-streaming group, in flight, which R's head started; a unit outside the layers is a run alone. The runs go
-round in a cycle (the last run's next is the first copying run: the decode's next step, or the next call),
-and the next run is taken in each phase (the prefill copies a phased unit's group, the decode does not),
-the larger of the two counting. The next copies count at least as R's own: a streamed option's peak (its own
-copies twice, as a unit alone holds them) then stays what the device holds at the least, which the
-relaxations and cuts read one option at a time; it over-counts where a run copies more than the next.
+streaming group, in flight, which R's head started; a unit outside the layers is a run alone. It is taken
+in each phase, the larger counting: the prefill copies a phased unit's group and holds its prefill peak, the
+decode does neither; the decode's runs go round a cycle (the last run's next is the first copying run of
+the next step), and a prefill's last copying run starts the decode's first. The next copies count at least
+as R's own: a streamed option's peak (its own copies twice, as a unit alone holds them) then stays what the
+device holds at the least, which the relaxations and cuts read one option at a time; it over-counts where a
+run copies more than the next.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ __all__ = [
     "Transient",
     "device_transients",
     "next_copies",
+    "phase_peaks",
+    "phase_copies",
 ]
 
 #: ``resident``: weights live where the unit computes. ``stream``: weights are copied from
@@ -668,19 +671,23 @@ class Transient:
     """The run's group copies to the device."""
     next_copies_bytes: int
     """The group copies to the device of the next run that copies there, in flight while this run computes
-    (:func:`next_copies`; the larger of the prefill's and the decode's next), and at least this run's."""
+    (:func:`next_copies`), and at least this run's."""
+    phase: str = "prefill_ns"
+    """The phase (one of :data:`PHASES`) in which the run sets the peak."""
 
     @property
     def total_bytes(self) -> int:
         return self.own_bytes + self.run_copies_bytes + self.next_copies_bytes
 
 
-def next_copies(copies: Sequence[int]) -> list[int]:
-    """For each run, the ``copies`` of the first run after it with any, in a cycle (the run's own when it is the
-    only one; 0 when none copies): what the prefetch thread holds ahead while the run computes."""
+def next_copies(copies: Sequence[int], wrap: int | None = None) -> list[int]:
+    """For each run, the ``copies`` of the first run after it with any: what the prefetch thread holds ahead
+    while the run computes. Past the last, ``wrap`` (None: round the cycle, a run alone its own next; 0 when
+    none copies)."""
     out = [0] * len(copies)
-    following = 0
-    for i in range(2 * len(copies) - 1, -1, -1):  # twice round, backwards: the second lap wraps the cycle
+    laps = 2 if wrap is None else 1
+    following = 0 if wrap is None else wrap
+    for i in range(laps * len(copies) - 1, -1, -1):  # backwards; a second lap wraps the cycle
         r = i % len(copies)
         if i < len(copies):
             out[r] = following
@@ -689,47 +696,65 @@ def next_copies(copies: Sequence[int]) -> list[int]:
     return out
 
 
+def phase_peaks(opt: PlacementOption, phase: str) -> tuple[tuple[str, int], ...]:
+    """:meth:`PlacementOption.peaks_apart` while ``phase`` runs: a phased option's prefill device's in the
+    prefill only (it decodes where it is stored)."""
+    apart = opt.peaks_apart()
+    return apart if phase == "prefill_ns" or opt.prefill_execution is None else apart[:1]
+
+
+def phase_copies(opt: PlacementOption, phase: str) -> int:
+    """``opt``'s group copy in ``phase``: a phased option copies in the prefill only."""
+    return opt.group_copy_bytes if phase == "prefill_ns" or opt.prefill_execution is None else 0
+
+
 def device_transients(chosen: Sequence[PlacementOption],
                       runs: Sequence[tuple[int, int]] | None) -> dict[str, Transient]:
-    """Device -> its transient peak with copy groups (module docstring): over the copy runs (``runs``:
-    :attr:`PlacementProblem.copy_runs`, None: each unit alone) with a unit computing or copying there, the
-    largest of the run's largest own peak there, plus its group copies there, plus the next copying run's (at
-    least as many as its own).
-
-    The next run differs by phase: the prefill copies every ``group_copy_bytes``, the decode only a ``stream``
-    option's (a ``phased`` one computes where it is stored); the larger of the two counts. Devices without a
-    transient are left out."""
+    """Device -> its transient peak with copy groups (module docstring): over both phases and the copy runs
+    (``runs``: :attr:`PlacementProblem.copy_runs`, None: each unit alone) with a unit computing or copying there
+    in the phase, the largest of the run's largest own peak there, plus its group copies there, plus the next
+    copying run's (at least as many as its own). The decode's runs go round a cycle; a prefill's last copying
+    run is followed by the decode's first (the next call). Devices without a transient are left out."""
     runs = runs if runs is not None else [(u, u + 1) for u in range(len(chosen))]
-    own: list[dict[str, tuple[int, int]]] = []  # per run: device -> (largest own peak, its unit)
-    both: dict[str, list[int]] = {}  # device -> each run's group copies there (either phase)
-    decode: dict[str, list[int]] = {}  # device -> each run's copies there in the decode (stream options)
-    for r, (a, b) in enumerate(runs):
-        here: dict[str, tuple[int, int]] = {}
+    own = {"prefill_ns": [], "decode_ns": []}  # per phase, per run: device -> (largest own peak, its unit)
+    copies: dict[str, dict[str, list[int]]] = {"prefill_ns": {}, "decode_ns": {}}  # phase -> device -> per run
+    for r, (a, b) in enumerate(runs):  # one pass for both phases: scores call this thousands of times
+        prefill: dict[str, tuple[int, int]] = {}
+        decode: dict[str, tuple[int, int]] = {}
         for u in range(a, b):
             opt = chosen[u]
-            for device, nbytes in opt.peaks_apart():
-                if device not in here or nbytes > here[device][0]:
-                    here[device] = (nbytes, u)
+            for k, (device, nbytes) in enumerate(opt.peaks_apart()):  # k = 1: a phased option's prefill side
+                for here in (prefill,) if k else (prefill, decode):
+                    if device not in here or nbytes > here[device][0]:
+                        here[device] = (nbytes, u)
             if opt.group_copy_bytes:
-                device = opt.group_device
-                both.setdefault(device, [0] * len(runs))[r] += opt.group_copy_bytes
-                if opt.prefill_execution is None:
-                    decode.setdefault(device, [0] * len(runs))[r] += opt.group_copy_bytes
-        own.append(here)
-    best: dict[str, Transient] = {}
-    for device in {d for here in own for d in here} | both.keys():
-        copies = both.get(device, [0] * len(runs))
-        ahead = [max(c, p, d) for c, p, d in zip(copies, next_copies(copies),
-                                                 next_copies(decode.get(device, [0] * len(runs))), strict=True)]
-        for r, here in enumerate(own):
-            if device not in here and not copies[r]:
-                continue
-            nbytes, unit = here.get(device, (0, None))
-            held = best.get(device)
-            if held is None or nbytes + copies[r] + ahead[r] > held.total_bytes:
-                best[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=copies[r],
-                                         next_copies_bytes=ahead[r])
-    return best
+                for phase in PHASES if opt.prefill_execution is None else ("prefill_ns",):
+                    copies[phase].setdefault(opt.group_device, [0] * len(runs))[r] += opt.group_copy_bytes
+        own["prefill_ns"].append(prefill)
+        own["decode_ns"].append(decode)
+    best: dict[str, tuple[int, str, int]] = {}  # device -> (total, phase, run)
+    nexts: dict[tuple[str, str], list[int]] = {}
+    first = {d: next((c for c in made if c), 0) for d, made in copies["decode_ns"].items()}
+    for phase in PHASES:
+        for device in {d for here in own[phase] for d in here} | copies[phase].keys():
+            made = copies[phase].get(device)
+            if made is None:  # nothing copied there in the phase: the largest own peak
+                total, r = max((here[device][0], r) for r, here in enumerate(own[phase]) if device in here)
+            else:
+                ahead = nexts[phase, device] = next_copies(made, first.get(device, 0) if phase == "prefill_ns" else None)
+                total, r = max((here.get(device, (0,))[0] + c + (c if c > n else n), r)
+                               for r, (here, c, n) in enumerate(zip(own[phase], made, ahead, strict=True))
+                               if c or device in here)
+            if device not in best or total > best[device][0]:
+                best[device] = (total, phase, r)
+    out = {}
+    for device, (_, phase, r) in best.items():
+        nbytes, unit = own[phase][r].get(device, (0, None))
+        made = copies[phase].get(device, [0] * len(runs))[r]
+        ahead = nexts.get((phase, device), [0] * len(runs))[r]
+        out[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=made,
+                                next_copies_bytes=max(made, ahead), phase=phase)
+    return out
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:

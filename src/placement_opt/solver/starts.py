@@ -25,7 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .problem import PlacementOption, PlacementProblem, next_copies
+from .problem import (
+    PHASES,
+    PlacementOption,
+    PlacementProblem,
+    next_copies,
+    phase_copies,
+    phase_peaks,
+)
 
 __all__ = ["executor_starts", "improve", "fits"]
 
@@ -370,41 +377,44 @@ class _Memory:
 
 
 class _RunPeaks:
-    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per copy run;
-    a device's peak is counted anew (one pass over the runs) when a move touched it."""
+    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per phase and
+    copy run; a device's peak is counted anew (one pass over the runs) when a move touched it."""
 
     def __init__(self, problem: PlacementProblem) -> None:
         self.run_of = problem.run_of
         self.n_runs = len(problem.runs)
-        self.own: dict[tuple[str, int], Counter[int]] = {}  # (device, run) -> own peaks of its units there
-        self.copies: dict[str, list[int]] = {}  # device -> each run's group copies there
-        self.decode: dict[str, list[int]] = {}  # device -> each run's copies there in the decode (stream options)
+        self.own: dict[tuple[str, str, int], Counter[int]] = {}  # (phase, device, run) -> own peaks of its units
+        self.copies: dict[tuple[str, str], list[int]] = {}  # (phase, device) -> each run's group copies there
         self.peaks: dict[str, int] = {}  # device -> its transient, while no move touched it
 
     def apply(self, i: int, o: PlacementOption, sign: int) -> None:
         run = self.run_of[i]
-        for d, nbytes in o.peaks_apart():
-            own = self.own.setdefault((d, run), Counter())
-            own[nbytes] += sign
-            if not own[nbytes]:
-                del own[nbytes]
-            self.peaks.pop(d, None)
-        if o.group_copy_bytes:
-            d = o.group_device
-            self.copies.setdefault(d, [0] * self.n_runs)[run] += sign * o.group_copy_bytes
-            if o.prefill_execution is None:
-                self.decode.setdefault(d, [0] * self.n_runs)[run] += sign * o.group_copy_bytes
-            self.peaks.pop(d, None)
+        for phase in PHASES:
+            for d, nbytes in phase_peaks(o, phase):
+                own = self.own.setdefault((phase, d, run), Counter())
+                own[nbytes] += sign
+                if not own[nbytes]:
+                    del own[nbytes]
+                self.peaks.pop(d, None)
+            made = phase_copies(o, phase)
+            if made:
+                self.copies.setdefault((phase, o.group_device), [0] * self.n_runs)[run] += sign * made
+                self.peaks.pop(o.group_device, None)
 
     def peak(self, device: str) -> int:
         if device not in self.peaks:
             none = [0] * self.n_runs
-            copies = self.copies.get(device, none)
-            ahead = map(max, copies, next_copies(copies), next_copies(self.decode.get(device, none)))
-            self.peaks[device] = max((max(self.own.get((device, r)) or (0,)) + copies[r] + nxt
-                                      for r, nxt in enumerate(ahead) if self.own.get((device, r)) or copies[r]),
-                                     default=0)
+            decode = self.copies.get(("decode_ns", device), none)
+            first = next((c for c in decode if c), 0)
+            self.peaks[device] = max(self._phase(device, "decode_ns", next_copies(decode)),
+                                     self._phase(device, "prefill_ns", None, first))
         return self.peaks[device]
+
+    def _phase(self, device: str, phase: str, ahead: list[int] | None, wrap: int = 0) -> int:
+        copies = self.copies.get((phase, device), [0] * self.n_runs)
+        ahead = ahead if ahead is not None else next_copies(copies, wrap=wrap)
+        return max((max(self.own.get((phase, device, r)) or (0,)) + copies[r] + max(copies[r], nxt)
+                    for r, nxt in enumerate(ahead) if self.own.get((phase, device, r)) or copies[r]), default=0)
 
 
 def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int, int]]:
