@@ -477,6 +477,8 @@ def live_copies():
             state["size"][unit.name] = sum(sizes)
             state["live"] += sum(sizes)
             state["most"] = max(state["most"], state["live"])
+            for watch in state.get("watch", ()):
+                watch(state["live"])
         for tensor, nbytes in zip(tensors, sizes, strict=True):
             weakref.finalize(tensor, release, nbytes)
         return tensors, event
@@ -563,3 +565,66 @@ def test_on_a_gpu_the_copies_alive_at_once_never_exceed_the_group_buffer(tmp_pat
     plan = group_plan(model, rows, grouped=True)
     state = run_counting(model, plan, tmp_path)
     assert 0 < state["most"] <= group_buffer(plan, state["size"])
+
+
+def run_bounds(plan: Plan, size: dict[str, int]) -> dict[tuple[str, str], int]:
+    """(phase, unit) -> the copies the cost model lets the device hold while the unit runs
+    (solver.problem.device_transients, restated): its run's copies in the phase and the larger of those and the
+    next copying run's (the prefill's last copying run is followed by the decode's first; the decode cycles)."""
+    runs: list[list] = []
+    for p in plan.placements:
+        if not runs or p.copy_group is None or p.copy_group != runs[-1][0].copy_group:
+            runs.append([])
+        runs[-1].append(p)
+    copies = {"prefill": [sum(size.get(p.unit, 0) for p in run if p.mode in ("stream", "phased")) for run in runs],
+              "decode": [sum(size.get(p.unit, 0) for p in run if p.mode == "stream") for run in runs]}
+    first = next((c for c in copies["decode"] if c), 0)
+    bounds = {}
+    for phase, made in copies.items():
+        for r, run in enumerate(runs):
+            later = made[r + 1:] + (made[:r + 1] if phase == "decode" else [])
+            following = next((c for c in later if c), 0 if phase == "decode" else first)
+            for p in run:
+                bounds[phase, p.unit] = made[r] + max(made[r], following)
+    return bounds
+
+
+def run_counting_per_unit(model: torch.nn.Module, plan: Plan, offload_dir) -> tuple[dict, list]:
+    """As run_counting, and per call of each unit: (phase, unit, the most copies alive while it ran). The phase is
+    the call's, read where it starts (the embedding: generate's prefill hands lm_head one token per row)."""
+    calls, active, phase = [], {}, {"now": "prefill"}
+    with live_copies() as state:
+        watch = state.setdefault("watch", [])
+        watch.append(lambda live: [active.__setitem__(u, max(m, live)) for u, m in list(active.items())])
+        handles = [model.get_submodule("model.embed_tokens").register_forward_pre_hook(
+            lambda module, args: phase.__setitem__("now", "prefill" if args[0].shape[-1] > 1 else "decode"))]
+        for unit in (p.unit for p in plan.placements):
+            module = model.get_submodule(unit)
+            handles.append(module.register_forward_pre_hook(
+                lambda module, args, unit=unit: active.__setitem__(unit, state["live"])))
+            handles.append(module.register_forward_hook(
+                lambda module, args, out, unit=unit: calls.append((phase["now"], unit, active.pop(unit)))))
+        handle = dispatch(model, plan, offload_dir=offload_dir)
+        with torch.no_grad():
+            handle.generate(**prompt(), max_new_tokens=3, **GENERATE)
+        handle.remove()
+        for h in handles:
+            h.remove()
+    return state, calls
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), family=st.sampled_from(_FAMILIES))
+def test_while_a_unit_runs_the_copies_alive_stay_within_its_runs_bound(gpu_on_cpu, data, family):
+    """Unit by unit and phase by phase, the copies alive while a unit runs never exceed what the cost model
+    charges its copy run then: its own copies and the next copying run's (or its own, if more)."""
+    model, units = _MODELS[family], _UNITS[family]
+    rows = {u: data.draw(st.sampled_from(_STREAMING if layer_of(u) else _STREAMING[:4]), label=u)
+            for u in units if u != "model.rotary_emb"}
+    plan = group_plan(model, rows, grouped=data.draw(st.booleans(), label="grouped"))
+    with tempfile.TemporaryDirectory() as offload_dir:
+        state, calls = run_counting_per_unit(model, plan, offload_dir)
+    bounds = run_bounds(plan, state["size"])
+    assert {phase for phase, *_ in calls} == {"prefill", "decode"}
+    over = [(phase, unit, most, bounds[phase, unit]) for phase, unit, most in calls if most > bounds[phase, unit]]
+    assert not over, over
