@@ -121,6 +121,14 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
     """
     if problem.contiguous:
         return list(choice)
+    out = _residency(problem, choice, exact=False)
+    if problem.group_copies and not _fits(problem, out):
+        out = _residency(problem, choice, exact=True)  # a unit that stops copying grew another's transient
+    return out
+
+
+def _residency(problem: PlacementProblem, choice: Sequence[int], exact: bool) -> list[int]:
+    """prefer_resident's moves, each checked by its own bytes, or (``exact``) by the whole plan's memory."""
     out = list(choice)
     score = problem.score(out)
     free = {d.name: d.capacity_bytes - score.used_bytes[d.name] for d in problem.devices}
@@ -139,18 +147,18 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
                 and all(c.shared_in(r, ph) <= o.shared_in(r, ph) for r in ("host", "disk") for ph in PHASES)
                 and grow <= free[o.execution]
                 and c.peak_bytes <= o.peak_bytes
-                and (not o.group_copy_bytes or _fits_with(problem, out, i, target))):
+                and (not exact or not o.group_copy_bytes or _fits(problem, [*out[:i], target, *out[i + 1:]]))):
             out[i] = target
             free[o.execution] -= grow
             free[o.storage] += o.stored_bytes
     return out
 
 
-def _fits_with(problem: PlacementProblem, choice: list[int], i: int, option: int) -> bool:
-    """Whether ``choice`` with unit ``i`` on ``option`` fits every device. With copy groups a unit that stops
-    copying can grow the others' transients: the runs before it then wait with a later run's copies in flight
+def _fits(problem: PlacementProblem, choice: Sequence[int]) -> bool:
+    """Whether ``choice`` fits every device. With copy groups a unit that stops copying can grow the others'
+    transients: the runs before it then wait with a later run's copies in flight
     (:func:`~.problem.device_transients`)."""
-    used = problem.used_bytes(problem.options([*choice[:i], option, *choice[i + 1:]]))
+    used = problem.used_bytes(problem.options(choice))
     return all(used[d.name] <= d.capacity_bytes for d in problem.devices)
 
 
