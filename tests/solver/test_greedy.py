@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from placement_opt.solver.greedy import (
     GREEDY_RESERVES,
     ONE_GPU_RESERVES,
-    _RunTransients,
     best_greedy_choice,
     greedy_choice,
 )
@@ -27,7 +26,6 @@ from placement_opt.solver.problem import (
     PlacementOption,
     PlacementProblem,
     UnitSpec,
-    device_transients,
 )
 from placement_opt.solver.starts import _Memory, _pack, executor_starts, fits, improve
 
@@ -229,19 +227,3 @@ def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data)
             choice = trial
 
 
-@settings(max_examples=80)
-@given(grouped_problems(copying=True), st.data())
-def test_the_greedy_grows_each_transient_to_what_the_problem_counts(problem, data):
-    """The one-pass greedy's account of the transients with copy groups, unit by unit in execution order, against
-    device_transients of the whole assignment."""
-    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
-    chosen = problem.options(choice)
-    assume(problem.group_copies)
-    runs, grown = _RunTransients(problem), {}
-    for k, o in enumerate(chosen):
-        runs.enter(k)
-        for d, n in runs.grows(o).items():
-            grown[d] = grown.get(d, 0) + n
-        runs.add(o)
-    expected = {d: t.total_bytes for d, t in device_transients(chosen, problem.copy_runs).items()}
-    assert {d: n for d, n in grown.items() if n} == {d: n for d, n in expected.items() if n}
