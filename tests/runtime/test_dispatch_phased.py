@@ -50,7 +50,7 @@ def kv_moves(monkeypatch):
     real = _hooks.move_cache_layers
 
     def spy(unit, layer_ids, args, kwargs, device):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 renamed it
         if cache is not None and any(cache.layers[i].get_seq_length() > 0 for i in layer_ids):
             moves.append((unit, layer_ids))
         return real(unit, layer_ids, args, kwargs, device)

@@ -27,8 +27,9 @@ from ..errors import DispatchError
 
 __all__ = ["CallPhase", "attention_layers", "call_is_prefill", "unit_is_prefill", "move_cache_layers"]
 
-# The names transformers gives the KV cache argument (5.x: past_key_values; older layers: the others).
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
+# layers: the others).
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # The names of the argument that says how many tokens a call has, most telling first.
 _TOKEN_ARGUMENTS = ("hidden_states", "input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds")
 
