@@ -12,14 +12,14 @@ Variables (``u`` a unit, ``o`` one of its options, ``d`` a device, ``e`` an edge
   (:meth:`~.problem.PlacementOption.peaks`: ``peak_bytes`` on its execution device, and a phased
   option's ``prefill_peak_bytes`` on its prefill device); ``peak[d]`` is the sum of the level steps
   switched on.
-* With copy groups, on a device some option copies a group to (:func:`~.problem.device_transients`):
-  ``copies[r, d]`` is copy run ``r``'s group copies to ``d`` (and ``copies[decode, r, d]`` its stream
-  options' alone, where phased ones copy too); ``any[ph, r, d]`` is 1 if they are not 0 (each copying option
-  implies it, and it implies one of them); ``first[ph, r, d] >= copies[r, d]``, and ``>= first[ph, r', d]``
-  of the next copying run ``r'`` (round the cycle) where ``any`` is 0: the copies of the first run from ``r``
-  on that copies, at the least; ``peak[d] >=`` each own peak (:meth:`~.problem.PlacementOption.peaks_apart`)
-  of a unit of ``r`` ``+ copies[r, d] + ahead[r, d]``, ``ahead`` at least the ``first`` of the run after
-  ``r`` in each phase and ``copies[r, d]``, instead of the levels.
+* With copy groups, on a device some option copies a group to (:func:`~.problem.device_transients`), per phase
+  ``ph`` (a phased option copies and holds its prefill peak in the prefill only): ``copies[ph, r, d]`` is copy
+  run ``r``'s group copies to ``d``; ``any[ph, r, d]`` is 1 if they are not 0 (two linear rows on them);
+  ``first[ph, r, d] >= copies[ph, r, d]``, and ``>= first[ph, r', d]`` of the next run ``r'`` that may copy
+  where ``any`` is 0 (the decode round the cycle; past a prefill's last, the decode's ``first`` of its first
+  run): the copies of the first run from ``r`` on that copies, at the least; ``own[r, d]`` the largest own
+  peak (:func:`~.problem.phase_peaks`) of a unit of ``r``; ``peak[d] >= own + copies + first`` of the run
+  after ``r``, and ``>= own + 2 copies``, instead of the levels.
 * ``start[u, d]`` is 1 if ``u`` opens the range of units stored on ``d`` (``contiguous`` only).
 * ``used[d, u]`` is 1 once some unit up to ``u`` stores or computes (in either phase) on ``d``
   (interchangeable devices only: their first uses are ordered).
@@ -67,6 +67,7 @@ from .problem import (
     PlacementProblem,
     Transient,
     device_transients,
+    next_copies,
     phase_copies,
     phase_peaks,
     stalls,
@@ -321,13 +322,10 @@ class PlacementModel:
         # >= first[j + 1], round the cycle (wrap None) or, past the last, >= ``wrap``: at the least, the copies of
         # the first copying run from j on. Returns (run r -> the next copies after r, first[0]).
         values = [self._hint_of(copies) for _, copies, _, _ in chain]
-        after = self._hint_of(wrap) if wrap is not None else 0
+        after = next_copies(values, None if wrap is None else self._hint_of(wrap))
         most = max(m for _, _, m, _ in chain)
-        first = []
-        for j, (r, *_) in enumerate(chain):
-            later = values[j:] + (values[:j] if wrap is None else [])
-            hint = next((c for c in later if c > 0), 0 if wrap is None else after)
-            first.append(self._hinted(self.model.new_int_var(0, most, f"first[{phase},{r},{dev}]"), hint))
+        first = [self._hinted(self.model.new_int_var(0, most, f"first[{phase},{r},{dev}]"), values[j] or after[j])
+                 for j, (r, *_) in enumerate(chain)]
         for j, (r, copies, bound, copying) in enumerate(chain):
             any_ = self._hinted(self.model.new_bool_var(f"any[{phase},{r},{dev}]"), int(values[j] > 0))
             least = min(opt.group_copy_bytes for _, _, opt in copying)

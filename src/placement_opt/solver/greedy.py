@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
-from .problem import PlacementOption, PlacementProblem, phase_copies, phase_peaks
+from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks
 from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -337,7 +337,6 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
 
 
 _NONE = -(1 << 62)  # "no run there": below any sum of bytes
-_PHASES = ("prefill_ns", "decode_ns")
 
 
 @dataclass
@@ -416,7 +415,7 @@ class _RunTransients:
         decode = ("decode_ns", d)
         wrap = self._chain(decode).first or copies.get(decode, 0)
         out = 0
-        for phase in _PHASES:
+        for phase in PHASES:
             key = (phase, d)
             value, made = self._value(key, own, copies)
             out = max(out, self.twice.get(key, _NONE), value + made,
@@ -426,7 +425,7 @@ class _RunTransients:
     def _after(self, o: PlacementOption) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
         """The current run's own peaks and copies once ``o`` joins it (the keys it touches only)."""
         own, copies = {}, {}
-        for phase in _PHASES:
+        for phase in PHASES:
             for d, nbytes in phase_peaks(o, phase):
                 own[phase, d] = max(self.own.get((phase, d), 0), nbytes)
             made = phase_copies(o, phase)

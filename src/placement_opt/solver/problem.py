@@ -89,6 +89,7 @@ __all__ = [
     "Transient",
     "device_transients",
     "next_copies",
+    "phase_next_copies",
     "phase_peaks",
     "phase_copies",
 ]
@@ -672,8 +673,6 @@ class Transient:
     next_copies_bytes: int
     """The group copies to the device of the next run that copies there, in flight while this run computes
     (:func:`next_copies`), and at least this run's."""
-    phase: str = "prefill_ns"
-    """The phase (one of :data:`PHASES`) in which the run sets the peak."""
 
     @property
     def total_bytes(self) -> int:
@@ -694,6 +693,15 @@ def next_copies(copies: Sequence[int], wrap: int | None = None) -> list[int]:
         if copies[r] > 0:
             following = copies[r]
     return out
+
+
+def phase_next_copies(copies: Sequence[int], phase: str, decode: Sequence[int]) -> list[int]:
+    """:func:`next_copies` in ``phase`` (``copies``: each run's there): the decode goes round the cycle, and a
+    prefill's last copying run is followed by the decode's first (``decode``: each run's copies in the decode),
+    as the dispatcher starts them."""
+    if phase == "decode_ns":
+        return next_copies(copies)
+    return next_copies(copies, next((c for c in decode if c), 0))
 
 
 def phase_peaks(opt: PlacementOption, phase: str) -> tuple[tuple[str, int], ...]:
@@ -734,14 +742,13 @@ def device_transients(chosen: Sequence[PlacementOption],
         own["decode_ns"].append(decode)
     best: dict[str, tuple[int, str, int]] = {}  # device -> (total, phase, run)
     nexts: dict[tuple[str, str], list[int]] = {}
-    first = {d: next((c for c in made if c), 0) for d, made in copies["decode_ns"].items()}
     for phase in PHASES:
         for device in {d for here in own[phase] for d in here} | copies[phase].keys():
             made = copies[phase].get(device)
             if made is None:  # nothing copied there in the phase: the largest own peak
                 total, r = max((here[device][0], r) for r, here in enumerate(own[phase]) if device in here)
             else:
-                ahead = nexts[phase, device] = next_copies(made, first.get(device, 0) if phase == "prefill_ns" else None)
+                ahead = nexts[phase, device] = phase_next_copies(made, phase, copies["decode_ns"].get(device, ()))
                 total, r = max((here.get(device, (0,))[0] + c + (c if c > n else n), r)
                                for r, (here, c, n) in enumerate(zip(own[phase], made, ahead, strict=True))
                                if c or device in here)
@@ -753,7 +760,7 @@ def device_transients(chosen: Sequence[PlacementOption],
         made = copies[phase].get(device, [0] * len(runs))[r]
         ahead = nexts.get((phase, device), [0] * len(runs))[r]
         out[device] = Transient(unit=unit, own_bytes=nbytes, run_copies_bytes=made,
-                                next_copies_bytes=max(made, ahead), phase=phase)
+                                next_copies_bytes=max(made, ahead))
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .problem import GROUP_BUFFERS, PHASES, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from .starts import fits
 
 __all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room"]
 
@@ -122,8 +123,10 @@ def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[in
     if problem.contiguous:
         return list(choice)
     out = _residency(problem, choice, exact=False)
-    if problem.group_copies and not _fits(problem, out):
-        out = _residency(problem, choice, exact=True)  # a unit that stops copying grew another's transient
+    if problem.group_copies and not fits(problem, out):
+        # a unit that stops copying can grow the others' transients: the runs before it then wait with a
+        # later run's copies in flight (device_transients)
+        out = _residency(problem, choice, exact=True)
     return out
 
 
@@ -147,19 +150,11 @@ def _residency(problem: PlacementProblem, choice: Sequence[int], exact: bool) ->
                 and all(c.shared_in(r, ph) <= o.shared_in(r, ph) for r in ("host", "disk") for ph in PHASES)
                 and grow <= free[o.execution]
                 and c.peak_bytes <= o.peak_bytes
-                and (not exact or not o.group_copy_bytes or _fits(problem, [*out[:i], target, *out[i + 1:]]))):
+                and (not exact or not o.group_copy_bytes or fits(problem, [*out[:i], target, *out[i + 1:]]))):
             out[i] = target
             free[o.execution] -= grow
             free[o.storage] += o.stored_bytes
     return out
-
-
-def _fits(problem: PlacementProblem, choice: Sequence[int]) -> bool:
-    """Whether ``choice`` fits every device. With copy groups a unit that stops copying can grow the others'
-    transients: the runs before it then wait with a later run's copies in flight
-    (:func:`~.problem.device_transients`)."""
-    used = problem.used_bytes(problem.options(choice))
-    return all(used[d.name] <= d.capacity_bytes for d in problem.devices)
 
 
 def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) -> list[int]:

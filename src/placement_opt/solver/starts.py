@@ -29,8 +29,8 @@ from .problem import (
     PHASES,
     PlacementOption,
     PlacementProblem,
-    next_copies,
     phase_copies,
+    phase_next_copies,
     phase_peaks,
 )
 
@@ -403,16 +403,13 @@ class _RunPeaks:
 
     def peak(self, device: str) -> int:
         if device not in self.peaks:
-            none = [0] * self.n_runs
-            decode = self.copies.get(("decode_ns", device), none)
-            first = next((c for c in decode if c), 0)
-            self.peaks[device] = max(self._phase(device, "decode_ns", next_copies(decode)),
-                                     self._phase(device, "prefill_ns", None, first))
+            decode = self.copies.get(("decode_ns", device), ())
+            self.peaks[device] = max(self._phase(device, phase, decode) for phase in PHASES)
         return self.peaks[device]
 
-    def _phase(self, device: str, phase: str, ahead: list[int] | None, wrap: int = 0) -> int:
+    def _phase(self, device: str, phase: str, decode: Sequence[int]) -> int:
         copies = self.copies.get((phase, device), [0] * self.n_runs)
-        ahead = ahead if ahead is not None else next_copies(copies, wrap=wrap)
+        ahead = phase_next_copies(copies, phase, decode)
         return max((max(self.own.get((phase, device, r)) or (0,)) + copies[r] + max(copies[r], nxt)
                     for r, nxt in enumerate(ahead) if self.own.get((phase, device, r)) or copies[r]), default=0)
 
