@@ -684,12 +684,11 @@ def next_copies(copies: Sequence[int], wrap: int | None = None) -> list[int]:
     while the run computes. Past the last, ``wrap`` (None: round the cycle, a run alone its own next; 0 when
     none copies)."""
     out = [0] * len(copies)
-    laps = 2 if wrap is None else 1
-    following = 0 if wrap is None else wrap
-    for i in range(laps * len(copies) - 1, -1, -1):  # backwards; a second lap wraps the cycle
-        r = i % len(copies)
-        if i < len(copies):
-            out[r] = following
+    # past the last copying run comes the wrap: round the cycle, the first copying run (one backward pass; the
+    # fill counts this for every move it tries)
+    following = next((c for c in copies if c > 0), 0) if wrap is None else wrap
+    for r in range(len(copies) - 1, -1, -1):
+        out[r] = following
         if copies[r] > 0:
             following = copies[r]
     return out
