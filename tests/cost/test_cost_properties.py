@@ -106,13 +106,41 @@ def _device_in(unit, phase):
     return unit.prefill_execution if phase == "prefill" and unit.prefill_execution else unit.execution
 
 
-def reference_used_bytes(machine, units):
+def reference_used_bytes(machine, graph, units):
+    """Stored + resident + the transient, restated from the dispatcher's rule: the prefetch thread copies a
+    unit's weights ahead when it streams to a GPU (and a phased unit's in the prefill, to its prefill GPU), one
+    unit ahead. While a unit runs in a phase its device holds its own peak (the option's, less the two copies it
+    counts), its own copy, and the next copying unit's in flight (the decode round the cycle, the prefill's last
+    followed by the decode's first), at least as much as its own."""
+    gpus = {d.name for d in machine.devices if d.is_gpu}
+
+    def copied(u, prefill):  # (device, bytes) the prefetch thread copies ahead for u in the phase
+        weights = graph.unit(u.name).weight_bytes
+        if u.mode == "stream" and u.execution in gpus:
+            return u.execution, weights
+        return (u.prefill_execution, weights) if u.mode == "phased" and prefill else (None, 0)
+
+    def own(u, prefill, device):  # u's own transient on device in the phase, its copies apart; None: not there
+        sides = [(u.execution, u.peak_bytes)] + ([(u.prefill_execution, u.prefill_peak_bytes)]
+                                                 if prefill and u.prefill_execution else [])
+        held = [peak - 2 * copied(u, True)[1] * (d == copied(u, True)[0]) for d, peak in sides if d == device]
+        return max(held) if held else None
+
     used = {}
     for d in machine.devices:
-        peak = max([u.peak_bytes for u in units if u.execution == d.name]
-                   + [u.prefill_peak_bytes for u in units if u.prefill_execution == d.name], default=0)
+        made = {prefill: [copied(u, prefill)[1] if copied(u, prefill)[0] == d.name else 0 for u in units]
+                for prefill in (True, False)}
+        first_decode = next((c for c in made[False] if c), 0)
+        values = []
+        for prefill in (True, False):
+            for i, u in enumerate(units):
+                later = made[prefill][i + 1:] + ([] if prefill else made[prefill][:i + 1])
+                following = next((c for c in later if c), first_decode if prefill else 0)
+                mine, c = own(u, prefill, d.name), made[prefill][i]
+                if mine is not None or c:
+                    values.append((mine or 0) + c + (max(c, following) if any(made[prefill]) else 0))
         used[d.name] = (sum(u.stored_bytes for u in units if u.storage == d.name)
-                        + sum(u.resident_bytes for u in units if u.execution == d.name) + peak)
+                        + sum(u.resident_bytes for u in units if u.execution == d.name) + max(values, default=0))
     return used
 
 
@@ -140,7 +168,7 @@ def test_evaluate_totals_match_an_independent_computation(graph, machine, worklo
             stages[_device_in(u, phase)] = stages.get(_device_in(u, phase), 0.0) + seconds
     assert cost.stage_s.keys() == stages.keys()
     assert all(abs(cost.stage_s[d] - stages[d]) <= 1e-9 * max(1.0, stages[d]) for d in stages)
-    used = reference_used_bytes(machine, units)
+    used = reference_used_bytes(machine, graph, units)
     assert {m.device: m.used_bytes for m in cost.memory} == used
     over = {d.name: used[d.name] - d.usable_bytes for d in machine.devices if used[d.name] > d.usable_bytes}
     assert {v.device: v.short_bytes for v in cost.violations} == over

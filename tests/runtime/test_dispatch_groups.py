@@ -628,3 +628,43 @@ def test_while_a_unit_runs_the_copies_alive_stay_within_its_runs_bound(gpu_on_cp
     assert {phase for phase, *_ in calls} == {"prefill", "decode"}
     over = [(phase, unit, most, bounds[phase, unit]) for phase, unit, most in calls if most > bounds[phase, unit]]
     assert not over, over
+
+
+def block_plan(model: torch.nn.Module, rows: dict[str, str]) -> Plan:
+    """A layer-granularity plan (each decoder layer one unit, no copy groups) with ``rows[unit]`` (a key of ROWS,
+    default "gpu")."""
+    placements = []
+    for unit in trace(model).names():
+        (storage, execution, mode, prefill), _ = ROWS[rows.get(unit, "gpu")]
+        placements.append(UnitPlacement(unit=unit, storage=storage, execution=execution, mode=mode,
+                                        prefill_execution=prefill))
+    base = make_plan([(u, "cpu", "cpu", "resident") for u in trace(model).names()], name=type(model).__name__)
+    return dataclasses.replace(base, placements=tuple(placements))
+
+
+_BLOCK_UNITS = {family: trace(model).names() for family, model in _MODELS.items()}
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), family=st.sampled_from(_FAMILIES))
+def test_at_layer_granularity_a_unit_runs_beside_the_next_streamed_layers_copy(gpu_on_cpu, data, family):
+    """Whole layers: while a unit runs (a resident one too), the copies alive never exceed its own and the next
+    streaming unit's, the rule the cost model charges every graph by (tests/cost/test_cost_properties.py checks
+    the prices against the same rule). A resident layer before a streamed one holds that one's copy: the
+    under-count of the layer model before every stream was priced with the next copy."""
+    model, units = _MODELS[family], _BLOCK_UNITS[family]
+    rows = {u: data.draw(st.sampled_from(_STREAMING if layer_of(u + ".") else _STREAMING[:4]), label=u)
+            for u in units if u != "model.rotary_emb"}
+    plan = block_plan(model, rows)
+    with tempfile.TemporaryDirectory() as offload_dir:
+        state, calls = run_counting_per_unit(model, plan, offload_dir)
+    bounds = run_bounds(plan, state["size"])
+    assert {phase for phase, *_ in calls} == {"prefill", "decode"}
+    over = [(phase, unit, most, bounds[phase, unit]) for phase, unit, most in calls if most > bounds[phase, unit]]
+    assert not over, over
+    # what the layer model charged before: a streamed unit its own two copies, a resident or phased one none
+    before = {unit: 2 * state["size"].get(unit, 0) if rows.get(unit) in ("ram>gpu", "disk>gpu") else 0
+              for unit in units}
+    beside = [(unit, most) for phase, unit, most in calls if most > before[unit]]
+    if any(rows.get(u) in ("ram>gpu", "disk>gpu", "phased ram", "phased disk") for u in units):
+        assert beside, "no unit ran beside another unit's copy"

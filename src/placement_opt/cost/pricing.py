@@ -161,9 +161,11 @@ class OptionPrice:
     prefill_kv_bytes: int = 0
     """``phased`` only: the prompt's KV cache of this unit, held on ``prefill_execution`` until it moves."""
     group_copy_bytes: int = 0
-    """A sublayer graph's unit copied ahead (``stream`` to a GPU; ``phased``: its prefill): its weights, its share
-    of its copy group's buffer on that GPU (a unit outside the layers is a group alone;
-    :attr:`~..solver.problem.PlacementOption.group_copy_bytes`)."""
+    """A unit the prefetch thread copies ahead (``stream`` to a GPU; ``phased``: its prefill): its weights, its
+    share of its copy group's buffer on that GPU (a sublayer graph's parts of one layer are a group; any other unit
+    is a group alone; :attr:`~..solver.problem.PlacementOption.group_copy_bytes`). The device then counts the
+    next streaming group's copies in flight beside every unit, resident ones included, as the dispatcher holds
+    them."""
     round_trip_s: float = 0.0
     """Of ``prefill_s + decode_s``: the sublayer round trips to home and back (:func:`round_trip_s`);
     ``evaluate`` counts them with the transfers."""
@@ -508,7 +510,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
-        group_copy_bytes=unit.weight_bytes if overlapped and ctx.home is not None else 0,
+        group_copy_bytes=unit.weight_bytes if overlapped else 0,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )
