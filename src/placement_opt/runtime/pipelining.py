@@ -86,8 +86,8 @@ class DecoderStage(nn.Module):
 
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rotary = self._rotary.to(hidden.device) if self._rotary is not None else None
-        mask = create_causal_mask(config=self._config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        # the cache (None) goes by position: transformers 5.24 renamed the argument past_key_values -> cache
+        mask = create_causal_mask(self._config, hidden, None, None, position_ids=position_ids)
         out: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
         if rotary is not None:
             out["position_embeddings"] = rotary(hidden, position_ids=position_ids)
