@@ -124,6 +124,20 @@ def test_the_fill_account_follows_the_model_move_by_move(case, data):
             {d.name: model.get(d.name, 0) for d in problem.devices}
 
 
+def test_a_tied_transient_names_the_first_unit_that_reaches_it():
+    """The report names the unit whose peak sets the device's (the OOM message's "activation workspace of ..."):
+    of equal peaks the first in execution order, with and without copies on the device."""
+    def option(mode, peak, copies=0):
+        storage = "cpu" if mode == "stream" else "cuda:0"
+        return PlacementOption(storage=storage, execution="cuda:0", mode=mode, prefill_ns=1, decode_ns=1,
+                               stored_bytes=1, resident_bytes=0, peak_bytes=peak + 2 * copies,
+                               group_copy_bytes=copies)
+    equal = [option("resident", 5), option("resident", 5), option("resident", 5)]
+    assert device_transients(equal, None)["cuda:0"].unit == 0
+    streaming = [option("resident", 5), option("stream", 1, copies=2), option("resident", 5)]  # 5 + 2 twice
+    assert device_transients(streaming, None)["cuda:0"].unit == 0
+
+
 def test_next_copies_go_round_the_cycle():
     assert next_copies([]) == []
     assert next_copies([0, 0]) == [0, 0]

@@ -745,14 +745,14 @@ def device_transients(chosen: Sequence[PlacementOption],
         for device in {d for here in own[phase] for d in here} | copies[phase].keys():
             made = copies[phase].get(device)
             if made is None:  # nothing copied there in the phase: the largest own peak
-                total, r = max((here[device][0], r) for r, here in enumerate(own[phase]) if device in here)
+                total, r = max((here[device][0], -r) for r, here in enumerate(own[phase]) if device in here)
             else:
                 ahead = nexts[phase, device] = phase_next_copies(made, phase, copies["decode_ns"].get(device, ()))
-                total, r = max((here.get(device, (0,))[0] + c + (c if c > n else n), r)
+                total, r = max((here.get(device, (0,))[0] + c + (c if c > n else n), -r)
                                for r, (here, c, n) in enumerate(zip(own[phase], made, ahead, strict=True))
                                if c or device in here)
             if device not in best or total > best[device][0]:
-                best[device] = (total, phase, r)
+                best[device] = (total, phase, -r)  # on a tie the first run, which the report names
     out = {}
     for device, (_, phase, r) in best.items():
         nbytes, unit = own[phase][r].get(device, (0, None))
