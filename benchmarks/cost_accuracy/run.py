@@ -23,13 +23,15 @@ beyond its weights (KV cache + workspace + stream buffers, ``predicted_memory`` 
 has it). Rankings: the placements ordered by predicted and by measured time, per runner and phase.
 
 A GPU part runs when CUDA is present (skipped, and said so, otherwise): accelerate ``device_map="auto"``
-against ``placement_opt.load`` with the same ``max_memory``, batch 1 and 16, with and without
-``torch.cuda.set_per_process_memory_fraction`` as a hard cap (an over-budget plan then fails with OOM).
+against ``placement_opt.load`` with the same ``max_memory``, batch 1 and 16 (at each of ``--gpu-prompts``), with
+and without ``torch.cuda.set_per_process_memory_fraction`` as a hard cap (an over-budget plan then fails with OOM).
+``--gpu-only`` runs that part alone (a GPU machine lent for minutes should not spend them on the CPU rows).
 
 Usage::
 
     python benchmarks/cost_accuracy/run.py            # writes benchmarks/cost_accuracy/RESULTS.md
     python benchmarks/cost_accuracy/run.py --quick    # fewer layers and steps (a smoke run, about 2 min)
+    python benchmarks/cost_accuracy/run.py --gpu-only --gpu-prompts 512,4096 --out GPU.md   # the GPU rows alone
 """
 
 from __future__ import annotations
@@ -353,17 +355,18 @@ def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no c
     total = torch.cuda.get_device_properties(0).total_memory
     max_memory = {0: args.gpu_budget, "cpu": "100GiB"}
     lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
-             f"{max_memory}; prompt 512, {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
-             "| runner | batch | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
+             f"{max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
+             "| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
              "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for batch in (1, 16):
-        workload = Workload(batch_size=batch, prompt_len=512, new_tokens=args.steps)
-        placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
-        for cap in (False, True):
-            for runner in ("accelerate", "placement_opt"):
-                lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
-                                     (evaluate, predicted_memory, format_bytes, parse_size)))
+        for prompt in args.gpu_prompts:
+            workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=args.steps)
+            placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
+            for cap in args.gpu_caps:
+                for runner in ("accelerate", "placement_opt"):
+                    lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
+                                         (evaluate, predicted_memory, format_bytes, parse_size)))
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
     return lines
 
@@ -379,7 +382,7 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
     torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
     torch.cuda.reset_peak_memory_stats(0)
     model = None
-    head = f"| {runner} | {batch} | {'yes' if cap else 'no'} |"
+    head = f"| {runner} | {batch} x {workload.prompt_len} | {'yes' if cap else 'no'} |"
     try:
         if runner == "accelerate":
             model = AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=max_memory,
@@ -390,7 +393,7 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
             target = model.plan
         cost = evaluate(target, graph, max_memory, workload)
         predicted_peak = predicted_memory(target, graph, max_memory, workload)["cuda:0"].used_bytes
-        ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, 512), device="cuda:0")
+        ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, workload.prompt_len), device="cuda:0")
         with torch.inference_mode():
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -412,6 +415,24 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
     finally:
         model = None
         gc.collect()
+
+
+def gpu_only(args: argparse.Namespace) -> None:
+    """The GPU part alone, written to ``--out`` with the machine and command: no profile of the CPU and disk rows."""
+    work = Path(tempfile.mkdtemp(prefix="cost_accuracy_gpu_"))
+    os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
+    started = time.perf_counter()
+    try:
+        gpu = gpu_part(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = ["# Cost-model accuracy on a GPU: accelerate `auto` against placement_opt, the same max_memory", "",
+             f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {time.perf_counter() - started:.0f} s",
+             f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
+             f"{sys.version.split()[0]}",
+             f"- Command: `python benchmarks/cost_accuracy/run.py {' '.join(sys.argv[1:])}`", "", *gpu]
+    Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(Path(args.out).read_text())
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -495,6 +516,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="prefill repeats (default 5, quick 3)")
     parser.add_argument("--runners", default="placement_opt,accelerate")
     parser.add_argument("--gpu-budget", default="10GiB", help="GPU part: max_memory of cuda:0 (the issue's 10GiB)")
+    parser.add_argument("--gpu-prompts", default="512", help="GPU part: prompt lengths, e.g. 512,1024,4096")
+    parser.add_argument("--gpu-caps", default="no,yes", help="GPU part: without the hard cap, with it, or both")
+    parser.add_argument("--gpu-only", action="store_true", help="the GPU part alone (no CPU rows)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for calibration and runs alike (default: torch's); 1 is steadier "
                              "on a machine other jobs share, whose cores the threads would wait for")
@@ -505,6 +529,11 @@ def main() -> None:
     args.steps = args.steps or (6 if args.quick else 16)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.runners = args.runners.split(",")
+    args.gpu_prompts = [int(p) for p in args.gpu_prompts.split(",")]
+    args.gpu_caps = [c == "yes" for c in args.gpu_caps.split(",")]
+    if args.gpu_only:
+        gpu_only(args)
+        return
     work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
     os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
     load_before = os.getloadavg()[0]

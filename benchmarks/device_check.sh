@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 13 and 15, in the order they matter, each under its own time limit, for a GPU
+# machine lent for minutes (benchmarks/DEVICE.md says how to call it and what to carry there).
+#
+#   bash benchmarks/device_check.sh [STEP ...]      # default: setup tests memory
+#
+# STEPs, each writing into $OUT (./device_out without it), at most 7 files in all:
+#   setup   the carried wheels (.whl/) into /tmp/site, placement_opt itself (editable, no dependencies),
+#           and a line of versions and the GPU's name                              -> setup.txt
+#   tests   the CUDA-marked tests                                                  -> cuda_tests.txt
+#   memory  issue 13: accelerate auto against placement_opt, same max_memory, batch 1 and 16 at each prompt
+#           of $PROMPTS (default 512,4096), under the hard cap (cost_accuracy/run.py --gpu-only)
+#                                                                                  -> memory.md, memory.log
+#   decode  issue 15: accelerate auto against the layer, phased and sublayer plans, the Llama-3.1-8B shape at
+#           $BUDGET of cuda:0 (default 10GiB), $STEPS decode steps (default 16) (phases/gpu.py)
+#                                                                                  -> decode.md, decode.log
+# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300). A step past its limit is
+# stopped and the next one runs; what it printed stays in its log.
+set -u
+out=${OUT:-device_out}
+mkdir -p "$out"
+
+step_setup() {
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || return 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    python3 -m pip install -q --no-deps --no-build-isolation -e . || return 1
+    python3 - <<'PY' | tee "$out/setup.txt"
+import importlib.metadata as md
+import torch
+names = ("placement-opt", "torch", "transformers", "accelerate", "ortools", "pydantic", "safetensors")
+print(", ".join(f"{n} {md.version(n)}" for n in names))
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
+PY
+}
+
+has_cuda() {
+    python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+}
+
+step_tests() {
+    timeout "${TESTS_S:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda_tests.txt" 2>&1
+}
+
+step_memory() {
+    timeout "${MEMORY_S:-300}" python3 benchmarks/cost_accuracy/run.py --gpu-only --gpu-prompts "${PROMPTS:-512,4096}" \
+        --gpu-caps yes --out "$out/memory.md" >"$out/memory.log" 2>&1
+}
+
+step_decode() {
+    has_cuda || { echo "decode: no CUDA device here; benchmarks/phases/gpu.py --smoke checks the script" >"$out/decode.log"; return 1; }
+    timeout "${DECODE_S:-300}" python3 benchmarks/phases/gpu.py --case llama --budget "${BUDGET:-10GiB}" \
+        --steps "${STEPS:-16}" --out "$out/decode.md" >"$out/decode.log" 2>&1
+}
+
+export PYTHONUNBUFFERED=1
+status=0
+for step in "${@:-setup tests memory}"; do
+    for one in $step; do
+        case "$one" in
+            setup|tests|memory|decode) ;;
+            *) echo "unknown step '$one': setup, tests, memory or decode" >&2; exit 2 ;;
+        esac
+        started=$SECONDS
+        "step_$one"
+        rc=$?
+        echo "step $one: exit $rc after $((SECONDS - started)) s"
+        [ "$rc" -eq 0 ] || status=1
+        [ "$one" = setup ] && [ "$rc" -ne 0 ] && exit 1  # nothing else can run without it
+    done
+done
+exit $status
