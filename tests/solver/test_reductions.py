@@ -4,7 +4,9 @@ reductions, covered edges and interchangeable devices, are checked in test_bound
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
+from _problems import problems
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +17,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.reductions import coarsen, coarsen_groups, make_room, prefer_resident
+from placement_opt.solver.reductions import coarsen, coarsen_groups, copies_first, make_room, prefer_resident
 
 DEVICES = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
 XFER = {("cuda:0", "cpu"): 7, ("cpu", "cuda:0"): 7}
@@ -136,3 +138,49 @@ def test_make_room_streams_a_resident_unit_under_a_buffer_the_gpu_already_holds(
     out = make_room(problem, choice)
     assert problem.satisfies(out)
     assert sorted(out) == [0, 2, 2] and out[1] == 2  # one of a, b streamed; big as it was
+
+
+def _layer(name: str, workspace: int) -> UnitSpec:
+    """A layer of 10 bytes: resident on the GPU with ``workspace`` bytes of transient, or phased (stored on the
+    CPU, its prefill streamed to the GPU: a 10-byte copy), or on the CPU (slow)."""
+    return UnitSpec(name=name, options=(
+        PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=1,
+                        stored_bytes=10, resident_bytes=0, peak_bytes=workspace),
+        PlacementOption(storage="cpu", execution="cpu", mode="phased", prefill_execution="cuda:0", prefill_ns=2,
+                        decode_ns=3, stored_bytes=10, resident_bytes=0, peak_bytes=0, prefill_peak_bytes=20,
+                        group_copy_bytes=10),
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=50, decode_ns=50,
+                        stored_bytes=10, resident_bytes=0, peak_bytes=0)))
+
+
+def test_copies_first_makes_a_relaxations_order_fit_where_moving_a_unit_off_was_slower():
+    """Two resident layers of 30 bytes of workspace and two phased ones on a GPU of 52 bytes. Alternating, a
+    resident layer runs in the prefill beside the next phased layer's copy: 20 stored + 30 + 10 = 60. Phased
+    first, the resident layers run after the prefill's last copy, beside the decode's first (none here):
+    20 + 30 = 50. A relaxation's per-option peaks (30, or a phased prefill's 20) cannot tell the two orders
+    apart; moving a layer to the CPU would fit too, 50 ns slower."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=52), DeviceSpec(name="cpu", kind="cpu",
+                                                                                      capacity_bytes=1000))
+    problem = PlacementProblem(units=tuple(_layer(f"l{i}", 30) for i in range(4)), edges=(), devices=devices)
+    resident_first = [0, 1, 0, 1]
+    assert problem.score(resident_first).over_bytes == {"cuda:0": 8}
+    assert copies_first(problem, resident_first) == [1, 1, 0, 0]
+    out = make_room(problem, resident_first)
+    assert out == [1, 1, 0, 0] and problem.satisfies(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(), st.data())
+def test_copies_first_keeps_every_units_kind_of_option_per_class_and_the_pins_and_ties(problem, data):
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = copies_first(problem, choice)
+    kinds = lambda c: Counter((tuple(sorted((o.storage, o.execution, o.mode, o.prefill_execution, o.stored_bytes)
+                                            for o in u.options)),
+                               (u.options[k].storage, u.options[k].execution, u.options[k].mode,
+                                u.options[k].prefill_execution)) for u, k in zip(problem.units, c, strict=True))
+    assert kinds(out) == kinds(choice)
+    used = lambda c: {(o.storage, o.execution): 0 for o in problem.options(c)}
+    assert used(out).keys() == used(choice).keys()
+    fixed = set(problem.pins) | {n for g in problem.tied_groups for n in g}
+    assert all(a == b for u, a, b in zip(problem.units, choice, out, strict=True) if u.name in fixed)
+    assert make_room(problem, choice) == list(choice) or problem.score(make_room(problem, choice)).feasible
