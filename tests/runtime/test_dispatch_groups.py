@@ -65,17 +65,18 @@ def layer_of(unit: str) -> str | None:
     return found.group(0) if found else None
 
 
-def group_plan(model: torch.nn.Module, rows: dict[str, str], grouped: bool) -> Plan:
+def group_plan(model: torch.nn.Module, rows: dict[str, str], grouped: bool, granularity: str = "sublayer") -> Plan:
     """A sublayer plan (home cuda:0) with ``rows[unit]`` (a key of ROWS, default "gpu"); ``grouped``: each
-    unit's copy_group is its layer."""
-    units = trace(model, granularity="sublayer").names()
+    unit's copy_group is its layer. ``granularity="block"``: whole layers, no copy groups, no home."""
+    units = trace(model, granularity=granularity).names()
     placements = []
     for unit in units:
         (storage, execution, mode, prefill), _ = ROWS[rows.get(unit, "gpu")]
         placements.append(UnitPlacement(unit=unit, storage=storage, execution=execution, mode=mode,
                                         prefill_execution=prefill, copy_group=layer_of(unit) if grouped else None))
     base = make_plan([(u, "cpu", "cpu", "resident") for u in units], name=type(model).__name__)
-    return dataclasses.replace(base, placements=tuple(placements), home="cuda:0")
+    return dataclasses.replace(base, placements=tuple(placements),
+                               home="cuda:0" if granularity == "sublayer" else base.home)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,24 +623,19 @@ def test_while_a_unit_runs_the_copies_alive_stay_within_its_runs_bound(gpu_on_cp
     rows = {u: data.draw(st.sampled_from(_STREAMING if layer_of(u) else _STREAMING[:4]), label=u)
             for u in units if u != "model.rotary_emb"}
     plan = group_plan(model, rows, grouped=data.draw(st.booleans(), label="grouped"))
+    assert_copies_within_run_bounds(model, plan)
+
+
+def assert_copies_within_run_bounds(model: torch.nn.Module, plan: Plan) -> tuple[dict, list]:
+    """generate() under ``plan``: no unit, in either phase, runs beside more copies than :func:`run_bounds` lets
+    it; returns :func:`run_counting_per_unit`'s state and calls."""
     with tempfile.TemporaryDirectory() as offload_dir:
         state, calls = run_counting_per_unit(model, plan, offload_dir)
     bounds = run_bounds(plan, state["size"])
     assert {phase for phase, *_ in calls} == {"prefill", "decode"}
     over = [(phase, unit, most, bounds[phase, unit]) for phase, unit, most in calls if most > bounds[phase, unit]]
     assert not over, over
-
-
-def block_plan(model: torch.nn.Module, rows: dict[str, str]) -> Plan:
-    """A layer-granularity plan (each decoder layer one unit, no copy groups) with ``rows[unit]`` (a key of ROWS,
-    default "gpu")."""
-    placements = []
-    for unit in trace(model).names():
-        (storage, execution, mode, prefill), _ = ROWS[rows.get(unit, "gpu")]
-        placements.append(UnitPlacement(unit=unit, storage=storage, execution=execution, mode=mode,
-                                        prefill_execution=prefill))
-    base = make_plan([(u, "cpu", "cpu", "resident") for u in trace(model).names()], name=type(model).__name__)
-    return dataclasses.replace(base, placements=tuple(placements))
+    return state, calls
 
 
 _BLOCK_UNITS = {family: trace(model).names() for family, model in _MODELS.items()}
@@ -655,13 +651,7 @@ def test_at_layer_granularity_a_unit_runs_beside_the_next_streamed_layers_copy(g
     model, units = _MODELS[family], _BLOCK_UNITS[family]
     rows = {u: data.draw(st.sampled_from(_STREAMING if layer_of(u + ".") else _STREAMING[:4]), label=u)
             for u in units if u != "model.rotary_emb"}
-    plan = block_plan(model, rows)
-    with tempfile.TemporaryDirectory() as offload_dir:
-        state, calls = run_counting_per_unit(model, plan, offload_dir)
-    bounds = run_bounds(plan, state["size"])
-    assert {phase for phase, *_ in calls} == {"prefill", "decode"}
-    over = [(phase, unit, most, bounds[phase, unit]) for phase, unit, most in calls if most > bounds[phase, unit]]
-    assert not over, over
+    state, calls = assert_copies_within_run_bounds(model, group_plan(model, rows, grouped=False, granularity="block"))
     # what the layer model charged before: a streamed unit its own two copies, a resident or phased one none
     before = {unit: 2 * state["size"].get(unit, 0) if rows.get(unit) in ("ram>gpu", "disk>gpu") else 0
               for unit in units}
