@@ -37,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as dt
 import gc
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,15 +418,23 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
         gc.collect()
 
 
-def gpu_only(args: argparse.Namespace) -> None:
-    """The GPU part alone, written to ``--out`` with the machine and command: no profile of the CPU and disk rows."""
-    work = Path(tempfile.mkdtemp(prefix="cost_accuracy_gpu_"))
-    os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
-    started = time.perf_counter()
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A temporary folder for checkpoints and offloaded files, holding the profile this run saves (never the
+    user's own), removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")
     try:
-        gpu = gpu_part(args, work)
+        yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def gpu_only(args: argparse.Namespace) -> None:
+    """The GPU part alone, written to ``--out`` with the machine and command: no profile of the CPU and disk rows."""
+    started = time.perf_counter()
+    with scratch("cost_accuracy_gpu_") as work:
+        gpu = gpu_part(args, work)
     lines = ["# Cost-model accuracy on a GPU: accelerate `auto` against placement_opt, the same max_memory", "",
              f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {time.perf_counter() - started:.0f} s",
              f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
@@ -534,11 +543,9 @@ def main() -> None:
     if args.gpu_only:
         gpu_only(args)
         return
-    work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
-    os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    try:
+    with scratch("cost_accuracy_") as work:
         import placement_opt
 
         placement_opt.profile(["cpu", "disk"], quick=args.quick, dtype="float32", offload_folder=work)
@@ -549,8 +556,6 @@ def main() -> None:
         gpu = gpu_part(args, work)
         write_results(Path(args.out), rows, infos, gpu, args, (load_before, os.getloadavg()[0]),
                       time.perf_counter() - started)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

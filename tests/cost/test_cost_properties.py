@@ -123,7 +123,8 @@ def reference_used_bytes(machine, graph, units):
     def own(u, prefill, device):  # u's own transient on device in the phase, its copies apart; None: not there
         sides = [(u.execution, u.peak_bytes)] + ([(u.prefill_execution, u.prefill_peak_bytes)]
                                                  if prefill and u.prefill_execution else [])
-        held = [peak - 2 * copied(u, True)[1] * (d == copied(u, True)[0]) for d, peak in sides if d == device]
+        to, weights = copied(u, True)  # the side its two copies are counted on
+        held = [peak - 2 * weights * (d == to) for d, peak in sides if d == device]
         return max(held) if held else None
 
     used = {}

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks
-from .starts import executor_starts, fits, improve
+from .starts import _NONE, executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -334,9 +334,6 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
         storage[u.name] = o.storage
         choice.append(best)
     return choice
-
-
-_NONE = -(1 << 62)  # "no run there": below any sum of bytes
 
 
 @dataclass

@@ -35,7 +35,7 @@ from .problem import (
 
 __all__ = ["executor_starts", "improve", "fits"]
 
-_NONE = -(1 << 62)  # "no unit of the run there": below any sum of bytes
+_NONE = -(1 << 62)  # "no run there" (the fill's and the greedy's accounts): below any sum of bytes
 
 #: Pareto states the knapsack keeps; beyond this it thins them (no longer exact, still valid).
 _MAX_STATES = 1024
