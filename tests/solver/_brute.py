@@ -177,3 +177,9 @@ def check_against_brute_force(problem, objective, data, workers=1):
     if sol.status == "OPTIMAL":
         assert sol.objective_value == best if objective != "memory" else sol.objective_value <= best
     assert sol.gap >= 0.0
+
+
+def reported_bound(model, solver):
+    """A relaxation's proven bound as ``solve_problem`` reports it (floored to an integer: CP-SAT states an
+    integer objective's bound as a float, 180.00000000000003 for 180 now and then)."""
+    return search._bound(model.proven_bound(solver), 1, 0)

@@ -43,7 +43,7 @@ from ortools.sat.python import cp_model
 from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation
 from .aggregate import most_beside_peak, spread_streamed
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
-from .problem import PHASES, PlacementOption, PlacementProblem
+from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "sibling_slots",
            "PEAK_STEP", "MORE_PATHS", "MOST_SIBLING_PATHS", "MOST_SLOT_COMBOS", "BOUND_SHARE"]
@@ -229,6 +229,7 @@ class GroupModel(CountedRelaxation):
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
         self.n = [self._counts(k, max_work_ns) for k in range(len(groups))]
         self.peak = {d.name: self._peak(d.name) for d in problem.devices}
+        self._shared_run_peaks()
         self.chain, self.combos = self._slot_combos(path)
         self._capacities()
         self._pins_and_ties()
@@ -269,6 +270,51 @@ class GroupModel(CountedRelaxation):
         flagged = [(nbytes, flag) for k in range(len(self.groups)) for o, (_, flag) in self.n[k].items()
                    for nbytes in peak_flags(self._options(k)[o], dev)]
         return peak_levels(self.model, dev, flagged)[0]
+
+    def _shared_run_peaks(self) -> None:
+        """Per device, pairs of groups whose copies must share a copy run somewhere: the peak holds both.
+
+        Each option's peak counts its own copy twice (its run's and the next one in flight), but a run
+        copies all its streamed parts at once (``copy_groups``: a decoder layer's attention and MLP). Where
+        two groups each have at most one unit per run, ``n1 + n2`` units copying to a device over ``U``
+        runs put both in one run at least ``n1 + n2 - U`` times; that run holds at least the larger own
+        peak plus both copies twice (:func:`~.problem.device_transients`, in the prefill, where every
+        copying option copies). Without this the relaxation priced sublayer Llama-3-70B on one RTX 3060
+        (batch 16 x 1024) 576 MiB under every layer streaming both parts, and its plans read over capacity.
+        """
+        if self.p.copy_runs is None:
+            return
+        run_of = self.p.run_of
+        runs = {k: {run_of[u] for u in g} for k, g in enumerate(self.groups)}
+        apart = [k for k, g in enumerate(self.groups) if len(runs[k]) == len(g)]  # one unit per run
+        for dev in (d for d in self.p.devices if d.kind == "gpu"):
+            copying = [(k, *c) for k in apart if (c := self._copying(k, dev.name)) is not None]
+            met = []
+            for (k1, n1, c1, own1), (k2, n2, c2, own2) in itertools.combinations(copying, 2):
+                union, most = len(runs[k1] | runs[k2]), len(self.groups[k1]) + len(self.groups[k2])
+                if most <= union:
+                    continue  # they never have to meet
+                meet = self.model.new_bool_var(f"meet[{dev.name},{k1},{k2}]")
+                self.model.add(n1 + n2 - union <= (most - union) * meet)
+                met.append((max(own1, own2) + 2 * (c1 + c2), meet))
+            if met:
+                # its own variable: the level expression only takes its levels, and one above the pair's
+                # bytes could exceed what the plan holds (a wrong bound, found on sublayer Mixtral-8x7B)
+                peak = self.model.new_int_var(0, max(dev.capacity_bytes, 0), f"peak[{dev.name}]")
+                self.model.add(peak >= self.peak[dev.name])
+                for nbytes, meet in met:
+                    self.model.add(peak >= nbytes * meet)
+                self.peak[dev.name] = peak
+
+    def _copying(self, k: int, dev: str) -> tuple[Any, int, int] | None:
+        """Group ``k``'s units copying to ``dev`` in the prefill (a count), their least copy and least own peak
+        there; None when no option of it copies there."""
+        opts = self._options(k)
+        on = [o for o in self.n[k] if phase_copies(opts[o], "prefill_ns") and opts[o].group_device == dev]
+        if not on:
+            return None
+        own = min(max((b for d, b in phase_peaks(opts[o], "prefill_ns") if d == dev), default=0) for o in on)
+        return sum(self.n[k][o][0] for o in on), min(phase_copies(opts[o], "prefill_ns") for o in on), own
 
     def _capacities(self) -> None:
         terms = self._terms()
