@@ -17,7 +17,13 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.reductions import coarsen, coarsen_groups, copies_first, make_room, prefer_resident
+from placement_opt.solver.reductions import (
+    coarsen,
+    coarsen_groups,
+    copies_first,
+    make_room,
+    prefer_resident,
+)
 
 DEVICES = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1000))
 XFER = {("cuda:0", "cpu"): 7, ("cpu", "cuda:0"): 7}
@@ -169,17 +175,48 @@ def test_copies_first_makes_a_relaxations_order_fit_where_moving_a_unit_off_was_
     assert out == [1, 1, 0, 0] and problem.satisfies(out)
 
 
+def test_make_room_puts_a_small_copy_between_a_layer_and_a_large_next_copy():
+    """A layer (own peak 5, a 2-byte copy) runs beside the head's 4-byte copy in flight: 5 + 2 + 4 = 11 on a
+    10-byte GPU, where no unit stores a byte to move off. Streaming the norm between them (a 1-byte copy)
+    puts it in flight beside the layer instead (5 + 2 + 2 = 9), and the head's beside the norm (0 + 1 + 4):
+    it fits, and faster than the norm on the CPU. Resident on the GPU, the layer or the head do not fit."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10),
+               DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100))
+
+    def unit(name: str, own: int, weights: int) -> UnitSpec:
+        return UnitSpec(name=name, options=(
+            PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=2, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=own + 2 * weights,
+                            group_copy_bytes=weights),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=50, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=own)))
+
+    problem = PlacementProblem(units=(unit("layer", 5, 2), unit("norm", 0, 1), unit("head", 1, 4)), edges=(),
+                               devices=devices)
+    choice = [0, 1, 0]
+    assert problem.score(choice).over_bytes == {"cuda:0": 1}
+    out = make_room(problem, choice)
+    assert out == [0, 0, 0] and problem.satisfies(out)
+
+
 @settings(max_examples=150, deadline=None)
 @given(problems(), st.data())
 def test_copies_first_keeps_every_units_kind_of_option_per_class_and_the_pins_and_ties(problem, data):
     choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
     out = copies_first(problem, choice)
-    kinds = lambda c: Counter((tuple(sorted((o.storage, o.execution, o.mode, o.prefill_execution, o.stored_bytes)
-                                            for o in u.options)),
-                               (u.options[k].storage, u.options[k].execution, u.options[k].mode,
-                                u.options[k].prefill_execution)) for u, k in zip(problem.units, c, strict=True))
+
+    def kinds(c):
+        return Counter((tuple(sorted((o.storage, o.execution, o.mode, o.prefill_execution, o.stored_bytes)
+                                     for o in u.options)),
+                        (u.options[k].storage, u.options[k].execution, u.options[k].mode,
+                         u.options[k].prefill_execution)) for u, k in zip(problem.units, c, strict=True))
+
+    def used(c):
+        return {(o.storage, o.execution): 0 for o in problem.options(c)}
+
     assert kinds(out) == kinds(choice)
-    used = lambda c: {(o.storage, o.execution): 0 for o in problem.options(c)}
     assert used(out).keys() == used(choice).keys()
     fixed = set(problem.pins) | {n for g in problem.tied_groups for n in g}
     assert all(a == b for u, a, b in zip(problem.units, choice, out, strict=True) if u.name in fixed)

@@ -21,7 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .problem import GROUP_BUFFERS, PHASES, EdgeSpec, PlacementOption, PlacementProblem, UnitSpec
+from .problem import (
+    GROUP_BUFFERS,
+    PHASES,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+    device_transients,
+)
 from .starts import fits
 
 __all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room", "copies_first"]
@@ -165,7 +173,9 @@ def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) 
     """A plan a little over some capacity moved into it, from ``choice`` and from :func:`copies_first` of it, the
     faster of the two that fit: up to ``moves`` units, one at a time, each the cheapest move (least added prefill
     + decode, among those freeing enough bytes when some do) of a unit off the most overfull device to an option
-    that puts no bytes there and no transient above the largest it holds already. A counted relaxation's plan
+    that puts no bytes there and no transient above the largest it holds already; where that leaves it over,
+    the move of a unit around the copy run setting its transient that lowers the excess most
+    (:func:`_transient_move`), when it lowers it more. A counted relaxation's plan
     prices each group at its least peak (within :data:`~.relax.PEAK_STEP`) and can land a few MiB over, and
     its per-option peaks leave out the next copy in flight beside each unit; without this its plan was
     dropped. Returns ``choice`` unchanged when nothing fits; the caller checks the result.
@@ -187,10 +197,53 @@ def _moved_into_room(problem: PlacementProblem, choice: Sequence[int], moves: in
             return out
         dev = max(over, key=over.get)
         move = _cheapest_move(problem, out, dev)
+        left = sum(over.values()) if move is None else _over(problem, out, move)
+        if left:  # not fitted by moving bytes: a transient's copies may be what is over
+            other = _transient_move(problem, out, dev, left)
+            move = other if other is not None else move
         if move is None:
             return None
         out[move[0]] = move[1]
     return None if problem.score(out).over_bytes else out
+
+
+def _over(problem: PlacementProblem, choice: Sequence[int], move: tuple[int, int]) -> int:
+    moved = list(choice)
+    moved[move[0]] = move[1]
+    return sum(problem.score(moved).over_bytes.values())
+
+
+def _transient_move(problem: PlacementProblem, choice: Sequence[int], dev: str,
+                    over_bytes: int) -> tuple[int, int] | None:
+    """(unit, option) that lowers the bytes over capacity most (then the latency least), among the units of
+    the copy run setting ``dev``'s transient and of the runs up to the next one copying there: a moved copy,
+    or a small one put between the two (a streamed final norm, so that ``lm_head``'s 2 GiB copy is no longer
+    in flight beside the last layer's run). Moving bytes off the device does not lower a transient; without
+    this sublayer Llama-3-70B on one RTX 3060 (batch 16 x 1024) lost its relaxation's plan, 303 MiB over.
+    None when no such move lowers it."""
+    chosen = problem.options(choice)
+    peak = device_transients(chosen, problem.copy_runs).get(dev)
+    if peak is None or peak.unit is None:
+        return None
+    runs, r = problem.runs, problem.run_of[peak.unit]
+    units = list(range(*runs[r]))
+    for step in range(1, len(runs)):  # the runs after it, round the cycle, to the next that copies there
+        a, b = runs[(r + step) % len(runs)]
+        units += range(a, b)
+        if any(chosen[u].group_copy_bytes and chosen[u].group_device == dev for u in range(a, b)):
+            break
+    best: tuple[int, int, int, int] | None = None  # (over bytes, latency, unit, option)
+    for u in units:
+        spec = problem.units[u]
+        for k, o in enumerate(spec.options):
+            if k == choice[u] or not problem.allows(spec, o):
+                continue
+            moved = list(choice)
+            moved[u] = k
+            score = problem.score(moved)
+            key = (sum(score.over_bytes.values()), score.latency_ns, u, k)
+            best = key if best is None or key < best else best
+    return None if best is None or best[0] >= over_bytes else (best[2], best[3])
 
 
 def copies_first(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:
