@@ -19,6 +19,7 @@ devices).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from .problem import (
@@ -32,7 +33,12 @@ from .problem import (
 )
 from .starts import fits
 
-__all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room", "copies_first"]
+__all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room", "copies_first", "TRANSIENT_UNITS"]
+
+#: Most units :func:`make_room`'s transient move prices every option of (each a full score): the run setting
+#: the transient and those after it. A sublayer layer and lm_head behind the final norm take 6; round a
+#: module-level Llama-3-70B's cycle (724 units, nothing else copying) it took 141 s of a 2 s solve.
+TRANSIENT_UNITS = 12
 
 
 # -- coarsening: merge runs of chain units with the same menu and the same hinted option --------
@@ -169,26 +175,28 @@ def _residency(problem: PlacementProblem, choice: Sequence[int], exact: bool) ->
     return out
 
 
-def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8) -> list[int]:
+def make_room(problem: PlacementProblem, choice: Sequence[int], moves: int = 8,
+              until: float | None = None) -> list[int]:
     """A plan a little over some capacity moved into it, from ``choice`` and from :func:`copies_first` of it, the
     faster of the two that fit: up to ``moves`` units, one at a time, each the cheapest move (least added prefill
     + decode, among those freeing enough bytes when some do) of a unit off the most overfull device to an option
     that puts no bytes there and no transient above the largest it holds already; where that leaves it over,
-    the move of a unit around the copy run setting its transient that lowers the excess most
-    (:func:`_transient_move`), when it lowers it more. A counted relaxation's plan
-    prices each group at its least peak (within :data:`~.relax.PEAK_STEP`) and can land a few MiB over, and
-    its per-option peaks leave out the next copy in flight beside each unit; without this its plan was
+    the move around the copy run setting the device's transient that lowers the excess more
+    (:func:`_transient_move`, tried until ``until``, a :func:`time.perf_counter` time). A counted relaxation's
+    plan prices each group at its least peak (within :data:`~.relax.PEAK_STEP`) and can land a few MiB over,
+    and its per-option peaks leave out the next copy in flight beside each unit; without this its plan was
     dropped. Returns ``choice`` unchanged when nothing fits; the caller checks the result.
     """
     starts = [list(choice)]
     reordered = copies_first(problem, choice)
     if reordered != starts[0]:
         starts.append(reordered)
-    fitted = [c for c in (_moved_into_room(problem, start, moves) for start in starts) if c is not None]
+    fitted = [c for c in (_moved_into_room(problem, start, moves, until) for start in starts) if c is not None]
     return min(fitted, key=lambda c: problem.score(c).latency_ns) if fitted else list(choice)
 
 
-def _moved_into_room(problem: PlacementProblem, choice: Sequence[int], moves: int) -> list[int] | None:
+def _moved_into_room(problem: PlacementProblem, choice: Sequence[int], moves: int,
+                     until: float | None) -> list[int] | None:
     """:func:`make_room`'s moves from ``choice``; None when they do not make it fit."""
     out = list(choice)
     for _ in range(moves):
@@ -197,9 +205,9 @@ def _moved_into_room(problem: PlacementProblem, choice: Sequence[int], moves: in
             return out
         dev = max(over, key=over.get)
         move = _cheapest_move(problem, out, dev)
-        left = sum(over.values()) if move is None else _over(problem, out, move)
-        if left:  # not fitted by moving bytes: a transient's copies may be what is over
-            other = _transient_move(problem, out, dev, left)
+        left = sum(over.values()) if move is None else _over_bytes(problem, out, *move)
+        if left and (until is None or time.perf_counter() < until):  # a transient's copies may be what is over
+            other = _transient_move(problem, out, dev, left, until)
             move = other if other is not None else move
         if move is None:
             return None
@@ -207,20 +215,22 @@ def _moved_into_room(problem: PlacementProblem, choice: Sequence[int], moves: in
     return None if problem.score(out).over_bytes else out
 
 
-def _over(problem: PlacementProblem, choice: Sequence[int], move: tuple[int, int]) -> int:
-    moved = list(choice)
-    moved[move[0]] = move[1]
-    return sum(problem.score(moved).over_bytes.values())
+def _over_bytes(problem: PlacementProblem, choice: Sequence[int], unit: int, option: int) -> int:
+    """Bytes over every capacity with ``unit`` moved to ``option`` (memory only: no schedule is priced)."""
+    chosen = problem.options(choice)
+    chosen[unit] = problem.units[unit].options[option]
+    used = problem.used_bytes(chosen)
+    return sum(max(0, used[d.name] - d.capacity_bytes) for d in problem.devices)
 
 
-def _transient_move(problem: PlacementProblem, choice: Sequence[int], dev: str,
-                    over_bytes: int) -> tuple[int, int] | None:
-    """(unit, option) that lowers the bytes over capacity most (then the latency least), among the units of
-    the copy run setting ``dev``'s transient and of the runs up to the next one copying there: a moved copy,
-    or a small one put between the two (a streamed final norm, so that ``lm_head``'s 2 GiB copy is no longer
-    in flight beside the last layer's run). Moving bytes off the device does not lower a transient; without
-    this sublayer Llama-3-70B on one RTX 3060 (batch 16 x 1024) lost its relaxation's plan, 303 MiB over.
-    None when no such move lowers it."""
+def _transient_move(problem: PlacementProblem, choice: Sequence[int], dev: str, over_bytes: int,
+                    until: float | None = None) -> tuple[int, int] | None:
+    """(unit, option) that lowers the bytes over capacity most (then adds the least work), among the units of
+    the copy run setting ``dev``'s transient and of the runs up to the next one copying there, changing
+    what the unit copies to ``dev`` (or the peak unit's own): a moved copy, or a small one put between the two
+    (a streamed final norm, so that ``lm_head``'s 2 GiB copy is no longer in flight beside the last layer's
+    run). Moving bytes off the device does not lower a transient; without this sublayer Llama-3-70B on one
+    RTX 3060 (batch 16 x 1024) lost its relaxation's plan, 303 MiB over. None when no such move lowers it."""
     chosen = problem.options(choice)
     peak = device_transients(chosen, problem.copy_runs).get(dev)
     if peak is None or peak.unit is None:
@@ -230,20 +240,25 @@ def _transient_move(problem: PlacementProblem, choice: Sequence[int], dev: str,
     for step in range(1, len(runs)):  # the runs after it, round the cycle, to the next that copies there
         a, b = runs[(r + step) % len(runs)]
         units += range(a, b)
-        if any(chosen[u].group_copy_bytes and chosen[u].group_device == dev for u in range(a, b)):
+        if len(units) >= TRANSIENT_UNITS or any(_copies_to(chosen[u], dev)[0] for u in range(a, b)):
             break
-    best: tuple[int, int, int, int] | None = None  # (over bytes, latency, unit, option)
-    for u in units:
-        spec = problem.units[u]
+    best: tuple[int, int, int, int] | None = None  # (over bytes, added work, unit, option)
+    for u in units[:TRANSIENT_UNITS]:
+        spec, now = problem.units[u], chosen[u]
         for k, o in enumerate(spec.options):
-            if k == choice[u] or not problem.allows(spec, o):
+            if (k == choice[u] or not problem.allows(spec, o)
+                    or (u != peak.unit and _copies_to(o, dev) == _copies_to(now, dev))):
                 continue
-            moved = list(choice)
-            moved[u] = k
-            score = problem.score(moved)
-            key = (sum(score.over_bytes.values()), score.latency_ns, u, k)
+            key = (_over_bytes(problem, choice, u, k), o.work_ns - now.work_ns, u, k)
             best = key if best is None or key < best else best
+        if until is not None and time.perf_counter() > until:
+            break
     return None if best is None or best[0] >= over_bytes else (best[2], best[3])
+
+
+def _copies_to(opt: PlacementOption, dev: str) -> tuple[int, bool]:
+    """What ``opt`` copies to ``dev`` (its group copy there, 0 elsewhere), and whether in both phases."""
+    return (opt.group_copy_bytes if opt.group_device == dev else 0), opt.prefill_execution is None
 
 
 def copies_first(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:

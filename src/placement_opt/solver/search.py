@@ -390,7 +390,7 @@ def _best_read(problem: PlacementProblem, objective: str, m: Any, solutions: Seq
             continue
         seen.add(tuple(choice))
         if not problem.satisfies(choice):
-            choice = make_room(problem, choice)
+            choice = make_room(problem, choice, until=until)
         if not (problem.satisfies(choice) and _within_cap(problem, choice, latency_cap_ns)):
             continue
         value = problem.objective_value(choice, objective)
