@@ -20,6 +20,7 @@ from placement_opt.solver.problem import (
 from placement_opt.solver.reductions import (
     coarsen,
     coarsen_groups,
+    copies_apart,
     copies_first,
     make_room,
     prefer_resident,
@@ -201,11 +202,42 @@ def test_make_room_puts_a_small_copy_between_a_layer_and_a_large_next_copy():
     assert out == [0, 0, 0] and problem.satisfies(out)
 
 
+def test_copies_apart_streams_an_attention_where_its_layers_mlp_does_not():
+    """Three layers of an attention (2-byte copy) and an MLP (3 bytes), each layer one copy run. Read in unit
+    order, layer 0 streams both: 1 + 5 + 5 beside 7 bytes of resident parts, 4 over a 14-byte GPU. Dealt out
+    apart, the streamed attention goes to layer 2, whose MLP is resident: 1 + 3 + 3 + 7 fits, at the same
+    latency; moving parts to the CPU would fit 49 ns slower each."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=14),
+               DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100))
+
+    def part(name: str, weights: int) -> UnitSpec:
+        return UnitSpec(name=name, options=(
+            PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=1, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=1 + 2 * weights,
+                            group_copy_bytes=weights),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=50, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=0,
+                            stored_bytes=weights, resident_bytes=0, peak_bytes=1)))
+
+    attention, mlp = part("a", 2).options, part("m", 3).options
+    units = tuple(UnitSpec(name=f"{kind}{i}", options=menu) for i in range(3)
+                  for kind, menu in (("a", attention), ("m", mlp)))
+    problem = PlacementProblem(units=units, edges=(), devices=devices,
+                               copy_groups=tuple((f"a{i}", f"m{i}") for i in range(3)))
+    choice = [0, 0, 2, 0, 2, 2]
+    assert problem.score(choice).over_bytes == {"cuda:0": 4}
+    apart = copies_apart(problem, choice)
+    assert apart == [2, 0, 2, 0, 0, 2] and problem.satisfies(apart)
+    assert make_room(problem, choice) == apart
+    assert problem.score(apart).latency_ns == problem.score(choice).latency_ns
+
+
 @settings(max_examples=150, deadline=None)
-@given(problems(), st.data())
-def test_copies_first_keeps_every_units_kind_of_option_per_class_and_the_pins_and_ties(problem, data):
+@given(problems(), st.sampled_from([copies_first, copies_apart]), st.data())
+def test_dealing_out_again_keeps_every_units_kind_of_option_per_class_and_the_pins_and_ties(problem, deal, data):
     choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
-    out = copies_first(problem, choice)
+    out = deal(problem, choice)
 
     def kinds(c):
         return Counter((tuple(sorted((o.storage, o.execution, o.mode, o.prefill_execution, o.stored_bytes)
