@@ -272,7 +272,7 @@ class GroupModel(CountedRelaxation):
         return peak_levels(self.model, dev, flagged)[0]
 
     def _shared_run_peaks(self) -> None:
-        """Per device, pairs of groups whose copies must share a copy run somewhere: the peak holds both.
+        """Per GPU, pairs of groups whose copies must share a copy run somewhere: the peak holds both.
 
         Each option's peak counts its own copy twice (its run's and the next one in flight), but a run
         copies all its streamed parts at once (``copy_groups``: a decoder layer's attention and MLP). Where
