@@ -485,3 +485,26 @@ def test_a_shared_run_peak_between_two_levels_is_not_rounded_up():
     attention, mlp = ((*_two_options(c, 1, 9), resident) for c in (2, 3))
     problem = _layers_of_two_parts(attention, mlp, 2, 11, 10)
     assert reference_optimum(problem, "latency") == 4 == _grouped_latency_bound(problem, [1] * 4)
+
+
+def test_stall_rows_share_the_hiding_units_out_among_the_windows():
+    """Two streamed units (a 6 ns copy, 1 ns of compute each) and one CPU unit of 9 ns between them, round the
+    decode's cycle: the CPU unit hides the second copy, and the first waits 6 - 1 = 5 ns behind the second's
+    compute alone: 11 + 5 = 16. The copy thread's row says 12; a hiding unit wider than the gap only hides the
+    gap, in one window, so counted windows say 16 as well."""
+    def unit(name, options):
+        return UnitSpec(name=name, options=options)
+    streamed = (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=1,
+                                copy_decode_ns=6, stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+    on_cpu = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=9,
+                              stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+    names = ["s1", "h", "s2"]
+    problem = PlacementProblem(
+        units=(unit("s1", streamed), unit("h", on_cpu), unit("s2", streamed)),
+        edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(names)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10)))
+    model = aggregate.AggregateModel(problem, 1, [0, 0, 0], [], None)  # three single items
+    model.minimize("latency", None, 0)
+    solver, _ = model.solve(5, 0, 1, 0.0)
+    assert reference_optimum(problem, "latency") == 16 == reported_bound(model, solver)
