@@ -492,15 +492,14 @@ def test_stall_rows_share_the_hiding_units_out_among_the_windows():
     decode's cycle: the CPU unit hides the second copy, and the first waits 6 - 1 = 5 ns behind the second's
     compute alone: 11 + 5 = 16. The copy thread's row says 12; a hiding unit wider than the gap only hides the
     gap, in one window, so counted windows say 16 as well."""
-    def unit(name, options):
-        return UnitSpec(name=name, options=options)
     streamed = (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=1,
                                 copy_decode_ns=6, stored_bytes=1, resident_bytes=0, peak_bytes=0),)
     on_cpu = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=9,
                               stored_bytes=1, resident_bytes=0, peak_bytes=0),)
     names = ["s1", "h", "s2"]
     problem = PlacementProblem(
-        units=(unit("s1", streamed), unit("h", on_cpu), unit("s2", streamed)),
+        units=(UnitSpec(name="s1", options=streamed), UnitSpec(name="h", options=on_cpu),
+               UnitSpec(name="s2", options=streamed)),
         edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(names)),
         devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10),
                  DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10)))

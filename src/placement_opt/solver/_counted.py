@@ -93,9 +93,11 @@ def hiding(b: int, size: int, j0: int, delta: int) -> int:
 
 
 class CountedRelaxation:
-    """Base of the counting relaxations; a subclass sets ``p``, ``scale``, ``model`` and ``peak``."""
+    """Base of the counting relaxations; a subclass sets ``p``, ``scale``, ``hint``, ``model`` and ``peak``."""
 
     p: PlacementProblem
+    hint: list[int]
+    """The start plan (an option per unit): the model's hints, and :meth:`_hinted_windows`'."""
     scale: int
     """Nanoseconds per solver time unit."""
     model: cp_model.CpModel

@@ -310,11 +310,11 @@ class GroupModel(CountedRelaxation):
         """Group ``k``'s units copying to ``dev`` in the prefill (a count), their least copy and least own peak
         there; None when no option of it copies there."""
         opts = self._options(k)
-        on = [o for o in self.n[k] if phase_copies(opts[o], "prefill_ns") and opts[o].group_device == dev]
+        on = {o: c for o in self.n[k] if (c := phase_copies(opts[o], "prefill_ns")) and opts[o].group_device == dev}
         if not on:
             return None
         own = min(max((b for d, b in phase_peaks(opts[o], "prefill_ns") if d == dev), default=0) for o in on)
-        return sum(self.n[k][o][0] for o in on), min(phase_copies(opts[o], "prefill_ns") for o in on), own
+        return sum(self.n[k][o][0] for o in on), min(on.values()), own
 
     def _capacities(self) -> None:
         terms = self._terms()
