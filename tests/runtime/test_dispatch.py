@@ -8,6 +8,9 @@ and disk units streamed into RAM by the prefetch thread; GPU streaming is in the
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -120,6 +123,65 @@ def test_disk_units_compute_from_the_memory_map(tmp_path):
     assert weight.data_ptr() == start  # the parameter IS the file's bytes: no copy
     handle.remove()
     assert not any(True for _ in tmp_path.glob(".*.tmp"))
+
+
+def _mapped_pages_left(handle: DispatchedModel) -> int:
+    """Pages still mapped in this process that lie wholly inside a disk unit's tensors (/proc/self/pagemap)."""
+    import mmap
+    import struct
+
+    left = 0
+    with open("/proc/self/pagemap", "rb") as fh:
+        for unit in handle._units:
+            for file, key in unit.disk:
+                span, base = file.spans[key], file._mapped().ctypes.data
+                start = -(-(base + span.offset_bytes) // mmap.PAGESIZE)
+                end = (base + span.offset_bytes + span.nbytes) // mmap.PAGESIZE
+                if end > start:
+                    fh.seek(start * 8)
+                    left += sum(e >> 63 & 1 for e in struct.unpack(f"{end - start}Q", fh.read((end - start) * 8)))
+    return left
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux /proc/self/pagemap")
+@pytest.mark.parametrize("disk_reads", ["mmap", "copy"])
+def test_disk_units_pages_leave_the_process_after_each_forward(tmp_path, disk_reads):
+    """The RSS of a model stored on disk holds what runs, not every unit it ever read (the memory model's
+    stream buffer); the outputs are the plain model's forward after forward."""
+    model = tiny("llama")
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path, disk_reads=disk_reads)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(handle(**inputs_for(model)).logits, reference, rtol=1e-6, atol=1e-6)
+        # mmap: gone when the forward returns; copy: the first unit's copy for the next call may still run
+        deadline = time.monotonic() + (0 if disk_reads == "mmap" else 5)
+        while _mapped_pages_left(handle) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _mapped_pages_left(handle) == 0
+    handle.remove()
+
+
+def test_a_disk_weight_written_in_place_keeps_the_change(tmp_path):
+    """A write into a memory-mapped weight makes private pages, the only copy of the change: they are
+    never let go, the next forwards use the change, and remove() hands it back to the model."""
+    import copy
+
+    model = tiny("llama")
+    changed = copy.deepcopy(model)
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path)
+    with torch.no_grad():
+        handle(**inputs_for(model))
+        for m in (model, changed):
+            m.model.layers[1].mlp.up_proj.weight.data.mul_(2)
+        expected = changed(**inputs_for(changed)).logits
+        for _ in range(2):
+            torch.testing.assert_close(handle(**inputs_for(model)).logits, expected, rtol=1e-6, atol=1e-6)
+    handle.remove()
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, changed.model.layers[1].mlp.up_proj.weight)
 
 
 # ---------------------------------------------------------------------------------------------

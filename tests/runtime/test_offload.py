@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 
 import pytest
 import torch
@@ -174,3 +176,78 @@ def test_prefetch_asks_the_kernel_only_for_pages_not_cached(tmp_path, monkeypatc
     monkeypatch.setattr(SafetensorsFile, "cached", lambda self, key: False)
     file.prefetch(["w", "b"])
     assert calls == [(file.spans["w"].offset_bytes, 512), (file.spans["b"].offset_bytes, 16)]
+
+
+# ---------------------------------------------------------------------------------------------
+# release(): a unit's mapped pages leave the process after it ran; written pages never do
+# ---------------------------------------------------------------------------------------------
+needs_pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux /proc/self/pagemap")
+
+
+def _present_pages(file: SafetensorsFile, key: str) -> tuple[int, int]:
+    """(present, of which private) pages wholly inside tensor ``key``, read off /proc/self/pagemap here."""
+    page = mmap.PAGESIZE
+    span = file.spans[key]
+    base = file._mapped().ctypes.data
+    start = -(-(base + span.offset_bytes) // page)
+    end = (base + span.offset_bytes + span.nbytes) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(start * 8)
+        entries = struct.unpack(f"{end - start}Q", fh.read((end - start) * 8))
+    present = [e for e in entries if e >> 63 & 1]
+    return len(present), sum(1 for e in present if not e >> 61 & 1)
+
+
+@needs_pagemap
+def test_release_lets_the_mapped_pages_go_and_the_values_stay(tmp_path):
+    weights = {"a": torch.randn(64, 1024), "b": torch.randn(3), "c": torch.randn(32, 1024)}  # 256 KiB, 128 KiB
+    file = SafetensorsFile(OffloadStore(tmp_path).write("u", weights))
+    views = file.tensors()
+    assert all(float(v.sum()) == float(weights[k].sum()) for k, v in views.items())  # every page touched
+    assert _present_pages(file, "a")[0] >= 63 and _present_pages(file, "c")[0] >= 31
+    file.release(["a", "b"])
+    assert _present_pages(file, "a") == (0, 0)
+    assert _present_pages(file, "c")[0] >= 31  # not asked for: stays
+    assert all(torch.equal(views[k], weights[k]) for k in weights)  # mapped again from the page cache
+
+
+@needs_pagemap
+def test_a_tensor_the_process_wrote_to_is_never_released(tmp_path):
+    file = SafetensorsFile(OffloadStore(tmp_path).write("u", {"w": torch.zeros(64, 1024), "v": torch.ones(8, 1024)}))
+    w, v = file.tensor("w"), file.tensor("v")
+    w[40, 7] = 5.0  # copy-on-write: a private page, the only copy of this change
+    float(v.sum())
+    for _ in range(2):
+        file.release(["w", "v"])
+        assert float(w[40, 7]) == 5.0 and float(w.sum()) == 5.0
+        assert _present_pages(file, "w")[1] == 1
+    assert _present_pages(file, "v") == (0, 0)  # its own range: released
+    OffloadStore(tmp_path).verify()  # raises if the file changed
+    assert float(SafetensorsFile(file.path).tensor("w").sum()) == 0.0
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(0, 3 * 4096), min_size=1, max_size=6),
+       gaps=st.lists(st.integers(0, 6000), min_size=6, max_size=6), first=st.integers(0, 9000),
+       chosen=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_released_ranges_are_exactly_the_whole_pages_inside_the_chosen_tensors(sizes, gaps, first, chosen):
+    from placement_opt.runtime._safetensors_file import TensorSpan, _page_ranges
+
+    page = mmap.PAGESIZE
+    spans, offset = {}, first
+    for i, size in enumerate(sizes):
+        spans[f"t{i}"] = TensorSpan(dtype=torch.uint8, shape=(size,), offset_bytes=offset, nbytes=size)
+        offset += size + gaps[i]
+    keys = [k for i, k in enumerate(spans) if chosen[i]]
+    covered = bytearray(offset + page)
+    for key in keys:
+        covered[spans[key].offset_bytes:spans[key].offset_bytes + spans[key].nbytes] = b"\1" * spans[key].nbytes
+    expected = {p for p in range(len(covered) // page) if all(covered[p * page:(p + 1) * page])}
+    ranges = _page_ranges(spans, keys)
+    got = {p for start, end, _ in ranges for p in range(start // page, end // page)}
+    assert got == expected
+    assert all(start % page == 0 and end % page == 0 and end > start for start, end, _ in ranges)
+    for start, end, named in ranges:  # each range names the chosen tensors it overlaps
+        assert set(named) <= set(keys)
+        assert all(spans[k].offset_bytes < end and spans[k].offset_bytes + spans[k].nbytes > start
+                   for k in named if spans[k].nbytes)

@@ -92,6 +92,8 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
         entry = _entry_forward(model.forward, main)
         if any(u.kind == "phased" for u in units):  # only then: plans without phased units keep their entry as it was
             entry = _noting_phase(entry, phase)
+        if any(u.kind == "mmap" or (u.kind == "phased" and u.disk) for u in units):
+            entry = _settling(entry, streamer)
         _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
@@ -161,6 +163,18 @@ def _returning(forward: Callable[..., Any]) -> Callable[..., Any]:
     return functools.wraps(forward)(returning)
 
 
+def _settling(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., Any]:
+    """The model's forward returning once the pages its mapped units let go in the background are gone."""
+
+    def settling(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return entry(*args, **kwargs)
+        finally:
+            streamer.settle()
+
+    return functools.wraps(entry)(settling)
+
+
 def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:
     """The model's forward noting whether its call is a prefill before any unit runs."""
 
@@ -188,8 +202,8 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
     device = unit.execution
     if unit.kind == "stream":
         return _streamed_forward(unit, forward, streamer, move_inputs, phase)
-    if unit.kind == "mmap" and unit.next_unit is not None:
-        ahead = _disk_keys(unit.next_unit)
+    if unit.kind == "mmap":
+        ahead = _disk_keys(unit.next_unit) if unit.next_unit is not None else []
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
             for file, key in ahead:
@@ -197,7 +211,10 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
             if move_inputs:
                 args = tuple(_move(a, device) for a in args)
                 kwargs = {k: _move(v, device) for k, v in kwargs.items()}
-            return forward(*args, **kwargs)
+            try:
+                return forward(*args, **kwargs)
+            finally:  # its pages leave the process (the page cache keeps them): the RSS holds about one unit's
+                streamer.release(unit)
 
         return functools.wraps(forward)(mapped)
     if not move_inputs:
@@ -286,7 +303,11 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
         streamer.drop(unit)  # a prefetch started for a prefill this call is not
         for file, key in ahead:
             file.prefetch((key,))
-        return forward(*[_move(a, decode_device) for a in args],
-                       **{k: _move(v, decode_device) for k, v in kwargs.items()})
+        try:
+            return forward(*[_move(a, decode_device) for a in args],
+                           **{k: _move(v, decode_device) for k, v in kwargs.items()})
+        finally:
+            if unit.disk:  # decoded from the map: its pages leave the process, as an mmap unit's do
+                streamer.release(unit)
 
     return functools.wraps(forward)(phased)

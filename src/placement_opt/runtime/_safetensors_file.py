@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,12 @@ try:  # mincore(2) tells whether a page is in the page cache
     _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 except (OSError, AttributeError):  # pragma: no cover - not Linux
     _LIBC = None
+#: Private pages by the top byte of their /proc/self/pagemap entry (Linux,
+#: Documentation/admin-guide/mm/pagemap.rst: bit 63 present, 62 swapped, 61 file page): present but not a
+#: file page (a copy this process wrote), or swapped out (only a private page can be).
+_PRIVATE_TOP_BYTE = np.array([(b & 0xA0) == 0x80 or bool(b & 0x40) for b in range(256)])
+_TOP_BYTE = 7 if sys.byteorder == "little" else 0  # where a native u64's top byte lies
+_PAGEMAP: dict[int, int] = {}  # pid -> fd of its /proc/self/pagemap (a forked child opens its own)
 
 #: safetensors dtype code -> torch dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -71,7 +78,10 @@ class SafetensorsFile:
         self.path = Path(path)
         self.spans = _read_header(self.path)
         self._fd: int | None = None
+        self._map: mmap.mmap | None = None
         self._array: np.ndarray | None = None
+        self._written: set[str] = set()
+        """Tensors with pages this process wrote to (private copies): never released."""
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, tensors={len(self.spans)})"
@@ -83,8 +93,8 @@ class SafetensorsFile:
         if self._array is None:
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
-                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-            self._array = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.empty(0, np.uint8)
+                self._map = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+            self._array = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.empty(0, np.uint8)
         return self._array
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -149,6 +159,34 @@ class SafetensorsFile:
                 return False
         return True
 
+    def release(self, keys: Iterable[str]) -> None:
+        """Let go of the pages these tensors' views brought into this process; the page cache keeps them.
+
+        A unit computed from the map touches every page of its weights, and each stays in the
+        process (its RSS) after the unit has run, so without this the RSS of a model stored on disk
+        grows to the whole model. Afterwards the views are as before: the next touch maps the page
+        again from the page cache (a minor fault; a read from disk once the kernel dropped it).
+        Neighbouring tensors go in one range, and only whole pages inside it are let go (a page shared
+        with a tensor not released stays). A tensor the process wrote to holds private copies of its
+        pages (the map is copy-on-write): those are the only copy of the change, so that tensor is
+        never released again; none is on a system without ``/proc/self/pagemap`` to tell.
+        """
+        if self._map is None:
+            return
+        for start, end, keys_in in _page_ranges(self.spans, [k for k in keys if k not in self._written]):
+            if self._clean(start, end):
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            elif len(keys_in) > 1:  # find which tensor was written; its neighbours still go
+                for key in keys_in:
+                    self.release([key])
+            else:
+                self._written.update(keys_in)
+
+    def _clean(self, start: int, end: int) -> bool:
+        """True when no page of bytes ``[start, end)`` of the map is a private copy (or none can tell)."""
+        base = self._array.ctypes.data if self._array is not None else 0
+        return _written_pages(base + start, end - start) == 0
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -159,6 +197,43 @@ class SafetensorsFile:
             self.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def _page_ranges(spans: Mapping[str, TensorSpan], keys: Iterable[str]) -> list[tuple[int, int, list[str]]]:
+    """``keys``' tensors as ``(start, end, keys)`` ranges of whole pages inside them, neighbours merged."""
+    ranges: list[tuple[int, int, list[str]]] = []
+    for key in sorted(keys, key=lambda k: spans[k].offset_bytes):
+        span = spans[key]
+        start, end = span.offset_bytes, span.offset_bytes + span.nbytes
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(end, ranges[-1][1]), ranges[-1][2] + [key])
+        else:
+            ranges.append((start, end, [key]))
+    inner = [(-(-a // _PAGE_BYTES) * _PAGE_BYTES, b // _PAGE_BYTES * _PAGE_BYTES, k) for a, b, k in ranges]
+    return [(a, b, k) for a, b, k in inner if b > a]
+
+
+def _written_pages(address: int, nbytes: int) -> int:
+    """How many pages of ``[address, address + nbytes)`` (page-aligned) are private copies this process wrote
+    (present but not file pages, or swapped out). -1 when the process cannot tell (no ``/proc/self/pagemap``)."""
+    pid = os.getpid()
+    if pid not in _PAGEMAP:
+        try:
+            _PAGEMAP[pid] = os.open("/proc/self/pagemap", os.O_RDONLY)
+        except OSError:  # pragma: no cover - not Linux
+            _PAGEMAP[pid] = -1
+    fd = _PAGEMAP[pid]
+    if fd < 0:  # pragma: no cover - not Linux
+        return -1
+    pages = nbytes // _PAGE_BYTES
+    try:
+        entries = os.pread(fd, pages * 8, address // _PAGE_BYTES * 8)
+    except OSError:  # pragma: no cover - a kernel that refuses the read
+        return -1
+    if len(entries) != pages * 8:  # pragma: no cover - a short read
+        return -1
+    top = np.frombuffer(entries, dtype=np.uint8)[_TOP_BYTE::8]
+    return int(np.count_nonzero(_PRIVATE_TOP_BYTE[top]))
 
 
 def _read_header(path: Path) -> dict[str, TensorSpan]:

@@ -15,7 +15,10 @@ S == E (GPU or CPU)         weights moved once; no per-forward work
 S = disk, E = cpu           weights are views of a memory-mapped safetensors file (the model's
                             checkpoint shard or a file written once into ``offload_dir``): the
                             CPU computes from the page cache, nothing is copied. ``stream`` mode
-                            asks the kernel to read the next disk unit ahead.
+                            asks the kernel to read the next disk unit ahead. Once the unit has
+                            run, its pages leave the process in the background (the page cache
+                            keeps them; a tensor written to keeps its private pages), so the RSS
+                            holds the unit running, not every unit read before.
 S != E otherwise            streamed: weights copied to E for the forward, released after.
                             ``stream`` prefetches one copy group ahead (below) while this one
                             computes (a CUDA side stream from pinned memory; disk reads in a
