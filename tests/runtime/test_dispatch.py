@@ -9,7 +9,6 @@ and disk units streamed into RAM by the prefetch thread; GPU streaming is in the
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -125,22 +124,26 @@ def test_disk_units_compute_from_the_memory_map(tmp_path):
     assert not any(True for _ in tmp_path.glob(".*.tmp"))
 
 
-def _mapped_pages_left(handle: DispatchedModel) -> int:
-    """Pages still mapped in this process that lie wholly inside a disk unit's tensors (/proc/self/pagemap)."""
+def _mapped_pages(handle: DispatchedModel) -> dict[str, int]:
+    """Per disk unit, its pages mapped in this process that lie wholly inside one of its tensors."""
     import mmap
     import struct
 
-    left = 0
+    mapped = {}
     with open("/proc/self/pagemap", "rb") as fh:
         for unit in handle._units:
+            if not unit.disk:
+                continue
+            mapped[unit.name] = 0
             for file, key in unit.disk:
                 span, base = file.spans[key], file._mapped().ctypes.data
                 start = -(-(base + span.offset_bytes) // mmap.PAGESIZE)
                 end = (base + span.offset_bytes + span.nbytes) // mmap.PAGESIZE
                 if end > start:
                     fh.seek(start * 8)
-                    left += sum(e >> 63 & 1 for e in struct.unpack(f"{end - start}Q", fh.read((end - start) * 8)))
-    return left
+                    entries = struct.unpack(f"{end - start}Q", fh.read((end - start) * 8))
+                    mapped[unit.name] += sum(e >> 63 & 1 for e in entries)
+    return mapped
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux /proc/self/pagemap")
@@ -153,14 +156,14 @@ def test_disk_units_pages_leave_the_process_after_each_forward(tmp_path, disk_re
         reference = model(**inputs_for(model)).logits
     handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
                       offload_dir=tmp_path, disk_reads=disk_reads)
+    first = next(u.name for u in handle._units if u.disk)
     for _ in range(3):
         with torch.no_grad():
             torch.testing.assert_close(handle(**inputs_for(model)).logits, reference, rtol=1e-6, atol=1e-6)
-        # mmap: gone when the forward returns; copy: the first unit's copy for the next call may still run
-        deadline = time.monotonic() + (0 if disk_reads == "mmap" else 5)
-        while _mapped_pages_left(handle) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _mapped_pages_left(handle) == 0
+        mapped = _mapped_pages(handle)
+        if disk_reads == "copy":  # the first unit's copy for the next call is made (or under way) already
+            mapped.pop(first)
+        assert sum(mapped.values()) == 0, mapped
     handle.remove()
 
 

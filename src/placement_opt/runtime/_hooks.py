@@ -92,7 +92,7 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
         entry = _entry_forward(model.forward, main)
         if any(u.kind == "phased" for u in units):  # only then: plans without phased units keep their entry as it was
             entry = _noting_phase(entry, phase)
-        if any(u.kind == "mmap" or (u.kind == "phased" and u.disk) for u in units):
+        if any(u.disk for u in units):  # pages of memory-mapped weights let go in the background
             entry = _settling(entry, streamer)
         _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)

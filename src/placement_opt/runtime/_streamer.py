@@ -98,16 +98,7 @@ class Streamer:
         return self.side_streams[device]
 
     def _copy(self, unit: DispatchUnit, side: bool) -> tuple[list[torch.Tensor], Any]:
-        """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked).
-
-        A disk unit's mapped pages leave the process once copied (the page cache keeps them).
-        """
-        try:
-            return self._copy_out(unit, side)
-        finally:
-            _release_pages(unit)
-
-    def _copy_out(self, unit: DispatchUnit, side: bool) -> tuple[list[torch.Tensor], Any]:
+        """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked)."""
         device = unit.streams_to
         if device.type != "cuda":
             return [slot.stored.to(device, copy=True) for slot in unit.uses], None
@@ -140,6 +131,8 @@ class Streamer:
         """The unit's weights on its device: the prefetched ones, or copied now."""
         future = self.inflight.pop(id(unit), None)
         tensors, event = future.result() if future is not None else self._copy(unit, side=False)
+        if unit.disk:  # copied out of the memory map: its pages leave the process (during this forward)
+            self.release(unit)
         if unit.streams_to.type == "cuda":
             stream = torch.cuda.current_stream(unit.streams_to)
             if event is not None:
@@ -157,6 +150,8 @@ class Streamer:
         future = self.inflight.pop(id(unit), None)
         if future is not None:
             future.exception()
+            if unit.disk:
+                self.release(unit)
 
     def release(self, unit: DispatchUnit) -> None:
         """Let ``unit``'s mapped pages leave the process in the background, once it has computed from them.
