@@ -157,7 +157,10 @@ class Streamer:
         """Let ``unit``'s mapped pages leave the process in the background, once it has computed from them.
 
         Off the forward's path: checking and unmapping them costs ~2 ms per GB (:meth:`settle` waits).
+        One release at a time: the one before, done while this unit computed, is waited for first, so the
+        process maps at most the unit running and the one before it (the memory model's two stream buffers).
         """
+        self.settle()
         if self.release_pool is None:
             self.release_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement_opt-release")
         self.releasing.append(self.release_pool.submit(_release_pages, unit))
