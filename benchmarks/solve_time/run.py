@@ -23,6 +23,7 @@ Usage::
     python benchmarks/solve_time/run.py --module        # module-granularity 7B and 70B graphs, limit 2 s
     python benchmarks/solve_time/run.py --sublayer      # sublayer graphs of 8B, Mixtral, 70B and 72B, limit 1 s
     python benchmarks/solve_time/run.py --overlap --out benchmarks/solve_time/OVERLAP.md   # Workload(overlap=True)
+    python benchmarks/solve_time/run.py --host --overlap --out benchmarks/solve_time/HOST.md  # the profiled H100 host
     python benchmarks/solve_time/run.py --compare benchmarks/solve_time/before.json   # the default when present
 """
 
@@ -241,8 +242,38 @@ def _needs_again(run: Run) -> bool:
     return run.status in ("NO PLAN", "ERROR") or (run.gap is not None and run.gap > WITHIN)
 
 
+#: --host: the machine issue 15 measured (one H100 80GB at the budgets its acceptance names, beside the
+#: profiled 16-core host: shared/measurements/h100-host-profile.json), for that issue's workloads; with
+#: --overlap, the pricing under which phased and streamed layers share the host (benchmarks/phases).
+HOST_PROFILE = HERE.parents[2] / "shared" / "measurements" / "h100-host-profile.json"
+HOST_WORKLOADS = {
+    "1x512+32": Workload(batch_size=1, prompt_len=512, new_tokens=32),
+    "1x128+256": Workload(batch_size=1, prompt_len=128, new_tokens=256),
+    "1x4096+32": Workload(batch_size=1, prompt_len=4096, new_tokens=32),
+    "16x512+32": Workload(batch_size=16, prompt_len=512, new_tokens=32),
+}
+
+
+def _h100_host(budget: str) -> Machine:
+    """The profiled H100 host: its GPU at ``budget``, its CPU with 100 GiB (bf16 figures), no disk."""
+    from placement_opt.hardware.profile_store import device_from_measurement
+
+    if not HOST_PROFILE.exists():
+        raise SystemExit(f"--host needs {HOST_PROFILE} (the H100 host's profile), which is not there")
+    data = json.loads(HOST_PROFILE.read_text())
+    gpu, cpu = (device_from_measurement(name, data["measurements"][name], "bfloat16", data["created"])
+                for name in ("cuda:0", "cpu"))
+    return Machine([gpu.with_memory(budget), cpu.with_memory("100GiB")])
+
+
+HOST_MACHINES: dict[str, Callable[[], Machine]] = {
+    f"H100 host profile, GPU at {budget}": (lambda budget=budget: _h100_host(budget)) for budget in ("10GiB", "4GiB", "24GiB")}
+HOST = [(m, f"H100 host profile, GPU at {b}", w) for m, b in (("llama-3-8b", "10GiB"), ("llama-3-8b", "4GiB"),
+                                                              ("mixtral-8x7b", "24GiB")) for w in HOST_WORKLOADS]
+
+
 def _cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    cells = QUICK if args.quick else MODULE if args.module else SUBLAYER if args.sublayer else [
+    cells = QUICK if args.quick else MODULE if args.module else SUBLAYER if args.sublayer else HOST if args.host else [
         (m, h, w) for m in MODELS for h in MACHINES for w in WORKLOADS]
     return [c for c in cells if all(o in " | ".join(c) for o in args.only)]
 
@@ -261,7 +292,8 @@ def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]
             t0 = time.perf_counter()
             graphs[model] = _graph(model)
             print(f"# traced {model}: {len(graphs[model])} units in {time.perf_counter() - t0:.1f} s", flush=True)
-        graph, make, wl = graphs[model], {**MACHINES, **MODULE_MACHINES}[machine], WORKLOADS[workload]
+        graph, make = graphs[model], {**MACHINES, **MODULE_MACHINES, **HOST_MACHINES}[machine]
+        wl = {**WORKLOADS, **HOST_WORKLOADS}[workload]
         if args.overlap:  # the opt-in pricing of copies beside every unit before them (not in older checkouts)
             wl = dataclasses.replace(wl, overlap=True)
         limit = MODULE_TIME_LIMIT_S if model.endswith("/module") else None
@@ -458,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"module-granularity Mistral-7B and Llama-3-70B instead, time limit {MODULE_TIME_LIMIT_S:g} s")
     parser.add_argument("--sublayer", action="store_true",
                         help="sublayer graphs of Llama-3-8B, Mixtral-8x7B, Llama-3-70B and Qwen2-72B instead (32 cells, 1 s)")
+    parser.add_argument("--host", action="store_true",
+                        help="the profiled H100 host at 10/4 GiB (Llama-3-8B) and 24 GiB (Mixtral-8x7B), issue 15's "
+                             "workloads, instead (12 cells, 1 s; with --overlap, benchmarks/phases' pricing)")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="cells whose 'model | machine | workload' contains TEXT (repeatable: all must match)")
     parser.add_argument("--no-resolve", action="store_true", help="skip the 5 s second solves")
@@ -482,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
-    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module or args.sublayer) else None)
+    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module or args.sublayer or args.host)
+                       else None)
     if out:
         out.write_text(text)
     if args.json:

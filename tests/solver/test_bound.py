@@ -507,3 +507,32 @@ def test_stall_rows_share_the_hiding_units_out_among_the_windows():
     model.minimize("latency", None, 0)
     solver, _ = model.solve(5, 0, 1, 0.0)
     assert reference_optimum(problem, "latency") == 16 == reported_bound(model, solver)
+
+
+def test_stall_rows_count_the_previous_streamed_unit_as_it_computes():
+    """Two streamed layers (a 10 ns copy, 1 ns of compute) round the decode's cycle, a 15 ns CPU unit in one
+    window and three 1 ns units in the other: the first window hides its copy, the second waits 10 - 4 = 6 ns;
+    the optimum is 20 ns of compute + 6 = 26. The last unit may also stream, computing 8 ns, which no
+    optimum does. Crediting each window's first unit with the most any streamed option computes (8 ns) left
+    each copy a gap of 2 ns and the bound at the copy thread's 20 ns; credited with what the most units'
+    streamed option computes (1 ns), the 8 ns option's excess a unit of its window, the bound is the optimum."""
+    layer = (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=1,
+                             copy_decode_ns=10, stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+
+    def on(execution, ns, copy=0):
+        return PlacementOption(storage="cpu", execution=execution, mode="stream" if copy else "resident",
+                               prefill_ns=0, decode_ns=ns, copy_decode_ns=copy, stored_bytes=1, resident_bytes=0,
+                               peak_bytes=0)
+
+    units = [("s1", layer), ("big", (on("cpu", 15),)), ("s2", layer), ("g1", (on("cpu", 1),)),
+             ("g2", (on("cpu", 1),)), ("last", (on("cuda:0", 1), on("cuda:0", 8, copy=1)))]
+    problem = PlacementProblem(
+        units=tuple(UnitSpec(name=n, options=o) for n, o in units),
+        edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={})
+                    for (a, _), (b, _) in itertools.pairwise(units)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10)))
+    model = aggregate.AggregateModel(problem, 1, [0] * len(units), [], None)  # single items
+    model.minimize("latency", None, 0)
+    solver, _ = model.solve(5, 0, 1, 0.0)
+    assert reference_optimum(problem, "latency") == 26 == reported_bound(model, solver)

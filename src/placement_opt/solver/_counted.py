@@ -92,6 +92,21 @@ def hiding(b: int, size: int, j0: int, delta: int) -> int:
     return delta * min(j0 + 1, -(-b // size))
 
 
+def _window_rows(gap: int, sizes: dict[Any, int]) -> list[tuple[int, dict[Any, int]]]:
+    """``(each, worth)`` rows of the windows of one copy price whose ``gap`` units hide, ``sizes`` what each kind
+    of unit hides: ``stall >= each x n_streamed - sum of worth x units of that kind in those windows``. Per
+    window ``max(0, gap - x) >= gap - sum of min(b, gap)``, and the convex envelope of whole units of each of
+    the :data:`STALL_CUT_SIZES` largest sizes below the gap (:func:`hiding`). None when ``gap <= 0``."""
+    if gap <= 0:
+        return []
+    rows = [(gap, {key: min(b, gap) for key, b in sizes.items()})]
+    for size in sorted({b for b in sizes.values() if b < gap})[-STALL_CUT_SIZES:]:
+        j0, delta = divmod(gap, size)
+        if delta:
+            rows.append((delta * (j0 + 1), {key: hiding(b, size, j0, delta) for key, b in sizes.items()}))
+    return rows
+
+
 class CountedRelaxation:
     """Base of the counting relaxations; a subclass sets ``p``, ``scale``, ``hint``, ``model`` and ``peak``."""
 
@@ -151,9 +166,15 @@ class CountedRelaxation:
 
         ``spine``: units on every path of the DAG (:func:`~.problem.spine`): each longest path holds their
         stalls, so the caller adds this to it. Each streamed
-        unit waits for what the units since the previous streamed unit (a *window*) leave of its copy
-        ``c``: at least ``max(0, c - a - x)``, ``a`` the most a streamed unit computes in ``ph``, ``x`` what
-        the window's other units compute. With windows of whole units of at most ``B`` each, ``j`` units
+        unit waits for what the units since the previous streamed unit (a *window*: that unit and the ones
+        after it) leave of its copy ``c``: at least ``max(0, c - x)``, ``x`` what the window's units compute.
+        Two families of rows (:func:`_window_rows`) say so: the previous streamed unit counted as computing
+        ``a``, the most any streamed option computes in ``ph`` (one per window, so only the others are
+        shared out, against ``g = c - a``: tight where the streamed units compute alike), and every unit
+        counted as it computes, against ``g = c`` (tight where one costly streamed option, a streamed
+        lm_head, sets ``a``: on the H100 host's Llama-3-8B at 10 GiB, batch 1 x 512 + 32 with overlap, the
+        first family alone held the bound at 1.888 s against plans of 1.988 s; both, 1.966 s). With
+        windows of whole units of at most ``B`` each, ``j`` units
         hide at most ``j B``, and over integers ``j`` the convex envelope of ``max(0, g - j B)``
         (``g = c - a``) is ``delta (j0 + 1 - j)`` above ``j0 = g // B`` (``delta = g - j0 B``): summed over
         the windows of the units on one copy price, ``stall >= delta (j0 + 1) n_streamed - sum of worths``,
@@ -180,51 +201,59 @@ class CountedRelaxation:
                 streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
         if not streamed:
             return 0
-        a = max(self._t(getattr(o, ph)) for o, _ in terms if self._t(o.copy_in(ph)) > 0)
-        hiders: dict[int, list[Any]] = {}  # a hiding unit's compute -> its counts
+        # (compute b, streamed?) -> counts of the units computing b in ph: every unit hides in one window at most
+        hiders: dict[tuple[int, bool], list[Any]] = {}
         for o, n in terms:
-            if self._t(o.copy_in(ph)) == 0 and self._t(getattr(o, ph)) > 0:
-                hiders.setdefault(self._t(getattr(o, ph)), []).append(n)
-        widest = max(streamed) - a  # a unit size B above every copy's gap cuts nothing: the largest below it
-        sizes = sorted(b for b in hiders if b < widest)[-STALL_CUT_SIZES:]
+            if self._t(getattr(o, ph)) > 0:
+                hiders.setdefault((self._t(getattr(o, ph)), self._t(o.copy_in(ph)) > 0), []).append(n)
+        a = self._credited(ph)
+        # what each hides: its compute; a streamed unit (a window's first) what it computes above the credit
+        sizes = {key: key[0] - a if key[1] else key[0] for key in hiders}
+        hiders = {key: counts for key, counts in hiders.items() if sizes[key] > 0}
         most = sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
         stall = self.model.new_int_var(0, most, f"stall[{ph}]")
         n_units = len(self.p.units)
         # in[b][copy]: hiding units of compute b in the windows of the streamed units of that copy price; a unit
         # sits in one window at most, so each price's windows share the hiding units out
-        share = {b: {copy: self.model.new_int_var(0, n_units, f"in[{ph},{b},{copy}]") for copy in streamed
-                     if copy > a} for b in hiders}
+        share = {key: {copy: self.model.new_int_var(0, n_units, f"in[{ph},{key[0]},{int(key[1])},{copy}]")
+                       for copy in streamed} for key in hiders}
         hinted, hinted_streamed = self._hinted_windows(ph)
-        for b, by_copy in share.items():  # a partial hint slowed the relaxation's first solution down
+        for key, by_copy in share.items():  # a partial hint slowed the relaxation's first solution down
             for copy, var in by_copy.items():
-                self.model.add_hint(var, hinted.get((b, copy), 0))
-        for b, counts in hiders.items():
-            if share[b]:
-                self.model.add(sum(share[b].values()) <= sum(counts))
+                self.model.add_hint(var, hinted.get((*key, copy), 0))
+        for key, counts in hiders.items():
+            self.model.add(sum(share[key].values()) <= sum(counts))
         per_price = []
         for copy, counts in streamed.items():
-            gap = copy - a
-            if gap <= 0:
-                continue
             part = self.model.new_int_var(0, most, f"stall[{ph},{copy}]")
-            # each window: max(0, gap - x) >= gap - x, a unit hiding at most the whole gap
-            rows = [(gap, {b: min(b, gap) for b in hiders})]
-            for size in sizes:
-                j0, delta = divmod(gap, size)
-                if delta:
-                    rows.append((delta * (j0 + 1), {b: hiding(b, size, j0, delta) for b in hiders}))
+            rows = _window_rows(copy - a, {key: sizes[key] for key in hiders})
+            if not rows:
+                continue
             for each, worth in rows:
-                self.model.add(part >= each * sum(counts) - sum(worth[b] * share[b][copy] for b in hiders))
-            self.model.add_hint(part, min(most, max(0, *(
-                each * hinted_streamed.get(copy, 0) - sum(worth[b] * hinted.get((b, copy), 0) for b in hiders)
-                for each, worth in rows))))
+                self.model.add(part >= each * sum(counts) - sum(w * share[key][copy] for key, w in worth.items()))
+            self.model.add_hint(part, min(most, max([0, *(
+                each * hinted_streamed.get(copy, 0) - sum(w * hinted.get((*key, copy), 0) for key, w in worth.items())
+                for each, worth in rows)])))
             per_price.append(part)
         self.model.add(stall >= sum(per_price))
         return stall
 
-    def _hinted_windows(self, ph: str) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
-        """Under the hint, in phase ``ph``: how many units computing ``b`` sit in windows of copy price ``c``
-        (``(b, c) -> count``; :meth:`_stalls`'s ``in[b, c]``), and how many streamed units each price has."""
+    def _credited(self, ph: str) -> int:
+        """What every window's first unit (the streamed unit before the window's copy) is credited with computing
+        in ``ph``: the streamed compute the most units offer (the decoder layers'), the larger on a tie; a
+        streamed unit computing more hides the rest as a unit of the window (a costlier option alone, a
+        streamed lm_head, would otherwise credit every window with its compute), one computing less is
+        credited too much (the rows stay a bound)."""
+        offered: dict[int, int] = {}
+        for u in self.p.units:
+            for b in {self._t(getattr(o, ph)) for o in u.options if self._t(o.copy_in(ph)) > 0}:
+                offered[b] = offered.get(b, 0) + 1
+        return max(offered, key=lambda b: (offered[b], b), default=0)
+
+    def _hinted_windows(self, ph: str) -> tuple[dict[tuple[int, bool, int], int], dict[int, int]]:
+        """Under the hint, in phase ``ph``: how many units computing ``b`` (streamed or not) sit in windows of copy
+        price ``c`` (``(b, streamed, c) -> count``; :meth:`_stalls`'s ``in``), and how many streamed units each
+        price has."""
         chosen = self.p.options(self.hint)
         copies = [self._t(o.copy_in(ph)) for o in chosen]
         streamed: dict[int, int] = {}
@@ -234,11 +263,11 @@ class CountedRelaxation:
         windows: dict[tuple[int, int], int] = {}
         ahead = next((c for c in copies if c > 0), 0) if ph == "decode_ns" else 0  # round the decode's cycle
         for o, c in zip(reversed(chosen), reversed(copies), strict=True):
+            if ahead and self._t(getattr(o, ph)) > 0:  # a streamed unit hides in the next one's window
+                key = (self._t(getattr(o, ph)), c > 0, ahead)
+                windows[key] = windows.get(key, 0) + 1
             if c > 0:
                 ahead = c
-            elif ahead and self._t(getattr(o, ph)) > 0:
-                key = (self._t(getattr(o, ph)), ahead)
-                windows[key] = windows.get(key, 0) + 1
         return windows, streamed
 
     def _shared_horizon(self, ph: str) -> int:
