@@ -536,3 +536,31 @@ def test_stall_rows_count_the_previous_streamed_unit_as_it_computes():
     model.minimize("latency", None, 0)
     solver, _ = model.solve(5, 0, 1, 0.0)
     assert reference_optimum(problem, "latency") == 26 == reported_bound(model, solver)
+
+
+def _retimed(draw, menu):
+    """``menu`` with every option's times drawn again (bytes, devices and modes kept): units that
+    :func:`relax.groups_of` puts in one group while their times differ."""
+    def again(option, field):
+        if field.startswith("copy") and not getattr(option, field):
+            return 0  # an option that copies nothing still does not
+        return draw(st.integers(0, 60))
+
+    fields = ("prefill_ns", "decode_ns", "copy_prefill_ns", "copy_decode_ns")
+    return tuple(dataclasses.replace(o, **{f: again(o, f) for f in fields}) for o in menu)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(2, 3), runs=st.booleans(), data=st.data())
+def test_grouped_stall_rows_never_bound_above_brute_force(layers, runs, data):
+    """The grouped relaxation's stall rows (overlap: copies beside the compute), with copy runs (a layer's two
+    parts copied as one) and without, over groups whose units' times differ (each group's option counts at
+    the least time in the path rows, at the most in what it may hide): its bound is at most brute force's."""
+    attention, mlp = (_menu(data.draw, ["cuda:0"], False, copying=runs) for _ in range(2))
+    problem = _layers_of_two_parts(attention, mlp, layers, 24, 30)
+    problem = dataclasses.replace(problem, units=tuple(
+        dataclasses.replace(u, options=_retimed(data.draw, u.options)) for u in problem.units),
+        copy_groups=problem.copy_groups if runs else ())
+    best = reference_optimum(problem, "latency")
+    assume(best is not None)
+    assert _grouped_latency_bound(problem, [data.draw(st.integers(0, 2)) for _ in problem.units]) <= best

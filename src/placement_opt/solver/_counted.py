@@ -192,9 +192,10 @@ class CountedRelaxation:
         With copy runs (``copy_groups``) it is 0: a run's copy hides behind one window for all its streamed
         units, so the per-unit windows above would over-count (the copy thread's row still holds).
         """
-        if "copy" not in self.p.shared_used(ph) or self.p.copy_runs is not None:
+        if "copy" not in self.p.shared_used(ph):
             return 0
-        terms = self._terms()
+        if self.p.copy_runs is not None:
+            return self._run_stalls(ph, spine)
         streamed: dict[int, list[Any]] = {}
         for o, n in spine:
             if self._t(o.copy_in(ph)) > 0:
@@ -203,9 +204,8 @@ class CountedRelaxation:
             return 0
         # (compute b, streamed?) -> counts of the units computing b in ph: every unit hides in one window at most
         hiders: dict[tuple[int, bool], list[Any]] = {}
-        for o, n in terms:
-            if self._t(getattr(o, ph)) > 0:
-                hiders.setdefault((self._t(getattr(o, ph)), self._t(o.copy_in(ph)) > 0), []).append(n)
+        for b, streams, n in self._hiders(ph):
+            hiders.setdefault((b, streams), []).append(n)
         a = self._credited(ph)
         # what each hides: its compute; a streamed unit (a window's first) what it computes above the credit
         sizes = {key: key[0] - a if key[1] else key[0] for key in hiders}
@@ -237,6 +237,52 @@ class CountedRelaxation:
             per_price.append(part)
         self.model.add(stall >= sum(per_price))
         return stall
+
+    def _run_stalls(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> Any:
+        """:meth:`_stalls` with copy runs (a sublayer graph's parts of one layer, copied as one), in solver units.
+
+        A run's copy waits for what the units from the previous streaming run's head on compute, and it is at
+        least the copy of each of its streamed units: so the windows of the runs that stream a unit of price
+        ``c`` each leave at least ``max(0, c - x)``, one window per such unit where no run holds two units
+        offering price ``c`` (a layer's attention and MLP: yes; an MoE layer's experts: no, and that price
+        is left out). Each price's rows (:func:`_window_rows`, every unit a hider as it computes, the
+        streamed ones included, at most every unit computing so) bound the stall alone, so the stall is at
+        least the largest of them: a window streaming two prices is counted once.
+        """
+        prices = self._run_prices(ph)
+        streamed: dict[int, list[Any]] = {}
+        for o, n in spine:
+            if self._t(o.copy_in(ph)) in prices:
+                streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
+        if not streamed:
+            return 0
+        hiders: dict[int, list[Any]] = {}
+        for b, _, n in self._hiders(ph):
+            hiders.setdefault(b, []).append(n)
+        most = sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
+        stall = self.model.new_int_var(0, most, f"stall[{ph}]")
+        for copy, counts in streamed.items():
+            for each, worth in _window_rows(copy, {b: b for b in hiders}):
+                self.model.add(stall >= each * sum(counts) - sum(w * sum(hiders[b]) for b, w in worth.items()))
+        return stall
+
+    def _hiders(self, ph: str) -> list[tuple[int, bool, Any]]:
+        """``(compute in ph, streams in ph, count)`` of the units that may hide copies, in solver units; the
+        compute at most what any unit so counted computes (more hiding: the stall rows stay a bound)."""
+        return [(self._t(getattr(o, ph)), self._t(o.copy_in(ph)) > 0, n) for o, n in self._terms()
+                if self._t(getattr(o, ph)) > 0]
+
+    def _run_prices(self, ph: str) -> set[int]:
+        """The copy prices in ``ph`` that no copy run offers to two of its units (:meth:`_run_stalls`)."""
+        seen: set[int] = set()
+        twice: set[int] = set()
+        for first, end in self.p.copy_runs or ():
+            in_run: set[int] = set()
+            for u in range(first, end):
+                for c in {self._t(o.copy_in(ph)) for o in self.p.units[u].options} - {0}:
+                    (twice if c in in_run else in_run).add(c)
+            seen |= in_run
+        return seen - twice
 
     def _credited(self, ph: str) -> int:
         """What every window's first unit (the streamed unit before the window's copy) is credited with computing

@@ -43,7 +43,7 @@ from ortools.sat.python import cp_model
 from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation
 from .aggregate import most_beside_peak, spread_streamed
 from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
-from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks
+from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "sibling_slots",
            "PEAK_STEP", "MORE_PATHS", "MOST_SIBLING_PATHS", "MOST_SLOT_COMBOS", "BOUND_SHARE"]
@@ -227,6 +227,9 @@ class GroupModel(CountedRelaxation):
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
                        for on in (set(p) for p in (path, *others))]
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
+        # each option's most compute over its group, per phase: what the stall rows let a unit hide
+        self.most_ns = [[{ph: max(getattr(problem.units[u].options[o], ph) for u in g) for ph in PHASES}
+                         for o in range(len(self.menus[k]))] for k, g in enumerate(groups)]
         self.n = [self._counts(k, max_work_ns) for k in range(len(groups))]
         self.peak = {d.name: self._peak(d.name) for d in problem.devices}
         self._shared_run_peaks()
@@ -334,24 +337,35 @@ class GroupModel(CountedRelaxation):
                 for d in (dev.name for dev in self.p.devices):
                     self.model.add(self._stored(index[group[0]], d) == self._stored(index[name], d))
 
+    def _hiders(self, ph: str) -> list[tuple[int, bool, Any]]:
+        # a group's option at the most any of its units computes (its menu has the least): hiding no less
+        # streaming only where every unit of the group does on it (else it hides all it computes: more, so safe)
+        return [(self._t(self.most_ns[k][o][ph]),
+                 all(self._t(self.p.units[u].options[o].copy_in(ph)) > 0 for u in self.groups[k]), n)
+                for k in range(len(self.groups)) for o, (n, _) in self.n[k].items()
+                if self._t(self.most_ns[k][o][ph]) > 0]
+
     def _phase(self, ph: str) -> Any:
-        # lat >= every device's work, and >= the work of the groups lying wholly on each path.
+        # lat >= every device's work, and >= the work of the groups lying wholly on each path (+ their stalls).
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
         lat = self.model.new_int_var(0, top + self._shared_horizon(ph), f"lat[{ph}]")
         self._shared_rows(ph, lat)
+        on_all = spine(self.p)
+        stall = self._stalls(ph, [(self._options(k)[o], n) for k, g in enumerate(self.groups)
+                                  if all(u in on_all for u in g) for o, (n, _) in self.n[k].items()])
         for dev in {o.device_in(ph) for u in self.p.units for o in u.options}:
             work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
         for groups in self.spines:
-            spine = [self._t(getattr(self._options(k)[o], ph)) * n for k in groups for o, (n, _) in self.n[k].items()]
-            if spine:
-                self.model.add(lat >= sum(spine))
+            work = [self._t(getattr(self._options(k)[o], ph)) * n for k in groups for o, (n, _) in self.n[k].items()]
+            if work:
+                self.model.add(lat >= sum(work) + stall)
         if self.combos:  # the path's chain, and each sibling set at its slowest role
             j = PHASES.index(ph)
             row = [self._t(getattr(self._options(k)[o], ph)) * n for k in self.chain for o, (n, _) in self.n[k].items()]
             row += [max(c[j] for c in combo) * count for kind in self.combos for combo, count in kind]
-            self.model.add(lat >= sum(row))
+            self.model.add(lat >= sum(row) + stall)
         return lat
 
     def _slot_combos(self, path: Sequence[int]) -> tuple[list[int], list[list[tuple[tuple[Any, ...], Any]]]]:
