@@ -184,8 +184,7 @@ class SafetensorsFile:
 
     def _clean(self, start: int, end: int) -> bool:
         """True when no page of bytes ``[start, end)`` of the map is a private copy (or none can tell)."""
-        base = self._array.ctypes.data if self._array is not None else 0
-        return _written_pages(base + start, end - start) == 0
+        return _written_pages(self._mapped().ctypes.data + start, end - start) == 0
 
     def close(self) -> None:
         if self._fd is not None:

@@ -703,10 +703,8 @@ def _unmap(files: Iterable[Any]) -> None:
     import mmap
 
     for file in files:
-        mapped = getattr(getattr(file, "_array", None), "base", None)
-        while mapped is not None and not isinstance(mapped, mmap.mmap):
-            mapped = getattr(mapped, "obj", None) or getattr(mapped, "base", None)
-        if isinstance(mapped, mmap.mmap):
+        mapped = getattr(file, "_map", None)  # a SafetensorsFile's map, once it is mapped
+        if mapped is not None:
             mapped.madvise(mmap.MADV_DONTNEED)
 
 

@@ -189,17 +189,14 @@ class CountedRelaxation:
         had seven CPU-decoded layers of 3.7 s hide every layer's 2.2 s copy, an embedding's and lm_head's
         at once: bound 47.3 s at 1, 5 and 30 s against plans of 48.8 s; shared out, 48.7 s.
 
-        With copy runs (``copy_groups``) it is 0: a run's copy hides behind one window for all its streamed
-        units, so the per-unit windows above would over-count (the copy thread's row still holds).
+        With copy runs (``copy_groups``) a run's copy hides behind one window for all its streamed units, so
+        the per-unit windows above would over-count: :meth:`_run_stalls` states those.
         """
         if "copy" not in self.p.shared_used(ph):
             return 0
         if self.p.copy_runs is not None:
             return self._run_stalls(ph, spine)
-        streamed: dict[int, list[Any]] = {}
-        for o, n in spine:
-            if self._t(o.copy_in(ph)) > 0:
-                streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
+        streamed = self._streamed(ph, spine)
         if not streamed:
             return 0
         # (compute b, streamed?) -> counts of the units computing b in ph: every unit hides in one window at most
@@ -210,7 +207,8 @@ class CountedRelaxation:
         # what each hides: its compute; a streamed unit (a window's first) what it computes above the credit
         sizes = {key: key[0] - a if key[1] else key[0] for key in hiders}
         hiders = {key: counts for key, counts in hiders.items() if sizes[key] > 0}
-        most = sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
+        sizes = {key: sizes[key] for key in hiders}
+        most = self._most_copies(ph)
         stall = self.model.new_int_var(0, most, f"stall[{ph}]")
         n_units = len(self.p.units)
         # in[b][copy]: hiding units of compute b in the windows of the streamed units of that copy price; a unit
@@ -226,7 +224,7 @@ class CountedRelaxation:
         per_price = []
         for copy, counts in streamed.items():
             part = self.model.new_int_var(0, most, f"stall[{ph},{copy}]")
-            rows = _window_rows(copy - a, {key: sizes[key] for key in hiders})
+            rows = _window_rows(copy - a, sizes)
             if not rows:
                 continue
             for each, worth in rows:
@@ -250,21 +248,29 @@ class CountedRelaxation:
         least the largest of them: a window streaming two prices is counted once.
         """
         prices = self._run_prices(ph)
-        streamed: dict[int, list[Any]] = {}
-        for o, n in spine:
-            if self._t(o.copy_in(ph)) in prices:
-                streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
+        streamed = {c: counts for c, counts in self._streamed(ph, spine).items() if c in prices}
         if not streamed:
             return 0
         hiders: dict[int, list[Any]] = {}
         for b, _, n in self._hiders(ph):
             hiders.setdefault(b, []).append(n)
-        most = sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
-        stall = self.model.new_int_var(0, most, f"stall[{ph}]")
+        stall = self.model.new_int_var(0, self._most_copies(ph), f"stall[{ph}]")
         for copy, counts in streamed.items():
             for each, worth in _window_rows(copy, {b: b for b in hiders}):
                 self.model.add(stall >= each * sum(counts) - sum(w * sum(hiders[b]) for b, w in worth.items()))
         return stall
+
+    def _streamed(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> dict[int, list[Any]]:
+        """Copy price in ``ph`` -> the counts of ``spine``'s options that copy at it (solver units)."""
+        streamed: dict[int, list[Any]] = {}
+        for o, n in spine:
+            if self._t(o.copy_in(ph)) > 0:
+                streamed.setdefault(self._t(o.copy_in(ph)), []).append(n)
+        return streamed
+
+    def _most_copies(self, ph: str) -> int:
+        """The most the stall of ``ph`` can be: every unit's largest copy."""
+        return sum(max(self._t(o.copy_in(ph)) for o in u.options) for u in self.p.units)
 
     def _hiders(self, ph: str) -> list[tuple[int, bool, Any]]:
         """``(compute in ph, streams in ph, count)`` of the units that may hide copies, in solver units; the
@@ -306,7 +312,7 @@ class CountedRelaxation:
         for c in copies:
             if c > 0:
                 streamed[c] = streamed.get(c, 0) + 1
-        windows: dict[tuple[int, int], int] = {}
+        windows: dict[tuple[int, bool, int], int] = {}
         ahead = next((c for c in copies if c > 0), 0) if ph == "decode_ns" else 0  # round the decode's cycle
         for o, c in zip(reversed(chosen), reversed(copies), strict=True):
             if ahead and self._t(getattr(o, ph)) > 0:  # a streamed unit hides in the next one's window
