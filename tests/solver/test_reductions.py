@@ -3,13 +3,16 @@ reductions, covered edges and interchangeable devices, are checked in test_bound
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
+from _brute import reference_valid, reference_value
 from _problems import problems
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from placement_opt.solver import search
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -18,6 +21,7 @@ from placement_opt.solver.problem import (
     UnitSpec,
 )
 from placement_opt.solver.reductions import (
+    block_groups,
     coarsen,
     coarsen_groups,
     copies_apart,
@@ -61,6 +65,74 @@ def test_coarse_assignments_cost_what_they_expand_to(sizes, data):
     expanded = [c for g, c in zip(groups, choice, strict=True) for _ in g]
     fine, small = problem.score(expanded), coarse.score(choice)
     assert (small.prefill_ns, small.decode_ns, small.used_bytes) == (fine.prefill_ns, fine.decode_ns, fine.used_bytes)
+
+
+@st.composite
+def _layered(draw):
+    """A sublayer graph's shape: units chained by free links (the residual stream stays home, round trips are in
+    the options), cut into copy groups (the layers), one of them of 2+ units."""
+    problem = draw(problems(copying=True))
+    n = len(problem.units)
+    assume(n >= 2)
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 2)))
+    bounds = [0, *cuts, n]
+    groups = tuple(tuple(u.name for u in problem.units[a:b]) for a, b in itertools.pairwise(bounds))
+    chain = tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns={}, decode_ns={})
+                  for a, b in itertools.pairwise(problem.units))
+    return dataclasses.replace(problem, edges=chain, copy_groups=groups, tied_groups=(), pins={})
+
+
+@settings(max_examples=150, deadline=None)
+@given(_layered(), st.data())
+def test_a_layer_granular_assignment_costs_what_it_expands_to(problem, data):
+    # block_groups: every unit once, in order; a multi-unit group is one whole copy group (a layer's parts)
+    groups = block_groups(problem)
+    assert groups is not None
+    assert [i for g in groups for i in g] == list(range(len(problem.units)))
+    layers = {tuple(g) for g in problem.copy_groups}
+    names = [tuple(problem.units[i].name for i in g) for g in groups if len(g) > 1]
+    assert names and all(g in layers for g in names)
+    coarse = coarsen(problem, groups)
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in coarse.units]
+    expanded = [c for g, c in zip(groups, choice, strict=True) for _ in g]
+    fine, small = problem.score(expanded), coarse.score(choice)
+    assert (small.prefill_ns, small.decode_ns) == (fine.prefill_ns, fine.decode_ns)
+    assert small.used_bytes == fine.used_bytes
+
+
+def test_a_copy_group_whose_parts_offer_different_options_stays_apart():
+    menu = _unit("x", 1).options
+    units = (UnitSpec(name="a0", options=menu), UnitSpec(name="m0", options=menu),
+             UnitSpec(name="a1", options=menu), UnitSpec(name="m1", options=menu[:2]))
+    problem = PlacementProblem(units=units, edges=(), devices=DEVICES, copy_groups=(("a0", "m0"), ("a1", "m1")))
+    assert block_groups(problem) == [[0, 1], [2], [3]]
+    assert block_groups(dataclasses.replace(problem, pins={"m0": "cpu"})) is None
+    assert block_groups(dataclasses.replace(problem, copy_groups=())) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(_layered())
+def test_a_solve_is_never_worse_than_the_best_plan_moving_each_layers_parts_together(problem):
+    groups = block_groups(problem)
+    coarse = coarsen(problem, groups)
+    layered = [[c for g, c in zip(groups, pick, strict=True) for _ in g]
+               for pick in itertools.product(*(range(len(u.options)) for u in coarse.units))]
+    values = [reference_value(problem, c, "latency") for c in layered if reference_valid(problem, c)]
+    assume(values)
+    sol = search.solve_problem(problem, "latency", time_limit_s=2.0, workers=1)
+    assert sol.feasible and sol.objective_value <= min(values)
+
+
+def test_a_sublayer_solve_starts_from_its_layer_granular_plan_when_that_beats_the_start():
+    # Two layers of two parts; the GPU holds one layer. The hint computes all on the CPU (valid, slow):
+    # the layer-granular start puts one layer's parts on the GPU, and the note says so.
+    menu = _unit("x", 4).options
+    units = tuple(UnitSpec(name=f"{p}{i}", options=menu) for i in range(2) for p in ("a", "m"))
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=9), DEVICES[1])
+    problem = PlacementProblem(units=units, edges=(), devices=devices, copy_groups=(("a0", "m0"), ("a1", "m1")))
+    sol = search.solve_problem(problem, "latency", time_limit_s=1.0, workers=1, hint=[1, 1, 1, 1])
+    assert sol.objective_value < problem.objective_value([1, 1, 1, 1], "latency")
+    assert any("each layer's parts together" in note for note in sol.notes)
 
 
 def test_streamed_units_become_resident_only_while_they_fit():

@@ -63,22 +63,31 @@ def test_a_snapshot_reads_values_and_literals_as_the_solver_does():
 def test_the_best_read_is_the_lowest_priced_plan_not_the_last_solutions():
     problem = _problem()
     reads = _Reads([[2, 2, 1], [0, 0, 1], [0, 1, 1]])  # 80, 40, 50: the second one wins
-    best = search._best_read(problem, "latency", reads, [0, 1, 2], ([2, 2, 2], True), None, time.perf_counter() + 5)
+    best = search._best_read(problem, "latency", reads, [0, 1, 2], None, time.perf_counter() + 5)
     assert best == [0, 0, 1]
     assert reads.read_count == 3
 
 
-def test_the_best_read_is_never_worse_than_a_valid_start():
+def test_the_best_read_comes_back_even_when_it_prices_above_the_start():
     problem = _problem()
-    reads = _Reads([[2, 2, 1], [1, 1, 1]])  # 80, 60 against a start of 50
-    assert search._best_read(problem, "latency", reads, [0, 1], ([0, 1, 1], True), None,
-                             time.perf_counter() + 5) == []
+    reads = _Reads([[2, 2, 1], [1, 1, 1]])  # 80, 60: the caller compares them with its start
+    assert search._best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() + 5) == [1, 1, 1]
+
+
+def test_polish_goes_on_from_a_plan_worse_than_the_start_when_that_one_descends_lower():
+    # Polish moves a unit only to an option some unit of its menu (one options tuple) uses: from [1, 1, 1]
+    # (60) no step improves, while [2, 2, 0] (70) descends to [0, 0, 0] (30).
+    menu = _unit("u", (10, 20, 30)).options
+    problem = dataclasses.replace(_problem(), units=tuple(UnitSpec(name=f"u{i}", options=menu) for i in range(3)))
+    assert search.polish(problem, [1, 1, 1], time.perf_counter() + 5) == [1, 1, 1]
+    assert search._polished(problem, [[1, 1, 1], [2, 2, 0]], time.perf_counter() + 5) == [0, 0, 0]
+    assert search._polished(problem, [[1, 1, 1], [1, 1, 1]], time.perf_counter() + 5) == [1, 1, 1]
 
 
 def test_past_its_deadline_only_the_last_solution_is_read():
     problem = _problem()
     reads = _Reads([[1, 1, 1], [0, 0, 0]])
-    best = search._best_read(problem, "latency", reads, [0, 1], ([2, 2, 2], False), None, time.perf_counter() - 1)
+    best = search._best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() - 1)
     assert best == [1, 1, 1] and reads.read_count == 1
 
 

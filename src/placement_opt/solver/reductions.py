@@ -10,6 +10,9 @@ Torch-free, like :mod:`placement_opt.solver.search`, which calls them.
   again on the real problem), and the hint stays representable;
   but the coarse problem forbids the units of a run to differ, so it is a *restriction*: its plans
   are plans of the real problem, its bound is not a bound of it (search.py never reports it).
+* :func:`block_groups`: a sublayer problem's copy groups (the parts of one decoder layer) as super-units
+  for :func:`coarsen`: the layer-granular problem inside the sublayer one, whose plans are sublayer
+  plans that move a layer's parts together (another restriction, used for a start).
 * :func:`prefer_resident`: a streamed unit that would be no slower stored where it computes is
   stored there when it fits.
 
@@ -33,7 +36,7 @@ from .problem import (
 )
 from .starts import fits
 
-__all__ = ["coarsen_groups", "coarsen", "prefer_resident", "make_room", "copies_first", "copies_apart",
+__all__ = ["coarsen_groups", "coarsen", "block_groups", "prefer_resident", "make_room", "copies_first", "copies_apart",
            "TRANSIENT_UNITS"]
 
 #: Most units :func:`make_room`'s transient move prices every option of (each a full score): the run setting
@@ -128,6 +131,33 @@ def coarsen(problem: PlacementProblem, groups: list[list[int]]) -> PlacementProb
     copy_groups = tuple(tuple(names) for names in runs.values()) if problem.copy_runs is not None else ()
     return PlacementProblem(units=units, edges=edges, devices=problem.devices, tied_groups=problem.tied_groups,
                             pins=problem.pins, contiguous=problem.contiguous, copy_groups=copy_groups)
+
+
+def block_groups(problem: PlacementProblem) -> list[list[int]] | None:
+    """Every unit in order, a copy group's units as one group (singletons elsewhere), or None when no
+    group of two or more units has one menu: the super-units of a layer-granular start.
+
+    A group's units must offer the same options in the same order (:func:`coarsen` merges them by
+    position); a group whose menus differ stays apart, unit by unit. Tied and pinned units stay apart
+    too, as in :func:`coarsen_groups`.
+    """
+    index = problem.index()
+    special = {name for g in problem.tied_groups for name in g} | set(problem.pins)
+    head: dict[int, list[int]] = {}
+    for names in problem.copy_groups:
+        members = [index[name] for name in names]
+        menus = {_menu_key(problem.units[i]) for i in members}
+        if len(members) > 1 and len(menus) == 1 and not special.intersection(names):
+            head[members[0]] = members
+    if not head:
+        return None
+    groups: list[list[int]] = []
+    i = 0
+    while i < len(problem.units):
+        group = head.get(i, [i])
+        groups.append(group)
+        i = group[-1] + 1
+    return groups
 
 
 def prefer_resident(problem: PlacementProblem, choice: Sequence[int]) -> list[int]:
