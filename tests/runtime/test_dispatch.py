@@ -187,6 +187,42 @@ def test_a_disk_weight_written_in_place_keeps_the_change(tmp_path):
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, changed.model.layers[1].mlp.up_proj.weight)
 
 
+@pytest.mark.parametrize("write", ["data", "load_state_dict"])
+def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_copy_was_under_way(tmp_path, write,
+                                                                                                monkeypatch):
+    """A decode step starts the next step's first copy and returns before it is done. A weight the caller
+    changes after that step (a write into ``.data``, ``load_state_dict``) is read again by the next call that
+    starts a sequence: its outputs are the changed model's."""
+    import copy
+
+    from placement_opt.runtime import _streamer
+
+    streamers = []
+    real_init = _streamer.Streamer.__init__
+    monkeypatch.setattr(_streamer.Streamer, "__init__", lambda self: (streamers.append(self), real_init(self))[1])
+    model = tiny("llama")
+    changed = copy.deepcopy(model)
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path, disk_reads="copy")
+    first = next(u for u in handle._units if u.disk)
+    inputs = inputs_for(model)
+    with torch.no_grad():
+        out = handle(**inputs, use_cache=True)
+        step = {"input_ids": out.logits[:, -1:].argmax(-1),
+                "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)}
+        handle(**step, past_key_values=out.past_key_values, use_cache=True)
+        assert id(first) in streamers[0].inflight  # the next step's first copy, begun
+        for m in (model, changed):
+            weight = m.model.layers[0].mlp.up_proj.weight
+            if write == "data":
+                weight.data.mul_(2)
+            else:
+                m.model.layers[0].mlp.up_proj.load_state_dict({"weight": weight.detach() * 2})
+        expected = changed(**inputs).logits
+        torch.testing.assert_close(handle(**inputs).logits, expected, rtol=1e-6, atol=1e-6)
+    handle.remove()
+
+
 # ---------------------------------------------------------------------------------------------
 # Hooks: the fewest, and the hot path cheap
 # ---------------------------------------------------------------------------------------------

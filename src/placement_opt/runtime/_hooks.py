@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from . import _streamer
-from ._phases import CallPhase, call_is_prefill, move_cache_layers, unit_is_prefill
+from ._phases import (
+    CallPhase,
+    call_is_prefill,
+    call_starts_sequence,
+    move_cache_layers,
+    unit_is_prefill,
+)
 from ._streamer import DispatchUnit, Streamer
 
 __all__ = ["install_hooks", "restore_forwards"]
@@ -94,6 +100,8 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
             entry = _noting_phase(entry, phase)
         if any(u.disk for u in units):  # pages of memory-mapped weights let go in the background
             entry = _settling(entry, streamer)
+        if any(u.kind in ("stream", "phased") for u in units):  # copies that outlive a call
+            entry = _renewing(entry, streamer)
         _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
@@ -173,6 +181,18 @@ def _settling(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., An
             streamer.settle()
 
     return functools.wraps(entry)(settling)
+
+
+def _renewing(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., Any]:
+    """The model's forward copying again, when the call starts a sequence, the weights a decode step
+    began copying before it returned (:meth:`Streamer.renew`): decode steps keep them."""
+
+    def renewing(*args: Any, **kwargs: Any) -> Any:
+        if streamer.inflight and call_starts_sequence(args, kwargs):
+            streamer.renew()
+        return entry(*args, **kwargs)
+
+    return functools.wraps(entry)(renewing)
 
 
 def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import DispatchError
 
-__all__ = ["CallPhase", "attention_layers", "call_is_prefill", "unit_is_prefill", "move_cache_layers"]
+__all__ = ["CallPhase", "attention_layers", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
 # The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
 # layers: the others).
@@ -84,6 +84,12 @@ def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     tokens = _tokens_per_sequence(args, kwargs)
     if tokens is None or tokens <= 1:
         return False
+    cache = _cache_argument(args, kwargs)
+    return cache is None or not hasattr(cache, "get_seq_length") or int(cache.get_seq_length()) == 0
+
+
+def call_starts_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """The model's call begins anew: no cache, or an empty one (a prefill, a plain forward, a 1-token prompt)."""
     cache = _cache_argument(args, kwargs)
     return cache is None or not hasattr(cache, "get_seq_length") or int(cache.get_seq_length()) == 0
 

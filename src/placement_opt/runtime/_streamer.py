@@ -83,7 +83,7 @@ class Streamer:
     def __init__(self) -> None:
         self.pool: ThreadPoolExecutor | None = None
         self.side_streams: dict[torch.device, Any] = {}
-        self.inflight: dict[int, Future[tuple[list[torch.Tensor], Any]]] = {}
+        self.inflight: dict[int, tuple[DispatchUnit, Future[tuple[list[torch.Tensor], Any]]]] = {}
         self.release_pool: ThreadPoolExecutor | None = None
         self.releasing: list[Future[None]] = []
 
@@ -125,11 +125,11 @@ class Streamer:
         a CPU-to-CPU copy gains nothing from running early and is made when taken.
         """
         if id(unit) not in self.inflight and (unit.disk or unit.streams_to.type == "cuda"):
-            self.inflight[id(unit)] = self._pool().submit(self._copy, unit, unit.streams_to.type == "cuda")
+            self.inflight[id(unit)] = (unit, self._pool().submit(self._copy, unit, unit.streams_to.type == "cuda"))
 
     def take(self, unit: DispatchUnit) -> list[torch.Tensor]:
         """The unit's weights on its device: the prefetched ones, or copied now."""
-        future = self.inflight.pop(id(unit), None)
+        _, future = self.inflight.pop(id(unit), (unit, None))
         tensors, event = future.result() if future is not None else self._copy(unit, side=False)
         if unit.disk:  # copied out of the memory map: its pages leave the process (during this forward)
             self.release(unit)
@@ -147,11 +147,26 @@ class Streamer:
         Waits for the copy to finish, so its memory is free when this returns; a failed copy is
         forgotten with it (nothing needs those weights).
         """
-        future = self.inflight.pop(id(unit), None)
+        _, future = self.inflight.pop(id(unit), (unit, None))
         if future is not None:
             future.exception()
             if unit.disk:
                 self.release(unit)
+
+    def renew(self) -> None:
+        """Copy again every unit whose copy is in flight: a call that starts a sequence reads its weights as
+        they are now.
+
+        A decode step starts the next step's first copies (the decode is cyclic), and they run on after the
+        step returns: a weight the caller changes between calls (``load_state_dict``, a LoRA merge, a write
+        into ``.data``) would reach the next call as the copy read it before. The copies in flight are waited
+        for and dropped (their memory is free before the new ones are made), then started again, in order.
+        """
+        units = [unit for unit, _ in self.inflight.values()]
+        for unit in units:
+            self.drop(unit)
+        for unit in units:
+            self.start(unit)
 
     def release(self, unit: DispatchUnit) -> None:
         """Let ``unit``'s mapped pages leave the process in the background, once it has computed from them.
@@ -173,7 +188,7 @@ class Streamer:
             future.result()
 
     def close(self) -> None:
-        for future in self.inflight.values():
+        for _, future in self.inflight.values():
             future.result()
         self.inflight.clear()
         self.settle()
