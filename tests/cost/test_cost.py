@@ -292,6 +292,21 @@ def test_evaluate_accelerate_map_with_prefix_keys() -> None:
     assert cost.fits and cost.transfer_s == 0.0
 
 
+def test_a_unit_streamed_to_the_cpu_holds_one_copy_of_its_weights_and_one_streamed_to_a_gpu_two() -> None:
+    # On the CPU the unit computes from its mapped pages, the unit before it gone before it starts (the
+    # dispatcher settles the release); a GPU holds the unit's copy and the next one's, prefetched.
+    from placement_opt.cost.build import build_problem
+
+    graph = llama_like()
+    machine = measured_machine(disk=True)
+    problem = build_problem(graph, machine, Workload(batch_size=2, prompt_len=64, new_tokens=8))
+    layer = problem.units[problem.index()["model.layers.1"]]
+    buffers = {(o.storage, o.execution): o.peak_bytes for o in layer.options if o.mode == "stream"}
+    resident = {o.execution: o.peak_bytes for o in layer.options if o.mode == "resident"}
+    assert buffers[("disk", "cpu")] - resident["cpu"] == 10**8
+    assert buffers[("cpu", "cuda:0")] - resident["cuda:0"] == 2 * 10**8
+
+
 def test_evaluate_finer_keys_take_the_majority_of_parameters() -> None:
     graph = llama_like()
     fine = {"model.embed_tokens": "cpu", "model.layers.0.self_attn": 0, "model.layers.0.mlp": "cpu",

@@ -167,6 +167,30 @@ def test_disk_units_pages_leave_the_process_after_each_forward(tmp_path, disk_re
     handle.remove()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux /proc/self/pagemap")
+def test_while_a_mapped_unit_computes_the_process_maps_its_pages_alone(tmp_path, monkeypatch):
+    """The memory model charges a unit streamed to the CPU one copy of its weights: the unit before it lets
+    its pages go before this one starts, even when that release is slow (here 0.2 s, in the background)."""
+    import time
+
+    from placement_opt.runtime import _streamer
+
+    real_release = _streamer._release_pages
+    monkeypatch.setattr(_streamer, "_release_pages", lambda unit: (time.sleep(0.2), real_release(unit))[1])
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path)
+    seen = []
+    for k in range(1, len(model.model.layers)):
+        def inside(_module, _args, k=k):  # runs within layer k's forward, after its wrapper's first steps
+            seen.append(_mapped_pages(handle)[f"model.layers.{k - 1}"])
+        model.model.layers[k].input_layernorm.register_forward_pre_hook(inside)
+    with torch.no_grad():
+        handle(**inputs_for(model))
+    assert len(seen) == len(model.model.layers) - 1 and not any(seen), seen
+    handle.remove()
+
+
 def test_a_disk_weight_written_in_place_keeps_the_change(tmp_path):
     """A write into a memory-mapped weight makes private pages, the only copy of the change: they are
     never let go, the next forwards use the change, and remove() hands it back to the model."""

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..solver.problem import PlacementProblem
     from .pricing import OptionPrice
 
-__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "SCORE_FREE_ATTENTION",
+__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "SCORE_FREE_ATTENTION",
            "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
            "materializes_scores"]
 
@@ -165,6 +165,13 @@ def _sampling_bytes(unit: UnitInfo, batch: int, meta: GraphMeta) -> int:
 #: Copies of a unit's weights its stream buffer holds, by mode (``stream`` prefetches the next unit; a
 #: ``phased`` unit's prefill is a ``stream``, its decode computes where the weights are stored).
 STREAM_BUFFERS = {"resident": 0, "stream": 2, "stream_sync": 1, "phased": 2}
+
+
+def stream_buffers(mode: str, on_gpu: bool) -> int:
+    """Copies of a unit's weights its stream buffer holds: :data:`STREAM_BUFFERS`, but one for a unit streamed
+    to the CPU (from disk: it computes from its memory-mapped pages, and the dispatcher lets the unit before
+    it go before it starts; the next unit's read-ahead fills the page cache, not the process)."""
+    return STREAM_BUFFERS[mode] if on_gpu or mode != "stream" else 1
 
 
 @dataclass(frozen=True, kw_only=True)

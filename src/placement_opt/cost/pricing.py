@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING
 
 from ..solver.problem import PlacementOption
 from .calibrated import Calibration, UnitTimes
-from .memory import STREAM_BUFFERS, workspace_bytes
+from .memory import stream_buffers, workspace_bytes
 from .workload import Workload, unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -509,7 +509,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=unit.weight_bytes * STREAM_BUFFERS[mode], round_trip_s=trip_prefill + trip_decode,
+        stream_buffer_bytes=unit.weight_bytes * stream_buffers(mode, device.is_gpu), round_trip_s=trip_prefill + trip_decode,
         group_copy_bytes=unit.weight_bytes if overlapped else 0,
         copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,

@@ -226,6 +226,7 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
         ahead = _disk_keys(unit.next_unit) if unit.next_unit is not None else []
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
+            streamer.settle()  # the unit before has let its pages go: the process maps this unit's alone
             for file, key in ahead:
                 file.prefetch((key,))
             if move_inputs:
@@ -321,6 +322,7 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
         for other in in_decode:
             streamer.start(other)
         streamer.drop(unit)  # a prefetch started for a prefill this call is not
+        streamer.settle()  # as an mmap unit: the pages let go before are gone before this one maps its own
         for file, key in ahead:
             file.prefetch((key,))
         try:

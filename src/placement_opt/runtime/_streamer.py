@@ -172,8 +172,9 @@ class Streamer:
         """Let ``unit``'s mapped pages leave the process in the background, once it has computed from them.
 
         Off the forward's path: checking and unmapping them costs ~2 ms per GB (:meth:`settle` waits).
-        One release at a time: the one before, done while this unit computed, is waited for first, so the
-        process maps at most the unit running and the one before it (the memory model's two stream buffers).
+        One release at a time: the one before, done while this unit computed, is waited for first; a mapped
+        unit also waits for it before it starts (:mod:`._hooks`), so while a unit computes the process maps its
+        pages alone (the memory model's one stream buffer of a unit streamed to the CPU).
         """
         self.settle()
         if self.release_pool is None:

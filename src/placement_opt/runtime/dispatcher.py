@@ -202,7 +202,8 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
             when the disk units' weights already come from checkpoint files (:func:`load`).
         disk_reads: ``"mmap"`` (default): disk units executed on the CPU compute from the memory
             map, zero copy. ``"copy"``: they are streamed, copied into RAM for each forward and
-            prefetched by a background thread (for file systems where mapped reads are slow).
+            prefetched by a background thread (for file systems where mapped reads are slow); that
+            holds a copy of the next unit too, one more than the plan's memory charges.
             ``phased`` disk units decode from the memory map either way (a warning names them).
 
     Returns:
