@@ -35,8 +35,9 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
 * the time limit: the full model's build checks the deadline, and CP-SAT is given what is left less
   :data:`LOAD_SHARE` x the build time (it loads and presolves past its own limit);
 * a sublayer problem's layer-granular start, another restriction: its copy groups (a decoder layer's
-  parts) as super-units, solved for :data:`BLOCK_SHARE` of the time; the expanded plan starts the rest
-  when it beats the start, so a sublayer plan is never worse than the best layer-granular one found;
+  parts) as super-units, solved for :data:`BLOCK_SHARE` of the time; the expanded plan joins the starts
+  after the relaxations (the better start goes on, the other is polished too), so a sublayer plan is never
+  worse than the best layer-granular one found;
 * coarsening, a *restriction*: problems with more than :data:`COARSEN_ABOVE` units are first solved
   on super-units (:func:`~.reductions.coarsen`, runs of chain units merged by the hint's options) for
   :data:`COARSE_SHARE` of the time; the expanded plan starts the solve of the full problem, whose
@@ -328,12 +329,11 @@ def _polished(problem: PlacementProblem, starts: Sequence[list[int]], deadline: 
     A relaxation's plan that prices above the start may still descend lower: on Mixtral-8x7B per sublayer
     (H100 host, 1 x 4096 + 32, 2 s), a read at 8.73 s polished to 7.91 s where the start at 8.52 s polished
     to 8.38 s."""
-    best = polish(problem, starts[0], time.perf_counter() + (deadline - time.perf_counter()) / len(starts))
+    distinct = list({tuple(start): start for start in starts}.values())
+    best = polish(problem, distinct[0], time.perf_counter() + (deadline - time.perf_counter()) / len(distinct))
     value = problem.objective_value(best, "latency")
-    for k, start in enumerate(starts[1:], 2):
-        if start == starts[0]:
-            continue
-        share = (deadline - time.perf_counter()) / (len(starts) - k + 1)
+    for k, start in enumerate(distinct[1:], 2):
+        share = (deadline - time.perf_counter()) / (len(distinct) - k + 1)
         found = polish(problem, start, time.perf_counter() + share)
         if problem.satisfies(found) and problem.objective_value(found, "latency") < value:
             best, value = found, problem.objective_value(found, "latency")
