@@ -21,8 +21,10 @@ follows the live tensors, which is what the cost model predicts. The price is a 
 fresh page of each such block, and a decode step's KV cache, which grows by concatenation, is such a
 block in every layer: measured on 2 cores, 1 thread, fp32 (3 fresh processes each, medians), a
 hidden-512 batch 16 x 512 prefill +17 % and its decode step +12 %; a hidden-2048 batch 1 x 128 prefill
-+5 % and decode step +16 %. That is why it is not the default: most plans are priced with room to
-spare, and the time matters to all of them.
++5 % and decode step +16 %; again on 2026-11-27 (``benchmarks/cost_accuracy/ALLOCATOR.md``) +18 % and
++12 %, and for a 4-layer hidden-2048 +7 % and +4 %. A fixed 1 MiB costs about the same and lets blocks
+below it pile up in the heap (batch-1 rows then measured up to 1 MiB above their prediction). That is why it
+is not the default: most plans are priced with room to spare, and the time matters to all of them.
 
 The setting is the process's, and glibc has no way back to the dynamic threshold: it stays after
 ``remove()``.
