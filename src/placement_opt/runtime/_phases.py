@@ -82,10 +82,7 @@ def _cache_argument(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
 def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """The model's call is a prefill: more than one token per sequence and an empty (or no) cache."""
     tokens = _tokens_per_sequence(args, kwargs)
-    if tokens is None or tokens <= 1:
-        return False
-    cache = _cache_argument(args, kwargs)
-    return cache is None or not hasattr(cache, "get_seq_length") or int(cache.get_seq_length()) == 0
+    return tokens is not None and tokens > 1 and call_starts_sequence(args, kwargs)
 
 
 def call_starts_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
