@@ -498,3 +498,22 @@ def test_copied_disk_reads_warn_about_phased_units_that_decode_from_the_map(disk
     if warned:
         assert "model.layers.1" in said[0] and "modes=('resident', 'stream')" in said[0]
     handle.remove()
+
+
+def test_a_call_starts_a_sequence_without_a_cache_or_with_an_empty_one_whatever_its_length():
+    from placement_opt.runtime._phases import call_is_prefill, call_starts_sequence
+
+    config = T.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    empty = T.DynamicCache(config=config)
+    filled = T.DynamicCache(config=config)
+    filled.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), 0)
+    one, many = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)
+    for ids in (one, many):
+        assert call_starts_sequence((), {"input_ids": ids})
+        assert call_starts_sequence((), {"input_ids": ids, "past_key_values": empty})
+        assert not call_starts_sequence((), {"input_ids": ids, "past_key_values": filled})
+    # a prefill is a sequence's start with more than one token per sequence
+    assert call_is_prefill((), {"input_ids": many, "past_key_values": empty})
+    assert not call_is_prefill((), {"input_ids": one, "past_key_values": empty})
+    assert not call_is_prefill((), {"input_ids": many, "past_key_values": filled})
