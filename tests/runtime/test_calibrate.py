@@ -152,6 +152,27 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
     assert layer.prefill_s == pytest.approx(calibrated + reads["stream_sync"]["prefill"], rel=1e-6)
 
 
+def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_read_every_weight(
+        tmp_path, monkeypatch) -> None:
+    # A dense layer's prefill reads the bytes a decode step reads, with more compute to hide them behind; an
+    # embedding's prefill looks up more rows than a step does, and keeps its own figure; accelerate's
+    # synchronous reads are kept as timed.
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    graph = trace(tiny_config())
+    cold = {"prefill": {"model.layers.0": 0.9, "model.embed_tokens": 0.9},
+            "decode": {"model.layers.0": 0.3, "model.embed_tokens": 0.1}}
+    monkeypatch.setattr(calibrate_module, "_run_mapped", lambda *args: cold)
+    monkeypatch.setattr(calibrate_module, "_run_accelerate", lambda *args: cold)
+    resident = {"prefill": {"model.layers.0": 0.1, "model.embed_tokens": 0.1},
+                "decode": {"model.layers.0": 0.1, "model.embed_tokens": 0.0}}
+    names = {"model.layers.0": "layer", "model.embed_tokens": "embed"}
+    reads = calibrate_module._time_disk_reads(None, graph, names, WORKLOAD, resident, tmp_path)
+    assert reads["layer"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.2, "decode": 0.2})
+    assert reads["embed"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.8, "decode": 0.1})
+    assert reads["layer"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.8, "decode": 0.2})
+
+
 def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(tmp_path, monkeypatch) -> None:
     from placement_opt.runtime import calibrate as calibrating
 
