@@ -96,7 +96,7 @@ def _window_rows(gap: int, sizes: dict[Any, int]) -> list[tuple[int, dict[Any, i
     """``(each, worth)`` rows of the windows of one copy price whose ``gap`` units hide, ``sizes`` what each kind
     of unit hides: ``stall >= each x n_streamed - sum of worth x units of that kind in those windows``. Per
     window ``max(0, gap - x) >= gap - sum of min(b, gap)``, and the convex envelope of whole units of each of
-    the :data:`STALL_CUT_SIZES` largest sizes below the gap (:func:`hiding`). None when ``gap <= 0``."""
+    the :data:`STALL_CUT_SIZES` largest sizes below the gap (:func:`hiding`). No rows when ``gap <= 0``."""
     if gap <= 0:
         return []
     rows = [(gap, {key: min(b, gap) for key, b in sizes.items()})]

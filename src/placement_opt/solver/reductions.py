@@ -69,7 +69,7 @@ def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) 
         i, j = index[e.src], index[e.dst]
         if j == i + 1:
             linked[i] = True
-    special = {n_ for g in problem.tied_groups for n_ in g} | set(problem.pins)
+    special = _tied_or_pinned(problem)
     run_of = _run_of(problem)
     groups: list[list[int]] = []
     for i, u in enumerate(problem.units):
@@ -83,6 +83,11 @@ def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) 
         else:
             groups.append([i])
     return groups
+
+
+def _tied_or_pinned(problem: PlacementProblem) -> set[str]:
+    """Units no super-unit may hold: tied ones and pinned ones keep their own storage rows."""
+    return {name for g in problem.tied_groups for name in g} | set(problem.pins)
 
 
 def _run_of(problem: PlacementProblem) -> Sequence[int]:
@@ -142,7 +147,7 @@ def block_groups(problem: PlacementProblem) -> list[list[int]] | None:
     too, as in :func:`coarsen_groups`.
     """
     index = problem.index()
-    special = {name for g in problem.tied_groups for name in g} | set(problem.pins)
+    special = _tied_or_pinned(problem)
     head: dict[int, list[int]] = {}
     for names in problem.copy_groups:
         members = [index[name] for name in names]
