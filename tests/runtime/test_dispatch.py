@@ -8,7 +8,9 @@ and disk units streamed into RAM by the prefetch thread; GPU streaming is in the
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -29,10 +31,12 @@ from _models import (
     tiny,
     units_of,
 )
+from placement_opt.cost.memory import DeviceMemory
 from placement_opt.errors import DispatchError
 from placement_opt.model.graph import covering_key
 from placement_opt.runtime._hooks import _move, _move_output
 from placement_opt.runtime.dispatcher import DispatchedModel, dispatch
+from placement_opt.units import format_bytes
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -80,6 +84,38 @@ def test_mixed_plan_logits_equal_and_remove_restores(family_model, tmp_path, dis
     finally:
         handle.remove()
     assert_restored(model, before)
+
+
+def _with_cpu_free(plan, free_bytes: int):
+    """``plan`` with a cost whose cpu row leaves ``free_bytes`` of a 1 MiB capacity free."""
+    capacity = 1 << 20
+    cpu = DeviceMemory(device="cpu", capacity_bytes=capacity, reserve_bytes=0, weights_bytes=capacity - free_bytes,
+                       kv_cache_bytes=0, workspace_bytes=0, stream_buffer_bytes=0)
+    return dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, memory=(cpu,)))
+
+
+@pytest.mark.parametrize("disk_reads", ["mmap", "copy"])
+def test_copied_disk_reads_warn_when_the_plans_free_ram_cannot_hold_the_next_copy(tmp_path, disk_reads):
+    """disk_reads="copy" holds one disk unit's copy more than the plan charges: the user hears how much when
+    the plan's free RAM is smaller, and nothing when it is larger or the reads are memory-mapped."""
+    model = tiny("llama")
+    plan = plan_from(model, mixed)
+    mapped = [u for u, row in zip(units_of(model), map(mixed, range(8), units_of(model)), strict=True)
+              if row[0] == "disk"]
+    params = dict(model.named_parameters())
+    largest = max(sum(t.nbytes for n, t in params.items() if n.startswith(u + ".")) for u in mapped)
+    for free, warns in ((largest - 1, disk_reads == "copy"), (largest, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = dispatch(model, _with_cpu_free(plan, free), offload_dir=tmp_path, disk_reads=disk_reads)
+            handle.remove()
+        said = [str(w.message) for w in caught if "more than the plan charges" in str(w.message)]
+        assert bool(said) == warns, (free, said)
+        if warns:
+            assert said[0].startswith(f"disk_reads='copy' holds up to {format_bytes(largest)} of RAM more")
+            assert f"leaves {format_bytes(free)} of the cpu's 1.00 MiB free" in said[0]
+            assert "plan with 1 B less cpu memory" in said[0]
+            assert caught[0].filename == __file__
 
 
 @pytest.mark.parametrize("choose", [lambda i, u: MAPPED, lambda i, u: ("disk", "cpu", "stream_sync")],

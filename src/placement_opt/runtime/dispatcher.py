@@ -75,6 +75,7 @@ from torch import nn
 
 from ..errors import DispatchError, PlacementError
 from ..plan import Plan
+from ..units import format_bytes
 from . import _streamer
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
@@ -203,7 +204,8 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         disk_reads: ``"mmap"`` (default): disk units executed on the CPU compute from the memory
             map, zero copy. ``"copy"``: they are streamed, copied into RAM for each forward and
             prefetched by a background thread (for file systems where mapped reads are slow); that
-            holds a copy of the next unit too, one more than the plan's memory charges.
+            holds a copy of the next unit too, one more than the plan's memory charges (a warning
+            gives the figures when the plan's free RAM is smaller than that copy).
             ``phased`` disk units decode from the memory map either way (a warning names them).
 
     Returns:
@@ -270,6 +272,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     home_device = _streamer.torch_device(home) if home else None
     main = home_device or (units[0].execution if units else torch.device("cpu"))
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log, main)
+    _warn_copy_headroom(units, plan)
     log.doing = "linking the units that prefetch"
     _link_prefetch(units)
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home)
@@ -360,6 +363,25 @@ def _warn_mapped_phased(units: list[DispatchUnit], disk_reads: str) -> None:
             f"disk_reads='copy' does not apply to phased units: {len(mapped)} disk-stored phased unit(s) "
             f"({shown}) decode from the memory map. To copy every disk read, plan without phased units: "
             f"solve(..., modes=('resident', 'stream'))", UserWarning, stacklevel=4)
+
+
+def _warn_copy_headroom(units: list[DispatchUnit], plan: Plan) -> None:
+    """``disk_reads="copy"`` holds the next disk unit's copy beside the running one's, which the plan's memory
+    does not charge (it prices memory-mapped reads: one copy): say so when the plan's free RAM cannot hold it."""
+    copied = [u for u in units if u.kind == "stream" and u.placement.storage == "disk" and u.execution.type == "cpu"]
+    cpu = next((m for m in plan.cost.memory if m.device == "cpu"), None)
+    if not copied or cpu is None:
+        return
+    largest = max(copied, key=lambda u: sum(s.tensor.nbytes for s in u.slots))
+    extra = sum(s.tensor.nbytes for s in largest.slots)
+    free = cpu.capacity_bytes - cpu.used_bytes
+    if extra > free:
+        warnings.warn(
+            f"disk_reads='copy' holds up to {format_bytes(extra)} of RAM more than the plan charges (the next disk "
+            f"unit's copy, {largest.name!r} the largest, beside the running one's), and the plan leaves "
+            f"{format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free: use "
+            f"disk_reads='mmap', or plan with {format_bytes(extra - free)} less cpu memory", UserWarning,
+            stacklevel=4)
 
 
 def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog,
