@@ -91,6 +91,60 @@ def test_past_its_deadline_only_the_last_solution_is_read():
     assert best == [1, 1, 1] and reads.read_count == 1
 
 
+class _Optima:
+    """A stand-in relaxation that proves ``bound`` at once (``status``) and whose optimum under seed ``s`` reads
+    into ``plans[s]``: which of its optima CP-SAT returns depends on the seed."""
+
+    def __init__(self, plans: list[list[int]], bound: int, status: int = cp_model.OPTIMAL) -> None:
+        self.plans, self.bound, self.status = plans, bound, status
+        self.seeds: list[int] = []
+        self.solutions: list[int] = []
+
+    def minimize(self, *_: object) -> None:
+        pass
+
+    def solve(self, time_limit_s: float, seed: int, workers: int, gap_limit: float) -> tuple[int, int]:
+        self.seeds.append(seed)
+        return seed, self.status
+
+    def proven_bound(self, solver: int) -> int:
+        return self.bound
+
+    def read(self, solution: int) -> list[int]:
+        return list(self.plans[solution])
+
+
+def _relax_with(m: _Optima, until_s: float = 5.0) -> search._Found:
+    now = time.perf_counter()
+    run = search._Run(seed=0, workers=1, gap_limit=0.001, t0=now)
+    return search._relax(_problem(), "latency", lambda *_: m, run, ([2, 2, 2], True), None,
+                         (now + until_s, now + until_s + 1))
+
+
+def test_an_optimum_proven_early_that_reads_far_from_its_bound_is_solved_again_with_other_seeds():
+    # bound 30; seed 0 reads into 80, seed 1 into 50, seed 2 into the optimum, 30: the search stops there
+    m = _Optima([[2, 2, 1], [0, 1, 1], [0, 0, 0], [0, 0, 0]], bound=30)
+    found = _relax_with(m)
+    assert found.choice == [0, 0, 0] and found.bound == 30
+    assert m.seeds == [0, 1, 2]
+
+
+def test_retries_keep_the_best_read_and_stop_after_the_last_retry():
+    m = _Optima([[0, 1, 1], [2, 2, 1], [1, 1, 1], [2, 2, 2], [0, 0, 0]], bound=30)  # 50, 80, 60, 90, (30)
+    found = _relax_with(m)
+    assert found.choice == [0, 1, 1]
+    assert m.seeds == list(range(search.RELAX_RETRIES + 1))
+
+
+def test_no_retry_for_a_close_read_an_unproven_optimum_or_no_time():
+    close = _Optima([[0, 0, 0], [1, 1, 1]], bound=30)
+    assert _relax_with(close).choice == [0, 0, 0] and close.seeds == [0]
+    unproven = _Optima([[2, 2, 1], [0, 0, 0]], bound=30, status=cp_model.FEASIBLE)
+    assert _relax_with(unproven).choice == [2, 2, 1] and unproven.seeds == [0]
+    late = _Optima([[2, 2, 1], [0, 0, 0]], bound=30)
+    assert _relax_with(late, until_s=-1.0).choice == [2, 2, 1] and late.seeds == [0]
+
+
 def _sized_problem(works: list[list[int]], capacity: int) -> PlacementProblem:
     """Units on one CPU of ``capacity`` bytes, option k of unit i taking ``works[i][k]`` and storing k + 1 bytes."""
     units = tuple(UnitSpec(name=f"u{i}", options=tuple(
