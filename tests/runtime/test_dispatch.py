@@ -34,6 +34,7 @@ from _models import (
 from placement_opt.cost.memory import DeviceMemory
 from placement_opt.errors import DispatchError
 from placement_opt.model.graph import covering_key
+from placement_opt.runtime import allocator
 from placement_opt.runtime._hooks import _move, _move_output
 from placement_opt.runtime.dispatcher import DispatchedModel, dispatch
 from placement_opt.units import format_bytes
@@ -116,6 +117,40 @@ def test_copied_disk_reads_warn_when_the_plans_free_ram_cannot_hold_the_next_cop
             assert f"leaves {format_bytes(free)} of the cpu's 1.00 MiB free" in said[0]
             assert "plan with 1 B less cpu memory" in said[0]
             assert caught[0].filename == __file__
+
+
+def _with_cpu_row(plan, free_bytes: int, live_bytes: int):
+    """``plan`` with a cost whose cpu row holds ``live_bytes`` of workspace and KV cache and leaves ``free_bytes``."""
+    capacity = 1 << 30
+    cpu = DeviceMemory(device="cpu", capacity_bytes=capacity, reserve_bytes=0,
+                       weights_bytes=capacity - free_bytes - live_bytes, kv_cache_bytes=live_bytes // 2,
+                       workspace_bytes=live_bytes - live_bytes // 2, stream_buffer_bytes=0)
+    return dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, memory=(cpu,)))
+
+
+def _heap_warnings(model, plan, tmp_path) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch(model, plan, offload_dir=tmp_path).remove()
+    return [str(w.message) for w in caught if "glibc's default heap" in str(w.message)]
+
+
+@pytest.mark.skipif(not allocator.glibc_heap(), reason="glibc's heap only")
+def test_a_plan_with_less_free_cpu_ram_than_its_cpu_activations_names_the_allocator_fix(tmp_path, monkeypatch):
+    """glibc's default heap can hold up to the activations again: a plan that leaves less free is told the fix,
+    unless the threshold is fixed already or the activations are too few to matter."""
+    model = tiny("llama")
+    plan = plan_from(model, lambda i, u: RESIDENT)
+    mib = 1 << 20
+    said = _heap_warnings(model, _with_cpu_row(plan, free_bytes=64 * mib, live_bytes=96 * mib), tmp_path)
+    assert len(said) == 1
+    assert said[0].startswith("the plan leaves 64.00 MiB of the cpu's 1.00 GiB free, less than the 96.00 MiB")
+    assert "fix_mmap_threshold()" in said[0]
+    assert not _heap_warnings(model, _with_cpu_row(plan, free_bytes=96 * mib, live_bytes=96 * mib), tmp_path)
+    # below HEAP_WARN_MIN_BYTES of activations and KV cache, library scratch decides the RSS anyway
+    assert not _heap_warnings(model, _with_cpu_row(plan, free_bytes=1 * mib, live_bytes=48 * mib), tmp_path)
+    monkeypatch.setattr(allocator, "_fixed", [allocator.DEFAULT_CPU_MMAP_THRESHOLD_BYTES])
+    assert not _heap_warnings(model, _with_cpu_row(plan, free_bytes=64 * mib, live_bytes=96 * mib), tmp_path)
 
 
 @pytest.mark.parametrize("choose", [lambda i, u: MAPPED, lambda i, u: ("disk", "cpu", "stream_sync")],

@@ -28,6 +28,10 @@ is not the default: most plans are priced with room to spare, and the time matte
 
 The setting is the process's, and glibc has no way back to the dynamic threshold: it stays after
 ``remove()``.
+
+:func:`~placement_opt.dispatch` warns when a plan leaves the CPU less free RAM than the activations and
+KV cache it computes there (what the heap can hold again; 64 MiB or more) and this process has not fixed the
+threshold.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import functools
 
 from ..errors import PlacementError
 
-__all__ = ["DEFAULT_CPU_MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "mmap_threshold_fixed"]
+__all__ = ["DEFAULT_CPU_MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "glibc_heap", "mmap_threshold_fixed"]
 
 #: glibc's ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -85,6 +89,11 @@ def fix_mmap_threshold(threshold_bytes: int = DEFAULT_CPU_MMAP_THRESHOLD_BYTES) 
     if done:
         _fixed.append(threshold_bytes)
     return done
+
+
+def glibc_heap() -> bool:
+    """Whether this process allocates from glibc's heap (what :func:`fix_mmap_threshold` fixes)."""
+    return _libc() is not None
 
 
 def mmap_threshold_fixed() -> int | None:

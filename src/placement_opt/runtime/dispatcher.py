@@ -82,6 +82,7 @@ from ._hooks import install_hooks, restore_forwards
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
 from ._streamer import DispatchUnit, Streamer
 from ._undo import UndoLog, Weights, attribute_restorer
+from .allocator import glibc_heap, mmap_threshold_fixed
 from .checkpoint import Slot, collect_slots
 from .offload import OffloadStore, SafetensorsFile
 
@@ -273,6 +274,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     main = home_device or (units[0].execution if units else torch.device("cpu"))
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log, main)
     _warn_copy_headroom(units, plan)
+    _warn_cpu_heap(units, plan)
     log.doing = "linking the units that prefetch"
     _link_prefetch(units)
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home)
@@ -382,6 +384,31 @@ def _warn_copy_headroom(units: list[DispatchUnit], plan: Plan) -> None:
             f"{format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free: use "
             f"disk_reads='mmap', or plan with {format_bytes(extra - free)} less cpu memory", UserWarning,
             stacklevel=4)
+
+
+#: Activations and KV cache on the CPU below which a tight plan is not warned about glibc's heap: what the heap
+#: can hold again is then within the few MiB of library scratch that decide such rows anyway
+#: (benchmarks/cost_accuracy/MEMORY.md: rows under ~60 MiB sit at the measurement floor either way).
+HEAP_WARN_MIN_BYTES = 64 * 2**20
+
+
+def _warn_cpu_heap(units: list[DispatchUnit], plan: Plan) -> None:
+    """Where the plan leaves the cpu less free RAM than a forward's activations and KV cache there, glibc's
+    default heap, which can hold about that much again (:mod:`.allocator`), may run it out: say how to fix it."""
+    cpu = next((m for m in plan.cost.memory if m.device == "cpu"), None)
+    if cpu is None or mmap_threshold_fixed() is not None or not glibc_heap():
+        return
+    if not any(u.execution.type == "cpu" for u in units):  # phased units too: they decode there
+        return
+    live = cpu.workspace_bytes + cpu.kv_cache_bytes
+    free = cpu.capacity_bytes - cpu.used_bytes
+    if live > max(free, HEAP_WARN_MIN_BYTES):
+        warnings.warn(
+            f"the plan leaves {format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free, less than "
+            f"the {format_bytes(live)} of activations and KV cache it computes there, and glibc's default heap can "
+            f"hold up to about that much again during a forward: call "
+            f"placement_opt.runtime.allocator.fix_mmap_threshold() once before the first forward (about 5-18 % slower "
+            f"CPU forwards), or plan with a smaller cpu budget", UserWarning, stacklevel=4)
 
 
 def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog,
