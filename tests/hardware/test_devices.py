@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from placement_opt.errors import DeviceSpecError
 from placement_opt.hardware.devices import DEFAULT_GPU_RESERVE_BYTES, Device, Machine
-from placement_opt.hardware.presets import PRESETS
+from placement_opt.hardware.presets import PRESETS, did_you_mean
 from placement_opt.hardware.resolve import as_machine, parse_device_spec
 from placement_opt.units import GIB, MIB
 
@@ -35,7 +37,7 @@ def test_device_from_sizes_and_names() -> None:
 
 
 @pytest.mark.parametrize(("call", "pattern"), [
-    (lambda: Device.preset("a100-41gb"), r"unknown device preset 'a100-41gb': accepted are .*a100-40gb"),
+    (lambda: Device.preset("a100-41gb"), r"unknown device preset 'a100-41gb' \(did you mean 'a100-40gb' or 'a100-80gb'\?\): accepted are .*a100-40gb"),
     (lambda: Device("cpu", "12 gigs"), r"'12 gigs' is not a size.*units: b, kb"),
     (lambda: Device("cpu", -5), r"-5 is negative.*>= 0"),
     (lambda: Device("cpu", "-5GiB"), r"'-5GiB' is not a size"),
@@ -43,6 +45,10 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: Device("cpu", "1GiB", flops=0), r"flops of cpu is 0"),
     (lambda: Device.preset("nvme-gen4", name="cuda:0"), r"preset 'nvme-gen4' is a disk"),
     (lambda: parse_device_spec("cuda:0=a100"), r"'a100' is neither a preset nor a size.*a100-40gb"),
+    (lambda: parse_device_spec("cuda:0=h100-80gb"),
+     r"'h100-80gb' is neither a preset nor a size \(did you mean 'h100-pcie' or 'h100-sxm'\?\)\. Write"),
+    (lambda: Device.preset("a100_40gb"), r"unknown device preset 'a100_40gb' \(did you mean 'a100-40gb'\?\)"),
+    (lambda: Device.preset("warp-drive"), r"unknown device preset 'warp-drive': accepted are"),
     (lambda: as_machine(3.5), r"is not a machine"),
     (lambda: as_machine({"npu": "1GiB"}), r"unknown device name 'npu'"),
     (lambda: as_machine({"cpu": "-1GiB"}), r"max_memory\['cpu'\]"),
@@ -87,3 +93,10 @@ def test_round_trips_through_dicts() -> None:
     again = Machine.from_dict(machine.to_dict())
     assert again == machine
     assert machine.max_memory == {0: machine["cuda:0"].usable_bytes, "cpu": 512 * GIB, "disk": 10**12}
+
+
+@given(st.sampled_from(sorted(PRESETS)), st.booleans())
+def test_a_preset_spelled_with_underscores_or_capitals_is_suggested_first(key, upper) -> None:
+    typed = key.replace("-", "_").upper() if upper else key.replace("-", "_")
+    assume(typed != key)  # a lower-case key without a hyphen is no misspelling
+    assert did_you_mean(typed) == f" (did you mean {key!r}?)"

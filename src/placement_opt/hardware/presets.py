@@ -5,6 +5,7 @@ Pure data and one lookup, :func:`preset`; :class:`~.devices.Device` and ``Device
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from ..errors import DeviceSpecError
@@ -93,5 +94,19 @@ def preset(key: str) -> DevicePreset:
         return PRESETS[key.lower()]
     except KeyError:
         raise DeviceSpecError(
-            f"unknown device preset {key!r}: accepted are {', '.join(sorted(PRESETS))}"
+            f"unknown device preset {key!r}{did_you_mean(key)}: accepted are {', '.join(sorted(PRESETS))}"
         ) from None
+
+
+def did_you_mean(token: str) -> str:
+    """`` (did you mean ...?)`` for a mistyped preset: the same name spelled with hyphens, else the presets of
+    its family (``h100-80gb``: the H100s, not the A100-80GB that spells closest), else the closest spellings;
+    empty when nothing is close."""
+    norm = token.strip().lower().replace("_", "-")
+    family = norm.split("-")[0]
+    close = ([norm] if norm in PRESETS else sorted(p for p in PRESETS if p.split("-")[0] == family)
+             or difflib.get_close_matches(norm, list(PRESETS), n=3, cutoff=0.6))
+    if not close:
+        return ""
+    names = [repr(c) for c in close]
+    return f" (did you mean {', '.join(names[:-1]) + ' or ' + names[-1] if len(names) > 1 else names[0]}?)"

@@ -19,7 +19,7 @@ from ..errors import DeviceSpecError
 from ..units import parse_size
 from .detect import detect_device, local_device_names
 from .devices import Device, Machine, normalize_device_name, replace_device
-from .presets import DEFAULT_PRESET, PRESETS
+from .presets import DEFAULT_PRESET, PRESETS, did_you_mean
 from .profile_store import saved_device
 
 __all__ = [
@@ -116,7 +116,7 @@ def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
             size = parse_size(token, what=f"size of {name}")
         except ValueError:
             raise DeviceSpecError(
-                f"device spec item {item!r}: {token!r} is neither a preset nor a size. "
+                f"device spec item {item!r}: {token!r} is neither a preset nor a size{did_you_mean(token)}. "
                 f"Write NAME=PRESET, NAME=SIZE or NAME=PRESET/SIZE, e.g. 'cuda:0=a100-40gb', "
                 f"'cpu=256GiB'; presets: {', '.join(sorted(PRESETS))}"
             ) from None
