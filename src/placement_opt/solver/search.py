@@ -394,13 +394,8 @@ def _expanded(problem: PlacementProblem, objective: str, groups: list[list[int]]
 
 
 def _proven(problem: PlacementProblem, objective: str, choice: Sequence[int], bound: int, gap_limit: float) -> bool:
-    return _within(problem, objective, choice, bound, gap_limit)
-
-
-def _within(problem: PlacementProblem, objective: str, choice: Sequence[int], bound: int, gap: float) -> bool:
-    """Whether ``choice`` prices within ``gap`` (a share of its value) of ``bound``."""
     value = problem.objective_value(choice, objective)
-    return value <= 0 or (value - bound) / value <= gap
+    return value <= 0 or (value - bound) / value <= gap_limit
 
 
 def _relaxations(problem: PlacementProblem, classes: list[list[str]]) -> list[tuple[str, float, Any]]:
@@ -448,23 +443,36 @@ def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, star
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found([], "UNKNOWN", bound)
     best = _best_read(problem, objective, m, [solver, *m.solutions], latency_cap_ns, until[1])
-    took = time.perf_counter() - began
+    if status == cp_model.OPTIMAL and not (best and _proven(problem, objective, best, bound, RETRY_READ_GAP)):
+        best, bound = _other_optima(problem, objective, m, run, (best, bound), time.perf_counter() - began,
+                                    lambda raw: _bound(raw, unit_scale, slack), (gap_limit, latency_cap_ns), until)
+    return _Found(best, "FEASIBLE", bound)
+
+
+def _other_optima(problem: PlacementProblem, objective: str, m: Any, run: _Run, found: tuple[list[int], int],
+                  took: float, rescale: Any, limits: tuple[float, int | None],
+                  until: tuple[float, float]) -> tuple[list[int], int]:
+    """The best read and the largest bound over a relaxation solved again with the next seeds (up to
+    :data:`RELAX_RETRIES`), while its time allows a solve as long as the longest so far and the best read
+    prices more than :data:`RETRY_READ_GAP` above the bound: which optimum CP-SAT returns, and so the plan it
+    reads into, depends on the seed. ``found``: the first solve's (read, bound); ``took``: its seconds."""
+    best, bound = found
+    gap_limit, latency_cap_ns = limits
     for retry in range(1, RELAX_RETRIES + 1):
-        # An optimum proven early may read far above its bound where another optimum reads close to it
-        # (which one CP-SAT returns depends on the seed): solve again while the relaxation's time allows.
-        if (status != cp_model.OPTIMAL or (best and _within(problem, objective, best, bound, RETRY_READ_GAP))
-                or time.perf_counter() + took > until[0]):
+        if time.perf_counter() + took > until[0]:
             break
         began = time.perf_counter()
         solver, status = m.solve(until[0] - began, run.seed + retry, run.workers, gap_limit)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
-        bound = max(bound, _bound(m.proven_bound(solver), unit_scale, slack))
+        bound = max(bound, rescale(m.proven_bound(solver)))
         read = _best_read(problem, objective, m, [solver, *m.solutions], latency_cap_ns, until[1])
         if read and (not best or problem.objective_value(read, objective) < problem.objective_value(best, objective)):
             best = read
         took = max(took, time.perf_counter() - began)
-    return _Found(best, "FEASIBLE", bound)
+        if status != cp_model.OPTIMAL or (best and _proven(problem, objective, best, bound, RETRY_READ_GAP)):
+            break
+    return best, bound
 
 
 def _best_read(problem: PlacementProblem, objective: str, m: Any, solutions: Sequence[Any],
