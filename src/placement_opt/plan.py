@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._files import write_text_atomic
 from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
@@ -274,12 +275,12 @@ class Plan:
             **({"home": self.home} if self.home is not None else {}),
         }
 
-    def to_json(self, path: str | None = None) -> str:
-        """The plan as standard JSON text (no bare ``Infinity``); also written to ``path`` when given."""
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The plan as standard JSON text (no bare ``Infinity``); also written to ``path`` when given (a file
+        already there is replaced only once the whole plan is written)."""
         text = json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            write_text_atomic(path, text)  # an old plan at ``path`` stays whole until this one is
         return text
 
     @classmethod

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .._files import write_text_atomic
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..report import gap_advice
 from .options import (
@@ -183,7 +184,7 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
     if json_path == STDOUT:
         click.echo(result.to_json())
     elif json_path:
-        Path(json_path).write_text(result.to_json(), encoding="utf-8")
+        write_text_atomic(json_path, result.to_json())
 
 
 def _search_longer(console: Console, first: Plan, solve_again: Callable[[float], Plan]) -> Plan:
@@ -238,7 +239,7 @@ def _write_comparison(console: Console, outcomes: Sequence[StrategyOutcome], jso
         if json_path == STDOUT:
             click.echo(json.dumps(rows, indent=1))
         else:
-            Path(json_path).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+            write_text_atomic(json_path, json.dumps(rows, indent=1))
             say_written(console, f"results written to {json_path}")
     if plot:
         best = next((o.plan for o in outcomes if o.strategy == "cpsat" and o.plan), None)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._files import replacing, write_text_atomic
 from ..errors import PlacementError
 from ..units import format_bytes, format_seconds
 
@@ -267,13 +268,14 @@ def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome
     fig = report_figure(plan, outcomes)
     try:
         if suffix in (".png", ".svg"):
-            fig.savefig(path, dpi=110)
+            with replacing(path) as tmp:
+                fig.savefig(tmp, dpi=110)
             return path
         from ..report import plan_report, report_html, strategies_table
 
         page = report_html(plan_report(plan), title=f"placement_opt: {plan.model_name}", svg=_svg(fig),
                            extra_tables=[strategies_table(outcomes)] if outcomes else [])
-        path.write_text(page, encoding="utf-8")
+        write_text_atomic(path, page)
         return path
     finally:
         plt.close(fig)

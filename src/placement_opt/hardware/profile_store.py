@@ -16,6 +16,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from .._files import write_text_atomic
 from ..errors import ProfileError
 from ..schema import ProfileSchema, validated
 from .devices import Device, normalize_device_name
@@ -200,6 +201,4 @@ def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
 def write_profile(where: Path, data: dict[str, Any]) -> None:
     """Write the profile atomically: a reader sees the old file or the new one, never half of one."""
     where.parent.mkdir(parents=True, exist_ok=True)
-    tmp = where.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(where)
+    write_text_atomic(where, json.dumps(data, indent=1))

@@ -1,0 +1,57 @@
+"""The user's files are replaced whole or not at all: plans, profiles, pictures, JSON results."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _plans import report_plan
+from placement_opt._files import replacing, write_text_atomic
+from placement_opt.plan import Plan
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(old=st.text(max_size=200), new=st.text(max_size=200))
+def test_a_write_replaces_the_file_with_exactly_the_new_text(tmp_path, old, new):
+    target = tmp_path / "out.txt"
+    target.write_bytes(old.encode("utf-8"))
+    write_text_atomic(target, new)
+    assert target.read_bytes() == new.encode("utf-8").replace(b"\n", os.linesep.encode())
+    assert os.listdir(tmp_path) == ["out.txt"]
+
+
+def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "plan.json"
+    target.write_text("the old plan", encoding="utf-8")
+
+    def disk_full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        report_plan().to_json(target)
+    assert target.read_text(encoding="utf-8") == "the old plan"
+    assert os.listdir(tmp_path) == ["plan.json"]
+
+
+def test_a_block_that_raises_replaces_nothing(tmp_path):
+    target = tmp_path / "strip.png"
+    target.write_bytes(b"old picture")
+    with pytest.raises(RuntimeError), replacing(target) as tmp:
+        assert tmp.suffix == ".png" and tmp.parent == tmp_path  # writers that go by the suffix see .png
+        tmp.write_bytes(b"half a pict")
+        raise RuntimeError("the writer failed")
+    assert target.read_bytes() == b"old picture"
+    assert os.listdir(tmp_path) == ["strip.png"]
+
+
+def test_a_plan_written_over_another_reads_back_as_the_new_one(tmp_path):
+    target = tmp_path / "plan.json"
+    report_plan(total_s=9.0).to_json(target)
+    plan = report_plan(total_s=2.0)
+    plan.to_json(str(target))
+    assert Plan.from_json(target).to_dict() == plan.to_dict()
