@@ -55,3 +55,15 @@ def test_a_plan_written_over_another_reads_back_as_the_new_one(tmp_path):
     plan = report_plan(total_s=2.0)
     plan.to_json(str(target))
     assert Plan.from_json(target).to_dict() == plan.to_dict()
+
+
+def test_a_file_behind_a_symlink_is_replaced_and_the_link_and_permissions_stay(tmp_path):
+    real = tmp_path / "plans" / "real.json"
+    real.parent.mkdir()
+    real.write_text("old", encoding="utf-8")
+    real.chmod(0o640)
+    link = tmp_path / "plan.json"
+    link.symlink_to(real)
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and real.read_text(encoding="utf-8") == "new"
+    assert real.stat().st_mode & 0o777 == 0o640

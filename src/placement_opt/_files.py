@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +17,12 @@ __all__ = ["replacing", "write_text_atomic"]
 def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix, for writers that go by it) to write into; renamed over
     ``path`` when the block ends without an error, removed when it raises."""
-    target = Path(path)
+    target = Path(os.path.realpath(path))  # through a symlink: the link stays, its target is replaced
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp{target.suffix}")
     try:
         yield tmp
+        if target.exists():
+            shutil.copymode(target, tmp)  # the old file's permissions, not the umask's
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
