@@ -318,6 +318,41 @@ def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_cop
     handle.remove()
 
 
+def test_refresh_makes_a_weight_changed_between_two_decode_steps_reach_the_next_one(tmp_path, monkeypatch):
+    """In the middle of a sequence the next step's first copy is under way when a step returns; after a change,
+    ``refresh()`` makes the next decode step compute with the changed weight, as the changed model does."""
+    import copy
+
+    from placement_opt.runtime import _streamer
+
+    streamers = []
+    real_init = _streamer.Streamer.__init__
+    monkeypatch.setattr(_streamer.Streamer, "__init__", lambda self: (streamers.append(self), real_init(self))[1])
+    model = tiny("llama")
+    changed = copy.deepcopy(model)
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path, disk_reads="copy")
+    first = next(u for u in handle._units if u.disk)
+    inputs = inputs_for(model)
+    ones = torch.ones(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        outs = [m(**inputs, use_cache=True) for m in (handle, changed)]
+        token = outs[1].logits[:, -1:].argmax(-1)
+        mask = torch.cat([inputs["attention_mask"], ones], 1)
+        outs = [m(input_ids=token, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
+                for m, o in zip((handle, changed), outs, strict=True)]
+        assert id(first) in streamers[0].inflight  # the next step's first copy, begun before the change
+        for m in (model, changed):
+            m.model.layers[0].mlp.up_proj.weight.data.mul_(2)
+        handle.refresh()
+        mask = torch.cat([mask, ones], 1)
+        got, expected = (m(input_ids=token, attention_mask=mask, past_key_values=o.past_key_values).logits
+                         for m, o in zip((handle, changed), outs, strict=True))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    handle.remove()
+    handle.refresh()  # after remove(): nothing to copy, no error
+
+
 # ---------------------------------------------------------------------------------------------
 # Hooks: the fewest, and the hot path cheap
 # ---------------------------------------------------------------------------------------------

@@ -108,10 +108,11 @@ class DispatchedModel:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, units: list[DispatchUnit], hooked: dict[nn.Module, Any],
-                 hf_hooked: set[int], undo: UndoLog) -> None:
+                 hf_hooked: set[int], undo: UndoLog, streamer: Streamer) -> None:
         self.model = model
         self.plan = plan
         self._units = units
+        self._streamer = streamer
         self._hooked = hooked
         self._hf_hooked = hf_hooked
         self._undo = undo
@@ -141,6 +142,18 @@ class DispatchedModel:
     def unit_kinds(self) -> dict[str, str]:
         """``unit -> "resident" | "mmap" | "stream" | "phased"``: how each unit's weights are handled."""
         return {unit.name: unit.kind for unit in self._units}
+
+    def refresh(self) -> None:
+        """Make the next call read every weight as it is now, in the middle of a sequence too.
+
+        A decode step starts copying the next step's first streamed units and returns while they are under
+        way, so a weight changed between two decode steps of one sequence (a write into ``.data``,
+        ``load_state_dict``) would reach the next step as that copy read it. A call that starts a sequence
+        (no cache, or an empty one) copies again by itself; a loop that changes weights between the steps of
+        one sequence calls this after each change. The copies under way are waited for and made again.
+        """
+        if not self._removed:
+            self._streamer.renew()
 
     def remove(self) -> nn.Module:
         """Undo :func:`dispatch`: original forwards, devices and weights; returns the model.
@@ -281,7 +294,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
     log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units}, main))
-    handle = _attach(model, plan, units, hooked_modules, hf_hooked, log)
+    handle = _attach(model, plan, units, (hooked_modules, hf_hooked), streamer, log)
     weights.commit()
     return handle
 
@@ -297,14 +310,14 @@ def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Stream
     return dict(hooked), hf_hooked
 
 
-def _attach(model: nn.Module, plan: Plan, units: list[DispatchUnit], hooked: dict[nn.Module, Any],
-            hf_hooked: set[int], log: UndoLog) -> DispatchedModel:
+def _attach(model: nn.Module, plan: Plan, units: list[DispatchUnit], hooks: tuple[dict[nn.Module, Any], set[int]],
+            streamer: Streamer, log: UndoLog) -> DispatchedModel:
     """Set ``model.hf_device_map`` and attach the handle to the model; returns the handle."""
     log.doing = "setting model.hf_device_map"
     log.push("hf_device_map", attribute_restorer(model, "hf_device_map"))
     model.hf_device_map = plan.device_map
     log.doing = "creating the handle"
-    handle = DispatchedModel(model, plan, units, hooked, hf_hooked, log)
+    handle = DispatchedModel(model, plan, units, *hooks, log, streamer)
     log.push("handle attribute", lambda: _drop_handle(model, handle))
     model._placement_opt_dispatch = handle
     return handle
