@@ -282,12 +282,9 @@ def test_a_disk_weight_written_in_place_keeps_the_change(tmp_path):
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, changed.model.layers[1].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("write", ["data", "load_state_dict"])
-def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_copy_was_under_way(tmp_path, write,
-                                                                                                monkeypatch):
-    """A decode step starts the next step's first copy and returns before it is done. A weight the caller
-    changes after that step (a write into ``.data``, ``load_state_dict``) is read again by the next call that
-    starts a sequence: its outputs are the changed model's."""
+def _copied_layers_and_a_twin(tmp_path, monkeypatch):
+    """A tiny Llama whose layers are disk units copied by the prefetch thread, dispatched; the streamers made
+    (recorded as they start), the model, an undispatched copy of it, the handle, and the first disk unit."""
     import copy
 
     from placement_opt.runtime import _streamer
@@ -299,7 +296,16 @@ def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_cop
     changed = copy.deepcopy(model)
     handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
                       offload_dir=tmp_path, disk_reads="copy")
-    first = next(u for u in handle._units if u.disk)
+    return streamers, model, changed, handle, next(u for u in handle._units if u.disk)
+
+
+@pytest.mark.parametrize("write", ["data", "load_state_dict"])
+def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_copy_was_under_way(tmp_path, write,
+                                                                                                monkeypatch):
+    """A decode step starts the next step's first copy and returns before it is done. A weight the caller
+    changes after that step (a write into ``.data``, ``load_state_dict``) is read again by the next call that
+    starts a sequence: its outputs are the changed model's."""
+    streamers, model, changed, handle, first = _copied_layers_and_a_twin(tmp_path, monkeypatch)
     inputs = inputs_for(model)
     with torch.no_grad():
         out = handle(**inputs, use_cache=True)
@@ -321,18 +327,7 @@ def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_cop
 def test_refresh_makes_a_weight_changed_between_two_decode_steps_reach_the_next_one(tmp_path, monkeypatch):
     """In the middle of a sequence the next step's first copy is under way when a step returns; after a change,
     ``refresh()`` makes the next decode step compute with the changed weight, as the changed model does."""
-    import copy
-
-    from placement_opt.runtime import _streamer
-
-    streamers = []
-    real_init = _streamer.Streamer.__init__
-    monkeypatch.setattr(_streamer.Streamer, "__init__", lambda self: (streamers.append(self), real_init(self))[1])
-    model = tiny("llama")
-    changed = copy.deepcopy(model)
-    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
-                      offload_dir=tmp_path, disk_reads="copy")
-    first = next(u for u in handle._units if u.disk)
+    streamers, model, changed, handle, first = _copied_layers_and_a_twin(tmp_path, monkeypatch)
     inputs = inputs_for(model)
     ones = torch.ones(2, 1, dtype=torch.long)
     with torch.no_grad():
