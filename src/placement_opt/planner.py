@@ -32,6 +32,7 @@ from .hardware.devices import Machine, normalize_device_name
 from .model.graph import covering_key
 from .plan import BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
+from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
 from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .solver.greedy import (
@@ -47,7 +48,8 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
-__all__ = ["solve", "solve_best_granularity", "baseline_plan", "STRATEGIES", "OBJECTIVES", "SOLVER_WORKERS"]
+__all__ = ["solve", "solve_best_granularity", "baseline_plan", "searched_again", "STRATEGIES", "OBJECTIVES",
+           "SOLVER_WORKERS"]
 
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
@@ -525,3 +527,15 @@ def _pipeline_plan(model: Any, cluster: Any, objective: str, workload: Workload 
         raise SolverInputError(f"a cluster is planned as pipeline stages, whose objective is the slowest stage: "
                                f"pass objective='throughput' (got {objective!r}), or a Machine for one host")
     return plan_pipeline(model, cluster, workload)
+
+
+def searched_again(first: Plan, solve_again: Callable[[float], Plan], extra_s: float = EXTRA_SEARCH_S) -> Plan:
+    """The better of ``first`` and ``solve_again(extra_s)`` (lower objective, then lower gap), with a note
+    saying what was done: for callers that let the default search run and want more time only where it
+    stopped far from its bound (:func:`~placement_opt.report.gap_advice` says when)."""
+    again = solve_again(extra_s)
+    better = again if (again.objective_value, again.gap) < (first.objective_value, first.gap) else first
+    note = (f"the default search stopped at a {first.gap:.1%} gap: searched again for up to {extra_s:g} s "
+            f"({again.status}, gap {again.gap:.1%}); this is the {'second' if better is again else 'first'} "
+            f"search's plan")
+    return dataclasses.replace(better, notes=(*better.notes, note))

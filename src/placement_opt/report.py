@@ -28,13 +28,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
 __all__ = ["Cell", "ReportTable", "PlanReport", "plan_report", "strategies_table", "rich_renderables",
-           "report_text", "report_html", "TEXT_WIDTH", "GAP_TARGET", "gap_advice", "longer_time_limit_s"]
+           "report_text", "report_html", "TEXT_WIDTH", "GAP_TARGET", "EXTRA_SEARCH_S", "gap_advice",
+           "longer_time_limit_s"]
 
 #: Columns of the text ``Plan.summary()`` renders (wide enough that no table row wraps).
 TEXT_WIDTH = 160
 #: A plan whose search stopped (status FEASIBLE) further than this from its proven bound is flagged
 #: in every report, with what to do about it.
 GAP_TARGET = 0.01
+#: ``placement-opt plan`` without ``--time-limit`` and :func:`~placement_opt.runtime.loader.load` without
+#: ``time_limit_s``: when the default search stops above :data:`GAP_TARGET`, they search again for at most
+#: this long and keep the better plan (:func:`~placement_opt.planner.searched_again`).
+EXTRA_SEARCH_S = 4.0
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,40 @@ def test_load_solves_when_no_plan_is_given(tmp_path_factory):
     torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("time_limit_s", [None, 2.0])
+def test_load_searches_again_only_where_the_default_search_stopped_far_from_its_bound(tmp_path_factory, monkeypatch,
+                                                                                     time_limit_s):
+    """Without a time limit, a plan more than 1 % above its bound is solved again for up to EXTRA_SEARCH_S and
+    the better plan kept, with a note; a time limit the caller gives is the only search."""
+    import dataclasses
+
+    from placement_opt import planner
+    from placement_opt.cost.workload import Workload
+    from placement_opt.report import EXTRA_SEARCH_S
+
+    real, limits = planner.solve, []
+
+    def solve(*args, **kwargs):  # the first search stops at a 5 % gap; a longer one lowers the objective
+        limits.append(kwargs.get("time_limit_s"))
+        plan = real(*args, **kwargs)
+        first = len(limits) == 1
+        return dataclasses.replace(plan, status="FEASIBLE", gap=0.05 if first else 0.0,
+                                   objective_value=plan.objective_value * (1.1 if first else 1.0))
+
+    monkeypatch.setattr(planner, "solve", solve)
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-again")
+    model.save_pretrained(path)
+    handle = load(path, {"cpu": "150KB", "disk": "1GB"}, workload=Workload(batch_size=2, prompt_len=8, new_tokens=4),
+                  time_limit_s=time_limit_s)
+    if time_limit_s is None:
+        assert limits == [None, EXTRA_SEARCH_S]
+        assert handle.plan.gap == 0.0 and "this is the second search's plan" in handle.plan.notes[-1]
+    else:
+        assert limits == [time_limit_s] and handle.plan.gap == 0.05
+    handle.remove()
+
+
 def test_cpu_units_map_the_checkpoint_copy_on_write(tmp_path_factory):
     import hashlib
 

@@ -17,7 +17,6 @@ code 2; a problem no placement can satisfy ends with the reason and exit code 1.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -29,10 +28,9 @@ import click
 
 from .._files import write_text_atomic
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
-from ..report import gap_advice
+from ..report import EXTRA_SEARCH_S, gap_advice
 from .options import (
     DTYPES,
-    EXTRA_SEARCH_S,
     check_outputs,
     check_plot_suffix,
     cluster_options,
@@ -192,13 +190,10 @@ def _search_longer(console: Console, first: Plan, solve_again: Callable[[float],
     says so, and keeps the better plan (with a note saying what was done)."""
     console.print(f"[yellow]gap {first.gap:.1%} after the default {first.solve_time_s:.1f} s search: searching "
                   f"again for up to {EXTRA_SEARCH_S:g} s (give --time-limit to choose the time yourself)[/]")
+    from ..planner import searched_again  # not at import: `--help` loads no solver
+
     with progress(f"Searching up to {EXTRA_SEARCH_S:g} s more ..."):
-        again = solve_again(EXTRA_SEARCH_S)
-    better = again if (again.objective_value, again.gap) < (first.objective_value, first.gap) else first
-    note = (f"no --time-limit given and the default search stopped at a {first.gap:.1%} gap: searched again for "
-            f"up to {EXTRA_SEARCH_S:g} s ({again.status}, gap {again.gap:.1%}); this is the "
-            f"{'second' if better is again else 'first'} search's plan")
-    return dataclasses.replace(better, notes=(*better.notes, note))
+        return searched_again(first, solve_again)
 
 
 @cli.command()

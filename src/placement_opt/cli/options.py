@@ -11,17 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..report import EXTRA_SEARCH_S
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..cost.workload import Workload
     from ..hardware.devices import Machine
 
 __all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "parse_modes", "solve_options",
-           "check_plot_suffix", "EXTRA_SEARCH_S", "cluster_options",
+           "check_plot_suffix", "cluster_options",
            "require_devices"]
 
-#: ``plan`` without ``--time-limit``: when the default search stops above the report's gap target
-#: (1 %), it searches again for at most this long and keeps the better plan.
-EXTRA_SEARCH_S = 4.0
 
 
 OBJECTIVES = ("latency", "throughput", "memory")

@@ -27,7 +27,8 @@ __all__ = ["load"]
 def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
          workload: Any = None, dtype: torch.dtype | str | None = None,
          offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
-         progress: bool | None = None, granularity: str | None = None) -> DispatchedModel:
+         progress: bool | None = None, granularity: str | None = None,
+         time_limit_s: float | None = None) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
     Each tensor goes from the checkpoint's safetensors files straight to its storage device:
@@ -59,6 +60,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         granularity: what the solver places (:func:`~placement_opt.planner.solve`): ``"block"``
             (default: decoder layers whole), ``"sublayer"`` (attention, MLP, experts apart), ``"module"``
             or ``"auto"`` (block and sublayer both, the better plan kept); ignored when ``plan`` is given.
+        time_limit_s: the solver's time limit. ``None`` (default): the solver's 1 s, and where that search
+            stops more than 1 % above its bound, up to :data:`~placement_opt.report.EXTRA_SEARCH_S` more
+            (reading the weights takes far longer); the plan's notes say so.
 
     Returns:
         A :class:`DispatchedModel` in eval mode.
@@ -73,7 +77,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
-        plan = _solve(model, devices, objective, workload, granularity)
+        plan = _solve(model, devices, objective, workload, granularity, time_limit_s)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
@@ -96,15 +100,26 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         raise
 
 
-def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granularity: str | None) -> Plan:
-    """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank)."""
+def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granularity: str | None,
+           time_limit_s: float | None) -> Plan:
+    """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank); without a time
+    limit, search again where the default search stopped far from its bound."""
     from ..distributed.context import current_context
     from ..hardware.resolve import resolve_machine
     from ..model.dtypes import dtype_name, module_dtype
-    from ..planner import solve  # the planner imports no runtime module
+    from ..planner import searched_again, solve  # the planner imports no runtime module
+    from ..report import gap_advice
 
     machine = resolve_machine(devices, current_context(), dtype=dtype_name(module_dtype(model)))
-    return solve(model, machine, objective=objective, workload=workload, granularity=granularity)
+
+    def solved(limit_s: float | None) -> Plan:
+        extra = {} if limit_s is None else {"time_limit_s": limit_s}
+        return solve(model, machine, objective=objective, workload=workload, granularity=granularity, **extra)
+
+    plan = solved(time_limit_s)
+    if time_limit_s is None and gap_advice(plan) is not None:
+        plan = searched_again(plan, solved)
+    return plan
 
 
 def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
