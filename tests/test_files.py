@@ -67,3 +67,19 @@ def test_a_file_behind_a_symlink_is_replaced_and_the_link_and_permissions_stay(t
     write_text_atomic(link, "new")
     assert link.is_symlink() and real.read_text(encoding="utf-8") == "new"
     assert real.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_path_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text(encoding="utf-8")))
+    reader.start()
+    write_text_atomic(fifo, "through the pipe")
+    reader.join(timeout=10)
+    assert got == ["through the pipe"]
+    assert fifo.is_fifo() and os.listdir(tmp_path) == ["pipe"]
+    write_text_atomic(os.devnull, "nothing")  # /dev/null stays a device
+    assert not os.path.isfile(os.devnull)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,9 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix, for writers that go by it) to write into; renamed over
     ``path`` when the block ends without an error, removed when it raises."""
     target = Path(os.path.realpath(path))  # through a symlink: the link stays, its target is replaced
+    if target.exists() and not target.is_file():  # /dev/null, a pipe: written to, never replaced
+        yield target
+        return
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp{target.suffix}")
     try:
         yield tmp
@@ -34,4 +38,5 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
-            os.fsync(fh.fileno())
+            if stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # a pipe or a device cannot be synced
+                os.fsync(fh.fileno())
