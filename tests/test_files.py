@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -69,11 +70,10 @@ def test_a_file_behind_a_symlink_is_replaced_and_the_link_and_permissions_stay(t
     assert real.stat().st_mode & 0o777 == 0o640
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_a_path_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    import threading
-
     got = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_text(encoding="utf-8")))
     reader.start()
