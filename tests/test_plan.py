@@ -234,3 +234,40 @@ def test_the_gap_line_appears_exactly_when_the_search_stopped_above_one_percent(
     assert ("gap: not proven" in plan.summary()) == far
     assert ("- the gap: " in plan.explain()) == far
     assert ("gap: not proven" in plan._repr_html_()) == far
+
+
+def _sublayer_plan(rows: list[tuple[str, str | None, str, str, str, str | None]]) -> Plan:
+    """A hand-made plan whose placements are (unit, copy group, storage, execution, mode, prefill execution)."""
+    from _plans import report_plan
+
+    return replace(report_plan(), placements=tuple(
+        UnitPlacement(unit=u, copy_group=g, storage=s, execution=e, mode=m, prefill_execution=pre)
+        for u, g, s, e, m, pre in rows))
+
+
+def test_a_sublayer_plan_is_shown_by_layer_with_the_parts_that_differ_named():
+    from placement_opt.report import plan_report
+
+    def layer(i: int, attn: tuple[str, str, str, str | None]) -> list:
+        g = f"model.layers.{i}"
+        return [(f"{g}.input_layernorm", g, "cuda:0", "cuda:0", "resident", None), (f"{g}.self_attn", g, *attn),
+                (f"{g}.mlp", g, "cuda:0", "cuda:0", "resident", None)]
+
+    home = ("cuda:0", "cuda:0", "resident", None)
+    streamed, phased = ("cpu", "cuda:0", "stream", None), ("disk", "cpu", "phased", "cuda:0")
+    plan = _sublayer_plan([("model.embed_tokens", None, "cpu", "cpu", "resident", None),
+                           ("model.rotary_emb", None, "cpu", "cpu", "resident", None),
+                           *layer(0, home), *layer(1, streamed), *layer(2, streamed), *layer(3, phased),
+                           *layer(4, home), ("lm_head", None, "cuda:0", "cuda:0", "resident", None)])
+    table = plan_report(plan).tables[0]
+    assert table.title.startswith("Where each layer's parts live and compute")
+    assert [tuple(c.text for c in row[:3]) for row in table.rows] == [
+        ("model.embed_tokens .. model.rotary_emb", "2", "resident cpu"),
+        ("model.layers.0", "1", "all resident cuda:0"),
+        ("model.layers.1 .. model.layers.2", "2", "self_attn stream cpu -> cuda:0; the rest resident cuda:0"),
+        ("model.layers.3", "1", "self_attn phased disk -> cpu (prefill cuda:0); the rest resident cuda:0"),
+        ("model.layers.4", "1", "all resident cuda:0"),
+        ("lm_head", "1", "resident cuda:0"),
+    ]
+    block = replace(plan, placements=tuple(replace(p, copy_group=None) for p in plan.placements))
+    assert plan_report(block).tables[0].title == "Where each run of units lives and computes"

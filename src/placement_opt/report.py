@@ -147,6 +147,59 @@ def _runs_table(plan: Plan) -> ReportTable:
                        tuple(rows), frozenset({"n", "weights", "prefill", "decode"}))
 
 
+def _layers_table(plan: Plan) -> ReportTable:
+    """A sublayer plan by decoder layer: consecutive layers whose parts are placed alike in one row, the
+    parts named by where they differ from the layer's most common placement (units outside every layer:
+    rows of their own)."""
+    by_unit = {u.name: u for u in plan.cost.units}
+    rows: list[tuple[list[str], str, list[str]]] = []  # (layers or units, what their parts do, unit names)
+    kinds: list[bool] = []  # whether each row is of layers
+    for group, parts in _by_layer(plan):
+        text = _parts_text(group, parts) if group else _placement_text(parts[0])
+        if rows and kinds[-1] == (group is not None) and rows[-1][1] == text:
+            rows[-1][0].append(group or parts[0].unit)
+            rows[-1][2].extend(p.unit for p in parts)
+        else:
+            rows.append(([group or parts[0].unit], text, [p.unit for p in parts]))
+            kinds.append(group is not None)
+    cells = []
+    for labels, text, units in rows:
+        costs = [by_unit[n] for n in units if n in by_unit]
+        cells.append((Cell(labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"), Cell(str(len(labels))),
+                      Cell(text), Cell(format_bytes(sum(c.stored_bytes for c in costs))),
+                      Cell(format_seconds(sum(c.prefill_s for c in costs))),
+                      Cell(format_seconds(sum(c.decode_s for c in costs)))))
+    return ReportTable("Where each layer's parts live and compute (consecutive layers placed alike in one row)",
+                       ("layers", "n", "parts", "weights", "prefill", "decode"), tuple(cells),
+                       frozenset({"n", "weights", "prefill", "decode"}))
+
+
+def _by_layer(plan: Plan) -> list[tuple[str | None, list[Any]]]:
+    """(copy group, its placements) in plan order; a unit of no group is a group of its own, named None."""
+    out: list[tuple[str | None, list[Any]]] = []
+    for p in plan.placements:
+        if p.copy_group is not None and out and out[-1][0] == p.copy_group:
+            out[-1][1].append(p)
+        else:
+            out.append((p.copy_group, [p]))
+    return out
+
+
+def _placement_text(p: Any) -> str:
+    """``resident cuda:0``, ``stream cpu -> cuda:0``, ``phased disk -> cpu (prefill cuda:0)``: the mode, the
+    storage, the device it computes on (the decode's, for a phased unit) where that differs."""
+    where = p.execution if p.storage == p.execution else f"{p.storage} -> {p.execution}"
+    return f"phased {where} (prefill {p.prefill_execution})" if p.prefill_execution else f"{p.mode} {where}"
+
+
+def _parts_text(group: str, parts: list[Any]) -> str:
+    """The layer's parts by placement: the most common placement as "the rest", the others by part name."""
+    texts = [_placement_text(p) for p in parts]
+    common = max(dict.fromkeys(texts), key=texts.count)
+    named = [f"{p.unit.removeprefix(group + '.')} {t}" for p, t in zip(parts, texts, strict=True) if t != common]
+    return "; ".join([*named, f"{'the rest' if named else 'all'} {common}"])
+
+
 def _memory_table(plan: Plan) -> ReportTable:
     rows = []
     for m in plan.cost.memory:
@@ -168,7 +221,8 @@ def _baselines_table(plan: Plan) -> ReportTable:
 
 def plan_report(plan: Plan, *, notes: bool = True) -> PlanReport:
     """The facts, tables, warnings and notes shown about ``plan`` (``notes=False``: without the notes)."""
-    tables = [_runs_table(plan), _memory_table(plan)]
+    sublayer = any(p.copy_group is not None for p in plan.placements)
+    tables = [_layers_table(plan) if sublayer else _runs_table(plan), _memory_table(plan)]
     if plan.baselines:
         tables.append(_baselines_table(plan))
     lines = [*plan.notes]
