@@ -112,3 +112,23 @@ def test_memory_axis_ends_at_the_longest_bar_over_capacity_which_stays_marked():
     texts = [t for t in ax.texts if "OOM: 3.00 GiB short" in t.get_text()]
     assert texts and texts[0].get_position()[0] <= longest  # inside the axis
     plt.close(ax.figure)
+
+
+def test_each_unit_of_the_strip_is_as_wide_as_its_weights():
+    from dataclasses import replace
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from placement_opt.cli.pictures import placement_strip
+
+    plan = report_plan(n_layers=3)  # embed, 3 layers, head: given 1, 2, 3, 4 and 5 GiB below
+    units = tuple(replace(u, stored_bytes=(k + 1) * GIB) for k, u in enumerate(plan.cost.units))
+    ax = placement_strip(replace(plan, cost=replace(plan.cost, units=units)))
+    storage_row = sorted((b for b in ax.patches if b.get_y() == pytest.approx(1.1)), key=lambda b: b.get_x())
+    assert [b.get_width() for b in storage_row] == pytest.approx([1, 2, 3, 4, 5])
+    assert [b.get_x() for b in storage_row] == pytest.approx([0, 1, 3, 6, 10])
+    assert ax.get_xlim() == pytest.approx((0, 15)) and "as wide as its weights" in ax.get_xlabel()
+    bare = placement_strip(replace(plan, cost=replace(plan.cost, units=())))  # no per-unit costs: equal widths
+    assert {b.get_width() for b in bare.patches if b.get_y() == pytest.approx(1.1)} == {1.0}
+    assert "as wide" not in bare.get_xlabel()

@@ -86,9 +86,11 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
 def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     """Draw the units of ``plan`` in execution order: storage row on top, execution row below.
 
-    A unit whose weights are streamed (stored away from where it computes) is hatched in both
-    rows; a phased unit's execution cell is split: the prefill's device in its upper half, the
-    decode's below; the legend names every device.
+    Each unit is as wide as its weights (equal widths when the plan has no per-unit costs), so the picture
+    shows how much lives where: an expert block of 2.6 GiB is not drawn like its 8 KiB norm. A unit whose
+    weights are streamed (stored away from where it computes) is hatched in both rows; a phased unit's
+    execution cell is split: the prefill's device in its upper half, the decode's below; the legend names
+    every device.
 
     Example::
 
@@ -99,26 +101,27 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
 
     ax = _axes(ax, (12, 2.2))
     colors = device_colors(plan.machine.names)
-    for i, p in enumerate(plan.placements):
+    widths, scale = _unit_widths(plan)
+    left = 0.0
+    for p, width in zip(plan.placements, widths, strict=True):
         hatch = "///" if p.storage != p.execution or p.prefill_execution else None
-        ax.bar(i, 1, bottom=1.1, width=1.0, color=colors.get(p.storage, "#cccccc"), hatch=hatch,
-               edgecolor="white", linewidth=0.3)
+        cell = {"width": width, "align": "edge", "edgecolor": "white", "linewidth": 0.3}
+        ax.bar(left, 1, bottom=1.1, color=colors.get(p.storage, "#cccccc"), hatch=hatch, **cell)
         if p.prefill_execution:  # upper half: the prefill's device (streamed), lower half: the decode's
-            ax.bar(i, 0.5, bottom=0.5, width=1.0, color=colors.get(p.prefill_execution, "#cccccc"), hatch=hatch,
-                   edgecolor="white", linewidth=0.3)
-            ax.bar(i, 0.5, bottom=0.0, width=1.0, color=colors.get(p.execution, "#cccccc"),
-                   edgecolor="white", linewidth=0.3)
-            continue
-        ax.bar(i, 1, bottom=0.0, width=1.0, color=colors.get(p.execution, "#cccccc"), hatch=hatch,
-               edgecolor="white", linewidth=0.3)
+            ax.bar(left, 0.5, bottom=0.5, color=colors.get(p.prefill_execution, "#cccccc"), hatch=hatch, **cell)
+            ax.bar(left, 0.5, bottom=0.0, color=colors.get(p.execution, "#cccccc"), **cell)
+        else:
+            ax.bar(left, 1, bottom=0.0, color=colors.get(p.execution, "#cccccc"), hatch=hatch, **cell)
+        left += width
     n = len(plan.placements)
-    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_xlim(0, max(left, 1e-9))
     ax.set_ylim(0, 2.1)
     ax.set_yticks([0.5, 1.6])
     ax.set_yticklabels(["executes on\n(phased: prefill / decode)" if any(p.prefill_execution for p in plan.placements)
                         else "executes on", "stored on"])
-    ax.set_xlabel(f"{n} units in execution order ({plan.placements[0].unit} ... "
-                  f"{plan.placements[-1].unit})" if n else "no units")
+    span = f"{plan.placements[0].unit} ... {plan.placements[-1].unit}" if n else ""
+    ax.set_xlabel(f"{n} units in execution order ({span}), each as wide as its weights (GiB)" if scale
+                  else f"{n} units in execution order ({span})" if n else "no units")
     ax.spines[["top", "right", "left"]].set_visible(False)
     used = [d for d in plan.machine.names
             if any(d in (p.storage, p.execution) for p in plan.placements)]
@@ -130,6 +133,14 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     ax.set_title(f"{plan.model_name}: placement ({plan.strategy}, {plan.objective})", fontsize=10,
                  loc="left")
     return ax
+
+
+def _unit_widths(plan: Plan) -> tuple[list[float], bool]:
+    """Each placement's width in the strip: its weights in GiB, or 1 each when the plan's cost has no
+    per-unit weights; and whether the widths are weights."""
+    stored = {u.name: u.stored_bytes for u in plan.cost.units}
+    widths = [stored.get(p.unit, 0) / 2**30 for p in plan.placements]
+    return (widths, True) if sum(widths) > 0 else ([1.0] * len(plan.placements), False)
 
 
 def memory_bars(plan: Plan, ax: Axes | None = None) -> Axes:
