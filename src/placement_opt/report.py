@@ -135,13 +135,8 @@ def _runs_table(plan: Plan) -> ReportTable:
     by_unit = {u.name: u for u in plan.cost.units}
     rows = []
     for names, storage, execution, mode in plan.runs():
-        costs = [by_unit[n] for n in names if n in by_unit]
-        label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        rows.append((Cell(label), Cell(str(len(names))), Cell(storage, _device_tone(storage)),
-                     Cell(execution, _device_tone(execution)), Cell(mode),
-                     Cell(format_bytes(sum(c.stored_bytes for c in costs))),
-                     Cell(format_seconds(sum(c.prefill_s for c in costs))),
-                     Cell(format_seconds(sum(c.decode_s for c in costs)))))
+        rows.append((_span(names), Cell(str(len(names))), Cell(storage, _device_tone(storage)),
+                     Cell(execution, _device_tone(execution)), Cell(mode), *_cost_cells(by_unit, names)))
     return ReportTable("Where each run of units lives and computes",
                        ("units", "n", "stored on", "executes on", "mode", "weights", "prefill", "decode"),
                        tuple(rows), frozenset({"n", "weights", "prefill", "decode"}))
@@ -162,16 +157,23 @@ def _layers_table(plan: Plan) -> ReportTable:
         else:
             rows.append(([group or parts[0].unit], text, [p.unit for p in parts]))
             kinds.append(group is not None)
-    cells = []
-    for labels, text, units in rows:
-        costs = [by_unit[n] for n in units if n in by_unit]
-        cells.append((Cell(labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"), Cell(str(len(labels))),
-                      Cell(text), Cell(format_bytes(sum(c.stored_bytes for c in costs))),
-                      Cell(format_seconds(sum(c.prefill_s for c in costs))),
-                      Cell(format_seconds(sum(c.decode_s for c in costs)))))
+    cells = [(_span(labels), Cell(str(len(labels))), Cell(text), *_cost_cells(by_unit, units))
+             for labels, text, units in rows]
     return ReportTable("Where each layer's parts live and compute (consecutive layers placed alike in one row)",
                        ("layers", "n", "parts", "weights", "prefill", "decode"), tuple(cells),
                        frozenset({"n", "weights", "prefill", "decode"}))
+
+
+def _span(names: Sequence[str]) -> Cell:
+    """``first .. last`` of a run of names (the one name of a run of one)."""
+    return Cell(names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}")
+
+
+def _cost_cells(by_unit: dict[str, Any], names: Sequence[str]) -> tuple[Cell, Cell, Cell]:
+    """The weights, prefill and decode time of the named units, summed (units without a cost count 0)."""
+    costs = [by_unit[n] for n in names if n in by_unit]
+    return (Cell(format_bytes(sum(c.stored_bytes for c in costs))), Cell(format_seconds(sum(c.prefill_s for c in costs))),
+            Cell(format_seconds(sum(c.decode_s for c in costs))))
 
 
 def _by_layer(plan: Plan) -> list[tuple[str | None, list[Any]]]:

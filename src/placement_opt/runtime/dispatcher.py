@@ -380,20 +380,25 @@ def _warn_mapped_phased(units: list[DispatchUnit], disk_reads: str) -> None:
             f"solve(..., modes=('resident', 'stream'))", UserWarning, stacklevel=4)
 
 
+def _cpu_memory(plan: Plan) -> Any:
+    """The plan's memory row of the CPU (a :class:`~..cost.memory.DeviceMemory`), or None without one."""
+    return next((m for m in plan.cost.memory if m.device == "cpu"), None)
+
+
 def _warn_copy_headroom(units: list[DispatchUnit], plan: Plan) -> None:
     """``disk_reads="copy"`` holds the next disk unit's copy beside the running one's, which the plan's memory
     does not charge (it prices memory-mapped reads: one copy): say so when the plan's free RAM cannot hold it."""
-    copied = [u for u in units if u.kind == "stream" and u.placement.storage == "disk" and u.execution.type == "cpu"]
-    cpu = next((m for m in plan.cost.memory if m.device == "cpu"), None)
+    copied = {u.name: sum(s.tensor.nbytes for s in u.slots) for u in units
+              if u.kind == "stream" and u.placement.storage == "disk" and u.execution.type == "cpu"}
+    cpu = _cpu_memory(plan)
     if not copied or cpu is None:
         return
-    largest = max(copied, key=lambda u: sum(s.tensor.nbytes for s in u.slots))
-    extra = sum(s.tensor.nbytes for s in largest.slots)
-    free = cpu.capacity_bytes - cpu.used_bytes
+    largest = max(copied, key=copied.__getitem__)
+    extra, free = copied[largest], cpu.free_bytes
     if extra > free:
         warnings.warn(
             f"disk_reads='copy' holds up to {format_bytes(extra)} of RAM more than the plan charges (the next disk "
-            f"unit's copy, {largest.name!r} the largest, beside the running one's), and the plan leaves "
+            f"unit's copy, {largest!r} the largest, beside the running one's), and the plan leaves "
             f"{format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free: use "
             f"disk_reads='mmap', or plan with {format_bytes(extra - free)} less cpu memory", UserWarning,
             stacklevel=4)
@@ -408,13 +413,12 @@ HEAP_WARN_MIN_BYTES = 64 * 2**20
 def _warn_cpu_heap(units: list[DispatchUnit], plan: Plan) -> None:
     """Where the plan leaves the cpu less free RAM than a forward's activations and KV cache there, glibc's
     default heap, which can hold about that much again (:mod:`.allocator`), may run it out: say how to fix it."""
-    cpu = next((m for m in plan.cost.memory if m.device == "cpu"), None)
+    cpu = _cpu_memory(plan)
     if cpu is None or mmap_threshold_fixed() is not None or not glibc_heap():
         return
     if not any(u.execution.type == "cpu" for u in units):  # phased units too: they decode there
         return
-    live = cpu.workspace_bytes + cpu.kv_cache_bytes
-    free = cpu.capacity_bytes - cpu.used_bytes
+    live, free = cpu.workspace_bytes + cpu.kv_cache_bytes, cpu.free_bytes
     if live > max(free, HEAP_WARN_MIN_BYTES):
         warnings.warn(
             f"the plan leaves {format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free, less than "

@@ -337,12 +337,11 @@ def _polished(problem: PlacementProblem, starts: Sequence[list[int]], deadline: 
     polishing the better one alone; on layer graphs, polishing the relaxations' worse plans too lost up to
     1 % (Mistral-7B on an RTX 3060), so they get one start."""
     distinct = list({tuple(start): start for start in starts}.values())
-    best = polish(problem, distinct[0], time.perf_counter() + (deadline - time.perf_counter()) / len(distinct))
-    value = problem.objective_value(best, "latency")
-    for k, start in enumerate(distinct[1:], 2):
-        share = (deadline - time.perf_counter()) / (len(distinct) - k + 1)
-        found = polish(problem, start, time.perf_counter() + share)
-        if problem.satisfies(found) and problem.objective_value(found, "latency") < value:
+    best: list[int] = []
+    value = 0
+    for k, start in enumerate(distinct):
+        found = polish(problem, start, time.perf_counter() + (deadline - time.perf_counter()) / (len(distinct) - k))
+        if not best or (problem.satisfies(found) and problem.objective_value(found, "latency") < value):
             best, value = found, problem.objective_value(found, "latency")
     return best
 
