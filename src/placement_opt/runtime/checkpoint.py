@@ -30,6 +30,7 @@ from ..model.graph import covering_key
 from ..plan import Plan
 from ..progress import Bar, bar
 from ..units import format_bytes
+from ._conversion import Converted
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
@@ -141,7 +142,7 @@ def _check_complete(file: SafetensorsFile) -> None:
 
 
 def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
-                 offload_dir: Any, *, progress: bool | None = None,
+                 offload_dir: Any, *, converted: Mapping[str, Converted] | None = None, progress: bool | None = None,
                  description: str = "Loading weights") -> dict[str, tuple[SafetensorsFile, str]]:
     """Put every checkpoint tensor on its storage device; return the disk units' mapped sources.
 
@@ -149,31 +150,43 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     checkpoint (zero copy; copy-on-write, so the file never changes): CPU-stored ones are read
     ahead at once, disk-stored ones when first used. GPU weights and dtype conversions are read
     tensor by tensor; disk-stored tensors of another dtype are cast and written to
-    ``offload_dir`` one unit at a time, so at most one unit of them is in RAM.
+    ``offload_dir`` one unit at a time, so at most one unit of them is in RAM. ``converted`` (from
+    :func:`~._conversion.conversions`) builds the weights the checkpoint stores in another layout, one at a
+    time, when their turn comes; disk-stored ones go to ``offload_dir`` like cast ones.
 
     ``progress`` (see :mod:`placement_opt.progress`) shows a bar of the checkpoint's bytes on stderr.
     """
     slots = collect_slots(model)
     keys = [next((n for n in slot.names if n in sources), None) for slot in slots]
-    total = sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
+    built = dict(converted or {})
+    total = (sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
+             + sum(c.nbytes for c in built.values()))
     with bar(description, total, unit="bytes", progress=progress) as counted:
-        disk_sources = _materialize(model, plan, sources, offload_dir, list(zip(slots, keys, strict=True)), counted)
+        disk_sources = _materialize(model, plan, sources, offload_dir, list(zip(slots, keys, strict=True)), counted,
+                                    built)
     return disk_sources
 
 
 def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
-                 offload_dir: Any, slots: list[tuple[Slot, str | None]], counted: Bar) -> dict[str, tuple[SafetensorsFile, str]]:
+                 offload_dir: Any, slots: list[tuple[Slot, str | None]], counted: Bar,
+                 converted: Mapping[str, Converted]) -> dict[str, tuple[SafetensorsFile, str]]:
     storage_of = {p.unit: p.storage for p in plan.placements}
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
     converting = _DiskConverter(offload_dir, disk_sources)
     for slot, key in slots:
+        unit = covering_key(slot.names[0], storage_of)
+        storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
+        if key is None and (built := next((converted[n] for n in slot.names if n in converted), None)) is not None:
+            _replace(model, slot, _converted(model, built, storage, slot.tensor.dtype))
+            if storage == "disk":
+                converting.add(unit or "", slot)
+            counted.advance(built.nbytes)
+            continue
         if key is None:  # a buffer computed at init (rotary tables) is not in checkpoints
             if slot.tensor.device.type == "meta":
                 missing.append(slot.names[0])
             continue
-        unit = covering_key(slot.names[0], storage_of)
-        storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
         file, file_key = sources[key]
         if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
             data = file.tensor(file_key)
@@ -194,8 +207,15 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     return disk_sources
 
 
+def _converted(model: nn.Module, built: Converted, storage: str, dtype: torch.dtype) -> torch.Tensor:
+    """A weight the checkpoint stores in another layout, built now, in ``dtype``, on its storage (disk: the CPU,
+    until its unit is written to the offload store)."""
+    data = built.build(model).to(dtype)
+    return data if storage in ("cpu", "disk") else data.to(storage)
+
+
 class _DiskConverter:
-    """Writes cast disk-stored tensors to the offload store unit by unit and maps them back."""
+    """Writes cast or converted disk-stored tensors to the offload store unit by unit and maps them back."""
 
     def __init__(self, offload_dir: Any, disk_sources: dict[str, tuple[SafetensorsFile, str]]) -> None:
         self.offload_dir, self.disk_sources = offload_dir, disk_sources
@@ -213,8 +233,9 @@ class _DiskConverter:
             return
         if self.offload_dir is None:
             raise DispatchError(
-                f"unit {self.unit!r} is stored on disk in another dtype than the checkpoint's "
-                f"({self.slots[0].tensor.dtype}): pass offload_dir='some/dir' to keep the cast weights there"
+                f"unit {self.unit!r} is stored on disk, but the checkpoint does not hold its weights as the model "
+                f"uses them (another dtype than {self.slots[0].tensor.dtype}, or a layout transformers converts at "
+                f"load): pass offload_dir='some/dir' to keep the cast or converted weights there"
             )
         store = OffloadStore(self.offload_dir)
         file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import DispatchError, PlacementError
 from ..plan import Plan
+from ._conversion import Converted, conversions
 from .checkpoint import (
     checkpoint_files,
     checkpoint_index,
@@ -52,7 +53,10 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
         dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
             dtype differs are converted once into ``offload_dir``.
-        offload_dir: where converted disk weights go (only needed in that case).
+        offload_dir: where converted disk weights go (only needed in that case, or for disk units of a
+            checkpoint whose layout transformers converts at load: Mixtral's and Qwen-MoE's experts, one
+            tensor each in the checkpoint, are fused per layer one weight at a time, with transformers' own
+            conversion mapping).
         plan: a plan to use instead of solving.
         progress: a bar of the checkpoint's bytes read, on stderr. ``None`` (default): shown on a
             terminal or in a notebook, silent in pipes and under pytest, or as the environment
@@ -81,9 +85,14 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
+        converted: dict[str, Converted] = {}
         if needs_conversion(model, sources):
-            return _load_converted(root, model, plan, offload_dir)
-        disk_sources = materialize(model, plan, sources, offload_dir, progress=progress,
+            found = conversions(model, sources)
+            if found is None or needs_conversion(model, {**sources, **found[0], **found[1]}):
+                return _load_converted(root, model, plan, offload_dir)
+            sources = {**sources, **found[0]}
+            converted = found[1]
+        disk_sources = materialize(model, plan, sources, offload_dir, converted=converted, progress=progress,
                                    description=f"Loading {root.name}")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
@@ -123,9 +132,9 @@ def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granul
 
 
 def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
-    """Checkpoints in an older layout (MoE experts one tensor each, fused by transformers at load):
-    transformers reads and converts them into RAM, then the plan is applied (disk units are
-    written once to ``offload_dir``)."""
+    """Checkpoints in a layout transformers converts at load time and :func:`~._conversion.conversions` cannot
+    read (its mapping changed, or it does not cover every weight): transformers reads and converts them into
+    RAM, then the plan is applied (disk units are written once to ``offload_dir``)."""
     if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
         raise DispatchError(
             f"{root} stores weights in a layout transformers converts at load time ({type(skeleton).__name__}), "

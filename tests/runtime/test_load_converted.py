@@ -1,0 +1,110 @@
+"""load() of checkpoints transformers converts at load time (MoE experts one tensor each): one weight at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import placement_opt.runtime.loader as loader
+from _models import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
+from placement_opt.errors import DispatchError
+from placement_opt.runtime.loader import load
+
+FUSED = {"mixtral": ("gate_up_proj", "down_proj"), "qwen2_moe": ("gate_up_proj", "down_proj")}
+
+
+@pytest.fixture(scope="module", params=sorted(FUSED))
+def saved(request, tmp_path_factory):
+    model = tiny(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    return request.param, model, path, reference
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Fail if load() reads the checkpoint whole through from_pretrained instead of converting weight by weight."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("load() fell back to from_pretrained")
+    monkeypatch.setattr(loader, "_load_converted", refuse)
+
+
+def test_the_checkpoint_holds_experts_one_tensor_each(saved):
+    """What makes these checkpoints special: the model's fused expert weights are not in the file."""
+    from safetensors import safe_open
+
+    family, model, path, _ = saved
+    with safe_open(path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    fused = [n for n, _ in model.named_parameters() if n.endswith(FUSED[family])]
+    assert fused and not keys & set(fused)
+    assert any(".experts.0." in k for k in keys)
+
+
+def test_disk_layers_fused_into_offload_dir_one_unit_each(saved, tmp_path, no_fallback):
+    family, model, path, reference = saved
+    plan = plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT)
+    with pytest.raises(DispatchError, match="offload_dir"):
+        load(path, None, plan=plan)
+    handle = load(path, None, plan=plan, offload_dir=tmp_path)
+    written = sorted(p.name.split(".")[:3] for p in tmp_path.glob("*.safetensors"))
+    assert written == [["model", "layers", "0"], ["model", "layers", "1"]]  # the converted weights, per disk unit
+    experts = handle.model.model.layers[1].mlp.experts
+    original = model.model.layers[1].mlp.experts
+    for name in FUSED[family]:
+        weight = getattr(experts, name)
+        assert torch.equal(weight, getattr(original, name))
+        file, key = next((f, k) for unit in handle._units for f, k in unit.disk if k.endswith(f"1.mlp.experts.{name}"))
+        assert weight.data_ptr() == file._mapped().ctypes.data + file.spans[key].offset_bytes  # a view of the file
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**inputs_for(model)).logits, reference, rtol=1e-6, atol=1e-6)
+    handle.remove()
+
+
+def test_mixed_plan_generates_the_same_tokens(saved, tmp_path, no_fallback):
+    _, model, path, reference = saved
+    handle = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path)
+    batch = inputs_for(model)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**batch).logits, reference, rtol=1e-6, atol=1e-6)
+        assert torch.equal(handle.generate(**batch, **kwargs), model.generate(**batch, **kwargs))
+    handle.remove()
+
+
+def test_cast_to_another_dtype_while_converting(saved, tmp_path, no_fallback):
+    family, model, path, _ = saved
+    handle = load(path, None, plan=plan_from(model, mixed), dtype="bfloat16", offload_dir=tmp_path)
+    for layer, original in zip(handle.model.model.layers, model.model.layers, strict=True):
+        for name in FUSED[family]:
+            weight = getattr(layer.mlp.experts, name)
+            assert weight.dtype == torch.bfloat16
+            assert torch.equal(weight, getattr(original.mlp.experts, name).to(torch.bfloat16))
+    handle.remove()
+
+
+def test_falls_back_to_from_pretrained_when_the_mapping_cannot_be_read(saved, tmp_path, monkeypatch):
+    """A transformers whose conversion internals changed: the whole-RAM path, still the same logits."""
+    _, model, path, reference = saved
+    monkeypatch.setattr(loader, "conversions", lambda *args: None)
+    handle = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**inputs_for(model)).logits, reference, rtol=1e-6, atol=1e-6)
+    handle.remove()
+
+
+@pytest.mark.cuda
+def test_fused_weights_go_straight_to_the_gpu(saved, tmp_path, no_fallback):
+    """GPU-stored layers: each fused weight is built on the CPU and moved, the logits as the CPU model's."""
+    family, model, path, reference = saved
+    gpu = ("cuda:0", "cuda:0", "resident")
+    plan = plan_from(model, lambda i, u: MAPPED if u.endswith("layers.1") else gpu)  # layer 0 on the GPU
+    handle = load(path, None, plan=plan, offload_dir=tmp_path)
+    layers = handle.model.model.layers
+    assert all(getattr(layers[0].mlp.experts, name).device.type == "cuda" for name in FUSED[family])
+    assert all(getattr(layers[1].mlp.experts, name).device.type == "cpu" for name in FUSED[family])
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**inputs_for(model)).logits.cpu(), reference, rtol=1e-4, atol=1e-4)
+    handle.remove()
