@@ -17,7 +17,7 @@ of two ``generate()`` calls), the GPU's ``max_memory_allocated`` against the pre
 greedy tokens equal accelerate's (bf16 on the CPU rounds differently from the GPU, so a few may not).
 ``--cap`` adds ``torch.cuda.set_per_process_memory_fraction(budget)``: an over-budget plan then fails with OOM.
 
-Without CUDA, ``--smoke`` runs the same code on the CPU with a tiny Llama (devices ``{"cpu": ...}``, where every
+Without CUDA, ``--smoke`` runs the same code on the CPU with a tiny Llama and a tiny Mixtral (devices ``{"cpu": ...}``, where every
 runner computes on the CPU): a check of the script, not a measurement of issue 15.
 
 Usage::
@@ -25,7 +25,7 @@ Usage::
     python benchmarks/phases/gpu.py             # on a CUDA machine: writes GPU.md beside this script
     python benchmarks/phases/gpu.py --cap       # the same with the hard cap
     python benchmarks/phases/gpu.py --case llama --budget 4GiB   # one case and budget: rows merged into GPU.json
-    python benchmarks/phases/gpu.py --smoke     # any machine: a tiny Llama on the CPU (about a minute)
+    python benchmarks/phases/gpu.py --smoke     # any machine: a tiny Llama and a tiny Mixtral on the CPU (minutes)
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32
                num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=8192)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=256)
+#: --smoke's Mixtral: its checkpoint stores experts one tensor each, as Mixtral's do (load() fuses them).
+TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,9 @@ class Row:
 def cases(args: argparse.Namespace) -> list[Case]:
     """The cases to run: every one, or those ``--case`` names, at ``--budget`` when given."""
     if args.smoke:
-        return [Case("tiny-llama (smoke)", "llama", TINY, ("1GiB",), (1, 32, 8))]
+        return [c for c in (Case("tiny-llama (smoke)", "llama", TINY, ("1GiB",), (1, 32, 8)),
+                            Case("tiny-mixtral (smoke)", "mixtral", TINY_MOE, ("1GiB",), (1, 32, 8)))
+                if args.case in (None, c.family)]
     every = [Case("llama-3.1-8b shape", "llama", LLAMA_8B, ("10GiB", "4GiB"), (1, 512, args.steps)),
              Case(f"mixtral-8x7b shape, {args.mixtral_layers} layers", "mixtral",
                   {**MIXTRAL, "num_hidden_layers": args.mixtral_layers}, ("24GiB",), (1, 512, args.steps))]
