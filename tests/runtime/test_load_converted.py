@@ -108,3 +108,28 @@ def test_fused_weights_go_straight_to_the_gpu(saved, tmp_path, no_fallback):
     with torch.no_grad():
         torch.testing.assert_close(handle(**inputs_for(model)).logits.cpu(), reference, rtol=1e-4, atol=1e-4)
     handle.remove()
+
+
+def test_a_missing_expert_tensor_is_refused_by_name(tmp_path, no_fallback):
+    """An expert dropped from the checkpoint: the fused weight would be short of it; load() says which."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny("mixtral")
+    model.save_pretrained(tmp_path / "ckpt")
+    weights = load_file(tmp_path / "ckpt" / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    save_file(weights, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DispatchError, match=r"layers\.1\.mlp\.experts\.gate_up_proj, fused from 7 checkpoint tensors"):
+        load(tmp_path / "ckpt", None, plan=plan_from(model, mixed), offload_dir=tmp_path / "offload")
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_before_it_is_used(tmp_path):
+    """A tensor of another shape (here: a wider MLP than config.json says) never reaches the model."""
+    import json
+
+    model = tiny("llama")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(DispatchError, match=r"'model.layers.0.mlp.gate_proj.weight'.*shape \[64, 32\].*\[48, 32\]"):
+        load(tmp_path, None, plan=plan_from(model, lambda i, u: RESIDENT))

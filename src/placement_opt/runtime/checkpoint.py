@@ -178,7 +178,7 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
         unit = covering_key(slot.names[0], storage_of)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
         if key is None and (built := next((converted[n] for n in slot.names if n in converted), None)) is not None:
-            _replace(model, slot, _converted(model, built, storage, slot.tensor.dtype))
+            _replace(model, slot, _converted(model, built, storage, slot.tensor))
             if storage == "disk":
                 converting.add(unit or "", slot)
             counted.advance(built.nbytes)
@@ -188,6 +188,8 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
                 missing.append(slot.names[0])
             continue
         file, file_key = sources[key]
+        _check_shape(slot.names[0], slot.tensor, file.spans[file_key].shape,
+                     f"checkpoint tensor {file_key!r} in {file.path.name}")
         if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
             data = file.tensor(file_key)
             if storage == "disk":
@@ -207,11 +209,27 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     return disk_sources
 
 
-def _converted(model: nn.Module, built: Converted, storage: str, dtype: torch.dtype) -> torch.Tensor:
-    """A weight the checkpoint stores in another layout, built now, in ``dtype``, on its storage (disk: the CPU,
-    until its unit is written to the offload store)."""
-    data = built.build(model).to(dtype)
+def _converted(model: nn.Module, built: Converted, storage: str, like: torch.Tensor) -> torch.Tensor:
+    """A weight the checkpoint stores in another layout, built now, in ``like``'s dtype, on its storage (disk: the
+    CPU, until its unit is written to the offload store)."""
+    keys = [key for _, key in built.keys]
+    what = f"{built.name}, fused from {len(keys)} checkpoint tensors ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}),"
+    try:
+        data = built.build(model)
+    except (RuntimeError, ValueError) as exc:  # tensors that do not stack: some missing, or of other shapes
+        raise DispatchError(f"{what} cannot be built ({exc}): is the directory a complete checkpoint of this "
+                            f"model's configuration (config.json)?") from exc
+    _check_shape(built.name, like, data.shape, what)
+    data = data.to(like.dtype)
     return data if storage in ("cpu", "disk") else data.to(storage)
+
+
+def _check_shape(name: str, expected: torch.Tensor, shape: Any, what: str) -> None:
+    """Refuse a checkpoint tensor of another shape than the model's ``name`` (``expected``, on the meta device): a
+    checkpoint of another configuration, or one missing some of the tensors a fused weight is made of."""
+    if tuple(shape) != tuple(expected.shape):
+        raise DispatchError(f"{what} has shape {list(shape)}, but the model's {name} has {list(expected.shape)}: "
+                            f"is the directory a complete checkpoint of this model's configuration (config.json)?")
 
 
 class _DiskConverter:
