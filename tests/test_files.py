@@ -83,3 +83,49 @@ def test_a_path_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
     assert fifo.is_fifo() and os.listdir(tmp_path) == ["pipe"]
     write_text_atomic(os.devnull, "nothing")  # /dev/null stays a device
     assert not os.path.isfile(os.devnull)
+
+
+def test_threads_writing_one_path_never_tear_it(tmp_path):
+    """Each writer has its own temporary file: the file read back is always one writer's text, whole."""
+    target = tmp_path / "plan.json"
+    texts = [f"{k}" * 20_000 for k in range(8)]
+    errors: list[BaseException] = []
+
+    def write(text: str) -> None:
+        try:
+            for _ in range(20):
+                write_text_atomic(target, text)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert target.read_text(encoding="utf-8") in texts
+    assert os.listdir(tmp_path) == ["plan.json"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="orphans are found by probing pids (POSIX)")
+def test_the_temporary_file_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from placement_opt import _files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    orphan = tmp_path / f".plan.{pid}-1-0.tmp.json"  # what a writer killed mid-write leaves
+    recent = tmp_path / f".plan.{pid}-1-1.tmp.json"  # as old as a write in progress on another machine
+    live = tmp_path / f".plan.{os.getppid()}-1-0.tmp.json"  # a running process's: it may still be writing
+    other = tmp_path / f".other.{pid}-1-0.tmp.json"  # another file's
+    for path in (orphan, recent, live, other):
+        path.write_text("half a plan", encoding="utf-8")
+    old = time.time() - _files.ORPHAN_AGE_S - 60
+    for path in (orphan, live, other):
+        os.utime(path, (old, old))
+    write_text_atomic(tmp_path / "plan.json", "a plan")
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (recent, live, other, tmp_path / "plan.json"))
