@@ -42,14 +42,14 @@ class Converted:
 
     name: str
     """The model's name of the weight (``model.layers.0.mlp.experts.gate_up_proj``)."""
-    keys: list[Source]
-    """Its checkpoint tensors, in the order the converter collected them."""
+    sources: list[Source]
+    """Its checkpoint tensors (file, key), in the order the converter collected them."""
     converter: Any
     """A private copy of the transformers ``WeightConverter``, its tensors added (not yet read)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(file.spans[key].nbytes for file, key in self.keys)
+        return sum(file.spans[key].nbytes for file, key in self.sources)
 
     def build(self, model: nn.Module) -> torch.Tensor:
         """The weight on the CPU in the checkpoint's dtype: the sources read and converted now."""
@@ -81,7 +81,7 @@ def conversions(model: nn.Module, sources: Mapping[str, Source]) -> tuple[dict[s
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    wanted = set(model.state_dict())
+    wanted = dict.fromkeys(model.state_dict(), True)  # what rename_source_key looks names up in
     prefix = getattr(model, "base_model_prefix", None)
     renamed: dict[str, Source] = {}
     converted: dict[str, Converted] = {}
@@ -89,7 +89,7 @@ def conversions(model: nn.Module, sources: Mapping[str, Source]) -> tuple[dict[s
         for key in sorted(sources, key=dot_natural_key):  # the order from_pretrained collects experts in
             if key in wanted:
                 continue
-            name, pattern = rename_source_key(key, renamings, converters, prefix, dict.fromkeys(wanted, True))
+            name, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
             if name not in wanted:
                 continue  # not the model's (an unused buffer, a head this class does not have)
             if pattern is None:
@@ -99,7 +99,7 @@ def conversions(model: nn.Module, sources: Mapping[str, Source]) -> tuple[dict[s
             if entry is None:
                 entry = converted[name] = Converted(name, [], copy.deepcopy(by_pattern[pattern]))
             file, file_key = sources[key]
-            entry.keys.append((file, file_key))
+            entry.sources.append((file, file_key))
             entry.converter.add_tensor(name, key, pattern, _reader(file, file_key))
     except (AttributeError, KeyError, TypeError, ValueError):
         return None

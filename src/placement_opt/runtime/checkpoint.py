@@ -212,8 +212,9 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
 def _converted(model: nn.Module, built: Converted, storage: str, like: torch.Tensor) -> torch.Tensor:
     """A weight the checkpoint stores in another layout, built now, in ``like``'s dtype, on its storage (disk: the
     CPU, until its unit is written to the offload store)."""
-    keys = [key for _, key in built.keys]
-    what = f"{built.name}, fused from {len(keys)} checkpoint tensors ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}),"
+    keys = [key for _, key in built.sources]
+    listed = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+    what = f"{built.name}, fused from {len(keys)} checkpoint tensors ({listed}),"
     try:
         data = built.build(model)
     except (RuntimeError, ValueError) as exc:  # tensors that do not stack: some missing, or of other shapes
