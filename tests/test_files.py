@@ -117,15 +117,15 @@ def test_the_temporary_file_of_a_killed_writer_is_removed_by_the_next_write(tmp_
     from placement_opt import _files
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    orphan = tmp_path / f".plan.{pid}-1-0.tmp.json"  # what a writer killed mid-write leaves
-    recent = tmp_path / f".plan.{pid}-1-1.tmp.json"  # as old as a write in progress on another machine
-    live = tmp_path / f".plan.{os.getppid()}-1-0.tmp.json"  # a running process's: it may still be writing
-    other = tmp_path / f".other.{pid}-1-0.tmp.json"  # another file's
-    for path in (orphan, recent, live, other):
+    pid, host = int(dead.stdout), _files.HOST_TAG
+    orphan = tmp_path / f".plan.{host}.{pid}-1-0.tmp.json"  # what a writer killed mid-write leaves
+    live = tmp_path / f".plan.{host}.{os.getppid()}-1-0.tmp.json"  # a running process's: it may still be writing
+    elsewhere = tmp_path / f".plan.0badcafe.{pid}-1-0.tmp.json"  # another host's: its pids are not ours to probe
+    stale = tmp_path / f".plan.0badcafe.{pid}-1-1.tmp.json"  # ... unless unchanged for an hour
+    other = tmp_path / f".other.{host}.{pid}-1-0.tmp.json"  # another file's
+    for path in (orphan, live, elsewhere, stale, other):
         path.write_text("half a plan", encoding="utf-8")
-    old = time.time() - _files.ORPHAN_AGE_S - 60
-    for path in (orphan, live, other):
-        os.utime(path, (old, old))
+    old = time.time() - _files.STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
     write_text_atomic(tmp_path / "plan.json", "a plan")
-    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (recent, live, other, tmp_path / "plan.json"))
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, elsewhere, other, tmp_path / "plan.json"))

@@ -11,13 +11,16 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import stat
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["replacing", "write_text_atomic"]
+import xxhash
+
+__all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG"]
 
 _COUNTER = itertools.count()  # with the pid and thread: each temporary file's own name
 
@@ -42,10 +45,11 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def _new_temporary(target: Path) -> Path:
-    """An empty file beside ``target`` that no other writer has: named by this process, thread and a counter, and
-    created exclusively (two threads writing one path each get their own, the umask sets its permissions)."""
+    """An empty file beside ``target`` that no other writer has: named by this host, process, thread and a counter,
+    and created exclusively (two threads writing one path each get their own; the umask sets its permissions)."""
     while True:
-        tmp = target.with_name(f".{target.stem}.{os.getpid()}-{threading.get_ident()}-{next(_COUNTER)}.tmp{target.suffix}")
+        tmp = target.with_name(f".{target.stem}.{HOST_TAG}.{os.getpid()}-{threading.get_ident()}-{next(_COUNTER)}"
+                               f".tmp{target.suffix}")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp
@@ -53,38 +57,60 @@ def _new_temporary(target: Path) -> Path:
             continue
 
 
-#: A temporary file is an orphan only once it is this old: a writer on another machine sharing the directory
-#: (whose process this one cannot see) has long renamed or removed its own by then.
-ORPHAN_AGE_S = 600
+#: Seconds after which an unchanged temporary file is removed even when its writer may still run (another host,
+#: or its process id reused): a live writer renames its file within seconds. The offload store's rule too.
+STALE_TEMP_S = 3600.0
 
 
 def _remove_orphans(target: Path) -> None:
     """Remove the temporary files of writers of ``target`` that died before renaming them (killed mid-write):
-    only names this module makes, at least :data:`ORPHAN_AGE_S` old, whose process no longer runs. POSIX only
-    (on Windows, ``os.kill(pid, 0)`` would end the process, not probe it)."""
+    only names this module gives, whose process no longer runs on this host, or unchanged for
+    :data:`STALE_TEMP_S`. POSIX only (on Windows, ``os.kill(pid, 0)`` would end the process, not probe it)."""
     if os.name != "posix":
         return
-    pattern = re.compile(rf"\.{re.escape(target.stem)}\.(\d+)-\d+-\d+\.tmp{re.escape(target.suffix)}")
+    pattern = re.compile(rf"\.{re.escape(target.stem)}\.([0-9a-f]{{8}})\.(\d+)-\d+-\d+\.tmp{re.escape(target.suffix)}")
+    now = time.time()
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             match = pattern.fullmatch(entry.name)
-            if (match and entry.stat(follow_symlinks=False).st_mtime < time.time() - ORPHAN_AGE_S
-                    and not _running(int(match.group(1)))):
+            if match is None:
+                continue
+            gone = match.group(1) == HOST_TAG and not process_alive(int(match.group(2)))
+            if gone or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
 
-def _running(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's counts: it may be writing)."""
+def _process_ids_tag() -> str:
+    """8 hex digits naming this host and process-id namespace: whose process ids a temporary name holds.
+
+    Containers sharing a volume may share a host name but not their process ids.
+    """
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # pragma: no cover - not Linux
+        namespace = 0
+    return xxhash.xxh32_hexdigest(f"{socket.gethostname()}:{namespace}".encode())
+
+
+HOST_TAG = _process_ids_tag()
+
+
+def process_alive(pid: int) -> bool:
+    """True when process ``pid`` exists on this host and is not a zombie (a killed writer not yet reaped)."""
     if pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # PermissionError: it exists; anything else: do not guess
+    except PermissionError:
+        return True  # another user's process
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return True
-    return True
+    return state != "Z"
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

@@ -15,7 +15,6 @@ import hashlib
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 import warnings
@@ -25,6 +24,7 @@ from typing import Any
 
 import xxhash
 
+from .._files import HOST_TAG, process_alive
 from ..errors import DispatchError
 
 try:
@@ -48,19 +48,7 @@ _CHUNK_BYTES = 16 * 1024 * 1024
 _NAME_TRIES = 100
 
 
-def _process_ids_tag() -> str:
-    """8 hex digits naming this host and process-id namespace: whose process ids a temporary name holds.
-
-    Containers sharing a volume may share a host name but not their process ids.
-    """
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # pragma: no cover - not Linux
-        namespace = 0
-    return xxhash.xxh32_hexdigest(f"{socket.gethostname()}:{namespace}".encode())
-
-
-_HOST = _process_ids_tag()
+_HOST = HOST_TAG  # whose process ids a temporary name holds (shared with placement_opt._files)
 
 
 def _stamp(st: os.stat_result) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -154,7 +142,7 @@ def remove_stale_temporaries(directory: Path) -> list[str]:
                 age = now - item.stat(follow_symlinks=False).st_mtime
             except FileNotFoundError:
                 continue
-            gone = host in (None, _HOST) and not _process_alive(pid)
+            gone = host in (None, _HOST) and not process_alive(pid)
             if gone or age > STALE_TEMP_S:
                 _remove(Path(item.path))
                 removed.append(item.name)
@@ -213,23 +201,6 @@ def _temporary_owner(name: str) -> tuple[str | None, int] | None:
         if match and (match["target"].endswith(".safetensors") or match["target"] == MANIFEST_NAME):
             return match.groupdict().get("host"), int(match["pid"])
     return None
-
-
-def _process_alive(pid: int) -> bool:
-    """True when process ``pid`` exists and is not a zombie (a killed writer not yet reaped)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def _link_new(tmp: Path, target: Path) -> None:
