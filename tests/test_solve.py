@@ -113,6 +113,15 @@ def test_bad_pins_list_close_names_and_inner_modules():
         solve(graph, m, pins={"lm_head": 3})
 
 
+@pytest.mark.parametrize("strategy", ["sequential", "balanced", "balanced_low_0"])
+def test_pins_with_a_greedy_strategy_are_refused_not_ignored(strategy):
+    """The device_map-string fills know no pins: a plan from one would say 'pinned' and store lm_head elsewhere."""
+    graph, m = llama_like(), machine(2000, 2000)
+    with pytest.raises(PlacementError, match="pins apply to strategy 'cpsat' only"):
+        solve(graph, m, strategy=strategy, pins={"lm_head": "cpu"})
+    assert solve(graph, m, strategy=strategy, pins={}).placements  # no pins: as before
+
+
 def test_bad_arguments_list_the_accepted_values():
     graph, m = llama_like(), machine(2000)
     with pytest.raises(PlacementError, match="latency, throughput, memory"):

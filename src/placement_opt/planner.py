@@ -107,7 +107,10 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             (placement_opt's re-implementation of those device_map strings) or ``"accelerate"`` (the
             installed library itself; needs a model or config).
         pins: accelerate vocabulary, ``{"lm_head": "cuda:1", "model.embed_tokens": "cpu",
-            "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed.
+            "model.layers": 0}``: a key covers every unit it prefixes; the storage device is fixed. A key
+            with ``*``, ``?`` or ``[`` is a shell-style pattern over unit names and their prefixes
+            (``{"model.layers.*.mlp.experts": "cpu"}`` at ``granularity="sublayer"``); a plain key wins over
+            patterns (:func:`~placement_opt.cost.pins.resolve_pins`).
         time_limit_s: wall-clock limit of everything after tracing: pricing, baselines and the CP-SAT
             search, which gets what is left (at least 0.2 s: a limit already spent on pricing is
             overrun by that much). Meanwhile the objects alive at the start are left out of Python's
@@ -150,7 +153,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     modes = _check_modes(modes)
     if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
         return _pipeline_plan(model, devices, objective, workload)
-    _check_types(workload, pins, contiguous)
+    _check_types(workload, pins, contiguous, strategy)
     from .model.graph import LayerGraph
 
     _check_granularity(model, granularity)
@@ -318,13 +321,16 @@ def _check_modes(modes: Any) -> tuple[str, ...]:
     return chosen
 
 
-def _check_types(workload: Any, pins: Any, contiguous: Any) -> None:
+def _check_types(workload: Any, pins: Any, contiguous: Any, strategy: str) -> None:
     problems = []
     if workload is not None and not isinstance(workload, Workload):
         problems.append(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: "
                         f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
     if pins is not None and not isinstance(pins, Mapping):
         problems.append(f"pins must be a dict like {{'lm_head': 'cuda:1'}}, got {type(pins).__name__}")
+    elif pins and strategy != "cpsat":  # the greedy fills know no pins: a plan that ignored them would say it kept them
+        problems.append(f"pins apply to strategy 'cpsat' only: {strategy!r} fills devices as accelerate's "
+                        f"device_map strings do, whatever is pinned; drop the pins, or use strategy='cpsat'")
     if not isinstance(contiguous, bool):
         problems.append(f"contiguous must be True or False, got {contiguous!r}")
     if problems:
