@@ -8,7 +8,7 @@ compare`` command only renders them (:mod:`placement_opt.cli.tables`, :mod:`plac
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 
 def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
                    time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None,
-                   granularity: str | None = None) -> Plan:
+                   granularity: str | None = None, pins: Mapping[str, Any] | None = None) -> Plan:
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
     ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
@@ -42,6 +42,8 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
         kwargs["time_limit_s"] = time_limit_s
     if modes is not None:
         kwargs["modes"] = modes
+    if pins:
+        kwargs["pins"] = pins
     if granularity == "auto":
         from .model.tracer import trace
         from .planner import solve_best_granularity

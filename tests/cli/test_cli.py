@@ -295,3 +295,23 @@ def test_plan_granularity_places_sublayer_units_or_picks_the_better(tmp_path):
     auto = run_cli(*common, "--granularity", "auto")
     assert auto.exit_code == 0, auto.output
     assert "granularity auto:" in " ".join(auto.output.split())
+
+
+def test_pin_fixes_storage_by_name_or_pattern_and_refuses_what_it_cannot_keep(tmp_path):
+    common = ("plan", "mixtral-8x7b", "-d", "cuda:0=a100-80gb,cpu=256GiB", "--new-tokens", "8", "--time-limit", "1")
+    out = run_cli(*common, "--granularity", "sublayer", "--pin", "model.layers.*.mlp.experts=cpu", "--pin",
+                  "lm_head=cpu", "--json", str(tmp_path / "pinned.json"))
+    assert out.exit_code == 0, out.output
+    storage = {p.unit: p.storage for p in Plan.from_json(str(tmp_path / "pinned.json")).placements}
+    experts = [u for u in storage if u.endswith(".mlp.experts")]
+    assert len(experts) == 32 and {storage[u] for u in experts} == {"cpu"} and storage["lm_head"] == "cpu"
+    free = run_cli(*common, "--granularity", "sublayer", "--json", str(tmp_path / "free.json"))
+    assert free.exit_code == 0  # without the pins, an 80 GB GPU keeps some experts: the pins changed the plan
+    assert any(p.storage == "cuda:0" and p.unit.endswith(".mlp.experts")
+               for p in Plan.from_json(str(tmp_path / "free.json")).placements)
+    for args, said in ((("--pin", "lm_head"), "give MODULE=DEVICE"),
+                       (("--pin", "model.layers.*.mlp.down_proj=cpu"), "matches no unit"),
+                       (("--pin", "lm_head=cpu", "--strategy", "accelerate"), "leave it out"),
+                       (("--pin", "lm_head=cpu", "--strategy", "balanced"), "pins apply to strategy 'cpsat' only")):
+        bad = run_cli(*common, *args, catch_exceptions=True)
+        assert bad.exit_code != 0 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args

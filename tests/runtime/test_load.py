@@ -181,3 +181,18 @@ def test_load_places_sublayer_units_when_asked(granularity, tmp_path_factory):
         reference = model(**inputs_for(model)).logits
     torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
     handle.remove()
+
+
+def test_load_keeps_the_callers_pins(tmp_path_factory):
+    """load(pins=...) reaches the solver: the pinned layers are stored where the caller said, the logits unchanged."""
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-pins")
+    model.save_pretrained(path)
+    handle = load(path, {"cpu": "1GB", "disk": "1GB"}, pins={"model.layers.[13]": "disk"})
+    storage = {p.unit: p.storage for p in handle.plan.placements}
+    assert storage["model.layers.1"] == storage["model.layers.3"] == "disk"
+    assert storage["model.layers.0"] == storage["model.layers.2"] == "cpu"  # RAM is plenty: unpinned stay there
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**inputs_for(model)).logits, model(**inputs_for(model)).logits,
+                                   rtol=1e-6, atol=1e-6)
+    handle.remove()

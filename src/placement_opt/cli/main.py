@@ -37,6 +37,7 @@ from .options import (
     cluster_options,
     model_dtype,
     parse_modes,
+    parse_pins,
     require_devices,
     resolve_devices,
     resolve_model,
@@ -128,13 +129,20 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
               show_default=True,
               help="units to place: decoder layers whole (block), attention/MLP/experts apart (sublayer), every "
                    "module, or auto: block and sublayer both, each in half the time limit, the better plan kept")
+@click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE",
+              help="fix where MODULE's weights are stored (repeatable): e.g. lm_head=cuda:0, model.layers.0=cpu, or a "
+                   "quoted pattern, 'model.layers.*.mlp.experts=cpu' (with --granularity sublayer)")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, granularity: str, cluster: str | None, schedule: str, microbatches: int | None,
-         train: bool) -> None:
+         modes: str, granularity: str, pin: tuple[str, ...], cluster: str | None, schedule: str,
+         microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
+    pins = parse_pins(pin)
+    if pins and (cluster is not None or strategy == "accelerate"):
+        raise click.UsageError("--pin fixes storage for the solver's plan: leave it out with --cluster and with "
+                               "--strategy accelerate (the installed library's own map)")
     if cluster is not None:
         if overlap:
             raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
@@ -145,6 +153,8 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
                                                       granularity, overlap)
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
+        if pins:
+            chosen["pins"] = pins
         if granularity == "auto" and strategy == "cpsat":
             chosen["granularity"] = "auto"
         with progress(f"Solving ({strategy}, {objective}) ..."):

@@ -6,6 +6,7 @@ Bad words end as ``click.BadParameter``/``click.UsageError`` (one line, exit cod
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +191,20 @@ def cluster_options(func: Any) -> Any:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def parse_pins(values: Sequence[str]) -> dict[str, str]:
+    """``--pin lm_head=cuda:0 --pin 'model.layers.*.mlp.experts=cpu'`` -> ``solve``'s pins (checked there)."""
+    pins: dict[str, str] = {}
+    for text in values:
+        key, sep, device = text.rpartition("=")
+        if not sep or not device.strip():
+            raise click.UsageError(f"--pin {text!r}: give MODULE=DEVICE, e.g. --pin lm_head=cuda:0 or "
+                                   f"--pin 'model.layers.*.mlp.experts=cpu' (a pattern: quote it)")
+        if key.strip() in pins and pins[key.strip()] != device.strip():
+            raise click.UsageError(f"--pin {key.strip()!r} is given twice, to {pins[key.strip()]} and {device.strip()}")
+        pins[key.strip()] = device.strip()
+    return pins
 
 
 def parse_modes(text: str) -> tuple[str, ...]:

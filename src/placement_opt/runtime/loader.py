@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
          workload: Any = None, dtype: torch.dtype | str | None = None,
          offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
          progress: bool | None = None, granularity: str | None = None,
-         time_limit_s: float | None = None) -> DispatchedModel:
+         time_limit_s: float | None = None, pins: Mapping[str, Any] | None = None) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
     Each tensor goes from the checkpoint's safetensors files straight to its storage device:
@@ -67,6 +68,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         time_limit_s: the solver's time limit. ``None`` (default): the solver's 1 s, and where that search
             stops more than 1 % above its bound, up to :data:`~placement_opt.report.EXTRA_SEARCH_S` more
             (reading the weights takes far longer); the plan's notes say so.
+        pins: storage devices fixed by the caller, as :func:`~placement_opt.planner.solve` takes them
+            (``{"lm_head": 0}``, or a pattern: ``{"model.layers.*.mlp.experts": "cpu"}`` with
+            ``granularity="sublayer"``); ignored when ``plan`` is given.
 
     Returns:
         A :class:`DispatchedModel` in eval mode.
@@ -81,7 +85,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     if plan is None:
-        plan = _solve(model, devices, objective, workload, granularity, time_limit_s)
+        plan = _solve(model, devices, time_limit_s, objective=objective, workload=workload, granularity=granularity,
+                      pins=pins)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
@@ -109,10 +114,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         raise
 
 
-def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granularity: str | None,
-           time_limit_s: float | None) -> Plan:
-    """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank); without a time
-    limit, search again where the default search stopped far from its bound."""
+def _solve(model: nn.Module, devices: Any, time_limit_s: float | None, **options: Any) -> Plan:
+    """Plan the meta model for the machine ``resolve_machine`` gives this process (or rank), with ``solve``'s
+    ``options``; without a time limit, search again where the default search stopped far from its bound."""
     from ..distributed.context import current_context
     from ..hardware.resolve import resolve_machine
     from ..model.dtypes import dtype_name, module_dtype
@@ -123,7 +127,7 @@ def _solve(model: nn.Module, devices: Any, objective: str, workload: Any, granul
 
     def solved(limit_s: float | None) -> Plan:
         extra = {} if limit_s is None else {"time_limit_s": limit_s}
-        return solve(model, machine, objective=objective, workload=workload, granularity=granularity, **extra)
+        return solve(model, machine, **options, **extra)
 
     plan = solved(time_limit_s)
     if time_limit_s is None and gap_advice(plan) is not None:
