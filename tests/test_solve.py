@@ -100,6 +100,7 @@ def test_pins_use_accelerate_vocabulary():
     storage = {p.unit: p.storage for p in plan.placements}
     assert all(storage[f"model.layers.{i}"] == "cuda:1" for i in range(8))
     assert storage["lm_head"] == "cpu"
+    assert "9 unit(s) stored where pinned ('model.layers' -> 1, 'lm_head' -> cpu)" in plan.notes[0]
     assert resolve_pins({"": "cpu"}, graph, m) == dict.fromkeys(graph.names(), "cpu")
 
 

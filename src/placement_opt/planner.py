@@ -214,7 +214,9 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     after_s = (time.perf_counter() - scored) / max(1, len(baselines))
     notes = [context_note] if context_note else []
     if problem.pins:
-        notes.append(f"{len(problem.pins)} unit(s) pinned by {len(pins or {})} pin(s)")
+        given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())
+        notes.append(f"{len(problem.pins)} unit(s) stored where pinned ({given}); the solver placed the rest, and "
+                     f"chose where every unit computes")
     if strategy == "cpsat":
         return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers, started - after_s), notes)
