@@ -55,6 +55,7 @@ from ..hardware.profile_store import profile_path, save_calibration, saved_devic
 from ..hardware.resolve import device_names
 from ..model.graph import LayerGraph
 from ..progress import bar
+from .timing import cache_argument, cache_of
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -436,7 +437,7 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
         ids = torch.randint(0, vocab, (batch, length), device=device)
         runs, out = _repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
         prefill[batch, length] = _typical(runs)
-        return _cache_of(out)
+        return cache_of(out)
 
     length = _first_length(prompt)
     cache = timed(length)
@@ -449,7 +450,7 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
         cache, length = timed(longer), longer
     if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
         ids = torch.randint(0, vocab, (batch, prompt), device=device)
-        cache = _cache_of(model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")))
+        cache = cache_of(model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")))
     return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
 
 
@@ -522,7 +523,7 @@ def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Worklo
         filled = prompt + steps + 1
         if not _grown(cache, last - most):
             ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
-            cache = _cache_of(model(input_ids=ids, use_cache=True, **_cache_argument(model, cache),
+            cache = cache_of(model(input_ids=ids, use_cache=True, **cache_argument(model, cache),
                                    **_logits_argument(model, "last")))
         seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
         decode[batch, last - most + (steps - 1) // 2] = seconds
@@ -542,11 +543,11 @@ def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int,
         ids = torch.randint(0, vocab, (batch, 1), device=device)
         start = time.perf_counter()
         seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, use_cache=True,
-                                                                     **_cache_argument(model, cache)))
+                                                                     **cache_argument(model, cache)))
         if step > 0:  # the first step warms up the decode shapes, untimed
             runs.append(seconds)
             spent += time.perf_counter() - start
-        cache = _cache_of(out)
+        cache = cache_of(out)
         step += 1
     return _typical(runs), len(runs)
 
@@ -691,17 +692,17 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
                 seconds, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **keep))
                 spent += time.perf_counter() - start
                 prefills.append(seconds)
-            cache = _cache_of(out)  # the last prefill's: the decode steps go on from it
+            cache = cache_of(out)  # the last prefill's: the decode steps go on from it
             spent = 0.0
             while len(runs) < DISK_STEPS or (spent < DISK_BUDGET_S and len(runs) < MAX_DISK_STEPS):
                 evict()
                 ids = torch.randint(0, vocab, (workload.batch_size, 1))
                 start = time.perf_counter()
                 seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, use_cache=True,
-                                                                             **_cache_argument(model, cache)))
+                                                                             **cache_argument(model, cache)))
                 spent += time.perf_counter() - start
                 runs.append(seconds)
-                cache = _cache_of(out)
+                cache = cache_of(out)
     finally:
         stamps.close()
         for handle in evicting:
@@ -734,18 +735,6 @@ def _fadvise_dontneed(paths: Iterable[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _cache_argument(model: nn.Module, cache: Any) -> dict[str, Any]:
-    """``cache`` as the keyword ``model.forward`` takes it by: ``cache`` from transformers 5.24, ``past_key_values``
-    before (5.24 still takes the old name with a FutureWarning, until 5.40)."""
-    takes = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {takes: cache}
-
-
-def _cache_of(out: Any) -> Any:
-    """The KV cache a forward returned: ``out.cache`` from transformers 5.24, ``out.past_key_values`` before."""
-    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:

@@ -1,0 +1,102 @@
+"""A dispatched model's own prefill and decode steps, timed: what ``placement-opt run`` sets beside the plan's
+prediction.
+
+:func:`time_generation` runs greedy generation by hand (one prefill with the cache on, then one forward per new
+token), so each decode step is timed on its own: the difference of two ``generate()`` calls would be mostly the
+prompt's noise. CUDA devices are synchronised around every timed call; the first decode step, which allocates
+the cache's growth and warms kernels, is kept but the median rules.
+
+Example::
+
+    timing = time_generation(handle, input_ids, new_tokens=32)
+    print(timing.prefill_s, timing.decode_tokens_per_s)
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Timing", "time_generation", "cache_argument", "cache_of"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Measured seconds of one greedy generation."""
+
+    batch_size: int
+    prefill_s: float
+    """The prompt's forward (cache on, logits of the last position only)."""
+    decode_step_s: tuple[float, ...]
+    """Each decode step's forward, in order."""
+    tokens: tuple[tuple[int, ...], ...]
+    """Per sequence of the batch: the greedy tokens after the prompt (the prefill's first)."""
+    peak_gpu_bytes: dict[str, int]
+    """``torch.cuda.max_memory_allocated`` of every CUDA device over the generation (empty without CUDA)."""
+
+    @property
+    def decode_step_median_s(self) -> float:
+        return statistics.median(self.decode_step_s) if self.decode_step_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second while decoding, all sequences of the batch: batch / the median step."""
+        step = self.decode_step_median_s
+        return self.batch_size / step if step > 0 else 0.0
+
+
+def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, warmup: bool = True) -> Timing:
+    """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
+    LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
+    call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
+    GPU memory counts from after the warm-up."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1:
+        raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}) and "
+                         f"new_tokens >= 1 (got {new_tokens})")
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
+    steps: list[float] = []
+    with torch.inference_mode():
+        if warmup:
+            _timed(gpus, model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        for index in gpus:
+            torch.cuda.reset_peak_memory_stats(index)
+        out, prefill = _timed(gpus, model, input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
+        tokens = [token[:, 0].tolist()]
+        for _ in range(new_tokens - 1):
+            out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache))
+            steps.append(took)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
+            tokens.append(token[:, 0].tolist())
+    by_sequence = tuple(tuple(step[b] for step in tokens) for b in range(input_ids.shape[0]))
+    peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in gpus}
+    return Timing(batch_size=input_ids.shape[0], prefill_s=prefill, decode_step_s=tuple(steps), tokens=by_sequence,
+                  peak_gpu_bytes=peaks)
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model.forward`` takes it by: ``cache`` from transformers 5.24, ``past_key_values``
+    before (5.24 still takes the old name with a FutureWarning, until 5.40)."""
+    takes = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {takes: cache}
+
+
+def cache_of(out: Any) -> Any:
+    """The KV cache a forward returned: ``out.cache`` from transformers 5.24, ``out.past_key_values`` before."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
+def _timed(gpus: range, model: Any, **inputs: Any) -> tuple[Any, float]:
+    """``model(**inputs)`` and its seconds, every CUDA device synchronised before and after."""
+    for index in gpus:
+        torch.cuda.synchronize(index)
+    started = time.perf_counter()
+    out = model(**inputs)
+    for index in gpus:
+        torch.cuda.synchronize(index)
+    return out, time.perf_counter() - started
