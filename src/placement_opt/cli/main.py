@@ -54,6 +54,7 @@ from .output import (
     say_written,
     write_outputs,
 )
+from .run import run
 from .tables import comparison_table, plan_renderables, presets_tables, why_lines
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -387,6 +388,9 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
 
 def _benchmarks_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+cli.add_command(run)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,177 @@
+"""``placement-opt run``: load a checkpoint in its plan, generate, and set what was measured beside the plan.
+
+The check a user makes before trusting a plan on their own machine: the plan's predicted prefill, decode
+step and peak GPU memory against the same run's measured ones (:func:`placement_opt.runtime.timing.time_generation`:
+greedy decoding by hand, each step timed), with the ratios. A prompt is random token ids of ``--prompt``
+length unless ``--text`` is given and the checkpoint has a tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .._files import write_text_atomic
+from ..units import format_bytes, format_seconds
+from .options import (
+    DTYPES,
+    model_dtype,
+    parse_pins,
+    require_devices,
+    resolve_devices,
+    workload_from,
+)
+from .output import console_for, errors_as_messages, progress, say_written
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import Plan
+    from ..runtime.timing import Timing
+
+__all__ = ["run"]
+
+#: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
+PROMPT_SEED = 0
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--devices", "-d", default=None, metavar="SPEC",
+              help="this machine's devices to use (required): 'cuda:0=10GiB,cpu=64GiB,disk' caps them as accelerate's "
+                   "max_memory does (measured speeds where placement-opt profile saved them); 'auto': all of them")
+@click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together")
+@click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (random ids; see --text)")
+@click.option("--new-tokens", type=int, default=32, show_default=True, help="tokens generated, greedily")
+@click.option("--text", default=None, help="a prompt to tokenize with the checkpoint's tokenizer instead of random ids")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="weights' dtype (default: the checkpoint's)")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a saved plan (placement-opt plan --json) instead of solving")
+@click.option("--offload-dir", type=click.Path(file_okay=False), default=None,
+              help="where weights the checkpoint cannot hold as planned are written (cast or fused disk units)")
+@click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True)
+@click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
+@click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="write the predicted and measured figures here")
+def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
+        dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
+        overlap: bool, json_path: str | None) -> None:
+    """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
+    console = console_for()
+    pins = parse_pins(pin)
+    if new_tokens < 2:
+        raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
+    with errors_as_messages():
+        machine = _this_machine(require_devices(devices), dtype or model_dtype(checkpoint))
+        ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
+        workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
+        handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
+        with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
+            from ..runtime.timing import time_generation
+
+            timing = time_generation(handle, ids, new_tokens)
+    plan = handle.plan
+    console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
+                  f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%})")
+    console.print(_table(plan, timing))
+    if tokenizer is not None:
+        console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
+    if json_path:
+        write_text_atomic(json_path, json.dumps(_figures(plan, timing), indent=1))
+        say_written(console, f"figures written to {json_path}")
+
+
+def _this_machine(spec: str, dtype: str) -> Any:
+    """``--devices`` as devices of this machine: ``NAME=SIZE`` a budget of the device (as ``max_memory``), a bare
+    ``NAME`` the device whole; a spec naming presets, ``auto`` or a profile file as ``plan`` reads them."""
+    from ..hardware.devices import Machine
+    from ..hardware.resolve import as_machine
+    from ..units import parse_size
+
+    if spec.strip().lower() == "auto" or spec.strip().lower().endswith(".json"):
+        return resolve_devices(spec, dtype=dtype)
+    items = [(name.strip(), size.strip()) for name, _, size in (i.partition("=") for i in spec.split(",")) if name.strip()]
+    try:
+        for _, size in items:
+            if size:
+                parse_size(size)
+    except ValueError:  # a preset named: a described device, as `plan` reads it
+        return resolve_devices(spec, dtype=dtype)
+    try:
+        return Machine([device for name, size in items
+                        for device in as_machine({name: size} if size else [name], dtype=dtype).devices])
+    except (ValueError, KeyError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+
+
+def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple[Any, Any]:
+    """(batch x prompt token ids, the tokenizer or None): ``text`` tokenized, else seeded random ids."""
+    import torch
+    import transformers
+
+    if batch < 1 or prompt < 1:
+        raise click.UsageError(f"--batch {batch} and --prompt {prompt} must be at least 1")
+    if text is not None:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"--text needs the checkpoint's tokenizer, and {checkpoint} has none that "
+                                   f"transformers can read ({str(exc).splitlines()[0][:120]}): leave --text out "
+                                   f"for a random prompt of --prompt tokens") from None
+        ids = tokenizer([text] * batch, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise click.UsageError("--text tokenizes to no tokens: give some text")
+        return ids, tokenizer
+    vocab = transformers.AutoConfig.from_pretrained(checkpoint).get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(0, vocab, (batch, prompt), generator=generator), None
+
+
+def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
+            offload_dir: str | None, granularity: str, pins: dict[str, str]) -> Any:
+    """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
+    from ..plan import Plan
+    from ..runtime.loader import load
+
+    plan = Plan.from_json(plan_path) if plan_path else None
+    with progress(f"Loading {checkpoint} ..."):
+        return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
+                    granularity=None if granularity == "block" else granularity, pins=pins or None, progress=False)
+
+
+def _rows(plan: Plan, timing: Timing) -> list[tuple[str, float | None, float, str]]:
+    """(what, predicted, measured, unit) for the table and the JSON."""
+    cost = plan.cost
+    steps = max(1, cost.workload.new_tokens)
+    rows = [("prefill", cost.prefill_s, timing.prefill_s, "s"),
+            ("decode step, median", cost.decode_s / steps, timing.decode_step_median_s, "s"),
+            ("decode tokens/s", cost.decode_tokens_per_s, timing.decode_tokens_per_s, "tokens/s")]
+    predicted = {m.device: m.used_bytes for m in cost.memory}
+    for device, measured in timing.peak_gpu_bytes.items():
+        rows.append((f"{device} peak memory", predicted.get(device), float(measured), "bytes"))
+    return rows
+
+
+def _table(plan: Plan, timing: Timing) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Predicted by the plan, measured in this run (GPU memory: torch.cuda.max_memory_allocated; "
+                        "CPU memory is not measured here: see benchmarks/cost_accuracy/memory.py)",
+                  title_justify="left")
+    for column in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(column, justify="left" if not column else "right")
+    for what, predicted, measured, unit in _rows(plan, timing):
+        show = {"s": format_seconds, "bytes": format_bytes}.get(unit, lambda v: f"{v:.2f}")
+        ratio = f"{measured / predicted:.2f}x" if predicted else "-"
+        table.add_row(what, show(predicted) if predicted is not None else "-", show(measured), ratio)
+    return table
+
+
+def _figures(plan: Plan, timing: Timing) -> dict[str, Any]:
+    return {"plan": plan.to_dict(),
+            "measured": {"prefill_s": timing.prefill_s, "decode_step_s": list(timing.decode_step_s),
+                         "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
+                         "tokens": [list(t) for t in timing.tokens]},
+            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, timing)]}
+

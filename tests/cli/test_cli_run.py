@@ -1,0 +1,104 @@
+"""``placement-opt run``: a checkpoint loaded in its plan, generated from, measured beside the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _cli import run_cli
+from _models import tiny
+from placement_opt.runtime.timing import time_generation
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = tiny("llama")
+    path = tmp_path_factory.mktemp("llama-run")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _greedy(model, ids, new_tokens):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return [row[ids.shape[1]:].tolist() for row in out]
+
+
+def test_time_generation_times_every_step_and_generates_what_generate_does():
+    model = tiny("mixtral")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    timing = time_generation(model, ids, new_tokens=6)
+    assert len(timing.decode_step_s) == 5 and all(s > 0 for s in timing.decode_step_s) and timing.prefill_s > 0
+    assert [list(t) for t in timing.tokens] == _greedy(model, ids, 6)
+    assert timing.decode_tokens_per_s == pytest.approx(2 / timing.decode_step_median_s)
+    with pytest.raises(ValueError, match="batch x prompt"):
+        time_generation(model, ids[0], new_tokens=6)
+
+
+def test_run_loads_generates_and_sets_measured_beside_predicted(checkpoint, tmp_path):
+    model, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "16", "--new-tokens", "6", "--batch", "2",
+                  "--offload-dir", str(tmp_path / "offload"), "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "batch 2 x prompt 16 + 6 new tokens" in text and "decode tokens/s" in text and "measured / predicted" in text
+    figures = json.loads((tmp_path / "run.json").read_text())
+    storage = {p["storage"] for p in figures["plan"]["placements"]}
+    assert storage == {"cpu", "disk"}  # 200 KB of RAM: some layers read from disk, as the plan says
+    rows = {r["what"]: r for r in figures["rows"]}
+    assert rows["prefill"]["predicted"] > 0 and rows["prefill"]["measured"] > 0
+    assert len(figures["measured"]["decode_step_s"]) == 5
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))  # run's seeded prompt
+    assert figures["measured"]["tokens"] == _greedy(model, ids, 6)  # the plan computes what the model does
+
+
+def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _, path = checkpoint
+    vocab = {f"w{i}": i for i in range(128)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0").save_pretrained(tmp_path / "ckpt-tok")
+    for file in path.iterdir():
+        (tmp_path / "ckpt-tok" / file.name).write_bytes(file.read_bytes())
+    saved = run_cli("plan", str(path), "-d", "cpu=1GB", "--prompt", "3", "--new-tokens", "4", "--json",
+                    str(tmp_path / "plan.json"))
+    assert saved.exit_code == 0, saved.output
+    out = run_cli("run", str(tmp_path / "ckpt-tok"), "-d", "cpu=1GB", "--new-tokens", "4", "--text", "w5 w7 w9",
+                  "--plan", str(tmp_path / "plan.json"))
+    assert out.exit_code == 0, out.output
+    assert "prompt 3 + 4 new tokens" in " ".join(out.output.split()) and "generated: 'w" in out.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--new-tokens", "1"), "at least 2"),
+    (("--text", "hello"), "needs the checkpoint's tokenizer"),
+    (("--batch", "0"), "must be at least 1"),
+    (("--pin", "lm_head"), "give MODULE=DEVICE"),
+])
+def test_run_refuses_what_it_cannot_do_in_one_line(checkpoint, args, said):
+    _, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cpu", *args, catch_exceptions=True)
+    assert out.exit_code != 0 and said in " ".join(out.output.split()) and "Traceback" not in out.output
+
+
+def test_run_devices_are_this_machines_with_the_budgets_given():
+    from placement_opt.cli.run import _this_machine
+
+    machine = _this_machine("cpu=1GiB,disk", "float32")
+    assert machine.names == ["cpu", "disk"] and machine["cpu"].memory_bytes == 2**30
+    assert "max_memory" in machine["cpu"].source
+
+
+@pytest.mark.cuda
+def test_run_on_a_gpu_measures_its_peak_memory_beside_the_prediction(checkpoint, tmp_path):
+    _, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cuda:0=2GiB,cpu=1GiB", "--prompt", "16", "--new-tokens", "4",
+                  "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    rows = {r["what"]: r for r in json.loads((tmp_path / "run.json").read_text())["rows"]}
+    assert rows["cuda:0 peak memory"]["measured"] > 0 and rows["cuda:0 peak memory"]["predicted"] > 0
