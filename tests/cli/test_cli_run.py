@@ -98,7 +98,22 @@ def test_run_devices_are_this_machines_with_the_budgets_given():
 def test_run_on_a_gpu_measures_its_peak_memory_beside_the_prediction(checkpoint, tmp_path):
     _, path = checkpoint
     out = run_cli("run", str(path), "-d", "cuda:0=2GiB,cpu=1GiB", "--prompt", "16", "--new-tokens", "4",
-                  "--json", str(tmp_path / "run.json"))
+                  "--vs-accelerate", "--json", str(tmp_path / "run.json"))
     assert out.exit_code == 0, out.output
-    rows = {r["what"]: r for r in json.loads((tmp_path / "run.json").read_text())["rows"]}
+    figures = json.loads((tmp_path / "run.json").read_text())
+    rows = {r["what"]: r for r in figures["rows"]}
     assert rows["cuda:0 peak memory"]["measured"] > 0 and rows["cuda:0 peak memory"]["predicted"] > 0
+    assert figures["accelerate"]["measured"]["peak_gpu_bytes"]["cuda:0"] > 0
+
+
+def test_run_vs_accelerate_measures_both_loads_on_one_prompt(checkpoint, tmp_path):
+    _, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "8", "--new-tokens", "4", "--vs-accelerate",
+                  "--offload-dir", str(tmp_path / "offload"), "--json", str(tmp_path / "both.json"))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "Measured side by side" in text and "greedy tokens equal │ │ 4/4" in text
+    figures = json.loads((tmp_path / "both.json").read_text())
+    assert figures["accelerate"]["measured"]["tokens"] == figures["measured"]["tokens"]
+    assert figures["accelerate"]["device_map"]  # what accelerate chose, shown beside the plan's storage
+    assert [p.name for p in (tmp_path / "offload").iterdir() if p.name.startswith("accelerate-offload-")] == []

@@ -29,6 +29,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
     from ..runtime.timing import Timing
 
+
+def time_generation(model: Any, ids: Any, new_tokens: int) -> Timing:
+    """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
+    from ..runtime.timing import time_generation as timed
+
+    return timed(model, ids, new_tokens)
+
 __all__ = ["run"]
 
 #: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
@@ -52,11 +59,14 @@ PROMPT_SEED = 0
 @click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True)
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
+@click.option("--vs-accelerate", is_flag=True,
+              help="then load it with from_pretrained(device_map='auto') under the same budgets (max_memory) and "
+                   "run the same prompt: both measured side by side")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        overlap: bool, json_path: str | None) -> None:
+        overlap: bool, vs_accelerate: bool, json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     console = console_for()
     pins = parse_pins(pin)
@@ -68,8 +78,6 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
-            from ..runtime.timing import time_generation
-
             timing = time_generation(handle, ids, new_tokens)
     plan = handle.plan
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
@@ -77,8 +85,15 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     console.print(_table(plan, timing))
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
+    figures = _figures(plan, timing)
+    if vs_accelerate:
+        del handle  # its weights leave before accelerate's load
+        with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
+            theirs = _accelerate_run(checkpoint, machine, plan, ids, new_tokens, offload_dir)
+        console.print(_side_by_side(plan, timing, theirs))
+        figures["accelerate"] = theirs
     if json_path:
-        write_text_atomic(json_path, json.dumps(_figures(plan, timing), indent=1))
+        write_text_atomic(json_path, json.dumps(figures, indent=1))
         say_written(console, f"figures written to {json_path}")
 
 
@@ -169,9 +184,84 @@ def _table(plan: Plan, timing: Timing) -> Any:
 
 
 def _figures(plan: Plan, timing: Timing) -> dict[str, Any]:
-    return {"plan": plan.to_dict(),
-            "measured": {"prefill_s": timing.prefill_s, "decode_step_s": list(timing.decode_step_s),
-                         "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
-                         "tokens": [list(t) for t in timing.tokens]},
+    return {"plan": plan.to_dict(), "measured": _measured(timing),
             "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, timing)]}
 
+
+def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, ids: Any, new_tokens: int,
+                    offload_dir: str | None) -> dict[str, Any]:
+    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt: its map, predicted and
+    measured figures and tokens, or the error that stopped it (an out-of-memory is a result, not a failure)."""
+    import gc
+    import os
+    import tempfile
+
+    import torch
+    import transformers
+
+    from ..cost.evaluate import evaluate
+    from ..model.dtypes import as_torch_dtype
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    disk = any(d.kind == "disk" for d in machine.devices)
+    if offload_dir is not None:
+        os.makedirs(offload_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=offload_dir, prefix="accelerate-offload-") as folder:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoint, device_map="auto", max_memory=machine.max_memory, dtype=as_torch_dtype(plan.dtype),
+                offload_folder=folder if disk else None)
+            device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
+            cost = evaluate(device_map, checkpoint, machine, plan.cost.workload)
+            timing = time_generation(model, ids, new_tokens)
+        except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError) as exc:
+            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        finally:
+            model = None
+            gc.collect()
+    return {"device_map": {k: str(v) for k, v in device_map.items()},
+            "predicted": {"prefill_s": cost.prefill_s, "decode_tokens_per_s": cost.decode_tokens_per_s},
+            "measured": _measured(timing)}
+
+
+def _measured(timing: Timing) -> dict[str, Any]:
+    return {"prefill_s": timing.prefill_s, "decode_step_s": list(timing.decode_step_s),
+            "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
+            "tokens": [list(t) for t in timing.tokens]}
+
+
+def _storage(plan_or_map: Any) -> str:
+    """Units (or map entries) per storage device: ``cuda:0 20, cpu 14``."""
+    where = ([p.storage for p in plan_or_map.placements] if hasattr(plan_or_map, "placements")
+             else [str(v) if not str(v).isdigit() else f"cuda:{v}" for v in plan_or_map.values()])
+    return ", ".join(f"{device} {where.count(device)}" for device in dict.fromkeys(where))
+
+
+def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
+    """Both runs measured: placement_opt's plan against from_pretrained(device_map="auto") under the same budgets."""
+    from rich.table import Table
+
+    table = Table(title="Measured side by side: placement_opt's plan and from_pretrained(device_map='auto') with the "
+                        "same max_memory, the same prompt", title_justify="left")
+    for column in ("", "placement_opt", "device_map='auto'", "auto / placement_opt"):
+        table.add_column(column, justify="left" if not column else "right")
+    if "error" in theirs:
+        table.add_row("device_map='auto'", "", theirs["error"], "")
+        return table
+    measured = theirs["measured"]
+    rows = [("prefill", ours.prefill_s, measured["prefill_s"], format_seconds),
+            ("decode step, median", ours.decode_step_median_s,
+             sorted(measured["decode_step_s"])[len(measured["decode_step_s"]) // 2] if measured["decode_step_s"] else 0.0,
+             format_seconds),
+            ("decode tokens/s", ours.decode_tokens_per_s, measured["decode_tokens_per_s"], lambda v: f"{v:.2f}")]
+    rows += [(f"{d} peak memory", float(ours.peak_gpu_bytes.get(d, 0)), float(b), format_bytes)
+             for d, b in measured["peak_gpu_bytes"].items()]
+    for what, mine, other, show in rows:
+        table.add_row(what, show(mine), show(other), f"{other / mine:.2f}x" if mine else "-")
+    table.add_row("weights stored on", _storage(ours_plan), _storage(theirs["device_map"]), "")
+    same = sum(a == b for x, y in zip(ours.tokens, measured["tokens"], strict=True) for a, b in zip(x, y, strict=True))
+    total = sum(len(x) for x in ours.tokens)
+    table.add_row("greedy tokens equal", "", f"{same}/{total}", "")
+    return table
