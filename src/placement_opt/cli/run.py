@@ -30,12 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..runtime.timing import Timing
 
 
-def time_generation(model: Any, ids: Any, new_tokens: int) -> Timing:
-    """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
-    from ..runtime.timing import time_generation as timed
-
-    return timed(model, ids, new_tokens)
-
 __all__ = ["run"]
 
 #: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
@@ -95,6 +89,13 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if json_path:
         write_text_atomic(json_path, json.dumps(figures, indent=1))
         say_written(console, f"figures written to {json_path}")
+
+
+def time_generation(model: Any, ids: Any, new_tokens: int) -> Timing:
+    """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
+    from ..runtime.timing import time_generation as timed
+
+    return timed(model, ids, new_tokens)
 
 
 def _this_machine(spec: str, dtype: str) -> Any:
