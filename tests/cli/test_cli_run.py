@@ -86,6 +86,12 @@ def test_run_refuses_what_it_cannot_do_in_one_line(checkpoint, args, said):
     assert out.exit_code != 0 and said in " ".join(out.output.split()) and "Traceback" not in out.output
 
 
+def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
+    tiny("t5").save_pretrained(tmp_path)
+    out = run_cli("run", str(tmp_path), "-d", "cpu", "--prompt", "4", "--new-tokens", "2", catch_exceptions=True)
+    assert out.exit_code != 0 and "encoder-decoder model (t5)" in " ".join(out.output.split())
+
+
 def test_run_devices_are_this_machines_with_the_budgets_given():
     from placement_opt.cli.run import _this_machine
 

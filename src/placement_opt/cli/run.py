@@ -128,6 +128,10 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
 
     if batch < 1 or prompt < 1:
         raise click.UsageError(f"--batch {batch} and --prompt {prompt} must be at least 1")
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    if getattr(config, "is_encoder_decoder", False):
+        raise click.UsageError(f"{checkpoint} is an encoder-decoder model ({config.model_type}): run times decoder-only "
+                               f"causal LMs; load() it from Python and call generate() with its own inputs")
     if text is not None:
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
@@ -139,7 +143,7 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
         if ids.shape[1] == 0:
             raise click.UsageError("--text tokenizes to no tokens: give some text")
         return ids, tokenizer
-    vocab = transformers.AutoConfig.from_pretrained(checkpoint).get_text_config().vocab_size
+    vocab = config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     return torch.randint(0, vocab, (batch, prompt), generator=generator), None
 
