@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .cost.build import price_problem
+from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, priced_evaluator
 from .cost.memory import shortage_message
@@ -177,6 +178,21 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
+def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
+    """Whether this plan's times were measured on the model itself, for a machine with measured devices (a
+    described machine has no calibration to apply, and no note)."""
+    if not any(d.source.startswith("measured") for d in machine.devices):
+        return None
+    found = calibration_for(graph, machine)
+    units = graph.names()
+    if found is None:
+        return ("this model is not calibrated on this machine: its units are priced by the measured device speeds "
+                "(roofline) and a fixed per-unit overhead; placement-opt profile --model MODEL (or "
+                "placement_opt.calibrate) times them through the dispatcher")
+    timed = sum(1 for u in units if u in found.compute)
+    return f"unit times calibrated on this model: {timed} of {len(units)} units measured on this machine"
+
+
 @contextlib.contextmanager
 def _cycle_collection_deferred() -> Iterator[None]:
     """The objects alive when a solve starts (the traced graph, the caller's model) left out of Python's
@@ -213,6 +229,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     # The plan is scored once more after the search: about one baseline's share of that time.
     after_s = (time.perf_counter() - scored) / max(1, len(baselines))
     notes = [context_note] if context_note else []
+    if (said := _calibration_note(graph, machine)) is not None:
+        notes.append(said)
     if problem.pins:
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())
         notes.append(f"{len(problem.pins)} unit(s) stored where pinned ({given}); the solver placed the rest, and "

@@ -92,6 +92,7 @@ def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calib
     expected = sum(result.times[shape_key(u, "float32", graph.meta.seq_len)]["cpu"].prefill_s(1, 16, "last")
                    for u in graph.units())
     assert by_list.cost.prefill_s == pytest.approx(expected, abs=1e-9 * len(graph))  # each unit rounded up to 1 ns
+    assert f"unit times calibrated on this model: {len(graph)} of {len(graph)} units" in " ".join(by_dict.notes)
     # without the calibration, the same measured CPU is priced by the roofline: another figure
     data = json.loads(path.read_text())
     del data["calibration"]
@@ -100,6 +101,9 @@ def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calib
     monkeypatch.setenv(PROFILE_ENV_VAR, str(bare))
     roofline = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, workers=1)
     assert roofline.cost.prefill_s != pytest.approx(expected, rel=1e-3)
+    assert "this model is not calibrated on this machine" in " ".join(roofline.notes)  # and the plan says so
+    described = placement_opt.solve(tiny_config(), "cpu=4GiB", workload=WORKLOAD, workers=1)
+    assert not any("calibrated" in note for note in described.notes)  # a machine described: nothing to calibrate
 
 
 def test_the_calibration_is_ignored_for_other_machines_hosts_and_models(calibrated, monkeypatch) -> None:

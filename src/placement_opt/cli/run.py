@@ -76,6 +76,9 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     plan = handle.plan
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
                   f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%})")
+    for note in plan.notes:
+        if "calibrated on this" in note:  # whether the prediction is the model's own measured times
+            console.print(f"note: {note}")
     console.print(_table(plan, timing))
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
