@@ -549,3 +549,31 @@ def test_a_model_with_accelerate_hooks_is_refused():
         dispatch(model, plan_from(model, lambda i, u: RESIDENT))
     remove_hook_from_submodules(model)
     dispatch(model, plan_from(model, lambda i, u: RESIDENT)).remove()
+
+
+def test_drop_disk_cache_lets_the_disk_units_pages_go_and_the_next_call_reads_them_again(tmp_path):
+    """For cold timings: after it, no disk unit's tensor is in the page cache but each file's first (its first page
+    holds the file's header too, which stays mapped); the next forward gives the same logits."""
+    model = tiny("llama")
+    batch = inputs_for(model)
+    with torch.no_grad():
+        reference = model(**batch).logits
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path / "offload")
+    with torch.no_grad():
+        handle(**batch)
+    files: dict[int, tuple] = {}
+    for unit in handle._units:
+        for file, key in unit.disk:
+            files.setdefault(id(file), (file, []))[1].append(key)
+    assert len(files) == 4 and all(all(f.cached(k) for k in keys) for f, keys in files.values())
+    handle.drop_disk_cache()
+    still = {f.path.name: [k for k in keys if f.cached(k)] for f, keys in files.values()}
+    if sum(map(len, still.values())) == sum(len(k) for _, k in files.values()):
+        pytest.skip("this file system keeps dropped pages (tmpfs?): nothing to measure cold here")
+    for file, keys in files.values():
+        first = min(keys, key=lambda k: file.spans[k].offset_bytes)
+        assert still[file.path.name] in ([], [first]), file.path.name
+    with torch.no_grad():
+        torch.testing.assert_close(handle(**batch).logits, reference, rtol=1e-6, atol=1e-6)
+    handle.remove()

@@ -29,7 +29,7 @@ import xxhash
 
 from ..errors import DispatchError
 
-__all__ = ["SafetensorsFile", "TensorSpan", "fingerprint", "DTYPES"]
+__all__ = ["SafetensorsFile", "TensorSpan", "fingerprint", "DTYPES", "drop_page_cache"]
 
 _PAGE_BYTES = mmap.PAGESIZE
 try:  # mincore(2) tells whether a page is in the page cache
@@ -324,3 +324,16 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> _Layout:
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, as a uint8 array sharing its memory."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def drop_page_cache(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Ask the kernel to drop these files' pages from the page cache (``POSIX_FADV_DONTNEED``), so the next read
+    comes from the disk. Pages some process still maps are kept: release them first. Nothing off Linux/POSIX."""
+    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not POSIX
+        return
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -55,6 +55,7 @@ from ..hardware.profile_store import profile_path, save_calibration, saved_devic
 from ..hardware.resolve import device_names
 from ..model.graph import LayerGraph
 from ..progress import bar
+from ._safetensors_file import drop_page_cache
 from .timing import cache_argument, cache_of
 
 __all__ = ["calibrate", "CalibrationResult"]
@@ -664,7 +665,7 @@ def _evict_when_called(modules: Mapping[str, nn.Module], files: Mapping[str, Ite
         listed = list(paths)
 
         def evict(_module: nn.Module, _args: Any, listed: list[Path] = listed) -> None:
-            _fadvise_dontneed(listed)
+            drop_page_cache(listed)
 
         handles.append(modules[name].register_forward_pre_hook(evict))
     return handles
@@ -713,7 +714,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
 def _evict(folder: Path, files: Iterable[Any]) -> None:
     """Drop ``folder``'s files from the page cache; mapped pages first (``fadvise`` skips mapped pages)."""
     _unmap(files)
-    _fadvise_dontneed(path for path in folder.rglob("*") if path.is_file())
+    drop_page_cache(path for path in folder.rglob("*") if path.is_file())
 
 
 def _unmap(files: Iterable[Any]) -> None:
@@ -724,17 +725,6 @@ def _unmap(files: Iterable[Any]) -> None:
         mapped = getattr(file, "_map", None)  # a SafetensorsFile's map, once it is mapped
         if mapped is not None:
             mapped.madvise(mmap.MADV_DONTNEED)
-
-
-def _fadvise_dontneed(paths: Iterable[Path]) -> None:
-    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not Linux
-        return
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:

@@ -80,6 +80,7 @@ from . import _streamer
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
+from ._safetensors_file import drop_page_cache
 from ._streamer import DispatchUnit, Streamer
 from ._undo import UndoLog, Weights, attribute_restorer
 from .allocator import glibc_heap, mmap_threshold_fixed
@@ -154,6 +155,19 @@ class DispatchedModel:
         """
         if not self._removed:
             self._streamer.renew()
+
+    def drop_disk_cache(self) -> None:
+        """Let the disk units' files leave the page cache (their pages in this process first), so that the next
+        call reads them from the disk, as it would on a machine whose RAM cannot hold them: for cold timings
+        (``placement-opt run --cold``). A tensor written to in place keeps its pages (``SafetensorsFile.release``);
+        a copy the last call started for the next one keeps what it read, as the plan's pricing assumes."""
+        files: dict[int, tuple[SafetensorsFile, list[str]]] = {}
+        for unit in self._units:
+            for file, key in unit.disk:
+                files.setdefault(id(file), (file, []))[1].append(key)
+        for file, keys in files.values():
+            file.release(keys)
+        drop_page_cache(file.path for file, _ in files.values())
 
     def remove(self) -> nn.Module:
         """Undo :func:`dispatch`: original forwards, devices and weights; returns the model.

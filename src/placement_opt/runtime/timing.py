@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,13 @@ class Timing:
         return self.batch_size / step if step > 0 else 0.0
 
 
-def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, warmup: bool = True) -> Timing:
+def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, warmup: bool = True,
+                    before_each: Callable[[], None] | None = None) -> Timing:
     """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
-    GPU memory counts from after the warm-up."""
+    GPU memory counts from after the warm-up. ``before_each`` runs before every timed forward, untimed (e.g.
+    ``handle.drop_disk_cache`` for cold disk reads)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1:
         raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}) and "
                          f"new_tokens >= 1 (got {new_tokens})")
@@ -65,10 +68,14 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             _timed(gpus, model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
+        if before_each is not None:
+            before_each()
         out, prefill = _timed(gpus, model, input_ids=input_ids, use_cache=True, logits_to_keep=1)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
+            if before_each is not None:
+                before_each()
             out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache))
             steps.append(took)
             cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
