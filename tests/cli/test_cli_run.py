@@ -123,3 +123,20 @@ def test_run_vs_accelerate_measures_both_loads_on_one_prompt(checkpoint, tmp_pat
     assert figures["accelerate"]["measured"]["tokens"] == figures["measured"]["tokens"]
     assert figures["accelerate"]["device_map"]  # what accelerate chose, shown beside the plan's storage
     assert [p.name for p in (tmp_path / "offload").iterdir() if p.name.startswith("accelerate-offload-")] == []
+
+
+def test_run_cold_drops_the_disk_units_from_the_page_cache_before_every_timed_forward(checkpoint, tmp_path,
+                                                                                      monkeypatch):
+    from placement_opt.runtime.dispatcher import DispatchedModel
+
+    _, path = checkpoint
+    args = ("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "8", "--new-tokens", "5")
+    warm = run_cli(*args)
+    assert warm.exit_code == 0 and "--cold drops them before every forward" in " ".join(warm.output.split())
+    calls = []
+    real = DispatchedModel.drop_disk_cache
+    monkeypatch.setattr(DispatchedModel, "drop_disk_cache", lambda self: calls.append(1) or real(self))
+    cold = run_cli(*args, "--cold")
+    assert cold.exit_code == 0, cold.output
+    assert len(calls) == 5  # the prefill and 4 decode steps, each after the cache was dropped
+    assert "--cold drops them" not in " ".join(cold.output.split())

@@ -9,6 +9,7 @@ length unless ``--text`` is given and the checkpoint has a tokenizer.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -53,6 +54,10 @@ PROMPT_SEED = 0
 @click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True)
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
+@click.option("--cold", is_flag=True,
+              help="drop the disk units' files from the page cache before every timed forward, as on a machine whose "
+                   "RAM cannot hold them (the plan prices disk reads cold); with --vs-accelerate, its offload and "
+                   "checkpoint files too (best effort: pages accelerate keeps mapped stay)")
 @click.option("--vs-accelerate", is_flag=True,
               help="then load it with from_pretrained(device_map='auto') under the same budgets (max_memory) and "
                    "run the same prompt: both measured side by side")
@@ -60,7 +65,7 @@ PROMPT_SEED = 0
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        overlap: bool, vs_accelerate: bool, json_path: str | None) -> None:
+        overlap: bool, cold: bool, vs_accelerate: bool, json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     console = console_for()
     pins = parse_pins(pin)
@@ -72,13 +77,17 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
-            timing = time_generation(handle, ids, new_tokens)
+            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None)
     plan = handle.plan
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
                   f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%})")
     for note in plan.notes:
         if "calibrated on this" in note:  # whether the prediction is the model's own measured times
             console.print(f"note: {note}")
+    disk = sum(p.storage == "disk" for p in plan.placements)
+    if disk and not cold:
+        console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
+                      f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
     console.print(_table(plan, timing))
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
@@ -86,7 +95,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
         with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
-            theirs = _accelerate_run(checkpoint, machine, plan, ids, new_tokens, offload_dir)
+            theirs = _accelerate_run(checkpoint, machine, plan, (ids, new_tokens, cold), offload_dir)
         console.print(_side_by_side(plan, timing, theirs))
         figures["accelerate"] = theirs
     if json_path:
@@ -94,11 +103,11 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         say_written(console, f"figures written to {json_path}")
 
 
-def time_generation(model: Any, ids: Any, new_tokens: int) -> Timing:
+def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None) -> Timing:
     """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
     from ..runtime.timing import time_generation as timed
 
-    return timed(model, ids, new_tokens)
+    return timed(model, ids, new_tokens, before_each=before_each)
 
 
 def _this_machine(spec: str, dtype: str) -> Any:
@@ -196,10 +205,11 @@ def _figures(plan: Plan, timing: Timing) -> dict[str, Any]:
             "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, timing)]}
 
 
-def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, ids: Any, new_tokens: int,
+def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, generation: tuple[Any, int, bool],
                     offload_dir: str | None) -> dict[str, Any]:
-    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt: its map, predicted and
-    measured figures and tokens, or the error that stopped it (an out-of-memory is a result, not a failure)."""
+    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``generation``: the ids,
+    the new tokens, whether cold): its map, predicted and measured figures and tokens, or the error that
+    stopped it (an out-of-memory is a result, not a failure)."""
     import gc
     import os
     import tempfile
@@ -209,6 +219,7 @@ def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, ids: Any, new_tok
 
     from ..cost.evaluate import evaluate
     from ..model.dtypes import as_torch_dtype
+    from ..runtime._safetensors_file import drop_page_cache
 
     gc.collect()
     if torch.cuda.is_available():
@@ -223,7 +234,9 @@ def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, ids: Any, new_tok
                 offload_folder=folder if disk else None)
             device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
             cost = evaluate(device_map, checkpoint, machine, plan.cost.workload)
-            timing = time_generation(model, ids, new_tokens)
+            ids, new_tokens, cold = generation
+            files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
+            timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None)
         except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError) as exc:
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         finally:
