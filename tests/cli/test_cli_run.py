@@ -72,6 +72,18 @@ def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_
                   "--plan", str(tmp_path / "plan.json"))
     assert out.exit_code == 0, out.output
     assert "prompt 3 + 4 new tokens" in " ".join(out.output.split()) and "generated: 'w" in out.output
+    # the saved plan priced for this run's workload (batch 2, prompt 6), not the one it was solved for
+    again = run_cli("run", str(path), "-d", "cpu=1GB", "--batch", "2", "--prompt", "6", "--new-tokens", "4",
+                    "--plan", str(tmp_path / "plan.json"), "--json", str(tmp_path / "again.json"))
+    assert again.exit_code == 0, again.output
+    from placement_opt import Plan, evaluate
+    from placement_opt.cli.run import _this_machine
+    from placement_opt.cost.workload import Workload
+
+    expected = evaluate(Plan.from_json(str(tmp_path / "plan.json")), str(path), _this_machine("cpu=1GB", "float32"),
+                        Workload(batch_size=2, prompt_len=6, new_tokens=4))
+    rows = {r["what"]: r for r in json.loads((tmp_path / "again.json").read_text())["rows"]}
+    assert rows["prefill"]["predicted"] == pytest.approx(expected.prefill_s)
 
 
 @pytest.mark.parametrize(("args", "said"), [

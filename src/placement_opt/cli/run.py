@@ -78,7 +78,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
             timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None)
-    plan = handle.plan
+        plan = handle.plan
+        cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
                   f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%})")
     for note in plan.notes:
@@ -88,14 +89,15 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if disk and not cold:
         console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
                       f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
-    console.print(_table(plan, timing))
+    console.print(_table(cost, timing))
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
-    figures = _figures(plan, timing)
+    figures = _figures(plan, cost, timing)
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
         with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
-            theirs = _accelerate_run(checkpoint, machine, plan, (ids, new_tokens, cold), offload_dir)
+            theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), (ids, new_tokens, cold),
+                                     offload_dir)
         console.print(_side_by_side(plan, timing, theirs))
         figures["accelerate"] = theirs
     if json_path:
@@ -172,9 +174,18 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
                     granularity=None if granularity == "block" else granularity, pins=pins or None, progress=False)
 
 
-def _rows(plan: Plan, timing: Timing) -> list[tuple[str, float | None, float, str]]:
+def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
+    """A saved plan's cost for this run: its placement priced for this run's workload on this machine's devices
+    (the plan may have been solved for another workload or budget)."""
+    from ..cost.evaluate import evaluate
+    from ..model.tracer import trace
+
+    graph = trace(checkpoint, dtype=plan.dtype, granularity="sublayer" if plan.home else "block")
+    return evaluate(plan, graph, machine, workload)
+
+
+def _rows(cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str]]:
     """(what, predicted, measured, unit) for the table and the JSON."""
-    cost = plan.cost
     steps = max(1, cost.workload.new_tokens)
     rows = [("prefill", cost.prefill_s, timing.prefill_s, "s"),
             ("decode step, median", cost.decode_s / steps, timing.decode_step_median_s, "s"),
@@ -185,7 +196,7 @@ def _rows(plan: Plan, timing: Timing) -> list[tuple[str, float | None, float, st
     return rows
 
 
-def _table(plan: Plan, timing: Timing) -> Any:
+def _table(cost: Any, timing: Timing) -> Any:
     from rich.table import Table
 
     table = Table(title="Predicted by the plan, measured in this run (GPU memory: torch.cuda.max_memory_allocated; "
@@ -193,23 +204,23 @@ def _table(plan: Plan, timing: Timing) -> Any:
                   title_justify="left")
     for column in ("", "predicted", "measured", "measured / predicted"):
         table.add_column(column, justify="left" if not column else "right")
-    for what, predicted, measured, unit in _rows(plan, timing):
+    for what, predicted, measured, unit in _rows(cost, timing):
         show = {"s": format_seconds, "bytes": format_bytes}.get(unit, lambda v: f"{v:.2f}")
         ratio = f"{measured / predicted:.2f}x" if predicted else "-"
         table.add_row(what, show(predicted) if predicted is not None else "-", show(measured), ratio)
     return table
 
 
-def _figures(plan: Plan, timing: Timing) -> dict[str, Any]:
+def _figures(plan: Plan, cost: Any, timing: Timing) -> dict[str, Any]:
     return {"plan": plan.to_dict(), "measured": _measured(timing),
-            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, timing)]}
+            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(cost, timing)]}
 
 
-def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, generation: tuple[Any, int, bool],
+def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool],
                     offload_dir: str | None) -> dict[str, Any]:
-    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``generation``: the ids,
-    the new tokens, whether cold): its map, predicted and measured figures and tokens, or the error that
-    stopped it (an out-of-memory is a result, not a failure)."""
+    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``priced``: the dtype and
+    the workload; ``generation``: the ids, the new tokens, whether cold): its map, predicted and measured figures
+    and tokens, or the error that stopped it (an out-of-memory is a result, not a failure)."""
     import gc
     import os
     import tempfile
@@ -230,10 +241,10 @@ def _accelerate_run(checkpoint: str, machine: Any, plan: Plan, generation: tuple
     with tempfile.TemporaryDirectory(dir=offload_dir, prefix="accelerate-offload-") as folder:
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                checkpoint, device_map="auto", max_memory=machine.max_memory, dtype=as_torch_dtype(plan.dtype),
+                checkpoint, device_map="auto", max_memory=machine.max_memory, dtype=as_torch_dtype(priced[0]),
                 offload_folder=folder if disk else None)
             device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
-            cost = evaluate(device_map, checkpoint, machine, plan.cost.workload)
+            cost = evaluate(device_map, checkpoint, machine, priced[1])
             ids, new_tokens, cold = generation
             files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
             timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None)
