@@ -64,13 +64,14 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
     steps: list[float] = []
     with torch.inference_mode():
+        last = _last_logits(model)
         if warmup:
-            _timed(gpus, model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
         if before_each is not None:
             before_each()
-        out, prefill = _timed(gpus, model, input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        out, prefill = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
@@ -91,6 +92,11 @@ def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
     before (5.24 still takes the old name with a FutureWarning, until 5.40)."""
     takes = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {takes: cache}
+
+
+def _last_logits(model: Any) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model takes it: generation keeps the prompt's last position only."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def cache_of(out: Any) -> Any:
