@@ -52,6 +52,8 @@ def test_run_loads_generates_and_sets_measured_beside_predicted(checkpoint, tmp_
     assert len(figures["measured"]["decode_step_s"]) == 5
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))  # run's seeded prompt
     assert figures["measured"]["tokens"] == _greedy(model, ids, 6)  # the plan computes what the model does
+    explained = run_cli("explain", str(tmp_path / "run.json"))  # the plan inside run's JSON
+    assert explained.exit_code == 0 and "batch 2 x prompt 16 + 6 new tokens" in explained.output
 
 
 def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_path):

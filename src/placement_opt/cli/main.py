@@ -280,12 +280,25 @@ def explain(plan_path: str, plot: str | None) -> None:
     try:
         result = Plan.from_json(plan_path)
     except (ValueError, KeyError, TypeError) as exc:
-        raise click.BadParameter(f"{plan_path!r} is not a placement_opt plan: {one_line(exc)}",
-                                 param_hint="PLAN.json") from None
+        result = _plan_inside(plan_path)  # placement-opt run --json: the plan beside what was measured
+        if result is None:
+            raise click.BadParameter(f"{plan_path!r} is not a placement_opt plan: {one_line(exc)}",
+                                     param_hint="PLAN.json") from None
     for part in plan_renderables(result, notes=False):  # explain() lists the notes
         console.print(part)
     console.print(result.explain(), markup=False)
     write_outputs(console, result, None, plot)
+
+
+def _plan_inside(path: str) -> Plan | None:
+    """The plan a ``placement-opt run --json`` file holds under ``"plan"``, or None."""
+    from ..plan import Plan
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return Plan.from_dict(data["plan"]) if isinstance(data, dict) and "measured" in data else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @cli.command()
