@@ -7,6 +7,8 @@ and the modules outside them that hold weights. Test modules import from here, n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers as T
 
@@ -16,7 +18,7 @@ from placement_opt.hardware.resolve import as_machine
 from placement_opt.model.graph import covering_key
 from placement_opt.plan import Plan, UnitPlacement
 
-__all__ = ["FAMILIES", "MAPPED", "MAPPED_SYNC", "RESIDENT", "assert_restored", "inputs_for", "make_plan",
+__all__ = ["FAMILIES", "MAPPED", "MAPPED_SYNC", "RESIDENT", "assert_restored", "inputs_for", "make_plan", "saved_tiny",
            "mixed", "plan_from", "snapshot", "tied_groups", "tiny", "units_of"]
 
 
@@ -118,6 +120,15 @@ def inputs_for(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if model.config.is_encoder_decoder:
         batch["decoder_input_ids"] = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(2))
     return batch
+
+
+def saved_tiny(family: str, folder: Path) -> tuple[torch.nn.Module, Path, torch.Tensor]:
+    """A tiny ``family`` model written to ``folder`` by ``save_pretrained``, with its logits on :func:`inputs_for`."""
+    model = tiny(family)
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    return model, folder, reference
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -157,12 +157,9 @@ def evict(folder: Path) -> None:
 
 
 def fadvise_dontneed(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from placement_opt.runtime._safetensors_file import drop_page_cache
+
+    drop_page_cache(files)
 
 
 def _unmap_safetensors_pages() -> None:

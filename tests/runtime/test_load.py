@@ -5,19 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _models import MAPPED, RESIDENT, inputs_for, mixed, plan_from, tiny
+from _models import MAPPED, RESIDENT, inputs_for, mixed, plan_from, saved_tiny, tiny
 from placement_opt.errors import DispatchError
 from placement_opt.runtime.loader import load
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "t5", "mixtral"])
 def saved(request, tmp_path_factory):
-    model = tiny(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    with torch.no_grad():
-        reference = model(**inputs_for(model)).logits
-    return model, path, reference
+    return saved_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_load_mixed_plan_equals_reference(saved, tmp_path):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement_opt.runtime.loader as loader
-from _models import MAPPED, MAPPED_SYNC, RESIDENT, inputs_for, mixed, plan_from, tiny
+from _models import MAPPED, MAPPED_SYNC, RESIDENT, inputs_for, mixed, plan_from, saved_tiny, tiny
 from placement_opt.errors import DispatchError
 from placement_opt.runtime.loader import load
 
@@ -17,12 +17,7 @@ FUSED = {"mixtral": ("gate_up_proj", "down_proj"), "qwen2_moe": ("gate_up_proj",
 
 @pytest.fixture(scope="module", params=sorted(FUSED))
 def saved(request, tmp_path_factory):
-    model = tiny(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    with torch.no_grad():
-        reference = model(**inputs_for(model)).logits
-    return request.param, model, path, reference
+    return request.param, *saved_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture
