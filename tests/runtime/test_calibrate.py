@@ -218,7 +218,7 @@ def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path,
     from placement_opt.runtime import calibrate as calibrate_module
 
     evicted: list[list[str]] = []  # the names of the files of each eviction, in order
-    monkeypatch.setattr(calibrate_module, "_fadvise_dontneed", lambda paths: evicted.append([p.name for p in paths]))
+    monkeypatch.setattr(calibrate_module, "drop_page_cache", lambda paths: evicted.append([p.name for p in paths]))
     monkeypatch.setattr(calibrate_module, "DISK_BUDGET_S", budget_s)
     monkeypatch.setattr(calibrate_module, "MAX_DISK_STEPS", most)
     monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
