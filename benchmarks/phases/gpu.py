@@ -13,7 +13,8 @@ Every plan is solved with ``Workload(overlap=True)`` after ``placement_opt.profi
 ``placement_opt.calibrate`` on this machine (into a profile file of this run, never the user's), and each row puts
 the plan's prediction beside the measurement: the prefill (one forward of the prompt, the last position's logits)
 and the decode (one token per step in a hand-written loop over the KV cache, the median step; never the difference
-of two ``generate()`` calls), the GPU's ``max_memory_allocated`` against the predicted ``cuda:0`` peak, and how many
+of two ``generate()`` calls; after one untimed warm-up forward), the GPU's ``max_memory_allocated`` over the
+generation against the predicted ``cuda:0`` peak, and how many
 greedy tokens equal accelerate's (bf16 on the CPU rounds differently from the GPU, so a few may not).
 ``--cap`` adds ``torch.cuda.set_per_process_memory_fraction(budget)``: an over-budget plan then fails with OOM.
 
@@ -139,29 +140,16 @@ def solve_plans(path: Path, devices: dict[Any, str], workload: Any, time_limit_s
     }
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]], int | None]:
+    """Prefill seconds, each decode step's seconds, the greedy tokens per step (the prompt's next token first) and
+    cuda:0's peak bytes over the generation: ``placement_opt.runtime.timing.time_generation``, as
+    ``placement-opt run`` measures (one untimed warm-up forward first: a runner's first call would otherwise carry
+    the process's CUDA and kernel set-up into its prefill)."""
+    from placement_opt.runtime.timing import time_generation
 
-
-def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]]]:
-    """Prefill seconds, each decode step's seconds, and the greedy tokens (prompt's next token first)."""
-    with torch.inference_mode():
-        synchronize()
-        start = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        synchronize()
-        prefill = time.perf_counter() - start
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        tokens, times = [token[:, 0].tolist()], []
-        for _ in range(steps):
-            start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            synchronize()
-            times.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            tokens.append(token[:, 0].tolist())
-    return prefill, times, tokens
+    timing = time_generation(model, ids, steps + 1)
+    tokens = [list(step) for step in zip(*timing.tokens, strict=True)]
+    return timing.prefill_s, list(timing.decode_step_s), tokens, timing.peak_gpu_bytes.get("cuda:0")
 
 
 def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[str, Any]) -> Any:
@@ -189,7 +177,6 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         total = torch.cuda.get_device_properties(0).total_memory
         fraction = min(1.0, parse_size(budget) / total) if args.cap else 1.0
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
-        torch.cuda.reset_peak_memory_stats(0)
     model = None
     try:
         model = load_runner(runner, path, devices, plans)
@@ -201,13 +188,13 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         peak_predicted = predicted_memory(target, graph, devices, workload).get("cuda:0")
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, case.shape["vocab_size"], (batch, prompt), generator=generator)
-        prefill, times, tokens = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
+        prefill, times, tokens, peak = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
         step = statistics.median(times)
         equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
         units = _modes(target) if runner in ("layer", "phased") else (_split(target) if runner == "sublayer" else "")
         row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
                   peak_predicted.used_bytes / 2**30 if peak_predicted else None,
-                  torch.cuda.max_memory_allocated(0) / 2**30 if cuda else None, equal)
+                  peak / 2**30 if cuda and peak is not None else None, equal)
         return row, tokens if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
