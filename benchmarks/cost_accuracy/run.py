@@ -374,6 +374,7 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
     from transformers import AutoModelForCausalLM
 
     import placement_opt
+    from placement_opt.runtime.timing import time_generation
 
     evaluate, predicted_memory, format_bytes, parse_size = tools
     torch.cuda.empty_cache()
@@ -392,22 +393,12 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
         cost = evaluate(target, graph, max_memory, workload)
         predicted_peak = predicted_memory(target, graph, max_memory, workload)["cuda:0"].used_bytes
         ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, workload.prompt_len), device="cuda:0")
-        with torch.inference_mode():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            torch.cuda.synchronize()
-            prefill = time.perf_counter() - start
-            cache, token, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
-            for _ in range(steps):
-                start = time.perf_counter()
-                out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        peak = torch.cuda.max_memory_allocated(0)
-        return (f"{head} {cost.prefill_s:.3f} | {prefill:.3f} | {cost.decode_s / steps:.4f} | "
-                f"{statistics.median(times):.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} |")
+        loading_peak = torch.cuda.max_memory_allocated(0)  # the load's own transients count too
+        # as placement-opt run times it: one untimed warm-up forward, then the prefill and each decode step
+        timing = time_generation(model, ids, steps + 1)
+        peak = max(loading_peak, timing.peak_gpu_bytes["cuda:0"])
+        return (f"{head} {cost.prefill_s:.3f} | {timing.prefill_s:.3f} | {cost.decode_s / steps:.4f} | "
+                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} |")
     except torch.cuda.OutOfMemoryError as exc:
         return f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | |"
     finally:
