@@ -81,7 +81,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
-                  f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%})")
+                  f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%}), units "
+                  f"stored on {_storage(plan)}")
     for note in plan.notes:
         if "calibrated on this" in note:  # whether the prediction is the model's own measured times
             console.print(f"note: {note}")
