@@ -9,6 +9,7 @@ length unless ``--text`` is given and the checkpoint has a tokenizer.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -286,8 +287,7 @@ def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
     measured = theirs["measured"]
     rows = [("prefill", ours.prefill_s, measured["prefill_s"], format_seconds),
             ("decode step, median", ours.decode_step_median_s,
-             sorted(measured["decode_step_s"])[len(measured["decode_step_s"]) // 2] if measured["decode_step_s"] else 0.0,
-             format_seconds),
+             statistics.median(measured["decode_step_s"]) if measured["decode_step_s"] else 0.0, format_seconds),
             ("decode tokens/s", ours.decode_tokens_per_s, measured["decode_tokens_per_s"], lambda v: f"{v:.2f}")]
     rows += [(f"{d} peak memory", float(ours.peak_gpu_bytes.get(d, 0)), float(b), format_bytes)
              for d, b in measured["peak_gpu_bytes"].items()]
