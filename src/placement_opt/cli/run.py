@@ -52,7 +52,8 @@ PROMPT_SEED = 0
               help="a saved plan (placement-opt plan --json) instead of solving")
 @click.option("--offload-dir", type=click.Path(file_okay=False), default=None,
               help="where weights the checkpoint cannot hold as planned are written (cast or fused disk units)")
-@click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True)
+@click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True,
+              help="units to place, as for plan (ignored with --plan)")
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
 @click.option("--cold", is_flag=True,
