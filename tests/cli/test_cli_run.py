@@ -154,3 +154,19 @@ def test_run_cold_drops_the_disk_units_from_the_page_cache_before_every_timed_fo
     assert cold.exit_code == 0, cold.output
     assert len(calls) == 5  # the prefill and 4 decode steps, each after the cache was dropped
     assert "--cold drops them" not in " ".join(cold.output.split())
+
+
+def test_run_a_sublayer_plan_of_a_moe_checkpoint_generates_what_generate_does(tmp_path):
+    """The converted (fused-experts) load, a sublayer plan with its parts placed apart, the hand-timed decode loop."""
+    model = tiny("mixtral")
+    model.save_pretrained(tmp_path / "ckpt")
+    out = run_cli("run", str(tmp_path / "ckpt"), "-d", "cpu=300KB,disk", "--granularity", "sublayer", "--prompt", "10",
+                  "--new-tokens", "5", "--offload-dir", str(tmp_path / "offload"), "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    figures = json.loads((tmp_path / "run.json").read_text())
+    on_disk = [p["unit"] for p in figures["plan"]["placements"] if p["storage"] == "disk"]
+    assert on_disk and all(u.endswith(".mlp.experts") for u in on_disk)  # 300 KB of RAM: the experts go to disk
+    written = [f.name for f in (tmp_path / "offload").glob("*.safetensors")]
+    assert len(written) == len(on_disk) and all(".mlp.experts." in name for name in written)  # fused there
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    assert figures["measured"]["tokens"] == _greedy(model, ids, 5)
