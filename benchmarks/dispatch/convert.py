@@ -9,7 +9,7 @@ fallback when transformers' mapping cannot be read, and this script runs it by m
 Each mode runs in a fresh process, on the same checkpoint (a random fp32 Mixtral-shaped model written by
 ``save_pretrained``; the page cache warm: it was just written), with the same plan (every decoder layer on
 disk, computed on the CPU; embeddings, norm and head in RAM). Per mode: load() wall time, the peak of the
-process's anonymous memory during load() (``RssAnon``, sampled every 2 ms: file pages the kernel can drop
+process's anonymous memory during load() (``RssAnon``, sampled every 1 ms: file pages the kernel can drop
 are not counted) above what it held before, and the logits of one forward, compared across modes.
 
 Usage::
@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,37 +36,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "cost_accuracy"))
+import memory as cost_memory  # noqa: E402 - its AnonPeak: the RssAnon peak sampler
 import run as cost_accuracy  # noqa: E402 - its make_plan: a plan of a given storage map, priced
 
 MODES = ("converted", "from_pretrained")
-
-
-def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _Peak:
-    """The highest anonymous RSS seen by a thread sampling every 2 ms while the block runs."""
-
-    def __enter__(self) -> _Peak:
-        self.base, self.peak, self._stop = _anon_bytes(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _anon_bytes())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _anon_bytes())
 
 
 def build(path: Path, layers: int, hidden: int, intermediate: int, experts: int) -> int:
@@ -100,7 +72,7 @@ def child(mode: str, path: Path, offload: Path, out: Path) -> None:
     plan = cost_accuracy.make_plan({n: "disk" if ".layers." in n else "cpu" for n in names}, graph,
                                    as_machine(["cpu", "disk"], dtype="float32"),
                                    Workload(batch_size=1, prompt_len=32, new_tokens=1))
-    with _Peak() as peak:
+    with cost_memory.AnonPeak() as peak:
         started = time.perf_counter()
         handle = loader.load(path, None, plan=plan, offload_dir=offload, progress=False)
         wall = time.perf_counter() - started
@@ -108,7 +80,7 @@ def child(mode: str, path: Path, offload: Path, out: Path) -> None:
     with torch.inference_mode():
         logits = handle(input_ids=ids).logits
     torch.save(logits, out.with_suffix(".pt"))
-    out.write_text(json.dumps({"mode": mode, "wall_s": wall, "anon_peak_bytes": peak.peak - peak.base}))
+    out.write_text(json.dumps({"mode": mode, "wall_s": wall, "anon_peak_bytes": peak.peak - peak.start}))
 
 
 def main() -> None:
@@ -158,7 +130,7 @@ def _write(args: argparse.Namespace, total: int, runs: dict[str, list[dict]], di
         f"decoder layer on disk (into `offload_dir`), the rest in RAM. One fresh process per load, the modes "
         f"alternating, each into an empty `offload_dir`; the page cache warm.",
         "- Anonymous peak: the most `RssAnon` seen during `load()` above what the process held before it (sampled "
-        "every 2 ms); memory-mapped file pages, which the kernel can drop, are not in it.",
+        "every 1 ms); memory-mapped file pages, which the kernel can drop, are not in it.",
         f"- Logits of one forward (batch 1 x 32), the two modes: largest difference {diff:.2g} (largest logit "
         f"{scale:.3g}; fp32 rounding: the model `from_pretrained` builds may run its experts through another kernel).",
         "",

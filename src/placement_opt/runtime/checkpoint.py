@@ -158,7 +158,7 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     """
     slots = collect_slots(model)
     keys = [next((n for n in slot.names if n in sources), None) for slot in slots]
-    built = dict(converted or {})
+    built = converted or {}
     total = (sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
              + sum(c.nbytes for c in built.values()))
     with bar(description, total, unit="bytes", progress=progress) as counted:
