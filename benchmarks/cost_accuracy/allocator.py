@@ -40,6 +40,8 @@ def child(threshold: int, hidden: int, batch: int, prompt: int) -> tuple[float, 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
     torch.set_num_threads(1)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=INTERMEDIATE[hidden], num_hidden_layers=LAYERS[hidden],
                          num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256 if hidden > 512 else hidden // 64,
@@ -54,12 +56,12 @@ def child(threshold: int, hidden: int, batch: int, prompt: int) -> tuple[float, 
             start = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             prefill.append(time.perf_counter() - start)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         for _ in range(12):
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_argument(model, cache), use_cache=True)
             decode.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
     return statistics.median(prefill[1:]), statistics.median(decode[2:])
 
 

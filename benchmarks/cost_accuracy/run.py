@@ -59,6 +59,8 @@ from typing import Any
 import psutil
 import torch
 
+from placement_opt.runtime.timing import cache_argument, cache_of
+
 HERE = Path(__file__).resolve().parent
 GOAL = 0.25
 VOCAB = 32000
@@ -225,13 +227,13 @@ def measure(model: torch.nn.Module, evict_all: Callable[[], None], prompt: int, 
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             prefill.append(time.perf_counter() - start)
         decode = []
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
             evict_all()
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_argument(model, cache), use_cache=True)
             decode.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
     return prefill, decode, rss.growth
 
 

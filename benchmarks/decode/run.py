@@ -45,6 +45,7 @@ import torch
 import transformers as T
 
 import placement_opt as po
+from placement_opt.runtime.timing import cache_argument
 
 T.utils.logging.disable_progress_bar()
 
@@ -96,12 +97,12 @@ def per_token_generate(model: Callable, prompt: torch.Tensor, tokens: int) -> li
 def per_step_loop(model: Callable, prompt: torch.Tensor, tokens: int) -> list[float]:
     """Seconds per one-token forward with a DynamicCache, after a prefill of ``prompt``."""
     cache = T.DynamicCache()
-    out = model(prompt, past_key_values=cache, use_cache=True)
+    out = model(prompt, **cache_argument(model, cache), use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(tokens):
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, **cache_argument(model, cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         if token.is_cuda:
             torch.cuda.synchronize()

@@ -43,6 +43,7 @@ def measure(shape: str, steps: int, work: Path) -> dict[str, object]:
     from placement_opt.model.tracer import trace
     from placement_opt.runtime import _safetensors_file
     from placement_opt.runtime.dispatcher import dispatch
+    from placement_opt.runtime.timing import cache_argument, cache_of
 
     model = cost_accuracy.build(cost_accuracy.config_of(shape, None), work / shape)
     graph = trace(model, dtype="float32")
@@ -65,14 +66,14 @@ def measure(shape: str, steps: int, work: Path) -> dict[str, object]:
                 for _ in range(2):
                     out = handle(input_ids=ids, use_cache=True, logits_to_keep=1)
                 rss[name] = (process.memory_info().rss - start) / 2**20
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             for step in range(steps):
                 for name in ("on", "off") if step % 2 else ("off", "on"):
                     _safetensors_file.SafetensorsFile.release = settings[name]
                     started = time.perf_counter()
-                    out = handle(input_ids=token, past_key_values=cache, use_cache=True)
+                    out = handle(input_ids=token, **cache_argument(handle, cache), use_cache=True)
                     times[name].append(time.perf_counter() - started)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
     finally:
         _safetensors_file.SafetensorsFile.release = release
         handle.remove()

@@ -37,6 +37,7 @@ from placement_opt.model.graph import covering_key
 from placement_opt.runtime import allocator
 from placement_opt.runtime._hooks import _move, _move_output
 from placement_opt.runtime.dispatcher import DispatchedModel, dispatch
+from placement_opt.runtime.timing import cache_argument, cache_of
 from placement_opt.units import format_bytes
 
 
@@ -311,7 +312,7 @@ def test_a_weight_changed_between_calls_reaches_the_next_sequence_though_its_cop
         out = handle(**inputs, use_cache=True)
         step = {"input_ids": out.logits[:, -1:].argmax(-1),
                 "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)}
-        handle(**step, past_key_values=out.past_key_values, use_cache=True)
+        handle(**step, **cache_argument(model, cache_of(out)), use_cache=True)
         assert id(first) in streamers[0].inflight  # the next step's first copy, begun
         for m in (model, changed):
             weight = m.model.layers[0].mlp.up_proj.weight
@@ -334,14 +335,14 @@ def test_refresh_makes_a_weight_changed_between_two_decode_steps_reach_the_next_
         outs = [m(**inputs, use_cache=True) for m in (handle, changed)]
         token = outs[1].logits[:, -1:].argmax(-1)
         mask = torch.cat([inputs["attention_mask"], ones], 1)
-        outs = [m(input_ids=token, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
+        outs = [m(input_ids=token, attention_mask=mask, **cache_argument(model, cache_of(o)), use_cache=True)
                 for m, o in zip((handle, changed), outs, strict=True)]
         assert id(first) in streamers[0].inflight  # the next step's first copy, begun before the change
         for m in (model, changed):
             m.model.layers[0].mlp.up_proj.weight.data.mul_(2)
         handle.refresh()
         mask = torch.cat([mask, ones], 1)
-        got, expected = (m(input_ids=token, attention_mask=mask, past_key_values=o.past_key_values).logits
+        got, expected = (m(input_ids=token, attention_mask=mask, **cache_argument(model, cache_of(o))).logits
                          for m, o in zip((handle, changed), outs, strict=True))
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     handle.remove()
