@@ -65,6 +65,25 @@ def test_directory_without_checkpoint(tmp_path):
         load(tmp_path, None, plan=plan_from(tiny("llama"), mixed))
 
 
+@pytest.mark.parametrize("error", [MemoryError("injected"), torch.OutOfMemoryError("injected")],
+                         ids=["MemoryError", "OutOfMemoryError"])
+def test_running_out_of_memory_while_loading_is_raised_as_itself(tmp_path_factory, monkeypatch, error):
+    """As dispatch() does: a caller catches OOM by its type (a benchmark's "OOM" row, a retry with a smaller
+    budget), so load() adds a note and re-raises it rather than wrapping it in a DispatchError."""
+    from placement_opt.runtime import loader
+
+    model, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("oom"))
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(loader, "materialize", fail)
+    with pytest.raises(type(error)) as raised:
+        load(path, None, plan=plan_from(model, mixed))
+    assert raised.value is error
+    assert any("ran out of memory loading" in note for note in raised.value.__notes__)
+
+
 def test_load_solves_when_no_plan_is_given(tmp_path_factory):
     pytest.importorskip("placement_opt.planner")
     from placement_opt.cost.workload import Workload

@@ -78,6 +78,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     Raises:
         DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
             is missing from it.
+        MemoryError, torch.OutOfMemoryError: memory ran out while loading; raised as they are, with a
+            note, as :func:`dispatch` raises them.
     """
     root = Path(model_id_or_path)
     files = checkpoint_files(root)
@@ -106,7 +108,10 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     except BaseException as exc:
         for file in {id(f): f for f, _ in sources.values()}.values():
             file.close()
-        if isinstance(exc, Exception) and not isinstance(exc, PlacementError):
+        if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+            # as dispatch() does: callers catch running out of memory by its own type (to retry smaller)
+            exc.add_note(f"placement_opt.load ran out of memory loading {root} in its plan")
+        elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
             text = (str(exc).strip().splitlines() or [""])[0][:300]
             raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
                                 f"check that the directory is a complete checkpoint of this model "
