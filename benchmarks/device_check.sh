@@ -14,8 +14,9 @@
 #   decode  issue 15: accelerate auto against the layer, phased and sublayer plans, the Llama-3.1-8B shape at
 #           $BUDGET of cuda:0 (default 10GiB), $STEPS decode steps (default 16) (phases/gpu.py)
 #                                                                                  -> decode.md, decode.log
-# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300). A step past its limit is
-# stopped and the next one runs; what it printed stays in its log.
+# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300). A step past its limit gets
+# SIGINT (its temporary checkpoints are removed; SIGKILL 30 s later) and the next one runs; memory.md and
+# decode.md hold every row finished by then, and the logs what the step printed.
 set -u
 out=${OUT:-device_out}
 mkdir -p "$out"
@@ -30,6 +31,7 @@ step_setup() {
     python3 - <<'PY' | tee "$out/setup.txt"
 import importlib.metadata as md
 import torch
+import transformers, placement_opt  # a dependency that fails its version check fails here, not in every step
 names = ("placement-opt", "torch", "transformers", "accelerate", "ortools", "pydantic", "safetensors")
 print(", ".join(f"{n} {md.version(n)}" for n in names))
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
@@ -41,17 +43,17 @@ has_cuda() {
 }
 
 step_tests() {
-    timeout "${TESTS_S:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda_tests.txt" 2>&1
+    timeout -s INT -k 30 "${TESTS_S:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda_tests.txt" 2>&1
 }
 
 step_memory() {
-    timeout "${MEMORY_S:-300}" python3 benchmarks/cost_accuracy/run.py --gpu-only --gpu-prompts "${PROMPTS:-512,4096}" \
+    timeout -s INT -k 30 "${MEMORY_S:-300}" python3 benchmarks/cost_accuracy/run.py --gpu-only --gpu-prompts "${PROMPTS:-512,4096}" \
         --gpu-caps yes --out "$out/memory.md" >"$out/memory.log" 2>&1
 }
 
 step_decode() {
     has_cuda || { echo "decode: no CUDA device here; benchmarks/phases/gpu.py --smoke checks the script" >"$out/decode.log"; return 1; }
-    timeout "${DECODE_S:-300}" python3 benchmarks/phases/gpu.py --case llama --budget "${BUDGET:-10GiB}" \
+    timeout -s INT -k 30 "${DECODE_S:-300}" python3 benchmarks/phases/gpu.py --case llama --budget "${BUDGET:-10GiB}" \
         --steps "${STEPS:-16}" --out "$out/decode.md" >"$out/decode.log" 2>&1
 }
 

@@ -329,15 +329,30 @@ GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's shape, the issue's run
 
 
-def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no cover - needs a GPU
+def random_weights(model: torch.nn.Module) -> None:
+    """Random weights at memory speed (calibrate's tiled block; drawing 8 B values takes about 90 s), norms at 1
+    so that 32 layers keep their activations (and greedy tokens) well apart from ties."""
+    from placement_opt.runtime.calibrate import _fill
+
+    _fill(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)
+
+
+def gpu_part(args: argparse.Namespace, work: Path,
+             emit: Callable[[list[str]], None] = lambda lines: None) -> list[str]:  # pragma: no cover - needs a GPU
     """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not.
 
     The machine is profiled (cuda:0 and the CPU) and the model calibrated on both before any plan,
-    so placement_opt's plan and the price of accelerate's map use the same measured figures.
+    so placement_opt's plan and the price of accelerate's map use the same measured figures. Shorter prompts
+    first, and ``emit`` gets the lines so far after every row: a run stopped by its time limit keeps its rows.
     """
     if not torch.cuda.is_available():
         return ["No CUDA device on this machine: the GPU part was skipped."]
     from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.initialization import no_init_weights
 
     import placement_opt
     from placement_opt.cost.evaluate import evaluate, predicted_memory
@@ -348,8 +363,11 @@ def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no c
     path = work / "gpu-model"
     config = LlamaConfig(**GPU_SHAPE, tie_word_embeddings=False, max_position_embeddings=8192)
     config.dtype = "bfloat16"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    random_weights(model)
+    model.save_pretrained(path)
+    del model
     graph = trace(str(path))
     placement_opt.profile(["cuda:0", "cpu"], dtype="bfloat16", quick=args.quick)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -357,17 +375,20 @@ def gpu_part(args: argparse.Namespace, work: Path) -> list[str]:  # pragma: no c
     lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
              f"{max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
              "| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
-             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for batch in (1, 16):
-        for prompt in args.gpu_prompts:
+             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated | "
+             "measured max_memory_reserved |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    emit(lines)
+    for prompt in args.gpu_prompts:
+        for batch in (1, 16):
             workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=args.steps)
             placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
             for cap in args.gpu_caps:
                 for runner in ("accelerate", "placement_opt"):
                     lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
                                          (evaluate, predicted_memory, format_bytes, parse_size)))
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+                    print(lines[-1], flush=True)
+                    emit(lines)
     return lines
 
 
@@ -399,13 +420,21 @@ def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memo
         # as placement-opt run times it: one untimed warm-up forward, then the prefill and each decode step
         timing = time_generation(model, ids, steps + 1)
         peak = max(loading_peak, timing.peak_gpu_bytes["cuda:0"])
+        # the cap bounds reserved bytes: an OOM with allocated under the budget is the allocator's slack
+        reserved = torch.cuda.max_memory_reserved(0)
         return (f"{head} {cost.prefill_s:.3f} | {timing.prefill_s:.3f} | {cost.decode_s / steps:.4f} | "
-                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} |")
+                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} | "
+                f"{format_bytes(reserved)} |")
     except torch.cuda.OutOfMemoryError as exc:
-        return f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | |"
+        return (f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | | "
+                f"{format_bytes(torch.cuda.max_memory_reserved(0))} |")
+    except Exception as exc:  # noqa: BLE001 - a row that failed says why; the other rows still run
+        return f"{head} | error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | |"
     finally:
         model = None
         gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)  # the next calibrate() runs without the cap
 
 
 @contextlib.contextmanager
@@ -423,14 +452,19 @@ def scratch(prefix: str) -> Iterator[Path]:
 def gpu_only(args: argparse.Namespace) -> None:
     """The GPU part alone, written to ``--out`` with the machine and command: no profile of the CPU and disk rows."""
     started = time.perf_counter()
+
+    def write(gpu: list[str], done: bool = False) -> None:
+        lines = ["# Cost-model accuracy on a GPU: accelerate `auto` against placement_opt, the same max_memory", "",
+                 f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time "
+                 f"{time.perf_counter() - started:.0f} s{'' if done else ' so far (the run had not ended)'}",
+                 f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
+                 f"{sys.version.split()[0]}",
+                 f"- Command: `python benchmarks/cost_accuracy/run.py {' '.join(sys.argv[1:])}`", "", *gpu]
+        Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
     with scratch("cost_accuracy_gpu_") as work:
-        gpu = gpu_part(args, work)
-    lines = ["# Cost-model accuracy on a GPU: accelerate `auto` against placement_opt, the same max_memory", "",
-             f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; wall time {time.perf_counter() - started:.0f} s",
-             f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
-             f"{sys.version.split()[0]}",
-             f"- Command: `python benchmarks/cost_accuracy/run.py {' '.join(sys.argv[1:])}`", "", *gpu]
-    Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        gpu = gpu_part(args, work, write)  # written after every row: a run stopped early keeps them
+    write(gpu, done=True)
     print(Path(args.out).read_text())
 
 

@@ -107,13 +107,22 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 
 def write_checkpoint(case: Case, path: Path) -> None:
-    """Random bf16 weights of ``case``'s shape, written with ``save_pretrained`` (4 GB shards)."""
+    """Random bf16 weights of ``case``'s shape, written with ``save_pretrained`` (4 GB shards): calibrate's tiled
+    random block (drawing 8 B values one by one takes about 90 s; this runs at memory speed), norms at 1."""
     import transformers as T
+    from transformers.initialization import no_init_weights
+
+    from placement_opt.runtime.calibrate import _fill
 
     config_class = T.MixtralConfig if case.family == "mixtral" else T.LlamaConfig
     config = config_class(**case.shape, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with no_init_weights():
+        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _fill(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:  # norms: at 1, so that the layers keep the activations (and greedy tokens) apart
+                param.fill_(1.0)
     model.save_pretrained(path, max_shard_size="4GB")
 
 
@@ -199,6 +208,9 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
                    f"OOM: {str(exc).splitlines()[0][:80]}"), reference
+    except Exception as exc:  # noqa: BLE001 - the row says why; the other runners still run
+        return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
+                   f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"), reference
     finally:
         model = None
         gc.collect()
@@ -206,7 +218,9 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
             torch.cuda.empty_cache()
 
 
-def run_case(case: Case, work: Path, args: argparse.Namespace) -> list[Row]:
+def run_case(case: Case, work: Path, args: argparse.Namespace, done: list[Row] | None = None,
+             emit: Any = lambda rows: None) -> list[Row]:
+    """The case's rows; ``emit`` gets every row so far (``done``'s, then this case's) after each one."""
     import placement_opt
     from placement_opt.cost.workload import Workload
 
@@ -224,6 +238,7 @@ def run_case(case: Case, work: Path, args: argparse.Namespace) -> list[Row]:
                 row, reference = run_row(case, budget, runner, path, plans, reference, args, workload)
                 rows.append(row)
                 print(table([row])[-1], flush=True)
+                emit([*(done or []), *rows])
     finally:
         shutil.rmtree(path, ignore_errors=True)  # the next case's checkpoint needs the disk
     return rows
@@ -297,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         import placement_opt
 
         placement_opt.profile(compute_devices(args.smoke), dtype="bfloat16", quick=args.smoke)
-        rows = [row for case in cases(args) for row in run_case(case, work, args)]
-    out = args.out or (None if args.smoke else HERE / "GPU.md")
+        out = args.out or (None if args.smoke else HERE / "GPU.md")
+        # written after every row: a run stopped by its time limit keeps what it measured
+        emit = (lambda so_far: write(out, so_far, args, time.perf_counter() - started)) if out else (lambda so_far: None)
+        rows: list[Row] = []
+        for case in cases(args):
+            rows += run_case(case, work, args, rows, emit)
     if out:
         write(out, rows, args, time.perf_counter() - started)
     else:
