@@ -375,7 +375,8 @@ def gpu_part(args: argparse.Namespace, work: Path,
     lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
              f"{max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
              "| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
-             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated | "
+             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated (the load's or the generation's, "
+             "the larger) | "
              "measured max_memory_reserved |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     emit(lines)
