@@ -84,6 +84,48 @@ def test_running_out_of_memory_while_loading_is_raised_as_itself(tmp_path_factor
     assert any("ran out of memory loading" in note for note in raised.value.__notes__)
 
 
+def test_a_plan_for_a_gpu_this_machine_lacks_is_refused_before_anything_is_read(tmp_path_factory, monkeypatch):
+    """Before, the read of the first GPU tensor failed, reported as a checkpoint to save again."""
+    from placement_opt.runtime import _preflight, loader
+
+    model, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("nogpu"))
+    monkeypatch.setattr(_preflight, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(loader, "materialize", lambda *a, **k: pytest.fail("read before the plan was checked"))
+    plan = plan_from(model, lambda i, u: ("cuda:0", "cuda:0", "resident"))
+    with pytest.raises(DispatchError, match=r"the plan uses cuda:0 but this machine has 0 CUDA device"):
+        load(path, None, plan=plan)
+
+
+def test_a_plan_of_another_model_is_refused_before_a_file_is_written(tmp_path_factory, tmp_path):
+    """A Llama's plan given with a Mixtral checkpoint (whose disk experts are fused into offload_dir) wrote the
+    fused layers first and refused the plan after."""
+    llama = tiny("llama")
+    _, mixtral_path, _ = saved_tiny("mixtral", tmp_path_factory.mktemp("other"))
+    with pytest.raises(DispatchError, match="not modules of MixtralForCausalLM|does not match this model"):
+        load(mixtral_path, None, plan=plan_from(llama, lambda i, u: MAPPED), offload_dir=tmp_path / "off")
+    assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
+
+
+def test_a_plan_over_the_budgets_given_beside_it_is_refused(tmp_path_factory):
+    """A budget passed with a plan is a limit: a plan solved for more of the CPU is refused, with both figures;
+    within the budgets (or with devices=None) it loads."""
+    from placement_opt import solve
+
+    model, path, reference = saved_tiny("llama", tmp_path_factory.mktemp("budget"))
+    plan = solve(path, {"cpu": "64MiB"}, strategy="sequential")
+    used = next(m.used_bytes for m in plan.cost.memory if m.device == "cpu")
+    with pytest.raises(DispatchError, match=r"of cpu, more than the .* devices gives it") as raised:
+        load(path, {"cpu": used // 2, "disk": "1GiB"}, plan=plan)
+    assert "solve a plan for these devices" in str(raised.value)
+    with pytest.raises(DispatchError, match=r"which devices does not name"):
+        load(path, {"disk": "1GiB"}, plan=plan)
+    for devices in ({"cpu": used, "disk": "1GiB"}, None):
+        handle = load(path, devices, plan=plan)
+        with torch.no_grad():
+            torch.testing.assert_close(handle(**inputs_for(model)).logits, reference, rtol=1e-6, atol=1e-6)
+        handle.remove()
+
+
 def test_load_solves_when_no_plan_is_given(tmp_path_factory):
     pytest.importorskip("placement_opt.planner")
     from placement_opt.cost.workload import Workload

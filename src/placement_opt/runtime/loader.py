@@ -49,7 +49,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             ``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
         devices: anything :func:`~placement_opt.hardware.resolve.resolve_machine` accepts
             (``["cuda:0", "cpu", "disk"]``, a ``Machine``, a ``max_memory`` dict, a spec string,
-            None for this machine); ignored when ``plan`` is given.
+            None for this machine). With ``plan``: the budgets the plan must keep (None: the plan's own).
         objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
         workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
         dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
@@ -77,7 +77,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
 
     Raises:
         DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
-            is missing from it.
+            is missing from it; a given ``plan`` of another model, for GPUs this machine does not have,
+            or using more of a device than ``devices`` gives it (checked before anything is read).
         MemoryError, torch.OutOfMemoryError: memory ran out while loading; raised as they are, with a
             note, as :func:`dispatch` raises them.
     """
@@ -89,6 +90,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if plan is None:
         plan = _solve(model, devices, time_limit_s, objective=objective, workload=workload, granularity=granularity,
                       pins=pins)
+    elif devices is not None:
+        _check_budgets(plan, devices)
+    _preflight(model, plan)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
@@ -117,6 +121,44 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
                                 f"check that the directory is a complete checkpoint of this model "
                                 f"(save or download it again)") from exc
         raise
+
+
+def _preflight(model: nn.Module, plan: Plan) -> None:
+    """What :func:`dispatch` checks of a plan, before a byte is read: it is this model's (its units and their
+    sizes), its phased units are runnable, and every GPU it names is here. Else a plan for another model or
+    machine failed part-way through reading, as a checkpoint error, with converted weights already written."""
+    from ..plan_check import check_plan
+    from ._preflight import build_units, check_devices, check_phased
+
+    check_phased(plan)
+    units = build_units(model, plan)
+    check_plan(model, plan)
+    check_devices(units)
+
+
+def _check_budgets(plan: Plan, devices: Any) -> None:
+    """Refuse a given ``plan`` that uses more of a device than ``devices`` gives it (or a device it leaves out):
+    a budget passed beside a plan is a limit the caller means, and running over it is the OOM it guards against."""
+    from ..distributed.context import current_context
+    from ..hardware.resolve import resolve_machine
+    from ..units import format_bytes
+
+    machine = resolve_machine(devices, current_context(), dtype=plan.dtype)
+    given = {d.name: d.usable_bytes for d in machine.devices}
+    over = []
+    for use in plan.cost.memory:
+        if use.used_bytes == 0:
+            continue
+        if use.device not in given:
+            over.append(f"{use.device} ({format_bytes(use.used_bytes)}), which devices does not name")
+        elif use.used_bytes > given[use.device]:
+            over.append(f"{format_bytes(use.used_bytes)} of {use.device}, more than the {format_bytes(given[use.device])} "
+                        f"devices gives it")
+    if over:
+        raise DispatchError(f"the plan for {plan.model_name!r} uses {'; '.join(over)} (its own workload, batch "
+                            f"{plan.workload.batch_size} x {plan.workload.prompt_len} + {plan.workload.new_tokens}): "
+                            f"solve a plan for these devices (leave plan out), or pass devices=None to run the plan "
+                            f"on the budgets it was solved for")
 
 
 def _solve(model: nn.Module, devices: Any, time_limit_s: float | None, **options: Any) -> Plan:
