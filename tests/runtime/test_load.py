@@ -96,6 +96,16 @@ def test_a_plan_for_a_gpu_this_machine_lacks_is_refused_before_anything_is_read(
         load(path, None, plan=plan)
 
 
+def test_devices_naming_a_gpu_this_machine_lacks_are_refused_before_solving(tmp_path_factory, monkeypatch):
+    """A max_memory dict describes a GPU without looking for it; load() runs here, so it says so first."""
+    from placement_opt.runtime import _preflight
+
+    _, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("nogpu2"))
+    monkeypatch.setattr(_preflight, "cuda_device_count", lambda: 1)
+    with pytest.raises(DispatchError, match=r"devices names cuda:1, but this machine has 1 CUDA device"):
+        load(path, {1: "1GiB", "cpu": "1GiB"})
+
+
 def test_a_plan_of_another_model_is_refused_before_a_file_is_written(tmp_path_factory, tmp_path):
     """A Llama's plan given with a Mixtral checkpoint (whose disk experts are fused into offload_dir) wrote the
     fused layers first and refused the plan after."""

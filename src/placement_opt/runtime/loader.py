@@ -136,6 +136,19 @@ def _preflight(model: nn.Module, plan: Plan) -> None:
     check_devices(units)
 
 
+def _check_here(machine: Any) -> None:
+    """load() runs the model in this process: every GPU of the machine it plans for must be here. A max_memory dict
+    or a ``cuda:0=SIZE`` spec describes a GPU without looking for it (solve() plans for machines one does not have)."""
+    from ._preflight import cuda_device_count
+
+    count = cuda_device_count()
+    absent = [d.name for d in machine.devices if d.kind == "gpu" and (count == 0 or int(d.name.split(":")[1]) >= count)]
+    if absent:
+        raise DispatchError(f"devices names {', '.join(absent)}, but this machine has {count} CUDA device(s): load() "
+                            f"runs the model here, so name only devices it has (without a GPU: the CPU and the disk); "
+                            f"placement_opt.solve() plans for a machine you do not have")
+
+
 def _check_budgets(plan: Plan, devices: Any) -> None:
     """Refuse a given ``plan`` that uses more of a device than ``devices`` gives it (or a device it leaves out):
     a budget passed beside a plan is a limit the caller means, and running over it is the OOM it guards against."""
@@ -171,6 +184,7 @@ def _solve(model: nn.Module, devices: Any, time_limit_s: float | None, **options
     from ..report import gap_advice
 
     machine = resolve_machine(devices, current_context(), dtype=dtype_name(module_dtype(model)))
+    _check_here(machine)
 
     def solved(limit_s: float | None) -> Plan:
         extra = {} if limit_s is None else {"time_limit_s": limit_s}
