@@ -17,6 +17,13 @@ from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 
+def pytest_configure(config: Any) -> None:
+    """Tests and docs read no profile of the machine they run on (``~/.cache/placement_opt/profile.json``): its
+    measured speeds would price their plans apart from a fresh checkout's. A test of profiles sets its own."""
+    os.environ["PLACEMENT_OPT_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="placement_opt_profile_"),
+                                                       "profile.json")
+
+
 def _enter_scratch(namespace: dict[str, Any]) -> None:
     namespace["_cwd"] = os.getcwd()
     os.chdir(tempfile.mkdtemp(prefix="placement_opt_docs_"))

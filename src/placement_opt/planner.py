@@ -178,6 +178,17 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
+def _default_speeds_note(machine: Machine) -> str | None:
+    """Devices given by a budget alone (a ``max_memory`` entry, ``NAME=SIZE``) that no profile measured: priced at
+    their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
+    guessed = [f"{d.name} at {d.source.rsplit('default speeds of ', 1)[1]}'s" for d in machine.devices
+               if "default speeds of " in d.source]
+    if not guessed:
+        return None
+    return (f"speeds assumed, not measured: {', '.join(guessed)} datasheet figures; name the preset "
+            f"(cuda:0=rtx-4090/24GiB) or run placement-opt profile on the machine that has the device")
+
+
 def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
     """Whether this plan's times were measured on the model itself, for a machine with measured devices (a
     described machine has no calibration to apply, and no note)."""
@@ -230,6 +241,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     after_s = (time.perf_counter() - scored) / max(1, len(baselines))
     notes = [context_note] if context_note else []
     if (said := _calibration_note(graph, machine)) is not None:
+        notes.append(said)
+    if (said := _default_speeds_note(machine)) is not None:
         notes.append(said)
     if problem.pins:
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())

@@ -74,6 +74,36 @@ def test_env_var_points_detection_at_the_profile(measured, monkeypatch: pytest.M
     assert as_machine(["cpu", "disk"], dtype="float32")["disk"].source.startswith("measured")
 
 
+@pytest.mark.parametrize("form", ["spec", "max_memory", "names"])
+def test_every_form_of_this_machines_devices_prices_at_the_measured_speeds(measured, monkeypatch, form) -> None:
+    """Issue 13: the saved figures apply whatever form ``devices`` takes. ``cpu=64GiB`` in a spec took the
+    datasheet (cpu-desktop) while ``{"cpu": "64GiB"}`` took the profile, so ``plan`` and ``run`` priced apart."""
+    path, machine = measured
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    devices = {"spec": "cpu=64GiB,disk=200GiB", "max_memory": {"cpu": "64GiB", "disk": "200GiB"},
+               "names": ["cpu", "disk"]}[form]
+    got = as_machine(devices, dtype="float32")
+    for name in ("cpu", "disk"):
+        assert got[name].source.startswith("measured")
+        assert got[name].bandwidth_bytes_per_s == machine[name].bandwidth_bytes_per_s
+    assert got["cpu"].flops_per_s == machine["cpu"].flops_per_s
+    if form != "names":
+        assert got["cpu"].memory_bytes == 64 * 2**30
+
+
+def test_a_budget_alone_without_a_measurement_is_priced_at_a_preset_and_the_plan_says_so(tmp_path, monkeypatch):
+    from placement_opt import solve
+
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "none.json"))
+    spec = as_machine("cuda:0=24GiB,cpu=64GiB", dtype="bfloat16")
+    assert spec["cuda:0"].source == "cuda:0=SIZE, default speeds of a100-40gb"
+    for devices in ("cuda:0=24GiB,cpu=64GiB", {0: "24GiB", "cpu": "64GiB"}):
+        notes = solve("llama-3-8b", devices).notes
+        assert any("speeds assumed, not measured: cuda:0 at a100-40gb's, cpu at cpu-desktop's" in n for n in notes)
+    named = solve("llama-3-8b", "cuda:0=rtx-4090,cpu=cpu-desktop/64GiB").notes
+    assert not any("speeds assumed" in n for n in named)
+
+
 def test_missing_or_foreign_profile_is_ignored(tmp_path) -> None:
     assert load_profile(tmp_path / "none.json") is None
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0}))

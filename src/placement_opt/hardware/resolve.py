@@ -98,7 +98,9 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
     """Parse ``"cuda:0=a100-40gb,cuda:1=rtx-4090/20GiB,cpu=256GiB,disk"`` into a :class:`Machine`.
 
     Each comma-separated item is ``NAME[=VALUE[/VALUE]]`` where a VALUE is a preset key or a
-    size. A bare name is detected on this machine.
+    size. A bare name is detected on this machine; a size alone is this machine's device with that
+    budget, as a ``max_memory`` entry is (its measured speeds where the saved profile has them, else
+    its kind's default preset's, which the plan's notes then say).
 
     Raises:
         DeviceSpecError: an item is malformed; the message names it and shows the accepted forms.
@@ -123,8 +125,19 @@ def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
     if preset_key:
         return Device.preset(preset_key, name=name, memory=size, dtype=dtype)
     if size is not None:
-        return Device.with_default_speeds(name, size)
+        return _with_budget(name, size, dtype)
     return detect_device(name, dtype=dtype)
+
+
+def _with_budget(name: str, size: int, dtype: str) -> Device:
+    """``NAME=SIZE``: this machine's device with a budget, as a ``max_memory`` entry is: the saved profile's speeds
+    where it measured the device (``run --devices cpu=64GiB`` and ``plan --devices cpu=64GiB`` price alike), else
+    the default preset's, said in the source (the planner's notes name such devices)."""
+    measured = saved_device(name, dtype=dtype)
+    if measured is not None:
+        return replace_device(measured, memory_bytes=size, source=f"{measured.source}, capacity from the spec")
+    default = Device.with_default_speeds(name, size)
+    return replace_device(default, source=f"{name}=SIZE, default speeds of {DEFAULT_PRESET[default.kind]}")
 
 
 def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
