@@ -231,3 +231,87 @@ def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path,
     # prefill (one with no budget left, the most with all the time in the world) and each cold decode step
     prefills = 1 if budget_s == 0 else calibrate_module.MAX_DISK_PREFILLS
     assert units == order * (1 + prefills + steps)
+
+
+class _Clock:
+    """A stand-in for calibrate's ``time``: seconds pass only when a :class:`_Forward` runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _forward(clock: _Clock, schedule: list[float]):
+    """A unit whose n-th call takes ``schedule[n]`` seconds on ``clock`` (the last one for every call after)."""
+    from torch import nn
+
+    class Forward(nn.Module):
+        calls = 0
+
+        def forward(self) -> int:
+            clock.now += schedule[min(self.calls, len(schedule) - 1)]
+            self.calls += 1
+            return self.calls
+
+    return Forward()
+
+
+@pytest.mark.parametrize(("schedule", "figure", "calls"), [
+    ([0.6, 0.001], 0.001, 1 + 1 + 2 + 20),  # a first-call stall: the next call is the warm-up, then as if fast
+    ([2.0, 0.9, 0.3, 0.001], 0.001, 3 + 20),  # a stall wearing off over three calls, each much faster
+    ([0.7, 0.6], 0.6, 2),  # a slow forward: one timed call after the warm-up, which is not the figure
+    ([3.0], 3.0, 2),  # a 3 s forward is timed twice, no more
+    ([3.0, 1.0, 0.9], 0.9, 3),  # a stall before a slow forward: one more call than the slow forward alone
+    ([0.001], 0.001, 1 + 2 + 20),  # a fast forward: three warm-ups, then calls until MIN_TIMED_S or MAX_RUNS
+    ([0.3], 0.3, 1 + 2),  # a middling one: one warm-up, then calls until MIN_TIMED_S
+], ids=["stall", "stall-wearing-off", "slow", "slow-3s", "stall-then-slow", "fast", "middling"])
+def test_a_slow_first_call_is_never_the_figure_and_a_slow_forward_is_timed_twice(monkeypatch, schedule, figure,
+                                                                                  calls) -> None:
+    import types
+
+    import torch
+
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    clock = _Clock()
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    unit = _forward(clock, schedule)
+    stamps = calibrate_module._Stamps({"unit": unit}, torch.device("cpu"))
+    runs, out = calibrate_module._repeated(lambda: unit(), stamps, repeats=2)
+    assert unit.calls == calls
+    assert calibrate_module._typical(runs) == {"unit": pytest.approx(figure)}
+    assert out == calls  # the last call's output
+
+
+def test_a_stalled_first_forward_is_not_saved_as_the_units_prefill(tmp_path, monkeypatch) -> None:
+    # The user's report: a first forward stalled in a fresh process (180-860 ms where a whole forward takes
+    # ~2 ms) was saved as model.layers.0's prefill. Here the layer's first call sleeps 0.6 s in its MLP.
+    import time
+
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    build = calibrate_module._build
+    stalled: list[float] = []
+
+    def built_with_a_stall(*args, **kwargs):
+        model = build(*args, **kwargs)
+
+        def stall(_module, _args) -> None:
+            if not stalled:
+                stalled.append(0.6)
+                time.sleep(0.6)
+
+        model.model.layers[0].mlp.register_forward_pre_hook(stall)  # inside the layer: its time, as stamped
+        return model
+
+    monkeypatch.setattr(calibrate_module, "_build", built_with_a_stall)
+    result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=Workload(batch_size=1, prompt_len=16, new_tokens=8),
+                                     path=tmp_path / "p.json", repeats=1)
+    assert stalled  # the first prefill's warm-up stalled
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert all(seconds < 0.1 for _, _, seconds, _ in layer.prefill), layer.prefill  # ~1 ms each, not 600
+    assert all(seconds < 0.1 for times in result.times.values() for _, _, seconds, _ in times["cpu"].prefill)
+    # and the prompts grew to the workload's: a 0.6 s figure at 4 tokens, 2.4 s estimated at 16, stopped them
+    assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(1, 4), (1, 16)]
