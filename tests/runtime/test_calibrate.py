@@ -102,7 +102,8 @@ def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calib
     roofline = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, workers=1)
     assert roofline.cost.prefill_s != pytest.approx(expected, rel=1e-3)
     assert "this model is not calibrated on this machine" in " ".join(roofline.notes)  # and the plan says so
-    described = placement_opt.solve(tiny_config(), "cpu=4GiB", workload=WORKLOAD, workers=1)
+    # a preset names a machine described (a budget alone is this machine's device, priced as measured)
+    described = placement_opt.solve(tiny_config(), "cpu=cpu-desktop/4GiB", workload=WORKLOAD, workers=1)
     assert not any("calibrated" in note for note in described.notes)  # a machine described: nothing to calibrate
 
 
@@ -110,7 +111,7 @@ def test_the_calibration_is_ignored_for_other_machines_hosts_and_models(calibrat
     path, _ = calibrated
     monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
     graph = trace(tiny_config())
-    described = as_machine("cpu=4GiB")  # datasheet speeds: a machine described, not this one measured
+    described = as_machine("cpu=cpu-desktop/4GiB")  # datasheet speeds: a machine described, not this one measured
     assert calibration_for(graph, described) is None
     assert calibration_for(trace(tiny_config(hidden=96)), as_machine(["cpu"], dtype="float32")) is None
     data = json.loads(path.read_text())
