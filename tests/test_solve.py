@@ -278,3 +278,20 @@ def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s, monkeypatch):
     if before_s + planner.MIN_SEARCH_S <= limit_s:
         assert total_s <= limit_s + 0.5
     assert plan.cost.fits and plan.best_bound <= plan.objective_value
+
+
+@pytest.mark.parametrize("devices", ["cuda:0=t4,cpu=cpu-desktop/32GiB,disk=nvme-gen4",
+                                     "cuda:0=h100-sxm,cpu=cpu-desktop/32GiB", "cpu=cpu-desktop/64GiB"])
+def test_a_plan_says_when_from_pretrained_would_not_compute_its_cpu_units_on_the_cpu(devices):
+    """accelerate offloads every "cpu" entry of a map that has GPUs (computed on the first GPU, copied at every
+    forward), so a plan computing units on the CPU from RAM beside GPU units says so; plans without GPU units or
+    without such units say nothing. On a T4 Llama-3-8B does not fit: some units compute on the CPU."""
+    plan = solve("llama-3-8b", devices, workers=1)
+    on_cpu = [p.unit for p in plan.placements if (p.storage, p.execution, p.mode) == ("cpu", "cpu", "resident")]
+    with_gpu = any(p.execution.startswith("cuda") for p in plan.placements)
+    notes = [n for n in plan.notes if "beside GPU units" in n]
+    assert bool(notes) == bool(on_cpu and with_gpu)
+    if notes:
+        assert notes[0].startswith(f"{len(on_cpu)} unit(s) compute on the CPU from RAM beside GPU units")
+        assert "placement_opt.dispatch() or load()" in notes[0]
+    assert devices.startswith("cuda:0=t4") == bool(notes)  # the cases are what they are meant to be

@@ -44,7 +44,7 @@ from .solver.greedy import (
 )
 from .solver.problem import MODES, OBJECTIVES, PlacementProblem
 from .solver.search import GAP_LIMIT, solve_problem
-from .units import format_bytes
+from .units import few, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
@@ -185,8 +185,9 @@ def _default_speeds_note(machine: Machine) -> str | None:
                if "default speeds of " in d.source]
     if not guessed:
         return None
-    return (f"speeds assumed, not measured: {', '.join(guessed)} datasheet figures; name the preset "
-            f"(cuda:0=rtx-4090/24GiB) or run placement-opt profile on the machine that has the device")
+    return (f"speeds assumed, not measured: {', '.join(guessed)} datasheet figures; name a preset for the device "
+            f"(NAME=PRESET/SIZE, e.g. cuda:0=rtx-4090/24GiB; placement-opt presets lists them) or run "
+            f"placement-opt profile on the machine that has it")
 
 
 def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
@@ -488,7 +489,8 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
-    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements)]
+    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements),
+             *_cpu_beside_gpu_note(placements)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
                 objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,
@@ -507,6 +509,18 @@ def _phased_note(placements: Sequence[UnitPlacement]) -> list[str]:
             f"on the CPU. plan.device_map gives their storage, and from_pretrained(device_map=...) would stream "
             f"them to the GPU at every step instead: run the plan with placement_opt.dispatch() or load() to get "
             f"its speed"]
+
+
+def _cpu_beside_gpu_note(placements: Sequence[UnitPlacement]) -> list[str]:
+    """What accelerate runs otherwise: a ``"cpu"`` entry of a map that has GPUs is offloaded, computed on the first
+    GPU with its weights copied at every forward, so a unit the plan computes on the CPU from RAM is not run so."""
+    on_cpu = [p.unit for p in placements if p.storage == "cpu" and p.execution == "cpu" and p.mode == "resident"]
+    if not on_cpu or not any(p.execution.startswith("cuda") for p in placements):
+        return []
+    return [f"{len(on_cpu)} unit(s) compute on the CPU from RAM beside GPU units ({few(on_cpu)}): from_pretrained("
+            f"device_map=plan.device_map) would compute them on the first GPU, copying their weights at every "
+            f"forward (accelerate offloads every 'cpu' entry of a map with GPUs): run the plan with "
+            f"placement_opt.dispatch() or load() to get its speed"]
 
 
 def _group_note(placements: Sequence[UnitPlacement]) -> list[str]:
