@@ -150,6 +150,19 @@ def test_infeasible_says_what_is_short_and_why():
     text = str(err.value)
     assert "needs" in text and "more across cuda:0, cpu" in text
     assert "the KV cache for batch 64 x 4608 tokens alone is" in text
+    assert "(usable: cuda:0 " in text and "add a disk device" in text
+
+
+def test_infeasible_with_a_disk_says_how_large_the_disk_is():
+    """A bare 'disk' beside a described machine is the free space here: "add a disk device" read wrong when one
+    was listed; the message gives each device's usable size and asks for a larger disk."""
+    graph = llama_like()
+    m = Machine([*machine(1000, cpu_gib=1, disk=False).devices, Device.preset("nvme-gen4", name="disk").with_memory("1GiB")])
+    with pytest.raises(InfeasiblePlacementError) as err:
+        solve(graph, m, workload=Workload(batch_size=64, prompt_len=4096, new_tokens=512), time_limit_s=1)
+    text = str(err.value)
+    assert "more across cuda:0, cpu, disk (usable: " in text and ", disk " in text
+    assert "add a larger disk (disk=SIZE" in text and "add a disk device" not in text
 
 
 def test_infeasible_names_the_weights_when_they_are_the_bigger_part():

@@ -305,8 +305,13 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
     kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
     why = kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
     if need_all > have_all:
-        lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)}; "
-                     f"{why}; add a disk device or more memory, or reduce the batch or context")
+        # a bare 'disk' is this machine's free space, however large the machine described beside it: say its size
+        has = ", ".join(f"{d.name} {format_bytes(d.capacity_bytes)}" for d in problem.devices)
+        more = ("a larger disk (disk=SIZE, or disk=nvme-gen4 for a described one: a bare 'disk' is the free space "
+                "where the offload folder goes)" if any(d.kind == "disk" for d in problem.devices)
+                else "a disk device")
+        lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)} "
+                     f"(usable: {has}); {why}; add {more} or more memory, or reduce the batch or context")
     elif need_compute > have_compute:
         lines.append(f"needs {format_bytes(need_compute - have_compute)} more on the compute devices "
                      f"({', '.join(d.name for d in compute)}), which must hold the KV cache and workspace; {why}; "
