@@ -578,3 +578,41 @@ def test_drop_disk_cache_lets_the_disk_units_pages_go_and_the_next_call_reads_th
     with torch.no_grad():
         torch.testing.assert_close(handle(**batch).logits, reference, rtol=1e-6, atol=1e-6)
     handle.remove()
+
+
+def test_a_call_past_the_planned_kv_tokens_or_batch_is_warned_of_once():
+    """A plan counts memory for its workload: batch x context tokens in the KV cache, batch x prompt computed at
+    once. generate() past either grows what the plan says fits; within them (a smaller batch with a longer
+    context included), or for a device_map's plan, nothing is said."""
+    from placement_opt import Workload, solve
+
+    model = tiny("llama")
+    plan = solve(model, {"cpu": "1GiB"}, workload=Workload(batch_size=2, prompt_len=8, new_tokens=4), workers=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    kwargs = {"do_sample": False, "pad_token_id": 0}
+
+    def said(caught):
+        return [str(w.message) for w in caught if "than the plan counted" in str(w.message)]
+
+    handle = dispatch(model, plan)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle.generate(ids, max_new_tokens=4, **kwargs)
+            handle.generate(ids[:1], max_new_tokens=16, **kwargs)  # 1 x 24 = 24 tokens: the plan's 2 x 12
+            assert said(caught) == []
+            handle.generate(torch.cat([ids, ids]), max_new_tokens=2, **kwargs)  # 4 x 8 at once, past 2 x 8
+            handle.generate(torch.cat([ids, ids]), max_new_tokens=2, **kwargs)
+            assert len(said(caught)) == 1
+            assert "holds 4 x 8 tokens in the KV cache and computes 4 x 8 at once, past the plan's 2 x 12" in \
+                said(caught)[0]
+    finally:
+        handle.remove()
+    handle = dispatch(model, {name: "cpu" for name in units_of(model)})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle.generate(torch.cat([ids, ids]), max_new_tokens=8, **kwargs)
+        assert said(caught) == []
+    finally:
+        handle.remove()

@@ -17,6 +17,7 @@ What to start in each phase is fixed at dispatch, so a call only reads a tuple.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from . import _streamer
 from ._phases import (
     CallPhase,
+    call_extent,
     call_is_prefill,
     call_starts_sequence,
     move_cache_layers,
@@ -72,12 +74,13 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 
 def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
                    move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]],
-                   home: str | None = None) -> None:
+                   home: str | None = None, planned: tuple[int, int, int] | None = None) -> None:
     """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices.
 
     ``home`` (sublayer plans): the model's inputs go there, and a unit computing elsewhere hands its
     outputs back to its caller's device, so the glue between units (residual adds, routing) always
-    runs on ``home``.
+    runs on ``home``. ``planned``: the (batch, prompt, context) the plan's memory was counted for; a call
+    past them is warned of, once (:func:`_watching`).
 
     Each wrapped module is entered in ``hooked`` (module -> had its own forward, that forward) before
     its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
@@ -102,6 +105,8 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
             entry = _settling(entry, streamer)
         if any(u.kind in ("stream", "phased") for u in units):  # copies that outlive a call
             entry = _renewing(entry, streamer)
+        if planned is not None:
+            entry = _watching(entry, *planned)
         _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
@@ -193,6 +198,31 @@ def _renewing(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., An
         return entry(*args, **kwargs)
 
     return functools.wraps(entry)(renewing)
+
+
+def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) -> Callable[..., Any]:
+    """The model's forward warning once of a call past what the plan counted memory for: more tokens in the KV
+    cache than ``batch x context`` (it grows with both), or more computed at once than ``batch x prompt`` (the
+    activations). The plan's fit says nothing of such a call: one for 1 x 24 tokens run at 2 x 300 is an OOM the
+    plan did not predict."""
+    said = False
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        nonlocal said
+        extent = None if said else call_extent(args, kwargs)
+        if extent is not None:
+            sequences, held, new = extent
+            if sequences * held > batch * context or sequences * new > batch * prompt:
+                said = True
+                warnings.warn(
+                    f"this call holds {sequences} x {held} tokens in the KV cache and computes {sequences} x {new} "
+                    f"at once, past the plan's {batch} x {context} and {batch} x {prompt}: its KV cache and "
+                    f"activations take more memory than the plan counted, and may not fit; solve the plan for "
+                    f"this workload (workload=Workload(batch_size=..., prompt_len=..., new_tokens=...))",
+                    UserWarning, stacklevel=2)
+        return entry(*args, **kwargs)
+
+    return functools.wraps(entry)(watching)
 
 
 def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:

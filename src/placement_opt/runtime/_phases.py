@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import DispatchError
 
-__all__ = ["CallPhase", "attention_layers", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
+__all__ = ["CallPhase", "attention_layers", "call_extent", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
 # The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
 # layers: the others).
@@ -77,6 +77,20 @@ def _cache_argument(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         if kwargs.get(name) is not None:
             return kwargs[name]
     return next((a for a in args if hasattr(a, "get_seq_length")), None)
+
+
+def call_extent(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(sequences, tokens each holds in context after the call: cached + new, new tokens each) of a model call;
+    None when its input does not say."""
+    tokens = _tokens_per_sequence(args, kwargs)
+    if tokens is None:
+        return None
+    tensor = next((kwargs[k] for k in _TOKEN_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)), None)
+    if tensor is None:
+        tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    cache = _cache_argument(args, kwargs)
+    cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+    return int(tensor.shape[0]), cached + int(tokens), int(tokens)
 
 
 def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

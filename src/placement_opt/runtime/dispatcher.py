@@ -238,7 +238,10 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
 
     Returns:
         A :class:`DispatchedModel`; ``model`` itself is modified in place (hooks, devices,
-        ``model.hf_device_map`` = the plan's storage map) and is ``handle.model``.
+        ``model.hf_device_map`` = the plan's storage map) and is ``handle.model``. A call holding more
+        tokens in the KV cache (sequences x context) or computing more at once (sequences x new tokens)
+        than the plan's workload counted memory for is warned of (a ``UserWarning``, once): its KV
+        cache and activations may not fit.
 
     Raises:
         DispatchError: a device_map with a key that names no module, a value that is no device
@@ -304,7 +307,7 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     _warn_cpu_heap(units, plan)
     log.doing = "linking the units that prefetch"
     _link_prefetch(units)
-    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home)
+    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan))
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
     log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units}, main))
@@ -314,14 +317,23 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
 
 
 def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Streamer, hook_every_unit: bool,
-                   log: UndoLog, home: str | None = None) -> tuple[dict[nn.Module, Any], set[int]]:
+                   log: UndoLog, home: str | None = None, planned: tuple[int, int, int] | None = None
+                   ) -> tuple[dict[nn.Module, Any], set[int]]:
     """Install the forward wrappers; (the modules wrapped, ids of modules that carried accelerate hooks)."""
     log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
     log.push("forwards", lambda: restore_forwards(hooked))
-    install_hooks(model, units, streamer, hook_every_unit or None, hooked, home)
+    install_hooks(model, units, streamer, hook_every_unit or None, hooked, home, planned)
     return dict(hooked), hf_hooked
+
+
+def _planned(plan: Plan) -> tuple[int, int, int] | None:
+    """(batch, prompt, context) a priced plan counted memory for; None for a device_map's or an unpriced plan
+    (no workload of the caller's to hold calls to)."""
+    if plan.strategy == "device_map" or not plan.cost.memory:
+        return None
+    return plan.workload.batch_size, plan.workload.prompt_len, plan.workload.context_len
 
 
 def _attach(model: nn.Module, plan: Plan, units: list[DispatchUnit], hooks: tuple[dict[nn.Module, Any], set[int]],
