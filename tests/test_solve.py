@@ -308,3 +308,18 @@ def test_a_plan_says_when_from_pretrained_would_not_compute_its_cpu_units_on_the
         assert notes[0].startswith(f"{len(on_cpu)} unit(s) compute on the CPU from RAM beside GPU units")
         assert "placement_opt.dispatch() or load()" in notes[0]
     assert devices.startswith("cuda:0=t4") == bool(notes)  # the cases are what they are meant to be
+
+
+def test_infeasible_under_tied_weights_names_them_and_what_to_do():
+    """Enough memory in all, but the tied embedding and lm_head (100 MiB, one device) fit next to nothing: the
+    message named "the tied groups" and said "relax them", which a user cannot do; it names the units, their size
+    and the two ways out."""
+    graph = llama_like(layers=2, layer_bytes=55 * MIB, tied=True)
+    m = Machine([Device.preset("a100-40gb", name="cuda:0").with_memory(f"{1024 + 110}MiB"),
+                 Device.preset("cpu-desktop", name="cpu").with_memory("110MiB")])
+    with pytest.raises(InfeasiblePlacementError) as err:
+        solve(graph, m, workload=Workload(batch_size=1, prompt_len=8, new_tokens=2), time_limit_s=1)
+    text = str(err.value)
+    assert "the total memory suffices" in text and "relax them" not in text
+    assert "tied weights, stored on one device: model.embed_tokens + lm_head (at least 100.00 MiB together)" in text
+    assert "tie_word_embeddings=False" in text

@@ -323,11 +323,29 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
         lines.append(f"unit {name} alone needs {format_bytes(m)}, more than the largest device ({top.name}, "
                      f"{format_bytes(top.capacity_bytes)}): give that device more memory")
     if not lines:
-        extra = [("pins", bool(problem.pins)), ("tied groups", bool(problem.tied_groups)),
-                 ("contiguous ranges", problem.contiguous)]
-        blamed = [name for name, on in extra if on]
+        blamed = _constraints_in_the_way(problem)
         lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
                      f"available) but no assignment fits every device"
-                     + (f" under the {', '.join(blamed)}: relax them" if blamed else
+                     + (f" under {'; and '.join(blamed)}" if blamed else
                         ": the per-device split of weights, KV cache and workspace does not work out; add memory"))
     return "no placement fits: " + "; ".join(lines)
+
+
+def _constraints_in_the_way(problem: PlacementProblem) -> list[str]:
+    """The constraints beyond capacity that a plan must meet, each with what the user can do about it."""
+    out = []
+    if problem.pins:
+        pinned = ", ".join(f"{name} -> {device}" for name, device in list(problem.pins.items())[:4])
+        out.append(f"the pins ({pinned}{', ...' if len(problem.pins) > 4 else ''}): move or drop them")
+    if problem.tied_groups:
+        index = problem.index()
+        groups = []
+        for group in problem.tied_groups[:3]:
+            units = [problem.units[index[name]] for name in group]
+            nbytes = max(min(o.stored_bytes for o in u.options) for u in units)  # the shared weight, at least
+            groups.append(f"{' + '.join(group)} (at least {format_bytes(nbytes)} together)")
+        out.append(f"tied weights, stored on one device: {', '.join(groups)}: give one device room for them beside "
+                   f"what it must hold (more memory), or untie them if the model allows (tie_word_embeddings=False)")
+    if problem.contiguous:
+        out.append("contiguous ranges per device: solve with contiguous=False")
+    return out
