@@ -106,6 +106,21 @@ def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
     assert out.exit_code != 0 and "encoder-decoder model (t5)" in " ".join(out.output.split())
 
 
+@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM"])
+def test_run_refuses_a_model_that_cannot_generate_in_one_line(tmp_path, architecture):
+    import transformers as T
+
+    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=64)
+    getattr(T, architecture)(config).save_pretrained(tmp_path)
+    out = run_cli("run", str(tmp_path), "-d", "cpu=64MiB", "--prompt", "16", "--new-tokens", "8",
+                  catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2, out.output
+    assert f"{architecture} (bert)" in text and "cannot generate text" in text and "causal LM" in text, text
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+
+
 def test_run_devices_are_this_machines_with_the_budgets_given():
     from placement_opt.cli.run import _this_machine
 

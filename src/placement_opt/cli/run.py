@@ -149,6 +149,7 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
     if getattr(config, "is_encoder_decoder", False):
         raise click.UsageError(f"{checkpoint} is an encoder-decoder model ({config.model_type}): run times decoder-only "
                                f"causal LMs; load() it from Python and call generate() with its own inputs")
+    _check_generates(checkpoint, config)
     if text is not None:
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
@@ -163,6 +164,29 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
     vocab = config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     return torch.randint(0, vocab, (batch, prompt), generator=generator), None
+
+
+def _check_generates(checkpoint: str, config: Any) -> None:
+    """Refuse, before any loading, a checkpoint whose model has no causal LM head: run generates text.
+
+    The class is the one ``load()`` builds (the config's ``architectures[0]``, else ``AutoModelForCausalLM``).
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is not None:
+        can = getattr(cls, "can_generate", None)
+        generates = bool(can()) if callable(can) else hasattr(cls, "generate")
+        what = f"a {arch} ({config.model_type})"
+    else:
+        generates = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+        what = f"a {arch or config.model_type} model ({config.model_type})"
+    if not generates:
+        raise click.UsageError(f"{checkpoint} holds {what}, which cannot generate text (no causal LM head): run "
+                               f"needs a decoder-only causal LM checkpoint (a *ForCausalLM, saved from "
+                               f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
 
 
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
