@@ -253,7 +253,7 @@ def _write_comparison(console: Console, outcomes: Sequence[StrategyOutcome], jso
                       plot: str | None) -> None:
     """``compare --json``: every strategy's result; ``--plot``: the cpsat plan (else the first) drawn."""
     if json_path:
-        rows = [{"strategy": o.strategy, "fits": o.fits, "error": o.error,
+        rows = [{"strategy": o.strategy, "fits": o.fits, "ran": o.ran, "error": o.error,
                  "plan": o.plan.to_dict() if o.plan else None} for o in outcomes]
         if json_path == STDOUT:
             click.echo(json.dumps(rows, indent=1))

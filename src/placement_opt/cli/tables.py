@@ -53,8 +53,9 @@ def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]
     table.add_column("solve", justify="right")
     table.add_column("gap", justify="right")
     for o in outcomes:
-        if o.plan is None:
-            table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 3))
+        if o.plan is None:  # "no plan": it ran and nothing fits; "not run": it could not run (why_lines says why)
+            table.add_row(o.strategy, "[bold red]no plan[/]" if o.ran else "[yellow]not run[/]",
+                          *["-"] * (5 + len(devices) + 3))
             continue
         cost = o.plan.cost
         table.add_row(o.strategy, "[green]fits[/]" if cost.fits else "[bold red]OOM[/]",
@@ -101,11 +102,12 @@ def where_computed(plan: Plan) -> str:
 
 
 def why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
+    """Under the ``compare`` table: why each strategy has no plan, was not run, or runs out of memory."""
     lines = []
     for o in outcomes:
         if o.plan is None:
             error = o.error.removeprefix(f"{o.strategy}: ")
-            lines.append(f"[bold red]{o.strategy}[/]: {error}")
+            lines.append(f"[bold red]{o.strategy}[/]: {error}" if o.ran else f"[bold yellow]{o.strategy} not run[/]: {error}")
         else:
             lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
             advice = gap_advice(o.plan)
