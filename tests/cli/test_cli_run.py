@@ -121,6 +121,16 @@ def test_run_refuses_a_model_that_cannot_generate_in_one_line(tmp_path, architec
     assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
 
 
+def test_run_asks_for_the_offload_dir_flag_not_the_python_argument(checkpoint, tmp_path):
+    _, path = checkpoint  # float32 weights run in float16 with units on disk: the cast ones need a folder
+    args = ("run", str(path), "-d", "cpu=100KB,disk", "--dtype", "float16", "--prompt", "8", "--new-tokens", "4")
+    out = run_cli(*args, catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "pass --offload-dir DIR" in text and "offload_dir=" not in text, text
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+    assert run_cli(*args, "--offload-dir", str(tmp_path / "offload")).exit_code == 0
+
+
 def test_run_devices_are_this_machines_with_the_budgets_given():
     from placement_opt.cli.run import _this_machine
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._files import write_text_atomic
+from ..compare import one_line
 from ..units import format_bytes, format_seconds
 from .options import (
     DTYPES,
@@ -36,6 +37,10 @@ __all__ = ["run"]
 
 #: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
 PROMPT_SEED = 0
+#: How ``load()``'s errors ask a Python caller for an offload folder (runtime/loader.py, runtime/checkpoint.py) ...
+PYTHON_OFFLOAD_HINT = "offload_dir='some/dir'"
+#: ... and what ``run`` says instead: the flag that sets it.
+CLI_OFFLOAD_HINT = "--offload-dir DIR"
 
 
 @click.command()
@@ -192,13 +197,21 @@ def _check_generates(checkpoint: str, config: Any) -> None:
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
             offload_dir: str | None, granularity: str, pins: dict[str, str]) -> Any:
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
+    from ..errors import DispatchError
     from ..plan import Plan
     from ..runtime.loader import load
 
     plan = Plan.from_json(plan_path) if plan_path else None
-    with progress(f"Loading {checkpoint} ..."):
-        return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
-                    granularity=None if granularity == "block" else granularity, pins=pins or None, progress=False)
+    try:
+        with progress(f"Loading {checkpoint} ..."):
+            return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
+                        granularity=None if granularity == "block" else granularity, pins=pins or None,
+                        progress=False)
+    except DispatchError as exc:
+        if PYTHON_OFFLOAD_HINT not in str(exc):
+            raise
+        # load() asks a Python caller for its argument; here the user types a flag: a usage error (exit code 2)
+        raise click.UsageError(one_line(exc).replace(PYTHON_OFFLOAD_HINT, CLI_OFFLOAD_HINT)) from None
 
 
 def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
