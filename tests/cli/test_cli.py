@@ -78,6 +78,36 @@ def test_unknown_preset_is_a_usage_error():
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("typed", "meant"), [("llama-3-8", "llama-3-8b"), ("llama3-8b", "llama-3-8b"),
+                                              ("Mistral_7B", "mistral-7b"), ("llama-3.1-405", "llama-3.1-405b")])
+def test_a_mistyped_preset_suggests_the_close_names(typed, meant):
+    result = run("plan", typed, "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2, result.output
+    assert f"unknown model preset {typed!r}: did you mean {meant!r}" in " ".join(result.output.split())
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("typed", ["./nope", "../nope", "/no/such/model", "~/no-such-model", "models/no/such",
+                                   "nope/", "./nope/config.json"])
+def test_a_path_that_does_not_exist_is_named_as_such_exit_code_2(typed):
+    result = run("plan", typed, "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"no such {'file' if typed.endswith('.json') else 'directory'}: {typed}" in text, text
+    assert "Hugging Face" not in text and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_model_id_is_still_not_taken_for_a_path():
+    assert resolve_model("org/name") == "org/name"
+
+
+def test_a_home_path_is_expanded(tmp_path, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert str(resolve_model("~/ckpt")) == str(tmp_path / "ckpt")
+
+
 def test_bad_workload_is_a_usage_error():
     result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES, "--batch", "0")
     assert result.exit_code == 2
