@@ -341,7 +341,21 @@ def test_pin_fixes_storage_by_name_or_pattern_and_refuses_what_it_cannot_keep(tm
                for p in Plan.from_json(str(tmp_path / "free.json")).placements)
     for args, said in ((("--pin", "lm_head"), "give MODULE=DEVICE"),
                        (("--pin", "model.layers.*.mlp.down_proj=cpu"), "matches no unit"),
-                       (("--pin", "lm_head=cpu", "--strategy", "accelerate"), "leave it out"),
-                       (("--pin", "lm_head=cpu", "--strategy", "balanced"), "pins apply to strategy 'cpsat' only")):
+                       (("--pin", "lm_head=cpu", "--strategy", "accelerate"), "leave --pin out"),
+                       (("--pin", "lm_head=cpu", "--strategy", "balanced"), "--pin fixes storage in the cpsat plan "
+                                                                           "only: --strategy balanced fills")):
         bad = run_cli(*common, *args, catch_exceptions=True)
-        assert bad.exit_code != 0 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
+        assert bad.exit_code == 2 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--pin", "lm_head=cuda:1"), "cuda:1 is not in the machine (cuda:0, cpu)"),
+    (("--strategy", "sequential", "--pin", "lm_head=cuda:0"), "leave --pin out, or use --strategy cpsat"),
+    (("--modes", "resident,teleport"), "modes must name some of"),
+])
+def test_bad_solver_input_is_one_line_and_exit_code_2(args, said):
+    """Pins, modes, a strategy: the library's SolverInputError is bad input, as the docs promise (exit code 2)."""
+    bad = run_cli("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb,cpu=64GiB", "--new-tokens", "8", *args,
+                  catch_exceptions=True)
+    text = " ".join(bad.output.split())
+    assert bad.exit_code == 2 and said in text and len(bad.output.strip().splitlines()) == 1, bad.output

@@ -141,9 +141,12 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     pins = parse_pins(pin)
-    if pins and (cluster is not None or strategy == "accelerate"):
-        raise click.UsageError("--pin fixes storage for the solver's plan: leave it out with --cluster and with "
-                               "--strategy accelerate (the installed library's own map)")
+    if pins and cluster is not None:
+        raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
+    if pins and strategy != "cpsat":
+        how = "is the installed library's own map" if strategy == "accelerate" else "fills the devices in its own order"
+        raise click.UsageError(f"--pin fixes storage in the cpsat plan only: --strategy {strategy} {how}, whatever is "
+                               f"pinned; leave --pin out, or use --strategy cpsat")
     if cluster is not None:
         if overlap:
             raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
