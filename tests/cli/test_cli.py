@@ -349,7 +349,7 @@ def test_pin_fixes_storage_by_name_or_pattern_and_refuses_what_it_cannot_keep(tm
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (("--pin", "lm_head=cuda:1"), "cuda:1 is not in the machine (cuda:0, cpu)"),
+    (("--pin", "lm_head=cuda:1"), "cuda:1 is not in the machine (cuda:0, cpu): pin to one of those, or add cuda:1"),
     (("--strategy", "sequential", "--pin", "lm_head=cuda:0"), "leave --pin out, or use --strategy cpsat"),
     (("--modes", "resident,teleport"), "modes must name some of"),
 ])
@@ -359,3 +359,26 @@ def test_bad_solver_input_is_one_line_and_exit_code_2(args, said):
                   catch_exceptions=True)
     text = " ".join(bad.output.split())
     assert bad.exit_code == 2 and said in text and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
+def _quickstart_errors() -> list[tuple[list[str], str, int | None]]:
+    """docs/quickstart.md's Errors block: (arguments, the line printed, the exit code shown or None)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    block = re.search(r"## Errors\n.*?```text\n(.*?)```", text, re.S).group(1).splitlines()
+    found = []
+    for i, line in enumerate(block):
+        if line.startswith("$ placement-opt "):
+            code = int(block[i + 3]) if i + 3 < len(block) and block[i + 2] == "$ echo $?" else None
+            found.append((shlex.split(line)[2:], block[i + 1], code))
+    return found
+
+
+@pytest.mark.parametrize(("args", "printed", "code"), _quickstart_errors(), ids=lambda v: str(v)[:40])
+def test_the_quickstarts_error_examples_are_what_the_command_prints(args, printed, code):
+    result = run(*args)
+    assert result.output.strip() == printed
+    assert result.exit_code == (code if code is not None else 2)  # the doc: bad input ends with exit code 2
