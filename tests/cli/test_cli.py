@@ -382,3 +382,16 @@ def test_the_quickstarts_error_examples_are_what_the_command_prints(args, printe
     result = run(*args)
     assert result.output.strip() == printed
     assert result.exit_code == (code if code is not None else 2)  # the doc: bad input ends with exit code 2
+
+
+def test_plan_hides_the_solvers_own_notes_unless_verbose(tmp_path):
+    """'warm start: ...' and 'bound also from ...' are for whoever tunes the solver: --verbose and --json keep them."""
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=t4,cpu=64GiB", "--new-tokens", "8", "--time-limit", "1")
+    default = " ".join(run(*common, "--json", str(tmp_path / "plan.json")).output.split())
+    verbose = " ".join(run(*common, "--verbose").output.split())
+    notes = Plan.from_json(str(tmp_path / "plan.json")).notes
+    solver = [n for n in notes if n.startswith(("warm start:", "bound also from"))]
+    assert solver and all(n not in default for n in solver) and all(n in verbose for n in solver)
+    assert "note: warm start" not in default and "note: warm start" in verbose
+    others = [n for n in notes if n not in solver]
+    assert all(" ".join(n.split()) in default for n in others)  # what a user acts on stays

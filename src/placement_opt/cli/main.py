@@ -133,10 +133,13 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE",
               help="fix where MODULE's weights are stored (repeatable): e.g. lm_head=cuda:0, model.layers.0=cpu, or a "
                    "quoted pattern, 'model.layers.*.mlp.experts=cpu' (with --granularity sublayer)")
+@click.option("--verbose", "-v", is_flag=True,
+              help="also print the notes about the search itself (its warm start, where its bound came from); "
+                   "--json keeps them either way")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, granularity: str, pin: tuple[str, ...], cluster: str | None, schedule: str,
+         modes: str, granularity: str, pin: tuple[str, ...], verbose: bool, cluster: str | None, schedule: str,
          microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
@@ -168,7 +171,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
             result = _search_longer(console, result, lambda limit: solve_strategy(
                 graph, machine, objective=objective, workload=workload, strategy=strategy, time_limit_s=limit,
                 source=resolved, **chosen))
-    for part in plan_renderables(result):
+    for part in plan_renderables(result, solver_notes=verbose):
         console.print(part)
     write_outputs(console, result, json_path, plot)
 
