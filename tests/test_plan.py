@@ -271,3 +271,20 @@ def test_a_sublayer_plan_is_shown_by_layer_with_the_parts_that_differ_named():
     ]
     block = replace(plan, placements=tuple(replace(p, copy_group=None) for p in plan.placements))
     assert plan_report(block).tables[0].title == "Where each run of units lives and computes"
+
+
+def test_a_baseline_that_never_ran_reads_not_run_with_its_reason_not_as_a_misfit():
+    """``solve("llama-3-8b", ...)`` cannot run accelerate on a preset name: not a baseline that does not fit."""
+    why = "strategy='accelerate' runs the installed library on the model itself, so it needs a transformers model"
+    skipped = BaselineResult(strategy="accelerate", total_s=float("inf"), fits=False, note=f"not run: {why}")
+    plan = replace(_example(), baselines=(*_example().baselines, skipped))
+    assert not skipped.ran and plan.baselines[0].ran
+    rows = [line.split() for line in plan.summary().splitlines()]
+    assert ["accelerate", "-", "not", "run", "-"] in rows
+    assert not any(r[:1] == ["accelerate"] and "NO" in r for r in rows)
+    assert f"baseline accelerate not run: {why}" in " ".join(plan.summary().split())
+    explained = [line for line in plan.explain().splitlines() if line.startswith("- baseline accelerate")]
+    assert explained == [f"- baseline accelerate: not run ({why})."]
+    assert "not run" in plan._repr_html_() and ">NO<" not in plan._repr_html_()
+    again = Plan.from_dict(plan.to_dict())  # the note travels, so does "not run"
+    assert not again.baselines[-1].ran

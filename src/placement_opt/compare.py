@@ -88,8 +88,9 @@ def compare_strategies(
 ) -> list[StrategyOutcome]:
     """Solve the same problem with every strategy and return one outcome per strategy.
 
-    A strategy that raises (infeasible, or the installed library refuses) gets an outcome
-    with ``error`` set instead of a plan, so one failure never hides the others.
+    A strategy that raises gets an outcome with ``error`` set instead of a plan, so one failure never
+    hides the others: ``ran`` True where it found no placement that fits, False where it could not be
+    run at all (bad input, or the installed library refuses).
 
     Example::
 
@@ -112,7 +113,7 @@ def compare_strategies(
         One :class:`StrategyOutcome` per strategy, in order.
     """
     from .cost.workload import Workload
-    from .errors import PlacementError
+    from .errors import InfeasiblePlacementError, PlacementError
     from .hardware.resolve import as_machine
 
     machine = as_machine(machine, dtype=graph.meta.dtype)
@@ -123,7 +124,8 @@ def compare_strategies(
             plan = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
                           time_limit_s=time_limit_s, source=source)
         except (PlacementError, ValueError, ImportError, RuntimeError) as exc:
-            outcomes.append(StrategyOutcome(strategy=strategy, error=one_line(exc)))
+            outcomes.append(StrategyOutcome(strategy=strategy, error=one_line(exc),
+                                            ran=isinstance(exc, InfeasiblePlacementError)))
         else:
             outcomes.append(StrategyOutcome(strategy=strategy, plan=plan))
     return outcomes
@@ -144,6 +146,9 @@ class StrategyOutcome:
     """The plan (also for a baseline that runs out of memory: its cost lists the violations)."""
     error: str = ""
     """Why there is no plan (e.g. the solver proved the problem infeasible)."""
+    ran: bool = True
+    """False where the strategy could not be run at all (its input or the installed library refused; ``error``
+    says why), as opposed to one that ran and found no placement that fits."""
 
     @property
     def fits(self) -> bool:

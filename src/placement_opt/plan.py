@@ -71,6 +71,10 @@ class UnitPlacement:
         return out
 
 
+#: How a :class:`BaselineResult`'s note starts when the strategy could not be run at all.
+NOT_RUN = "not run:"
+
+
 @dataclass(frozen=True, kw_only=True)
 class BaselineResult:
     """How one baseline strategy scored on the same cost model."""
@@ -81,6 +85,20 @@ class BaselineResult:
     short_bytes: int = 0
     """Bytes over capacity summed over devices (0 when it fits)."""
     note: str = ""
+    """Why it does not fit; for a baseline that could not be run at all, ``"not run: "`` and why."""
+
+    @property
+    def ran(self) -> bool:
+        """False where the strategy could not be run at all (e.g. ``accelerate`` on a preset name).
+
+        Its ``total_s`` is then infinite and ``fits`` False for want of a figure, and ``note`` says why.
+        """
+        return not self.note.startswith(NOT_RUN)
+
+    @property
+    def why_not_run(self) -> str:
+        """The reason a baseline was not run (``note`` without its ``"not run: "``); empty where it ran."""
+        return "" if self.ran else self.note.removeprefix(NOT_RUN).strip()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +261,9 @@ class Plan:
                          f"prefill {format_seconds(u.prefill_s)}, decode {format_seconds(u.decode_s)}) on "
                          f"{u.execution} ({u.mode}, stored on {u.storage}).")
         for b in self.baselines:
+            if not b.ran:
+                lines.append(f"- baseline {b.strategy}: not run ({b.why_not_run.rstrip('.')}).")
+                continue
             verdict = "fits" if b.fits else f"does not fit ({format_bytes(b.short_bytes)} short)"
             lines.append(f"- baseline {b.strategy}: {seconds_or_dash(b.total_s)}, {verdict}, "
                          f"{ratio_or_dash(b.total_s, c.total_s)} this plan's time."

@@ -214,11 +214,18 @@ def _memory_table(plan: Plan) -> ReportTable:
 
 
 def _baselines_table(plan: Plan) -> ReportTable:
-    rows = tuple((Cell(b.strategy), Cell(seconds_or_dash(b.total_s)),
+    """One row per baseline; one that could not be run reads ``not run`` (why: :func:`_not_run_lines`)."""
+    rows = tuple((Cell(b.strategy), Cell("-"), Cell("not run"), Cell("-")) if not b.ran else
+                 (Cell(b.strategy), Cell(seconds_or_dash(b.total_s)),
                   Cell("yes", "good") if b.fits else Cell("NO", "bad"), Cell(ratio_or_dash(b.total_s, plan.cost.total_s)))
                  for b in plan.baselines)
     return ReportTable("Baselines on the same cost model (total time)",
                        ("baseline", "total", "fits", "vs this plan"), rows, frozenset({"total", "vs this plan"}))
+
+
+def _not_run_lines(plan: Plan) -> list[str]:
+    """The baselines table's footnotes: why each baseline marked ``not run`` was not."""
+    return [f"baseline {b.strategy} not run: {b.why_not_run}" for b in plan.baselines if not b.ran]
 
 
 def plan_report(plan: Plan, *, notes: bool = True) -> PlanReport:
@@ -227,7 +234,7 @@ def plan_report(plan: Plan, *, notes: bool = True) -> PlanReport:
     tables = [_layers_table(plan) if sublayer else _runs_table(plan), _memory_table(plan)]
     if plan.baselines:
         tables.append(_baselines_table(plan))
-    lines = [*plan.notes]
+    lines = [*_not_run_lines(plan), *plan.notes]
     if plan.streams_weights:
         lines.append("some units compute away from their storage: run the plan with placement_opt.dispatch "
                      "(plan.device_map alone gives accelerate's synchronous hooks)")
@@ -242,7 +249,8 @@ def strategies_table(outcomes: Sequence[Any]) -> ReportTable:
     rows = []
     for o in outcomes:
         if o.plan is None:
-            rows.append((Cell(o.strategy), Cell(f"no plan: {o.error}", "bad"), Cell("-"), Cell("-")))
+            said = Cell(f"no plan: {o.error}", "bad") if o.ran else Cell(f"not run: {o.error}")
+            rows.append((Cell(o.strategy), said, Cell("-"), Cell("-")))
         else:
             rows.append((Cell(o.strategy), Cell("yes", "good") if o.fits else Cell("OOM", "bad"),
                          Cell(format_seconds(o.plan.cost.total_s)), Cell(f"{o.plan.cost.tokens_per_s:.2f}")))

@@ -78,6 +78,36 @@ def test_unknown_preset_is_a_usage_error():
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("typed", "meant"), [("llama-3-8", "llama-3-8b"), ("llama3-8b", "llama-3-8b"),
+                                              ("Mistral_7B", "mistral-7b"), ("llama-3.1-405", "llama-3.1-405b")])
+def test_a_mistyped_preset_suggests_the_close_names(typed, meant):
+    result = run("plan", typed, "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2, result.output
+    assert f"unknown model preset {typed!r}: did you mean {meant!r}" in " ".join(result.output.split())
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("typed", ["./nope", "../nope", "/no/such/model", "~/no-such-model", "models/no/such",
+                                   "nope/", "./nope/config.json"])
+def test_a_path_that_does_not_exist_is_named_as_such_exit_code_2(typed):
+    result = run("plan", typed, "--devices", GOOD_DEVICES)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"no such {'file' if typed.endswith('.json') else 'directory'}: {typed}" in text, text
+    assert "Hugging Face" not in text and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_model_id_is_still_not_taken_for_a_path():
+    assert resolve_model("org/name") == "org/name"
+
+
+def test_a_home_path_is_expanded(tmp_path, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert str(resolve_model("~/ckpt")) == str(tmp_path / "ckpt")
+
+
 def test_bad_workload_is_a_usage_error():
     result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES, "--batch", "0")
     assert result.exit_code == 2
@@ -311,7 +341,57 @@ def test_pin_fixes_storage_by_name_or_pattern_and_refuses_what_it_cannot_keep(tm
                for p in Plan.from_json(str(tmp_path / "free.json")).placements)
     for args, said in ((("--pin", "lm_head"), "give MODULE=DEVICE"),
                        (("--pin", "model.layers.*.mlp.down_proj=cpu"), "matches no unit"),
-                       (("--pin", "lm_head=cpu", "--strategy", "accelerate"), "leave it out"),
-                       (("--pin", "lm_head=cpu", "--strategy", "balanced"), "pins apply to strategy 'cpsat' only")):
+                       (("--pin", "lm_head=cpu", "--strategy", "accelerate"), "leave --pin out"),
+                       (("--pin", "lm_head=cpu", "--strategy", "balanced"), "--pin fixes storage in the cpsat plan "
+                                                                           "only: --strategy balanced fills")):
         bad = run_cli(*common, *args, catch_exceptions=True)
-        assert bad.exit_code != 0 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
+        assert bad.exit_code == 2 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--pin", "lm_head=cuda:1"), "cuda:1 is not in the machine (cuda:0, cpu): pin to one of those, or add cuda:1"),
+    (("--strategy", "sequential", "--pin", "lm_head=cuda:0"), "leave --pin out, or use --strategy cpsat"),
+    (("--modes", "resident,teleport"), "modes must name some of"),
+])
+def test_bad_solver_input_is_one_line_and_exit_code_2(args, said):
+    """Pins, modes, a strategy: the library's SolverInputError is bad input, as the docs promise (exit code 2)."""
+    bad = run_cli("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb,cpu=64GiB", "--new-tokens", "8", *args,
+                  catch_exceptions=True)
+    text = " ".join(bad.output.split())
+    assert bad.exit_code == 2 and said in text and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
+def _quickstart_errors() -> list[tuple[list[str], str, int | None]]:
+    """docs/quickstart.md's Errors block: (arguments, the line printed, the exit code shown or None)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    block = re.search(r"## Errors\n.*?```text\n(.*?)```", text, re.S).group(1).splitlines()
+    found = []
+    for i, line in enumerate(block):
+        if line.startswith("$ placement-opt "):
+            code = int(block[i + 3]) if i + 3 < len(block) and block[i + 2] == "$ echo $?" else None
+            found.append((shlex.split(line)[2:], block[i + 1], code))
+    return found
+
+
+@pytest.mark.parametrize(("args", "printed", "code"), _quickstart_errors(), ids=lambda v: str(v)[:40])
+def test_the_quickstarts_error_examples_are_what_the_command_prints(args, printed, code):
+    result = run(*args)
+    assert result.output.strip() == printed
+    assert result.exit_code == (code if code is not None else 2)  # the doc: bad input ends with exit code 2
+
+
+def test_plan_hides_the_solvers_own_notes_unless_verbose(tmp_path):
+    """'warm start: ...' and 'bound also from ...' are for whoever tunes the solver: --verbose and --json keep them."""
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=t4,cpu=64GiB", "--new-tokens", "8", "--time-limit", "1")
+    default = " ".join(run(*common, "--json", str(tmp_path / "plan.json")).output.split())
+    verbose = " ".join(run(*common, "--verbose").output.split())
+    notes = Plan.from_json(str(tmp_path / "plan.json")).notes
+    solver = [n for n in notes if n.startswith(("warm start:", "bound also from"))]
+    assert solver and all(n not in default for n in solver) and all(n in verbose for n in solver)
+    assert "note: warm start" not in default and "note: warm start" in verbose
+    others = [n for n in notes if n not in solver]
+    assert all(" ".join(n.split()) in default for n in others)  # what a user acts on stays

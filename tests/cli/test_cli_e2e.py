@@ -108,6 +108,17 @@ def test_compare_with_impossible_capacity_lists_why_each_strategy_fails(tiny_con
     assert "no plan" in result.output or "OOM" in result.output
 
 
+def test_compare_tells_a_strategy_that_could_not_run_from_one_that_found_nothing(tiny_config):
+    from placement_opt.cli.options import resolve_model
+    from placement_opt.compare import compare_strategies
+    from placement_opt.model.tracer import trace
+
+    graph = trace(resolve_model(str(tiny_config)))
+    found = compare_strategies(graph, "cpu=32KiB", strategies=("cpsat", "accelerate"))  # no source: no accelerate
+    assert [(o.strategy, o.plan is None, o.ran) for o in found] == [("cpsat", True, True), ("accelerate", True, False)]
+    assert "no placement fits" in found[0].error and "needs the model's config" in found[1].error
+
+
 def test_plan_of_a_preset_on_a_preset_machine():
     result = run("plan", "llama-2-7b", "--devices", "cuda:0=t4,cpu=64GiB,disk=nvme-gen4", "--batch", "1",
                  "--prompt", "512", "--new-tokens", "64")

@@ -106,6 +106,31 @@ def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
     assert out.exit_code != 0 and "encoder-decoder model (t5)" in " ".join(out.output.split())
 
 
+@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM"])
+def test_run_refuses_a_model_that_cannot_generate_in_one_line(tmp_path, architecture):
+    import transformers as T
+
+    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=64)
+    getattr(T, architecture)(config).save_pretrained(tmp_path)
+    out = run_cli("run", str(tmp_path), "-d", "cpu=64MiB", "--prompt", "16", "--new-tokens", "8",
+                  catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2, out.output
+    assert f"{architecture} (bert)" in text and "cannot generate text" in text and "causal LM" in text, text
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_run_asks_for_the_offload_dir_flag_not_the_python_argument(checkpoint, tmp_path):
+    _, path = checkpoint  # float32 weights run in float16 with units on disk: the cast ones need a folder
+    args = ("run", str(path), "-d", "cpu=100KB,disk", "--dtype", "float16", "--prompt", "8", "--new-tokens", "4")
+    out = run_cli(*args, catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "pass --offload-dir DIR" in text and "offload_dir=" not in text, text
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+    assert run_cli(*args, "--offload-dir", str(tmp_path / "offload")).exit_code == 0
+
+
 def test_run_devices_are_this_machines_with_the_budgets_given():
     from placement_opt.cli.run import _this_machine
 

@@ -5,6 +5,8 @@ The plans here are built by hand (no solver), so these tests check only the draw
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from _plans import report_plan
@@ -132,3 +134,24 @@ def test_each_unit_of_the_strip_is_as_wide_as_its_weights():
     bare = placement_strip(replace(plan, cost=replace(plan.cost, units=())))  # no per-unit costs: equal widths
     assert {b.get_width() for b in bare.patches if b.get_y() == pytest.approx(1.1)} == {1.0}
     assert "as wide" not in bare.get_xlabel()
+
+
+
+def test_a_strategy_that_could_not_run_reads_not_run_not_no_plan(tmp_path):
+    """compare: a strategy that could not be run (ran=False) is not one that found nothing that fits."""
+    from rich.console import Console
+
+    from placement_opt.cli.tables import comparison_table, why_lines
+
+    skipped = StrategyOutcome(strategy="accelerate", error="strategy 'accelerate' needs the model's config", ran=False)
+    found = [*outcomes()[:3], skipped]
+    console = Console(width=200, color_system=None, record=True, file=io.StringIO())
+    console.print(comparison_table(found, ["cuda:0", "cpu"]))
+    for line in why_lines(found):
+        console.print(line)
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "│ accelerate" in line)
+    assert "not run" in row and "no plan" not in row
+    assert "accelerate not run: strategy 'accelerate' needs the model's config" in text
+    page = save_report(report_plan(), tmp_path / "plan.html", found).read_text()
+    assert "not run: strategy" in page and "no plan: strategy" not in page

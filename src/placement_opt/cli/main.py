@@ -133,17 +133,23 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE",
               help="fix where MODULE's weights are stored (repeatable): e.g. lm_head=cuda:0, model.layers.0=cpu, or a "
                    "quoted pattern, 'model.layers.*.mlp.experts=cpu' (with --granularity sublayer)")
+@click.option("--verbose", "-v", is_flag=True,
+              help="also print the notes about the search itself (its warm start, where its bound came from); "
+                   "--json keeps them either way")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, granularity: str, pin: tuple[str, ...], cluster: str | None, schedule: str,
+         modes: str, granularity: str, pin: tuple[str, ...], verbose: bool, cluster: str | None, schedule: str,
          microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     pins = parse_pins(pin)
-    if pins and (cluster is not None or strategy == "accelerate"):
-        raise click.UsageError("--pin fixes storage for the solver's plan: leave it out with --cluster and with "
-                               "--strategy accelerate (the installed library's own map)")
+    if pins and cluster is not None:
+        raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
+    if pins and strategy != "cpsat":
+        how = "is the installed library's own map" if strategy == "accelerate" else "fills the devices in its own order"
+        raise click.UsageError(f"--pin fixes storage in the cpsat plan only: --strategy {strategy} {how}, whatever is "
+                               f"pinned; leave --pin out, or use --strategy cpsat")
     if cluster is not None:
         if overlap:
             raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
@@ -165,7 +171,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
             result = _search_longer(console, result, lambda limit: solve_strategy(
                 graph, machine, objective=objective, workload=workload, strategy=strategy, time_limit_s=limit,
                 source=resolved, **chosen))
-    for part in plan_renderables(result):
+    for part in plan_renderables(result, solver_notes=verbose):
         console.print(part)
     write_outputs(console, result, json_path, plot)
 
@@ -253,7 +259,7 @@ def _write_comparison(console: Console, outcomes: Sequence[StrategyOutcome], jso
                       plot: str | None) -> None:
     """``compare --json``: every strategy's result; ``--plot``: the cpsat plan (else the first) drawn."""
     if json_path:
-        rows = [{"strategy": o.strategy, "fits": o.fits, "error": o.error,
+        rows = [{"strategy": o.strategy, "fits": o.fits, "ran": o.ran, "error": o.error,
                  "plan": o.plan.to_dict() if o.plan else None} for o in outcomes]
         if json_path == STDOUT:
             click.echo(json.dumps(rows, indent=1))

@@ -6,6 +6,7 @@ Bad words end as ``click.BadParameter``/``click.UsageError`` (one line, exit cod
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,9 +45,10 @@ def resolve_model(text: str) -> Any:
     only its config is read).
 
     Raises:
-        click.BadParameter: none of these (the message lists the presets).
+        click.BadParameter: none of these: a path that does not exist is named as such, an unknown
+            preset gets the close names (``llama3-8b``: did you mean 'llama-3-8b'?) and the list.
     """
-    path = Path(text)
+    path = Path(text).expanduser()
     if path.is_file():
         return _config_from_json(path)
     if path.is_dir():
@@ -58,12 +60,44 @@ def resolve_model(text: str) -> Any:
         from ..model import catalog as models
 
         return models.model_config(text.lower())
+    if _looks_like_a_path(text):
+        what = "file" if text.lower().endswith(".json") else "directory"
+        raise click.BadParameter(f"no such {what}: {text} (a model is a preset name, a config.json, a local "
+                                 f"model directory or a model id like 'org/name')", param_hint="MODEL")
     if "/" in text:
         return text
     known = ", ".join(presets) if presets else "none yet"
+    close = _close_presets(text, presets)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise click.BadParameter(
-        f"unknown model preset {text!r}: known presets are {known}; or give a config.json, "
+        f"unknown model preset {text!r}: {hint}known presets are {known}; or give a config.json, "
         f"a local model directory or a model id like 'org/name'", param_hint="MODEL")
+
+
+def _looks_like_a_path(text: str) -> bool:
+    """Whether a model argument can only be a local path: ``./x``, ``../x``, ``/x``, ``~/x``, ``x/`` or
+    ``a/b/c`` (a hub id is ``org/name``: one slash, neither first nor last), or a Windows separator."""
+    if text.startswith(("./", "../", "/", "~")) or text in (".", "..") or text.endswith("/"):
+        return True
+    return text.count("/") >= 2 or (os.sep != "/" and os.sep in text) or text.lower().endswith(".json")
+
+
+def _close_presets(text: str, presets: Sequence[str]) -> list[str]:
+    """The presets a mistyped name probably meant: the same name but for its separators (``llama3-8b``,
+    ``Mistral_7B``), else the few it begins or ends (``llama-3-8``, ``mixtral``, ``llama-3-8b-instruct``), else
+    the closest spellings (``gemma-9b``); none when nothing is close."""
+    import difflib
+    import re
+
+    def bare(name: str) -> str:
+        return re.sub(r"[-_.\s]", "", name.lower())
+
+    typed = bare(text)
+    same = [p for p in presets if bare(p) == typed]
+    prefix = [p for p in presets if typed and (bare(p).startswith(typed) or typed.startswith(bare(p)))]
+    if same or 0 < len(prefix) <= 3:
+        return same or prefix
+    return difflib.get_close_matches(text.strip().lower(), list(presets), n=2, cutoff=0.85)
 
 
 def model_dtype(text: str) -> str:

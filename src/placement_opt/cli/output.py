@@ -59,13 +59,24 @@ def progress(message: str) -> Iterator[None]:
 
 @contextmanager
 def errors_as_messages() -> Iterator[None]:
-    """Turn the library's errors into one-line CLI errors with the right exit code."""
-    from ..errors import InfeasiblePlacementError, PlacementError, TraceError
+    """Turn the library's errors into one-line CLI errors with the right exit code: bad input (a device spec,
+    a workload, a model name, solve()'s arguments such as pins or modes) exit code 2, anything else 1."""
+    from ..errors import (
+        DeviceSpecError,
+        InfeasiblePlacementError,
+        ModelSpecError,
+        PlacementError,
+        SolverInputError,
+        TraceError,
+        WorkloadError,
+    )
 
     try:
         yield
     except click.ClickException:
         raise
+    except (DeviceSpecError, WorkloadError, ModelSpecError, SolverInputError) as exc:
+        raise click.UsageError(one_line(exc)) from None
     except InfeasiblePlacementError as exc:
         text = one_line(exc)
         raise Failure(text if text.startswith("no placement fits") else f"no placement fits: {text}") from None

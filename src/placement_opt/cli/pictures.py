@@ -202,8 +202,8 @@ def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None
     longest = max(times, default=1.0) or 1.0
     for row, o in enumerate(outcomes):
         if o.plan is None:
-            ax.text(0.02 * longest, row, f"no plan: {o.error[:90]}", va="center", fontsize=8,
-                    color=_OOM_COLOR)
+            ax.text(0.02 * longest, row, f"{'no plan' if o.ran else 'not run'}: {o.error[:90]}", va="center",
+                    fontsize=8, color=_OOM_COLOR if o.ran else "#7a7a7a")
             continue
         dark, light = ("#1f7a6f", "#7cc7bd") if o.fits else (_OOM_COLOR, "#f08080")
         cost = o.plan.cost

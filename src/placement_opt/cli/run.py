@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._files import write_text_atomic
+from ..compare import one_line
 from ..units import format_bytes, format_seconds
 from .options import (
     DTYPES,
@@ -36,6 +37,10 @@ __all__ = ["run"]
 
 #: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
 PROMPT_SEED = 0
+#: How ``load()``'s errors ask a Python caller for an offload folder (runtime/loader.py, runtime/checkpoint.py) ...
+PYTHON_OFFLOAD_HINT = "offload_dir='some/dir'"
+#: ... and what ``run`` says instead: the flag that sets it.
+CLI_OFFLOAD_HINT = "--offload-dir DIR"
 
 
 @click.command()
@@ -149,6 +154,7 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
     if getattr(config, "is_encoder_decoder", False):
         raise click.UsageError(f"{checkpoint} is an encoder-decoder model ({config.model_type}): run times decoder-only "
                                f"causal LMs; load() it from Python and call generate() with its own inputs")
+    _check_generates(checkpoint, config)
     if text is not None:
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
@@ -165,16 +171,47 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
     return torch.randint(0, vocab, (batch, prompt), generator=generator), None
 
 
+def _check_generates(checkpoint: str, config: Any) -> None:
+    """Refuse, before any loading, a checkpoint whose model has no causal LM head: run generates text.
+
+    The class is the one ``load()`` builds (the config's ``architectures[0]``, else ``AutoModelForCausalLM``).
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is not None:
+        can = getattr(cls, "can_generate", None)
+        generates = bool(can()) if callable(can) else hasattr(cls, "generate")
+        what = f"a {arch} ({config.model_type})"
+    else:
+        generates = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+        what = f"a {arch or config.model_type} model ({config.model_type})"
+    if not generates:
+        raise click.UsageError(f"{checkpoint} holds {what}, which cannot generate text (no causal LM head): run "
+                               f"needs a decoder-only causal LM checkpoint (a *ForCausalLM, saved from "
+                               f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
+
+
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
             offload_dir: str | None, granularity: str, pins: dict[str, str]) -> Any:
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
+    from ..errors import DispatchError
     from ..plan import Plan
     from ..runtime.loader import load
 
     plan = Plan.from_json(plan_path) if plan_path else None
-    with progress(f"Loading {checkpoint} ..."):
-        return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
-                    granularity=None if granularity == "block" else granularity, pins=pins or None, progress=False)
+    try:
+        with progress(f"Loading {checkpoint} ..."):
+            return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
+                        granularity=None if granularity == "block" else granularity, pins=pins or None,
+                        progress=False)
+    except DispatchError as exc:
+        if PYTHON_OFFLOAD_HINT not in str(exc):
+            raise
+        # load() asks a Python caller for its argument; here the user types a flag: a usage error (exit code 2)
+        raise click.UsageError(one_line(exc).replace(PYTHON_OFFLOAD_HINT, CLI_OFFLOAD_HINT)) from None
 
 
 def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:

@@ -18,18 +18,28 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..compare import StrategyOutcome
     from ..plan import Plan
 
-__all__ = ["plan_renderables", "comparison_table",
+__all__ = ["SOLVER_NOTES", "plan_renderables", "comparison_table",
            "where_computed", "why_lines", "presets_tables"]
 
 
-def plan_renderables(plan: Plan, *, notes: bool = True) -> list[Any]:
+#: How the notes about the search itself begin (planner and solver): what it started from and where its bound came
+#: from. ``plan`` prints them with ``--verbose`` only; ``Plan.notes``, ``--json`` and ``explain`` keep them.
+SOLVER_NOTES = ("warm start:", "bound also from ", "started from a plan of ", "started from the best plan that moves")
+
+
+def plan_renderables(plan: Plan, *, notes: bool = True, solver_notes: bool = True) -> list[Any]:
     """The plan's facts, unit runs, memory, baselines, warnings and notes as rich renderables.
 
     The rows come from :func:`placement_opt.report.plan_report`, the builder ``Plan.summary()``
     and the HTML report use too: the same figures under the same labels everywhere.
+    ``solver_notes=False`` leaves out the notes about the search itself (:data:`SOLVER_NOTES`).
     """
+    import dataclasses
+
     from ..report import plan_report, rich_renderables
 
+    if not solver_notes:
+        plan = dataclasses.replace(plan, notes=tuple(n for n in plan.notes if not n.startswith(SOLVER_NOTES)))
     return rich_renderables(plan_report(plan, notes=notes))
 
 
@@ -53,8 +63,9 @@ def comparison_table(outcomes: Sequence[StrategyOutcome], devices: Sequence[str]
     table.add_column("solve", justify="right")
     table.add_column("gap", justify="right")
     for o in outcomes:
-        if o.plan is None:
-            table.add_row(o.strategy, "[bold red]no plan[/]", *["-"] * (5 + len(devices) + 3))
+        if o.plan is None:  # "no plan": it ran and nothing fits; "not run": it could not run (why_lines says why)
+            table.add_row(o.strategy, "[bold red]no plan[/]" if o.ran else "[yellow]not run[/]",
+                          *["-"] * (5 + len(devices) + 3))
             continue
         cost = o.plan.cost
         table.add_row(o.strategy, "[green]fits[/]" if cost.fits else "[bold red]OOM[/]",
@@ -101,11 +112,12 @@ def where_computed(plan: Plan) -> str:
 
 
 def why_lines(outcomes: Sequence[StrategyOutcome]) -> list[str]:
+    """Under the ``compare`` table: why each strategy has no plan, was not run, or runs out of memory."""
     lines = []
     for o in outcomes:
         if o.plan is None:
             error = o.error.removeprefix(f"{o.strategy}: ")
-            lines.append(f"[bold red]{o.strategy}[/]: {error}")
+            lines.append(f"[bold red]{o.strategy}[/]: {error}" if o.ran else f"[bold yellow]{o.strategy} not run[/]: {error}")
         else:
             lines += [f"[bold red]{o.strategy} OOM[/]: {v.message}" for v in o.plan.cost.violations]
             advice = gap_advice(o.plan)

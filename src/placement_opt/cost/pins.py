@@ -53,7 +53,8 @@ def resolve_pins(pins: Mapping[str, Any], graph: LayerGraph, machine: Machine) -
             continue
         is_pattern = any(c in key for c in _PATTERN_CHARS)
         if device not in machine:
-            problems.append(f"pin {key!r} -> {value!r}: {device} is not in the machine ({', '.join(machine.names)})")
+            problems.append(f"pin {key!r} -> {value!r}: {device} is not in the machine ({', '.join(machine.names)}): "
+                            f"pin to one of those, or add {device} to the devices")
         elif is_pattern and not any(_matches(key, n) for n in names):
             problems.append(f"pin pattern {key!r} matches no unit nor a module holding units (units are e.g. "
                             f"{', '.join(names[:4])}); parts of a unit (a decoder layer's mlp at block "
