@@ -31,7 +31,7 @@ from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
 from .hardware.devices import Machine, normalize_device_name
 from .model.graph import covering_key
-from .plan import BaselineResult, Plan, UnitPlacement
+from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
 from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
@@ -417,7 +417,7 @@ def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost]
             device_map = accelerate_device_map(model, machine.max_memory, "auto")
         except (ValueError, ImportError, RuntimeError, TypeError) as exc:
             found.append(_Baseline("accelerate", None, None, BaselineResult(
-                strategy="accelerate", total_s=float("inf"), fits=False, note=f"not run: {exc}"), None))
+                strategy="accelerate", total_s=float("inf"), fits=False, note=f"{NOT_RUN} {exc}"), None))
         else:
             found.append(_score_map("accelerate", device_map, graph, machine, score, problem))
     return found
