@@ -143,3 +143,17 @@ def test_profile_measures_only_the_dtype_run_and_keeps_earlier_ones(tmp_path, mo
     assert saved_device("cpu", dtype="float16", path=path).flops_per_s == figures["float32"]
     with pytest.raises(ValueError, match="cannot measure dtype int8"):
         profile(["cpu"], path=path, dtype="int8")
+
+
+@pytest.mark.parametrize(("calls", "figure"), [((1.5, 0.002), 0.002), ((1.5, 1.4), 1.4), ((0.01, 0.003, 0.002), 0.002)],
+                         ids=["stalled-warm-up", "slow", "fast"])
+def test_a_slow_warm_up_is_never_the_measured_figure(monkeypatch, calls, figure) -> None:
+    """On a fake clock: a warm-up over the limit (a first-call stall) was returned as the figure itself."""
+    now = [0.0]
+    seconds = iter([*calls, *[calls[-1]] * 500])
+
+    def fn() -> None:
+        now[0] += next(seconds)
+
+    monkeypatch.setattr(profile_module.time, "perf_counter", lambda: now[0])
+    assert profile_module._best_time(fn, repeats=3) == pytest.approx(figure)
