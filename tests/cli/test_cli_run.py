@@ -177,8 +177,13 @@ def test_run_cold_drops_the_disk_units_from_the_page_cache_before_every_timed_fo
     monkeypatch.setattr(DispatchedModel, "drop_disk_cache", lambda self: calls.append(1) or real(self))
     cold = run_cli(*args, "--cold")
     assert cold.exit_code == 0, cold.output
-    assert len(calls) == 5  # the prefill and 4 decode steps, each after the cache was dropped
+    assert len(calls) == 3 + 4  # 3 prefills (--repeats' default) and 4 decode steps, each after a drop
     assert "--cold drops them" not in " ".join(cold.output.split())
+    assert "measured prefill: the median of 3" in " ".join(cold.output.split())
+    calls.clear()
+    once = run_cli(*args, "--cold", "--repeats", "1")
+    assert once.exit_code == 0 and len(calls) == 1 + 4 and "the median of" not in once.output
+    assert run_cli(*args, "--repeats", "0").exit_code == 2
 
 
 def test_run_a_sublayer_plan_of_a_moe_checkpoint_generates_what_generate_does(tmp_path):

@@ -68,23 +68,27 @@ CLI_OFFLOAD_HINT = "--offload-dir DIR"
 @click.option("--vs-accelerate", is_flag=True,
               help="then load it with from_pretrained(device_map='auto') under the same budgets (max_memory) and "
                    "run the same prompt: both measured side by side")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="prefills timed (each on a new cache); the median is shown, and each is in --json")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        overlap: bool, cold: bool, vs_accelerate: bool, json_path: str | None) -> None:
+        overlap: bool, cold: bool, vs_accelerate: bool, repeats: int, json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     console = console_for()
     pins = parse_pins(pin)
     if new_tokens < 2:
         raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
+    if repeats < 1:
+        raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
     with errors_as_messages():
         machine = _this_machine(require_devices(devices), dtype or model_dtype(checkpoint))
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
-            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None)
+            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats)
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
@@ -98,14 +102,18 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
                       f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
     console.print(_table(cost, timing))
+    if len(timing.prefill_runs_s) > 1:
+        runs = timing.prefill_runs_s
+        console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
+                      f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
     figures = _figures(plan, cost, timing)
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
         with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
-            theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), (ids, new_tokens, cold),
-                                     offload_dir)
+            theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload),
+                                     (ids, new_tokens, cold, repeats), offload_dir)
         console.print(_side_by_side(plan, timing, theirs))
         figures["accelerate"] = theirs
     if json_path:
@@ -113,11 +121,11 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         say_written(console, f"figures written to {json_path}")
 
 
-def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None) -> Timing:
+def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None, repeats: int = 1) -> Timing:
     """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
     from ..runtime.timing import time_generation as timed
 
-    return timed(model, ids, new_tokens, before_each=before_each)
+    return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats)
 
 
 def _this_machine(spec: str, dtype: str) -> Any:
@@ -256,7 +264,7 @@ def _figures(plan: Plan, cost: Any, timing: Timing) -> dict[str, Any]:
             "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(cost, timing)]}
 
 
-def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool],
+def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool, int],
                     offload_dir: str | None) -> dict[str, Any]:
     """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``priced``: the dtype and
     the workload; ``generation``: the ids, the new tokens, whether cold): its map, predicted and measured figures
@@ -285,9 +293,10 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], gene
                 offload_folder=folder if disk else None)
             device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
             cost = evaluate(device_map, checkpoint, machine, priced[1])
-            ids, new_tokens, cold = generation
+            ids, new_tokens, cold, repeats = generation
             files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
-            timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None)
+            timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None,
+                                     repeats)
         except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError) as exc:
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         finally:
@@ -299,7 +308,8 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], gene
 
 
 def _measured(timing: Timing) -> dict[str, Any]:
-    return {"prefill_s": timing.prefill_s, "decode_step_s": list(timing.decode_step_s),
+    return {"prefill_s": timing.prefill_s, "prefill_runs_s": list(timing.prefill_runs_s),
+            "decode_step_s": list(timing.decode_step_s),
             "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
             "tokens": [list(t) for t in timing.tokens]}
 

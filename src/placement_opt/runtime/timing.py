@@ -32,13 +32,15 @@ class Timing:
 
     batch_size: int
     prefill_s: float
-    """The prompt's forward (cache on, logits of the last position only)."""
+    """The prompt's forward (cache on, logits of the last position only): the median of :attr:`prefill_runs_s`."""
     decode_step_s: tuple[float, ...]
     """Each decode step's forward, in order."""
     tokens: tuple[tuple[int, ...], ...]
     """Per sequence of the batch: the greedy tokens after the prompt (the prefill's first)."""
     peak_gpu_bytes: dict[str, int]
     """``torch.cuda.max_memory_allocated`` of every CUDA device over the generation (empty without CUDA)."""
+    prefill_runs_s: tuple[float, ...] = ()
+    """Each timed prefill, in order (one unless ``prefill_repeats`` asked for more)."""
 
     @property
     def decode_step_median_s(self) -> float:
@@ -52,15 +54,17 @@ class Timing:
 
 
 def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, warmup: bool = True,
-                    before_each: Callable[[], None] | None = None) -> Timing:
+                    before_each: Callable[[], None] | None = None, prefill_repeats: int = 1) -> Timing:
     """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
     GPU memory counts from after the warm-up. ``before_each`` runs before every timed forward, untimed (e.g.
-    ``handle.drop_disk_cache`` for cold disk reads)."""
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1:
-        raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}) and "
-                         f"new_tokens >= 1 (got {new_tokens})")
+    ``handle.drop_disk_cache`` for cold disk reads). ``prefill_repeats``: the prompt is timed that many times,
+    each on a new cache, and the median is the prefill (one forward is one sample: on a busy machine the same
+    run's prefill ratios moved 0.7-22x); decode steps are many already, their median rules."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1 or prefill_repeats < 1:
+        raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}), "
+                         f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
     steps: list[float] = []
     with torch.inference_mode():
@@ -69,9 +73,13 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
-        if before_each is not None:
-            before_each()
-        out, prefill = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last)
+        prefills = []
+        for _ in range(prefill_repeats):
+            out = None  # the last run's cache goes before the next is built
+            if before_each is not None:
+                before_each()
+            out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last)
+            prefills.append(took)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
@@ -83,8 +91,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             tokens.append(token[:, 0].tolist())
     by_sequence = tuple(tuple(step[b] for step in tokens) for b in range(input_ids.shape[0]))
     peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in gpus}
-    return Timing(batch_size=input_ids.shape[0], prefill_s=prefill, decode_step_s=tuple(steps), tokens=by_sequence,
-                  peak_gpu_bytes=peaks)
+    return Timing(batch_size=input_ids.shape[0], prefill_s=statistics.median(prefills), decode_step_s=tuple(steps),
+                  tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills))
 
 
 def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
