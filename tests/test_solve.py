@@ -323,3 +323,14 @@ def test_infeasible_under_tied_weights_names_them_and_what_to_do():
     assert "the total memory suffices" in text and "relax them" not in text
     assert "tied weights, stored on one device: model.embed_tokens + lm_head (at least 100.00 MiB together)" in text
     assert "tie_word_embeddings=False" in text
+
+
+def test_a_context_past_the_models_positions_is_noted():
+    """Llama-3-8B was trained for 8192 positions: a plan for 100k tokens is priced as asked, and says so."""
+    long = solve("llama-3-8b", "cuda:0=h100-sxm,cpu=cpu-server/256GiB", workers=1,
+                 workload=Workload(batch_size=1, prompt_len=100_000, new_tokens=128))
+    assert any("100000 + 128 = 100128 tokens) is past the model's max_position_embeddings (8192)" in n
+               for n in long.notes)
+    short = solve("llama-3-8b", "cuda:0=h100-sxm,cpu=cpu-server/256GiB", workers=1,
+                  workload=Workload(batch_size=1, prompt_len=8000, new_tokens=192))
+    assert not any("max_position_embeddings" in n for n in short.notes)

@@ -178,6 +178,17 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
+def _context_note(graph: LayerGraph, workload: Workload) -> str | None:
+    """A workload longer than the positions the model was trained for: priced as asked (its KV cache grows with
+    it), but the model may refuse it or degrade past them."""
+    most = graph.meta.extra.get("max_position_embeddings")
+    if not isinstance(most, int) or workload.context_len <= most:
+        return None
+    return (f"the workload's context ({workload.prompt_len} + {workload.new_tokens} = {workload.context_len} tokens) "
+            f"is past the model's max_position_embeddings ({most}): the plan prices it as asked, but the model may "
+            f"refuse such inputs or degrade past its trained length")
+
+
 def _default_speeds_note(machine: Machine) -> str | None:
     """Devices given by a budget alone (a ``max_memory`` entry, ``NAME=SIZE``) that no profile measured: priced at
     their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
@@ -244,6 +255,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     if (said := _calibration_note(graph, machine)) is not None:
         notes.append(said)
     if (said := _default_speeds_note(machine)) is not None:
+        notes.append(said)
+    if (said := _context_note(graph, workload)) is not None:
         notes.append(said)
     if problem.pins:
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())
