@@ -189,11 +189,21 @@ def _context_note(graph: LayerGraph, workload: Workload) -> str | None:
             f"refuse such inputs or degrade past its trained length")
 
 
+def _assumed_preset(source: str) -> str | None:
+    """The preset whose datasheet speeds a device of this machine was given for want of a measurement: a budget
+    alone (``max_memory, default speeds of X``, ``NAME=SIZE, default speeds of X``) or a bare name detected
+    (``detected capacity, datasheet:X``); None for measured devices and presets one named."""
+    if "default speeds of " in source:
+        return source.rsplit("default speeds of ", 1)[1]
+    if source.startswith("detected capacity, datasheet:"):
+        return source.rsplit("datasheet:", 1)[1]
+    return None
+
+
 def _default_speeds_note(machine: Machine) -> str | None:
-    """Devices given by a budget alone (a ``max_memory`` entry, ``NAME=SIZE``) that no profile measured: priced at
-    their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
-    guessed = [f"{d.name} at {d.source.rsplit('default speeds of ', 1)[1]}'s" for d in machine.devices
-               if "default speeds of " in d.source]
+    """This machine's devices that no profile measured (a ``max_memory`` entry, ``NAME=SIZE``, a bare name): priced
+    at their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
+    guessed = [f"{d.name} at {_assumed_preset(d.source)}'s" for d in machine.devices if _assumed_preset(d.source)]
     if not guessed:
         return None
     return (f"speeds assumed, not measured: {', '.join(guessed)} datasheet figures; name a preset for the device "

@@ -102,6 +102,8 @@ def test_a_budget_alone_without_a_measurement_is_priced_at_a_preset_and_the_plan
         assert any("speeds assumed, not measured: cuda:0 at a100-40gb's, cpu at cpu-desktop's" in n for n in notes)
     named = solve("llama-3-8b", "cuda:0=rtx-4090,cpu=cpu-desktop/64GiB").notes
     assert not any("speeds assumed" in n for n in named)
+    detected = solve("llama-3-8b", ["cpu", "disk"]).notes  # bare names: this machine's, and unmeasured here
+    assert any("speeds assumed, not measured: cpu at cpu-desktop's, disk at nvme-gen4's" in n for n in detected)
 
 
 def test_missing_or_foreign_profile_is_ignored(tmp_path) -> None:
