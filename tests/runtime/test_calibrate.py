@@ -86,8 +86,9 @@ def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calib
     monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
     by_list = placement_opt.solve(tiny_config(), ["cpu"], workload=WORKLOAD, workers=1)
     by_dict = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, workers=1)
+    by_spec = placement_opt.solve(tiny_config(), "cpu=4GiB", workload=WORKLOAD, workers=1)  # a budget alone
     assert by_dict.machine["cpu"].source.startswith("measured")
-    assert by_list.cost.prefill_s == pytest.approx(by_dict.cost.prefill_s)
+    assert by_list.cost.prefill_s == pytest.approx(by_dict.cost.prefill_s) == pytest.approx(by_spec.cost.prefill_s)
     graph = trace(tiny_config())
     expected = sum(result.times[shape_key(u, "float32", graph.meta.seq_len)]["cpu"].prefill_s(1, 16, "last")
                    for u in graph.units())
