@@ -139,10 +139,11 @@ def _preflight(model: nn.Module, plan: Plan) -> None:
 def _check_here(machine: Any) -> None:
     """load() runs the model in this process: every GPU of the machine it plans for must be here. A max_memory dict
     or a ``cuda:0=SIZE`` spec describes a GPU without looking for it (solve() plans for machines one does not have)."""
+    from ..hardware.devices import gpu_index
     from ._preflight import cuda_device_count
 
     count = cuda_device_count()
-    absent = [d.name for d in machine.devices if d.kind == "gpu" and (count == 0 or int(d.name.split(":")[1]) >= count)]
+    absent = [d.name for d in machine.devices if d.kind == "gpu" and gpu_index(d.name) >= count]
     if absent:
         raise DispatchError(f"devices names {', '.join(absent)}, but this machine has {count} CUDA device(s): load() "
                             f"runs the model here, so name only devices it has (without a GPU: the CPU and the disk); "
