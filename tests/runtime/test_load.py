@@ -129,6 +129,10 @@ def test_a_plan_over_the_budgets_given_beside_it_is_refused(tmp_path_factory):
     assert "solve a plan for these devices" in str(raised.value)
     with pytest.raises(DispatchError, match=r"which devices does not name"):
         load(path, {"disk": "1GiB"}, plan=plan)
+    on_disk = solve(path, {"cpu": "16KB", "disk": "1GiB"}, strategy="sequential")
+    assert any(m.device == "disk" and m.used_bytes for m in on_disk.cost.memory)
+    offload = tmp_path_factory.mktemp("offload")  # for the rotary buffers, which no checkpoint file holds
+    load(path, {"cpu": "1GiB", "disk": "1KB"}, plan=on_disk, offload_dir=offload).remove()  # no new space for the rest
     for devices in ({"cpu": used, "disk": "1GiB"}, None):
         handle = load(path, devices, plan=plan)
         with torch.no_grad():

@@ -151,7 +151,7 @@ def _check_here(machine: Any) -> None:
 
 
 def _check_budgets(plan: Plan, devices: Any) -> None:
-    """Refuse a given ``plan`` that uses more of a device than ``devices`` gives it (or a device it leaves out):
+    """Refuse a given ``plan`` that uses more of a GPU or the CPU than ``devices`` gives it (or one it leaves out):
     a budget passed beside a plan is a limit the caller means, and running over it is the OOM it guards against."""
     from ..distributed.context import current_context
     from ..hardware.resolve import resolve_machine
@@ -161,7 +161,8 @@ def _check_budgets(plan: Plan, devices: Any) -> None:
     given = {d.name: d.usable_bytes for d in machine.devices}
     over = []
     for use in plan.cost.memory:
-        if use.used_bytes == 0:
+        # the disk is left out: load() maps disk units from the checkpoint's own files, which take no new space
+        if use.used_bytes == 0 or use.device == "disk":
             continue
         if use.device not in given:
             over.append(f"{use.device} ({format_bytes(use.used_bytes)}), which devices does not name")
