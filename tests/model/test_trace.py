@@ -321,11 +321,14 @@ def test_preset_name_config_json_and_directory(tmp_path) -> None:
     assert trace("LLaMA-2-7B", seq_len=4).meta.model_name == "llama-2-7b"
 
 
-def test_hub_id_offline_raises_trace_error(monkeypatch) -> None:
+def test_hub_id_offline_raises_model_spec_error(monkeypatch) -> None:
+    """A name that resolves to nothing is the caller's input (ModelSpecError), not a model that fails to trace."""
     import huggingface_hub.constants
 
+    from placement_opt.errors import ModelSpecError
+
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(TraceError, match="local config.json"):
+    with pytest.raises(ModelSpecError, match="local config.json"):
         trace("no-such-org/no-such-model")
 
 

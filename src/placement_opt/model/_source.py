@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import TraceError
+from ..errors import ModelSpecError, TraceError
 from .dtypes import as_torch_dtype, config_dtype, module_dtype
 
 __all__ = ["resolve_source", "meta_skeleton", "first_line"]
@@ -64,7 +64,7 @@ def _as_config(model: Any) -> Any:
             return AutoConfig.from_pretrained(path.parent if path.is_file() and path.name == "config.json"
                                               else path)
         except Exception as exc:
-            raise TraceError(f"cannot read a transformers config from {text!r}: {first_line(exc)}") from None
+            raise ModelSpecError(f"cannot read a transformers config from {text!r}: {first_line(exc)}") from None
     try:
         return AutoConfig.from_pretrained(text, local_files_only=True)  # the hub cache first
     except Exception:  # noqa: BLE001 - not cached: ask the hub below
@@ -72,7 +72,7 @@ def _as_config(model: Any) -> Any:
     if not _hub_reachable():  # fail fast: the hub client would retry for about 25 s
         close = difflib.get_close_matches(text.strip().lower(), models.list_models(), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TraceError(
+        raise ModelSpecError(
             f"{text!r} is not a preset, not a local path, and not in the Hugging Face cache, and the hub cannot "
             f"be reached (offline or HF_HUB_OFFLINE=1): {hint}accepted are a preset "
             f"({', '.join(models.list_models())}), a local config.json or a directory holding one, a cached "
@@ -80,7 +80,7 @@ def _as_config(model: Any) -> Any:
     try:
         return AutoConfig.from_pretrained(text)
     except Exception as exc:
-        raise TraceError(
+        raise ModelSpecError(
             f"{text!r} is not a preset ({', '.join(models.list_models())}), not a local path, and fetching its "
             f"config.json from the Hugging Face hub failed ({first_line(exc)}): pass a local config.json, a "
             f"directory holding one, or a transformers config object") from None

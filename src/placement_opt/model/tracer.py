@@ -136,10 +136,10 @@ def trace(
         The :class:`LayerGraph`; ``graph.meta.traced`` is False when the static fallback was used.
 
     Raises:
-        TraceError: the argument is none of the accepted kinds, a config cannot be read, or the model
-            cannot be built from its config.
-            Also a bad ``batch_size``, ``seq_len`` or ``granularity``.
-        ModelSpecError: ``dtype`` or the config's dtype names no torch dtype.
+        TraceError: the argument is none of the accepted kinds, or the model cannot be built from its
+            config. Also a bad ``batch_size``, ``seq_len`` or ``granularity``.
+        ModelSpecError: a name that is no preset, local path or reachable model id, a config that cannot
+            be read, or a ``dtype`` (or the config's) that names no torch dtype.
     """
     if batch_size < 1 or seq_len < 1:
         raise TraceError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must both be >= 1: they size "
