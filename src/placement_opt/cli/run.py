@@ -37,9 +37,7 @@ __all__ = ["run"]
 
 #: Seed of the random prompt's token ids: the same prompt on every run of the same checkpoint.
 PROMPT_SEED = 0
-#: How ``load()``'s errors ask a Python caller for an offload folder (runtime/loader.py, runtime/checkpoint.py) ...
-PYTHON_OFFLOAD_HINT = "offload_dir='some/dir'"
-#: ... and what ``run`` says instead: the flag that sets it.
+#: What ``run`` says where ``load()`` asks a Python caller for an offload folder (runtime.checkpoint.OFFLOAD_DIR_HINT).
 CLI_OFFLOAD_HINT = "--offload-dir DIR"
 
 
@@ -207,6 +205,7 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
     from ..errors import DispatchError
     from ..plan import Plan
+    from ..runtime.checkpoint import OFFLOAD_DIR_HINT
     from ..runtime.loader import load
 
     plan = Plan.from_json(plan_path) if plan_path else None
@@ -216,10 +215,10 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
                         granularity=None if granularity == "block" else granularity, pins=pins or None,
                         progress=False)
     except DispatchError as exc:
-        if PYTHON_OFFLOAD_HINT not in str(exc):
+        if OFFLOAD_DIR_HINT not in str(exc):
             raise
         # load() asks a Python caller for its argument; here the user types a flag: a usage error (exit code 2)
-        raise click.UsageError(one_line(exc).replace(PYTHON_OFFLOAD_HINT, CLI_OFFLOAD_HINT)) from None
+        raise click.UsageError(one_line(exc).replace(OFFLOAD_DIR_HINT, CLI_OFFLOAD_HINT)) from None
 
 
 def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:

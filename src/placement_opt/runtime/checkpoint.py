@@ -36,6 +36,9 @@ from .offload import OffloadStore, SafetensorsFile
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
            "materialize", "needs_conversion"]
 
+#: How a Python caller is asked for an offload folder (``run`` rewrites it into its ``--offload-dir`` flag).
+OFFLOAD_DIR_HINT = "offload_dir='some/dir'"
+
 
 @dataclass(eq=False)
 class Slot:
@@ -254,7 +257,7 @@ class _DiskConverter:
             raise DispatchError(
                 f"unit {self.unit!r} is stored on disk, but the checkpoint does not hold its weights as the model "
                 f"uses them (another dtype than {self.slots[0].tensor.dtype}, or a layout transformers converts at "
-                f"load): pass offload_dir='some/dir' to keep the cast or converted weights there"
+                f"load): pass {OFFLOAD_DIR_HINT} to keep the cast or converted weights there"
             )
         store = OffloadStore(self.offload_dir)
         file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))

@@ -14,6 +14,7 @@ from ..errors import DispatchError, PlacementError
 from ..plan import Plan
 from ._conversion import Converted, conversions
 from .checkpoint import (
+    OFFLOAD_DIR_HINT,
     checkpoint_files,
     checkpoint_index,
     materialize,
@@ -205,7 +206,7 @@ def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: An
     if offload_dir is None and any(p.storage == "disk" for p in plan.placements):
         raise DispatchError(
             f"{root} stores weights in a layout transformers converts at load time ({type(skeleton).__name__}), "
-            f"so they cannot be mapped from the checkpoint: pass offload_dir='some/dir' for the disk units"
+            f"so they cannot be mapped from the checkpoint: pass {OFFLOAD_DIR_HINT} for the disk units"
         )
     dtype = next(iter(skeleton.parameters())).dtype
     model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
