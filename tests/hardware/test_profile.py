@@ -97,6 +97,9 @@ def test_a_budget_alone_without_a_measurement_is_priced_at_a_preset_and_the_plan
     monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "none.json"))
     spec = as_machine("cuda:0=24GiB,cpu=64GiB", dtype="bfloat16")
     assert spec["cuda:0"].source == "cuda:0=SIZE, default speeds of a100-40gb"
+    # a budget, as max_memory reads it: all of it usable (a preset with a size keeps the GPU reserve)
+    assert spec.max_memory == as_machine({0: "24GiB", "cpu": "64GiB"}).max_memory == {0: 24 * 2**30, "cpu": 64 * 2**30}
+    assert as_machine("cuda:0=a100-40gb/24GiB")["cuda:0"].usable_bytes == 23 * 2**30
     for devices in ("cuda:0=24GiB,cpu=64GiB", {0: "24GiB", "cpu": "64GiB"}):
         notes = solve("llama-3-8b", devices).notes
         assert any("speeds assumed, not measured: cuda:0 at a100-40gb's, cpu at cpu-desktop's" in n for n in notes)

@@ -99,8 +99,9 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
 
     Each comma-separated item is ``NAME[=VALUE[/VALUE]]`` where a VALUE is a preset key or a
     size. A bare name is detected on this machine; a size alone is this machine's device with that
-    budget, as a ``max_memory`` entry is (its measured speeds where the saved profile has them, else
-    its kind's default preset's, which the plan's notes then say).
+    budget, as a ``max_memory`` entry is (all of it usable; its measured speeds where the saved profile
+    has them, else its kind's default preset's, which the plan's notes then say); a preset with a size
+    is a device of that memory, which keeps the GPU reserve.
 
     Raises:
         DeviceSpecError: an item is malformed; the message names it and shows the accepted forms.
@@ -130,14 +131,17 @@ def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
 
 
 def _with_budget(name: str, size: int, dtype: str) -> Device:
-    """``NAME=SIZE``: this machine's device with a budget, as a ``max_memory`` entry is: the saved profile's speeds
-    where it measured the device (``run --devices cpu=64GiB`` and ``plan --devices cpu=64GiB`` price alike), else
-    the default preset's, said in the source (the planner's notes name such devices)."""
+    """``NAME=SIZE``: this machine's device with a budget, as a ``max_memory`` entry is: the whole budget usable (no
+    GPU reserve on top, as accelerate reads max_memory), the saved profile's speeds where it measured the device,
+    else the default preset's, said in the source (the planner's notes name such devices). So ``plan --devices
+    cuda:0=10GiB``, ``run --devices cuda:0=10GiB`` and ``{0: "10GiB"}`` plan alike (the spec kept 1 GiB back)."""
     measured = saved_device(name, dtype=dtype)
     if measured is not None:
-        return replace_device(measured, memory_bytes=size, source=f"{measured.source}, capacity from the spec")
+        return replace_device(measured, memory_bytes=size, reserve_bytes=0,
+                              source=f"{measured.source}, capacity from the spec")
     default = Device.with_default_speeds(name, size)
-    return replace_device(default, source=f"{name}=SIZE, default speeds of {DEFAULT_PRESET[default.kind]}")
+    return replace_device(default, reserve_bytes=0,
+                          source=f"{name}=SIZE, default speeds of {DEFAULT_PRESET[default.kind]}")
 
 
 def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
