@@ -395,3 +395,20 @@ def test_plan_hides_the_solvers_own_notes_unless_verbose(tmp_path):
     assert "note: warm start" not in default and "note: warm start" in verbose
     others = [n for n in notes if n not in solver]
     assert all(" ".join(n.split()) in default for n in others)  # what a user acts on stays
+
+
+def test_compare_runs_accelerate_on_a_model_directory(tmp_path):
+    """A save_pretrained directory, the most common input, reached the accelerate strategy as a bare str:
+    'not run ... needs a transformers model or config'. Its config is read now, as for a config.json."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    out = run("compare", str(tmp_path / "llama"), "--devices", "cpu=1GiB,disk", "--prompt", "16", "--new-tokens", "4",
+              "--json", str(tmp_path / "c.json"))
+    assert out.exit_code == 0, out.output
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "c.json").read_text())}
+    assert rows["accelerate"]["ran"] and rows["accelerate"]["fits"], rows["accelerate"]["error"]

@@ -6,6 +6,7 @@ placement_opt ``Plan``. :func:`accelerate_device_map` asks the installed transfo
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -209,6 +210,10 @@ def _meta_model(model_or_config: Any) -> Any:
         raise ModelSpecError("strategy='accelerate' needs transformers installed: pip install transformers") from exc
     if isinstance(model_or_config, PreTrainedModel):
         return model_or_config
+    if isinstance(model_or_config, (str, os.PathLike)):  # a preset, a model directory or id: its config
+        from ..model._source import config_of
+
+        model_or_config = config_of(model_or_config)
     if not isinstance(model_or_config, PretrainedConfig):
         raise ModelSpecError(
             f"strategy='accelerate' runs the installed library on the model itself, so it needs a "

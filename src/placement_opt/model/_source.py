@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import ModelSpecError, TraceError
 from .dtypes import as_torch_dtype, config_dtype, module_dtype
 
-__all__ = ["resolve_source", "meta_skeleton", "first_line"]
+__all__ = ["resolve_source", "config_of", "meta_skeleton", "first_line"]
 
 
 _ENCODER_ONLY_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
@@ -42,6 +42,15 @@ def resolve_source(model: Any, dtype: str | torch.dtype | None
     torch_dtype = as_torch_dtype(dtype) if dtype is not None else config_dtype(config)
     name = getattr(config, "name_or_path", "") or type(config).__name__
     return _build_on_meta(config, torch_dtype), name, config, torch_dtype, None
+
+
+def config_of(name: str | os.PathLike[str]) -> Any:
+    """The transformers config a preset name, a local config.json or model directory, or a cached model id names.
+
+    Raises:
+        ModelSpecError: it names none of these (the message lists what is accepted).
+    """
+    return _as_config(name)
 
 
 def _as_config(model: Any) -> Any:
