@@ -266,3 +266,18 @@ def test_load_keeps_the_callers_pins(tmp_path_factory):
         torch.testing.assert_close(handle(**inputs_for(model)).logits, model(**inputs_for(model)).logits,
                                    rtol=1e-6, atol=1e-6)
     handle.remove()
+
+
+def test_a_priced_plan_loads_in_the_dtype_it_was_priced_for(tmp_path_factory):
+    """A float16 plan of a float32 checkpoint was read in float32 (twice the bytes it counts, and its budget check
+    passed on the float16 figures); it loads in float16 now, and another dtype asked beside it is refused."""
+    from placement_opt import solve, trace
+
+    model, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("dtype"))
+    plan = solve(trace(path, dtype="float16"), {"cpu": "64MiB"}, strategy="sequential")
+    assert plan.dtype == "float16"
+    handle = load(path, {"cpu": "64MiB"}, plan=plan)
+    assert {p.dtype for p in handle.model.parameters()} == {torch.float16}
+    handle.remove()
+    with pytest.raises(DispatchError, match=r"dtype='float32', but the plan was priced for 'float16'"):
+        load(path, None, plan=plan, dtype="float32")

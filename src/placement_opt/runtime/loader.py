@@ -53,8 +53,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             None for this machine). With ``plan``: the budgets the plan must keep (None: the plan's own).
         objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
         workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
-        dtype: weights' dtype; default: the checkpoint's. Disk-stored units whose checkpoint
-            dtype differs are converted once into ``offload_dir``.
+        dtype: weights' dtype; default: the checkpoint's, or a given ``plan``'s (a plan is priced for its
+            dtype: another is refused). Disk-stored units whose checkpoint dtype differs are converted once
+            into ``offload_dir``.
         offload_dir: where converted disk weights go (only needed in that case, or for disk units of a
             checkpoint whose layout transformers converts at load: Mixtral's and Qwen-MoE's experts, one
             tensor each in the checkpoint, are fused per layer one weight at a time, with transformers' own
@@ -85,6 +86,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     """
     root = Path(model_id_or_path)
     files = checkpoint_files(root)
+    if plan is not None:
+        dtype = _plan_dtype(plan, dtype)
     model = meta_model(root, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
@@ -135,6 +138,22 @@ def _preflight(model: nn.Module, plan: Plan) -> None:
     units = build_units(model, plan)
     check_plan(model, plan)
     check_devices(units)
+
+
+def _plan_dtype(plan: Plan, dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """The dtype a given plan is loaded in: the one it was priced for (its bytes, its times). A float16 plan read
+    in a float32 checkpoint's own dtype held twice the memory the plan counts, and passed its budget check."""
+    from ..model.dtypes import as_torch_dtype, dtype_name
+
+    if not plan.cost.memory:  # not priced (made by hand): nothing counted in a dtype to hold it to
+        return dtype
+    if dtype is None:
+        return plan.dtype
+    if dtype_name(as_torch_dtype(dtype)) != plan.dtype:
+        raise DispatchError(f"dtype={dtype_name(as_torch_dtype(dtype))!r}, but the plan was priced for {plan.dtype!r} "
+                            f"(its memory and times): leave dtype out to load in {plan.dtype}, or solve a plan for "
+                            f"{dtype_name(as_torch_dtype(dtype))}")
+    return dtype
 
 
 def _check_here(machine: Any) -> None:
