@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,6 +179,18 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
+def _other_dtype_note(machine: Machine, dtype: str) -> str | None:
+    """Measured devices priced with another dtype's figures, the model's not measured: a CPU runs float16 matmuls
+    about 100x slower than float32 ones on this project's machine, bfloat16 4x faster."""
+    found = [(d.name, m.group(1)) for d in machine.devices
+             if (m := re.search(rf"(\w+) figures \({dtype} not measured\)", d.source))]
+    if not found:
+        return None
+    other, used = [name for name, _ in found], found[0][1]
+    return (f"{', '.join(other)} priced at {used}'s measured speeds: {dtype} was not measured, and dtypes run at "
+            f"very different speeds; placement-opt profile --dtype {dtype} measures it")
+
+
 def _context_note(graph: LayerGraph, workload: Workload) -> str | None:
     """A workload longer than the positions the model was trained for: priced as asked (its KV cache grows with
     it), but the model may refuse it or degrade past them."""
@@ -203,12 +216,14 @@ def _assumed_preset(source: str) -> str | None:
 def _default_speeds_note(machine: Machine) -> str | None:
     """This machine's devices that no profile measured (a ``max_memory`` entry, ``NAME=SIZE``, a bare name): priced
     at their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
-    guessed = [f"{d.name} at {_assumed_preset(d.source)}'s" for d in machine.devices if _assumed_preset(d.source)]
-    if not guessed:
+    assumed = [d for d in machine.devices if _assumed_preset(d.source)]
+    if not assumed:
         return None
-    return (f"speeds assumed, not measured: {', '.join(guessed)} datasheet figures; name a preset for the device "
-            f"(NAME=PRESET/SIZE, e.g. cuda:0=rtx-4090/24GiB; placement-opt presets lists them) or run "
-            f"placement-opt profile on the machine that has it")
+    guessed = ", ".join(f"{d.name} at {_assumed_preset(d.source)}'s" for d in assumed)
+    example = {"gpu": "cuda:0=rtx-4090/24GiB", "cpu": "cpu=cpu-server/64GiB", "disk": "disk=nvme-gen3/500GiB"}
+    return (f"speeds assumed, not measured: {guessed} datasheet figures; run placement-opt profile on the machine "
+            f"that has the devices, or name a preset (NAME=PRESET/SIZE, e.g. {example[assumed[0].kind]}; "
+            f"placement-opt presets lists them)")
 
 
 def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
@@ -265,6 +280,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     if (said := _calibration_note(graph, machine)) is not None:
         notes.append(said)
     if (said := _default_speeds_note(machine)) is not None:
+        notes.append(said)
+    if (said := _other_dtype_note(machine, graph.meta.dtype)) is not None:
         notes.append(said)
     if (said := _context_note(graph, workload)) is not None:
         notes.append(said)

@@ -162,3 +162,18 @@ def test_a_slow_warm_up_is_never_the_measured_figure(monkeypatch, calls, figure)
 
     monkeypatch.setattr(profile_module.time, "perf_counter", lambda: now[0])
     assert profile_module._best_time(fn, repeats=3) == pytest.approx(figure)
+
+
+def test_a_dtype_the_profile_did_not_measure_is_said_in_the_plan(measured, monkeypatch) -> None:
+    """The fixture measured float32 and bfloat16 on the CPU: a float16 plan is priced at float32's figures (CPUs run
+    dtypes at very different speeds) and says so, with the command that measures it; a bfloat16 plan says nothing."""
+    from placement_opt import solve, trace
+
+    path, _ = measured
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    assert "(float16 not measured)" in as_machine(["cpu"], dtype="float16")["cpu"].source
+    half = solve(trace("llama-3-8b", dtype="float16"), "cpu=64GiB,disk=nvme-gen4/2TB").notes
+    assert any("cpu priced at float32's measured speeds: float16 was not measured" in n
+               and "placement-opt profile --dtype float16" in n for n in half)
+    bf16 = solve(trace("llama-3-8b", dtype="bfloat16"), "cpu=64GiB,disk=nvme-gen4/2TB").notes
+    assert not any("was not measured" in n for n in bf16)

@@ -123,6 +123,9 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         return Device(name, memory, bandwidth=rate, source=source)
     flops = _of_dtype(entry["matmul_flops_per_s"], dtype)
     curve = [tuple(p) for p in _of_dtype(entry.get("linear_flops_by_tokens", {}), dtype) or ()]
+    used = next((k for k in (dtype, "float32", *entry["matmul_flops_per_s"]) if entry["matmul_flops_per_s"].get(k)), dtype)
+    if used != dtype:  # said where the device is described (the planner's notes read it): speeds differ by dtype
+        source = f"{source}, {used} figures ({dtype} not measured)"
     if name == "cpu":
         bandwidth = _of_dtype(entry["matvec_bytes_per_s"], dtype)
         # RAM served at least the fastest matvec (some dtype's cores keep up with it) and a copy's reads
