@@ -173,6 +173,9 @@ def test_run_cold_drops_the_disk_units_from_the_page_cache_before_every_timed_fo
     args = ("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "8", "--new-tokens", "5")
     warm = run_cli(*args)
     assert warm.exit_code == 0 and "--cold drops them before every forward" in " ".join(warm.output.split())
+    # what the prediction rests on, as plan prints it: no profile here, so the speeds are a preset's
+    assert "note: speeds assumed, not measured: cpu at cpu-desktop's" in " ".join(warm.output.split())
+    assert "warm start:" not in warm.output  # the search's own notes stay out, as in plan without --verbose
     calls = []
     real = DispatchedModel.drop_disk_cache
     monkeypatch.setattr(DispatchedModel, "drop_disk_cache", lambda self: calls.append(1) or real(self))

@@ -27,6 +27,7 @@ from .options import (
     workload_from,
 )
 from .output import console_for, errors_as_messages, progress, say_written
+from .tables import SOLVER_NOTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
@@ -92,8 +93,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
                   f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%}), units "
                   f"stored on {_storage(plan)}")
-    for note in plan.notes:
-        if "calibrated on this" in note:  # whether the prediction is the model's own measured times
+    for note in plan.notes:  # what the prediction rests on (calibrated or assumed speeds, ...); not the search's
+        if not note.startswith(SOLVER_NOTES):
             console.print(f"note: {note}")
     disk = sum(p.storage == "disk" for p in plan.placements)
     if disk and not cold:
