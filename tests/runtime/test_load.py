@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _models import MAPPED, RESIDENT, inputs_for, mixed, plan_from, saved_tiny, tiny
-from placement_opt.errors import DispatchError
+from placement_opt.errors import DeviceSpecError, DispatchError
 from placement_opt.runtime.loader import load
 
 
@@ -94,6 +94,9 @@ def test_a_plan_for_a_gpu_this_machine_lacks_is_refused_before_anything_is_read(
     plan = plan_from(model, lambda i, u: ("cuda:0", "cuda:0", "resident"))
     with pytest.raises(DispatchError, match=r"the plan uses cuda:0 but this machine has 0 CUDA device"):
         load(path, None, plan=plan)
+    # with budgets beside it, the absent GPU is still what is said (not "pass devices=None", which would fail next)
+    with pytest.raises(DispatchError, match=r"the plan uses cuda:0 but this machine has 0 CUDA device"):
+        load(path, {"cpu": "1GiB"}, plan=plan)
 
 
 def test_devices_naming_a_gpu_this_machine_lacks_are_refused_before_solving(tmp_path_factory, monkeypatch):
@@ -102,7 +105,7 @@ def test_devices_naming_a_gpu_this_machine_lacks_are_refused_before_solving(tmp_
 
     _, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("nogpu2"))
     monkeypatch.setattr(_preflight, "cuda_device_count", lambda: 1)
-    with pytest.raises(DispatchError, match=r"devices names cuda:1, but this machine has 1 CUDA device"):
+    with pytest.raises(DeviceSpecError, match=r"devices names cuda:1, but this machine has 1 CUDA device"):
         load(path, {1: "1GiB", "cpu": "1GiB"})
 
 

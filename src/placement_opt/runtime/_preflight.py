@@ -135,7 +135,7 @@ def check_devices(units: list[DispatchUnit]) -> None:
         hint = (f" ({len(phased)} phased unit(s) compute their prefill there: {few(phased)}; without that "
                 f"GPU, place them resident on 'cpu')" if phased else "")
         raise DispatchError(f"the plan uses {', '.join(absent)} but this machine has {count} CUDA device(s){hint}: "
-                            f"solve the plan for this machine")
+                            f"solve a plan for this machine's devices (placement_opt.load() without plan= does)")
     bad = [u.name for u in units if u.placement.execution == "disk"]
     if bad:
         raise DispatchError(f"units {bad} execute on 'disk', which cannot compute: execute them on cpu or a GPU")

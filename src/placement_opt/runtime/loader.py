@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DispatchError, PlacementError
+from ..errors import DeviceSpecError, DispatchError, PlacementError
 from ..plan import Plan
 from ._conversion import Converted, conversions
 from .checkpoint import (
@@ -81,6 +81,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
             is missing from it; a given ``plan`` of another model, for GPUs this machine does not have,
             or using more of a device than ``devices`` gives it (checked before anything is read).
+        DeviceSpecError: ``devices`` names a GPU this machine does not have (before solving).
         MemoryError, torch.OutOfMemoryError: memory ran out while loading; raised as they are, with a
             note, as :func:`dispatch` raises them.
     """
@@ -91,12 +92,13 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     model = meta_model(root, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
+    given = plan is not None
     if plan is None:
         plan = _solve(model, devices, time_limit_s, objective=objective, workload=workload, granularity=granularity,
                       pins=pins)
-    elif devices is not None:
+    _preflight(model, plan)  # first: a plan of another model or for absent GPUs fits no budget
+    if given and devices is not None:
         _check_budgets(plan, devices)
-    _preflight(model, plan)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}
     try:  # the model is load()'s own; on failure only the open files need letting go (dispatch undoes itself)
         sources = checkpoint_index(files)
@@ -165,7 +167,7 @@ def _check_here(machine: Any) -> None:
     count = cuda_device_count()
     absent = [d.name for d in machine.devices if d.kind == "gpu" and gpu_index(d.name) >= count]
     if absent:
-        raise DispatchError(f"devices names {', '.join(absent)}, but this machine has {count} CUDA device(s): load() "
+        raise DeviceSpecError(f"devices names {', '.join(absent)}, but this machine has {count} CUDA device(s): load() "
                             f"runs the model here, so name only devices it has (without a GPU: the CPU and the disk); "
                             f"placement_opt.solve() plans for a machine you do not have")
 
