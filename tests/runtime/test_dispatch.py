@@ -606,6 +606,8 @@ def test_a_call_past_the_planned_kv_tokens_or_batch_is_warned_of_once():
             assert len(said(caught)) == 1
             assert "holds 4 x 8 tokens in the KV cache and computes 4 x 8 at once, past the plan's 2 x 12" in \
                 said(caught)[0]
+            # it names the caller's line (this test), not torch's Module._call_impl
+            assert [w.filename for w in caught if "than the plan counted" in str(w.message)] == [__file__]
     finally:
         handle.remove()
     handle = dispatch(model, {name: "cpu" for name in units_of(model)})

@@ -17,6 +17,8 @@ What to start in each phase is fixed at dispatch, so a call only reads a tuple.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -219,10 +221,21 @@ def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) 
                     f"at once, past the plan's {batch} x {context} and {batch} x {prompt}: its KV cache and "
                     f"activations take more memory than the plan counted, and may not fit; solve the plan for "
                     f"this workload (workload=Workload(batch_size=..., prompt_len=..., new_tokens=...))",
-                    UserWarning, stacklevel=2)
+                    UserWarning, stacklevel=_caller_level())
         return entry(*args, **kwargs)
 
     return functools.wraps(entry)(watching)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that names the caller's own line: the first frame outside torch, transformers and this
+    package (a warning raised inside a forward would else point at torch's ``Module._call_impl``)."""
+    packages = [sys.modules.get(name) for name in ("torch", "transformers", __name__.split(".")[0])]
+    libraries = tuple(os.path.dirname(p.__file__) + os.sep for p in packages if p is not None and p.__file__)
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _noting_phase(entry: Callable[..., Any], phase: CallPhase) -> Callable[..., Any]:
