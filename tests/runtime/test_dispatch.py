@@ -604,8 +604,8 @@ def test_a_call_past_the_planned_kv_tokens_or_batch_is_warned_of_once():
             handle.generate(torch.cat([ids, ids]), max_new_tokens=2, **kwargs)  # 4 x 8 at once, past 2 x 8
             handle.generate(torch.cat([ids, ids]), max_new_tokens=2, **kwargs)
             assert len(said(caught)) == 1
-            assert "holds 4 x 8 tokens in the KV cache and computes 4 x 8 at once, past the plan's 2 x 12" in \
-                said(caught)[0]
+            assert ("holds 4 x 8 tokens in the KV cache, past the plan's 2 x 12 and computes 4 x 8 tokens at once, "
+                    "past the plan's 2 x 8") in said(caught)[0]
             # it names the caller's line (this test), not torch's Module._call_impl
             assert [w.filename for w in caught if "than the plan counted" in str(w.message)] == [__file__]
     finally:

@@ -214,14 +214,17 @@ def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) 
         extent = None if said else call_extent(args, kwargs)
         if extent is not None:
             sequences, held, new = extent
-            if sequences * held > batch * context or sequences * new > batch * prompt:
+            past = []
+            if sequences * held > batch * context:
+                past.append(f"holds {sequences} x {held} tokens in the KV cache, past the plan's {batch} x {context}")
+            if sequences * new > batch * prompt:
+                past.append(f"computes {sequences} x {new} tokens at once, past the plan's {batch} x {prompt}")
+            if past:
                 said = True
                 warnings.warn(
-                    f"this call holds {sequences} x {held} tokens in the KV cache and computes {sequences} x {new} "
-                    f"at once, past the plan's {batch} x {context} and {batch} x {prompt}: its KV cache and "
-                    f"activations take more memory than the plan counted, and may not fit; solve the plan for "
-                    f"this workload (workload=Workload(batch_size=..., prompt_len=..., new_tokens=...))",
-                    UserWarning, stacklevel=_caller_level())
+                    f"this call {' and '.join(past)}: its KV cache and activations take more memory than the plan "
+                    f"counted, and may not fit; solve the plan for this workload (workload=Workload(batch_size=..., "
+                    f"prompt_len=..., new_tokens=...))", UserWarning, stacklevel=_caller_level())
         return entry(*args, **kwargs)
 
     return functools.wraps(entry)(watching)
