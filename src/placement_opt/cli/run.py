@@ -247,9 +247,9 @@ def _rows(cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str
 def _table(cost: Any, timing: Timing) -> Any:
     from rich.table import Table
 
-    table = Table(title="Predicted by the plan, measured in this run (GPU memory: torch.cuda.max_memory_allocated; "
-                        "CPU memory is not measured here: see benchmarks/cost_accuracy/memory.py)",
-                  title_justify="left")
+    memory = ("GPU memory: torch.cuda.max_memory_allocated; " if timing.peak_gpu_bytes else "")
+    table = Table(title=f"Predicted by the plan, measured in this run ({memory}CPU memory is not measured here: see "
+                        f"benchmarks/cost_accuracy/memory.py)", title_justify="left")
     for column in ("", "predicted", "measured", "measured / predicted"):
         table.add_column(column, justify="left" if not column else "right")
     for what, predicted, measured, unit in _rows(cost, timing):
