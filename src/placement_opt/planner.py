@@ -229,8 +229,8 @@ def _default_speeds_note(machine: Machine) -> str | None:
 def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
     """Whether this plan's times were measured on the model itself, for a machine with measured devices (a
     described machine has no calibration to apply, and no note)."""
-    if not any(d.source.startswith("measured") for d in machine.devices):
-        return None
+    if not any(d.source.startswith("measured") and d.kind != "disk" for d in machine.devices):
+        return None  # calibration times units on compute devices: a measured disk beside described ones has none
     found = calibration_for(graph, machine)
     units = graph.names()
     if found is None:

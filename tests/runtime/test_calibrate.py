@@ -317,3 +317,18 @@ def test_a_stalled_first_forward_is_not_saved_as_the_units_prefill(tmp_path, mon
     assert all(seconds < 0.1 for times in result.times.values() for _, _, seconds, _ in times["cpu"].prefill)
     # and the prompts grew to the workload's: a 0.6 s figure at 4 tokens, 2.4 s estimated at 16, stopped them
     assert sorted((b, p) for b, p, _, _ in layer.prefill) == [(1, 4), (1, 16)]
+
+
+def test_no_calibration_note_for_described_compute_devices_beside_a_measured_disk(calibrated, monkeypatch) -> None:
+    """The note said "this model is not calibrated on this machine" for a preset CPU because the disk was measured;
+    calibration times units on compute devices, so a machine whose compute devices are described gets no note."""
+    path, _ = calibrated
+    data = json.loads(path.read_text())
+    data["measurements"]["disk"] = {"memory_bytes": 2**40, "sequential_read_bytes_per_s": 2e9,
+                                    "mapped_read_bytes_per_s": 1.5e9}
+    with_disk = path.with_name("with_disk.json")
+    with_disk.write_text(json.dumps(data))
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(with_disk))
+    assert as_machine("cpu=cpu-desktop/4GiB,disk")["disk"].source.startswith("measured")
+    plan = placement_opt.solve(tiny_config(), "cpu=cpu-desktop/4GiB,disk", workload=WORKLOAD, workers=1)
+    assert not any("calibrated" in note for note in plan.notes)
