@@ -140,3 +140,13 @@ def test_a_sublayer_plan_names_each_parts_layer_as_its_copy_group():
     data["placements"][3]["copy_group"] = ""
     with pytest.raises(PlanFormatError, match="copy_group"):
         Plan.from_dict(data)
+
+
+@pytest.mark.parametrize("data", [{"measurements": {}}, {"model": "x", "devices": "cpu"}, {}])
+def test_a_json_object_that_is_no_plan_says_so(data):
+    """A profile or any other object read as a plan said 'schema version None ... solve the plan again'."""
+    with pytest.raises(PlanFormatError, match=r"is not a plan \(no schema_version, no placements\)"):
+        Plan.from_dict(data)
+    other = {"schema_version": 0, "placements": []}
+    with pytest.raises(PlanFormatError, match="schema version 0, which is not supported"):
+        Plan.from_dict(other)

@@ -320,6 +320,9 @@ class Plan:
             raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
                                   f"Plan.to_dict() or Plan.to_json() wrote")
         version = data.get("schema_version")
+        if version is None and "placements" not in data:
+            raise PlanFormatError(f"{where} is not a plan (no schema_version, no placements): pass a file that "
+                                  f"placement-opt plan --json or Plan.to_json() wrote")
         if version not in _READABLE_VERSIONS:
             raise PlanFormatError(
                 f"{where} has schema version {version!r}, which is not supported (this placement_opt reads "
