@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from .cost.pricing import home_device
 from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
 from .hardware.devices import Machine, normalize_device_name
+from .hardware.profile_store import fallback_dtype
+from .hardware.resolve import assumed_preset
 from .model.graph import covering_key
 from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
@@ -182,13 +183,11 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 def _other_dtype_note(machine: Machine, dtype: str) -> str | None:
     """Measured devices priced with another dtype's figures, the model's not measured: a CPU runs float16 matmuls
     about 100x slower than float32 ones on this project's machine, bfloat16 4x faster."""
-    found = [(d.name, m.group(1)) for d in machine.devices
-             if (m := re.search(rf"(\w+) figures \({dtype} not measured\)", d.source))]
+    found = [(d.name, used) for d in machine.devices if (used := fallback_dtype(d.source, dtype))]
     if not found:
         return None
-    other, used = [name for name, _ in found], found[0][1]
-    return (f"{', '.join(other)} priced at {used}'s measured speeds: {dtype} was not measured, and dtypes run at "
-            f"very different speeds; placement-opt profile --dtype {dtype} measures it")
+    return (f"{', '.join(name for name, _ in found)} priced at {found[0][1]}'s measured speeds: {dtype} was not "
+            f"measured, and dtypes run at very different speeds; placement-opt profile --dtype {dtype} measures it")
 
 
 def _context_note(graph: LayerGraph, workload: Workload) -> str | None:
@@ -202,24 +201,13 @@ def _context_note(graph: LayerGraph, workload: Workload) -> str | None:
             f"refuse such inputs or degrade past its trained length")
 
 
-def _assumed_preset(source: str) -> str | None:
-    """The preset whose datasheet speeds a device of this machine was given for want of a measurement: a budget
-    alone (``max_memory, default speeds of X``, ``NAME=SIZE, default speeds of X``) or a bare name detected
-    (``detected capacity, datasheet:X``); None for measured devices and presets one named."""
-    if "default speeds of " in source:
-        return source.rsplit("default speeds of ", 1)[1]
-    if source.startswith("detected capacity, datasheet:"):
-        return source.rsplit("datasheet:", 1)[1]
-    return None
-
-
 def _default_speeds_note(machine: Machine) -> str | None:
     """This machine's devices that no profile measured (a ``max_memory`` entry, ``NAME=SIZE``, a bare name): priced
     at their kind's default preset, which may be far from the real device (a laptop GPU is not an A100)."""
-    assumed = [d for d in machine.devices if _assumed_preset(d.source)]
+    assumed = [d for d in machine.devices if assumed_preset(d.source)]
     if not assumed:
         return None
-    guessed = ", ".join(f"{d.name} at {_assumed_preset(d.source)}'s" for d in assumed)
+    guessed = ", ".join(f"{d.name} at {assumed_preset(d.source)}'s" for d in assumed)
     example = {"gpu": "cuda:0=rtx-4090/24GiB", "cpu": "cpu=cpu-server/64GiB", "disk": "disk=nvme-gen3/500GiB"}
     return (f"speeds assumed, not measured: {guessed} datasheet figures; run placement-opt profile on the machine "
             f"that has the devices, or name a preset (NAME=PRESET/SIZE, e.g. {example[assumed[0].kind]}; "
@@ -277,14 +265,9 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     # The plan is scored once more after the search: about one baseline's share of that time.
     after_s = (time.perf_counter() - scored) / max(1, len(baselines))
     notes = [context_note] if context_note else []
-    if (said := _calibration_note(graph, machine)) is not None:
-        notes.append(said)
-    if (said := _default_speeds_note(machine)) is not None:
-        notes.append(said)
-    if (said := _other_dtype_note(machine, graph.meta.dtype)) is not None:
-        notes.append(said)
-    if (said := _context_note(graph, workload)) is not None:
-        notes.append(said)
+    # what the prediction rests on: calibrated, assumed or another dtype's speeds; a context past the model's
+    notes += [said for said in (_calibration_note(graph, machine), _default_speeds_note(machine),
+                                _other_dtype_note(machine, graph.meta.dtype), _context_note(graph, workload)) if said]
     if problem.pins:
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())
         notes.append(f"{len(problem.pins)} unit(s) stored where pinned ({given}); the solver placed the rest, and "

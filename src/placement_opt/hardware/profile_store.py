@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "PROFILED_DTYPES",
     "dtype_key",
     "device_from_measurement",
+    "fallback_dtype",
     "saved_calibration",
     "save_calibration",
     "write_profile",
@@ -123,8 +125,8 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         return Device(name, memory, bandwidth=rate, source=source)
     flops = _of_dtype(entry["matmul_flops_per_s"], dtype)
     curve = [tuple(p) for p in _of_dtype(entry.get("linear_flops_by_tokens", {}), dtype) or ()]
-    used = next((k for k in (dtype, "float32", *entry["matmul_flops_per_s"]) if entry["matmul_flops_per_s"].get(k)), dtype)
-    if used != dtype:  # said where the device is described (the planner's notes read it): speeds differ by dtype
+    used = _measured_key(entry["matmul_flops_per_s"], dtype)
+    if used is not None and used != dtype:  # said in the source (fallback_dtype reads it): dtypes' speeds differ
         source = f"{source}, {used} figures ({dtype} not measured)"
     if name == "cpu":
         bandwidth = _of_dtype(entry["matvec_bytes_per_s"], dtype)
@@ -144,10 +146,20 @@ def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:
 
     ``profile`` measures the dtype the user runs, so a profile may hold one dtype only.
     """
-    for key in (dtype, "float32", *figures):
-        if figures.get(key):
-            return figures[key]
-    return None
+    key = _measured_key(figures, dtype)
+    return None if key is None else figures[key]
+
+
+def _measured_key(figures: dict[str, Any], dtype: str) -> str | None:
+    """The dtype whose figure :func:`_of_dtype` takes."""
+    return next((key for key in (dtype, "float32", *figures) if figures.get(key)), None)
+
+
+def fallback_dtype(source: str, dtype: str) -> str | None:
+    """The dtype whose figures a measured device's ``source`` says it carries because ``dtype`` was not measured
+    (:func:`device_from_measurement` writes it); None when it carries ``dtype``'s own."""
+    found = re.search(rf"(\w+) figures \({re.escape(dtype)} not measured\)", source)
+    return found.group(1) if found else None
 
 
 # -- calibrated unit times (placement_opt.calibrate) ---------------------------------------------

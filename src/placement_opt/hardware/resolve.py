@@ -28,6 +28,7 @@ __all__ = [
     "as_machine",
     "parse_device_spec",
     "device_names",
+    "assumed_preset",
     "local_machine",
     "check_no_cross_rank_split",
 ]
@@ -142,6 +143,18 @@ def _with_budget(name: str, size: int, dtype: str) -> Device:
     default = Device.with_default_speeds(name, size)
     return replace_device(default, reserve_bytes=0,
                           source=f"{name}=SIZE, default speeds of {DEFAULT_PRESET[default.kind]}")
+
+
+def assumed_preset(source: str) -> str | None:
+    """The preset whose datasheet speeds a device of this machine carries for want of a measurement, read from its
+    ``source`` as this module and :func:`~.detect.detect_device` write it: a budget alone (``max_memory, default
+    speeds of X``, ``NAME=SIZE, default speeds of X``) or a bare name detected (``detected capacity, datasheet:X``);
+    None for measured devices and presets one named."""
+    if "default speeds of " in source:
+        return source.rsplit("default speeds of ", 1)[1]
+    if source.startswith("detected capacity, datasheet:"):
+        return source.rsplit("datasheet:", 1)[1]
+    return None
 
 
 def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:

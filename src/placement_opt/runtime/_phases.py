@@ -59,11 +59,20 @@ def attention_layers(module: nn.Module) -> tuple[int, ...]:
     return tuple(found)
 
 
-def _tokens_per_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
-    """Tokens per sequence of the call's main input; None when the input does not say."""
+def _main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The call's main input: the first of the token arguments it has, else its first tensor."""
     tensor = next((kwargs[k] for k in _TOKEN_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)), None)
     if tensor is None:
         tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return tensor
+
+
+def _tokens_per_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens per sequence of the call's main input; None when the input does not say."""
+    return _tokens_of(_main_input(args, kwargs))
+
+
+def _tokens_of(tensor: torch.Tensor | None) -> int | None:
     if tensor is None:
         return None
     if tensor.is_floating_point():
@@ -82,12 +91,10 @@ def _cache_argument(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
 def call_extent(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, int, int] | None:
     """(sequences, tokens each holds in context after the call: cached + new, new tokens each) of a model call;
     None when its input does not say."""
-    tokens = _tokens_per_sequence(args, kwargs)
-    if tokens is None:
+    tensor = _main_input(args, kwargs)
+    tokens = _tokens_of(tensor)
+    if tensor is None or tokens is None:
         return None
-    tensor = next((kwargs[k] for k in _TOKEN_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)), None)
-    if tensor is None:
-        tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     cache = _cache_argument(args, kwargs)
     cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
     return int(tensor.shape[0]), cached + int(tokens), int(tokens)

@@ -151,10 +151,10 @@ def _plan_dtype(plan: Plan, dtype: torch.dtype | str | None) -> torch.dtype | st
         return dtype
     if dtype is None:
         return plan.dtype
-    if dtype_name(as_torch_dtype(dtype)) != plan.dtype:
-        raise DispatchError(f"dtype={dtype_name(as_torch_dtype(dtype))!r}, but the plan was priced for {plan.dtype!r} "
-                            f"(its memory and times): leave dtype out to load in {plan.dtype}, or solve a plan for "
-                            f"{dtype_name(as_torch_dtype(dtype))}")
+    asked = dtype_name(as_torch_dtype(dtype))
+    if asked != plan.dtype:
+        raise DispatchError(f"dtype={asked!r}, but the plan was priced for {plan.dtype!r} (its memory and times): "
+                            f"leave dtype out to load in {plan.dtype}, or solve a plan for {asked}")
     return dtype
 
 
