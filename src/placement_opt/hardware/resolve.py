@@ -131,18 +131,20 @@ def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
     return detect_device(name, dtype=dtype)
 
 
-def _with_budget(name: str, size: int, dtype: str) -> Device:
-    """``NAME=SIZE``: this machine's device with a budget, as a ``max_memory`` entry is: the whole budget usable (no
-    GPU reserve on top, as accelerate reads max_memory), the saved profile's speeds where it measured the device,
-    else the default preset's, said in the source (the planner's notes name such devices). So ``plan --devices
-    cuda:0=10GiB``, ``run --devices cuda:0=10GiB`` and ``{0: "10GiB"}`` plan alike (the spec kept 1 GiB back)."""
+def _with_budget(name: str, size: int, dtype: str, *, max_memory: bool = False) -> Device:
+    """``NAME=SIZE`` (or, ``max_memory``, an entry of that dict): this machine's device with a budget, all of it
+    usable (no GPU reserve on top, as accelerate reads max_memory), at the saved profile's speeds where it measured
+    the device, else at the default preset's, said in the source (the planner's notes name such devices). So
+    ``plan --devices cuda:0=10GiB``, ``run --devices cuda:0=10GiB`` and ``{0: "10GiB"}`` plan alike (the spec kept
+    1 GiB back)."""
     measured = saved_device(name, dtype=dtype)
     if measured is not None:
+        given = "max_memory" if max_memory else "the spec"
         return replace_device(measured, memory_bytes=size, reserve_bytes=0,
-                              source=f"{measured.source}, capacity from the spec")
+                              source=f"{measured.source}, capacity from {given}")
     default = Device.with_default_speeds(name, size)
-    return replace_device(default, reserve_bytes=0,
-                          source=f"{name}=SIZE, default speeds of {DEFAULT_PRESET[default.kind]}")
+    given = "max_memory" if max_memory else f"{name}=SIZE"
+    return replace_device(default, reserve_bytes=0, source=f"{given}, default speeds of {DEFAULT_PRESET[default.kind]}")
 
 
 def assumed_preset(source: str) -> str | None:
@@ -205,20 +207,8 @@ def _from_max_memory(max_memory: Mapping[Any, Any], dtype: str) -> Machine:
     A ``max_memory`` dict describes this machine (accelerate reads it so), so a device the profile
     measured gets its measured speeds, as a list of names does; the others get default speeds.
     """
-    devices = []
-    for key, value in max_memory.items():
-        name = normalize_device_name(key)
-        capacity = parse_size(value, what=f"max_memory[{key!r}]")
-        measured = saved_device(name, dtype=dtype)
-        if measured is not None:
-            devices.append(replace_device(measured, memory_bytes=capacity, reserve_bytes=0,
-                                          source=f"{measured.source}, capacity from max_memory"))
-            continue
-        default = Device.with_default_speeds(name, capacity)
-        # The user's budget is what we may use: no reserve on top of it, as accelerate does.
-        devices.append(replace_device(default, reserve_bytes=0,
-                                      source=f"max_memory, default speeds of {DEFAULT_PRESET[default.kind]}"))
-    return Machine(devices)
+    return Machine([_with_budget(normalize_device_name(key), parse_size(value, what=f"max_memory[{key!r}]"), dtype,
+                                 max_memory=True) for key, value in max_memory.items()])
 
 
 # -- one rank's share ----------------------------------------------------------------------------
