@@ -25,7 +25,8 @@ STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 
 def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
                    time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None,
-                   granularity: str | None = None, pins: Mapping[str, Any] | None = None) -> Plan:
+                   granularity: str | None = None, pins: Mapping[str, Any] | None = None,
+                   expert_groups: int = 1) -> Plan:
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
     ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
@@ -48,7 +49,7 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
         from .model.tracer import trace
         from .planner import solve_best_granularity
 
-        sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer")
+        sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer", expert_groups=expert_groups)
         return solve_best_granularity(graph, sublayer, machine, objective, **kwargs)
     return solve(graph, machine, objective, **kwargs)
 

@@ -18,6 +18,7 @@ from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
 from .hardware.devices import Machine
+from .model.expert_groups import whole_experts
 from .schema import PlanSchema, json_safe, validated
 from .solver.problem import MODES
 from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
@@ -30,6 +31,10 @@ writes infinite baseline times as ``null``; version 1 files are still read."""
 
 _READABLE_VERSIONS = (1, 2)
 _FIX = "write it with Plan.to_json() or `placement-opt plan --json`, or solve the plan again"
+
+
+#: How far from the GPUs a storage device is (GPUs 0): an experts module whose groups differ takes the farthest.
+_TIER = {"cpu": 1, "disk": 2}
 
 
 def _accelerate_value(device: str) -> int | str:
@@ -154,8 +159,19 @@ class Plan:
     # -- maps in accelerate's vocabulary --------------------------------------------------
     @property
     def device_map(self) -> dict[str, int | str]:
-        """Storage device per unit, valid as ``from_pretrained(device_map=...)``/``dispatch_model``."""
-        return {p.unit: _accelerate_value(p.storage) for p in self.placements}
+        """Storage device per unit, valid as ``from_pretrained(device_map=...)``/``dispatch_model``.
+
+        Expert groups (``...experts.groups.N``, modules only :func:`~placement_opt.dispatch` makes) are one entry,
+        their experts module, on the farthest of their devices from the GPUs (disk, then the CPU): accelerate
+        places a module whole, and this way no GPU holds more than the plan gives it (the plan's notes say which).
+        """
+        out: dict[str, int | str] = {}
+        for p in self.placements:
+            parsed = whole_experts(p.unit)
+            key, value = (parsed[0] if parsed else p.unit), _accelerate_value(p.storage)
+            if key not in out or _TIER.get(str(value), 0) > _TIER.get(str(out[key]), 0):
+                out[key] = value
+        return out
 
     @property
     def execution_map(self) -> dict[str, str]:

@@ -32,6 +32,7 @@ from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, 
 from .hardware.devices import Machine, normalize_device_name
 from .hardware.profile_store import fallback_dtype
 from .hardware.resolve import assumed_preset
+from .model.expert_groups import whole_experts
 from .model.graph import covering_key
 from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
@@ -88,7 +89,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
           strategy: str = "cpsat", pins: Mapping[str, Any] | None = None, time_limit_s: float = 1.0,
           seed: int = 0, contiguous: bool = False, gap_limit: float = GAP_LIMIT,
           workers: int = SOLVER_WORKERS, modes: Sequence[str] = SOLVER_MODES,
-          granularity: str | None = None) -> Plan:
+          granularity: str | None = None, expert_groups: int = 1) -> Plan:
     """Decide where every unit of ``model`` is stored and computed on ``devices``.
 
     Example::
@@ -136,6 +137,10 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             apart), or ``"auto"``: block and sublayer both, each solved with half of ``time_limit_s``,
             the better plan kept (its notes give both values). ``None``: a ``LayerGraph`` as traced, a
             model at ``"block"``. A ``LayerGraph`` takes no other value than its own.
+        expert_groups: with ``granularity="sublayer"`` (or ``"auto"``), each MoE layer's experts are cut into this
+            many groups of consecutive experts, each placed on its own (:func:`placement_opt.trace`), so the GPU
+            can hold part of a layer's experts; 1 (default): a layer's experts are one unit. More units make the
+            search harder: see the plan's gap. A ``LayerGraph`` is traced with it (``trace(..., expert_groups=)``).
 
     Returns:
         A frozen :class:`Plan` with its cost, the solver's status, bound and gap, and every baseline;
@@ -159,11 +164,11 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     _check_types(workload, pins, contiguous, strategy)
     from .model.graph import LayerGraph
 
-    _check_granularity(model, granularity)
+    _check_granularity(model, granularity, expert_groups)
     if granularity == "auto":
-        return _solve_either_granularity(model, devices, objective, workload=workload, strategy=strategy, pins=pins,
-                                         time_limit_s=time_limit_s, seed=seed, contiguous=contiguous,
-                                         gap_limit=gap_limit, workers=workers, modes=modes)
+        return _solve_either_granularity(model, devices, objective, expert_groups, workload=workload,
+                                         strategy=strategy, pins=pins, time_limit_s=time_limit_s, seed=seed,
+                                         contiguous=contiguous, gap_limit=gap_limit, workers=workers, modes=modes)
 
     if strategy == "accelerate" and isinstance(model, LayerGraph):
         raise SolverInputError("strategy='accelerate' runs the installed library on the model itself, so it "
@@ -171,7 +176,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
                                "config), or use strategy='balanced' on a LayerGraph")
     if _holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
         raise _nothing_to_place(type(model).__name__)
-    graph = as_graph(model, granularity)
+    graph = as_graph(model, granularity, expert_groups)
     with _cycle_collection_deferred():
         plan = _timed_solve(graph, model, devices, objective, workload, strategy, pins, contiguous, modes,
                             (time_limit_s, seed, gap_limit, workers))
@@ -278,12 +283,12 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     return _baseline_plan(graph, machine, workload, objective, strategy, baselines, model, notes)
 
 
-def _solve_either_granularity(model: Any, devices: Any, objective: str, **options: Any) -> Plan:
+def _solve_either_granularity(model: Any, devices: Any, objective: str, expert_groups: int, **options: Any) -> Plan:
     """``granularity="auto"`` on a model: traced at both granularities, then :func:`solve_best_granularity`."""
     from .model.tracer import trace
 
-    return solve_best_granularity(trace(model, granularity="block"), trace(model, granularity="sublayer"),
-                                  devices, objective, **options)
+    sublayer = trace(model, granularity="sublayer", expert_groups=expert_groups)
+    return solve_best_granularity(trace(model, granularity="block"), sublayer, devices, objective, **options)
 
 
 def solve_best_granularity(block: LayerGraph, sublayer: LayerGraph, devices: Any, objective: str = "latency",
@@ -324,9 +329,21 @@ def _value(plan: Plan) -> str:
 # ---------------------------------------------------------------------------------------------
 # Boundary checks
 # ---------------------------------------------------------------------------------------------
-def _check_granularity(model: Any, granularity: str | None) -> None:
-    """A known granularity, and for a traced graph its own (a LayerGraph cannot be cut again)."""
+def _check_granularity(model: Any, granularity: str | None, expert_groups: int = 1) -> None:
+    """A known granularity, and for a traced graph its own (a LayerGraph cannot be cut again); expert groups
+    only where sublayer units are traced."""
     from .model.graph import GRANULARITIES, LayerGraph
+
+    if isinstance(expert_groups, bool) or not isinstance(expert_groups, int) or expert_groups < 1:
+        raise SolverInputError(f"expert_groups={expert_groups!r}: give a whole number >= 1 (1: a layer's experts are "
+                               f"one unit)")
+    if expert_groups > 1 and isinstance(model, LayerGraph):
+        raise SolverInputError(f"expert_groups={expert_groups} needs the model itself, but a LayerGraph was given: "
+                               f"pass the model (or its config), or trace(model, granularity='sublayer', "
+                               f"expert_groups={expert_groups}) first and leave expert_groups out")
+    if expert_groups > 1 and granularity not in ("sublayer", "auto"):
+        raise SolverInputError(f"expert_groups={expert_groups} cuts the experts units of sublayer graphs: pass "
+                               f"granularity='sublayer' (or 'auto') with it")
 
     accepted = (*GRANULARITIES, "auto")
     if granularity is not None and granularity not in accepted:
@@ -513,7 +530,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
     notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements),
-             *_cpu_beside_gpu_note(placements)]
+             *_cpu_beside_gpu_note(placements), *_split_experts_note(placements)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
                 objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,
@@ -544,6 +561,20 @@ def _cpu_beside_gpu_note(placements: Sequence[UnitPlacement]) -> list[str]:
             f"device_map=plan.device_map) would compute them on the first GPU, copying their weights at every "
             f"forward (accelerate offloads every 'cpu' entry of a map with GPUs): run the plan with "
             f"placement_opt.dispatch() or load() to get its speed"]
+
+
+def _split_experts_note(placements: Sequence[UnitPlacement]) -> list[str]:
+    """What accelerate cannot express: one layer's experts on two devices (expert groups)."""
+    devices: dict[str, set[str]] = {}
+    for p in placements:
+        if (parsed := whole_experts(p.unit)) is not None:
+            devices.setdefault(parsed[0], set()).add(p.storage)
+    split = [name for name, used in devices.items() if len(used) > 1]
+    if not split:
+        return []
+    return [f"{len(split)} layer(s) keep their experts on more than one device ({few(split)}): accelerate places a "
+            f"module whole, so plan.device_map stores each such experts module on the one of its devices farthest "
+            f"from the GPUs; run the plan with placement_opt.dispatch() or load() to get the split"]
 
 
 def _group_note(placements: Sequence[UnitPlacement]) -> list[str]:

@@ -32,9 +32,11 @@ from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..report import EXTRA_SEARCH_S, gap_advice
 from .options import (
     DTYPES,
+    check_expert_groups,
     check_outputs,
     check_plot_suffix,
     cluster_options,
+    expert_groups_option,
     model_dtype,
     parse_modes,
     parse_pins,
@@ -68,10 +70,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["main", "cli"]
 
 
-def _trace(model: Any, workload: Workload, dtype: str | None, granularity: str = "block") -> Any:
+def _trace(model: Any, workload: Workload, dtype: str | None, granularity: str = "block", expert_groups: int = 1) -> Any:
     from ..model.tracer import trace
 
-    return trace(model, dtype=dtype, granularity=granularity)
+    return trace(model, dtype=dtype, granularity=granularity, expert_groups=expert_groups)
 
 
 class _Group(click.Group):
@@ -103,14 +105,15 @@ def cli() -> None:
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
              dtype: str | None, logits: str | None = None, granularity: str = "block",
-             overlap: bool = False) -> tuple[Any, Machine, Workload, Any]:
+             overlap: bool = False, expert_groups: int = 1) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words (``auto``: the block graph)."""
     devices = require_devices(devices)
     workload = workload_from(batch, prompt, new_tokens, logits, overlap)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with progress(f"Tracing {model} on the meta device ..."):
-        graph = _trace(resolved, workload, dtype, "block" if granularity == "auto" else granularity)
+        graph = (_trace(resolved, workload, dtype) if granularity == "auto"
+                 else _trace(resolved, workload, dtype, granularity, expert_groups))
     if dtype is None:  # the model's own dtype: devices' FLOP/s are looked up for it
         machine = resolve_devices(devices, dtype=graph.meta.dtype)
     return graph, machine, workload, resolved
@@ -133,14 +136,15 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE",
               help="fix where MODULE's weights are stored (repeatable): e.g. lm_head=cuda:0, model.layers.0=cpu, or a "
                    "quoted pattern, 'model.layers.*.mlp.experts=cpu' (with --granularity sublayer)")
+@expert_groups_option
 @click.option("--verbose", "-v", is_flag=True,
               help="also print the notes about the search itself (its warm start, where its bound came from); "
                    "--json keeps them either way")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, granularity: str, pin: tuple[str, ...], verbose: bool, cluster: str | None, schedule: str,
-         microbatches: int | None, train: bool) -> None:
+         modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, verbose: bool, cluster: str | None,
+         schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot)
     pins = parse_pins(pin)
@@ -157,13 +161,14 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
+        check_expert_groups(expert_groups, granularity)
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      granularity, overlap)
+                                                      granularity, overlap, expert_groups)
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
         if pins:
             chosen["pins"] = pins
         if granularity == "auto" and strategy == "cpsat":
-            chosen["granularity"] = "auto"
+            chosen.update(granularity="auto", expert_groups=expert_groups)
         with progress(f"Solving ({strategy}, {objective}) ..."):
             result = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
                                     time_limit_s=time_limit, source=resolved, **chosen)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "parse_modes", "solve_options",
            "check_plot_suffix", "cluster_options",
-           "require_devices"]
+           "require_devices", "expert_groups_option", "check_expert_groups"]
 
 
 
@@ -269,3 +269,17 @@ def check_outputs(json_path: str | None, plot: str | None) -> None:
     check_plot_suffix(plot)
     check_output_folder(json_path, "--json")
     check_output_folder(plot, "--plot")
+
+
+def expert_groups_option(func: Any) -> Any:
+    """``--expert-groups N``: each MoE layer's experts cut into N units (with ``--granularity sublayer``/``auto``)."""
+    return click.option(
+        "--expert-groups", "expert_groups", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+        help="with --granularity sublayer or auto: cut each MoE layer's experts into N groups placed on their own, "
+             "so the GPU can hold part of a layer's experts (1: a layer's experts are one unit)")(func)
+
+
+def check_expert_groups(expert_groups: int, granularity: str) -> None:
+    if expert_groups > 1 and granularity not in ("sublayer", "auto"):
+        raise click.UsageError(f"--expert-groups {expert_groups} cuts sublayer units: add --granularity sublayer "
+                               f"(or auto)")

@@ -20,6 +20,8 @@ from ..compare import one_line
 from ..units import format_bytes, format_seconds
 from .options import (
     DTYPES,
+    check_expert_groups,
+    expert_groups_option,
     model_dtype,
     parse_pins,
     require_devices,
@@ -59,6 +61,7 @@ CLI_OFFLOAD_HINT = "--offload-dir DIR"
 @click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True,
               help="units to place, as for plan (ignored with --plan)")
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
+@expert_groups_option
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
 @click.option("--cold", is_flag=True,
               help="drop the disk units' files from the page cache before every timed forward, as on a machine whose "
@@ -73,7 +76,8 @@ CLI_OFFLOAD_HINT = "--offload-dir DIR"
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        overlap: bool, cold: bool, vs_accelerate: bool, repeats: int, json_path: str | None) -> None:
+        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, repeats: int,
+        json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     console = console_for()
     pins = parse_pins(pin)
@@ -81,11 +85,13 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
     if repeats < 1:
         raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
+    check_expert_groups(expert_groups, granularity)
     with errors_as_messages():
         machine = _this_machine(require_devices(devices), dtype or model_dtype(checkpoint))
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
-        handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins)
+        handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
+                         expert_groups)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
             timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats)
         plan = handle.plan
@@ -202,7 +208,7 @@ def _check_generates(checkpoint: str, config: Any) -> None:
 
 
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
-            offload_dir: str | None, granularity: str, pins: dict[str, str]) -> Any:
+            offload_dir: str | None, granularity: str, pins: dict[str, str], expert_groups: int = 1) -> Any:
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
     from ..errors import DispatchError
     from ..plan import Plan
@@ -214,7 +220,7 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
         with progress(f"Loading {checkpoint} ..."):
             return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
                         granularity=None if granularity == "block" else granularity, pins=pins or None,
-                        progress=False)
+                        progress=False, expert_groups=expert_groups)
     except DispatchError as exc:
         if OFFLOAD_DIR_HINT not in str(exc):
             raise
@@ -226,9 +232,12 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     """A saved plan's cost for this run: its placement priced for this run's workload on this machine's devices
     (the plan may have been solved for another workload or budget)."""
     from ..cost.evaluate import evaluate
+    from ..model.expert_groups import group_counts
     from ..model.tracer import trace
 
-    graph = trace(checkpoint, dtype=plan.dtype, granularity="sublayer" if plan.home else "block")
+    groups = max(group_counts(p.unit for p in plan.placements).values(), default=1)
+    graph = trace(checkpoint, dtype=plan.dtype, granularity="sublayer" if plan.home else "block",
+                  expert_groups=groups)
     return evaluate(plan, graph, machine, workload)
 
 

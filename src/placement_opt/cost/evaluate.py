@@ -169,16 +169,16 @@ class Cost:
         )
 
 
-def as_graph(model_or_graph: Any, granularity: str | None = None) -> LayerGraph:
+def as_graph(model_or_graph: Any, granularity: str | None = None, expert_groups: int = 1) -> LayerGraph:
     """A LayerGraph as it is; anything else :func:`placement_opt.trace` accepts is traced (imports torch),
-    at ``granularity`` (default ``"block"``)."""
+    at ``granularity`` (default ``"block"``), its experts in ``expert_groups``."""
     from ..model.graph import LayerGraph
 
     if isinstance(model_or_graph, LayerGraph):
         return model_or_graph
     from ..model.tracer import trace  # lazy: tracing imports torch
 
-    return trace(model_or_graph, granularity=granularity or "block")
+    return trace(model_or_graph, granularity=granularity or "block", expert_groups=expert_groups)
 
 
 def _choice(problem: PlacementProblem, placements: Mapping[str, tuple[str, str, str, str | None]]) -> list[int]:

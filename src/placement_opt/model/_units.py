@@ -13,7 +13,7 @@ from ._meta_experts import is_fused_experts
 from .dtypes import dtype_bytes
 
 __all__ = ["no_split_names", "find_units", "block_parts", "is_moe_block", "unit_tensors", "tensor_bytes", "tie_key", "tied_groups", "owner_of",
-           "moe_facts"]
+           "moe_facts", "groupable"]
 
 
 def no_split_names(module: nn.Module, no_split: Iterable[str] | None, granularity: str) -> set[str]:
@@ -170,3 +170,14 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
     count = max(p.shape[0] for m in experts for p in m._parameters.values() if p is not None and p.dim() == 3)
     nbytes = sum(tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
     return int(count), experts_per_token(ctx, experts[0]), int(nbytes)
+
+
+def groupable(module: nn.Module) -> bool:
+    """A fused experts module :func:`split_experts` can cut: transformers' experts interface (whose kernels
+    skip the expert-parallel sentinel), every weight with one row per expert, no submodule holding tensors."""
+    if not hasattr(module, "_is_expert_parallel") or not hasattr(module, "num_experts"):
+        return False
+    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    rows = module.num_experts
+    return (bool(tensors) and all(t.dim() >= 2 and t.shape[0] == rows for t in tensors)
+            and not any(True for m in module.children() for _ in m.parameters()))

@@ -62,6 +62,7 @@ from ._context import TraceContext, experts_per_token, hidden_size, is_block, is
 from ._source import first_line, resolve_source
 from ._units import (
     find_units,
+    groupable,
     moe_facts,
     no_split_names,
     owner_of,
@@ -71,6 +72,7 @@ from ._units import (
     unit_tensors,
 )
 from .dtypes import dtype_bytes, dtype_name
+from .expert_groups import split_expert_units
 from .graph import (
     GRANULARITIES,
     MEASURED_NODE_ATTRIBUTES,
@@ -92,6 +94,7 @@ def trace(
     no_split: Iterable[str] | None = None,
     granularity: str = "block",
     example_inputs: tuple[Any, ...] | Mapping[str, Any] | None = None,
+    expert_groups: int = 1,
 ) -> LayerGraph:
     """Trace ``model`` into a layer graph of placement units, without touching any weight data.
 
@@ -131,13 +134,18 @@ def trace(
             dict of keyword arguments); only shapes and dtypes are used. Default: token ids for
             ``transformers`` models, a ``(batch, seq_len, in_features)`` tensor for modules whose first
             layer is a ``Linear``.
+        expert_groups: with ``granularity="sublayer"``, cut each layer's fused experts (transformers 5 MoE
+            models) into this many groups of consecutive experts, each a unit of its own
+            (``model.layers.3.mlp.experts.groups.0``), so a plan can keep some of a layer's experts on the GPU
+            and compute the rest on the CPU (:mod:`placement_opt.model.expert_groups`). Default 1: a layer's
+            experts are one unit. More groups than a layer has experts gives one expert per group.
 
     Returns:
         The :class:`LayerGraph`; ``graph.meta.traced`` is False when the static fallback was used.
 
     Raises:
         TraceError: the argument is none of the accepted kinds, or the model cannot be built from its
-            config. Also a bad ``batch_size``, ``seq_len`` or ``granularity``.
+            config. Also a bad ``batch_size``, ``seq_len``, ``granularity`` or ``expert_groups``.
         ModelSpecError: a name that is no preset, local path or reachable model id, a config that cannot
             be read, or a ``dtype`` (or the config's) that names no torch dtype.
     """
@@ -146,6 +154,7 @@ def trace(
                          f"the dummy inputs of the meta forward; the defaults (1, 64) are enough")
     if granularity not in GRANULARITIES:
         raise TraceError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    _check_expert_groups(expert_groups, granularity)
     module, name, config, torch_dtype, override = resolve_source(model, dtype)
     split = no_split_names(module, no_split, granularity)
     units, whole = find_units(module, split, granularity)
@@ -165,7 +174,18 @@ def trace(
         record = None
     if record is not None and record.branches:
         warnings.warn(_branch_message(name, record.branches), UserWarning, stacklevel=2)
-    return _build_graph(ctx, record)
+    graph = _build_graph(ctx, record)
+    return split_expert_units(graph, expert_groups, [n for n, m in ctx.units.items() if groupable(m)])
+
+
+def _check_expert_groups(expert_groups: Any, granularity: str) -> None:
+    if isinstance(expert_groups, bool) or not isinstance(expert_groups, int) or expert_groups < 1:
+        raise TraceError(f"expert_groups={expert_groups!r}: give a whole number >= 1 (1: a layer's experts are one "
+                         f"unit)")
+    if expert_groups > 1 and granularity != "sublayer":
+        raise TraceError(f"expert_groups={expert_groups} cuts the experts units of a sublayer graph: pass "
+                         f"granularity='sublayer' with it (a {granularity!r} graph keeps each MoE layer's experts "
+                         f"inside a bigger unit)")
 
 
 def _branch_message(name: str, branches: Mapping[tuple[str | None, str], Any]) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._expert_groups import source_rows
 from .offload import SafetensorsFile
 
 __all__ = ["Converted", "conversions"]
@@ -81,7 +82,8 @@ def conversions(model: nn.Module, sources: Mapping[str, Source]) -> tuple[dict[s
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    wanted = dict.fromkeys(model.state_dict(), True)  # what rename_source_key looks names up in
+    # what rename_source_key looks names up in; an expert group's weights are rows of their whole weight
+    wanted = {(rows[0] if (rows := source_rows(model, name)) else name): True for name in model.state_dict()}
     prefix = getattr(model, "base_model_prefix", None)
     renamed: dict[str, Source] = {}
     converted: dict[str, Converted] = {}

@@ -31,6 +31,7 @@ from ..plan import Plan
 from ..progress import Bar, bar
 from ..units import format_bytes
 from ._conversion import Converted
+from ._expert_groups import source_rows
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
@@ -68,9 +69,17 @@ def collect_slots(model: nn.Module) -> list[Slot]:
 
 
 def needs_conversion(model: nn.Module, sources: Mapping[str, Any]) -> bool:
-    """True when some parameter has no key of its own in the checkpoint (a layout transformers converts)."""
-    return any(not any(n in sources for n in slot.names) for slot in collect_slots(model)
+    """True when some parameter has no key of its own in the checkpoint (a layout transformers converts); an expert
+    group's weights are rows of their whole weight's key."""
+    return any(not _in_checkpoint(model, slot, sources) for slot in collect_slots(model)
                if slot.tensor.device.type == "meta")
+
+
+def _in_checkpoint(model: nn.Module, slot: Slot, sources: Mapping[str, Any]) -> bool:
+    if any(n in sources for n in slot.names):
+        return True
+    rows = source_rows(model, slot.names[0])
+    return rows is not None and rows[0] in sources
 
 
 def checkpoint_files(root: Path) -> list[Path]:
@@ -162,7 +171,10 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     slots = collect_slots(model)
     keys = [next((n for n in slot.names if n in sources), None) for slot in slots]
     built = converted or {}
+    rows = [source_rows(model, s.names[0]) for s in slots]
     total = (sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
+             + sum(sources[r[0]][0].spans[sources[r[0]][1]].nbytes * (r[2] - r[1]) // _rows_of(sources[r[0]])
+                   for r in rows if r is not None and r[0] in sources)
              + sum(c.nbytes for c in built.values()))
     with bar(description, total, unit="bytes", progress=progress) as counted:
         disk_sources = _materialize(model, plan, sources, offload_dir, list(zip(slots, keys, strict=True)), counted,
@@ -177,9 +189,17 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
     converting = _DiskConverter(offload_dir, disk_sources)
+    rows = _ExpertRows(model, sources, converted)
     for slot, key in slots:
         unit = covering_key(slot.names[0], storage_of)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
+        if key is None and (part := rows.read(slot)) is not None:  # an expert group's rows of a whole weight
+            data, nbytes = part
+            _replace(model, slot, data if storage in ("cpu", "disk") else data.to(storage))
+            if storage == "disk":
+                converting.add(unit or "", slot)
+            counted.advance(nbytes)
+            continue
         if key is None and (built := next((converted[n] for n in slot.names if n in converted), None)) is not None:
             _replace(model, slot, _converted(model, built, storage, slot.tensor))
             if storage == "disk":
@@ -212,7 +232,50 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     return disk_sources
 
 
-def _converted(model: nn.Module, built: Converted, storage: str, like: torch.Tensor) -> torch.Tensor:
+def _rows_of(source: tuple[SafetensorsFile, str]) -> int:
+    file, key = source
+    shape = file.spans[key].shape
+    return max(int(shape[0]) if shape else 1, 1)
+
+
+class _ExpertRows:
+    """The weights of expert groups (:mod:`placement_opt.model.expert_groups`): rows of a whole checkpoint weight,
+    read on the CPU in the model's dtype. A view of the mapped file where the dtype is the checkpoint's; a fused weight
+    (built from one tensor per expert) is built once for all its groups and let go after its last rows are read
+    (a layer's groups come in order, their projections interleaved: at most a layer's fused weights at once)."""
+
+    def __init__(self, model: nn.Module, sources: Mapping[str, tuple[SafetensorsFile, str]],
+                 converted: Mapping[str, Converted]) -> None:
+        self.model, self.sources, self.converted = model, sources, converted
+        self.built: dict[str, torch.Tensor] = {}
+
+    def read(self, slot: Slot) -> tuple[torch.Tensor, int] | None:
+        """``(rows on the CPU, checkpoint bytes they count for)``, or None for a tensor of no expert group."""
+        found = source_rows(self.model, slot.names[0])
+        if found is None:
+            return None
+        whole, start, end = found
+        if whole in self.sources:
+            file, key = self.sources[whole]
+            span = file.spans[key]
+            data = file.tensor(key)[start:end]
+            nbytes = span.nbytes * (end - start) // _rows_of((file, key))
+        elif whole in self.converted:
+            built = self.converted[whole]
+            if whole not in self.built:
+                self.built[whole] = _converted(self.model, built, "cpu", None)
+            fused = self.built[whole]
+            data = fused[start:end].clone()  # its own memory: the fused weight is let go after its last rows
+            nbytes = built.nbytes * (end - start) // max(fused.shape[0], 1)
+            if end >= fused.shape[0]:
+                del self.built[whole]
+        else:
+            return None
+        _check_shape(slot.names[0], slot.tensor, data.shape, f"rows {start}:{end} of checkpoint weight {whole!r}")
+        return (data if data.dtype == slot.tensor.dtype else data.to(slot.tensor.dtype)), nbytes
+
+
+def _converted(model: nn.Module, built: Converted, storage: str, like: torch.Tensor | None) -> torch.Tensor:
     """A weight the checkpoint stores in another layout, built now, in ``like``'s dtype, on its storage (disk: the
     CPU, until its unit is written to the offload store)."""
     keys = [key for _, key in built.sources]
@@ -223,6 +286,8 @@ def _converted(model: nn.Module, built: Converted, storage: str, like: torch.Ten
     except (RuntimeError, ValueError) as exc:  # tensors that do not stack: some missing, or of other shapes
         raise DispatchError(f"{what} cannot be built ({exc}): is the directory a complete checkpoint of this "
                             f"model's configuration (config.json)?") from exc
+    if like is None:  # an expert group's whole weight: its rows are checked and cast one group at a time
+        return data
     _check_shape(built.name, like, data.shape, what)
     data = data.to(like.dtype)
     return data if storage in ("cpu", "disk") else data.to(storage)
@@ -256,8 +321,8 @@ class _DiskConverter:
         if self.offload_dir is None:
             raise DispatchError(
                 f"unit {self.unit!r} is stored on disk, but the checkpoint does not hold its weights as the model "
-                f"uses them (another dtype than {self.slots[0].tensor.dtype}, or a layout transformers converts at "
-                f"load): pass {OFFLOAD_DIR_HINT} to keep the cast or converted weights there"
+                f"uses them (another dtype than {self.slots[0].tensor.dtype}, a layout transformers converts at "
+                f"load, or some rows of a layer's experts): pass {OFFLOAD_DIR_HINT} to keep them there"
             )
         store = OffloadStore(self.offload_dir)
         file = SafetensorsFile(store.write(self.unit or "", {s.names[0]: s.tensor.data for s in self.slots}))

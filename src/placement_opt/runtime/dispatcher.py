@@ -74,9 +74,11 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError, PlacementError
+from ..model.expert_groups import group_counts
 from ..plan import Plan
 from ..units import format_bytes
 from . import _streamer
+from ._expert_groups import split_experts
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
@@ -286,6 +288,8 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
               disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None, restore: bool,
               hook_every_unit: bool) -> DispatchedModel:
     """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
+    log.doing = "cutting the experts into groups"
+    log.push("expert groups", split_experts(model, group_counts(p.unit for p in plan.placements)))
     check_model(model, plan)
     check_phased(plan)
     units = build_units(model, plan)

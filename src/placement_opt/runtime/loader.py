@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from ..errors import DeviceSpecError, DispatchError, PlacementError
+from ..model.expert_groups import group_counts
 from ..plan import Plan
 from ._conversion import Converted, conversions
+from ._expert_groups import split_experts
 from .checkpoint import (
     OFFLOAD_DIR_HINT,
     checkpoint_files,
@@ -31,7 +33,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
          workload: Any = None, dtype: torch.dtype | str | None = None,
          offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
          progress: bool | None = None, granularity: str | None = None,
-         time_limit_s: float | None = None, pins: Mapping[str, Any] | None = None) -> DispatchedModel:
+         time_limit_s: float | None = None, pins: Mapping[str, Any] | None = None,
+         expert_groups: int = 1) -> DispatchedModel:
     """Build a model on the meta device, solve its placement, read every weight straight to its place.
 
     Each tensor goes from the checkpoint's safetensors files straight to its storage device:
@@ -73,6 +76,10 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         pins: storage devices fixed by the caller, as :func:`~placement_opt.planner.solve` takes them
             (``{"lm_head": 0}``, or a pattern: ``{"model.layers.*.mlp.experts": "cpu"}`` with
             ``granularity="sublayer"``); ignored when ``plan`` is given.
+        expert_groups: with ``granularity="sublayer"`` or ``"auto"``, each MoE layer's experts in this many groups
+            placed on their own (:func:`~placement_opt.planner.solve`); ignored when ``plan`` is given (its units
+            say it). Each group's weights are read as rows of the checkpoint's; disk-stored groups are written
+            once to ``offload_dir``.
 
     Returns:
         A :class:`DispatchedModel` in eval mode.
@@ -95,7 +102,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     given = plan is not None
     if plan is None:
         plan = _solve(model, devices, time_limit_s, objective=objective, workload=workload, granularity=granularity,
-                      pins=pins)
+                      pins=pins, expert_groups=expert_groups)
+    # a plan's expert groups are modules from here (on meta: nothing is allocated), read as rows of their weights
+    split_experts(model, group_counts(p.unit for p in plan.placements))
     _preflight(model, plan)  # first: a plan of another model or for absent GPUs fits no budget
     if given and devices is not None:
         _check_budgets(plan, devices)

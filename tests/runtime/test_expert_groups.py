@@ -1,0 +1,266 @@
+"""Expert groups: a layer's fused experts cut into groups of consecutive experts, each placed on its own.
+
+The model side (:func:`split_experts`: same outputs, undone bitwise), the graph side (:func:`split_expert_units`:
+bytes and FLOPs shared out exactly, a chain through the groups), and the runtime: dispatch() and load() of plans
+that keep some of a layer's experts on "cuda:0" (the CPU standing in for it, see ``gpu_on_cpu``) and compute the
+rest on the CPU, on Mixtral- and Qwen-MoE-shaped models, from checkpoints with one tensor per expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import placement_opt.runtime.loader as loader
+from _models import assert_restored, inputs_for, make_plan, saved_tiny, snapshot, tiny
+from placement_opt import Workload, solve, trace
+from placement_opt.errors import DispatchError, TraceError
+from placement_opt.model.expert_groups import (
+    group_counts,
+    group_ranges,
+    split_expert_units,
+    whole_experts,
+)
+from placement_opt.plan import Plan
+from placement_opt.runtime._expert_groups import ExpertGroups, split_experts
+from placement_opt.runtime.dispatcher import dispatch
+from placement_opt.runtime.loader import load
+
+MOE = ["mixtral", "qwen2_moe"]  # 2 layers of 4 experts, top-2 (tests/_models.py)
+
+
+def experts_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if n.endswith("mlp.experts")]
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs_for(model)).logits
+
+
+@given(experts=st.integers(1, 300), groups=st.integers(1, 300))
+def test_group_ranges_cover_every_expert_once_in_near_equal_groups(experts, groups):
+    if groups > experts:
+        with pytest.raises(ValueError, match="groups"):
+            group_ranges(experts, groups)
+        return
+    ranges = group_ranges(experts, groups)
+    assert len(ranges) == groups and ranges[0][0] == 0 and ranges[-1][1] == experts
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    sizes = [end - start for start, end in ranges]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_names_round_trip():
+    assert whole_experts("model.layers.3.mlp.experts.groups.2") == ("model.layers.3.mlp.experts", 2)
+    assert whole_experts("model.layers.3.mlp.experts") is None
+    assert group_counts(["a.experts.groups.0", "a.experts.groups.1", "b.experts.groups.0", "lm_head"]) == {
+        "a.experts": 2, "b.experts": 1}
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_split_model_computes_what_the_whole_one_does(family, implementation, groups):
+    """Every experts kernel of transformers, every cut (3 groups of 4 experts: sizes 2, 1, 1); undone bitwise."""
+    model = tiny(family)
+    model.config._experts_implementation = implementation
+    expected, before = logits(model), snapshot(model)
+    undo = split_experts(model, dict.fromkeys(experts_names(model), groups))
+    split = model.get_submodule(experts_names(model)[0])
+    assert isinstance(split, ExpertGroups) and len(split.groups) == groups
+    # the groups' weights are the whole module's rows, not copies
+    whole = split.groups[0].gate_up_proj
+    assert whole.shape[0] == group_ranges(4, groups)[0][1]
+    torch.testing.assert_close(logits(model), expected, rtol=1e-6, atol=1e-6)
+    undo()
+    assert torch.equal(logits(model), expected)
+    assert_restored(model, before)
+
+
+def test_split_refuses_what_it_cannot_cut_and_changes_nothing():
+    model = tiny("mixtral")
+    before = snapshot(model)
+    names = experts_names(model)
+    with pytest.raises(DispatchError, match="cannot be cut into expert groups"):
+        split_experts(model, {names[0]: 2, "model.layers.1.self_attn": 2})
+    with pytest.raises(DispatchError, match="1 to 4 groups"):
+        split_experts(model, {names[0]: 2, names[1]: 5})
+    with pytest.raises(DispatchError, match="no module"):
+        split_experts(model, {"model.layers.9.mlp.experts": 2})
+    assert not any(isinstance(m, ExpertGroups) for m in model.modules())
+    assert_restored(model, before)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_graph_shares_bytes_and_flops_out_exactly(family):
+    whole = trace(tiny(family), granularity="sublayer")
+    graph = trace(tiny(family), granularity="sublayer", expert_groups=3)
+    assert graph.total_param_bytes == whole.total_param_bytes
+    assert graph.total_flops_per_token == whole.total_flops_per_token
+    assert graph.meta.extra["expert_groups"] == 3 and len(graph) == len(whole) + 2 * 2
+    names = graph.names()
+    for experts in (n for n in whole.names() if n.endswith(".experts")):
+        unit = whole.unit(experts)
+        parts = [graph.unit(f"{experts}.groups.{i}") for i in range(3)]
+        assert [p.param_bytes for p in parts] == [unit.param_bytes // 2, unit.param_bytes // 4, unit.param_bytes // 4]
+        assert all(p.moe_num_experts == 4 and p.block == unit.block for p in parts)
+        # a chain: consecutive in execution order, each group handing its running sum to the next
+        at = names.index(parts[0].name)
+        assert names[at:at + 3] == [p.name for p in parts]
+        assert all(graph.nx.has_edge(a.name, b.name) for a, b in zip(parts, parts[1:], strict=False))
+        assert parts[1].in_bytes_per_token == unit.in_bytes_per_token + unit.out_bytes_per_token
+        successors = set(whole.nx.successors(experts))
+        assert set(graph.nx.successors(parts[-1].name)) - {p.name for p in parts} == successors
+    assert sorted(graph.unit(n).exec_index for n in names) == list(range(len(names)))
+
+
+def test_expert_groups_are_refused_outside_sublayer_graphs_and_ignored_without_experts():
+    with pytest.raises(TraceError, match="granularity='sublayer'"):
+        trace(tiny("mixtral"), expert_groups=2)
+    with pytest.raises(TraceError, match="whole number"):
+        trace(tiny("mixtral"), granularity="sublayer", expert_groups=0)
+    dense = trace(tiny("llama"), granularity="sublayer")
+    assert trace(tiny("llama"), granularity="sublayer", expert_groups=4).names() == dense.names()
+    graph = trace(tiny("mixtral"), granularity="sublayer")
+    assert split_expert_units(graph, 1, graph.names()) is graph
+
+
+def half_on_the_gpu(unit: str) -> tuple[str, str, str]:
+    """Attention, norms, routers and the first group of each layer's experts on the GPU; other groups on the CPU."""
+    if ".groups." in unit and not unit.endswith(".groups.0"):
+        return ("cpu", "cpu", "resident")
+    return ("cuda:0", "cuda:0", "resident")
+
+
+def grouped_plan(model: torch.nn.Module, groups: int, choose=half_on_the_gpu) -> Plan:
+    units = trace(model, granularity="sublayer", expert_groups=groups).names()
+    base = make_plan([(u, *choose(u)) for u in units], name=type(model).__name__)
+    home = "cuda:0" if any(p.execution == "cuda:0" for p in base.placements) else "cpu"
+    return dataclasses.replace(base, home=home)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_dispatch_runs_a_layer_split_between_gpu_and_cpu(family, gpu_on_cpu):
+    model = tiny(family)
+    expected, before = logits(model), snapshot(model)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        tokens = model.generate(**inputs_for(model), **kwargs)
+    plan = grouped_plan(model, 2)
+    handle = dispatch(model, plan)
+    assert set(handle.unit_kinds()) == {p.unit for p in plan.placements}
+    torch.testing.assert_close(logits(handle), expected, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(handle.generate(**inputs_for(model), **kwargs), tokens)
+    handle.remove()
+    assert not any(isinstance(m, ExpertGroups) for m in model.modules())
+    assert_restored(model, before)
+
+
+def test_a_failed_dispatch_puts_the_whole_experts_back(gpu_on_cpu):
+    model = tiny("mixtral")
+    before = snapshot(model)
+    plan = grouped_plan(model, 2, lambda u: ("disk", "cpu", "stream") if u.endswith("groups.1") else ("cpu", "cpu",
+                                                                                                      "resident"))
+    with pytest.raises(DispatchError, match="offload_dir"):
+        dispatch(model, plan)  # disk groups without an offload folder
+    assert not any(isinstance(m, ExpertGroups) for m in model.modules())
+    assert_restored(model, before)
+
+
+@pytest.fixture(scope="module", params=MOE)
+def saved(request, tmp_path_factory):
+    return request.param, *saved_tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("load() fell back to from_pretrained")
+    monkeypatch.setattr(loader, "_load_converted", refuse)
+
+
+def on_disk_and_in_ram(device: str):
+    """Group 1 of each layer's experts on disk (the memory map computed on the CPU), the rest on ``device``."""
+    def choose(unit: str) -> tuple[str, str, str]:
+        if unit.endswith(".groups.1"):
+            return ("disk", "cpu", "stream")
+        return ("cpu", "cpu", "resident") if ".groups." in unit else (device, device, "resident")
+    return choose
+
+
+def check_load(saved, tmp_path, groups: int, device: str) -> None:
+    _, model, path, reference = saved
+    plan = grouped_plan(model, groups, on_disk_and_in_ram(device))
+    handle = load(path, None, plan=plan, offload_dir=tmp_path)
+    torch.testing.assert_close(logits(handle).cpu(), reference, rtol=1e-5, atol=1e-5)
+    for layer in range(2):
+        whole = model.model.layers[layer].mlp.experts.gate_up_proj
+        split = handle.model.model.layers[layer].mlp.experts
+        for (start, end), group in zip(group_ranges(4, groups), split.groups, strict=True):
+            assert torch.equal(group.gate_up_proj.cpu(), whole[start:end])
+    assert sorted(p.name.split(".")[2] for p in tmp_path.glob("*.safetensors")) == ["0", "1"]  # one group a layer
+    handle.remove()
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_load_reads_each_group_its_rows(saved, no_fallback, tmp_path, groups):
+    """Checkpoints with one tensor per expert (transformers' own save): each group gets its rows of the fused
+    weight, in RAM or written to the offload folder (one file per layer's disk group); the logits are the model's."""
+    check_load(saved, tmp_path, groups, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_load_puts_some_groups_on_the_gpu(saved, no_fallback, tmp_path):
+    check_load(saved, tmp_path, 2, "cuda:0")
+
+
+def test_load_without_an_offload_folder_says_so_for_disk_groups(saved, gpu_on_cpu, no_fallback):
+    _, model, path, _ = saved
+    plan = grouped_plan(model, 2, lambda u: ("disk", "cpu", "stream") if ".groups." in u else ("cpu", "cpu",
+                                                                                              "resident"))
+    with pytest.raises(DispatchError, match="offload_dir"):
+        load(path, None, plan=plan)
+
+
+def test_a_solved_grouped_plan_runs(gpu_on_cpu):
+    """solve() of a grouped graph: a plan over the groups, which dispatch() runs as the plain model."""
+    model = tiny("mixtral")
+    graph = trace(model, granularity="sublayer", expert_groups=4)
+    plan = solve(graph, {"cuda:0": graph.total_param_bytes // 2, "cpu": "1GiB"},
+                 workload=Workload(batch_size=2, prompt_len=7, new_tokens=5))
+    assert [p.unit for p in plan.placements] == graph.names() and plan.home == "cuda:0"
+    expected = logits(model)
+    handle = dispatch(model, plan)
+    torch.testing.assert_close(logits(handle), expected, rtol=1e-6, atol=1e-6)
+    handle.remove()
+
+
+@settings(max_examples=15, deadline=None)
+@given(groups=st.integers(1, 4), gpu=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_any_gpu_cpu_assignment_of_groups_runs_as_the_model(groups, gpu):
+    """Property: whichever groups sit on the GPU, the outputs are the plain model's (tolerance of a sum's order)."""
+    model = tiny("qwen2_moe")
+    expected = logits(model)
+    flags = iter(gpu * 2)
+
+    def choose(unit: str) -> tuple[str, str, str]:
+        if ".groups." in unit:
+            return ("cuda:0", "cuda:0", "resident") if next(flags) else ("cpu", "cpu", "resident")
+        return ("cuda:0", "cuda:0", "resident")
+
+    with pytest.MonkeyPatch.context() as patch:
+        from placement_opt.runtime import _preflight, _streamer
+
+        patch.setattr(_streamer, "torch_device", lambda n: torch.device("cpu" if n.startswith("cuda") else n))
+        patch.setattr(_preflight, "cuda_device_count", lambda: 1)
+        handle = dispatch(model, grouped_plan(model, groups, choose))
+        torch.testing.assert_close(logits(handle), expected, rtol=1e-6, atol=1e-6)
+        handle.remove()
+
