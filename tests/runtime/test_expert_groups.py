@@ -264,3 +264,86 @@ def test_any_gpu_cpu_assignment_of_groups_runs_as_the_model(groups, gpu):
         torch.testing.assert_close(logits(handle), expected, rtol=1e-6, atol=1e-6)
         handle.remove()
 
+
+
+def test_device_map_has_one_entry_per_experts_module_on_its_farthest_device():
+    """accelerate places a module whole: a split layer's experts go where no GPU holds more than planned."""
+    rows = [("model.layers.0.mlp.experts.groups.0", "cuda:0", "cuda:0", "resident"),
+            ("model.layers.0.mlp.experts.groups.1", "cpu", "cpu", "resident"),
+            ("model.layers.1.mlp.experts.groups.0", "cpu", "cpu", "resident"),
+            ("model.layers.1.mlp.experts.groups.1", "disk", "cpu", "stream"),
+            ("model.layers.2.mlp.experts.groups.0", "cuda:0", "cuda:0", "resident"),
+            ("model.layers.2.mlp.experts.groups.1", "cuda:0", "cuda:0", "resident"),
+            ("lm_head", "cuda:0", "cuda:0", "resident")]
+    assert make_plan(rows).device_map == {"model.layers.0.mlp.experts": "cpu", "model.layers.1.mlp.experts": "disk",
+                                          "model.layers.2.mlp.experts": 0, "lm_head": 0}
+
+
+def test_a_plan_splitting_a_layer_says_what_device_map_does_with_it():
+    graph = trace(tiny("mixtral"), granularity="sublayer", expert_groups=2)
+    plan = solve(graph, {"cuda:0": "1GiB", "cpu": "1GiB"}, workload=Workload(prompt_len=7, new_tokens=5),
+                 pins={"model.layers.0.mlp.experts.groups.0": "cuda:0", "model.layers.0.mlp.experts.groups.1": "cpu"})
+    note = next(n for n in plan.notes if "experts on more than one device" in n)
+    assert "1 layer(s)" in note and "model.layers.0.mlp.experts" in note
+    assert plan.device_map["model.layers.0.mlp.experts"] == "cpu"
+
+
+def test_solve_takes_expert_groups_with_sublayer_units_only():
+    from placement_opt.errors import SolverInputError
+
+    model = tiny("mixtral")
+    plan = solve(model, {"cpu": "1GiB"}, granularity="sublayer", expert_groups=2,
+                 workload=Workload(prompt_len=7, new_tokens=5))
+    assert sum(".groups." in p.unit for p in plan.placements) == 4
+    with pytest.raises(SolverInputError, match="granularity='sublayer'"):
+        solve(model, {"cpu": "1GiB"}, expert_groups=2)
+    with pytest.raises(SolverInputError, match="LayerGraph"):
+        solve(trace(model, granularity="sublayer"), {"cpu": "1GiB"}, expert_groups=2)
+    with pytest.raises(SolverInputError, match="whole number"):
+        solve(model, {"cpu": "1GiB"}, granularity="sublayer", expert_groups=True)
+
+
+def test_cli_plans_expert_groups_and_refuses_them_without_sublayer_units(tmp_path):
+    from _cli import run_cli
+
+    common = ("plan", "mixtral-8x7b", "-d", "cuda:0=a100-40gb/24GiB,cpu=256GiB", "--new-tokens", "8")
+    out = run_cli(*common, "--granularity", "sublayer", "--expert-groups", "2", "--json", str(tmp_path / "p.json"))
+    assert out.exit_code == 0, out.output
+    units = [p.unit for p in Plan.from_json(str(tmp_path / "p.json")).placements]
+    assert sum(u.endswith(".experts.groups.1") for u in units) == 32
+    bad = run_cli(*common, "--expert-groups", "2", catch_exceptions=True)
+    assert bad.exit_code == 2 and "--granularity sublayer" in bad.output
+
+
+def test_cli_runs_a_checkpoint_in_grouped_plans_solved_and_saved(saved, tmp_path):
+    """`run --expert-groups` solves and loads a grouped plan; `run --plan` reprices a saved one on a grouped graph."""
+    from _cli import run_cli
+
+    _, _, path, _ = saved
+    common = ("-d", "cpu=1GB", "--prompt", "4", "--new-tokens", "3")
+    solved = run_cli("run", str(path), *common, "--repeats", "1", "--granularity", "sublayer", "--expert-groups", "2")
+    assert solved.exit_code == 0, solved.output
+    made = run_cli("plan", str(path), *common, "--granularity", "sublayer", "--expert-groups", "2", "--json",
+                   str(tmp_path / "plan.json"))
+    assert made.exit_code == 0, made.output
+    again = run_cli("run", str(path), *common, "--repeats", "1", "--plan", str(tmp_path / "plan.json"))
+    assert again.exit_code == 0, again.output
+
+
+def test_groups_on_a_gpu_keep_the_grouped_kernel_at_decode():
+    """generate() switches GPU experts to batched_mm for decode steps; a group would then gather a weight for
+    every routed row, other groups' rows included, so groups keep grouped_mm (a whole module still switches)."""
+    from placement_opt.runtime._experts import pin_experts_to_devices
+
+    model = tiny("mixtral")
+    model.config._experts_implementation = "grouped_mm"
+    undo_split = split_experts(model, {"model.layers.0.mlp.experts": 2})
+    gpu = torch.device("cuda:0")  # a device object only: nothing runs
+    undo = pin_experts_to_devices(model, {"model.layers.0": gpu, "model.layers.1": gpu}, torch.device("cpu"))
+    group = model.model.layers[0].mlp.experts.groups[0]
+    whole = model.model.layers[1].mlp.experts
+    with model._optimize_model_for_decode():
+        assert group.config._experts_implementation == "grouped_mm"
+        assert whole.config._experts_implementation == "batched_mm"
+    undo()
+    undo_split()

@@ -20,7 +20,7 @@ from ..errors import DispatchError
 from ..model._units import groupable
 from ..model.expert_groups import group_ranges, whole_experts
 
-__all__ = ["ExpertGroups", "split_experts", "source_rows"]
+__all__ = ["ExpertGroups", "split_experts", "source_rows", "is_expert_group"]
 
 
 class ExpertGroups(nn.Module):
@@ -80,6 +80,11 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
     return undo
 
 
+def is_expert_group(module: nn.Module) -> bool:
+    """A group made by :func:`split_experts`."""
+    return bool(getattr(type(module), "_expert_group", False))
+
+
 def source_rows(model: nn.Module, name: str) -> tuple[str, int, int] | None:
     """For a weight of an expert group, ``(the whole module's weight name, first row, end row)``; else None."""
     owner_name, _, attr = name.rpartition(".")
@@ -137,5 +142,5 @@ def _group_class(base: type[nn.Module]) -> type[nn.Module]:
         out = base.forward(self, hidden_states, local, weights, *args, **kwargs)
         return out if partial is None else partial + out
 
-    return type(f"{base.__name__}Group", (base,), {"forward": forward, "__module__": __name__,
+    return type(f"{base.__name__}Group", (base,), {"forward": forward, "__module__": __name__, "_expert_group": True,
                                                    "__doc__": f"Consecutive experts of a {base.__name__}."})

@@ -10,7 +10,10 @@ sits on a GPU, the CPU-executed experts slowed down 4.5x (../shared/measurements
 Here every experts module gets a view of the config whose ``_experts_implementation`` follows the
 module's own execution device, and the model's decode switch flips the views instead of the
 shared config: GPU-executed experts switch as transformers intends, CPU-executed ones keep the
-implementation a CPU-only model would use. Everything is undone by the returned function.
+implementation a CPU-only model would use. Expert groups (:mod:`._expert_groups`) never switch: batched_mm
+gathers a weight for every routed row, a group's rows of other groups' experts included (clamped onto its own),
+so every group on a GPU would read the layer's routed weights again; grouped_mm skips those rows.
+Everything is undone by the returned function.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+
+from ._expert_groups import is_expert_group
 
 __all__ = ["experts_modules", "pin_experts_to_devices"]
 
@@ -86,7 +91,7 @@ def pin_experts_to_devices(model: nn.Module, execution: Mapping[str, torch.devic
     try:  # all or nothing: a failure half-way puts back the configs already replaced
         for name, module in found:
             device = _device_of(name, execution, default)
-            view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu")
+            view = _ExpertsConfigView(module.config, on_accelerator=device.type != "cpu" and not is_expert_group(module))
             originals.append((module, module.__dict__["config"]))
             module.__dict__["config"] = view
             views.append(view)
