@@ -15,8 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import placement_opt.runtime.loader as loader
-from _models import assert_restored, inputs_for, make_plan, saved_tiny, snapshot, tiny
+from _models import assert_restored, inputs_for, make_plan, snapshot, tiny
 from placement_opt import Workload, solve, trace
 from placement_opt.errors import DispatchError, TraceError
 from placement_opt.model.expert_groups import (
@@ -173,18 +172,6 @@ def test_a_failed_dispatch_puts_the_whole_experts_back(gpu_on_cpu):
     assert_restored(model, before)
 
 
-@pytest.fixture(scope="module", params=MOE)
-def saved(request, tmp_path_factory):
-    return request.param, *saved_tiny(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture
-def no_fallback(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("load() fell back to from_pretrained")
-    monkeypatch.setattr(loader, "_load_converted", refuse)
-
-
 def on_disk_and_in_ram(device: str):
     """Group 1 of each layer's experts on disk (the memory map computed on the CPU), the rest on ``device``."""
     def choose(unit: str) -> tuple[str, str, str]:
@@ -194,8 +181,8 @@ def on_disk_and_in_ram(device: str):
     return choose
 
 
-def check_load(saved, tmp_path, groups: int, device: str) -> None:
-    _, model, path, reference = saved
+def check_load(saved_moe, tmp_path, groups: int, device: str) -> None:
+    _, model, path, reference = saved_moe
     plan = grouped_plan(model, groups, on_disk_and_in_ram(device))
     handle = load(path, None, plan=plan, offload_dir=tmp_path)
     torch.testing.assert_close(logits(handle).cpu(), reference, rtol=1e-5, atol=1e-5)
@@ -209,20 +196,20 @@ def check_load(saved, tmp_path, groups: int, device: str) -> None:
 
 
 @pytest.mark.parametrize("groups", [2, 4])
-def test_load_reads_each_group_its_rows(saved, no_fallback, tmp_path, groups):
+def test_load_reads_each_group_its_rows(saved_moe, no_fallback, tmp_path, groups):
     """Checkpoints with one tensor per expert (transformers' own save): each group gets its rows of the fused
     weight, in RAM or written to the offload folder (one file per layer's disk group); the logits are the model's."""
-    check_load(saved, tmp_path, groups, "cpu")
+    check_load(saved_moe, tmp_path, groups, "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
-def test_load_puts_some_groups_on_the_gpu(saved, no_fallback, tmp_path):
-    check_load(saved, tmp_path, 2, "cuda:0")
+def test_load_puts_some_groups_on_the_gpu(saved_moe, no_fallback, tmp_path):
+    check_load(saved_moe, tmp_path, 2, "cuda:0")
 
 
-def test_load_without_an_offload_folder_says_so_for_disk_groups(saved, gpu_on_cpu, no_fallback):
-    _, model, path, _ = saved
+def test_load_without_an_offload_folder_says_so_for_disk_groups(saved_moe, gpu_on_cpu, no_fallback):
+    _, model, path, _ = saved_moe
     plan = grouped_plan(model, 2, lambda u: ("disk", "cpu", "stream") if ".groups." in u else ("cpu", "cpu",
                                                                                               "resident"))
     with pytest.raises(DispatchError, match="offload_dir"):
@@ -315,11 +302,11 @@ def test_cli_plans_expert_groups_and_refuses_them_without_sublayer_units(tmp_pat
     assert bad.exit_code == 2 and "--granularity sublayer" in bad.output
 
 
-def test_cli_runs_a_checkpoint_in_grouped_plans_solved_and_saved(saved, tmp_path):
+def test_cli_runs_a_checkpoint_in_grouped_plans_solved_and_saved(saved_moe, tmp_path):
     """`run --expert-groups` solves and loads a grouped plan; `run --plan` reprices a saved one on a grouped graph."""
     from _cli import run_cli
 
-    _, _, path, _ = saved
+    _, _, path, _ = saved_moe
     common = ("-d", "cpu=1GB", "--prompt", "4", "--new-tokens", "3")
     solved = run_cli("run", str(path), *common, "--repeats", "1", "--granularity", "sublayer", "--expert-groups", "2")
     assert solved.exit_code == 0, solved.output

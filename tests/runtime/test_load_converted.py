@@ -8,31 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement_opt.runtime.loader as loader
-from _models import MAPPED, MAPPED_SYNC, RESIDENT, inputs_for, mixed, plan_from, saved_tiny, tiny
+from _models import MAPPED, MAPPED_SYNC, RESIDENT, inputs_for, mixed, plan_from, tiny
 from placement_opt.errors import DispatchError
 from placement_opt.runtime.loader import load
 
 FUSED = {"mixtral": ("gate_up_proj", "down_proj"), "qwen2_moe": ("gate_up_proj", "down_proj")}
 
 
-@pytest.fixture(scope="module", params=sorted(FUSED))
-def saved(request, tmp_path_factory):
-    return request.param, *saved_tiny(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture
-def no_fallback(monkeypatch):
-    """Fail if load() reads the checkpoint whole through from_pretrained instead of converting weight by weight."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("load() fell back to from_pretrained")
-    monkeypatch.setattr(loader, "_load_converted", refuse)
-
-
-def test_the_checkpoint_holds_experts_one_tensor_each(saved):
+def test_the_checkpoint_holds_experts_one_tensor_each(saved_moe):
     """What makes these checkpoints special: the model's fused expert weights are not in the file."""
     from safetensors import safe_open
 
-    family, model, path, _ = saved
+    family, model, path, _ = saved_moe
     with safe_open(path / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     fused = [n for n, _ in model.named_parameters() if n.endswith(FUSED[family])]
@@ -40,8 +27,8 @@ def test_the_checkpoint_holds_experts_one_tensor_each(saved):
     assert any(".experts.0." in k for k in keys)
 
 
-def test_disk_layers_fused_into_offload_dir_one_unit_each(saved, tmp_path, no_fallback):
-    family, model, path, reference = saved
+def test_disk_layers_fused_into_offload_dir_one_unit_each(saved_moe, tmp_path, no_fallback):
+    family, model, path, reference = saved_moe
     plan = plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT)
     with pytest.raises(DispatchError, match="offload_dir"):
         load(path, None, plan=plan)
@@ -60,8 +47,8 @@ def test_disk_layers_fused_into_offload_dir_one_unit_each(saved, tmp_path, no_fa
     handle.remove()
 
 
-def test_mixed_plan_generates_the_same_tokens(saved, tmp_path, no_fallback):
-    _, model, path, reference = saved
+def test_mixed_plan_generates_the_same_tokens(saved_moe, tmp_path, no_fallback):
+    _, model, path, reference = saved_moe
     handle = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path)
     batch = inputs_for(model)
     kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
@@ -71,8 +58,8 @@ def test_mixed_plan_generates_the_same_tokens(saved, tmp_path, no_fallback):
     handle.remove()
 
 
-def test_cast_to_another_dtype_while_converting(saved, tmp_path, no_fallback):
-    family, model, path, _ = saved
+def test_cast_to_another_dtype_while_converting(saved_moe, tmp_path, no_fallback):
+    family, model, path, _ = saved_moe
     handle = load(path, None, plan=plan_from(model, mixed), dtype="bfloat16", offload_dir=tmp_path)
     for layer, original in zip(handle.model.model.layers, model.model.layers, strict=True):
         for name in FUSED[family]:
@@ -82,9 +69,9 @@ def test_cast_to_another_dtype_while_converting(saved, tmp_path, no_fallback):
     handle.remove()
 
 
-def test_falls_back_to_from_pretrained_when_the_mapping_cannot_be_read(saved, tmp_path, monkeypatch):
+def test_falls_back_to_from_pretrained_when_the_mapping_cannot_be_read(saved_moe, tmp_path, monkeypatch):
     """A transformers whose conversion internals changed: the whole-RAM path, still the same logits."""
-    _, model, path, reference = saved
+    _, model, path, reference = saved_moe
     monkeypatch.setattr(loader, "conversions", lambda *args: None)
     handle = load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path)
     with torch.no_grad():
@@ -93,9 +80,9 @@ def test_falls_back_to_from_pretrained_when_the_mapping_cannot_be_read(saved, tm
 
 
 @pytest.mark.cuda
-def test_fused_weights_go_straight_to_the_gpu(saved, tmp_path, no_fallback):
+def test_fused_weights_go_straight_to_the_gpu(saved_moe, tmp_path, no_fallback):
     """GPU-stored layers: each fused weight is built on the CPU and moved, the logits as the CPU model's."""
-    family, model, path, reference = saved
+    family, model, path, reference = saved_moe
     gpu = ("cuda:0", "cuda:0", "resident")
     plan = plan_from(model, lambda i, u: MAPPED if u.endswith("layers.1") else gpu)  # layer 0 on the GPU
     handle = load(path, None, plan=plan, offload_dir=tmp_path)
