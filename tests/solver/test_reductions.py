@@ -7,11 +7,13 @@ import dataclasses
 import itertools
 from collections import Counter
 
+import pytest
 from _brute import reference_valid, reference_value
 from _problems import problems
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from placement_opt.errors import SolverInputError
 from placement_opt.solver import search
 from placement_opt.solver.problem import (
     DeviceSpec,
@@ -27,6 +29,7 @@ from placement_opt.solver.reductions import (
     copies_apart,
     copies_first,
     make_room,
+    part_groups,
     prefer_resident,
 )
 
@@ -121,6 +124,60 @@ def test_a_solve_is_never_worse_than_the_best_plan_moving_each_layers_parts_toge
     assume(values)
     sol = search.solve_problem(problem, "latency", time_limit_s=2.0, workers=1)
     assert sol.feasible and sol.objective_value <= min(values)
+
+
+@st.composite
+def _with_parts(draw):
+    """A layered problem whose units also come in part groups (a layer's expert groups): runs inside the layers."""
+    problem = draw(_layered())
+    parts = []
+    for layer in problem.copy_groups:
+        if len(layer) >= 2 and draw(st.booleans()):
+            start = draw(st.integers(0, len(layer) - 2))
+            end = draw(st.integers(start + 2, len(layer)))
+            parts.append(tuple(layer[start:end]))
+    assume(parts)
+    return dataclasses.replace(problem, part_groups=tuple(parts))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_with_parts(), st.data())
+def test_merged_part_groups_cost_what_they_expand_to(problem, data):
+    groups = part_groups(problem)
+    assert [i for g in groups for i in g] == list(range(len(problem.units)))
+    merged = {tuple(problem.units[i].name for i in g) for g in groups if len(g) > 1}
+    assert merged == set(problem.part_groups)  # one menu throughout: every run merges, nothing else does
+    coarse = coarsen(problem, groups)
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in coarse.units]
+    expanded = [c for g, c in zip(groups, choice, strict=True) for _ in g]
+    fine, small = problem.score(expanded), coarse.score(choice)
+    assert (small.prefill_ns, small.decode_ns, small.used_bytes) == (fine.prefill_ns, fine.decode_ns, fine.used_bytes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_with_parts())
+def test_a_solve_is_never_worse_than_the_best_plan_keeping_each_part_group_together(problem):
+    """Brute force over the merged problem: the search's plan is at least as good as its best (the start)."""
+    groups = part_groups(problem)
+    coarse = coarsen(problem, groups)
+    merged = [[c for g, c in zip(groups, pick, strict=True) for _ in g]
+              for pick in itertools.product(*(range(len(u.options)) for u in coarse.units))]
+    values = [reference_value(problem, c, "latency") for c in merged if reference_valid(problem, c)]
+    assume(values)
+    sol = search.solve_problem(problem, "latency", time_limit_s=2.0, workers=1)
+    assert sol.feasible and sol.objective_value <= min(values)
+
+
+def test_part_groups_stay_apart_when_pinned_tied_or_of_other_menus():
+    menu = _unit("x", 1).options
+    units = (UnitSpec(name="g0", options=menu), UnitSpec(name="g1", options=menu), UnitSpec(name="h0", options=menu),
+             UnitSpec(name="h1", options=menu[:2]))
+    problem = PlacementProblem(units=units, edges=(), devices=DEVICES, part_groups=(("g0", "g1"), ("h0", "h1")))
+    assert part_groups(problem) == [[0, 1], [2], [3]]
+    assert part_groups(dataclasses.replace(problem, pins={"g1": "cpu"})) is None
+    assert part_groups(dataclasses.replace(problem, part_groups=())) is None
+    with pytest.raises(SolverInputError, match="part group"):
+        dataclasses.replace(problem, part_groups=(("g0", "h0"),))  # not consecutive
 
 
 def test_a_sublayer_solve_starts_from_its_layer_granular_plan_when_that_beats_the_start():

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DeviceSpecError, SolverInputError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
+from ..model.expert_groups import whole_experts
 from ..solver.problem import MODES, DeviceSpec, EdgeSpec, PlacementProblem, UnitSpec
 from .calibrated import calibration_for
 from .pins import resolve_pins
@@ -102,7 +103,8 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
-        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous, copy_groups=copy_groups(units))
+        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous, copy_groups=copy_groups(units),
+        part_groups=part_groups(units))
     return problem, parts
 
 
@@ -112,6 +114,16 @@ def copy_groups(units: Sequence[UnitInfo]) -> tuple[tuple[str, ...], ...]:
     into its consecutive runs."""
     return tuple(tuple(u.name for u in run) for block, run in itertools.groupby(units, key=attrgetter("block"))
                  if block is not None)
+
+
+def part_groups(units: Sequence[UnitInfo]) -> tuple[tuple[str, ...], ...]:
+    """Runs of consecutive units cut from one experts module (:mod:`placement_opt.model.expert_groups`)."""
+    def whole(unit: UnitInfo) -> str | None:
+        parsed = whole_experts(unit.name)
+        return parsed[0] if parsed else None
+
+    return tuple(tuple(u.name for u in run) for experts, run in itertools.groupby(units, key=whole)
+                 if experts is not None)
 
 
 def _two_phases(unit: UnitInfo, ctx: PricingContext) -> bool:

@@ -335,6 +335,10 @@ class PlacementProblem:
     """Runs of consecutive units (in execution order) whose streamed weights the prefetch thread copies as
     one (a sublayer graph's parts of one decoder layer): :func:`stalls` with ``runs``. Units in no group
     are groups of their own."""
+    part_groups: tuple[tuple[str, ...], ...] = ()
+    """Runs of consecutive units cut from one coarser unit (a layer's expert groups): no constraint, a hint to
+    the search, which solves the problem with each run merged back first for a start
+    (:func:`~placement_opt.solver.reductions.part_groups`)."""
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.units]
@@ -352,6 +356,7 @@ class PlacementProblem:
         problems += [f"pin names unknown unit {n}" for n in self.pins if n not in known]
         order = {n: i for i, n in enumerate(names)}
         problems += _copy_group_problems(self.copy_groups, order)
+        problems += _copy_group_problems(self.part_groups, order, "part group")
         problems += [f"edge {e.src}->{e.dst} points backwards in execution order" for e in self.edges
                      if e.src in order and e.dst in order and order[e.src] >= order[e.dst]]
         if len(known) != len(names):
@@ -763,19 +768,21 @@ def device_transients(chosen: Sequence[PlacementOption],
     return out
 
 
-def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int]) -> list[str]:
-    """What is wrong with ``copy_groups``: unknown units, a unit in two groups, a group not consecutive."""
+def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int],
+                         what: str = "copy group") -> list[str]:
+    """What is wrong with ``copy_groups`` (or ``part_groups``): unknown units, a unit in two groups, a group not
+    consecutive."""
     problems, seen = [], set()
     for group in groups:
         if not group or any(n not in order for n in group):
-            problems.append(f"copy group {list(group)} is empty or names an unknown unit")
+            problems.append(f"{what} {list(group)} is empty or names an unknown unit")
             continue
         if seen & set(group) or len(set(group)) < len(group):
-            problems.append(f"copy group {list(group)} repeats a unit of another group or of itself")
+            problems.append(f"{what} {list(group)} repeats a unit of another group or of itself")
         seen.update(group)
         positions = [order[n] for n in group]
         if positions != list(range(positions[0], positions[0] + len(group))):
-            problems.append(f"copy group {list(group)} is not a run of consecutive units in execution order")
+            problems.append(f"{what} {list(group)} is not a run of consecutive units in execution order")
     return problems
 
 

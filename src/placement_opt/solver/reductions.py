@@ -23,7 +23,7 @@ devices).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .problem import (
     GROUP_BUFFERS,
@@ -36,7 +36,7 @@ from .problem import (
 )
 from .starts import fits
 
-__all__ = ["coarsen_groups", "coarsen", "block_groups", "prefer_resident", "make_room", "copies_first", "copies_apart",
+__all__ = ["coarsen_groups", "coarsen", "block_groups", "part_groups", "prefer_resident", "make_room", "copies_first", "copies_apart",
            "TRANSIENT_UNITS"]
 
 #: Most units :func:`make_room`'s transient move prices every option of (each a full score): the run setting
@@ -154,11 +154,32 @@ def block_groups(problem: PlacementProblem) -> list[list[int]] | None:
         menus = {_menu_key(problem.units[i]) for i in members}
         if len(members) > 1 and len(menus) == 1 and not special.intersection(names):
             head[members[0]] = members
+    return _with_singletons(len(problem.units), head)
+
+
+def part_groups(problem: PlacementProblem) -> list[list[int]] | None:
+    """Every unit in order, each of ``problem.part_groups`` (a layer's expert groups) as one group, or None when
+    none can merge: the super-units of the problem before the cut. As :func:`block_groups`: a group's units
+    must share one menu, and tied or pinned units stay apart."""
+    index = problem.index()
+    special = _tied_or_pinned(problem)
+    head: dict[int, list[int]] = {}
+    for names in problem.part_groups:
+        members = [index[name] for name in names]
+        if len(members) > 1 and len({_menu_key(problem.units[i]) for i in members}) == 1 \
+                and not special.intersection(names):
+            head[members[0]] = members
+    return _with_singletons(len(problem.units), head)
+
+
+def _with_singletons(n: int, head: Mapping[int, list[int]]) -> list[list[int]] | None:
+    """Units ``0..n-1`` in order, the groups of ``head`` (first index -> members) as given and every other unit
+    alone; None without a group."""
     if not head:
         return None
     groups: list[list[int]] = []
     i = 0
-    while i < len(problem.units):
+    while i < n:
         group = head.get(i, [i])
         groups.append(group)
         i = group[-1] + 1

@@ -34,6 +34,9 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   fast; a polished start proven within ``gap_limit`` skips the full solve;
 * the time limit: the full model's build checks the deadline, and CP-SAT is given what is left less
   :data:`LOAD_SHARE` x the build time (it loads and presolves past its own limit);
+* a problem with expert groups (``part_groups``) first solves itself with each layer's groups merged back (for
+  :data:`PARTS_SHARE` of the time; that solve takes the layer-granular start below), another restriction whose
+  expanded plan joins the starts as the layer-granular one does;
 * a sublayer problem's layer-granular start, another restriction: its copy groups (a decoder layer's
   parts) as super-units, solved for :data:`BLOCK_SHARE` of the time; the expanded plan joins the starts
   after the relaxations (the better start goes on, the other is polished too), so a sublayer plan is never
@@ -70,7 +73,14 @@ from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .polish import polish
 from .problem import OBJECTIVES, PlacementProblem
-from .reductions import block_groups, coarsen, coarsen_groups, make_room, prefer_resident
+from .reductions import (
+    block_groups,
+    coarsen,
+    coarsen_groups,
+    make_room,
+    part_groups,
+    prefer_resident,
+)
 from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
 from .symmetry import identical_devices, relabel
 
@@ -96,6 +106,11 @@ COARSE_SHARE = 0.4
 #: Mixtral-8x7B at 24 GiB, on the H100 host's profile): the full model did not find what the
 #: layer-granular one finds in a fraction of the time.
 BLOCK_SHARE = 0.25
+#: Share of the time left that a problem with expert groups gives the same problem with each layer's groups merged
+#: (:func:`~.reductions.part_groups`: the problem before the cut, solved like any, its own layer-granular start
+#: included), whose plan expanded joins the starts as the layer-granular one does: the grouped plan is then never
+#: worse than the best plan found without groups.
+PARTS_SHARE = 0.3
 #: Most of the time left that the aggregated relaxation (runs of identical units as counts) may take.
 AGGREGATE_SHARE = 0.8
 #: Problems with more units than this also get the grouped relaxation (identical units anywhere as
@@ -270,6 +285,12 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
                 hint, hint_ok = start, True
             notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
+    elif (parts := part_groups(problem)) is not None:  # its own solve starts from the layer-granular plan
+        span = PARTS_SHARE * (deadline - time.perf_counter())
+        layered = _block_start(problem, objective, parts, run, (hint, hint_ok), latency_cap_ns, span)
+        if layered is not None:
+            notes.append(f"started from the best plan that keeps each layer's expert groups together ({len(parts)} "
+                         f"super-units) as well; the bound is the full problem's")
     elif (blocks := block_groups(problem)) is not None:
         span = BLOCK_SHARE * (deadline - time.perf_counter())
         layered = _block_start(problem, objective, blocks, run, (hint, hint_ok), latency_cap_ns, span)
