@@ -2,9 +2,10 @@
 
 For Mixtral-8x7B at a 24 GiB GPU budget and Qwen1.5-MoE-A2.7B at 8 GiB, on the H100 host's measured profile
 (``run.py``'s ``h100-host`` machine), the sublayer plan is solved with ``expert_groups`` 1 (a layer's experts one
-unit, as before), 2 and 4, at two time limits, side by side in one run. A plan with groups has every option the
-plan without has (a layer's groups placed together are its experts unit), so a worse figure is the search's, not
-the model's: the bound column says what is proven. Nothing runs here; the figures are the cost model's.
+unit, as before), 2 and 4, at two time limits, side by side in one run. A layer's groups placed together cost a
+little more than its experts unit there (each group away from home pays its own round trip), and the search starts
+from the problem with the groups merged back; the bound column says what is proven. Nothing runs here; the figures
+are the cost model's.
 
 Usage::
 
