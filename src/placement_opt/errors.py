@@ -15,6 +15,7 @@ InfeasiblePlacement…  no placement fits the capacities (says which is short an
 TraceError            the model cannot be turned into a layer graph
 PlanFormatError       a plan or profile file is unreadable, malformed or for another model
 DispatchError         a plan cannot be applied to a model, or a checkpoint cannot be loaded
+PlanMismatchError     a plan made for another model is applied (both of the two above)
 ProfileError          measuring this machine failed
 ====================  ===========================================================================
 """
@@ -31,6 +32,7 @@ __all__ = [
     "TraceError",
     "PlanFormatError",
     "DispatchError",
+    "PlanMismatchError",
     "ProfileError",
 ]
 
@@ -79,6 +81,11 @@ class PlanFormatError(PlacementError):
 
 class DispatchError(PlacementError):
     """A plan could not be applied to a model."""
+
+
+class PlanMismatchError(DispatchError, PlanFormatError):
+    """A plan does not match the model it is applied to (units or sizes of another model): the plan is wrong for it,
+    so it is both a :class:`DispatchError` (what dispatch and load raise) and a :class:`PlanFormatError`."""
 
 
 class ProfileError(PlacementError):

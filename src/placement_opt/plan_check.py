@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .cost.workload import dtype_bytes
-from .errors import DispatchError
+from .errors import PlanMismatchError
 from .model.graph import covering_key
 from .units import few, format_bytes
 
@@ -131,7 +131,7 @@ def check_plan(model: Any, plan: Plan) -> None:
         if differ:
             problems.append(f"{len(differ)} unit(s) differ from the model the plan was solved for ({few(differ)})")
     if problems:
-        raise DispatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
+        raise PlanMismatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
                             f"solve a plan for this model (placement_opt.solve(model, ...))")
 
 

@@ -124,7 +124,8 @@ def test_expert_groups_are_refused_outside_sublayer_graphs_and_ignored_without_e
     with pytest.raises(TraceError, match="whole number"):
         trace(tiny("mixtral"), granularity="sublayer", expert_groups=0)
     dense = trace(tiny("llama"), granularity="sublayer")
-    assert trace(tiny("llama"), granularity="sublayer", expert_groups=4).names() == dense.names()
+    with pytest.warns(UserWarning, match="nothing to cut"):
+        assert trace(tiny("llama"), granularity="sublayer", expert_groups=4).names() == dense.names()
     graph = trace(tiny("mixtral"), granularity="sublayer")
     assert split_expert_units(graph, 1, graph.names()) is graph
 
@@ -334,3 +335,40 @@ def test_groups_on_a_gpu_keep_the_grouped_kernel_at_decode():
         assert whole.config._experts_implementation == "batched_mm"
     undo()
     undo_split()
+
+
+def test_cli_says_when_expert_groups_have_nothing_to_cut(tmp_path):
+    """A warning on the command line is one line, without the library's source line Python would show."""
+    from _cli import run_cli
+
+    tiny("llama").save_pretrained(tmp_path / "llama")
+    out = run_cli("plan", str(tmp_path / "llama"), "-d", "cpu=1GB", "--granularity", "sublayer", "--expert-groups",
+                  "2", "--prompt", "4", "--new-tokens", "3")
+    assert out.exit_code == 0, out.output
+    assert "warning: placement_opt.trace: expert_groups=2 has nothing to cut" in out.output
+    assert "return trace(" not in out.output and "UserWarning" not in out.output
+
+
+def test_another_models_plan_is_bad_input_on_the_command_line(saved_moe, tmp_path):
+    """A --plan of another model exits 2 (bad input), with the library's PlanMismatchError: a DispatchError for
+    callers that catch those, and a PlanFormatError (a plan made for another model)."""
+    from _cli import run_cli
+    from placement_opt.errors import PlanFormatError, PlanMismatchError
+
+    _, model, _, _ = saved_moe
+    tiny("llama").save_pretrained(tmp_path / "llama")
+    common = ("-d", "cpu=1GB", "--prompt", "4", "--new-tokens", "3")
+    grouped = grouped_plan(model, 2, lambda u: ("cpu", "cpu", "resident"))
+    grouped.to_json(tmp_path / "grouped.json")
+    whole = run_cli("plan", str(tmp_path / "llama"), *common, "--json", str(tmp_path / "llama.json"))
+    assert whole.exit_code == 0, whole.output
+    for plan, said in (("grouped.json", "cuts it into expert groups"), ("llama.json", "are not modules of")):
+        other = tmp_path / ("mix" if plan == "llama.json" else "llama")
+        if plan == "llama.json":
+            model.save_pretrained(other)
+        out = run_cli("run", str(other), *common, "--plan", str(tmp_path / plan), catch_exceptions=True)
+        assert out.exit_code == 2, out.output
+        assert said in out.output
+    with pytest.raises(PlanMismatchError) as caught:
+        load(tmp_path / "llama", None, plan=grouped)
+    assert isinstance(caught.value, DispatchError) and isinstance(caught.value, PlanFormatError)

@@ -17,11 +17,13 @@ code 2; a problem no placement can satisfy ends with the reason and exit code 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +86,8 @@ class _Group(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, False, **extra)
+            with _warnings_as_lines():
+                code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
             hint = ""
             if isinstance(exc, click.UsageError) and exc.ctx is not None:
@@ -95,6 +98,22 @@ class _Group(click.Group):
             click.echo("Aborted.", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Warnings as ``warning: MESSAGE`` on stderr, as the errors are lines: Python's own format shows a source
+    line of the library (``return trace(...)``) that means nothing to someone at a prompt."""
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

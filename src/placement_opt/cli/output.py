@@ -60,12 +60,14 @@ def progress(message: str) -> Iterator[None]:
 @contextmanager
 def errors_as_messages() -> Iterator[None]:
     """Turn the library's errors into one-line CLI errors with the right exit code: bad input (a device spec,
-    a workload, a model name, solve()'s arguments such as pins or modes) exit code 2, anything else 1."""
+    a workload, a model name, solve()'s arguments such as pins or modes, a plan file that is unreadable or
+    another model's) exit code 2, anything else 1."""
     from ..errors import (
         DeviceSpecError,
         InfeasiblePlacementError,
         ModelSpecError,
         PlacementError,
+        PlanFormatError,
         SolverInputError,
         TraceError,
         WorkloadError,
@@ -75,7 +77,7 @@ def errors_as_messages() -> Iterator[None]:
         yield
     except click.ClickException:
         raise
-    except (DeviceSpecError, WorkloadError, ModelSpecError, SolverInputError) as exc:
+    except (DeviceSpecError, WorkloadError, ModelSpecError, SolverInputError, PlanFormatError) as exc:
         raise click.UsageError(one_line(exc)) from None
     except InfeasiblePlacementError as exc:
         text = one_line(exc)

@@ -175,7 +175,12 @@ def trace(
     if record is not None and record.branches:
         warnings.warn(_branch_message(name, record.branches), UserWarning, stacklevel=2)
     graph = _build_graph(ctx, record)
-    return split_expert_units(graph, expert_groups, [n for n, m in ctx.units.items() if groupable(m)])
+    cut = [n for n, m in ctx.units.items() if groupable(m)]
+    if expert_groups > 1 and not cut:
+        warnings.warn(f"placement_opt.trace: expert_groups={expert_groups} has nothing to cut: {name} has no fused "
+                      f"experts module of transformers' experts interface (transformers 5 MoE models have one per "
+                      f"layer), so its units are as with expert_groups=1", UserWarning, stacklevel=2)
+    return split_expert_units(graph, expert_groups, cut)
 
 
 def _check_expert_groups(expert_groups: Any, granularity: str) -> None:

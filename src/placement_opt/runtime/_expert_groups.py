@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DispatchError
+from ..errors import DispatchError, PlanMismatchError
 from ..model._units import groupable
 from ..model.expert_groups import group_ranges, whole_experts
 
@@ -102,7 +102,8 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
     try:
         return model.get_submodule(name)
     except AttributeError:
-        raise DispatchError(f"{name} is no module of {type(model).__name__}: is the plan this model's?") from None
+        raise PlanMismatchError(f"{name} is no module of {type(model).__name__}, but the plan cuts it into expert "
+                                f"groups: is the plan this model's? Solve a plan for this model") from None
 
 
 def _group(whole: nn.Module, start: int, end: int) -> nn.Module:

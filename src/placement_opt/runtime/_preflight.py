@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import DispatchError, PlacementError
+from ..errors import DispatchError, PlacementError, PlanMismatchError
 from ..hardware.detect import cuda_device_count
 from ..model.graph import covering_key
 from ..plan import Plan, UnitPlacement
@@ -57,7 +57,7 @@ def build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
     missing = [p.unit for p in plan.placements if p.unit not in modules]
     if missing:
         shown = few(missing)
-        raise DispatchError(
+        raise PlanMismatchError(
             f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
             f"Solve the plan for this model (placement_opt.solve(model, ...))"
         )
