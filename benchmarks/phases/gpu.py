@@ -7,7 +7,9 @@ random bf16 weights is written with ``save_pretrained``, and each runner loads i
 * ``accelerate auto``: ``from_pretrained(path, device_map="auto", max_memory=M)``, the reference tokens;
 * ``layer``: ``placement_opt.load(path, M, plan=...)`` with the block plan of ``modes=("resident", "stream")``;
 * ``phased``: the block plan with phased units too (prompt streamed to the GPU, decode on the CPU);
-* ``sublayer``: every mode, on ``trace(path, granularity="sublayer")`` (attention, MLP, experts apart).
+* ``sublayer``: every mode, on ``trace(path, granularity="sublayer")`` (attention, MLP, experts apart);
+* ``expert groups`` (MoE cases): the same with each layer's experts in :data:`EXPERT_GROUPS` groups
+  (``expert_groups=``), so part of a layer's experts can stay on the GPU.
 
 Every plan is solved with ``Workload(overlap=True)`` after ``placement_opt.profile`` and
 ``placement_opt.calibrate`` on this machine (into a profile file of this run, never the user's), and each row puts
@@ -54,6 +56,8 @@ from run import _modes, _split  # noqa: E402  (this folder's pricing benchmark: 
 
 EVERY = ("resident", "stream", "phased")
 RUNNERS = ("accelerate auto", "layer", "phased", "sublayer")
+#: Groups a Mixtral layer's 8 experts are cut into for the ``expert groups`` runner (MoE cases only).
+EXPERT_GROUPS = 4
 #: Llama-3.1-8B's published shape (the issue's checkpoint) and Mixtral-8x7B's, its layer count set per run.
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
@@ -134,12 +138,22 @@ def compute_devices(smoke: bool) -> list[str]:
     return ["cpu"] if smoke else ["cuda:0", "cpu"]
 
 
-def solve_plans(path: Path, devices: dict[Any, str], workload: Any, time_limit_s: float) -> dict[str, Any]:
-    """The three plans, each solved with ``workload`` (overlap on) on this machine's profile."""
+def runners(case: Case) -> tuple[str, ...]:
+    return (*RUNNERS, "expert groups") if case.family == "mixtral" else RUNNERS
+
+
+def solve_plans(path: Path, devices: dict[Any, str], workload: Any, time_limit_s: float,
+                moe: bool = False) -> dict[str, Any]:
+    """The plans, each solved with ``workload`` (overlap on) on this machine's profile; ``moe``: with expert groups."""
     import placement_opt
 
     block, sublayer = placement_opt.trace(str(path)), placement_opt.trace(str(path), granularity="sublayer")
-    return {
+    grouped = {}
+    if moe:
+        graph = placement_opt.trace(str(path), granularity="sublayer", expert_groups=EXPERT_GROUPS)
+        grouped["expert groups"] = (placement_opt.solve(graph, devices, workload=workload, modes=EVERY,
+                                                        time_limit_s=time_limit_s), graph)
+    return {**grouped,
         "layer": (placement_opt.solve(block, devices, workload=workload, modes=("resident", "stream"),
                                       time_limit_s=time_limit_s), block),
         "phased": (placement_opt.solve(block, devices, workload=workload, modes=EVERY, time_limit_s=time_limit_s),
@@ -147,6 +161,16 @@ def solve_plans(path: Path, devices: dict[Any, str], workload: Any, time_limit_s
         "sublayer": (placement_opt.solve(sublayer, devices, workload=workload, modes=EVERY,
                                          time_limit_s=time_limit_s), sublayer),
     }
+
+
+def _groups(plan: Any) -> str:
+    """Where a plan's expert groups compute in the decode: 'groups gpu 10, cpu 22'."""
+    counts: dict[str, int] = {}
+    for p in plan.placements:
+        if ".experts.groups." in p.unit:
+            where = "gpu" if p.execution.startswith("cuda") else "cpu"
+            counts[where] = counts.get(where, 0) + 1
+    return "groups " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 
 def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]], int | None]:
@@ -200,7 +224,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         prefill, times, tokens, peak = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
         step = statistics.median(times)
         equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
-        units = _modes(target) if runner in ("layer", "phased") else (_split(target) if runner == "sublayer" else "")
+        units = (_modes(target) if runner in ("layer", "phased") else _split(target) if runner == "sublayer"
+                 else _groups(target) if runner == "expert groups" else "")
         row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
                   peak_predicted.used_bytes / 2**30 if peak_predicted else None,
                   peak / 2**30 if cuda and peak is not None else None, equal)
@@ -232,9 +257,10 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, done: list[Row] |
     rows = []
     try:
         for budget in case.budgets:
-            plans = solve_plans(path, max_memory(budget, args.smoke), workload, args.time_limit)
+            plans = solve_plans(path, max_memory(budget, args.smoke), workload, args.time_limit,
+                                moe=case.family == "mixtral")
             reference = None
-            for runner in RUNNERS:
+            for runner in runners(case):
                 row, reference = run_row(case, budget, runner, path, plans, reference, args, workload)
                 rows.append(row)
                 print(table([row])[-1], flush=True)
