@@ -14,7 +14,9 @@
 #   decode  issue 15: accelerate auto against the layer, phased and sublayer plans, the Llama-3.1-8B shape at
 #           $BUDGET of cuda:0 (default 10GiB), $STEPS decode steps (default 16) (phases/gpu.py)
 #                                                                                  -> decode.md, decode.log
-# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300). A step past its limit gets
+#   moe     issue 15: the same and expert groups, the Mixtral-8x7B shape cut to $MOE_LAYERS layers (default 8)
+#           at 24 GiB scaled to them (phases/gpu.py --case mixtral)                -> moe.md (log into decode.log)
+# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300), MOE_S (300). A step past its limit gets
 # SIGINT (its temporary checkpoints are removed; SIGKILL 30 s later) and the next one runs; memory.md and
 # decode.md hold every row finished by then, and the logs what the step printed.
 set -u
@@ -57,13 +59,19 @@ step_decode() {
         --steps "${STEPS:-16}" --out "$out/decode.md" >"$out/decode.log" 2>&1
 }
 
+step_moe() {
+    has_cuda || { echo "moe: no CUDA device here; benchmarks/phases/gpu.py --smoke checks the script" >>"$out/decode.log"; return 1; }
+    timeout -s INT -k 30 "${MOE_S:-300}" python3 benchmarks/phases/gpu.py --case mixtral --mixtral-layers "${MOE_LAYERS:-8}" \
+        --steps "${STEPS:-16}" --out "$out/moe.md" >>"$out/decode.log" 2>&1
+}
+
 export PYTHONUNBUFFERED=1
 status=0
 for step in "${@:-setup tests memory}"; do
     for one in $step; do
         case "$one" in
-            setup|tests|memory|decode) ;;
-            *) echo "unknown step '$one': setup, tests, memory or decode" >&2; exit 2 ;;
+            setup|tests|memory|decode|moe) ;;
+            *) echo "unknown step '$one': setup, tests, memory, decode or moe" >&2; exit 2 ;;
         esac
         started=$SECONDS
         "step_$one"
