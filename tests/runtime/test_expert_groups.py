@@ -72,6 +72,7 @@ def test_split_model_computes_what_the_whole_one_does(family, implementation, gr
     undo = split_experts(model, dict.fromkeys(experts_names(model), groups))
     split = model.get_submodule(experts_names(model)[0])
     assert isinstance(split, ExpertGroups) and len(split.groups) == groups
+    assert not split.training and not any(g.training for g in split.groups)  # eval, as the model is
     # the groups' weights are the whole module's rows, not copies
     whole = split.groups[0].gate_up_proj
     assert whole.shape[0] == group_ranges(4, groups)[0][1]

@@ -30,6 +30,7 @@ class ExpertGroups(nn.Module):
         super().__init__()
         self.num_experts = whole.num_experts
         self.groups = nn.ModuleList(_group(whole, start, end) for start, end in ranges)
+        self.train(whole.training)  # a new module is in training mode; the model may be in eval
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -111,7 +112,9 @@ def _group(whole: nn.Module, start: int, end: int) -> nn.Module:
     cls = _group_class(type(whole))
     part = cls.__new__(cls)
     nn.Module.__init__(part)
-    internals = set(part.__dict__)
+    # module internals (hooks, training) are the group's own; a forward patched on the whole module's instance
+    # (hooks of another library) is for its rows, not a group's
+    internals = {*part.__dict__, "forward", "_hf_hook", "_old_forward"}
     for key, value in whole.__dict__.items():
         if key not in internals:
             part.__dict__[key] = value  # config, act_fn settings, implementation flags: shared, read-only
