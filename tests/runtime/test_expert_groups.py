@@ -391,3 +391,29 @@ def test_each_group_beyond_the_first_is_priced_one_call_more():
     assert times[4].prefill_s - times[1].prefill_s == pytest.approx(extra, rel=0.02)
     # the decode is priced over new_tokens steps (Workload's convention)
     assert times[4].decode_s - times[1].decode_s == pytest.approx(extra * workload.new_tokens, rel=0.02)
+
+
+def test_load_maps_each_group_its_rows_of_a_fused_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint holding the fused weights themselves (the model's own state_dict): CPU groups are views of the
+    mapped file, their rows read ahead (only theirs), disk groups written to the offload folder."""
+    from safetensors.torch import save_file
+
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+
+    model = tiny("mixtral")
+    folder = tmp_path / "fused"
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    asked = []
+    real = SafetensorsFile.prefetch_rows
+    monkeypatch.setattr(SafetensorsFile, "prefetch_rows",
+                        lambda self, key, start, end: (asked.append((key, start, end)), real(self, key, start, end)))
+    plan = grouped_plan(model, 2, on_disk_and_in_ram("cpu"))
+    handle = load(folder, None, plan=plan, offload_dir=tmp_path / "offload")
+    torch.testing.assert_close(logits(handle), logits(model), rtol=1e-6, atol=1e-6)
+    group = handle.model.model.layers[0].mlp.experts.groups[0]
+    assert sorted(asked) == sorted((f"model.layers.{i}.mlp.experts.{p}", 0, 2) for i in range(2)
+                                   for p in ("gate_up_proj", "down_proj"))
+    assert len(list((tmp_path / "offload").glob("*.safetensors"))) == 2  # group 1 of each layer
+    assert torch.equal(group.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj[:2])
+    handle.remove()

@@ -178,6 +178,15 @@ def test_prefetch_asks_the_kernel_only_for_pages_not_cached(tmp_path, monkeypatc
     assert calls == [(file.spans["w"].offset_bytes, 512), (file.spans["b"].offset_bytes, 16)]
 
 
+def test_prefetch_rows_asks_for_those_rows_only(tmp_path, monkeypatch):
+    """An expert group's rows of a whole weight: only their bytes are read ahead."""
+    file = SafetensorsFile(OffloadStore(tmp_path).write("u", {"w": torch.zeros(8, 16)}))
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length)))
+    file.prefetch_rows("w", 2, 5)
+    assert calls == [(file.spans["w"].offset_bytes + 2 * 64, 3 * 64)]  # a row: 16 float32
+
+
 # ---------------------------------------------------------------------------------------------
 # release(): a unit's mapped pages leave the process after it ran; written pages never do
 # ---------------------------------------------------------------------------------------------

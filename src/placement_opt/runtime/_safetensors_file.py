@@ -145,6 +145,16 @@ class SafetensorsFile:
                     self._fd = os.open(self.path, os.O_RDONLY)
                 os.posix_fadvise(self._fd, span.offset_bytes, span.nbytes, os.POSIX_FADV_WILLNEED)
 
+    def prefetch_rows(self, key: str, start: int, end: int) -> None:
+        """:meth:`prefetch` of rows ``[start, end)`` (along the first dimension) of tensor ``key`` only."""
+        span = self.spans[key]
+        if not hasattr(os, "posix_fadvise") or not span.nbytes or not span.shape:  # pragma: no cover - not Linux
+            return
+        row = span.nbytes // span.shape[0]
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        os.posix_fadvise(self._fd, span.offset_bytes + start * row, (end - start) * row, os.POSIX_FADV_WILLNEED)
+
     def cached(self, key: str) -> bool:
         """True when the first, middle and last pages of tensor ``key`` are in the page cache."""
         span = self.spans[key]

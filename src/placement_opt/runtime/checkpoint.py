@@ -106,12 +106,11 @@ def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     config = transformers.AutoConfig.from_pretrained(root)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM
     wanted = as_torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _params_on_meta():
-        model = cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
-    return model
+        if cls is None:  # a config.json without "architectures" (written by config.save_pretrained alone)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=wanted)
+        return cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
 
 
 class _params_on_meta:
@@ -193,7 +192,7 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     for slot, key in slots:
         unit = covering_key(slot.names[0], storage_of)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
-        if key is None and (part := rows.read(slot)) is not None:  # an expert group's rows of a whole weight
+        if key is None and (part := rows.read(slot, storage)) is not None:  # an expert group's rows of a weight
             data, nbytes = part
             _replace(model, slot, data if storage in ("cpu", "disk") else data.to(storage))
             if storage == "disk":
@@ -249,8 +248,9 @@ class _ExpertRows:
         self.model, self.sources, self.converted = model, sources, converted
         self.built: dict[str, torch.Tensor] = {}
 
-    def read(self, slot: Slot) -> tuple[torch.Tensor, int] | None:
-        """``(rows on the CPU, checkpoint bytes they count for)``, or None for a tensor of no expert group."""
+    def read(self, slot: Slot, storage: str) -> tuple[torch.Tensor, int] | None:
+        """``(rows on the CPU, checkpoint bytes they count for)``, or None for a tensor of no expert group; rows
+        kept as a view for the CPU (``storage``) are read ahead, as whole CPU-stored tensors are."""
         found = source_rows(self.model, slot.names[0])
         if found is None:
             return None
@@ -260,6 +260,8 @@ class _ExpertRows:
             span = file.spans[key]
             data = file.tensor(key)[start:end]
             nbytes = span.nbytes * (end - start) // _rows_of((file, key))
+            if storage == "cpu" and span.dtype == slot.tensor.dtype:
+                file.prefetch_rows(key, start, end)
         elif whole in self.converted:
             built = self.converted[whole]
             if whole not in self.built:
