@@ -116,11 +116,16 @@ def test_a_copy_group_whose_parts_offer_different_options_stays_apart():
 @settings(max_examples=40, deadline=None)
 @given(_layered())
 def test_a_solve_is_never_worse_than_the_best_plan_moving_each_layers_parts_together(problem):
-    groups = block_groups(problem)
+    check_never_worse_than_merged(problem, block_groups(problem))
+
+
+def check_never_worse_than_merged(problem: PlacementProblem, groups: list[list[int]]) -> None:
+    """The search's plan is at least as good as the best plan with each of ``groups`` on one option (brute force
+    over the merged problem), which the search solves for a start."""
     coarse = coarsen(problem, groups)
-    layered = [[c for g, c in zip(groups, pick, strict=True) for _ in g]
-               for pick in itertools.product(*(range(len(u.options)) for u in coarse.units))]
-    values = [reference_value(problem, c, "latency") for c in layered if reference_valid(problem, c)]
+    merged = [[c for g, c in zip(groups, pick, strict=True) for _ in g]
+              for pick in itertools.product(*(range(len(u.options)) for u in coarse.units))]
+    values = [reference_value(problem, c, "latency") for c in merged if reference_valid(problem, c)]
     assume(values)
     sol = search.solve_problem(problem, "latency", time_limit_s=2.0, workers=1)
     assert sol.feasible and sol.objective_value <= min(values)
@@ -157,15 +162,7 @@ def test_merged_part_groups_cost_what_they_expand_to(problem, data):
 @settings(max_examples=30, deadline=None)
 @given(_with_parts())
 def test_a_solve_is_never_worse_than_the_best_plan_keeping_each_part_group_together(problem):
-    """Brute force over the merged problem: the search's plan is at least as good as its best (the start)."""
-    groups = part_groups(problem)
-    coarse = coarsen(problem, groups)
-    merged = [[c for g, c in zip(groups, pick, strict=True) for _ in g]
-              for pick in itertools.product(*(range(len(u.options)) for u in coarse.units))]
-    values = [reference_value(problem, c, "latency") for c in merged if reference_valid(problem, c)]
-    assume(values)
-    sol = search.solve_problem(problem, "latency", time_limit_s=2.0, workers=1)
-    assert sol.feasible and sol.objective_value <= min(values)
+    check_never_worse_than_merged(problem, part_groups(problem))
 
 
 def test_part_groups_stay_apart_when_pinned_tied_or_of_other_menus():
