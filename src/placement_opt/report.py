@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .model.expert_groups import group_counts, whole_experts
 from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -195,11 +196,22 @@ def _placement_text(p: Any) -> str:
 
 
 def _parts_text(group: str, parts: list[Any]) -> str:
-    """The layer's parts by placement: the most common placement as "the rest", the others by part name."""
+    """The layer's parts by placement: the most common placement as "the rest", the others by part name; a layer's
+    expert groups placed alike in one entry (``mlp.experts groups 0, 1, 3 of 4 phased cpu (prefill cuda:0)``)."""
     texts = [_placement_text(p) for p in parts]
     common = max(dict.fromkeys(texts), key=texts.count)
-    named = [f"{p.unit.removeprefix(group + '.')} {t}" for p, t in zip(parts, texts, strict=True) if t != common]
-    return "; ".join([*named, f"{'the rest' if named else 'all'} {common}"])
+    counts = group_counts(p.unit for p in parts)
+    named: dict[tuple[str, str], list[int]] = {}  # (part or experts module, placement) -> group indices
+    for p, text in zip(parts, texts, strict=True):
+        if text == common:
+            continue
+        parsed = whole_experts(p.unit)
+        name = (parsed[0] if parsed else p.unit).removeprefix(group + ".")
+        named.setdefault((name, text), []).extend([parsed[1]] if parsed else [])
+    shown = [f"{name} {text}" if not groups or len(groups) == counts[group + "." + name] else
+             f"{name} group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))} of "
+             f"{counts[group + '.' + name]} {text}" for (name, text), groups in named.items()]
+    return "; ".join([*shown, f"{'the rest' if shown else 'all'} {common}"])
 
 
 def _memory_table(plan: Plan) -> ReportTable:

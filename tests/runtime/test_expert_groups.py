@@ -417,3 +417,32 @@ def test_load_maps_each_group_its_rows_of_a_fused_checkpoint(tmp_path, monkeypat
     assert len(list((tmp_path / "offload").glob("*.safetensors"))) == 2  # group 1 of each layer
     assert torch.equal(group.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj[:2])
     handle.remove()
+
+
+def test_the_layer_table_names_a_layers_groups_placed_alike_in_one_entry():
+    from placement_opt.report import _parts_text
+
+    base = make_plan([("model.layers.0.self_attn", "cuda:0", "cuda:0", "resident"),
+                      *((f"model.layers.0.mlp.experts.groups.{i}", *(("cpu", "cpu", "resident") if i in (0, 2)
+                                                                      else ("cuda:0", "cuda:0", "resident")))
+                        for i in range(4)),
+                      ("model.layers.0.mlp.gate", "cuda:0", "cuda:0", "resident")])
+    parts = list(base.placements)
+    assert _parts_text("model.layers.0", parts) == "mlp.experts groups 0, 2 of 4 resident cpu; the rest resident cuda:0"
+    on_cpu = [dataclasses.replace(p, storage="cpu", execution="cpu") if p.unit.endswith(("groups.1", "groups.3",
+                                                                                          "self_attn")) else p
+              for p in parts]  # every group on the CPU: the experts module by its name
+    assert _parts_text("model.layers.0", on_cpu) == "mlp.gate resident cuda:0; the rest resident cpu"
+    on_gpu = [dataclasses.replace(p, storage="cuda:0", execution="cuda:0") for p in on_cpu[:1]] + on_cpu[1:]
+    assert _parts_text("model.layers.0", on_gpu) == ("self_attn resident cuda:0; mlp.gate resident cuda:0; the rest "
+                                                    "resident cpu")
+
+
+def test_a_layers_groups_all_placed_alike_are_named_by_their_experts_module():
+    from placement_opt.report import _parts_text
+
+    gpu = [(f"model.layers.0.{n}", "cuda:0", "cuda:0", "resident") for n in
+           ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp.gate", "mlp.shared_expert")]
+    cpu = [(f"model.layers.0.mlp.experts.groups.{i}", "cpu", "cpu", "resident") for i in range(4)]
+    parts = list(make_plan([*gpu[:4], *cpu, gpu[4]]).placements)
+    assert _parts_text("model.layers.0", parts) == "mlp.experts resident cpu; the rest resident cuda:0"
