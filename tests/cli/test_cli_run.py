@@ -82,10 +82,10 @@ def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_
     said = [line for line in again.output.splitlines() if line.startswith("warning: this call holds")]
     assert len(said) == 1 and "past the plan's 1 x 7 and computes 2 x 6 tokens at once, past the plan's 1 x 3" in said[0]
     from placement_opt import Plan, evaluate
-    from placement_opt.cli.run import _this_machine
+    from placement_opt.cli.options import resolve_devices
     from placement_opt.cost.workload import Workload
 
-    expected = evaluate(Plan.from_json(str(tmp_path / "plan.json")), str(path), _this_machine("cpu=1GB", "float32"),
+    expected = evaluate(Plan.from_json(str(tmp_path / "plan.json")), str(path), resolve_devices("cpu=1GB", dtype="float32"),
                         Workload(batch_size=2, prompt_len=6, new_tokens=4))
     rows = {r["what"]: r for r in json.loads((tmp_path / "again.json").read_text())["rows"]}
     assert rows["prefill"]["predicted"] == pytest.approx(expected.prefill_s)
@@ -135,11 +135,14 @@ def test_run_asks_for_the_offload_dir_flag_not_the_python_argument(checkpoint, t
 
 
 def test_run_devices_are_this_machines_with_the_budgets_given():
-    from placement_opt.cli.run import _this_machine
+    """NAME=SIZE is this machine's device with that budget: what the max_memory entry gives, source line apart."""
+    from placement_opt.cli.options import resolve_devices
+    from placement_opt.hardware.resolve import as_machine
 
-    machine = _this_machine("cpu=1GiB,disk", "float32")
+    machine = resolve_devices("cpu=1GiB,disk", dtype="float32")
     assert machine.names == ["cpu", "disk"] and machine["cpu"].memory_bytes == 2**30
-    assert "max_memory" in machine["cpu"].source
+    same = as_machine({"cpu": "1GiB"}, dtype="float32")["cpu"]
+    assert {**machine["cpu"].to_dict(), "source": ""} == {**same.to_dict(), "source": ""}
 
 
 @pytest.mark.cuda

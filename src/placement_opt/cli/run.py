@@ -87,7 +87,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
     check_expert_groups(expert_groups, granularity)
     with errors_as_messages():
-        machine = _this_machine(require_devices(devices), dtype or model_dtype(checkpoint))
+        # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
+        machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
@@ -131,29 +132,6 @@ def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = No
     from ..runtime.timing import time_generation as timed
 
     return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats)
-
-
-def _this_machine(spec: str, dtype: str) -> Any:
-    """``--devices`` as devices of this machine: ``NAME=SIZE`` a budget of the device (as ``max_memory``), a bare
-    ``NAME`` the device whole; a spec naming presets, ``auto`` or a profile file as ``plan`` reads them."""
-    from ..hardware.devices import Machine
-    from ..hardware.resolve import as_machine
-    from ..units import parse_size
-
-    if spec.strip().lower() == "auto" or spec.strip().lower().endswith(".json"):
-        return resolve_devices(spec, dtype=dtype)
-    items = [(name.strip(), size.strip()) for name, _, size in (i.partition("=") for i in spec.split(",")) if name.strip()]
-    try:
-        for _, size in items:
-            if size:
-                parse_size(size)
-    except ValueError:  # a preset named: a described device, as `plan` reads it
-        return resolve_devices(spec, dtype=dtype)
-    try:
-        return Machine([device for name, size in items
-                        for device in as_machine({name: size} if size else [name], dtype=dtype).devices])
-    except (ValueError, KeyError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--devices") from None
 
 
 def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple[Any, Any]:
