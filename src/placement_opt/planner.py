@@ -32,7 +32,7 @@ from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, 
 from .hardware.devices import Machine, normalize_device_name
 from .hardware.profile_store import fallback_dtype
 from .hardware.resolve import assumed_preset
-from .model.expert_groups import whole_experts
+from .model.expert_groups import expert_groups_refusal, whole_experts
 from .model.graph import covering_key
 from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
@@ -334,16 +334,13 @@ def _check_granularity(model: Any, granularity: str | None, expert_groups: int =
     only where sublayer units are traced."""
     from .model.graph import GRANULARITIES, LayerGraph
 
-    if isinstance(expert_groups, bool) or not isinstance(expert_groups, int) or expert_groups < 1:
-        raise SolverInputError(f"expert_groups={expert_groups!r}: give a whole number >= 1 (1: a layer's experts are "
-                               f"one unit)")
-    if expert_groups > 1 and isinstance(model, LayerGraph):
-        raise SolverInputError(f"expert_groups={expert_groups} needs the model itself, but a LayerGraph was given: "
+    if expert_groups != 1 and isinstance(model, LayerGraph):
+        raise SolverInputError(f"expert_groups={expert_groups!r} needs the model itself, but a LayerGraph was given: "
                                f"pass the model (or its config), or trace(model, granularity='sublayer', "
-                               f"expert_groups={expert_groups}) first and leave expert_groups out")
-    if expert_groups > 1 and granularity not in ("sublayer", "auto"):
-        raise SolverInputError(f"expert_groups={expert_groups} cuts the experts units of sublayer graphs: pass "
-                               f"granularity='sublayer' (or 'auto') with it")
+                               f"expert_groups=...) first and leave expert_groups out")
+    refusal = expert_groups_refusal(expert_groups, granularity, ("sublayer", "auto"))
+    if refusal is not None:
+        raise SolverInputError(refusal)
 
     accepted = (*GRANULARITIES, "auto")
     if granularity is not None and granularity not in accepted:

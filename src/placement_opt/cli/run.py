@@ -167,11 +167,12 @@ def _check_generates(checkpoint: str, config: Any) -> None:
 
     The class is the one ``load()`` builds (the config's ``architectures[0]``, else ``AutoModelForCausalLM``).
     """
-    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from ..runtime.checkpoint import model_class
+
     arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
+    cls = model_class(config)
     if cls is not None:
         can = getattr(cls, "can_generate", None)
         generates = bool(can()) if callable(can) else hasattr(cls, "generate")

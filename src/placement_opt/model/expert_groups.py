@@ -17,14 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .graph import LayerGraph, UnitInfo
 
-__all__ = ["group_ranges", "group_unit", "whole_experts", "group_counts", "split_expert_units"]
+__all__ = ["expert_groups_refusal", "group_ranges", "group_unit", "whole_experts", "group_counts", "split_expert_units"]
 
 _GROUP = re.compile(r"^(?P<experts>.+)\.groups\.(?P<index>\d+)$")
+
+
+def expert_groups_refusal(expert_groups: Any, granularity: str | None, accepted: Sequence[str]) -> str | None:
+    """Why ``expert_groups`` cannot be taken with ``granularity`` (one of ``accepted`` cuts sublayer units), or None:
+    the one check of the argument, which each stage raises as its own error."""
+    if isinstance(expert_groups, bool) or not isinstance(expert_groups, int) or expert_groups < 1:
+        return f"expert_groups={expert_groups!r}: give a whole number >= 1 (1: a layer's experts are one unit)"
+    if expert_groups > 1 and granularity not in accepted:
+        return (f"expert_groups={expert_groups} cuts the experts units of sublayer graphs: pass "
+                f"{' or '.join(f'granularity={a!r}' for a in accepted)} with it (granularity={granularity!r} keeps "
+                f"each MoE layer's experts inside a bigger unit)")
+    return None
 
 
 def group_ranges(num_experts: int, groups: int) -> list[tuple[int, int]]:

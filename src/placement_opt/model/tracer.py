@@ -72,7 +72,7 @@ from ._units import (
     unit_tensors,
 )
 from .dtypes import dtype_bytes, dtype_name
-from .expert_groups import split_expert_units
+from .expert_groups import expert_groups_refusal, split_expert_units
 from .graph import (
     GRANULARITIES,
     MEASURED_NODE_ATTRIBUTES,
@@ -184,13 +184,9 @@ def trace(
 
 
 def _check_expert_groups(expert_groups: Any, granularity: str) -> None:
-    if isinstance(expert_groups, bool) or not isinstance(expert_groups, int) or expert_groups < 1:
-        raise TraceError(f"expert_groups={expert_groups!r}: give a whole number >= 1 (1: a layer's experts are one "
-                         f"unit)")
-    if expert_groups > 1 and granularity != "sublayer":
-        raise TraceError(f"expert_groups={expert_groups} cuts the experts units of a sublayer graph: pass "
-                         f"granularity='sublayer' with it (a {granularity!r} graph keeps each MoE layer's experts "
-                         f"inside a bigger unit)")
+    refusal = expert_groups_refusal(expert_groups, granularity, ("sublayer",))
+    if refusal is not None:
+        raise TraceError(refusal)
 
 
 def _branch_message(name: str, branches: Mapping[tuple[str | None, str], Any]) -> str:

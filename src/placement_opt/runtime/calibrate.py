@@ -33,7 +33,6 @@ import copy
 import dataclasses
 import glob
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -56,7 +55,7 @@ from ..hardware.resolve import device_names
 from ..model.graph import LayerGraph
 from ..progress import bar
 from ._safetensors_file import drop_page_cache
-from .timing import cache_argument, cache_of
+from .timing import cache_argument, cache_of, last_logits_argument
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -754,8 +753,7 @@ def _unmap(files: Iterable[Any]) -> None:
 
 def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
     """``logits_to_keep=1`` where the model takes it and generation keeps the last position only."""
-    accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return {"logits_to_keep": 1} if kept == "last" and accepts else {}
+    return last_logits_argument(model) if kept == "last" else {}
 
 
 def _time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],

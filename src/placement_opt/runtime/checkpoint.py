@@ -35,7 +35,7 @@ from ._expert_groups import source_rows
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
-           "materialize", "needs_conversion"]
+           "materialize", "model_class", "needs_conversion"]
 
 #: How a Python caller is asked for an offload folder (``run`` rewrites it into its ``--offload-dir`` flag).
 OFFLOAD_DIR_HINT = "offload_dir='some/dir'"
@@ -104,13 +104,21 @@ def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(root)
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
+    cls = model_class(config)
     wanted = as_torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _params_on_meta():
         if cls is None:  # a config.json without "architectures" (written by config.save_pretrained alone)
             return transformers.AutoModelForCausalLM.from_config(config, dtype=wanted)
         return cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
+
+
+def model_class(config: Any) -> type | None:
+    """The class a checkpoint's config names (``architectures[0]``) where transformers has it, else None (then
+    :func:`meta_model` builds ``AutoModelForCausalLM``'s)."""
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return getattr(transformers, arch, None) if arch else None
 
 
 class _params_on_meta:
@@ -170,25 +178,23 @@ def materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safete
     slots = collect_slots(model)
     keys = [next((n for n in slot.names if n in sources), None) for slot in slots]
     built = converted or {}
-    rows = [source_rows(model, s.names[0]) for s in slots]
+    rows = _ExpertRows(model, sources, built)
     total = (sum(sources[k][0].spans[sources[k][1]].nbytes for k in keys if k is not None)
-             + sum(sources[r[0]][0].spans[sources[r[0]][1]].nbytes * (r[2] - r[1]) // _rows_of(sources[r[0]])
-                   for r in rows if r is not None and r[0] in sources)
+             + sum(rows.mapped_bytes(slot) for slot, key in zip(slots, keys, strict=True) if key is None)
              + sum(c.nbytes for c in built.values()))
     with bar(description, total, unit="bytes", progress=progress) as counted:
         disk_sources = _materialize(model, plan, sources, offload_dir, list(zip(slots, keys, strict=True)), counted,
-                                    built)
+                                    built, rows)
     return disk_sources
 
 
 def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[SafetensorsFile, str]],
                  offload_dir: Any, slots: list[tuple[Slot, str | None]], counted: Bar,
-                 converted: Mapping[str, Converted]) -> dict[str, tuple[SafetensorsFile, str]]:
+                 converted: Mapping[str, Converted], rows: _ExpertRows) -> dict[str, tuple[SafetensorsFile, str]]:
     storage_of = {p.unit: p.storage for p in plan.placements}
     missing = []
     disk_sources: dict[str, tuple[SafetensorsFile, str]] = {}
     converting = _DiskConverter(offload_dir, disk_sources)
-    rows = _ExpertRows(model, sources, converted)
     for slot, key in slots:
         unit = covering_key(slot.names[0], storage_of)
         storage = storage_of.get(unit, plan.placements[0].storage if plan.placements else "cpu")
@@ -231,10 +237,9 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
     return disk_sources
 
 
-def _rows_of(source: tuple[SafetensorsFile, str]) -> int:
-    file, key = source
-    shape = file.spans[key].shape
-    return max(int(shape[0]) if shape else 1, 1)
+def _share(nbytes: int, rows: int, start: int, end: int) -> int:
+    """The bytes of rows ``[start, end)`` of a tensor of ``nbytes`` and ``rows`` rows."""
+    return nbytes * (end - start) // max(rows, 1)
 
 
 class _ExpertRows:
@@ -248,6 +253,15 @@ class _ExpertRows:
         self.model, self.sources, self.converted = model, sources, converted
         self.built: dict[str, torch.Tensor] = {}
 
+    def mapped_bytes(self, slot: Slot) -> int:
+        """The checkpoint bytes of the rows ``slot`` will map from a fused checkpoint weight; 0 for any other."""
+        found = source_rows(self.model, slot.names[0])
+        return 0 if found is None or found[0] not in self.sources else self._mapped_share(*found)
+
+    def _mapped_share(self, whole: str, start: int, end: int) -> int:
+        span = self.sources[whole][0].spans[self.sources[whole][1]]
+        return _share(span.nbytes, span.shape[0] if span.shape else 1, start, end)
+
     def read(self, slot: Slot, storage: str) -> tuple[torch.Tensor, int] | None:
         """``(rows on the CPU, checkpoint bytes they count for)``, or None for a tensor of no expert group; rows
         kept as a view for the CPU (``storage``) are read ahead, as whole CPU-stored tensors are."""
@@ -259,7 +273,7 @@ class _ExpertRows:
             file, key = self.sources[whole]
             span = file.spans[key]
             data = file.tensor(key)[start:end]
-            nbytes = span.nbytes * (end - start) // _rows_of((file, key))
+            nbytes = self._mapped_share(whole, start, end)
             if storage == "cpu" and span.dtype == slot.tensor.dtype:
                 file.prefetch_rows(key, start, end)
         elif whole in self.converted:
@@ -268,7 +282,7 @@ class _ExpertRows:
                 self.built[whole] = _converted(self.model, built, "cpu", None)
             fused = self.built[whole]
             data = fused[start:end].clone()  # its own memory: the fused weight is let go after its last rows
-            nbytes = built.nbytes * (end - start) // max(fused.shape[0], 1)
+            nbytes = _share(built.nbytes, fused.shape[0], start, end)
             if end >= fused.shape[0]:
                 del self.built[whole]
         else:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "time_generation", "cache_argument", "cache_of"]
+__all__ = ["Timing", "time_generation", "cache_argument", "cache_of", "last_logits_argument"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
     steps: list[float] = []
     with torch.inference_mode():
-        last = _last_logits(model)
+        last = last_logits_argument(model)
         if warmup:
             _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
         for index in gpus:
@@ -102,7 +102,7 @@ def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
     return {takes: cache}
 
 
-def _last_logits(model: Any) -> dict[str, int]:
+def last_logits_argument(model: Any) -> dict[str, int]:
     """``logits_to_keep=1`` where the model takes it: generation keeps the prompt's last position only."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 

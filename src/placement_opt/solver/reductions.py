@@ -23,7 +23,7 @@ devices).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .problem import (
     GROUP_BUFFERS,
@@ -146,40 +146,31 @@ def block_groups(problem: PlacementProblem) -> list[list[int]] | None:
     position); a group whose menus differ stays apart, unit by unit. Tied and pinned units stay apart
     too, as in :func:`coarsen_groups`.
     """
-    index = problem.index()
-    special = _tied_or_pinned(problem)
-    head: dict[int, list[int]] = {}
-    for names in problem.copy_groups:
-        members = [index[name] for name in names]
-        menus = {_menu_key(problem.units[i]) for i in members}
-        if len(members) > 1 and len(menus) == 1 and not special.intersection(names):
-            head[members[0]] = members
-    return _with_singletons(len(problem.units), head)
+    return _merged(problem, problem.copy_groups)
 
 
 def part_groups(problem: PlacementProblem) -> list[list[int]] | None:
     """Every unit in order, each of ``problem.part_groups`` (a layer's expert groups) as one group, or None when
-    none can merge: the super-units of the problem before the cut. As :func:`block_groups`: a group's units
-    must share one menu, and tied or pinned units stay apart."""
+    none can merge: the super-units of the problem before the cut, on :func:`block_groups`' terms."""
+    return _merged(problem, problem.part_groups)
+
+
+def _merged(problem: PlacementProblem, named: Sequence[Sequence[str]]) -> list[list[int]] | None:
+    """Units ``0..n-1`` in order, each of the ``named`` runs of two or more units with one menu and no tied or
+    pinned unit as one group, every other unit alone; None when no run merges."""
     index = problem.index()
     special = _tied_or_pinned(problem)
     head: dict[int, list[int]] = {}
-    for names in problem.part_groups:
+    for names in named:
         members = [index[name] for name in names]
         if len(members) > 1 and len({_menu_key(problem.units[i]) for i in members}) == 1 \
                 and not special.intersection(names):
             head[members[0]] = members
-    return _with_singletons(len(problem.units), head)
-
-
-def _with_singletons(n: int, head: Mapping[int, list[int]]) -> list[list[int]] | None:
-    """Units ``0..n-1`` in order, the groups of ``head`` (first index -> members) as given and every other unit
-    alone; None without a group."""
     if not head:
         return None
     groups: list[list[int]] = []
     i = 0
-    while i < n:
+    while i < len(problem.units):
         group = head.get(i, [i])
         groups.append(group)
         i = group[-1] + 1
