@@ -446,3 +446,24 @@ def test_a_layers_groups_all_placed_alike_are_named_by_their_experts_module():
     cpu = [(f"model.layers.0.mlp.experts.groups.{i}", "cpu", "cpu", "resident") for i in range(4)]
     parts = list(make_plan([*gpu[:4], *cpu, gpu[4]]).placements)
     assert _parts_text("model.layers.0", parts) == "mlp.experts resident cpu; the rest resident cuda:0"
+
+
+def test_plan_prints_the_merged_start_note_with_verbose_only():
+    """The search's note about its start from merged groups is one of its own notes (``plan --verbose``)."""
+    from placement_opt.cli.tables import SOLVER_NOTES, plan_renderables
+
+    plan = solve(trace(tiny("mixtral"), granularity="sublayer", expert_groups=2), {"cpu": "1GiB"},
+                 workload=Workload(prompt_len=7, new_tokens=5))
+    note = next(n for n in plan.notes if "expert groups together" in n)
+    assert note.startswith(SOLVER_NOTES)
+    def printed(solver_notes: bool) -> str:
+        import io
+
+        from rich.console import Console
+
+        console = Console(record=True, width=400, file=io.StringIO())
+        for part in plan_renderables(plan, solver_notes=solver_notes):
+            console.print(part)
+        return console.export_text()
+
+    assert "expert groups together" in printed(True) and "expert groups together" not in printed(False)

@@ -24,7 +24,7 @@ __all__ = ["SOLVER_NOTES", "plan_renderables", "comparison_table",
 
 #: How the notes about the search itself begin (planner and solver): what it started from and where its bound came
 #: from. ``plan`` prints them with ``--verbose`` only; ``Plan.notes``, ``--json`` and ``explain`` keep them.
-SOLVER_NOTES = ("warm start:", "bound also from ", "started from a plan of ", "started from the best plan that moves")
+SOLVER_NOTES = ("warm start:", "bound also from ", "started from a plan of ", "started from the best plan that ")
 
 
 def plan_renderables(plan: Plan, *, notes: bool = True, solver_notes: bool = True) -> list[Any]:
