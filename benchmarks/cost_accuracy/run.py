@@ -5,7 +5,9 @@ one, hidden 2048 x 16 layers, about 0.85B parameters), random fp32 weights are w
 ``save_pretrained`` to a temporary folder, and every placement kind this machine offers is run and timed:
 
 * ``resident``: every unit in CPU RAM, computed on the CPU (the compute device of a GPU-less machine);
-* ``stream (1/3 on disk)`` and ``disk (all layers)``: decoder layers stored on disk, read per forward.
+* ``stream (1/3 on disk)`` and ``disk (all layers)``: decoder layers stored on disk, read per forward;
+* ``sublayer: MLPs of 1/3 layers on disk`` and ``sublayer: every MLP on disk``: a sublayer graph's
+  units (``trace(granularity="sublayer")``), attention resident and the MLPs read from disk.
 
 Two runners per placement: ``placement_opt`` (``dispatch(model, plan)``: disk units computed from
 memory-mapped safetensors files, the next one read ahead) and ``accelerate`` (``dispatch_model`` with
@@ -107,14 +109,21 @@ def build(config: Any, folder: Path) -> torch.nn.Module:
     return model
 
 
-def placements(graph: Any) -> dict[str, dict[str, str]]:
+def placements(graph: Any, parts: Any) -> dict[str, tuple[Any, dict[str, str]]]:
+    """Placement name -> (the graph it places, unit -> storage): decoder layers whole (``graph``), and
+    their MLPs apart from attention (``parts``, the sublayer graph: what issue 15's finer units offer)."""
     names = graph.names()
     layers = [n for n in names if ".layers." in n]
     third = max(1, len(layers) // 3)
-    return {"resident": {n: "cpu" for n in names},
-            f"stream ({third}/{len(layers)} layers on disk)": {n: "disk" if n in layers[-third:] else "cpu"
-                                                                for n in names},
-            "disk (all layers)": {n: "disk" if n in layers else "cpu" for n in names}}
+    last = set(layers[-third:])
+    mlps = [u.name for u in parts.units() if u.name.endswith(".mlp")]
+    return {"resident": (graph, {n: "cpu" for n in names}),
+            f"stream ({third}/{len(layers)} layers on disk)": (graph, {n: "disk" if n in last else "cpu"
+                                                                        for n in names}),
+            "disk (all layers)": (graph, {n: "disk" if n in layers else "cpu" for n in names}),
+            f"sublayer: MLPs of {third}/{len(layers)} layers on disk": (
+                parts, {u.name: "disk" if u.name in mlps and u.block in last else "cpu" for u in parts.units()}),
+            "sublayer: every MLP on disk": (parts, {n: "disk" if n in mlps else "cpu" for n in parts.names()})}
 
 
 def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: Any) -> Any:
@@ -128,7 +137,7 @@ def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: An
     return Plan(model_name=graph.meta.model_name, dtype="float32", objective="latency", strategy="manual",
                 placements=placed, machine=machine, workload=workload, cost=cost, status="GREEDY",
                 objective_value=cost.total_s, best_bound=0.0, gap=1.0, solve_time_s=0.0,
-                fingerprint=graph_fingerprint(graph))
+                fingerprint=graph_fingerprint(graph), home="cpu" if graph.meta.granularity == "sublayer" else None)
 
 
 def predict(target: Any, graph: Any, machine: Any, workload: Any) -> tuple[float, float, int | None]:
@@ -288,21 +297,23 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
     folder = work / shape
     model = build(config, folder)
     graph = trace(model, dtype="float32")
+    parts = trace(model, dtype="float32", granularity="sublayer")
     machine = as_machine(["cpu", "disk"], dtype="float32")  # this machine, as the profile measured it
     workload = Workload(batch_size=1, prompt_len=args.prompt, new_tokens=args.steps)
-    plans = {name: make_plan(m, graph, machine, workload) for name, m in placements(graph).items()}
-    targets = {(runner, name): (plan if runner == "placement_opt" else plan.device_map)
-               for name, plan in plans.items() for runner in args.runners}
-    before = {key: predict(t, graph, machine, workload) for key, t in targets.items()}
+    plans = {name: (g, make_plan(m, g, machine, workload)) for name, (g, m) in placements(graph, parts).items()}
+    targets = {(runner, name): (g, plan if runner == "placement_opt" else plan.device_map)
+               for name, (g, plan) in plans.items() for runner in args.runners}
+    before = {key: predict(t, g, machine, workload) for key, (g, t) in targets.items()}
     started = time.perf_counter()
     result = placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
-                                     offload_dir=work)
+                                     granularity="auto", offload_dir=work)
     info = {"calibrate_s": time.perf_counter() - started, "layers": config.num_hidden_layers,
             "params": sum(p.numel() for p in model.parameters()), "summary": result.summary(),
-            "covered": len(calibration_for(graph, machine).compute), "units": len(graph)}
-    after = {key: predict(t, graph, machine, workload) for key, t in targets.items()}
+            "covered": {g.meta.granularity: (len(calibration_for(g, machine).compute), len(g))
+                        for g in (graph, parts)}}
+    after = {key: predict(t, g, machine, workload) for key, (g, t) in targets.items()}
     rows = []
-    for (runner, name), target in targets.items():
+    for (runner, name), (_, target) in targets.items():
         offload = work / "offload" / f"{shape}-{runner}-{len(rows)}"
         offload.mkdir(parents=True)
         run = run_placement_opt if runner == "placement_opt" else run_accelerate
@@ -494,7 +505,8 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
         f"{f' --threads {args.threads}' if args.threads else ''}` (prompt "
         f"{args.prompt}, {args.steps} decode steps, {args.repeats} prefill repeats)",
         "- `before`: `placement_opt.profile(['cpu', 'disk'], dtype='float32')` and the roofline; `after`: the same "
-        "profile plus `placement_opt.calibrate(path, ['cpu', 'disk'], workload=...)` on the model. Both through "
+        "profile plus `placement_opt.calibrate(path, ['cpu', 'disk'], workload=..., granularity='auto')` on the "
+        "model. Both through "
         "`placement_opt.evaluate`. Measured: the median prefill of the repeats and the median decode step of the "
         "steps (calibration keeps each unit's median too; the fastest beside); ratios = prediction / median.",
         f"- Within +-{GOAL:.0%} after calibration: {len(within)} of {len(rows)} rows.",
@@ -502,8 +514,9 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
     ]
     for shape, info in infos.items():
         lines.append(f"- `{shape}`: {info['layers']} layers, {info['params'] / 1e9:.2f}B parameters (fp32); "
-                     f"calibrate took {info['calibrate_s']:.1f} s (CPU profiled first if it was not); calibrated "
-                     f"figures cover {info['covered']} of {info['units']} units.")
+                     f"calibrate (granularity auto: block and sublayer units) took {info['calibrate_s']:.1f} s "
+                     f"(CPU profiled first if it was not); calibrated figures cover "
+                     + ", ".join(f"{n} of {total} {cut} units" for cut, (n, total) in info["covered"].items()) + ".")
     lines += ["", "| model | runner | placement | phase | before (s) | after (s) | measured median (s) | fastest (s) "
               "| before / median | after / median | after within +-25% | RSS growth (MiB) | predicted CPU extra (MiB) |",
               "|---|---|---|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|"]

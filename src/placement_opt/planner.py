@@ -32,7 +32,7 @@ from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, 
 from .hardware.devices import Machine, normalize_device_name
 from .hardware.profile_store import fallback_dtype
 from .hardware.resolve import assumed_preset
-from .model.expert_groups import expert_groups_refusal, whole_experts
+from .model.expert_groups import expert_groups_refusal, group_counts, whole_experts
 from .model.graph import covering_key
 from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
 from .plan_check import graph_fingerprint
@@ -226,12 +226,27 @@ def _calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
         return None  # calibration times units on compute devices: a measured disk beside described ones has none
     found = calibration_for(graph, machine)
     units = graph.names()
+    how = _calibrate_how(graph)
     if found is None:
         return ("this model is not calibrated on this machine: its units are priced by the measured device speeds "
-                "(roofline) and a fixed per-unit overhead; placement-opt profile --model MODEL (or "
-                "placement_opt.calibrate) times them through the dispatcher")
+                f"(roofline) and a fixed per-unit overhead; placement-opt profile --model MODEL{how[0]} (or "
+                f"placement_opt.calibrate{how[1]}) times them through the dispatcher")
     timed = sum(1 for u in units if u in found.compute)
-    return f"unit times calibrated on this model: {timed} of {len(units)} units measured on this machine"
+    said = f"unit times calibrated on this model: {timed} of {len(units)} units measured on this machine"
+    if timed < len(units) and graph.meta.granularity == "sublayer":  # a block calibration covers a few parts only
+        said += (f" (the others priced by the device speeds: placement-opt profile --model MODEL{how[0]} times "
+                 f"these units)")
+    return said
+
+
+def _calibrate_how(graph: LayerGraph) -> tuple[str, str]:
+    """The CLI options and calibrate() arguments that time ``graph``'s units (sublayer parts, expert groups)."""
+    if graph.meta.granularity != "sublayer":
+        return "", ""
+    groups = max(group_counts(graph.names()).values(), default=1)
+    cli = " --granularity sublayer" + (f" --expert-groups {groups}" if groups > 1 else "")
+    call = "(..., granularity='sublayer'" + (f", expert_groups={groups}" if groups > 1 else "") + ")"
+    return cli, call
 
 
 @contextlib.contextmanager
@@ -318,7 +333,24 @@ def solve_best_granularity(block: LayerGraph, sublayer: LayerGraph, devices: Any
     said = (f"{other} units: {_value(plans[other])}" if other in plans else f"{other} units: no placement fits")
     note = (f"granularity auto: {best} units chosen ({len(plans[best].placements)} units, objective "
             f"{_value(plans[best])}; {said}), each solved in {half['time_limit_s']:.2g} s")
-    return dataclasses.replace(plans[best], notes=(*plans[best].notes, note))
+    unlike = _unlike_calibration(block, sublayer, plans[best].machine)
+    return dataclasses.replace(plans[best], notes=(*plans[best].notes, note, *([unlike] if unlike else [])))
+
+
+def _unlike_calibration(block: LayerGraph, sublayer: LayerGraph, machine: Machine) -> str | None:
+    """A note when the two graphs' prices rest on unlike figures: one's units timed on the model
+    (:func:`placement_opt.calibrate`), the other's partly priced by the device speeds."""
+    shares = {}
+    for name, graph in (("block", block), ("sublayer", sublayer)):
+        found = calibration_for(graph, machine)
+        timed = sum(1 for u in graph.names() if found is not None and u in found.compute)
+        shares[name] = (timed, len(graph))
+    if len({timed == total for timed, total in shares.values()}) == 1:
+        return None  # both fully calibrated, or both partly: alike
+    said = ", ".join(f"{timed} of {total} {name} units" for name, (timed, total) in shares.items())
+    return (f"granularity auto compared prices of unlike sources: {said} timed on this model, the rest priced by "
+            f"the device speeds; placement-opt profile --model MODEL --granularity auto (or "
+            f"placement_opt.calibrate(..., granularity='auto')) times both")
 
 
 def _value(plan: Plan) -> str:

@@ -33,3 +33,28 @@ def test_profile_refuses_a_bad_workload_before_measuring(tmp_path) -> None:
                      catch_exceptions=True)
     assert result.exit_code != 0 and "prompt_len" in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_times_the_sublayer_parts_when_asked(tmp_path) -> None:
+    config = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    config.dtype = "float32"
+    folder = tmp_path / "tiny"
+    config.save_pretrained(folder)
+    out = tmp_path / "profile.json"
+    result = run_cli("profile", "--out", str(out), "--quick", "--model", str(folder), "--prompt", "16",
+                     "--new-tokens", "4", "--granularity", "sublayer")
+    assert result.exit_code == 0, result.output
+    assert "model.layers.0.self_attn on cpu" in result.output and "model.layers.0 on cpu" not in result.output
+    recorded = next(iter(saved_calibration(out)["models"].values()))
+    assert "model.layers.0.mlp" in recorded["units"]
+
+
+def test_profile_refuses_cutting_options_it_cannot_use(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    alone = run_cli("profile", "--out", str(out), "--granularity", "sublayer", catch_exceptions=True)
+    assert alone.exit_code == 2 and "add --model MODEL" in alone.output
+    groups = run_cli("profile", "--out", str(out), "--model", "mixtral-8x7b", "--expert-groups", "2",
+                     catch_exceptions=True)
+    assert groups.exit_code == 2 and "add --granularity sublayer" in groups.output
+    assert not out.exists()  # refused before measuring

@@ -6,7 +6,7 @@ import json
 import warnings
 
 import pytest
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 import placement_opt
 from placement_opt.cost.calibrated import calibration_for, shape_key
@@ -173,7 +173,7 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
     resident = {"prefill": {"model.layers.0": 0.1, "model.embed_tokens": 0.1},
                 "decode": {"model.layers.0": 0.1, "model.embed_tokens": 0.0}}
     names = {"model.layers.0": "layer", "model.embed_tokens": "embed"}
-    reads = calibrate_module._time_disk_reads(None, graph, names, WORKLOAD, resident, tmp_path)
+    reads = calibrate_module._time_disk_reads(None, graph, graph, names, WORKLOAD, resident, tmp_path)
     assert reads["layer"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.2, "decode": 0.2})
     assert reads["embed"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.8, "decode": 0.1})
     assert reads["layer"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.8, "decode": 0.2})
@@ -332,3 +332,79 @@ def test_no_calibration_note_for_described_compute_devices_beside_a_measured_dis
     assert as_machine("cpu=cpu-desktop/4GiB,disk")["disk"].source.startswith("measured")
     plan = placement_opt.solve(tiny_config(), "cpu=cpu-desktop/4GiB,disk", workload=WORKLOAD, workers=1)
     assert not any("calibrated" in note for note in plan.notes)
+
+
+def tiny_mixtral() -> MixtralConfig:
+    # hidden 96, not the trace's 64 tokens: a (tokens, hidden) output would look attention-score shaped
+    config = MixtralConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                           max_position_embeddings=256)
+    config.dtype = "float32"
+    return config
+
+
+MOE_WORKLOAD = Workload(batch_size=1, prompt_len=16, new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def calibrated_parts(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Mixtral calibrated at both granularities, its experts in 2 groups."""
+    path = tmp_path_factory.mktemp("calibrate_parts") / "profile.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PROFILE_ENV_VAR, str(path))
+        result = placement_opt.calibrate(tiny_mixtral(), ["cpu"], workload=MOE_WORKLOAD, granularity="auto",
+                                         expert_groups=2, repeats=1)
+    return path, result
+
+
+def test_calibrate_times_the_parts_a_sublayer_plan_places_expert_groups_included(calibrated_parts) -> None:
+    _, result = calibrated_parts
+    block = trace(tiny_mixtral())
+    sublayer = trace(tiny_mixtral(), granularity="sublayer", expert_groups=2)
+    keys = {shape_key(u, "float32", g.meta.seq_len) for g in (block, sublayer) for u in g.units()}
+    assert set(result.times) == keys  # every shape of both graphs, each timed once
+    assert set(result.granularities) == {"block", "sublayer"}
+    parts = result.granularities["sublayer"]
+    assert {"model.layers.0.self_attn", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts.groups.0"} <= set(parts)
+    assert "model.embed_tokens" not in parts  # the block pass timed its shape already
+    group = result.times[parts["model.layers.0.mlp.experts.groups.0"]]["cpu"]
+    assert group.prefill and group.decode and all(s > 0 for *_, s in group.decode)
+    assert result.layers_built == 1
+    text = result.summary()
+    assert "model.layers.0 (block) on cpu" in text and "model.layers.0.mlp.experts.groups.0 (sublayer) on cpu" in text
+
+
+def test_a_sublayer_plan_is_priced_by_its_calibrated_parts_and_says_what_is_not(calibrated_parts, monkeypatch) -> None:
+    path, result = calibrated_parts
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    plan = placement_opt.solve(tiny_mixtral(), {"cpu": "1GiB"}, workload=MOE_WORKLOAD, granularity="sublayer",
+                               expert_groups=2, workers=1)
+    graph = trace(tiny_mixtral(), granularity="sublayer", expert_groups=2)
+    assert f"unit times calibrated on this model: {len(graph)} of {len(graph)} units" in " ".join(plan.notes)
+    group = next(u for u in plan.cost.units if u.name == "model.layers.1.mlp.experts.groups.1")
+    timed = result.times[result.granularities["sublayer"]["model.layers.0.mlp.experts.groups.0"]]["cpu"]
+    assert group.prefill_s == pytest.approx(timed.prefill_s(1, 16, "last"), abs=1e-9)  # costs are rounded to 1 ns
+    # whole experts (no groups) are another shape: not timed, and the note says how to time them
+    whole = placement_opt.solve(tiny_mixtral(), {"cpu": "1GiB"}, workload=MOE_WORKLOAD, granularity="sublayer",
+                                workers=1)
+    said = next(n for n in whole.notes if n.startswith("unit times calibrated"))
+    assert "--granularity sublayer times these units" in said and not said.startswith(f"unit times calibrated on "
+                                                                                       f"this model: {len(graph)} of")
+
+
+def test_auto_granularity_says_when_its_two_prices_rest_on_unlike_figures(calibrated, monkeypatch) -> None:
+    path, _ = calibrated  # the block units only
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    plan = placement_opt.solve(tiny_config(), {"cpu": "4GiB"}, workload=WORKLOAD, granularity="auto", workers=1)
+    unlike = [n for n in plan.notes if n.startswith("granularity auto compared prices of unlike sources")]
+    assert unlike and "--granularity auto" in unlike[0]
+    graph = trace(tiny_config())
+    assert f"{len(graph)} of {len(graph)} block units" in unlike[0]
+
+
+def test_calibrate_refuses_granularities_solve_would_refuse(tmp_path) -> None:
+    with pytest.raises(PlacementError, match="granularity='module'.*accepted are 'block', 'sublayer', 'auto'"):
+        placement_opt.calibrate(tiny_config(), ["cpu"], path=tmp_path / "p.json", granularity="module")
+    with pytest.raises(PlacementError, match="expert_groups=2 cuts the experts units of sublayer graphs"):
+        placement_opt.calibrate(tiny_mixtral(), ["cpu"], path=tmp_path / "p.json", expert_groups=2)
+    assert not (tmp_path / "p.json").exists()  # refused before anything was measured

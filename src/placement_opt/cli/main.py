@@ -344,8 +344,11 @@ def _plan_inside(path: str) -> Plan | None:
 @click.option("--batch", type=int, default=1, show_default=True, help="with --model: sequences generated together")
 @click.option("--prompt", type=int, default=512, show_default=True, help="with --model: prompt tokens (prefill)")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="with --model: tokens generated")
+@click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True,
+              help="with --model: the units timed, as plan --granularity cuts them (auto: block and sublayer both)")
+@expert_groups_option
 def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, batch: int, prompt: int,
-            new_tokens: int) -> None:
+            new_tokens: int, granularity: str, expert_groups: int) -> None:
     """Measure this machine (compute, memory and disk bandwidth, links) and save the profile.
 
     Only the dtype the model runs in is timed (a CPU computes float16, bfloat16 and float32 at
@@ -356,11 +359,16 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, 
     With --model, the model is calibrated too: a copy cut to one layer of each shape is built
     with random weights and each unit is timed through placement_opt's dispatch at the workload's
     prefill and decode shapes (a few seconds for a 7B shape on a CPU); plans for this machine then
-    price those units with the times measured, whatever form --devices takes.
+    price those units with the times measured, whatever form --devices takes. Plans made with
+    --granularity sublayer (or auto, and --expert-groups) need their parts timed too: pass the same
+    options here.
 
     Use the saved file with --devices PATH, or --devices auto when it is at the default place.
     """
     console = console_for()
+    check_expert_groups(expert_groups, granularity)
+    if model is None and (granularity != "block" or expert_groups > 1):
+        raise click.UsageError("--granularity and --expert-groups say how --model is timed: add --model MODEL")
     with errors_as_messages():
         from ..hardware.profile_store import profile_path
         from ..hardware.profiler import profile as measure
@@ -376,7 +384,7 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, 
             from ..runtime.calibrate import calibrate
 
             calibrated = calibrate(resolved, machine.names, workload=workload, dtype=dtype, path=out,
-                                   repeats=1 if quick else 2)
+                                   granularity=granularity, expert_groups=expert_groups, repeats=1 if quick else 2)
     console.print(devices_table(machine))
     if calibrated is not None:
         console.print(calibrated.summary(), markup=False, highlight=False)

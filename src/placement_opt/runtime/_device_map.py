@@ -23,13 +23,17 @@ from torch import nn
 from ..errors import DispatchError, PlacementError
 from ..hardware.detect import cuda_device_count
 from ..hardware.devices import normalize_device_name
+from ..model.graph import LayerGraph
 from ..plan import Plan
 
 __all__ = ["plan_from_device_map"]
 
 
-def plan_from_device_map(model: nn.Module, device_map: Mapping[Any, Any]) -> Plan:
+def plan_from_device_map(model: nn.Module, device_map: Mapping[Any, Any], *, graph: LayerGraph | None = None) -> Plan:
     """The Plan of ``device_map`` on ``model`` with accelerate's run-time semantics (strategy ``"device_map"``).
+
+    ``graph``: the units to place (default ``trace(model)``, decoder layers whole); a sublayer graph of
+    ``model`` (``trace(model, granularity="sublayer", expert_groups=...)``) gives a plan of its parts.
 
     Raises:
         DispatchError: an empty map, a key that names no module or tensor of ``model``, a value that
@@ -43,7 +47,7 @@ def plan_from_device_map(model: nn.Module, device_map: Mapping[Any, Any]) -> Pla
     devices = {key: _device(key, value) for key, value in entries.items()}
     _check_gpus(devices)
     try:
-        return _plan(model, devices)
+        return _plan(model, devices, graph)
     except DispatchError:
         raise
     except PlacementError as exc:
@@ -87,18 +91,20 @@ def _check_gpus(devices: Mapping[str, str]) -> None:
                             f"map those modules to a GPU it has, or to 'cpu'")
 
 
-def _plan(model: nn.Module, devices: Mapping[str, str]) -> Plan:
-    """Trace the model, price the map as accelerate runs it, make that a Plan with the model's fingerprint."""
+def _plan(model: nn.Module, devices: Mapping[str, str], graph: LayerGraph | None) -> Plan:
+    """Trace the model (unless ``graph`` is given), price the map as accelerate runs it, make that a Plan with
+    the graph's fingerprint (and, for a sublayer graph, its home device)."""
     import dataclasses
 
     from ..cost.evaluate import evaluator
+    from ..cost.pricing import home_device
     from ..cost.workload import Workload
     from ..hardware.resolve import as_machine
     from ..model.tracer import trace
     from ..plan_check import graph_fingerprint
     from ..planner import baseline_plan
 
-    graph = trace(model)
+    graph = graph if graph is not None else trace(model)
     names = list(dict.fromkeys([*sorted(d for d in devices.values() if d.startswith("cuda:")), "cpu",
                                 *(["disk"] if "disk" in devices.values() else [])]))
     machine = as_machine(names, dtype=graph.meta.dtype)
@@ -107,4 +113,5 @@ def _plan(model: nn.Module, devices: Mapping[str, str]) -> Plan:
     plan = baseline_plan(graph, machine, workload, "latency", "device_map", cost, dict(devices),
                          notes=["device_map: accelerate's run-time semantics (cpu/disk entries copied to the "
                                 "first GPU at every forward; a map without GPU computes on the CPU)"])
-    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph))
+    home = home_device(machine) if graph.meta.granularity == "sublayer" else None
+    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)

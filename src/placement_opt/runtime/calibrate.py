@@ -52,6 +52,7 @@ from ..cost.workload import Workload
 from ..errors import PlacementError, ProfileError
 from ..hardware.profile_store import profile_path, save_calibration, saved_device
 from ..hardware.resolve import device_names
+from ..model.expert_groups import expert_groups_refusal, group_counts
 from ..model.graph import LayerGraph
 from ..progress import bar
 from ._safetensors_file import drop_page_cache
@@ -106,20 +107,30 @@ class CalibrationResult:
     """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``."""
     layers_built: int
     """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike)."""
+    granularities: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    """``"block"`` / ``"sublayer"`` -> the units timed cut that way (unit name -> shape key). A unit whose
+    shape the block pass timed is not timed again (``units`` keeps the first pass's key of a name)."""
 
     def summary(self) -> str:
         lines = [f"calibrated {self.model_name} on {', '.join(self.devices)} in {self.took_s:.1f} s "
-                 f"({len(self.units)} unit shape(s), {self.layers_built} layer(s) built); saved to {self.path}"]
-        for name, key in self.units.items():
-            for device, times in self.times[key].items():
-                prefill = max(times.prefill, key=lambda p: p[0] * p[1])
-                decode = min(times.decode, key=lambda d: d[1])
-                lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
-                             f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
-            for link, modes in self.copies.get(key, {}).items():
-                read = ", ".join(f"{mode} {_ms(seconds)}" for mode, seconds in modes.items())
-                lines.append(f"  {name} weights {link}: {read}")
+                 f"({len(self.times)} unit shape(s), {self.layers_built} layer(s) built); saved to {self.path}"]
+        many = len(self.granularities) > 1
+        for cut, timed in (self.granularities or {"": self.units}).items():
+            for name, key in timed.items():
+                lines += self._unit_lines(f"{name} ({cut})" if many else name, key)
         return "\n".join(lines)
+
+    def _unit_lines(self, name: str, key: str) -> list[str]:
+        lines = []
+        for device, times in self.times[key].items():
+            prefill = max(times.prefill, key=lambda p: p[0] * p[1])
+            decode = min(times.decode, key=lambda d: d[1])
+            lines.append(f"  {name} on {device}: prefill {prefill[0]}x{prefill[1]} {prefill[2] * 1e3:.2f} ms, "
+                         f"decode step (batch {decode[0]}, context {decode[1]}) {decode[2] * 1e3:.3f} ms")
+        for link, modes in self.copies.get(key, {}).items():
+            read = ", ".join(f"{mode} {_ms(seconds)}" for mode, seconds in modes.items())
+            lines.append(f"  {name} weights {link}: {read}")
+        return lines
 
 
 def _ms(seconds: Any) -> str:
@@ -129,8 +140,9 @@ def _ms(seconds: Any) -> str:
 
 
 def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
-              path: str | os.PathLike[str] | None = None, offload_dir: str | os.PathLike[str] | None = None,
-              repeats: int = 2, progress: bool | None = None) -> CalibrationResult:
+              granularity: str = "block", expert_groups: int = 1, path: str | os.PathLike[str] | None = None,
+              offload_dir: str | os.PathLike[str] | None = None, repeats: int = 2,
+              progress: bool | None = None) -> CalibrationResult:
     """Time one unit of each distinct shape of ``model`` on this machine's compute devices and save it.
 
     Example::
@@ -148,6 +160,12 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         workload: the shapes to time (default ``Workload()``): prefill at ``batch x prompt``, decode
             steps at contexts ``prompt + 1`` and ``prompt + new_tokens``.
         dtype: the dtype to run in (default: the model's).
+        granularity: the units timed, as :func:`placement_opt.solve` cuts them: ``"block"`` (default:
+            decoder layers whole), ``"sublayer"`` (attention, MLP, router, experts: the parts a
+            ``granularity="sublayer"`` plan places) or ``"auto"`` (both, one after the other on the same
+            copy: what ``solve(granularity="auto")`` compares). Each is dispatched and timed as it runs.
+        expert_groups: with ``"sublayer"`` or ``"auto"``, each MoE layer's experts cut into this many
+            groups (``solve(..., expert_groups=)``), each group timed as the dispatcher runs it.
         path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
         offload_dir: where disk reads are timed when ``devices`` has a disk (default the current
             directory; scratch files are removed).
@@ -159,7 +177,8 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         A :class:`CalibrationResult` (``summary()`` prints it).
 
     Raises:
-        PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here.
+        PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here,
+            an unknown ``granularity``, ``expert_groups`` without sublayer units.
         ProfileError: the profile file is unreadable.
     """
     from ..model.tracer import trace
@@ -171,29 +190,37 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
                              "model, its config, a preset name or a checkpoint directory")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise PlacementError(f"repeats must be an int >= 1, got {repeats!r}")
-    graph = trace(model, dtype=dtype)
+    cuts = _granularities(granularity, expert_groups)
+    passes = _passes([trace(model, dtype=dtype, **how) for how in cuts], cuts)
+    graph = passes[0].graph
     config = _config_of(model)
     names = _compute_devices(devices)
     disk_folder = _disk_folder(devices, offload_dir)
     _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
-    representatives = _representatives(graph)
-    cut = _cut_config(config, representatives)
-    times: dict[str, dict[str, UnitTimes]] = {key: {} for key in representatives.values()}
+    timed = [one.graph.unit(name).block or name for one in passes for name in one.representatives]
+    cut = _cut_config(config, timed)
+    times: dict[str, dict[str, UnitTimes]] = {key: {} for one in passes for key in one.representatives.values()}
     copies: dict[str, dict[str, dict[str, Any]]] = {}
     with bar("Calibrating", len(names), progress=progress) as counted:
         for name in names:
             counted.describe(f"{name}: building {graph.meta.model_name} cut to {_layers(cut)} layer(s)")
-            measured, linked = _calibrate_on(cut, graph, representatives, torch.device(name), workload, repeats,
+            measured, linked = _calibrate_on(cut, passes, torch.device(name), workload, repeats,
                                              many_devices=len(names) > 1, disk_folder=disk_folder)
             for key, unit_times in measured.items():
                 times[key][name] = unit_times
             for key, links in linked.items():
                 copies.setdefault(key, {}).update(links)
             counted.advance(1)
-    where = _save(graph, representatives, times, copies, workload, path)
+    for one in passes:
+        where = _save(one.graph, one.representatives, times, copies, workload, path)
+    by_pass = {one.graph.meta.granularity: dict(one.representatives) for one in passes}
+    units: dict[str, str] = {}
+    for one in passes:  # a name both passes time (the final norm, whose output differs) keeps the first's key
+        for name, key in one.representatives.items():
+            units.setdefault(name, key)
     return CalibrationResult(path=where, took_s=time.perf_counter() - started, model_name=graph.meta.model_name,
-                             devices=tuple(names), units=dict(representatives), times=times, copies=copies,
-                             layers_built=_layers(cut))
+                             devices=tuple(names), units=units, times=times, copies=copies,
+                             layers_built=_layers(cut), granularities=by_pass)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,22 +269,66 @@ def _disk_folder(devices: Any, offload_dir: str | os.PathLike[str] | None) -> Pa
     return Path(offload_dir or ".") if "disk" in listed else None
 
 
-def _representatives(graph: LayerGraph) -> dict[str, str]:
-    """The first unit of each shape: unit name -> shape key, in execution order."""
+#: ``granularity`` -> the trace arguments of each pass, in the order they are timed.
+GRANULARITIES: dict[str, tuple[str, ...]] = {"block": ("block",), "sublayer": ("sublayer",),
+                                             "auto": ("block", "sublayer")}
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One way of cutting the model, timed as one dispatch of the copy."""
+
+    graph: LayerGraph
+    """The whole model's graph, cut this way."""
+    representatives: Mapping[str, str]
+    """The units this pass times: the first of each shape no earlier pass timed (name -> shape key)."""
+    trace_args: Mapping[str, Any]
+    """How the copy is traced for its plan (``granularity``, ``expert_groups``)."""
+
+
+def _granularities(granularity: Any, expert_groups: Any) -> list[dict[str, Any]]:
+    """The trace arguments of each pass, or a PlacementError for arguments solve() would refuse too."""
+    if granularity not in GRANULARITIES:
+        raise PlacementError(f"granularity={granularity!r}: accepted are {', '.join(map(repr, GRANULARITIES))} "
+                             f"(the units solve() will place)")
+    refusal = expert_groups_refusal(expert_groups, granularity, ("sublayer", "auto"))
+    if refusal:
+        raise PlacementError(refusal)
+    return [{"granularity": cut, **({"expert_groups": expert_groups} if cut == "sublayer" else {})}
+            for cut in GRANULARITIES[granularity]]
+
+
+def _passes(graphs: Iterable[LayerGraph], cuts: Iterable[Mapping[str, Any]]) -> list[_Pass]:
+    """Each graph's units of a shape not timed by an earlier pass (the embedding, final norm and head of a
+    block and a sublayer graph are the same units: timed once)."""
+    seen: set[str] = set()
+    passes = []
+    for graph, how in zip(graphs, cuts, strict=True):
+        found = _representatives(graph, seen)
+        seen.update(found.values())
+        passes.append(_Pass(graph, found, how))
+    return [one for one in passes if one.representatives] or passes[:1]
+
+
+def _representatives(graph: LayerGraph, seen: Iterable[str] = ()) -> dict[str, str]:
+    """The first unit of each shape not in ``seen``: unit name -> shape key, in execution order."""
     found: dict[str, str] = {}
+    known = set(seen)
     for unit in graph.units():
         key = shape_key(unit, graph.meta.dtype, graph.meta.seq_len)
-        if key not in found.values():
+        if key not in known:
             found[unit.name] = key
+            known.add(key)
     return found
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)$")
 
 
-def _cut_config(config: Any, representatives: Mapping[str, str]) -> Any:
-    """The config with the fewest layers that still hold every representative (layer i kept: i + 1)."""
-    indices = [int(m.group(1)) for name in representatives if (m := _LAYER_INDEX.search(name))]
+def _cut_config(config: Any, timed: Iterable[str]) -> Any:
+    """The config with the fewest layers that still hold every unit ``timed`` (a block unit, or the block
+    a sublayer unit lies in; layer i kept: i + 1)."""
+    indices = [int(m.group(1)) for name in timed if (m := _LAYER_INDEX.search(name))]
     cut = copy.deepcopy(config)
     layers = getattr(cut, "num_hidden_layers", None)
     if not isinstance(layers, int) or not indices:
@@ -379,13 +450,36 @@ def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in by_unit.items()}
 
 
-def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, str], device: torch.device,
-                  workload: Workload, repeats: int, many_devices: bool, disk_folder: Path | None
-                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, float]]]]:
+def _calibrate_on(config: Any, passes: Iterable[_Pass], device: torch.device, workload: Workload, repeats: int,
+                  many_devices: bool, disk_folder: Path | None
+                  ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, Any]]]]:
+    """Every pass's units timed on ``device``, on one copy of the model built once."""
+    passes = list(passes)
+    model = _build(config, passes[0].graph.meta.dtype, device)
+    times: dict[str, UnitTimes] = {}
+    copies: dict[str, dict[str, dict[str, Any]]] = {}
+    for one in passes:
+        measured, linked = _time_pass(model, one, device, workload, repeats, many_devices, disk_folder)
+        times.update(measured)
+        for key, links in linked.items():
+            copies.setdefault(key, {}).update(links)
+    del model
+    return times, copies
+
+
+def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Workload, repeats: int,
+               many_devices: bool, disk_folder: Path | None
+               ) -> tuple[dict[str, UnitTimes], dict[str, dict[str, dict[str, Any]]]]:
+    """The pass's units timed: the copy dispatched whole on ``device``, cut as the pass cuts it (its
+    experts split into groups for the time of the pass), then put back."""
+    from ..model.tracer import trace
+    from ._device_map import plan_from_device_map
     from .dispatcher import dispatch
 
-    model = _build(config, graph.meta.dtype, device)
-    handle = dispatch(model, {"": str(device)}, _hook_every_unit=many_devices)
+    graph, representatives = one.graph, one.representatives
+    copy_graph = trace(model, **one.trace_args)  # the copy's own units (fewer layers): what its plan places
+    plan = plan_from_device_map(model, {"": str(device)}, graph=copy_graph)
+    handle = dispatch(model, plan, _hook_every_unit=many_devices)
     try:
         modules = _unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
         stamps = _Stamps(modules, device)
@@ -402,10 +496,9 @@ def _calibrate_on(config: Any, graph: LayerGraph, representatives: Mapping[str, 
         longest = max(prefill, key=lambda k: k[1])  # the cold prefill runs at it: the workload's prompt may be slow
         resident = {"prefill": prefill[longest], "decode": decode[min(decode, key=lambda k: k[1])]}
         cold_workload = dataclasses.replace(workload, prompt_len=longest[1])
-        for key, links in _time_disk_reads(model, graph, representatives, cold_workload, resident,
+        for key, links in _time_disk_reads(model, graph, copy_graph, representatives, cold_workload, resident,
                                            disk_folder).items():
             copies.setdefault(key, {}).update(links)
-    del model
     kept = workload.logits_kept
     out = {}
     for name, key in representatives.items():
@@ -577,15 +670,17 @@ def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int,
     return _typical(runs), len(runs)
 
 
-def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mapping[str, str], workload: Workload,
-                     resident: Mapping[str, Mapping[str, float]], folder: Path) -> dict[str, dict[str, Any]]:
+def _time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, representatives: Mapping[str, str],
+                     workload: Workload, resident: Mapping[str, Mapping[str, float]], folder: Path
+                     ) -> dict[str, dict[str, Any]]:
     """Seconds a CPU-executed unit adds per forward when its weights come from a cold disk, both ways
     they are read, at prefill and at a decode step.
 
     ``stream``: placement_opt's dispatch computes from the memory-mapped file (pages fault in as the
     kernels touch them, the next unit read ahead); ``stream_sync``: accelerate's hooks copy each tensor
     out of its ``np.memmap``. Each is a forward with files evicted from the page cache first, less the
-    same forward resident (``resident``: phase -> unit -> seconds). A prefill hides more of the
+    same forward resident (``resident``: phase -> unit -> seconds); ``copy_graph``: the copy's graph, cut as
+    ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A prefill hides more of the
     read-ahead behind compute than a decode step does, so the two phases are kept apart, the prefill's
     read capped at the decode's where both read every weight (:func:`_reads_every_weight`). The prefill is
     ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps short).
@@ -594,8 +689,9 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, representatives: Mappi
 
     reads: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="placement_opt_calibrate_", dir=folder) as scratch:
-        for mode, runner in (("stream", _run_mapped), ("stream_sync", _run_accelerate)):
-            cold = runner(model, graph, workload, Path(scratch) / mode)
+        runners = [("stream", _run_mapped), *([] if group_counts(copy_graph.names()) else [("stream_sync", _run_accelerate)])]
+        for mode, runner in runners:
+            cold = runner(model, graph, copy_graph, workload, Path(scratch) / mode)
             if cold is None:
                 continue
             for name, key in representatives.items():
@@ -637,12 +733,12 @@ MAX_DISK_STEPS = 16
 MAX_DISK_PREFILLS = 9
 
 
-def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+def _run_mapped(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, workload: Workload, folder: Path
                 ) -> dict[str, dict[str, float]]:
     from ._device_map import plan_from_device_map
     from .dispatcher import dispatch
 
-    plan = plan_from_device_map(model, {"": "disk"})  # every unit computed on the CPU from its mapped file,
+    plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)  # every unit computed on the CPU from its mapped file,
     streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
     handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
     try:
@@ -652,7 +748,7 @@ def _run_mapped(model: nn.Module, graph: LayerGraph, workload: Workload, folder:
         handle.remove()
 
 
-def _run_accelerate(model: nn.Module, graph: LayerGraph, workload: Workload, folder: Path
+def _run_accelerate(model: nn.Module, graph: LayerGraph, _copy_graph: LayerGraph, workload: Workload, folder: Path
                     ) -> dict[str, dict[str, float]] | None:
     """Cold reads through accelerate's ``dispatch_model``: no read-ahead, each unit's files read when it
     is called, and evicted just then (:func:`_evict_when_called`).
