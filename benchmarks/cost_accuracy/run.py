@@ -1,13 +1,16 @@
 """Does the cost model predict measured times and memory on this machine, before and after calibration?
 
 For each model shape (a small one, hidden 512 x 8 layers, where per-op overheads dominate; a mid-size
-one, hidden 2048 x 16 layers, about 0.85B parameters), random fp32 weights are written with
+one, hidden 2048 x 16 layers, about 0.85B parameters; a Mixtral-shaped one, hidden 512 x 8 layers of 8
+experts, top 2), random fp32 weights are written with
 ``save_pretrained`` to a temporary folder, and every placement kind this machine offers is run and timed:
 
 * ``resident``: every unit in CPU RAM, computed on the CPU (the compute device of a GPU-less machine);
 * ``stream (1/3 on disk)`` and ``disk (all layers)``: decoder layers stored on disk, read per forward;
 * ``sublayer: MLPs of 1/3 layers on disk`` and ``sublayer: every MLP on disk``: a sublayer graph's
-  units (``trace(granularity="sublayer")``), attention resident and the MLPs read from disk.
+  units (``trace(granularity="sublayer")``), attention resident and the MLPs (an MoE layer's experts)
+  read from disk; for the MoE model also each layer's second expert group on disk
+  (``expert_groups=2``; placement_opt only: accelerate has no such units).
 
 Two runners per placement: ``placement_opt`` (``dispatch(model, plan)``: disk units computed from
 memory-mapped safetensors files, the next one read ahead) and ``accelerate`` (``dispatch_model`` with
@@ -69,7 +72,11 @@ VOCAB = 32000
 SHAPES = {  # name -> (hidden, intermediate, layers, heads, kv heads); --quick cuts the layers
     "small": (512, 1376, 8, 8, 8),
     "mid": (2048, 5632, 16, 16, 4),
+    "moe": (512, 1024, 8, 8, 8),  # Mixtral-shaped: MOE_EXPERTS experts of this intermediate size, top 2
 }
+MOE_EXPERTS = 8
+#: Expert groups of the grouped placement (issue 15's "each expert, or groups"): one resident, one on disk.
+MOE_GROUPS = 2
 
 
 @dataclass
@@ -89,12 +96,14 @@ class Row:
 
 # -- models and placements -----------------------------------------------------------------------
 def config_of(shape: str, layers: int | None) -> Any:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
     hidden, inter, n, heads, kv = SHAPES[shape]
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers or n,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=VOCAB,
-                         tie_word_embeddings=False, max_position_embeddings=4096)
+    common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers or n,
+                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=VOCAB, tie_word_embeddings=False,
+                  max_position_embeddings=4096)
+    config = (MixtralConfig(**common, num_local_experts=MOE_EXPERTS, num_experts_per_tok=2) if shape == "moe"
+              else LlamaConfig(**common))
     config.dtype = "float32"
     return config
 
@@ -109,21 +118,29 @@ def build(config: Any, folder: Path) -> torch.nn.Module:
     return model
 
 
-def placements(graph: Any, parts: Any) -> dict[str, tuple[Any, dict[str, str]]]:
+def placements(graph: Any, parts: Any, groups: Any | None = None) -> dict[str, tuple[Any, dict[str, str]]]:
     """Placement name -> (the graph it places, unit -> storage): decoder layers whole (``graph``), and
-    their MLPs apart from attention (``parts``, the sublayer graph: what issue 15's finer units offer)."""
+    their MLPs (an MoE layer's experts) apart from attention (``parts``, the sublayer graph: what issue
+    15's finer units offer); for an MoE model, also each layer's last expert group on disk (``groups``)."""
     names = graph.names()
     layers = [n for n in names if ".layers." in n]
     third = max(1, len(layers) // 3)
     last = set(layers[-third:])
-    mlps = [u.name for u in parts.units() if u.name.endswith(".mlp")]
-    return {"resident": (graph, {n: "cpu" for n in names}),
-            f"stream ({third}/{len(layers)} layers on disk)": (graph, {n: "disk" if n in last else "cpu"
-                                                                        for n in names}),
-            "disk (all layers)": (graph, {n: "disk" if n in layers else "cpu" for n in names}),
-            f"sublayer: MLPs of {third}/{len(layers)} layers on disk": (
-                parts, {u.name: "disk" if u.name in mlps and u.block in last else "cpu" for u in parts.units()}),
-            "sublayer: every MLP on disk": (parts, {n: "disk" if n in mlps else "cpu" for n in parts.names()})}
+    what = "experts" if groups is not None else "MLPs"
+    mlps = [u.name for u in parts.units() if u.name.endswith((".mlp", ".mlp.experts"))]
+    found = {"resident": (graph, {n: "cpu" for n in names}),
+             f"stream ({third}/{len(layers)} layers on disk)": (graph, {n: "disk" if n in last else "cpu"
+                                                                         for n in names}),
+             "disk (all layers)": (graph, {n: "disk" if n in layers else "cpu" for n in names}),
+             f"sublayer: {what} of {third}/{len(layers)} layers on disk": (
+                 parts, {u.name: "disk" if u.name in mlps and u.block in last else "cpu" for u in parts.units()}),
+             f"sublayer: every layer's {what} on disk": (parts, {n: "disk" if n in mlps else "cpu"
+                                                                for n in parts.names()})}
+    if groups is not None:
+        tail = f".groups.{MOE_GROUPS - 1}"
+        found[f"groups: {MOE_GROUPS - 1}/{MOE_GROUPS} of every layer's experts on disk"] = (
+            groups, {n: "disk" if n.endswith(tail) else "cpu" for n in groups.names()})
+    return found
 
 
 def make_plan(device_map: dict[str, str], graph: Any, machine: Any, workload: Any) -> Any:
@@ -298,19 +315,27 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
     model = build(config, folder)
     graph = trace(model, dtype="float32")
     parts = trace(model, dtype="float32", granularity="sublayer")
+    groups = trace(model, dtype="float32", granularity="sublayer", expert_groups=MOE_GROUPS) if shape == "moe" else None
     machine = as_machine(["cpu", "disk"], dtype="float32")  # this machine, as the profile measured it
     workload = Workload(batch_size=1, prompt_len=args.prompt, new_tokens=args.steps)
-    plans = {name: (g, make_plan(m, g, machine, workload)) for name, (g, m) in placements(graph, parts).items()}
+    plans = {name: (g, make_plan(m, g, machine, workload))
+             for name, (g, m) in placements(graph, parts, groups).items()}
     targets = {(runner, name): (g, plan if runner == "placement_opt" else plan.device_map)
-               for name, (g, plan) in plans.items() for runner in args.runners}
+               for name, (g, plan) in plans.items() for runner in args.runners
+               if runner == "placement_opt" or g is not groups}  # accelerate has no expert groups
     before = {key: predict(t, g, machine, workload) for key, (g, t) in targets.items()}
     started = time.perf_counter()
     result = placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
                                      granularity="auto", offload_dir=work)
+    summaries = [result.summary()]
+    if groups is not None:  # the groups' own shapes (the block units' again, a few seconds)
+        summaries.append(placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
+                                                 granularity="sublayer", expert_groups=MOE_GROUPS,
+                                                 offload_dir=work).summary())
+    graphs = {"block": graph, "sublayer": parts, **({f"{MOE_GROUPS} expert groups": groups} if groups else {})}
     info = {"calibrate_s": time.perf_counter() - started, "layers": config.num_hidden_layers,
-            "params": sum(p.numel() for p in model.parameters()), "summary": result.summary(),
-            "covered": {g.meta.granularity: (len(calibration_for(g, machine).compute), len(g))
-                        for g in (graph, parts)}}
+            "params": sum(p.numel() for p in model.parameters()), "summary": "\n".join(summaries),
+            "covered": {cut: (len(calibration_for(g, machine).compute), len(g)) for cut, g in graphs.items()}}
     after = {key: predict(t, g, machine, workload) for key, (g, t) in targets.items()}
     rows = []
     for (runner, name), (_, target) in targets.items():
@@ -557,7 +582,7 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 layers for the mid model, fewer steps")
-    parser.add_argument("--models", default="small,mid")
+    parser.add_argument("--models", default="small,mid,moe")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 16, quick 6)")
     parser.add_argument("--repeats", type=int, default=None, help="prefill repeats (default 5, quick 3)")
