@@ -13,7 +13,8 @@ random bf16 weights is written with ``save_pretrained``, and each runner loads i
   (``expert_groups=``), so part of a layer's experts can stay on the GPU.
 
 Every plan is solved with ``Workload(overlap=True)`` after ``placement_opt.profile`` and
-``placement_opt.calibrate`` on this machine (into a profile file of this run, never the user's), and each row puts
+``placement_opt.calibrate`` on this machine (block and sublayer units, and the expert groups of MoE cases; into a
+profile file of this run, never the user's), and each row puts
 the plan's prediction beside the measurement: the prefill (one forward of the prompt, the last position's logits)
 and the decode (one token per step in a hand-written loop over the KV cache, the median step; never the difference
 of two ``generate()`` calls; after one untimed warm-up forward), the GPU's ``max_memory_allocated`` over the
@@ -261,7 +262,11 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, done: list[Row] |
     write_checkpoint(case, path)
     batch, prompt, steps = case.workload
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
-    placement_opt.calibrate(path, compute_devices(args.smoke), workload=workload)
+    # block and sublayer units both (each runner's plan priced from its own units' times), and the groups' shapes
+    placement_opt.calibrate(path, compute_devices(args.smoke), workload=workload, granularity="auto")
+    if "expert groups" in runners(case):
+        placement_opt.calibrate(path, compute_devices(args.smoke), workload=workload, granularity="sublayer",
+                                expert_groups=EXPERT_GROUPS)
     rows = []
     try:
         for budget in case.budgets:
