@@ -215,7 +215,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         where = _save(one.graph, one.representatives, times, copies, workload, path)
     by_pass = {one.graph.meta.granularity: dict(one.representatives) for one in passes}
     units: dict[str, str] = {}
-    for one in passes:  # a name both passes time (the final norm, whose output differs) keeps the first's key
+    for one in passes:  # a name both passes time (its traced facts differ between the cuts) keeps the first key
         for name, key in one.representatives.items():
             units.setdefault(name, key)
     return CalibrationResult(path=where, took_s=time.perf_counter() - started, model_name=graph.meta.model_name,
