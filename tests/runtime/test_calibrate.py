@@ -408,3 +408,19 @@ def test_calibrate_refuses_granularities_solve_would_refuse(tmp_path) -> None:
     with pytest.raises(PlacementError, match="expert_groups=2 cuts the experts units of sublayer graphs"):
         placement_opt.calibrate(tiny_mixtral(), ["cpu"], path=tmp_path / "p.json", expert_groups=2)
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured
+
+
+def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_path, monkeypatch) -> None:
+    # Consecutive units of one shape read side by side (the read-ahead chain): the first waits for its pages
+    # while the next one's compete with them. Each group is charged the pair's mean, not the first's read.
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    graph = trace(tiny_mixtral(), granularity="sublayer", expert_groups=2)
+    first, second = "model.layers.0.mlp.experts.groups.0", "model.layers.0.mlp.experts.groups.1"
+    cold = {"prefill": {first: 0.5, second: 0.1}, "decode": {first: 0.4, second: 0.2}}
+    monkeypatch.setattr(calibrate_module, "_run_mapped", lambda *args: cold)
+    resident = {"prefill": {first: 0.05, second: 0.05}, "decode": {first: 0.01, second: 0.01}}
+    key = shape_key(graph.unit(first), graph.meta.dtype, graph.meta.seq_len)
+    reads = calibrate_module._time_disk_reads(None, graph, graph, {first: key}, MOE_WORKLOAD, resident, tmp_path)
+    assert set(reads[key]["disk->cpu"]) == {"stream"}  # accelerate has no expert groups to run
+    assert reads[key]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.25, "decode": 0.29})
