@@ -173,6 +173,8 @@ EXPERIMENTS: list[Experiment] = [
                folder="decode"),
     Experiment(name="offload_store", question="What does the safe offload store cost a dispatch?",
                folder="offload_store"),
+    Experiment(name="phases", question="Which execution mode wins where: layer, phased, sublayer, overlap "
+               "(estimates)?", folder="phases"),
 ]
 
 

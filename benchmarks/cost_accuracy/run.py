@@ -328,7 +328,7 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
     result = placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
                                      granularity="auto", offload_dir=work)
     summaries = [result.summary()]
-    if groups is not None:  # the groups' own shapes (the block units' again, a few seconds)
+    if groups is not None:  # the groups' own shapes: a second sublayer pass, its experts cut into groups
         summaries.append(placement_opt.calibrate(folder, ["cpu", "disk"], workload=workload, dtype="float32",
                                                  granularity="sublayer", expert_groups=MOE_GROUPS,
                                                  offload_dir=work).summary())
