@@ -10,12 +10,18 @@ from _cli import run_cli
 from placement_opt.hardware.profile_store import saved_calibration
 
 
-def test_profile_with_a_model_calibrates_it(tmp_path) -> None:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+def tiny_checkpoint_config(tmp_path, hidden: int):
+    """A 2-layer float32 Llama's config.json in ``tmp_path/tiny`` (the folder)."""
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
     config.dtype = "float32"
     folder = tmp_path / "tiny"
     config.save_pretrained(folder)
+    return folder
+
+
+def test_profile_with_a_model_calibrates_it(tmp_path) -> None:
+    folder = tiny_checkpoint_config(tmp_path, 64)
     out = tmp_path / "profile.json"
     result = run_cli("profile", "--out", str(out), "--quick", "--model", str(folder), "--prompt", "16",
                      "--new-tokens", "4")
@@ -36,11 +42,8 @@ def test_profile_refuses_a_bad_workload_before_measuring(tmp_path) -> None:
 
 
 def test_profile_times_the_sublayer_parts_when_asked(tmp_path) -> None:
-    config = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
-    config.dtype = "float32"
-    folder = tmp_path / "tiny"
-    config.save_pretrained(folder)
+    folder = tiny_checkpoint_config(tmp_path, 96)  # not 64, the trace's tokens: the tracer would take a
+    # (tokens, hidden) output for attention-score shaped
     out = tmp_path / "profile.json"
     result = run_cli("profile", "--out", str(out), "--quick", "--model", str(folder), "--prompt", "16",
                      "--new-tokens", "4", "--granularity", "sublayer")
