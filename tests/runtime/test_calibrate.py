@@ -6,6 +6,8 @@ import json
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import LlamaConfig, MixtralConfig
 
 import placement_opt
@@ -424,3 +426,28 @@ def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_pat
     reads = calibrate_module._time_disk_reads(None, graph, graph, {first: key}, MOE_WORKLOAD, resident, tmp_path)
     assert set(reads[key]["disk->cpu"]) == {"stream"}  # accelerate has no expert groups to run
     assert reads[key]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.25, "decode": 0.29})
+
+
+_SIZES = st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8)
+
+
+@given(first=_SIZES, second=_SIZES)
+def test_the_passes_time_every_shape_of_every_cut_once_and_first_where_it_first_appears(first, second) -> None:
+    # Units of a size class share a shape; each pass times the first unit of each shape no earlier pass timed.
+    from placement_opt.runtime.calibrate import _passes
+
+    def graph(sizes: list[int], prefix: str):
+        return chain_graph([{"name": f"{prefix}{i}", "param_bytes": 64 * (s + 1)} for i, s in enumerate(sizes)])
+
+    graphs = [graph(first, "a"), graph(second, "b")]
+    passes = _passes(graphs, [{"granularity": "block"}, {"granularity": "sublayer"}])
+    timed = [key for one in passes for key in one.representatives.values()]
+    every = {shape_key(u, g.meta.dtype, g.meta.seq_len) for g in graphs for u in g.units()}
+    assert sorted(timed) == sorted(every)  # each shape once, none left out
+    for one in passes:
+        for name, key in one.representatives.items():  # the first unit of its shape in that graph
+            units = one.graph.units()
+            assert next(u.name for u in units if shape_key(u, one.graph.meta.dtype, one.graph.meta.seq_len) == key) \
+                == name
+    assert passes[0].graph is graphs[0] and passes[0].representatives  # the first cut always runs
+    assert len(passes) == 1 + bool(set(second) - set(first))  # a pass with nothing new is skipped
