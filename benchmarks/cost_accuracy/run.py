@@ -301,6 +301,21 @@ def run_accelerate(model: torch.nn.Module, device_map: dict[str, str], folder: P
     return clone, lambda: [h.remove() for h in handles], lambda: None
 
 
+def timed(run: Callable[..., tuple[torch.nn.Module, Callable[[], Any], Callable[[], None]]], model: torch.nn.Module,
+          target: Any, offload: Path, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
+    """``measure`` of ``model`` run by ``run`` (a runner above) in ``target``, its files in ``offload``
+    (made, then removed), the model put back afterwards."""
+    offload.mkdir(parents=True)
+    running, undo, evict_all = run(model, target, offload)
+    try:
+        return measure(running, evict_all, args.prompt, args.steps, args.repeats)
+    finally:
+        undo()
+        del running
+        gc.collect()
+        shutil.rmtree(offload, ignore_errors=True)
+
+
 # -- one model -----------------------------------------------------------------------------------
 def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[Row], dict[str, Any]]:
     import placement_opt
@@ -339,17 +354,8 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
     after = {key: predict(t, g, machine, workload) for key, (g, t) in targets.items()}
     rows = []
     for (runner, name), (_, target) in targets.items():
-        offload = work / "offload" / f"{shape}-{runner}-{len(rows)}"
-        offload.mkdir(parents=True)
         run = run_placement_opt if runner == "placement_opt" else run_accelerate
-        running, undo, evict_all = run(model, target, offload)
-        try:
-            prefill, decode, growth = measure(running, evict_all, args.prompt, args.steps, args.repeats)
-        finally:
-            undo()
-            del running
-            gc.collect()
-            shutil.rmtree(offload, ignore_errors=True)
+        prefill, decode, growth = timed(run, model, target, work / "offload" / f"{shape}-{runner}-{len(rows)}", args)
         (b_pre, b_dec, _), (a_pre, a_dec, extra) = before[runner, name], after[runner, name]
         rows.append(Row(shape, runner, name, "prefill", b_pre, a_pre, min(prefill), statistics.median(prefill),
                         growth, extra))

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import os
 import platform
-import shutil
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import MOE_GROUPS, build, config_of, measure, run_placement_opt, scratch  # noqa: E402
+from run import MOE_GROUPS, build, config_of, run_placement_opt, scratch, timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 #: Model -> the share of its weights that CPU RAM may hold (the rest must go to disk).
@@ -83,16 +81,7 @@ def bench(shape: str, args: argparse.Namespace, work: Path) -> list[str]:
     plans = plans_of(shape, folder, budget, workload, args.time_limit)
     rows = []
     for name, plan in plans.items():
-        offload = work / "offload" / f"{shape}-{name}"
-        offload.mkdir(parents=True)
-        running, undo, evict_all = run_placement_opt(model, plan, offload)
-        try:
-            prefill, decode, _ = measure(running, evict_all, args.prompt, args.steps, args.repeats)
-        finally:
-            undo()
-            del running
-            gc.collect()
-            shutil.rmtree(offload, ignore_errors=True)
+        prefill, decode, _ = timed(run_placement_opt, model, plan, work / "offload" / f"{shape}-{name}", args)
         rows.append((name, plan, statistics.median(prefill), statistics.median(decode)))
         print(f"{shape} {name}: predicted {plan.cost.prefill_s:.4f} / {plan.cost.decode_s / args.steps:.4f}, "
               f"measured {rows[-1][2]:.4f} / {rows[-1][3]:.4f}", flush=True)
