@@ -53,8 +53,8 @@ def where(plan: Any) -> str:
     kinds: dict[str, int] = {}
     for p in plan.placements:
         if p.storage == "disk":
-            kind = p.unit.rsplit(".", 1)[-1] if not p.unit.rsplit(".", 1)[-1].isdigit() else "layer"
-            kind = "expert group" if ".groups." in p.unit else kind
+            last = p.unit.rsplit(".", 1)[-1]
+            kind = "expert group" if ".groups." in p.unit else "layer" if last.isdigit() else last
             kinds[kind] = kinds.get(kind, 0) + 1
     said = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "nothing"
     return f"{said} of {len(plan.placements)} units on disk"

@@ -680,16 +680,19 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph
     kernels touch them, the next unit read ahead); ``stream_sync``: accelerate's hooks copy each tensor
     out of its ``np.memmap``. Each is a forward with files evicted from the page cache first, less the
     same forward resident (``resident``: phase -> unit -> seconds); ``copy_graph``: the copy's graph, cut as
-    ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A prefill hides more of the
-    read-ahead behind compute than a decode step does, so the two phases are kept apart, the prefill's
+    ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
+    prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept apart, the prefill's
     read capped at the decode's where both read every weight (:func:`_reads_every_weight`). The prefill is
     ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps short).
     """
     import tempfile
 
     reads: dict[str, dict[str, Any]] = {}
+    shapes = _shapes(graph)
+    runners = [("stream", _run_mapped)]
+    if not group_counts(copy_graph.names()):
+        runners.append(("stream_sync", _run_accelerate))
     with tempfile.TemporaryDirectory(prefix="placement_opt_calibrate_", dir=folder) as scratch:
-        runners = [("stream", _run_mapped), *([] if group_counts(copy_graph.names()) else [("stream_sync", _run_accelerate)])]
         for mode, runner in runners:
             cold = runner(model, graph, copy_graph, workload, Path(scratch) / mode)
             if cold is None:
@@ -697,7 +700,7 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph
             for name, key in representatives.items():
                 if graph.unit(name).weight_bytes == 0:
                     continue
-                alike = _alike(graph, key, cold["decode"]) or [name]
+                alike = [n for n in shapes.get(key, ()) if n in cold["decode"]] or [name]
                 extra = {phase: statistics.fmean(max(0.0, cold[phase].get(n, 0.0) - resident[phase].get(n, 0.0))
                                                  for n in alike) for phase in ("prefill", "decode")}
                 if mode == "stream" and _reads_every_weight(graph.unit(name)):
@@ -706,8 +709,8 @@ def _time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph
     return reads
 
 
-def _alike(graph: LayerGraph, key: str, timed: Mapping[str, float]) -> list[str]:
-    """The copy's units of shape ``key`` (those ``timed``): a shape's cold read is their mean.
+def _shapes(graph: LayerGraph) -> dict[str, list[str]]:
+    """Shape key -> the units of that shape. A shape's cold read is the mean over those the copy has.
 
     The read-ahead chain asks for the next unit's pages as one is called, so consecutive units of one
     shape read side by side, and the first waits for its own pages while the next one's compete with
@@ -715,8 +718,10 @@ def _alike(graph: LayerGraph, key: str, timed: Mapping[str, float]) -> list[str]
     the first group took 20.4 ms and the second 7.5 ms (0.9 ms each resident). Each group was charged the
     first's read, and the benchmark's plan with the second group of every layer on disk was priced slower
     than all of each layer's experts on disk, where it ran 1.5x faster."""
-    return [u.name for u in graph.units()
-            if u.name in timed and shape_key(u, graph.meta.dtype, graph.meta.seq_len) == key]
+    found: dict[str, list[str]] = {}
+    for unit in graph.units():
+        found.setdefault(shape_key(unit, graph.meta.dtype, graph.meta.seq_len), []).append(unit.name)
+    return found
 
 
 def _reads_every_weight(unit: Any) -> bool:
@@ -752,8 +757,9 @@ def _run_mapped(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, wor
     from ._device_map import plan_from_device_map
     from .dispatcher import dispatch
 
-    plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)  # every unit computed on the CPU from its mapped file,
-    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)  # the next one read ahead
+    # every unit computed on the CPU from its mapped file, the next one read ahead
+    plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)
+    streamed = tuple(dataclasses.replace(p, mode="stream") for p in plan.placements)
     handle = dispatch(model, dataclasses.replace(plan, placements=streamed), offload_dir=folder)
     try:
         files = [file for unit in handle._units for file, _ in unit.disk]
