@@ -73,3 +73,25 @@ def test_bench_hands_the_terminal_to_the_suite_when_progress_is_on(tmp_path, mon
     assert result.exit_code == 2
     assert "its message is above" in result.output
     assert "unknown experiment(s) nope" in capfd.readouterr().err  # written by the suite itself
+
+
+def _cost_accuracy_module():
+    spec = importlib.util.spec_from_file_location("cost_accuracy_run", REPO / "benchmarks" / "cost_accuracy" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cost_accuracy_run"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cost_accuracy_tells_swapped_near_ties_from_swapped_placements():
+    run = _cost_accuracy_module()
+
+    def rows(**predicted_and_measured):
+        return [run.Row("m", "r", name, "prefill", 0.0, after, after, measured)
+                for name, (after, measured) in predicted_and_measured.items()]
+
+    assert run.ranking(rows(a=(1.0, 1.0), b=(2.0, 3.0)), "m", "r", "prefill", "after_s") == "matches"
+    near = run.ranking(rows(a=(1.1, 1.00), b=(1.0, 1.02), c=(5.0, 4.0)), "m", "r", "prefill", "after_s")
+    assert near.startswith("matches but for near ties") and "a measured 2% faster than b" in near
+    far = run.ranking(rows(a=(1.1, 1.00), b=(1.0, 1.20)), "m", "r", "prefill", "after_s")
+    assert far.startswith("DIFFERS") and "a measured 20% faster than b" in far
