@@ -465,3 +465,23 @@ def test_the_passes_time_every_shape_of_every_cut_once_and_first_where_it_first_
                 == name
     assert passes[0].graph is graphs[0] and passes[0].representatives  # the first cut always runs
     assert len(passes) == 1 + bool(set(second) - set(first))  # a pass with nothing new is skipped
+
+
+@pytest.mark.parametrize("least_bytes", [0, 1 << 20])
+def test_disk_reads_are_timed_in_chains_of_one_shape_as_a_plan_offloading_that_part_reads_them(
+        monkeypatch, least_bytes: int) -> None:
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    monkeypatch.setattr(calibrate_module, "CHAIN_MIN_BYTES", least_bytes)
+    graph = trace(tiny_mixtral(), granularity="sublayer")
+    chains = calibrate_module._disk_chains(graph, graph)
+    weighted = {u.name for u in graph.units() if u.weight_bytes > 0}
+    assert sorted(n for chain in chains for n in chain) == sorted(weighted)  # each unit with weights once
+    keys = {u.name: shape_key(u, graph.meta.dtype, graph.meta.seq_len) for u in graph.units()}
+    experts = {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    if least_bytes == 0:  # every repeated shape a chain alone (the norms one); the embedding and head together
+        assert experts in chains and {"model.layers.0.self_attn", "model.layers.1.self_attn"} in chains
+        assert all(len({keys[n] for n in chain}) == 1 for chain in chains[:-1])
+        assert {"model.embed_tokens", "lm_head"} <= chains[-1]
+    else:  # the tiny model's units are all small: one chain, as every unit on disk was timed before
+        assert chains == [weighted]
