@@ -13,12 +13,16 @@ REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml"
 RUN_ALL = REPO / "benchmarks" / "run_all.py"
 
 
-def _run_all_module():
-    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
+def _script_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["run_all"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _run_all_module():
+    return _script_module("run_all", RUN_ALL)
 
 
 def test_registry_names_every_question_once():
@@ -75,16 +79,8 @@ def test_bench_hands_the_terminal_to_the_suite_when_progress_is_on(tmp_path, mon
     assert "unknown experiment(s) nope" in capfd.readouterr().err  # written by the suite itself
 
 
-def _cost_accuracy_module():
-    spec = importlib.util.spec_from_file_location("cost_accuracy_run", REPO / "benchmarks" / "cost_accuracy" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cost_accuracy_run"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cost_accuracy_tells_swapped_near_ties_from_swapped_placements():
-    run = _cost_accuracy_module()
+    run = _script_module("cost_accuracy_run", REPO / "benchmarks" / "cost_accuracy" / "run.py")
 
     def rows(**predicted_and_measured):
         return [run.Row("m", "r", name, "prefill", 0.0, after, after, measured)
