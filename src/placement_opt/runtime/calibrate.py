@@ -54,6 +54,7 @@ from ..hardware.profile_store import profile_path, save_calibration, saved_devic
 from ..hardware.resolve import device_names
 from ..model.expert_groups import expert_groups_refusal, group_counts
 from ..model.graph import LayerGraph
+from ..plan import Plan
 from ..progress import bar
 from ._safetensors_file import drop_page_cache
 from .timing import cache_argument, cache_of, last_logits_argument
@@ -792,21 +793,22 @@ def _run_mapped(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, wor
                 ) -> dict[str, dict[str, float]]:
     """Cold reads through placement_opt's dispatch, one chain of units on disk at a time (:func:`_disk_chains`):
     each unit's figure comes from the forwards where it and the rest of its chain were on disk."""
+    from ._device_map import plan_from_device_map
+
+    plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)  # every unit on disk: each chain cuts from it
     cold: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
     for index, chain in enumerate(_disk_chains(graph, copy_graph)):
-        found = _run_chain(model, graph, copy_graph, workload, folder / str(index), chain)
+        found = _run_chain(model, graph, plan, workload, folder / str(index), chain)
         for phase, times in found.items():
             cold[phase].update({name: seconds for name, seconds in times.items() if name in chain})
     return cold
 
 
-def _run_chain(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, workload: Workload, folder: Path,
+def _run_chain(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload, folder: Path,
                chain: set[str]) -> dict[str, dict[str, float]]:
-    from ._device_map import plan_from_device_map
     from .dispatcher import dispatch
 
     # the chain's units computed on the CPU from their mapped files, each reading the next one ahead; the rest resident
-    plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)
     placed = tuple(dataclasses.replace(p, mode="stream") if p.unit in chain
                    else dataclasses.replace(p, storage="cpu", mode="resident") for p in plan.placements)
     handle = dispatch(model, dataclasses.replace(plan, placements=placed), offload_dir=folder)
