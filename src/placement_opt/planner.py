@@ -46,14 +46,14 @@ from .solver.greedy import (
     greedy_starts,
 )
 from .solver.problem import MODES, OBJECTIVES, PlacementProblem
-from .solver.search import GAP_LIMIT, solve_problem
+from .solver.search import GAP_LIMIT, SEARCH_NOTES, solve_problem
 from .units import few, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
 __all__ = ["solve", "solve_best_granularity", "baseline_plan", "searched_again", "STRATEGIES", "OBJECTIVES",
-           "SOLVER_WORKERS"]
+           "SOLVER_WORKERS", "SOLVER_NOTES"]
 
 #: Strategies ``solve`` accepts.
 STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
@@ -67,6 +67,10 @@ MIN_SEARCH_S = 0.2
 #: plans than one worker in the same second (Llama-3-70B, batch 16, four mixed GPUs: 43.6 s against
 #: 64.0 s); one worker (``workers=1``) gives the same plan on every run.
 SOLVER_WORKERS = 2
+#: How a cpsat plan's notes about the search itself begin: the greedy plan it was warm-started from, and the
+#: search's own notes (what it started from, where its bound came from). The CLI prints them with --verbose only.
+WARM_START = "warm start: "
+SOLVER_NOTES = (WARM_START, *SEARCH_NOTES)
 
 
 @dataclass(frozen=True)
@@ -558,7 +562,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                        for u, o in zip(problem.units, chosen, strict=True))
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
-    notes = [*notes, f"warm start: {hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements),
+    notes = [*notes, f"{WARM_START}{hint_name}", *sol.notes, *_phased_note(placements), *_group_note(placements),
              *_cpu_beside_gpu_note(placements), *_split_experts_note(placements)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,

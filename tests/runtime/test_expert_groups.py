@@ -450,7 +450,8 @@ def test_a_layers_groups_all_placed_alike_are_named_by_their_experts_module():
 
 def test_plan_prints_the_merged_start_note_with_verbose_only():
     """The search's note about its start from merged groups is one of its own notes (``plan --verbose``)."""
-    from placement_opt.cli.tables import SOLVER_NOTES, plan_renderables
+    from placement_opt.cli.tables import plan_renderables
+    from placement_opt.planner import SOLVER_NOTES
 
     plan = solve(trace(tiny("mixtral"), granularity="sublayer", expert_groups=2), {"cpu": "1GiB"},
                  workload=Workload(prompt_len=7, new_tokens=5))

@@ -25,7 +25,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.search import COARSEN_ABOVE, solve_problem
+from placement_opt.solver.search import COARSEN_ABOVE, SEARCH_NOTES, solve_problem
 
 GIB = 2**30
 
@@ -199,6 +199,7 @@ def test_large_chains_start_from_a_coarse_plan_and_stay_fast():
     sol = solve_problem(problem, time_limit_s=2)
     assert time.perf_counter() - t0 <= 2 + 0.5
     assert sol.coarse_units < sol.units == n and sol.notes
+    assert all(note.startswith(SEARCH_NOTES) for note in sol.notes)  # what plan --verbose alone prints
     assert valid(problem, sol.choice)
     assert sol.objective_value == problem.score(sol.choice).latency_ns
     assert sol.objective_value <= problem.objective_value(greedy_choice(problem), "latency")

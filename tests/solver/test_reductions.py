@@ -187,6 +187,7 @@ def test_a_sublayer_solve_starts_from_its_layer_granular_plan_when_that_beats_th
     sol = search.solve_problem(problem, "latency", time_limit_s=1.0, workers=1, hint=[1, 1, 1, 1])
     assert sol.objective_value < problem.objective_value([1, 1, 1, 1], "latency")
     assert any("each layer's parts together" in note for note in sol.notes)
+    assert all(note.startswith(search.SEARCH_NOTES) for note in sol.notes)  # what plan --verbose alone prints
 
 
 def test_streamed_units_become_resident_only_while_they_fit():

@@ -29,7 +29,6 @@ from .options import (
     workload_from,
 )
 from .output import console_for, errors_as_messages, progress, say_written
-from .tables import SOLVER_NOTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
@@ -79,6 +78,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, repeats: int,
         json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
+    from ..planner import SOLVER_NOTES
+
     console = console_for()
     pins = parse_pins(pin)
     if new_tokens < 2:

@@ -18,13 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..compare import StrategyOutcome
     from ..plan import Plan
 
-__all__ = ["SOLVER_NOTES", "plan_renderables", "comparison_table",
-           "where_computed", "why_lines", "presets_tables"]
-
-
-#: How the notes about the search itself begin (planner and solver): what it started from and where its bound came
-#: from. ``plan`` prints them with ``--verbose`` only; ``Plan.notes``, ``--json`` and ``explain`` keep them.
-SOLVER_NOTES = ("warm start:", "bound also from ", "started from a plan of ", "started from the best plan that ")
+__all__ = ["plan_renderables", "comparison_table", "where_computed", "why_lines", "presets_tables"]
 
 
 def plan_renderables(plan: Plan, *, notes: bool = True, solver_notes: bool = True) -> list[Any]:
@@ -32,10 +26,12 @@ def plan_renderables(plan: Plan, *, notes: bool = True, solver_notes: bool = Tru
 
     The rows come from :func:`placement_opt.report.plan_report`, the builder ``Plan.summary()``
     and the HTML report use too: the same figures under the same labels everywhere.
-    ``solver_notes=False`` leaves out the notes about the search itself (:data:`SOLVER_NOTES`).
+    ``solver_notes=False`` leaves out the notes about the search itself
+    (:data:`placement_opt.planner.SOLVER_NOTES`); ``Plan.notes``, ``--json`` and ``explain`` keep them.
     """
     import dataclasses
 
+    from ..planner import SOLVER_NOTES
     from ..report import plan_report, rich_renderables
 
     if not solver_notes:

@@ -85,7 +85,13 @@ from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups
 from .symmetry import identical_devices, relabel
 
 __all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
-           "COARSE_SHARE"]
+           "COARSE_SHARE", "SEARCH_NOTES"]
+
+#: How each of :attr:`Solution.notes` begins: what the search started from, and where its bound came from. They are
+#: for whoever tunes the solver; the CLI prints them with ``--verbose`` only (``placement_opt.planner.SOLVER_NOTES``).
+STARTED_FROM = "started from "
+BOUND_FROM = "bound also from "
+SEARCH_NOTES = (STARTED_FROM, BOUND_FROM)
 
 #: Least number of integer steps the hint's objective is divided into: sets ``scale_ns``.
 TIME_RESOLUTION = 200_000
@@ -283,19 +289,19 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
             start = _coarse_start(problem, objective, groups, run, (hint, hint_ok), latency_cap_ns, until)
             if start is not None:
                 hint, hint_ok = start, True
-            notes.append(f"started from a plan of {n} units coarsened into {len(groups)} super-units (runs of "
+            notes.append(f"{STARTED_FROM}a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
     elif (parts := part_groups(problem)) is not None:  # its own solve starts from the layer-granular plan
         span = PARTS_SHARE * (deadline - time.perf_counter())
         layered = _block_start(problem, objective, parts, run, (hint, hint_ok), latency_cap_ns, span)
         if layered is not None:
-            notes.append(f"started from the best plan that keeps each layer's expert groups together ({len(parts)} "
+            notes.append(f"{STARTED_FROM}the best plan that keeps each layer's expert groups together ({len(parts)} "
                          f"super-units) as well; the bound is the full problem's")
     elif (blocks := block_groups(problem)) is not None:
         span = BLOCK_SHARE * (deadline - time.perf_counter())
         layered = _block_start(problem, objective, blocks, run, (hint, hint_ok), latency_cap_ns, span)
         if layered is not None:
-            notes.append(f"started from the best plan that moves each layer's parts together ({len(blocks)} "
+            notes.append(f"{STARTED_FROM}the best plan that moves each layer's parts together ({len(blocks)} "
                          f"super-units) as well; the bound is the full problem's")
     relaxed = _Found([], "UNKNOWN", 0)
     others: list[list[int]] = []  # the layer-granular plan or the start it beat: polished too
@@ -316,7 +322,7 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
             hint, hint_ok = found.choice, True
         relaxed = _Found([], found.status if found.status == "INFEASIBLE" else relaxed.status,
                          max(relaxed.bound, found.bound))
-        notes.append(f"bound also from {name}")
+        notes.append(f"{BOUND_FROM}{name}")
         if relaxed.status == "INFEASIBLE" or (hint_ok and _proven(problem, objective, hint, relaxed.bound,
                                                                    run.gap_limit)):
             break
