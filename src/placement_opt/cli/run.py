@@ -41,6 +41,8 @@ __all__ = ["run"]
 PROMPT_SEED = 0
 #: What ``run`` says where ``load()`` asks a Python caller for an offload folder (runtime.checkpoint.OFFLOAD_DIR_HINT).
 CLI_OFFLOAD_HINT = "--offload-dir DIR"
+#: The row of the CPU's memory: what the forwards add to the process's RAM at their peak.
+CPU_ROW = "cpu memory growth, peak"
 
 
 @click.command()
@@ -69,13 +71,17 @@ CLI_OFFLOAD_HINT = "--offload-dir DIR"
 @click.option("--vs-accelerate", is_flag=True,
               help="then load it with from_pretrained(device_map='auto') under the same budgets (max_memory) and "
                    "run the same prompt: both measured side by side")
+@click.option("--fix-mmap-threshold", "fix_threshold", is_flag=True,
+              help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
+                   "forward takes then follows its live tensors, which the plan's CPU memory counts, at some speed "
+                   "(docs/limitations.md)")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="prefills timed (each on a new cache); the median is shown, and each is in --json")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, repeats: int,
+        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, fix_threshold: bool, repeats: int,
         json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     from ..planner import SOLVER_NOTES
@@ -87,6 +93,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if repeats < 1:
         raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
     check_expert_groups(expert_groups, granularity)
+    fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
         # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
         machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
@@ -108,7 +115,9 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if disk and not cold:
         console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
                       f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
-    console.print(_table(cost, timing))
+    rows = _rows(plan, cost, timing)
+    console.print(_table(rows, timing))
+    _say_heap(console, rows, fixed)
     if len(timing.prefill_runs_s) > 1:
         runs = timing.prefill_runs_s
         console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
@@ -221,7 +230,7 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     return evaluate(plan, graph, machine, workload)
 
 
-def _rows(cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str]]:
+def _rows(plan: Plan, cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str]]:
     """(what, predicted, measured, unit) for the table and the JSON."""
     steps = max(1, cost.workload.new_tokens)
     rows = [("prefill", cost.prefill_s, timing.prefill_s, "s"),
@@ -230,18 +239,51 @@ def _rows(cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str
     predicted = {m.device: m.used_bytes for m in cost.memory}
     for device, measured in timing.peak_gpu_bytes.items():
         rows.append((f"{device} peak memory", predicted.get(device), float(measured), "bytes"))
+    cpu = next((m for m in cost.memory if m.device == "cpu"), None)
+    if cpu is not None and timing.peak_cpu_growth_bytes is not None and _computes_on_cpu(plan):
+        # the resident weights were in RAM before the run: the forwards add the rest
+        rows.append((CPU_ROW, float(cpu.used_bytes - cpu.weights_bytes), float(timing.peak_cpu_growth_bytes),
+                     "bytes"))
     return rows
 
 
-def _table(cost: Any, timing: Timing) -> Any:
+def _fix_threshold(console: Any) -> bool:
+    from ..runtime.allocator import fix_mmap_threshold
+
+    if fix_mmap_threshold():
+        return True
+    console.print("note: --fix-mmap-threshold: this process does not allocate from glibc's heap (or glibc refused "
+                  "the value): its allocator is as it was")
+    return False
+
+
+def _say_heap(console: Any, rows: list[tuple[str, float | None, float, str]], fixed: bool) -> None:
+    """Why the CPU may have grown past its prediction, where glibc's dynamic threshold was left on."""
+    from ..runtime.allocator import glibc_heap
+
+    over = [(p, m) for what, p, m, _ in rows if what == CPU_ROW and p is not None and m > p]
+    if over and not fixed and glibc_heap():
+        console.print("note: the CPU grew past its prediction. With glibc's default (dynamic) mmap threshold, freed "
+                      "activations stay in the heap and the peak depends on the order of frees; the plan counts the "
+                      "live tensors. --fix-mmap-threshold makes the RAM follow them (docs/limitations.md: its cost)")
+
+
+def _computes_on_cpu(plan: Plan) -> bool:
+    """Whether the CPU computes some unit in either phase (else its growth is not what the plan prices)."""
+    return any("cpu" in (p.execution, p.prefill_execution) for p in plan.placements)
+
+
+def _table(rows: list[tuple[str, float | None, float, str]], timing: Timing) -> Any:
     from rich.table import Table
 
-    memory = ("GPU memory: torch.cuda.max_memory_allocated; " if timing.peak_gpu_bytes else "")
-    table = Table(title=f"Predicted by the plan, measured in this run ({memory}CPU memory is not measured here: see "
-                        f"benchmarks/cost_accuracy/memory.py)", title_justify="left")
+    memory = [*(["GPU memory: torch.cuda.max_memory_allocated"] if timing.peak_gpu_bytes else []),
+              *([f"{CPU_ROW}: the peak resident set over the run less the one before it, against the KV cache, "
+                 f"workspace and stream buffer the plan puts on the CPU"] if any(r[0] == CPU_ROW for r in rows) else [])]
+    how = f" ({'; '.join(memory)})" if memory else ""
+    table = Table(title=f"Predicted by the plan, measured in this run{how}", title_justify="left")
     for column in ("", "predicted", "measured", "measured / predicted"):
         table.add_column(column, justify="left" if not column else "right")
-    for what, predicted, measured, unit in _rows(cost, timing):
+    for what, predicted, measured, unit in rows:
         show = {"s": format_seconds, "bytes": format_bytes}.get(unit, lambda v: f"{v:.2f}")
         ratio = f"{measured / predicted:.2f}x" if predicted else "-"
         table.add_row(what, show(predicted) if predicted is not None else "-", show(measured), ratio)
@@ -250,7 +292,7 @@ def _table(cost: Any, timing: Timing) -> Any:
 
 def _figures(plan: Plan, cost: Any, timing: Timing) -> dict[str, Any]:
     return {"plan": plan.to_dict(), "measured": _measured(timing),
-            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(cost, timing)]}
+            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, cost, timing)]}
 
 
 def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool, int],
@@ -300,6 +342,7 @@ def _measured(timing: Timing) -> dict[str, Any]:
     return {"prefill_s": timing.prefill_s, "prefill_runs_s": list(timing.prefill_runs_s),
             "decode_step_s": list(timing.decode_step_s),
             "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
+            "peak_cpu_growth_bytes": timing.peak_cpu_growth_bytes,
             "tokens": [list(t) for t in timing.tokens]}
 
 

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
 import time
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ._rss import peak_bytes, reset_peak
 
 __all__ = ["Timing", "time_generation", "cache_argument", "cache_of", "last_logits_argument"]
 
@@ -41,6 +44,11 @@ class Timing:
     """``torch.cuda.max_memory_allocated`` of every CUDA device over the generation (empty without CUDA)."""
     prefill_runs_s: tuple[float, ...] = ()
     """Each timed prefill, in order (one unless ``prefill_repeats`` asked for more)."""
+    peak_cpu_growth_bytes: int | None = None
+    """The process's peak resident set over the warm-up and the generation, less the resident set just before:
+    what the forwards added to RAM at their peak (activations, KV cache, buffers, pages of memory-mapped disk
+    weights), the figure the plan's CPU KV cache, workspace and stream buffer predict. None where ``/proc`` does
+    not give it (not Linux)."""
 
     @property
     def decode_step_median_s(self) -> float:
@@ -58,7 +66,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
-    GPU memory counts from after the warm-up. ``before_each`` runs before every timed forward, untimed (e.g.
+    GPU memory counts from after the warm-up; the CPU's (resident set) from before it, since RAM the warm-up took
+    and freed stays with the process and serves the timed forwards. ``before_each`` runs before every timed forward, untimed (e.g.
     ``handle.drop_disk_cache`` for cold disk reads). ``prefill_repeats``: the prompt is timed that many times,
     each on a new cache, and the median is the prefill (one forward is one sample: on a busy machine the same
     run's prefill ratios moved 0.7-22x); decode steps are many already, their median rules."""
@@ -69,6 +78,11 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     steps: list[float] = []
     with torch.inference_mode():
         last = last_logits_argument(model)
+        if warmup:  # the libraries' one-off state (oneDNN's kernels, thread pools: ~11 MiB) is not the plan's;
+            # one token, which no plan's workload is smaller than (a call past it draws the dispatcher's warning)
+            model(input_ids=input_ids[:1, :1], use_cache=False, **last)
+        gc.collect()  # what earlier work left unreachable goes before the resident set is read
+        rss_before = reset_peak()
         if warmup:
             _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
         for index in gpus:
@@ -91,8 +105,10 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             tokens.append(token[:, 0].tolist())
     by_sequence = tuple(tuple(step[b] for step in tokens) for b in range(input_ids.shape[0]))
     peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in gpus}
+    rss_peak = peak_bytes() if rss_before is not None else None
     return Timing(batch_size=input_ids.shape[0], prefill_s=statistics.median(prefills), decode_step_s=tuple(steps),
-                  tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills))
+                  tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills),
+                  peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before))
 
 
 def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
