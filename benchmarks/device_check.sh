@@ -2,7 +2,7 @@
 # The GPU checks of issues 13 and 15, in the order they matter, each under its own time limit, for a GPU
 # machine lent for minutes (benchmarks/DEVICE.md says how to call it and what to carry there).
 #
-#   bash benchmarks/device_check.sh [STEP ...]      # default: setup tests memory
+#   bash benchmarks/device_check.sh [STEP ...]      # default: setup decode memory
 #
 # STEPs, each writing into $OUT (./device_out without it), at most 7 files in all:
 #   setup   the carried wheels (.whl/) into /tmp/site, placement_opt itself (editable, no dependencies),
@@ -17,11 +17,16 @@
 #   moe     issue 15: the same and expert groups, the Mixtral-8x7B shape cut to $MOE_LAYERS layers (default 8)
 #           at 24 GiB scaled to them (phases/gpu.py --case mixtral)                -> moe.md (log into decode.log)
 # Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300), MOE_S (300). A step past its limit gets
-# SIGINT (its temporary checkpoints are removed; SIGKILL 30 s later) and the next one runs; memory.md and
+# SIGINT (its scratch folder is removed; SIGKILL 30 s later) and the next one runs; memory.md and
 # decode.md hold every row finished by then, and the logs what the step printed.
+# The steps of a call (and of later calls while the machine stays warm) share one checkpoint per model shape and
+# the machine's profile, in $BENCH_SHARED (benchmarks/gpu_common.py): the Llama-3.1-8B shape is written once for
+# the memory and decode steps. A lent machine is discarded after the session; RM_SHARED=1 removes it at the end.
 set -u
 out=${OUT:-device_out}
 mkdir -p "$out"
+export BENCH_SHARED=${BENCH_SHARED:-/tmp/placement_opt_bench_shared}
+[ "${RM_SHARED:-0}" = 1 ] && trap 'rm -rf "$BENCH_SHARED"' EXIT
 
 step_setup() {
     if compgen -G ".whl/*.whl" >/dev/null; then
@@ -67,7 +72,7 @@ step_moe() {
 
 export PYTHONUNBUFFERED=1
 status=0
-for step in "${@:-setup tests memory}"; do
+for step in "${@:-setup decode memory}"; do
     for one in $step; do
         case "$one" in
             setup|tests|memory|decode|moe) ;;

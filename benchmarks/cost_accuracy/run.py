@@ -371,18 +371,6 @@ GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's shape, the issue's run
 
 
-def random_weights(model: torch.nn.Module) -> None:
-    """Random weights at memory speed (calibrate's tiled block; drawing 8 B values takes about 90 s), norms at 1
-    so that 32 layers keep their activations (and greedy tokens) well apart from ties."""
-    from placement_opt.runtime.calibrate import _fill
-
-    _fill(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.fill_(1.0)
-
-
 def gpu_part(args: argparse.Namespace, work: Path,
              emit: Callable[[list[str]], None] = lambda lines: None) -> list[str]:  # pragma: no cover - needs a GPU
     """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not.
@@ -393,8 +381,7 @@ def gpu_part(args: argparse.Namespace, work: Path,
     """
     if not torch.cuda.is_available():
         return ["No CUDA device on this machine: the GPU part was skipped."]
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from transformers.initialization import no_init_weights
+    from transformers import LlamaConfig
 
     import placement_opt
     from placement_opt.cost.evaluate import evaluate, predicted_memory
@@ -402,16 +389,15 @@ def gpu_part(args: argparse.Namespace, work: Path,
     from placement_opt.model.tracer import trace
     from placement_opt.units import format_bytes, parse_size
 
-    path = work / "gpu-model"
+    sys.path.insert(0, str(HERE.parent))
+    from gpu_common import profile_once, random_checkpoint, use_profile
+
     config = LlamaConfig(**GPU_SHAPE, tie_word_embeddings=False, max_position_embeddings=8192)
     config.dtype = "bfloat16"
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    random_weights(model)
-    model.save_pretrained(path)
-    del model
+    use_profile(work)  # within one device_check.sh call, the steps share the checkpoint and the profile
+    path = random_checkpoint(config, work)
     graph = trace(str(path))
-    placement_opt.profile(["cuda:0", "cpu"], dtype="bfloat16", quick=args.quick)
+    profile_once(["cuda:0", "cpu"], "bfloat16", quick=args.quick)
     total = torch.cuda.get_device_properties(0).total_memory
     max_memory = {0: args.gpu_budget, "cpu": "100GiB"}
     lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "

@@ -41,7 +41,6 @@ import datetime as dt
 import gc
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -54,7 +53,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 from run import _modes, _split  # noqa: E402  (this folder's pricing benchmark: the same unit summaries)
+
+from gpu_common import profile_once, random_checkpoint, remove_unshared, use_profile  # noqa: E402
 
 EVERY = ("resident", "stream", "phased")
 RUNNERS = ("accelerate auto", "layer", "phased", "sublayer")
@@ -119,24 +121,14 @@ def mixtral_budget(layers: int) -> str:
     return f"{max(1, round(24 * layers / 32))}GiB"
 
 
-def write_checkpoint(case: Case, path: Path) -> None:
-    """Random bf16 weights of ``case``'s shape, written with ``save_pretrained`` (4 GB shards): calibrate's tiled
-    random block (drawing 8 B values one by one takes about 90 s; this runs at memory speed), norms at 1."""
+def case_config(case: Case) -> Any:
+    """The transformers config of ``case``'s shape, in bf16, with its own lm_head (as the issue's checkpoints)."""
     import transformers as T
-    from transformers.initialization import no_init_weights
-
-    from placement_opt.runtime.calibrate import _fill
 
     config_class = T.MixtralConfig if case.family == "mixtral" else T.LlamaConfig
     config = config_class(**case.shape, tie_word_embeddings=False)
-    with no_init_weights():
-        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    _fill(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:  # norms: at 1, so that the layers keep the activations (and greedy tokens) apart
-                param.fill_(1.0)
-    model.save_pretrained(path, max_shard_size="4GB")
+    config.dtype = "bfloat16"
+    return config
 
 
 def max_memory(budget: str, smoke: bool) -> dict[Any, str]:
@@ -258,8 +250,7 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, done: list[Row] |
     import placement_opt
     from placement_opt.cost.workload import Workload
 
-    path = work / case.name.split(",")[0].replace(" ", "-")
-    write_checkpoint(case, path)
+    path = random_checkpoint(case_config(case), work)  # written once per device_check.sh call (BENCH_SHARED)
     batch, prompt, steps = case.workload
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
     # block and sublayer units both (each runner's plan priced from its own units' times), and the groups' shapes
@@ -279,7 +270,7 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, done: list[Row] |
                 print(table([row])[-1], flush=True)
                 emit([*(done or []), *rows])
     finally:
-        shutil.rmtree(path, ignore_errors=True)  # the next case's checkpoint needs the disk
+        remove_unshared(path)  # the next case's checkpoint needs the disk
     return rows
 
 
@@ -347,10 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="phases_gpu_") as tmp:
         work = Path(tmp)
-        os.environ["PLACEMENT_OPT_PROFILE"] = str(work / "profile.json")  # never the user's own profile
-        import placement_opt
-
-        placement_opt.profile(compute_devices(args.smoke), dtype="bfloat16", quick=args.smoke)
+        use_profile(work)  # never the user's own profile
+        profile_once(compute_devices(args.smoke), "bfloat16", quick=args.smoke)
         out = args.out or (None if args.smoke else HERE / "GPU.md")
         # written after every row: a run stopped by its time limit keeps what it measured
         emit = (lambda so_far: write(out, so_far, args, time.perf_counter() - started)) if out else (lambda so_far: None)

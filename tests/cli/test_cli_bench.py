@@ -91,3 +91,29 @@ def test_cost_accuracy_tells_swapped_near_ties_from_swapped_placements():
     assert near.startswith("matches but for near ties") and "a measured 2% faster than b" in near
     far = run.ranking(rows(a=(1.1, 1.00), b=(1.0, 1.20)), "m", "r", "prefill", "after_s")
     assert far.startswith("DIFFERS") and "a measured 20% faster than b" in far
+
+
+def test_the_gpu_benchmarks_share_one_checkpoint_per_shape_within_a_device_check_call(tmp_path, monkeypatch):
+    """BENCH_SHARED: a checkpoint written once under a name of its shape, read again by a later step, and left for
+    device_check.sh to remove; without it, written into the step's own folder and removed by it."""
+    from transformers import LlamaConfig
+
+    common = _script_module("gpu_common", REPO / "benchmarks" / "gpu_common.py")
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    config.dtype = "float32"
+    monkeypatch.delenv(common.SHARED_ENV, raising=False)
+    own = common.random_checkpoint(config, tmp_path / "step")
+    assert own.parent == tmp_path / "step" and (own / "config.json").exists()
+    common.remove_unshared(own)
+    assert not own.exists()
+
+    monkeypatch.setenv(common.SHARED_ENV, str(tmp_path / "shared"))
+    first = common.random_checkpoint(config, tmp_path / "step1")
+    written = {f.name: f.stat().st_mtime_ns for f in first.iterdir()}
+    again = common.random_checkpoint(config, tmp_path / "step2")
+    assert again == first and {f.name: f.stat().st_mtime_ns for f in again.iterdir()} == written  # not rewritten
+    common.remove_unshared(again)
+    assert first.exists()  # the call's later steps still read it
+    other = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
+    assert common.random_checkpoint(other, tmp_path / "step3") != first  # another shape, another checkpoint
