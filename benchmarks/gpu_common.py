@@ -2,8 +2,8 @@
 published shape with random weights, and the machine's profile.
 
 A GPU machine is lent for minutes, and writing a 16 GB checkpoint or profiling the machine takes a good share of
-them. With ``BENCH_SHARED`` set to a folder (``device_check.sh`` sets it for the steps of one call, and removes the
-folder at the end), each checkpoint is written there once, under a name made of its shape, and every later step of
+them. With ``BENCH_SHARED`` set to a folder (``device_check.sh`` sets it; the folder stays for the next call while
+the machine is warm, and goes with the machine), each checkpoint is written there once, under a name made of its shape, and every later step of
 the call that asks for the same shape reads it; the profile (and the calibrations ``calibrate()`` adds to it) lives
 there as well, and a step whose devices and dtype were profiled already skips ``profile()``. Without it each
 benchmark writes into its own scratch folder, which it removes.
@@ -94,6 +94,6 @@ def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
 
 
 def remove_unshared(path: Path) -> None:
-    """Remove a checkpoint of :func:`random_checkpoint` unless the steps share it (device_check.sh removes those)."""
+    """Remove a checkpoint of :func:`random_checkpoint` unless the steps share it (it stays for the next step)."""
     if shared_folder() is None or path.parent != shared_folder():
         shutil.rmtree(path, ignore_errors=True)

@@ -95,7 +95,7 @@ def test_cost_accuracy_tells_swapped_near_ties_from_swapped_placements():
 
 def test_the_gpu_benchmarks_share_one_checkpoint_per_shape_within_a_device_check_call(tmp_path, monkeypatch):
     """BENCH_SHARED: a checkpoint written once under a name of its shape, read again by a later step, and left for
-    device_check.sh to remove; without it, written into the step's own folder and removed by it."""
+    the machine's life (device_check.sh); without it, written into the step's own folder and removed by it."""
     from transformers import LlamaConfig
 
     common = _script_module("gpu_common", REPO / "benchmarks" / "gpu_common.py")
