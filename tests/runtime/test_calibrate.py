@@ -178,7 +178,7 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
     # A dense layer's prefill reads the bytes a decode step reads, with more compute to hide them behind; an
     # embedding's prefill looks up more rows than a step does, and keeps its own figure; accelerate's
     # synchronous reads are kept as timed.
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_disk as calibrate_module
 
     graph = trace(tiny_config())
     cold = {"prefill": {"model.layers.0": 0.9, "model.embed_tokens": 0.9},
@@ -232,7 +232,7 @@ def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_v
 @pytest.mark.parametrize(("budget_s", "most", "steps"), [(0.0, 16, 3), (1e9, 5, 5)])
 def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path, monkeypatch, budget_s, most,
                                                                          steps) -> None:
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_disk as calibrate_module
 
     evicted: list[list[str]] = []  # the names of the files of each eviction, in order
     monkeypatch.setattr(calibrate_module, "drop_page_cache", lambda paths: evicted.append([p.name for p in paths]))
@@ -252,7 +252,7 @@ def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path,
 
 
 class _Clock:
-    """A stand-in for calibrate's ``time``: seconds pass only when a :class:`_Forward` runs."""
+    """A stand-in for the calibration clock's ``time``: seconds pass only when a :class:`_Forward` runs."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -291,7 +291,7 @@ def test_a_slow_first_call_is_never_the_figure_and_a_slow_forward_is_timed_twice
 
     import torch
 
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_clock as calibrate_module
 
     clock = _Clock()
     monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
@@ -429,7 +429,7 @@ def test_calibrate_refuses_granularities_solve_would_refuse(tmp_path) -> None:
 def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_path, monkeypatch) -> None:
     # Consecutive units of one shape read side by side (the read-ahead chain): the first waits for its pages
     # while the next one's compete with them. Each group is charged the pair's mean, not the first's read.
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_disk as calibrate_module
 
     graph = trace(tiny_mixtral(), granularity="sublayer", expert_groups=2)
     first, second = "model.layers.0.mlp.experts.groups.0", "model.layers.0.mlp.experts.groups.1"
@@ -470,7 +470,7 @@ def test_the_passes_time_every_shape_of_every_cut_once_and_first_where_it_first_
 @pytest.mark.parametrize("least_bytes", [0, 1 << 20])
 def test_disk_reads_are_timed_in_chains_of_one_shape_as_a_plan_offloading_that_part_reads_them(
         monkeypatch, least_bytes: int) -> None:
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_disk as calibrate_module
 
     monkeypatch.setattr(calibrate_module, "CHAIN_MIN_BYTES", least_bytes)
     graph = trace(tiny_mixtral(), granularity="sublayer")

@@ -1,0 +1,141 @@
+"""How :func:`~.calibrate.calibrate` clocks a forward: per-unit stamps, and how many calls make a figure.
+
+A unit's time runs from its call to the next unit's call (:class:`_Stamps`), so the glue between units counts
+with the unit before it and the units add up to the whole forward. :func:`_repeated` decides how many calls
+are timed (a warm-up first, more for fast forwards, one for slow ones, a first-call stall never the figure);
+:func:`_typical` takes each unit's median over them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.graph import LayerGraph
+from .timing import last_logits_argument
+
+#: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
+MIN_TIMED_S = 0.5
+#: At most this many timed forwards of one shape.
+MAX_RUNS = 20
+#: A warm-up faster than this is followed by two more (first calls of small shapes run slow).
+FAST_FORWARD_S = 0.2
+#: A warm-up slower than this is followed by one timed call only, the figure alone: a 7B layer's 32-token
+#: prefill takes ~1 s on 2 cores, and repeating it would cost seconds per prompt length ...
+SLOW_FORWARD_S = 0.5
+#: ... unless that call ran this many times faster than the warm-up: then the warm-up was a first-call stall,
+#: not a slow forward, and the call is the warm-up in its place (see :func:`_repeated`).
+STALL_RATIO = 2.0
+class _Stamps:
+    """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[str, Any]] = []
+        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
+
+    def _now(self) -> Any:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def mark(_module: nn.Module, _args: Any) -> None:
+            self.marks.append((name, self._now()))
+        return mark
+
+    def run(self, call: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+        self.marks = []
+        begin = self._now()
+        out = call()
+        end = self._now()
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
+        seconds: dict[str, float] = {}
+        stamps = [begin, *(t for _, t in self.marks[1:]), end]
+        for (name, _), start, stop in zip(self.marks, stamps, stamps[1:], strict=False):
+            seconds[name] = seconds.get(name, 0.0) + self._elapsed(start, stop)
+        return seconds, out
+
+    def _elapsed(self, start: Any, stop: Any) -> float:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            return start.elapsed_time(stop) / 1e3
+        return stop - start
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The median seconds of each unit over the runs: on a machine other jobs share, the fastest run
+    is luck and the slowest a busy moment, while a plan runs through the usual ones."""
+    by_unit: dict[str, list[float]] = {}
+    for run in runs:
+        for name, seconds in run.items():
+            by_unit.setdefault(name, []).append(seconds)
+    return {name: statistics.median(values) for name, values in by_unit.items()}
+
+
+def _unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
+    """The modules of ``graph``'s units that the cut copy has (the layers beyond the cut are gone)."""
+    present = dict(model.named_modules())
+    return {name: present[name] for name in graph.names() if name in present}
+
+
+def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
+    """One warm-up, then timed calls: at least ``repeats``, more while they add up to under
+    :data:`MIN_TIMED_S` (fast forwards vary most: first calls of a shape, a busy moment).
+
+    A warm-up over :data:`SLOW_FORWARD_S` is followed by one timed call, the figure alone (a slow forward
+    is not repeated: two calls in all), unless that call ran :data:`STALL_RATIO` times faster: then the
+    warm-up was a first-call stall and the call is the warm-up in its place, the rule applied again from
+    it. The warm-up is never the figure.
+
+    Returns the per-unit seconds of every timed call and the last call's output.
+    """
+    runs: list[dict[str, float]] = []
+    took, (seconds, out) = _clocked(call, stamps)
+    # A slow first call is not taken for the forward's time: it may be a stall (allocator pages, lazy
+    # init, kernel selection, a busy moment on a shared machine). Taking the warm-up alone as the figure
+    # recorded a tiny random Mixtral's model.layers.0 prefill (4 experts, 4 layers, 16-token prompt, a
+    # whole forward ~2 ms) at 231-239 ms in three calibrations and 0.37-0.41 ms in four: the first
+    # forwards of a fresh process took 180-860 ms on a shared 2-core machine. A slow forward costs one
+    # more call (a 3 s forward is timed at 3 s in 6 s, not repeated further); a stall, a few more while
+    # each call runs much faster than the one before it (halving each time: bounded).
+    while took > SLOW_FORWARD_S:
+        out = None  # the previous output (a KV cache) is freed before the next call
+        again, (seconds, out) = _clocked(call, stamps)
+        if again * STALL_RATIO > took:
+            return [seconds], out  # not much faster: a slow forward, and this call is its figure
+        took = again  # much faster: the call before was a stall, and this one is the warm-up
+    if took < FAST_FORWARD_S:  # the first calls of a small shape are slow for a while (allocator, kernels)
+        for _ in range(2):
+            stamps.run(call)
+    spent, out = 0.0, None
+    while len(runs) < repeats or (spent < MIN_TIMED_S and len(runs) < MAX_RUNS):
+        start = time.perf_counter()
+        out = None  # the previous output (a KV cache) is freed before the next call
+        seconds, out = stamps.run(call)
+        runs.append(seconds)
+        spent += time.perf_counter() - start
+    return runs, out
+
+
+def _clocked(call: Callable[[], Any], stamps: _Stamps) -> tuple[float, tuple[dict[str, float], Any]]:
+    """The wall-clock seconds of one stamped call, and what :meth:`_Stamps.run` returned."""
+    start = time.perf_counter()
+    ran = stamps.run(call)
+    return time.perf_counter() - start, ran
+
+
+def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model takes it and generation keeps the last position only."""
+    return last_logits_argument(model) if kept == "last" else {}
