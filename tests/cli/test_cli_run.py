@@ -238,3 +238,16 @@ def test_run_measures_the_cpu_s_memory_beside_its_prediction_with_the_threshold_
     assert row["measured"] >= kv_bytes
     # 1.013-1.015 in three runs on the 2-core CI machine; glibc's default threshold read 0.63-0.83 there
     assert 0.95 <= row["predicted"] / row["measured"] <= 1.25, row
+
+
+@pytest.mark.parametrize(("measured", "fixed", "said"), [(2.0, False, True), (2.0, True, False), (0.5, False, False)])
+def test_run_says_why_the_cpu_grew_past_its_prediction_only_where_the_threshold_was_left_dynamic(
+        measured, fixed, said):
+    from rich.console import Console
+
+    from placement_opt.cli import run as run_module
+    from placement_opt.runtime.allocator import glibc_heap
+
+    console = Console(record=True, width=200)
+    run_module._say_heap(console, [("prefill", 1.0, 1.0, "s"), (run_module.CPU_ROW, 1.0, measured, "bytes")], fixed)
+    assert ("--fix-mmap-threshold makes the RAM follow them" in console.export_text()) == (said and glibc_heap())

@@ -261,7 +261,8 @@ def _say_heap(console: Any, rows: list[tuple[str, float | None, float, str]], fi
     """Why the CPU may have grown past its prediction, where glibc's dynamic threshold was left on."""
     from ..runtime.allocator import glibc_heap
 
-    over = [(p, m) for what, p, m, _ in rows if what == CPU_ROW and p is not None and m > p]
+    over = any(what == CPU_ROW and predicted is not None and measured > predicted
+               for what, predicted, measured, _ in rows)
     if over and not fixed and glibc_heap():
         console.print("note: the CPU grew past its prediction. With glibc's default (dynamic) mmap threshold, freed "
                       "activations stay in the heap and the peak depends on the order of frees; the plan counts the "
