@@ -155,3 +155,47 @@ def test_a_strategy_that_could_not_run_reads_not_run_not_no_plan(tmp_path):
     assert "accelerate not run: strategy 'accelerate' needs the model's config" in text
     page = save_report(report_plan(), tmp_path / "plan.html", found).read_text()
     assert "not run: strategy" in page and "no plan: strategy" not in page
+
+
+def test_the_parts_grid_draws_each_layers_parts_where_they_compute_and_are_stored():
+    from dataclasses import replace
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from placement_opt.cli.pictures import parts_grid, placement_strip, report_figure
+    from placement_opt.errors import PlacementError
+    from placement_opt.plan import UnitPlacement
+
+    plan = report_plan(n_layers=3)
+    with pytest.raises(PlacementError, match="no parts of layers"):
+        parts_grid(plan)  # whole units: the strip alone
+    # attention resident on the GPU; the MLP computed on the CPU in layers 0-1, streamed from the CPU in layer 2
+    parts = [UnitPlacement(unit="embed", storage="cuda:0", execution="cuda:0", mode="resident")]
+    for i in range(3):
+        parts += [UnitPlacement(unit=f"layers.{i}.self_attn", storage="cuda:0", execution="cuda:0",
+                                mode="resident", copy_group=f"layers.{i}"),
+                  UnitPlacement(unit=f"layers.{i}.mlp", storage="cpu", execution="cpu" if i < 2 else "cuda:0",
+                                mode="resident" if i < 2 else "stream", copy_group=f"layers.{i}")]
+    parts.append(UnitPlacement(unit="head", storage="cuda:0", execution="cuda:0", mode="resident"))
+    split = replace(plan, placements=tuple(parts), cost=replace(plan.cost, units=()))
+    ax = parts_grid(split)
+    colors = device_colors(split.machine.names)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["self_attn", "mlp"]
+    cells = {(round(b.get_x()), round(b.get_y(), 2)): b for b in ax.patches}  # (layer, row bottom)
+
+    def rgb(name):
+        return matplotlib.colors.to_rgba(colors[name])
+
+    for layer in range(3):  # the first part on top: self_attn's row starts at 1, mlp's at 0
+        assert cells[(layer, 1.0)].get_facecolor() == rgb("cuda:0")   # attention computes on the GPU ...
+        assert cells[(layer, 1.75)].get_facecolor() == rgb("cuda:0")  # ... where it is stored
+        assert cells[(layer, 0.75)].get_facecolor() == rgb("cpu")     # the MLP is stored on the CPU
+    assert cells[(0, 0.0)].get_facecolor() == rgb("cpu") and not cells[(0, 0.0)].get_hatch()
+    assert cells[(2, 0.0)].get_facecolor() == rgb("cuda:0") and cells[(2, 0.0)].get_hatch()  # streamed
+    figure = report_figure(split)
+    assert len(figure.axes) == 3  # strip, parts, memory
+    assert len(report_figure(plan).axes) == 2  # whole units: no grid
+    matplotlib.pyplot.close("all")
+    placement_strip(split)  # the strip still draws every unit
+    matplotlib.pyplot.close("all")

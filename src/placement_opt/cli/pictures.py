@@ -4,6 +4,9 @@ Three charts, each drawn on a matplotlib ``Axes`` you may pass in (or a new figu
 
 - :func:`placement_strip`: units in execution order, top row coloured by storage device,
   bottom row by execution device; streamed units are hatched.
+- :func:`parts_grid` (plans of sublayer units): one column per decoder layer, one row per part
+  (attention, norms, MLP, router, experts or expert groups), so that "attention on the GPU, experts on
+  the CPU" reads at a glance where the strip draws an 80 MiB attention as a sliver beside 2.6 GiB of experts.
 - :func:`memory_bars`: memory per device as stacked bars (weights / KV cache / workspace /
   stream buffer / other / free), in percent of capacity with the absolute sizes written on.
 - :func:`comparison_chart`: estimated time per strategy, OOM strategies marked in red.
@@ -36,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "placement_strip",
+    "parts_grid",
     "memory_bars",
     "comparison_chart",
     "report_figure",
@@ -234,17 +238,80 @@ def comparison_chart(outcomes: Sequence[StrategyOutcome], ax: Axes | None = None
 
 
 def report_figure(plan: Plan, outcomes: Sequence[StrategyOutcome] = ()) -> Figure:
-    """One figure with the placement strip, the memory bars and (if given) the comparison."""
+    """One figure with the placement strip, the parts grid (plans of sublayer units), the memory bars and (if
+    given) the comparison."""
     plt = _pyplot()
-    rows = 3 if outcomes else 2
-    heights = [1.3, 0.8 + 0.45 * len(plan.cost.memory)] + ([0.8 + 0.45 * len(outcomes)] if outcomes else [])
-    fig = plt.figure(figsize=(12, sum(heights) + 1.6 * rows), layout="constrained")
-    axes = fig.subplots(rows, 1, gridspec_kw={"height_ratios": heights})
-    placement_strip(plan, axes[0])
-    memory_bars(plan, axes[1])
+    parts = _layer_parts(plan)[1]
+    charts: list[tuple[float, Any]] = [(1.3, lambda ax: placement_strip(plan, ax))]
+    if parts:
+        charts.append((0.3 * len(parts) + 0.4, lambda ax: parts_grid(plan, ax)))
+    charts.append((0.8 + 0.45 * len(plan.cost.memory), lambda ax: memory_bars(plan, ax)))
     if outcomes:
-        comparison_chart(outcomes, axes[2])
+        charts.append((0.8 + 0.45 * len(outcomes), lambda ax: comparison_chart(outcomes, ax)))
+    heights = [height for height, _ in charts]
+    fig = plt.figure(figsize=(12, sum(heights) + 1.6 * len(charts)), layout="constrained")
+    axes = fig.subplots(len(charts), 1, gridspec_kw={"height_ratios": heights})
+    for ax, (_, draw) in zip(axes, charts, strict=True):
+        draw(ax)
     return fig
+
+
+def parts_grid(plan: Plan, ax: Axes | None = None) -> Axes:
+    """Draw a plan's sublayer units as a grid: a column per decoder layer, a row per part.
+
+    A cell is coloured by where the part computes in the decode, with a band along its top in the colour of
+    where it is stored; a streamed part is hatched (a phased one too: streamed to its prefill device for the
+    prompt). Units that are not parts of a layer (embeddings, the final norm, lm_head) are the strip's alone.
+
+    Example::
+
+        ax = parts_grid(plan)       # plan = solve(model, devices, granularity="sublayer")
+        ax.figure.savefig("parts.png")
+
+    Raises:
+        PlacementError: the plan has no sublayer units (a ValueError): draw :func:`placement_strip` instead.
+    """
+    layers, parts = _layer_parts(plan)
+    if not parts:
+        raise PlacementError(f"the plan for {plan.model_name!r} places whole units, no parts of layers: "
+                             f"draw placement_strip(plan), or solve with granularity='sublayer'")
+    ax = _axes(ax, (12, 0.3 * len(parts) + 1.2))
+    colors = device_colors(plan.machine.names)
+    column = {layer: k for k, layer in enumerate(layers)}
+    row = {part: len(parts) - 1 - k for k, part in enumerate(parts)}  # the first part on top
+    for p in plan.placements:
+        if p.copy_group is None or p.copy_group not in column:
+            continue
+        x, y = column[p.copy_group], row[p.unit[len(p.copy_group) + 1:]]
+        hatch = "///" if p.storage != p.execution or p.prefill_execution else None
+        cell = {"width": 1.0, "align": "edge", "edgecolor": "white", "linewidth": 0.5}
+        ax.bar(x, 0.75, bottom=y, color=colors.get(p.execution, "#cccccc"), hatch=hatch, **cell)
+        ax.bar(x, 0.25, bottom=y + 0.75, color=colors.get(p.storage, "#cccccc"), **cell)
+    ax.set_xlim(0, len(layers))
+    ax.set_ylim(0, len(parts))
+    ax.set_yticks([row[part] + 0.5 for part in parts])
+    ax.set_yticklabels(parts, fontsize=8)
+    step = max(1, len(layers) // 16)
+    ax.set_xticks([k + 0.5 for k in range(0, len(layers), step)])
+    ax.set_xticklabels([str(k) for k in range(0, len(layers), step)], fontsize=8)
+    ax.set_xlabel(f"decoder layers ({layers[0]} ... {layers[-1]}); cell: computes on (decode), top band: stored on, "
+                  f"hatched: streamed (phased: for the prompt)")
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.set_title("parts of each layer", fontsize=10, loc="left")
+    return ax
+
+
+def _layer_parts(plan: Plan) -> tuple[list[str], list[str]]:
+    """The layers whose parts a plan places (``copy_group``, in execution order) and the parts' names under a
+    layer, in the order they first run (``self_attn``, ``mlp.experts.groups.0``, ...); both empty for a plan of
+    whole units."""
+    layers: dict[str, None] = {}
+    parts: dict[str, None] = {}
+    for p in plan.placements:
+        if p.copy_group is not None and p.unit.startswith(f"{p.copy_group}."):
+            layers[p.copy_group] = None
+            parts[p.unit[len(p.copy_group) + 1:]] = None
+    return list(layers), list(parts)
 
 
 def _svg(fig: Figure) -> str:
