@@ -188,7 +188,7 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
     resident = {"prefill": {"model.layers.0": 0.1, "model.embed_tokens": 0.1},
                 "decode": {"model.layers.0": 0.1, "model.embed_tokens": 0.0}}
     names = {"model.layers.0": "layer", "model.embed_tokens": "embed"}
-    reads = calibrate_module._time_disk_reads(None, graph, graph, names, WORKLOAD, resident, tmp_path)
+    reads = calibrate_module.time_disk_reads(None, graph, graph, names, WORKLOAD, resident, tmp_path)
     assert reads["layer"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.2, "decode": 0.2})
     assert reads["embed"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.8, "decode": 0.1})
     assert reads["layer"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.8, "decode": 0.2})
@@ -296,10 +296,10 @@ def test_a_slow_first_call_is_never_the_figure_and_a_slow_forward_is_timed_twice
     clock = _Clock()
     monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     unit = _forward(clock, schedule)
-    stamps = calibrate_module._Stamps({"unit": unit}, torch.device("cpu"))
-    runs, out = calibrate_module._repeated(lambda: unit(), stamps, repeats=2)
+    stamps = calibrate_module.Stamps({"unit": unit}, torch.device("cpu"))
+    runs, out = calibrate_module.repeated(lambda: unit(), stamps, repeats=2)
     assert unit.calls == calls
-    assert calibrate_module._typical(runs) == {"unit": pytest.approx(figure)}
+    assert calibrate_module.typical(runs) == {"unit": pytest.approx(figure)}
     assert out == calls  # the last call's output
 
 
@@ -437,7 +437,7 @@ def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_pat
     monkeypatch.setattr(calibrate_module, "_run_mapped", lambda *args: cold)
     resident = {"prefill": {first: 0.05, second: 0.05}, "decode": {first: 0.01, second: 0.01}}
     key = shape_key(graph.unit(first), graph.meta.dtype, graph.meta.seq_len)
-    reads = calibrate_module._time_disk_reads(None, graph, graph, {first: key}, MOE_WORKLOAD, resident, tmp_path)
+    reads = calibrate_module.time_disk_reads(None, graph, graph, {first: key}, MOE_WORKLOAD, resident, tmp_path)
     assert set(reads[key]["disk->cpu"]) == {"stream"}  # accelerate has no expert groups to run
     assert reads[key]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.25, "decode": 0.29})
 

@@ -1,9 +1,9 @@
 """How :func:`~.calibrate.calibrate` clocks a forward: per-unit stamps, and how many calls make a figure.
 
-A unit's time runs from its call to the next unit's call (:class:`_Stamps`), so the glue between units counts
-with the unit before it and the units add up to the whole forward. :func:`_repeated` decides how many calls
+A unit's time runs from its call to the next unit's call (:class:`Stamps`), so the glue between units counts
+with the unit before it and the units add up to the whole forward. :func:`repeated` decides how many calls
 are timed (a warm-up first, more for fast forwards, one for slow ones, a first-call stall never the figure);
-:func:`_typical` takes each unit's median over them.
+:func:`typical` takes each unit's median over them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from torch import nn
 from ..model.graph import LayerGraph
 from .timing import last_logits_argument
 
+__all__ = ["Stamps", "repeated", "typical", "unit_modules", "logits_argument", "MIN_TIMED_S", "MAX_RUNS",
+           "FAST_FORWARD_S", "SLOW_FORWARD_S", "STALL_RATIO"]
+
 #: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
 MIN_TIMED_S = 0.5
 #: At most this many timed forwards of one shape.
@@ -29,9 +32,9 @@ FAST_FORWARD_S = 0.2
 #: prefill takes ~1 s on 2 cores, and repeating it would cost seconds per prompt length ...
 SLOW_FORWARD_S = 0.5
 #: ... unless that call ran this many times faster than the warm-up: then the warm-up was a first-call stall,
-#: not a slow forward, and the call is the warm-up in its place (see :func:`_repeated`).
+#: not a slow forward, and the call is the warm-up in its place (see :func:`repeated`).
 STALL_RATIO = 2.0
-class _Stamps:
+class Stamps:
     """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
 
     def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
@@ -74,7 +77,7 @@ class _Stamps:
             handle.remove()
 
 
-def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+def typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """The median seconds of each unit over the runs: on a machine other jobs share, the fastest run
     is luck and the slowest a busy moment, while a plan runs through the usual ones."""
     by_unit: dict[str, list[float]] = {}
@@ -84,13 +87,13 @@ def _typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in by_unit.items()}
 
 
-def _unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
+def unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:
     """The modules of ``graph``'s units that the cut copy has (the layers beyond the cut are gone)."""
     present = dict(model.named_modules())
     return {name: present[name] for name in graph.names() if name in present}
 
 
-def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
+def repeated(call: Callable[[], Any], stamps: Stamps, repeats: int) -> tuple[list[dict[str, float]], Any]:
     """One warm-up, then timed calls: at least ``repeats``, more while they add up to under
     :data:`MIN_TIMED_S` (fast forwards vary most: first calls of a shape, a busy moment).
 
@@ -129,13 +132,13 @@ def _repeated(call: Callable[[], Any], stamps: _Stamps, repeats: int) -> tuple[l
     return runs, out
 
 
-def _clocked(call: Callable[[], Any], stamps: _Stamps) -> tuple[float, tuple[dict[str, float], Any]]:
-    """The wall-clock seconds of one stamped call, and what :meth:`_Stamps.run` returned."""
+def _clocked(call: Callable[[], Any], stamps: Stamps) -> tuple[float, tuple[dict[str, float], Any]]:
+    """The wall-clock seconds of one stamped call, and what :meth:`Stamps.run` returned."""
     start = time.perf_counter()
     ran = stamps.run(call)
     return time.perf_counter() - start, ran
 
 
-def _logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
+def logits_argument(model: nn.Module, kept: str) -> dict[str, int]:
     """``logits_to_keep=1`` where the model takes it and generation keeps the last position only."""
     return last_logits_argument(model) if kept == "last" else {}

@@ -26,12 +26,14 @@ from ..cost.workload import Workload
 from ..model.expert_groups import group_counts
 from ..model.graph import LayerGraph
 from ..plan import Plan
-from ._calibrate_clock import _logits_argument, _Stamps, _typical, _unit_modules
+from ._calibrate_clock import Stamps, logits_argument, typical, unit_modules
 from ._safetensors_file import drop_page_cache
 from .timing import cache_argument, cache_of
 
+__all__ = ["time_disk_reads", "DISK_STEPS", "DISK_BUDGET_S", "MAX_DISK_STEPS", "MAX_DISK_PREFILLS", "CHAIN_MIN_BYTES"]
 
-def _time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, representatives: Mapping[str, str],
+
+def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, representatives: Mapping[str, str],
                      workload: Workload, resident: Mapping[str, Mapping[str, float]], folder: Path
                      ) -> dict[str, dict[str, Any]]:
     """Seconds a CPU-executed unit adds per forward when its weights come from a cold disk, both ways
@@ -190,7 +192,7 @@ def _run_accelerate(model: nn.Module, graph: LayerGraph, _copy_graph: LayerGraph
     except ImportError:  # pragma: no cover - accelerate is a dependency
         return None
     clone = copy.deepcopy(model)  # accelerate leaves offloaded parameters on the meta device
-    units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in _unit_modules(clone, graph)}
+    units = {name: "disk" if graph.unit(name).weight_bytes > 0 else "cpu" for name in unit_modules(clone, graph)}
     dispatch_model(clone, device_map=units, offload_dir=str(folder))
     files = _accelerate_files(folder, [name for name, where in units.items() if where == "disk"])
     return _cold_forwards(clone, graph, workload, lambda: None, evicted_when_called=files)
@@ -221,9 +223,9 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
     :data:`MAX_DISK_STEPS` decode steps, each after the files left the page cache: all of them before the forward (``evict``), or each
     unit's as it is called (``evicted_when_called``)."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
-    modules = _unit_modules(model, graph)
-    stamps = _Stamps(modules, torch.device("cpu"))
-    keep = _logits_argument(model, workload.logits_kept)
+    modules = unit_modules(model, graph)
+    stamps = Stamps(modules, torch.device("cpu"))
+    keep = logits_argument(model, workload.logits_kept)
     runs = []
     evicting = _evict_when_called(modules, evicted_when_called or {})  # after the stamps: counted in the unit
     try:
@@ -252,7 +254,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
         stamps.close()
         for handle in evicting:
             handle.remove()
-    return {"prefill": _typical(prefills), "decode": _typical(runs)}
+    return {"prefill": typical(prefills), "decode": typical(runs)}
 
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:

@@ -58,13 +58,13 @@ from ..model.graph import LayerGraph
 from ..progress import bar
 from ._calibrate_clock import (
     MIN_TIMED_S,
-    _logits_argument,
-    _repeated,
-    _Stamps,
-    _typical,
-    _unit_modules,
+    Stamps,
+    logits_argument,
+    repeated,
+    typical,
+    unit_modules,
 )
-from ._calibrate_disk import _time_disk_reads
+from ._calibrate_disk import time_disk_reads
 from .timing import cache_argument, cache_of
 
 __all__ = ["calibrate", "CalibrationResult"]
@@ -432,8 +432,8 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     plan = plan_from_device_map(model, {"": str(device)}, graph=copy_graph)
     handle = dispatch(model, plan, _hook_every_unit=many_devices)
     try:
-        modules = _unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
-        stamps = _Stamps(modules, device)
+        modules = unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
+        stamps = Stamps(modules, device)
         try:
             with torch.inference_mode():
                 prefill, decode = _time_forwards(model, stamps, workload, repeats, device)
@@ -447,7 +447,7 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
         longest = max(prefill, key=lambda k: k[1])  # the cold prefill runs at it: the workload's prompt may be slow
         resident = {"prefill": prefill[longest], "decode": decode[min(decode, key=lambda k: k[1])]}
         cold_workload = dataclasses.replace(workload, prompt_len=longest[1])
-        for key, links in _time_disk_reads(model, graph, copy_graph, representatives, cold_workload, resident,
+        for key, links in time_disk_reads(model, graph, copy_graph, representatives, cold_workload, resident,
                                            disk_folder).items():
             copies.setdefault(key, {}).update(links)
     kept = workload.logits_kept
@@ -460,7 +460,7 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     return out, copies
 
 
-def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeats: int, device: torch.device
+def _time_forwards(model: nn.Module, stamps: Stamps, workload: Workload, repeats: int, device: torch.device
                    ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
     """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``.
 
@@ -472,13 +472,13 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
     """
     batch, prompt = workload.batch_size, workload.prompt_len
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
-    keep = _logits_argument(model, workload.logits_kept)
+    keep = logits_argument(model, workload.logits_kept)
     prefill: dict[tuple[int, int], dict[str, float]] = {}
 
     def timed(length: int) -> Any:
         ids = torch.randint(0, vocab, (batch, length), device=device)
-        runs, out = _repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
-        prefill[batch, length] = _typical(runs)
+        runs, out = repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
+        prefill[batch, length] = typical(runs)
         return cache_of(out)
 
     length = _first_length(prompt)
@@ -492,7 +492,7 @@ def _time_forwards(model: nn.Module, stamps: _Stamps, workload: Workload, repeat
         cache, length = timed(longer), longer
     if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
         ids = torch.randint(0, vocab, (batch, prompt), device=device)
-        cache = cache_of(model(input_ids=ids, use_cache=True, **_logits_argument(model, "last")))
+        cache = cache_of(model(input_ids=ids, use_cache=True, **logits_argument(model, "last")))
     return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
 
 
@@ -525,7 +525,7 @@ def _grown(cache: Any, length: int) -> bool:
     return True
 
 
-def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Workload, vocab: int,
+def _time_decode(model: nn.Module, stamps: Stamps, cache: Any, workload: Workload, vocab: int,
                  device: torch.device) -> dict[tuple[int, int], dict[str, float]]:
     """Decode steps at the first context and, after the cache is filled up, at the last."""
     batch, prompt = workload.batch_size, workload.prompt_len
@@ -541,13 +541,13 @@ def _time_decode(model: nn.Module, stamps: _Stamps, cache: Any, workload: Worklo
         if not _grown(cache, last - most):
             ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
             cache = cache_of(model(input_ids=ids, use_cache=True, **cache_argument(model, cache),
-                                   **_logits_argument(model, "last")))
+                                   **logits_argument(model, "last")))
         seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
         decode[batch, last - most + (steps - 1) // 2] = seconds
     return decode
 
 
-def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int, vocab: int,
+def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, vocab: int,
            device: torch.device) -> tuple[dict[str, float], int]:
     """The typical per-unit seconds of decode steps and how many were timed (at least
     :data:`DECODE_STEPS`, or :data:`MIN_DECODE_STEPS` once they add up to :data:`DECODE_BUDGET_S`; more
@@ -566,7 +566,7 @@ def _steps(model: nn.Module, stamps: _Stamps, cache: Any, batch: int, most: int,
             spent += time.perf_counter() - start
         cache = cache_of(out)
         step += 1
-    return _typical(runs), len(runs)
+    return typical(runs), len(runs)
 
 
 def _time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],
