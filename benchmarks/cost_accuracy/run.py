@@ -369,101 +369,117 @@ def bench_model(shape: str, args: argparse.Namespace, work: Path) -> tuple[list[
 # -- GPU part ------------------------------------------------------------------------------------
 GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's shape, the issue's run
+#: --gpu-smoke's model: the GPU part's code run on the CPU, to check the script before a GPU session runs it.
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256)
 
 
 def gpu_part(args: argparse.Namespace, work: Path,
-             emit: Callable[[list[str]], None] = lambda lines: None) -> list[str]:  # pragma: no cover - needs a GPU
+             emit: Callable[[list[str]], None] = lambda lines: None) -> list[str]:
     """accelerate ``auto`` against placement_opt with the same max_memory, batch 1 and 16, capped and not.
 
     The machine is profiled (cuda:0 and the CPU) and the model calibrated on both before any plan,
     so placement_opt's plan and the price of accelerate's map use the same measured figures. Shorter prompts
     first, and ``emit`` gets the lines so far after every row: a run stopped by its time limit keeps its rows.
+    ``args.gpu_smoke``: the same steps on the CPU alone with a tiny Llama (no cap), which checks the script.
     """
-    if not torch.cuda.is_available():
+    smoke = args.gpu_smoke
+    if not smoke and not torch.cuda.is_available():
         return ["No CUDA device on this machine: the GPU part was skipped."]
     from transformers import LlamaConfig
 
     import placement_opt
-    from placement_opt.cost.evaluate import evaluate, predicted_memory
     from placement_opt.cost.workload import Workload
     from placement_opt.model.tracer import trace
-    from placement_opt.units import format_bytes, parse_size
 
     sys.path.insert(0, str(HERE.parent))
     from gpu_common import profile_once, random_checkpoint, use_profile
 
-    config = LlamaConfig(**GPU_SHAPE, tie_word_embeddings=False, max_position_embeddings=8192)
+    device, devices = ("cpu", ["cpu"]) if smoke else ("cuda:0", ["cuda:0", "cpu"])
+    shape = SMOKE_SHAPE if smoke else GPU_SHAPE
+    config = LlamaConfig(**shape, tie_word_embeddings=False, max_position_embeddings=8192)
     config.dtype = "bfloat16"
     use_profile(work)  # within one device_check.sh call, the steps share the checkpoint and the profile
     path = random_checkpoint(config, work)
     graph = trace(str(path))
-    profile_once(["cuda:0", "cpu"], "bfloat16", quick=args.quick)
-    total = torch.cuda.get_device_properties(0).total_memory
-    max_memory = {0: args.gpu_budget, "cpu": "100GiB"}
-    lines = [f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.1-8B shape, random bf16 weights; max_memory "
-             f"{max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)", "",
-             "| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
-             "measured step (s) | predicted cuda:0 peak | measured max_memory_allocated (the load's or the generation's, "
-             "the larger) | "
-             "measured max_memory_reserved |",
+    profile_once(devices, "bfloat16", quick=args.quick or smoke)
+    max_memory = {"cpu": "1GiB"} if smoke else {0: args.gpu_budget, "cpu": "100GiB"}
+    name = "none: --gpu-smoke runs the steps on the CPU" if smoke else torch.cuda.get_device_name(0)
+    memory = ("cpu: the predicted KV cache, workspace and stream buffer against the resident set's growth"
+              if smoke else "cuda:0")
+    lines = [f"GPU: {name}; Llama-3.1-8B shape{' (tiny for the smoke)' if smoke else ''}, random bf16 weights; "
+             f"max_memory {max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)",
+             "",
+             f"| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
+             f"measured step (s) | predicted peak ({memory}) | measured max_memory_allocated (the load's or the "
+             f"generation's, the larger) | measured max_memory_reserved |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     emit(lines)
     for prompt in args.gpu_prompts:
         for batch in (1, 16):
             workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=args.steps)
-            placement_opt.calibrate(path, ["cuda:0", "cpu"], workload=workload)
-            for cap in args.gpu_caps:
+            placement_opt.calibrate(path, devices, workload=workload)
+            for cap in args.gpu_caps if not smoke else [False]:
                 for runner in ("accelerate", "placement_opt"):
-                    lines.append(gpu_row(runner, batch, cap, path, graph, max_memory, workload, total, args.steps,
-                                         (evaluate, predicted_memory, format_bytes, parse_size)))
+                    lines.append(gpu_row(runner, batch, cap, (path, graph, shape["vocab_size"]), max_memory,
+                                         workload, args.steps, device))
                     print(lines[-1], flush=True)
                     emit(lines)
     return lines
 
 
-def gpu_row(runner: str, batch: int, cap: bool, path: Path, graph: Any, max_memory: dict[Any, str],
-            workload: Any, total: int, steps: int, tools: tuple[Any, ...]) -> str:  # pragma: no cover - needs a GPU
+def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int], max_memory: dict[Any, str],
+            workload: Any, steps: int, device: str) -> str:
+    """One runner at one workload: predicted and measured prefill, decode step and peak memory of ``device``;
+    out of memory and other errors are rows of their own (every row has the table's ten cells)."""
     from transformers import AutoModelForCausalLM
 
     import placement_opt
+    from placement_opt.cost.evaluate import evaluate, predicted_memory
     from placement_opt.runtime.timing import time_generation
+    from placement_opt.units import format_bytes, parse_size
 
-    evaluate, predicted_memory, format_bytes, parse_size = tools
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
-    torch.cuda.reset_peak_memory_stats(0)
+    path, graph, vocab = model_of
+    cuda = device.startswith("cuda")
+    if cuda:  # pragma: no cover - needs a GPU
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
+        torch.cuda.reset_peak_memory_stats(0)
     model = None
     head = f"| {runner} | {batch} x {workload.prompt_len} | {'yes' if cap else 'no'} |"
     try:
         if runner == "accelerate":
             model = AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory=max_memory,
                                                          dtype=torch.bfloat16)
-            target = model.hf_device_map
+            target = getattr(model, "hf_device_map", None) or {"": "cpu"}  # the CPU alone: loaded whole, no map
         else:
             model = placement_opt.load(path, max_memory, workload=workload)
             target = model.plan
         cost = evaluate(target, graph, max_memory, workload)
-        predicted_peak = predicted_memory(target, graph, max_memory, workload)["cuda:0"].used_bytes
-        ids = torch.randint(0, GPU_SHAPE["vocab_size"], (batch, workload.prompt_len), device="cuda:0")
-        loading_peak = torch.cuda.max_memory_allocated(0)  # the load's own transients count too
+        use = predicted_memory(target, graph, max_memory, workload)[device]
+        predicted_peak = use.used_bytes if cuda else use.used_bytes - use.weights_bytes
+        ids = torch.randint(0, vocab, (batch, workload.prompt_len), device=device)
+        loading_peak = torch.cuda.max_memory_allocated(0) if cuda else 0  # the load's own transients count too
         # as placement-opt run times it: one untimed warm-up forward, then the prefill and each decode step
         timing = time_generation(model, ids, steps + 1)
-        peak = max(loading_peak, timing.peak_gpu_bytes["cuda:0"])
+        peak = max(loading_peak, timing.peak_gpu_bytes[device]) if cuda else timing.peak_cpu_growth_bytes
         # the cap bounds reserved bytes: an OOM with allocated under the budget is the allocator's slack
-        reserved = torch.cuda.max_memory_reserved(0)
+        reserved = format_bytes(torch.cuda.max_memory_reserved(0)) if cuda else "-"
         return (f"{head} {cost.prefill_s:.3f} | {timing.prefill_s:.3f} | {cost.decode_s / steps:.4f} | "
-                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | {format_bytes(peak)} | "
-                f"{format_bytes(reserved)} |")
-    except torch.cuda.OutOfMemoryError as exc:
-        return (f"{head} | OOM ({str(exc).splitlines()[0][:60]}) | | | | | "
+                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | "
+                f"{format_bytes(peak) if peak is not None else '-'} | {reserved} |")
+    except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
+        return (f"{head} OOM ({str(exc).splitlines()[0][:60]}) | | | | | | "
                 f"{format_bytes(torch.cuda.max_memory_reserved(0))} |")
     except Exception as exc:  # noqa: BLE001 - a row that failed says why; the other rows still run
-        return f"{head} | error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | |"
+        return f"{head} error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | | |"
     finally:
         model = None
         gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0, 0)  # the next calibrate() runs without the cap
+        if cuda:  # pragma: no cover - needs a GPU
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)  # the next calibrate() runs without the cap
 
 
 @contextlib.contextmanager
@@ -489,12 +505,16 @@ def gpu_only(args: argparse.Namespace) -> None:
                  f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
                  f"{sys.version.split()[0]}",
                  f"- Command: `python benchmarks/cost_accuracy/run.py {' '.join(sys.argv[1:])}`", "", *gpu]
-        Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        elif done:
+            print("\n".join(lines))
 
     with scratch("cost_accuracy_gpu_") as work:
         gpu = gpu_part(args, work, write)  # written after every row: a run stopped early keeps them
     write(gpu, done=True)
-    print(Path(args.out).read_text())
+    if args.out:
+        print(Path(args.out).read_text())
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -596,11 +616,16 @@ def main() -> None:
     parser.add_argument("--gpu-prompts", default="512", help="GPU part: prompt lengths, e.g. 512,1024,4096")
     parser.add_argument("--gpu-caps", default="no,yes", help="GPU part: without the hard cap, with it, or both")
     parser.add_argument("--gpu-only", action="store_true", help="the GPU part alone (no CPU rows)")
+    parser.add_argument("--gpu-smoke", action="store_true",
+                        help="with --gpu-only: its steps on the CPU with a tiny Llama, to check the script anywhere")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for calibration and runs alike (default: torch's); 1 is steadier "
                              "on a machine other jobs share, whose cores the threads would wait for")
-    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--out", default=None, help="default: RESULTS.md here (--gpu-smoke: printed only)")
     args = parser.parse_args()
+    if args.gpu_smoke:
+        args.gpu_only = True
+    args.out = args.out or (None if args.gpu_smoke else str(HERE / "RESULTS.md"))
     if args.threads:
         torch.set_num_threads(args.threads)
     args.steps = args.steps or (6 if args.quick else 16)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -117,3 +119,32 @@ def test_the_gpu_benchmarks_share_one_checkpoint_per_shape_within_a_device_check
     assert first.exists()  # the call's later steps still read it
     other = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
     assert common.random_checkpoint(other, tmp_path / "step3") != first  # another shape, another checkpoint
+
+
+def _table_rows(text: str, first_cell: tuple[str, ...]) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in first_cell]
+
+
+def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_path):
+    """--smoke / --gpu-smoke: what a lent GPU machine runs (benchmarks/DEVICE.md), checked here before it does:
+    every row complete, and every runner's greedy tokens equal to the first runner's."""
+    env = {**os.environ, "PLACEMENT_OPT_PROFILE": str(tmp_path / "profile.json")}
+    memory = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cost_accuracy" / "run.py"), "--gpu-smoke",
+                             "--gpu-prompts", "16", "--steps", "3"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=300)
+    assert memory.returncode == 0, memory.stdout + memory.stderr
+    rows = {(r[0], r[1]): r for r in _table_rows(memory.stdout, ("accelerate", "placement_opt"))}  # printed twice
+    assert len(rows) == 4 and all(len(r) == 10 and not r[3].startswith(("error", "OOM")) for r in rows.values()), rows
+    decode = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "gpu.py"), "--smoke"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert decode.returncode == 0, decode.stdout + decode.stderr
+    runners = ("accelerate auto", "layer", "phased", "sublayer", "expert groups")
+    rows = _table_rows(decode.stdout, ("tiny-llama (smoke)", "tiny-mixtral (smoke)"))
+    final = {(r[0], r[2]): r for r in rows}  # the table is printed again after every row: its last form
+    assert {runner for _, runner in final} == set(runners)
+    def equal(cell: str) -> bool:  # "9/9": every greedy token of the run equal to the reference's
+        same, of = cell.split("/")
+        return same == of
+
+    assert all((r[8] == "reference" or equal(r[8])) and not r[9] for r in final.values()), final
