@@ -71,6 +71,10 @@ CPU_ROW = "cpu memory growth, peak"
 @click.option("--vs-accelerate", is_flag=True,
               help="then load it with from_pretrained(device_map='auto') under the same budgets (max_memory) and "
                    "run the same prompt: both measured side by side")
+@click.option("--calibrate", "calibrate_first", is_flag=True,
+              help="first time this model's units on this machine at this workload (placement-opt profile --model "
+                   "with the same options; seconds to a minute) and save them in the profile, so that the plan and "
+                   "its prediction use them")
 @click.option("--fix-mmap-threshold", "fix_threshold", is_flag=True,
               help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
                    "forward takes then follows its live tensors, which the plan's CPU memory counts, at some speed "
@@ -81,7 +85,8 @@ CPU_ROW = "cpu memory growth, peak"
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, fix_threshold: bool, repeats: int,
+        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, calibrate_first: bool, fix_threshold: bool,
+        repeats: int,
         json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     from ..planner import SOLVER_NOTES
@@ -99,6 +104,11 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
+        if calibrate_first:
+            console.print(_calibrated(checkpoint, machine, workload, dtype, granularity, expert_groups, offload_dir),
+                          markup=False, highlight=False)
+            # again: devices the profile had not measured are now, and only measured devices take calibrations
+            machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
@@ -194,6 +204,17 @@ def _check_generates(checkpoint: str, config: Any) -> None:
         raise click.UsageError(f"{checkpoint} holds {what}, which cannot generate text (no causal LM head): run "
                                f"needs a decoder-only causal LM checkpoint (a *ForCausalLM, saved from "
                                f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
+
+
+def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None, granularity: str,
+                expert_groups: int, offload_dir: str | None) -> str:
+    """``calibrate()`` of the checkpoint on this machine's devices at the run's workload; its summary."""
+    from ..runtime.calibrate import calibrate
+
+    with progress(f"Calibrating {checkpoint} on {', '.join(machine.names)} ..."):
+        result = calibrate(checkpoint, machine.names, workload=workload, dtype=dtype or model_dtype(checkpoint),
+                           granularity=granularity, expert_groups=expert_groups, offload_dir=offload_dir)
+    return result.summary()
 
 
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,

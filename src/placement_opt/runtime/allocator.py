@@ -42,7 +42,8 @@ import functools
 
 from ..errors import PlacementError
 
-__all__ = ["DEFAULT_CPU_MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "glibc_heap", "mmap_threshold_fixed"]
+__all__ = ["DEFAULT_CPU_MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "glibc_heap", "mmap_threshold_fixed",
+           "trim_heap"]
 
 #: glibc's ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -99,3 +100,14 @@ def glibc_heap() -> bool:
 def mmap_threshold_fixed() -> int | None:
     """The threshold this process fixed last through :func:`fix_mmap_threshold`, or None."""
     return _fixed[-1] if _fixed else None
+
+
+def trim_heap() -> bool:
+    """Give the free pages of glibc's heap back to the system (``malloc_trim(0)``): after a calibration or any
+    large work in this process, the RAM a later forward takes is then what it allocates, not what it reuses.
+
+    Returns:
+        True when glibc released some memory; False where there is none to release or no glibc.
+    """
+    libc = _libc()
+    return bool(libc.malloc_trim(ctypes.c_size_t(0))) if libc is not None and hasattr(libc, "malloc_trim") else False

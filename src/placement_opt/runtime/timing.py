@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ._rss import peak_bytes, reset_peak
+from .allocator import trim_heap
 
 __all__ = ["Timing", "time_generation", "cache_argument", "cache_of", "last_logits_argument"]
 
@@ -67,7 +68,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
     GPU memory counts from after the warm-up; the CPU's (resident set) from before it, since RAM the warm-up took
-    and freed stays with the process and serves the timed forwards. ``before_each`` runs before every timed forward, untimed (e.g.
+    and freed stays with the process and serves the timed forwards, and after the heap's free pages went back
+    to the system (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth. ``before_each`` runs before every timed forward, untimed (e.g.
     ``handle.drop_disk_cache`` for cold disk reads). ``prefill_repeats``: the prompt is timed that many times,
     each on a new cache, and the median is the prefill (one forward is one sample: on a busy machine the same
     run's prefill ratios moved 0.7-22x); decode steps are many already, their median rules."""
@@ -81,7 +83,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
         if warmup:  # the libraries' one-off state (oneDNN's kernels, thread pools: ~11 MiB) is not the plan's;
             # one token, which no plan's workload is smaller than (a call past it draws the dispatcher's warning)
             model(input_ids=input_ids[:1, :1], use_cache=False, **last)
-        gc.collect()  # what earlier work left unreachable goes before the resident set is read
+        gc.collect()  # what earlier work left unreachable goes before the resident set is read ...
+        trim_heap()  # ... and the heap's free pages (a load's, a calibration's): the growth is the run's own
         rss_before = reset_peak()
         if warmup:
             _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
