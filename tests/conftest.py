@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -43,3 +44,15 @@ def _seed_everything() -> None:
     except ImportError:
         return
     torch.manual_seed(0)
+
+
+_PROFILES = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _own_profile(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test reads and writes a profile of its own (absent until it writes one), never the developer's
+    ~/.cache/placement_opt/profile.json: CI has none, and a test must run here as it runs there. A test that
+    wants a profile sets PLACEMENT_OPT_PROFILE itself."""
+    where = tmp_path_factory.getbasetemp() / f"profile-{next(_PROFILES)}.json"
+    monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(where))
