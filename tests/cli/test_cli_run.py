@@ -270,3 +270,14 @@ def test_run_calibrate_times_the_models_units_first_and_the_plan_is_priced_with_
     assert summary.search(out.output) and "unit times calibrated on this model" in text  # the plan's note
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["calibration"]["units"]  # in the profile, for the next plan too
+
+
+def test_run_calibrate_with_a_saved_plan_times_the_units_that_plan_places(tmp_path):
+    from placement_opt import Workload, solve, trace
+    from placement_opt.cli.run import _plan_cut
+
+    workload = Workload(prompt_len=7, new_tokens=5)
+    for granularity, groups in (("block", 1), ("sublayer", 1), ("sublayer", 2)):
+        graph = trace(tiny("mixtral"), granularity=granularity, expert_groups=groups)
+        solve(graph, {"cpu": "1GiB"}, workload=workload).to_json(tmp_path / "plan.json")
+        assert _plan_cut(str(tmp_path / "plan.json")) == (granularity, groups)

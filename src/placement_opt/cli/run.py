@@ -73,8 +73,8 @@ CPU_ROW = "cpu memory growth, peak"
                    "run the same prompt: both measured side by side")
 @click.option("--calibrate", "calibrate_first", is_flag=True,
               help="first time this model's units on this machine at this workload (placement-opt profile --model "
-                   "with the same options; seconds to a minute) and save them in the profile, so that the plan and "
-                   "its prediction use them")
+                   "with the same options, or the units of --plan; seconds to a minute) and save them in the "
+                   "profile, so that the plan and its prediction use them")
 @click.option("--fix-mmap-threshold", "fix_threshold", is_flag=True,
               help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
                    "forward takes then follows its live tensors, which the plan's CPU memory counts, at some speed "
@@ -105,7 +105,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         if calibrate_first:
-            console.print(_calibrated(checkpoint, machine, workload, dtype, granularity, expert_groups, offload_dir),
+            cut = _plan_cut(plan_path) if plan_path else (granularity, expert_groups)
+            console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
             machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
@@ -204,6 +205,16 @@ def _check_generates(checkpoint: str, config: Any) -> None:
         raise click.UsageError(f"{checkpoint} holds {what}, which cannot generate text (no causal LM head): run "
                                f"needs a decoder-only causal LM checkpoint (a *ForCausalLM, saved from "
                                f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
+
+
+def _plan_cut(plan_path: str) -> tuple[str, int]:
+    """The units a saved plan places, as ``calibrate()`` cuts them: its granularity and expert groups."""
+    from ..model.expert_groups import group_counts
+    from ..plan import Plan
+
+    plan = Plan.from_json(plan_path)
+    return ("sublayer" if plan.home else "block",
+            max(group_counts(p.unit for p in plan.placements).values(), default=1))
 
 
 def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None, granularity: str,
