@@ -41,7 +41,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 VOCAB = 8192
 LAYERS = 2
-SHAPES = {512: (1376, 8, 8), 1024: (2816, 16, 8)}  # hidden -> (intermediate, heads, kv heads)
+SHAPES = {512: (1376, 8, 8), 1024: (2816, 16, 8),  # hidden -> (intermediate, heads, kv heads)
+          4096: (14336, 32, 8)}  # Llama-3-8B's layer (not in GRID: 1.7 GB of fp32 weights per row; --rows)
 GRID = [  # hidden-dtype-batchxprompt-placement-call; bf16 matmuls are slow on this CPU (no AVX-512): fewer
     *(f"512-float32-{s}-{p}-{c}" for s in ("1x512", "1x1024", "16x512", "16x1024")
       for p in ("resident", "stream") for c in ("forward", "generate")),
