@@ -45,8 +45,9 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
     out of its ``np.memmap``. Each is a forward with files evicted from the page cache first, less the
     same forward resident (``resident``: phase -> unit -> seconds); ``copy_graph``: the copy's graph, cut as
     ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
-    prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept apart, the prefill's
-    read capped at the decode's where both read every weight (:func:`_reads_every_weight`). The prefill is
+    prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept
+    apart, the prefill's read capped at the decode's where both read every weight (:func:`_reads_every_weight`).
+    The prefill is
     ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps short).
     """
     import tempfile
@@ -220,8 +221,8 @@ def _evict_when_called(modules: Mapping[str, nn.Module], files: Mapping[str, Ite
 def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evict: Callable[[], None],
                    evicted_when_called: Mapping[str, Iterable[Path]] | None = None) -> dict[str, dict[str, float]]:
     """Per-unit seconds (medians) of 1 to :data:`MAX_DISK_PREFILLS` prefills and of :data:`DISK_STEPS` to
-    :data:`MAX_DISK_STEPS` decode steps, each after the files left the page cache: all of them before the forward (``evict``), or each
-    unit's as it is called (``evicted_when_called``)."""
+    :data:`MAX_DISK_STEPS` decode steps, each after the files left the page cache: all of them before the forward
+    (``evict``), or each unit's as it is called (``evicted_when_called``)."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     modules = unit_modules(model, graph)
     stamps = Stamps(modules, torch.device("cpu"))

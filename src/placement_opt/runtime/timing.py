@@ -67,12 +67,14 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
-    GPU memory counts from after the warm-up; the CPU's (resident set) from before it, since RAM the warm-up took
-    and freed stays with the process and serves the timed forwards, and after the heap's free pages went back
-    to the system (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth. ``before_each`` runs before every timed forward, untimed (e.g.
-    ``handle.drop_disk_cache`` for cold disk reads). ``prefill_repeats``: the prompt is timed that many times,
-    each on a new cache, and the median is the prefill (one forward is one sample: on a busy machine the same
-    run's prefill ratios moved 0.7-22x); decode steps are many already, their median rules."""
+    GPU memory counts from after the warm-up. The CPU's (resident set) counts from before it, since RAM the
+    warm-up took and freed stays with the process and serves the timed forwards; and from after a one-token
+    forward (the libraries' one-off state) and the heap's free pages going back to the system
+    (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth. ``before_each`` runs
+    before every timed forward, untimed (e.g. ``handle.drop_disk_cache`` for cold disk reads).
+    ``prefill_repeats``: the prompt is timed that many times, each on a new cache, and the median is the prefill
+    (one forward is one sample: on a busy machine the same run's prefill ratios moved 0.7-22x); decode steps are
+    many already, their median rules."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1 or prefill_repeats < 1:
         raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}), "
                          f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
