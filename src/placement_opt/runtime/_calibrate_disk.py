@@ -47,8 +47,8 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
     ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
     prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept
     apart, the prefill's read capped at the decode's where both read every weight (:func:`_reads_every_weight`).
-    The prefill is
-    ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps short).
+    The prefill is ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps
+    short).
     """
     import tempfile
 
