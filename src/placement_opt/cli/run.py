@@ -78,7 +78,7 @@ CPU_ROW = "cpu memory growth, peak"
 @click.option("--fix-mmap-threshold", "fix_threshold", is_flag=True,
               help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
                    "forward takes then follows its live tensors, which the plan's CPU memory counts, at a cost in speed "
-                   "(5-18 %% of a CPU forward here: docs/limitations.md)")
+                   "(5-18 % of a CPU forward here: docs/limitations.md)")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="prefills timed (each on a new cache); the median is shown, and each is in --json")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
