@@ -281,3 +281,11 @@ def test_run_calibrate_with_a_saved_plan_times_the_units_that_plan_places(tmp_pa
         graph = trace(tiny("mixtral"), granularity=granularity, expert_groups=groups)
         solve(graph, {"cpu": "1GiB"}, workload=workload).to_json(tmp_path / "plan.json")
         assert _plan_cut(str(tmp_path / "plan.json")) == (granularity, groups)
+
+
+def test_run_text_without_tokenizer_files_says_so_where_transformers_would_build_an_empty_one(tmp_path):
+    # transformers 5 builds an empty Qwen2 tokenizer for a folder without tokenizer files: "hello" became no tokens
+    tiny("qwen2_moe").save_pretrained(tmp_path)
+    out = run_cli("run", str(tmp_path), "-d", "cpu", "--text", "hello", catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code != 0 and "no tokenizer file" in text and "tokenizes to no tokens" not in text

@@ -168,19 +168,33 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
                                f"causal LMs; load() it from Python and call generate() with its own inputs")
     _check_generates(checkpoint, config)
     if text is not None:
+        missing = "no tokenizer file (tokenizer.json, tokenizer.model, vocab.json, ...)"
         try:
+            if not _has_tokenizer_files(Path(checkpoint)):
+                # transformers 5 builds an empty tokenizer for some configs, which turns any text into no tokens
+                raise OSError(missing)
             tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
         except (OSError, ValueError) as exc:
             raise click.UsageError(f"--text needs the checkpoint's tokenizer, and {checkpoint} has none that "
                                    f"transformers can read ({str(exc).splitlines()[0][:120]}): leave --text out "
-                                   f"for a random prompt of --prompt tokens") from None
+                                   f"for a random prompt of --prompt tokens, or save the tokenizer beside the "
+                                   f"weights (tokenizer.save_pretrained)") from None
         ids = tokenizer([text] * batch, return_tensors="pt").input_ids
         if ids.shape[1] == 0:
-            raise click.UsageError("--text tokenizes to no tokens: give some text")
+            raise click.UsageError(f"--text {text!r} tokenizes to no tokens with {checkpoint}'s tokenizer "
+                                   f"({type(tokenizer).__name__}, {len(tokenizer)} entries): give some text")
         return ids, tokenizer
     vocab = config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     return torch.randint(0, vocab, (batch, prompt), generator=generator), None
+
+
+#: Files a saved tokenizer leaves in its folder (any one of them): fast tokenizers, SentencePiece and BPE vocabularies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _check_generates(checkpoint: str, config: Any) -> None:
