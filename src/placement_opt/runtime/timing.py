@@ -68,8 +68,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
     GPU memory counts from after the warm-up. The CPU's (resident set) counts from before it, since RAM the
-    warm-up took and freed stays with the process and serves the timed forwards; and from after a one-token
-    forward (the libraries' one-off state) and the heap's free pages going back to the system
+    warm-up took and freed stays with the process and serves the timed forwards; and from after a short
+    forward (:data:`LIBRARY_WARMUP_TOKENS`: the libraries' one-off state) and the heap's free pages going back to the system
     (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth. ``before_each`` runs
     before every timed forward, untimed (e.g. ``handle.drop_disk_cache`` for cold disk reads).
     ``prefill_repeats``: the prompt is timed that many times, each on a new cache, and the median is the prefill
@@ -82,9 +82,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     steps: list[float] = []
     with torch.inference_mode():
         last = last_logits_argument(model)
-        if warmup:  # the libraries' one-off state (oneDNN's kernels, thread pools: ~11 MiB) is not the plan's;
-            # one token, which no plan's workload is smaller than (a call past it draws the dispatcher's warning)
-            model(input_ids=input_ids[:1, :1], use_cache=False, **last)
+        if warmup:  # the libraries' one-off state (oneDNN's kernels, thread pools: ~11 MiB) is not the plan's
+            model(input_ids=_library_warmup(model, input_ids), use_cache=False, **last)
         gc.collect()  # what earlier work left unreachable goes before the resident set is read ...
         trim_heap()  # ... and the heap's free pages (a load's, a calibration's): the growth is the run's own
         rss_before = reset_peak()
@@ -114,6 +113,21 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     return Timing(batch_size=input_ids.shape[0], prefill_s=statistics.median(prefills), decode_step_s=tuple(steps),
                   tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills),
                   peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before))
+
+
+#: Tokens of the forward that sets up the libraries' state before the CPU's memory is measured: with one token,
+#: about 0.4 MiB of the scratch of a first forward of many tokens was left in the figure.
+LIBRARY_WARMUP_TOKENS = 8
+
+
+def _library_warmup(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """The first sequence's first tokens, within a dispatched model's plan (a call past the workload it was
+    solved for draws a warning, once, which the run's own calls should be the ones to draw)."""
+    tokens = min(LIBRARY_WARMUP_TOKENS, input_ids.shape[1])
+    workload = getattr(getattr(model, "plan", None), "workload", None)
+    if workload is not None:
+        tokens = max(1, min(tokens, workload.batch_size * workload.prompt_len))
+    return input_ids[:1, :tokens]
 
 
 def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
