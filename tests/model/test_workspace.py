@@ -41,6 +41,13 @@ CONFIGS: dict[str, Callable[[], T.PretrainedConfig]] = {
                                        num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512,
                                  bos_token_id=0, eos_token_id=0),
+    # experts half as wide as the model: the fused gate/up is as wide as the model (OLMoE's and Granite-MoE's
+    # proportions), and the rows the experts hand back outweigh their intermediates; it also builds a
+    # sliding-window mask beside its causal one in every forward (query x key bools), under sdpa too
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
 }
 
 
@@ -259,3 +266,25 @@ def test_last_logits_workspace_covers_a_forward_that_keeps_one_position(family: 
         every = tensors(head, Workload(batch_size=batch, prompt_len=prompt, new_tokens=0), graph.meta)
         assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
         assert predicted < every / 2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_each_expert_group_s_workspace_covers_its_dispatched_cpu_forward_within_15_percent(family: str) -> None:
+    """Expert groups as dispatch cuts and runs them: each holds the gathered rows of the whole unit and, after the
+    first, the running sum it adds to."""
+    import placement_opt
+
+    model = real_model(family, "sdpa")
+    graph = trace(model, seq_len=TRACE_LEN, granularity="sublayer", expert_groups=2)
+    batch, prompt = SHAPES[-1]
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0)
+    handle = placement_opt.dispatch(model, placement_opt.solve(graph, {"cpu": "1GiB"}, workload=workload))
+    try:
+        measured = measured_peaks(model, graph.names(), batch, prompt)
+    finally:
+        handle.remove()
+    groups = [u for u in graph.units() if ".experts.groups." in u.name]
+    assert len(groups) == 4
+    for unit in groups:
+        predicted = tensors(unit, workload, graph.meta)
+        assert measured[unit.name] <= predicted <= 1.15 * measured[unit.name], (unit.name, predicted, measured[unit.name])

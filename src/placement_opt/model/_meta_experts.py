@@ -64,24 +64,37 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
         bookkeeping = (torch.empty(routed.shape[0], 3, dtype=torch.int64, device=routed.device),
                        torch.empty(2 * experts, dtype=torch.int32, device=routed.device))
         h = routed
-        for w in weights:
-            h = _apply_expert_weight(h, w[0], act)
+        for k, w in enumerate(weights):
+            last = k == len(weights) - 1 and len(weights) > 1
+            h = _apply_expert_weight(h, w[0], act, hidden=flat.shape[-1] if last else None)
         if h.shape[-1] != flat.shape[-1]:
             return torch.zeros_like(hidden_states)
-        out = h.view(flat.shape[0], top_k, -1).sum(dim=1).reshape(hidden_states.shape)
-        del routed, bookkeeping
+        # grouped_mm's tail: the rows times their routing weight, then put back in token order (a gather), each a
+        # new tensor while the rows before them stay alive until the experts return. Where the experts are
+        # narrower than the model (Qwen2-MoE, Qwen3-MoE), these four row tensors are the unit's peak: without
+        # them a Qwen2-MoE experts unit was charged 0.78 of a real CPU forward's live bytes
+        weighted = h * torch.empty(h.shape[0], 1, dtype=h.dtype, device=h.device)
+        back = weighted[torch.empty(h.shape[0], dtype=torch.int64, device=h.device)]
+        out = back.view(flat.shape[0], top_k, -1).sum(dim=1).reshape(hidden_states.shape)
+        del routed, bookkeeping, h, weighted, back
         return out
     return forward
 
 
-def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any) -> torch.Tensor:
-    """``h @ w`` in whichever orientation fits, applying a gated activation where a fused gate/up half ends."""
-    if w.shape[-1] != h.shape[-1] and w.shape[0] == h.shape[-1]:
-        w = w.t()
-    elif w.shape[-1] != h.shape[-1] and w.shape[-1] * 2 == h.shape[-1]:
+def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any, *, hidden: int | None = None) -> torch.Tensor:
+    """``h`` through one expert weight ``w`` (``[out, in]`` or ``[in, out]``). ``hidden``: ``w`` is the down
+    projection, whose output is the model's width; where ``h`` holds the fused gate and up halves, the gated
+    activation comes first.
+
+    The down projection's orientation is fixed by its output, not guessed from the shapes: read from the shapes
+    alone, a model whose fused gate/up is as wide as the model (twice the expert width equal to the hidden size:
+    OLMoE, Granite-MoE) had its down projection transposed and its activation skipped, and the stand-in
+    returned zeros without its tail (a Qwen2-MoE-shaped experts unit charged 0.78 of its live bytes).
+    """
+    if hidden is None:
+        return torch.nn.functional.linear(h, w if w.shape[-1] == h.shape[-1] else w.t())
+    w = w if w.shape[0] == hidden else w.t()  # [hidden, expert width]
+    if h.shape[-1] == 2 * w.shape[1]:
         gate, up = h.chunk(2, dim=-1)
         h = act(gate) * up
-    elif w.shape[-1] != h.shape[-1] and w.shape[0] * 2 == h.shape[-1]:
-        gate, up = h.chunk(2, dim=-1)
-        h, w = act(gate) * up, w.t()
     return torch.nn.functional.linear(h, w)
