@@ -55,13 +55,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..solver.problem import PlacementProblem
     from .pricing import OptionPrice
 
-__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers",
-           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation",
-           "shortage_message", "workspace_bytes"]
+__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "SCORE_FREE_ATTENTION",
+           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
+           "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
 #: tokens (q/k/v, MLP intermediates and their upcasts live at the same time).
 WORKSPACE_FACTOR = 6
+
+#: Attention implementations (transformers' names) whose kernels never hold the ``query x key`` scores
+#: in memory: flash and memory-efficient kernels work in tiles. Any other (eager, unknown) is charged them.
+SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                                  "paged_attention", "sdpa_paged", "flash_paged"})
 
 #: cuBLAS's workspace, which torch takes from the caching allocator on every GPU that runs a matmul
 #: (per handle and stream): 32 MiB on Hopper and later, 4-8 MiB before; the larger is charged.
@@ -78,6 +83,11 @@ CPU_GEMM_WORKSPACE_BYTES = 6 * 2**20
 #: the float32 copy of the next-token logits and the processed scores / probabilities.
 SAMPLING_COPIES = 2
 _FLOAT32_BYTES = 4
+
+
+def materializes_scores(meta: GraphMeta) -> bool:
+    """Whether the attention the model runs with holds its ``query x key`` scores in memory."""
+    return meta.extra.get("attn_implementation") not in SCORE_FREE_ATTENTION
 
 
 def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False,
@@ -108,12 +118,14 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
                       phase: str | None = None) -> int:
     assert unit.workspace_bytes_per_token is not None  # checked by the caller
     batch, prompt = workload.batch_size, workload.prompt_len
-    # The query x context terms are what the trace saw materialised: eager attention's scores and softmax, and
-    # masks a model builds (Qwen2-MoE builds a sliding-window mask beside its causal one, unused by its layers,
-    # in every forward). Fused attention (sdpa, flash) holds no scores, and the trace counts it by its output
-    # alone (model._memory.FusedAttention), so such a graph's terms are masks only: kept, whatever the kernel.
     moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
                (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
+    # Fused attention holds no scores, and the causal mask it is given is skipped where transformers can (no
+    # padding, no window the context reaches); the meta trace of a preset still sees both (its mask checks are
+    # answered by guesses), so such graphs drop their query x context terms. A mask a model builds whatever
+    # the kernel goes with them: Qwen2-MoE's sliding-window mask, batch x prompt^2 bytes (docs/limitations.md).
+    if not materializes_scores(meta):
+        moments = [(max(linear for linear, _ in moments), 0)]
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
         return max(batch * queries * (linear + scores * context) for linear, scores in moments)
