@@ -121,9 +121,9 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
                (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
     # Fused attention holds no scores, and the causal mask it is given is skipped where transformers can (no
-    # padding, no window the context reaches); the meta trace of a preset still sees both (its mask checks are
-    # answered by guesses), so such graphs drop their query x context terms. A mask a model builds whatever
-    # the kernel goes with them: Qwen2-MoE's sliding-window mask, batch x prompt^2 bytes (docs/limitations.md).
+    # padding, no window the context reaches); a model built from a config is traced with eager attention (its
+    # matmuls counted), which holds both, so such graphs drop their query x context terms. A mask a model builds
+    # whatever the kernel goes with them: Qwen2-MoE's sliding-window mask, batch x prompt^2 bytes (limitations).
     if not materializes_scores(meta):
         moments = [(max(linear for linear, _ in moments), 0)]
 
