@@ -273,14 +273,14 @@ def test_run_calibrate_times_the_models_units_first_and_the_plan_is_priced_with_
 
 
 def test_run_calibrate_with_a_saved_plan_times_the_units_that_plan_places(tmp_path):
-    from placement_opt import Workload, solve, trace
+    from placement_opt import Plan, Workload, solve, trace
     from placement_opt.cli.run import _plan_cut
 
     workload = Workload(prompt_len=7, new_tokens=5)
     for granularity, groups in (("block", 1), ("sublayer", 1), ("sublayer", 2)):
         graph = trace(tiny("mixtral"), granularity=granularity, expert_groups=groups)
         solve(graph, {"cpu": "1GiB"}, workload=workload).to_json(tmp_path / "plan.json")
-        assert _plan_cut(str(tmp_path / "plan.json")) == (granularity, groups)
+        assert _plan_cut(Plan.from_json(tmp_path / "plan.json")) == (granularity, groups)
 
 
 def test_run_text_without_tokenizer_files_says_so_where_transformers_would_build_an_empty_one(tmp_path):

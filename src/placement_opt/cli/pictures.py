@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
     from ..compare import StrategyOutcome
-    from ..plan import Plan
+    from ..plan import Plan, UnitPlacement
 
 __all__ = [
     "placement_strip",
@@ -108,7 +108,7 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     widths, scale = _unit_widths(plan)
     left = 0.0
     for p, width in zip(plan.placements, widths, strict=True):
-        hatch = "///" if p.storage != p.execution or p.prefill_execution else None
+        hatch = _hatch(p)
         cell = {"width": width, "align": "edge", "edgecolor": "white", "linewidth": 0.3}
         ax.bar(left, 1, bottom=1.1, color=colors.get(p.storage, "#cccccc"), hatch=hatch, **cell)
         if p.prefill_execution:  # upper half: the prefill's device (streamed), lower half: the decode's
@@ -280,10 +280,11 @@ def parts_grid(plan: Plan, ax: Axes | None = None) -> Axes:
     column = {layer: k for k, layer in enumerate(layers)}
     row = {part: len(parts) - 1 - k for k, part in enumerate(parts)}  # the first part on top
     for p in plan.placements:
-        if p.copy_group is None or p.copy_group not in column:
+        part = _part(p)
+        if part is None:
             continue
-        x, y = column[p.copy_group], row[p.unit[len(p.copy_group) + 1:]]
-        hatch = "///" if p.storage != p.execution or p.prefill_execution else None
+        x, y = column[p.copy_group], row[part]
+        hatch = _hatch(p)
         cell = {"width": 1.0, "align": "edge", "edgecolor": "white", "linewidth": 0.5}
         ax.bar(x, 0.75, bottom=y, color=colors.get(p.execution, "#cccccc"), hatch=hatch, **cell)
         ax.bar(x, 0.25, bottom=y + 0.75, color=colors.get(p.storage, "#cccccc"), **cell)
@@ -308,10 +309,21 @@ def _layer_parts(plan: Plan) -> tuple[list[str], list[str]]:
     layers: dict[str, None] = {}
     parts: dict[str, None] = {}
     for p in plan.placements:
-        if p.copy_group is not None and p.unit.startswith(f"{p.copy_group}."):
+        if (part := _part(p)) is not None:
             layers[p.copy_group] = None
-            parts[p.unit[len(p.copy_group) + 1:]] = None
+            parts[part] = None
     return list(layers), list(parts)
+
+
+def _part(p: UnitPlacement) -> str | None:
+    """A placement's name under the layer it is part of (``self_attn``), None for a unit that is no part."""
+    group = p.copy_group
+    return p.unit[len(group) + 1:] if group is not None and p.unit.startswith(f"{group}.") else None
+
+
+def _hatch(p: UnitPlacement) -> str | None:
+    """Streamed units (and phased ones, streamed for the prompt) are hatched."""
+    return "///" if p.storage != p.execution or p.prefill_execution else None
 
 
 def _svg(fig: Figure) -> str:

@@ -89,6 +89,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         repeats: int,
         json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
+    from ..plan import Plan
     from ..planner import SOLVER_NOTES
 
     console = console_for()
@@ -105,7 +106,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
         if calibrate_first:
-            cut = _plan_cut(plan_path) if plan_path else (granularity, expert_groups)
+            cut = _plan_cut(Plan.from_json(plan_path)) if plan_path else (granularity, expert_groups)
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
@@ -135,7 +136,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
                       f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
-    figures = _figures(plan, cost, timing)
+    figures = _figures(plan, rows, timing)
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
         with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
@@ -221,12 +222,10 @@ def _check_generates(checkpoint: str, config: Any) -> None:
                                f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
 
 
-def _plan_cut(plan_path: str) -> tuple[str, int]:
-    """The units a saved plan places, as ``calibrate()`` cuts them: its granularity and expert groups."""
+def _plan_cut(plan: Plan) -> tuple[str, int]:
+    """The units a plan places, as ``trace()`` and ``calibrate()`` cut them: its granularity and expert groups."""
     from ..model.expert_groups import group_counts
-    from ..plan import Plan
 
-    plan = Plan.from_json(plan_path)
     return ("sublayer" if plan.home else "block",
             max(group_counts(p.unit for p in plan.placements).values(), default=1))
 
@@ -267,12 +266,10 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     """A saved plan's cost for this run: its placement priced for this run's workload on this machine's devices
     (the plan may have been solved for another workload or budget)."""
     from ..cost.evaluate import evaluate
-    from ..model.expert_groups import group_counts
     from ..model.tracer import trace
 
-    groups = max(group_counts(p.unit for p in plan.placements).values(), default=1)
-    graph = trace(checkpoint, dtype=plan.dtype, granularity="sublayer" if plan.home else "block",
-                  expert_groups=groups)
+    granularity, groups = _plan_cut(plan)
+    graph = trace(checkpoint, dtype=plan.dtype, granularity=granularity, expert_groups=groups)
     return evaluate(plan, graph, machine, workload)
 
 
@@ -337,9 +334,9 @@ def _table(rows: list[tuple[str, float | None, float, str]], timing: Timing) -> 
     return table
 
 
-def _figures(plan: Plan, cost: Any, timing: Timing) -> dict[str, Any]:
+def _figures(plan: Plan, rows: list[tuple[str, float | None, float, str]], timing: Timing) -> dict[str, Any]:
     return {"plan": plan.to_dict(), "measured": _measured(timing),
-            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in _rows(plan, cost, timing)]}
+            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in rows]}
 
 
 def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool, int],

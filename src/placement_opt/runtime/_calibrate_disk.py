@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import glob
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -50,8 +51,6 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
     The prefill is ``workload``'s prompt (the caller passes the longest prompt it timed, which a large model keeps
     short).
     """
-    import tempfile
-
     reads: dict[str, dict[str, Any]] = {}
     shapes = _shapes(graph)
     runners = [("stream", _run_mapped)]

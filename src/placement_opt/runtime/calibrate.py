@@ -331,7 +331,8 @@ def _cut_config(config: Any, timed: Iterable[str], *, chain: bool = False) -> An
     in while the next one's are read ahead, and a unit read with nothing after it reads faster. One
     layer alone read its cold weights in 20.8 ms per decode step (Mixtral-shaped, hidden 512) and
     83 ms (Llama, hidden 2048), where the layers of an all-disk plan took 25-31 ms and 100-105 ms;
-    a copy of two layers read them in 25.0 ms and 93.6 ms (:func:`_shapes` takes the mean of both)."""
+    a copy of two layers read them in 25.0 ms and 93.6 ms (:func:`._calibrate_disk._shapes` takes the
+    mean of both)."""
     indices = [int(m.group(1)) for name in timed if (m := _LAYER_INDEX.search(name))]
     cut = copy.deepcopy(config)
     layers = getattr(cut, "num_hidden_layers", None)

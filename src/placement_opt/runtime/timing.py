@@ -69,9 +69,10 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
     GPU memory counts from after the warm-up. The CPU's (resident set) counts from before it, since RAM the
     warm-up took and freed stays with the process and serves the timed forwards; and from after a short
-    forward (:data:`LIBRARY_WARMUP_TOKENS`: the libraries' one-off state) and the heap's free pages going back to the system
-    (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth. ``before_each`` runs
-    before every timed forward, untimed (e.g. ``handle.drop_disk_cache`` for cold disk reads).
+    forward (:data:`LIBRARY_WARMUP_TOKENS`: the libraries' one-off state) and the heap's free pages going back
+    to the system (:func:`~.allocator.trim_heap`), so that RAM earlier work freed does not hide the growth.
+    ``before_each`` runs before every timed forward, untimed (e.g. ``handle.drop_disk_cache`` for cold disk
+    reads).
     ``prefill_repeats``: the prompt is timed that many times, each on a new cache, and the median is the prefill
     (one forward is one sample: on a busy machine the same run's prefill ratios moved 0.7-22x); decode steps are
     many already, their median rules."""
