@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from _overlap import simulated_waits
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
-from placement_opt.cost.pricing import NS_PER_S, home_device
+from placement_opt.cost.pricing import NS_PER_S, UNIT_OVERHEAD_S, PricingContext, home_device
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, UnitInfo, chain_graph
@@ -131,6 +131,19 @@ def test_score_is_each_units_compute_plus_its_round_trips_off_home(family: str, 
         # every price is rounded up to a whole ns once, in the problem and in the reference: 1 ns per unit
         assert getattr(score, phase) == pytest.approx(_phase_latency(graph, durations, chosen, phase),
                                                       abs=len(problem.units) + 1)
+
+
+def test_a_final_norm_like_a_layers_norms_pays_a_whole_units_overhead() -> None:
+    """Units priced once per distinct row (decoder layers) must agree on their overhead share too: the model's
+    final norm has the same sizes and FLOPs as a layer's norms, which share their layer's overhead."""
+    graph = _as_block(_graph("mixtral"))  # sublayer units priced without a home: no round-trip bytes in the key
+    problem = build_problem(graph, _machine(0), Workload(prompt_len=16, new_tokens=0))
+    final, in_layer = (_options(problem, name)[("cpu", "cpu", "resident", None)]
+                       for name in ("model.norm", "model.layers.0.input_layernorm"))
+    parts = PricingContext(graph, _machine(0), Workload()).block_parts(graph.unit("model.layers.0.input_layernorm"))
+    assert parts > 1
+    overhead_ns = UNIT_OVERHEAD_S["cpu"] * NS_PER_S
+    assert final.prefill_ns - in_layer.prefill_ns == pytest.approx(overhead_ns * (1 - 1 / parts), abs=2)
 
 
 def test_a_sublayer_graph_is_a_free_chain_in_execution_order() -> None:

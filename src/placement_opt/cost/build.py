@@ -90,10 +90,10 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     priced: dict[tuple[Any, ...], list[OptionPrice]] = {}  # identical units (decoder layers) priced once
     parts = []
     for u in units:
-        key = _price_key(u, graph.meta.extra.get("logits_unit"))
-        if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too, and a
-            # part of a block shares the block's overhead
-            key += (unit_io_bytes(graph, u)[0], ctx.block_parts(u))
+        # a part of a block shares the block's overhead (a final norm is priced apart from a layer's norms)
+        key = (*_price_key(u, graph.meta.extra.get("logits_unit")), *ctx.overhead_share(u))
+        if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
+            key += (unit_io_bytes(graph, u)[0],)
         if key not in priced:
             phased = _two_phases(u, ctx)
             priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]

@@ -205,8 +205,13 @@ class PricingContext:
         share and add ``G - 1`` overheads (about what one more group cost per call on this project's CPU:
         a tiny Mixtral decoded at 1054 tokens/s with its experts whole and 551 with 4 groups a layer)."""
         whole = UNIT_OVERHEAD_S[device.kind]
-        groups = self._groups.get(unit.name, 1)
-        return (whole / self.block_parts(unit) + whole * (groups - 1)) / groups
+        parts, groups = self.overhead_share(unit)
+        return (whole / parts + whole * (groups - 1)) / groups
+
+    def overhead_share(self, unit: UnitInfo) -> tuple[int, int]:
+        """(parts of its block, expert groups of its experts module): what :meth:`overhead_s` reads beside the
+        device, so what two units priced alike must share."""
+        return self.block_parts(unit), self._groups.get(unit.name, 1)
 
     def block_parts(self, unit: UnitInfo) -> int:
         """How many units were cut from ``unit``'s block (1 for a unit that is not a part), a layer's expert
