@@ -41,6 +41,11 @@ CONFIGS: dict[str, Callable[[], T.PretrainedConfig]] = {
                                        num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512,
                                  bos_token_id=0, eos_token_id=0),
+    # Falcon-40B's layout (parallel attention, grouped KV), its head size the traced length (32 here, 64 at
+    # trace()'s default length, as Falcon-40B's); it builds its causal mask in every forward, under sdpa too
+    "falcon": lambda: T.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                     new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False,
+                                     vocab_size=512),
     # experts half as wide as the model: the fused gate/up is as wide as the model (OLMoE's and Granite-MoE's
     # proportions), and the rows the experts hand back outweigh their intermediates; it also builds a
     # sliding-window mask beside its causal one in every forward (query x key bools), under sdpa too
@@ -108,10 +113,9 @@ def real_model(family: str, attention: str) -> torch.nn.Module:
     return T.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation=attention).float().eval()
 
 
-# Qwen2-MoE under sdpa is left out: it builds a sliding-window mask (batch x prompt^2 bools) in every forward, which
-# sdpa graphs do not charge (docs/limitations.md); its eager row, where masks are charged, is in
-@pytest.mark.parametrize(("family", "attention"), [(f, a) for f in sorted(CONFIGS) for a in ("eager", "sdpa")
-                                                   if (f, a) != ("qwen2_moe", "sdpa")])
+# Qwen2-MoE under sdpa builds a sliding-window mask (batch x prompt^2 bools) in every forward: the trace runs
+# sdpa, sees it, and charges it
+@pytest.mark.parametrize(("family", "attention"), [(f, a) for f in sorted(CONFIGS) for a in ("eager", "sdpa")])
 def test_predicted_workspace_covers_a_real_cpu_forward_within_15_percent(family: str, attention: str) -> None:
     model = real_model(family, attention)
     graph = trace(model, seq_len=TRACE_LEN)
@@ -169,12 +173,68 @@ def test_eager_scores_are_measured_and_charged_only_where_they_are_materialised(
 
 
 def test_a_config_is_priced_with_the_attention_transformers_would_run() -> None:
-    """trace() builds configs with eager attention to count its matmuls; load() runs transformers' default."""
-    assert trace(CONFIGS["llama"](), seq_len=TRACE_LEN).meta.extra["attn_implementation"] == "sdpa"
+    """trace() builds configs with the attention transformers runs them with (load() runs its default)."""
+    llama = trace(CONFIGS["llama"](), seq_len=TRACE_LEN).meta.extra
+    assert llama["attn_implementation"] == llama["traced_attention"] == "sdpa"
     gemma = T.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=512)
     expected = "sdpa" if T.Gemma2ForCausalLM._supports_sdpa else "eager"
     assert trace(gemma, seq_len=TRACE_LEN).meta.extra["attn_implementation"] == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "falcon"])
+def test_a_config_traces_as_the_model_transformers_runs(family: str) -> None:
+    """A config's graph measures what the sdpa model it becomes holds (the masks of Qwen2-MoE and Falcon
+    included; sdpa's output, which reads the mask, is per token though Falcon's head size is the traced
+    length), and counts the FLOPs of eager's visible matmuls: on meta, sdpa runs as its math path."""
+    from_config = trace(CONFIGS[family](), seq_len=TRACE_LEN, dtype="float32")
+    as_run = trace(real_model(family, "sdpa"), seq_len=TRACE_LEN)
+    eager = trace(real_model(family, "eager"), seq_len=TRACE_LEN)
+    measured = [n for n in MEASURED_NODE_ATTRIBUTES if n.startswith(("workspace", "scores_workspace"))]
+    for unit in from_config.units():
+        run = as_run.unit(unit.name)
+        assert [getattr(unit, n) for n in measured] == [getattr(run, n) for n in measured], unit.name
+        assert (unit.flops_per_token, unit.attn_flops_per_token_per_ctx) == \
+            (eager.unit(unit.name).flops_per_token, eager.unit(unit.name).attn_flops_per_token_per_ctx)
+    layer = from_config.units()[2]  # the first decoder layer (after the embeddings and rotary units)
+    assert layer.name.endswith(".0")
+    # one bool per query x key pair, built in the model's forward (Qwen2-MoE's is never passed to sdpa); Falcon
+    # passes its mask, of which torch makes a float32 copy during the call
+    mask, during_call = {"llama": (0, 0), "qwen2_moe": (1, 1), "falcon": (1, 1 + 4)}[family]
+    assert (layer.workspace_bytes_per_token_ctx, layer.scores_workspace_bytes_per_token_ctx) == (mask, during_call)
+
+
+def test_the_window_mask_a_trace_shorter_than_the_window_did_not_see_is_charged_once_the_prompt_reaches_it() -> None:
+    """Mistral (v0.1) under sdpa: below its sliding window the causal mask is left to the kernel; from the window
+    on, transformers builds a (batch, 1, prompt, prompt) bool mask, alive through every layer."""
+    torch.manual_seed(0)
+    config = T.MistralConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, sliding_window=48)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    graph = trace(model, seq_len=TRACE_LEN)
+    layer = graph.unit("model.layers.0")
+    assert layer.workspace_bytes_per_token_ctx == 0  # the trace (32 tokens) is shorter than the window
+    # 40: under the window, no mask; 2048: the mask (4 MiB) is about as large as the rest of the layer's peak
+    for batch, prompt in [(4, 40), (1, 2048)]:
+        measured = measured_peaks(model, graph.names(), batch, prompt)["model.layers.0"]
+        predicted = tensors(layer, Workload(batch_size=batch, prompt_len=prompt, new_tokens=0), graph.meta)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted, measured)
+
+
+def test_a_graph_traced_with_eager_but_run_fused_drops_its_query_x_context_terms() -> None:
+    """Graphs written before traces ran the attention that runs hold eager's scores and masks as one figure:
+    under sdpa neither is charged (a bound to the scores that never exist beats a 30x over-count)."""
+    graph = trace(real_model("llama", "eager"), seq_len=TRACE_LEN)
+    old = LayerGraph.from_dict(graph.to_dict())
+    old.meta.extra.pop("traced_attention")
+    old.meta.extra["attn_implementation"] = "sdpa"
+    fused = LayerGraph.from_dict(old.to_dict())
+    fused.meta.extra["traced_attention"] = "sdpa"
+    layer = "model.layers.0"
+    long = Workload(batch_size=1, prompt_len=1024, new_tokens=0)
+    assert graph.unit(layer).scores_workspace_bytes_per_token_ctx > 0
+    assert tensors(old.unit(layer), long, old.meta) < tensors(fused.unit(layer), long, fused.meta)
+    assert tensors(old.unit(layer), long, old.meta) == 1024 * graph.unit(layer).workspace_bytes_per_token
 
 
 def test_the_logits_unit_is_the_output_embeddings_unit() -> None:

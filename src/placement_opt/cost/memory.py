@@ -20,7 +20,8 @@ and decode:
 
 * prefill: ``per_token x batch x prompt + ctx x batch x prompt x prompt``; score bytes only where the
   attention that runs materialises them (eager; not sdpa or flash attention, whose fused kernels keep
-  them in on-chip tiles); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
+  them in on-chip tiles: there, the query x context bytes are the masks the model builds for them, which
+  the trace sees as it runs that attention); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
   only; ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`), whatever it keeps;
 * decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
   by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
@@ -90,6 +91,11 @@ def materializes_scores(meta: GraphMeta) -> bool:
     return meta.extra.get("attn_implementation") not in SCORE_FREE_ATTENTION
 
 
+def _traced_with_scores(meta: GraphMeta) -> bool:
+    """Whether the trace's attention held its scores (graphs without the record were traced with eager)."""
+    return meta.extra.get("traced_attention", "eager") not in SCORE_FREE_ATTENTION
+
+
 def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_gpu: bool = False,
                     phase: str | None = None) -> int:
     """Peak activation bytes on the device that executes ``unit``, in this workload: prefill or decode
@@ -120,15 +126,16 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     batch, prompt = workload.batch_size, workload.prompt_len
     moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
                (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
-    # Fused attention holds no scores, and the causal mask it is given is skipped where transformers can (no
-    # padding, no window the context reaches); a model built from a config is traced with eager attention (its
-    # matmuls counted), which holds both, so such graphs drop their query x context terms. A mask a model builds
-    # whatever the kernel goes with them: Qwen2-MoE's sliding-window mask, batch x prompt^2 bytes (limitations).
-    if not materializes_scores(meta):
+    # Fused attention holds no scores. A graph traced with it holds only the masks that attention is given
+    # (Qwen2-MoE's sliding-window one, batch x prompt^2 bools; Llama's causal mask is skipped), which the run
+    # holds too; a graph traced with eager attention but run fused (written before traces ran the attention
+    # that runs) cannot tell its masks from its scores, so it drops its query x context terms.
+    if not materializes_scores(meta) and _traced_with_scores(meta):
         moments = [(max(linear for linear, _ in moments), 0)]
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
-        return max(batch * queries * (linear + scores * context) for linear, scores in moments)
+        mask = _unseen_window_mask(meta, context)
+        return max(batch * queries * (linear + (scores + mask) * context) for linear, scores in moments)
 
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
@@ -140,6 +147,18 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return decode if phase == "decode" else max(prefill, decode)
+
+
+def _unseen_window_mask(meta: GraphMeta, context: int) -> int:
+    """Bytes per query x context token of the mask fused attention is given once the context reaches the
+    model's sliding window (below it, transformers leaves it to the kernel's causal flag), where the trace,
+    shorter than the window, did not see it: one bool, and the copy in the activations' dtype torch makes of it
+    for the kernel. That copy lives during the attention call only, but is charged at both of the unit's
+    moments (the trace has no moment for the call): an over-count where the unit's peak is its MLP."""
+    window = meta.extra.get("sliding_window")
+    if not (isinstance(window, int) and meta.seq_len < window <= context) or materializes_scores(meta):
+        return 0
+    return 1 + min(4, max(2, dtype_bytes(meta.dtype)))  # quantized weights compute in 16 bits
 
 
 def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:

@@ -29,6 +29,8 @@ class TraceContext:
     others own only their direct tensors."""
     attn_implementation: str | None = None
     """The attention the model runs with at run time (``"sdpa"``, ``"eager"``; None: not a transformers model)."""
+    traced_attention: str | None = None
+    """The attention the meta forward ran: the module's own (None: not a transformers model)."""
 
     @property
     def tokens(self) -> int:

@@ -20,8 +20,8 @@ traced length): the product of two activations whose result ends in ``(seq_len, 
 casts), and mask-shaped tensors of that shape made outside every unit (the model's causal mask,
 ``(batch, 1, q, k)``). A product that reads a context-shaped tensor (``probs @ v``) is linear again.
 
-``F.scaled_dot_product_attention`` is counted by what it allocates on a device, its output alone
-(:class:`FusedAttention`): on meta it has no fused kernel and decomposes into its math path, which
+``F.scaled_dot_product_attention`` is counted by what it allocates on a device, its output and a
+boolean mask's copy (:class:`FusedAttention`): on meta it has no fused kernel and decomposes into its math path, which
 materialises the scores and, for half-precision inputs, float32 copies of q, k, v and of the output,
 none of which CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``) or CUDA's flash and
 memory-efficient kernels make. Counted op by op, a bf16 decoder layer came out 44 % above a real
@@ -105,8 +105,10 @@ class LiveBytes:
         peak.see(self._glue.score_peak)
         self._glue = UnitPeak()
 
-    def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor]) -> None:
-        """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit)."""
+    def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor],
+               *, linear: bool = False) -> None:
+        """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit);
+        ``linear``: they scale with the tokens whatever their shape (attention's output, ``(q, head size)``)."""
         if self.paused:
             return
         inputs = list(inputs)
@@ -116,7 +118,7 @@ class LiveBytes:
             key = _storage_key(tensor)
             if key is None or key in read or key in self._alive:
                 continue
-            context = self._is_context(packet, unit, inputs, tensor)
+            context = not linear and self._is_context(packet, unit, inputs, tensor)
             self._add(key, tensor.untyped_storage(), context)
         if unit is not None:
             self._raise(unit)
@@ -184,8 +186,10 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 class FusedAttention(TorchFunctionMode):
     """Counts ``F.scaled_dot_product_attention`` as its fused kernels run it: the output is its one
-    allocation. The math path it decomposes into on meta still runs (FLOPs and data flow are recorded
-    as before); only its intermediates are not counted. ``unit()`` names the unit running now."""
+    allocation, beside a boolean mask's copy in the query's dtype (torch converts a boolean ``attn_mask``
+    before any kernel runs; measured on the CPU: a float32 ``(1, 1, 2048, 2048)`` copy), alive during the
+    call. The math path it decomposes into on meta still runs (FLOPs and data flow are recorded as before);
+    only its intermediates are not counted. ``unit()`` names the unit running now."""
 
     def __init__(self, memory: LiveBytes, unit: Callable[[], str | None]) -> None:
         super().__init__()
@@ -196,11 +200,34 @@ class FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.scaled_dot_product_attention or self.memory.paused:
             return func(*args, **kwargs)
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        self.memory.paused = True
+        try:
+            converted = _converted_mask(args, kwargs)
+        finally:
+            self.memory.paused = False
+        if converted is not None:  # context-shaped as the mask it is made from
+            self.memory.record(self.unit(), func, [_mask(args, kwargs)], [converted])
         self.memory.paused = True
         try:
             out = func(*args, **kwargs)
         finally:
             self.memory.paused = False
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        self.memory.record(self.unit(), func, inputs, [out] if isinstance(out, torch.Tensor) else [])
+        # (batch, heads, q, head size): read from the mask, yet per token even where the head size is the
+        # traced length (Falcon-40B's 64)
+        self.memory.record(self.unit(), func, inputs, [out] if isinstance(out, torch.Tensor) else [], linear=True)
+        del converted  # freed as the call returns
         return out
+
+
+def _mask(args: tuple, kwargs: dict) -> object:
+    return args[3] if len(args) > 3 else kwargs.get("attn_mask")
+
+
+def _converted_mask(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A meta tensor the size of the additive mask torch makes of a boolean ``attn_mask`` (None: no such mask)."""
+    query = args[0] if args else kwargs.get("query")
+    mask = _mask(args, kwargs)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or not isinstance(query, torch.Tensor):
+        return None
+    return torch.empty(mask.shape, dtype=query.dtype, device="meta")

@@ -110,7 +110,10 @@ def _hub_reachable(timeout_s: float = 2.0) -> bool:
 
 
 def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
-    """Instantiate the right Auto class on the meta device: no weight is allocated."""
+    """Instantiate the right Auto class on the meta device: no weight is allocated. The attention is the one the
+    model runs with, or sdpa for another fused kernel (flash attention needs its package, and both hold no
+    scores): the trace then sees the masks that attention builds, and on meta sdpa runs as its math path, so
+    its matmuls are counted as eager's are."""
     import transformers
 
     config = copy.deepcopy(config)  # from_config writes its dtype into the config
@@ -123,14 +126,25 @@ def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
     try:
         with torch.device("meta"):
             try:
-                return auto.from_config(config, dtype=torch_dtype, attn_implementation="eager")
+                return _from_config(auto, config, torch_dtype)
             except ValueError:
-                return transformers.AutoModel.from_config(config, dtype=torch_dtype,
-                                                          attn_implementation="eager")
+                return _from_config(transformers.AutoModel, config, torch_dtype)
     except Exception as exc:
         raise TraceError(
             f"cannot build {type(config).__name__} on the meta device ({first_line(exc)}): build the model "
             f"yourself (e.g. under `with torch.device('meta')`) and pass the nn.Module") from None
+
+
+def _from_config(auto: Any, config: Any, torch_dtype: torch.dtype) -> nn.Module:
+    """``auto.from_config`` with the attention the model runs with where it is eager, else sdpa where the
+    class has it, else eager (what transformers picks for a class without sdpa)."""
+    if getattr(config, "_attn_implementation", None) != "eager":
+        try:
+            return auto.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc):
+                raise  # not the attention: the caller tries the next Auto class
+    return auto.from_config(config, dtype=torch_dtype, attn_implementation="eager")
 
 
 #: Per-instance state of ``nn.Module`` that the copy gets empty: hooks run the caller's code, not the model's.

@@ -51,7 +51,9 @@ device receive their inputs from it: ``in_bytes_per_token``, the bytes per token
 the unit reads from other units.
 
 Score bytes are charged only where the attention that runs materialises them
-(``meta.extra["attn_implementation"]``: eager does, sdpa and flash attention do not).
+(``meta.extra["attn_implementation"]``: eager does, sdpa and flash attention do not); a trace that ran
+fused attention (``meta.extra["traced_attention"]``) holds no scores, and its query x context bytes are the
+masks the model builds, charged whatever the kernel.
 
 Edge attributes: ``bytes_per_token`` (activation bytes per token crossing the edge).
 """

@@ -21,7 +21,8 @@ Conventions the cost model relies on:
   ``compute_module_sizes`` rule). Tied parameters are counted once, on the first unit to run.
 * ``flops_per_token``: FLOPs of the traced forward / (batch x seq_len), counted by
   ``torch.utils.flop_counter`` formulas (matmuls, convolutions, attention kernels). Attention is traced
-  with the eager implementation so QK^T and AV are visible matmuls.
+  with the implementation the model runs with (a config: sdpa where its class has it); on meta, sdpa
+  runs as its math path, so QK^T and AV are visible matmuls either way.
 * ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
   that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
   encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
@@ -161,7 +162,8 @@ def trace(
     ctx = TraceContext(module=module, name=name, config=config, dtype=torch_dtype, override=override,
                        batch_size=batch_size, seq_len=seq_len, units=units, no_split=tuple(sorted(split)),
                        granularity=granularity, whole=whole,
-                       attn_implementation=_runtime_attention(model, module, config))
+                       attn_implementation=_runtime_attention(model, module, config),
+                       traced_attention=_own_attention(config, module))
     try:
         record = _meta_forward(ctx, example_inputs)
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward means: fall back
@@ -205,9 +207,9 @@ def _branch_message(name: str, branches: Mapping[tuple[str | None, str], Any]) -
 def _runtime_attention(given: Any, module: nn.Module, config: Any) -> str | None:
     """The attention implementation the model runs with, which decides whether scores are materialised.
 
-    A module runs with its own; a model built here from a config is traced with eager attention (so that
-    its matmuls are counted) but runs with what transformers picks for that config: the config's choice,
-    else ``sdpa`` where the class supports it.
+    A module runs with its own; a model built here from a config runs with what transformers picks for that
+    config: the config's choice, else ``sdpa`` where the class supports it (the trace runs the same, or sdpa
+    for another fused kernel: :func:`~._source.resolve_source`).
     """
     if config is None:
         return None
@@ -215,6 +217,14 @@ def _runtime_attention(given: Any, module: nn.Module, config: Any) -> str | None
     if isinstance(given, nn.Module) or chosen:
         return str(chosen) if chosen else None
     return "sdpa" if getattr(type(module), "_supports_sdpa", False) else "eager"
+
+
+def _own_attention(config: Any, module: nn.Module) -> str | None:
+    """The attention the meta forward runs: the module's own (its config's, set when it was built)."""
+    if config is None:
+        return None
+    chosen = getattr(getattr(module, "config", config), "_attn_implementation", None)
+    return str(chosen) if chosen else None
 
 
 def _logits_unit(ctx: TraceContext) -> str | None:
@@ -387,6 +397,8 @@ def _runtime_extra(ctx: TraceContext, record: _recorder.Record | None) -> dict[s
     extra: dict[str, str | int] = {}
     if ctx.attn_implementation is not None:
         extra["attn_implementation"] = ctx.attn_implementation
+    if ctx.traced_attention is not None:
+        extra["traced_attention"] = ctx.traced_attention
     logits = _logits_unit(ctx)
     if logits is not None:
         extra["logits_unit"] = logits
