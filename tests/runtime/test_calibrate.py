@@ -145,7 +145,7 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
     key = result.units["model.layers.0"]
     reads = result.copies[key]["disk->cpu"]
     assert set(reads) == {"stream", "stream_sync"}
-    assert result.layers_built == 2  # the timed layer reads beside the next one's read-ahead, as in a plan
+    assert result.layers_built == 3  # the timed layer, the one read beside it, and one read as later ones are
     assert all(set(r) == {"prefill", "decode"} and min(r.values()) >= 0 for r in reads.values())
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("placement_opt_calibrate_")] == []
     graph = trace(tiny_config())
@@ -162,15 +162,15 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
 
 
 @given(layers=st.integers(1, 6), timed=st.lists(st.integers(0, 5), max_size=3), chain=st.booleans())
-def test_the_cut_copy_holds_every_timed_layer_and_one_more_for_disk_reads_where_the_model_has_it(
+def test_the_cut_copy_holds_every_timed_layer_and_two_more_for_disk_reads_where_the_model_has_them(
         layers: int, timed: list[int], chain: bool) -> None:
     from placement_opt.runtime import calibrate as calibrate_module
 
     indices = [i for i in timed if i < layers]
     names = [f"model.layers.{i}" for i in indices] + ["model.embed_tokens"]
     cut = calibrate_module._cut_config(LlamaConfig(num_hidden_layers=layers), names, chain=chain)
-    # every timed layer is built, the next one too for disk reads, never a layer the model lacks
-    assert cut.num_hidden_layers == (min(layers, max(indices) + 1 + chain) if indices else layers)
+    # every timed layer is built, the next two too for disk reads, never a layer the model lacks
+    assert cut.num_hidden_layers == (min(layers, max(indices) + 1 + 2 * chain) if indices else layers)
 
 
 def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_read_every_weight(
@@ -242,8 +242,8 @@ def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path,
     placement_opt.calibrate(tiny_config(), ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8, new_tokens=4),
                             offload_dir=tmp_path, repeats=1)
     dat = [names for names in evicted if names and all(n.endswith(".dat") for n in names)]  # accelerate's files
-    # the layers are alike: one is timed, and one more built to read beside it, as a plan's disk units read
-    order = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    # the layers are alike: one is timed, and two more built to read after it, as a plan's disk units read
+    order = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "lm_head"]
     units = [next(u for u in order if all(n.startswith(f"{u}.") for n in names)) for names in dat]
     # one unit's files at a time, as the forward calls it (never the folder), in the warm-up, each cold
     # prefill (one with no budget left, the most with all the time in the world) and each cold decode step
