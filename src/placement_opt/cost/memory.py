@@ -134,8 +134,12 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
         moments = [(max(linear for linear, _ in moments), 0)]
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
-        mask = _unseen_window_mask(meta, context)
-        return max(batch * queries * (linear + (scores + mask) * context) for linear, scores in moments)
+        # a prompt past the window (a decode step reads the window transformers' sliding cache keeps: no mask)
+        window = _unseen_window_mask(unit, meta, context) if queries == context else _WindowMask()
+        # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
+        at_attention = (window.kernel_copy * queries + window.repeated_kv) * batch * context
+        return max(batch * queries * (linear + (scores + window.mask) * context)
+                   + (at_attention if k == len(moments) - 1 else 0) for k, (linear, scores) in enumerate(moments))
 
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
@@ -149,16 +153,37 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     return decode if phase == "decode" else max(prefill, decode)
 
 
-def _unseen_window_mask(meta: GraphMeta, context: int) -> int:
-    """Bytes per query x context token of the mask fused attention is given once the context reaches the
-    model's sliding window (below it, transformers leaves it to the kernel's causal flag), where the trace,
-    shorter than the window, did not see it: one bool, and the copy in the activations' dtype torch makes of it
-    for the kernel. That copy lives during the attention call only, but is charged at both of the unit's
-    moments (the trace has no moment for the call): an over-count where the unit's peak is its MLP."""
+@dataclass(frozen=True)
+class _WindowMask:
+    """What a sliding-window mask the trace did not see costs: ``mask`` bytes per query x context token alive
+    through the forward; ``kernel_copy`` bytes per such pair and ``repeated_kv`` bytes per context token per
+    sequence alive during the attention call."""
+
+    mask: int = 0
+    kernel_copy: int = 0
+    repeated_kv: int = 0
+
+
+def _unseen_window_mask(unit: UnitInfo, meta: GraphMeta, context: int) -> _WindowMask:
+    """The mask fused attention is given once the context reaches the model's sliding window (below it,
+    transformers leaves it to the kernel's causal flag), where the trace, shorter than the window, did not
+    see it: one bool per query x context token, alive through the forward; and, in an attention unit,
+    the copy in the activations' dtype torch makes of it for the kernel, and the keys and values repeated
+    to every query head (transformers hands grouped keys and values to sdpa as they are only without a
+    mask), both alive during the attention call. The trace's score moment is that call where the unit has
+    one (``UnitPeak.score_peak``); in graphs traced before it was, the score moment of a unit without score
+    bytes is its linear peak, which they are then charged at too. A prefill's only: a decode step attends to
+    the window transformers' sliding cache keeps, unmasked (measured on the CPU, transformers 5.24)."""
     window = meta.extra.get("sliding_window")
     if not (isinstance(window, int) and meta.seq_len < window <= context) or materializes_scores(meta):
-        return 0
-    return 1 + min(4, max(2, dtype_bytes(meta.dtype)))  # quantized weights compute in 16 bits
+        return _WindowMask()
+    if not unit.kv_bytes_per_token:  # no attention of its own: the mask alone
+        return _WindowMask(mask=1)
+    heads, kv_heads = meta.extra.get("num_attention_heads"), meta.extra.get("num_key_value_heads")
+    grouped = isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads < heads
+    repeated = unit.kv_bytes_per_token * heads // kv_heads if grouped else 0
+    return _WindowMask(mask=1, kernel_copy=min(4, max(2, dtype_bytes(meta.dtype))),  # quantized weights: 16 bits
+                       repeated_kv=repeated)
 
 
 def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:

@@ -10,7 +10,7 @@ real device. :class:`LiveBytes` is fed every op's inputs and outputs by the reco
   (its last two dimensions are query x key tokens: attention scores, their softmax, the mask);
 * each unit keeps two moments of its run, as (linear, context-shaped) bytes alive then: the one with the
   most linear bytes (an MLP's intermediates) and the one with the most context-shaped bytes (the softmax
-  of the scores). Everything alive counts (its inputs, what earlier units left alive, its intermediates,
+  of the scores; among equals, such as none at all, a fused attention call). Everything alive counts (its inputs, what earlier units left alive, its intermediates,
   its outputs). The two scale differently with the prompt (tokens against tokens x context), so the cost
   model prices both at the workload's shape and takes the larger.
 
@@ -51,14 +51,17 @@ class UnitPeak:
     linear_peak: tuple[int, int] = (0, 0)
     """The moment with the most linear bytes (ties: the most context-shaped)."""
     score_peak: tuple[int, int] = (0, 0)
-    """The moment with the most context-shaped bytes (ties: the most linear)."""
+    """The moment with the most context-shaped bytes (ties: a fused attention call's, then the most linear):
+    where a mask's kernel copy lives, so the cost model can charge a mask the trace did not see there."""
+    score_at_attention: bool = False
+    """Whether :attr:`score_peak` is a fused attention call's moment."""
     entry: tuple[int, int] = (0, 0)
 
-    def see(self, alive: tuple[int, int]) -> None:
+    def see(self, alive: tuple[int, int], attention: bool = False) -> None:
         if alive > self.linear_peak:
             self.linear_peak = alive
-        if (alive[1], alive[0]) > (self.score_peak[1], self.score_peak[0]):
-            self.score_peak = alive
+        if (alive[1], attention, alive[0]) > (self.score_peak[1], self.score_at_attention, self.score_peak[0]):
+            self.score_peak, self.score_at_attention = alive, attention
 
     def above_entry(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """Both moments less what was alive at entry: what a replay of this unit adds to its own entry."""
@@ -102,13 +105,14 @@ class LiveBytes:
         """Charge the moments seen outside every unit since the last one to ``unit``."""
         peak = self.peaks.setdefault(unit, UnitPeak())
         peak.see(self._glue.linear_peak)
-        peak.see(self._glue.score_peak)
+        peak.see(self._glue.score_peak, self._glue.score_at_attention)
         self._glue = UnitPeak()
 
     def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor],
-               *, linear: bool = False) -> None:
+               *, linear: bool = False, attention: bool = False) -> None:
         """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit);
-        ``linear``: they scale with the tokens whatever their shape (attention's output, ``(q, head size)``)."""
+        ``linear``: they scale with the tokens whatever their shape (attention's output, ``(q, head size)``);
+        ``attention``: the moment after them is a fused attention call's (:attr:`UnitPeak.score_peak`)."""
         if self.paused:
             return
         inputs = list(inputs)
@@ -121,15 +125,17 @@ class LiveBytes:
             context = not linear and self._is_context(packet, unit, inputs, tensor)
             self._add(key, tensor.untyped_storage(), context)
         if unit is not None:
-            self._raise(unit)
+            self._raise(unit, attention)
         else:
-            self._glue.see((self.linear_bytes, self.context_bytes))
+            self._glue.see((self.linear_bytes, self.context_bytes), attention)
 
     def replayed(self, unit: str, learned_from: str) -> None:
         """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
         peak = self.peaks.setdefault(unit, UnitPeak())
-        for added in self.peaks[learned_from].above_entry():
-            peak.see(_plus(peak.entry, added))
+        learned = self.peaks[learned_from]
+        linear, scores = learned.above_entry()
+        peak.see(_plus(peak.entry, linear))
+        peak.see(_plus(peak.entry, scores), learned.score_at_attention)
 
     def is_context(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory was counted as attention-score shaped."""
@@ -172,8 +178,8 @@ class LiveBytes:
         else:
             self.linear_bytes -= size
 
-    def _raise(self, unit: str) -> None:
-        self.peaks.setdefault(unit, UnitPeak()).see((self.linear_bytes, self.context_bytes))
+    def _raise(self, unit: str, attention: bool = False) -> None:
+        self.peaks.setdefault(unit, UnitPeak()).see((self.linear_bytes, self.context_bytes), attention)
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
@@ -215,7 +221,8 @@ class FusedAttention(TorchFunctionMode):
             self.memory.paused = False
         # (batch, heads, q, head size): read from the mask, yet per token even where the head size is the
         # traced length (Falcon-40B's 64)
-        self.memory.record(self.unit(), func, inputs, [out] if isinstance(out, torch.Tensor) else [], linear=True)
+        self.memory.record(self.unit(), func, inputs, [out] if isinstance(out, torch.Tensor) else [], linear=True,
+                           attention=True)
         del converted  # freed as the call returns
         return out
 

@@ -42,7 +42,8 @@ lack them, and the cost model then prices the workspace as a multiple of the out
                                            softmax, mask: ``query x key`` shaped), per query
                                            token per context token
 ``scores_workspace_bytes_per_token``       activation bytes per token alive at the moment the
-                                           unit holds the most attention-score bytes
+                                           unit holds the most attention-score bytes (among
+                                           equals, a fused attention call)
 ``scores_workspace_bytes_per_token_ctx``   those score bytes, per query token per context token
 =========================================  ==================================================
 
