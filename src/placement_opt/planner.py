@@ -25,7 +25,7 @@ from .cost.build import price_problem
 from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, priced_evaluator
-from .cost.memory import shortage_message
+from .cost.memory import proven_short, shortage_message
 from .cost.pricing import home_device
 from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
@@ -544,6 +544,8 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                 objective: str, baselines: Sequence[_Baseline], score: Callable[[Any], Cost],
                 search: tuple[float, int, float, int, float], notes: list[str]) -> Plan:
     time_limit_s, seed, gap_limit, workers, started = search
+    if proven_short(problem):  # arithmetic proves it: no search (which may end before proving it)
+        raise InfeasiblePlacementError(shortage_message(problem, graph, workload))
     hint, hint_name = _best_hint(problem, objective, baselines)
     # The search gets what pricing, baselines and the final scoring (``started`` is moved back by its
     # estimate) leave of the limit, and never less than MIN_SEARCH_S (a module-level 70B's pricing

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeInt,
+    PositiveInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -237,6 +238,7 @@ class NodeSchema(_Strict):
     scores_workspace_bytes_per_token_ctx: NonNegativeInt | None = None
     in_bytes_per_token: NonNegativeInt | None = None
     block: str | None = Field(default=None, min_length=1)
+    kv_window_tokens: PositiveInt | None = None
 
 
 class EdgeSchema(_Strict):

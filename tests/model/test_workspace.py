@@ -33,6 +33,12 @@ def tensors(unit, workload, meta) -> int:
     return workspace_bytes(unit, workload, meta) - min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
 SHAPES = [(1, 64), (4, 128)]
 
+def _falcon(**sizes: int) -> T.FalconConfig:
+    """Falcon-40B's layout (parallel attention, grouped KV, no alibi or bias) at the given sizes, two layers."""
+    return T.FalconConfig(num_hidden_layers=2, new_decoder_architecture=True, alibi=False, parallel_attn=True,
+                          bias=False, **sizes)
+
+
 CONFIGS: dict[str, Callable[[], T.PretrainedConfig]] = {
     "llama": lambda: T.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
@@ -43,9 +49,7 @@ CONFIGS: dict[str, Callable[[], T.PretrainedConfig]] = {
                                  bos_token_id=0, eos_token_id=0),
     # Falcon-40B's layout (parallel attention, grouped KV), its head size the traced length (32 here, 64 at
     # trace()'s default length, as Falcon-40B's); it builds its causal mask in every forward, under sdpa too
-    "falcon": lambda: T.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                                     new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False,
-                                     vocab_size=512),
+    "falcon": lambda: _falcon(hidden_size=128, num_attention_heads=4, num_kv_heads=2, vocab_size=512),
     # experts half as wide as the model: the fused gate/up is as wide as the model (OLMoE's and Granite-MoE's
     # proportions), and the rows the experts hand back outweigh their intermediates; it also builds a
     # sliding-window mask beside its causal one in every forward (query x key bools), under sdpa too
@@ -204,14 +208,22 @@ def test_a_config_traces_as_the_model_transformers_runs(family: str) -> None:
     assert (layer.workspace_bytes_per_token_ctx, layer.scores_workspace_bytes_per_token_ctx) == (mask, during_call)
 
 
+WINDOW = 48  # tokens: longer than the trace (TRACE_LEN), shorter than the prompts that reach it
+
+
+def windowed_mistral() -> tuple[torch.nn.Module, LayerGraph]:
+    """A Mistral (v0.1: every layer slides) under sdpa, with its graph traced shorter than its window."""
+    torch.manual_seed(0)
+    config = T.MistralConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, sliding_window=WINDOW)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    return model, trace(model, seq_len=TRACE_LEN)
+
+
 def test_the_window_mask_a_trace_shorter_than_the_window_did_not_see_is_charged_once_the_prompt_reaches_it() -> None:
     """Mistral (v0.1) under sdpa: below its sliding window the causal mask is left to the kernel; from the window
     on, transformers builds a (batch, 1, prompt, prompt) bool mask, alive through every layer."""
-    torch.manual_seed(0)
-    config = T.MistralConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, sliding_window=48)
-    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-    graph = trace(model, seq_len=TRACE_LEN)
+    model, graph = windowed_mistral()
     layer = graph.unit("model.layers.0")
     assert layer.workspace_bytes_per_token_ctx == 0  # the trace (32 tokens) is shorter than the window
     # 40: under the window, no mask; 2048: the mask (4 MiB), its float32 copy for the kernel and the keys and
@@ -225,31 +237,28 @@ def test_the_window_mask_a_trace_shorter_than_the_window_did_not_see_is_charged_
 
 def test_a_decode_step_past_the_window_reads_the_sliding_cache_unmasked() -> None:
     """transformers keeps the last window - 1 keys of a sliding layer and attends to them with no mask: a step
-    past the window holds its cache's update (48 tokens, not the context) and none of a prefill's mask terms.
-    The cost model charges the update at the whole context, an over-count (docs/limitations.md)."""
-    torch.manual_seed(0)
-    config = T.MistralConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, sliding_window=48)
-    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-    graph = trace(model, seq_len=TRACE_LEN)
+    past the window holds its cache's update (48 tokens, not the context) and none of a prefill's mask terms."""
+    model, graph = windowed_mistral()
     layer = graph.unit("model.layers.0")
     batch, prompt = 4, 100
     with torch.no_grad():
         cache = model(input_ids=torch.randint(0, 512, (batch, prompt)), use_cache=True).cache
         counter = LiveStorages()
-        hook = model.get_submodule(layer.name).register_forward_pre_hook(lambda _m, _a: counter.enter(layer.name))
+        module = model.get_submodule(layer.name)
+        hooks = [module.register_forward_pre_hook(lambda _m, _a: counter.enter(layer.name)),
+                 module.register_forward_hook(lambda _m, _a, _o: setattr(counter, "unit", None))]
         try:
             with counter:
                 model(input_ids=torch.randint(0, 512, (batch, 1)), cache=cache, use_cache=True)
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
     measured = counter.peak[layer.name]  # context 101: the step after the prompt
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=2)  # its last step's context, 102
     scratch = min(CPU_GEMM_WORKSPACE_BYTES, layer.weight_bytes)
     predicted = workspace_bytes(layer, workload, graph.meta, phase="decode") - scratch
-    update_at_context = layer.kv_bytes_per_token * batch * (prompt + 2)
-    update_at_window = layer.kv_bytes_per_token * batch * config.sliding_window
-    assert measured <= predicted <= 1.15 * (measured - update_at_window + update_at_context), (predicted, measured)
+    assert layer.kv_window_tokens == WINDOW
+    assert measured <= predicted <= 1.15 * measured, (predicted, measured)
 
 
 def test_the_score_moment_of_a_unit_without_scores_is_its_fused_attention_call() -> None:
@@ -332,9 +341,7 @@ def test_predicted_peak_covers_max_memory_allocated_on_a_gpu() -> None:
 #: Models that give sdpa a mask, at a GPU's size: Falcon always builds its causal mask; Qwen2-MoE builds a
 #: sliding-window mask beside it that no layer reads.
 GPU_MASKED = {
-    "falcon": lambda: T.FalconConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_kv_heads=4,
-                                     new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False,
-                                     vocab_size=32000),
+    "falcon": lambda: _falcon(hidden_size=1024, num_attention_heads=16, num_kv_heads=4, vocab_size=32000),
     "qwen2_moe": lambda: T.Qwen2MoeConfig(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
                                           shared_expert_intermediate_size=2816, num_hidden_layers=2,
                                           num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,

@@ -51,6 +51,8 @@ def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
              unit.attn_flops_per_token_per_ctx, unit.out_bytes_per_token, unit.kv_bytes_per_token,
              unit.moe_num_experts, unit.moe_experts_per_token, unit.moe_expert_bytes, len(unit.param_names),
              unit.in_decode]
+    if unit.kv_window_tokens is not None:  # a sliding layer's decode stops growing; keys of others unchanged
+        facts.append(unit.kv_window_tokens)
     return hashlib.sha1(json.dumps(facts).encode()).hexdigest()[:16]
 
 

@@ -53,11 +53,11 @@ from .workload import Workload, dtype_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Device
     from ..model.graph import GraphMeta, LayerGraph, UnitInfo
-    from ..solver.problem import PlacementProblem
+    from ..solver.problem import PlacementOption, PlacementProblem
     from .pricing import OptionPrice
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "SCORE_FREE_ATTENTION",
-           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "workspace_bytes",
+           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "violation", "shortage_message", "proven_short", "workspace_bytes",
            "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
@@ -148,7 +148,7 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     if not generating or not unit.in_decode or phase == "prefill":
         return prefill
     context = workload.context_len
-    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * context + sampling
+    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * unit.kv_tokens(context) + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return decode if phase == "decode" else max(prefill, decode)
 
@@ -336,17 +336,67 @@ def violation(memory: DeviceMemory, workload: Workload) -> Violation:
     return Violation(device=memory.device, needed_bytes=need, capacity_bytes=has, message=message)
 
 
+@dataclass(frozen=True)
+class _Totals:
+    """Lower bounds of what any placement needs, against what the devices have: all of them (weights, KV
+    cache, one unit's workspace) and the compute devices (KV cache and that workspace)."""
+
+    least: list[int]
+    resident: list[int]
+    need_all: int
+    have_all: int
+    need_compute: int
+    have_compute: int
+
+
+def _totals(problem: PlacementProblem) -> _Totals:
+    least = [min(o.stored_bytes + o.resident_bytes for o in u.options) for u in problem.units]
+    resident = [min(o.resident_bytes for o in u.options) for u in problem.units]
+    peak = max((min(o.peak_bytes for o in u.options) for u in problem.units), default=0)
+    compute = [d for d in problem.devices if d.kind != "disk"]
+    return _Totals(least, resident, sum(least) + peak, sum(d.capacity_bytes for d in problem.devices),
+                   sum(resident) + peak, sum(d.capacity_bytes for d in compute))
+
+
+def proven_short(problem: PlacementProblem) -> bool:
+    """Whether the totals, or a unit that fits on no device even alone, prove that no placement fits
+    (:func:`shortage_message` says how): then the solver need not search, and could run out of time before
+    it proved as much (a 32k-token prompt whose eager scores no device holds)."""
+    totals = _totals(problem)
+    return (totals.need_all > totals.have_all or totals.need_compute > totals.have_compute
+            or bool(_homeless(problem)))
+
+
+def _homeless(problem: PlacementProblem) -> list[tuple[str, str, int, int]]:
+    """Units none of whose options fits its devices even with nothing else on them: (name, and for the
+    option that comes closest, the device it overfills, what it needs there, what that device has)."""
+    cap = {d.name: d.capacity_bytes for d in problem.devices}
+
+    def needs(o: PlacementOption) -> dict[str, int]:
+        on = {o.storage: o.stored_bytes}
+        on[o.execution] = on.get(o.execution, 0) + o.resident_bytes + o.peak_bytes
+        if o.prefill_execution:
+            on[o.prefill_execution] = max(on.get(o.prefill_execution, 0), o.prefill_peak_bytes)
+        return on
+
+    found = []
+    for unit in problem.units:
+        over = [max((need - cap[d], d, need) for d, need in needs(o).items()) for o in unit.options]
+        if over and min(over)[0] > 0:
+            _, device, need = min(over)
+            found.append((unit.name, device, need, cap[device]))
+    return found
+
+
 def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Workload) -> str:
     """Which capacity is short, by how much, and what takes the space."""
     lines = []
     compute = [d for d in problem.devices if d.kind != "disk"]
-    least = [min(o.stored_bytes + o.resident_bytes for o in u.options) for u in problem.units]
-    resident = [min(o.resident_bytes for o in u.options) for u in problem.units]
-    peak = max((min(o.peak_bytes for o in u.options) for u in problem.units), default=0)
-    need_all = sum(least) + peak
-    have_all = sum(d.capacity_bytes for d in problem.devices)
-    need_compute, have_compute = sum(resident) + peak, sum(d.capacity_bytes for d in compute)
-    kv = sum(u.kv_bytes_per_token for u in graph.units()) * workload.batch_size * workload.context_len
+    totals = _totals(problem)
+    least, resident = totals.least, totals.resident
+    need_all, have_all, need_compute, have_compute = (totals.need_all, totals.have_all, totals.need_compute,
+                                                      totals.have_compute)
+    kv = sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len) for u in graph.units()) * workload.batch_size
     weights = sum(least) - sum(resident)
     kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
     weights_why = f"the weights alone are {format_bytes(weights)}"
@@ -370,6 +420,12 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
         name, m = max(big, key=lambda t: t[1])
         lines.append(f"unit {name} alone needs {format_bytes(m)}, more than the largest device ({top.name}, "
                      f"{format_bytes(top.capacity_bytes)}): give that device more memory")
+    elif not lines and (homeless := _homeless(problem)):
+        name, device, need, has = max(homeless, key=lambda t: t[2] - t[3])
+        more = f" (and {len(homeless) - 1} more unit(s))" if len(homeless) > 1 else ""
+        lines.append(f"unit {name}{more} fits on no device even alone: its least demanding option needs "
+                     f"{format_bytes(need)} on {device}, which has {format_bytes(has)} (weights, KV cache, workspace "
+                     f"and buffers); reduce the batch or context, or add GPU/CPU memory")
     if not lines:
         blamed = _constraints_in_the_way(problem)
         lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "

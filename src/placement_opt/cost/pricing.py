@@ -264,13 +264,20 @@ def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution
     if device.kind == "cpu":
         rows = _prefill_rows(ctx, unit)
         kv = unit.kv_bytes_per_token * wl.batch_size
-        ctx0 = wl.prompt_len + 1
-        kv_read = kv * (ctx0 * steps + steps * (steps - 1) / 2)  # step t reads ctx0 + t positions
+        kv_read = kv * _kv_positions_read(unit, wl.prompt_len + 1, steps)
         return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
                 _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
     if storage == execution:
         return 0.0, 0.0
     return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
+
+
+def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> float:
+    """Cached positions per sequence the decode steps read in all: step t reads ``ctx0 + t``, a sliding layer
+    at most its window."""
+    growing = steps if unit.kv_window_tokens is None else max(0, min(steps, unit.kv_window_tokens - ctx0))
+    at_window = (steps - growing) * (unit.kv_window_tokens or 0)
+    return ctx0 * growing + growing * (growing - 1) / 2 + at_window
 
 
 def _disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
@@ -469,9 +476,12 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     overhead = ctx.overhead_s(unit, device)
-    flops = (batch * (base + attn * ctx0), batch * attn)
+    # a sliding layer's cache stops growing at its window: a step there reads the window (the steps before
+    # the context reaches it are priced on the growing line, an over-estimate once it stops)
+    ctx0, grows = unit.kv_tokens(ctx0), int(unit.kv_tokens(ctx0 + 1) > unit.kv_tokens(ctx0))
+    flops = (batch * (base + attn * ctx0), batch * attn * grows)
     kv = batch * unit.kv_bytes_per_token
-    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
+    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv * grows)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s),
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]
 
@@ -521,7 +531,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     prefill += trip_prefill
     decode += trip_decode
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
-    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * wl.context_len
+    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.context_len)
     return OptionPrice(
         storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
         weights_bytes=unit.weight_bytes,
@@ -542,7 +552,7 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     wl = ctx.workload
     prefill = price_option(ctx, unit, storage, gpu, "stream")
     decode = price_option(ctx, unit, storage, execution, "resident" if storage == execution else "stream")
-    prompt_kv = unit.kv_bytes_per_token * wl.batch_size * wl.prompt_len
+    prompt_kv = unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.prompt_len)
     move_s = (prompt_kv / ctx.machine.bandwidth(gpu, execution) + ctx.machine.latency_s(gpu, execution)
               if prompt_kv else 0.0)
     return OptionPrice(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -39,6 +40,27 @@ class AttentionFacts:
                 owner = next((u for u in reversed(list(ctx.units)) if u.startswith(name + ".")), None)
             if owner is not None:
                 self.owned[owner].append((name, attention))
+
+    def kv_window(self, unit_name: str) -> int | None:
+        """The most tokens the KV cache of ``unit_name``'s self-attention keeps, where every one of its layers
+        slides (transformers' cache for the model's config keeps a window); None: the whole context."""
+        indices = [getattr(m, "layer_idx", None) for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)]
+        windows = {self._windows.get(i) if isinstance(i, int) else None for i in indices}
+        if len(windows) != 1:
+            return None  # no attention, or layers of different kinds
+        return windows.pop()
+
+    @functools.cached_property
+    def _windows(self) -> dict[int, int]:
+        """Layer index -> the tokens transformers' ``DynamicCache`` keeps for it, for its sliding layers."""
+        try:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.ctx.config)
+        except Exception:  # noqa: BLE001 - no config, or one the cache cannot read: no window
+            return {}
+        return {i: int(window) for i, layer in enumerate(getattr(cache, "layers", ()))
+                if isinstance(window := getattr(layer, "sliding_window", None), int) and window > 0}
 
     def of(self, unit_name: str) -> tuple[int, int, int, int]:
         """(heads, kv heads, head dim, number of self-attention modules) of the unit ``unit_name``."""

@@ -22,6 +22,8 @@ Node attributes (all present on every node; bytes and FLOPs are ints):
 ``out_bytes_per_token``        bytes of the activation leaving the unit, per token (``"sublayer"``
                                graphs: what its forward returns)
 ``kv_bytes_per_token``         KV-cache bytes this unit keeps per cached token per sequence
+``kv_window_tokens``           optional: the most tokens its cache keeps (a sliding-window layer, as
+                               transformers' cache keeps it); absent: every token of the context
 ``moe_num_experts``            number of experts (0 when not MoE)
 ``moe_experts_per_token``      experts each token is routed to (0 when not MoE)
 ``moe_expert_bytes``           bytes of all expert weights in the unit (0 when not MoE)
@@ -81,7 +83,7 @@ from ..schema import GraphSchema, validated
 GRANULARITIES = ("block", "module", "sublayer")
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
-           "SUBLAYER_NODE_ATTRIBUTES",
+           "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -116,8 +118,10 @@ MEASURED_NODE_ATTRIBUTES: dict[str, type] = {
 #: Attributes a node of a ``"sublayer"`` graph carries (measured by the meta trace), with these types.
 SUBLAYER_NODE_ATTRIBUTES: dict[str, type] = {"in_bytes_per_token": int, "block": str}
 
+#: Attributes of a unit whose KV cache holds a window of the context only, with these types.
+WINDOW_NODE_ATTRIBUTES: dict[str, type] = {"kv_window_tokens": int}
 
-_OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES}
+_OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +158,13 @@ class UnitInfo:
     block: str | None = None
     """``"sublayer"`` graphs: the no-split block (decoder layer) the unit was cut from, whose streamed parts
     are copied together (one prefetch per block); None otherwise, or for a unit outside every block."""
+    kv_window_tokens: int | None = None
+    """The most tokens per sequence the unit's KV cache holds: a sliding-window layer's window, as
+    transformers' cache keeps it (None: the whole context)."""
+
+    def kv_tokens(self, context: int) -> int:
+        """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""
+        return context if self.kv_window_tokens is None else min(context, self.kv_window_tokens)
 
     @property
     def weight_bytes(self) -> int:

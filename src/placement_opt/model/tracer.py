@@ -26,7 +26,8 @@ Conventions the cost model relies on:
 * ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
   that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
   encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
-  ``meta.extra["cross_attn_kv_bytes_per_token"]``.
+  ``meta.extra["cross_attn_kv_bytes_per_token"]``. A unit whose layers' caches slide (transformers'
+  ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``.
 * MoE: fused expert modules (transformers 5 ``MixtralExperts``) are run through ``top_k`` experts' weights
   densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs.
 * Dummy inputs: ``input_ids`` (plus ``decoder_input_ids`` for encoder-decoders), no ``attention_mask``
@@ -345,6 +346,8 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
         "param_names": tuple(q for q, _, p in tensors if p), "in_decode": in_decode,
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
+    if has_cache and attrs["kv_bytes_per_token"] and (window := attention.kv_window(name)) is not None:
+        attrs["kv_window_tokens"] = window
     if record is not None and name in record.workspace:
         attrs.update(_workspace(ctx, record.workspace[name]))
     if record is not None and ctx.granularity == "sublayer":

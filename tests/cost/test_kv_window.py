@@ -1,0 +1,73 @@
+"""A sliding-window layer's KV cache holds its window, not the context (``UnitInfo.kv_window_tokens``)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from hypothesis import given
+from hypothesis import strategies as st
+
+from placement_opt.cost.build import price_problem
+from placement_opt.cost.pricing import _kv_positions_read
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import LayerGraph, chain_graph
+from placement_opt.model.tracer import trace
+
+KV = 1024  # bytes per cached token per sequence
+
+
+def _graph(window: int | None) -> LayerGraph:
+    layer = {"name": "layer", "kv_bytes_per_token": KV, "flops_per_token": 10**6, "param_bytes": 10**6,
+             "attn_flops_per_token_per_ctx": 512}
+    if window is not None:
+        layer["kv_window_tokens"] = window
+    return chain_graph([layer])
+
+
+def _cpu_option(graph: LayerGraph, workload: Workload):
+    machine = Machine([Device("cpu", 2**40, flops=1e12, bandwidth=1e11)])
+    _, prices = price_problem(graph, machine, workload, ("resident",), None, False)
+    return next(p for p in prices[0] if p.execution == "cpu" and p.mode == "resident")
+
+
+@given(ctx0=st.integers(1, 300), steps=st.integers(0, 300), window=st.one_of(st.none(), st.integers(1, 400)))
+def test_the_positions_decode_steps_read_are_each_steps_context_capped_at_the_window(ctx0, steps, window) -> None:
+    unit = _graph(window).unit("layer")
+    cap = window if window is not None else 10**9
+    assert _kv_positions_read(unit, ctx0, steps) == sum(min(ctx0 + t, cap) for t in range(steps))
+
+
+@given(batch=st.integers(1, 8), prompt=st.integers(1, 600), new=st.integers(0, 300),
+       window=st.one_of(st.none(), st.integers(1, 700)))
+def test_a_layers_kv_cache_holds_its_window_at_most(batch, prompt, new, window) -> None:
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
+    held = _cpu_option(_graph(window), workload).kv_cache_bytes
+    whole = _cpu_option(_graph(None), workload).kv_cache_bytes
+    assert whole == KV * batch * workload.context_len
+    assert held == KV * batch * (workload.context_len if window is None else min(workload.context_len, window))
+
+
+def test_a_decode_past_the_window_costs_what_a_step_at_the_window_does() -> None:
+    # every step of a long decode reads the window's keys, as the first one past it does
+    short, long = Workload(prompt_len=100, new_tokens=2), Workload(prompt_len=100, new_tokens=201)
+    per_step = [_cpu_option(_graph(64), w).decode_s / w.decode_steps for w in (short, long)]
+    assert per_step[1] == pytest.approx(per_step[0], rel=1e-6)
+    assert _cpu_option(_graph(None), long).decode_s > _cpu_option(_graph(64), long).decode_s
+
+
+@pytest.mark.parametrize("granularity", ["block", "sublayer"])
+def test_trace_reads_each_layers_window_from_transformers_cache_layout(granularity: str) -> None:
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                       sliding_window=32)
+    graph = trace(config, granularity=granularity)
+    windows = {u.name: u.kv_window_tokens for u in graph.units() if u.kv_bytes_per_token}
+    assert len(windows) == 4
+    kinds = config.layer_types
+    for name, window in windows.items():
+        index = int(name.split(".")[2])
+        assert window == (32 if kinds[index] == "sliding_attention" else None), name
+    assert all(u.kv_window_tokens is None for u in graph.units() if not u.kv_bytes_per_token)
+    again = LayerGraph.from_dict(graph.to_dict())
+    assert [u.kv_window_tokens for u in again.units()] == [u.kv_window_tokens for u in graph.units()]
