@@ -56,6 +56,18 @@ def test_a_decode_past_the_window_costs_what_a_step_at_the_window_does() -> None
     assert _cpu_option(_graph(None), long).decode_s > _cpu_option(_graph(64), long).decode_s
 
 
+@given(prompt=st.integers(1, 200), new=st.integers(1, 120), window=st.one_of(st.none(), st.integers(1, 300)),
+       batch=st.integers(1, 4))
+def test_a_decode_costs_the_sum_of_its_steps_each_priced_alone(prompt, new, window, batch) -> None:
+    # step t of a decode is the one decode step of a workload whose prompt is t tokens longer: summing those
+    # single steps prices every step at its own context, capped at the window once the cache reaches it
+    graph = _graph(window)
+    whole = _cpu_option(graph, Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)).decode_s
+    steps = [_cpu_option(graph, Workload(batch_size=batch, prompt_len=prompt + t, new_tokens=1)).decode_s
+             for t in range(new)]
+    assert whole == pytest.approx(sum(steps), rel=1e-9)
+
+
 @pytest.mark.parametrize("granularity", ["block", "sublayer"])
 def test_trace_reads_each_layers_window_from_transformers_cache_layout(granularity: str) -> None:
     config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,

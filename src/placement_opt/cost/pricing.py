@@ -467,23 +467,37 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     A calibrated unit has one line: its measured step at the first context, growing with the context.
     """
     wl = ctx.workload
+    ctx0 = unit.kv_tokens(wl.prompt_len + 1)  # a sliding layer past its window starts (and stays) there
     measured = _calibrated(ctx, unit, device)
-    line = measured.decode_line(wl.batch_size, wl.prompt_len + 1) if measured is not None else None
+    line = measured.decode_line(wl.batch_size, ctx0) if measured is not None else None
     if line is not None:
         return [line]
     flops_s, bytes_s = _achieved(device, wl.batch_size)
-    batch, ctx0 = wl.batch_size, wl.prompt_len + 1
+    batch = wl.batch_size
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     overhead = ctx.overhead_s(unit, device)
-    # a sliding layer's cache stops growing at its window: a step there reads the window (the steps before
-    # the context reaches it are priced on the growing line, an over-estimate once it stops)
-    ctx0, grows = unit.kv_tokens(ctx0), int(unit.kv_tokens(ctx0 + 1) > unit.kv_tokens(ctx0))
-    flops = (batch * (base + attn * ctx0), batch * attn * grows)
+    flops = (batch * (base + attn * ctx0), batch * attn)
     kv = batch * unit.kv_bytes_per_token
-    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv * grows)
+    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s),
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]
+
+
+def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
+    """Decode steps before a sliding layer's cache reaches its window, from which on every step reads the
+    window (:func:`_decode_lines` start at the first step's context); None: the cache grows to the end."""
+    if unit.kv_window_tokens is None:
+        return None
+    return unit.kv_window_tokens - unit.kv_tokens(workload.prompt_len + 1)
+
+
+def _sum_capped_lines(lines: Sequence[tuple[float, float]], steps: int, growing: int | None) -> float:
+    """:func:`_sum_max_lines` where step ``t`` is priced at ``min(t, growing)`` (None: never capped)."""
+    if growing is None or growing >= steps:
+        return _sum_max_lines(lines, steps)
+    flat = max(a + b * growing for a, b in lines)
+    return _sum_max_lines(lines, growing) + (steps - growing) * flat
 
 
 def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTimes | None:
@@ -524,7 +538,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
             lines.append((copy, 0.0))
         else:
             lines = [(a + copy, b) for a, b in lines]
-        decode = _sum_max_lines(lines, wl.decode_steps)
+        decode = _sum_capped_lines(lines, wl.decode_steps, _growing_steps(unit, wl))
     host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
     disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
     trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
