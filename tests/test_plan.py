@@ -45,7 +45,7 @@ def plans(draw):
             mode = "resident" if execution == storage else draw(st.sampled_from(["stream", "stream_sync"]))
         placements.append(UnitPlacement(unit=f"model.layers.{i}", storage=storage, execution=execution, mode=mode))
     wl = Workload(batch_size=draw(st.integers(1, 16)), prompt_len=draw(st.integers(1, 4096)),
-                  new_tokens=draw(st.integers(0, 512)))
+                  new_tokens=draw(st.integers(0, 512)), overlap=draw(st.booleans()), padded=draw(st.booleans()))
     machine = _machine()
     probe = Plan(model_name="m", dtype="float16", objective="latency", strategy="cpsat", placements=tuple(placements),
                  machine=machine, workload=wl, cost=None, status="FEASIBLE", objective_value=0.0, best_bound=0.0,

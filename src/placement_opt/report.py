@@ -119,7 +119,8 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
         ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
         ("workload", Cell(f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens"
                           + (", logits at every prompt position" if w.logits == "all" and w.new_tokens else "")
-                          + (", logits at the last position only" if w.logits == "last" and not w.new_tokens else ""))),
+                          + (", logits at the last position only" if w.logits == "last" and not w.new_tokens else "")
+                          + (", prompts padded under a mask" if w.padded else ""))),
         ("objective", Cell(f"{plan.objective}, strategy {plan.strategy}")),
         ("solver", solver),
         ("time", Cell(f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "

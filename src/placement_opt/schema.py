@@ -128,6 +128,7 @@ class WorkloadSchema(_Strict):
     activation_checkpointing: bool = False
     logits: Literal["last", "all"] | None = None
     overlap: bool = False
+    padded: bool = False
 
 
 class CostSchema(_Open):

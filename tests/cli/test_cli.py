@@ -303,6 +303,26 @@ def test_overlap_flag_prices_copies_beside_earlier_compute_and_is_kept_in_the_pl
     assert bad.exit_code == 2 and "leave --overlap out" in bad.output and "Traceback" not in bad.output
 
 
+def test_padded_flag_charges_the_prompt_mask_and_is_kept_in_the_plan(tmp_path):
+    """--padded: the plan file keeps it, the workload line says it, and the GPU's workspace grows by the mask
+    (batch x prompt^2 bools); with --cluster it is a usage error."""
+    from placement_opt import Plan
+
+    common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb,cpu=64GiB", "--batch", "4", "--prompt", "2048",
+              "--new-tokens", "8", "--modes", "resident", "--time-limit", "1")
+    plain, padded = tmp_path / "plain.json", tmp_path / "padded.json"
+    first = run_cli(*common, "--json", str(plain))
+    second = run_cli(*common, "--padded", "--json", str(padded))
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    assert "padded under a mask" in second.output and "padded under a mask" not in first.output
+    plans = Plan.from_json(str(plain)), Plan.from_json(str(padded))
+    assert (plans[0].workload.padded, plans[1].workload.padded) == (False, True)
+    workspace = [next(m.workspace_bytes for m in p.cost.memory if m.device == "cuda:0") for p in plans]
+    assert workspace[1] - workspace[0] >= 4 * 2048 * 2048  # the mask, alive through the forward
+    bad = run_cli("plan", "llama-2-7b", "--cluster", "2x1xa100-40gb", "--padded", catch_exceptions=True)
+    assert bad.exit_code == 2 and "leave --padded out" in bad.output and "Traceback" not in bad.output
+
+
 def test_modes_flag_limits_the_solvers_choices_and_refuses_unknown_modes(tmp_path):
     from placement_opt import Plan
 

@@ -56,7 +56,7 @@ def machines(draw, scale: float = 1.0):
 
 workloads = st.builds(Workload, batch_size=st.integers(1, 32), prompt_len=st.integers(1, 4096),
                       new_tokens=st.integers(0, 512), training=st.booleans(),
-                      activation_checkpointing=st.booleans(), overlap=st.booleans())
+                      activation_checkpointing=st.booleans(), overlap=st.booleans(), padded=st.booleans())
 
 
 def reference_phase_s(graph, machine, workload, units, key):

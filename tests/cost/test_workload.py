@@ -75,9 +75,10 @@ def test_training_memory_says_when_optimizer_offload_is_needed() -> None:
     assert ckpt.activation_bytes == 2 * 16 * 64 and "activation checkpointing" not in ckpt.message
 
 
-def test_overlap_is_opt_in_and_written_only_when_set() -> None:
-    assert "overlap" not in Workload().to_dict()  # plan files read as before
-    on = Workload(overlap=True)
-    assert on.to_dict()["overlap"] is True and Workload.from_dict(on.to_dict()) == on
-    with pytest.raises(WorkloadError, match="overlap"):
-        Workload(overlap="yes")
+@pytest.mark.parametrize("flag", ["overlap", "padded"])
+def test_opt_in_flags_are_written_only_when_set(flag: str) -> None:
+    assert flag not in Workload().to_dict()  # plan files read as before
+    on = Workload(**{flag: True})
+    assert on.to_dict()[flag] is True and Workload.from_dict(on.to_dict()) == on
+    with pytest.raises(WorkloadError, match=flag):
+        Workload(**{flag: "yes"})

@@ -124,10 +124,11 @@ def cli() -> None:
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
              dtype: str | None, logits: str | None = None, granularity: str = "block",
-             overlap: bool = False, expert_groups: int = 1) -> tuple[Any, Machine, Workload, Any]:
+             overlap: bool = False, expert_groups: int = 1, padded: bool = False
+             ) -> tuple[Any, Machine, Workload, Any]:
     """(graph, machine, workload, resolved model) from the command-line words (``auto``: the block graph)."""
     devices = require_devices(devices)
-    workload = workload_from(batch, prompt, new_tokens, logits, overlap)
+    workload = workload_from(batch, prompt, new_tokens, logits, overlap, padded)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
     resolved = resolve_model(model)
     with progress(f"Tracing {model} on the meta device ..."):
@@ -161,7 +162,7 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
                    "--json keeps them either way")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
-         dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
+         padded: bool, dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
          modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, verbose: bool, cluster: str | None,
          schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
@@ -177,12 +178,15 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         if overlap:
             raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
                                    "pipeline stages without it: leave --overlap out")
+        if padded:
+            raise click.UsageError("--padded is priced on one machine's plan; plan --cluster does not take it yet: "
+                                   "leave --padded out")
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         check_expert_groups(expert_groups, granularity)
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      granularity, overlap, expert_groups)
+                                                      granularity, overlap, expert_groups, padded)
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
         if pins:
             chosen["pins"] = pins
@@ -245,14 +249,14 @@ def _search_longer(console: Console, first: Plan, solve_again: Callable[[float],
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
 def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int,
-            logits: str | None, dtype: str | None, overlap: bool,
+            logits: str | None, padded: bool, dtype: str | None, overlap: bool,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
     check_outputs(json_path, plot)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      overlap=overlap)
+                                                      overlap=overlap, padded=padded)
         with progress("Solving with every strategy ..."):
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
                                           time_limit_s=time_limit, source=resolved)

@@ -173,11 +173,12 @@ def _machine_from_file(path: Path) -> Machine:
 
 
 def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None,
-                  overlap: bool = False) -> Workload:
+                  overlap: bool = False, padded: bool = False) -> Workload:
     from ..cost.workload import Workload
 
     try:
-        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, logits=logits, overlap=overlap)
+        return Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, logits=logits, overlap=overlap,
+                        padded=padded)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -195,6 +196,9 @@ def solve_options(func: Any) -> Any:
         click.option("--logits", type=click.Choice(["last", "all"]), default=None,
                      help="positions whose logits the prompt computes: 'last' (generate(), the default when "
                           "generating) or 'all' (a plain forward, e.g. scoring every position)"),
+        click.option("--padded", is_flag=True,
+                     help="the prompts differ in length and are padded to --prompt under an attention mask: "
+                          "the prefill then holds the mask transformers builds for them (Workload.padded)"),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="weight dtype (default: the model's own, from its config)"),
         click.option("--overlap", is_flag=True,

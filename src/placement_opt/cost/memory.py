@@ -134,8 +134,9 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
         moments = [(max(linear for linear, _ in moments), 0)]
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
-        # a prompt past the window (a decode step reads the window transformers' sliding cache keeps: no mask)
-        window = _unseen_window_mask(unit, meta, context) if queries == context else _WindowMask()
+        # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)
+        window = (_unseen_mask(unit, meta, context, workload.padded) if queries == context
+                  else _UnseenMask())
         # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
         at_attention = (window.kernel_copy * queries + window.repeated_kv) * batch * context
         return max(batch * queries * (linear + (scores + window.mask) * context)
@@ -154,36 +155,47 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
 
 
 @dataclass(frozen=True)
-class _WindowMask:
-    """What a sliding-window mask the trace did not see costs: ``mask`` bytes per query x context token alive
-    through the forward; ``kernel_copy`` bytes per such pair and ``repeated_kv`` bytes per context token per
-    sequence alive during the attention call."""
+class _UnseenMask:
+    """What a mask the trace did not see costs (past a sliding window, padded prompts): ``mask`` bytes per
+    query x context token alive through the forward; ``kernel_copy`` bytes per such pair and ``repeated_kv``
+    bytes per context token per sequence alive during the attention call."""
 
     mask: int = 0
     kernel_copy: int = 0
     repeated_kv: int = 0
 
 
-def _unseen_window_mask(unit: UnitInfo, meta: GraphMeta, context: int) -> _WindowMask:
-    """The mask fused attention is given once the context reaches the model's sliding window (below it,
-    transformers leaves it to the kernel's causal flag), where the trace, shorter than the window, did not
-    see it: one bool per query x context token, alive through the forward; and, in an attention unit,
-    the copy in the activations' dtype torch makes of it for the kernel, and the keys and values repeated
-    to every query head (transformers hands grouped keys and values to sdpa as they are only without a
-    mask), both alive during the attention call. The trace's score moment is that call where the unit has
-    one (``UnitPeak.score_peak``); in graphs traced before it was, the score moment of a unit without score
-    bytes is its linear peak, which they are then charged at too. A prefill's only: a decode step attends to
-    the window transformers' sliding cache keeps, unmasked (measured on the CPU, transformers 5.24)."""
+def _unseen_mask(unit: UnitInfo, meta: GraphMeta, context: int, padded: bool = False) -> _UnseenMask:
+    """The mask fused attention is given, where the trace did not see it: once the context reaches the
+    model's sliding window (below it, transformers leaves it to the kernel's causal flag; the trace is
+    shorter), or for padded prompts (``Workload.padded``). One bool per query x context token, alive through
+    the forward; and, in an attention unit, the copy in the activations' dtype torch makes of it for the
+    kernel, and the keys and values repeated to every query head (transformers hands grouped keys and values
+    to sdpa as they are only without a mask), both alive during the attention call. The trace's score moment
+    is that call where the unit has one (``UnitPeak.score_peak``); in graphs traced before it was, the score
+    moment of a unit without score bytes is its linear peak, which they are then charged at too. A prefill's
+    only: a decode step attends to the window transformers' sliding cache keeps, unmasked, and a padded
+    step's mask is one row (measured on the CPU, transformers 5.24)."""
     window = meta.extra.get("sliding_window")
-    if not (isinstance(window, int) and meta.seq_len < window <= context) or materializes_scores(meta):
-        return _WindowMask()
+    past_window = isinstance(window, int) and meta.seq_len < window <= context
+    if not (past_window or padded) or materializes_scores(meta):
+        return _UnseenMask()
     if not unit.kv_bytes_per_token:  # no attention of its own: the mask alone
-        return _WindowMask(mask=1)
+        return _UnseenMask(mask=1)
+    copy = min(4, max(2, dtype_bytes(meta.dtype)))  # quantized weights: 16-bit activations
+    if not past_window and _saw_handed_mask(unit, meta, copy):
+        return _UnseenMask()  # a model that builds its mask padded or not (Falcon): the trace charged it
     heads, kv_heads = meta.extra.get("num_attention_heads"), meta.extra.get("num_key_value_heads")
     grouped = isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads < heads
     repeated = unit.kv_bytes_per_token * heads // kv_heads if grouped else 0
-    return _WindowMask(mask=1, kernel_copy=min(4, max(2, dtype_bytes(meta.dtype))),  # quantized weights: 16 bits
-                       repeated_kv=repeated)
+    return _UnseenMask(mask=1, kernel_copy=copy, repeated_kv=repeated)
+
+
+def _saw_handed_mask(unit: UnitInfo, meta: GraphMeta, copy: int) -> bool:
+    """Whether the trace (run fused) saw a mask handed to the unit's attention: at its score moment a bool
+    and the kernel's copy of it per query x context token (Qwen2-MoE's sliding-window mask, built and never
+    handed over, holds the bool alone)."""
+    return not _traced_with_scores(meta) and (unit.scores_workspace_bytes_per_token_ctx or 0) >= 1 + copy
 
 
 def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta) -> int:

@@ -86,6 +86,13 @@ class Workload:
     unit since the previous streamed unit started, CPU-computed ones included (``solver.problem``'s Overlap),
     instead of beside its own unit's compute only (``max(compute, copy)`` each). Opt-in: not yet measured
     on a GPU, and its plans' bounds are looser at the 1 s default (benchmarks/solve_time/OVERLAP.md)."""
+    padded: bool = False
+    """The prompts differ in length and are padded to ``prompt_len`` under an attention mask (a batch of real
+    prompts). transformers then hands fused attention a ``(batch, 1, prompt, prompt)`` boolean mask, which
+    the prefill holds, with the copy the kernel makes of it and, for grouped-query attention, the keys and
+    values repeated to every head, during the attention call. A Llama-3-8B layer at 16 x 4096: 256 MiB more
+    (the mask; the call's 1.5 GiB stay under its MLP's peak). Default: every prompt is ``prompt_len`` tokens,
+    and no mask is built where the kernel's causal flag does."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len"):
@@ -101,8 +108,9 @@ class Workload:
                 f"Workload holds {tokens:.3g} tokens (batch_size {self.batch_size} x (prompt_len {self.prompt_len} "
                 f"+ new_tokens {self.new_tokens})): accepted are up to 2**40 ({MAX_TOKENS:.3g}) tokens, beyond "
                 f"which sizes and times overflow the solver's 64-bit integers; reduce the batch or the context")
-        if not isinstance(self.overlap, bool):
-            raise WorkloadError(f"Workload.overlap is {self.overlap!r}: it must be True or False")
+        for name in ("overlap", "padded"):
+            if not isinstance(getattr(self, name), bool):
+                raise WorkloadError(f"Workload.{name} is {getattr(self, name)!r}: it must be True or False")
         if self.optimizer not in ("adam", "sgd", "none"):
             raise WorkloadError(f"Workload.optimizer is {self.optimizer!r}: accepted are 'adam', 'sgd', 'none'")
         self._resolve_logits()
@@ -136,8 +144,9 @@ class Workload:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if not self.overlap:  # written only when set: plan files read as before
-            del data["overlap"]
+        for name in ("overlap", "padded"):  # written only when set: plan files read as before
+            if not data[name]:
+                del data[name]
         return data
 
     @classmethod
