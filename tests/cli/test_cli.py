@@ -284,43 +284,41 @@ def test_logits_flag_prices_every_prompt_position(tmp_path):
     assert plans[1].cost.prefill_s > plans[0].cost.prefill_s
 
 
-def test_overlap_flag_prices_copies_beside_earlier_compute_and_is_kept_in_the_plan(tmp_path):
-    """--overlap: the workload asks for overlap pricing, the plan file keeps it, and the time line counts
-    the copies made beside the compute; without it neither; with --cluster it is a usage error."""
+def _without_and_with(tmp_path, common: tuple[str, ...], flag: str, said: str):
+    """The plans ``common`` writes without and with ``flag``: the flag is kept in the plan file, and ``said`` is
+    printed with it only; with --cluster the flag is a usage error."""
     from placement_opt import Plan
 
+    paths = tmp_path / "without.json", tmp_path / "with.json"
+    first = run_cli(*common, "--json", str(paths[0]))
+    second = run_cli(*common, flag, "--json", str(paths[1]))
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    assert said in second.output and said not in first.output
+    plans = Plan.from_json(str(paths[0])), Plan.from_json(str(paths[1]))
+    name = flag.removeprefix("--")
+    assert (getattr(plans[0].workload, name), getattr(plans[1].workload, name)) == (False, True)
+    bad = run_cli("plan", "llama-2-7b", "--cluster", "2x1xa100-40gb", flag, catch_exceptions=True)
+    assert bad.exit_code == 2 and f"leave {flag} out" in bad.output and "Traceback" not in bad.output
+    return plans
+
+
+def test_overlap_flag_prices_copies_beside_earlier_compute_and_is_kept_in_the_plan(tmp_path):
+    """--overlap: the workload asks for overlap pricing, the plan file keeps it, and the time line counts
+    the copies made beside the compute; without it neither."""
     common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb/8GiB,cpu=64GiB", "--new-tokens", "8",
               "--modes", "resident,stream", "--time-limit", "1")
-    plain, overlapped = tmp_path / "plain.json", tmp_path / "overlap.json"
-    first = run_cli(*common, "--json", str(plain))
-    second = run_cli(*common, "--overlap", "--json", str(overlapped))
-    assert first.exit_code == 0 and second.exit_code == 0, second.output
-    assert "beside the compute" in second.output and "beside the compute" not in first.output
-    plans = Plan.from_json(str(plain)), Plan.from_json(str(overlapped))
-    assert (plans[0].workload.overlap, plans[1].workload.overlap) == (False, True)
+    plans = _without_and_with(tmp_path, common, "--overlap", "beside the compute")
     assert any(p.mode == "stream" for p in plans[1].placements)
-    bad = run_cli("plan", "llama-2-7b", "--cluster", "2x1xa100-40gb", "--overlap", catch_exceptions=True)
-    assert bad.exit_code == 2 and "leave --overlap out" in bad.output and "Traceback" not in bad.output
 
 
 def test_padded_flag_charges_the_prompt_mask_and_is_kept_in_the_plan(tmp_path):
     """--padded: the plan file keeps it, the workload line says it, and the GPU's workspace grows by the mask
-    (batch x prompt^2 bools); with --cluster it is a usage error."""
-    from placement_opt import Plan
-
+    (batch x prompt^2 bools)."""
     common = ("plan", "llama-2-7b", "-d", "cuda:0=a100-40gb,cpu=64GiB", "--batch", "4", "--prompt", "2048",
               "--new-tokens", "8", "--modes", "resident", "--time-limit", "1")
-    plain, padded = tmp_path / "plain.json", tmp_path / "padded.json"
-    first = run_cli(*common, "--json", str(plain))
-    second = run_cli(*common, "--padded", "--json", str(padded))
-    assert first.exit_code == 0 and second.exit_code == 0, second.output
-    assert "padded under a mask" in second.output and "padded under a mask" not in first.output
-    plans = Plan.from_json(str(plain)), Plan.from_json(str(padded))
-    assert (plans[0].workload.padded, plans[1].workload.padded) == (False, True)
+    plans = _without_and_with(tmp_path, common, "--padded", "padded under a mask")
     workspace = [next(m.workspace_bytes for m in p.cost.memory if m.device == "cuda:0") for p in plans]
     assert workspace[1] - workspace[0] >= 4 * 2048 * 2048  # the mask, alive through the forward
-    bad = run_cli("plan", "llama-2-7b", "--cluster", "2x1xa100-40gb", "--padded", catch_exceptions=True)
-    assert bad.exit_code == 2 and "leave --padded out" in bad.output and "Traceback" not in bad.output
 
 
 def test_modes_flag_limits_the_solvers_choices_and_refuses_unknown_modes(tmp_path):
