@@ -139,8 +139,10 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
                   else _UnseenMask())
         # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
         at_attention = (window.kernel_copy * queries + window.repeated_kv) * batch * context
-        return max(batch * queries * (linear + (scores + window.mask) * context)
+        peak = max(batch * queries * (linear + scores * context)
                    + (at_attention if k == len(moments) - 1 else 0) for k, (linear, scores) in enumerate(moments))
+        mask_rows = batch if window.mask_per_sequence else 1
+        return peak + window.mask * mask_rows * queries * context + window.index_bytes * context
 
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
@@ -154,13 +156,22 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     return decode if phase == "decode" else max(prefill, decode)
 
 
+#: Bytes per context position a built mask keeps beside it: int64 query and key positions (measured on a
+#: CPU forward of a Mistral past its window: 16 x 2048 bytes at 1 x 2048).
+_MASK_INDEX_BYTES = 16
+
+
 @dataclass(frozen=True)
 class _UnseenMask:
     """What a mask the trace did not see costs (past a sliding window, padded prompts): ``mask`` bytes per
-    query x context token alive through the forward; ``kernel_copy`` bytes per such pair and ``repeated_kv``
-    bytes per context token per sequence alive during the attention call."""
+    query x context token alive through the forward, for each sequence where ``mask_per_sequence`` (padding
+    differs between them), else once for the batch, with ``index_bytes`` per context position (the int64
+    query and key positions its building keeps); ``kernel_copy`` bytes per such pair per sequence and
+    ``repeated_kv`` bytes per context token per sequence alive during the attention call."""
 
     mask: int = 0
+    mask_per_sequence: bool = False
+    index_bytes: int = 0
     kernel_copy: int = 0
     repeated_kv: int = 0
 
@@ -180,15 +191,18 @@ def _unseen_mask(unit: UnitInfo, meta: GraphMeta, context: int, padded: bool = F
     past_window = isinstance(window, int) and meta.seq_len < window <= context
     if not (past_window or padded) or materializes_scores(meta):
         return _UnseenMask()
+    if unit.name == meta.extra.get("logits_unit"):
+        return _UnseenMask()  # the model body that held the mask has returned
     if not unit.kv_bytes_per_token:  # no attention of its own: the mask alone
-        return _UnseenMask(mask=1)
+        return _UnseenMask(mask=1, mask_per_sequence=padded, index_bytes=_MASK_INDEX_BYTES)
     copy = min(4, max(2, dtype_bytes(meta.dtype)))  # quantized weights: 16-bit activations
     if not past_window and _saw_handed_mask(unit, meta, copy):
         return _UnseenMask()  # a model that builds its mask padded or not (Falcon): the trace charged it
     heads, kv_heads = meta.extra.get("num_attention_heads"), meta.extra.get("num_key_value_heads")
     grouped = isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads < heads
     repeated = unit.kv_bytes_per_token * heads // kv_heads if grouped else 0
-    return _UnseenMask(mask=1, kernel_copy=copy, repeated_kv=repeated)
+    return _UnseenMask(mask=1, mask_per_sequence=padded, index_bytes=_MASK_INDEX_BYTES, kernel_copy=copy,
+                       repeated_kv=repeated)
 
 
 def _saw_handed_mask(unit: UnitInfo, meta: GraphMeta, copy: int) -> bool:
