@@ -367,21 +367,26 @@ def test_predicted_peak_covers_max_memory_allocated_on_a_gpu() -> None:
 
 
 #: Models that give sdpa a mask, at a GPU's size: Falcon always builds its causal mask; Qwen2-MoE builds a
-#: sliding-window mask beside it that no layer reads.
+#: sliding-window mask beside it that no layer reads; a Llama builds one for padded prompts only.
 GPU_MASKED = {
     "falcon": lambda: _falcon(hidden_size=1024, num_attention_heads=16, num_kv_heads=4, vocab_size=32000),
     "qwen2_moe": lambda: T.Qwen2MoeConfig(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
                                           shared_expert_intermediate_size=2816, num_hidden_layers=2,
                                           num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                                           num_experts=8, num_experts_per_tok=2),
+    "llama": lambda: T.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
 }
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", sorted(GPU_MASKED))
-def test_the_masks_sdpa_is_given_are_covered_on_a_gpu(family: str) -> None:
+@pytest.mark.parametrize(("family", "padded"), [("falcon", False), ("qwen2_moe", False), ("llama", True),
+                                                ("falcon", True)])
+def test_the_masks_sdpa_is_given_are_covered_on_a_gpu(family: str, padded: bool) -> None:
     """A boolean mask, and the copy in the query's dtype torch makes of it for the kernel (measured on the CPU),
-    against ``max_memory_allocated`` on a GPU; long prompts, where the mask is a large part of a layer's peak."""
+    against ``max_memory_allocated`` on a GPU; long prompts, where the mask is a large part of a layer's peak.
+    Padded prompts (a quarter of the first one padding): the mask transformers builds for them, with the keys
+    and values repeated for a masked call."""
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(GPU_MASKED[family](), attn_implementation="sdpa")
     model = model.to("cuda", torch.bfloat16).eval()
@@ -390,15 +395,17 @@ def test_the_masks_sdpa_is_given_are_covered_on_a_gpu(family: str) -> None:
         model(input_ids=torch.zeros((1, 8), dtype=torch.long, device="cuda"), use_cache=False)
     for batch, prompt in [(1, 4096), (4, 2048)]:
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[0, :prompt // 4] = 0
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            model(input_ids=ids, attention_mask=mask if padded else None, use_cache=False, logits_to_keep=1)
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - before
-        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, logits="last")
+        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, logits="last", padded=padded)
         predicted = max(workspace_bytes(u, workload, graph.meta) for u in graph.units())
         assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
 
