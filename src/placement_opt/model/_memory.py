@@ -191,8 +191,8 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 
 class FusedAttention(TorchFunctionMode):
-    """Counts ``F.scaled_dot_product_attention`` as its fused kernels run it: the output is its one
-    allocation, beside a boolean mask's copy in the query's dtype (torch converts a boolean ``attn_mask``
+    """Counts ``F.scaled_dot_product_attention`` as its fused kernels run it: the output and its log-sum-exp
+    are its allocations, beside a boolean mask's copy in the query's dtype (torch converts a boolean ``attn_mask``
     before any kernel runs; measured on the CPU: a float32 ``(1, 1, 2048, 2048)`` copy), alive during the
     call. The math path it decomposes into on meta still runs (FLOPs and data flow are recorded as before);
     only its intermediates are not counted. ``unit()`` names the unit running now."""
@@ -220,11 +220,18 @@ class FusedAttention(TorchFunctionMode):
         finally:
             self.memory.paused = False
         # (batch, heads, q, head size): read from the mask, yet per token even where the head size is the
-        # traced length (Falcon-40B's 64)
-        self.memory.record(self.unit(), func, inputs, [out] if isinstance(out, torch.Tensor) else [], linear=True,
-                           attention=True)
-        del converted  # freed as the call returns
+        # traced length (Falcon-40B's 64); beside it the kernel's float32 log-sum-exp per head and query
+        outs = [out, _logsumexp(out)] if isinstance(out, torch.Tensor) else []
+        self.memory.record(self.unit(), func, inputs, outs, linear=True, attention=True)
+        del converted, outs  # the mask's copy and the log-sum-exp are freed as the call returns
         return out
+
+
+def _logsumexp(out: torch.Tensor) -> torch.Tensor:
+    """A meta tensor the size of the log-sum-exp a flash kernel returns beside its output (CPU flash attention
+    always, CUDA's flash kernel too): float32, one per head and query (measured on the CPU: 64 bytes per token
+    for 16 heads, the peak of a Falcon layer at 1 x 4096)."""
+    return torch.empty(out.shape[:-1], dtype=torch.float32, device="meta")
 
 
 def _mask(args: tuple, kwargs: dict) -> object:
