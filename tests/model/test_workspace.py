@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from placement_opt.cost.memory import CPU_GEMM_WORKSPACE_BYTES, workspace_bytes
 from placement_opt.cost.workload import Workload
-from placement_opt.model.graph import MEASURED_NODE_ATTRIBUTES, LayerGraph
+from placement_opt.model.graph import MEASURED_NODE_ATTRIBUTES, GraphMeta, LayerGraph, UnitInfo
 from placement_opt.model.tracer import trace
 
 TRACE_LEN = 32
@@ -263,28 +263,58 @@ def test_padded_prompts_are_charged_the_mask_transformers_builds_for_them(family
         assert max(measured.values()) <= device <= 1.15 * max(measured.values()), (batch, prompt)
 
 
+def decode_step_peak(model: torch.nn.Module, unit: str, batch: int, prompt: int,
+                     mask: torch.Tensor | None = None) -> int:
+    """The most live bytes ``unit`` holds in the decode step after a prompt (``mask``: the prompt's attention
+    mask, a column of ones added for the step)."""
+    step_mask = None if mask is None else torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
+    counter = LiveStorages()
+    module = model.get_submodule(unit)
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 512, (batch, prompt)), attention_mask=mask, use_cache=True).cache
+        hooks = [module.register_forward_pre_hook(lambda _m, _a: counter.enter(unit)),
+                 module.register_forward_hook(lambda _m, _a, _o: setattr(counter, "unit", None))]
+        try:
+            with counter:
+                model(input_ids=torch.randint(0, 512, (batch, 1)), attention_mask=step_mask, cache=cache,
+                      use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return counter.peak[unit]
+
+
+def _decode_workspace(unit: UnitInfo, workload: Workload, meta: GraphMeta) -> int:
+    """The predicted decode workspace less MKL's scratch, which no tensor holds."""
+    return workspace_bytes(unit, workload, meta, phase="decode") - min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_a_padded_decode_step_holds_a_mask_row_per_sequence(family: str) -> None:
+    """A decode step after padded prompts is given a (batch, 1, 1, context) bool mask: charged, it covers the
+    step's live bytes; the step of equal prompts, which gets none, is charged none."""
+    model = real_model(family, "sdpa")
+    graph = trace(model, seq_len=TRACE_LEN)
+    layer = graph.unit("model.layers.0")
+    batch, prompt = 4, 500
+    mask = torch.ones((batch, prompt), dtype=torch.long)
+    mask[0, :prompt // 2] = 0
+    for padded in (False, True):
+        measured = decode_step_peak(model, layer.name, batch, prompt, mask if padded else None)
+        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=2, padded=padded)  # last step: 502
+        predicted = _decode_workspace(layer, workload, graph.meta)
+        assert measured <= predicted <= 1.05 * measured, (padded, predicted, measured)
+
+
 def test_a_decode_step_past_the_window_reads_the_sliding_cache_unmasked() -> None:
     """transformers keeps the last window - 1 keys of a sliding layer and attends to them with no mask: a step
     past the window holds its cache's update (48 tokens, not the context) and none of a prefill's mask terms."""
     model, graph = windowed_mistral()
     layer = graph.unit("model.layers.0")
     batch, prompt = 4, 100
-    with torch.no_grad():
-        cache = model(input_ids=torch.randint(0, 512, (batch, prompt)), use_cache=True).cache
-        counter = LiveStorages()
-        module = model.get_submodule(layer.name)
-        hooks = [module.register_forward_pre_hook(lambda _m, _a: counter.enter(layer.name)),
-                 module.register_forward_hook(lambda _m, _a, _o: setattr(counter, "unit", None))]
-        try:
-            with counter:
-                model(input_ids=torch.randint(0, 512, (batch, 1)), cache=cache, use_cache=True)
-        finally:
-            for hook in hooks:
-                hook.remove()
-    measured = counter.peak[layer.name]  # context 101: the step after the prompt
+    measured = decode_step_peak(model, layer.name, batch, prompt)  # context 101: the step after the prompt
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=2)  # its last step's context, 102
-    scratch = min(CPU_GEMM_WORKSPACE_BYTES, layer.weight_bytes)
-    predicted = workspace_bytes(layer, workload, graph.meta, phase="decode") - scratch
+    predicted = _decode_workspace(layer, workload, graph.meta)
     assert layer.kv_window_tokens == WINDOW
     assert measured <= predicted <= 1.15 * measured, (predicted, measured)
 

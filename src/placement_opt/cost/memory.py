@@ -135,8 +135,10 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
         # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)
-        window = (_unseen_mask(unit, meta, context, workload.padded) if queries == context
-                  else _UnseenMask())
+        if queries == context:
+            window = _unseen_mask(unit, meta, context, workload.padded)
+        else:
+            window = _padded_step_mask(unit, meta) if workload.padded else _UnseenMask()
         # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
         at_attention = (window.kernel_copy * queries + window.repeated_kv) * batch * context
         peak = max(batch * queries * (linear + scores * context)
@@ -186,7 +188,7 @@ def _unseen_mask(unit: UnitInfo, meta: GraphMeta, context: int, padded: bool = F
     is that call where the unit has one (``UnitPeak.score_peak``); in graphs traced before it was, the score
     moment of a unit without score bytes is its linear peak, which they are then charged at too. A prefill's
     only: a decode step attends to the window transformers' sliding cache keeps, unmasked, and a padded
-    step's mask is one row (measured on the CPU, transformers 5.24)."""
+    step's mask is one row (:func:`_padded_step_mask`; measured on the CPU, transformers 5.24)."""
     window = meta.extra.get("sliding_window")
     past_window = isinstance(window, int) and meta.seq_len < window <= context
     if not (past_window or padded) or materializes_scores(meta):
@@ -203,6 +205,16 @@ def _unseen_mask(unit: UnitInfo, meta: GraphMeta, context: int, padded: bool = F
     repeated = unit.kv_bytes_per_token * heads // kv_heads if grouped else 0
     return _UnseenMask(mask=1, mask_per_sequence=padded, index_bytes=_MASK_INDEX_BYTES, kernel_copy=copy,
                        repeated_kv=repeated)
+
+
+def _padded_step_mask(unit: UnitInfo, meta: GraphMeta) -> _UnseenMask:
+    """A padded decode step's mask: a bool per sequence and cached position, alive through the forward (the
+    query is one token: transformers packs grouped heads into it and repeats no keys; measured on the CPU).
+    None where the trace held a query x context term already (a mask it always builds) or scores."""
+    if (materializes_scores(meta) or unit.name == meta.extra.get("logits_unit")
+            or (not _traced_with_scores(meta) and (unit.workspace_bytes_per_token_ctx or 0) >= 1)):
+        return _UnseenMask()
+    return _UnseenMask(mask=1, mask_per_sequence=True)
 
 
 def _saw_handed_mask(unit: UnitInfo, meta: GraphMeta, copy: int) -> bool:
