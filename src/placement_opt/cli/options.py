@@ -198,7 +198,7 @@ def solve_options(func: Any) -> Any:
                           "generating) or 'all' (a plain forward, e.g. scoring every position)"),
         click.option("--padded", is_flag=True,
                      help="the prompts differ in length and are padded to --prompt under an attention mask: "
-                          "the prefill then holds the mask transformers builds for them (Workload.padded)"),
+                          "the forwards then hold the masks transformers builds for them (Workload.padded)"),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="weight dtype (default: the model's own, from its config)"),
         click.option("--overlap", is_flag=True,
