@@ -41,6 +41,36 @@ def test_time_generation_times_every_step_and_generates_what_generate_does():
         time_generation(model, ids[0], new_tokens=6)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_time_generation_with_padded_prompts_generates_what_generate_does(family):
+    """A mask with padding: each step's mask grows by a column and the positions count from each sequence's first
+    real token, as generate() does (GPT-2's learned positions tell; RoPE's relative ones would not)."""
+    model = tiny(family)
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    timing = time_generation(model, ids, new_tokens=6, attention_mask=mask)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert [list(t) for t in timing.tokens] == [row[ids.shape[1]:].tolist() for row in out]
+    with pytest.raises(ValueError, match="the prompt's"):
+        time_generation(model, ids, new_tokens=6, attention_mask=mask[:, 1:])
+
+
+def test_run_padded_masks_part_of_the_prompt_and_plans_for_it(checkpoint, tmp_path):
+    _, path = checkpoint
+    common = ("run", str(path), "-d", "cpu=1GB", "--prompt", "16", "--new-tokens", "3", "--batch", "2",
+              "--repeats", "1")
+    out = run_cli(*common, "--padded", "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    assert "+ 3 new tokens, padded" in " ".join(out.output.split())
+    figures = json.loads((tmp_path / "run.json").read_text())
+    assert figures["plan"]["workload"]["padded"] is True
+    short = run_cli(*common[:4], "--prompt", "1", "--padded", catch_exceptions=True)
+    assert short.exit_code == 2 and "give --prompt 2 or more" in short.output
+
+
 def test_run_loads_generates_and_sets_measured_beside_predicted(checkpoint, tmp_path):
     model, path = checkpoint
     out = run_cli("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "16", "--new-tokens", "6", "--batch", "2",

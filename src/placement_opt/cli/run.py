@@ -64,6 +64,9 @@ CPU_ROW = "cpu memory growth, peak"
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
 @expert_groups_option
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
+@click.option("--padded", is_flag=True,
+              help="mask the first quarter of the first sequence's prompt as padding (attention_mask), as in a batch "
+                   "of prompts of different lengths, and plan with Workload(padded=True)")
 @click.option("--cold", is_flag=True,
               help="drop the disk units' files from the page cache before every timed forward, as on a machine whose "
                    "RAM cannot hold them (the plan prices disk reads cold); with --vs-accelerate, its offload and "
@@ -85,7 +88,7 @@ CPU_ROW = "cpu memory growth, peak"
               help="write the predicted and measured figures here")
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
-        expert_groups: int, overlap: bool, cold: bool, vs_accelerate: bool, calibrate_first: bool, fix_threshold: bool,
+        expert_groups: int, overlap: bool, padded: bool, cold: bool, vs_accelerate: bool, calibrate_first: bool, fix_threshold: bool,
         repeats: int,
         json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
@@ -104,7 +107,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
         machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
-        workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap)
+        mask = _padding_mask(ids) if padded else None
+        workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
         if calibrate_first:
             cut = _plan_cut(Plan.from_json(plan_path)) if plan_path else (granularity, expert_groups)
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
@@ -114,11 +118,11 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
-            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats)
+            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
-                  f"{new_tokens} new tokens, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%}), units "
+                  f"{new_tokens} new tokens{', padded' if padded else ''}, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%}), units "
                   f"stored on {_storage(plan)}")
     for note in plan.notes:  # what the prediction rests on (calibrated or assumed speeds, ...); not the search's
         if not note.startswith(SOLVER_NOTES):
@@ -141,7 +145,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         del handle  # its weights leave before accelerate's load
         with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
             theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload),
-                                     (ids, new_tokens, cold, repeats), offload_dir)
+                                     (ids, new_tokens, cold, repeats, mask), offload_dir)
         console.print(_side_by_side(plan, timing, theirs))
         figures["accelerate"] = theirs
     if json_path:
@@ -149,11 +153,25 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         say_written(console, f"figures written to {json_path}")
 
 
-def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None, repeats: int = 1) -> Timing:
+def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None, repeats: int = 1,
+                    mask: Any = None) -> Timing:
     """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
     from ..runtime.timing import time_generation as timed
 
-    return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats)
+    return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats, attention_mask=mask)
+
+
+def _padding_mask(ids: Any) -> Any:
+    """An attention mask with the first quarter of the first sequence's prompt as padding (one token at least,
+    one kept at least)."""
+    import torch
+
+    if ids.shape[1] < 2:
+        raise click.UsageError(f"--padded masks part of the prompt as padding: a prompt of {ids.shape[1]} token "
+                               f"leaves none to keep; give --prompt 2 or more")
+    mask = torch.ones_like(ids)
+    mask[0, :max(1, ids.shape[1] // 4)] = 0
+    return mask
 
 
 def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple[Any, Any]:
@@ -339,11 +357,12 @@ def _figures(plan: Plan, rows: list[tuple[str, float | None, float, str]], timin
             "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in rows]}
 
 
-def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], generation: tuple[Any, int, bool, int],
-                    offload_dir: str | None) -> dict[str, Any]:
+def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any],
+                    generation: tuple[Any, int, bool, int, Any], offload_dir: str | None) -> dict[str, Any]:
     """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``priced``: the dtype and
-    the workload; ``generation``: the ids, the new tokens, whether cold): its map, predicted and measured figures
-    and tokens, or the error that stopped it (an out-of-memory is a result, not a failure)."""
+    the workload; ``generation``: the ids, the new tokens, whether cold, the prefills timed, the attention mask
+    or None): its map, predicted and measured figures and tokens, or the error that stopped it (an
+    out-of-memory is a result, not a failure)."""
     import gc
     import os
     import tempfile
@@ -368,10 +387,10 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any], gene
                 offload_folder=folder if disk else None)
             device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
             cost = evaluate(device_map, checkpoint, machine, priced[1])
-            ids, new_tokens, cold, repeats = generation
+            ids, new_tokens, cold, repeats, mask = generation
             files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
             timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None,
-                                     repeats)
+                                     repeats, mask)
         except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError) as exc:
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         finally:

@@ -63,7 +63,8 @@ class Timing:
 
 
 def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, warmup: bool = True,
-                    before_each: Callable[[], None] | None = None, prefill_repeats: int = 1) -> Timing:
+                    before_each: Callable[[], None] | None = None, prefill_repeats: int = 1,
+                    attention_mask: torch.Tensor | None = None) -> Timing:
     """Greedy generation of ``new_tokens`` tokens after ``input_ids`` (batch x prompt) by ``model`` (a causal
     LM, dispatched or not), every forward timed. ``warmup``: one untimed forward of the prompt first (the first
     call's one-off costs, kernel selection and allocator growth, would otherwise land in the prefill). The peak
@@ -75,7 +76,12 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     reads).
     ``prefill_repeats``: the prompt is timed that many times, each on a new cache, and the median is the prefill
     (one forward is one sample: on a busy machine the same run's prefill ratios moved 0.7-22x); decode steps are
-    many already, their median rules."""
+    many already, their median rules.
+    ``attention_mask``: the prompt's (0 where a sequence is padded), extended by a column of ones per decode
+    step, as ``generate()`` does; the model builds the masks padded prompts take (``Workload.padded``)."""
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: it must be the prompt's, "
+                         f"{tuple(input_ids.shape)}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1 or prefill_repeats < 1:
         raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}), "
                          f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
@@ -89,7 +95,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
         trim_heap()  # ... and the heap's free pages (a load's, a calibration's): the growth is the run's own
         rss_before = reset_peak()
         if warmup:
-            _timed(gpus, model, input_ids=input_ids, use_cache=False, **last)
+            _timed(gpus, model, input_ids=input_ids, use_cache=False, **last, **_masked(model, attention_mask))
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
         prefills = []
@@ -97,14 +103,18 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             out = None  # the last run's cache goes before the next is built
             if before_each is not None:
                 before_each()
-            out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last)
+            out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last,
+                               **_masked(model, attention_mask))
             prefills.append(took)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
             if before_each is not None:
                 before_each()
-            out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache))
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], 1)
+            out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache),
+                               **_masked(model, attention_mask, last_only=True))
             steps.append(took)
             cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             tokens.append(token[:, 0].tolist())
@@ -119,6 +129,17 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
 #: Tokens of the forward that sets up the libraries' state before the CPU's memory is measured: with one token,
 #: about 0.4 MiB of the scratch of a first forward of many tokens was left in the figure.
 LIBRARY_WARMUP_TOKENS = 8
+
+
+def _masked(model: Any, attention_mask: torch.Tensor | None, last_only: bool = False) -> dict[str, torch.Tensor]:
+    """The mask, and the positions ``generate()`` derives from it where the model takes them: each sequence's
+    tokens counted from its first unpadded one (``last_only``: the newest token's)."""
+    if attention_mask is None:
+        return {}
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {"attention_mask": attention_mask}
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"attention_mask": attention_mask, "position_ids": positions[:, -1:] if last_only else positions}
 
 
 def _library_warmup(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
