@@ -53,7 +53,7 @@ from .workload import Workload, dtype_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Device
     from ..model.graph import GraphMeta, LayerGraph, UnitInfo
-    from ..solver.problem import PlacementOption, PlacementProblem
+    from ..solver.problem import DeviceSpec, PlacementOption, PlacementProblem
     from .pricing import OptionPrice
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "SCORE_FREE_ATTENTION",
@@ -136,15 +136,15 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
         # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)
         if queries == context:
-            window = _unseen_mask(unit, meta, context, workload.padded)
+            unseen = _unseen_mask(unit, meta, context, workload.padded)
         else:
-            window = _padded_step_mask(unit, meta) if workload.padded else _UnseenMask()
+            unseen = _padded_step_mask(unit, meta) if workload.padded else _UnseenMask()
         # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
-        at_attention = (window.kernel_copy * queries + window.repeated_kv) * batch * context
+        at_attention = (unseen.kernel_copy * queries + unseen.repeated_kv) * batch * context
         peak = max(batch * queries * (linear + scores * context)
                    + (at_attention if k == len(moments) - 1 else 0) for k, (linear, scores) in enumerate(moments))
-        mask_rows = batch if window.mask_per_sequence else 1
-        return peak + window.mask * mask_rows * queries * context + window.index_bytes * context
+        mask_rows = batch if unseen.mask_per_sequence else 1
+        return peak + unseen.mask * mask_rows * queries * context + unseen.index_bytes * context
 
     generating = workload.decode_steps > 0
     sampling = _sampling_bytes(unit, batch, meta) if generating and unit.name == meta.extra.get("logits_unit") else 0
@@ -381,6 +381,7 @@ class _Totals:
 
     least: list[int]
     resident: list[int]
+    compute: list[DeviceSpec]
     need_all: int
     have_all: int
     need_compute: int
@@ -392,7 +393,7 @@ def _totals(problem: PlacementProblem) -> _Totals:
     resident = [min(o.resident_bytes for o in u.options) for u in problem.units]
     peak = max((min(o.peak_bytes for o in u.options) for u in problem.units), default=0)
     compute = [d for d in problem.devices if d.kind != "disk"]
-    return _Totals(least, resident, sum(least) + peak, sum(d.capacity_bytes for d in problem.devices),
+    return _Totals(least, resident, compute, sum(least) + peak, sum(d.capacity_bytes for d in problem.devices),
                    sum(resident) + peak, sum(d.capacity_bytes for d in compute))
 
 
@@ -429,11 +430,9 @@ def _homeless(problem: PlacementProblem) -> list[tuple[str, str, int, int]]:
 def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Workload) -> str:
     """Which capacity is short, by how much, and what takes the space."""
     lines = []
-    compute = [d for d in problem.devices if d.kind != "disk"]
     totals = _totals(problem)
-    least, resident = totals.least, totals.resident
-    need_all, have_all, need_compute, have_compute = (totals.need_all, totals.have_all, totals.need_compute,
-                                                      totals.have_compute)
+    least, resident, compute = totals.least, totals.resident, totals.compute
+    need_all, have_all = totals.need_all, totals.have_all
     kv = sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len) for u in graph.units()) * workload.batch_size
     weights = sum(least) - sum(resident)
     kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
@@ -448,8 +447,8 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
                 else "a disk device")
         lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)} "
                      f"(usable: {has}); {why}; add {more} or more memory, or reduce the batch or context")
-    elif need_compute > have_compute:
-        lines.append(f"needs {format_bytes(need_compute - have_compute)} more on the compute devices "
+    elif totals.need_compute > totals.have_compute:
+        lines.append(f"needs {format_bytes(totals.need_compute - totals.have_compute)} more on the compute devices "
                      f"({', '.join(d.name for d in compute)}), which must hold the KV cache and workspace; {why}; "
                      f"reduce the batch or context, or add GPU/CPU memory")
     top = max(problem.devices, key=lambda d: d.capacity_bytes)

@@ -87,6 +87,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
                          f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
     steps: list[float] = []
+    positioned = attention_mask is not None and "position_ids" in inspect.signature(model.forward).parameters
     with torch.inference_mode():
         last = last_logits_argument(model)
         if warmup:  # the libraries' one-off state (oneDNN's kernels, thread pools: ~11 MiB) is not the plan's
@@ -95,7 +96,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
         trim_heap()  # ... and the heap's free pages (a load's, a calibration's): the growth is the run's own
         rss_before = reset_peak()
         if warmup:
-            _timed(gpus, model, input_ids=input_ids, use_cache=False, **last, **_masked(model, attention_mask))
+            _timed(gpus, model, input_ids=input_ids, use_cache=False, **last, **_masked(attention_mask, positioned))
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
         prefills = []
@@ -104,7 +105,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             if before_each is not None:
                 before_each()
             out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last,
-                               **_masked(model, attention_mask))
+                               **_masked(attention_mask, positioned))
             prefills.append(took)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
@@ -114,7 +115,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             if attention_mask is not None:
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], 1)
             out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache),
-                               **_masked(model, attention_mask, last_only=True))
+                               **_masked(attention_mask, positioned, last_only=True))
             steps.append(took)
             cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             tokens.append(token[:, 0].tolist())
@@ -131,15 +132,17 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
 LIBRARY_WARMUP_TOKENS = 8
 
 
-def _masked(model: Any, attention_mask: torch.Tensor | None, last_only: bool = False) -> dict[str, torch.Tensor]:
-    """The mask, and the positions ``generate()`` derives from it where the model takes them: each sequence's
-    tokens counted from its first unpadded one (``last_only``: the newest token's)."""
+def _masked(attention_mask: torch.Tensor | None, positioned: bool, last_only: bool = False) -> dict[str, torch.Tensor]:
+    """The mask, and where the model takes them (``positioned``) the positions ``generate()`` derives from it:
+    each sequence's tokens counted from its first unpadded one (``last_only``: the newest token's)."""
     if attention_mask is None:
         return {}
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if not positioned:
         return {"attention_mask": attention_mask}
+    if last_only:  # the newest token's position: the sequence's unpadded tokens before it
+        return {"attention_mask": attention_mask, "position_ids": attention_mask.long().sum(-1, keepdim=True) - 1}
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return {"attention_mask": attention_mask, "position_ids": positions[:, -1:] if last_only else positions}
+    return {"attention_mask": attention_mask, "position_ids": positions}
 
 
 def _library_warmup(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
