@@ -73,11 +73,14 @@ SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_
 #: (per handle and stream): 32 MiB on Hopper and later, 4-8 MiB before; the larger is charged.
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
-#: The CPU's matmul scratch: MKL's sgemm packs panels of each operand into buffers of its own (freed after
-#: the call, so never a live tensor): 5.0 MiB measured per intra-op thread for a weight of 8192 or more
-#: output features (1.4 MiB at 1376), torch 2.13 / MKL 2024.2, AVX2. Charged for one thread: the Device has no
-#: thread count, so each further thread's ~5 MiB is not charged (benchmarks/cost_accuracy/memory.py). Capped
-#: at the unit's weight bytes (:func:`_cpu_gemm_scratch`).
+#: The CPU's matmul scratch: MKL's sgemm packs panels of each operand into buffers of its own memory manager
+#: (never a live tensor), 5.0 MiB per intra-op thread for a weight of 8192 or more output features, torch 2.13 /
+#: MKL 2024.2, AVX2. MKL keeps them after the call for the next one, so they are the process's from its first
+#: matmul on (a warm-up holds them, as it holds the libraries' other state); a later, larger panel than any kept
+#: one is allocated beside them (2.3 MiB kept after a 4096 x 256 weight, 10.3 MiB after 16384 x 256 and then
+#: 14336 x 4096, one thread: benchmarks/cost_accuracy/mkl_pool.py). Charged for one thread and one panel: the
+#: Device has no thread count, so each further thread's ~5 MiB is not charged. Capped at the unit's weight
+#: bytes (:func:`_cpu_gemm_scratch`).
 CPU_GEMM_WORKSPACE_BYTES = 6 * 2**20
 
 #: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
