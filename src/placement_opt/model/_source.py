@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelSpecError, TraceError
+from ._ties import untie_stored_apart
 from .dtypes import as_torch_dtype, config_dtype, module_dtype
 
 __all__ = ["resolve_source", "config_of", "meta_skeleton", "first_line"]
@@ -69,11 +70,12 @@ def _as_config(model: Any) -> Any:
         return models.model_config(text)
     path = Path(text)
     if path.exists():
+        folder = path.parent if path.is_file() and path.name == "config.json" else path
         try:
-            return AutoConfig.from_pretrained(path.parent if path.is_file() and path.name == "config.json"
-                                              else path)
+            config = AutoConfig.from_pretrained(folder)
         except Exception as exc:
             raise ModelSpecError(f"cannot read a transformers config from {text!r}: {first_line(exc)}") from None
+        return untie_stored_apart(config, folder)  # a checkpoint beside it may say the config's ties are wrong
     try:
         return AutoConfig.from_pretrained(text, local_files_only=True)  # the hub cache first
     except Exception:  # noqa: BLE001 - not cached: ask the hub below

@@ -103,7 +103,9 @@ def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(root)
+    from ..model._ties import untie_stored_apart
+
+    config = untie_stored_apart(transformers.AutoConfig.from_pretrained(root), root)  # as from_pretrained unties
     cls = model_class(config)
     wanted = as_torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _params_on_meta():
