@@ -196,17 +196,18 @@ def test_temporary_files_of_dead_writers_go_and_of_live_writers_stay(tmp_path):
     host = offload._HOST
     live = tmp_path / f".u.{'0' * 32}.safetensors.{host}.{os.getpid()}.1.0123abcd.tmp"
     gone = tmp_path / f".u.{'0' * 32}.safetensors.{host}.{dead_pid}.1.0123abcd.tmp"
-    old_format = tmp_path / f".model.layers.0.safetensors.{dead_pid}.tmp"  # placement_opt before issue 17
+    # placement_opt's names before issue 17, which other tools' atomic writes share: never provably ours
+    old_format = tmp_path / f".model.layers.0.safetensors.{dead_pid}.tmp"
     elsewhere = tmp_path / f".u.{'0' * 32}.safetensors.ffffffff.{dead_pid}.1.0123abcd.tmp"  # another host
     not_ours = tmp_path / f".notes.txt.{dead_pid}.tmp"
     for path in (live, gone, old_format, elsewhere, not_ours):
         path.write_bytes(b"partial")
     OffloadStore(tmp_path)
-    assert temporaries(tmp_path) == sorted([live.name, elsewhere.name, not_ours.name])
+    assert temporaries(tmp_path) == sorted([live.name, old_format.name, elsewhere.name, not_ours.name])
     old = time.time() - offload.STALE_TEMP_S - 60
     os.utime(elsewhere, (old, old))  # another host's: removed once older than STALE_TEMP_S
     OffloadStore(tmp_path)
-    assert temporaries(tmp_path) == sorted([live.name, not_ours.name])
+    assert temporaries(tmp_path) == sorted([live.name, old_format.name, not_ours.name])
 
 
 # ---------------------------------------------------------------------------------------------

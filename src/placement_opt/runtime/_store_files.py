@@ -142,7 +142,7 @@ def remove_stale_temporaries(directory: Path) -> list[str]:
                 age = now - item.stat(follow_symlinks=False).st_mtime
             except FileNotFoundError:
                 continue
-            gone = host in (None, _HOST) and not process_alive(pid)
+            gone = host == _HOST and not process_alive(pid)
             if gone or age > STALE_TEMP_S:
                 _remove(Path(item.path))
                 removed.append(item.name)
@@ -191,15 +191,15 @@ def _temporary_name(target: str) -> str:
 
 
 _TEMPORARY = re.compile(r"\.(?P<target>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d+)\.\d+\.[0-9a-f]{8}\.tmp")
-_TEMPORARY_V1 = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)\.tmp")  # placement_opt before issue 17
 
 
 def _temporary_owner(name: str) -> tuple[str | None, int] | None:
-    """(host tag or None when unknown, process id) of a temporary name the store gives, else None."""
-    for pattern in (_TEMPORARY, _TEMPORARY_V1):
-        match = pattern.fullmatch(name)
-        if match and (match["target"].endswith(".safetensors") or match["target"] == MANIFEST_NAME):
-            return match.groupdict().get("host"), int(match["pid"])
+    """(host tag, process id) of a temporary name the store gives, else None. The names of placement_opt before
+    issue 17 (``.<target>.<pid>.tmp``) are not considered: other tools' atomic writes use that shape too, and a
+    file the store cannot prove its own is never removed (a crashed old writer's leftover stays, hidden)."""
+    match = _TEMPORARY.fullmatch(name)
+    if match and (match["target"].endswith(".safetensors") or match["target"] == MANIFEST_NAME):
+        return match["host"], int(match["pid"])
     return None
 
 
