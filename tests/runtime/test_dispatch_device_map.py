@@ -66,12 +66,43 @@ def test_storage_follows_the_map_and_rotary_emb_its_neighbour(llama, tmp_path):
         handle.remove()
 
 
-def test_a_unit_split_by_finer_keys_goes_where_most_of_its_parameters_are(llama, tmp_path):
+def test_a_map_that_splits_decoder_layers_runs_on_sublayer_units_as_it_says(llama, tmp_path):
     model, _ = llama
     handle = dispatch(model, MAPS["finer than units"], offload_dir=tmp_path)
-    try:  # 7 of the layer's 9 tensors are under the disk keys, its two norms under ""
-        assert handle.plan.placement("model.layers.1").storage == "disk"
-        assert handle.plan.placement("model.layers.0").storage == "cpu"
+    try:
+        stored = {p.unit: p.storage for p in handle.plan.placements}
+        assert stored["model.layers.1.self_attn"] == stored["model.layers.1.mlp"] == "disk"
+        assert stored["model.layers.1.input_layernorm"] == stored["model.layers.0.self_attn"] == "cpu"
+    finally:
+        handle.remove()
+
+
+def test_a_sublayer_plans_map_keeps_its_experts_on_disk(tmp_path):
+    """The map solve(granularity="sublayer") writes: most of each layer's bytes (the experts) on disk, its
+    many small tensors in RAM. A vote per layer by tensor count kept every layer in RAM."""
+    model = tiny("mixtral")
+    with torch.no_grad():
+        reference = model(**inputs_for(model)).logits
+    device_map = {"": "cpu", **{f"model.layers.{i}.mlp.experts": "disk" for i in range(2)}}
+    handle = dispatch(model, device_map, offload_dir=tmp_path)
+    try:
+        stored = {p.unit: p.storage for p in handle.plan.placements}
+        assert {stored[f"model.layers.{i}.mlp.experts"] for i in range(2)} == {"disk"}
+        assert stored["model.layers.0.self_attn"] == "cpu"
+        with torch.no_grad():
+            assert torch.equal(handle(**inputs_for(model)).logits, reference)
+    finally:
+        handle.remove()
+
+
+def test_a_unit_split_finer_than_any_unit_goes_where_most_of_its_parameters_are_with_a_warning(llama, tmp_path):
+    model, _ = llama
+    device_map = {"": "cpu", **{f"model.layers.1.self_attn.{p}_proj": "disk" for p in "qkv"}}
+    with pytest.warns(UserWarning, match=r"parts of 1 unit\(s\) \(model.layers.1.self_attn\)"):
+        handle = dispatch(model, device_map, offload_dir=tmp_path)
+    try:  # 3 of the attention's 4 tensors are under the disk keys
+        assert handle.plan.placement("model.layers.1.self_attn").storage == "disk"
+        assert handle.plan.placement("model.layers.0.self_attn").storage == "cpu"
     finally:
         handle.remove()
 

@@ -3,8 +3,10 @@
 :func:`placement_opt.dispatch` accepts a plain map (``{"model.embed_tokens": 0, "model.layers": "cpu",
 ...}``) wherever it accepts a plan. The map is read by the same code that prices it in
 :func:`placement_opt.evaluate` (:mod:`placement_opt.cost.device_map`), so a map runs exactly as it is
-scored: keys may be prefixes ("" for the whole model), single units or finer submodules (a unit
-split by finer keys goes where most of its parameters are), and modules with buffers only (such as
+scored: keys may be prefixes ("" for the whole model), single units or finer submodules (a map that
+splits decoder layers is run on the model's sublayer units, attention, MLP and experts apart, as
+``solve(granularity="sublayer")`` writes them; a unit still split by finer keys goes where most of
+its parameters are, with a warning), and modules with buffers only (such as
 ``model.rotary_emb``) may be left out (they go with their neighbour). Values are GPU indices,
 ``"cuda:N"``, ``torch.device``s, ``"cpu"`` or ``"disk"``; run-time semantics are accelerate's:
 
@@ -15,6 +17,7 @@ split by finer keys goes where most of its parameters are), and modules with buf
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +26,7 @@ from torch import nn
 from ..errors import DispatchError, PlacementError
 from ..hardware.detect import cuda_device_count
 from ..hardware.devices import normalize_device_name
-from ..model.graph import LayerGraph
+from ..model.graph import LayerGraph, covering_key
 from ..plan import Plan
 
 __all__ = ["plan_from_device_map"]
@@ -100,11 +103,11 @@ def _plan(model: nn.Module, devices: Mapping[str, str], graph: LayerGraph | None
     from ..cost.pricing import home_device
     from ..cost.workload import Workload
     from ..hardware.resolve import as_machine
-    from ..model.tracer import trace
     from ..plan_check import graph_fingerprint
     from ..planner import baseline_plan
 
-    graph = graph if graph is not None else trace(model)
+    graph = graph if graph is not None else _graph_for(model, devices)
+    _warn_split(graph, devices)
     names = list(dict.fromkeys([*sorted(d for d in devices.values() if d.startswith("cuda:")), "cpu",
                                 *(["disk"] if "disk" in devices.values() else [])]))
     machine = as_machine(names, dtype=graph.meta.dtype)
@@ -115,3 +118,38 @@ def _plan(model: nn.Module, devices: Mapping[str, str], graph: LayerGraph | None
                                 "first GPU at every forward; a map without GPU computes on the CPU)"])
     home = home_device(machine) if graph.meta.granularity == "sublayer" else None
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
+
+
+def _split_units(graph: LayerGraph, devices: Mapping[str, str]) -> list[str]:
+    """Units whose parameters the map sends to more than one device."""
+    split = []
+    for unit in graph.units():
+        places = {devices[key] for name in unit.param_names if (key := covering_key(name, devices)) is not None}
+        if len(places) > 1:
+            split.append(unit.name)
+    return split
+
+
+def _graph_for(model: nn.Module, devices: Mapping[str, str]) -> LayerGraph:
+    """The block graph, or the sublayer one where the map splits decoder layers and that splits no more units: a
+    sublayer plan's map (experts on disk, attention on a GPU) then runs as it says, not by a vote per layer."""
+    from ..model.tracer import trace
+
+    block = trace(model)
+    split = _split_units(block, devices)
+    if not split:
+        return block
+    try:
+        fine = trace(model, granularity="sublayer")
+    except PlacementError:  # no sublayer units in this model: the block graph and its vote
+        return block
+    return fine if len(_split_units(fine, devices)) <= len(split) else block  # finer: the vote moves less
+
+
+def _warn_split(graph: LayerGraph, devices: Mapping[str, str]) -> None:
+    split = _split_units(graph, devices)
+    if split:
+        warnings.warn(f"the device_map sends parts of {len(split)} unit(s) ({', '.join(split[:4])}"
+                      f"{', ...' if len(split) > 4 else ''}) to different devices: each runs whole where most of its "
+                      f"parameters are; map whole modules (a plan's device_map does) to keep them apart",
+                      UserWarning, stacklevel=4)

@@ -221,8 +221,9 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         plan: the placement; every unit of the plan must name a module of ``model``. Or an
             accelerate ``device_map`` (``{module name: device}``), turned into a plan with
             accelerate's run-time semantics (:mod:`._device_map`): keys are module prefixes
-            (``"model.layers"``; ``""`` is the whole model), units or finer submodules (a unit
-            goes where most of its parameters are); modules with buffers only (``rotary_emb``)
+            (``"model.layers"``; ``""`` is the whole model), units or finer submodules (a map that
+            splits decoder layers runs on sublayer units, as a sublayer plan's map says; a unit split
+            finer still goes where most of its parameters are, with a warning); modules with buffers only (``rotary_emb``)
             may be left out. Values are GPU indices, ``"cuda:N"``, ``"cpu"`` or ``"disk"``. In a
             map with a GPU, ``"cpu"`` and ``"disk"`` entries are stored there and execute on the
             map's first GPU, copied in at each forward; a map of ``"cpu"``/``"disk"`` only
