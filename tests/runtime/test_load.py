@@ -284,3 +284,27 @@ def test_a_priced_plan_loads_in_the_dtype_it_was_priced_for(tmp_path_factory):
     handle.remove()
     with pytest.raises(DispatchError, match=r"dtype='float32', but the plan was priced for 'float16'"):
         load(path, None, plan=plan, dtype="float32")
+
+
+def test_a_disk_unit_with_a_buffer_no_checkpoint_holds_loads_without_offload_dir(tmp_path):
+    """Gemma-2's embeddings hold ``embed_scale``, a buffer computed at init and saved nowhere: the unit's weight is
+    mapped from the checkpoint and the buffer stays in RAM. It used to send the unit to an offload store, and
+    load() without offload_dir failed telling the user to call load()."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from placement_opt import Workload, solve
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    plan = solve(reference, {"cpu": "64MiB", "disk": "1GiB"}, pins={"model.embed_tokens": "disk", "model.rotary_emb": "disk"},
+                 workload=Workload(batch_size=1, prompt_len=8, new_tokens=4))
+    handle = load(tmp_path, None, plan=plan)
+    assert handle.unit_kinds()["model.embed_tokens"] == "mmap"
+    ids = torch.tensor([[3, 7, 11, 2, 9, 4, 8, 1]])
+    kwargs = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        assert torch.equal(handle.model.generate(ids, **kwargs), reference.generate(ids, **kwargs))

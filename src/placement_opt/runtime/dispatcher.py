@@ -370,7 +370,7 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
         for slot in unit.slots:
             weights.record(slot)
         if storage == "disk":
-            if disk_sources is None or any(s.names[0] not in disk_sources for s in unit.slots):
+            if disk_sources is None or not _sourced(unit, disk_sources):
                 if offload_dir is None:
                     raise DispatchError(
                         f"unit {unit.name!r} is stored on disk but dispatch() has no offload_dir: pass "
@@ -485,8 +485,17 @@ def _map_from_store(unit: DispatchUnit, store: OffloadStore) -> None:
         unit.disk.append((file, slot.names[0]))
 
 
+def _sourced(unit: DispatchUnit, sources: Mapping[str, tuple[SafetensorsFile, str]]) -> bool:
+    """Whether the checkpoint holds every weight of ``unit``. Buffers computed at init (Gemma's ``embed_scale``,
+    rotary tables) are in no checkpoint: they stay in RAM as they are, a few bytes, and need no offload_dir."""
+    return all(slot.names[0] in sources or not isinstance(slot.tensor, nn.Parameter) for slot in unit.slots)
+
+
 def _map_from_sources(unit: DispatchUnit, sources: Mapping[str, tuple[SafetensorsFile, str]]) -> None:
     for slot in unit.slots:
+        if slot.names[0] not in sources:  # a buffer computed at init (_sourced)
+            _set(slot, slot.tensor.data, foreign=False)
+            continue
         file, key = sources[slot.names[0]]
         _set(slot, file.tensor(key), foreign=True)
         unit.disk.append((file, key))
