@@ -62,17 +62,35 @@ class AttentionFacts:
         return {i: int(window) for i, layer in enumerate(getattr(cache, "layers", ()))
                 if isinstance(window := getattr(layer, "sliding_window", None), int) and window > 0}
 
-    def of(self, unit_name: str) -> tuple[int, int, int, int]:
-        """(heads, kv heads, head dim, number of self-attention modules) of the unit ``unit_name``."""
+    def of(self, unit_name: str) -> tuple[int, int]:
+        """(attention FLOPs per query token per context token, KV-cache elements per token) of the self-attention
+        modules of the unit ``unit_name``."""
         outer = self.owned.get(unit_name, [])
-        selfs = [(n, m) for n, m in outer if not _is_cross(n, m)]
-        cross = [(n, m) for n, m in outer if _is_cross(n, m)]
-        if not outer:
-            return 0, 0, 0, 0
-        heads, kv_heads, head_dim = self._shape(outer[0][1])
+        selfs = [m for n, m in outer if not _is_cross(n, m)]
+        cross = [m for n, m in outer if _is_cross(n, m)]
         if cross:
-            self.cross_kv_bytes_per_token = 2 * kv_heads * head_dim * dtype_bytes(self.ctx.dtype) * len(cross)
-        return heads, kv_heads, head_dim, len(selfs)
+            self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
+        figures = [self._per_module(m) for m in selfs]
+        return sum(f for f, _ in figures), sum(kv for _, kv in figures)
+
+    def _per_module(self, attention: nn.Module) -> tuple[int, int]:
+        """(FLOPs per query x context token pair, cache elements per token) of one attention module.
+
+        Multi-head latent attention (DeepSeek-V2/V3) caches one compressed latent and its rotary key per token,
+        ``kv_lora_rank + qk_rope_head_dim`` values, where transformers expands them at each call
+        (``expand_kv``); queries and keys have ``qk_nope_head_dim + qk_rope_head_dim`` per head and values
+        ``v_head_dim``. Other modules: keys of ``head_dim`` and values of ``v_head_dim`` where the module says it
+        (MiMo), else ``head_dim``, for each KV head.
+        """
+        heads, kv, head_dim = self._shape(attention)
+        rank, rope, nope = (first_int(attention, (k,)) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"))
+        value_dim = first_int(attention, ("v_head_dim",))
+        if rank and rope and nope and value_dim:
+            query_dim = nope + rope
+            cached = rank + rope if hasattr(attention, "expand_kv") else heads * (query_dim + value_dim)
+            return 2 * heads * (query_dim + value_dim), cached
+        value_dim = value_dim or head_dim
+        return 2 * heads * (head_dim + value_dim), kv * (head_dim + value_dim)
 
     def _shape(self, attention: nn.Module) -> tuple[int, int, int]:
         config = self.ctx.config
@@ -107,7 +125,9 @@ def _outer_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _is_cross(name: str, module: nn.Module) -> bool:
     text = (name + type(module).__name__).lower()
-    return bool(getattr(module, "is_cross_attention", False)) or "cross" in text or "encdec" in text
+    # BART's family names its decoder's cross-attention ``encoder_attn`` (a plain BartAttention)
+    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in text or "encdec" in text
+            or name.rsplit(".", 1)[-1] == "encoder_attn")
 
 
 def graph_extra(ctx: TraceContext, record: _recorder.Record | None, attention: AttentionFacts, dropped: int) -> dict[str, Any]:

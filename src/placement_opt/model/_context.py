@@ -57,7 +57,10 @@ def experts_per_token(ctx: TraceContext, experts: nn.Module) -> int:
 
 def first_int(obj: Any, keys: tuple[str, ...]) -> int:
     for key in keys:
-        value = getattr(obj, key, None) if obj is not None else None
+        try:
+            value = getattr(obj, key, None) if obj is not None else None
+        except Exception:  # noqa: BLE001 - a config whose layers differ refuses a global value (Gemma-4): none
+            value = None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return 0

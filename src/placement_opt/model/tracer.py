@@ -24,7 +24,8 @@ Conventions the cost model relies on:
   with the implementation the model runs with (a config: sdpa where its class has it); on meta, sdpa
   runs as its math path, so QK^T and AV are visible matmuls either way.
 * ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
-  that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
+  (keys and values of their own sizes where the module has ``v_head_dim``; a latent-attention module,
+  DeepSeek's, the ``kv_lora_rank + qk_rope_head_dim`` values transformers caches) that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
   encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
   ``meta.extra["cross_attn_kv_bytes_per_token"]``. A unit whose layers' caches slide (transformers'
   ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``.
@@ -332,16 +333,16 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
     else:
         flops = 2 * sum(t.numel() for q, t, p in tensors if p and t.dim() > 1 and not _in_embedding(ctx, q))
         out_bytes = hidden_size(ctx) * dtype_bytes(ctx.dtype)
-    heads, kv_heads, head_dim, n_self = attention.of(name)
+    attn_flops_per_ctx, kv_elements = attention.of(name)
     in_decode = name not in encoder
     has_cache = in_decode and attention.causal
     moe = moe_facts(ctx, module, name)
     attrs = {
         "module_class": type(module).__name__, "exec_index": exec_index, "module_index": module_index,
         "param_bytes": int(param_bytes), "buffer_bytes": int(buffer_bytes), "flops_per_token": int(flops),
-        "attn_flops_per_token_per_ctx": int(n_self * 4 * heads * head_dim),
+        "attn_flops_per_token_per_ctx": int(attn_flops_per_ctx),
         "out_bytes_per_token": int(out_bytes),
-        "kv_bytes_per_token": int(n_self * 2 * kv_heads * head_dim * dtype_bytes(ctx.dtype)) if has_cache else 0,
+        "kv_bytes_per_token": int(kv_elements * dtype_bytes(ctx.dtype)) if has_cache else 0,
         "moe_num_experts": moe[0], "moe_experts_per_token": moe[1], "moe_expert_bytes": moe[2],
         "param_names": tuple(q for q, _, p in tensors if p), "in_decode": in_decode,
     }
