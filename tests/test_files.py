@@ -27,7 +27,8 @@ def test_a_write_replaces_the_file_with_exactly_the_new_text(tmp_path, old, new)
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
     target = tmp_path / "plan.json"
-    target.write_text("the old plan", encoding="utf-8")
+    old = '{"placements": [], "the old plan": true}'  # a plan: a file of another kind is never written over
+    target.write_text(old, encoding="utf-8")
 
     def disk_full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -35,7 +36,7 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path,
     monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left"):
         report_plan().to_json(target)
-    assert target.read_text(encoding="utf-8") == "the old plan"
+    assert target.read_text(encoding="utf-8") == old
     assert os.listdir(tmp_path) == ["plan.json"]
 
 

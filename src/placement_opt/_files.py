@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -15,12 +16,13 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
-__all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG"]
+__all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG", "foreign_file", "refusal", "OWN_JSON"]
 
 _COUNTER = itertools.count()  # with the pid and thread: each temporary file's own name
 
@@ -121,3 +123,38 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
             fh.flush()
             if stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # a pipe or a device cannot be synced
                 os.fsync(fh.fileno())
+
+
+#: What each kind of JSON file placement_opt writes looks like, read back: a file at an output path that is none
+#: of them is the user's (a checkpoint's config.json, a plan given where a profile goes) and is never written over.
+OWN_JSON: dict[str, Callable[[Any], bool]] = {
+    "plan": lambda d: isinstance(d, dict) and "placements" in d,
+    "pipeline plan": lambda d: isinstance(d, dict) and "stages" in d and "schedule" in d,
+    "profile": lambda d: isinstance(d, dict) and "schema_version" in d and ("measurements" in d or "calibration" in d),
+    "comparison": lambda d: isinstance(d, list) and all(isinstance(r, dict) and "strategy" in r for r in d),
+    "run's figures": lambda d: isinstance(d, dict) and "measured" in d and "rows" in d,
+}
+
+#: Larger than any file placement_opt writes as JSON: such a file is not read to find out.
+_OWN_JSON_MAX_BYTES = 256 * 2**20
+
+
+def foreign_file(path: str | os.PathLike[str], kind: str) -> str | None:
+    """Why ``path`` must not be written over by a ``kind`` file (a key of :data:`OWN_JSON`), or None where it may: it
+    is absent, not a regular file (``/dev/null``), empty, or a JSON file of that kind (an earlier result)."""
+    target = Path(os.path.realpath(path))
+    try:
+        if not target.is_file() or (size := target.stat().st_size) == 0:
+            return None
+        if size > _OWN_JSON_MAX_BYTES:
+            return f"a {size} byte file"
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "a file that is not JSON"
+    return None if OWN_JSON[kind](data) else f"a JSON file that is not a {kind} placement_opt wrote"
+
+
+def refusal(path: str | os.PathLike[str], kind: str, what: str) -> str:
+    """The message of a write refused by :func:`foreign_file` (``what``: its answer)."""
+    return (f"{os.fspath(path)} is {what}: placement_opt writes a {kind} only over an earlier one, never over another "
+            f"file; name another path, or move that file away first")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import write_text_atomic
+from ._files import foreign_file, refusal, write_text_atomic
 from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
@@ -317,6 +317,8 @@ class Plan:
         already there is replaced only once the whole plan is written)."""
         text = json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False)
         if path is not None:
+            if (why := foreign_file(path, "plan")) is not None:  # a user's file there (a config.json) is never lost
+                raise PlanFormatError(refusal(path, "plan", why))
             write_text_atomic(path, text)  # an old plan at ``path`` stays whole until this one is
         return text
 

@@ -35,6 +35,7 @@ from ..report import EXTRA_SEARCH_S, gap_advice
 from .options import (
     DTYPES,
     check_expert_groups,
+    check_not_foreign,
     check_outputs,
     check_plot_suffix,
     cluster_options,
@@ -166,7 +167,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
          modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, verbose: bool, cluster: str | None,
          schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
-    check_outputs(json_path, plot)
+    check_outputs(json_path, plot, "pipeline plan" if cluster is not None else "plan")
     pins = parse_pins(pin)
     if pins and cluster is not None:
         raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
@@ -252,7 +253,7 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
             logits: str | None, padded: bool, dtype: str | None, overlap: bool,
             time_limit: float | None, json_path: str | None, plot: str | None) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
-    check_outputs(json_path, plot)
+    check_outputs(json_path, plot, "comparison")
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
@@ -371,6 +372,9 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, 
     """
     console = console_for()
     check_expert_groups(expert_groups, granularity)
+    from ..hardware.profile_store import profile_path
+
+    check_not_foreign(out or str(profile_path()), "profile", "--out")
     if model is None and (granularity != "block" or expert_groups > 1):
         raise click.UsageError("--granularity and --expert-groups say how --model is timed: add --model MODEL")
     with errors_as_messages():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .._files import foreign_file, refusal
 from ..report import EXTRA_SEARCH_S
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -162,13 +163,19 @@ def _machine_from_file(path: Path) -> Machine:
 
     if not path.is_file():
         raise click.BadParameter(f"profile file {str(path)!r} does not exist", param_hint="--devices")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise click.BadParameter(f"{str(path)!r} is not a saved machine profile: it is not JSON (cut off, or another "
+                                 f"kind of file: {exc}); pass the file 'placement-opt profile --out PATH' wrote",
+                                 param_hint="--devices") from None
     if isinstance(data, dict) and "machine" in data:
         data = data["machine"]
     if not isinstance(data, dict) or "devices" not in data:
-        raise click.BadParameter(
-            f"{str(path)!r} is not a saved machine profile (no 'devices' list): write one with "
-            f"'placement-opt profile --out {path}'", param_hint="--devices")
+        hint = ("write one with 'placement-opt profile --out NEW_PATH' and pass that" if foreign_file(path, "profile")
+                else f"write one with 'placement-opt profile --out {path}'")
+        raise click.BadParameter(f"{str(path)!r} is not a saved machine profile (no 'devices' list): {hint}",
+                                 param_hint="--devices")
     return Machine.from_dict(data)
 
 
@@ -268,11 +275,19 @@ def check_plot_suffix(path: str | None) -> None:
         raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")
 
 
-def check_outputs(json_path: str | None, plot: str | None) -> None:
-    """Refuse ``--json`` / ``--plot`` paths that cannot be written, before any solving."""
+def check_outputs(json_path: str | None, plot: str | None, kind: str = "plan") -> None:
+    """Refuse ``--json`` / ``--plot`` paths that cannot be written, before any solving: a ``--json`` file there
+    that is not a ``kind`` placement_opt wrote (a key of :data:`placement_opt._files.OWN_JSON`) is the user's."""
     check_plot_suffix(plot)
     check_output_folder(json_path, "--json")
     check_output_folder(plot, "--plot")
+    check_not_foreign(json_path, kind, "--json")
+
+
+def check_not_foreign(path: str | None, kind: str, option: str) -> None:
+    """Refuse an output path holding a file placement_opt did not write as a ``kind`` (never written over)."""
+    if path and path != "-" and (why := foreign_file(Path(path).expanduser(), kind)) is not None:
+        raise click.BadParameter(refusal(path, kind, why), param_hint=option)
 
 
 def expert_groups_option(func: Any) -> Any:

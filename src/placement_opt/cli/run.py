@@ -21,6 +21,7 @@ from ..units import format_bytes, format_seconds
 from .options import (
     DTYPES,
     check_expert_groups,
+    check_not_foreign,
     expert_groups_option,
     model_dtype,
     parse_pins,
@@ -96,6 +97,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     from ..planner import SOLVER_NOTES
 
     console = console_for()
+    check_not_foreign(json_path, "run's figures", "--json")
     pins = parse_pins(pin)
     if new_tokens < 2:
         raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")

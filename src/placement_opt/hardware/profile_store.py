@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .._files import write_text_atomic
-from ..errors import ProfileError
+from .._files import foreign_file, refusal, write_text_atomic
+from ..errors import PlanFormatError, ProfileError
 from ..schema import ProfileSchema, validated
 from .devices import Device, normalize_device_name
 
@@ -78,8 +78,8 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise ProfileError(f"the saved profile {str(where)!r} is not JSON ({exc}): run `placement-opt profile` "
-                           f"again to rewrite it, or delete the file") from None
+        raise ProfileError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it (placement-opt "
+                           f"profile then writes a new one there), or name another file") from None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         return None
     validated(ProfileSchema, data, what=f"the saved profile {str(where)!r}",
@@ -214,6 +214,12 @@ def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
 
 
 def write_profile(where: Path, data: dict[str, Any]) -> None:
-    """Write the profile atomically: a reader sees the old file or the new one, never half of one."""
+    """Write the profile atomically: a reader sees the old file or the new one, never half of one.
+
+    Raises:
+        PlanFormatError: a file at ``where`` is not a profile (a plan, a checkpoint's config.json): never written over.
+    """
+    if (why := foreign_file(where, "profile")) is not None:
+        raise PlanFormatError(refusal(where, "profile", why))
     where.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(where, json.dumps(data, indent=1))
