@@ -229,6 +229,23 @@ def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_v
 
 
 
+def test_a_tied_models_copy_ties_its_head_and_calibrates(tmp_path, monkeypatch) -> None:
+    """The copy is built without initialisers, which in transformers 5 also skips tying: an untied head was another
+    model than the one planned, and calibrate() of GPT-2 (or any tied model) failed on a plan mismatch."""
+    import torch
+
+    from placement_opt.runtime.calibrate import _build
+
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    model = _build(config, "float32", torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    result = placement_opt.calibrate(config, ["cpu"], workload=Workload(batch_size=1, prompt_len=8, new_tokens=4),
+                                     repeats=1)
+    assert result.units
+
+
 @pytest.mark.parametrize(("budget_s", "most", "steps"), [(0.0, 16, 3), (1e9, 5, 5)])
 def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path, monkeypatch, budget_s, most,
                                                                          steps) -> None:

@@ -364,6 +364,8 @@ def _build(config: Any, dtype: str, device: torch.device) -> nn.Module:
             model = auto.from_config(config, dtype=getattr(torch, dtype))
         except ValueError:
             model = transformers.AutoModel.from_config(config, dtype=getattr(torch, dtype))
+    if hasattr(model, "tie_weights"):  # skipped with the initialisers: an untied head was not the model planned
+        model.tie_weights()
     _fill(model)
     return model.eval()
 
