@@ -143,6 +143,20 @@ def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
     assert out.exit_code != 0 and "encoder-decoder model (t5)" in " ".join(out.output.split())
 
 
+def test_run_refuses_a_context_past_learned_positions_before_loading(tmp_path):
+    """GPT-2's position table (64 here) ends the lookup with an IndexError mid-generation: refused first, with the
+    most the two options may add up to; a run that fits the table exactly runs."""
+    tiny("gpt2").save_pretrained(tmp_path)
+    out = run_cli("run", str(tmp_path), "-d", "cpu", "--prompt", "60", "--new-tokens", "6", "--repeats", "1",
+                  catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "64 learned positions (transformer.wpe)" in text and "at most 65" in text, text
+    assert "Traceback" not in out.output
+    out = run_cli("run", str(tmp_path), "-d", "cpu", "--prompt", "60", "--new-tokens", "5", "--repeats", "1",
+                  catch_exceptions=True)
+    assert out.exit_code == 0, out.output
+
+
 @pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM"])
 def test_run_refuses_a_model_that_cannot_generate_in_one_line(tmp_path, architecture):
     import transformers as T

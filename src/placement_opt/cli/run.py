@@ -117,6 +117,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
             machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
+        _check_positions(checkpoint, ids.shape[1], new_tokens)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
@@ -216,6 +217,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 def _has_tokenizer_files(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _check_positions(checkpoint: str, prompt: int, new_tokens: int) -> None:
+    """Refuse, before any loading, a run past the model's learned position table (GPT-2's ``wpe``, OPT's
+    ``embed_positions``): its lookup would fail mid-generation. Rotary and ALiBi models have no table and run on."""
+    from torch import nn
+
+    from ..runtime.checkpoint import meta_model
+
+    positions = prompt + new_tokens - 1  # the last token generated is never fed back
+    for name, module in meta_model(Path(checkpoint), None).named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
+            most = module.num_embeddings - int(getattr(module, "offset", 0) or 0)
+            if positions > most:
+                raise click.UsageError(
+                    f"{checkpoint}'s model has {most} learned positions ({name}), and --prompt {prompt} + --new-tokens "
+                    f"{new_tokens} feeds it {positions}: give --prompt and --new-tokens adding up to at most {most + 1}")
 
 
 def _check_generates(checkpoint: str, config: Any) -> None:
