@@ -108,6 +108,15 @@ def test_a_home_path_is_expanded(tmp_path, monkeypatch):
     assert str(resolve_model("~/ckpt")) == str(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("typed", ["./llama-3-8b", "llama-3-8b/", "llama-3-8b"])
+def test_a_folder_named_like_a_preset_is_the_folder(tmp_path, monkeypatch, typed):
+    """Path("./llama-3-8b") prints as "llama-3-8b", which trace() took for the preset: the folder is passed whole."""
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "llama-3-8b" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model(typed) == str(tmp_path / "llama-3-8b")
+
+
 def test_bad_workload_is_a_usage_error():
     result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES, "--batch", "0")
     assert result.exit_code == 2

@@ -55,7 +55,7 @@ def resolve_model(text: str) -> Any:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise click.BadParameter(f"directory {text!r} has no config.json", param_hint="MODEL")
-        return str(path)
+        return str(path.resolve())  # absolute: ./llama-3-8b is this folder, never the preset of that name
     presets = _preset_names()
     if text.lower() in presets:
         from ..model import catalog as models
