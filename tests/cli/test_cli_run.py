@@ -143,6 +143,19 @@ def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
     assert out.exit_code != 0 and "encoder-decoder model (t5)" in " ".join(out.output.split())
 
 
+def test_a_bare_disk_is_the_free_space_where_the_offload_dir_goes(tmp_path, monkeypatch):
+    import shutil
+
+    from placement_opt.cli.run import _disk_at
+    from placement_opt.hardware.resolve import resolve_machine
+
+    machine = resolve_machine("cpu=1GiB,disk")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10, 5, 3 if folder == tmp_path else 7))
+    assert _disk_at(machine, "cpu=1GiB,disk", str(tmp_path / "not" / "yet"))["disk"].memory_bytes == 3
+    assert _disk_at(machine, "cpu=1GiB,disk=1TB", str(tmp_path)) is machine  # a size given is the user's
+    assert _disk_at(machine, "cpu=1GiB,disk", None) is machine
+
+
 def test_run_refuses_a_context_past_learned_positions_before_loading(tmp_path):
     """GPT-2's position table (64 here) ends the lookup with an IndexError mid-generation: refused first, with the
     most the two options may add up to; a run that fits the table exactly runs."""

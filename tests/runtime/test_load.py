@@ -308,3 +308,18 @@ def test_a_disk_unit_with_a_buffer_no_checkpoint_holds_loads_without_offload_dir
     kwargs = {"max_new_tokens": 4, "do_sample": False}
     with torch.no_grad():
         assert torch.equal(handle.model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def test_a_full_offload_dir_is_said_to_be_full_not_a_bad_checkpoint(tmp_path_factory, monkeypatch):
+    import errno
+
+    from placement_opt.runtime import loader
+
+    model, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("enospc"))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "materialize", full)
+    with pytest.raises(DispatchError, match="ran out of disk space writing .* into offload_dir"):
+        load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path_factory.mktemp("offload"))

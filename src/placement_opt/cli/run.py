@@ -107,7 +107,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
         # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
-        machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
+        machine = _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)), devices,
+                           offload_dir)
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         mask = _padding_mask(ids) if padded else None
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
@@ -116,7 +117,8 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
-            machine = resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint))
+            machine = _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)),
+                               devices, offload_dir)
         _check_positions(checkpoint, ids.shape[1], new_tokens)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
@@ -217,6 +219,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 def _has_tokenizer_files(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _disk_at(machine: Any, devices: str | None, offload_dir: str | None) -> Any:
+    """A bare ``disk`` in ``--devices`` is the free space where ``--offload-dir`` writes (its nearest existing
+    folder), not the current directory's: the weights converted for the plan go there."""
+    import shutil
+
+    from ..hardware.devices import Machine, replace_device
+
+    bare = devices is not None and any(part.strip().lower() == "disk" for part in devices.split(","))
+    if not bare or offload_dir is None or "disk" not in machine:
+        return machine
+    folder = Path(offload_dir).expanduser().resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    return Machine([replace_device(d, memory_bytes=free) if d.name == "disk" else d for d in machine.devices],
+                   machine.links)
 
 
 def _check_positions(checkpoint: str, prompt: int, new_tokens: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -130,6 +131,10 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         if isinstance(exc, MemoryError | torch.OutOfMemoryError):
             # as dispatch() does: callers catch running out of memory by its own type (to retry smaller)
             exc.add_note(f"placement_opt.load ran out of memory loading {root} in its plan")
+        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise DispatchError(f"load() of {root} ran out of disk space writing the weights its plan converts into "
+                                f"offload_dir ({offload_dir}): free space there or choose a folder on a larger disk; "
+                                f"the units written so far are kept and reused by the next load") from exc
         elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
             text = (str(exc).strip().splitlines() or [""])[0][:300]
             raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
