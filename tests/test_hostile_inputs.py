@@ -60,6 +60,11 @@ JSON_CASES = {
     "storage tpu": (lambda d: d["placements"][0].update(storage="tpu"), r"storage 'tpu' is not a device"),
     "execution disk": (lambda d: d["placements"][0].update(execution="disk"), r"execution 'disk' cannot compute"),
     "mode teleport": (lambda d: d["placements"][0].update(mode="teleport"), r"mode 'teleport' is unknown: accepted"),
+    # placements[0] is resident on the CPU: a hand edit of one field leaves its mode contradicting its devices
+    "resident moved to disk": (lambda d: d["placements"][0].update(storage="disk"),
+                               r"mode 'resident' computes where the weights are stored, but storage is 'disk'"),
+    "stream in place": (lambda d: d["placements"][0].update(mode="stream"),
+                        r"mode 'stream' copies the weights from storage to execution, but both are 'cpu'"),
     "unit twice": (lambda d: d["placements"].append(dict(d["placements"][1])), r"listed twice"),
     "missing layer": (lambda d: d["placements"].pop(_layer_index(d)), r"miss 1 unit\(s\) of the model: 'model.layers.1'"),
     "missing key": (lambda d: d.pop("cost"), r"no 'cost' field"),
@@ -81,7 +86,7 @@ def test_a_bad_plan_file_is_one_plan_format_error(case, solved, tmp_path):
     assert str(path) in str(info.value)  # says where
 
 
-@pytest.mark.parametrize("case", ["storage tpu", "mode teleport", "missing layer", "missing key"])
+@pytest.mark.parametrize("case", ["storage tpu", "mode teleport", "resident moved to disk", "missing layer", "missing key"])
 def test_the_cli_refuses_a_bad_plan_file_in_one_line(case, solved, tmp_path):
     change, words = JSON_CASES[case]
     path = tmp_path / "plan.json"

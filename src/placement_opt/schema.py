@@ -197,6 +197,8 @@ class PlanSchema(_Strict):
             elif p.execution.split(":")[0] == "disk":
                 problems.append(f"placements[{i}] ({p.unit!r}): execution {p.execution!r} cannot compute: "
                                 f"a unit executes on a GPU or the CPU")
+            elif p.storage in devices and (why := _mode_mismatch(p)):
+                problems.append(f"placements[{i}] ({p.unit!r}): {why}")
             if p.prefill_execution is not None and (p.prefill_execution not in devices
                                                     or p.prefill_execution.split(":")[0] == "disk"):
                 problems.append(f"placements[{i}] ({p.unit!r}): prefill_execution {p.prefill_execution!r} is not "
@@ -214,6 +216,17 @@ class PlanSchema(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _mode_mismatch(p: PlacementSchema) -> str | None:
+    """Why a placement's mode contradicts its devices (a hand edit), or None."""
+    if p.mode == "resident" and p.storage != p.execution:
+        return (f"mode 'resident' computes where the weights are stored, but storage is {p.storage!r} and execution "
+                f"{p.execution!r}: use mode 'stream' (the weights copied to {p.execution!r} at each forward), or one "
+                f"device for both")
+    if p.mode in ("stream", "stream_sync") and p.storage == p.execution:
+        return f"mode {p.mode!r} copies the weights from storage to execution, but both are {p.storage!r}: use 'resident'"
+    return None
 
 
 # -- layer graphs -----------------------------------------------------------------------------
