@@ -448,10 +448,10 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
         more = ("a larger disk (disk=SIZE, or disk=nvme-gen4 for a described one: a bare 'disk' is the free space "
                 "where the offload folder goes)" if any(d.kind == "disk" for d in problem.devices)
                 else "a disk device")
-        lines.append(f"needs {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)} "
+        lines.append(f"needs at least {format_bytes(need_all - have_all)} more across {', '.join(d.name for d in problem.devices)} "
                      f"(usable: {has}); {why}; add {more} or more memory, or reduce the batch or context")
     elif totals.need_compute > totals.have_compute:
-        lines.append(f"needs {format_bytes(totals.need_compute - totals.have_compute)} more on the compute devices "
+        lines.append(f"needs at least {format_bytes(totals.need_compute - totals.have_compute)} more on the compute devices "
                      f"({', '.join(d.name for d in compute)}), which must hold the KV cache and workspace; {why}; "
                      f"reduce the batch or context, or add GPU/CPU memory")
     top = max(problem.devices, key=lambda d: d.capacity_bytes)
