@@ -338,6 +338,10 @@ class Plan:
             raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
                                   f"Plan.to_dict() or Plan.to_json() wrote")
         version = data.get("schema_version")
+        if version is None and "stages" in data and "schedule" in data:
+            raise PlanFormatError(f"{where} is a pipeline plan over several machines (placement-opt plan --cluster "
+                                  f"wrote it), not a one-machine plan: its summary is what plan --cluster printed "
+                                  f"(PipelinePlan.from_json reads it); explain and run take a plan of plan --devices")
         if version is None and "placements" not in data:
             raise PlanFormatError(f"{where} is not a plan (no schema_version, no placements): pass a file that "
                                   f"placement-opt plan --json or Plan.to_json() wrote")

@@ -61,3 +61,12 @@ def test_the_library_refuses_too(config_json, tmp_path):
     with pytest.raises(PlanFormatError, match="not JSON"):
         plan.to_json(binary)
     assert json.loads(config_json.read_text()) == CONFIG and binary.read_bytes() == b"\xfd\x00" * 100
+
+
+def test_a_pipeline_plan_is_written_over_by_plan_cluster_and_named_for_what_it_is_by_explain(tmp_path):
+    path = tmp_path / "pipeline.json"
+    for _ in range(2):  # the second run replaces the first one's pipeline plan
+        result = run_cli("plan", "llama-3-8b", "--cluster", "2x(h100-sxm*2,cpu-server)@ib-200g", "--json", str(path))
+        assert result.exit_code == 0, result.output
+    result = run_cli("explain", str(path), catch_exceptions=True)
+    assert result.exit_code == 2 and "is a pipeline plan over several machines" in " ".join(result.output.split())
