@@ -70,3 +70,9 @@ def test_a_pipeline_plan_is_written_over_by_plan_cluster_and_named_for_what_it_i
         assert result.exit_code == 0, result.output
     result = run_cli("explain", str(path), catch_exceptions=True)
     assert result.exit_code == 2 and "is a pipeline plan over several machines" in " ".join(result.output.split())
+
+
+def test_bench_refuses_a_report_in_a_missing_folder_before_running(tmp_path):
+    result = run_cli("bench", "--collect", "--out", str(tmp_path / "nodir" / "b.md"), catch_exceptions=True)
+    assert result.exit_code == 2 and "does not exist; create it first" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

@@ -36,6 +36,7 @@ from .options import (
     DTYPES,
     check_expert_groups,
     check_not_foreign,
+    check_output_folder,
     check_outputs,
     check_plot_suffix,
     cluster_options,
@@ -423,6 +424,7 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
 
     from ..progress import ENV, progress_enabled
 
+    check_output_folder(out, "--out")
     script = _benchmarks_dir() / "run_all.py"
     if not script.is_file():
         raise Failure(f"{script} not found: 'bench' needs a source checkout of placement_opt")
