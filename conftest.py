@@ -10,6 +10,7 @@ Set-up a reader would have anyway (a tiny model, a parsed ``args``) sits in
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -20,17 +21,20 @@ from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 def pytest_configure(config: Any) -> None:
     """Tests and docs read no profile of the machine they run on (``~/.cache/placement_opt/profile.json``): its
     measured speeds would price their plans apart from a fresh checkout's. A test of profiles sets its own."""
-    os.environ["PLACEMENT_OPT_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="placement_opt_profile_"),
-                                                       "profile.json")
+    folder = tempfile.mkdtemp(prefix="placement_opt_profile_")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    os.environ["PLACEMENT_OPT_PROFILE"] = os.path.join(folder, "profile.json")
 
 
 def _enter_scratch(namespace: dict[str, Any]) -> None:
     namespace["_cwd"] = os.getcwd()
-    os.chdir(tempfile.mkdtemp(prefix="placement_opt_docs_"))
+    namespace["_scratch"] = tempfile.mkdtemp(prefix="placement_opt_docs_")
+    os.chdir(namespace["_scratch"])
 
 
 def _leave_scratch(namespace: dict[str, Any]) -> None:
     os.chdir(namespace["_cwd"])
+    shutil.rmtree(namespace["_scratch"], ignore_errors=True)
 
 
 pytest_collect_file = Sybil(
