@@ -117,6 +117,17 @@ def test_a_folder_named_like_a_preset_is_the_folder(tmp_path, monkeypatch, typed
     assert resolve_model(typed) == str(tmp_path / "llama-3-8b")
 
 
+def test_a_binary_file_or_an_unknown_model_type_is_refused_in_a_short_line(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\xfd\x00" * 64)
+    unknown = tmp_path / "config.json"
+    unknown.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
+    for path, said in ((weights, "is not a text file"), (unknown, "model_type 'no_such_model' is not one transformers")):
+        result = run("plan", str(path), "--devices", GOOD_DEVICES)
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+        assert len(result.output) < 600  # not transformers' list of every model type
+
+
 def test_bad_workload_is_a_usage_error():
     result = run("plan", "llama-9-9000b", "--devices", GOOD_DEVICES, "--batch", "0")
     assert result.exit_code == 2

@@ -123,6 +123,9 @@ def model_dtype(text: str) -> str:
 def _config_from_json(path: Path) -> Any:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{str(path)!r} is not a text file (a checkpoint's weights?): give its config.json, "
+                                 f"or the model's directory", param_hint="MODEL") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise click.BadParameter(f"cannot read {str(path)!r} as JSON: {exc}", param_hint="MODEL") from None
     if not isinstance(data, dict) or "model_type" not in data:
@@ -134,6 +137,13 @@ def _config_from_json(path: Path) -> Any:
     try:
         return AutoConfig.for_model(data["model_type"], **fields)
     except ValueError as exc:
+        if "Unrecognized model identifier" in str(exc):  # its list of every model type runs to 15 KB
+            import transformers
+
+            raise click.BadParameter(f"{str(path)!r}: model_type {data['model_type']!r} is not one transformers "
+                                     f"{transformers.__version__} knows: a newer transformers may have it "
+                                     f"(pip install -U transformers), or the config is not a transformers model's",
+                                     param_hint="MODEL") from None
         raise click.BadParameter(f"{str(path)!r}: {exc}", param_hint="MODEL") from None
 
 
