@@ -45,6 +45,7 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: Device("cpu", "1GiB", flops=0), r"flops of cpu is 0"),
     (lambda: Device.preset("nvme-gen4", name="cuda:0"), r"preset 'nvme-gen4' is a disk"),
     (lambda: parse_device_spec("cuda:0=a100"), r"'a100' is neither a preset nor a size.*a100-40gb"),
+    (lambda: parse_device_spec("cpu=,disk"), r"'cpu=' has nothing after '=': write cpu=SIZE"),
     (lambda: parse_device_spec("cuda:0=h100-80gb"),
      r"'h100-80gb' is neither a preset nor a size \(did you mean 'h100-pcie' or 'h100-sxm'\?\)\. Write"),
     (lambda: Device.preset("a100_40gb"), r"unknown device preset 'a100_40gb' \(did you mean 'a100-40gb'\?\)"),

@@ -111,6 +111,9 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
 
 
 def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
+    if "=" in item and not rest.strip(" /"):  # 'cpu=' read as a bare 'cpu' gave it all the free RAM
+        raise DeviceSpecError(f"device spec item {item!r} has nothing after '=': write {name}=SIZE (e.g. "
+                              f"'{name}=64GiB'), {name}=PRESET, or a bare '{name}' for what this machine has free")
     preset_key, size = None, None
     for token in (t.strip() for t in rest.split("/") if t.strip()):
         if token.lower() in PRESETS:
