@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from _cli import run_cli
 from placement_opt.distributed.pipeline_plan import PipelinePlan
 
@@ -32,3 +34,13 @@ def test_plan_cluster_errors_are_one_line() -> None:
     assert result.exit_code != 0 and "n_microbatches >= 2" in result.output
     result = run_cli("plan", "llama-2-7b")
     assert result.exit_code != 0 and "--devices" in result.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--devices", "cpu", "--train"), "--train shapes a pipeline over several machines: add --cluster"),
+    (("--devices", "cpu", "--schedule", "gpipe", "--microbatches", "4"), "--schedule, --microbatches shape a pipeline"),
+    (("--devices", "cpu", "--cluster", "2x(h100-sxm*2,cpu-server)@ib-200g"), "leave --devices out"),
+])
+def test_options_of_the_other_kind_of_plan_are_refused_not_ignored(args, said):
+    result = run_cli("plan", "llama-3-8b", *args, catch_exceptions=True)
+    assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output

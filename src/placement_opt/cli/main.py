@@ -170,6 +170,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot, "pipeline plan" if cluster is not None else "plan")
     pins = parse_pins(pin)
+    _check_cluster_options(cluster, devices)
     if pins and cluster is not None:
         raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
     if pins and strategy != "cpsat":
@@ -231,6 +232,22 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
         click.echo(result.to_json())
     elif json_path:
         write_text_atomic(json_path, result.to_json())
+
+
+def _check_cluster_options(cluster: str | None, devices: str | None) -> None:
+    """--devices and --cluster describe the machine(s) one way each; --schedule, --microbatches and --train shape
+    a pipeline: given where they mean nothing, they were ignored without a word."""
+    given = click.get_current_context().get_parameter_source
+    if cluster is not None and devices is not None:
+        raise click.UsageError("--cluster describes the machines the pipeline runs on: leave --devices out (or "
+                               "--cluster, for one machine's plan)")
+    if cluster is None:
+        shaping = [f"--{name}" for name in ("schedule", "microbatches", "train")
+                   if given(name) == click.core.ParameterSource.COMMANDLINE]
+        if shaping:
+            one = len(shaping) == 1
+            raise click.UsageError(f"{', '.join(shaping)} {'shapes' if one else 'shape'} a pipeline over several "
+                                   f"machines: add --cluster SPEC, or leave {'it' if one else 'them'} out")
 
 
 def _search_longer(console: Console, first: Plan, solve_again: Callable[[float], Plan]) -> Plan:
