@@ -288,3 +288,16 @@ def test_a_baseline_that_never_ran_reads_not_run_with_its_reason_not_as_a_misfit
     assert "not run" in plan._repr_html_() and ">NO<" not in plan._repr_html_()
     again = Plan.from_dict(plan.to_dict())  # the note travels, so does "not run"
     assert not again.baselines[-1].ran
+
+
+def test_a_baseline_that_does_not_fit_reads_oom_not_a_speed_ratio():
+    import dataclasses
+
+    from placement_opt import solve
+    from placement_opt.plan import BaselineResult
+
+    plan = solve("llama-3-8b", "cuda:0=rtx-4090,cpu=64GiB,disk")
+    plan = dataclasses.replace(plan, baselines=(BaselineResult(strategy="sequential", total_s=plan.cost.total_s / 2,
+                                                               fits=False, short_bytes=2**20, note=""),))
+    row = next(line for line in plan.summary().splitlines() if "sequential" in line)
+    assert "OOM" in row and "0.50x" not in row, row

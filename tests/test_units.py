@@ -53,3 +53,9 @@ def test_format_seconds_picks_the_unit() -> None:
     assert format_seconds(0.00341) == "3.41 ms"
     assert format_seconds(2.5) == "2.50 s"
     assert format_seconds(150) == "2.50 min"
+
+
+def test_a_ratio_too_small_for_two_decimals_keeps_a_digit():
+    from placement_opt.units import ratio_or_dash
+
+    assert ratio_or_dash(0.004, 1.0) == "0.004x" and ratio_or_dash(1.0, 3.0) == "0.33x" and ratio_or_dash(0, 1) == "0.00x"

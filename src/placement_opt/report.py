@@ -230,7 +230,9 @@ def _baselines_table(plan: Plan) -> ReportTable:
     """One row per baseline; one that could not be run reads ``not run`` (why: :func:`_not_run_lines`)."""
     rows = tuple((Cell(b.strategy), Cell("-"), Cell("not run"), Cell("-")) if not b.ran else
                  (Cell(b.strategy), Cell(seconds_or_dash(b.total_s)),
-                  Cell("yes", "good") if b.fits else Cell("NO", "bad"), Cell(ratio_or_dash(b.total_s, plan.cost.total_s)))
+                  Cell("yes", "good") if b.fits else Cell("NO", "bad"),
+                  # a time of a placement that does not fit is no speed to compare: it would run out of memory
+                  Cell(ratio_or_dash(b.total_s, plan.cost.total_s)) if b.fits else Cell("OOM", "bad"))
                  for b in plan.baselines)
     return ReportTable("Baselines on the same cost model (total time)",
                        ("baseline", "total", "fits", "vs this plan"), rows, frozenset({"total", "vs this plan"}))

@@ -98,7 +98,8 @@ def ratio_or_dash(value: float, reference: float) -> str:
     """``value / reference`` as ``"1.93x"``, or ``"-"`` when either is not a finite time."""
     if not (value == value) or value == float("inf") or reference <= 0:
         return "-"
-    return f"{value / reference:.2f}x"
+    ratio = value / reference
+    return f"{ratio:.2f}x" if ratio >= 0.01 or ratio == 0 else f"{ratio:.1g}x"  # 0.004x, never 0.00x
 
 
 def few(items: list[str], limit: int = 5) -> str:
