@@ -51,16 +51,26 @@ class AttentionFacts:
         return windows.pop()
 
     @functools.cached_property
-    def _windows(self) -> dict[int, int]:
-        """Layer index -> the tokens transformers' ``DynamicCache`` keeps for it, for its sliding layers."""
+    def _cache_layers(self) -> tuple[Any, ...]:
+        """The layers of transformers' ``DynamicCache`` for the model's config (none where it cannot build one)."""
         try:
             from transformers import DynamicCache
 
-            cache = DynamicCache(config=self.ctx.config)
-        except Exception:  # noqa: BLE001 - no config, or one the cache cannot read: no window
-            return {}
-        return {i: int(window) for i, layer in enumerate(getattr(cache, "layers", ()))
+            return tuple(getattr(DynamicCache(config=self.ctx.config), "layers", ()))
+        except Exception:  # noqa: BLE001 - no config, or one the cache cannot read
+            return ()
+
+    @functools.cached_property
+    def _windows(self) -> dict[int, int]:
+        """Layer index -> the tokens transformers' ``DynamicCache`` keeps for it, for its sliding layers."""
+        return {i: int(window) for i, layer in enumerate(self._cache_layers)
                 if isinstance(window := getattr(layer, "sliding_window", None), int) and window > 0}
+
+    @functools.cached_property
+    def _linear(self) -> frozenset[int]:
+        """Layer indices whose cache is a linear attention's fixed-size state (MiniMax's lightning attention,
+        Kimi's delta attention): no keys and values per token, no work per context token."""
+        return frozenset(i for i, layer in enumerate(self._cache_layers) if "Linear" in type(layer).__name__)
 
     def of(self, unit_name: str) -> tuple[int, int]:
         """(attention FLOPs per query token per context token, KV-cache elements per token) of the self-attention
@@ -70,7 +80,7 @@ class AttentionFacts:
         cross = [m for n, m in outer if _is_cross(n, m)]
         if cross:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
-        figures = [self._per_module(m) for m in selfs]
+        figures = [self._per_module(m) for m in selfs if getattr(m, "layer_idx", None) not in self._linear]
         return sum(f for f, _ in figures), sum(kv for _, kv in figures)
 
     def _per_module(self, attention: nn.Module) -> tuple[int, int]:
@@ -117,7 +127,7 @@ def _outer_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     for name, sub in model.named_modules():
         cls = type(sub).__name__.lower()
-        if name and ("attention" in cls or cls.endswith("attn")) and not (
+        if name and ("attention" in cls or cls.endswith(("attn", "mla"))) and not (
                 found and name.startswith(found[-1][0] + ".")):
             found.append((name, sub))
     return found
