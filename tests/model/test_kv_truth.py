@@ -1,0 +1,77 @@
+"""The KV cache a trace records is the one transformers keeps: for each architecture below, the sum over units of
+``kv_bytes_per_token`` equals what a meta forward's ``DynamicCache`` holds per token, layer kinds included (grouped
+heads, sliding windows, DeepSeek's latent attention, MiniMax's linear-attention layers, Gemma-4's per-layer heads)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from placement_opt.model.tracer import trace
+
+TOKENS = 16
+
+# model type -> config overrides (transformers' defaults otherwise, cut to 4 layers)
+CASES = {
+    "llama": {"num_key_value_heads": 8},
+    "gemma2": {},
+    "deepseek_v3": {"first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1,
+                    "topk_group": 1},
+    "minimax": {"layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]},
+    "gemma4_text": {},
+}
+
+
+def _config(model_type: str) -> object:
+    cls = transformers.CONFIG_MAPPING[model_type]
+    config = cls(num_hidden_layers=4, **CASES[model_type])
+    if getattr(config, "layer_types", None) is not None and len(config.layer_types) != 4:
+        config.layer_types = list(config.layer_types)[:4]
+    config.dtype = "float32"
+    return config
+
+
+def _cache_bytes_per_token(config: object) -> int:
+    from placement_opt.model._meta_experts import stand_in_experts
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    stand_in_experts(model, lambda experts: getattr(config, "num_experts_per_tok", None) or 2)  # routing on meta
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, TOKENS, dtype=torch.long, device="meta"), use_cache=True)
+    total = 0
+    for layer in out.past_key_values.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 3:
+                total += tensor.numel() * tensor.element_size()
+    return total // TOKENS
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_the_traced_kv_cache_is_the_one_transformers_keeps(model_type: str) -> None:
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config = _config(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(copy.deepcopy(config), dtype="float32")
+    traced = sum(unit.kv_bytes_per_token for unit in graph.units())
+    assert traced == _cache_bytes_per_token(config)
+
+
+def test_a_bart_decoders_encoder_attention_is_cross_attention_not_a_second_self_cache() -> None:
+    """BART's family names its decoder's cross-attention ``encoder_attn``: its keys and values are the encoder's, once
+    per prompt, not a second cache that grows with each token."""
+    config = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(config, dtype="float32")
+    per_layer = 2 * 64 * 4  # keys and values of d_model, float32
+    assert sum(unit.kv_bytes_per_token for unit in graph.units()) == 2 * per_layer  # two decoder layers
+    assert graph.meta.extra["cross_attn_kv_bytes_per_token"] > 0
