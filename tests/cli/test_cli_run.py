@@ -156,6 +156,18 @@ def test_a_bare_disk_is_the_free_space_where_the_offload_dir_goes(tmp_path, monk
     assert _disk_at(machine, "cpu=1GiB,disk", None) is machine
 
 
+def test_run_of_a_plan_over_the_budgets_given_says_what_to_do_in_flags(checkpoint, tmp_path):
+    _, path = checkpoint
+    saved = run_cli("plan", str(path), "-d", "cpu=1GB", "--prompt", "3", "--new-tokens", "4", "--json",
+                    str(tmp_path / "plan.json"))
+    assert saved.exit_code == 0, saved.output
+    out = run_cli("run", str(path), "-d", "cpu=1KiB,disk", "--new-tokens", "4", "--plan", str(tmp_path / "plan.json"),
+                  catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "leave --plan out to plan for these --devices" in text, text
+    assert "devices=None" not in text
+
+
 def test_run_refuses_a_context_past_learned_positions_before_loading(tmp_path):
     """GPT-2's position table (64 here) ends the lookup with an IndexError mid-generation: refused first, with the
     most the two options may add up to; a run that fits the table exactly runs."""

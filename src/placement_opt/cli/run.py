@@ -42,6 +42,9 @@ __all__ = ["run"]
 PROMPT_SEED = 0
 #: What ``run`` says where ``load()`` asks a Python caller for an offload folder (runtime.checkpoint.OFFLOAD_DIR_HINT).
 CLI_OFFLOAD_HINT = "--offload-dir DIR"
+#: What ``run`` says where ``load()`` tells a Python caller how to run a plan over the budgets given beside it.
+CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devices at least the budgets the plan was "
+                   "solved for (placement-opt explain PLAN.json shows them)")
 #: The row of the CPU's memory: what the forwards add to the process's RAM at their peak.
 CPU_ROW = "cpu memory growth, peak"
 
@@ -306,7 +309,7 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
     from ..errors import DispatchError
     from ..plan import Plan
     from ..runtime.checkpoint import OFFLOAD_DIR_HINT
-    from ..runtime.loader import load
+    from ..runtime.loader import BUDGET_HINT, load
 
     plan = Plan.from_json(plan_path) if plan_path else None
     try:
@@ -315,10 +318,12 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
                         granularity=None if granularity == "block" else granularity, pins=pins or None,
                         progress=False, expert_groups=expert_groups)
     except DispatchError as exc:
-        if OFFLOAD_DIR_HINT not in str(exc):
-            raise
-        # load() asks a Python caller for its argument; here the user types a flag: a usage error (exit code 2)
-        raise click.UsageError(one_line(exc).replace(OFFLOAD_DIR_HINT, CLI_OFFLOAD_HINT)) from None
+        # load() asks a Python caller for its arguments; here the user types flags: a usage error (exit code 2)
+        if OFFLOAD_DIR_HINT in str(exc):
+            raise click.UsageError(one_line(exc).replace(OFFLOAD_DIR_HINT, CLI_OFFLOAD_HINT)) from None
+        if BUDGET_HINT in str(exc):
+            raise click.UsageError(one_line(exc).replace(BUDGET_HINT, CLI_BUDGET_HINT)) from None
+        raise
 
 
 def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:

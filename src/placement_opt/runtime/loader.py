@@ -186,6 +186,11 @@ def _check_here(machine: Any) -> None:
                             f"placement_opt.solve() plans for a machine you do not have")
 
 
+#: What a plan over its budgets asks of a Python caller (``run`` says it in its flags).
+BUDGET_HINT = ("solve a plan for these devices (leave plan out), or pass devices=None to run the plan on the budgets "
+               "it was solved for")
+
+
 def _check_budgets(plan: Plan, devices: Any) -> None:
     """Refuse a given ``plan`` that uses more of a GPU or the CPU than ``devices`` gives it (or one it leaves out):
     a budget passed beside a plan is a limit the caller means, and running over it is the OOM it guards against."""
@@ -208,8 +213,7 @@ def _check_budgets(plan: Plan, devices: Any) -> None:
     if over:
         raise DispatchError(f"the plan for {plan.model_name!r} uses {'; '.join(over)} (its own workload, batch "
                             f"{plan.workload.batch_size} x {plan.workload.prompt_len} + {plan.workload.new_tokens}): "
-                            f"solve a plan for these devices (leave plan out), or pass devices=None to run the plan "
-                            f"on the budgets it was solved for")
+                            f"{BUDGET_HINT}")
 
 
 def _solve(model: nn.Module, devices: Any, time_limit_s: float | None, **options: Any) -> Plan:
