@@ -75,3 +75,18 @@ def test_a_bart_decoders_encoder_attention_is_cross_attention_not_a_second_self_
     per_layer = 2 * 64 * 4  # keys and values of d_model, float32
     assert sum(unit.kv_bytes_per_token for unit in graph.units()) == 2 * per_layer  # two decoder layers
     assert graph.meta.extra["cross_attn_kv_bytes_per_token"] > 0
+
+
+def test_a_multimodal_config_is_traced_with_its_lm_head_and_its_vision_tower_keeps_no_cache() -> None:
+    """LLaVA has no causal-LM class: it was built as the bare LlavaModel (no lm_head, so no plan could match its
+    checkpoint), and its vision tower's attention was charged a KV cache in every decode step."""
+    config = transformers.LlavaConfig()
+    config.text_config.num_hidden_layers = 2
+    config.vision_config.num_hidden_layers = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(config, dtype="float32")
+    assert graph.meta.extra["module_class"] == "LlavaForConditionalGeneration" and "lm_head" in graph.names()
+    cached = [u.name for u in graph.units() if u.kv_bytes_per_token]
+    assert cached == ["model.language_model.layers.0", "model.language_model.layers.1"]
+    assert not any(u.in_decode for u in graph.units() if u.name.startswith("model.vision_tower"))

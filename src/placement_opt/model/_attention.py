@@ -80,7 +80,9 @@ class AttentionFacts:
         cross = [m for n, m in outer if _is_cross(n, m)]
         if cross:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
-        figures = [self._per_module(m) for m in selfs if getattr(m, "layer_idx", None) not in self._linear]
+        # a vision tower's or an encoder's attention (is_causal False) keeps no cache; nor does a linear attention
+        figures = [self._per_module(m) for m in selfs
+                   if getattr(m, "is_causal", True) is not False and getattr(m, "layer_idx", None) not in self._linear]
         return sum(f for f, _ in figures), sum(kv for _, kv in figures)
 
     def _per_module(self, attention: nn.Module) -> tuple[int, int]:

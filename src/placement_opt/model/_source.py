@@ -127,10 +127,14 @@ def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
         auto = transformers.AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            try:
-                return _from_config(auto, config, torch_dtype)
-            except ValueError:
-                return _from_config(transformers.AutoModel, config, torch_dtype)
+            # a multimodal config (LLaVA, Qwen2-VL) has no causal-LM class: its image-text one has the LM head
+            image_text = getattr(transformers, "AutoModelForImageTextToText", None)
+            for attempt in (a for a in (auto, image_text) if a is not None):
+                try:
+                    return _from_config(attempt, config, torch_dtype)
+                except ValueError:
+                    continue
+            return _from_config(transformers.AutoModel, config, torch_dtype)
     except Exception as exc:
         raise TraceError(
             f"cannot build {type(config).__name__} on the meta device ({first_line(exc)}): build the model "

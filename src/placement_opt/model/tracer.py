@@ -454,12 +454,18 @@ def _add_edges(digraph: nx.DiGraph, ctx: TraceContext, record: _recorder.Record 
     return dropped
 
 
+#: Submodules of multimodal models that encode an image or a sound once, in the prompt: no decode step runs them.
+_MEDIA_ENCODERS = frozenset({"vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder",
+                             "audio_tower", "multi_modal_projector"})
+
+
 def _encoder_units(ctx: TraceContext) -> set[str]:
-    """Units that run only inside the encoder of an encoder-decoder model."""
+    """Units that run only inside the encoder of an encoder-decoder model, or a multimodal model's media encoder."""
+    media = {n for n in ctx.units if _MEDIA_ENCODERS & set(n.split("."))}
     if not getattr(ctx.config, "is_encoder_decoder", False) or not hasattr(ctx.module, "get_encoder"):
-        return set()
+        return media
     encoder = ctx.module.get_encoder()
     inside = {id(m) for m in encoder.modules()}
     decoder = ctx.module.get_decoder() if hasattr(ctx.module, "get_decoder") else None
     shared = {id(m) for m in decoder.modules()} if decoder is not None else set()
-    return {n for n, m in ctx.units.items() if id(m) in inside and id(m) not in shared}
+    return media | {n for n, m in ctx.units.items() if id(m) in inside and id(m) not in shared}
