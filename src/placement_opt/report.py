@@ -77,6 +77,15 @@ def _device_tone(name: str) -> str:
     return "gpu" if name.startswith("cuda:") else name if name in ("cpu", "disk") else ""
 
 
+#: What each objective's value is, on the summary's objective line (the solver line gives the value).
+OBJECTIVE_MEANS = {
+    "latency": "minimised: prefill + every decode step, the total below",
+    "throughput": "minimised: the busiest device's work per request, what back-to-back requests wait on; "
+                  "not the total below",
+    "memory": "minimised: bytes on the GPUs",
+}
+
+
 def _objective_text(plan: Plan, value: float) -> str:
     return format_bytes(value) if plan.objective == "memory" else seconds_or_dash(value)
 
@@ -121,7 +130,8 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
                           + (", logits at every prompt position" if w.logits == "all" and w.new_tokens else "")
                           + (", logits at the last position only" if w.logits == "last" and not w.new_tokens else "")
                           + (", prompts padded under a mask" if w.padded else ""))),
-        ("objective", Cell(f"{plan.objective}, strategy {plan.strategy}")),
+        ("objective", Cell(f"{plan.objective} ({OBJECTIVE_MEANS.get(plan.objective, 'as solved')}), strategy "
+                           f"{plan.strategy}")),
         ("solver", solver),
         ("time", Cell(f"prefill {format_seconds(cost.prefill_s)}, decode {format_seconds(cost.decode_s)}, "
                       f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)}"

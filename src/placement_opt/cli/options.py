@@ -206,7 +206,10 @@ def solve_options(func: Any) -> Any:
         click.option("--devices", "-d", default=None, metavar="SPEC",
                      help="'cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk', 'auto' (this machine) "
                           "or a saved profile .json (required unless plan --cluster)"),
-        click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True),
+        click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+                     help="what the plan minimises: latency, one request's prefill + decode; throughput, the "
+                          "busiest device's work per request (what back-to-back requests wait on); memory, bytes on "
+                          "the GPUs"),
         click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
         click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
         click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
