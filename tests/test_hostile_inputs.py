@@ -70,6 +70,7 @@ JSON_CASES = {
     "missing key": (lambda d: d.pop("cost"), r"no 'cost' field"),
     "missing nested key": (lambda d: d["placements"][0].pop("mode"), r"placements\[0\]: no 'mode' field"),
     "negative batch": (lambda d: d["workload"].update(batch_size=-3), r"workload.batch_size"),
+    "negative time": (lambda d: d["cost"].update(decode_s=-1.0), r"cost.decode_s"),
     "string capacity": (lambda d: d["machine"]["devices"][0].update(memory_bytes="lots"), r"memory_bytes"),
     "future version": (lambda d: d.update(schema_version=99), r"schema version 99.*not supported"),
 }

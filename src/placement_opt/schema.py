@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -133,10 +133,10 @@ class WorkloadSchema(_Strict):
 
 class CostSchema(_Open):
     workload: WorkloadSchema
-    prefill_s: float
-    decode_s: float
-    transfer_s: float
-    stage_s: dict[str, float]
+    prefill_s: float = Field(ge=0)  # a time: a hand edit to a negative one (or NaN) is refused, not shown
+    decode_s: float = Field(ge=0)
+    transfer_s: float = Field(ge=0)
+    stage_s: dict[str, Annotated[float, Field(ge=0)]]
     units: list[dict[str, Any]]
     memory: list[dict[str, Any]]
     violations: list[dict[str, Any]]
