@@ -266,13 +266,23 @@ def parse_pins(values: Sequence[str]) -> dict[str, str]:
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
-    """``"resident,stream"`` -> the modes the solver may choose (checked by ``solve``)."""
-    return tuple(m.strip() for m in text.split(",") if m.strip())
+    """``"resident,stream"`` -> the modes the solver may choose; a word that is none of them, or a list without
+    ``resident``, is refused in the flag's words (``solve`` would say ``modes=(...)``)."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    offered = ("resident", "stream", "phased")
+    unknown = [m for m in modes if m not in offered]
+    if unknown or "resident" not in modes:
+        what = f"{', '.join(repr(m) for m in unknown)} {'is' if len(unknown) == 1 else 'are'} not a mode" if unknown \
+            else "resident is missing"
+        raise click.BadParameter(f"--modes {text}: {what}; give some of {', '.join(offered)}, resident included, e.g. "
+                                 f"--modes resident,stream for a plan without phased units", param_hint="--modes")
+    return modes
 
 
 def require_devices(devices: str | None) -> str:
     if devices is None:
-        raise click.UsageError("Missing option '--devices' / '-d' (or, for plan, '--cluster')")
+        plan = click.get_current_context(silent=True) is not None and click.get_current_context().info_name == "plan"
+        raise click.UsageError("Missing option '--devices' / '-d'" + (" (or '--cluster')" if plan else ""))
     return devices
 
 
