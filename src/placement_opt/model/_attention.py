@@ -70,7 +70,9 @@ class AttentionFacts:
     def _linear(self) -> frozenset[int]:
         """Layer indices whose cache is a linear attention's fixed-size state (MiniMax's lightning attention,
         Kimi's delta attention): no keys and values per token, no work per context token."""
-        return frozenset(i for i, layer in enumerate(self._cache_layers) if "Linear" in type(layer).__name__)
+        # a hybrid layer's cache (Falcon-H1's LinearAttentionAndFullAttentionLayer) keeps its attention's KV too
+        return frozenset(i for i, layer in enumerate(self._cache_layers)
+                         if type(layer).__name__.startswith("Linear") and "And" not in type(layer).__name__)
 
     def of(self, unit_name: str) -> tuple[int, int]:
         """(attention FLOPs per query token per context token, KV-cache elements per token) of the self-attention
