@@ -44,7 +44,7 @@ class AttentionFacts:
     def kv_window(self, unit_name: str) -> int | None:
         """The most tokens the KV cache of ``unit_name``'s self-attention keeps, where every one of its layers
         slides (transformers' cache for the model's config keeps a window); None: the whole context."""
-        indices = [getattr(m, "layer_idx", None) for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)]
+        indices = [_layer_index(m) for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)]
         windows = {self._windows.get(i) if isinstance(i, int) else None for i in indices}
         if len(windows) != 1:
             return None  # no attention, or layers of different kinds
@@ -84,7 +84,7 @@ class AttentionFacts:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
         # a vision tower's or an encoder's attention (is_causal False) keeps no cache; nor does a linear attention
         figures = [self._per_module(m) for m in selfs
-                   if getattr(m, "is_causal", True) is not False and getattr(m, "layer_idx", None) not in self._linear]
+                   if getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
         return sum(f for f, _ in figures), sum(kv for _, kv in figures)
 
     def _per_module(self, attention: nn.Module) -> tuple[int, int]:
@@ -124,6 +124,15 @@ class AttentionFacts:
         hidden = hidden_size(self.ctx)
         head_dim = head_dim or first_int(config, ("head_dim", "d_kv")) or (hidden // heads if heads else 0)
         return heads, kv, head_dim
+
+
+def _layer_index(attention: nn.Module) -> int | None:
+    """The cache layer an attention module writes: its ``layer_idx``, or its first submodule's (a match on a decoder
+    layer's class name, OLMo-Hybrid's ``...LinearAttentionDecoderLayer``, holds the attention that has it)."""
+    for module in attention.modules():
+        if isinstance(index := getattr(module, "layer_idx", None), int):
+            return index
+    return None
 
 
 def _outer_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
