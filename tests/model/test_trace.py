@@ -491,3 +491,22 @@ def test_bare_decoder_module_keeps_a_kv_cache() -> None:
     with torch.device("meta"):
         bert = transformers.AutoModel.from_config(TINY["bert"]())
     assert all(u.kv_bytes_per_token == 0 for u in trace(bert, seq_len=SEQ).units())
+
+
+def test_experts_that_get_no_routing_run_every_expert_and_say_so() -> None:
+    """Llama-4's experts in transformers take the hidden states alone: every token runs through every expert, so
+    each decode step reads all of their weights (it was priced as reading its top-1 expert's: 16x under)."""
+    import warnings
+
+    import transformers
+
+    config = transformers.Llama4TextConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=32,
+                                           intermediate_size_mlp=64, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16, num_local_experts=4, num_experts_per_tok=1, vocab_size=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(config, dtype="float32")
+    unit = next(u for u in graph.units() if u.is_moe)
+    assert (unit.moe_num_experts, unit.moe_experts_per_token) == (4, 4)
+    mixtral = next(u for u in trace("mixtral-8x7b").units() if u.is_moe)  # routed experts: their top-k
+    assert (mixtral.moe_num_experts, mixtral.moe_experts_per_token) == (8, 2)

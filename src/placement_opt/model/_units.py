@@ -169,7 +169,22 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
         return count, experts_per_token(ctx, lists[0]), nbytes
     count = max(p.shape[0] for m in experts for p in m._parameters.values() if p is not None and p.dim() == 3)
     nbytes = sum(tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
-    return int(count), experts_per_token(ctx, experts[0]), int(nbytes)
+    per_token = count if _runs_every_expert(experts[0]) else experts_per_token(ctx, experts[0])
+    return int(count), int(per_token), int(nbytes)
+
+
+def _runs_every_expert(experts: nn.Module) -> bool:
+    """An experts module whose forward takes the hidden states alone gets no routing: it runs every expert on every
+    token (Llama-4's in transformers: the router scales a copy of each token per expert, and all of them run), so
+    each token reads every expert's weights, not its top-k's."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(experts.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1
 
 
 def groupable(module: nn.Module) -> bool:

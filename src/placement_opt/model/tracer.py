@@ -30,7 +30,9 @@ Conventions the cost model relies on:
   ``meta.extra["cross_attn_kv_bytes_per_token"]``. A unit whose layers' caches slide (transformers'
   ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``.
 * MoE: fused expert modules (transformers 5 ``MixtralExperts``) are run through ``top_k`` experts' weights
-  densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs.
+  densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs. An experts module given no
+  routing (Llama-4's, which transformers runs on every token) counts every expert, and says so in
+  ``moe_experts_per_token``.
 * Dummy inputs: ``input_ids`` (plus ``decoder_input_ids`` for encoder-decoders), no ``attention_mask``
   (an all-ones mask is the same computation, and masks trigger data-dependent checks on meta).
 
