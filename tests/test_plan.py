@@ -301,3 +301,19 @@ def test_a_baseline_that_does_not_fit_reads_oom_not_a_speed_ratio():
                                                                fits=False, short_bytes=2**20, note=""),))
     row = next(line for line in plan.summary().splitlines() if "sequential" in line)
     assert "OOM" in row and "0.50x" not in row, row
+
+
+def test_a_plan_whose_placements_were_edited_after_pricing_says_its_figures_are_stale():
+    from placement_opt import solve
+    from placement_opt.plan import EDITED_NOTE, Plan
+
+    plan = solve("llama-3-8b", "cuda:0=rtx-4090,cpu=64GiB,disk")
+    assert not any(n.startswith(EDITED_NOTE) for n in Plan.from_json(plan.to_json()).notes)
+    data = plan.to_dict()
+    moved = next(p for p in data["placements"] if p["mode"] == "resident" and p["storage"] == "cuda:0")
+    moved.update(storage="cpu", mode="stream")  # consistent, so it is read; but priced as resident
+    edited = Plan.from_dict(data)
+    notes = [n for n in edited.notes if n.startswith(EDITED_NOTE)]
+    assert len(notes) == 1 and moved["unit"] in notes[0]
+    again = Plan.from_json(edited.to_json())
+    assert [n for n in again.notes if n.startswith(EDITED_NOTE)] == notes  # once, however often it is read

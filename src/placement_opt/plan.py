@@ -21,7 +21,7 @@ from .hardware.devices import Machine
 from .model.expert_groups import whole_experts
 from .schema import PlanSchema, json_safe, validated
 from .solver.problem import MODES
-from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
+from .units import few, format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
 __all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
 
@@ -360,15 +360,17 @@ class Plan:
 
     @classmethod
     def _from_fields(cls, data: Mapping[str, Any], checked: PlanSchema) -> Plan:
+        placements = tuple(UnitPlacement(**p.model_dump()) for p in checked.placements)
+        cost = Cost.from_dict(data["cost"])
         return cls(
             model_name=checked.model_name,
             dtype=checked.dtype,
             objective=checked.objective,
             strategy=checked.strategy,
-            placements=tuple(UnitPlacement(**p.model_dump()) for p in checked.placements),
+            placements=placements,
             machine=Machine.from_dict(data["machine"]),
             workload=Workload.from_dict(checked.workload.model_dump()),
-            cost=Cost.from_dict(data["cost"]),
+            cost=cost,
             status=checked.status,
             objective_value=checked.objective_value,
             best_bound=checked.best_bound,
@@ -376,7 +378,7 @@ class Plan:
             solve_time_s=checked.solve_time_s,
             baselines=tuple(BaselineResult(**{**b.model_dump(), "total_s": _time(b.total_s)})
                             for b in checked.baselines),
-            notes=tuple(checked.notes),
+            notes=tuple(checked.notes) + tuple(n for n in _edited_note(placements, cost) if n not in checked.notes),
             extra=dict(data.get("extra") or {}),
             fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
             home=checked.home,
@@ -424,6 +426,25 @@ def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
     if data["total_s"] == float("inf"):
         data["total_s"] = None  # standard JSON has no Infinity; read back as inf
     return data
+
+
+#: How the note on a plan whose placements were edited after its figures were computed begins.
+EDITED_NOTE = "placements edited after the plan was priced:"
+
+
+def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost) -> tuple[str, ...]:
+    """A note where the file's placements differ from the ones its cost was computed for (a hand edit): its times
+    and memory are the plan's before the edit. None for a hand-made plan, which carries no per-unit cost."""
+    priced = {u.name: (u.storage, u.execution, u.mode, u.prefill_execution) for u in cost.units}
+    if not priced:
+        return ()
+    edited = [p.unit for p in placements
+              if priced.get(p.unit, (p.storage, p.execution, p.mode, p.prefill_execution))
+              != (p.storage, p.execution, p.mode, p.prefill_execution)]
+    if not edited:
+        return ()
+    return (f"{EDITED_NOTE} the times and memory shown are of another placement of {few(edited)}; placement-opt run "
+            f"reprices the plan on its checkpoint, and placement_opt.evaluate(plan, model, machine) on its model",)
 
 
 def _time(value: float | None) -> float:
