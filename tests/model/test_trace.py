@@ -510,3 +510,25 @@ def test_experts_that_get_no_routing_run_every_expert_and_say_so() -> None:
     assert (unit.moe_num_experts, unit.moe_experts_per_token) == (4, 4)
     mixtral = next(u for u in trace("mixtral-8x7b").units() if u.is_moe)  # routed experts: their top-k
     assert (mixtral.moe_num_experts, mixtral.moe_experts_per_token) == (8, 2)
+
+
+def test_a_fallback_says_whether_the_forward_failed_in_placement_opt_or_in_the_model(monkeypatch) -> None:
+    """An error in the project's own code is a bug to report; asking for example_inputs then misled (Gemma-3n)."""
+    import warnings
+
+    from placement_opt.model import _recorder, tracer
+    from placement_opt.units import parse_size
+
+    def theirs(*args, **kwargs):
+        raise ValueError("needs pixel_values")
+
+    def ours(*args, **kwargs):
+        parse_size("lots")  # raises in placement_opt/units.py: the innermost frame is the project's
+
+    for fail, said in ((theirs, "pass example_inputs"), (ours, "raised in placement_opt itself (placement_opt/units.py")):
+        monkeypatch.setattr(_recorder, "run", fail)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tracer.trace("llama-2-7b")
+        text = " ".join(str(w.message) for w in caught if "meta forward" in str(w.message))
+        assert said in text, text

@@ -171,11 +171,14 @@ def trace(
     try:
         record = _meta_forward(ctx, example_inputs)
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward means: fall back
+        ours = _raised_in_placement_opt(exc)
+        advice = (f"The error was raised in placement_opt itself ({ours}): a bug to report, with the model's config"
+                  if ours else "If the forward needs other inputs, pass example_inputs (shapes and dtypes are enough) "
+                               "to get a traced graph")
         warnings.warn(
             f"placement_opt.trace: the meta forward of {name} failed ({type(exc).__name__}: "
             f"{first_line(exc)}); using a static graph of the module tree in registration order "
-            f"(chain edges, FLOPs estimated as 2 x matrix parameters per token). If the forward needs other "
-            f"inputs, pass example_inputs (shapes and dtypes are enough) to get a traced graph.",
+            f"(chain edges, FLOPs estimated as 2 x matrix parameters per token). {advice}.",
             RuntimeWarning, stacklevel=2)
         record = None
     if record is not None and record.branches:
@@ -187,6 +190,19 @@ def trace(
                       f"experts module of transformers' experts interface (transformers 5 MoE models have one per "
                       f"layer), so its units are as with expert_groups=1", UserWarning, stacklevel=2)
     return split_expert_units(graph, expert_groups, cut)
+
+
+def _raised_in_placement_opt(exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of ``exc`` when it is placement_opt's own code (not the model's)."""
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    package = Path(__file__).resolve().parents[1]
+    where = Path(frames[-1].filename).resolve()
+    return f"{where.relative_to(package.parent)}:{frames[-1].lineno}" if package in where.parents else None
 
 
 def _check_expert_groups(expert_groups: Any, granularity: str) -> None:
