@@ -334,3 +334,20 @@ def test_a_context_past_the_models_positions_is_noted():
     short = solve("llama-3-8b", "cuda:0=h100-sxm,cpu=cpu-server/256GiB", workers=1,
                   workload=Workload(batch_size=1, prompt_len=8000, new_tokens=192))
     assert not any("max_position_embeddings" in n for n in short.notes)
+
+
+def test_a_split_that_does_not_work_out_says_how_much_more_is_enough_and_that_much_is():
+    """The totals fit but no split over the devices does: the message names an amount for one device, and a
+    solve with that much more there finds a plan (sufficient, as said; a search could need less)."""
+    import re
+
+    from placement_opt.units import parse_size
+
+    with pytest.raises(InfeasiblePlacementError) as info:
+        solve("llama-3-8b", "cpu=1GiB,disk")
+    text = str(info.value)
+    found = re.search(r"\(([\d.]+ [KMG]iB) more on cpu is enough: a plan fits with it\)", text)
+    assert "the total memory suffices" in text and found, text
+    enough = parse_size(found.group(1).replace(" ", ""))
+    plan = solve("llama-3-8b", f"cpu={2**30 + enough + 2**14}B,disk")  # + 16 KiB: the amount is shown rounded
+    assert plan.status in ("OPTIMAL", "FEASIBLE")

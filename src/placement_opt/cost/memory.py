@@ -468,11 +468,49 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
                      f"and buffers); reduce the batch or context, or add GPU/CPU memory")
     if not lines:
         blamed = _constraints_in_the_way(problem)
+        enough = _enough(problem)
+        more = ", ".join(f"{format_bytes(n)} more on {name}" for name, n in enough.items()) if enough else ""
         lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
                      f"available) but no assignment fits every device"
                      + (f" under {'; and '.join(blamed)}" if blamed else
-                        ": the per-device split of weights, KV cache and workspace does not work out; add memory"))
+                        ": the per-device split of weights, KV cache and workspace does not work out; add memory")
+                     + (f" ({more} is enough: a plan fits with it)" if more else ""))
     return "no placement fits: " + "; ".join(lines)
+
+
+def _least_memory(problem: PlacementProblem) -> list[int]:
+    """Each unit's option that takes least of the memories that compute (the disk's space aside), the fastest of
+    those: the start that asks least of the GPUs and the CPU, whatever it costs in time."""
+    def key(option: PlacementOption) -> tuple[int, int, int]:
+        # what it holds for the whole run first (summed over units), its peak second (a device holds one at a time)
+        held = (0 if option.storage == "disk" else option.stored_bytes) + option.resident_bytes
+        return held, option.peak_bytes, option.prefill_ns + option.decode_ns
+
+    return [min(range(len(unit.options)), key=lambda i, u=unit: key(u.options[i])) for unit in problem.units]
+
+
+def _enough(problem: PlacementProblem) -> dict[str, int] | None:
+    """Memory that is enough, per device: what the start closest to fitting (each unit's least demanding option, the
+    greedy fills, the constructive starts) uses beyond each device, kept where that start does fit on the devices
+    grown by as much (pins, ties and order included). Sufficient, not least: a search could need less. None when no
+    start fits that way."""
+    import dataclasses
+
+    from ..solver.greedy import greedy_starts
+    from ..solver.starts import executor_starts, fits
+
+    def grown(extra: dict[str, int]) -> PlacementProblem:
+        return dataclasses.replace(problem, devices=tuple(
+            dataclasses.replace(d, capacity_bytes=d.capacity_bytes + extra.get(d.name, 0)) for d in problem.devices))
+
+    best: dict[str, int] | None = None
+    starts = [_least_memory(problem), *(c for c, _ in greedy_starts(problem)), *(list(c) for c in executor_starts(problem))]
+    for choice in starts:
+        used = problem.used_bytes(problem.options(choice))
+        over = {d.name: used[d.name] - d.capacity_bytes for d in problem.devices if used[d.name] > d.capacity_bytes}
+        if over and (best is None or sum(over.values()) < sum(best.values())) and fits(grown(over), choice):
+            best = over
+    return best
 
 
 def _constraints_in_the_way(problem: PlacementProblem) -> list[str]:
