@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import foreign_file, refusal, write_text_atomic
+from ._files import OWN_JSON, foreign_file, refusal, write_text_atomic
 from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
@@ -338,7 +338,7 @@ class Plan:
             raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
                                   f"Plan.to_dict() or Plan.to_json() wrote")
         version = data.get("schema_version")
-        if version is None and "stages" in data and "schedule" in data:
+        if version is None and OWN_JSON["pipeline plan"](data):
             raise PlanFormatError(f"{where} is a pipeline plan over several machines (placement-opt plan --cluster "
                                   f"wrote it), not a one-machine plan: its summary is what plan --cluster printed "
                                   f"(PipelinePlan.from_json reads it); explain and run take a plan of plan --devices")
@@ -435,12 +435,11 @@ EDITED_NOTE = "placements edited after the plan was priced:"
 def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost) -> tuple[str, ...]:
     """A note where the file's placements differ from the ones its cost was computed for (a hand edit): its times
     and memory are the plan's before the edit. None for a hand-made plan, which carries no per-unit cost."""
-    priced = {u.name: (u.storage, u.execution, u.mode, u.prefill_execution) for u in cost.units}
-    if not priced:
-        return ()
-    edited = [p.unit for p in placements
-              if priced.get(p.unit, (p.storage, p.execution, p.mode, p.prefill_execution))
-              != (p.storage, p.execution, p.mode, p.prefill_execution)]
+    def where(p: Any) -> tuple[str, str, str, str | None]:  # a UnitPlacement's or a UnitCost's
+        return p.storage, p.execution, p.mode, p.prefill_execution
+
+    priced = {u.name: where(u) for u in cost.units}
+    edited = [p.unit for p in placements if p.unit in priced and priced[p.unit] != where(p)]
     if not edited:
         return ()
     return (f"{EDITED_NOTE} the times and memory shown are of another placement of {few(edited)}; placement-opt run "

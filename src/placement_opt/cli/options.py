@@ -268,8 +268,9 @@ def parse_pins(values: Sequence[str]) -> dict[str, str]:
 def parse_modes(text: str) -> tuple[str, ...]:
     """``"resident,stream"`` -> the modes the solver may choose; a word that is none of them, or a list without
     ``resident``, is refused in the flag's words (``solve`` would say ``modes=(...)``)."""
+    from ..planner import SOLVER_MODES as offered  # not at import: `--help` loads no solver
+
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    offered = ("resident", "stream", "phased")
     unknown = [m for m in modes if m not in offered]
     if unknown or "resident" not in modes:
         what = f"{', '.join(repr(m) for m in unknown)} {'is' if len(unknown) == 1 else 'are'} not a mode" if unknown \
@@ -281,7 +282,8 @@ def parse_modes(text: str) -> tuple[str, ...]:
 
 def require_devices(devices: str | None) -> str:
     if devices is None:
-        plan = click.get_current_context(silent=True) is not None and click.get_current_context().info_name == "plan"
+        context = click.get_current_context(silent=True)
+        plan = context is not None and context.info_name == "plan"
         raise click.UsageError("Missing option '--devices' / '-d'" + (" (or '--cluster')" if plan else ""))
     return devices
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ModelSpecError
 
-__all__ = ["untie_stored_apart"]
+__all__ = ["untie_stored_apart", "checkpoint_safetensors"]
 
 #: Rows compared at a time: a 128k-vocabulary head in bf16 is 1 GiB, never read whole into RAM.
 _CHUNK_BYTES = 64 * 2**20
@@ -36,7 +36,10 @@ def untie_stored_apart(config: Any, root: Path) -> Any:
     if not getattr(config, "tie_word_embeddings", False):
         return config
     ties = _tied_names(config)
-    files = _safetensors_files(root)
+    try:
+        files = checkpoint_safetensors(root)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a broken index: load() says so itself
+        return config
     if not ties or not files:
         return config
     where = _locations(files)
@@ -76,15 +79,21 @@ def _tied_names(config: Any) -> dict[str, str]:
     return dict(ties)
 
 
-def _safetensors_files(root: Path) -> list[Path]:
+def checkpoint_safetensors(root: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in ``root``: its index's shards, else ``model.safetensors``, else every
+    ``*.safetensors`` there; none where it has none.
+
+    Raises:
+        ValueError, KeyError: the index is not JSON, or has no ``weight_map``.
+    """
     index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-        except (OSError, ValueError, KeyError, AttributeError):
-            return []  # a broken index: load() says so with its own error
-        return [root / name for name in sorted(set(names))]
-    return sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    single = root / "model.safetensors"
+    if single.exists():
+        return [single]
+    return sorted(root.glob("*.safetensors"))
 
 
 def _locations(files: list[Path]) -> dict[str, Path]:

@@ -25,7 +25,8 @@ Conventions the cost model relies on:
   runs as its math path, so QK^T and AV are visible matmuls either way.
 * ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
   (keys and values of their own sizes where the module has ``v_head_dim``; a latent-attention module,
-  DeepSeek's, the ``kv_lora_rank + qk_rope_head_dim`` values transformers caches) that run at decode time in generating models (decoder-only and the decoder of encoder-decoders);
+  DeepSeek's, the ``kv_lora_rank + qk_rope_head_dim`` values transformers caches) that run at decode
+  time in generating models (decoder-only and the decoder of encoder-decoders);
   encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
   ``meta.extra["cross_attn_kv_bytes_per_token"]``. A unit whose layers' caches slide (transformers'
   ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``.

@@ -28,6 +28,7 @@ from ..hardware.detect import cuda_device_count
 from ..hardware.devices import normalize_device_name
 from ..model.graph import LayerGraph, covering_key
 from ..plan import Plan
+from ..units import few
 
 __all__ = ["plan_from_device_map"]
 
@@ -106,8 +107,8 @@ def _plan(model: nn.Module, devices: Mapping[str, str], graph: LayerGraph | None
     from ..plan_check import graph_fingerprint
     from ..planner import baseline_plan
 
-    graph = graph if graph is not None else _graph_for(model, devices)
-    _warn_split(graph, devices)
+    graph, split = _graph_for(model, devices) if graph is None else (graph, _split_units(graph, devices))
+    _warn_split(split)
     names = list(dict.fromkeys([*sorted(d for d in devices.values() if d.startswith("cuda:")), "cpu",
                                 *(["disk"] if "disk" in devices.values() else [])]))
     machine = as_machine(names, dtype=graph.meta.dtype)
@@ -130,26 +131,26 @@ def _split_units(graph: LayerGraph, devices: Mapping[str, str]) -> list[str]:
     return split
 
 
-def _graph_for(model: nn.Module, devices: Mapping[str, str]) -> LayerGraph:
-    """The block graph, or the sublayer one where the map splits decoder layers and that splits no more units: a
-    sublayer plan's map (experts on disk, attention on a GPU) then runs as it says, not by a vote per layer."""
+def _graph_for(model: nn.Module, devices: Mapping[str, str]) -> tuple[LayerGraph, list[str]]:
+    """The block graph, or the sublayer one where the map splits decoder layers and that splits no more units (a
+    sublayer plan's map, experts on disk and attention on a GPU, then runs as it says, not by a vote per layer);
+    with the units the map still splits."""
     from ..model.tracer import trace
 
     block = trace(model)
     split = _split_units(block, devices)
     if not split:
-        return block
+        return block, split
     try:
         fine = trace(model, granularity="sublayer")
     except PlacementError:  # no sublayer units in this model: the block graph and its vote
-        return block
-    return fine if len(_split_units(fine, devices)) <= len(split) else block  # finer: the vote moves less
+        return block, split
+    fine_split = _split_units(fine, devices)
+    return (fine, fine_split) if len(fine_split) <= len(split) else (block, split)  # finer: the vote moves less
 
 
-def _warn_split(graph: LayerGraph, devices: Mapping[str, str]) -> None:
-    split = _split_units(graph, devices)
+def _warn_split(split: list[str]) -> None:
     if split:
-        warnings.warn(f"the device_map sends parts of {len(split)} unit(s) ({', '.join(split[:4])}"
-                      f"{', ...' if len(split) > 4 else ''}) to different devices: each runs whole where most of its "
-                      f"parameters are; map whole modules (a plan's device_map does) to keep them apart",
-                      UserWarning, stacklevel=4)
+        warnings.warn(f"the device_map sends parts of {len(split)} unit(s) ({few(split, 4)}) to different devices: "
+                      f"each runs whole where most of its parameters are; map whole modules (a plan's device_map "
+                      f"does) to keep them apart", UserWarning, stacklevel=4)

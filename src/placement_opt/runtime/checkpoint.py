@@ -15,7 +15,6 @@ shared with the dispatcher; a tensor's unit is :func:`placement_opt.model.graph.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError
+from ..model._ties import checkpoint_safetensors, untie_stored_apart
 from ..model.dtypes import as_torch_dtype
 from ..model.graph import covering_key
 from ..plan import Plan
@@ -83,14 +83,7 @@ def _in_checkpoint(model: nn.Module, slot: Slot, sources: Mapping[str, Any]) -> 
 
 
 def checkpoint_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
-    single = root / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(root.glob("*.safetensors"))
+    found = checkpoint_safetensors(root)
     if not found:
         where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
         raise DispatchError(f"{root} {where}: load() reads a local directory; save one with "
@@ -102,8 +95,6 @@ def checkpoint_files(root: Path) -> list[Path]:
 def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
     import transformers
-
-    from ..model._ties import untie_stored_apart
 
     config = untie_stored_apart(transformers.AutoConfig.from_pretrained(root), root)  # as from_pretrained unties
     cls = model_class(config)
