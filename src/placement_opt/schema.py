@@ -253,6 +253,9 @@ class NodeSchema(_Strict):
     in_bytes_per_token: NonNegativeInt | None = None
     block: str | None = Field(default=None, min_length=1)
     kv_window_tokens: PositiveInt | None = None
+    latent_expand_flops_per_ctx: NonNegativeInt | None = None
+    latent_expand_bytes_per_ctx: NonNegativeInt | None = None
+    latent_expand_cpu_bytes_per_ctx: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from placement_opt.model.graph import (
     GRAPH_SCHEMA_VERSION,
+    LATENT_NODE_ATTRIBUTES,
     NODE_ATTRIBUTES,
     GraphMeta,
     LayerGraph,
@@ -29,6 +30,8 @@ def _graphs(draw: st.DrawFn) -> LayerGraph:
                 "in_decode": draw(st.booleans()),
                 "param_names": tuple(f"layers.{i}.w{j}" for j in range(draw(st.integers(0, 3))))}
         spec.update({k: draw(st.integers(min_value=0, max_value=2**50)) for k in _INT_KEYS})
+        if draw(st.booleans()):  # latent attention's optional figures
+            spec.update({k: draw(st.integers(min_value=0, max_value=2**40)) for k in LATENT_NODE_ATTRIBUTES})
         units.append(spec)
     names = [u["name"] for u in units]
     edges = None

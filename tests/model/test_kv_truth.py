@@ -91,3 +91,36 @@ def test_a_multimodal_config_is_traced_with_its_lm_head_and_its_vision_tower_kee
     cached = [u.name for u in graph.units() if u.kv_bytes_per_token]
     assert cached == ["model.language_model.layers.0", "model.language_model.layers.1"]
     assert not any(u.in_decode for u in graph.units() if u.name.startswith("model.vision_tower"))
+
+
+def test_a_latent_attention_decode_step_s_flops_per_cached_token_are_the_traced_ones() -> None:
+    """transformers expands DeepSeek's cached latents through ``kv_b_proj`` at every step: counted by torch's flop
+    counter over two contexts, a step's FLOPs grow per cached token by the attention's query x key term plus that
+    expansion, which the trace records apart (here 26x the attention term; on DeepSeek-V3 410x)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        vocab_size=512)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    graph = trace(model, seq_len=TOKENS)
+
+    def step_flops(context: int) -> dict[str, int]:
+        with torch.no_grad():
+            cache = model(input_ids=torch.randint(0, 512, (1, context)), use_cache=True).cache
+            counter = FlopCounterMode(display=False)
+            with counter:
+                model(input_ids=torch.randint(0, 512, (1, 1)), cache=cache, use_cache=True)
+        return {name: sum(counts.values()) for name, counts in counter.get_flop_counts().items()}
+
+    short, long = step_flops(100), step_flops(300)
+    for index in (0, 1):
+        unit = graph.unit(f"model.layers.{index}")
+        key = f"{type(model).__name__}.model.layers.{index}"
+        per_cached_token = (long[key] - short[key]) / 200
+        assert per_cached_token == unit.attn_flops_per_token_per_ctx + unit.latent_expand_flops_per_ctx
+        assert unit.latent_expand_flops_per_ctx == 2 * 32 * 4 * (16 + 16)  # kv_lora_rank x heads x (nope + v)
+    assert all(u.latent_expand_flops_per_ctx is None for u in trace(_config("llama")).units())

@@ -154,7 +154,8 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
             unit.out_bytes_per_token, unit.kv_bytes_per_token, unit.moe_num_experts, unit.moe_experts_per_token,
             unit.moe_expert_bytes, len(unit.param_names), unit.in_decode, unit.module_class,
             unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx, unit.scores_workspace_bytes_per_token,
-            unit.scores_workspace_bytes_per_token_ctx, unit.kv_window_tokens, unit.name == logits_unit)
+            unit.scores_workspace_bytes_per_token_ctx, unit.kv_window_tokens, unit.latent_expand_flops_per_ctx,
+            unit.latent_expand_bytes_per_ctx, unit.latent_expand_cpu_bytes_per_ctx, unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

@@ -53,6 +53,8 @@ def shape_key(unit: UnitInfo, dtype: str, traced_seq_len: int) -> str:
              unit.in_decode]
     if unit.kv_window_tokens is not None:  # a sliding layer's decode stops growing; keys of others unchanged
         facts.append(unit.kv_window_tokens)
+    if unit.latent_expand_flops_per_ctx is not None:  # latent attention's step grows with it; others unchanged
+        facts.append(unit.latent_expand_flops_per_ctx)
     return hashlib.sha1(json.dumps(facts).encode()).hexdigest()[:16]
 
 

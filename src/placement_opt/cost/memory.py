@@ -25,7 +25,10 @@ and decode:
   only; ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`), whatever it keeps;
 * decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
   by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
-  on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair.
+  on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair, plus, for
+  latent attention, the keys and values each step expands from the whole cache (``latent_expand_bytes_per_ctx``;
+  on a CPU, whose attention kernel cannot fuse them, ``latent_expand_cpu_bytes_per_ctx`` more), which a
+  prefill trace sees only for its own tokens.
 
 Graphs without the measured figures (written before them, static, hand-made) keep the old estimate,
 :data:`WORKSPACE_FACTOR` outputs per token.
@@ -156,7 +159,8 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     if not generating or not unit.in_decode or phase == "prefill":
         return prefill
     context = workload.context_len
-    decode = (alive(1, context) + unit.kv_bytes_per_token * batch * unit.kv_tokens(context) + sampling
+    expanded = (unit.latent_expand_bytes_per_ctx or 0) + (0 if on_gpu else unit.latent_expand_cpu_bytes_per_ctx or 0)
+    decode = (alive(1, context) + (unit.kv_bytes_per_token + expanded) * batch * unit.kv_tokens(context) + sampling
               + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
     return decode if phase == "decode" else max(prefill, decode)
 

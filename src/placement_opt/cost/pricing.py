@@ -264,7 +264,8 @@ def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution
     if device.kind == "cpu":
         rows = _prefill_rows(ctx, unit)
         kv = unit.kv_bytes_per_token * wl.batch_size
-        kv_read = kv * _kv_positions_read(unit, wl.prompt_len + 1, steps)
+        expanded = 2 * (unit.latent_expand_bytes_per_ctx or 0) * wl.batch_size  # written, then read
+        kv_read = (kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
         return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
                 _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
     if storage == execution:
@@ -474,11 +475,12 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
         return [line]
     flops_s, bytes_s = _achieved(device, wl.batch_size)
     batch = wl.batch_size
-    attn = unit.attn_flops_per_token_per_ctx
+    # latent attention expands every cached token again (written, then read by attention): per cached token
+    attn = unit.attn_flops_per_token_per_ctx + (unit.latent_expand_flops_per_ctx or 0)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     overhead = ctx.overhead_s(unit, device)
     flops = (batch * (base + attn * ctx0), batch * attn)
-    kv = batch * unit.kv_bytes_per_token
+    kv = batch * (unit.kv_bytes_per_token + 2 * (unit.latent_expand_bytes_per_ctx or 0))
     touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s),
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s)]

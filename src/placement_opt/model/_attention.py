@@ -87,6 +87,38 @@ class AttentionFacts:
                    if getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
         return sum(f for f, _ in figures), sum(kv for _, kv in figures)
 
+    def expansion(self, unit_name: str) -> tuple[int, int, int]:
+        """What a decode step spends per cached token per sequence re-expanding a compressed cache, summed over
+        the unit's cached self-attention modules: (FLOPs, bytes alive on any device, bytes a CPU adds)."""
+        figures = [self._expansion(m) for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)
+                   and getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
+        return (sum(f[0] for f in figures), sum(f[1] for f in figures), sum(f[2] for f in figures))
+
+    def _expansion(self, attention: nn.Module) -> tuple[int, int, int]:
+        """Multi-head latent attention as transformers runs it (``expand_kv``): every step projects each cached
+        latent up through ``kv_b_proj`` into keys without rotary part and values, then writes whole keys into a
+        new tensor, so a step holds both for the whole context beside the latent cache. On a CPU, torch's fused
+        kernel needs queries, keys and values of one head size; these differ (192 and 128 on DeepSeek-V3), so
+        the math path runs: float32 copies of half-precision keys and values, a scaled copy of the keys, and the
+        step's scores and their softmax (float32 for half precision), per head and cached token.
+
+        Measured on a CPU decode step of a tiny DeepSeek-V3 at context 501 (tests/model/test_workspace.py).
+        """
+        project = getattr(attention, "kv_b_proj", None)
+        rank, rope, nope = (first_int(attention, (k,)) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"))
+        value_dim = first_int(attention, ("v_head_dim",))
+        width = (first_int(project, ("in_features",)), first_int(project, ("out_features",)))
+        if not (hasattr(attention, "expand_kv") and rank and rope and nope and value_dim and all(width)):
+            return 0, 0, 0
+        heads = self._shape(attention)[0]
+        size = dtype_bytes(self.ctx.dtype)
+        keys = heads * (nope + rope)
+        alive = (width[1] + keys) * size
+        exact = 4 if size < 4 else size  # the math path computes half precision in float32
+        copies = heads * (nope + rope + value_dim) * exact if size < exact else 0
+        cpu = copies + keys * exact + 2 * heads * exact
+        return 2 * width[0] * width[1], alive, cpu
+
     def _per_module(self, attention: nn.Module) -> tuple[int, int]:
         """(FLOPs per query x context token pair, cache elements per token) of one attention module.
 

@@ -24,6 +24,11 @@ Node attributes (all present on every node; bytes and FLOPs are ints):
 ``kv_bytes_per_token``         KV-cache bytes this unit keeps per cached token per sequence
 ``kv_window_tokens``           optional: the most tokens its cache keeps (a sliding-window layer, as
                                transformers' cache keeps it); absent: every token of the context
+``latent_expand_*``            optional, latent attention (DeepSeek's), per cached token per sequence
+                               and decode step: ``..._flops_per_ctx`` to expand the cached latents
+                               into keys and values, ``..._bytes_per_ctx`` those keys and values
+                               alive during attention, ``..._cpu_bytes_per_ctx`` what a CPU's
+                               unfused attention holds beside them; absent: no such cache
 ``moe_num_experts``            number of experts (0 when not MoE)
 ``moe_experts_per_token``      experts each token is routed to (0 when not MoE)
 ``moe_expert_bytes``           bytes of all expert weights in the unit (0 when not MoE)
@@ -83,7 +88,7 @@ from ..schema import GraphSchema, validated
 GRANULARITIES = ("block", "module", "sublayer")
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
-           "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES",
+           "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -121,7 +126,14 @@ SUBLAYER_NODE_ATTRIBUTES: dict[str, type] = {"in_bytes_per_token": int, "block":
 #: Attributes of a unit whose KV cache holds a window of the context only, with these types.
 WINDOW_NODE_ATTRIBUTES: dict[str, type] = {"kv_window_tokens": int}
 
-_OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES}
+#: Attributes of a unit whose cache holds compressed latents that each decode step expands again (DeepSeek's
+#: multi-head latent attention), per cached token per sequence, in this order: FLOPs of the expansion, bytes
+#: of the expanded keys and values alive during the step's attention, and what a CPU holds beside them.
+LATENT_NODE_ATTRIBUTES: dict[str, type] = {"latent_expand_flops_per_ctx": int, "latent_expand_bytes_per_ctx": int,
+                                           "latent_expand_cpu_bytes_per_ctx": int}
+
+_OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
+             **LATENT_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +173,13 @@ class UnitInfo:
     kv_window_tokens: int | None = None
     """The most tokens per sequence the unit's KV cache holds: a sliding-window layer's window, as
     transformers' cache keeps it (None: the whole context)."""
+    latent_expand_flops_per_ctx: int | None = None
+    """FLOPs a decode step spends per cached token per sequence expanding compressed latents into keys and
+    values (multi-head latent attention); None: the cache holds keys and values as they are used."""
+    latent_expand_bytes_per_ctx: int | None = None
+    """Bytes per cached token per sequence of those expanded keys and values, alive during the step's attention."""
+    latent_expand_cpu_bytes_per_ctx: int | None = None
+    """Bytes per cached token per sequence a CPU holds beside them (its attention kernel cannot fuse the call)."""
 
     def kv_tokens(self, context: int) -> int:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""

@@ -29,7 +29,10 @@ Conventions the cost model relies on:
   time in generating models (decoder-only and the decoder of encoder-decoders);
   encoder-only models and encoders keep no cache. Cross-attention KV of T5-like decoders is reported in
   ``meta.extra["cross_attn_kv_bytes_per_token"]``. A unit whose layers' caches slide (transformers'
-  ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``.
+  ``DynamicCache`` for the config keeps a window) carries ``kv_window_tokens``. A latent-attention unit
+  carries what each decode step spends per cached token re-expanding its latents into keys and values
+  (``latent_expand_*``): invisible to a prefill trace, whose context is its own prompt, and at long
+  contexts the larger part of the step (DeepSeek-V3: 33.6 MFLOP and 112 KiB per cached token and layer).
 * MoE: fused expert modules (transformers 5 ``MixtralExperts``) are run through ``top_k`` experts' weights
   densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs. An experts module given no
   routing (Llama-4's, which transformers runs on every token) counts every expert, and says so in
@@ -81,6 +84,7 @@ from .dtypes import dtype_bytes, dtype_name
 from .expert_groups import expert_groups_refusal, split_expert_units
 from .graph import (
     GRANULARITIES,
+    LATENT_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
     NODE_ATTRIBUTES,
     GraphMeta,
@@ -368,6 +372,8 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
     assert set(attrs) == set(NODE_ATTRIBUTES)
     if has_cache and attrs["kv_bytes_per_token"] and (window := attention.kv_window(name)) is not None:
         attrs["kv_window_tokens"] = window
+    if has_cache and any(expansion := attention.expansion(name)):
+        attrs.update(zip(LATENT_NODE_ATTRIBUTES, expansion, strict=True))
     if record is not None and name in record.workspace:
         attrs.update(_workspace(ctx, record.workspace[name]))
     if record is not None and ctx.granularity == "sublayer":
