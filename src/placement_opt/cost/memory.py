@@ -138,6 +138,8 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     # that runs) cannot tell its masks from its scores, so it drops its query x context terms.
     if not materializes_scores(meta) and _traced_with_scores(meta):
         moments = [(max(linear for linear, _ in moments), 0)]
+    elif not on_gpu and unit.cpu_attention_bytes_per_token is not None:  # the call a CPU runs as its math path
+        moments.append((unit.cpu_attention_bytes_per_token, unit.cpu_attention_bytes_per_token_ctx or 0))
 
     def alive(queries: int, context: int) -> int:  # the larger moment at this shape
         # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)

@@ -99,8 +99,8 @@ class AttentionFacts:
         latent up through ``kv_b_proj`` into keys without rotary part and values, then writes whole keys into a
         new tensor, so a step holds both for the whole context beside the latent cache. On a CPU, torch's fused
         kernel needs queries, keys and values of one head size; these differ (192 and 128 on DeepSeek-V3), so
-        the math path runs: float32 copies of half-precision keys and values, a scaled copy of the keys, and the
-        step's scores and their softmax (float32 for half precision), per head and cached token.
+        the math path runs: float32 copies of half-precision keys and values and a scaled copy of the keys, per
+        cached token (its scores, per query x cached token, are the trace's ``cpu_attention_*`` figures).
 
         Measured on a CPU decode step of a tiny DeepSeek-V3 at context 501 (tests/model/test_workspace.py).
         """
@@ -116,7 +116,7 @@ class AttentionFacts:
         alive = (width[1] + keys) * size
         exact = 4 if size < 4 else size  # the math path computes half precision in float32
         copies = heads * (nope + rope + value_dim) * exact if size < exact else 0
-        cpu = copies + keys * exact + 2 * heads * exact
+        cpu = copies + keys * exact
         return 2 * width[0] * width[1], alive, cpu
 
     def _per_module(self, attention: nn.Module) -> tuple[int, int]:

@@ -25,7 +25,9 @@ boolean mask's copy (:class:`FusedAttention`): on meta it has no fused kernel an
 materialises the scores and, for half-precision inputs, float32 copies of q, k, v and of the output,
 none of which CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``) or CUDA's flash and
 memory-efficient kernels make. Counted op by op, a bf16 decoder layer came out 44 % above a real
-CPU forward (17,928 against 12,418 bytes per token, benchmarks/cost_accuracy/MEMORY.md).
+CPU forward (17,928 against 12,418 bytes per token, benchmarks/cost_accuracy/MEMORY.md). A call a CPU
+cannot fuse (queries and values of different head sizes: latent attention) runs the math path there; its
+peak is measured apart (:class:`_MathPath`) as a third moment, charged only where the unit computes on a CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["LiveBytes", "UnitPeak", "FusedAttention"]
 
@@ -56,6 +60,13 @@ class UnitPeak:
     score_at_attention: bool = False
     """Whether :attr:`score_peak` is a fused attention call's moment."""
     entry: tuple[int, int] = (0, 0)
+    cpu_peak: tuple[int, int] | None = None
+    """The moment of an attention call a CPU cannot fuse (:class:`FusedAttention`), with the math path's
+    intermediates alive; None: every call fuses on a CPU too."""
+
+    def see_cpu(self, alive: tuple[int, int]) -> None:
+        if self.cpu_peak is None or (alive[1], alive[0]) > (self.cpu_peak[1], self.cpu_peak[0]):
+            self.cpu_peak = alive
 
     def see(self, alive: tuple[int, int], attention: bool = False) -> None:
         if alive > self.linear_peak:
@@ -106,6 +117,8 @@ class LiveBytes:
         peak = self.peaks.setdefault(unit, UnitPeak())
         peak.see(self._glue.linear_peak)
         peak.see(self._glue.score_peak, self._glue.score_at_attention)
+        if self._glue.cpu_peak is not None:
+            peak.see_cpu(self._glue.cpu_peak)
         self._glue = UnitPeak()
 
     def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor],
@@ -136,6 +149,14 @@ class LiveBytes:
         linear, scores = learned.above_entry()
         peak.see(_plus(peak.entry, linear))
         peak.see(_plus(peak.entry, scores), learned.score_at_attention)
+        if learned.cpu_peak is not None:
+            peak.see_cpu(_plus(peak.entry, _minus(learned.cpu_peak, learned.entry)))
+
+    def unfused_call(self, unit: str | None, added: tuple[int, int]) -> None:
+        """An attention call a CPU cannot fuse added ``added`` (linear, context-shaped) bytes at its peak, on top
+        of what is alive now."""
+        moment = _plus((self.linear_bytes, self.context_bytes), added)
+        (self.peaks.setdefault(unit, UnitPeak()) if unit is not None else self._glue).see_cpu(moment)
 
     def is_context(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory was counted as attention-score shaped."""
@@ -214,17 +235,69 @@ class FusedAttention(TorchFunctionMode):
             self.memory.paused = False
         if converted is not None:  # context-shaped as the mask it is made from
             self.memory.record(self.unit(), func, [_mask(args, kwargs)], [converted])
+        math = _MathPath(self.memory.seq_len) if _cpu_cannot_fuse(args, kwargs) else None
         self.memory.paused = True
         try:
-            out = func(*args, **kwargs)
+            if math is None:
+                out = func(*args, **kwargs)
+            else:
+                with math:
+                    out = func(*args, **kwargs)
         finally:
             self.memory.paused = False
+        if math is not None:
+            self.memory.unfused_call(self.unit(), math.peak)
         # (batch, heads, q, head size): read from the mask, yet per token even where the head size is the
         # traced length (Falcon-40B's 64); beside it the kernel's float32 log-sum-exp per head and query
         outs = [out, _logsumexp(out)] if isinstance(out, torch.Tensor) else []
         self.memory.record(self.unit(), func, inputs, outs, linear=True, attention=True)
         del converted, outs  # the mask's copy and the log-sum-exp are freed as the call returns
         return out
+
+
+def _cpu_cannot_fuse(args: tuple, kwargs: dict) -> bool:
+    """Whether a CPU runs this ``scaled_dot_product_attention`` call as its math path: torch's CPU flash kernel
+    needs queries, keys and values of one head size, which latent attention's differ (DeepSeek-V3: 192, 192
+    and 128). A GPU's memory-efficient kernel takes them."""
+    names = ("query", "key", "value")
+    tensors = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in tensors):
+        return False
+    return len({t.shape[-1] for t in tensors}) > 1
+
+
+class _MathPath(TorchDispatchMode):
+    """The most bytes the math path of one attention call holds at once, as (linear, context-shaped): storages
+    its ops allocate, alive until freed; context-shaped when they end in ``(seq_len, seq_len)`` (scores,
+    softmax, the causal mask it builds), the query x key moment kept (the softmax's, when every copy of the
+    queries, keys and values is alive too)."""
+
+    def __init__(self, seq_len: int) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.alive: dict[int, tuple[int, bool]] = {}
+        self.now = (0, 0)
+        self.peak = (0, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        read = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            key = _storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+            if key is None or key in read or key in self.alive:
+                continue
+            context = tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == (self.seq_len, self.seq_len)
+            size = int(tensor.untyped_storage().nbytes())
+            self.alive[key] = (size, context)
+            self.now = _plus(self.now, (0, size) if context else (size, 0))
+            weakref.finalize(tensor.untyped_storage(), self._free, key)
+        if (self.now[1], self.now[0]) > (self.peak[1], self.peak[0]):
+            self.peak = self.now
+        return out
+
+    def _free(self, key: int) -> None:
+        size, context = self.alive.pop(key, (0, False))
+        self.now = _minus(self.now, (0, size) if context else (size, 0))
 
 
 def _logsumexp(out: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,7 @@ def run(
         restore()
     record.replayed_blocks = replay.replayed
     record.workspace = {n: (p.linear_peak, p.score_peak) for n, p in memory.peaks.items()}
+    record.cpu_attention = {n: p.cpu_peak for n, p in memory.peaks.items() if p.cpu_peak is not None}
     record.entry_bytes = {n: p.entry[0] for n, p in memory.peaks.items()}
     return record
 
@@ -162,6 +163,8 @@ class Record:
     workspace: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
     """Unit -> (linear, context-shaped) activation bytes alive at the moment of its run with the most linear
     bytes, and at the moment with the most context-shaped bytes (:mod:`._memory`)."""
+    cpu_attention: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Units whose attention a CPU cannot fuse: (linear, context-shaped) bytes alive at its math path's peak."""
     entry_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> linear activation bytes alive when it started (what earlier units left alive)."""
     returned_bytes: dict[str, int] = field(default_factory=dict)

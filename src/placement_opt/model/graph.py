@@ -54,6 +54,10 @@ lack them, and the cost model then prices the workspace as a multiple of the out
 ``scores_workspace_bytes_per_token_ctx``   those score bytes, per query token per context token
 =========================================  ==================================================
 
+Measured where a CPU cannot fuse a unit's ``scaled_dot_product_attention`` (query and value heads of different
+sizes, latent attention), priced only where the unit computes on a CPU: ``cpu_attention_bytes_per_token`` and
+``cpu_attention_bytes_per_token_ctx``, the bytes alive at the peak of its math path, as the two figures above.
+
 Measured for traced ``"sublayer"`` graphs only (``meta.granularity``), whose units away from the home
 device receive their inputs from it: ``in_bytes_per_token``, the bytes per token of the distinct tensors
 the unit reads from other units.
@@ -89,6 +93,7 @@ GRANULARITIES = ("block", "module", "sublayer")
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
+           "CPU_ATTENTION_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -132,8 +137,14 @@ WINDOW_NODE_ATTRIBUTES: dict[str, type] = {"kv_window_tokens": int}
 LATENT_NODE_ATTRIBUTES: dict[str, type] = {"latent_expand_flops_per_ctx": int, "latent_expand_bytes_per_ctx": int,
                                            "latent_expand_cpu_bytes_per_ctx": int}
 
+#: Attributes of a unit whose attention a CPU cannot fuse (query and value heads of different sizes: latent
+#: attention), measured by the meta trace: the bytes alive at its math path's peak, per token and per query x
+#: context token, priced where the unit computes on a CPU.
+CPU_ATTENTION_NODE_ATTRIBUTES: dict[str, type] = {"cpu_attention_bytes_per_token": int,
+                                                  "cpu_attention_bytes_per_token_ctx": int}
+
 _OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
-             **LATENT_NODE_ATTRIBUTES}
+             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +191,11 @@ class UnitInfo:
     """Bytes per cached token per sequence of those expanded keys and values, alive during the step's attention."""
     latent_expand_cpu_bytes_per_ctx: int | None = None
     """Bytes per cached token per sequence a CPU holds beside them (its attention kernel cannot fuse the call)."""
+    cpu_attention_bytes_per_token: int | None = None
+    """Activation bytes per token alive at the peak of an attention call a CPU cannot fuse (its math path, the
+    scores apart); None: the unit's attention fuses on a CPU too."""
+    cpu_attention_bytes_per_token_ctx: int | None = None
+    """The scores, softmax and mask bytes per query x context token alive then."""
 
     def kv_tokens(self, context: int) -> int:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""

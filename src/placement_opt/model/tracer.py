@@ -83,6 +83,7 @@ from ._units import (
 from .dtypes import dtype_bytes, dtype_name
 from .expert_groups import expert_groups_refusal, split_expert_units
 from .graph import (
+    CPU_ATTENTION_NODE_ATTRIBUTES,
     GRANULARITIES,
     LATENT_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
@@ -376,6 +377,10 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
         attrs.update(zip(LATENT_NODE_ATTRIBUTES, expansion, strict=True))
     if record is not None and name in record.workspace:
         attrs.update(_workspace(ctx, record.workspace[name]))
+    if record is not None and name in record.cpu_attention:
+        linear, scores = record.cpu_attention[name]
+        attrs.update(zip(CPU_ATTENTION_NODE_ATTRIBUTES, (math.ceil(linear / ctx.tokens),
+                                                         math.ceil(scores / (ctx.tokens * ctx.seq_len))), strict=True))
     if record is not None and ctx.granularity == "sublayer":
         attrs.update(_round_trip_bytes(ctx, record, name))
     if ctx.granularity == "sublayer" and (block := _enclosing_block(ctx, name)) is not None:
