@@ -95,6 +95,31 @@ def test_cost_accuracy_tells_swapped_near_ties_from_swapped_placements():
     assert far.startswith("DIFFERS") and "a measured 20% faster than b" in far
 
 
+def test_the_latent_benchmark_times_each_layer_at_a_fixed_context_and_prices_it_with_and_without_the_expansion():
+    """benchmarks/cost_accuracy/latent.py on a tiny DeepSeek-V2: every layer timed at each step (the cache cropped
+    back to the context), and the figures it removes for "before" are the ones that price the expansion."""
+    import transformers as T
+
+    from placement_opt.hardware.devices import Device, Machine
+    from placement_opt.model.tracer import trace
+
+    latent = _script_module("cost_accuracy_latent", REPO / "benchmarks" / "cost_accuracy" / "latent.py")
+    config = T.DeepseekV2Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                vocab_size=1000)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    layers = ["model.layers.0", "model.layers.1"]
+    times = latent.step_times(model, layers, context=40, steps=3)
+    assert set(times) == set(layers) and all(t > 0 for t in times.values())
+    graph = trace(model, seq_len=16)
+    machine = Machine([Device("cpu", 2**40, flops=1e11, bandwidth=1e10)])
+    after = latent.predicted_step(graph, machine, "model.layers.0", 4096)
+    before = latent.predicted_step(latent.without_latent(graph), machine, "model.layers.0", 4096)
+    assert after > 5 * before
+
+
 def test_the_gpu_benchmarks_share_one_checkpoint_per_shape_within_a_device_check_call(tmp_path, monkeypatch):
     """BENCH_SHARED: a checkpoint written once under a name of its shape, read again by a later step, and left for
     the machine's life (device_check.sh); without it, written into the step's own folder and removed by it."""

@@ -37,8 +37,8 @@ def _option(graph: LayerGraph, workload: Workload, execution: str, bandwidth: fl
 
 @given(batch=st.integers(1, 16), prompt=st.integers(1, 4096), new=st.integers(1, 512))
 def test_each_decode_step_computes_the_expansion_of_every_cached_token(batch: int, prompt: int, new: int) -> None:
-    # where compute bounds the step (a device with bandwidth to spare), the expansion is one more FLOP term per
-    # cached token, as the attention's own is
+    # where compute bounds the step (a device with bandwidth to spare) at one FLOP rate whatever the rows (datasheet
+    # figures), the expansion is one more FLOP term per cached token, as the attention's own is
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
     for device in ("cuda:0", "cpu"):
         expanded = _option(_graph(True), workload, device, bandwidth=1e18).decode_s
@@ -57,3 +57,14 @@ def test_a_long_decode_holds_the_expanded_cache_on_the_device_that_runs_it(batch
         extra = (_option(_graph(True), workload, device).workspace_bytes
                  - _option(_graph(False), workload, device).workspace_bytes)
         assert extra == held * per_token
+
+
+def test_the_expansion_runs_at_the_rate_of_a_matmul_of_every_cached_token_not_at_a_decode_step_s() -> None:
+    # a measured CPU does 10 GFLOP/s at one row and 1 TFLOP/s from 1024 rows: one sequence's step at context 4096
+    # expands 4096 rows; priced at the step's one-row rate it would take 100x longer
+    curve = ((1, 1e10), (1024, 1e12))
+    cpu = Device("cpu", 2**40, flops=1e12, bandwidth=1e18, source="measured", flops_by_tokens=curve)
+    workload = Workload(batch_size=1, prompt_len=4095, new_tokens=1)  # one step, at 4096 cached tokens
+    prices = [next(p for p in price_problem(g, Machine([cpu]), workload, ("resident",), None, False)[1][0]
+                   if p.mode == "resident").decode_s for g in (_graph(True), _graph(False))]
+    assert prices[0] - prices[1] == pytest.approx(4096 * EXPAND_FLOPS / 1e12, rel=1e-3)
