@@ -258,6 +258,8 @@ class NodeSchema(_Strict):
     latent_expand_cpu_bytes_per_ctx: NonNegativeInt | None = None
     cpu_attention_bytes_per_token: NonNegativeInt | None = None
     cpu_attention_bytes_per_token_ctx: NonNegativeInt | None = None
+    decode_workspace_bytes: NonNegativeInt | None = None
+    decode_workspace_bytes_per_ctx: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -94,6 +94,16 @@ class LiveStorages(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.live -= self.alive.pop(key)
 
+    def hold(self, tensors) -> int:  # noqa: ANN001
+        """Count ``tensors`` (a cache made before) as alive, so that a step's release of them is seen; their bytes."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.alive:
+                self.alive[storage.data_ptr()] = storage.nbytes()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._free, storage.data_ptr())
+        return self.live
+
     def enter(self, unit: str) -> None:
         self.unit = unit
         self.peak[unit] = max(self.peak[unit], self.live)
@@ -269,13 +279,15 @@ def test_padded_prompts_are_charged_the_mask_transformers_builds_for_them(family
 
 def decode_step_peak(model: torch.nn.Module, unit: str, batch: int, prompt: int,
                      mask: torch.Tensor | None = None) -> int:
-    """The most live bytes ``unit`` holds in the decode step after a prompt (``mask``: the prompt's attention
-    mask, a column of ones added for the step)."""
+    """The most live bytes ``unit`` holds in the decode step after a prompt, above the cache (``mask``: the prompt's
+    attention mask, a column of ones added for the step). The cache's tensors are counted as alive before the step,
+    so that the step's release of those it replaces (the cache grows by concatenation) is seen."""
     step_mask = None if mask is None else torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
     counter = LiveStorages()
     module = model.get_submodule(unit)
     with torch.no_grad():
         cache = model(input_ids=torch.randint(0, 512, (batch, prompt)), attention_mask=mask, use_cache=True).cache
+        baseline = counter.hold(t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
         hooks = [module.register_forward_pre_hook(lambda _m, _a: counter.enter(unit)),
                  module.register_forward_hook(lambda _m, _a, _o: setattr(counter, "unit", None))]
         try:
@@ -285,7 +297,7 @@ def decode_step_peak(model: torch.nn.Module, unit: str, batch: int, prompt: int,
         finally:
             for hook in hooks:
                 hook.remove()
-    return counter.peak[unit]
+    return counter.peak[unit] - baseline
 
 
 def _decode_workspace(unit: UnitInfo, workload: Workload, meta: GraphMeta) -> int:
@@ -307,7 +319,8 @@ def test_a_padded_decode_step_holds_a_mask_row_per_sequence(family: str) -> None
         measured = decode_step_peak(model, layer.name, batch, prompt, mask if padded else None)
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=2, padded=padded)  # last step: 502
         predicted = _decode_workspace(layer, workload, graph.meta)
-        assert measured <= predicted <= 1.05 * measured, (padded, predicted, measured)
+        # the step's figures are measured at one sequence, and what sequences share counts once per sequence
+        assert measured <= predicted <= 1.15 * measured, (padded, predicted, measured)
 
 
 def test_a_decode_step_past_the_window_reads_the_sliding_cache_unmasked() -> None:
@@ -564,3 +577,18 @@ def test_a_cpu_prefill_of_latent_attention_holds_the_math_path_s_scores(dtype: t
             on_gpu = workspace_bytes(unit, workload, graph.meta, on_gpu=True) - CUBLAS_WORKSPACE_BYTES
             assert on_gpu < predicted
     assert all(u.cpu_attention_bytes_per_token is None for u in trace(real_model("llama", "sdpa")).units())
+
+
+@pytest.mark.parametrize(("family", "attention"), [(f, a) for f in sorted(CONFIGS) for a in ("eager", "sdpa")])
+def test_a_decode_step_is_charged_what_meta_decode_steps_measured_it_holds(family: str, attention: str) -> None:
+    """What a step holds per cached token is measured by meta decode steps, not read off the prefill (whose queries
+    are its keys): eager attention repeats grouped keys and values to every head (Llama, Mixtral, Qwen2-MoE: the
+    step's layer was charged 37 % of what it held) and Falcon its own way (51-53 %)."""
+    model = real_model(family, attention)
+    graph = trace(model, seq_len=TRACE_LEN)
+    layer = next(u for u in graph.units() if u.module_class.endswith(("DecoderLayer", "Block")))
+    assert layer.decode_workspace_bytes_per_ctx is not None
+    for batch, prompt in [(1, 500), (4, 300)]:
+        measured = decode_step_peak(model, layer.name, batch, prompt)
+        predicted = _decode_workspace(layer, Workload(batch_size=batch, prompt_len=prompt, new_tokens=1), graph.meta)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)

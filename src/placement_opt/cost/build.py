@@ -156,7 +156,8 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
             unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx, unit.scores_workspace_bytes_per_token,
             unit.scores_workspace_bytes_per_token_ctx, unit.kv_window_tokens, unit.latent_expand_flops_per_ctx,
             unit.latent_expand_bytes_per_ctx, unit.latent_expand_cpu_bytes_per_ctx, unit.cpu_attention_bytes_per_token,
-            unit.cpu_attention_bytes_per_token_ctx, unit.name == logits_unit)
+            unit.cpu_attention_bytes_per_token_ctx, unit.decode_workspace_bytes, unit.decode_workspace_bytes_per_ctx,
+            unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

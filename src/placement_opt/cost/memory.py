@@ -23,12 +23,14 @@ and decode:
   them in on-chip tiles: there, the query x context bytes are the masks the model builds for them, which
   the trace sees as it runs that attention); the logits unit of a ``logits="last"`` workload computes ``batch`` positions
   only; ``generate()`` adds float32 copies of the last logits (:data:`SAMPLING_COPIES`), whatever it keeps;
-* decode: the same at ``batch`` tokens over the context, plus one unit's KV cache copy (the cache grows
-  by concatenation, so the old and the new tensor of one layer are alive at once), plus, for MoE units
-  on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token, expert) pair, plus, for
-  latent attention, the keys and values each step expands from the whole cache (``latent_expand_bytes_per_ctx``;
-  on a CPU, whose attention kernel cannot fuse them, ``latent_expand_cpu_bytes_per_ctx`` more), which a
-  prefill trace sees only for its own tokens.
+* decode: for a unit with a KV cache, what meta decode steps measured it holds per sequence
+  (``decode_workspace_bytes`` + ``..._per_ctx`` x cached tokens: the cache's grown copy, keys and values
+  repeated to every head or expanded from latents, eager attention's scores); plus the mask rows of padded
+  prompts and, for MoE units on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token,
+  expert) pair; on a CPU, latent attention's math-path copies (``latent_expand_cpu_bytes_per_ctx``) and
+  scores. Units without those figures: the prefill's figures at ``batch`` tokens over the context, plus one
+  unit's KV cache copy (the cache grows by concatenation, so the old and the new tensor of one layer are alive
+  at once) and latent attention's expanded keys and values (``latent_expand_bytes_per_ctx``).
 
 Graphs without the measured figures (written before them, static, hand-made) keep the old estimate,
 :data:`WORKSPACE_FACTOR` outputs per token.
@@ -141,12 +143,12 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     elif not on_gpu and unit.cpu_attention_bytes_per_token is not None:  # the call a CPU runs as its math path
         moments.append((unit.cpu_attention_bytes_per_token, unit.cpu_attention_bytes_per_token_ctx or 0))
 
-    def alive(queries: int, context: int) -> int:  # the larger moment at this shape
+    def alive(queries: int, context: int, padded: bool = workload.padded) -> int:  # the larger moment at this shape
         # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)
         if queries == context:
-            unseen = _unseen_mask(unit, meta, context, workload.padded)
+            unseen = _unseen_mask(unit, meta, context, padded)
         else:
-            unseen = _padded_step_mask(unit, meta) if workload.padded else _UnseenMask()
+            unseen = _padded_step_mask(unit, meta) if padded else _UnseenMask()
         # the mask is alive throughout; what attention adds for it, at the score moment (a fused attention call)
         at_attention = (unseen.kernel_copy * queries + unseen.repeated_kv) * batch * context
         peak = max(batch * queries * (linear + scores * context)
@@ -161,9 +163,18 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
     if not generating or not unit.in_decode or phase == "prefill":
         return prefill
     context = workload.context_len
-    expanded = (unit.latent_expand_bytes_per_ctx or 0) + (0 if on_gpu else unit.latent_expand_cpu_bytes_per_ctx or 0)
-    decode = (alive(1, context) + (unit.kv_bytes_per_token + expanded) * batch * unit.kv_tokens(context) + sampling
-              + (_gathered_expert_bytes(unit, batch) if on_gpu else 0))
+    cached = batch * unit.kv_tokens(context)
+    cpu_copies = 0 if on_gpu else (unit.latent_expand_cpu_bytes_per_ctx or 0) * cached
+    extra = sampling + (_gathered_expert_bytes(unit, batch) if on_gpu else 0) + cpu_copies
+    if unit.decode_workspace_bytes_per_ctx is not None:  # measured by meta decode steps: what the step holds
+        # the step ran unpadded and fused (the mask rows of padded prompts and a CPU's math-path scores come apart)
+        unseen = alive(1, context) - alive(1, context, padded=False)
+        scores = 0 if on_gpu else (unit.cpu_attention_bytes_per_token_ctx or 0) * batch * context
+        step = batch * (unit.decode_workspace_bytes or 0) + unit.decode_workspace_bytes_per_ctx * cached
+        decode = step + unseen + scores + extra
+    else:
+        expanded = unit.latent_expand_bytes_per_ctx or 0
+        decode = alive(1, context) + (unit.kv_bytes_per_token + expanded) * cached + extra
     return decode if phase == "decode" else max(prefill, decode)
 
 

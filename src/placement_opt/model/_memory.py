@@ -158,6 +158,13 @@ class LiveBytes:
         moment = _plus((self.linear_bytes, self.context_bytes), added)
         (self.peaks.setdefault(unit, UnitPeak()) if unit is not None else self._glue).see_cpu(moment)
 
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors`` as alive already (a cache made before the forward), so that their release is seen."""
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            if key is not None and key not in self._alive:
+                self._add(key, tensor.untyped_storage(), False)
+
     def is_context(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory was counted as attention-score shaped."""
         return self._alive.get(_storage_key(tensor), (0, False))[1]

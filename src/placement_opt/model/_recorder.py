@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
 
-__all__ = ["Record", "run", "nbytes", "REPLAY_REPEATED_BLOCKS"]
+__all__ = ["Record", "run", "nbytes", "meta_state", "static_signature", "REPLAY_REPEATED_BLOCKS"]
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
@@ -82,7 +82,7 @@ def run(
         Exception: whatever the model's forward raises on meta tensors (the caller falls back).
     """
     record = Record()
-    state = None if private and dtype is None else _meta_state(module, dtype)
+    state = None if private and dtype is None else meta_state(module, dtype)
     tensors = state.values() if state is not None else (*module.parameters(), *module.buffers())
     memory = LiveBytes(seq_len=seq_len, state_storages=frozenset(_storage_keys(tensors)))
     recorder = _Recorder(record, _container_tensors(state, units, containers), memory, frontier=frontier)
@@ -402,7 +402,7 @@ class _BlockReplay:
         self.replayed = 0
 
     def patch(self, name: str, module: nn.Module) -> None:
-        static = _static_signature(module)
+        static = static_signature(module)
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -472,7 +472,7 @@ class _BlockReplay:
         return tree_unflatten(leaves, learned.spec)
 
 
-def _static_signature(module: nn.Module) -> tuple[Any, ...]:
+def static_signature(module: nn.Module) -> tuple[Any, ...]:
     """Class, plain attributes (except indices) and tensor shapes of every submodule."""
     parts = []
     for sub_name, sub in module.named_modules():
@@ -492,7 +492,7 @@ def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
     return (str(spec), items)
 
 
-def _meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """A meta stand-in for every parameter and buffer (floating ones in ``dtype`` if given); no data is read."""
     state: dict[str, torch.Tensor] = {}
     for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(

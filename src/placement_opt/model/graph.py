@@ -58,6 +58,11 @@ Measured where a CPU cannot fuse a unit's ``scaled_dot_product_attention`` (quer
 sizes, latent attention), priced only where the unit computes on a CPU: ``cpu_attention_bytes_per_token`` and
 ``cpu_attention_bytes_per_token_ctx``, the bytes alive at the peak of its math path, as the two figures above.
 
+Measured by meta decode steps after meta prompts, for units with a KV cache of generating models (the
+prefill's queries are its keys, so it cannot tell what a step holds per cached token):
+``decode_workspace_bytes`` and ``decode_workspace_bytes_per_ctx``, the bytes alive while the unit runs in a
+step, beside the cache, per sequence.
+
 Measured for traced ``"sublayer"`` graphs only (``meta.granularity``), whose units away from the home
 device receive their inputs from it: ``in_bytes_per_token``, the bytes per token of the distinct tensors
 the unit reads from other units.
@@ -93,7 +98,7 @@ GRANULARITIES = ("block", "module", "sublayer")
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
-           "CPU_ATTENTION_NODE_ATTRIBUTES",
+           "CPU_ATTENTION_NODE_ATTRIBUTES", "DECODE_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -143,8 +148,13 @@ LATENT_NODE_ATTRIBUTES: dict[str, type] = {"latent_expand_flops_per_ctx": int, "
 CPU_ATTENTION_NODE_ATTRIBUTES: dict[str, type] = {"cpu_attention_bytes_per_token": int,
                                                   "cpu_attention_bytes_per_token_ctx": int}
 
+#: Attributes of a unit with a KV cache, measured by meta decode steps (``model/_decode_probe.py``): the bytes a
+#: decode step holds while the unit runs, per sequence, at no context and per cached token (the cache's grown
+#: copy, keys and values repeated to every head or expanded from latents, eager attention's scores).
+DECODE_NODE_ATTRIBUTES: dict[str, type] = {"decode_workspace_bytes": int, "decode_workspace_bytes_per_ctx": int}
+
 _OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
-             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES}
+             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +206,11 @@ class UnitInfo:
     scores apart); None: the unit's attention fuses on a CPU too."""
     cpu_attention_bytes_per_token_ctx: int | None = None
     """The scores, softmax and mask bytes per query x context token alive then."""
+    decode_workspace_bytes: int | None = None
+    """Bytes a decode step holds while the unit runs, per sequence, beside the KV cache, at no context (measured
+    by meta decode steps); None: not measured, the cost model prices the step from the prefill's figures."""
+    decode_workspace_bytes_per_ctx: int | None = None
+    """What that grows by per cached token per sequence."""
 
     def kv_tokens(self, context: int) -> int:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""

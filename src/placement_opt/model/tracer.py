@@ -33,6 +33,9 @@ Conventions the cost model relies on:
   carries what each decode step spends per cached token re-expanding its latents into keys and values
   (``latent_expand_*``): invisible to a prefill trace, whose context is its own prompt, and at long
   contexts the larger part of the step (DeepSeek-V3: 33.6 MFLOP and 112 KiB per cached token and layer).
+* ``decode_workspace_bytes`` (+ ``..._per_ctx``): for units with a KV cache of generating models, what a decode
+  step holds while the unit runs, per sequence, measured by meta decode steps after meta prompts of three
+  lengths (``_decode_probe.py``; identical layers run once). Absent where the cached forward fails on meta.
 * MoE: fused expert modules (transformers 5 ``MixtralExperts``) are run through ``top_k`` experts' weights
   densely, so their FLOPs are ``top_k / num_experts`` of all experts' dense FLOPs. An experts module given no
   routing (Llama-4's, which transformers runs on every token) counts every expert, and says so in
@@ -68,6 +71,7 @@ from ..errors import TraceError
 from . import _recorder
 from ._attention import AttentionFacts, graph_extra
 from ._context import TraceContext, experts_per_token, hidden_size, is_block, is_container
+from ._decode_probe import decode_lines, probe_contexts
 from ._source import first_line, resolve_source
 from ._units import (
     find_units,
@@ -84,6 +88,7 @@ from .dtypes import dtype_bytes, dtype_name
 from .expert_groups import expert_groups_refusal, split_expert_units
 from .graph import (
     CPU_ATTENTION_NODE_ATTRIBUTES,
+    DECODE_NODE_ATTRIBUTES,
     GRANULARITIES,
     LATENT_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
@@ -189,7 +194,8 @@ def trace(
         record = None
     if record is not None and record.branches:
         warnings.warn(_branch_message(name, record.branches), UserWarning, stacklevel=2)
-    graph = _build_graph(ctx, record)
+    lines = _decode_lines(ctx) if record is not None and example_inputs is None else None
+    graph = _build_graph(ctx, record, lines)
     cut = [n for n, m in ctx.units.items() if groupable(m)]
     if expert_groups > 1 and not cut:
         warnings.warn(f"placement_opt.trace: expert_groups={expert_groups} has nothing to cut: {name} has no fused "
@@ -266,6 +272,43 @@ def _logits_unit(ctx: TraceContext) -> str | None:
     return covering_key(name, ctx.units) if name is not None else None
 
 
+def _decode_lines(ctx: TraceContext) -> dict[str, tuple[int, int]] | None:
+    """What a decode step holds per unit (:mod:`._decode_probe`), for a generating model with a cache; None where
+    it has none, or its cached forward fails on meta (the cost model keeps its estimate from the prefill)."""
+    config = ctx.config
+    attention = AttentionFacts(ctx)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not attention.causal:
+        return None
+    # the units with a cache of their own: the first of them to run starts the figures of all (_decode_probe)
+    encoder = _encoder_units(ctx)
+    hooked = {n: m for n, m in ctx.units.items()
+              if n and not is_container(ctx, n) and n not in encoder and attention.of(n)[1]}
+    private = all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers()))
+    state = None if private and ctx.override is None else _recorder.meta_state(ctx.module, ctx.override)
+    if not hooked:
+        return None
+    windows = [attention.kv_window(n) for n in ctx.units]
+    contexts = probe_contexts(min((w for w in windows if w), default=None))
+    try:
+        return decode_lines(ctx.module, hooked, state=state, contexts=contexts, blocks=_outer_blocks(ctx),
+                            experts_per_token=lambda experts: experts_per_token(ctx, experts))
+    except Exception as exc:  # noqa: BLE001 - a forward with a cache that fails on meta: no lines, the estimate stays
+        if (ours := _raised_in_placement_opt(exc)) is not None:
+            warnings.warn(f"placement_opt.trace: the meta decode steps of {ctx.name} failed in placement_opt itself "
+                          f"({ours}: {type(exc).__name__}: {first_line(exc)}): a bug to report, with the model's "
+                          f"config; decode memory is estimated from the prefill", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _outer_blocks(ctx: TraceContext) -> dict[str, nn.Module]:
+    """The outermost modules of the no-split classes (decoder layers), in registration order."""
+    blocks: dict[str, nn.Module] = {}
+    for name, module in ctx.module.named_modules():
+        if type(module).__name__ in ctx.no_split and not any(name.startswith(b + ".") for b in blocks):
+            blocks[name] = module
+    return blocks
+
+
 def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
     """Run the model once on meta tensors and record order, FLOPs and data flow per unit."""
     args, kwargs = _inputs(ctx, example_inputs)
@@ -303,7 +346,8 @@ def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], di
     raise TraceError(f"cannot guess the inputs of {type(ctx.module).__name__}: pass example_inputs")
 
 
-def _build_graph(ctx: TraceContext, record: _recorder.Record | None) -> LayerGraph:
+def _build_graph(ctx: TraceContext, record: _recorder.Record | None,
+                 lines: dict[str, tuple[int, int]] | None = None) -> LayerGraph:
     names = list(ctx.units)
     order = [n for n in (record.order if record else []) if n in ctx.units]
     order += [n for n in names if n not in order]
@@ -318,7 +362,7 @@ def _build_graph(ctx: TraceContext, record: _recorder.Record | None) -> LayerGra
     digraph = nx.DiGraph()
     for module_index, name in enumerate(names):
         digraph.add_node(name, **_node(ctx, record, name, module_index, exec_index[name], tied_params,
-                                       first_owner, attention, encoder))
+                                       first_owner, attention, encoder, (lines or {}).get(name)))
     dropped = _add_edges(digraph, ctx, record, order, exec_index)
     tied_units = tuple(
         tuple(sorted({owner_of(p, owners) for p in group} - {None}, key=exec_index.__getitem__))
@@ -339,7 +383,7 @@ def _build_graph(ctx: TraceContext, record: _recorder.Record | None) -> LayerGra
 
 def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_index: int, exec_index: int,
           tied: list[tuple[str, ...]], first_owner: dict[str, str], attention: AttentionFacts,
-          encoder: set[str]) -> dict[str, Any]:
+          encoder: set[str], decode_line: tuple[int, int] | None = None) -> dict[str, Any]:
     module = ctx.units[name]
     tensors = unit_tensors(name, module, is_block(ctx, name))
     param_bytes = buffer_bytes = 0
@@ -373,6 +417,8 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
     assert set(attrs) == set(NODE_ATTRIBUTES)
     if has_cache and attrs["kv_bytes_per_token"] and (window := attention.kv_window(name)) is not None:
         attrs["kv_window_tokens"] = window
+    if has_cache and attrs["kv_bytes_per_token"] and decode_line is not None:
+        attrs.update(zip(DECODE_NODE_ATTRIBUTES, decode_line, strict=True))
     if has_cache and any(expansion := attention.expansion(name)):
         attrs.update(zip(LATENT_NODE_ATTRIBUTES, expansion, strict=True))
     if record is not None and name in record.workspace:
