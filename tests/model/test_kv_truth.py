@@ -1,6 +1,6 @@
 """The KV cache a trace records is the one transformers keeps: for each architecture below, the sum over units of
 ``kv_bytes_per_token`` equals what a meta forward's ``DynamicCache`` holds per token, layer kinds included (grouped
-heads, sliding windows, DeepSeek's latent attention, MiniMax's linear-attention layers, Falcon-H1's hybrid layers, Gemma-4's per-layer heads)."""
+heads, sliding windows, DeepSeek's latent attention, MiniMax's linear-attention layers, Falcon-H1's hybrid layers, Gemma-4's per-layer heads, Gemma-3n's layers that reuse an earlier layer's cache)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ CASES = {
     "minimax": {"layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]},
     "gemma4_text": {},
     "falcon_h1": {},  # a hybrid: each layer's cache holds a linear state and its attention's KV
+    "gemma3n_text": {"num_kv_shared_layers": 2},  # the last two layers reuse earlier layers' keys and values
 }
 
 

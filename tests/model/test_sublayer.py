@@ -257,3 +257,17 @@ def test_catalog_models_trace_on_meta_without_weight_memory(name: str, units: in
     assert figures["kv"] == 32 * 2 * 8 * 128 * 2  # 32 layers x K, V x 8 KV heads x 128 x bf16
     grown = figures["after"] - figures["before"]
     assert grown < 256 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MiB while tracing"
+
+
+def test_a_sublayer_run_through_a_method_no_hook_sees_is_replayed_without_a_workspace() -> None:
+    """Gemma-3n's decoder layer calls its ``altup`` unit's methods, never its hooked forward: a replayed layer found
+    no measured workspace for it and the whole trace fell back to a static graph, blaming placement_opt."""
+    import warnings
+
+    config = transformers.Gemma3nTextConfig(num_hidden_layers=4, num_kv_shared_layers=2)
+    config.layer_types = list(config.layer_types)[:4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the fallback's warning
+        graph = trace(config, granularity="sublayer")
+    assert graph.meta.traced
+    assert graph.meta.extra["replayed_blocks"] > 0

@@ -83,9 +83,10 @@ class AttentionFacts:
         if cross:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
         # a vision tower's or an encoder's attention (is_causal False) keeps no cache; nor does a linear attention
-        figures = [self._per_module(m) for m in selfs
+        figures = [(self._per_module(m), _reuses_cache(m)) for m in selfs
                    if getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
-        return sum(f for f, _ in figures), sum(kv for _, kv in figures)
+        # a layer that reuses an earlier layer's keys and values (Gemma-3n's last ones) attends, caching nothing
+        return sum(f for (f, _), _ in figures), sum(kv for (_, kv), reuses in figures if not reuses)
 
     def expansion(self, unit_name: str) -> tuple[int, int, int]:
         """What a decode step spends per cached token per sequence re-expanding a compressed cache, summed over
@@ -156,6 +157,12 @@ class AttentionFacts:
         hidden = hidden_size(self.ctx)
         head_dim = head_dim or first_int(config, ("head_dim", "d_kv")) or (hidden // heads if heads else 0)
         return heads, kv, head_dim
+
+
+def _reuses_cache(attention: nn.Module) -> bool:
+    """Whether an attention module reads another layer's cache instead of keeping its own (transformers'
+    ``is_kv_shared_layer``: Gemma-3n, Gemma-4)."""
+    return any(getattr(m, "is_kv_shared_layer", False) is True for m in attention.modules())
 
 
 def _layer_index(attention: nn.Module) -> int | None:

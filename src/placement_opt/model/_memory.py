@@ -145,7 +145,9 @@ class LiveBytes:
     def replayed(self, unit: str, learned_from: str) -> None:
         """``unit`` was replayed from ``learned_from``'s run: it adds what that run added above its entry."""
         peak = self.peaks.setdefault(unit, UnitPeak())
-        learned = self.peaks[learned_from]
+        learned = self.peaks.get(learned_from)
+        if learned is None:  # its run was a method call that no hook saw (Gemma-3n's altup): nothing measured
+            return
         linear, scores = learned.above_entry()
         peak.see(_plus(peak.entry, linear))
         peak.see(_plus(peak.entry, scores), learned.score_at_attention)
