@@ -413,6 +413,41 @@ def test_predicted_peak_covers_max_memory_allocated_on_a_gpu() -> None:
         assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_decode_step_s_peak_is_covered_on_a_gpu(attention: str) -> None:
+    """A decode step on a GPU, its cache made by a prompt before: the step's peak above what was allocated then (the
+    weights and the cache) against the largest unit's decode workspace, measured by meta decode steps. Eager
+    attention repeats the grouped keys and values to every head (16 heads, 4 KV heads)."""
+    import inspect
+
+    config = T.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=16,
+                           num_key_value_heads=4, vocab_size=32000)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation=attention).to("cuda", torch.bfloat16)
+    model = model.eval()
+    graph = trace(model)
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 8), dtype=torch.long, device="cuda"), use_cache=False)  # cuBLAS's workspace
+    for batch, prompt in [(1, 4096), (4, 2048)]:
+        with torch.no_grad():
+            out = model(input_ids=torch.randint(0, 32000, (batch, prompt), device="cuda"), use_cache=True)
+            cache = getattr(out, "cache", None) or out.past_key_values
+            del out
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model(input_ids=torch.randint(0, 32000, (batch, 1), device="cuda"), use_cache=True, **{cache_kwarg: cache})
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=1)
+        predicted = max(workspace_bytes(u, workload, graph.meta, on_gpu=True, phase="decode") - CUBLAS_WORKSPACE_BYTES
+                        for u in graph.units() if u.in_decode)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
+
+
 #: Models that give sdpa a mask, at a GPU's size: Falcon always builds its causal mask; Qwen2-MoE builds a
 #: sliding-window mask beside it that no layer reads; a Llama builds one for padded prompts only.
 GPU_MASKED = {
