@@ -83,3 +83,24 @@ def test_trace_reads_each_layers_window_from_transformers_cache_layout(granulari
     assert all(u.kv_window_tokens is None for u in graph.units() if not u.kv_bytes_per_token)
     again = LayerGraph.from_dict(graph.to_dict())
     assert [u.kv_window_tokens for u in again.units()] == [u.kv_window_tokens for u in graph.units()]
+
+
+@given(batch=st.integers(1, 16), prompt=st.integers(1, 4000))
+def test_a_decode_step_moves_its_cache_three_times(batch: int, prompt: int) -> None:
+    # transformers' DynamicCache grows by torch.cat: each step reads the old keys and values, writes them anew,
+    # and attention reads them; where bytes bound the step, each cached token costs three passes over its KV
+    from placement_opt.cost.pricing import CACHE_PASSES_PER_STEP
+
+    cpu = Device("cpu", 2**40, flops=1e18, bandwidth=1e10, source="measured")
+    machine = Machine([cpu])
+    layer = {"name": "layer", "kv_bytes_per_token": KV, "flops_per_token": 1, "param_bytes": 1,
+             "attn_flops_per_token_per_ctx": 1}
+
+    def step(context: int) -> float:
+        _, prices = price_problem(chain_graph([layer]), machine, Workload(batch_size=batch, prompt_len=context,
+                                                                         new_tokens=1), ("resident",), None, False)
+        return prices[0][0].decode_s
+
+    per_token = step(prompt + 1) - step(prompt)
+    assert CACHE_PASSES_PER_STEP == 3
+    assert per_token == pytest.approx(3 * KV * batch / 1e10, rel=1e-6)

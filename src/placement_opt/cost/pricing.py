@@ -110,6 +110,7 @@ __all__ = [
     "UNIT_OVERHEAD_S",
     "PAGEABLE_LINK_FACTOR",
     "MAPPED_READ_FACTOR",
+    "CACHE_PASSES_PER_STEP",
 ]
 
 #: Solver time unit: every ``*_ns`` integer is seconds x NS_PER_S, rounded up.
@@ -128,6 +129,11 @@ PAGEABLE_LINK_FACTOR = 0.6
 #: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
 #: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
+#: Passes over its KV cache a decode step makes, in cache sizes: transformers' ``DynamicCache`` grows by
+#: ``torch.cat``, which reads the old keys and values and writes them anew, and attention then reads them.
+#: Measured on this project's 2-core CPU (a Llama layer, 4 KV heads of 64, fp32, batch 8 x 4096 cached tokens):
+#: the two cats took 61 % of the step, attention 21 % (benchmarks/cost_accuracy/KV_CACHE.md).
+CACHE_PASSES_PER_STEP = 3
 #: Compute of a training step in forwards: forward + backward (2x), + 1 recomputation.
 _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
 
@@ -266,7 +272,7 @@ def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution
         kv = unit.kv_bytes_per_token * wl.batch_size
         # latent attention's expanded keys and values and the math path's copies: written, then read
         expanded = 2 * ((unit.latent_expand_bytes_per_ctx or 0) + (unit.latent_expand_cpu_bytes_per_ctx or 0)) * wl.batch_size
-        kv_read = (kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
+        kv_read = (CACHE_PASSES_PER_STEP * kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
         return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
                 _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
     if storage == execution:
@@ -483,7 +489,7 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     # latent attention's expanded keys and values (on a CPU, the math path's copies too): written, then read
     expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
         unit.latent_expand_cpu_bytes_per_ctx or 0 if device.kind == "cpu" else 0)
-    kv = batch * (unit.kv_bytes_per_token + 2 * expanded)
+    kv = batch * (CACHE_PASSES_PER_STEP * unit.kv_bytes_per_token + 2 * expanded)
     touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
     grows = _expand_s(unit, device, batch, ctx0, cached=1)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s + grows),
