@@ -137,6 +137,15 @@ def test_run_refuses_what_it_cannot_do_in_one_line(checkpoint, args, said):
     assert out.exit_code != 0 and said in " ".join(out.output.split()) and "Traceback" not in out.output
 
 
+def test_run_of_a_folder_with_a_config_alone_says_it_needs_the_weights_and_that_plan_takes_a_config(checkpoint, tmp_path):
+    _, path = checkpoint
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    out = run_cli("run", str(tmp_path), "-d", "cpu", catch_exceptions=True)
+    said = " ".join(out.output.split())
+    assert out.exit_code != 0 and "Traceback" not in out.output
+    assert "has no safetensors checkpoint" in said and "a config alone can be planned" in said and "load()" not in said
+
+
 def test_run_refuses_an_encoder_decoder_model_by_name(tmp_path):
     tiny("t5").save_pretrained(tmp_path)
     out = run_cli("run", str(tmp_path), "-d", "cpu", "--prompt", "4", "--new-tokens", "2", catch_exceptions=True)

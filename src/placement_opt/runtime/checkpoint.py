@@ -86,9 +86,12 @@ def checkpoint_files(root: Path) -> list[Path]:
     found = checkpoint_safetensors(root)
     if not found:
         where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
-        raise DispatchError(f"{root} {where}: load() reads a local directory; save one with "
+        config_only = (root / "config.json").is_file()
+        raise DispatchError(f"{root} {where}: loading needs the weights in a local directory; save them with "
                             f"model.save_pretrained(path), or download a hub model first "
-                            f"(huggingface_hub.snapshot_download)")
+                            f"(huggingface_hub.snapshot_download)"
+                            + ("; a config alone can be planned (placement_opt.solve, placement-opt plan)"
+                               if config_only else ""))
     return found
 
 
