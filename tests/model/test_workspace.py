@@ -618,7 +618,8 @@ def test_a_cpu_prefill_of_latent_attention_holds_the_math_path_s_scores(dtype: t
 def test_a_decode_step_is_charged_what_meta_decode_steps_measured_it_holds(family: str, attention: str) -> None:
     """What a step holds per cached token is measured by meta decode steps, not read off the prefill (whose queries
     are its keys): eager attention repeats grouped keys and values to every head (Llama, Mixtral, Qwen2-MoE: the
-    step's layer was charged 37 % of what it held) and Falcon its own way (51-53 %)."""
+    step's layer was charged 54 % of what it held), while a whole layer's cache copy was charged where the cache
+    grows keys, then values (GPT-2, and every sdpa model but Falcon: 2x)."""
     model = real_model(family, attention)
     graph = trace(model, seq_len=TRACE_LEN)
     layer = next(u for u in graph.units() if u.module_class.endswith(("DecoderLayer", "Block")))
