@@ -574,9 +574,9 @@ def tiny_deepseek(dtype: torch.dtype, dense_first: bool) -> torch.nn.Module:
 def test_a_latent_attention_decode_step_holds_the_keys_and_values_it_expands_from_the_whole_cache(
         dtype: torch.dtype, dense_first: bool) -> None:
     """transformers caches DeepSeek's compressed latents and expands all of them at every step: a step at context
-    501 held 9x (float32) to 19x (bf16) what a prefill trace's per-token figures charge for one query. Charged
-    per cached token (the CPU's unfused attention's copies included), it covers the real step within 5 %. Only
-    the first layer is measured: the counter sees earlier layers' new cache tensors but not their old ones freed."""
+    501 held 8x (float32) to 18x (bf16) what a prefill trace's per-token figures charge for one query. Charged
+    per cached token (the CPU's unfused attention's copies included), it covers the real step within 5 % (the
+    first layer, dense or MoE)."""
     model = tiny_deepseek(dtype, dense_first)
     graph = trace(model, seq_len=TRACE_LEN)
     layer = graph.unit("model.layers.0")
