@@ -484,27 +484,27 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     batch = wl.batch_size
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
-    overhead = ctx.overhead_s(unit, device) + _expand_s(unit, device, batch, ctx0)
+    grows = _expand_s_per_cached(unit, device, batch, ctx0)
+    overhead = ctx.overhead_s(unit, device) + grows * ctx0
     flops = (batch * (base + attn * ctx0), batch * attn)
     # latent attention's expanded keys and values (on a CPU, the math path's copies too): written, then read
     expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
         unit.latent_expand_cpu_bytes_per_ctx or 0 if device.kind == "cpu" else 0)
     kv = batch * (CACHE_PASSES_PER_STEP * unit.kv_bytes_per_token + 2 * expanded)
     touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
-    grows = _expand_s(unit, device, batch, ctx0, cached=1)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s + grows),
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s + grows)]
 
 
-def _expand_s(unit: UnitInfo, device: Device, batch: int, ctx0: int, cached: int | None = None) -> float:
-    """Time latent attention takes at a decode step to expand ``cached`` tokens of its cache (default: the first
-    step's ``ctx0``): a matmul of ``batch x ctx0`` rows, which runs at that many rows' rate, not a step's (one
-    row per sequence), and beside the rest of the step, not hidden under its weight reads."""
+def _expand_s_per_cached(unit: UnitInfo, device: Device, batch: int, ctx0: int) -> float:
+    """Seconds per cached token latent attention takes at a decode step to expand its cache: a matmul of
+    ``batch x context`` rows, which runs at that many rows' rate (taken at the first step's ``ctx0``), not a
+    step's (one row per sequence), and beside the rest of the step, not hidden under its weight reads."""
     flops = unit.latent_expand_flops_per_ctx or 0
     if not flops:
         return 0.0
     rate, _ = _achieved(device, batch * ctx0)  # the later, longer steps run at least as fast
-    return batch * flops * (ctx0 if cached is None else cached) / rate
+    return batch * flops / rate
 
 
 def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:

@@ -77,23 +77,24 @@ class AttentionFacts:
     def of(self, unit_name: str) -> tuple[int, int]:
         """(attention FLOPs per query token per context token, KV-cache elements per token) of the self-attention
         modules of the unit ``unit_name``."""
-        outer = self.owned.get(unit_name, [])
-        selfs = [m for n, m in outer if not _is_cross(n, m)]
-        cross = [m for n, m in outer if _is_cross(n, m)]
+        cross = [m for n, m in self.owned.get(unit_name, []) if _is_cross(n, m)]
         if cross:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
-        # a vision tower's or an encoder's attention (is_causal False) keeps no cache; nor does a linear attention
-        figures = [(self._per_module(m), _reuses_cache(m)) for m in selfs
-                   if getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
+        figures = [(self._per_module(m), _reuses_cache(m)) for m in self._cached_selves(unit_name)]
         # a layer that reuses an earlier layer's keys and values (Gemma-3n's last ones) attends, caching nothing
         return sum(f for (f, _), _ in figures), sum(kv for (_, kv), reuses in figures if not reuses)
 
     def expansion(self, unit_name: str) -> tuple[int, int, int]:
         """What a decode step spends per cached token per sequence re-expanding a compressed cache, summed over
         the unit's cached self-attention modules: (FLOPs, bytes alive on any device, bytes a CPU adds)."""
-        figures = [self._expansion(m) for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)
-                   and getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
+        figures = [self._expansion(m) for m in self._cached_selves(unit_name)]
         return (sum(f[0] for f in figures), sum(f[1] for f in figures), sum(f[2] for f in figures))
+
+    def _cached_selves(self, unit_name: str) -> list[nn.Module]:
+        """The unit's self-attention modules that run over a cache: a vision tower's or an encoder's attention
+        (is_causal False) keeps none; nor does a linear attention."""
+        return [m for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m)
+                and getattr(m, "is_causal", True) is not False and _layer_index(m) not in self._linear]
 
     def _expansion(self, attention: nn.Module) -> tuple[int, int, int]:
         """Multi-head latent attention as transformers runs it (``expand_kv``): every step projects each cached

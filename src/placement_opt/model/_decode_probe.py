@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
-from ._recorder import static_signature
+from ._recorder import guessed_scalar, static_signature
 
 __all__ = ["probe_contexts", "decode_lines", "fit_line"]
 
@@ -220,8 +220,7 @@ class _Guessing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
-            tensor = args[0]
-            return True if tensor.dtype == torch.bool else (0.0 if tensor.is_floating_point() else 1)
+            return guessed_scalar(args[0])
         return func(*args, **(kwargs or {}))
 
 

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
 
-__all__ = ["Record", "run", "nbytes", "meta_state", "static_signature", "REPLAY_REPEATED_BLOCKS"]
+__all__ = ["Record", "run", "nbytes", "meta_state", "static_signature", "guessed_scalar", "REPLAY_REPEATED_BLOCKS"]
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
@@ -230,10 +230,7 @@ class _Recorder(TorchDispatchMode):
     def _guess_scalar(self, tensor: torch.Tensor) -> Any:
         # data-dependent checks (`mask.all()`, `x.max().item()`): assume the common, dense case
         self.record.guessed_scalars += 1
-        if tensor.dtype == torch.bool:
-            value: Any = True
-        else:
-            value = 1 if not tensor.is_floating_point() else 0.0
+        value = guessed_scalar(tensor)
         where = _asking_code()
         if where is not None:
             self.record.branches.setdefault((self.stack[-1] if self.stack else None, where), value)
@@ -470,6 +467,14 @@ class _BlockReplay:
                 recorder.producers.set(tensor, frozenset({name}))
                 leaves.append(tensor)
         return tree_unflatten(leaves, learned.spec)
+
+
+def guessed_scalar(tensor: torch.Tensor) -> bool | int | float:
+    """The value assumed for a data-dependent read of a meta tensor (``mask.all()``, ``x.max().item()``): the
+    common, dense case."""
+    if tensor.dtype == torch.bool:
+        return True
+    return 0.0 if tensor.is_floating_point() else 1
 
 
 def static_signature(module: nn.Module) -> tuple[Any, ...]:

@@ -194,8 +194,10 @@ def trace(
         record = None
     if record is not None and record.branches:
         warnings.warn(_branch_message(name, record.branches), UserWarning, stacklevel=2)
-    lines = _decode_lines(ctx) if record is not None and example_inputs is None else None
-    graph = _build_graph(ctx, record, lines)
+    attention = AttentionFacts(ctx)
+    encoder = _encoder_units(ctx)
+    lines = _decode_lines(ctx, attention, encoder) if record is not None and example_inputs is None else None
+    graph = _build_graph(ctx, record, attention, encoder, lines)
     cut = [n for n, m in ctx.units.items() if groupable(m)]
     if expert_groups > 1 and not cut:
         warnings.warn(f"placement_opt.trace: expert_groups={expert_groups} has nothing to cut: {name} has no fused "
@@ -272,21 +274,18 @@ def _logits_unit(ctx: TraceContext) -> str | None:
     return covering_key(name, ctx.units) if name is not None else None
 
 
-def _decode_lines(ctx: TraceContext) -> dict[str, tuple[int, int]] | None:
+def _decode_lines(ctx: TraceContext, attention: AttentionFacts, encoder: set[str]) -> dict[str, tuple[int, int]] | None:
     """What a decode step holds per unit (:mod:`._decode_probe`), for a generating model with a cache; None where
     it has none, or its cached forward fails on meta (the cost model keeps its estimate from the prefill)."""
     config = ctx.config
-    attention = AttentionFacts(ctx)
     if config is None or getattr(config, "is_encoder_decoder", False) or not attention.causal:
         return None
     # the units with a cache of their own: the first of them to run starts the figures of all (_decode_probe)
-    encoder = _encoder_units(ctx)
     hooked = {n: m for n, m in ctx.units.items()
               if n and not is_container(ctx, n) and n not in encoder and attention.of(n)[1]}
-    private = all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers()))
-    state = None if private and ctx.override is None else _recorder.meta_state(ctx.module, ctx.override)
     if not hooked:
         return None
+    state = None if _all_meta(ctx) and ctx.override is None else _recorder.meta_state(ctx.module, ctx.override)
     windows = [attention.kv_window(n) for n in ctx.units]
     contexts = probe_contexts(min((w for w in windows if w), default=None))
     try:
@@ -318,8 +317,13 @@ def _meta_forward(ctx: TraceContext, example_inputs: Any) -> _recorder.Record:
         blocks={n for n in ctx.units if n and is_block(ctx, n)},
         experts_per_token=lambda experts: experts_per_token(ctx, experts),
         # ours alone (a meta copy, or built from a config) and all on meta: no stand-ins needed
-        private=all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers())),
+        private=_all_meta(ctx),
         seq_len=ctx.seq_len, frontier=ctx.granularity == "sublayer")
+
+
+def _all_meta(ctx: TraceContext) -> bool:
+    """Whether every parameter and buffer of the module is on meta (ours alone: a meta copy, or built from a config)."""
+    return all(t.device.type == "meta" for t in itertools.chain(ctx.module.parameters(), ctx.module.buffers()))
 
 
 def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -346,7 +350,7 @@ def _inputs(ctx: TraceContext, example_inputs: Any) -> tuple[tuple[Any, ...], di
     raise TraceError(f"cannot guess the inputs of {type(ctx.module).__name__}: pass example_inputs")
 
 
-def _build_graph(ctx: TraceContext, record: _recorder.Record | None,
+def _build_graph(ctx: TraceContext, record: _recorder.Record | None, attention: AttentionFacts, encoder: set[str],
                  lines: dict[str, tuple[int, int]] | None = None) -> LayerGraph:
     names = list(ctx.units)
     order = [n for n in (record.order if record else []) if n in ctx.units]
@@ -357,8 +361,6 @@ def _build_graph(ctx: TraceContext, record: _recorder.Record | None,
     for name in order:
         for pname in owners[name]:
             first_owner.setdefault(tie_key(pname, tied_params), name)
-    attention = AttentionFacts(ctx)
-    encoder = _encoder_units(ctx)
     digraph = nx.DiGraph()
     for module_index, name in enumerate(names):
         digraph.add_node(name, **_node(ctx, record, name, module_index, exec_index[name], tied_params,
