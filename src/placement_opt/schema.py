@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveInt,
     ValidationError,
@@ -307,6 +308,7 @@ class MeasurementSchema(_Open):
     matvec_bytes_per_s: dict[str, float] = {}
     sequential_read_bytes_per_s: float | None = None
     mapped_read_bytes_per_s: float | None = None
+    fresh_page_bytes_per_s: NonNegativeFloat | None = None
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}
 
 

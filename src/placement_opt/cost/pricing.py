@@ -24,7 +24,9 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Prefill: ``batch x prompt`` tokens, causal attention (query ``i`` sees ``i + 1`` tokens).
 * Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
   bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
-  closed form (:func:`_sum_max_lines`), never a loop over steps.
+  closed form (:func:`_sum_max_lines`), never a loop over steps. On a CPU whose profile measured the
+  cost of fresh pages, the cache's keys and values, allocated anew each step, add their page faults
+  from the size at which glibc maps them anew (:func:`_fresh_pages_s`).
 * Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for ``stream``
   to a GPU (its copy runs while the unit before it computes); with ``Workload.overlap`` the copy is
   the prefetch thread's (``copy_*_s``, apart from the compute in ``prefill_s``/``decode_s``), and the
@@ -83,6 +85,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from ..hardware.devices import FRESH_PAGE_MIN_BYTES
 from ..model.expert_groups import group_counts, whole_experts
 from ..solver.problem import PlacementOption
 from .calibrated import Calibration, UnitTimes
@@ -111,6 +114,7 @@ __all__ = [
     "PAGEABLE_LINK_FACTOR",
     "MAPPED_READ_FACTOR",
     "CACHE_PASSES_PER_STEP",
+    "contexts_at_least",
 ]
 
 #: Solver time unit: every ``*_ns`` integer is seconds x NS_PER_S, rounded up.
@@ -134,6 +138,8 @@ MAPPED_READ_FACTOR = 0.6
 #: Measured on this project's 2-core CPU (a Llama layer, 4 KV heads of 64, fp32, batch 8 x 4096 cached tokens):
 #: the two cats took 61 % of the step, attention 21 % (benchmarks/cost_accuracy/KV_CACHE.md).
 CACHE_PASSES_PER_STEP = 3
+#: Tensors of a layer's cache ``torch.cat`` allocates anew at each step: its keys and its values.
+_CACHE_TENSORS = 2
 #: Compute of a training step in forwards: forward + backward (2x), + 1 recomputation.
 _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
 
@@ -507,6 +513,36 @@ def _expand_s_per_cached(unit: UnitInfo, device: Device, batch: int, ctx0: int) 
     return batch * flops / rate
 
 
+def _fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+    """Seconds a CPU's decode steps spend getting new pages for a unit's grown KV cache, beside its passes.
+
+    Every step's ``torch.cat`` allocates the layer's keys and values anew, and from
+    :data:`FRESH_PAGE_MIN_BYTES` on (per tensor) glibc maps them anew, so their pages fault in at the
+    device's measured ``fresh_page_bytes_per_s``. Without that figure, or for a calibrated unit (whose
+    measured step has it), nothing. Other allocations of the step that grow with the context (eager
+    attention's repeated keys, latent attention's expansion) are not counted.
+    """
+    rate = device.fresh_page_bytes_per_s
+    wl = ctx.workload
+    if device.kind != "cpu" or not rate or not unit.kv_bytes_per_token or _calibrated(ctx, unit, device):
+        return 0.0
+    per_token = wl.batch_size * unit.kv_bytes_per_token / _CACHE_TENSORS
+    floor = math.ceil(FRESH_PAGE_MIN_BYTES / per_token)
+    cached = contexts_at_least(wl.prompt_len + 1, wl.decode_steps, unit.kv_window_tokens, floor)
+    return _CACHE_TENSORS * per_token * cached / rate
+
+
+def contexts_at_least(ctx0: int, steps: int, window: int | None, floor: int) -> int:
+    """Sum over ``steps`` decode steps of the cached tokens ``c_t`` (``ctx0 + t``, at most ``window``) of the
+    steps with ``c_t >= floor``: closed form of what :func:`_kv_positions_read` counts, cut below ``floor``."""
+    growing = steps if window is None else max(0, min(steps, window - ctx0))
+    low, high = max(ctx0, floor), ctx0 + growing - 1
+    total = (low + high) * (high - low + 1) // 2 if high >= low else 0
+    if window is not None and window >= floor:
+        total += (steps - growing) * window
+    return total
+
+
 def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
     """Decode steps before a sliding layer's cache reaches its window, from which on every step reads the
     window (:func:`_decode_lines` start at the first step's context); None: the cache grows to the end."""
@@ -561,7 +597,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
             lines.append((copy, 0.0))
         else:
             lines = [(a + copy, b) for a, b in lines]
-        decode = _sum_capped_lines(lines, wl.decode_steps, _growing_steps(unit, wl))
+        decode = _sum_capped_lines(lines, wl.decode_steps, _growing_steps(unit, wl)) + _fresh_pages_s(ctx, unit, device)
     host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
     disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
     trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)

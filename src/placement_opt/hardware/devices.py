@@ -29,6 +29,7 @@ __all__ = [
     "gpu_index",
     "DEFAULT_GPU_RESERVE_BYTES",
     "MAX_MEMORY_BYTES",
+    "FRESH_PAGE_MIN_BYTES",
     "replace_device",
 ]
 
@@ -38,6 +39,10 @@ MAX_MEMORY_BYTES = 2**53
 
 #: CUDA context plus allocator slack kept free on every GPU whose capacity was not given by the user.
 DEFAULT_GPU_RESERVE_BYTES = 1 * GIB
+#: Allocations from this size on get new pages from the OS at every allocation under glibc's malloc: its
+#: ``mmap`` threshold rises with the chunks a process frees up to this cap (``DEFAULT_MMAP_THRESHOLD_MAX``
+#: on 64-bit Linux) and never above it, so a tensor this large is mapped anew, and faults its pages in.
+FRESH_PAGE_MIN_BYTES = 32 * 2**20
 
 _NAME_RE = re.compile(r"^(cuda:(\d+)|cpu|disk)$")
 _HALF_DTYPES = ("float16", "bfloat16", "half", "fp16", "bf16")
@@ -124,6 +129,10 @@ class Device:
         shared_bandwidth: CPU: what host RAM serves all its readers together, the cores and the GPUs'
             copies (bytes/s); default ``bandwidth`` (a datasheet's memory bandwidth). A profile sets it
             from its fastest measured traffic, as ``bandwidth`` there is one dtype's matrix-vector rate.
+        fresh_page: CPU: bytes/s at which the OS hands a large new tensor its pages, on top of writing
+            them (glibc's malloc maps every allocation of :data:`FRESH_PAGE_MIN_BYTES` or more anew, and
+            each page faults in on first touch); None: not measured, or no such cost measured (another
+            allocator, such as jemalloc, reuses the memory). A profile measures it.
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -140,6 +149,7 @@ class Device:
     source: str
     flops_by_tokens: tuple[tuple[int, float], ...]
     shared_bandwidth_bytes_per_s: float
+    fresh_page_bytes_per_s: float | None
 
     def __init__(
         self,
@@ -154,6 +164,7 @@ class Device:
         source: str | None = None,
         flops_by_tokens: Iterable[tuple[int, float]] = (),
         shared_bandwidth: float | None = None,
+        fresh_page: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -164,7 +175,8 @@ class Device:
                 f"memory of {canonical} is {format_bytes(memory_bytes)} ({memory_bytes} bytes): accepted are "
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
-                             ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth)):
+                             ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth),
+                             ("fresh_page", fresh_page)):
             _checked_speed(label, canonical, value)
         guessed = flops is None or bandwidth is None
         values = {
@@ -181,6 +193,7 @@ class Device:
             "flops_by_tokens": _check_curve(canonical, flops_by_tokens),
         }
         values["shared_bandwidth_bytes_per_s"] = float(shared_bandwidth or values["bandwidth_bytes_per_s"])
+        values["fresh_page_bytes_per_s"] = float(fresh_page) if fresh_page is not None else None
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -249,7 +262,8 @@ class Device:
                    host_link=data.get("host_link_bytes_per_s") or None,
                    peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"),
                    flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())],
-                   shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None)
+                   shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None,
+                   fresh_page=data.get("fresh_page_bytes_per_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
