@@ -261,6 +261,7 @@ class NodeSchema(_Strict):
     cpu_attention_bytes_per_token_ctx: NonNegativeInt | None = None
     decode_workspace_bytes: NonNegativeInt | None = None
     decode_workspace_bytes_per_ctx: NonNegativeInt | None = None
+    ops_per_forward: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):
@@ -309,6 +310,7 @@ class MeasurementSchema(_Open):
     sequential_read_bytes_per_s: float | None = None
     mapped_read_bytes_per_s: float | None = None
     fresh_page_bytes_per_s: NonNegativeFloat | None = None
+    op_overhead_s: NonNegativeFloat | None = None
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}
 
 

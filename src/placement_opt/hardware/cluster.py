@@ -108,7 +108,8 @@ class Host:
                        reserve=cpu.reserve_bytes // self.cpu_ranks, source=cpu.source,
                        flops_by_tokens=[(t, f / self.cpu_ranks) for t, f in cpu.flops_by_tokens],
                        shared_bandwidth=cpu.shared_bandwidth_bytes_per_s / self.cpu_ranks,
-                       fresh_page=cpu.fresh_page_bytes_per_s / self.cpu_ranks if cpu.fresh_page_bytes_per_s else None)
+                       fresh_page=cpu.fresh_page_bytes_per_s / self.cpu_ranks if cpu.fresh_page_bytes_per_s else None,
+                       op_overhead_s=cpu.op_overhead_s)
         return [share] * self.cpu_ranks
 
 

@@ -133,6 +133,9 @@ class Device:
             them (glibc's malloc maps every allocation of :data:`FRESH_PAGE_MIN_BYTES` or more anew, and
             each page faults in on first touch); None: not measured, or no such cost measured (another
             allocator, such as jemalloc, reuses the memory). A profile measures it.
+        op_overhead_s: seconds the host spends per torch op a model's forward dispatches to this device
+            (the dispatch and the Python around it), whatever the op's size; None: the cost model's default
+            for the kind. A profile measures it on a small transformers model.
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -150,6 +153,7 @@ class Device:
     flops_by_tokens: tuple[tuple[int, float], ...]
     shared_bandwidth_bytes_per_s: float
     fresh_page_bytes_per_s: float | None
+    op_overhead_s: float | None
 
     def __init__(
         self,
@@ -165,6 +169,7 @@ class Device:
         flops_by_tokens: Iterable[tuple[int, float]] = (),
         shared_bandwidth: float | None = None,
         fresh_page: float | None = None,
+        op_overhead_s: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -176,7 +181,7 @@ class Device:
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth),
-                             ("fresh_page", fresh_page)):
+                             ("fresh_page", fresh_page), ("op_overhead_s", op_overhead_s)):
             _checked_speed(label, canonical, value)
         guessed = flops is None or bandwidth is None
         values = {
@@ -194,6 +199,7 @@ class Device:
         }
         values["shared_bandwidth_bytes_per_s"] = float(shared_bandwidth or values["bandwidth_bytes_per_s"])
         values["fresh_page_bytes_per_s"] = float(fresh_page) if fresh_page is not None else None
+        values["op_overhead_s"] = float(op_overhead_s) if op_overhead_s is not None else None
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -263,7 +269,8 @@ class Device:
                    peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"),
                    flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())],
                    shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None,
-                   fresh_page=data.get("fresh_page_bytes_per_s") or None)
+                   fresh_page=data.get("fresh_page_bytes_per_s") or None,
+                   op_overhead_s=data.get("op_overhead_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "

@@ -134,11 +134,12 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         # and writes together: what the cores and the GPUs' copies share.
         shared = max([*entry["matvec_bytes_per_s"].values(), 2 * entry.get("copy_bytes_per_s", 0), bandwidth])
         return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source, flops_by_tokens=curve,
-                      shared_bandwidth=shared, fresh_page=entry.get("fresh_page_bytes_per_s") or None)
+                      shared_bandwidth=shared, fresh_page=entry.get("fresh_page_bytes_per_s") or None,
+                      op_overhead_s=entry.get("op_overhead_s") or None)
     # CUDA path (not exercised on machines without a GPU)
     return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
                   host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
-                  source=source, flops_by_tokens=curve)
+                  source=source, flops_by_tokens=curve, op_overhead_s=entry.get("op_overhead_s") or None)
 
 
 def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:

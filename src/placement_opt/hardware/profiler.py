@@ -4,7 +4,10 @@
 
 * CPU: matmul FLOP/s (square), the FLOP/s of a linear layer (2048 x 5632) by tokens per forward
   (1 to 1024: small batches run far below peak), matrix-vector throughput (weight bytes read per
-  second, what a decode step achieves) in float32, bfloat16 and float16, and memory copy bandwidth;
+  second, what a decode step achieves) in float32, bfloat16 and float16, memory copy bandwidth, the rate
+  at which a large new tensor gets its pages (``fresh_page_bytes_per_s``: what a long KV cache's growth
+  pays every decode step under glibc), and the host's seconds per torch op of a tiny transformers model's
+  forward (``op_overhead_s``, which the cost model multiplies by each unit's traced op count);
 * disk: read bandwidth of a scratch file in the offload folder, **cold**: the file's pages are
   dropped from the page cache (``posix_fadvise(DONTNEED)``) before it is read. Weights go to disk
   when they do not fit in RAM, and then the page cache cannot hold them either, so a warm figure
@@ -14,7 +17,8 @@
   which is how accelerate loads offloaded weights (``np.memmap``); the disk device carries the
   first (the cost model derates it for accelerate's reads, see ``cost.MAPPED_READ_FACTOR``).
 * CUDA (when present; skipped on machines without it): matmul FLOP/s, HBM copy bandwidth, pinned
-  and pageable host -> device copies, and peer copies between GPUs.
+  and pageable host -> device copies, peer copies between GPUs, and the seconds per op of the tiny
+  model's forward on the GPU (host work and launches).
 
 Results are saved as JSON (default ``~/.cache/placement_opt/profile.json``, or the path in the
 ``PLACEMENT_OPT_PROFILE`` environment variable) so that solving never re-measures:
@@ -149,10 +153,51 @@ def _measure_cpu(quick: bool, dtypes: tuple[str, ...], counted: Bar) -> dict[str
     copy = 2 * src.numel() / _best_time(lambda: dst.copy_(src), repeats, min_total_s=least)
     counted.advance(1, "cpu: fresh pages")
     fresh = _fresh_page_rate(torch, repeats, least)
+    counted.advance(1, "cpu: seconds per op of a small model")
+    per_op = _op_overhead_s(torch, "cpu", repeats, least)
     counted.advance(1)
     return {"memory_bytes": int(psutil.virtual_memory().total), "threads": torch.get_num_threads(),
             "matmul_flops_per_s": matmul, "matvec_bytes_per_s": matvec, "copy_bytes_per_s": copy,
-            "fresh_page_bytes_per_s": fresh, "linear_flops_by_tokens": curves}
+            "fresh_page_bytes_per_s": fresh, "op_overhead_s": per_op, "linear_flops_by_tokens": curves}
+
+
+#: Size queries a dispatch mode may see that no forward pays as an op.
+_QUERIES = ("size", "stride", "sym_size", "sym_stride", "dim", "numel", "sym_numel", "is_contiguous",
+            "storage_offset")
+
+
+def _op_overhead_s(torch: Any, device: str, repeats: int, least: float,
+                   sync: Callable[[], None] = lambda: None) -> float:
+    """Host seconds per torch op of a small transformers model's forward on ``device``.
+
+    A Llama of hidden 64 (2 layers, 8 tokens) computes next to nothing, so its forward is what the host spends
+    dispatching its ops and running the Python around them: its best time over the ops it dispatches, counted
+    as the trace counts a unit's (``ops_per_forward``). The cost model multiplies the figure by each unit's count.
+    """
+    import warnings
+
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func._overloadpacket.__name__ not in _QUERIES:
+                Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.LlamaForCausalLM(config).to(device).eval()
+    ids = torch.zeros((1, 8), dtype=torch.long, device=device)
+    with torch.no_grad():
+        with Counting():
+            model(input_ids=ids)
+        seconds = _best_time(lambda: model(input_ids=ids), repeats, sync, least)
+    return seconds / max(1, Counting.ops)
 
 
 #: The new tensor whose pages :func:`_fresh_page_rate` times: above glibc's largest mmap threshold
@@ -264,8 +309,10 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
     pinned = host.pin_memory()
     pageable = size / _best_time(lambda: dst.copy_(host), repeats, sync)
     pinned_rate = size / _best_time(lambda: dst.copy_(pinned, non_blocking=True), repeats, sync)
+    counted.advance(1, f"{device}: seconds per op of a small model")
+    per_op = _op_overhead_s(torch, device, repeats, _MIN_MEASURE_S, sync)
     counted.advance(1)
-    entry: dict[str, Any] = {"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
+    entry: dict[str, Any] = {"op_overhead_s": per_op,"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
                              "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
@@ -360,10 +407,10 @@ def _merge_dtypes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, 
 def _measurement_count(name: str, dtypes: tuple[str, ...]) -> int:
     """How many steps the bar counts for one device (what ``_measure_*`` advance by)."""
     if name == "cpu":
-        return 3 * len(dtypes) + 2
+        return 3 * len(dtypes) + 3
     if name == "disk":
         return 1 + _DISK_ROUNDS
-    return 2 * len(dtypes) + 2  # pragma: no cover - needs a GPU
+    return 2 * len(dtypes) + 3  # pragma: no cover - needs a GPU
 
 
 def _measure(name: str, quick: bool, offload_folder: str | os.PathLike[str] | None,

@@ -63,6 +63,16 @@ class UnitPeak:
     cpu_peak: tuple[int, int] | None = None
     """The moment of an attention call a CPU cannot fuse (:class:`FusedAttention`), with the math path's
     intermediates alive; None: every call fuses on a CPU too."""
+    ops: int = 0
+    """Ops the unit ran itself (a fused attention call is one); glue ops charged to it are in :attr:`glue_ops`."""
+    glue_ops: int = 0
+    """Ops run outside every unit since the unit before it (masks, rotary tables, residual adds of a sublayer
+    graph), charged to it as glue FLOPs are."""
+
+    @property
+    def all_ops(self) -> int:
+        """The ops one forward of the unit costs the host: its own and the glue before it."""
+        return self.ops + self.glue_ops
 
     def see_cpu(self, alive: tuple[int, int]) -> None:
         if self.cpu_peak is None or (alive[1], alive[0]) > (self.cpu_peak[1], self.cpu_peak[0]):
@@ -100,6 +110,8 @@ class LiveBytes:
     peaks: dict[str, UnitPeak] = field(default_factory=dict)
     paused: bool = False
     """While True (inside a fused op, :class:`FusedAttention`), ops allocate nothing that counts."""
+    counting_ops: bool = True
+    """While False (a replay making its outputs), ops allocate as they do but are not the model's."""
     _alive: dict[int, tuple[int, bool]] = field(default_factory=dict)
     _glue: UnitPeak = field(default_factory=UnitPeak)
     """Moments seen outside every unit since the last one ran, charged to the next unit (as glue FLOPs are):
@@ -119,15 +131,19 @@ class LiveBytes:
         peak.see(self._glue.score_peak, self._glue.score_at_attention)
         if self._glue.cpu_peak is not None:
             peak.see_cpu(self._glue.cpu_peak)
+        peak.glue_ops += self._glue.ops
         self._glue = UnitPeak()
 
     def record(self, unit: str | None, func: object, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor],
-               *, linear: bool = False, attention: bool = False) -> None:
+               *, linear: bool = False, attention: bool = False, op: bool = True) -> None:
         """Account the new storages among ``outputs`` of one op run by ``unit`` (None: outside every unit);
         ``linear``: they scale with the tokens whatever their shape (attention's output, ``(q, head size)``);
-        ``attention``: the moment after them is a fused attention call's (:attr:`UnitPeak.score_peak`)."""
+        ``attention``: the moment after them is a fused attention call's (:attr:`UnitPeak.score_peak`);
+        ``op``: one dispatched op (False: storages made inside another op, a fused call's mask copy)."""
         if self.paused:
             return
+        if op and self.counting_ops:
+            (self.peaks.setdefault(unit, UnitPeak()) if unit is not None else self._glue).ops += 1
         inputs = list(inputs)
         read = {_storage_key(t) for t in inputs}
         packet = getattr(func, "_overloadpacket", func)
@@ -148,6 +164,7 @@ class LiveBytes:
         learned = self.peaks.get(learned_from)
         if learned is None:  # its run was a method call that no hook saw (Gemma-3n's altup): nothing measured
             return
+        peak.ops += learned.ops
         linear, scores = learned.above_entry()
         peak.see(_plus(peak.entry, linear))
         peak.see(_plus(peak.entry, scores), learned.score_at_attention)
@@ -243,7 +260,7 @@ class FusedAttention(TorchFunctionMode):
         finally:
             self.memory.paused = False
         if converted is not None:  # context-shaped as the mask it is made from
-            self.memory.record(self.unit(), func, [_mask(args, kwargs)], [converted])
+            self.memory.record(self.unit(), func, [_mask(args, kwargs)], [converted], op=False)
         math = _MathPath(self.memory.seq_len) if _cpu_cannot_fuse(args, kwargs) else None
         self.memory.paused = True
         try:

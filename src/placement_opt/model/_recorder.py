@@ -115,6 +115,7 @@ def run(
     record.workspace = {n: (p.linear_peak, p.score_peak) for n, p in memory.peaks.items()}
     record.cpu_attention = {n: p.cpu_peak for n, p in memory.peaks.items() if p.cpu_peak is not None}
     record.entry_bytes = {n: p.entry[0] for n, p in memory.peaks.items()}
+    record.ops = {n: p.all_ops for n, p in memory.peaks.items()}
     return record
 
 
@@ -167,6 +168,9 @@ class Record:
     """Units whose attention a CPU cannot fuse: (linear, context-shaped) bytes alive at its math path's peak."""
     entry_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> linear activation bytes alive when it started (what earlier units left alive)."""
+    ops: dict[str, int] = field(default_factory=dict)
+    """Unit -> torch ops one forward dispatches for it: its own (a fused attention call counted once) and the glue
+    ops since the unit before it. Each costs the host its dispatch and the Python around it."""
     returned_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> bytes of the distinct tensors its forward returned, attention-score shaped ones apart (eager
     attention's probabilities, which the fused kernels that run never return)."""
@@ -461,7 +465,11 @@ class _BlockReplay:
             elif item[0] == "value":
                 leaves.append(item[1])
             else:
-                tensor = torch.empty(item[0], dtype=item[1], device="meta")
+                recorder.memory.counting_ops = False  # the stand-in's, not an op of the model
+                try:
+                    tensor = torch.empty(item[0], dtype=item[1], device="meta")
+                finally:
+                    recorder.memory.counting_ops = True
                 if item[2]:
                     recorder.memory.mark_context(tensor)
                 recorder.producers.set(tensor, frozenset({name}))

@@ -98,7 +98,7 @@ GRANULARITIES = ("block", "module", "sublayer")
 
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
-           "CPU_ATTENTION_NODE_ATTRIBUTES", "DECODE_NODE_ATTRIBUTES",
+           "CPU_ATTENTION_NODE_ATTRIBUTES", "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES",
            "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
@@ -153,8 +153,14 @@ CPU_ATTENTION_NODE_ATTRIBUTES: dict[str, type] = {"cpu_attention_bytes_per_token
 #: copy, keys and values repeated to every head or expanded from latents, eager attention's scores).
 DECODE_NODE_ATTRIBUTES: dict[str, type] = {"decode_workspace_bytes": int, "decode_workspace_bytes_per_ctx": int}
 
+#: Attribute of a unit counted by the meta trace: the torch ops one forward dispatches for it (its own, a fused
+#: attention call as one, and the glue ops run since the unit before it). The host spends a dispatch and the Python
+#: around it on each, whatever its size: what bounds a small model's steps, and a GPU's decode steps.
+OPS_NODE_ATTRIBUTES: dict[str, type] = {"ops_per_forward": int}
+
 _OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
-             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES}
+             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES,
+             **OPS_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +217,9 @@ class UnitInfo:
     by meta decode steps); None: not measured, the cost model prices the step from the prefill's figures."""
     decode_workspace_bytes_per_ctx: int | None = None
     """What that grows by per cached token per sequence."""
+    ops_per_forward: int | None = None
+    """Torch ops one forward dispatches for the unit, the glue before it included (counted by the meta trace);
+    None: not counted, the cost model charges a fixed overhead per unit."""
 
     def kv_tokens(self, context: int) -> int:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""
