@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 from _overlap import simulated_waits
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
-from placement_opt.cost.pricing import NS_PER_S, UNIT_OVERHEAD_S, PricingContext, home_device
+from placement_opt.cost.pricing import (
+    NS_PER_S,
+    OP_OVERHEAD_S,
+    UNIT_OVERHEAD_S,
+    PricingContext,
+    home_device,
+)
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, UnitInfo, chain_graph
@@ -32,18 +38,20 @@ GIB = 2**30
 
 
 @functools.cache
-def _graph(family: str) -> LayerGraph:
-    """Tiny sublayer graphs: Mixtral's is a chain with side edges, Qwen2-MoE's branches (shared expert)."""
+def _config(family: str) -> transformers.PretrainedConfig:
     if family == "mixtral":
-        config = transformers.MixtralConfig(
+        return transformers.MixtralConfig(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    else:
-        config = transformers.Qwen2MoeConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            num_experts=4, num_experts_per_tok=2)
-    return trace(config, seq_len=16, granularity="sublayer")
+    return transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2)
+
+
+def _graph(family: str) -> LayerGraph:
+    """Tiny sublayer graphs: Mixtral's is a chain with side edges, Qwen2-MoE's branches (shared expert)."""
+    return trace(_config(family), seq_len=16, granularity="sublayer")
 
 
 def _as_block(graph: LayerGraph) -> LayerGraph:
@@ -133,10 +141,19 @@ def test_score_is_each_units_compute_plus_its_round_trips_off_home(family: str, 
                                                       abs=len(problem.units) + 1)
 
 
+def _uncounted(graph: LayerGraph) -> LayerGraph:
+    """``graph`` without the traced op counts: its units pay the fixed per-unit overhead."""
+    digraph = graph.nx.copy()
+    for _, attrs in digraph.nodes(data=True):
+        attrs.pop("ops_per_forward", None)
+    return LayerGraph(digraph, graph.meta)
+
+
 def test_a_final_norm_like_a_layers_norms_pays_a_whole_units_overhead() -> None:
     """Units priced once per distinct row (decoder layers) must agree on their overhead share too: the model's
-    final norm has the same sizes and FLOPs as a layer's norms, which share their layer's overhead."""
-    graph = _as_block(_graph("mixtral"))  # sublayer units priced without a home: no round-trip bytes in the key
+    final norm has the same sizes and FLOPs as a layer's norms, which share their layer's fixed overhead where
+    their ops were not counted."""
+    graph = _uncounted(_as_block(_graph("mixtral")))  # no home: no round-trip bytes in the key
     problem = build_problem(graph, _machine(0), Workload(prompt_len=16, new_tokens=0))
     final, in_layer = (_options(problem, name)[("cpu", "cpu", "resident", None)]
                        for name in ("model.norm", "model.layers.0.input_layernorm"))
@@ -144,6 +161,25 @@ def test_a_final_norm_like_a_layers_norms_pays_a_whole_units_overhead() -> None:
     assert parts > 1
     overhead_ns = UNIT_OVERHEAD_S["cpu"] * NS_PER_S
     assert final.prefill_ns - in_layer.prefill_ns == pytest.approx(overhead_ns * (1 - 1 / parts), abs=2)
+
+
+def test_counted_units_pay_their_own_ops_whatever_their_block() -> None:
+    """With the trace's op counts, the final norm and a layer's norm each pay what they dispatch (the glue before
+    them included), and a layer's parts together pay what the whole layer dispatches."""
+    graph = _as_block(_graph("mixtral"))
+    zero = _uncounted(graph)
+    for name in ("model.norm", "model.layers.0.input_layernorm", "model.layers.1.self_attn"):
+        with_ops, without = (_options(build_problem(g, _machine(0), Workload(prompt_len=16, new_tokens=0)), name)
+                             [("cpu", "cpu", "resident", None)] for g in (graph, zero))
+        parts = PricingContext(zero, _machine(0), Workload()).block_parts(zero.unit(name))
+        fixed = UNIT_OVERHEAD_S["cpu"] / parts
+        ops = graph.unit(name).ops_per_forward
+        assert ops > 0
+        assert with_ops.prefill_ns - without.prefill_ns == pytest.approx((ops * OP_OVERHEAD_S["cpu"] - fixed) * NS_PER_S,
+                                                                        abs=2)
+    layer = trace(_config("mixtral"), seq_len=16, granularity="block")
+    parts = [u for u in graph.names() if u.startswith("model.layers.1.")]
+    assert sum(graph.unit(u).ops_per_forward for u in parts) == layer.unit("model.layers.1").ops_per_forward
 
 
 def test_a_sublayer_graph_is_a_free_chain_in_execution_order() -> None:
@@ -294,12 +330,19 @@ def test_the_gpu_holds_one_copy_group_buffer_of_the_parts_that_stream() -> None:
         assert used(parts) - used(()) == 2 * one_layer - freed, parts
 
 
-def test_a_layer_cut_into_parts_pays_the_layers_overhead_once() -> None:
+@pytest.mark.parametrize("shape", ["tiny", "wide mlp"])
+def test_a_layer_cut_into_parts_pays_the_layers_overhead_once(shape: str) -> None:
     """Everything resident on the GPU, the same model as layers and as sublayer units: the tiny units' time is
-    their fixed overhead, which a layer's parts share (5 parts a Mixtral layer used to pay 5 layers' worth)."""
-    config = transformers.MixtralConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    the host's (5 parts a Mixtral layer used to pay 5 layers' worth). In the wide one the host bounds the attention
+    and the kernels bound the MLP: a GPU runs kernels while the host queues, so a layer costs the longer of the
+    two, and its parts together must cost the same (taken part by part, the longer of each would sum to more)."""
+    if shape == "tiny":
+        config = transformers.MixtralConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=65536,
+                                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8)
     machine, wl = _machine(1), Workload(prompt_len=8, new_tokens=4)
     latency = {}
     for granularity in ("block", "sublayer"):

@@ -89,9 +89,14 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     units = graph.units()
     priced: dict[tuple[Any, ...], list[OptionPrice]] = {}  # identical units (decoder layers) priced once
     parts = []
+    logits = graph.meta.extra.get("logits_unit")
+    blocks: dict[str, tuple[Any, ...]] = {}  # block -> its parts' keys: a part's host time is its block's share
+    for u in units:
+        if u.block is not None:
+            blocks[u.block] = (*blocks.get(u.block, ()), _price_key(u, logits))
     for u in units:
         # a part of a block shares the block's overhead (a final norm is priced apart from a layer's norms)
-        key = (*_price_key(u, graph.meta.extra.get("logits_unit")), *ctx.overhead_share(u))
+        key = (*_price_key(u, logits), *ctx.overhead_share(u), blocks.get(u.block, ()) if u.block else ())
         if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
             key += (unit_io_bytes(graph, u)[0],)
         if key not in priced:
@@ -157,7 +162,7 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
             unit.scores_workspace_bytes_per_token_ctx, unit.kv_window_tokens, unit.latent_expand_flops_per_ctx,
             unit.latent_expand_bytes_per_ctx, unit.latent_expand_cpu_bytes_per_ctx, unit.cpu_attention_bytes_per_token,
             unit.cpu_attention_bytes_per_token_ctx, unit.decode_workspace_bytes, unit.decode_workspace_bytes_per_ctx,
-            unit.name == logits_unit)
+            unit.ops_per_forward, unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

@@ -11,10 +11,15 @@ CPU or streamed to every GPU. ``stream`` overlaps the copy with compute (placeme
 dispatcher prefetches the next unit), ``stream_sync`` adds it (accelerate's hooks copy tensor by
 tensor, from pageable memory).
 
-Time of one forward of a unit on E is a roofline plus a fixed per-unit overhead::
+Time of one forward of a unit on E is a roofline plus the host's time for it::
 
     t = max(FLOPs / (peak FLOP/s x compute efficiency), bytes / (bandwidth x bandwidth efficiency))
         + overhead(E)
+
+where ``overhead(E)`` is the unit's traced op count x the host's seconds per op on E (a profile's
+``op_overhead_s``, else :data:`OP_OVERHEAD_S`), or :data:`UNIT_OVERHEAD_S` for a unit whose ops were not
+counted. On a GPU, whose kernels run while the host queues the next, the ops' time joins the ``max``
+instead of adding to it (:meth:`PricingContext.launches_ahead`).
 
 Efficiencies are the :data:`COMPUTE_EFFICIENCY` / :data:`BANDWIDTH_EFFICIENCY` tables for
 datasheet figures and 1.0 for figures measured by :func:`placement_opt.profile` (which are
@@ -111,6 +116,8 @@ __all__ = [
     "COMPUTE_EFFICIENCY",
     "BANDWIDTH_EFFICIENCY",
     "UNIT_OVERHEAD_S",
+    "OP_OVERHEAD_S",
+    "op_overhead_s",
     "PAGEABLE_LINK_FACTOR",
     "MAPPED_READ_FACTOR",
     "CACHE_PASSES_PER_STEP",
@@ -124,8 +131,14 @@ NS_PER_S = 10**9
 COMPUTE_EFFICIENCY = {"gpu": 0.6, "cpu": 0.5, "disk": 1.0}
 #: Fraction of datasheet memory bandwidth that weight reads reach (measured figures use 1.0).
 BANDWIDTH_EFFICIENCY = {"gpu": 0.8, "cpu": 0.6, "disk": 0.9}
-#: Fixed cost of running one unit once (Python hooks, kernel launches, small ops).
+#: Fixed cost of running one unit once (Python hooks, kernel launches, small ops), for units whose ops the trace
+#: did not count (graphs saved before the count, static fallback graphs, hand-made units).
 UNIT_OVERHEAD_S = {"gpu": 60e-6, "cpu": 150e-6, "disk": 0.0}
+#: Host seconds per torch op of a forward (the dispatch and the Python around it) on a device whose profile did
+#: not measure it. CPU: measured on this project's 2-core VM (torch 2.13, transformers 5.24), a decoder layer's
+#: decode step at hidden 64 took 3.4-6.2 us per dispatched op (Llama, Mixtral, Qwen2-MoE, GPT-2; eager and
+#: sdpa). GPU: the same host work plus a kernel launch, a rule of thumb not yet measured here.
+OP_OVERHEAD_S = {"gpu": 8e-6, "cpu": 5e-6, "disk": 0.0}
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
 #: accelerate reads each disk tensor through its own ``np.memmap`` and copies it out: this fraction
@@ -210,15 +223,83 @@ class PricingContext:
     calibration: Calibration | None = None
 
     def overhead_s(self, unit: UnitInfo, device: Device) -> float:
-        """:data:`UNIT_OVERHEAD_S` of ``device``'s kind, shared equally among the parts of a block
+        """Seconds the host spends running one forward of ``unit`` on ``device`` beside its kernels.
+
+        A unit whose ops the trace counted (``ops_per_forward``) costs them at the device's
+        ``op_overhead_s`` (measured by a profile; else :data:`OP_OVERHEAD_S` of its kind): its own share of
+        its block, and each expert group its own run of the experts' code. Otherwise, :data:`UNIT_OVERHEAD_S`
+        of ``device``'s kind, shared equally among the parts of a block
         (``UnitInfo.block``): a layer launches the same kernels whether it runs as one unit or as its
         attention and MLP, so cutting it does not multiply its overhead. Expert groups do multiply it: each
         group runs the experts' routing and kernels again, so a layer's ``G`` groups share the experts part's
         share and add ``G - 1`` overheads (about what one more group cost per call on this project's CPU:
         a tiny Mixtral decoded at 1054 tokens/s with its experts whole and 551 with 4 groups a layer)."""
+        if unit.ops_per_forward is not None and device.kind != "disk":
+            return unit.ops_per_forward * self._seconds_per_op(device)
         whole = UNIT_OVERHEAD_S[device.kind]
         parts, groups = self.overhead_share(unit)
         return (whole / parts + whole * (groups - 1)) / groups
+
+    def _seconds_per_op(self, device: Device) -> float:
+        """:func:`op_overhead_s` of ``device``; a CPU beside GPUs pays at least a GPU's. A unit the host computes
+        between GPU units first waits for the GPU's queue (its inputs come back from it), and so gives up the lead
+        that lets a GPU's kernels run under the host's ops; that wait is not modelled, and without it the cheaper
+        CPU op would draw tiny units (rotary tables, norms) off an idle GPU for a saving that the wait undoes."""
+        rate = op_overhead_s(device)
+        if device.kind == "cpu" and self.machine.gpus:
+            rate = max(rate, *(op_overhead_s(gpu) for gpu in self.machine.gpus))
+        return rate
+
+    def exposed_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
+        """The host's time for ``unit`` on a GPU that its kernels do not hide, per forward (``"prefill"``) or decode
+        step (``"decode"``, at the middle step's context).
+
+        A GPU's kernels run while the host queues the next ops, so a run of units takes the longer of the host's
+        time and the kernels'. Taken unit by unit, that max would price a layer cut into parts (an attention the host
+        bounds, an MLP the kernels bound) above the same layer whole. It is taken over the unit's block instead
+        (``UnitInfo.block``; a unit outside every block is its own), as if all its parts ran on ``device``, and
+        shared among the parts by their ops: the parts of a block on one GPU then cost what the block costs whole.
+        """
+        key = (unit.block or unit.name, device.name, phase)
+        cache = self._exposed
+        if key not in cache:
+            members = self._block_members.get(unit.block, [unit]) if unit.block is not None else [unit]
+            host = sum(self.overhead_s(m, device) for m in members)
+            kernels = sum(self._kernel_s(m, device, phase) for m in members)
+            ops = sum(m.ops_per_forward or 0 for m in members)
+            cache[key] = (max(0.0, host - kernels), ops)
+        exposed, ops = cache[key]
+        return exposed * (unit.ops_per_forward or 0) / ops if ops else 0.0
+
+    def _kernel_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
+        """One forward (prefill) or middle decode step of ``unit`` on ``device`` without host time, or as measured."""
+        if phase == "prefill":
+            measured = _measured_prefill_s(self, unit, device)
+            return measured if measured is not None else _prefill_roofline_s(self, unit, device)
+        line = _measured_decode_line(self, unit, device)
+        lines = [line] if line is not None else _decode_roofline_lines(self, unit, device)
+        middle = self.workload.decode_steps // 2
+        return max(a + b * middle for a, b in lines)
+
+    @functools.cached_property
+    def _exposed(self) -> dict[tuple[str, str, str], tuple[float, int]]:
+        return {}
+
+    @functools.cached_property
+    def _block_members(self) -> dict[str, list[UnitInfo]]:
+        members: dict[str, list[UnitInfo]] = collections.defaultdict(list)
+        for u in self.graph.units():
+            if u.block is not None:
+                members[u.block].append(u)
+        return members
+
+    @staticmethod
+    def launches_ahead(unit: UnitInfo, device: Device) -> bool:
+        """Whether the host's time for ``unit`` overlaps its kernels rather than adding to them: a GPU runs what
+        the host queued while the host queues the next ops, so a forward takes the longer of the two. (A CPU
+        does both itself, in turn.) Only for units whose ops were counted: the fixed :data:`UNIT_OVERHEAD_S`
+        stands for hooks and syncs, which add."""
+        return device.is_gpu and unit.ops_per_forward is not None
 
     def overhead_share(self, unit: UnitInfo) -> tuple[int, int]:
         """(parts of its block, expert groups of its experts module): what :meth:`overhead_s` reads beside the
@@ -252,6 +333,11 @@ def home_device(machine: Machine) -> str | None:
     (None for a machine that computes nowhere, which no plan can use)."""
     computing = machine.gpus or machine.compute_devices
     return computing[0].name if computing else None
+
+
+def op_overhead_s(device: Device) -> float:
+    """Host seconds per torch op on ``device``: its profile's figure, else :data:`OP_OVERHEAD_S` of its kind."""
+    return device.op_overhead_s if device.op_overhead_s is not None else OP_OVERHEAD_S[device.kind]
 
 
 def host_memory_bytes_per_s(machine: Machine) -> float | None:
@@ -443,12 +529,26 @@ def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mo
 
 def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
+    measured = _measured_prefill_s(ctx, unit, device)
+    if measured is not None:
+        return measured
+    host = ctx.exposed_s(unit, device, "prefill") if ctx.launches_ahead(unit, device) else ctx.overhead_s(unit, device)
+    seconds = _prefill_roofline_s(ctx, unit, device) + host
+    if ctx.workload.training:
+        seconds *= _TRAIN_COMPUTE_FORWARDS[ctx.workload.activation_checkpointing]
+    return seconds
+
+
+def _measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
+    """The unit's calibrated prefill on ``device`` (its host time included), or None."""
     wl = ctx.workload
     measured = _calibrated(ctx, unit, device)
-    if measured is not None:
-        seconds = measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
-        if seconds is not None:
-            return seconds
+    return None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
+
+
+def _prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+    """The roofline of one forward of the unit over the prompt on ``device``: its kernels, no host time."""
+    wl = ctx.workload
     tokens = wl.batch_size * wl.prompt_len
     rows = _prefill_rows(ctx, unit)
     flops_s, bytes_s = _achieved(device, rows)
@@ -457,10 +557,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
     touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
                + tokens * unit.kv_bytes_per_token)
-    seconds = max(flops / flops_s, touched / bytes_s) + ctx.overhead_s(unit, device)
-    if wl.training:
-        seconds *= _TRAIN_COMPUTE_FORWARDS[wl.activation_checkpointing]
-    return seconds
+    return max(flops / flops_s, touched / bytes_s)
 
 
 def _prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
@@ -480,18 +577,30 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
 
     A calibrated unit has one line: its measured step at the first context, growing with the context.
     """
+    measured = _measured_decode_line(ctx, unit, device)
+    if measured is not None:
+        return [measured]
+    host = ctx.exposed_s(unit, device, "decode") if ctx.launches_ahead(unit, device) else ctx.overhead_s(unit, device)
+    return [(a + host, b) for a, b in _decode_roofline_lines(ctx, unit, device)]
+
+
+def _measured_decode_line(ctx: PricingContext, unit: UnitInfo, device: Device) -> tuple[float, float] | None:
+    """The unit's calibrated decode step on ``device`` at the first step's context, and its growth per step."""
+    wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    return None if measured is None else measured.decode_line(wl.batch_size, unit.kv_tokens(wl.prompt_len + 1))
+
+
+def _decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
+    """:func:`_decode_lines` without the host's time: the FLOPs line and the bytes line of the kernels."""
     wl = ctx.workload
     ctx0 = unit.kv_tokens(wl.prompt_len + 1)  # a sliding layer past its window starts (and stays) there
-    measured = _calibrated(ctx, unit, device)
-    line = measured.decode_line(wl.batch_size, ctx0) if measured is not None else None
-    if line is not None:
-        return [line]
     flops_s, bytes_s = _achieved(device, wl.batch_size)
     batch = wl.batch_size
     attn = unit.attn_flops_per_token_per_ctx
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     grows = _expand_s_per_cached(unit, device, batch, ctx0)
-    overhead = ctx.overhead_s(unit, device) + grows * ctx0
+    overhead = grows * ctx0
     flops = (batch * (base + attn * ctx0), batch * attn)
     # latent attention's expanded keys and values (on a CPU, the math path's copies too): written, then read
     expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
