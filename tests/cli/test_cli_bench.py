@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _cli import run_cli
 
 # The repository root, wherever this file sits under tests/.
@@ -176,3 +178,24 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
         return same == of
 
     assert all((r[8] == "reference" or equal(r[8])) and not r[9] for r in final.values()), final
+
+
+def test_the_ops_benchmark_prices_one_graph_with_and_without_its_op_counts(monkeypatch):
+    """benchmarks/cost_accuracy/ops.py: "before" is the same graph with every op count removed (the fixed overhead
+    per unit), "after" the graph as traced; both through evaluate, every unit on the CPU."""
+    from placement_opt.cost.pricing import OP_OVERHEAD_S, UNIT_OVERHEAD_S
+    from placement_opt.cost.workload import Workload
+    from placement_opt.hardware.devices import Device, Machine
+    from placement_opt.model.tracer import trace
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "cost_accuracy"))
+    ops = _script_module("cost_accuracy_ops", REPO / "benchmarks" / "cost_accuracy" / "ops.py")
+    graph = trace(ops.tiny_configs()["tiny llama"], seq_len=16)
+    bare = ops.uncounted(graph)
+    assert all(bare.unit(n).ops_per_forward is None for n in bare.names())
+    machine, workload = Machine([Device("cpu", 2**40, flops=1e12, bandwidth=1e11)]), Workload(prompt_len=16,
+                                                                                             new_tokens=4)
+    (before_prefill, _), (after_prefill, _) = (ops.predicted(g, machine, workload) for g in (bare, graph))
+    counted = sum(graph.unit(n).ops_per_forward for n in graph.names())
+    fixed = len(graph.names()) * UNIT_OVERHEAD_S["cpu"]
+    assert after_prefill - before_prefill == pytest.approx(counted * OP_OVERHEAD_S["cpu"] - fixed, rel=1e-6)

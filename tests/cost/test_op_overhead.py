@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from _models import tiny
 from placement_opt.cost.build import price_problem
 from placement_opt.cost.pricing import OP_OVERHEAD_S, UNIT_OVERHEAD_S
 from placement_opt.cost.workload import Workload
@@ -82,26 +83,15 @@ class _PerLayer(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-TINY = {
-    "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
-    "mixtral": lambda: transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                                  num_local_experts=4, num_experts_per_tok=2),
-    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, bos_token_id=0,
-                                            eos_token_id=0),
-}
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
 def test_the_trace_counts_the_ops_a_real_forward_dispatches_per_layer(family: str, attn: str) -> None:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(TINY[family](), attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny(family).config, attn_implementation=attn).eval()
     graph = trace(model, seq_len=16, granularity="block", dtype="float32")
     layers = {n: m for n, m in model.named_modules() if n in graph.names() and type(m).__name__.endswith(
         ("DecoderLayer", "Block"))}
-    assert len(layers) == 2
+    assert len(layers) >= 2
     counter = _PerLayer(layers)
     with torch.no_grad(), counter:
         model(input_ids=torch.randint(0, 128, (1, 16)))
