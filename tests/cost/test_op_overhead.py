@@ -14,6 +14,7 @@ from _models import tiny
 from placement_opt.cost.build import price_problem
 from placement_opt.cost.pricing import OP_OVERHEAD_S, UNIT_OVERHEAD_S
 from placement_opt.cost.workload import Workload
+from placement_opt.errors import DeviceSpecError
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, chain_graph
 from placement_opt.model.tracer import trace
@@ -100,3 +101,9 @@ def test_the_trace_counts_the_ops_a_real_forward_dispatches_per_layer(family: st
     second = list(layers)[1]
     traced, real = graph.unit(second).ops_per_forward, counter.ops[second]
     assert real * 0.9 <= traced <= real, (traced, real)
+
+
+@pytest.mark.parametrize("bad", [0, -1e-6, 2.0, float("nan")])
+def test_a_seconds_per_op_out_of_range_is_refused_with_what_to_give(bad: float) -> None:
+    with pytest.raises(DeviceSpecError, match="op_overhead_s of cpu is .*a few microseconds"):
+        Device("cpu", "1GiB", op_overhead_s=bad)

@@ -181,8 +181,11 @@ class Device:
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth),
-                             ("fresh_page", fresh_page), ("op_overhead_s", op_overhead_s)):
+                             ("fresh_page", fresh_page)):
             _checked_speed(label, canonical, value)
+        if op_overhead_s is not None and not (0 < float(op_overhead_s) < 1):
+            raise DeviceSpecError(f"op_overhead_s of {canonical} is {op_overhead_s!r}: the host's seconds per torch op "
+                                  f"must be between 0 and 1 (a few microseconds: 5e-6); leave it None for the default")
         guessed = flops is None or bandwidth is None
         values = {
             "name": canonical,
