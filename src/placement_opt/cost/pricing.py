@@ -18,8 +18,8 @@ Time of one forward of a unit on E is a roofline plus the host's time for it::
 
 where ``overhead(E)`` is the unit's traced op count x the host's seconds per op on E (a profile's
 ``op_overhead_s``, else :data:`OP_OVERHEAD_S`), or :data:`UNIT_OVERHEAD_S` for a unit whose ops were not
-counted. On a GPU, whose kernels run while the host queues the next, the ops' time joins the ``max``
-instead of adding to it (:meth:`PricingContext.launches_ahead`).
+counted. On a GPU, whose kernels run while the host queues the next, a block takes the longer of the ops'
+time and its kernels' instead of their sum (:meth:`PricingContext.host_s`).
 
 Efficiencies are the :data:`COMPUTE_EFFICIENCY` / :data:`BANDWIDTH_EFFICIENCY` tables for
 datasheet figures and 1.0 for figures measured by :func:`placement_opt.profile` (which are
@@ -250,6 +250,13 @@ class PricingContext:
             rate = max(rate, *(op_overhead_s(gpu) for gpu in self.machine.gpus))
         return rate
 
+    def host_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
+        """What the host's time for ``unit`` adds to its kernels' per forward (``"prefill"``) or decode step: all
+        of :meth:`overhead_s`, or on a GPU that queues ahead (:meth:`launches_ahead`) the part :meth:`exposed_s`."""
+        if self.launches_ahead(unit, device):
+            return self.exposed_s(unit, device, phase)
+        return self.overhead_s(unit, device)
+
     def exposed_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
         """The host's time for ``unit`` on a GPU that its kernels do not hide, per forward (``"prefill"``) or decode
         step (``"decode"``, at the middle step's context).
@@ -372,12 +379,10 @@ def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution
     return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
 
 
-def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> float:
+def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> int:
     """Cached positions per sequence the decode steps read in all: step t reads ``ctx0 + t``, a sliding layer
     at most its window."""
-    growing = steps if unit.kv_window_tokens is None else max(0, min(steps, unit.kv_window_tokens - ctx0))
-    at_window = (steps - growing) * (unit.kv_window_tokens or 0)
-    return ctx0 * growing + growing * (growing - 1) / 2 + at_window
+    return contexts_at_least(ctx0, steps, unit.kv_window_tokens, 0)
 
 
 def _disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
@@ -532,8 +537,7 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     measured = _measured_prefill_s(ctx, unit, device)
     if measured is not None:
         return measured
-    host = ctx.exposed_s(unit, device, "prefill") if ctx.launches_ahead(unit, device) else ctx.overhead_s(unit, device)
-    seconds = _prefill_roofline_s(ctx, unit, device) + host
+    seconds = _prefill_roofline_s(ctx, unit, device) + ctx.host_s(unit, device, "prefill")
     if ctx.workload.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[ctx.workload.activation_checkpointing]
     return seconds
@@ -580,7 +584,7 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     measured = _measured_decode_line(ctx, unit, device)
     if measured is not None:
         return [measured]
-    host = ctx.exposed_s(unit, device, "decode") if ctx.launches_ahead(unit, device) else ctx.overhead_s(unit, device)
+    host = ctx.host_s(unit, device, "decode")
     return [(a + host, b) for a, b in _decode_roofline_lines(ctx, unit, device)]
 
 
@@ -643,7 +647,7 @@ def _fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float
 
 def contexts_at_least(ctx0: int, steps: int, window: int | None, floor: int) -> int:
     """Sum over ``steps`` decode steps of the cached tokens ``c_t`` (``ctx0 + t``, at most ``window``) of the
-    steps with ``c_t >= floor``: closed form of what :func:`_kv_positions_read` counts, cut below ``floor``."""
+    steps with ``c_t >= floor``, in closed form (``floor`` 0: every step's)."""
     growing = steps if window is None else max(0, min(steps, window - ctx0))
     low, high = max(ctx0, floor), ctx0 + growing - 1
     total = (low + high) * (high - low + 1) // 2 if high >= low else 0

@@ -183,8 +183,7 @@ def _op_overhead_s(torch: Any, device: str, repeats: int, least: float,
         ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if func._overloadpacket.__name__ not in _QUERIES:
-                Counting.ops += 1
+            self.ops += func._overloadpacket.__name__ not in _QUERIES
             return func(*args, **(kwargs or {}))
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -193,11 +192,12 @@ def _op_overhead_s(torch: Any, device: str, repeats: int, least: float,
         warnings.simplefilter("ignore")
         model = transformers.LlamaForCausalLM(config).to(device).eval()
     ids = torch.zeros((1, 8), dtype=torch.long, device=device)
+    counting = Counting()
     with torch.no_grad():
-        with Counting():
+        with counting:
             model(input_ids=ids)
         seconds = _best_time(lambda: model(input_ids=ids), repeats, sync, least)
-    return seconds / max(1, Counting.ops)
+    return seconds / max(1, counting.ops)
 
 
 #: The new tensor whose pages :func:`_fresh_page_rate` times: above glibc's largest mmap threshold
@@ -312,11 +312,11 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
     counted.advance(1, f"{device}: seconds per op of a small model")
     per_op = _op_overhead_s(torch, device, repeats, _MIN_MEASURE_S, sync)
     counted.advance(1)
-    entry: dict[str, Any] = {"op_overhead_s": per_op,"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
+    entry: dict[str, Any] = {"memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
                              "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
-                             "pageable_h2d_bytes_per_s": pageable}
+                             "pageable_h2d_bytes_per_s": pageable, "op_overhead_s": per_op}
     peers = [j for j in range(cuda_device_count()) if j != index]
     if peers:
         other = torch.empty(size, dtype=torch.uint8, device=f"cuda:{peers[0]}")
