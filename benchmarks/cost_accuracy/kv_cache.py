@@ -41,16 +41,18 @@ def measured_step(model: torch.nn.Module, batch: int, context: int, steps: int) 
 
 
 def predicted_step(graph: Any, machine: Any, batch: int, context: int, passes: int) -> float:
+    import placement_opt.cost.kernels as kernels
     import placement_opt.cost.pricing as pricing
     from placement_opt.cost.build import price_problem
     from placement_opt.cost.workload import Workload
 
-    kept, pricing.CACHE_PASSES_PER_STEP = pricing.CACHE_PASSES_PER_STEP, passes
+    kept = kernels.CACHE_PASSES_PER_STEP  # the kernels' step and the host traffic both read it
+    kernels.CACHE_PASSES_PER_STEP = pricing.CACHE_PASSES_PER_STEP = passes
     try:
         _, prices = price_problem(graph, machine, Workload(batch_size=batch, prompt_len=context, new_tokens=1),
                                   ("resident",), None, False)
     finally:
-        pricing.CACHE_PASSES_PER_STEP = kept
+        kernels.CACHE_PASSES_PER_STEP = pricing.CACHE_PASSES_PER_STEP = kept
     index = graph.names().index("model.layers.0")
     return next(p for p in prices[index] if p.storage == p.execution == "cpu").decode_s
 

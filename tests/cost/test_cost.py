@@ -6,12 +6,12 @@ import pytest
 
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
+from placement_opt.cost.kernels import _sum_max_lines
 from placement_opt.cost.memory import WORKSPACE_FACTOR
 from placement_opt.cost.pricing import (
     MAPPED_READ_FACTOR,
     NS_PER_S,
     UNIT_OVERHEAD_S,
-    _sum_max_lines,
     expected_experts,
 )
 from placement_opt.cost.pricing import _ns as ns

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from _overlap import simulated_waits
 from placement_opt.cost.build import build_problem
 from placement_opt.cost.evaluate import evaluate
-from placement_opt.cost.pricing import NS_PER_S, _sum_max_lines
+from placement_opt.cost.kernels import _sum_max_lines
+from placement_opt.cost.pricing import NS_PER_S
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import chain_graph

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement_opt.cost.build import price_problem
-from placement_opt.cost.pricing import contexts_at_least
+from placement_opt.cost.kernels import contexts_at_least
 from placement_opt.cost.workload import Workload
 from placement_opt.errors import DeviceSpecError
 from placement_opt.hardware.devices import FRESH_PAGE_MIN_BYTES, Device, Machine

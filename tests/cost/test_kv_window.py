@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement_opt.cost.build import price_problem
-from placement_opt.cost.pricing import _kv_positions_read
+from placement_opt.cost.kernels import _kv_positions_read
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, chain_graph

@@ -11,27 +11,11 @@ CPU or streamed to every GPU. ``stream`` overlaps the copy with compute (placeme
 dispatcher prefetches the next unit), ``stream_sync`` adds it (accelerate's hooks copy tensor by
 tensor, from pageable memory).
 
-Time of one forward of a unit on E is a roofline plus the host's time for it::
+Time of one forward of a unit on E is its kernels' time (:mod:`.kernels`: a roofline, or the unit's
+calibrated times) plus the host's time around them (:mod:`.context`: traced ops x seconds per op; on a GPU,
+which queues ahead, only the part its kernels do not hide). Those two modules hold the prefill and decode
+rules (causal attention, the closed-form sum over decode steps, sliding windows, fresh pages on a CPU).
 
-    t = max(FLOPs / (peak FLOP/s x compute efficiency), bytes / (bandwidth x bandwidth efficiency))
-        + overhead(E)
-
-where ``overhead(E)`` is the unit's traced op count x the host's seconds per op on E (a profile's
-``op_overhead_s``, else :data:`OP_OVERHEAD_S`), or :data:`UNIT_OVERHEAD_S` for a unit whose ops were not
-counted. On a GPU, whose kernels run while the host queues the next, a block takes the longer of the ops'
-time and its kernels' instead of their sum (:meth:`PricingContext.host_s`).
-
-Efficiencies are the :data:`COMPUTE_EFFICIENCY` / :data:`BANDWIDTH_EFFICIENCY` tables for
-datasheet figures and 1.0 for figures measured by :func:`placement_opt.profile` (which are
-achieved rates already). Bytes touched are the weights (MoE: only the experts the batch hits),
-the activations in and out, and the KV cache read (decode) or written (prefill).
-
-* Prefill: ``batch x prompt`` tokens, causal attention (query ``i`` sees ``i + 1`` tokens).
-* Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
-  bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
-  closed form (:func:`_sum_max_lines`), never a loop over steps. On a CPU whose profile measured the
-  cost of fresh pages, the cache's keys and values, allocated anew each step, add their page faults
-  from the size at which glibc maps them anew (:func:`_fresh_pages_s`).
 * Streamed weights add ``bytes / link + latency`` per forward: ``max(compute, copy)`` for ``stream``
   to a GPU (its copy runs while the unit before it computes); with ``Workload.overlap`` the copy is
   the prefetch thread's (``copy_*_s``, apart from the compute in ``prefill_s``/``decode_s``), and the
@@ -82,20 +66,31 @@ Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_op
 
 from __future__ import annotations
 
-import collections
-import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from ..hardware.devices import FRESH_PAGE_MIN_BYTES
-from ..model.expert_groups import group_counts, whole_experts
 from ..solver.problem import PlacementOption
-from .calibrated import Calibration, UnitTimes
+from .context import OP_OVERHEAD_S, UNIT_OVERHEAD_S, PricingContext, home_device, op_overhead_s
+from .kernels import (
+    BANDWIDTH_EFFICIENCY,
+    CACHE_PASSES_PER_STEP,
+    COMPUTE_EFFICIENCY,
+    _decode_roofline_lines,
+    _fresh_pages_s,
+    _growing_steps,
+    _kv_positions_read,
+    _measured_decode_line,
+    _measured_prefill_s,
+    _prefill_roofline_s,
+    _prefill_rows,
+    _sum_capped_lines,
+    _touched_weight_bytes,
+    contexts_at_least,
+    expected_experts,
+)
 from .memory import stream_buffers, workspace_bytes
-from .workload import Workload, unit_training_bytes
+from .workload import unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Device, Machine
@@ -127,18 +122,6 @@ __all__ = [
 #: Solver time unit: every ``*_ns`` integer is seconds x NS_PER_S, rounded up.
 NS_PER_S = 10**9
 
-#: Fraction of datasheet peak FLOP/s that large matmuls reach (measured figures use 1.0).
-COMPUTE_EFFICIENCY = {"gpu": 0.6, "cpu": 0.5, "disk": 1.0}
-#: Fraction of datasheet memory bandwidth that weight reads reach (measured figures use 1.0).
-BANDWIDTH_EFFICIENCY = {"gpu": 0.8, "cpu": 0.6, "disk": 0.9}
-#: Fixed cost of running one unit once (Python hooks, kernel launches, small ops), for units whose ops the trace
-#: did not count (graphs saved before the count, static fallback graphs, hand-made units).
-UNIT_OVERHEAD_S = {"gpu": 60e-6, "cpu": 150e-6, "disk": 0.0}
-#: Host seconds per torch op of a forward (the dispatch and the Python around it) on a device whose profile did
-#: not measure it. CPU: measured on this project's 2-core VM (torch 2.13, transformers 5.24), a decoder layer's
-#: decode step at hidden 64 took 3.4-6.2 us per dispatched op (Llama, Mixtral, Qwen2-MoE, GPT-2; eager and
-#: sdpa). GPU: the same host work plus a kernel launch, a rule of thumb not yet measured here.
-OP_OVERHEAD_S = {"gpu": 8e-6, "cpu": 5e-6, "disk": 0.0}
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
 #: accelerate reads each disk tensor through its own ``np.memmap`` and copies it out: this fraction
@@ -146,13 +129,6 @@ PAGEABLE_LINK_FACTOR = 0.6
 #: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
 #: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
-#: Passes over its KV cache a decode step makes, in cache sizes: transformers' ``DynamicCache`` grows by
-#: ``torch.cat``, which reads the old keys and values and writes them anew, and attention then reads them.
-#: Measured on this project's 2-core CPU (a Llama layer, 4 KV heads of 64, fp32, batch 8 x 4096 cached tokens):
-#: the two cats took 61 % of the step, attention 21 % (benchmarks/cost_accuracy/KV_CACHE.md).
-CACHE_PASSES_PER_STEP = 3
-#: Tensors of a layer's cache ``torch.cat`` allocates anew at each step: its keys and its values.
-_CACHE_TENSORS = 2
 #: Compute of a training step in forwards: forward + backward (2x), + 1 recomputation.
 _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
 
@@ -209,142 +185,10 @@ class OptionPrice:
     """The disk's time reading this option's weights over every decode step."""
 
 
-@dataclass(frozen=True)
-class PricingContext:
-    """What every price reads: the graph (dtype, traced length), the machine and the workload.
-
-    ``calibration``: unit times measured on this model (:mod:`.calibrated`); they replace the
-    roofline and :data:`UNIT_OVERHEAD_S` wherever they exist.
-    """
-
-    graph: LayerGraph
-    machine: Machine
-    workload: Workload
-    calibration: Calibration | None = None
-
-    def overhead_s(self, unit: UnitInfo, device: Device) -> float:
-        """Seconds the host spends running one forward of ``unit`` on ``device`` beside its kernels.
-
-        A unit whose ops the trace counted (``ops_per_forward``) costs them at the device's
-        ``op_overhead_s`` (measured by a profile; else :data:`OP_OVERHEAD_S` of its kind): its own share of
-        its block, and each expert group its own run of the experts' code. Otherwise, :data:`UNIT_OVERHEAD_S`
-        of ``device``'s kind, shared equally among the parts of a block
-        (``UnitInfo.block``): a layer launches the same kernels whether it runs as one unit or as its
-        attention and MLP, so cutting it does not multiply its overhead. Expert groups do multiply it: each
-        group runs the experts' routing and kernels again, so a layer's ``G`` groups share the experts part's
-        share and add ``G - 1`` overheads (about what one more group cost per call on this project's CPU:
-        a tiny Mixtral decoded at 1054 tokens/s with its experts whole and 551 with 4 groups a layer)."""
-        if unit.ops_per_forward is not None and device.kind != "disk":
-            return unit.ops_per_forward * self._seconds_per_op(device)
-        whole = UNIT_OVERHEAD_S[device.kind]
-        parts, groups = self.overhead_share(unit)
-        return (whole / parts + whole * (groups - 1)) / groups
-
-    def _seconds_per_op(self, device: Device) -> float:
-        """:func:`op_overhead_s` of ``device``; a CPU beside GPUs pays at least a GPU's. A unit the host computes
-        between GPU units first waits for the GPU's queue (its inputs come back from it), and so gives up the lead
-        that lets a GPU's kernels run under the host's ops; that wait is not modelled, and without it the cheaper
-        CPU op would draw tiny units (rotary tables, norms) off an idle GPU for a saving that the wait undoes."""
-        rate = op_overhead_s(device)
-        if device.kind == "cpu" and self.machine.gpus:
-            rate = max(rate, *(op_overhead_s(gpu) for gpu in self.machine.gpus))
-        return rate
-
-    def host_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
-        """What the host's time for ``unit`` adds to its kernels' per forward (``"prefill"``) or decode step: all
-        of :meth:`overhead_s`, or on a GPU that queues ahead (:meth:`launches_ahead`) the part :meth:`exposed_s`."""
-        if self.launches_ahead(unit, device):
-            return self.exposed_s(unit, device, phase)
-        return self.overhead_s(unit, device)
-
-    def exposed_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
-        """The host's time for ``unit`` on a GPU that its kernels do not hide, per forward (``"prefill"``) or decode
-        step (``"decode"``, at the middle step's context).
-
-        A GPU's kernels run while the host queues the next ops, so a run of units takes the longer of the host's
-        time and the kernels'. Taken unit by unit, that max would price a layer cut into parts (an attention the host
-        bounds, an MLP the kernels bound) above the same layer whole. It is taken over the unit's block instead
-        (``UnitInfo.block``; a unit outside every block is its own), as if all its parts ran on ``device``, and
-        shared among the parts by their ops: the parts of a block on one GPU then cost what the block costs whole.
-        """
-        key = (unit.block or unit.name, device.name, phase)
-        cache = self._exposed
-        if key not in cache:
-            members = self._block_members.get(unit.block, [unit]) if unit.block is not None else [unit]
-            host = sum(self.overhead_s(m, device) for m in members)
-            kernels = sum(self._kernel_s(m, device, phase) for m in members)
-            ops = sum(m.ops_per_forward or 0 for m in members)
-            cache[key] = (max(0.0, host - kernels), ops)
-        exposed, ops = cache[key]
-        return exposed * (unit.ops_per_forward or 0) / ops if ops else 0.0
-
-    def _kernel_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
-        """One forward (prefill) or middle decode step of ``unit`` on ``device`` without host time, or as measured."""
-        if phase == "prefill":
-            measured = _measured_prefill_s(self, unit, device)
-            return measured if measured is not None else _prefill_roofline_s(self, unit, device)
-        line = _measured_decode_line(self, unit, device)
-        lines = [line] if line is not None else _decode_roofline_lines(self, unit, device)
-        middle = self.workload.decode_steps // 2
-        return max(a + b * middle for a, b in lines)
-
-    @functools.cached_property
-    def _exposed(self) -> dict[tuple[str, str, str], tuple[float, int]]:
-        return {}
-
-    @functools.cached_property
-    def _block_members(self) -> dict[str, list[UnitInfo]]:
-        members: dict[str, list[UnitInfo]] = collections.defaultdict(list)
-        for u in self.graph.units():
-            if u.block is not None:
-                members[u.block].append(u)
-        return members
-
-    @staticmethod
-    def launches_ahead(unit: UnitInfo, device: Device) -> bool:
-        """Whether the host's time for ``unit`` overlaps its kernels rather than adding to them: a GPU runs what
-        the host queued while the host queues the next ops, so a forward takes the longer of the two. (A CPU
-        does both itself, in turn.) Only for units whose ops were counted: the fixed :data:`UNIT_OVERHEAD_S`
-        stands for hooks and syncs, which add."""
-        return device.is_gpu and unit.ops_per_forward is not None
-
-    def overhead_share(self, unit: UnitInfo) -> tuple[int, int]:
-        """(parts of its block, expert groups of its experts module): what :meth:`overhead_s` reads beside the
-        device, so what two units priced alike must share."""
-        return self.block_parts(unit), self._groups.get(unit.name, 1)
-
-    def block_parts(self, unit: UnitInfo) -> int:
-        """How many units were cut from ``unit``'s block (1 for a unit that is not a part), a layer's expert
-        groups counted as one."""
-        return self._block_parts[unit.block] if unit.block is not None else 1
-
-    @functools.cached_property
-    def _block_parts(self) -> collections.Counter[str]:
-        return collections.Counter(u.block for u in self.graph.units()
-                                   if u.block is not None and (whole_experts(u.name) or ("", 0))[1] == 0)
-
-    @functools.cached_property
-    def _groups(self) -> dict[str, int]:
-        """Expert group unit -> how many groups its experts module is cut into."""
-        counts = group_counts(self.graph.names())
-        return {u: counts[parsed[0]] for u in self.graph.names() if (parsed := whole_experts(u)) is not None}
-
-    @property
-    def home(self) -> str | None:
-        """The device a ``"sublayer"`` graph's residual stream stays on; None for other graphs (no round trips)."""
-        return home_device(self.machine) if self.graph.meta.granularity == "sublayer" else None
 
 
-def home_device(machine: Machine) -> str | None:
-    """Where the residual stream and the glue of a sublayer plan stay: the first GPU, else the CPU
-    (None for a machine that computes nowhere, which no plan can use)."""
-    computing = machine.gpus or machine.compute_devices
-    return computing[0].name if computing else None
 
 
-def op_overhead_s(device: Device) -> float:
-    """Host seconds per torch op on ``device``: its profile's figure, else :data:`OP_OVERHEAD_S` of its kind."""
-    return device.op_overhead_s if device.op_overhead_s is not None else OP_OVERHEAD_S[device.kind]
 
 
 def host_memory_bytes_per_s(machine: Machine) -> float | None:
@@ -379,10 +223,6 @@ def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution
     return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
 
 
-def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> int:
-    """Cached positions per sequence the decode steps read in all: step t reads ``ctx0 + t``, a sliding layer
-    at most its window."""
-    return contexts_at_least(ctx0, steps, unit.kv_window_tokens, 0)
 
 
 def _disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
@@ -431,87 +271,16 @@ def _round_trips(ctx: PricingContext, unit: UnitInfo, prefill_device: str, decod
     return prefill, decode
 
 
-def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected number of distinct experts that ``tokens`` tokens hit, each routed to ``top_k``.
-
-    Each token picks ``top_k`` of ``num_experts`` experts; one expert is missed by one token
-    with probability ``1 - top_k / num_experts``, so ``E[distinct] = E x (1 - (1 - k/E)^T)``.
-    Example: 8 experts, top-2, 1 token -> 2.0; 4 tokens -> 8 x (1 - 0.75^4) = 5.47.
-    """
-    if num_experts <= 0 or top_k <= 0 or tokens <= 0:
-        return 0.0
-    top_k = min(top_k, num_experts)
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def _touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
-    """Weight bytes one forward over ``tokens`` tokens reads (MoE: only the experts hit).
-
-    A unit with weights but no FLOPs is a lookup table (an embedding): it reads one row per token.
-    """
-    if unit.flops_per_token == 0 and unit.param_bytes > 0:
-        return float(min(unit.weight_bytes, tokens * unit.out_bytes_per_token + unit.buffer_bytes))
-    if not unit.is_moe:
-        return float(unit.weight_bytes)
-    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, tokens)
-    return unit.weight_bytes - unit.moe_expert_bytes + unit.moe_expert_bytes * hit / unit.moe_num_experts
 
 
-def _achieved(device: Device, tokens: int) -> tuple[float, float]:
-    """Achieved (FLOP/s, bytes/s) of a device running ``tokens`` tokens per forward.
-
-    Measured figures are used as they are (a measured FLOP/s-by-tokens curve, interpolated in
-    log(tokens), wins over the single figure); datasheet figures are derated by the efficiency tables.
-    """
-    if device.source.startswith("measured"):
-        flops = _interpolate(device.flops_by_tokens, tokens) if device.flops_by_tokens else device.flops_per_s
-        return flops, device.bandwidth_bytes_per_s
-    return (device.flops_per_s * COMPUTE_EFFICIENCY[device.kind],
-            device.bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY[device.kind])
 
 
-def _interpolate(curve: Sequence[tuple[int, float]], tokens: int) -> float:
-    """Piecewise-linear in log(tokens) through the measured points, flat beyond both ends."""
-    if tokens <= curve[0][0]:
-        return curve[0][1]
-    for (t0, f0), (t1, f1) in pairwise(curve):
-        if tokens <= t1:
-            w = math.log(tokens / t0) / math.log(t1 / t0)
-            return f0 + w * (f1 - f0)
-    return curve[-1][1]
 
 
-def _base_flops_per_token(unit: UnitInfo, traced_seq_len: int) -> int:
-    """FLOPs per token without the attention term (graph.py: flops - attn x traced seq_len)."""
-    return max(0, unit.flops_per_token - unit.attn_flops_per_token_per_ctx * traced_seq_len)
 
 
-def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
-    """``sum_{t=0}^{steps-1} max_i(a_i + b_i t)`` in closed form.
-
-    The upper envelope of lines is convex and piecewise linear; cutting ``[0, steps)`` at the
-    integer ceilings of every pairwise intersection leaves segments where one line dominates,
-    and each segment is an arithmetic series.
-    """
-    if steps <= 0:
-        return 0.0
-    cuts = {0, steps}
-    for i, (a1, b1) in enumerate(lines):
-        for a2, b2 in lines[i + 1:]:
-            if b1 != b2:
-                x = (a2 - a1) / (b1 - b2)
-                if 0 < x < steps:
-                    cuts.add(math.ceil(x))
-    total = 0.0
-    points = sorted(cuts)
-    for start, end in pairwise(points):
-        if end <= start:
-            continue
-        mid = (start + end - 1) / 2
-        a, b = max(lines, key=lambda line: line[0] + line[1] * mid)
-        count = end - start
-        total += a * count + b * (start + end - 1) * count / 2
-    return total
 
 
 def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
@@ -543,37 +312,12 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     return seconds
 
 
-def _measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
-    """The unit's calibrated prefill on ``device`` (its host time included), or None."""
-    wl = ctx.workload
-    measured = _calibrated(ctx, unit, device)
-    return None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
 
 
-def _prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
-    """The roofline of one forward of the unit over the prompt on ``device``: its kernels, no host time."""
-    wl = ctx.workload
-    tokens = wl.batch_size * wl.prompt_len
-    rows = _prefill_rows(ctx, unit)
-    flops_s, bytes_s = _achieved(device, rows)
-    base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
-    causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
-    flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
-    touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
-               + tokens * unit.kv_bytes_per_token)
-    return max(flops / flops_s, touched / bytes_s)
 
 
-def _prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
-    """Tokens the unit computes in the prefill: batch x prompt, but generate() asks the logits unit for the
-    last position only (batch rows)."""
-    wl = ctx.workload
-    return wl.batch_size if _last_logits_only(ctx, unit) else wl.batch_size * wl.prompt_len
 
 
-def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
-    """Whether the prefill computes ``unit`` (the logits unit) at the last position of each sequence only."""
-    return ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
 
 
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
@@ -588,95 +332,20 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     return [(a + host, b) for a, b in _decode_roofline_lines(ctx, unit, device)]
 
 
-def _measured_decode_line(ctx: PricingContext, unit: UnitInfo, device: Device) -> tuple[float, float] | None:
-    """The unit's calibrated decode step on ``device`` at the first step's context, and its growth per step."""
-    wl = ctx.workload
-    measured = _calibrated(ctx, unit, device)
-    return None if measured is None else measured.decode_line(wl.batch_size, unit.kv_tokens(wl.prompt_len + 1))
 
 
-def _decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
-    """:func:`_decode_lines` without the host's time: the FLOPs line and the bytes line of the kernels."""
-    wl = ctx.workload
-    ctx0 = unit.kv_tokens(wl.prompt_len + 1)  # a sliding layer past its window starts (and stays) there
-    flops_s, bytes_s = _achieved(device, wl.batch_size)
-    batch = wl.batch_size
-    attn = unit.attn_flops_per_token_per_ctx
-    base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
-    grows = _expand_s_per_cached(unit, device, batch, ctx0)
-    overhead = grows * ctx0
-    flops = (batch * (base + attn * ctx0), batch * attn)
-    # latent attention's expanded keys and values (on a CPU, the math path's copies too): written, then read
-    expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
-        unit.latent_expand_cpu_bytes_per_ctx or 0 if device.kind == "cpu" else 0)
-    kv = batch * (CACHE_PASSES_PER_STEP * unit.kv_bytes_per_token + 2 * expanded)
-    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
-    return [(flops[0] / flops_s + overhead, flops[1] / flops_s + grows),
-            (touched[0] / bytes_s + overhead, touched[1] / bytes_s + grows)]
 
 
-def _expand_s_per_cached(unit: UnitInfo, device: Device, batch: int, ctx0: int) -> float:
-    """Seconds per cached token latent attention takes at a decode step to expand its cache: a matmul of
-    ``batch x context`` rows, which runs at that many rows' rate (taken at the first step's ``ctx0``), not a
-    step's (one row per sequence), and beside the rest of the step, not hidden under its weight reads."""
-    flops = unit.latent_expand_flops_per_ctx or 0
-    if not flops:
-        return 0.0
-    rate, _ = _achieved(device, batch * ctx0)  # the later, longer steps run at least as fast
-    return batch * flops / rate
 
 
-def _fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
-    """Seconds a CPU's decode steps spend getting new pages for a unit's grown KV cache, beside its passes.
-
-    Every step's ``torch.cat`` allocates the layer's keys and values anew, and from
-    :data:`FRESH_PAGE_MIN_BYTES` on (per tensor) glibc maps them anew, so their pages fault in at the
-    device's measured ``fresh_page_bytes_per_s``. Without that figure, or for a calibrated unit (whose
-    measured step has it), nothing. Other allocations of the step that grow with the context (eager
-    attention's repeated keys, latent attention's expansion) are not counted.
-    """
-    rate = device.fresh_page_bytes_per_s
-    wl = ctx.workload
-    if device.kind != "cpu" or not rate or not unit.kv_bytes_per_token or _calibrated(ctx, unit, device):
-        return 0.0
-    per_token = wl.batch_size * unit.kv_bytes_per_token / _CACHE_TENSORS
-    floor = math.ceil(FRESH_PAGE_MIN_BYTES / per_token)
-    cached = contexts_at_least(wl.prompt_len + 1, wl.decode_steps, unit.kv_window_tokens, floor)
-    return _CACHE_TENSORS * per_token * cached / rate
 
 
-def contexts_at_least(ctx0: int, steps: int, window: int | None, floor: int) -> int:
-    """Sum over ``steps`` decode steps of the cached tokens ``c_t`` (``ctx0 + t``, at most ``window``) of the
-    steps with ``c_t >= floor``, in closed form (``floor`` 0: every step's)."""
-    growing = steps if window is None else max(0, min(steps, window - ctx0))
-    low, high = max(ctx0, floor), ctx0 + growing - 1
-    total = (low + high) * (high - low + 1) // 2 if high >= low else 0
-    if window is not None and window >= floor:
-        total += (steps - growing) * window
-    return total
 
 
-def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
-    """Decode steps before a sliding layer's cache reaches its window, from which on every step reads the
-    window (:func:`_decode_lines` start at the first step's context); None: the cache grows to the end."""
-    if unit.kv_window_tokens is None:
-        return None
-    return unit.kv_window_tokens - unit.kv_tokens(workload.prompt_len + 1)
 
 
-def _sum_capped_lines(lines: Sequence[tuple[float, float]], steps: int, growing: int | None) -> float:
-    """:func:`_sum_max_lines` where step ``t`` is priced at ``min(t, growing)`` (None: never capped)."""
-    if growing is None or growing >= steps:
-        return _sum_max_lines(lines, steps)
-    flat = max(a + b * growing for a, b in lines)
-    return _sum_max_lines(lines, growing) + (steps - growing) * flat
 
 
-def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTimes | None:
-    """The unit's measured times on ``device`` (inference only), or None."""
-    if ctx.calibration is None or ctx.workload.training:
-        return None
-    return ctx.calibration.times(unit.name, device.name)
 
 
 def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str,

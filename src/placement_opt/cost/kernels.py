@@ -1,0 +1,273 @@
+"""Kernels: how long one unit's own kernels take on one device, for the prompt and for every decode step.
+
+A roofline, or what :func:`placement_opt.calibrate` measured on the model itself (:mod:`.calibrated`), which
+replaces it wherever it exists. The host's time around the kernels is :mod:`.context`'s; copies, round trips
+and the options built from all of them are :mod:`.pricing`'s.
+
+Time of one forward of a unit on a device::
+
+    t = max(FLOPs / (peak FLOP/s x compute efficiency), bytes / (bandwidth x bandwidth efficiency))
+
+Efficiencies are the :data:`COMPUTE_EFFICIENCY` / :data:`BANDWIDTH_EFFICIENCY` tables for
+datasheet figures and 1.0 for figures measured by :func:`placement_opt.profile` (which are
+achieved rates already). Bytes touched are the weights (MoE: only the experts the batch hits),
+the activations in and out, and the KV cache read (decode) or written (prefill).
+
+* Prefill: ``batch x prompt`` tokens, causal attention (query ``i`` sees ``i + 1`` tokens); the logits
+  unit computes ``batch`` rows only when ``generate()`` keeps the last position's logits.
+* Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
+  bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
+  closed form (:func:`_sum_max_lines`), never a loop over steps. A sliding layer stops growing at its
+  window (:func:`_sum_capped_lines`). On a CPU whose profile measured the cost of fresh pages, the
+  cache's keys and values, allocated anew each step, add their page faults from the size at which
+  glibc maps them anew (:func:`_fresh_pages_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from ..hardware.devices import FRESH_PAGE_MIN_BYTES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..hardware.devices import Device
+    from ..model.graph import UnitInfo
+    from .calibrated import UnitTimes
+    from .context import PricingContext
+    from .workload import Workload
+
+__all__ = [
+    "COMPUTE_EFFICIENCY",
+    "BANDWIDTH_EFFICIENCY",
+    "CACHE_PASSES_PER_STEP",
+    "expected_experts",
+    "contexts_at_least",
+]
+
+#: Fraction of datasheet peak FLOP/s that large matmuls reach (measured figures use 1.0).
+COMPUTE_EFFICIENCY = {"gpu": 0.6, "cpu": 0.5, "disk": 1.0}
+#: Fraction of datasheet memory bandwidth that weight reads reach (measured figures use 1.0).
+BANDWIDTH_EFFICIENCY = {"gpu": 0.8, "cpu": 0.6, "disk": 0.9}
+#: Passes over its KV cache a decode step makes, in cache sizes: transformers' ``DynamicCache`` grows by
+#: ``torch.cat``, which reads the old keys and values and writes them anew, and attention then reads them.
+#: Measured on this project's 2-core CPU (a Llama layer, 4 KV heads of 64, fp32, batch 8 x 4096 cached tokens):
+#: the two cats took 61 % of the step, attention 21 % (benchmarks/cost_accuracy/KV_CACHE.md).
+CACHE_PASSES_PER_STEP = 3
+#: Tensors of a layer's cache ``torch.cat`` allocates anew at each step: its keys and its values.
+_CACHE_TENSORS = 2
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts that ``tokens`` tokens hit, each routed to ``top_k``.
+
+    Each token picks ``top_k`` of ``num_experts`` experts; one expert is missed by one token
+    with probability ``1 - top_k / num_experts``, so ``E[distinct] = E x (1 - (1 - k/E)^T)``.
+    Example: 8 experts, top-2, 1 token -> 2.0; 4 tokens -> 8 x (1 - 0.75^4) = 5.47.
+    """
+    if num_experts <= 0 or top_k <= 0 or tokens <= 0:
+        return 0.0
+    top_k = min(top_k, num_experts)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def _touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
+    """Weight bytes one forward over ``tokens`` tokens reads (MoE: only the experts hit).
+
+    A unit with weights but no FLOPs is a lookup table (an embedding): it reads one row per token.
+    """
+    if unit.flops_per_token == 0 and unit.param_bytes > 0:
+        return float(min(unit.weight_bytes, tokens * unit.out_bytes_per_token + unit.buffer_bytes))
+    if not unit.is_moe:
+        return float(unit.weight_bytes)
+    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, tokens)
+    return unit.weight_bytes - unit.moe_expert_bytes + unit.moe_expert_bytes * hit / unit.moe_num_experts
+
+
+def _achieved(device: Device, tokens: int) -> tuple[float, float]:
+    """Achieved (FLOP/s, bytes/s) of a device running ``tokens`` tokens per forward.
+
+    Measured figures are used as they are (a measured FLOP/s-by-tokens curve, interpolated in
+    log(tokens), wins over the single figure); datasheet figures are derated by the efficiency tables.
+    """
+    if device.source.startswith("measured"):
+        flops = _interpolate(device.flops_by_tokens, tokens) if device.flops_by_tokens else device.flops_per_s
+        return flops, device.bandwidth_bytes_per_s
+    return (device.flops_per_s * COMPUTE_EFFICIENCY[device.kind],
+            device.bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY[device.kind])
+
+
+def _interpolate(curve: Sequence[tuple[int, float]], tokens: int) -> float:
+    """Piecewise-linear in log(tokens) through the measured points, flat beyond both ends."""
+    if tokens <= curve[0][0]:
+        return curve[0][1]
+    for (t0, f0), (t1, f1) in pairwise(curve):
+        if tokens <= t1:
+            w = math.log(tokens / t0) / math.log(t1 / t0)
+            return f0 + w * (f1 - f0)
+    return curve[-1][1]
+
+
+def _base_flops_per_token(unit: UnitInfo, traced_seq_len: int) -> int:
+    """FLOPs per token without the attention term (graph.py: flops - attn x traced seq_len)."""
+    return max(0, unit.flops_per_token - unit.attn_flops_per_token_per_ctx * traced_seq_len)
+
+
+def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
+    """``sum_{t=0}^{steps-1} max_i(a_i + b_i t)`` in closed form.
+
+    The upper envelope of lines is convex and piecewise linear; cutting ``[0, steps)`` at the
+    integer ceilings of every pairwise intersection leaves segments where one line dominates,
+    and each segment is an arithmetic series.
+    """
+    if steps <= 0:
+        return 0.0
+    cuts = {0, steps}
+    for i, (a1, b1) in enumerate(lines):
+        for a2, b2 in lines[i + 1:]:
+            if b1 != b2:
+                x = (a2 - a1) / (b1 - b2)
+                if 0 < x < steps:
+                    cuts.add(math.ceil(x))
+    total = 0.0
+    points = sorted(cuts)
+    for start, end in pairwise(points):
+        if end <= start:
+            continue
+        mid = (start + end - 1) / 2
+        a, b = max(lines, key=lambda line: line[0] + line[1] * mid)
+        count = end - start
+        total += a * count + b * (start + end - 1) * count / 2
+    return total
+
+
+def _measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
+    """The unit's calibrated prefill on ``device`` (its host time included), or None."""
+    wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    return None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
+
+
+def _prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+    """The roofline of one forward of the unit over the prompt on ``device``: its kernels, no host time."""
+    wl = ctx.workload
+    tokens = wl.batch_size * wl.prompt_len
+    rows = _prefill_rows(ctx, unit)
+    flops_s, bytes_s = _achieved(device, rows)
+    base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
+    causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
+    flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
+    touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
+               + tokens * unit.kv_bytes_per_token)
+    return max(flops / flops_s, touched / bytes_s)
+
+
+def _prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
+    """Tokens the unit computes in the prefill: batch x prompt, but generate() asks the logits unit for the
+    last position only (batch rows)."""
+    wl = ctx.workload
+    return wl.batch_size if _last_logits_only(ctx, unit) else wl.batch_size * wl.prompt_len
+
+
+def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
+    """Whether the prefill computes ``unit`` (the logits unit) at the last position of each sequence only."""
+    return ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
+
+
+def _measured_decode_line(ctx: PricingContext, unit: UnitInfo, device: Device) -> tuple[float, float] | None:
+    """The unit's calibrated decode step on ``device`` at the first step's context, and its growth per step."""
+    wl = ctx.workload
+    measured = _calibrated(ctx, unit, device)
+    return None if measured is None else measured.decode_line(wl.batch_size, unit.kv_tokens(wl.prompt_len + 1))
+
+
+def _decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
+    """:func:`_decode_lines` without the host's time: the FLOPs line and the bytes line of the kernels."""
+    wl = ctx.workload
+    ctx0 = unit.kv_tokens(wl.prompt_len + 1)  # a sliding layer past its window starts (and stays) there
+    flops_s, bytes_s = _achieved(device, wl.batch_size)
+    batch = wl.batch_size
+    attn = unit.attn_flops_per_token_per_ctx
+    base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
+    grows = _expand_s_per_cached(unit, device, batch, ctx0)
+    overhead = grows * ctx0
+    flops = (batch * (base + attn * ctx0), batch * attn)
+    # latent attention's expanded keys and values (on a CPU, the math path's copies too): written, then read
+    expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
+        unit.latent_expand_cpu_bytes_per_ctx or 0 if device.kind == "cpu" else 0)
+    kv = batch * (CACHE_PASSES_PER_STEP * unit.kv_bytes_per_token + 2 * expanded)
+    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
+    return [(flops[0] / flops_s + overhead, flops[1] / flops_s + grows),
+            (touched[0] / bytes_s + overhead, touched[1] / bytes_s + grows)]
+
+
+def _expand_s_per_cached(unit: UnitInfo, device: Device, batch: int, ctx0: int) -> float:
+    """Seconds per cached token latent attention takes at a decode step to expand its cache: a matmul of
+    ``batch x context`` rows, which runs at that many rows' rate (taken at the first step's ``ctx0``), not a
+    step's (one row per sequence), and beside the rest of the step, not hidden under its weight reads."""
+    flops = unit.latent_expand_flops_per_ctx or 0
+    if not flops:
+        return 0.0
+    rate, _ = _achieved(device, batch * ctx0)  # the later, longer steps run at least as fast
+    return batch * flops / rate
+
+
+def _fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+    """Seconds a CPU's decode steps spend getting new pages for a unit's grown KV cache, beside its passes.
+
+    Every step's ``torch.cat`` allocates the layer's keys and values anew, and from
+    :data:`FRESH_PAGE_MIN_BYTES` on (per tensor) glibc maps them anew, so their pages fault in at the
+    device's measured ``fresh_page_bytes_per_s``. Without that figure, or for a calibrated unit (whose
+    measured step has it), nothing. Other allocations of the step that grow with the context (eager
+    attention's repeated keys, latent attention's expansion) are not counted.
+    """
+    rate = device.fresh_page_bytes_per_s
+    wl = ctx.workload
+    if device.kind != "cpu" or not rate or not unit.kv_bytes_per_token or _calibrated(ctx, unit, device):
+        return 0.0
+    per_token = wl.batch_size * unit.kv_bytes_per_token / _CACHE_TENSORS
+    floor = math.ceil(FRESH_PAGE_MIN_BYTES / per_token)
+    cached = contexts_at_least(wl.prompt_len + 1, wl.decode_steps, unit.kv_window_tokens, floor)
+    return _CACHE_TENSORS * per_token * cached / rate
+
+
+def contexts_at_least(ctx0: int, steps: int, window: int | None, floor: int) -> int:
+    """Sum over ``steps`` decode steps of the cached tokens ``c_t`` (``ctx0 + t``, at most ``window``) of the
+    steps with ``c_t >= floor``, in closed form (``floor`` 0: every step's)."""
+    growing = steps if window is None else max(0, min(steps, window - ctx0))
+    low, high = max(ctx0, floor), ctx0 + growing - 1
+    total = (low + high) * (high - low + 1) // 2 if high >= low else 0
+    if window is not None and window >= floor:
+        total += (steps - growing) * window
+    return total
+
+
+def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> int:
+    """Cached positions per sequence the decode steps read in all: step t reads ``ctx0 + t``, a sliding layer
+    at most its window."""
+    return contexts_at_least(ctx0, steps, unit.kv_window_tokens, 0)
+
+
+def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
+    """Decode steps before a sliding layer's cache reaches its window, from which on every step reads the
+    window (:func:`_decode_lines` start at the first step's context); None: the cache grows to the end."""
+    if unit.kv_window_tokens is None:
+        return None
+    return unit.kv_window_tokens - unit.kv_tokens(workload.prompt_len + 1)
+
+
+def _sum_capped_lines(lines: Sequence[tuple[float, float]], steps: int, growing: int | None) -> float:
+    """:func:`_sum_max_lines` where step ``t`` is priced at ``min(t, growing)`` (None: never capped)."""
+    if growing is None or growing >= steps:
+        return _sum_max_lines(lines, steps)
+    flat = max(a + b * growing for a, b in lines)
+    return _sum_max_lines(lines, growing) + (steps - growing) * flat
+
+
+def _calibrated(ctx: PricingContext, unit: UnitInfo, device: Device) -> UnitTimes | None:
+    """The unit's measured times on ``device`` (inference only), or None."""
+    if ctx.calibration is None or ctx.workload.training:
+        return None
+    return ctx.calibration.times(unit.name, device.name)
