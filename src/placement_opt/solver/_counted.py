@@ -199,15 +199,7 @@ class CountedRelaxation:
         streamed = self._streamed(ph, spine)
         if not streamed:
             return 0
-        # (compute b, streamed?) -> counts of the units computing b in ph: every unit hides in one window at most
-        hiders: dict[tuple[int, bool], list[Any]] = {}
-        for b, streams, n in self._hiders(ph):
-            hiders.setdefault((b, streams), []).append(n)
-        a = self._credited(ph)
-        # what each hides: its compute; a streamed unit (a window's first) what it computes above the credit
-        sizes = {key: key[0] - a if key[1] else key[0] for key in hiders}
-        hiders = {key: counts for key, counts in hiders.items() if sizes[key] > 0}
-        sizes = {key: sizes[key] for key in hiders}
+        a, hiders, sizes = self._hiding_kinds(ph)
         most = self._most_copies(ph)
         stall = self.model.new_int_var(0, most, f"stall[{ph}]")
         n_units = len(self.p.units)
@@ -235,6 +227,21 @@ class CountedRelaxation:
             per_price.append(part)
         self.model.add(stall >= sum(per_price))
         return stall
+
+    def _hiding_kinds(self, ph: str) -> tuple[int, dict[tuple[int, bool], list[Any]], dict[tuple[int, bool], int]]:
+        """:meth:`_stalls`'s credit ``a`` (:meth:`_credited`), and per kind of unit that hides copies in ``ph``
+        (``(compute b, streamed?)``) its counts and what it hides (solver units); kinds that hide nothing are
+        left out."""
+        # (compute b, streamed?) -> counts of the units computing b in ph: every unit hides in one window at most
+        hiders: dict[tuple[int, bool], list[Any]] = {}
+        for b, streams, n in self._hiders(ph):
+            hiders.setdefault((b, streams), []).append(n)
+        a = self._credited(ph)
+        # what each hides: its compute; a streamed unit (a window's first) what it computes above the credit
+        sizes = {key: key[0] - a if key[1] else key[0] for key in hiders}
+        hiders = {key: counts for key, counts in hiders.items() if sizes[key] > 0}
+        sizes = {key: sizes[key] for key in hiders}
+        return a, hiders, sizes
 
     def _run_stalls(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> Any:
         """:meth:`_stalls` with copy runs (a sublayer graph's parts of one layer, copied as one), in solver units.

@@ -482,6 +482,18 @@ class PlacementModel:
         if self.chain:
             self.model.add(lat >= sum(self._t(getattr(opt, ph)) * v for opt, v in self._terms()) + sum(xfer) + sum(wait))
             return lat
+        self._longest_path_rows(ph, lat, max(horizon, hinted), finish, xfer, wait)
+        for dev in self.devices:
+            work = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev, ph)]
+            if work:
+                self.model.add(lat >= sum(work))
+        return lat
+
+    def _longest_path_rows(self, ph: str, lat: Any, top: int, finish: Sequence[int], xfer: list[Any],
+                           wait: list[Any]) -> None:
+        """A DAG's rows ``lat[ph] >=`` the end of each sink (:meth:`_phase_latency`'s longest path): ``top`` bounds
+        the ``end`` variables, ``finish`` (each unit's end under the hint) their hints, ``xfer`` and ``wait`` are
+        the phase's transfers and stalls."""
         # end[ph, u]: a variable only where paths merge (two or more in-edges); a unit with one
         # in-edge ends at its source's end + transfer + duration, a linear expression, so chain
         # stretches of a DAG keep the chain's tight LP. Only sinks bound lat (ends grow along edges).
@@ -490,24 +502,19 @@ class PlacementModel:
             incoming.setdefault(self.index[e.dst], []).append(k)
         has_out = {self.index[e.src] for e in self.p.edges}
         end: list[Any] = []
-        for u in range(n):
+        for u in range(len(self.p.units)):
             ins = incoming.get(u, [])
             arrivals = [end[self.index[self.p.edges[k].src]] + xfer[k] for k in ins]
             if len(ins) <= 1:
                 end.append((arrivals[0] if arrivals else 0) + self._duration(u, ph) + wait[u])
             else:
-                var = self._hinted(self.model.new_int_var(0, max(horizon, hinted), f"end[{ph},{u}]"), finish[u])
+                var = self._hinted(self.model.new_int_var(0, top, f"end[{ph},{u}]"), finish[u])
                 duration = self._duration(u, ph) + wait[u]
                 for arrival in arrivals:
                     self.model.add(var >= arrival + duration)
                 end.append(var)
             if u not in has_out:
                 self.model.add(lat >= end[u])
-        for dev in self.devices:
-            work = [self._t(getattr(opt, ph)) * v for opt, v in self._terms(dev, ph)]
-            if work:
-                self.model.add(lat >= sum(work))
-        return lat
 
     def _waits(self, ph: str) -> list[Any]:
         """wait[ph, u] of every unit (0 where no option of u's copy run copies in ph): the module docstring's

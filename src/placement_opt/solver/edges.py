@@ -56,17 +56,10 @@ _PRUNED: weakref.WeakValueDictionary[int, PlacementProblem] = weakref.WeakValueD
 
 def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> set[int]:
     """Indices of the edges that a path of other edges always outlasts (see the module docstring)."""
-    index = problem.index()
-    n = len(problem.units)
-    pairs = [(index[e.src], index[e.dst]) for e in problem.edges]
-    out: list[dict[int, int]] = [{} for _ in range(n)]  # a -> {b: edge index}
-    for k, (a, b) in enumerate(pairs):
-        out[a].setdefault(b, k)
-    reaches = _descendants(out, n)
+    pairs, out = _edge_index(problem)
+    reaches = _descendants(out, len(problem.units))
     succ = [sorted(o) for o in out]
-    # per unit and phase (in _PHASES order), the devices its options compute on in that phase
-    execs = [(tuple(sorted({o.prefill_execution or o.execution for o in u.options})),
-              tuple(sorted({o.execution for o in u.options}))) for u in problem.units]
+    execs = _phase_devices(problem)
     fastest = _fastest(problem)
     # Traced graphs repeat one layer's pattern: the same witness shape (edge prices and devices)
     # recurs once per layer. Each shape is checked once with the inner durations taken as 0 (a
@@ -96,14 +89,42 @@ def covered_edges(problem: PlacementProblem, deadline: float | None = None) -> s
             hops = [out[x][y] for x, y in zip(path, path[1:], strict=False)]
             if covered is None:
                 covered = seen[shape] = _covers(problem, hops, path, k, execs, None)
-            if not covered:  # _fastest shares one dict per distinct menu: its id stands for the durations
-                timed_key = (shape, *(id(fastest[v]) for v in path[1:-1]))
-                if timed_key not in timed:
-                    timed[timed_key] = _covers(problem, hops, path, k, execs, fastest)
-                covered = timed[timed_key]
+            if not covered:
+                covered = _timed_covers(problem, hops, path, k, execs, fastest, timed, shape)
         if covered:
             drop.add(k)
     return drop
+
+
+def _edge_index(problem: PlacementProblem) -> tuple[list[tuple[int, int]], list[dict[int, int]]]:
+    """(source, destination) unit indices per edge, and per unit ``a`` its out-edges ``{b: edge index}`` (the
+    first edge of parallel duplicates): :func:`covered_edges`' view of the graph."""
+    index = problem.index()
+    n = len(problem.units)
+    pairs = [(index[e.src], index[e.dst]) for e in problem.edges]
+    out: list[dict[int, int]] = [{} for _ in range(n)]  # a -> {b: edge index}
+    for k, (a, b) in enumerate(pairs):
+        out[a].setdefault(b, k)
+    return pairs, out
+
+
+def _phase_devices(problem: PlacementProblem) -> list[tuple[tuple[str, ...], ...]]:
+    """Per unit and phase (in _PHASES order), the devices its options compute on in that phase: where each end of
+    an edge may be."""
+    return [(tuple(sorted({o.prefill_execution or o.execution for o in u.options})),
+             tuple(sorted({o.execution for o in u.options}))) for u in problem.units]
+
+
+def _timed_covers(problem: PlacementProblem, hops: list[int], path: list[int], k: int,
+                  execs: list[tuple[tuple[str, ...], ...]], fastest: list[dict[str, dict[str, int]]],
+                  timed: dict[tuple, bool], shape: tuple) -> bool:
+    """:func:`_covers` with the inner units' durations, for a witness whose ``shape`` fails without them: found once
+    per shape and inner units' menus (``timed``), as the durations of one menu are the same."""
+    # _fastest shares one dict per distinct menu: its id stands for the durations
+    timed_key = (shape, *(id(fastest[v]) for v in path[1:-1]))
+    if timed_key not in timed:
+        timed[timed_key] = _covers(problem, hops, path, k, execs, fastest)
+    return timed[timed_key]
 
 
 class _Tails:

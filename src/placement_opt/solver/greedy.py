@@ -298,17 +298,6 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     for k, u in enumerate(problem.units):
         if groups is not None:
             groups.enter(k)
-
-        def room_for(o: PlacementOption) -> bool:
-            kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
-            if o.mode == "phased" or groups is not None:  # transients on two devices, or counted per copy run
-                return all(added + (kept if d == o.storage else 0) <= free[d]
-                           for d, added in _adds(o, peak, groups).items())
-            extra_peak = max(0, o.peak_bytes - peak[o.execution])  # the common case, inline (5 x 11,000 calls)
-            if o.storage == o.execution:
-                return o.stored_bytes + o.resident_bytes + extra_peak + kept <= free[o.storage]
-            return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
-
         lead = tied_to.get(u.name)
         # the least (disallowed, off its tie, without room, work_ns, index): options in work order, the first
         # that is allowed, tied right and fits ends the scan (most units: the first or second option)
@@ -318,7 +307,8 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
             order = by_work[id(u.options)] = sorted(range(len(u.options)), key=lambda i: (u.options[i].work_ns, i))
         for i in order:
             o = u.options[i]
-            flaws = (not problem.allows(u, o), lead in storage and o.storage != storage[lead], not room_for(o))
+            flaws = (not problem.allows(u, o), lead in storage and o.storage != storage[lead],
+                     not _room_for(o, free, peak, reserve, groups))
             if least is None or flaws < least:
                 best, least = i, flaws
                 if not any(flaws):
@@ -334,6 +324,20 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
         storage[u.name] = o.storage
         choice.append(best)
     return choice
+
+
+def _room_for(o: PlacementOption, free: dict[str, int], peak: dict[str, int], reserve: dict[str, int],
+              groups: _RunTransients | None) -> bool:
+    """Whether :func:`greedy_choice` has room for ``o``: its bytes fit in what is ``free`` beside the transient
+    ``peak`` each device holds, resident weights leaving the GPU's ``reserve``."""
+    kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
+    if o.mode == "phased" or groups is not None:  # transients on two devices, or counted per copy run
+        return all(added + (kept if d == o.storage else 0) <= free[d]
+                   for d, added in _adds(o, peak, groups).items())
+    extra_peak = max(0, o.peak_bytes - peak[o.execution])  # the common case, inline (5 x 11,000 calls)
+    if o.storage == o.execution:
+        return o.stored_bytes + o.resident_bytes + extra_peak + kept <= free[o.storage]
+    return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
 
 
 @dataclass

@@ -279,8 +279,37 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     hint_ok = problem.satisfies(hint)
     n = len(problem.units)
     notes: list[str] = []
+    # layered: a sublayer problem's layer-granular plan: joins the starts after the relaxations
+    (hint, hint_ok), coarse_units, layered = _restricted_start(problem, objective, run, (hint, hint_ok),
+                                                               latency_cap_ns, deadline, notes)
+    classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
+    relaxations = _relaxations(problem, classes)
+    full_s = FULL_S_PER_TERM * (n + len(problem.edges))
+    relaxed, (hint, hint_ok) = _run_relaxations(problem, objective, relaxations, run, (hint, hint_ok),
+                                                latency_cap_ns, (deadline, full_s), notes)
+    hint, hint_ok = _full_start(problem, objective, run, (hint, hint_ok), layered, relaxed, (deadline, full_s))
+    found = _full_solve(problem, objective, run, (hint, hint_ok), latency_cap_ns, relaxed, classes, (deadline, full_s))
+    if not found.choice and not hint_ok:
+        return Solution(choice=(), status=found.status, objective=objective, objective_value=0,
+                        best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
+                        units=n, coarse_units=coarse_units, notes=tuple(notes))
+    if not found.choice:  # out of time: the start stands
+        found = _Found(hint, "FEASIBLE", found.bound)
+    return _report(problem, objective, run, found, (hint, hint_ok), latency_cap_ns, coarse_units=coarse_units,
+                   notes=notes)
+
+
+def _restricted_start(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
+                      latency_cap_ns: int | None, deadline: float,
+                      notes: list[str]) -> tuple[tuple[list[int], bool], int, list[int] | None]:
+    """(the start, the super-units of the coarse solve, a sublayer problem's layer-granular plan or None) after
+    the restriction that fits ``problem``: the coarse solve above :data:`COARSEN_ABOVE` units (its plan replaces
+    the start), else the expert groups merged, else the layer-granular problem (their plan is kept aside: it joins
+    the starts after the relaxations). Appends what it started from to ``notes``."""
+    hint, hint_ok = start
+    n = len(problem.units)
     coarse_units = n
-    layered = None  # a sublayer problem's layer-granular plan: joins the starts after the relaxations
+    layered = None
     if n > COARSEN_ABOVE:
         groups = coarsen_groups(problem, hint, COARSEN_ABOVE)
         if len(groups) < n:
@@ -303,11 +332,19 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         if layered is not None:
             notes.append(f"{STARTED_FROM}the best plan that moves each layer's parts together ({len(blocks)} "
                          f"super-units) as well; the bound is the full problem's")
+    return (hint, hint_ok), coarse_units, layered
+
+
+def _run_relaxations(problem: PlacementProblem, objective: str, relaxations: list[tuple[str, float, Any]],
+                     run: _Run, start: tuple[list[int], bool], latency_cap_ns: int | None,
+                     limits: tuple[float, float], notes: list[str]) -> tuple[_Found, tuple[list[int], bool]]:
+    """What the relaxations proved (no choice: INFEASIBLE when one found no solution, and the largest bound), and
+    the start they leave (a relaxation's plan when no worse). They run in turn until one proves the start within
+    the gap or the problem infeasible. ``limits``: the deadline, and the full model's build time
+    (:data:`FULL_S_PER_TERM`). Appends where the bound came from to ``notes``."""
+    hint, hint_ok = start
+    deadline, full_s = limits
     relaxed = _Found([], "UNKNOWN", 0)
-    others: list[list[int]] = []  # the layer-granular plan or the start it beat: polished too
-    classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
-    relaxations = _relaxations(problem, classes)
-    full_s = FULL_S_PER_TERM * (n + len(problem.edges))
     for k, (name, share, make) in enumerate(relaxations):
         if k == len(relaxations) - 1 and (1 - share) * (deadline - time.perf_counter()) < max(MIN_SOLVE_S, 2 * full_s):
             share = 1.0  # the full model would not get to search: the last relaxation takes all the time
@@ -326,6 +363,17 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         if relaxed.status == "INFEASIBLE" or (hint_ok and _proven(problem, objective, hint, relaxed.bound,
                                                                    run.gap_limit)):
             break
+    return relaxed, (hint, hint_ok)
+
+
+def _full_start(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
+                layered: list[int] | None, relaxed: _Found, limits: tuple[float, float]) -> tuple[list[int], bool]:
+    """The full solve's start: the better of ``start`` and the layer-granular plan, polished (from both) where
+    orders matter and the relaxations neither proved it within the gap nor the problem infeasible.
+    ``limits``: the deadline, and the full model's build time."""
+    hint, hint_ok = start
+    deadline, full_s = limits
+    others: list[list[int]] = []  # the layer-granular plan or the start it beat: polished too
     if layered is not None:  # not before: the relaxations' solutions follow their hint, and read worse from it
         better = not hint_ok or problem.objective_value(layered, objective) < problem.objective_value(hint, objective)
         others.append(hint if better and hint_ok else layered)
@@ -335,23 +383,25 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
         left = deadline - time.perf_counter()  # all of it when the full model would not get to search after
         share = POLISH_SHARE if (1 - POLISH_SHARE) * left >= max(MIN_SOLVE_S, 2 * full_s) else 1.0
         hint = _polished(problem, [hint, *others], time.perf_counter() + share * left)
+    return hint, hint_ok
+
+
+def _full_solve(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
+                latency_cap_ns: int | None, relaxed: _Found, classes: list[list[str]],
+                limits: tuple[float, float]) -> _Found:
+    """The full model's answer with the relaxations' bound, unless the relaxations settled it (INFEASIBLE, or the
+    start proven within the gap) or too little time is left to build it (then no choice: the start stands).
+    ``limits``: the deadline, and the full model's build time."""
+    hint, hint_ok = start
+    deadline, full_s = limits
     if relaxed.status == "INFEASIBLE":  # a relaxation without a solution: neither has the real problem
-        found = relaxed
-    elif hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
-        found = _Found(hint, "FEASIBLE", relaxed.bound)
-    elif deadline - time.perf_counter() < max(MIN_SOLVE_S, full_s):  # no time to build it: the start stands
-        found = _Found([], relaxed.status, relaxed.bound)
-    else:
-        found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns, classes)
-        found = _Found(found.choice, found.status, max(found.bound, relaxed.bound))
-    if not found.choice and not hint_ok:
-        return Solution(choice=(), status=found.status, objective=objective, objective_value=0,
-                        best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
-                        units=n, coarse_units=coarse_units, notes=tuple(notes))
-    if not found.choice:  # out of time: the start stands
-        found = _Found(hint, "FEASIBLE", found.bound)
-    return _report(problem, objective, run, found, (hint, hint_ok), latency_cap_ns, coarse_units=coarse_units,
-                   notes=notes)
+        return relaxed
+    if hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
+        return _Found(hint, "FEASIBLE", relaxed.bound)
+    if deadline - time.perf_counter() < max(MIN_SOLVE_S, full_s):  # no time to build it: the start stands
+        return _Found([], relaxed.status, relaxed.bound)
+    found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns, classes)
+    return _Found(found.choice, found.status, max(found.bound, relaxed.bound))
 
 
 def _polished(problem: PlacementProblem, starts: Sequence[list[int]], deadline: float) -> list[int]:
