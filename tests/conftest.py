@@ -56,3 +56,14 @@ def _own_profile(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
     wants a profile sets PLACEMENT_OPT_PROFILE itself."""
     where = tmp_path_factory.getbasetemp() / f"profile-{next(_PROFILES)}.json"
     monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(where))
+
+
+@pytest.fixture(scope="session")
+def module_level_70b():
+    """Llama-3-70B traced per module on meta (724 units): the largest graph the time-limit tests solve. Traced once
+    per session (about 4.5 s on 2 cores); the tests only read it."""
+    pytest.importorskip("transformers")
+    from placement_opt import trace
+    from placement_opt.model import catalog
+
+    return trace(catalog.model_config("llama-3-70b"), granularity="module")

@@ -241,7 +241,7 @@ def test_one_pricing_gives_the_problem_build_problem_gives(pins):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("limit_s", [1.0, 2.0])
-def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s, monkeypatch):
+def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s, monkeypatch, module_level_70b):
     """Pricing, baselines, search and the final scoring together stay within the limit + 0.5 s.
 
     The contract (solve's docstring): the search gets what pricing and baselines leave, at least
@@ -250,14 +250,11 @@ def test_solve_keeps_its_time_limit_on_a_module_level_70b(limit_s, monkeypatch):
     was given, the budget must be what was left, and the whole call within the limit whenever
     pricing left room for the minimum search.
     """
-    pytest.importorskip("transformers")
     import time
 
     import placement_opt.planner as planner
-    from placement_opt import trace
-    from placement_opt.model import catalog
 
-    graph = trace(catalog.model_config("llama-3-70b"), granularity="module")
+    graph = module_level_70b
     m = Machine([Device.preset("t4", name=f"cuda:{i}") for i in range(4)]
                 + [Device.preset("cpu-desktop", name="cpu").with_memory("128GiB"), Device.preset("nvme-gen4", name="disk")])
     searches = []

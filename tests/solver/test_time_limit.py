@@ -65,16 +65,13 @@ def test_a_dense_dag_of_1500_units_keeps_the_time_limit(limit_s):
 
 
 @pytest.mark.slow
-def test_a_module_level_70b_graph_keeps_the_time_limit():
-    pytest.importorskip("transformers")
-    from placement_opt import trace
+def test_a_module_level_70b_graph_keeps_the_time_limit(module_level_70b):
     from placement_opt.cost.build import build_problem
     from placement_opt.cost.workload import Workload
     from placement_opt.hardware.devices import Device, Machine
-    from placement_opt.model import catalog
     from placement_opt.solver.greedy import best_greedy_choice
 
-    graph = trace(catalog.model_config("llama-3-70b"), granularity="module")
+    graph = module_level_70b
     machine = Machine([Device.preset("a100-80gb", name="cuda:0"), Device.preset("t4", name="cuda:1"),
                        Device.preset("cpu-desktop", name="cpu").with_memory("128GiB"),
                        Device.preset("nvme-gen4", name="disk")])
