@@ -262,6 +262,7 @@ class NodeSchema(_Strict):
     decode_workspace_bytes: NonNegativeInt | None = None
     decode_workspace_bytes_per_ctx: NonNegativeInt | None = None
     ops_per_forward: NonNegativeInt | None = None
+    layer: str | None = Field(default=None, min_length=1)
 
 
 class EdgeSchema(_Strict):

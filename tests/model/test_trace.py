@@ -225,6 +225,20 @@ def test_granularity_module_splits_blocks() -> None:
     assert o_proj.flops_per_token >= o_proj.attn_flops_per_token_per_ctx * SEQ
 
 
+def test_module_units_know_their_layer_and_keep_it_through_json() -> None:
+    """A module unit inside a decoder layer names it (``layer``: what a GPU's launch-ahead overlaps over, as a
+    sublayer unit's ``block``); units outside the layers, and every unit of a block or sublayer graph, have none."""
+    graph = trace(TINY["llama"](), seq_len=SEQ, granularity="module")
+    layers = {u.name: u.layer for u in graph.units()}
+    inside = {n: ".".join(n.split(".")[:3]) if n.startswith("model.layers.") else None for n in layers}
+    assert layers == inside and set(inside.values()) == {None, "model.layers.0", "model.layers.1"}
+    assert {u.name: u.layer for u in LayerGraph.from_json(graph.to_json()).units()} == layers
+    for granularity in ("block", "sublayer"):
+        assert all(u.layer is None for u in trace(TINY["llama"](), seq_len=SEQ, granularity=granularity).units())
+    kept = trace(TINY["llama"](), seq_len=SEQ, granularity="module", no_split={"LlamaDecoderLayer"})
+    assert "model.layers.0" in kept and all(u.layer is None for u in kept.units())  # a whole layer is its own
+
+
 def test_module_units_send_their_output_once_however_many_residual_sums_read_it() -> None:
     """The residual adds run between modules: every later norm reads a sum that derives from an early
     ``o_proj``, but only the projection's own output (one hidden state) leaves its device."""

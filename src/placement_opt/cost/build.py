@@ -90,13 +90,11 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     priced: dict[tuple[Any, ...], list[OptionPrice]] = {}  # identical units (decoder layers) priced once
     parts = []
     logits = graph.meta.extra.get("logits_unit")
-    blocks: dict[str, tuple[Any, ...]] = {}  # block -> its parts' keys: a part's host time is its block's share
+    spans = {span: tuple(_price_key(m, logits) for m in members)  # a part's host time is its span's share
+             for span, members in ctx.span_members.items()}
     for u in units:
-        if u.block is not None:
-            blocks[u.block] = (*blocks.get(u.block, ()), _price_key(u, logits))
-    for u in units:
-        # a part of a block shares the block's overhead (a final norm is priced apart from a layer's norms)
-        key = (*_price_key(u, logits), *ctx.overhead_share(u), blocks.get(u.block, ()) if u.block else ())
+        # a part of a span shares the span's overhead (a final norm is priced apart from a layer's norms)
+        key = (*_price_key(u, logits), *ctx.overhead_share(u), spans.get(u.host_span, ()) if u.host_span else ())
         if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
             key += (unit_io_bytes(graph, u)[0],)
         if key not in priced:

@@ -94,14 +94,16 @@ class PricingContext:
 
         A GPU's kernels run while the host queues the next ops, so a run of units takes the longer of the host's
         time and the kernels'. Taken unit by unit, that max would price a layer cut into parts (an attention the host
-        bounds, an MLP the kernels bound) above the same layer whole. It is taken over the unit's block instead
-        (``UnitInfo.block``; a unit outside every block is its own), as if all its parts ran on ``device``, and
-        shared among the parts by their ops: the parts of a block on one GPU then cost what the block costs whole.
+        bounds, an MLP the kernels bound) above the same layer whole. It is taken over the unit's span instead
+        (``UnitInfo.host_span``: a sublayer graph's block, a module graph's layer; a unit outside every span is its
+        own), as if all its parts ran on ``device``, and shared among the parts by their ops: the parts of a layer on
+        one GPU then cost what the layer costs whole.
         """
-        key = (unit.block or unit.name, device.name, phase)
+        span = unit.host_span
+        key = (span or unit.name, device.name, phase)
         cache = self._exposed
         if key not in cache:
-            members = self._block_members.get(unit.block, [unit]) if unit.block is not None else [unit]
+            members = self.span_members.get(span, [unit]) if span is not None else [unit]
             host = sum(self.overhead_s(m, device) for m in members)
             kernels = sum(self._kernel_s(m, device, phase) for m in members)
             ops = sum(m.ops_per_forward or 0 for m in members)
@@ -124,11 +126,12 @@ class PricingContext:
         return {}
 
     @functools.cached_property
-    def _block_members(self) -> dict[str, list[UnitInfo]]:
+    def span_members(self) -> dict[str, list[UnitInfo]]:
+        """Span (``UnitInfo.host_span``) -> its units in execution order: whose times :meth:`exposed_s` shares."""
         members: dict[str, list[UnitInfo]] = collections.defaultdict(list)
         for u in self.graph.units():
-            if u.block is not None:
-                members[u.block].append(u)
+            if u.host_span is not None:
+                members[u.host_span].append(u)
         return members
 
     @staticmethod

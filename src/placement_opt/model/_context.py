@@ -36,6 +36,11 @@ class TraceContext:
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
 
+    @property
+    def layer_classes(self) -> tuple[str, ...]:
+        """The model's own no-split classes (``_no_split_modules``: its decoder layers), whatever ``no_split`` cut."""
+        return tuple(str(n) for n in (getattr(self.module, "_no_split_modules", None) or ()))
+
 
 def is_container(ctx: TraceContext, name: str) -> bool:
     """A unit owning only its direct tensors while other units sit below it (its forward is mostly glue)."""

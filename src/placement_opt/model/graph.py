@@ -99,7 +99,7 @@ GRANULARITIES = ("block", "module", "sublayer")
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
            "CPU_ATTENTION_NODE_ATTRIBUTES", "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES",
-           "GRAPH_SCHEMA_VERSION", "chain_graph",
+           "MODULE_NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
 GRAPH_SCHEMA_VERSION = 1
@@ -158,9 +158,12 @@ DECODE_NODE_ATTRIBUTES: dict[str, type] = {"decode_workspace_bytes": int, "decod
 #: around it on each, whatever its size: what bounds a small model's steps, and a GPU's decode steps.
 OPS_NODE_ATTRIBUTES: dict[str, type] = {"ops_per_forward": int}
 
+#: Attribute of a unit of a ``"module"`` graph inside a no-split block: the block (decoder layer) it lies in.
+MODULE_NODE_ATTRIBUTES: dict[str, type] = {"layer": str}
+
 _OPTIONAL = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
              **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES,
-             **OPS_NODE_ATTRIBUTES}
+             **OPS_NODE_ATTRIBUTES, **MODULE_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +223,16 @@ class UnitInfo:
     ops_per_forward: int | None = None
     """Torch ops one forward dispatches for the unit, the glue before it included (counted by the meta trace);
     None: not counted, the cost model charges a fixed overhead per unit."""
+    layer: str | None = None
+    """``"module"`` graphs: the no-split block (decoder layer, from ``model._no_split_modules``) the module lies in;
+    a GPU's kernels hide the host's time over the layer's modules together, as over a sublayer graph's
+    :attr:`block` (``cost.context``). None otherwise, or for a module outside every layer."""
+
+    @property
+    def host_span(self) -> str | None:
+        """The units a GPU runs back to back while its host queues them: the block or layer this unit is part of
+        (None: the unit alone)."""
+        return self.block or self.layer
 
     def kv_tokens(self, context: int) -> int:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""

@@ -62,7 +62,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import networkx as nx
@@ -436,17 +436,20 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
                                                          math.ceil(scores / (ctx.tokens * ctx.seq_len))), strict=True))
     if record is not None and ctx.granularity == "sublayer":
         attrs.update(_round_trip_bytes(ctx, record, name))
-    if ctx.granularity == "sublayer" and (block := _enclosing_block(ctx, name)) is not None:
+    if ctx.granularity == "sublayer" and (block := _enclosing_block(ctx, name, ctx.no_split)) is not None:
         attrs["block"] = block
+    if ctx.granularity == "module" and (layer := _enclosing_block(ctx, name, ctx.layer_classes)) not in (None, name):
+        attrs["layer"] = layer
     return attrs
 
 
-def _enclosing_block(ctx: TraceContext, name: str) -> str | None:
-    """The no-split block a ``"sublayer"`` unit was cut from (the longest such prefix of its name), or None."""
+def _enclosing_block(ctx: TraceContext, name: str, classes: Collection[str]) -> str | None:
+    """The module of one of ``classes`` that holds unit ``name`` (the longest such prefix of its name), or None:
+    the no-split block a ``"sublayer"`` unit was cut from, the decoder layer a ``"module"`` unit lies in."""
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
         prefix = ".".join(parts[:end])
-        if type(ctx.module.get_submodule(prefix)).__name__ in ctx.no_split:
+        if type(ctx.module.get_submodule(prefix)).__name__ in classes:
             return prefix
     return None
 
