@@ -357,6 +357,35 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         return _price_phased(ctx, unit, storage, execution, prefill_execution)
     wl = ctx.workload
     device = ctx.machine[execution]
+    overlapped = mode == "stream" and device.is_gpu
+    prefill, decode, copy_prefill, copy_decode = _compute_and_copies(ctx, unit, storage, execution, mode)
+    host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
+    disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
+    trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
+    prefill += trip_prefill
+    decode += trip_decode
+    train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
+    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.context_len)
+    return OptionPrice(
+        storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
+        weights_bytes=unit.weight_bytes,
+        stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
+        kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
+        workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
+        stream_buffer_bytes=unit.weight_bytes * stream_buffers(mode, device.is_gpu), round_trip_s=trip_prefill + trip_decode,
+        group_copy_bytes=unit.weight_bytes if overlapped else 0,
+        copy_prefill_s=copy_prefill, copy_decode_s=copy_decode,
+        host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
+    )
+
+
+def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str,
+                        mode: str) -> tuple[float, float, float, float]:
+    """(prefill, every decode step, the prefetch thread's prefill copies, its decode copies) of a non-phased
+    option: the unit's compute with its weight copies added, overlapped (``stream`` to a GPU: the longer of the
+    two), or apart (``stream`` to a GPU with ``Workload.overlap``: the last two, which the problem schedules)."""
+    wl = ctx.workload
+    device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
     copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
     copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
@@ -380,24 +409,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         else:
             lines = [(a + copy, b) for a, b in lines]
         decode = _sum_capped_lines(lines, wl.decode_steps, _growing_steps(unit, wl)) + _fresh_pages_s(ctx, unit, device)
-    host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
-    disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
-    trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
-    prefill += trip_prefill
-    decode += trip_decode
-    train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
-    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.context_len)
-    return OptionPrice(
-        storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
-        weights_bytes=unit.weight_bytes,
-        stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
-        kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
-        workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=unit.weight_bytes * stream_buffers(mode, device.is_gpu), round_trip_s=trip_prefill + trip_decode,
-        group_copy_bytes=unit.weight_bytes if overlapped else 0,
-        copy_prefill_s=forwards * copy_prefill if apart else 0.0, copy_decode_s=copy_decode,
-        host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
-    )
+    return prefill, decode, forwards * copy_prefill if apart else 0.0, copy_decode
 
 
 def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, gpu: str) -> OptionPrice:

@@ -391,21 +391,8 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
           encoder: set[str], decode_line: tuple[int, int] | None = None) -> dict[str, Any]:
     module = ctx.units[name]
     tensors = unit_tensors(name, module, is_block(ctx, name))
-    param_bytes = buffer_bytes = 0
-    for qname, tensor, is_param in tensors:
-        size = tensor_bytes(tensor, ctx.override)
-        if is_param:
-            if first_owner.get(tie_key(qname, tied)) == name:
-                param_bytes += size
-        else:
-            buffer_bytes += size
-    tokens = ctx.tokens
-    if record is not None:
-        flops = round(record.flops.get(name, 0) / tokens)
-        out_bytes = math.ceil(_leaving_bytes(record, name) / tokens)
-    else:
-        flops = 2 * sum(t.numel() for q, t, p in tensors if p and t.dim() > 1 and not _in_embedding(ctx, q))
-        out_bytes = hidden_size(ctx) * dtype_bytes(ctx.dtype)
+    param_bytes, buffer_bytes = _owned_bytes(ctx, name, tensors, tied, first_owner)
+    flops, out_bytes = _per_token(ctx, record, name, tensors)
     attn_flops_per_ctx, kv_elements = attention.of(name)
     in_decode = name not in encoder
     has_cache = in_decode and attention.causal
@@ -420,26 +407,68 @@ def _node(ctx: TraceContext, record: _recorder.Record | None, name: str, module_
         "param_names": tuple(q for q, _, p in tensors if p), "in_decode": in_decode,
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
-    if has_cache and attrs["kv_bytes_per_token"] and (window := attention.kv_window(name)) is not None:
-        attrs["kv_window_tokens"] = window
-    if has_cache and attrs["kv_bytes_per_token"] and decode_line is not None:
-        attrs.update(zip(DECODE_NODE_ATTRIBUTES, decode_line, strict=True))
+    if has_cache and attrs["kv_bytes_per_token"]:
+        attrs.update(_cache_attributes(name, attention, decode_line))
     if has_cache and any(expansion := attention.expansion(name)):
         attrs.update(zip(LATENT_NODE_ATTRIBUTES, expansion, strict=True))
-    if record is not None and name in record.workspace:
-        attrs.update(_workspace(ctx, record.workspace[name]))
-    if record is not None and name in record.ops:
-        attrs["ops_per_forward"] = record.ops[name]
-    if record is not None and name in record.cpu_attention:
-        linear, scores = record.cpu_attention[name]
-        attrs.update(zip(CPU_ATTENTION_NODE_ATTRIBUTES, (math.ceil(linear / ctx.tokens),
-                                                         math.ceil(scores / (ctx.tokens * ctx.seq_len))), strict=True))
-    if record is not None and ctx.granularity == "sublayer":
-        attrs.update(_round_trip_bytes(ctx, record, name))
+    if record is not None:
+        attrs.update(_recorded_attributes(ctx, record, name))
     if ctx.granularity == "sublayer" and (block := _enclosing_block(ctx, name, ctx.no_split)) is not None:
         attrs["block"] = block
     if ctx.granularity == "module" and (layer := _enclosing_block(ctx, name, ctx.layer_classes)) not in (None, name):
         attrs["layer"] = layer
+    return attrs
+
+
+def _owned_bytes(ctx: TraceContext, name: str, tensors: Iterable[tuple[str, torch.Tensor, bool]],
+                 tied: list[tuple[str, ...]], first_owner: dict[str, str]) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) unit ``name`` stores: a tied parameter counts once, at its first owner."""
+    param_bytes = buffer_bytes = 0
+    for qname, tensor, is_param in tensors:
+        size = tensor_bytes(tensor, ctx.override)
+        if is_param:
+            if first_owner.get(tie_key(qname, tied)) == name:
+                param_bytes += size
+        else:
+            buffer_bytes += size
+    return param_bytes, buffer_bytes
+
+
+def _per_token(ctx: TraceContext, record: _recorder.Record | None, name: str,
+               tensors: Iterable[tuple[str, torch.Tensor, bool]]) -> tuple[int, int]:
+    """(FLOPs, output bytes) per token of unit ``name``: as the meta forward recorded them, or without a record
+    (the static fallback) two FLOPs per weight of its matrices and one hidden state out."""
+    tokens = ctx.tokens
+    if record is not None:
+        return round(record.flops.get(name, 0) / tokens), math.ceil(_leaving_bytes(record, name) / tokens)
+    flops = 2 * sum(t.numel() for q, t, p in tensors if p and t.dim() > 1 and not _in_embedding(ctx, q))
+    return flops, hidden_size(ctx) * dtype_bytes(ctx.dtype)
+
+
+def _cache_attributes(name: str, attention: AttentionFacts, decode_line: tuple[int, int] | None) -> dict[str, Any]:
+    """A unit with a KV cache: its window (a sliding layer) and what a decode step holds (the decode probe's line)."""
+    attrs: dict[str, Any] = {}
+    if (window := attention.kv_window(name)) is not None:
+        attrs["kv_window_tokens"] = window
+    if decode_line is not None:
+        attrs.update(zip(DECODE_NODE_ATTRIBUTES, decode_line, strict=True))
+    return attrs
+
+
+def _recorded_attributes(ctx: TraceContext, record: _recorder.Record, name: str) -> dict[str, Any]:
+    """What the meta forward measured of unit ``name`` beside its sizes: workspace, op count, a CPU's unfused
+    attention, and a sublayer unit's bytes in."""
+    attrs: dict[str, Any] = {}
+    if name in record.workspace:
+        attrs.update(_workspace(ctx, record.workspace[name]))
+    if name in record.ops:
+        attrs["ops_per_forward"] = record.ops[name]
+    if name in record.cpu_attention:
+        linear, scores = record.cpu_attention[name]
+        attrs.update(zip(CPU_ATTENTION_NODE_ATTRIBUTES, (math.ceil(linear / ctx.tokens),
+                                                         math.ceil(scores / (ctx.tokens * ctx.seq_len))), strict=True))
+    if ctx.granularity == "sublayer":
+        attrs.update(_round_trip_bytes(ctx, record, name))
     return attrs
 
 
