@@ -315,9 +315,9 @@ def _restricted_start(problem: PlacementProblem, objective: str, run: _Run, star
         if len(groups) < n:
             coarse_units = len(groups)
             until = time.perf_counter() + COARSE_SHARE * (deadline - time.perf_counter())
-            start = _coarse_start(problem, objective, groups, run, (hint, hint_ok), latency_cap_ns, until)
-            if start is not None:
-                hint, hint_ok = start, True
+            coarse = _coarse_start(problem, objective, groups, run, (hint, hint_ok), latency_cap_ns, until)
+            if coarse is not None:
+                hint, hint_ok = coarse, True
             notes.append(f"{STARTED_FROM}a plan of {n} units coarsened into {len(groups)} super-units (runs of "
                          f"chain units with the same options); the bound is the full problem's")
     elif (parts := part_groups(problem)) is not None:  # its own solve starts from the layer-granular plan
