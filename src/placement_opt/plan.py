@@ -246,6 +246,30 @@ class Plan:
         advice = gap_advice(self)
         if advice:
             lines.append(f"- the gap: {advice}")
+        lines += self._run_lines()
+        if c.copy_s:
+            hidden = 1 - c.wait_s / c.copy_s
+            grouped = any(p.copy_group for p in self.placements)
+            when = ("a layer's streamed sublayer units are copied together, starting when the layer before them "
+                    "that streams starts, and the wait is charged to the layer's first unit" if grouped else
+                    "each starts when the streamed unit before it does")
+            lines.append(f"- streamed weights: {format_seconds(c.copy_s)} of copies run on the prefetch thread beside "
+                         f"the compute ({when}; in the decode the last one fetches the next step's first); "
+                         f"{hidden:.0%} of it is hidden, {format_seconds(c.wait_s)} is spent waiting for weights.")
+        slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s + u.wait_s, reverse=True)[:3]
+        for u in slow:
+            lines.append(f"- {u.name} is among the most expensive units ({format_seconds(u.prefill_s + u.decode_s)}: "
+                         f"prefill {format_seconds(u.prefill_s)}, decode {format_seconds(u.decode_s)}) on "
+                         f"{u.execution} ({u.mode}, stored on {u.storage}).")
+        lines += self._baseline_lines()
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _run_lines(self) -> list[str]:
+        """:meth:`explain`'s line for each run of units whose place needs saying (phased, streamed, or computed on
+        the CPU beside GPUs): why they sit there, from what each device has free."""
+        c = self.cost
+        lines = []
         free = {m.device: m.free_bytes for m in c.memory}
         for units, storage, execution, mode in self.runs():
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)} units)"
@@ -262,30 +286,20 @@ class Plan:
             elif execution == "cpu" and any(m.device.startswith("cuda:") for m in c.memory):
                 lines.append(f"- {span}: computed on the CPU: {_full('the GPUs', free)}, and streaming these "
                              f"weights at every step would cost more than computing them on the CPU.")
-        if c.copy_s:
-            hidden = 1 - c.wait_s / c.copy_s
-            grouped = any(p.copy_group for p in self.placements)
-            when = ("a layer's streamed sublayer units are copied together, starting when the layer before them "
-                    "that streams starts, and the wait is charged to the layer's first unit" if grouped else
-                    "each starts when the streamed unit before it does")
-            lines.append(f"- streamed weights: {format_seconds(c.copy_s)} of copies run on the prefetch thread beside "
-                         f"the compute ({when}; in the decode the last one fetches the next step's first); "
-                         f"{hidden:.0%} of it is hidden, {format_seconds(c.wait_s)} is spent waiting for weights.")
-        slow = sorted(c.units, key=lambda u: u.prefill_s + u.decode_s + u.wait_s, reverse=True)[:3]
-        for u in slow:
-            lines.append(f"- {u.name} is among the most expensive units ({format_seconds(u.prefill_s + u.decode_s)}: "
-                         f"prefill {format_seconds(u.prefill_s)}, decode {format_seconds(u.decode_s)}) on "
-                         f"{u.execution} ({u.mode}, stored on {u.storage}).")
+        return lines
+
+    def _baseline_lines(self) -> list[str]:
+        """:meth:`explain`'s line for each baseline: not run and why, or its time and fit against this plan's."""
+        lines = []
         for b in self.baselines:
             if not b.ran:
                 lines.append(f"- baseline {b.strategy}: not run ({b.why_not_run.rstrip('.')}).")
                 continue
             verdict = "fits" if b.fits else f"does not fit ({format_bytes(b.short_bytes)} short)"
             lines.append(f"- baseline {b.strategy}: {seconds_or_dash(b.total_s)}, {verdict}, "
-                         f"{ratio_or_dash(b.total_s, c.total_s)} this plan's time."
+                         f"{ratio_or_dash(b.total_s, self.cost.total_s)} this plan's time."
                          + (f" {b.note.split(': ')[0]}." if b.note and not b.fits else ""))
-        lines += [f"- note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return lines
 
     # -- serialising --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -102,16 +102,11 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     console = console_for()
     check_not_foreign(json_path, "run's figures", "--json")
     pins = parse_pins(pin)
-    if new_tokens < 2:
-        raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
-    if repeats < 1:
-        raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
+    _check_counts(new_tokens, repeats)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
-        # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
-        machine = _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)), devices,
-                           offload_dir)
+        machine = _machine(checkpoint, devices, dtype, offload_dir)
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         mask = _padding_mask(ids) if padded else None
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
@@ -120,8 +115,7 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
-            machine = _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)),
-                               devices, offload_dir)
+            machine = _machine(checkpoint, devices, dtype, offload_dir)
         _check_positions(checkpoint, ids.shape[1], new_tokens)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
@@ -129,36 +123,75 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
             timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
-    console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {ids.shape[1]} + "
-                  f"{new_tokens} new tokens{', padded' if padded else ''}, greedy; plan {plan.strategy} ({plan.status}, gap {plan.gap:.1%}), units "
-                  f"stored on {_storage(plan)}")
+    _say_setting(console, checkpoint, machine, (batch, ids.shape[1], new_tokens, padded), plan, cold, SOLVER_NOTES)
+    rows = _rows(plan, cost, timing)
+    console.print(_table(rows, timing))
+    _say_heap(console, rows, fixed)
+    _say_runs(console, timing, tokenizer)
+    figures = _figures(plan, rows, timing)
+    if vs_accelerate:
+        del handle  # its weights leave before accelerate's load
+        figures["accelerate"] = _vs_accelerate(console, checkpoint, machine, plan, cost, timing,
+                                               (ids, new_tokens, cold, repeats, mask), offload_dir)
+    if json_path:
+        write_text_atomic(json_path, json.dumps(figures, indent=1))
+        say_written(console, f"figures written to {json_path}")
+
+
+def _check_counts(new_tokens: int, repeats: int) -> None:
+    """None, or the usage error for too few new tokens to time a decode step or too few prefills to time one:
+    refused before anything is read."""
+    if new_tokens < 2:
+        raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
+    if repeats < 1:
+        raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
+
+
+def _machine(checkpoint: str, devices: str | None, dtype: str | None, offload_dir: str | None) -> Any:
+    """The machine ``--devices`` describes, priced in the run's dtype, its bare disk where ``--offload-dir`` writes:
+    resolved once before and, with ``--calibrate``, once after calibrating."""
+    # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
+    return _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)), devices,
+                    offload_dir)
+
+
+def _say_setting(console: Any, checkpoint: str, machine: Any, shape: tuple[int, int, int, bool], plan: Plan,
+                 cold: bool, search_notes: tuple[str, ...]) -> None:
+    """None: prints what ran (the checkpoint on the devices, ``shape``: batch, prompt tokens, new tokens, padded,
+    and the plan), the plan's notes but the search's (``search_notes``), and, without --cold, that disk units may
+    be read from the page cache: what the figures that follow rest on."""
+    batch, prompt, new_tokens, padded = shape
+    console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {prompt} + "
+                  f"{new_tokens} new tokens{', padded' if padded else ''}, greedy; plan {plan.strategy} "
+                  f"({plan.status}, gap {plan.gap:.1%}), units stored on {_storage(plan)}")
     for note in plan.notes:  # what the prediction rests on (calibrated or assumed speeds, ...); not the search's
-        if not note.startswith(SOLVER_NOTES):
+        if not note.startswith(search_notes):
             console.print(f"note: {note}")
     disk = sum(p.storage == "disk" for p in plan.placements)
     if disk and not cold:
         console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
                       f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
-    rows = _rows(plan, cost, timing)
-    console.print(_table(rows, timing))
-    _say_heap(console, rows, fixed)
+
+
+def _say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
+    """None: prints how the medians were taken where more than one prefill was timed, and the first sequence's
+    generated text where the prompt was tokenized (``tokenizer``)."""
     if len(timing.prefill_runs_s) > 1:
         runs = timing.prefill_runs_s
         console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
                       f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
-    figures = _figures(plan, rows, timing)
-    if vs_accelerate:
-        del handle  # its weights leave before accelerate's load
-        with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
-            theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload),
-                                     (ids, new_tokens, cold, repeats, mask), offload_dir)
-        console.print(_side_by_side(plan, timing, theirs))
-        figures["accelerate"] = theirs
-    if json_path:
-        write_text_atomic(json_path, json.dumps(figures, indent=1))
-        say_written(console, f"figures written to {json_path}")
+
+
+def _vs_accelerate(console: Any, checkpoint: str, machine: Any, plan: Plan, cost: Any, timing: Timing,
+                   generation: tuple[Any, int, bool, int, Any], offload_dir: str | None) -> dict[str, Any]:
+    """``--vs-accelerate``'s figures for the JSON (:func:`_accelerate_run`'s), once accelerate's run on the same
+    prompt is printed beside this one's."""
+    with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
+        theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), generation, offload_dir)
+    console.print(_side_by_side(plan, timing, theirs))
+    return theirs
 
 
 def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None, repeats: int = 1,

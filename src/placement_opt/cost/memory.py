@@ -132,16 +132,7 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
                       phase: str | None = None) -> int:
     assert unit.workspace_bytes_per_token is not None  # checked by the caller
     batch, prompt = workload.batch_size, workload.prompt_len
-    moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
-               (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
-    # Fused attention holds no scores. A graph traced with it holds only the masks that attention is given
-    # (Qwen2-MoE's sliding-window one, batch x prompt^2 bools; Llama's causal mask is skipped), which the run
-    # holds too; a graph traced with eager attention but run fused (written before traces ran the attention
-    # that runs) cannot tell its masks from its scores, so it drops its query x context terms.
-    if not materializes_scores(meta) and _traced_with_scores(meta):
-        moments = [(max(linear for linear, _ in moments), 0)]
-    elif not on_gpu and unit.cpu_attention_bytes_per_token is not None:  # the call a CPU runs as its math path
-        moments.append((unit.cpu_attention_bytes_per_token, unit.cpu_attention_bytes_per_token_ctx or 0))
+    moments = _moments(unit, meta, on_gpu)
 
     def alive(queries: int, context: int, padded: bool = workload.padded) -> int:  # the larger moment at this shape
         # a prompt past the window or padded (a decode step reads the sliding cache unmasked, a padded one a row)
@@ -176,6 +167,23 @@ def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last:
         expanded = unit.latent_expand_bytes_per_ctx or 0
         decode = alive(1, context) + (unit.kv_bytes_per_token + expanded) * cached + extra
     return decode if phase == "decode" else max(prefill, decode)
+
+
+def _moments(unit: UnitInfo, meta: GraphMeta, on_gpu: bool) -> list[tuple[int, int]]:
+    """``(bytes per token, bytes per query x context token)`` alive at each moment of ``unit``'s run that
+    :func:`_activation_bytes` prices (the larger counts), as the attention that runs holds them on this device;
+    ``unit`` has measured figures (``workspace_bytes_per_token`` is set)."""
+    moments = [(unit.workspace_bytes_per_token, unit.workspace_bytes_per_token_ctx or 0),
+               (unit.scores_workspace_bytes_per_token or 0, unit.scores_workspace_bytes_per_token_ctx or 0)]
+    # Fused attention holds no scores. A graph traced with it holds only the masks that attention is given
+    # (Qwen2-MoE's sliding-window one, batch x prompt^2 bools; Llama's causal mask is skipped), which the run
+    # holds too; a graph traced with eager attention but run fused (written before traces ran the attention
+    # that runs) cannot tell its masks from its scores, so it drops its query x context terms.
+    if not materializes_scores(meta) and _traced_with_scores(meta):
+        moments = [(max(linear for linear, _ in moments), 0)]
+    elif not on_gpu and unit.cpu_attention_bytes_per_token is not None:  # the call a CPU runs as its math path
+        moments.append((unit.cpu_attention_bytes_per_token, unit.cpu_attention_bytes_per_token_ctx or 0))
+    return moments
 
 
 #: Bytes per context position a built mask keeps beside it: int64 query and key positions (measured on a
@@ -453,12 +461,7 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
     totals = _totals(problem)
     least, resident, compute = totals.least, totals.resident, totals.compute
     need_all, have_all = totals.need_all, totals.have_all
-    kv = sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len) for u in graph.units()) * workload.batch_size
-    weights = sum(least) - sum(resident)
-    kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
-    weights_why = f"the weights alone are {format_bytes(weights)}"
-    kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
-    why = kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
+    why = _what_takes_space(least, resident, graph, workload)
     if need_all > have_all:
         # a bare 'disk' is this machine's free space, however large the machine described beside it: say its size
         has = ", ".join(f"{d.name} {format_bytes(d.capacity_bytes)}" for d in problem.devices)
@@ -484,15 +487,32 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
                      f"{format_bytes(need)} on {device}, which has {format_bytes(has)} (weights, KV cache, workspace "
                      f"and buffers); reduce the batch or context, or add GPU/CPU memory")
     if not lines:
-        blamed = _constraints_in_the_way(problem)
-        enough = _enough(problem)
-        more = ", ".join(f"{format_bytes(n)} more on {name}" for name, n in enough.items()) if enough else ""
-        lines.append(f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
-                     f"available) but no assignment fits every device"
-                     + (f" under {'; and '.join(blamed)}" if blamed else
-                        ": the per-device split of weights, KV cache and workspace does not work out; add memory")
-                     + (f" ({more} is enough: a plan fits with it)" if more else ""))
+        lines.append(_split_shortage(problem, need_all, have_all))
     return "no placement fits: " + "; ".join(lines)
+
+
+def _what_takes_space(least: list[int], resident: list[int], graph: LayerGraph, workload: Workload) -> str:
+    """The weights' and the KV cache's totals, the bigger one first: the reason :func:`shortage_message` gives
+    for a capacity short in total."""
+    kv = sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len) for u in graph.units()) * workload.batch_size
+    weights = sum(least) - sum(resident)
+    kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
+    weights_why = f"the weights alone are {format_bytes(weights)}"
+    kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
+    return kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
+
+
+def _split_shortage(problem: PlacementProblem, need_all: int, have_all: int) -> str:
+    """:func:`shortage_message`'s line where the totals suffice and no unit is too big, yet nothing fits: the
+    constraints in the way, and memory that is enough where a start shows it."""
+    blamed = _constraints_in_the_way(problem)
+    enough = _enough(problem)
+    more = ", ".join(f"{format_bytes(n)} more on {name}" for name, n in enough.items()) if enough else ""
+    return (f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
+            f"available) but no assignment fits every device"
+            + (f" under {'; and '.join(blamed)}" if blamed else
+               ": the per-device split of weights, KV cache and workspace does not work out; add memory")
+            + (f" ({more} is enough: a plan fits with it)" if more else ""))
 
 
 def _least_memory(problem: PlacementProblem) -> list[int]:

@@ -211,26 +211,34 @@ def _materialize(model: nn.Module, plan: Plan, sources: Mapping[str, tuple[Safet
             if slot.tensor.device.type == "meta":
                 missing.append(slot.names[0])
             continue
-        file, file_key = sources[key]
-        _check_shape(slot.names[0], slot.tensor, file.spans[file_key].shape,
-                     f"checkpoint tensor {file_key!r} in {file.path.name}")
-        if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
-            data = file.tensor(file_key)
-            if storage == "disk":
-                disk_sources[slot.names[0]] = (file, file_key)
-            else:
-                file.prefetch((file_key,))
-        else:
-            data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
-        _replace(model, slot, data)
-        if storage == "disk" and slot.names[0] not in disk_sources:
-            converting.add(unit or "", slot)
-        counted.advance(file.spans[file_key].nbytes)
+        counted.advance(_place_stored(model, slot, sources[key], storage, unit, disk_sources, converting))
     converting.flush()
     if missing:
         raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}: "
                             f"is the directory a checkpoint of this architecture?")
     return disk_sources
+
+
+def _place_stored(model: nn.Module, slot: Slot, source: tuple[SafetensorsFile, str], storage: str,
+                  unit: str | None, disk_sources: dict[str, tuple[SafetensorsFile, str]],
+                  converting: _DiskConverter) -> int:
+    """The checkpoint bytes of a tensor the checkpoint holds under its own name (``source``), once it is on
+    ``storage``: :func:`_materialize`'s common case, a mapped view, a read or a cast (disk: queued to be written)."""
+    file, file_key = source
+    _check_shape(slot.names[0], slot.tensor, file.spans[file_key].shape,
+                 f"checkpoint tensor {file_key!r} in {file.path.name}")
+    if storage in ("cpu", "disk") and file.spans[file_key].dtype == slot.tensor.dtype:
+        data = file.tensor(file_key)
+        if storage == "disk":
+            disk_sources[slot.names[0]] = (file, file_key)
+        else:
+            file.prefetch((file_key,))
+    else:
+        data = _read(file, file_key, torch.device("cpu" if storage == "disk" else storage), slot.tensor.dtype)
+    _replace(model, slot, data)
+    if storage == "disk" and slot.names[0] not in disk_sources:
+        converting.add(unit or "", slot)
+    return file.spans[file_key].nbytes
 
 
 def _share(nbytes: int, rows: int, start: int, end: int) -> int:

@@ -126,21 +126,29 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         model.eval()
         return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
     except BaseException as exc:
-        for file in {id(f): f for f, _ in sources.values()}.values():
-            file.close()
-        if isinstance(exc, MemoryError | torch.OutOfMemoryError):
-            # as dispatch() does: callers catch running out of memory by its own type (to retry smaller)
-            exc.add_note(f"placement_opt.load ran out of memory loading {root} in its plan")
-        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise DispatchError(f"load() of {root} ran out of disk space writing the weights its plan converts into "
-                                f"offload_dir ({offload_dir}): free space there or choose a folder on a larger disk; "
-                                f"the units written so far are kept and reused by the next load") from exc
-        elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
-            text = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
-                                f"check that the directory is a complete checkpoint of this model "
-                                f"(save or download it again)") from exc
+        _on_failure(exc, root, offload_dir, sources)
         raise
+
+
+def _on_failure(exc: BaseException, root: Path, offload_dir: Any,
+                sources: Mapping[str, tuple[SafetensorsFile, str]]) -> None:
+    """None once the open checkpoint files are let go (and an out-of-memory noted): :func:`load` then raises
+    ``exc`` as it is; or the DispatchError that says what a full disk or an unreadable checkpoint asks of the
+    caller, raised in its place."""
+    for file in {id(f): f for f, _ in sources.values()}.values():
+        file.close()
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        # as dispatch() does: callers catch running out of memory by its own type (to retry smaller)
+        exc.add_note(f"placement_opt.load ran out of memory loading {root} in its plan")
+    elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        raise DispatchError(f"load() of {root} ran out of disk space writing the weights its plan converts into "
+                            f"offload_dir ({offload_dir}): free space there or choose a folder on a larger disk; "
+                            f"the units written so far are kept and reused by the next load") from exc
+    elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
+                            f"check that the directory is a complete checkpoint of this model "
+                            f"(save or download it again)") from exc
 
 
 def _preflight(model: nn.Module, plan: Plan) -> None:

@@ -79,12 +79,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     many already, their median rules.
     ``attention_mask``: the prompt's (0 where a sequence is padded), extended by a column of ones per decode
     step, as ``generate()`` does; the model builds the masks padded prompts take (``Workload.padded``)."""
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: it must be the prompt's, "
-                         f"{tuple(input_ids.shape)}")
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1 or prefill_repeats < 1:
-        raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}), "
-                         f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
+    _check_arguments(input_ids, new_tokens, prefill_repeats, attention_mask)
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
     steps: list[float] = []
     positioned = attention_mask is not None and "position_ids" in inspect.signature(model.forward).parameters
@@ -99,14 +94,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             _timed(gpus, model, input_ids=input_ids, use_cache=False, **last, **_masked(attention_mask, positioned))
         for index in gpus:
             torch.cuda.reset_peak_memory_stats(index)
-        prefills = []
-        for _ in range(prefill_repeats):
-            out = None  # the last run's cache goes before the next is built
-            if before_each is not None:
-                before_each()
-            out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last,
-                               **_masked(attention_mask, positioned))
-            prefills.append(took)
+        out, prefills = _prefills(gpus, model, input_ids, prefill_repeats, before_each, last,
+                                  attention_mask, positioned)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
@@ -125,6 +114,34 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
     return Timing(batch_size=input_ids.shape[0], prefill_s=statistics.median(prefills), decode_step_s=tuple(steps),
                   tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills),
                   peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before))
+
+
+def _check_arguments(input_ids: torch.Tensor, new_tokens: int, prefill_repeats: int,
+                     attention_mask: torch.Tensor | None) -> None:
+    """None, or :func:`time_generation`'s ValueError: a mask not of the prompt's shape, or a prompt, token count
+    or repeat count it cannot time, refused before any forward runs."""
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: it must be the prompt's, "
+                         f"{tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or new_tokens < 1 or prefill_repeats < 1:
+        raise ValueError(f"input_ids must be batch x prompt tokens (got shape {tuple(input_ids.shape)}), "
+                         f"new_tokens >= 1 (got {new_tokens}) and prefill_repeats >= 1 (got {prefill_repeats})")
+
+
+def _prefills(gpus: range, model: Any, input_ids: torch.Tensor, repeats: int,
+              before_each: Callable[[], None] | None, last: dict[str, int],
+              attention_mask: torch.Tensor | None, positioned: bool) -> tuple[Any, list[float]]:
+    """``(the last prefill's output, each prefill's seconds)``: the prompt timed ``repeats`` times, each on a new
+    cache, for :func:`time_generation`, whose decode starts from that last output's cache and logits."""
+    prefills = []
+    for _ in range(repeats):
+        out = None  # the last run's cache goes before the next is built
+        if before_each is not None:
+            before_each()
+        out, took = _timed(gpus, model, input_ids=input_ids, use_cache=True, **last,
+                           **_masked(attention_mask, positioned))
+        prefills.append(took)
+    return out, prefills
 
 
 #: Tokens of the forward that sets up the libraries' state before the CPU's memory is measured: with one token,
