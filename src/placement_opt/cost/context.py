@@ -3,8 +3,9 @@
 The host runs each unit's forward beside its kernels: the unit's traced op count x the host's seconds per op
 on that device (a profile's ``op_overhead_s``, else :data:`OP_OVERHEAD_S`), or :data:`UNIT_OVERHEAD_S` for a
 unit whose ops were not counted. On a CPU that time adds to the kernels' (:mod:`.kernels`). On a GPU, whose
-kernels run while the host queues the next, a block takes the longer of the ops' time and its kernels' instead
-of their sum (:meth:`PricingContext.host_s`), shared among the block's parts by their ops.
+kernels run while the host queues the next, a decoder layer (a sublayer graph's block, a module graph's layer:
+``UnitInfo.host_span``) takes the longer of the ops' time and its kernels' instead of their sum
+(:meth:`PricingContext.host_s`), shared among the layer's parts by their ops.
 """
 
 from __future__ import annotations
