@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from placement_opt.model.tracer import trace
+from placement_opt.runtime.timing import cache_of
 
 TOKENS = 16
 
@@ -46,7 +47,7 @@ def _cache_bytes_per_token(config: object) -> int:
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, TOKENS, dtype=torch.long, device="meta"), use_cache=True)
     total = 0
-    for layer in out.past_key_values.layers:
+    for layer in cache_of(out).layers:
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 3:
                 total += tensor.numel() * tensor.element_size()

@@ -12,6 +12,7 @@ import torch
 
 from _models import RESIDENT, assert_restored, inputs_for, plan_from, snapshot, tiny
 from placement_opt.runtime.dispatcher import dispatch
+from placement_opt.runtime.timing import cache_of
 
 pytestmark = pytest.mark.cuda
 
@@ -79,7 +80,7 @@ def test_kv_cache_lives_where_each_layer_computes():
     handle = dispatch(model, plan)
     with torch.no_grad():
         out = handle(**inputs_for(model), use_cache=True)
-    devices = [layer.keys.device.type for layer in out.past_key_values.layers]
+    devices = [layer.keys.device.type for layer in cache_of(out).layers]
     assert devices == ["cuda", "cpu", "cuda", "cpu"]
     handle.remove()
 
@@ -143,8 +144,8 @@ def test_phased_generate_matches_the_plain_model(family, phased, tmp_path):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     for name in phased_units:  # prefill from the GPU copy, every decode step from the CPU's weights
         assert seen[name] == ["cuda"] + ["cpu"] * 5, name
-        assert out.past_key_values.layers[int(name.split(".")[-1])].keys.device.type == "cpu"
-    assert out.past_key_values.layers[1].keys.device.type == "cuda"  # the streamed layer's cache stays on the GPU
+        assert cache_of(out).layers[int(name.split(".")[-1])].keys.device.type == "cpu"
+    assert cache_of(out).layers[1].keys.device.type == "cuda"  # the streamed layer's cache stays on the GPU
     handle.remove()
     assert_restored(model, before)
 
@@ -164,7 +165,7 @@ def test_phased_weights_leave_the_gpu_after_the_prefill(tmp_path):
         torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - baseline
     assert held < layer_bytes, f"{held} bytes still on the GPU after the prefill (a layer is {layer_bytes})"
-    assert {layer.keys.device.type for layer in out.past_key_values.layers} == {"cpu"}
+    assert {layer.keys.device.type for layer in cache_of(out).layers} == {"cpu"}
     assert layer.mlp.up_proj.weight.device.type == "cpu"
     handle.remove()
     assert not model.model.layers[0].mlp.up_proj.weight.is_pinned()

@@ -35,6 +35,7 @@ from placement_opt.plan import Plan, UnitPlacement
 from placement_opt.runtime import _hooks, _streamer
 from placement_opt.runtime.dispatcher import dispatch
 from placement_opt.runtime.loader import load
+from placement_opt.runtime.timing import cache_argument, cache_of
 
 PHASED_CPU = ("cpu", "cpu", "phased", "cuda:0")
 PHASED_DISK = ("disk", "cpu", "phased", "cuda:0")
@@ -257,13 +258,13 @@ def test_a_multi_token_call_on_a_filled_cache_runs_where_the_unit_decodes(gpu_on
     ids = prompt()["input_ids"]
     with torch.no_grad():
         head = model(input_ids=ids[:, :4], use_cache=True)
-        expected = model(input_ids=ids[:, 4:], past_key_values=head.past_key_values, use_cache=True).logits
+        expected = model(input_ids=ids[:, 4:], **cache_argument(model, cache_of(head)), use_cache=True).logits
     plan = phased_plan(model, _mix(PHASED_CPU))
     handle = dispatch(model, plan, offload_dir=tmp_path)
     paths = record_paths(handle, _phased_names(plan))
     with torch.no_grad():
         head = handle(input_ids=ids[:, :4], use_cache=True)
-        logits = handle(input_ids=ids[:, 4:], past_key_values=head.past_key_values, use_cache=True).logits
+        logits = handle(input_ids=ids[:, 4:], **cache_argument(model, cache_of(head)), use_cache=True).logits
     paths.close()
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
     assert paths.calls["model.layers.0"] == ["prefill", "decode"]
@@ -382,7 +383,7 @@ def test_prefetch_includes_phased_units_in_the_prefill_only(gpu_on_cpu, monkeypa
         assert started == ["model.layers.1", "model.layers.2", "model.layers.3", "model.layers.0"]
         assert taken == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3"]
         started.clear(), taken.clear()
-        step = {"input_ids": out.logits[:, -1:].argmax(-1), "past_key_values": out.past_key_values}
+        step = {"input_ids": out.logits[:, -1:].argmax(-1), **cache_argument(model, cache_of(out))}
         handle(**step, use_cache=True)
     assert started == ["model.layers.2", "model.layers.0"]  # streamed units only: phased ones decode on the CPU
     assert taken == ["model.layers.0", "model.layers.2"]
@@ -403,9 +404,9 @@ def test_a_phased_unit_drops_a_prefetch_it_does_not_take(gpu_on_cpu, monkeypatch
     paths = record_paths(handle, ["model.layers.1"])
     ids = prompt()["input_ids"]
     with torch.no_grad():
-        cache = handle(input_ids=ids[:, :4], use_cache=True).past_key_values
+        cache = cache_of(handle(input_ids=ids[:, :4], use_cache=True))
         cache.layers[0].reset()
-        handle(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True)
+        handle(input_ids=ids[:, 4:], **cache_argument(model, cache), use_cache=True)
     paths.close()
     assert paths.calls["model.layers.1"] == ["prefill", "decode"]
     assert streamers[0].inflight == {}
@@ -475,7 +476,7 @@ def test_a_cache_whose_layers_hold_no_keys_values_is_refused_at_the_boundary(gpu
     cache.layers = [_PairLayer() for _ in cache.layers]
     with torch.no_grad(), pytest.raises(DispatchError, match=r"'model.layers.0': cache layer 0 is a _PairLayer, "
                                                             r"which holds no keys/values .*mode 'resident' or 'stream'"):
-        handle(**prompt(), past_key_values=cache, use_cache=True)
+        handle(**prompt(), **cache_argument(model, cache), use_cache=True)
     with torch.no_grad():  # a Cache of keys/values still runs
         handle(**prompt(), use_cache=True)
     handle.remove()

@@ -109,7 +109,7 @@ def test_a_solved_sublayer_plan_runs(gpu_on_cpu, tmp_path):
     experts_bytes = sum(u.weight_bytes for u in graph.units() if u.name.endswith(".experts"))
     # the GPU holds everything but about half the experts: some must go to the CPU
     gpu = graph.total_param_bytes + graph.total_buffer_bytes - experts_bytes // 2
-    plan = solve(graph, {"cuda:0": gpu, "cpu": "1GiB"}, workload=Workload(prompt_len=7, new_tokens=5))
+    plan = solve(graph, {"cuda:0": gpu, "cpu": "1GiB"}, workload=Workload(batch_size=2, prompt_len=7, new_tokens=5))
     assert plan.home == "cuda:0" and any(p.storage == "cpu" for p in plan.placements)
     with torch.no_grad():
         expected = model.generate(**prompt(), max_new_tokens=5, **GENERATE)
