@@ -97,9 +97,23 @@ class PricingContext:
         time and the kernels'. Taken unit by unit, that max would price a layer cut into parts (an attention the host
         bounds, an MLP the kernels bound) above the same layer whole. It is taken over the unit's span instead
         (``UnitInfo.host_span``: a sublayer graph's block, a module graph's layer; a unit outside every span is its
-        own), as if all its parts ran on ``device``, and shared among the parts by their ops: the parts of a layer on
+        own), as if all its parts ran on one GPU, and shared among the parts by their ops: the parts of a layer on
         one GPU then cost what the layer costs whole.
+
+        A part's share is the largest any GPU of the machine leaves (the fastest one's, whose kernels hide the
+        least): the host queues a part's ops whichever GPU runs them, and a share that shrank on a slower GPU
+        would price a layer split across two GPUs below the same layer on the faster one. The solver took that
+        discount: Mistral-7B's modules on an RTX 4090 + RTX 3090 had three modules of every layer sent to the 3090
+        for 0.3 %, a plan that copies activations between the GPUs 64 times a token. A whole layer on a slower
+        GPU is priced up to the difference of its kernels' times on the two above what it takes (6 % on the 3090).
         """
+        span = unit.host_span
+        gpus = self.machine.gpus if span is not None and len(self.machine.gpus) > 1 else (device,)
+        exposed, ops = max(self._span_exposed(unit, gpu, phase) for gpu in gpus)
+        return exposed * (unit.ops_per_forward or 0) / ops if ops else 0.0
+
+    def _span_exposed(self, unit: UnitInfo, device: Device, phase: str) -> tuple[float, int]:
+        """(the host's time over ``unit``'s span that its kernels on ``device`` leave exposed, the span's ops)."""
         span = unit.host_span
         key = (span or unit.name, device.name, phase)
         cache = self._exposed
@@ -109,8 +123,7 @@ class PricingContext:
             kernels = sum(self._kernel_s(m, device, phase) for m in members)
             ops = sum(m.ops_per_forward or 0 for m in members)
             cache[key] = (max(0.0, host - kernels), ops)
-        exposed, ops = cache[key]
-        return exposed * (unit.ops_per_forward or 0) / ops if ops else 0.0
+        return cache[key]
 
     def _kernel_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
         """One forward (prefill) or middle decode step of ``unit`` on ``device`` without host time, or as measured."""
