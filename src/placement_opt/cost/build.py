@@ -94,7 +94,7 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
              for span, members in ctx.span_members.items()}
     for u in units:
         # a part of a span shares the span's overhead (a final norm is priced apart from a layer's norms)
-        key = (*_price_key(u, logits), *ctx.overhead_share(u), spans.get(u.host_span, ()) if u.host_span else ())
+        key = (*_price_key(u, logits), *ctx.overhead_share(u), spans.get(u.host_span, ()))
         if ctx.home is not None:  # a sublayer graph: the round trips read the unit's bytes in too
             key += (unit_io_bytes(graph, u)[0],)
         if key not in priced:
