@@ -28,6 +28,8 @@ LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_in
 
 def step_times(model: torch.nn.Module, layers: list[str], context: int, steps: int) -> dict[str, float]:
     """Median seconds each layer takes in a decode step at ``context`` cached tokens (batch 1)."""
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
     started: dict[str, float] = {}
     taken: dict[str, list[float]] = {name: [] for name in layers}
     hooks = []
@@ -38,11 +40,11 @@ def step_times(model: torch.nn.Module, layers: list[str], context: int, steps: i
             lambda _m, _a, _o, n=name: taken[n].append(time.perf_counter() - started[n])))
     try:
         with torch.no_grad():
-            cache = model(input_ids=torch.randint(0, 1000, (1, context)), use_cache=True).cache
+            cache = cache_of(model(input_ids=torch.randint(0, 1000, (1, context)), use_cache=True))
             for name in layers:
                 taken[name].clear()  # the prompt's forward
             for _ in range(steps + 1):
-                model(input_ids=torch.randint(0, 1000, (1, 1)), cache=cache, use_cache=True)
+                model(input_ids=torch.randint(0, 1000, (1, 1)), **cache_argument(model, cache), use_cache=True)
                 cache.crop(-1)  # back to the context: every step is timed at it
     finally:
         for hook in hooks:

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from placement_opt.model.tracer import trace
-from placement_opt.runtime.timing import cache_of
+from placement_opt.runtime.timing import cache_argument, cache_of
 
 TOKENS = 16
 
@@ -112,10 +112,10 @@ def test_a_latent_attention_decode_step_s_flops_per_cached_token_are_the_traced_
 
     def step_flops(context: int) -> dict[str, int]:
         with torch.no_grad():
-            cache = model(input_ids=torch.randint(0, 512, (1, context)), use_cache=True).cache
+            cache = cache_of(model(input_ids=torch.randint(0, 512, (1, context)), use_cache=True))
             counter = FlopCounterMode(display=False)
             with counter:
-                model(input_ids=torch.randint(0, 512, (1, 1)), cache=cache, use_cache=True)
+                model(input_ids=torch.randint(0, 512, (1, 1)), **cache_argument(model, cache), use_cache=True)
         return {name: sum(counts.values()) for name, counts in counter.get_flop_counts().items()}
 
     short, long = step_flops(100), step_flops(300)

@@ -28,6 +28,7 @@ from placement_opt.cost.memory import (
 from placement_opt.cost.workload import Workload
 from placement_opt.model.graph import MEASURED_NODE_ATTRIBUTES, GraphMeta, LayerGraph, UnitInfo
 from placement_opt.model.tracer import trace
+from placement_opt.runtime.timing import cache_argument, cache_of
 
 TRACE_LEN = 32
 
@@ -286,14 +287,14 @@ def decode_step_peak(model: torch.nn.Module, unit: str, batch: int, prompt: int,
     counter = LiveStorages()
     module = model.get_submodule(unit)
     with torch.no_grad():
-        cache = model(input_ids=torch.randint(0, 512, (batch, prompt)), attention_mask=mask, use_cache=True).cache
+        cache = cache_of(model(input_ids=torch.randint(0, 512, (batch, prompt)), attention_mask=mask, use_cache=True))
         baseline = counter.hold(t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
         hooks = [module.register_forward_pre_hook(lambda _m, _a: counter.enter(unit)),
                  module.register_forward_hook(lambda _m, _a, _o: setattr(counter, "unit", None))]
         try:
             with counter:
-                model(input_ids=torch.randint(0, 512, (batch, 1)), attention_mask=step_mask, cache=cache,
-                      use_cache=True)
+                model(input_ids=torch.randint(0, 512, (batch, 1)), attention_mask=step_mask,
+                      **cache_argument(model, cache), use_cache=True)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -419,27 +420,24 @@ def test_a_decode_step_s_peak_is_covered_on_a_gpu(attention: str) -> None:
     """A decode step on a GPU, its cache made by a prompt before: the step's peak above what was allocated then (the
     weights and the cache) against the largest unit's decode workspace, measured by meta decode steps. Eager
     attention repeats the grouped keys and values to every head (16 heads, 4 KV heads)."""
-    import inspect
-
     config = T.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=16,
                            num_key_value_heads=4, vocab_size=32000)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation=attention).to("cuda", torch.bfloat16)
     model = model.eval()
     graph = trace(model)
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 8), dtype=torch.long, device="cuda"), use_cache=False)  # cuBLAS's workspace
     for batch, prompt in [(1, 4096), (4, 2048)]:
         with torch.no_grad():
             out = model(input_ids=torch.randint(0, 32000, (batch, prompt), device="cuda"), use_cache=True)
-            cache = getattr(out, "cache", None) or out.past_key_values
+            cache = cache_of(out)
             del out
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            model(input_ids=torch.randint(0, 32000, (batch, 1), device="cuda"), use_cache=True, **{cache_kwarg: cache})
+            model(input_ids=torch.randint(0, 32000, (batch, 1), device="cuda"), use_cache=True, **cache_argument(model, cache))
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - before
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=1)
