@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -129,9 +130,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             patterns (:func:`~placement_opt.cost.pins.resolve_pins`).
         time_limit_s: wall-clock limit of everything after tracing: pricing, baselines and the CP-SAT
             search, which gets what is left (at least 0.2 s: a limit already spent on pricing is
-            overrun by that much). Meanwhile the objects alive at the start are left out of Python's
-            cycle collections (``gc.freeze``, undone on return), so that scanning a large traced graph
-            does not take the search's time.
+            overrun by that much). Meanwhile Python's full cycle collections wait (the oldest
+            generation's threshold is raised, and restored on return), so that scanning a large traced
+            graph does not take the search's time.
         seed: CP-SAT's random seed.
         contiguous: each device stores one contiguous range of units (pipeline stages).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
@@ -189,7 +190,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     if _holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
         raise _nothing_to_place(type(model).__name__)
     graph = as_graph(model, granularity, expert_groups)
-    with _cycle_collection_deferred():
+    with _full_collections_deferred():
         plan = _timed_solve(graph, model, devices, objective, workload, strategy, pins, contiguous, modes,
                             (time_limit_s, seed, gap_limit, workers))
     # a sublayer graph was priced around a home device (cost.pricing): the plan says which, for the runtime
@@ -197,22 +198,34 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
 
 
-@contextlib.contextmanager
-def _cycle_collection_deferred() -> Iterator[None]:
-    """The objects alive when a solve starts (the traced graph, the caller's model) left out of Python's
-    cycle collections until it returns (``gc.freeze``), unless the caller froze some already.
+#: The oldest generation's threshold while a solve runs: no solve makes that many younger collections
+_NO_FULL_COLLECTION = 1 << 30
+_deferring = threading.Lock()
+_deferral: dict[str, Any] = {"solves": 0, "thresholds": None}  # solves running (threads may overlap), caller's
 
-    A full (generation 2) collection scans every live object: after tracing a module-level Llama-3-70B,
-    one came in the first 2 s solve() and took 0.5 s of it on a 2-core machine (the search got 0.2-0.3 s
-    instead of 0.9). Frozen, a collection scans only what the solve itself allocated."""
-    if gc.get_freeze_count():  # the caller's own freeze (before a fork, say): unfreezing would undo it
-        yield
-        return
-    gc.freeze()
+
+@contextlib.contextmanager
+def _full_collections_deferred() -> Iterator[None]:
+    """No full (generation 2) cycle collection until the solve returns; the caller's thresholds restored then.
+
+    A full collection scans every live object: after tracing a module-level Llama-3-70B, one came in a 2 s
+    solve() and took 0.22 s of it on a 2-core machine (0.5 s when the machine was loaded). Younger
+    collections go on: they scan only what the solve allocated. An earlier version froze the live objects
+    (``gc.freeze``) unless the caller had frozen some; CPython 3.12 starts with objects frozen (375 on
+    3.12.1), so that never deferred there. The caller's own freeze is not touched. Python 3.14's incremental
+    collector ignores the threshold: it scans the old generation a part at a time instead."""
+    with _deferring:
+        if _deferral["solves"] == 0:
+            young, middle, old = _deferral["thresholds"] = gc.get_threshold()
+            gc.set_threshold(young, middle, max(old, _NO_FULL_COLLECTION))
+        _deferral["solves"] += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _deferring:
+            _deferral["solves"] -= 1
+            if _deferral["solves"] == 0:
+                gc.set_threshold(*_deferral["thresholds"])
 
 
 def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, workload: Workload | None,
