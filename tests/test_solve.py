@@ -68,8 +68,8 @@ def test_plan_fits_beats_baselines_and_matches_evaluate():
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="3.14's incremental collector has no full collections")
 def test_solve_makes_no_full_cycle_collection_and_leaves_the_collector_as_it_found_it(monkeypatch):
     # A full collection scans every live object (a large traced graph) inside the time limit. With thresholds
-    # that make one every 4th young collection, a solve without the deferral makes some (the control, which
-    # shows the test can fail); with it, none, and the caller's thresholds and freeze are as they were.
+    # that allow one after every few young collections, a solve without the deferral makes some (the control,
+    # which shows the test can fail); with it, none, and the caller's thresholds and freeze are as they were.
     from placement_opt import planner
 
     graph, m = llama_like(), machine(1200, 1500)

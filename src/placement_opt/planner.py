@@ -201,7 +201,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
 #: The oldest generation's threshold while a solve runs: no solve makes that many younger collections
 _NO_FULL_COLLECTION = 1 << 30
 _deferring = threading.Lock()
-_deferral: dict[str, Any] = {"solves": 0, "thresholds": None}  # solves running (threads may overlap), caller's
+#: solves running now (threads may overlap), and the thresholds the first of them found
+_deferral: dict[str, Any] = {"solves": 0, "thresholds": None}
 
 
 @contextlib.contextmanager
