@@ -5,7 +5,7 @@
 #   bash benchmarks/device_check.sh [STEP ...]      # default: setup decode memory
 #
 # STEPs, each writing into $OUT (./device_out without it), at most 7 files in all:
-#   setup   the carried wheels (.whl/) into /tmp/site, placement_opt itself (editable, no dependencies),
+#   setup   the carried wheels (.whl/) into $SITE (default /tmp/site), placement_opt itself (editable, no dependencies),
 #           and a line of versions and the GPU's name                              -> setup.txt
 #   tests   the CUDA-marked tests                                                  -> cuda_tests.txt
 #   memory  issue 13: accelerate auto against placement_opt, same max_memory, batch 1 and 16 at each prompt
@@ -26,13 +26,14 @@ set -u
 out=${OUT:-device_out}
 mkdir -p "$out"
 export BENCH_SHARED=${BENCH_SHARED:-/tmp/placement_opt_bench_shared}
+site=${SITE:-/tmp/site}
 [ "${RM_SHARED:-0}" = 1 ] && trap 'rm -rf "$BENCH_SHARED"' EXIT
 
 step_setup() {
     if compgen -G ".whl/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
             .whl/*.whl || return 1
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
     fi
     python3 -m pip install -q --no-deps --no-build-isolation -e . || return 1
     python3 - <<'PY' | tee "$out/setup.txt"
