@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from ..errors import SolverInputError
+from ._validate import check_option, check_problem
 from .schedule import (
     PHASES,
     Transient,
@@ -189,37 +190,7 @@ class PlacementOption:
     add to the device. The device's memory counts them per copy run instead (module docstring)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise SolverInputError(f"option mode {self.mode!r} is not one of {MODES}")
-        phased = self.prefill_execution is not None and self.prefill_execution != self.execution
-        if phased != (self.mode == "phased") or (self.prefill_peak_bytes and not phased):
-            raise SolverInputError(
-                f"option {self.storage}->{self.execution} ({self.mode}): a phased option, and only a phased "
-                f"one, names a prefill_execution other than its execution (got {self.prefill_execution!r}) "
-                f"and may carry prefill_peak_bytes")
-        if (self.copy_prefill_ns or self.copy_decode_ns) and self.mode not in ("stream", "phased"):
-            raise SolverInputError(f"option {self.storage}->{self.execution} ({self.mode}): only a stream or "
-                                   f"phased option copies in the background (copy_*_ns must be 0)")
-        if self.group_copy_bytes:
-            self._check_group_copy()
-        if min(self.prefill_ns, self.decode_ns, self.stored_bytes, self.resident_bytes, self.peak_bytes,
-               self.prefill_peak_bytes, self.copy_prefill_ns, self.copy_decode_ns, self.host_prefill_ns,
-               self.host_decode_ns, self.disk_prefill_ns, self.disk_decode_ns) >= 0:
-            return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
-        for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
-                    "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
-                    "disk_decode_ns"):
-            if getattr(self, key) < 0:
-                raise SolverInputError(f"option {self.storage}->{self.execution}: {key} is "
-                                       f"{getattr(self, key)}, must be >= 0")
-
-    def _check_group_copy(self) -> None:
-        own = self.prefill_peak_bytes if self.mode == "phased" else self.peak_bytes
-        if self.mode not in ("stream", "phased") or not 0 < self.group_copy_bytes * GROUP_BUFFERS <= own:
-            raise SolverInputError(
-                f"option {self.storage}->{self.execution} ({self.mode}): group_copy_bytes "
-                f"{self.group_copy_bytes} needs a stream or phased option whose peak holds it "
-                f"{GROUP_BUFFERS} times (peak {own})")
+        check_option(self, MODES, GROUP_BUFFERS)
 
     @property
     def group_device(self) -> str:
@@ -349,28 +320,7 @@ class PlacementProblem:
     (:func:`~placement_opt.solver.reductions.part_groups`)."""
 
     def __post_init__(self) -> None:
-        names = [u.name for u in self.units]
-        known = set(names)
-        devices = {d.name for d in self.devices}
-        problems = [f"unit {u.name} has no option" for u in self.units if not u.options]
-        problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in self.edges
-                     if e.src not in known or e.dst not in known]
-        problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}/{o.prefill_execution}"
-                     for u in self.menu_units for o in u.options
-                     if o.storage not in devices or o.execution not in devices
-                     or (o.prefill_execution or o.execution) not in devices]
-        problems += [f"tied group names unknown unit {n}" for g in self.tied_groups for n in g
-                     if n not in known]
-        problems += [f"pin names unknown unit {n}" for n in self.pins if n not in known]
-        order = {n: i for i, n in enumerate(names)}
-        problems += _copy_group_problems(self.copy_groups, order)
-        problems += _copy_group_problems(self.part_groups, order, "part group")
-        problems += [f"edge {e.src}->{e.dst} points backwards in execution order" for e in self.edges
-                     if e.src in order and e.dst in order and order[e.src] >= order[e.dst]]
-        if len(known) != len(names):
-            problems.append("unit names are not unique")
-        if problems:
-            raise SolverInputError("malformed placement problem:\n  " + "\n  ".join(problems))
+        check_problem(self)
 
     @functools.cached_property
     def menu_units(self) -> tuple[UnitSpec, ...]:
@@ -637,24 +587,6 @@ def spine(problem: PlacementProblem) -> set[int]:
         if not jumped and last_source <= u <= first_sink:
             out.add(u)
     return out
-
-
-def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int],
-                         what: str = "copy group") -> list[str]:
-    """What is wrong with ``copy_groups`` (or ``part_groups``): unknown units, a unit in two groups, a group not
-    consecutive."""
-    problems, seen = [], set()
-    for group in groups:
-        if not group or any(n not in order for n in group):
-            problems.append(f"{what} {list(group)} is empty or names an unknown unit")
-            continue
-        if seen & set(group) or len(set(group)) < len(group):
-            problems.append(f"{what} {list(group)} repeats a unit of another group or of itself")
-        seen.update(group)
-        positions = [order[n] for n in group]
-        if positions != list(range(positions[0], positions[0] + len(group))):
-            problems.append(f"{what} {list(group)} is not a run of consecutive units in execution order")
-    return problems
 
 
 def _one_range_per_device(storage: Sequence[str]) -> bool:

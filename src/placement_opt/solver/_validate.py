@@ -1,0 +1,101 @@
+"""What makes a placement problem well formed: the checks its options and the problem run when built.
+
+Torch-free. :class:`~.problem.PlacementOption` and :class:`~.problem.PlacementProblem` call these from
+their ``__post_init__``; each raises :class:`~placement_opt.errors.SolverInputError` saying what is wrong.
+The option's constants (:data:`~.problem.MODES`, :data:`~.problem.GROUP_BUFFERS`) come in as arguments:
+:mod:`.problem` imports this module, not the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import SolverInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .problem import PlacementOption, PlacementProblem
+
+__all__ = ["check_option", "check_problem"]
+
+
+def check_option(option: PlacementOption, modes: Sequence[str], group_buffers: int) -> None:
+    """Raise unless ``option`` is well formed: a mode of ``modes``, a prefill device and background copies only
+    where its mode has them, its group copy held ``group_buffers`` times by its peak, no price below 0."""
+    if option.mode not in modes:
+        raise SolverInputError(f"option mode {option.mode!r} is not one of {modes}")
+    phased = option.prefill_execution is not None and option.prefill_execution != option.execution
+    if phased != (option.mode == "phased") or (option.prefill_peak_bytes and not phased):
+        raise SolverInputError(
+            f"option {option.storage}->{option.execution} ({option.mode}): a phased option, and only a phased "
+            f"one, names a prefill_execution other than its execution (got {option.prefill_execution!r}) "
+            f"and may carry prefill_peak_bytes")
+    if (option.copy_prefill_ns or option.copy_decode_ns) and option.mode not in ("stream", "phased"):
+        raise SolverInputError(f"option {option.storage}->{option.execution} ({option.mode}): only a stream or "
+                               f"phased option copies in the background (copy_*_ns must be 0)")
+    if option.group_copy_bytes:
+        _check_group_copy(option, group_buffers)
+    if min(option.prefill_ns, option.decode_ns, option.stored_bytes, option.resident_bytes, option.peak_bytes,
+           option.prefill_peak_bytes, option.copy_prefill_ns, option.copy_decode_ns, option.host_prefill_ns,
+           option.host_decode_ns, option.disk_prefill_ns, option.disk_decode_ns) >= 0:
+        return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
+    for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
+                "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
+                "disk_decode_ns"):
+        if getattr(option, key) < 0:
+            raise SolverInputError(f"option {option.storage}->{option.execution}: {key} is "
+                                   f"{getattr(option, key)}, must be >= 0")
+
+
+def _check_group_copy(option: PlacementOption, group_buffers: int) -> None:
+    own = option.prefill_peak_bytes if option.mode == "phased" else option.peak_bytes
+    if option.mode not in ("stream", "phased") or not 0 < option.group_copy_bytes * group_buffers <= own:
+        raise SolverInputError(
+            f"option {option.storage}->{option.execution} ({option.mode}): group_copy_bytes "
+            f"{option.group_copy_bytes} needs a stream or phased option whose peak holds it "
+            f"{group_buffers} times (peak {own})")
+
+
+def check_problem(problem: PlacementProblem) -> None:
+    """Raise unless ``problem`` is well formed, listing every fault: units with options on known devices,
+    edges, tied groups, pins, copy and part groups naming known units, edges forward, unit names unique."""
+    names = [u.name for u in problem.units]
+    known = set(names)
+    devices = {d.name for d in problem.devices}
+    problems = [f"unit {u.name} has no option" for u in problem.units if not u.options]
+    problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in problem.edges
+                 if e.src not in known or e.dst not in known]
+    problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}/{o.prefill_execution}"
+                 for u in problem.menu_units for o in u.options
+                 if o.storage not in devices or o.execution not in devices
+                 or (o.prefill_execution or o.execution) not in devices]
+    problems += [f"tied group names unknown unit {n}" for g in problem.tied_groups for n in g
+                 if n not in known]
+    problems += [f"pin names unknown unit {n}" for n in problem.pins if n not in known]
+    order = {n: i for i, n in enumerate(names)}
+    problems += _copy_group_problems(problem.copy_groups, order)
+    problems += _copy_group_problems(problem.part_groups, order, "part group")
+    problems += [f"edge {e.src}->{e.dst} points backwards in execution order" for e in problem.edges
+                 if e.src in order and e.dst in order and order[e.src] >= order[e.dst]]
+    if len(known) != len(names):
+        problems.append("unit names are not unique")
+    if problems:
+        raise SolverInputError("malformed placement problem:\n  " + "\n  ".join(problems))
+
+
+def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int],
+                         what: str = "copy group") -> list[str]:
+    """What is wrong with ``copy_groups`` (or ``part_groups``): unknown units, a unit in two groups, a group not
+    consecutive."""
+    problems, seen = [], set()
+    for group in groups:
+        if not group or any(n not in order for n in group):
+            problems.append(f"{what} {list(group)} is empty or names an unknown unit")
+            continue
+        if seen & set(group) or len(set(group)) < len(group):
+            problems.append(f"{what} {list(group)} repeats a unit of another group or of itself")
+        seen.update(group)
+        positions = [order[n] for n in group]
+        if positions != list(range(positions[0], positions[0] + len(group))):
+            problems.append(f"{what} {list(group)} is not a run of consecutive units in execution order")
+    return problems
