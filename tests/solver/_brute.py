@@ -12,7 +12,7 @@ import itertools
 from hypothesis import strategies as st
 
 from _overlap import simulated_waits
-from placement_opt.solver import aggregate, search
+from placement_opt.solver import _relaxing, _run, aggregate, search
 
 
 def computes(o, key):
@@ -147,18 +147,19 @@ def reference_optimum(problem, objective, memory_slack=0.05):
 def every_reduction_on():
     """Lower the thresholds: a 2-unit problem is coarsened first, 4 identical units are counted, any problem
     gets the grouped relaxation, time is rounded."""
-    saved = {k: getattr(search, k) for k in ("COARSEN_ABOVE", "TIME_RESOLUTION", "SLACK_STEPS", "GROUP_ABOVE",
-                                             "GROUP_WITHOUT_RUNS_ABOVE")}
-    saved_interior = aggregate.MIN_INTERIOR
-    search.COARSEN_ABOVE, search.TIME_RESOLUTION, search.SLACK_STEPS = 1, 7, 1
-    search.GROUP_ABOVE = search.GROUP_WITHOUT_RUNS_ABOVE = 0
-    aggregate.MIN_INTERIOR = 2
+    # Each threshold where the search reads it: a name moved to another module fails here (getattr), not silently.
+    where = {search: ("COARSEN_ABOVE",), _run: ("TIME_RESOLUTION", "SLACK_STEPS"),
+             _relaxing: ("GROUP_ABOVE", "GROUP_WITHOUT_RUNS_ABOVE"), aggregate: ("MIN_INTERIOR",)}
+    lowered = {"COARSEN_ABOVE": 1, "TIME_RESOLUTION": 7, "SLACK_STEPS": 1, "GROUP_ABOVE": 0,
+               "GROUP_WITHOUT_RUNS_ABOVE": 0, "MIN_INTERIOR": 2}
+    saved = [(module, k, getattr(module, k)) for module, names in where.items() for k in names]
+    for module, k, _ in saved:
+        setattr(module, k, lowered[k])
     try:
         yield
     finally:
-        for k, v in saved.items():
-            setattr(search, k, v)
-        aggregate.MIN_INTERIOR = saved_interior
+        for module, k, v in saved:
+            setattr(module, k, v)
 
 
 def check_against_brute_force(problem, objective, data, workers=1):
@@ -182,4 +183,4 @@ def check_against_brute_force(problem, objective, data, workers=1):
 def reported_bound(model, solver):
     """A relaxation's proven bound as ``solve_problem`` reports it (floored to an integer: CP-SAT states an
     integer objective's bound as a float, 180.00000000000003 for 180 now and then)."""
-    return search._bound(model.proven_bound(solver), 1, 0)
+    return _run.real_bound(model.proven_bound(solver), 1, 0)

@@ -25,7 +25,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from placement_opt.solver import aggregate, cpsat, relax, search
+from placement_opt.solver import aggregate, relax, rows, search
 from placement_opt.solver._counted import hiding
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
@@ -269,7 +269,7 @@ def test_level_caps_cut_no_assignment_that_fits(cap, extra_peak, data):
     levels = sorted({o.peak_bytes for o in opts if o.peak_bytes > 0} | ({extra_peak} - {0}))
     z = [model.new_constant(int(peak >= level)) for level in levels]
     n = [model.new_constant(c) for c in counts]
-    cpsat.add_level_caps(model, device, levels, z, [(o, v, 4) for o, v in zip(opts, n, strict=True)])
+    rows.add_level_caps(model, device, levels, z, [(o, v, 4) for o, v in zip(opts, n, strict=True)])
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     assert solver.solve(model) == cp_model.OPTIMAL
@@ -283,7 +283,7 @@ def test_level_caps_keep_a_prefill_gpu_from_also_holding_layers():
     model = cp_model.CpModel()
     n = model.new_int_var(0, 4, "n")
     z = [model.new_bool_var("z7"), model.new_bool_var("z19")]
-    cpsat.add_level_caps(model, DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=21), [7, 19], z,
+    rows.add_level_caps(model, DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=21), [7, 19], z,
                          [(layer, n, 4)])
     model.add(z[1] == 1)
     model.maximize(n)

@@ -15,7 +15,7 @@ from _brute import reference_optimum, reference_valid, reference_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.solver import cpsat
+from placement_opt.solver import rows
 from placement_opt.solver.greedy import greedy_choice
 from placement_opt.solver.problem import (
     OBJECTIVES,
@@ -293,7 +293,7 @@ def test_the_same_problem_gives_the_same_plan_every_run(monkeypatch):
     # that runs into its budget. One worker and a deterministic-time budget make it repeatable
     # (two workers gave two different plans in three runs without that budget). The budget is cut to a third here so
     # that it, not the wall clock, ends the search even on a slow or busy machine.
-    monkeypatch.setattr(cpsat, "DETERMINISTIC_TIME_PER_S", 0.1)
+    monkeypatch.setattr(rows, "DETERMINISTIC_TIME_PER_S", 0.1)
     sizes = [3 + (7 * i) % 11 for i in range(60)]
     units = [UnitSpec(name=f"u{i}", options=(opt("cuda:0", pre=s, dec=10 * s, stored=s, peak=s % 3),
                                              opt("cuda:1", pre=s + 1, dec=10 * s + 5, stored=s, peak=s % 3),

@@ -27,7 +27,7 @@ from _problems import copy_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.solver import aggregate, cpsat, search
+from placement_opt.solver import aggregate, rows, search
 from placement_opt.solver.aggregate import AggregateModel, identical_runs
 from placement_opt.solver.cpsat import PlacementModel
 from placement_opt.solver.edges import covered_edges, prune_edges
@@ -357,7 +357,7 @@ def test_throughput_keeps_a_phased_option_whose_two_phases_beat_the_start_apart(
     assert problem.objective_value([1], "throughput") == 60
     sol = search.solve_problem(problem, "throughput", time_limit_s=5, workers=1, gap_limit=0.0, hint=[0])
     assert sol.objective_value == 60 and sol.best_bound <= 60 and sol.status == "OPTIMAL"
-    assert cpsat.own_work(u.options[1]) == 60
+    assert rows.own_work(u.options[1]) == 60
 
 
 def test_a_phased_prefill_peak_counts_on_the_gpu():

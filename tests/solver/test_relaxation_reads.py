@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from placement_opt.solver import _counted, relax, search
+from placement_opt.solver import _counted, _relaxing, _run, relax, search
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -63,7 +63,7 @@ def test_a_snapshot_reads_values_and_literals_as_the_solver_does():
 def test_the_best_read_is_the_lowest_priced_plan_not_the_last_solutions():
     problem = _problem()
     reads = _Reads([[2, 2, 1], [0, 0, 1], [0, 1, 1]])  # 80, 40, 50: the second one wins
-    best = search._best_read(problem, "latency", reads, [0, 1, 2], None, time.perf_counter() + 5)
+    best = _relaxing.best_read(problem, "latency", reads, [0, 1, 2], None, time.perf_counter() + 5)
     assert best == [0, 0, 1]
     assert reads.read_count == 3
 
@@ -71,7 +71,7 @@ def test_the_best_read_is_the_lowest_priced_plan_not_the_last_solutions():
 def test_the_best_read_comes_back_even_when_it_prices_above_the_start():
     problem = _problem()
     reads = _Reads([[2, 2, 1], [1, 1, 1]])  # 80, 60: the caller compares them with its start
-    assert search._best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() + 5) == [1, 1, 1]
+    assert _relaxing.best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() + 5) == [1, 1, 1]
 
 
 def test_polish_goes_on_from_a_plan_worse_than_the_start_when_that_one_descends_lower():
@@ -87,7 +87,7 @@ def test_polish_goes_on_from_a_plan_worse_than_the_start_when_that_one_descends_
 def test_past_its_deadline_only_the_last_solution_is_read():
     problem = _problem()
     reads = _Reads([[1, 1, 1], [0, 0, 0]])
-    best = search._best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() - 1)
+    best = _relaxing.best_read(problem, "latency", reads, [0, 1], None, time.perf_counter() - 1)
     assert best == [1, 1, 1] and reads.read_count == 1
 
 
@@ -114,10 +114,10 @@ class _Optima:
         return list(self.plans[solution])
 
 
-def _relax_with(m: _Optima, until_s: float = 5.0) -> search._Found:
+def _relax_with(m: _Optima, until_s: float = 5.0) -> _run.Found:
     now = time.perf_counter()
-    run = search._Run(seed=0, workers=1, gap_limit=0.001, t0=now)
-    return search._relax(_problem(), "latency", lambda *_: m, run, ([2, 2, 2], True), None,
+    run = _run.Run(seed=0, workers=1, gap_limit=0.001, t0=now)
+    return _relaxing.solve_relaxation(_problem(), "latency", lambda *_: m, run, ([2, 2, 2], True), None,
                          (now + until_s, now + until_s + 1))
 
 
@@ -133,7 +133,7 @@ def test_retries_keep_the_best_read_and_stop_after_the_last_retry():
     m = _Optima([[0, 1, 1], [2, 2, 1], [1, 1, 1], [2, 2, 2], [0, 0, 0]], bound=30)  # 50, 80, 60, 90, (30)
     found = _relax_with(m)
     assert found.choice == [0, 1, 1]
-    assert m.seeds == list(range(search.RELAX_RETRIES + 1))
+    assert m.seeds == list(range(_relaxing.RELAX_RETRIES + 1))
 
 
 def test_no_retry_for_a_close_read_an_unproven_optimum_or_no_time():
@@ -224,20 +224,20 @@ def _chain(menus: list[tuple[int, ...]]) -> PlacementProblem:
 
 
 def _relaxation_kinds(problem: PlacementProblem) -> list[str]:
-    names = [name for name, _, _ in search._relaxations(problem, [["cpu"]])]
+    names = [name for name, _, _ in _relaxing.relaxations_for(problem, [["cpu"]])]
     return ["grouped" if "groups of like units" in n else "runs" if "consecutive" in n else n for n in names]
 
 
 def test_alternating_units_get_the_grouped_relaxation_from_fewer_units_than_runs_do():
     # two menus in turn, as a sublayer graph's attention and MLP: no run of identical consecutive units
     alternating = [(10, 20), (30, 40)]
-    above, at = search.GROUP_WITHOUT_RUNS_ABOVE + 1, search.GROUP_WITHOUT_RUNS_ABOVE
+    above, at = _relaxing.GROUP_WITHOUT_RUNS_ABOVE + 1, _relaxing.GROUP_WITHOUT_RUNS_ABOVE
     assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(above)])) == ["grouped"]
     assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(at)])) == []
     # the same size with a run of identical layers: counted as a run, grouped only above GROUP_ABOVE
-    assert above <= search.GROUP_ABOVE
+    assert above <= _relaxing.GROUP_ABOVE
     assert _relaxation_kinds(_chain([(10, 20)] * above)) == ["runs"]
-    assert _relaxation_kinds(_chain([(10, 20)] * (search.GROUP_ABOVE + 1))) == ["runs", "grouped"]
+    assert _relaxation_kinds(_chain([(10, 20)] * (_relaxing.GROUP_ABOVE + 1))) == ["runs", "grouped"]
     # contiguous storage counts no runs at all: the grouped relaxation waits for GROUP_ABOVE there, as before
     contiguous = dataclasses.replace(_chain([alternating[i % 2] for i in range(above)]), contiguous=True)
     assert _relaxation_kinds(contiguous) == []

@@ -12,8 +12,8 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .cpsat import new_solver, stage_work
 from .problem import PlacementOption, PlacementProblem
+from .rows import new_solver, stage_work
 
 __all__ = ["CountedRelaxation", "Snapshot", "STALL_CUT_SIZES", "KEEP_SOLUTIONS", "MIN_BOUND_PASS_S",
            "BOUND_PASS_SUBSOLVERS", "SEARCH_SUBSOLVERS", "hiding"]

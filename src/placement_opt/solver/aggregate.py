@@ -33,8 +33,8 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
-from .cpsat import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
+from .rows import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak", "spread_streamed"]
 

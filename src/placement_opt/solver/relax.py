@@ -42,8 +42,8 @@ from ortools.sat.python import cp_model
 
 from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation
 from .aggregate import most_beside_peak, spread_streamed
-from .cpsat import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
+from .rows import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 
 __all__ = ["GroupModel", "groups_of", "critical_path", "covering_paths", "sibling_paths", "sibling_slots",
            "PEAK_STEP", "MORE_PATHS", "MOST_SIBLING_PATHS", "MOST_SLOT_COMBOS", "BOUND_SHARE"]

@@ -10,22 +10,22 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   problem's): covered edges are dropped (:func:`~.edges.prune_edges`), and interchangeable devices
   are used in a fixed order (:mod:`.symmetry`, a symmetry that maps every assignment onto an
   equally good one in that order);
-* integer time: every ``*_ns`` price is divided by ``scale_ns`` (the hint's objective, or ten times
-  a simple lower bound when that is smaller, divided into ``max(TIME_RESOLUTION, SLACK_STEPS x
-  (units + edges))`` steps). The objective read back is always ``problem.objective_value`` of the
-  chosen assignment (exact); the proven bound is lowered by the largest possible rounding error
+* integer time: every ``*_ns`` price is divided by ``scale_ns`` (:func:`~._run.time_scale`: the hint's
+  objective, or ten times a simple lower bound when that is smaller, divided into ``max(TIME_RESOLUTION,
+  SLACK_STEPS x (units + edges))`` steps). The objective read back is always ``problem.objective_value`` of
+  the chosen assignment (exact); the proven bound is lowered by the largest possible rounding error
   (``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest;
-* relaxations, which give bounds and plans (the reported bound is the largest proven one, each a
-  bound of the real problem): runs of identical consecutive units as counts per option
-  (:mod:`.aggregate`, the decoder layers; up to :data:`AGGREGATE_SHARE` of the time left), and above
-  :data:`GROUP_ABOVE` units (:data:`GROUP_WITHOUT_RUNS_ABOVE` when there is no such run: sublayer
-  and module graphs) groups of like units anywhere as counts with one path kept (:mod:`.relax`; up
-  to :data:`GROUP_SHARE`). A relaxation's plan (the cheapest
-  of its last solutions read back, :func:`_best_read`), priced exactly, starts the full solve when it
-  is better; when the bound already proves the start within ``gap_limit``, the full solve is skipped;
-  a relaxation without a solution proves INFEASIBLE; when its share would leave the full model less
-  than twice what it takes to build and load (:data:`FULL_S_PER_TERM` per unit and edge), the last
-  relaxation gets all the time, and the full model is not built with less than that once left;
+* relaxations (:mod:`._relaxing`), which give bounds and plans (the reported bound is the largest proven one,
+  each a bound of the real problem): runs of identical consecutive units as counts per option
+  (:mod:`.aggregate`, the decoder layers; up to ``AGGREGATE_SHARE`` of the time left), and above
+  ``GROUP_ABOVE`` units (``GROUP_WITHOUT_RUNS_ABOVE`` when there is no such run: sublayer and module graphs)
+  groups of like units anywhere as counts with one path kept (:mod:`.relax`; up to ``GROUP_SHARE``). A
+  relaxation's plan (the cheapest of its last solutions read back, :func:`~._relaxing.best_read`), priced
+  exactly, starts the full solve when it is better; when the bound already proves the start within
+  ``gap_limit``, the full solve is skipped; a relaxation without a solution proves INFEASIBLE; when its share
+  would leave the full model less than twice what it takes to build and load (:data:`FULL_S_PER_TERM` per
+  unit and edge), the last relaxation gets all the time, and the full model is not built with less than
+  that once left;
 * under overlap (some option copies beside the compute, the latency objective, units free to move), the
   full solve's start is first polished (:func:`~.polish.polish`: swaps of like units and moves to options
   their likes use, from the start and from the start re-ordered per phase, priced exactly, for up to
@@ -62,42 +62,27 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
-from .aggregate import AggregateModel, identical_runs
-from .cpsat import OutOfTime, PlacementModel, rounding_slack
+from ._relaxing import BOUND_FROM, relaxations_for, run_relaxations
+from ._run import MIN_SOLVE_S, Found, Run, proven, real_bound, time_scale, within_cap
+from .cpsat import OutOfTime, PlacementModel
 from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .polish import polish
 from .problem import OBJECTIVES, PlacementProblem
-from .reductions import (
-    block_groups,
-    coarsen,
-    coarsen_groups,
-    make_room,
-    part_groups,
-    prefer_resident,
-)
-from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
+from .reductions import block_groups, coarsen, coarsen_groups, part_groups, prefer_resident
 from .symmetry import identical_devices, relabel
 
-__all__ = ["Solution", "solve_problem", "TIME_RESOLUTION", "SLACK_STEPS", "GAP_LIMIT", "COARSEN_ABOVE",
-           "COARSE_SHARE", "SEARCH_NOTES"]
+__all__ = ["Solution", "solve_problem", "GAP_LIMIT", "COARSEN_ABOVE", "COARSE_SHARE", "SEARCH_NOTES"]
 
 #: How each of :attr:`Solution.notes` begins: what the search started from, and where its bound came from. They are
 #: for whoever tunes the solver; the CLI prints them with ``--verbose`` only (``placement_opt.planner.SOLVER_NOTES``).
 STARTED_FROM = "started from "
-BOUND_FROM = "bound also from "
 SEARCH_NOTES = (STARTED_FROM, BOUND_FROM)
 
-#: Least number of integer steps the hint's objective is divided into: sets ``scale_ns``.
-TIME_RESOLUTION = 200_000
-#: Steps per rounded term (units + edges): the rounding slack stays below 1/2000 of the objective's
-#: scale base (0.05 %) however many units the graph has (724 units at module granularity).
-SLACK_STEPS = 2000
 #: Default proven gap at which the search stops: the cost model itself is only accurate to some %.
 GAP_LIMIT = 0.001
 #: Problems with more units than this are first solved coarsened into about this many super-units.
@@ -117,48 +102,16 @@ BLOCK_SHARE = 0.25
 #: included), whose plan expanded joins the starts as the layer-granular one does: the grouped plan is then never
 #: worse than the best plan found without groups.
 PARTS_SHARE = 0.3
-#: Most of the time left that the aggregated relaxation (runs of identical units as counts) may take.
-AGGREGATE_SHARE = 0.8
-#: Problems with more units than this also get the grouped relaxation (identical units anywhere as
-#: counts, one path kept: module-level graphs), with at most this share of the time left. Its bound
-#: and its best read plan beat what the full model of 292-724 units finds in the rest: Mistral-7B per
-#: module on a 6 GiB RTX 3060 at 2 s, 0.68-0.75 % (4 runs) against 1.03-1.05 % with 0.3; Llama-3-70B
-#: on RTX 4090 + 3090 at 5 s, 5.1 % against 14 %.
-GROUP_ABOVE = 150
-#: Graphs with no run of identical consecutive units (sublayer and module graphs: their like units
-#: alternate, so the aggregated relaxation has nothing to count) get the grouped relaxation from this
-#: many units; ``contiguous`` problems, which never count runs, keep GROUP_ABOVE. At 1 s on the
-#: solve_time machines, sublayer Llama-3-8B and Mistral-7B (132 units) on 8x L4 went from a 99.8 % gap
-#: to 0.05 %, Mistral-7B on an RTX 3060 from 18.44 s at 12 % to 16.91 s at 0.06 %; module-level 8- and
-#: 15-layer Llamas (76 and 139 units) from no bound on 6 of 16 cells to 0.06 % at most, most of these
-#: solves in about half the wall time; block Llama-3-70B on 4x T4 with every other layer pinned (pins
-#: break the runs) from 4.7 % to 0.05 %.
-GROUP_WITHOUT_RUNS_ABOVE = 64
-GROUP_SHARE = 0.9
 #: Most of the time left that :func:`~.polish.polish` may take on the full solve's start, where orders
 #: matter (:func:`_orders_matter`); it mostly stops sooner, at a plan no single step improves. All of it
 #: when the rest would leave the full model less than twice its build (:data:`FULL_S_PER_TERM`).
 POLISH_SHARE = 0.3
-#: Least time left after building the full model for CP-SAT to run it at all: loading a 724-unit model
-#: into CP-SAT takes about this long before its clock starts.
-MIN_SOLVE_S = 0.05
 #: CP-SAT's load and presolve past its own limit, as a share of the time the model took to build.
 LOAD_SHARE = 0.75
 #: Seconds per unit and edge that building and loading the full CP-SAT model takes on this 2-core machine
 #: (about 0.9 s for a module-level 70B's 724 units and 963 edges). With less than twice that left, the
 #: full model would not search at all: the relaxations get the time instead.
 FULL_S_PER_TERM = 0.0005
-#: Share of a relaxation's time for reading and pricing its earlier solutions (:func:`_best_read`; 7-8 ms
-#: each on a module-level 70B): kept from its CP-SAT run when it takes all the time left, else taken
-#: from the stage after it.
-READ_SHARE = 0.1
-#: Further solves of a relaxation that proved its optimum early, with other seeds, while its best read plan
-#: prices more than :data:`RETRY_READ_GAP` above the bound: the relaxation's optima are many (counts it
-#: prices alike), and they read into plans far apart. Llama-3-70B on A100-80GB + T4, chat, overlap: the
-#: aggregated relaxation proves 43.14 s in 0.06-0.09 s whatever the seed, and its optimum reads into a plan
-#: of 43.8-44.2 s on 5 seeds of 8 and 50.2 s on 3, which neither polish nor the full model left at 1 s.
-RELAX_RETRIES = 3
-RETRY_READ_GAP = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +179,7 @@ def solve_problem(problem: PlacementProblem, objective: str = "latency", *, time
     t0 = time.perf_counter()
     hint = list(hint) if hint is not None else best_greedy_choice(problem, objective)
     problem = prune_edges(problem, t0 + PRUNE_SHARE * time_limit_s)  # exact: every assignment keeps its score
-    run = _Run(seed=seed, workers=workers, gap_limit=gap_limit, t0=t0)
+    run = Run(seed=seed, workers=workers, gap_limit=gap_limit, t0=t0)
     if objective == "memory":
         first = _solve(problem, "latency", time_limit_s / 2, run, hint, None)
         if not first.feasible:
@@ -252,27 +205,7 @@ def _check(problem: PlacementProblem, objective: str, hint: Sequence[int] | None
                                    f"at positions {bad[:5]}: give one option index per unit")
 
 
-@dataclass(frozen=True)
-class _Run:
-    """Search settings shared by the solves of one call."""
-
-    seed: int
-    workers: int
-    gap_limit: float
-    t0: float
-    """perf_counter() when the call began: every solve's budget ends at t0 + time_limit_s."""
-
-
-@dataclass(frozen=True)
-class _Found:
-    """One CP-SAT run's answer: a choice (empty if none), its status and the proven bound."""
-
-    choice: list[int]
-    status: str
-    bound: int
-
-
-def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: _Run,
+def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: Run,
            hint: list[int], latency_cap_ns: int | None) -> Solution:
     """One objective's solve: a coarse start when large, then the full problem, which gives the bound."""
     deadline = run.t0 + time_limit_s
@@ -283,9 +216,9 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     (hint, hint_ok), coarse_units, layered = _restricted_start(problem, objective, run, (hint, hint_ok),
                                                                latency_cap_ns, deadline, notes)
     classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
-    relaxations = _relaxations(problem, classes)
+    relaxations = relaxations_for(problem, classes)
     full_s = FULL_S_PER_TERM * (n + len(problem.edges))
-    relaxed, (hint, hint_ok) = _run_relaxations(problem, objective, relaxations, run, (hint, hint_ok),
+    relaxed, (hint, hint_ok) = run_relaxations(problem, objective, relaxations, run, (hint, hint_ok),
                                                 latency_cap_ns, (deadline, full_s), notes)
     hint, hint_ok = _full_start(problem, objective, run, (hint, hint_ok), layered, relaxed, (deadline, full_s))
     found = _full_solve(problem, objective, run, (hint, hint_ok), latency_cap_ns, relaxed, classes, (deadline, full_s))
@@ -294,12 +227,12 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
                         best_bound=found.bound, gap=1.0, wall_time_s=time.perf_counter() - run.t0, scale_ns=0,
                         units=n, coarse_units=coarse_units, notes=tuple(notes))
     if not found.choice:  # out of time: the start stands
-        found = _Found(hint, "FEASIBLE", found.bound)
+        found = Found(hint, "FEASIBLE", found.bound)
     return _report(problem, objective, run, found, (hint, hint_ok), latency_cap_ns, coarse_units=coarse_units,
                    notes=notes)
 
 
-def _restricted_start(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
+def _restricted_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
                       latency_cap_ns: int | None, deadline: float,
                       notes: list[str]) -> tuple[tuple[list[int], bool], int, list[int] | None]:
     """(the start, the super-units of the coarse solve, a sublayer problem's layer-granular plan or None) after
@@ -335,39 +268,8 @@ def _restricted_start(problem: PlacementProblem, objective: str, run: _Run, star
     return (hint, hint_ok), coarse_units, layered
 
 
-def _run_relaxations(problem: PlacementProblem, objective: str, relaxations: list[tuple[str, float, Any]],
-                     run: _Run, start: tuple[list[int], bool], latency_cap_ns: int | None,
-                     limits: tuple[float, float], notes: list[str]) -> tuple[_Found, tuple[list[int], bool]]:
-    """What the relaxations proved (no choice: INFEASIBLE when one found no solution, and the largest bound), and
-    the start they leave (a relaxation's plan when no worse). They run in turn until one proves the start within
-    the gap or the problem infeasible. ``limits``: the deadline, and the full model's build time
-    (:data:`FULL_S_PER_TERM`). Appends where the bound came from to ``notes``."""
-    hint, hint_ok = start
-    deadline, full_s = limits
-    relaxed = _Found([], "UNKNOWN", 0)
-    for k, (name, share, make) in enumerate(relaxations):
-        if k == len(relaxations) - 1 and (1 - share) * (deadline - time.perf_counter()) < max(MIN_SOLVE_S, 2 * full_s):
-            share = 1.0  # the full model would not get to search: the last relaxation takes all the time
-        now = time.perf_counter()
-        span = share * (deadline - now)
-        # Its earlier solutions are read after CP-SAT stops: in time taken from what comes next, or,
-        # when nothing does, from its own (READ_SHARE).
-        until = (now + span * (1 - READ_SHARE), deadline) if share == 1.0 else (now + span, now + span * (1 + READ_SHARE))
-        found = _relax(problem, objective, make, run, (hint, hint_ok), latency_cap_ns, until)
-        if found.choice and (not hint_ok or problem.objective_value(found.choice, objective)
-                             <= problem.objective_value(hint, objective)):
-            hint, hint_ok = found.choice, True
-        relaxed = _Found([], found.status if found.status == "INFEASIBLE" else relaxed.status,
-                         max(relaxed.bound, found.bound))
-        notes.append(f"{BOUND_FROM}{name}")
-        if relaxed.status == "INFEASIBLE" or (hint_ok and _proven(problem, objective, hint, relaxed.bound,
-                                                                   run.gap_limit)):
-            break
-    return relaxed, (hint, hint_ok)
-
-
-def _full_start(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
-                layered: list[int] | None, relaxed: _Found, limits: tuple[float, float]) -> tuple[list[int], bool]:
+def _full_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
+                layered: list[int] | None, relaxed: Found, limits: tuple[float, float]) -> tuple[list[int], bool]:
     """The full solve's start: the better of ``start`` and the layer-granular plan, polished (from both) where
     orders matter and the relaxations neither proved it within the gap nor the problem infeasible.
     ``limits``: the deadline, and the full model's build time."""
@@ -379,16 +281,16 @@ def _full_start(problem: PlacementProblem, objective: str, run: _Run, start: tup
         others.append(hint if better and hint_ok else layered)
         hint, hint_ok = (layered, True) if better else (hint, hint_ok)
     if (relaxed.status != "INFEASIBLE" and hint_ok and _orders_matter(problem, objective)
-            and not _proven(problem, objective, hint, relaxed.bound, run.gap_limit)):
+            and not proven(problem, objective, hint, relaxed.bound, run.gap_limit)):
         left = deadline - time.perf_counter()  # all of it when the full model would not get to search after
         share = POLISH_SHARE if (1 - POLISH_SHARE) * left >= max(MIN_SOLVE_S, 2 * full_s) else 1.0
         hint = _polished(problem, [hint, *others], time.perf_counter() + share * left)
     return hint, hint_ok
 
 
-def _full_solve(problem: PlacementProblem, objective: str, run: _Run, start: tuple[list[int], bool],
-                latency_cap_ns: int | None, relaxed: _Found, classes: list[list[str]],
-                limits: tuple[float, float]) -> _Found:
+def _full_solve(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
+                latency_cap_ns: int | None, relaxed: Found, classes: list[list[str]],
+                limits: tuple[float, float]) -> Found:
     """The full model's answer with the relaxations' bound, unless the relaxations settled it (INFEASIBLE, or the
     start proven within the gap) or too little time is left to build it (then no choice: the start stands).
     ``limits``: the deadline, and the full model's build time."""
@@ -396,12 +298,12 @@ def _full_solve(problem: PlacementProblem, objective: str, run: _Run, start: tup
     deadline, full_s = limits
     if relaxed.status == "INFEASIBLE":  # a relaxation without a solution: neither has the real problem
         return relaxed
-    if hint_ok and _proven(problem, objective, hint, relaxed.bound, run.gap_limit):
-        return _Found(hint, "FEASIBLE", relaxed.bound)
+    if hint_ok and proven(problem, objective, hint, relaxed.bound, run.gap_limit):
+        return Found(hint, "FEASIBLE", relaxed.bound)
     if deadline - time.perf_counter() < max(MIN_SOLVE_S, full_s):  # no time to build it: the start stands
-        return _Found([], relaxed.status, relaxed.bound)
+        return Found([], relaxed.status, relaxed.bound)
     found = _solve_once(problem, objective, deadline, run, hint, hint_ok, latency_cap_ns, classes)
-    return _Found(found.choice, found.status, max(found.bound, relaxed.bound))
+    return Found(found.choice, found.status, max(found.bound, relaxed.bound))
 
 
 def _polished(problem: PlacementProblem, starts: Sequence[list[int]], deadline: float) -> list[int]:
@@ -429,7 +331,7 @@ def _orders_matter(problem: PlacementProblem, objective: str) -> bool:
     return objective == "latency" and not problem.contiguous and problem.copies_beside
 
 
-def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: _Run,
+def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: Run,
                   start: tuple[list[int], bool], latency_cap_ns: int | None, until: float) -> list[int] | None:
     """The coarse problem's plan, expanded, when it is valid and better than the start; else None."""
     hint, hint_ok = start
@@ -438,7 +340,7 @@ def _coarse_start(problem: PlacementProblem, objective: str, groups: list[list[i
     return _expanded(problem, objective, groups, found.choice, start, latency_cap_ns)
 
 
-def _block_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: _Run,
+def _block_start(problem: PlacementProblem, objective: str, groups: list[list[int]], run: Run,
                  start: tuple[list[int], bool], latency_cap_ns: int | None, span_s: float) -> list[int] | None:
     """The layer-granular problem's plan (``groups`` from :func:`~.reductions.block_groups`), expanded, when it
     is valid and better than the start; else None.
@@ -462,173 +364,41 @@ def _expanded(problem: PlacementProblem, objective: str, groups: list[list[int]]
     for g, c in zip(groups, coarse_choice, strict=True):
         for i in g:
             choice[i] = c
-    if not problem.satisfies(choice) or not _within_cap(problem, choice, latency_cap_ns):
+    if not problem.satisfies(choice) or not within_cap(problem, choice, latency_cap_ns):
         return None
     if hint_ok and problem.objective_value(choice, objective) > problem.objective_value(hint, objective):
         return None
     return choice
 
 
-def _proven(problem: PlacementProblem, objective: str, choice: Sequence[int], bound: int, gap_limit: float) -> bool:
-    value = problem.objective_value(choice, objective)
-    return value <= 0 or (value - bound) / value <= gap_limit
-
-
-def _relaxations(problem: PlacementProblem, classes: list[list[str]]) -> list[tuple[str, float, Any]]:
-    """(what it counts, share of the time left, model factory) of the relaxations worth building."""
-    out: list[tuple[str, float, Any]] = []
-    runs = identical_runs(problem)
-    if runs:
-        out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
-                    AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work,
-                                                                              classes)))
-    # contiguous problems have no runs by construction (identical_runs), not for want of like neighbours
-    runless = not runs and not problem.contiguous
-    if len(problem.units) > (GROUP_WITHOUT_RUNS_ABOVE if runless else GROUP_ABOVE):
-        out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
-                    lambda scale, hint, work: _grouped(problem, scale, hint, work, classes)))
-    return out
-
-
-def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None,
-             classes: list[list[str]]) -> GroupModel:
-    path, *others = sibling_paths(problem, critical_path(problem, hint))
-    others += covering_paths(problem, path, MORE_PATHS - len(others)) if len(others) < MORE_PATHS else []
-    return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, classes,
-                      others)
-
-
-def _relax(problem: PlacementProblem, objective: str, make: Any, run: _Run, start: tuple[list[int], bool],
-           latency_cap_ns: int | None, until: tuple[float, float]) -> _Found:
-    """A relaxation's proven bound, and its best plan read back when valid (better than the start or not). ``until``: when
-    CP-SAT stops, and when reading its earlier solutions stops (:func:`_best_read`)."""
-    hint, hint_ok = start
-    scale = _scale(problem, hint, objective)
-    slack = rounding_slack(problem, objective)
-    unit_scale = 1 if objective == "memory" else scale
-    max_work = problem.objective_value(hint, objective) if hint_ok and objective != "memory" else latency_cap_ns
-    m = make(scale, hint, max_work)
-    m.minimize(objective, latency_cap_ns, rounding_slack(problem, "latency"))  # the cap's slack: latency's
-    rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
-    gap_limit = max(0.0, run.gap_limit - rounding)
-    began = time.perf_counter()
-    solver, status = m.solve(until[0] - began, run.seed, run.workers, gap_limit)
-    if status == cp_model.INFEASIBLE:
-        return _Found([], "INFEASIBLE", 0)
-    bound = _bound(m.proven_bound(solver), unit_scale, slack) if status != cp_model.MODEL_INVALID else 0
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _Found([], "UNKNOWN", bound)
-    best = _best_read(problem, objective, m, [solver, *m.solutions], latency_cap_ns, until[1])
-    if status == cp_model.OPTIMAL and not (best and _proven(problem, objective, best, bound, RETRY_READ_GAP)):
-        best, bound = _other_optima(problem, objective, m, run, (best, bound), time.perf_counter() - began,
-                                    lambda raw: _bound(raw, unit_scale, slack), (gap_limit, latency_cap_ns), until)
-    return _Found(best, "FEASIBLE", bound)
-
-
-def _other_optima(problem: PlacementProblem, objective: str, m: Any, run: _Run, found: tuple[list[int], int],
-                  took: float, rescale: Any, limits: tuple[float, int | None],
-                  until: tuple[float, float]) -> tuple[list[int], int]:
-    """The best read and the largest bound over a relaxation solved again with the next seeds (up to
-    :data:`RELAX_RETRIES`), while its time allows a solve as long as the longest so far and the best read
-    prices more than :data:`RETRY_READ_GAP` above the bound: which optimum CP-SAT returns, and so the plan it
-    reads into, depends on the seed. ``found``: the first solve's (read, bound); ``took``: its seconds."""
-    best, bound = found
-    gap_limit, latency_cap_ns = limits
-    for retry in range(1, RELAX_RETRIES + 1):
-        if time.perf_counter() + took > until[0]:
-            break
-        began = time.perf_counter()
-        solver, status = m.solve(until[0] - began, run.seed + retry, run.workers, gap_limit)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            break
-        bound = max(bound, rescale(m.proven_bound(solver)))
-        read = _best_read(problem, objective, m, [solver, *m.solutions], latency_cap_ns, until[1])
-        if read and (not best or problem.objective_value(read, objective) < problem.objective_value(best, objective)):
-            best = read
-        took = max(took, time.perf_counter() - began)
-        if status != cp_model.OPTIMAL or (best and _proven(problem, objective, best, bound, RETRY_READ_GAP)):
-            break
-    return best, bound
-
-
-def _best_read(problem: PlacementProblem, objective: str, m: Any, solutions: Sequence[Any],
-               latency_cap_ns: int | None, until: float) -> list[int]:
-    """The lowest-priced valid plan read from a relaxation's solutions (its last one, then earlier ones,
-    newest first, while time is left before ``until``), or ``[]``; the caller compares it with the start.
-
-    Counts that relax better do not read into plans that price better (:data:`._counted.KEEP_SOLUTIONS`)."""
-    best: list[int] = []
-    best_value = None
-    seen: set[tuple[int, ...]] = set()
-    for k, solution in enumerate(solutions):
-        if k and time.perf_counter() > until:
-            break
-        choice = m.read(solution)
-        if tuple(choice) in seen:
-            continue
-        seen.add(tuple(choice))
-        if not problem.satisfies(choice):
-            choice = make_room(problem, choice, until=until)
-        if not (problem.satisfies(choice) and _within_cap(problem, choice, latency_cap_ns)):
-            continue
-        value = problem.objective_value(choice, objective)
-        if best_value is None or value < best_value:
-            best, best_value = choice, value
-    return best
-
-
-def _within_cap(problem: PlacementProblem, choice: Sequence[int], latency_cap_ns: int | None) -> bool:
-    return latency_cap_ns is None or problem.objective_value(choice, "latency") <= latency_cap_ns
-
-
-def _report(problem: PlacementProblem, objective: str, run: _Run, found: _Found, start: tuple[list[int], bool],
+def _report(problem: PlacementProblem, objective: str, run: Run, found: Found, start: tuple[list[int], bool],
             latency_cap_ns: int | None, *, coarse_units: int, notes: list[str]) -> Solution:
     """The Solution of a found choice: residency on ties, never worse than a valid start, honest gap."""
     choice = found.choice
     hint, hint_ok = start
     if objective != "memory":
         choice = prefer_resident(problem, choice)
-    elif hint_ok and not _within_cap(problem, choice, latency_cap_ns):
+    elif hint_ok and not within_cap(problem, choice, latency_cap_ns):
         choice = hint  # the model's cap allows its rounding slack; the plan keeps the exact cap (the hint does)
     value = problem.objective_value(choice, objective)
-    if hint_ok and problem.objective_value(hint, objective) < value and _within_cap(problem, hint, latency_cap_ns):
+    if hint_ok and problem.objective_value(hint, objective) < value and within_cap(problem, hint, latency_cap_ns):
         choice, value = hint, problem.objective_value(hint, objective)  # rounding: never worse than the start
     bound = found.bound  # a bound of the real problem: not clamped, so a wrong one shows (tests check it)
     gap = (value - bound) / value if value > 0 else 0.0
     status = "OPTIMAL" if value <= bound else "FEASIBLE"
     return Solution(choice=tuple(choice), status=status, objective=objective, objective_value=value,
                     best_bound=bound, gap=gap, wall_time_s=time.perf_counter() - run.t0,
-                    scale_ns=_scale(problem, hint, objective), units=len(problem.units),
+                    scale_ns=time_scale(problem, hint, objective), units=len(problem.units),
                     coarse_units=coarse_units, notes=tuple(notes))
 
 
-def _scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -> int:
-    """ns per solver time unit: the hint's time objective (at most 10x a simple lower bound) in steps.
-
-    A poor hint (10x the optimum) would otherwise make the steps, and the rounding slack, 10x coarser.
-    """
-    key = "throughput" if objective == "throughput" else "latency"
-    base = min(problem.objective_value(hint, key), 10 * _work_lower_bound(problem))
-    steps = max(TIME_RESOLUTION, SLACK_STEPS * (len(problem.units) + len(problem.edges)))
-    return max(1, base // steps)
-
-
-def _work_lower_bound(problem: PlacementProblem) -> int:
-    """Every unit's least prefill + decode, shared evenly by the devices that compute (in either phase):
-    <= either time objective."""
-    least = {id(m.options): min(o.prefill_ns + o.decode_ns for o in m.options) for m in problem.menu_units}
-    total = sum(least[id(u.options)] for u in problem.units)
-    computing = {d for m in problem.menu_units for o in m.options for d in (o.execution, o.device_in("prefill_ns"))}
-    return total // max(1, len(computing))
-
-
-def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run: _Run,
+def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run: Run,
                 hint: list[int], hint_ok: bool, latency_cap_ns: int | None,
-                classes: list[list[str]] | None = None) -> _Found:
+                classes: list[list[str]] | None = None) -> Found:
     """The choice (or []), status and proven bound (in the objective's unit) of one CP-SAT run.
 
     ``classes``: :func:`.symmetry.identical_devices` of ``problem`` when the caller has them."""
-    scale = _scale(problem, hint, objective)
+    scale = time_scale(problem, hint, objective)
     max_work = None  # latency and the slowest stage are >= every unit's own prefill + decode
     if hint_ok and objective in ("latency", "throughput"):
         max_work = problem.objective_value(hint, objective)
@@ -641,23 +411,20 @@ def _solve_once(problem: PlacementProblem, objective: str, deadline: float, run:
         m = PlacementModel(problem, scale, hint, max_work, classes, deadline=deadline)
         m.minimize(objective, latency_cap_ns)
     except OutOfTime:  # the time limit holds whatever the graph: the start stands, bound unknown
-        return _Found([], "UNKNOWN", 0)
+        return Found([], "UNKNOWN", 0)
     # CP-SAT loads and presolves the model before its clock can stop it, and overran its limit by up to
     # about half the building time (0.25-0.45 s for a module-level 70B built in 0.6 s): that much is kept.
     built = time.perf_counter()
     left_s = deadline - built - LOAD_SHARE * (built - building)
     if left_s < MIN_SOLVE_S:  # too little time to load the model: the start stands
-        return _Found([], "UNKNOWN", 0)
+        return Found([], "UNKNOWN", 0)
     unit_scale, slack = m.unit_scale(objective), m.rounding_slack(objective)
     # CP-SAT's gap is on the rounded model; the reported one adds the rounding slack, so ask for less.
     rounding = slack * unit_scale / max(1, problem.objective_value(hint, objective)) if unit_scale > 1 else 0.0
     solver, status = m.solve(left_s, run.seed, run.workers, max(0.0, run.gap_limit - rounding))
     name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _Found(m.read(solver), name, _bound(solver.best_objective_bound, unit_scale, slack))
-    return _Found([], name, _bound(solver.best_objective_bound, unit_scale, slack) if status == cp_model.UNKNOWN else 0)
+        return Found(m.read(solver), name, real_bound(solver.best_objective_bound, unit_scale, slack))
+    return Found([], name, real_bound(solver.best_objective_bound, unit_scale, slack) if status == cp_model.UNKNOWN else 0)
 
 
-def _bound(objective_bound: float, scale: int, slack_units: int) -> int:
-    """A CP-SAT objective bound (solver units) as a bound of the real problem: scaled, less the rounding slack."""
-    return max(0, int(objective_bound) * scale - (slack_units * scale if scale > 1 else 0))
