@@ -1,6 +1,6 @@
 """The dispatcher's prefetch played in time: the reference for the cost model's stalls (problem.py's Overlap).
 
-Written from the runtime's behaviour (runtime/_streamer.py, runtime/dispatcher.py's ``_link_prefetch``), not
+Written from the runtime's behaviour (runtime/_streamer.py, runtime/_prefetch_links.py's ``link_prefetch``), not
 from ``placement_opt.solver.problem.stalls``: shared by the solver's brute force and the cost properties.
 """
 

@@ -8,7 +8,7 @@ weights to the prefill device like a ``stream`` unit and moves the prompt's KV c
 device afterwards; a decode computes where the weights are stored. With phased units in the plan
 the model's forward also notes whether its call is a prefill, for the streamed units' prefetching.
 
-The head of a copy group with streamed units (:func:`~.dispatcher._link_groups`) is wrapped whatever
+The head of a copy group with streamed units (:func:`~._prefetch_links.link_groups`) is wrapped whatever
 its kind, even a resident unit that needs nothing else: it starts its group's copies and the next
 group's first thing, in the phase of the call; the group's other units only take their own weights.
 What to start in each phase is fixed at dispatch, so a call only reads a tuple.

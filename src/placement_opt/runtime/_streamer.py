@@ -53,7 +53,7 @@ class DispatchUnit:
     """The memory-mapped unit to read ahead (kernel read-ahead, no copy) when this one starts: ``mmap``
     units, and ``phased`` disk units when they decode from the memory map."""
     ahead: tuple[DispatchUnit, ...] = ()
-    """The units whose copies this one starts when it begins, in a decode (:func:`~.dispatcher._link_groups`):
+    """The units whose copies this one starts when it begins, in a decode (:func:`~._prefetch_links.link_groups`):
     a streamed unit alone in its copy group starts the next group's after taking its own weights; the head
     of a group of several units (:attr:`heads_group`) its own group's and the next group's, first thing."""
     ahead_prefill: tuple[DispatchUnit, ...] = ()

@@ -3,9 +3,10 @@
 Stage 6 of the data flow: ``Plan`` -> :func:`dispatch` -> a running model (and
 :func:`~.loader.load`, which builds the model on the meta device, solves, reads each weight
 straight to its device, then dispatches). The per-unit forward wrappers live in :mod:`._hooks`,
-the copies and prefetching of streamed weights in :mod:`._streamer`, the phase of a phased unit's
-call and its KV cache's move in :mod:`._phases`, what is checked before anything changes in
-:mod:`._preflight`, the undo log in :mod:`._undo`.
+the copies and prefetching of streamed weights in :mod:`._streamer` (which unit starts which copies in
+:mod:`._prefetch_links`), the phase of a phased unit's call and its KV cache's move in :mod:`._phases`,
+what is checked before anything changes in :mod:`._preflight`, the warnings about what a run holds beyond
+the plan in :mod:`._dispatch_warnings`, the undo log in :mod:`._undo`.
 
 What each unit gets, from its ``storage`` S and ``execution`` E (a unit of mode ``phased``,
 whose ``prefill_execution`` P computes its prefill: the last row, whatever S and E):
@@ -64,9 +65,7 @@ phased unit's are created on its GPU in the prefill and moved to the CPU once, w
 
 from __future__ import annotations
 
-import itertools
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,16 +75,16 @@ from torch import nn
 from ..errors import DispatchError, PlacementError
 from ..model.expert_groups import group_counts
 from ..plan import Plan
-from ..units import format_bytes
 from . import _streamer
+from ._dispatch_warnings import warn_copy_headroom, warn_cpu_heap, warn_mapped_phased
 from ._expert_groups import split_experts
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
+from ._prefetch_links import link_prefetch
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
 from ._safetensors_file import drop_page_cache
 from ._streamer import DispatchUnit, Streamer
 from ._undo import UndoLog, Weights, attribute_restorer
-from .allocator import glibc_heap, mmap_threshold_fixed
 from .checkpoint import Slot, collect_slots
 from .offload import OffloadStore, SafetensorsFile
 
@@ -308,10 +307,10 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     home_device = _streamer.torch_device(home) if home else None
     main = home_device or (units[0].execution if units else torch.device("cpu"))
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log, main)
-    _warn_copy_headroom(units, plan)
-    _warn_cpu_heap(units, plan)
+    warn_copy_headroom(units, plan)
+    warn_cpu_heap(units, plan)
     log.doing = "linking the units that prefetch"
-    _link_prefetch(units)
+    link_prefetch(units)
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan))
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
@@ -396,67 +395,8 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
             unit.kind = "stream"
         if unit.prefill is not None:
             unit.kind = "phased"  # decodes from RAM or the memory map (disk_reads aside), streams the prefill
-    _warn_mapped_phased(units, disk_reads)
+    warn_mapped_phased(units, disk_reads)
     _place_unowned(units, slots, weights, log, main)
-
-
-def _warn_mapped_phased(units: list[DispatchUnit], disk_reads: str) -> None:
-    """``disk_reads="copy"`` does not reach phased disk units: their decode reads the memory map."""
-    mapped = [u.name for u in units if u.kind == "phased" and u.placement.storage == "disk"]
-    if disk_reads == "copy" and mapped:
-        shown = ", ".join(mapped[:3]) + (f" and {len(mapped) - 3} more" if len(mapped) > 3 else "")
-        warnings.warn(
-            f"disk_reads='copy' does not apply to phased units: {len(mapped)} disk-stored phased unit(s) "
-            f"({shown}) decode from the memory map. To copy every disk read, plan without phased units: "
-            f"solve(..., modes=('resident', 'stream'))", UserWarning, stacklevel=4)
-
-
-def _cpu_memory(plan: Plan) -> Any:
-    """The plan's memory row of the CPU (a :class:`~..cost.memory.DeviceMemory`), or None without one."""
-    return next((m for m in plan.cost.memory if m.device == "cpu"), None)
-
-
-def _warn_copy_headroom(units: list[DispatchUnit], plan: Plan) -> None:
-    """``disk_reads="copy"`` holds the next disk unit's copy beside the running one's, which the plan's memory
-    does not charge (it prices memory-mapped reads: one copy): say so when the plan's free RAM cannot hold it."""
-    copied = {u.name: sum(s.tensor.nbytes for s in u.slots) for u in units
-              if u.kind == "stream" and u.placement.storage == "disk" and u.execution.type == "cpu"}
-    cpu = _cpu_memory(plan)
-    if not copied or cpu is None:
-        return
-    largest = max(copied, key=copied.__getitem__)
-    extra, free = copied[largest], cpu.free_bytes
-    if extra > free:
-        warnings.warn(
-            f"disk_reads='copy' holds up to {format_bytes(extra)} of RAM more than the plan charges (the next disk "
-            f"unit's copy, {largest!r} the largest, beside the running one's), and the plan leaves "
-            f"{format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free: use "
-            f"disk_reads='mmap', or plan with {format_bytes(extra - free)} less cpu memory", UserWarning,
-            stacklevel=4)
-
-
-#: Activations and KV cache on the CPU below which a tight plan is not warned about glibc's heap: what the heap
-#: can hold again is then within the few MiB of library scratch that decide such rows anyway
-#: (benchmarks/cost_accuracy/MEMORY.md: rows under ~60 MiB sit at the measurement floor either way).
-HEAP_WARN_MIN_BYTES = 64 * 2**20
-
-
-def _warn_cpu_heap(units: list[DispatchUnit], plan: Plan) -> None:
-    """Where the plan leaves the cpu less free RAM than a forward's activations and KV cache there, glibc's
-    default heap, which can hold about that much again (:mod:`.allocator`), may run it out: say how to fix it."""
-    cpu = _cpu_memory(plan)
-    if cpu is None or mmap_threshold_fixed() is not None or not glibc_heap():
-        return
-    if not any(u.execution.type == "cpu" for u in units):  # phased units too: they decode there
-        return
-    live, free = cpu.workspace_bytes + cpu.kv_cache_bytes, cpu.free_bytes
-    if live > max(free, HEAP_WARN_MIN_BYTES):
-        warnings.warn(
-            f"the plan leaves {format_bytes(max(free, 0))} of the cpu's {format_bytes(cpu.capacity_bytes)} free, less than "
-            f"the {format_bytes(live)} of activations and KV cache it computes there, and glibc's default heap can "
-            f"hold up to about that much again during a forward: call "
-            f"placement_opt.runtime.allocator.fix_mmap_threshold() once before the first forward (about 5-18 % slower "
-            f"CPU forwards), or plan with a smaller cpu budget", UserWarning, stacklevel=4)
 
 
 def _place_unowned(units: list[DispatchUnit], slots: list[Slot], weights: Weights, log: UndoLog,
@@ -501,71 +441,3 @@ def _map_from_sources(unit: DispatchUnit, sources: Mapping[str, tuple[Safetensor
         unit.disk.append((file, key))
 
 
-def _link_prefetch(units: list[DispatchUnit]) -> None:
-    """Which copies each unit starts (:func:`_link_groups`), and the memory-mapped read-ahead chain.
-
-    ``mmap`` units, and phased disk units (they decode from the map), of mode ``stream``/``phased`` ask
-    the kernel to read the next one of them ahead (``next_unit``), wrapping to the first.
-    """
-    chain = [u for u in units if u.kind == "mmap" or (u.kind == "phased" and u.disk)]
-    for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
-        if unit.placement.mode in ("stream", "phased") and following is not unit:
-            unit.next_unit = following
-    _link_groups(units)
-
-
-def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
-    """Maximal runs of consecutive units with one ``copy_group``; a unit whose copy_group is None is alone."""
-    groups: list[list[DispatchUnit]] = []
-    for name, run in itertools.groupby(units, key=lambda u: u.placement.copy_group):
-        members = list(run)
-        groups += [members] if name is not None else [[u] for u in members]
-    return groups
-
-
-def _prefetched(unit: DispatchUnit, group: list[DispatchUnit]) -> bool:
-    """Whether ``unit`` is copied ahead by the prefetch thread: a ``stream``-kind unit, but in a group of several
-    only a ``stream`` to a GPU, the one option the cost model prices as copied beside the compute
-    (``stream_sync``, and a disk read for the CPU, are priced as made when called: a group of those alone
-    must not start the next group's copies later than the model says). A unit alone keeps the rule from
-    before groups: the streamed unit before it prefetches it whatever its mode."""
-    if unit.kind != "stream":
-        return False
-    return len(group) == 1 or (unit.placement.mode == "stream" and unit.placement.execution != "cpu")
-
-
-def _link_groups(units: list[DispatchUnit]) -> None:
-    """One prefetch per copy group: each unit's ``ahead`` (decode) and ``ahead_prefill``.
-
-    A group's *item* in a phase is its units streamed then: ``stream`` ones, in a prefill ``phased``
-    ones too. A group with an item starts the next group's item (the next with one in that phase,
-    wrapping to the first): a group of several units at its head, first thing (its own item too,
-    those not started yet), as the cost model charges a group's wait at its head and starts the next
-    group's copy there; a unit alone (every unit of a plan without copy groups) after taking its own
-    weights, in mode ``stream`` or ``phased`` (not ``stream_sync``), as before groups. A prefill wraps
-    to the first group with a *decode* item: the call after a prefill is a decode step, where phased
-    units do not stream. When one group alone streams in a decode, each of its units starts its own copy
-    again once it has its weights (``again``), for the next step.
-    """
-    groups = _copy_groups(units)
-    decode = [tuple(u for u in g if _prefetched(u, g)) for g in groups]
-    prefill = [tuple(u for u in g if u.kind == "phased" or _prefetched(u, g)) for g in groups]
-    first = next((i for i, item in enumerate(decode) if item), None)
-    for i, group in enumerate(groups):
-        wrap = decode[first] if first is not None and first != i else ()
-        next_decode = next((item for item in decode[i + 1:] if item), wrap)
-        next_prefill = next((item for item in prefill[i + 1:] if item), wrap)
-        head = group[0]
-        if len(group) > 1:
-            head.ahead = decode[i] + next_decode if decode[i] else ()
-            head.ahead_prefill = prefill[i] + next_prefill if prefill[i] else ()
-            head.heads_group = bool(head.ahead or head.ahead_prefill)
-        elif head.placement.mode in ("stream", "phased") and prefill[i]:
-            head.ahead = next_decode if decode[i] else ()  # a phased unit decodes where it is stored
-            head.ahead_prefill = next_prefill
-    streaming = [item for item in decode if item]
-    if len(streaming) == 1:
-        # it would be its own next group: each of its units, once it has its weights, copies them again for
-        # the next step, as the cost model prices the decode (a copy beside the whole step before it)
-        for unit in streaming[0]:
-            unit.again = (unit,) if unit.placement.mode == "stream" else ()

@@ -1,0 +1,85 @@
+"""Which copies each dispatched unit starts: one prefetch per copy group, and the memory-mapped read-ahead chain.
+
+Set once at dispatch on each :class:`~._streamer.DispatchUnit` (``ahead``, ``ahead_prefill``, ``heads_group``,
+``again``, ``next_unit``), read by :mod:`._hooks` and :mod:`._streamer` at every forward. The order follows the
+cost model's (:func:`placement_opt.solver.problem.stalls`): a group's wait at its head, the next group's copy
+started there.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ._streamer import DispatchUnit
+
+__all__ = ["link_prefetch", "link_groups"]
+
+
+def link_prefetch(units: list[DispatchUnit]) -> None:
+    """Which copies each unit starts (:func:`link_groups`), and the memory-mapped read-ahead chain.
+
+    ``mmap`` units, and phased disk units (they decode from the map), of mode ``stream``/``phased`` ask
+    the kernel to read the next one of them ahead (``next_unit``), wrapping to the first.
+    """
+    chain = [u for u in units if u.kind == "mmap" or (u.kind == "phased" and u.disk)]
+    for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
+        if unit.placement.mode in ("stream", "phased") and following is not unit:
+            unit.next_unit = following
+    link_groups(units)
+
+
+def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:
+    """Maximal runs of consecutive units with one ``copy_group``; a unit whose copy_group is None is alone."""
+    groups: list[list[DispatchUnit]] = []
+    for name, run in itertools.groupby(units, key=lambda u: u.placement.copy_group):
+        members = list(run)
+        groups += [members] if name is not None else [[u] for u in members]
+    return groups
+
+
+def _prefetched(unit: DispatchUnit, group: list[DispatchUnit]) -> bool:
+    """Whether ``unit`` is copied ahead by the prefetch thread: a ``stream``-kind unit, but in a group of several
+    only a ``stream`` to a GPU, the one option the cost model prices as copied beside the compute
+    (``stream_sync``, and a disk read for the CPU, are priced as made when called: a group of those alone
+    must not start the next group's copies later than the model says). A unit alone keeps the rule from
+    before groups: the streamed unit before it prefetches it whatever its mode."""
+    if unit.kind != "stream":
+        return False
+    return len(group) == 1 or (unit.placement.mode == "stream" and unit.placement.execution != "cpu")
+
+
+def link_groups(units: list[DispatchUnit]) -> None:
+    """One prefetch per copy group: each unit's ``ahead`` (decode) and ``ahead_prefill``.
+
+    A group's *item* in a phase is its units streamed then: ``stream`` ones, in a prefill ``phased``
+    ones too. A group with an item starts the next group's item (the next with one in that phase,
+    wrapping to the first): a group of several units at its head, first thing (its own item too,
+    those not started yet), as the cost model charges a group's wait at its head and starts the next
+    group's copy there; a unit alone (every unit of a plan without copy groups) after taking its own
+    weights, in mode ``stream`` or ``phased`` (not ``stream_sync``), as before groups. A prefill wraps
+    to the first group with a *decode* item: the call after a prefill is a decode step, where phased
+    units do not stream. When one group alone streams in a decode, each of its units starts its own copy
+    again once it has its weights (``again``), for the next step.
+    """
+    groups = _copy_groups(units)
+    decode = [tuple(u for u in g if _prefetched(u, g)) for g in groups]
+    prefill = [tuple(u for u in g if u.kind == "phased" or _prefetched(u, g)) for g in groups]
+    first = next((i for i, item in enumerate(decode) if item), None)
+    for i, group in enumerate(groups):
+        wrap = decode[first] if first is not None and first != i else ()
+        next_decode = next((item for item in decode[i + 1:] if item), wrap)
+        next_prefill = next((item for item in prefill[i + 1:] if item), wrap)
+        head = group[0]
+        if len(group) > 1:
+            head.ahead = decode[i] + next_decode if decode[i] else ()
+            head.ahead_prefill = prefill[i] + next_prefill if prefill[i] else ()
+            head.heads_group = bool(head.ahead or head.ahead_prefill)
+        elif head.placement.mode in ("stream", "phased") and prefill[i]:
+            head.ahead = next_decode if decode[i] else ()  # a phased unit decodes where it is stored
+            head.ahead_prefill = next_prefill
+    streaming = [item for item in decode if item]
+    if len(streaming) == 1:
+        # it would be its own next group: each of its units, once it has its weights, copies them again for
+        # the next step, as the cost model prices the decode (a copy beside the whole step before it)
+        for unit in streaming[0]:
+            unit.again = (unit,) if unit.placement.mode == "stream" else ()
