@@ -68,7 +68,7 @@ def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
     import transformers as T
     from transformers.initialization import no_init_weights
 
-    from placement_opt.runtime.calibrate import _fill
+    from placement_opt.runtime._calibrate_build import fill
 
     shared = shared_folder()
     key = json.dumps({"class": type(config).__name__, **config.to_diff_dict()}, sort_keys=True, default=str)
@@ -82,7 +82,7 @@ def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
     with no_init_weights():
         model = T.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _fill(model)
+    fill(model)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:

@@ -164,11 +164,11 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
 @given(layers=st.integers(1, 6), timed=st.lists(st.integers(0, 5), max_size=3), chain=st.booleans())
 def test_the_cut_copy_holds_every_timed_layer_and_two_more_for_disk_reads_where_the_model_has_them(
         layers: int, timed: list[int], chain: bool) -> None:
-    from placement_opt.runtime import calibrate as calibrate_module
+    from placement_opt.runtime import _calibrate_build as calibrate_module
 
     indices = [i for i in timed if i < layers]
     names = [f"model.layers.{i}" for i in indices] + ["model.embed_tokens"]
-    cut = calibrate_module._cut_config(LlamaConfig(num_hidden_layers=layers), names, chain=chain)
+    cut = calibrate_module.cut_config(LlamaConfig(num_hidden_layers=layers), names, chain=chain)
     # every timed layer is built, the next two too for disk reads, never a layer the model lacks
     assert cut.num_hidden_layers == (min(layers, max(indices) + 1 + 2 * chain) if indices else layers)
 
@@ -195,7 +195,7 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
 
 
 def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(tmp_path, monkeypatch) -> None:
-    from placement_opt.runtime import calibrate as calibrating
+    from placement_opt.runtime import _calibrate_timing as calibrating
 
     monkeypatch.setattr(calibrating, "PREFILL_BUDGET_S", 0.0)  # as if the prompt's prefill took too long
     workload = Workload(batch_size=2, prompt_len=64, new_tokens=8)
@@ -209,7 +209,7 @@ def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(t
 
 @pytest.mark.parametrize(("prompt", "first"), [(1, 1), (16, 4), (64, 16), (128, 8), (512, 8), (4096, 16)])
 def test_prefills_start_short_and_grow_4x_toward_the_prompt(prompt: int, first: int) -> None:
-    from placement_opt.runtime.calibrate import PROBE_TOKENS, _first_length
+    from placement_opt.runtime._calibrate_timing import PROBE_TOKENS, _first_length
 
     assert _first_length(prompt) == first
     assert first == prompt or first <= prompt // 4  # a shorter point beside the prompt: a line to extend
@@ -219,9 +219,9 @@ def test_prefills_start_short_and_grow_4x_toward_the_prompt(prompt: int, first: 
 def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_varied() -> None:
     import torch
 
-    from placement_opt.runtime.calibrate import _build
+    from placement_opt.runtime._calibrate_build import build
 
-    model = _build(tiny_config(), "float32", torch.device("cpu"))
+    model = build(tiny_config(), "float32", torch.device("cpu"))
     for name, param in model.named_parameters():
         assert param.isfinite().all() and param.std() > 0.01, name  # tiled N(0, 0.02): no garbage, no zeros
     rotary = model.model.rotary_emb
@@ -234,11 +234,11 @@ def test_a_tied_models_copy_ties_its_head_and_calibrates(tmp_path, monkeypatch) 
     model than the one planned, and calibrate() of GPT-2 (or any tied model) failed on a plan mismatch."""
     import torch
 
-    from placement_opt.runtime.calibrate import _build
+    from placement_opt.runtime._calibrate_build import build
 
     config = tiny_config()
     config.tie_word_embeddings = True
-    model = _build(config, "float32", torch.device("cpu"))
+    model = build(config, "float32", torch.device("cpu"))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
     result = placement_opt.calibrate(config, ["cpu"], workload=Workload(batch_size=1, prompt_len=8, new_tokens=4),
@@ -327,7 +327,7 @@ def test_a_stalled_first_forward_is_not_saved_as_the_units_prefill(tmp_path, mon
 
     from placement_opt.runtime import calibrate as calibrate_module
 
-    build = calibrate_module._build
+    build = calibrate_module.build
     stalled: list[float] = []
 
     def built_with_a_stall(*args, **kwargs):
@@ -341,7 +341,7 @@ def test_a_stalled_first_forward_is_not_saved_as_the_units_prefill(tmp_path, mon
         model.model.layers[0].mlp.register_forward_pre_hook(stall)  # inside the layer: its time, as stamped
         return model
 
-    monkeypatch.setattr(calibrate_module, "_build", built_with_a_stall)
+    monkeypatch.setattr(calibrate_module, "build", built_with_a_stall)
     result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=Workload(batch_size=1, prompt_len=16, new_tokens=8),
                                      path=tmp_path / "p.json", repeats=1)
     assert stalled  # the first prefill's warm-up stalled

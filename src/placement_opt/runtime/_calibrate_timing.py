@@ -1,0 +1,186 @@
+"""What :func:`~.calibrate.calibrate` times on one device: prefills, decode steps, and a GPU's weight copies.
+
+Prefills run at prompts growing 4x from a short one (:data:`PROBE_TOKENS`) toward the workload's while the next
+one should take at most :data:`PREFILL_BUDGET_S`; decode steps run with a real KV cache near the first context
+and, after the cache is filled up (grown by repeating what it holds where it can be), near the last. With a GPU,
+each unit's weights are copied from CPU RAM both ways they are streamed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._calibrate_clock import MIN_TIMED_S, logits_argument, repeated, typical
+from .timing import cache_argument, cache_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..cost.workload import Workload
+    from ._calibrate_clock import Stamps
+
+__all__ = ["time_forwards", "time_copies", "DECODE_STEPS", "MIN_DECODE_STEPS", "DECODE_BUDGET_S", "MAX_DECODE_STEPS",
+           "PREFILL_BUDGET_S", "PROBE_TOKENS", "SMALL_PROMPT_FRACTION"]
+
+#: Decode steps timed at each context at least (the median counts, per unit) ...
+DECODE_STEPS = 8
+#: ... unless they add up to :data:`DECODE_BUDGET_S` first (a large model's steps vary little beside their
+#: length), and then at least this many ...
+MIN_DECODE_STEPS = 3
+DECODE_BUDGET_S = 0.5
+#: ... and at most, while they add up to under half :data:`MIN_TIMED_S`.
+MAX_DECODE_STEPS = 32
+#: The next, 4x longer prefill is timed when it should take at most this (estimated from the last one).
+PREFILL_BUDGET_S = 2.0
+#: The shortest prefill timed: the workload's prompt divided by 4 until one more division would go below this.
+PROBE_TOKENS = 8
+#: Prefill prompts grow by this factor from one timed length to the next.
+SMALL_PROMPT_FRACTION = 4
+
+
+def time_forwards(model: nn.Module, stamps: Stamps, workload: Workload, repeats: int, device: torch.device
+                  ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[tuple[int, int], dict[str, float]]]:
+    """Per-unit seconds of prefills ``(batch, prompt)`` and of decode steps ``(batch, context)``.
+
+    Prompts grow 4x from :func:`_first_length` to the workload's while the next one should take at
+    most :data:`PREFILL_BUDGET_S` (estimated from the last, in proportion); when only one fits, a 4x
+    shorter one is timed too, so that pricing has a line to extend (a prefill is linear in tokens but
+    for attention's small quadratic part). The decode steps run on the longest prompt's KV cache
+    grown to the workload's prompt.
+    """
+    batch, prompt = workload.batch_size, workload.prompt_len
+    vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
+    keep = logits_argument(model, workload.logits_kept)
+    prefill: dict[tuple[int, int], dict[str, float]] = {}
+
+    def timed(length: int) -> Any:
+        ids = torch.randint(0, vocab, (batch, length), device=device)
+        runs, out = repeated(lambda: model(input_ids=ids, use_cache=True, **keep), stamps, repeats)
+        prefill[batch, length] = typical(runs)
+        return cache_of(out)
+
+    length = _first_length(prompt)
+    cache = timed(length)
+    while length < prompt:
+        longer = min(prompt, length * SMALL_PROMPT_FRACTION)
+        if sum(prefill[batch, length].values()) * longer / length > PREFILL_BUDGET_S:
+            if len(prefill) == 1 and length > 1:
+                timed(max(1, length // SMALL_PROMPT_FRACTION))
+            break
+        cache, length = timed(longer), longer
+    if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
+        ids = torch.randint(0, vocab, (batch, prompt), device=device)
+        cache = cache_of(model(input_ids=ids, use_cache=True, **logits_argument(model, "last")))
+    return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+
+
+def _first_length(prompt: int) -> int:
+    """The shortest prefill timed: the prompt divided by 4, and again while that stays >= :data:`PROBE_TOKENS`."""
+    length = max(1, prompt // SMALL_PROMPT_FRACTION)
+    while length // SMALL_PROMPT_FRACTION >= PROBE_TOKENS:
+        length //= SMALL_PROMPT_FRACTION
+    return length
+
+
+def _cached_length(cache: Any) -> int:
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 0
+
+
+def _grown(cache: Any, length: int) -> bool:
+    """Grow a plain dynamic KV cache to ``length`` tokens by repeating what it holds (the values do
+    not change a step's time); False for other cache kinds (sliding windows, quantized, ...)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False)
+                         or getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in layers):
+        return False
+    for layer in layers:
+        have = layer.keys.shape[-2]
+        if have < length:
+            copies = -(-length // have)
+            layer.keys = torch.cat([layer.keys] * copies, dim=-2)[:, :, :length]
+            layer.values = torch.cat([layer.values] * copies, dim=-2)[:, :, :length]
+    return True
+
+
+def _time_decode(model: nn.Module, stamps: Stamps, cache: Any, workload: Workload, vocab: int,
+                 device: torch.device) -> dict[tuple[int, int], dict[str, float]]:
+    """Decode steps at the first context and, after the cache is filled up, at the last."""
+    batch, prompt = workload.batch_size, workload.prompt_len
+    decode: dict[tuple[int, int], dict[str, float]] = {}
+    if workload.new_tokens == 0 or cache is None:
+        return decode
+    most = min(MAX_DECODE_STEPS, workload.new_tokens)
+    seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+    decode[batch, prompt + 1 + (steps - 1) // 2] = seconds  # the middle context of the steps timed
+    last = prompt + workload.new_tokens
+    if last - (prompt + steps + 1) > most:  # fill the cache up to the last context in one forward, untimed
+        filled = prompt + steps + 1
+        if not _grown(cache, last - most):
+            ids = torch.randint(0, vocab, (batch, last - filled - most), device=device)
+            cache = cache_of(model(input_ids=ids, use_cache=True, **cache_argument(model, cache),
+                                   **logits_argument(model, "last")))
+        seconds, steps = _steps(model, stamps, cache, batch, most, vocab, device)
+        decode[batch, last - most + (steps - 1) // 2] = seconds
+    return decode
+
+
+def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, vocab: int,
+           device: torch.device) -> tuple[dict[str, float], int]:
+    """The typical per-unit seconds of decode steps and how many were timed (at least
+    :data:`DECODE_STEPS`, or :data:`MIN_DECODE_STEPS` once they add up to :data:`DECODE_BUDGET_S`; more
+    while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
+    runs: list[dict[str, float]] = []
+    spent = 0.0
+    step = 0
+    while (step <= min(DECODE_STEPS, most) and not (spent >= DECODE_BUDGET_S and len(runs) >= MIN_DECODE_STEPS)
+           or (spent < MIN_TIMED_S / 2 and step <= most)):
+        ids = torch.randint(0, vocab, (batch, 1), device=device)
+        start = time.perf_counter()
+        seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, use_cache=True,
+                                                                     **cache_argument(model, cache)))
+        if step > 0:  # the first step warms up the decode shapes, untimed
+            runs.append(seconds)
+            spent += time.perf_counter() - start
+        cache = cache_of(out)
+        step += 1
+    return typical(runs), len(runs)
+
+
+def time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],
+                device: torch.device) -> dict[str, dict[str, dict[str, float]]]:  # pragma: no cover - needs a GPU
+    """Seconds to bring each unit's weights from CPU RAM: pinned prefetch (``stream``), per tensor (``stream_sync``)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    side = torch.cuda.Stream(device)
+    for name, module in modules.items():
+        tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
+        if not tensors:
+            continue
+        pageable = [t.to("cpu") for t in tensors]
+        pinned = [t.pin_memory() for t in pageable]
+
+        def prefetch(pinned: list[torch.Tensor] = pinned) -> None:
+            with torch.cuda.stream(side):  # what the Streamer does: a side stream from pinned memory
+                [t.to(device, non_blocking=True) for t in pinned]
+            side.synchronize()
+
+        def per_tensor(pageable: list[torch.Tensor] = pageable) -> None:
+            for t in pageable:  # what accelerate's hooks do: one synchronous pageable copy per tensor
+                t.to(device)
+            torch.cuda.synchronize(device)
+
+        out[representatives[name]] = {f"cpu->{device}": {"stream": _best(prefetch), "stream_sync": _best(per_tensor)}}
+    return out
+
+
+def _best(call: Callable[[], None], repeats: int = 3) -> float:  # pragma: no cover - needs a GPU
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
