@@ -28,8 +28,8 @@ OUT = HERE / "api.md"
 
 #: The package's parts in the order data flows through them; modules inside a folder are found
 #: by walking it (every public module, ``_private`` ones skipped), so a new module is never missed.
-STAGES = ["model", "hardware", "cost", "solver", "planner", "plan_notes", "plan", "plan_check", "report", "compare", "runtime",
-          "distributed", "cli", "schema", "errors", "units", "progress"]
+STAGES = ["model", "hardware", "cost", "solver", "planner", "baselines", "plan_notes", "plan", "plan_check",
+          "report", "compare", "runtime", "distributed", "cli", "schema", "errors", "units", "progress"]
 
 
 def modules() -> list[tuple[str, str]]:

@@ -61,10 +61,10 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
     Same as ``solve(source, strategy="accelerate")`` but reuses the traced graph instead of
     tracing the model again (seconds for a 70B model).
     """
+    from .baselines import baseline_plan
     from .cost.device_map import accelerate_device_map
     from .cost.evaluate import evaluate
     from .errors import SolverInputError
-    from .planner import baseline_plan
 
     if source is None:
         raise SolverInputError("strategy 'accelerate' needs the model's config, not only its graph: pass source=")

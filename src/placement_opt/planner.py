@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .baselines import _Baseline, _baselines, baseline_plan
 from .cost.build import price_problem
 from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
@@ -30,10 +31,9 @@ from .cost.memory import proven_short, shortage_message
 from .cost.pricing import home_device
 from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
-from .hardware.devices import Machine, normalize_device_name
+from .hardware.devices import Machine
 from .model.expert_groups import expert_groups_refusal
-from .model.graph import covering_key
-from .plan import NOT_RUN, BaselineResult, Plan, UnitPlacement
+from .plan import Plan, UnitPlacement
 from .plan_check import graph_fingerprint
 from .plan_notes import (
     calibration_note,
@@ -48,12 +48,7 @@ from .plan_notes import (
 from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
 from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
-from .solver.greedy import (
-    baseline_storage,
-    best_greedy_choice,
-    choice_from_storage,
-    greedy_starts,
-)
+from .solver.greedy import best_greedy_choice, greedy_starts
 from .solver.problem import MODES, OBJECTIVES, PlacementProblem
 from .solver.search import GAP_LIMIT, SEARCH_NOTES, solve_problem
 from .units import format_bytes
@@ -61,7 +56,7 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
-__all__ = ["solve", "solve_best_granularity", "baseline_plan", "searched_again", "STRATEGIES", "OBJECTIVES",
+__all__ = ["solve", "solve_best_granularity", "searched_again", "STRATEGIES", "OBJECTIVES",
            "SOLVER_WORKERS", "SOLVER_NOTES"]
 
 #: Strategies ``solve`` accepts.
@@ -87,15 +82,6 @@ class _Placements:
     """A plan-shaped value for ``cost.evaluate`` (it reads ``.placements``)."""
 
     placements: tuple[UnitPlacement, ...]
-
-
-@dataclass(frozen=True)
-class _Baseline:
-    strategy: str
-    device_map: dict[str, Any] | None
-    cost: Cost | None
-    result: BaselineResult
-    hint: list[int] | None
 
 
 def solve(model: Any, devices: Any = None, objective: str = "latency", *, workload: Workload | None = None,
@@ -435,49 +421,8 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, pins: Mappi
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines
+# Baselines (scored in baselines.py): the search's warm start
 # ---------------------------------------------------------------------------------------------
-def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost], problem: PlacementProblem,
-               model: Any) -> list[_Baseline]:
-    from .model.graph import LayerGraph
-
-    found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, score, problem)
-             for s in BASELINE_STRATEGIES]
-    if not isinstance(model, LayerGraph):
-        try:
-            device_map = accelerate_device_map(model, machine.max_memory, "auto")
-        except (ValueError, ImportError, RuntimeError, TypeError) as exc:
-            found.append(_Baseline("accelerate", None, None, BaselineResult(
-                strategy="accelerate", total_s=float("inf"), fits=False, note=f"{NOT_RUN} {exc}"), None))
-        else:
-            found.append(_score_map("accelerate", device_map, graph, machine, score, problem))
-    return found
-
-
-def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, machine: Machine,
-               score: Callable[[Any], Cost], problem: PlacementProblem) -> _Baseline:
-    """Price a storage map as accelerate runs it (cpu/disk units copied synchronously to GPU 0)."""
-    named = {k: normalize_device_name(v) for k, v in device_map.items()}
-    owner = {u.name: covering_key(u.name, named) for u in graph.units()}
-    missing = sorted({d for d in named.values() if d not in machine})
-    if missing:
-        short = sum(u.weight_bytes for u in graph.units()
-                    if owner[u.name] is not None and named[owner[u.name]] in missing)
-        note = f"offloads {format_bytes(short)} to {', '.join(missing)}, which the machine lacks"
-        return _Baseline(strategy, dict(device_map), None, BaselineResult(
-            strategy=strategy, total_s=float("inf"), fits=False, short_bytes=short, note=note), None)
-    cost = score(dict(device_map))
-    short = sum(v.short_bytes for v in cost.violations)
-    note = "; ".join(v.message for v in cost.violations)
-    per_unit = {name: named[key] for name, key in owner.items() if key is not None}
-    try:
-        hint = choice_from_storage(problem, per_unit)
-    except SolverInputError:  # a storage none of the unit's options offers: no hint from this map
-        hint = None
-    return _Baseline(strategy, dict(device_map), cost, BaselineResult(
-        strategy=strategy, total_s=cost.total_s, fits=cost.fits, short_bytes=short, note=note), hint)
-
-
 def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_Baseline]) -> tuple[list[int], str]:
     key = "latency" if objective == "memory" else objective
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
@@ -543,25 +488,6 @@ def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, obje
                      f"synchronously at every forward)"]
     return baseline_plan(graph, machine, workload, objective, strategy, chosen.cost, chosen.device_map or {},
                          notes=notes, baselines=[b.result for b in baselines])
-
-
-def baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
-                  cost: Cost, device_map: Mapping[str, Any], *, notes: Sequence[str] = (),
-                  baselines: Sequence[BaselineResult] = (), solve_time_s: float = 0.0) -> Plan:
-    """The Plan of a device_map run as accelerate runs it (``cost`` from ``evaluate``): status GREEDY, no bound.
-
-    ``objective_value`` is the plan's value under the solver's definition of ``objective``; each
-    capacity violation is added to ``notes`` ("does not fit: ...").
-    """
-    placements = tuple(UnitPlacement(unit=u.name, storage=u.storage, execution=u.execution, mode=u.mode,
-                                     copy_group=graph.unit(u.name).block)
-                       for u in cost.units)
-    value = cost.objective_value(objective, [d.name for d in machine.gpus])
-    notes = [*notes, *(f"does not fit: {v.message}" for v in cost.violations)]
-    return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy=strategy,
-                placements=placements, machine=machine, workload=workload, cost=cost, status="GREEDY",
-                objective_value=value, best_bound=0.0, gap=1.0 if value > 0 else 0.0, solve_time_s=solve_time_s,
-                baselines=tuple(baselines), notes=tuple(notes), extra={"device_map": dict(device_map)})
 
 
 def _is_cluster(devices: Any) -> bool:

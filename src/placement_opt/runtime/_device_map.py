@@ -100,12 +100,12 @@ def _plan(model: nn.Module, devices: Mapping[str, str], graph: LayerGraph | None
     the graph's fingerprint (and, for a sublayer graph, its home device)."""
     import dataclasses
 
+    from ..baselines import baseline_plan
     from ..cost.evaluate import evaluator
     from ..cost.pricing import home_device
     from ..cost.workload import Workload
     from ..hardware.resolve import as_machine
     from ..plan_check import graph_fingerprint
-    from ..planner import baseline_plan
 
     graph, split = _graph_for(model, devices) if graph is None else (graph, _split_units(graph, devices))
     _warn_split(split)
