@@ -14,6 +14,7 @@ from _problems import problems as grouped_problems
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from placement_opt.solver._transients import MoveMemory
 from placement_opt.solver.greedy import (
     GREEDY_RESERVES,
     ONE_GPU_RESERVES,
@@ -27,7 +28,7 @@ from placement_opt.solver.problem import (
     PlacementProblem,
     UnitSpec,
 )
-from placement_opt.solver.starts import _Memory, _pack, executor_starts, fits, improve
+from placement_opt.solver.starts import _pack, executor_starts, fits, improve
 
 
 def opt(storage, execution=None, *, t=100, stored=1, resident=0, peak=0, mode=None):
@@ -212,11 +213,11 @@ def _within_capacities(problem, choice):
 @settings(max_examples=80)
 @given(grouped_problems(), st.data())
 def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data):
-    """The fill's running account (_Memory: transients, copy-group buffers) against the problem's memory model,
+    """The fill's running account (MoveMemory: transients, copy-group buffers) against the problem's memory model,
     move by move: a move is taken if and only if every device still fits after it."""
     choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
     assume(_within_capacities(problem, choice))
-    memory = _Memory(problem, problem.options(choice))
+    memory = MoveMemory(problem, problem.options(choice))
     for _ in range(8):
         i = data.draw(st.integers(0, len(problem.units) - 1))
         k = data.draw(st.integers(0, len(problem.units[i].options) - 1))

@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
+from placement_opt.solver._transients import RunPeaks, RunTransients
 from placement_opt.solver.cpsat import PlacementModel
-from placement_opt.solver.greedy import _RunTransients
 from placement_opt.solver.problem import (
     DeviceSpec,
     PlacementOption,
@@ -23,7 +23,6 @@ from placement_opt.solver.problem import (
     next_copies,
 )
 from placement_opt.solver.reductions import prefer_resident
-from placement_opt.solver.starts import _RunPeaks
 
 GPUS = ("cuda:0", "cuda:1")
 
@@ -86,11 +85,11 @@ def test_device_transients_agree_with_the_restated_definition(case):
 @settings(max_examples=300)
 @given(assigned())
 def test_the_greedy_account_follows_the_model_unit_by_unit(case):
-    """_RunTransients, fed the units in order, ends at the model's transient of each device; after each unit it
+    """RunTransients, fed the units in order, ends at the model's transient of each device; after each unit it
     holds the model's transient of the units so far (later units taken to copy nothing)."""
     problem, choice = case
     chosen = problem.options(choice)
-    account, grown = _RunTransients(problem), {}
+    account, grown = RunTransients(problem), {}
     for k, o in enumerate(chosen):
         account.enter(k)
         for d, n in account.grows(o).items():
@@ -110,7 +109,7 @@ def _idle(unit):
 @given(assigned(), st.data())
 def test_the_fill_account_follows_the_model_move_by_move(case, data):
     problem, choice = case
-    account = _RunPeaks(problem)
+    account = RunPeaks(problem)
     for i, o in enumerate(problem.options(choice)):
         account.apply(i, o, 1)
     for _ in range(6):

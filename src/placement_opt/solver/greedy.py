@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SolverInputError
-from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks
-from .starts import _NONE, executor_starts, fits, improve
+from ._transients import RunTransients
+from .problem import PlacementOption, PlacementProblem
+from .starts import executor_starts, fits, improve
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -294,7 +295,7 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
     storage: dict[str, str] = {}
     choice = []
     by_work: dict[int, list[int]] = {}  # per menu (units share a few option tuples: 22 of 724 units' own)
-    groups = _RunTransients(problem) if problem.group_copies else None
+    groups = RunTransients(problem) if problem.group_copies else None
     for k, u in enumerate(problem.units):
         if groups is not None:
             groups.enter(k)
@@ -327,7 +328,7 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
 
 
 def _room_for(o: PlacementOption, free: dict[str, int], peak: dict[str, int], reserve: dict[str, int],
-              groups: _RunTransients | None) -> bool:
+              groups: RunTransients | None) -> bool:
     """Whether :func:`greedy_choice` has room for ``o``: its bytes fit in what is ``free`` beside the transient
     ``peak`` each device holds, resident weights leaving the GPU's ``reserve``."""
     kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
@@ -340,115 +341,7 @@ def _room_for(o: PlacementOption, free: dict[str, int], peak: dict[str, int], re
     return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
 
 
-@dataclass
-class _Chain:
-    """One phase's copies on one device over the runs placed so far (:func:`~.problem.next_copies`): runs
-    before the first copying run have its copies next (``head``); runs between two copying runs the later
-    one's (``closed``, counted); runs from the last copying run on wait for the next, or the ``wrap``."""
-
-    first: int = 0
-    head: int = _NONE
-    closed: int = _NONE
-    tail: int = _NONE
-
-    def total(self, value: int, copies: int, wrap: int | None) -> int:
-        """The device's transient in the phase were the run now placed (``value``: its own peak + copies,
-        ``copies``: its copies) the last to copy; ``wrap``: what follows the last copying run (None: the
-        first, round the cycle)."""
-        if copies and not self.first:
-            return max(self.head + copies, value + (copies if wrap is None else wrap))
-        if copies:
-            return max(self.closed, self.head + self.first, self.tail + copies,
-                       value + (self.first if wrap is None else wrap))
-        if not self.first:
-            return max(self.head, value)
-        after = self.first if wrap is None else wrap
-        return max(self.closed, self.head + self.first, max(self.tail, value) + after)
-
-    def close(self, value: int, copies: int) -> None:
-        """The run now placed is done."""
-        if copies and not self.first:
-            self.first, self.tail = copies, value
-        elif copies:
-            self.closed, self.tail = max(self.closed, self.tail + copies), value
-        elif not self.first:
-            self.head = max(self.head, value)
-        else:
-            self.tail = max(self.tail, value)
-
-
-class _RunTransients:
-    """Each device's transient with copy groups (:func:`~.problem.device_transients`) as units are placed in
-    execution order: per phase the current copy run's own peaks and copies, and the runs before it
-    (:class:`_Chain`), a run's own copies its least next. Exact for the units placed so far, later runs taken
-    to copy nothing."""
-
-    def __init__(self, problem: PlacementProblem) -> None:
-        self.run_of = problem.run_of
-        self.run = -1
-        self.own: dict[tuple[str, str], int] = {}  # (phase, device) -> the current run's largest own peak
-        self.copies: dict[tuple[str, str], int] = {}  # (phase, device) -> the current run's copies
-        self.chains: dict[tuple[str, str], _Chain] = {}
-        self.twice: dict[tuple[str, str], int] = {}  # the largest done run's value + its copies (its least next)
-
-    def enter(self, unit: int) -> None:
-        if self.run_of[unit] == self.run:
-            return
-        for key in self.own.keys() | self.copies.keys():
-            value, copies = self._value(key, self.own, self.copies)
-            self._chain(key).close(value, copies)
-            self.twice[key] = max(self.twice.get(key, _NONE), value + copies)
-        self.run, self.own, self.copies = self.run_of[unit], {}, {}
-
-    def _chain(self, key: tuple[str, str]) -> _Chain:
-        if key not in self.chains:
-            self.chains[key] = _Chain()
-        return self.chains[key]
-
-    @staticmethod
-    def _value(key: tuple[str, str], own: dict[tuple[str, str], int],
-               copies: dict[tuple[str, str], int]) -> tuple[int, int]:
-        made = copies.get(key, 0)
-        return (own.get(key, 0) + made if key in own or made else _NONE), made
-
-    def _total(self, d: str, own: dict[tuple[str, str], int], copies: dict[tuple[str, str], int]) -> int:
-        # the decode's first copies there: what a prefill's last copying run starts (the next call's)
-        decode = ("decode_ns", d)
-        wrap = self._chain(decode).first or copies.get(decode, 0)
-        out = 0
-        for phase in PHASES:
-            key = (phase, d)
-            value, made = self._value(key, own, copies)
-            out = max(out, self.twice.get(key, _NONE), value + made,
-                      self._chain(key).total(value, made, wrap if phase == "prefill_ns" else None))
-        return out
-
-    def _after(self, o: PlacementOption) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
-        """The current run's own peaks and copies once ``o`` joins it (the keys it touches only)."""
-        own, copies = {}, {}
-        for phase in PHASES:
-            for d, nbytes in phase_peaks(o, phase):
-                own[phase, d] = max(self.own.get((phase, d), 0), nbytes)
-            made = phase_copies(o, phase)
-            if made:
-                copies[phase, o.group_device] = self.copies.get((phase, o.group_device), 0) + made
-        return own, copies
-
-    def grows(self, o: PlacementOption) -> dict[str, int]:
-        """What each device's transient grows by when ``o`` joins the current run (less than 0: shrinks, as
-        earlier runs' next copies are this run's instead of the first run's)."""
-        own, copies = self._after(o)
-        devices = {d for _, d in own.keys() | copies.keys()}
-        return {d: self._total(d, {**self.own, **own}, {**self.copies, **copies}) - self._total(d, self.own, self.copies)
-                for d in devices}
-
-    def add(self, o: PlacementOption) -> None:
-        own, copies = self._after(o)
-        self.own.update(own)
-        self.copies.update(copies)
-
-
-def _adds(o: PlacementOption, peak: dict[str, int], groups: _RunTransients | None) -> dict[str, int]:
+def _adds(o: PlacementOption, peak: dict[str, int], groups: RunTransients | None) -> dict[str, int]:
     """Bytes ``o`` adds per device beside the transient ``peak`` each already holds: stored bytes on its
     storage, resident ones on its execution device, and each transient (peaks()) above the peak there; with
     copy groups (``groups``), what the device's transient grows by instead."""

@@ -21,21 +21,14 @@ execution device; capacities already exclude the reserve):
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .problem import (
-    PHASES,
-    PlacementOption,
-    PlacementProblem,
-    phase_copies,
-    phase_peaks,
-)
+from ._transients import MoveMemory
+from .problem import PlacementOption, PlacementProblem
 
 __all__ = ["executor_starts", "improve", "fits"]
 
-_NONE = -(1 << 62)  # "no run there" (the fill's and the greedy's accounts): below any sum of bytes
 
 #: Pareto states the knapsack keeps; beyond this it thins them (no longer exact, still valid).
 _MAX_STATES = 1024
@@ -326,111 +319,6 @@ def _one_range_each(storage: Sequence[str]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Greedy fill
 # ---------------------------------------------------------------------------------------------
-class _Memory:
-    """Bytes per device under the problem's memory model (transients from peaks(); with copy groups, per copy
-    run as :func:`~.problem.device_transients` counts them), updated one move at a time."""
-
-    def __init__(self, problem: PlacementProblem, chosen: Sequence[PlacementOption]) -> None:
-        self.capacity = {d.name: d.capacity_bytes for d in problem.devices}
-        self.held = dict.fromkeys(self.capacity, 0)
-        self.peaks: dict[str, Counter[int]] = {d: Counter() for d in self.capacity}
-        self.top = dict.fromkeys(self.capacity, 0)
-        """The largest transient per device (kept up to date by _apply)."""
-        self.runs = _RunPeaks(problem) if problem.group_copies else None
-        for i, o in enumerate(chosen):
-            self._apply(i, o, 1)
-
-    def _apply(self, i: int, o: PlacementOption, sign: int) -> None:
-        self.held[o.storage] += sign * o.stored_bytes
-        self.held[o.execution] += sign * o.resident_bytes
-        if self.runs is not None:
-            self.runs.apply(i, o, sign)
-            return
-        self._transient(o.execution, o.peak_bytes, sign)  # peaks(), the common case without a call
-        if o.prefill_execution is not None:
-            self._transient(o.prefill_execution, o.prefill_peak_bytes, sign)
-
-    def _transient(self, device: str, nbytes: int, sign: int) -> None:
-        peaks = self.peaks[device]
-        peaks[nbytes] += sign
-        if sign > 0:
-            self.top[device] = max(self.top[device], nbytes)
-        elif peaks[nbytes] == 0:
-            del peaks[nbytes]
-            if nbytes == self.top[device]:
-                self.top[device] = max(peaks, default=0)
-
-    def _fits(self, device: str) -> bool:
-        top = self.top[device] if self.runs is None else self.runs.peak(device)
-        return self.held[device] + top <= self.capacity[device]
-
-    def move(self, i: int, old: PlacementOption, new: PlacementOption) -> bool:
-        """Replace unit ``i``'s ``old`` by ``new`` if every device still fits; False (and nothing changed)
-        otherwise."""
-        self._apply(i, old, -1)
-        self._apply(i, new, 1)
-        # only new's devices can have grown (everything fitted before the move)
-        if all(self._fits(d) for d in (new.storage, new.execution, new.prefill_execution) if d is not None):
-            return True
-        self._apply(i, new, -1)
-        self._apply(i, old, 1)
-        return False
-
-
-class _RunPeaks:
-    """Each device's transient peak with copy groups (:func:`~.problem.device_transients`), kept per phase and
-    copy run; a device's peak is counted anew (one pass over the runs) when a move touched it."""
-
-    def __init__(self, problem: PlacementProblem) -> None:
-        self.run_of = problem.run_of
-        self.n_runs = len(problem.runs)
-        self.own: dict[tuple[str, str, int], Counter[int]] = {}  # (phase, device, run) -> own peaks of its units
-        self.tops: dict[tuple[str, str], list[int]] = {}  # (phase, device) -> each run's largest own peak, or _NONE
-        self.copies: dict[tuple[str, str], list[int]] = {}  # (phase, device) -> each run's group copies there
-        self.peaks: dict[str, int] = {}  # device -> its transient, while no move touched it
-
-    def apply(self, i: int, o: PlacementOption, sign: int) -> None:
-        run = self.run_of[i]
-        for phase in PHASES:
-            for d, nbytes in phase_peaks(o, phase):
-                own = self.own.setdefault((phase, d, run), Counter())
-                own[nbytes] += sign
-                if not own[nbytes]:
-                    del own[nbytes]
-                self.tops.setdefault((phase, d), [_NONE] * self.n_runs)[run] = max(own, default=_NONE)
-                self.peaks.pop(d, None)
-            made = phase_copies(o, phase)
-            if made:
-                self.copies.setdefault((phase, o.group_device), [0] * self.n_runs)[run] += sign * made
-                self.peaks.pop(o.group_device, None)
-
-    def peak(self, device: str) -> int:
-        if device not in self.peaks:
-            decode = self.copies.get(("decode_ns", device), ())
-            wrap = next((c for c in decode if c), 0)  # the decode's first copies: what a prefill's last starts
-            self.peaks[device] = max(self._phase(device, phase, wrap) for phase in PHASES)
-        return self.peaks[device]
-
-    def _phase(self, device: str, phase: str, decode_first: int) -> int:
-        """:func:`~.problem.device_transients` of one phase on ``device``, in one backward pass (the fill counts
-        a touched device for every move it tries: 1,500 times on a module-level 70B)."""
-        tops = self.tops.get((phase, device))
-        copies = self.copies.get((phase, device))
-        if copies is None or not any(copies):
-            return max(0, max(tops, default=0)) if tops else 0
-        tops = tops or [_NONE] * self.n_runs
-        following = next((c for c in copies if c), 0) if phase == "decode_ns" else decode_first
-        best = 0
-        for r in range(self.n_runs - 1, -1, -1):
-            top, made = tops[r], copies[r]
-            if made:  # a copying run: its own peak (0 if none there), its copies, the next (at least its own)
-                value = (top if top > 0 else 0) + made + (made if made > following else following)
-                following = made
-            else:  # _NONE where no unit of the run computes there: below any total
-                value = top + following
-            if value > best:
-                best = value
-        return best
 
 
 def _moves(problem: PlacementProblem, choice: Sequence[int], movable: Sequence[bool]) -> list[tuple[int, int, int]]:
@@ -451,7 +339,7 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
     """Apply the moves of :func:`_moves` that keep every device within capacity (in place)."""
     tied = {n for g in problem.tied_groups for n in g}
     movable = [u.name not in tied for u in problem.units]
-    memory = _Memory(problem, problem.options(current))
+    memory = MoveMemory(problem, problem.options(current))
     for _ in range(passes):
         moved, refused = False, {}  # devices a move touches -> fewest bytes a move there failed with
         for i, k, added in _moves(problem, current, movable):
