@@ -29,11 +29,13 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
 
-__all__ = ["baseline_plan"]
+__all__ = ["ScoredBaseline", "score_baselines", "baseline_plan"]
 
 
 @dataclass(frozen=True)
-class _Baseline:
+class ScoredBaseline:
+    """One strategy's device_map, its cost under accelerate's run-time semantics, and the solver start it maps to."""
+
     strategy: str
     device_map: dict[str, Any] | None
     cost: Cost | None
@@ -41,8 +43,10 @@ class _Baseline:
     hint: list[int] | None
 
 
-def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost], problem: PlacementProblem,
-               model: Any) -> list[_Baseline]:
+def score_baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost], problem: PlacementProblem,
+               model: Any) -> list[ScoredBaseline]:
+    """Each of accelerate's strategies re-implemented, and the installed library's own ``"auto"`` map when ``model``
+    is a model (not a graph), scored by ``score``; a map the library cannot make is reported as not run."""
     from .model.graph import LayerGraph
 
     found = [_score_map(s, baseline_storage(graph, machine, s), graph, machine, score, problem)
@@ -51,7 +55,7 @@ def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost]
         try:
             device_map = accelerate_device_map(model, machine.max_memory, "auto")
         except (ValueError, ImportError, RuntimeError, TypeError) as exc:
-            found.append(_Baseline("accelerate", None, None, BaselineResult(
+            found.append(ScoredBaseline("accelerate", None, None, BaselineResult(
                 strategy="accelerate", total_s=float("inf"), fits=False, note=f"{NOT_RUN} {exc}"), None))
         else:
             found.append(_score_map("accelerate", device_map, graph, machine, score, problem))
@@ -59,7 +63,7 @@ def _baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], Cost]
 
 
 def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, machine: Machine,
-               score: Callable[[Any], Cost], problem: PlacementProblem) -> _Baseline:
+               score: Callable[[Any], Cost], problem: PlacementProblem) -> ScoredBaseline:
     """Price a storage map as accelerate runs it (cpu/disk units copied synchronously to GPU 0)."""
     named = {k: normalize_device_name(v) for k, v in device_map.items()}
     owner = {u.name: covering_key(u.name, named) for u in graph.units()}
@@ -68,7 +72,7 @@ def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, 
         short = sum(u.weight_bytes for u in graph.units()
                     if owner[u.name] is not None and named[owner[u.name]] in missing)
         note = f"offloads {format_bytes(short)} to {', '.join(missing)}, which the machine lacks"
-        return _Baseline(strategy, dict(device_map), None, BaselineResult(
+        return ScoredBaseline(strategy, dict(device_map), None, BaselineResult(
             strategy=strategy, total_s=float("inf"), fits=False, short_bytes=short, note=note), None)
     cost = score(dict(device_map))
     short = sum(v.short_bytes for v in cost.violations)
@@ -78,7 +82,7 @@ def _score_map(strategy: str, device_map: Mapping[str, Any], graph: LayerGraph, 
         hint = choice_from_storage(problem, per_unit)
     except SolverInputError:  # a storage none of the unit's options offers: no hint from this map
         hint = None
-    return _Baseline(strategy, dict(device_map), cost, BaselineResult(
+    return ScoredBaseline(strategy, dict(device_map), cost, BaselineResult(
         strategy=strategy, total_s=cost.total_s, fits=cost.fits, short_bytes=short, note=note), hint)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .baselines import _Baseline, _baselines, baseline_plan
+from .baselines import ScoredBaseline, baseline_plan, score_baselines
 from .cost.build import price_problem
 from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
@@ -229,7 +229,7 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     workload = workload if workload is not None else Workload()
     problem, score = _priced(graph, machine, workload, pins or {}, contiguous, modes)
     scored = time.perf_counter()
-    baselines = _baselines(graph, machine, score, problem, model)
+    baselines = score_baselines(graph, machine, score, problem, model)
     # The plan is scored once more after the search: about one baseline's share of that time.
     after_s = (time.perf_counter() - scored) / max(1, len(baselines))
     notes = [machine_note] if machine_note else []
@@ -423,7 +423,7 @@ def _priced(graph: LayerGraph, machine: Machine, workload: Workload, pins: Mappi
 # ---------------------------------------------------------------------------------------------
 # Baselines (scored in baselines.py): the search's warm start
 # ---------------------------------------------------------------------------------------------
-def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_Baseline]) -> tuple[list[int], str]:
+def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[ScoredBaseline]) -> tuple[list[int], str]:
     key = "latency" if objective == "memory" else objective
     candidates = [(b.hint, b.strategy) for b in baselines if b.hint is not None]
     plain = len(candidates)  # the first greedy start: the fallback when none is valid
@@ -444,7 +444,7 @@ def _best_hint(problem: PlacementProblem, objective: str, baselines: Sequence[_B
 # Plans
 # ---------------------------------------------------------------------------------------------
 def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem: PlacementProblem,
-                objective: str, baselines: Sequence[_Baseline], score: Callable[[Any], Cost],
+                objective: str, baselines: Sequence[ScoredBaseline], score: Callable[[Any], Cost],
                 search: tuple[float, int, float, int, float], notes: list[str]) -> Plan:
     time_limit_s, seed, gap_limit, workers, started = search
     if proven_short(problem):  # arithmetic proves it: no search (which may end before proving it)
@@ -477,7 +477,7 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
 
 
 def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, objective: str, strategy: str,
-                   baselines: Sequence[_Baseline], model: Any, notes: list[str]) -> Plan:
+                   baselines: Sequence[ScoredBaseline], model: Any, notes: list[str]) -> Plan:
     chosen = next((b for b in baselines if b.strategy == strategy), None)
     if chosen is None:  # strategy="accelerate" on a bare LayerGraph
         accelerate_device_map(model, machine.max_memory, "auto")  # raises the clear error
