@@ -25,7 +25,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from placement_opt.solver import aggregate, relax, rows, search
+from placement_opt.solver import aggregate, paths, relax, rows, search
 from placement_opt.solver._counted import hiding
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
@@ -189,8 +189,8 @@ def test_covering_and_sibling_paths_put_parallel_siblings_on_paths_of_their_own(
     problem = PlacementProblem(units=tuple(UnitSpec(name=n, options=(option,)) for n in names),
                                edges=tuple(EdgeSpec(src=s, dst=t, prefill_ns={}, decode_ns={}) for s, t in pairs),
                                devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100),))
-    path = relax.critical_path(problem, [0] * len(names))
-    others = relax.covering_paths(problem, path)
+    path = paths.critical_path(problem, [0] * len(names))
+    others = paths.covering_paths(problem, path)
     assert len(others) == 2 and set().union(path, *others) == set(range(len(names)))
     index = problem.index()
     siblings = [{index[n] for n in ("q", "k", "v")}, {index[n] for n in ("gate", "up")}]
@@ -198,7 +198,7 @@ def test_covering_and_sibling_paths_put_parallel_siblings_on_paths_of_their_own(
     groups = relax.groups_of(problem, path, others)
     assert not any({index["q"], index["k"]} <= set(g) for g in groups)  # siblings on different paths: apart
     # sibling_paths: every combination of roles (3 x 2), each a real path (k and v share a menu: roles by index)
-    combos = relax.sibling_paths(problem, path)
+    combos = paths.sibling_paths(problem, path)
     edges = {(index[s], index[t]) for s, t in pairs}
     assert len(combos) == 6 and len({tuple(c) for c in combos}) == 6
     assert all((a, b) in edges for c in combos for a, b in itertools.pairwise(c))
@@ -323,7 +323,7 @@ def test_sibling_paths_bound_a_layer_pattern_against_brute_force(data):
     hint = [data.draw(st.integers(0, 1)) for _ in names]
     index = problem.index()
     through = [data.draw(st.sampled_from(["q", "k", "v"])), data.draw(st.sampled_from(["gate", "up"]))]
-    path, *others = relax.sibling_paths(problem, [index[n] for n in ("a", through[0], "o", through[1], "down")])
+    path, *others = paths.sibling_paths(problem, [index[n] for n in ("a", through[0], "o", through[1], "down")])
     assert len(others) == 5  # 3 x 2 roles
     model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path, others), path, None, (), others)
     model.minimize("latency", None, 0)
@@ -386,7 +386,7 @@ def _two_layers(times, gpu_bytes):
 def _grouped_bound(problem, combos, monkeypatch):
     monkeypatch.setattr(relax, "MOST_SLOT_COMBOS", _MOST_SLOT_COMBOS if combos else 0)
     hint = [1] * len(problem.units)
-    path, *others = relax.sibling_paths(problem, relax.critical_path(problem, hint))
+    path, *others = paths.sibling_paths(problem, paths.critical_path(problem, hint))
     model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path, others), path, None, (), others)
     model.minimize("latency", None, 0)
     solver, status = model.solve(5, 0, 1, 0.0)
@@ -435,7 +435,7 @@ def _layers_of_two_parts(attention, mlp, layers, gpu_bytes, cpu_bytes):
 
 
 def _grouped_latency_bound(problem, hint):
-    path = relax.critical_path(problem, hint)  # the whole chain
+    path = paths.critical_path(problem, hint)  # the whole chain
     model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path), path, None)
     model.minimize("latency", None, 0)
     solver, status = model.solve(5, 0, 1, 0.0)

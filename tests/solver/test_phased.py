@@ -37,6 +37,7 @@ from placement_opt.solver.greedy import (
     choice_from_storage,
     greedy_choice,
 )
+from placement_opt.solver.paths import critical_path
 from placement_opt.solver.problem import (
     OBJECTIVES,
     DeviceSpec,
@@ -46,7 +47,7 @@ from placement_opt.solver.problem import (
     UnitSpec,
 )
 from placement_opt.solver.reductions import coarsen, coarsen_groups, prefer_resident
-from placement_opt.solver.relax import GroupModel, critical_path, groups_of
+from placement_opt.solver.relax import GroupModel, groups_of
 from placement_opt.solver.starts import executor_starts, fits, improve
 from placement_opt.solver.symmetry import first_use, identical_devices, relabel
 

@@ -17,9 +17,10 @@ from ortools.sat.python import cp_model
 
 from ._run import MIN_SOLVE_S, Found, Run, proven, real_bound, time_scale, within_cap
 from .aggregate import AggregateModel, identical_runs
+from .paths import MORE_PATHS, covering_paths, critical_path, sibling_paths
 from .problem import PlacementProblem
 from .reductions import make_room
-from .relax import MORE_PATHS, GroupModel, covering_paths, critical_path, groups_of, sibling_paths
+from .relax import GroupModel, groups_of
 from .rows import rounding_slack
 
 __all__ = ["BOUND_FROM", "run_relaxations", "relaxations_for", "solve_relaxation", "best_read", "AGGREGATE_SHARE", "GROUP_ABOVE",
