@@ -58,7 +58,7 @@ rules (causal attention, the closed-form sum over decode steps, sliding windows,
 * Training (``Workload.training``): one step = forward + backward (x3 compute, x4 with activation
   checkpointing), weights streamed twice, activations and gradients cross edges twice.
 
-Memory per option: see :mod:`.memory`.
+Memory per option: see :mod:`.memory`. Copies, round trips and host-memory and disk reads: :mod:`.traffic`.
 
 Every float becomes an integer in one place, :func:`_ns` (called by :func:`to_option` and
 :func:`edge_ns`), with :data:`NS_PER_S`.
@@ -79,22 +79,30 @@ from .kernels import (
     _decode_roofline_lines,
     _fresh_pages_s,
     _growing_steps,
-    _kv_positions_read,
     _measured_decode_line,
     _measured_prefill_s,
     _prefill_roofline_s,
-    _prefill_rows,
     _sum_capped_lines,
-    _touched_weight_bytes,
     contexts_at_least,
     expected_experts,
 )
 from .memory import stream_buffers, workspace_bytes
+from .traffic import (
+    MAPPED_READ_FACTOR,
+    PAGEABLE_LINK_FACTOR,
+    copy_s,
+    disk_reads_s,
+    host_memory_bytes_per_s,
+    host_traffic_s,
+    round_trip_s,
+    round_trips,
+    unit_io_bytes,
+)
 from .workload import unit_training_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..hardware.devices import Device, Machine
-    from ..model.graph import LayerGraph, UnitInfo
+    from ..hardware.devices import Device
+    from ..model.graph import UnitInfo
 
 __all__ = [
     "OptionPrice",
@@ -122,13 +130,6 @@ __all__ = [
 #: Solver time unit: every ``*_ns`` integer is seconds x NS_PER_S, rounded up.
 NS_PER_S = 10**9
 
-#: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
-PAGEABLE_LINK_FACTOR = 0.6
-#: accelerate reads each disk tensor through its own ``np.memmap`` and copies it out: this fraction
-#: of the disk's read rate (a profiled disk's whole-file memory-map rate, a datasheet disk's
-#: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
-#: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
-MAPPED_READ_FACTOR = 0.6
 #: Compute of a training step in forwards: forward + backward (2x), + 1 recomputation.
 _TRAIN_COMPUTE_FORWARDS = {False: 3, True: 4}
 
@@ -185,122 +186,6 @@ class OptionPrice:
     """The disk's time reading this option's weights over every decode step."""
 
 
-
-
-
-
-
-
-def host_memory_bytes_per_s(machine: Machine) -> float | None:
-    """What host RAM serves all its readers together (the cores and the GPUs' copies): the CPU's
-    ``shared_bandwidth_bytes_per_s``; None without a CPU (no host row)."""
-    cpu = machine.cpu
-    return cpu.shared_bandwidth_bytes_per_s if cpu is not None else None
-
-
-def _host_s(ctx: PricingContext, nbytes: float) -> float:
-    rate = host_memory_bytes_per_s(ctx.machine)
-    return nbytes / rate if rate else 0.0
-
-
-def _host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
-    """(prefill, decode) host-memory time of one non-phased option: a CPU-executed unit reads its weights
-    (the experts hit) and KV cache from RAM; a GPU-executed unit stored off the GPU is copied out of RAM."""
-    wl = ctx.workload
-    forwards = 2 if wl.training else 1
-    steps = wl.decode_steps if unit.in_decode else 0
-    device = ctx.machine[execution]
-    if device.kind == "cpu":
-        rows = _prefill_rows(ctx, unit)
-        kv = unit.kv_bytes_per_token * wl.batch_size
-        # latent attention's expanded keys and values and the math path's copies: written, then read
-        expanded = 2 * ((unit.latent_expand_bytes_per_ctx or 0) + (unit.latent_expand_cpu_bytes_per_ctx or 0)) * wl.batch_size
-        kv_read = (CACHE_PASSES_PER_STEP * kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
-        return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
-                _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
-    if storage == execution:
-        return 0.0, 0.0
-    return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
-
-
-
-
-def _disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
-    """(prefill, decode) time the disk spends reading a non-phased option's weights: every forward reads
-    what it computes with (a CPU-executed unit from its memory map: the experts hit), at the disk's rate."""
-    if ctx.machine[storage].kind != "disk":
-        return 0.0, 0.0
-    wl = ctx.workload
-    rate = ctx.machine[storage].bandwidth_bytes_per_s
-    forwards = 2 if wl.training else 1
-    steps = wl.decode_steps if unit.in_decode else 0
-    if ctx.machine[execution].kind == "cpu":
-        read_prefill, read_decode = _touched_weight_bytes(unit, _prefill_rows(ctx, unit)), _touched_weight_bytes(unit, wl.batch_size)
-    else:
-        read_prefill = read_decode = unit.weight_bytes
-    return forwards * read_prefill / rate, steps * read_decode / rate
-
-
-def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:
-    """(bytes in, bytes out) per token of a unit run away from home: the traced ``in_bytes_per_token``, else
-    the sum of its incoming edges (a hand-made or static graph), and ``out_bytes_per_token``."""
-    inputs = unit.in_bytes_per_token
-    if inputs is None:
-        inputs = sum(int(d["bytes_per_token"]) for _, _, d in graph.nx.in_edges(unit.name, data=True))
-    return inputs, unit.out_bytes_per_token
-
-
-def round_trip_s(ctx: PricingContext, unit: UnitInfo, device: str, tokens: int) -> float:
-    """One forward's inputs sent from home to ``device`` and outputs back (0 on home, or outside a sublayer
-    graph): the rule of the module docstring, for ``tokens`` tokens."""
-    home = ctx.home
-    if home is None or device == home or tokens <= 0:
-        return 0.0
-    inputs, outputs = unit_io_bytes(ctx.graph, unit)
-    machine = ctx.machine
-    return (inputs * tokens / machine.bandwidth(home, device) + machine.latency_s(home, device)
-            + outputs * tokens / machine.bandwidth(device, home) + machine.latency_s(device, home))
-
-
-def _round_trips(ctx: PricingContext, unit: UnitInfo, prefill_device: str, decode_device: str) -> tuple[float, float]:
-    """The unit's round trips over a whole workload: (prefill, every decode step)."""
-    wl = ctx.workload
-    forwards = 2 if wl.training else 1
-    prefill = forwards * round_trip_s(ctx, unit, prefill_device, _prefill_rows(ctx, unit))
-    decode = wl.decode_steps * round_trip_s(ctx, unit, decode_device, wl.batch_size) if unit.in_decode else 0.0
-    return prefill, decode
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def _copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
-            unit: str = "", phase: str = "decode") -> float:
-    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first: what
-    the unit's weights added to a measured ``phase`` forward)."""
-    if mode == "resident" or nbytes <= 0:
-        return 0.0
-    measured = ctx.calibration.copy_s(unit, storage, execution, mode, phase) if ctx.calibration else None
-    if measured is not None:
-        return measured
-    bandwidth = ctx.machine.bandwidth(storage, execution)
-    latency = ctx.machine.latency_s(storage, execution)
-    if mode == "stream_sync":
-        kind = ctx.machine[storage].kind
-        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": MAPPED_READ_FACTOR}.get(kind, 1.0)
-        latency *= max(1, n_tensors)
-    return nbytes / bandwidth + latency
-
-
 def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
     measured = _measured_prefill_s(ctx, unit, device)
@@ -310,14 +195,6 @@ def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     if ctx.workload.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[ctx.workload.activation_checkpointing]
     return seconds
-
-
-
-
-
-
-
-
 
 
 def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
@@ -332,22 +209,6 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
     return [(a + host, b) for a, b in _decode_roofline_lines(ctx, unit, device)]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str,
                  prefill_execution: str | None = None) -> OptionPrice:
     """Time and memory of one option of one unit (``phased``: ``prefill_execution`` computes the prefill)."""
@@ -359,9 +220,9 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     device = ctx.machine[execution]
     overlapped = mode == "stream" and device.is_gpu
     prefill, decode, copy_prefill, copy_decode = _compute_and_copies(ctx, unit, storage, execution, mode)
-    host_prefill, host_decode = _host_traffic_s(ctx, unit, storage, execution)
-    disk_prefill, disk_decode = _disk_reads_s(ctx, unit, storage, execution)
-    trip_prefill, trip_decode = _round_trips(ctx, unit, execution, execution)
+    host_prefill, host_decode = host_traffic_s(ctx, unit, storage, execution)
+    disk_prefill, disk_decode = disk_reads_s(ctx, unit, storage, execution)
+    trip_prefill, trip_decode = round_trips(ctx, unit, execution, execution)
     prefill += trip_prefill
     decode += trip_decode
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
@@ -387,8 +248,8 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
     wl = ctx.workload
     device = ctx.machine[execution]
     n_tensors = len(unit.param_names)
-    copy = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
-    copy_prefill = _copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
+    copy = copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
+    copy_prefill = copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
     # stream to a GPU: the prefetch thread copies beside the compute: of the units before it (copy_*, with
@@ -431,7 +292,7 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),
         prefill_stream_buffer_bytes=prefill.stream_buffer_bytes, prefill_kv_bytes=prompt_kv,
         group_copy_bytes=prefill.group_copy_bytes,
-        round_trip_s=sum(_round_trips(ctx, unit, gpu, execution)),
+        round_trip_s=sum(round_trips(ctx, unit, gpu, execution)),
         copy_prefill_s=prefill.copy_prefill_s, host_prefill_s=prefill.host_prefill_s,
         host_decode_s=decode.host_decode_s, disk_prefill_s=prefill.disk_prefill_s, disk_decode_s=decode.disk_decode_s)
 

@@ -1,0 +1,125 @@
+"""What moving bytes costs an option: weight copies, a sublayer unit's round trips from home, and the time host
+memory and the disk spend on its reads.
+
+The rules are :mod:`.pricing`'s (its module docstring states them); this module holds the ones that price bytes
+crossing a link or read from RAM or disk, apart from the compute. Seconds here; :func:`.pricing.to_option`
+turns them into the solver's integers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .context import PricingContext
+from .kernels import CACHE_PASSES_PER_STEP, _kv_positions_read, _prefill_rows, _touched_weight_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..hardware.devices import Machine
+    from ..model.graph import LayerGraph, UnitInfo
+
+__all__ = ["host_memory_bytes_per_s", "host_traffic_s", "disk_reads_s", "unit_io_bytes", "round_trip_s", "round_trips",
+           "copy_s", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR"]
+
+#: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
+PAGEABLE_LINK_FACTOR = 0.6
+#: accelerate reads each disk tensor through its own ``np.memmap`` and copies it out: this fraction
+#: of the disk's read rate (a profiled disk's whole-file memory-map rate, a datasheet disk's
+#: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
+#: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
+MAPPED_READ_FACTOR = 0.6
+
+
+def host_memory_bytes_per_s(machine: Machine) -> float | None:
+    """What host RAM serves all its readers together (the cores and the GPUs' copies): the CPU's
+    ``shared_bandwidth_bytes_per_s``; None without a CPU (no host row)."""
+    cpu = machine.cpu
+    return cpu.shared_bandwidth_bytes_per_s if cpu is not None else None
+
+
+def _host_s(ctx: PricingContext, nbytes: float) -> float:
+    rate = host_memory_bytes_per_s(ctx.machine)
+    return nbytes / rate if rate else 0.0
+
+
+def host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
+    """(prefill, decode) host-memory time of one non-phased option: a CPU-executed unit reads its weights
+    (the experts hit) and KV cache from RAM; a GPU-executed unit stored off the GPU is copied out of RAM."""
+    wl = ctx.workload
+    forwards = 2 if wl.training else 1
+    steps = wl.decode_steps if unit.in_decode else 0
+    device = ctx.machine[execution]
+    if device.kind == "cpu":
+        rows = _prefill_rows(ctx, unit)
+        kv = unit.kv_bytes_per_token * wl.batch_size
+        # latent attention's expanded keys and values and the math path's copies: written, then read
+        expanded = 2 * ((unit.latent_expand_bytes_per_ctx or 0) + (unit.latent_expand_cpu_bytes_per_ctx or 0)) * wl.batch_size
+        kv_read = (CACHE_PASSES_PER_STEP * kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
+        return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
+                _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
+    if storage == execution:
+        return 0.0, 0.0
+    return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
+
+
+def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
+    """(prefill, decode) time the disk spends reading a non-phased option's weights: every forward reads
+    what it computes with (a CPU-executed unit from its memory map: the experts hit), at the disk's rate."""
+    if ctx.machine[storage].kind != "disk":
+        return 0.0, 0.0
+    wl = ctx.workload
+    rate = ctx.machine[storage].bandwidth_bytes_per_s
+    forwards = 2 if wl.training else 1
+    steps = wl.decode_steps if unit.in_decode else 0
+    if ctx.machine[execution].kind == "cpu":
+        read_prefill, read_decode = _touched_weight_bytes(unit, _prefill_rows(ctx, unit)), _touched_weight_bytes(unit, wl.batch_size)
+    else:
+        read_prefill = read_decode = unit.weight_bytes
+    return forwards * read_prefill / rate, steps * read_decode / rate
+
+
+def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:
+    """(bytes in, bytes out) per token of a unit run away from home: the traced ``in_bytes_per_token``, else
+    the sum of its incoming edges (a hand-made or static graph), and ``out_bytes_per_token``."""
+    inputs = unit.in_bytes_per_token
+    if inputs is None:
+        inputs = sum(int(d["bytes_per_token"]) for _, _, d in graph.nx.in_edges(unit.name, data=True))
+    return inputs, unit.out_bytes_per_token
+
+
+def round_trip_s(ctx: PricingContext, unit: UnitInfo, device: str, tokens: int) -> float:
+    """One forward's inputs sent from home to ``device`` and outputs back (0 on home, or outside a sublayer
+    graph): the rule of the module docstring, for ``tokens`` tokens."""
+    home = ctx.home
+    if home is None or device == home or tokens <= 0:
+        return 0.0
+    inputs, outputs = unit_io_bytes(ctx.graph, unit)
+    machine = ctx.machine
+    return (inputs * tokens / machine.bandwidth(home, device) + machine.latency_s(home, device)
+            + outputs * tokens / machine.bandwidth(device, home) + machine.latency_s(device, home))
+
+
+def round_trips(ctx: PricingContext, unit: UnitInfo, prefill_device: str, decode_device: str) -> tuple[float, float]:
+    """The unit's round trips over a whole workload: (prefill, every decode step)."""
+    wl = ctx.workload
+    forwards = 2 if wl.training else 1
+    prefill = forwards * round_trip_s(ctx, unit, prefill_device, _prefill_rows(ctx, unit))
+    decode = wl.decode_steps * round_trip_s(ctx, unit, decode_device, wl.batch_size) if unit.in_decode else 0.0
+    return prefill, decode
+
+
+def copy_s(ctx: PricingContext, storage: str, execution: str, nbytes: float, mode: str, n_tensors: int,
+            unit: str = "", phase: str = "decode") -> float:
+    """Time to copy ``nbytes`` of weights from storage to execution once (calibrated copies first: what
+    the unit's weights added to a measured ``phase`` forward)."""
+    if mode == "resident" or nbytes <= 0:
+        return 0.0
+    measured = ctx.calibration.copy_s(unit, storage, execution, mode, phase) if ctx.calibration else None
+    if measured is not None:
+        return measured
+    bandwidth = ctx.machine.bandwidth(storage, execution)
+    latency = ctx.machine.latency_s(storage, execution)
+    if mode == "stream_sync":
+        kind = ctx.machine[storage].kind
+        bandwidth *= {"cpu": PAGEABLE_LINK_FACTOR, "disk": MAPPED_READ_FACTOR}.get(kind, 1.0)
+        latency *= max(1, n_tensors)
+    return nbytes / bandwidth + latency
