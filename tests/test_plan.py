@@ -305,7 +305,8 @@ def test_a_baseline_that_does_not_fit_reads_oom_not_a_speed_ratio():
 
 def test_a_plan_whose_placements_were_edited_after_pricing_says_its_figures_are_stale():
     from placement_opt import solve
-    from placement_opt.plan import EDITED_NOTE, Plan
+    from placement_opt._plan_json import EDITED_NOTE
+    from placement_opt.plan import Plan
 
     plan = solve("llama-3-8b", "cuda:0=rtx-4090,cpu=64GiB,disk")
     assert not any(n.startswith(EDITED_NOTE) for n in Plan.from_json(plan.to_json()).notes)

@@ -6,31 +6,22 @@ version, and carries the solver's status, objective, bound, gap and wall time.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import OWN_JSON, foreign_file, refusal, write_text_atomic
 from .cost.evaluate import Cost
 from .cost.workload import Workload
-from .errors import PlanFormatError
 from .hardware.devices import Machine
 from .model.expert_groups import whole_experts
-from .schema import PlanSchema, json_safe, validated
-from .solver.problem import MODES
-from .units import few, format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
+from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
 __all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
 
 PLAN_SCHEMA_VERSION = 2
 """2 adds ``fingerprint`` (the model's units, for :func:`~placement_opt.plan_check.check_plan`) and
 writes infinite baseline times as ``null``; version 1 files are still read."""
-
-_READABLE_VERSIONS = (1, 2)
-_FIX = "write it with Plan.to_json() or `placement-opt plan --json`, or solve the plan again"
 
 
 #: How far from the GPUs a storage device is (GPUs 0): an experts module whose groups differ takes the farthest.
@@ -303,38 +294,16 @@ class Plan:
 
     # -- serialising --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "model_name": self.model_name,
-            "dtype": self.dtype,
-            "objective": self.objective,
-            "strategy": self.strategy,
-            "placements": [p.to_dict() for p in self.placements],
-            "machine": self.machine.to_dict(),
-            "workload": self.workload.to_dict(),
-            "cost": self.cost.to_dict(),
-            "status": self.status,
-            "objective_value": self.objective_value,
-            "best_bound": self.best_bound,
-            "gap": self.gap,
-            "solve_time_s": self.solve_time_s,
-            "baselines": [_baseline_dict(b) for b in self.baselines],
-            "notes": list(self.notes),
-            "extra": dict(self.extra),
-            "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
-            # only where set: plans of other granularities (and files written before) read and write as before
-            **({"home": self.home} if self.home is not None else {}),
-        }
+        from ._plan_json import plan_dict
+
+        return plan_dict(self)
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """The plan as standard JSON text (no bare ``Infinity``); also written to ``path`` when given (a file
         already there is replaced only once the whole plan is written)."""
-        text = json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False)
-        if path is not None:
-            if (why := foreign_file(path, "plan")) is not None:  # a user's file there (a config.json) is never lost
-                raise PlanFormatError(refusal(path, "plan", why))
-            write_text_atomic(path, text)  # an old plan at ``path`` stays whole until this one is
-        return text
+        from ._plan_json import plan_json
+
+        return plan_json(self, path)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -344,59 +313,9 @@ class Plan:
             PlanFormatError: another schema version, a missing field or a malformed entry; the
                 message names it.
         """
-        return cls._from_dict(data, "the plan")
+        from ._plan_json import read_plan
 
-    @classmethod
-    def _from_dict(cls, data: Any, where: str) -> Plan:
-        if not isinstance(data, Mapping):
-            raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
-                                  f"Plan.to_dict() or Plan.to_json() wrote")
-        version = data.get("schema_version")
-        if version is None and OWN_JSON["pipeline plan"](data):
-            raise PlanFormatError(f"{where} is a pipeline plan over several machines (placement-opt plan --cluster "
-                                  f"wrote it), not a one-machine plan: its summary is what plan --cluster printed "
-                                  f"(PipelinePlan.from_json reads it); explain and run take a plan of plan --devices")
-        if version is None and "placements" not in data:
-            raise PlanFormatError(f"{where} is not a plan (no schema_version, no placements): pass a file that "
-                                  f"placement-opt plan --json or Plan.to_json() wrote")
-        if version not in _READABLE_VERSIONS:
-            raise PlanFormatError(
-                f"{where} has schema version {version!r}, which is not supported (this placement_opt reads "
-                f"versions {', '.join(map(str, _READABLE_VERSIONS))}): solve the plan again with this version"
-            )
-        checked = validated(PlanSchema, data, what=where, fix=_FIX, context={"modes": MODES})
-        try:
-            return cls._from_fields(data, checked)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            if isinstance(err, PlanFormatError):
-                raise
-            raise PlanFormatError(f"{where} has a malformed entry ({type(err).__name__}: {err}): {_FIX}") from err
-
-    @classmethod
-    def _from_fields(cls, data: Mapping[str, Any], checked: PlanSchema) -> Plan:
-        placements = tuple(UnitPlacement(**p.model_dump()) for p in checked.placements)
-        cost = Cost.from_dict(data["cost"])
-        return cls(
-            model_name=checked.model_name,
-            dtype=checked.dtype,
-            objective=checked.objective,
-            strategy=checked.strategy,
-            placements=placements,
-            machine=Machine.from_dict(data["machine"]),
-            workload=Workload.from_dict(checked.workload.model_dump()),
-            cost=cost,
-            status=checked.status,
-            objective_value=checked.objective_value,
-            best_bound=checked.best_bound,
-            gap=checked.gap,
-            solve_time_s=checked.solve_time_s,
-            baselines=tuple(BaselineResult(**{**b.model_dump(), "total_s": _time(b.total_s)})
-                            for b in checked.baselines),
-            notes=tuple(checked.notes) + tuple(n for n in _edited_note(placements, cost) if n not in checked.notes),
-            extra=dict(data.get("extra") or {}),
-            fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
-            home=checked.home,
-        )
+        return read_plan(cls, data, "the plan")
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:
@@ -410,58 +329,9 @@ class Plan:
             PlanFormatError: the file cannot be read, is not JSON, or is not a plan of this
                 schema version; the message names the file and the problem.
         """
-        text, where = os.fspath(text_or_path), "the plan text"
-        if not text.strip():
-            raise PlanFormatError("the plan path is empty: give the path of a file written by Plan.to_json() "
-                                  "or `placement-opt plan --json`, or the JSON text itself")
-        if not text.lstrip().startswith(("{", "[")):
-            where = f"the plan file {text!r}"
-            try:
-                with open(text, encoding="utf-8") as fh:
-                    text = fh.read()
-            except OSError as err:
-                raise PlanFormatError(f"cannot read {where}: {err.strerror or err}; give the path "
-                                      f"of a file written by Plan.to_json() or `placement-opt plan --json`") from err
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            # a string still open at the end reports where it started, a number cut after its point ("0.")
-            # where the point is: the text ends early all the same
-            ends_early = (err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
-                          or re.fullmatch(r"[\w.+-]+", text[err.pos:].strip()) is not None)
-            truncated = " (the text ends early: was the file cut off?)" if ends_early else ""
-            raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
-                                  f"{truncated}: give a file written by Plan.to_json()") from err
-        return cls._from_dict(data, where)
+        from ._plan_json import plan_from_json
 
-
-def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
-    data = vars(b).copy()
-    if data["total_s"] == float("inf"):
-        data["total_s"] = None  # standard JSON has no Infinity; read back as inf
-    return data
-
-
-#: How the note on a plan whose placements were edited after its figures were computed begins.
-EDITED_NOTE = "placements edited after the plan was priced:"
-
-
-def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost) -> tuple[str, ...]:
-    """A note where the file's placements differ from the ones its cost was computed for (a hand edit): its times
-    and memory are the plan's before the edit. None for a hand-made plan, which carries no per-unit cost."""
-    def where(p: Any) -> tuple[str, str, str, str | None]:  # a UnitPlacement's or a UnitCost's
-        return p.storage, p.execution, p.mode, p.prefill_execution
-
-    priced = {u.name: where(u) for u in cost.units}
-    edited = [p.unit for p in placements if p.unit in priced and priced[p.unit] != where(p)]
-    if not edited:
-        return ()
-    return (f"{EDITED_NOTE} the times and memory shown are of another placement of {few(edited)}; placement-opt run "
-            f"reprices the plan on its checkpoint, and placement_opt.evaluate(plan, model, machine) on its model",)
-
-
-def _time(value: float | None) -> float:
-    return float("inf") if value is None else value
+        return plan_from_json(cls, text_or_path)
 
 
 def _with_home_line(text: str, home: str) -> str:
