@@ -27,8 +27,8 @@ from .cost.build import price_problem
 from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, priced_evaluator
-from .cost.memory import proven_short, shortage_message
 from .cost.pricing import home_device
+from .cost.shortage import proven_short, shortage_message
 from .cost.workload import Workload
 from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
 from .hardware.devices import Machine

@@ -10,7 +10,7 @@ from _problems import problems
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement_opt.cost.memory import proven_short
+from placement_opt.cost.shortage import proven_short
 
 
 def _shrunk(problem, data):

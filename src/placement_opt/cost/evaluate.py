@@ -25,8 +25,9 @@ from ..solver.problem import (
 )
 from .build import price_problem
 from .device_map import placements_of
-from .memory import DeviceMemory, Violation, device_memory, violation
+from .memory import DeviceMemory, Violation, device_memory
 from .pricing import NS_PER_S, OptionPrice
+from .shortage import violation
 from .workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
