@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from ._context import TraceContext, hidden_size, is_block
-from ._units import moe_facts, tensor_bytes, tie_key, unit_tensors
-from .dtypes import dtype_bytes
-from .graph import (
+from ._unit_info import (
     CPU_ATTENTION_NODE_ATTRIBUTES,
     DECODE_NODE_ATTRIBUTES,
     LATENT_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
     NODE_ATTRIBUTES,
 )
+from ._units import moe_facts, tensor_bytes, tie_key, unit_tensors
+from .dtypes import dtype_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import _recorder
