@@ -202,9 +202,6 @@ class Plan:
                 out.append(([p.unit], *key))
         return out
 
-    def _objective_text(self, value: float) -> str:
-        return format_bytes(value) if self.objective == "memory" else format_seconds(value)
-
     def summary(self) -> str:
         """The plan's tables as text: facts, unit runs, memory per device, baselines, notes.
 
