@@ -325,11 +325,12 @@ def test_run_says_why_the_cpu_grew_past_its_prediction_only_where_the_threshold_
         measured, fixed, said):
     from rich.console import Console
 
-    from placement_opt.cli import run as run_module
+    from placement_opt.cli import _run_measured
     from placement_opt.runtime.allocator import glibc_heap
 
     console = Console(record=True, width=200)
-    run_module._say_heap(console, [("prefill", 1.0, 1.0, "s"), (run_module.CPU_ROW, 1.0, measured, "bytes")], fixed)
+    _run_measured.say_heap(console, [("prefill", 1.0, 1.0, "s"), (_run_measured.CPU_ROW, 1.0, measured, "bytes")],
+                           fixed)
     assert ("--fix-mmap-threshold makes the RAM follow them" in console.export_text()) == (said and glibc_heap())
 
 

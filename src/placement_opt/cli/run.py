@@ -9,7 +9,6 @@ length unless ``--text`` is given and the checkpoint has a tokenizer.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import click
 
 from .._files import write_text_atomic
 from ..compare import one_line
-from ..units import format_bytes, format_seconds
+from . import _run_measured
 from .options import (
     DTYPES,
     check_expert_groups,
@@ -33,7 +32,6 @@ from .output import console_for, errors_as_messages, progress, say_written
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
-    from ..runtime.timing import Timing
 
 
 __all__ = ["run"]
@@ -45,8 +43,6 @@ CLI_OFFLOAD_HINT = "--offload-dir DIR"
 #: What ``run`` says where ``load()`` tells a Python caller how to run a plan over the budgets given beside it.
 CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devices at least the budgets the plan was "
                    "solved for (placement-opt explain PLAN.json shows them)")
-#: The row of the CPU's memory: what the forwards add to the process's RAM at their peak.
-CPU_ROW = "cpu memory growth, peak"
 
 
 @click.command()
@@ -120,19 +116,19 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
-            timing = time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
+            timing = _run_measured.time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     _say_setting(console, checkpoint, machine, (batch, ids.shape[1], new_tokens, padded), plan, cold, SOLVER_NOTES)
-    rows = _rows(plan, cost, timing)
-    console.print(_table(rows, timing))
-    _say_heap(console, rows, fixed)
-    _say_runs(console, timing, tokenizer)
-    figures = _figures(plan, rows, timing)
+    rows = _run_measured.rows(plan, cost, timing)
+    console.print(_run_measured.table(rows, timing))
+    _run_measured.say_heap(console, rows, fixed)
+    _run_measured.say_runs(console, timing, tokenizer)
+    figures = _run_measured.figures(plan, rows, timing)
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
-        figures["accelerate"] = _vs_accelerate(console, checkpoint, machine, plan, cost, timing,
-                                               (ids, new_tokens, cold, repeats, mask), offload_dir)
+        figures["accelerate"] = _run_measured.vs_accelerate(console, checkpoint, machine, plan, cost, timing,
+                                                            (ids, new_tokens, cold, repeats, mask), offload_dir)
     if json_path:
         write_text_atomic(json_path, json.dumps(figures, indent=1))
         say_written(console, f"figures written to {json_path}")
@@ -163,7 +159,7 @@ def _say_setting(console: Any, checkpoint: str, machine: Any, shape: tuple[int, 
     batch, prompt, new_tokens, padded = shape
     console.print(f"[bold]{checkpoint}[/] on {', '.join(machine.names)}: batch {batch} x prompt {prompt} + "
                   f"{new_tokens} new tokens{', padded' if padded else ''}, greedy; plan {plan.strategy} "
-                  f"({plan.status}, gap {plan.gap:.1%}), units stored on {_storage(plan)}")
+                  f"({plan.status}, gap {plan.gap:.1%}), units stored on {_run_measured.storage(plan)}")
     for note in plan.notes:  # what the prediction rests on (calibrated or assumed speeds, ...); not the search's
         if not note.startswith(search_notes):
             console.print(f"note: {note}")
@@ -171,35 +167,6 @@ def _say_setting(console: Any, checkpoint: str, machine: Any, shape: tuple[int, 
     if disk and not cold:
         console.print(f"note: {disk} unit(s) are read from disk through the page cache, which may hold them here "
                       f"(reads faster than the cold ones the plan prices); --cold drops them before every forward")
-
-
-def _say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
-    """None: prints how the medians were taken where more than one prefill was timed, and the first sequence's
-    generated text where the prompt was tokenized (``tokenizer``)."""
-    if len(timing.prefill_runs_s) > 1:
-        runs = timing.prefill_runs_s
-        console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
-                      f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
-    if tokenizer is not None:
-        console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
-
-
-def _vs_accelerate(console: Any, checkpoint: str, machine: Any, plan: Plan, cost: Any, timing: Timing,
-                   generation: tuple[Any, int, bool, int, Any], offload_dir: str | None) -> dict[str, Any]:
-    """``--vs-accelerate``'s figures for the JSON (:func:`_accelerate_run`'s), once accelerate's run on the same
-    prompt is printed beside this one's."""
-    with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
-        theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), generation, offload_dir)
-    console.print(_side_by_side(plan, timing, theirs))
-    return theirs
-
-
-def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = None, repeats: int = 1,
-                    mask: Any = None) -> Timing:
-    """:func:`placement_opt.runtime.timing.time_generation`, imported when a run starts (``--help`` loads no torch)."""
-    from ..runtime.timing import time_generation as timed
-
-    return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats, attention_mask=mask)
 
 
 def _padding_mask(ids: Any) -> Any:
@@ -370,23 +337,6 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     return evaluate(plan, graph, machine, workload)
 
 
-def _rows(plan: Plan, cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str]]:
-    """(what, predicted, measured, unit) for the table and the JSON."""
-    steps = max(1, cost.workload.new_tokens)
-    rows = [("prefill", cost.prefill_s, timing.prefill_s, "s"),
-            ("decode step, median", cost.decode_s / steps, timing.decode_step_median_s, "s"),
-            ("decode tokens/s", cost.decode_tokens_per_s, timing.decode_tokens_per_s, "tokens/s")]
-    predicted = {m.device: m.used_bytes for m in cost.memory}
-    for device, measured in timing.peak_gpu_bytes.items():
-        rows.append((f"{device} peak memory", predicted.get(device), float(measured), "bytes"))
-    cpu = next((m for m in cost.memory if m.device == "cpu"), None)
-    if cpu is not None and timing.peak_cpu_growth_bytes is not None and _computes_on_cpu(plan):
-        # the resident weights were in RAM before the run: the forwards add the rest
-        rows.append((CPU_ROW, float(cpu.used_bytes - cpu.weights_bytes), float(timing.peak_cpu_growth_bytes),
-                     "bytes"))
-    return rows
-
-
 def _fix_threshold(console: Any) -> bool:
     from ..runtime.allocator import fix_mmap_threshold
 
@@ -395,128 +345,3 @@ def _fix_threshold(console: Any) -> bool:
     console.print("note: --fix-mmap-threshold: this process does not allocate from glibc's heap (or glibc refused "
                   "the value): its allocator is as it was")
     return False
-
-
-def _say_heap(console: Any, rows: list[tuple[str, float | None, float, str]], fixed: bool) -> None:
-    """Why the CPU may have grown past its prediction, where glibc's dynamic threshold was left on."""
-    from ..runtime.allocator import glibc_heap
-
-    over = any(what == CPU_ROW and predicted is not None and measured > predicted
-               for what, predicted, measured, _ in rows)
-    if over and not fixed and glibc_heap():
-        console.print("note: the CPU grew past its prediction. With glibc's default (dynamic) mmap threshold, freed "
-                      "activations stay in the heap and the peak depends on the order of frees; the plan counts the "
-                      "live tensors. --fix-mmap-threshold makes the RAM follow them (docs/limitations.md: its cost)")
-
-
-def _computes_on_cpu(plan: Plan) -> bool:
-    """Whether the CPU computes some unit in either phase (else its growth is not what the plan prices)."""
-    return any("cpu" in (p.execution, p.prefill_execution) for p in plan.placements)
-
-
-def _table(rows: list[tuple[str, float | None, float, str]], timing: Timing) -> Any:
-    from rich.table import Table
-
-    memory = [*(["GPU memory: torch.cuda.max_memory_allocated"] if timing.peak_gpu_bytes else []),
-              *([f"{CPU_ROW}: the peak resident set over the run less the one before it, against the KV cache, "
-                 f"workspace and stream buffer the plan puts on the CPU"] if any(r[0] == CPU_ROW for r in rows) else [])]
-    how = f" ({'; '.join(memory)})" if memory else ""
-    table = Table(title=f"Predicted by the plan, measured in this run{how}", title_justify="left")
-    for column in ("", "predicted", "measured", "measured / predicted"):
-        table.add_column(column, justify="left" if not column else "right")
-    for what, predicted, measured, unit in rows:
-        show = {"s": format_seconds, "bytes": format_bytes}.get(unit, lambda v: f"{v:.2f}")
-        ratio = f"{measured / predicted:.2f}x" if predicted else "-"
-        table.add_row(what, show(predicted) if predicted is not None else "-", show(measured), ratio)
-    return table
-
-
-def _figures(plan: Plan, rows: list[tuple[str, float | None, float, str]], timing: Timing) -> dict[str, Any]:
-    return {"plan": plan.to_dict(), "measured": _measured(timing),
-            "rows": [{"what": w, "predicted": p, "measured": m, "unit": u} for w, p, m, u in rows]}
-
-
-def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any],
-                    generation: tuple[Any, int, bool, int, Any], offload_dir: str | None) -> dict[str, Any]:
-    """``from_pretrained(device_map="auto", max_memory=...)`` run on the same prompt (``priced``: the dtype and
-    the workload; ``generation``: the ids, the new tokens, whether cold, the prefills timed, the attention mask
-    or None): its map, predicted and measured figures and tokens, or the error that stopped it (an
-    out-of-memory is a result, not a failure)."""
-    import gc
-    import os
-    import tempfile
-
-    import torch
-    import transformers
-
-    from ..cost.evaluate import evaluate
-    from ..model.dtypes import as_torch_dtype
-    from ..runtime._safetensors_file import drop_page_cache
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    disk = any(d.kind == "disk" for d in machine.devices)
-    if offload_dir is not None:
-        os.makedirs(offload_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=offload_dir, prefix="accelerate-offload-") as folder:
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                checkpoint, device_map="auto", max_memory=machine.max_memory, dtype=as_torch_dtype(priced[0]),
-                offload_folder=folder if disk else None)
-            device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
-            cost = evaluate(device_map, checkpoint, machine, priced[1])
-            ids, new_tokens, cold, repeats, mask = generation
-            files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
-            timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None,
-                                     repeats, mask)
-        except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError) as exc:
-            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-        finally:
-            model = None
-            gc.collect()
-    return {"device_map": {k: str(v) for k, v in device_map.items()},
-            "predicted": {"prefill_s": cost.prefill_s, "decode_tokens_per_s": cost.decode_tokens_per_s},
-            "measured": _measured(timing)}
-
-
-def _measured(timing: Timing) -> dict[str, Any]:
-    return {"prefill_s": timing.prefill_s, "prefill_runs_s": list(timing.prefill_runs_s),
-            "decode_step_s": list(timing.decode_step_s),
-            "decode_tokens_per_s": timing.decode_tokens_per_s, "peak_gpu_bytes": timing.peak_gpu_bytes,
-            "peak_cpu_growth_bytes": timing.peak_cpu_growth_bytes,
-            "tokens": [list(t) for t in timing.tokens]}
-
-
-def _storage(plan_or_map: Any) -> str:
-    """Units (or map entries) per storage device: ``cuda:0 20, cpu 14``."""
-    where = ([p.storage for p in plan_or_map.placements] if hasattr(plan_or_map, "placements")
-             else [str(v) if not str(v).isdigit() else f"cuda:{v}" for v in plan_or_map.values()])
-    return ", ".join(f"{device} {where.count(device)}" for device in dict.fromkeys(where))
-
-
-def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
-    """Both runs measured: placement_opt's plan against from_pretrained(device_map="auto") under the same budgets."""
-    from rich.table import Table
-
-    table = Table(title="Measured side by side: placement_opt's plan and from_pretrained(device_map='auto') with the "
-                        "same max_memory, the same prompt", title_justify="left")
-    for column in ("", "placement_opt", "device_map='auto'", "auto / placement_opt"):
-        table.add_column(column, justify="left" if not column else "right")
-    if "error" in theirs:
-        table.add_row("device_map='auto'", "", theirs["error"], "")
-        return table
-    measured = theirs["measured"]
-    rows = [("prefill", ours.prefill_s, measured["prefill_s"], format_seconds),
-            ("decode step, median", ours.decode_step_median_s,
-             statistics.median(measured["decode_step_s"]) if measured["decode_step_s"] else 0.0, format_seconds),
-            ("decode tokens/s", ours.decode_tokens_per_s, measured["decode_tokens_per_s"], lambda v: f"{v:.2f}")]
-    rows += [(f"{d} peak memory", float(ours.peak_gpu_bytes.get(d, 0)), float(b), format_bytes)
-             for d, b in measured["peak_gpu_bytes"].items()]
-    for what, mine, other, show in rows:
-        table.add_row(what, show(mine), show(other), f"{other / mine:.2f}x" if mine else "-")
-    table.add_row("weights stored on", _storage(ours_plan), _storage(theirs["device_map"]), "")
-    same = sum(a == b for x, y in zip(ours.tokens, measured["tokens"], strict=True) for a, b in zip(x, y, strict=True))
-    total = sum(len(x) for x in ours.tokens)
-    table.add_row("greedy tokens equal", "", f"{same}/{total}", "")
-    return table
