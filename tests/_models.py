@@ -22,7 +22,6 @@ __all__ = ["FAMILIES", "MAPPED", "MAPPED_SYNC", "RESIDENT", "assert_restored", "
            "mixed", "plan_from", "snapshot", "tied_groups", "tiny", "units_of"]
 
 
-
 def units_of(model: torch.nn.Module) -> list[str]:
     """Instances of ``_no_split_modules`` plus modules outside them that hold weights, in order."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())

@@ -292,7 +292,6 @@ def _one_line_error(result, words: str) -> None:
     assert re.search(words, lines[0]), lines[0]
 
 
-
 @pytest.mark.parametrize("cut", ['{"schema_version": 0.', '{"schema_version": 1', '{"a": tru', '{"a": "x'])
 def test_a_plan_cut_inside_a_number_or_literal_says_it_was_cut_off(cut):
     with pytest.raises(PlanFormatError, match="cut off"):

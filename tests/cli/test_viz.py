@@ -136,7 +136,6 @@ def test_each_unit_of_the_strip_is_as_wide_as_its_weights():
     assert "as wide" not in bare.get_xlabel()
 
 
-
 def test_a_strategy_that_could_not_run_reads_not_run_not_no_plan(tmp_path):
     """compare: a strategy that could not be run (ran=False) is not one that found nothing that fits."""
     from rich.console import Console

@@ -228,7 +228,6 @@ def test_the_copy_is_built_without_initialisers_and_its_weights_are_finite_and_v
     assert torch.equal(rotary.inv_freq, type(rotary)(tiny_config()).inv_freq)  # buffers as __init__ made them
 
 
-
 def test_a_tied_models_copy_ties_its_head_and_calibrates(tmp_path, monkeypatch) -> None:
     """The copy is built without initialisers, which in transformers 5 also skips tying: an untied head was another
     model than the one planned, and calibrate() of GPT-2 (or any tied model) failed on a plan mismatch."""

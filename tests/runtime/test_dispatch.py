@@ -492,7 +492,6 @@ with torch.no_grad():
 _PROPERTY_STATE = snapshot(_PROPERTY_MODEL)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Plans over the tracer's units (execution order, tied groups from the graph)
 # ---------------------------------------------------------------------------------------------

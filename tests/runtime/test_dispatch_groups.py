@@ -269,7 +269,6 @@ def test_without_copy_groups_each_streamed_unit_starts_the_next_one_as_before(gp
             *T("3.post_attention_layernorm"), *S("3.mlp"), *T("3.mlp"), *S("lm_head"), *T("lm_head"), *S(embed)]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Copy groups: the head starts its group's copies and the next group's
 # ---------------------------------------------------------------------------------------------

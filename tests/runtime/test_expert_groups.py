@@ -254,7 +254,6 @@ def test_any_gpu_cpu_assignment_of_groups_runs_as_the_model(groups, gpu):
         handle.remove()
 
 
-
 def test_device_map_has_one_entry_per_experts_module_on_its_farthest_device():
     """accelerate places a module whole: a split layer's experts go where no GPU holds more than planned."""
     rows = [("model.layers.0.mlp.experts.groups.0", "cuda:0", "cuda:0", "resident"),

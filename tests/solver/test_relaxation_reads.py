@@ -175,7 +175,6 @@ def test_kept_solutions_read_into_valid_plans_priced_at_or_above_the_bound(works
         assert problem.objective_value(plan, "latency") >= reported_bound(model, solver)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 400), st.integers(2, 20))
 def test_kept_solutions_hold_the_last_and_span_a_long_run(found, most):

@@ -25,7 +25,6 @@ __all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devi
            "require_devices", "expert_groups_option", "check_expert_groups"]
 
 
-
 OBJECTIVES = ("latency", "throughput", "memory")
 DTYPES = ("float16", "bfloat16", "float32")
 

@@ -47,7 +47,6 @@ def cut_config(config: Any, timed: Iterable[str], *, chain: bool = False) -> Any
     return cut
 
 
-
 def build(config: Any, dtype: str, device: torch.device) -> nn.Module:
     """The model of ``config`` on ``device`` with random weights, built without running its initialisers."""
     import transformers

@@ -64,7 +64,6 @@ from ._calibrate_timing import time_copies, time_forwards
 __all__ = ["calibrate", "CalibrationResult"]
 
 
-
 @dataclass(frozen=True)
 class CalibrationResult:
     """What :func:`calibrate` measured and where it saved it."""
@@ -302,8 +301,6 @@ def _layers(config: Any) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
@@ -364,8 +361,6 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
                              decode=tuple((b, c, run[name]) for (b, c), run in decode.items() if name in run),
                              attention=unit.attn_flops_per_token_per_ctx > 0 or unit.kv_bytes_per_token > 0)
     return out, copies
-
-
 
 
 # ---------------------------------------------------------------------------------------------
