@@ -3,7 +3,8 @@
 Torch-free. A module-level graph repeats one layer's pattern (norm, q, k, v, o, norm, gate, up,
 down) 32 or 80 times, and most of those modules are priced alike in every layer; but they are not
 consecutive, so :mod:`.aggregate`'s runs do not see them. :class:`GroupModel` keeps, per *group*
-of units with the same options and bytes (:func:`groups_of`), the number of units on each option,
+of units with the same options and bytes and times within :data:`TIME_STEP` (:func:`groups_of`), the
+number of units on each option,
 each option priced at the least time and peak of the group's units, and of the latency only what
 counts alone can state:
 
@@ -11,7 +12,9 @@ counts alone can state:
   which unit of a group does what changes it only above the least prices);
 * the length of a few paths ``P`` of the graph (the hint's critical path, then
   :func:`~.paths.covering_paths` until every unit lies on one): on each, the groups whose every unit lies on
-  ``P`` add their work, the rest and every transfer add 0 (at most what the path costs). Parallel
+  ``P`` add their work, and the edges between two groups that follow each other on ``P`` the transfers
+  their counts prove (:meth:`GroupModel._crossings`, up to :data:`CROSSINGS_UP_TO` units); the rest adds 0
+  (at most what the path costs). Parallel
   siblings (``q``/``k``/``v``, ``gate``/``up``) lie on different paths, so a slow option given to a
   sibling costs on its path: with the critical path alone the relaxation made every off-path
   sibling slow for free;
@@ -46,11 +49,22 @@ from .paths import sibling_slots
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
 from .rows import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 
-__all__ = ["GroupModel", "groups_of", "PEAK_STEP", "MOST_SLOT_COMBOS", "BOUND_SHARE"]
+__all__ = ["GroupModel", "groups_of", "PEAK_STEP", "TIME_STEP", "CROSSINGS_UP_TO", "MOST_SLOT_COMBOS", "BOUND_SHARE"]
 
 #: Units whose peaks differ by less than this factor may share a group (priced at the least peak):
 #: the relaxation then understates a device's transient memory by at most that factor.
 PEAK_STEP = 1.1
+#: Units whose options' work (prefill + decode) differ by more than this factor are grouped apart
+#: (:func:`groups_of`): a group prices each option at its least time, so one cheap or costly member priced
+#: the rest (module-level Mistral-7B's first post-attention norm carries the layer's glue, 9.2 ms of decode
+#: against its fellows' 0.77-0.89 ms), and left the bound 0.45 % below the optimum.
+TIME_STEP = 1.1
+#: Problems with at most this many units get the transfers counts prove on each path (:meth:`GroupModel._crossings`).
+#: Module-level Mistral-7B (292 units) at 2 s, five runs each: on an RTX 3060 at 6 GiB its gap went from
+#: 0.38-0.42 % to 0.09-0.12 %, the other cells as before. Module-level Llama-3-70B (724 units) on 4x T4 went
+#: from 0.39-0.64 % to 0.31-2.02 %, and on the RTX 3060 from 0.45-0.58 s to 0.53-1.16 s: its relaxation,
+#: which does not finish in the time it gets either way, searched worse with the extra rows.
+CROSSINGS_UP_TO = 400
 #: Most combinations of option classes a kind of sibling set counts (one integer each), else it keeps
 #: its sibling paths only: 392 for a module-level Mistral-7B's q, k, v on one GPU + CPU + disk (and for
 #: Llama-3-70B on 4x T4, identical GPUs being one class), 576 on an RTX 4090 + 3090, where the larger
@@ -71,8 +85,8 @@ BOUND_SHARE = 0.2
 def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
               others: Sequence[Sequence[int]] = ()) -> list[list[int]]:
     """Units with the same options and bytes, peaks within :data:`PEAK_STEP`, on the same ones of
-    ``path`` and ``others``, in order of first appearance; pinned and tied units alone. Times may
-    differ: the group prices each option at its least time and peak.
+    ``path`` and ``others``, each option's work (prefill + decode) within :data:`TIME_STEP`, in order of first
+    appearance; pinned and tied units alone. The group prices each option at its least time and peak.
 
     The same module is priced a little differently in every layer of a traced graph (an ``o_proj``'s
     workspace grows with the residual stream it is charged with): exact menus would leave 160 of
@@ -84,16 +98,17 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
     by_menu: dict[Any, list[int]] = {}
     for u, spec in enumerate(problem.units):
         key = ("alone", u) if spec.name in alone else (tuple(u in p for p in on_paths), tuple(
-            (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, _bucket(o.peak_bytes))
+            (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, _bucket(o.peak_bytes),
+             _bucket(o.work_ns, TIME_STEP))
             + ((o.prefill_execution, _bucket(o.prefill_peak_bytes)) if o.mode == "phased" else ())
             for o in spec.options))
         by_menu.setdefault(key, []).append(u)
     return list(by_menu.values())
 
 
-def _bucket(peak_bytes: int) -> int:
-    """Peaks within a factor PEAK_STEP share a bucket: the group's least peak is at most that far below."""
-    return 0 if peak_bytes <= 0 else int(math.log(peak_bytes) / math.log(PEAK_STEP))
+def _bucket(amount: int, step: float = PEAK_STEP) -> int:
+    """Amounts within a factor ``step`` share a bucket: the group's least is at most that far below."""
+    return 0 if amount <= 0 else int(math.log(amount) / math.log(step))
 
 
 def _least(options: Sequence[Sequence[PlacementOption]]) -> tuple[PlacementOption, ...]:
@@ -126,6 +141,7 @@ class GroupModel(CountedRelaxation):
         self.model = cp_model.CpModel()
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
                        for on in (set(p) for p in (path, *others))]
+        self.paths = [list(path), *(list(p) for p in others)]
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
         # each option's most compute over its group, per phase: what the stall rows let a unit hide
         self.most_ns = [[{ph: max(getattr(problem.units[u].options[o], ph) for u in g) for ph in PHASES}
@@ -248,6 +264,8 @@ class GroupModel(CountedRelaxation):
     def _phase(self, ph: str) -> Any:
         # lat >= every device's work, and >= the work of the groups lying wholly on each path (+ their stalls).
         top = sum(len(g) * max(self._t(getattr(o, ph)) for o in self._options(k)) for k, g in enumerate(self.groups))
+        crossings = [self._crossings(path, ph) for path in self.paths]
+        top += max((sum(c * most for c, _, most in row) for row in crossings), default=0)
         lat = self.model.new_int_var(0, top + self._shared_horizon(ph), f"lat[{ph}]")
         self._shared_rows(ph, lat)
         on_all = spine(self.p)
@@ -257,8 +275,9 @@ class GroupModel(CountedRelaxation):
             work = [self._t(getattr(o, ph)) * n for o, n in self._terms(dev, ph)]
             if work:
                 self.model.add(lat >= sum(work))
-        for groups in self.spines:
+        for groups, row in zip(self.spines, crossings, strict=True):
             work = [self._t(getattr(self._options(k)[o], ph)) * n for k in groups for o, (n, _) in self.n[k].items()]
+            work += [c * x for c, x, _ in row]
             if work:
                 self.model.add(lat >= sum(work) + stall)
         if self.combos:  # the path's chain, and each sibling set at its slowest role
@@ -267,6 +286,62 @@ class GroupModel(CountedRelaxation):
             row += [max(c[j] for c in combo) * count for kind in self.combos for combo, count in kind]
             self.model.add(lat >= sum(row) + stall)
         return lat
+
+    def _crossings(self, path: Sequence[int], ph: str) -> list[tuple[int, Any, int]]:
+        """(least transfer, how many at least, how many at most) of the edges of ``path`` between each pair of
+        groups ``g -> h`` that follow each other on it, in ``ph``: the path's transfers that counts alone prove.
+
+        With ``m`` such edges, an edge crosses devices when its ends compute apart. Of the ``m`` units of ``g``
+        the edges leave, at least ``n[g, d] - (|g| - m)`` compute on ``d``, and at most ``n[h, d]`` of the units
+        of ``h`` they enter do; so at least ``sum over d of (n[g, d] - n[h, d])+ - (|g| - m)`` edges cross, and
+        likewise from ``h``'s side. Each costs at least its least price between two devices (floored to solver
+        units, so the rounding slack needs no more). Without this term the relaxation priced a layer's modules
+        spread over two GPUs as if they sent nothing to each other: module-level Mistral-7B on an RTX 4090 +
+        3090 bounded at 2.627 s while the optimum, everything on the 4090, is 2.640 s.
+        """
+        if len(self.p.units) > CROSSINGS_UP_TO:
+            return []
+        of = {u: k for k, g in enumerate(self.groups) for u in g}
+        edges: dict[tuple[int, int], list[int]] = {}
+        prices = self._edge_prices(ph)
+        for a, b in itertools.pairwise(path):
+            if of[a] != of[b] and (a, b) in prices:
+                edges.setdefault((of[a], of[b]), []).append(prices[a, b])
+        devices = sorted({o.device_in(ph) for k in range(len(self.groups)) for o in self._options(k)})
+        out = []
+        for (g, h), costs in edges.items():
+            least = min(costs) // self.scale if self.scale > 1 else min(costs)
+            if least <= 0:
+                continue
+            m = len(costs)
+            x = self.model.new_int_var(0, m, f"cross[{ph},{g},{h}]")
+            for a, b in ((g, h), (h, g)):
+                apart = [self._apart(a, b, d, ph) for d in devices]
+                self.model.add(x >= sum(apart) - (len(self.groups[a]) - m))
+            out.append((least, x, m))
+        return out
+
+    def _apart(self, g: int, h: int, d: str, ph: str) -> Any:
+        """A variable at least ``n[g, d] - n[h, d]`` and 0: units of ``g`` on ``d`` in ``ph`` beyond ``h``'s."""
+        y = self.model.new_int_var(0, len(self.groups[g]), f"apart[{ph},{g},{h},{d}]")
+        self.model.add(y >= self._on(g, d, ph) - self._on(h, d, ph))
+        return y
+
+    def _on(self, k: int, d: str, ph: str) -> Any:
+        return sum(n for o, (n, _) in self.n[k].items() if self._options(k)[o].device_in(ph) == d)
+
+    def _edge_prices(self, ph: str) -> dict[tuple[int, int], int]:
+        """Each edge's least price in ``ph`` between two different devices some unit computes on there (a missing
+        pair costs 0), by (src, dst) index; the least over parallel edges."""
+        devices = sorted({o.device_in(ph) for u in self.p.units for o in u.options})
+        pairs = [(p, q) for p in devices for q in devices if p != q]
+        index = self.p.index()
+        out: dict[tuple[int, int], int] = {}
+        for e in self.p.edges:
+            key = (index[e.src], index[e.dst])
+            least = min((getattr(e, ph).get(pq, 0) for pq in pairs), default=0)
+            out[key] = min(least, out.get(key, least))
+        return out
 
     def _slot_combos(self, path: Sequence[int]) -> tuple[list[int], list[list[tuple[tuple[Any, ...], Any]]]]:
         """The groups of ``path``'s units outside sibling sets, and per kind of sibling set ``[(the
