@@ -57,7 +57,9 @@ PEAK_STEP = 1.1
 #: Units whose options' work (prefill + decode) differ by more than this factor are grouped apart
 #: (:func:`groups_of`): a group prices each option at its least time, so one cheap or costly member priced
 #: the rest (module-level Mistral-7B's first post-attention norm carries the layer's glue, 9.2 ms of decode
-#: against its fellows' 0.77-0.89 ms), and left the bound 0.45 % below the optimum.
+#: against its fellows' 0.77-0.89 ms), and left the bound 0.45 % below the optimum. Apart, module cells at 2 s
+#: (benchmarks/solve_time --module) went from a median wall of 1.9 s to 0.5-0.8 s, sublayer Llama-3-8B at 1 s
+#: from 0.7 s to 0.17 s.
 TIME_STEP = 1.1
 #: Problems with at most this many units get the transfers counts prove on each path (:meth:`GroupModel._crossings`).
 #: Module-level Mistral-7B (292 units) at 2 s, five runs each: on an RTX 3060 at 6 GiB its gap went from
