@@ -290,16 +290,17 @@ class GroupModel(CountedRelaxation):
         return lat
 
     def _crossings(self, path: Sequence[int], ph: str) -> list[tuple[int, Any, int]]:
-        """(least transfer, how many at least, how many at most) of the edges of ``path`` between each pair of
-        groups ``g -> h`` that follow each other on it, in ``ph``: the path's transfers that counts alone prove.
+        """Per pair of groups ``g -> h`` that follow each other on ``path``, in ``ph``: (the least transfer of the
+        edges between them, a variable at most the number of those crossing devices, their number): the path's
+        transfers that counts alone prove.
 
         With ``m`` such edges, an edge crosses devices when its ends compute apart. Of the ``m`` units of ``g``
         the edges leave, at least ``n[g, d] - (|g| - m)`` compute on ``d``, and at most ``n[h, d]`` of the units
         of ``h`` they enter do; so at least ``sum over d of (n[g, d] - n[h, d])+ - (|g| - m)`` edges cross, and
         likewise from ``h``'s side. Each costs at least its least price between two devices (floored to solver
-        units, so the rounding slack needs no more). Without this term the relaxation priced a layer's modules
-        spread over two GPUs as if they sent nothing to each other: module-level Mistral-7B on an RTX 4090 +
-        3090 bounded at 2.627 s while the optimum, everything on the 4090, is 2.640 s.
+        units, so the rounding slack needs no more). Without this term the relaxation priced modules spread over
+        two devices as if they sent nothing to each other: module-level Mistral-7B on a 6 GiB RTX 3060 bounded
+        at 36.225 s without it and 36.301 s with it, against a best plan of 36.32 s.
         """
         if len(self.p.units) > CROSSINGS_UP_TO:
             return []
