@@ -1,9 +1,9 @@
 """What makes a placement problem well formed: the checks its options and the problem run when built.
 
-Torch-free. :class:`~.problem.PlacementOption` and :class:`~.problem.PlacementProblem` call these from
+Torch-free. :class:`~.specs.PlacementOption` and :class:`~.problem.PlacementProblem` call these from
 their ``__post_init__``; each raises :class:`~placement_opt.errors.SolverInputError` saying what is wrong.
-The option's constants (:data:`~.problem.MODES`, :data:`~.problem.GROUP_BUFFERS`) come in as arguments:
-:mod:`.problem` imports this module, not the other way round.
+The option's constants (:data:`~.specs.MODES`, :data:`~.specs.GROUP_BUFFERS`) come in as arguments:
+:mod:`.specs` and :mod:`.problem` import this module, not the other way round.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from ..errors import SolverInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .problem import PlacementOption, PlacementProblem
+    from .problem import PlacementProblem
+    from .specs import PlacementOption
 
 __all__ = ["check_option", "check_problem"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .problem import PlacementOption
+    from .specs import PlacementOption
 
 __all__ = ["PHASES", "stalls", "Transient", "device_transients", "next_copies", "phase_next_copies", "phase_peaks",
            "phase_copies"]
