@@ -138,7 +138,7 @@ class GroupModel(CountedRelaxation):
         (as in :class:`~.aggregate.AggregateModel`); ``others``: more paths whose length bounds the
         latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest).
         ``path``'s sibling sets (:func:`~.paths.sibling_slots`) are counted by combination where ``groups``
-        keep each role's units apart (:func:`sibling_paths` as ``others`` does)."""
+        keep each role's units apart (:func:`~.paths.sibling_paths` as ``others`` does)."""
         self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
         self.model = cp_model.CpModel()
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]

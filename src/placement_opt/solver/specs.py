@@ -86,13 +86,13 @@ class PlacementOption:
         return self.prefill_execution if self.prefill_execution is not None else self.execution
 
     def device_in(self, phase: str) -> str:
-        """The device that computes the unit in ``phase`` (one of :data:`PHASES`)."""
+        """The device that computes the unit in ``phase`` (one of :data:`~.schedule.PHASES`)."""
         if phase == "prefill_ns" and self.prefill_execution is not None:
             return self.prefill_execution
         return self.execution
 
     def copy_in(self, phase: str) -> int:
-        """The prefetch thread's copy time in ``phase`` (one of :data:`PHASES`)."""
+        """The prefetch thread's copy time in ``phase`` (one of :data:`~.schedule.PHASES`)."""
         return self.copy_prefill_ns if phase == "prefill_ns" else self.copy_decode_ns
 
     def shared_in(self, resource: str, phase: str) -> int:
