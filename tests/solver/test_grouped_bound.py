@@ -43,19 +43,20 @@ def _layers(times: dict[str, dict[str, int]], layers: int,
     return PlacementProblem(units=units, edges=edges, devices=devices)
 
 
-def _bound(problem: PlacementProblem, hint: list[int], crossings: bool, monkeypatch: pytest.MonkeyPatch) -> int:
-    if not crossings:
-        monkeypatch.setattr(relax.GroupModel, "_crossings", lambda self, path, ph: [])
-    path = paths.critical_path(problem, hint)  # the whole chain
-    model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path), path, None)
-    model.minimize("latency", None, 0)
-    solver, status = model.solve(5, 0, 1, 0.0)
+def _bound(problem: PlacementProblem, hint: list[int], crossings: bool = True) -> int:
+    """The grouped relaxation's proven bound on the whole chain, with or without its transfer rows."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not crossings:
+            mp.setattr(relax.GroupModel, "_crossings", lambda self, path, ph: [])
+        path = paths.critical_path(problem, hint)  # the whole chain
+        model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem, path), path, None)
+        model.minimize("latency", None, 0)
+        solver, status = model.solve(5, 0, 1, 0.0)
     assert status == cp_model.OPTIMAL
-    monkeypatch.undo()
     return reported_bound(model, solver)
 
 
-def test_modules_split_over_two_gpus_pay_for_the_edges_between_them(monkeypatch):
+def test_modules_split_over_two_gpus_pay_for_the_edges_between_them():
     # a is faster on cuda:1, m on cuda:0: alternating them saves 1 per layer (54 against 57) but sends 5 edges
     # across, 5 each. Counted without transfers the relaxation takes the split (54); with them it proves 57,
     # everything on one GPU, as brute force finds.
@@ -63,15 +64,15 @@ def test_modules_split_over_two_gpus_pay_for_the_edges_between_them(monkeypatch)
                       {("cuda:0", "cuda:1"): 5, ("cuda:1", "cuda:0"): 5}, {"cuda:0": 9, "cuda:1": 9})
     assert reference_optimum(problem, "latency") == 57
     hint = [0] * len(problem.units)
-    assert _bound(problem, hint, False, monkeypatch) == 54
-    assert _bound(problem, hint, True, monkeypatch) == 57
+    assert _bound(problem, hint, crossings=False) == 54
+    assert _bound(problem, hint) == 57
 
 
-def test_a_free_pair_of_devices_proves_no_transfer(monkeypatch):
+def test_a_free_pair_of_devices_proves_no_transfer():
     # the same layers with one pair of devices priced 0: an edge may cross for free, so no crossing is charged
     problem = _layers({"a": {"cuda:0": 10, "cuda:1": 9}, "m": {"cuda:0": 9, "cuda:1": 10}}, 3,
                       {("cuda:0", "cuda:1"): 5, ("cuda:1", "cuda:0"): 0}, {"cuda:0": 9, "cuda:1": 9})
-    assert _bound(problem, [0] * len(problem.units), True, monkeypatch) == 54
+    assert _bound(problem, [0] * len(problem.units)) == 54
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,7 +106,7 @@ def test_crossings_are_left_out_above_their_size(monkeypatch):
     problem = _layers({"a": {"cuda:0": 10, "cuda:1": 9}, "m": {"cuda:0": 9, "cuda:1": 10}}, 3,
                       {("cuda:0", "cuda:1"): 5, ("cuda:1", "cuda:0"): 5}, {"cuda:0": 9, "cuda:1": 9})
     monkeypatch.setattr(relax, "CROSSINGS_UP_TO", len(problem.units) - 1)
-    assert _bound(problem, [0] * len(problem.units), True, monkeypatch) == 54
+    assert _bound(problem, [0] * len(problem.units)) == 54
 
 
 def _norms(decode_ns: list[int]) -> PlacementProblem:
@@ -122,10 +123,10 @@ def test_a_unit_whose_time_parts_from_its_likes_is_grouped_apart_and_priced_as_i
     # One group priced all four at the least time (4 x 77); apart, the bound is the chain's real time.
     problem = _norms([920, 77, 89, 89])
     assert relax.groups_of(problem) == [[0], [1], [2, 3]]
-    assert _bound(problem, [0] * 4, True, monkeypatch) == 920 + 77 + 89 + 89
+    assert _bound(problem, [0] * 4) == 920 + 77 + 89 + 89
     monkeypatch.setattr(relax, "TIME_STEP", 1e9)  # one bucket: times ignored, as before TIME_STEP
     assert relax.groups_of(problem) == [[0, 1, 2, 3]]
-    assert _bound(problem, [0] * 4, True, monkeypatch) == 4 * 77
+    assert _bound(problem, [0] * 4) == 4 * 77
 
 
 @given(st.lists(st.integers(1, 10**6), min_size=2, max_size=12))
