@@ -144,6 +144,7 @@ class GroupModel(CountedRelaxation):
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
                        for on in (set(p) for p in (path, *others))]
         self.paths = [list(path), *(list(p) for p in others)]
+        self._prices: dict[str, dict[tuple[int, int], int]] = {}  # _edge_prices, once per phase
         self.menus = [_least([problem.units[u].options for u in g]) for g in groups]
         # each option's most compute over its group, per phase: what the stall rows let a unit hide
         self.most_ns = [[{ph: max(getattr(problem.units[u].options[o], ph) for u in g) for ph in PHASES}
@@ -336,6 +337,8 @@ class GroupModel(CountedRelaxation):
     def _edge_prices(self, ph: str) -> dict[tuple[int, int], int]:
         """Each edge's least price in ``ph`` between two different devices some unit computes on there (a missing
         pair costs 0), by (src, dst) index; the least over parallel edges."""
+        if ph in self._prices:
+            return self._prices[ph]
         devices = sorted({o.device_in(ph) for u in self.p.units for o in u.options})
         pairs = [(p, q) for p in devices for q in devices if p != q]
         index = self.p.index()
@@ -344,6 +347,7 @@ class GroupModel(CountedRelaxation):
             key = (index[e.src], index[e.dst])
             least = min((getattr(e, ph).get(pq, 0) for pq in pairs), default=0)
             out[key] = min(least, out.get(key, least))
+        self._prices[ph] = out
         return out
 
     def _slot_combos(self, path: Sequence[int]) -> tuple[list[int], list[list[tuple[tuple[Any, ...], Any]]]]:
