@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
-from ._recorder import guessed_scalar, static_signature
+from ._recorder import guessed_scalar
+from ._replay import static_signature
 
 __all__ = ["probe_contexts", "decode_lines", "fit_line"]
 

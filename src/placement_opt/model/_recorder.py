@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
 from ._memory import FusedAttention, LiveBytes
 from ._meta_experts import stand_in_experts
+from ._replay import BlockReplay, tensors_in
 
-__all__ = ["Record", "run", "nbytes", "meta_state", "static_signature", "guessed_scalar", "REPLAY_REPEATED_BLOCKS"]
+__all__ = ["Record", "run", "nbytes", "meta_state", "guessed_scalar", "REPLAY_REPEATED_BLOCKS"]
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _META_OPS = {torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default, torch.ops.aten.size.default,
@@ -88,7 +88,7 @@ def run(
     recorder = _Recorder(record, _container_tensors(state, units, containers), memory, frontier=frontier)
     handles = _hook_units(recorder, units, containers)
     restore = stand_in_experts(module, experts_per_token)
-    replay = _BlockReplay(recorder)
+    replay = BlockReplay(recorder)
     if REPLAY_REPEATED_BLOCKS:
         for name in blocks:
             replay.patch(name, units[name])
@@ -205,9 +205,9 @@ class _Recorder(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         current = self._current(inputs, out)
-        self.memory.record(current, func, inputs, _tensors(out))
+        self.memory.record(current, func, inputs, tensors_in(out))
         packet = func._overloadpacket
         if packet in flop_registry:
             self._charge(current, int(flop_registry[packet](*args, **kwargs, out_val=out)))
@@ -224,7 +224,7 @@ class _Recorder(TorchDispatchMode):
         owner = next((self.param_owner[id(t)] for t in inputs if id(t) in self.param_owner), None)
         if owner is not None:
             self._start(owner)
-            self.record.out_bytes[owner] = sum(nbytes(t) for t in _tensors(out))
+            self.record.out_bytes[owner] = sum(nbytes(t) for t in tensors_in(out))
         return owner
 
     def running(self) -> str | None:
@@ -254,14 +254,14 @@ class _Recorder(TorchDispatchMode):
                 continue
             for unit in entry[1]:
                 if current is not None and unit != current:
-                    self._edge(unit, current, entry[0], tensor)
+                    self.edge(unit, current, entry[0], tensor)
                 sources.add(unit)
         made = frozenset({current}) if current is not None else self._made_by(sources)
         if made:
-            for tensor in _tensors(out):
+            for tensor in tensors_in(out):
                 self.producers.set(tensor, made)
 
-    def _edge(self, src: str, dst: str, serial: int, tensor: torch.Tensor) -> None:
+    def edge(self, src: str, dst: str, serial: int, tensor: torch.Tensor) -> None:
         self.record.edges[(src, dst)][serial] = nbytes(tensor)
         if self.frontier and src not in self.ancestors[dst]:
             self.ancestors[dst] |= self.ancestors[src]
@@ -293,12 +293,12 @@ class _Recorder(TorchDispatchMode):
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
         if name not in self.record.out_bytes:
-            seen: dict[int, int] = {id(t): nbytes(t) for t in _tensors(output)}
+            seen: dict[int, int] = {id(t): nbytes(t) for t in tensors_in(output)}
             self.record.out_bytes[name] = sum(seen.values())
-            context = {id(t) for t in _tensors(output) if self.memory.is_context(t)}
+            context = {id(t) for t in tensors_in(output) if self.memory.is_context(t)}
             self.record.returned_bytes[name] = sum(b for i, b in seen.items() if i not in context)
         made = frozenset({name})
-        for tensor in _tensors(output):
+        for tensor in tensors_in(output):
             if self.producers.get(tensor) is None:
                 self.producers.set(tensor, made)
 
@@ -336,7 +336,7 @@ _PADDING_CHECKS = frozenset({("transformers.modeling_utils", "warn_if_padding_an
 
 
 #: This package's modules that run inside the forward (never the model code that asked).
-_OWN_MODULES = frozenset({__name__, FusedAttention.__module__})
+_OWN_MODULES = frozenset({__name__, FusedAttention.__module__, BlockReplay.__module__})
 
 
 def _asking_code() -> str | None:
@@ -353,128 +353,12 @@ def _asking_code() -> str | None:
     return None
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    out: list[torch.Tensor] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif hasattr(leaf, "to_tuple"):  # transformers ModelOutput
-            out.extend(_tensors(leaf.to_tuple()))
-    return out
-
-
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 #: Run only the first block of each signature for real; later identical blocks replay its record.
 REPLAY_REPEATED_BLOCKS = True
-
-_PRIMITIVES = (int, float, bool, str, type(None))
-
-
-@dataclass
-class _Learned:
-    """What one real run of a block did, enough to replay it for an identical block."""
-
-    unit: str
-    """The unit whose real run this is (its workspace is the replay's)."""
-    flops: int
-    consumed: list[int]
-    """Positions of the input tensors its ops read (the edges a replay must draw)."""
-    outputs: list[int | tuple[tuple[int, ...], torch.dtype, bool]]
-    """Per output tensor: the position of the input it passes through, or (shape, dtype, whether it is
-    attention-score shaped) of a new one."""
-    spec: Any
-
-
-class _BlockReplay:
-    """Replays identical blocks: same class, attributes, parameter and input shapes -> same FLOPs and outputs.
-
-    A 126-layer model then costs two real block forwards on meta instead of 126; the edges are still drawn
-    per block from the producers of the tensors each block actually receives.
-    """
-
-    def __init__(self, recorder: _Recorder) -> None:
-        self.recorder = recorder
-        self.cache: dict[Any, _Learned | None] = {}
-        self.patched: list[tuple[nn.Module, Any]] = []
-        self.replayed = 0
-
-    def patch(self, name: str, module: nn.Module) -> None:
-        static = static_signature(module)
-        original = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (static, _input_signature(args, kwargs))
-            learned = self.cache.get(key)
-            if learned is not None:
-                self.replayed += 1
-                return self._replay(name, learned, args, kwargs)
-            before = self.recorder.record.flops.get(name, 0)
-            out = original(*args, **kwargs)
-            if key not in self.cache:
-                self.cache[key] = self._learn(name, args, kwargs, out, self.recorder.record.flops[name] - before)
-            return out
-
-        self.patched.append((module, module.__dict__.get("forward")))
-        module.forward = forward
-
-    def restore(self) -> None:
-        for module, before in self.patched:
-            if before is None:
-                del module.forward
-            else:  # a stand-in installed before (fused experts): its own restore removes it
-                module.forward = before
-
-    def _learn(self, name: str, args: Any, kwargs: Any, out: Any, flops: int) -> _Learned | None:
-        inputs = _tensors((args, kwargs))
-        leaves, spec = tree_flatten(out)
-        if any(not isinstance(leaf, (torch.Tensor, *_PRIMITIVES)) for leaf in leaves):
-            return None  # caches or other objects with side effects: always run for real
-        read = {serial for (_src, dst), tensors in self.recorder.record.edges.items() if dst == name
-                for serial in tensors}
-        entries = [self.recorder.producers.get(t) for t in inputs]
-        consumed = [i for i, entry in enumerate(entries) if entry is not None and entry[0] in read]
-        outputs: list[Any] = []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                same = next((i for i, t in enumerate(inputs) if t is leaf), None)
-                outputs.append(same if same is not None else
-                               (tuple(leaf.shape), leaf.dtype, self.recorder.memory.is_context(leaf)))
-            else:
-                outputs.append(("value", leaf))
-        return _Learned(unit=name, flops=flops, consumed=consumed, outputs=outputs, spec=spec)
-
-    def _replay(self, name: str, learned: _Learned, args: Any, kwargs: Any) -> Any:
-        recorder = self.recorder
-        inputs = _tensors((args, kwargs))
-        recorder.record.flops[name] += learned.flops
-        recorder.memory.replayed(name, learned.unit)
-        for i in learned.consumed:
-            tensor = inputs[i]
-            entry = recorder.producers.get(tensor)
-            if entry is not None:
-                for unit in entry[1] - {name}:
-                    recorder._edge(unit, name, entry[0], tensor)
-        leaves: list[Any] = []
-        for item in learned.outputs:
-            if isinstance(item, int):
-                leaves.append(inputs[item])
-            elif item[0] == "value":
-                leaves.append(item[1])
-            else:
-                recorder.memory.counting_ops = False  # the stand-in's, not an op of the model
-                try:
-                    tensor = torch.empty(item[0], dtype=item[1], device="meta")
-                finally:
-                    recorder.memory.counting_ops = True
-                if item[2]:
-                    recorder.memory.mark_context(tensor)
-                recorder.producers.set(tensor, frozenset({name}))
-                leaves.append(tensor)
-        return tree_unflatten(leaves, learned.spec)
 
 
 def guessed_scalar(tensor: torch.Tensor) -> bool | int | float:
@@ -483,26 +367,6 @@ def guessed_scalar(tensor: torch.Tensor) -> bool | int | float:
     if tensor.dtype == torch.bool:
         return True
     return 0.0 if tensor.is_floating_point() else 1
-
-
-def static_signature(module: nn.Module) -> tuple[Any, ...]:
-    """Class, plain attributes (except indices) and tensor shapes of every submodule."""
-    parts = []
-    for sub_name, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
-                             if isinstance(v, _PRIMITIVES) and not k.startswith("_") and "idx" not in k
-                             and "index" not in k))
-        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in (*sub._parameters.items(), *sub._buffers.items())
-                        if t is not None)
-        parts.append((sub_name, type(sub).__name__, attrs, tensors))
-    return tuple(parts)
-
-
-def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    leaves, spec = tree_flatten((args, kwargs))
-    items = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
-                  else (type(x).__name__, x if isinstance(x, _PRIMITIVES) else id(x)) for x in leaves)
-    return (str(spec), items)
 
 
 def meta_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
