@@ -18,10 +18,20 @@ import dataclasses
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._solve_inputs import (
+    SOLVER_MODES,
+    STRATEGIES,
+    check_arguments,
+    check_granularity,
+    check_modes,
+    check_types,
+    holds_no_tensors,
+    nothing_to_place,
+)
 from .baselines import ScoredBaseline, baseline_plan, score_baselines
 from .cost.build import price_problem
 from .cost.calibrated import calibration_for
@@ -30,9 +40,8 @@ from .cost.evaluate import Cost, as_graph, priced_evaluator
 from .cost.pricing import home_device
 from .cost.shortage import proven_short, shortage_message
 from .cost.workload import Workload
-from .errors import InfeasiblePlacementError, PlacementError, SolverInputError, TraceError
+from .errors import InfeasiblePlacementError, PlacementError, SolverInputError
 from .hardware.devices import Machine
-from .model.expert_groups import expert_groups_refusal
 from .plan import Plan, UnitPlacement
 from .plan_check import graph_fingerprint
 from .plan_notes import (
@@ -47,7 +56,6 @@ from .plan_notes import (
 )
 from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
-from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .solver.greedy import best_greedy_choice, greedy_starts
 from .solver.problem import MODES, OBJECTIVES, PlacementProblem
 from .solver.search import GAP_LIMIT, SEARCH_NOTES, solve_problem
@@ -59,10 +67,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["solve", "solve_best_granularity", "searched_again", "STRATEGIES", "OBJECTIVES",
            "SOLVER_WORKERS", "SOLVER_NOTES"]
 
-#: Strategies ``solve`` accepts.
-STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
-#: The modes the solver chooses from (build_problem's default); ``stream_sync`` only scores baselines.
-SOLVER_MODES = ("resident", "stream", "phased")
 _NS_PER_S = 1e9
 #: Least search time (s) CP-SAT gets however long pricing and baselines took: past the limit by then,
 #: solve() overruns it by at most this and the final scoring (the acceptance allows 0.5 s).
@@ -146,24 +150,24 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         for a ``trace(granularity="sublayer")`` graph, ``plan.home`` names the device the residual
         stream stays on (the first GPU, else the CPU), which the round trips were priced around.
 
+        Given a :class:`~placement_opt.hardware.cluster.Cluster` as ``devices`` (with
+        ``objective="throughput"``), a ``PipelinePlan`` instead: one contiguous stage per rank, from
+        :func:`placement_opt.distributed.pipeline_plan.plan_pipeline` (1F1B, one micro-batch per rank; call
+        that function for other schedules).
+
     Raises:
         InfeasiblePlacementError: no placement fits; says which capacity is short, by how much and why.
-
-    Given a :class:`~placement_opt.hardware.cluster.Cluster` as ``devices`` (with
-    ``objective="throughput"``), returns a ``PipelinePlan`` instead: one contiguous stage per rank,
-    from :func:`placement_opt.distributed.pipeline_plan.plan_pipeline` (1F1B, one micro-batch per rank;
-    call that function for other schedules).
         SolverInputError: a bad argument or pin (the message lists what is accepted).
         PlacementError: no solution in time, or another stage's error (a device spec, the model).
     """
-    _check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
-    modes = _check_modes(modes)
+    check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
+    modes = check_modes(modes)
     if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
         return _pipeline_plan(model, devices, objective, workload)
-    _check_types(workload, pins, contiguous, strategy)
+    check_types(workload, pins, contiguous, strategy)
     from .model.graph import LayerGraph
 
-    _check_granularity(model, granularity, expert_groups)
+    check_granularity(model, granularity, expert_groups)
     if granularity == "auto":
         return _solve_either_granularity(model, devices, objective, expert_groups, workload=workload,
                                          strategy=strategy, pins=pins, time_limit_s=time_limit_s, seed=seed,
@@ -173,8 +177,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         raise SolverInputError("strategy='accelerate' runs the installed library on the model itself, so it "
                                "needs a transformers model or config, not a LayerGraph: pass the model (or its "
                                "config), or use strategy='balanced' on a LayerGraph")
-    if _holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
-        raise _nothing_to_place(type(model).__name__)
+    if holds_no_tensors(model):  # before tracing, which would warn about a forward it cannot guess
+        raise nothing_to_place(type(model).__name__)
     graph = as_graph(model, granularity, expert_groups)
     with _full_collections_deferred():
         plan = _timed_solve(graph, model, devices, objective, workload, strategy, pins, contiguous, modes,
@@ -224,7 +228,7 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     time_limit_s, seed, gap_limit, workers = search
     started = time.perf_counter()
     if not graph.names() or (not isinstance(model, LayerGraph) and graph.total_param_bytes + graph.total_buffer_bytes == 0):
-        raise _nothing_to_place(graph.meta.model_name)
+        raise nothing_to_place(graph.meta.model_name)
     machine, machine_note = _machine(devices, graph.meta.dtype)
     workload = workload if workload is not None else Workload()
     problem, score = _priced(graph, machine, workload, pins or {}, contiguous, modes)
@@ -304,88 +308,6 @@ def _unlike_calibration(block: LayerGraph, sublayer: LayerGraph, machine: Machin
 def _value(plan: Plan) -> str:
     """The objective with its unit: bytes for ``memory``, else seconds."""
     return format_bytes(int(plan.objective_value)) if plan.objective == "memory" else f"{plan.objective_value:.4g} s"
-
-
-# ---------------------------------------------------------------------------------------------
-# Boundary checks
-# ---------------------------------------------------------------------------------------------
-def _check_granularity(model: Any, granularity: str | None, expert_groups: int = 1) -> None:
-    """A known granularity, and for a traced graph its own (a LayerGraph cannot be cut again); expert groups
-    only where sublayer units are traced."""
-    from .model.graph import GRANULARITIES, LayerGraph
-
-    if expert_groups != 1 and isinstance(model, LayerGraph):
-        raise SolverInputError(f"expert_groups={expert_groups!r} needs the model itself, but a LayerGraph was given: "
-                               f"pass the model (or its config), or trace(model, granularity='sublayer', "
-                               f"expert_groups=...) first and leave expert_groups out")
-    refusal = expert_groups_refusal(expert_groups, granularity, ("sublayer", "auto"))
-    if refusal is not None:
-        raise SolverInputError(refusal)
-
-    accepted = (*GRANULARITIES, "auto")
-    if granularity is not None and granularity not in accepted:
-        raise SolverInputError(f"granularity {granularity!r} is not one of {', '.join(accepted)} (or None)")
-    if isinstance(model, LayerGraph) and granularity not in (None, model.meta.granularity):
-        raise SolverInputError(
-            f"granularity={granularity!r} needs the model itself, but a LayerGraph traced at "
-            f"{model.meta.granularity!r} was given: pass the model (or its config), or "
-            f"trace(model, granularity=...) first and leave granularity out")
-
-
-def _holds_no_tensors(model: Any) -> bool:
-    """An ``nn.Module`` (duck-typed: the planner imports no torch) without any parameter or buffer."""
-    parameters, buffers = getattr(model, "parameters", None), getattr(model, "buffers", None)
-    if not (callable(parameters) and callable(buffers)):
-        return False
-    return next(iter(parameters()), None) is None and next(iter(buffers()), None) is None
-
-
-def _nothing_to_place(name: str) -> TraceError:
-    return TraceError(f"the model {name!r} has no placement units: it holds no parameters or buffers, so "
-                      f"there is nothing to place; pass a model with weights (or its config)")
-
-
-def _check_arguments(objective: str, strategy: str, time_limit_s: float, seed: int, gap_limit: float,
-                     workers: int) -> None:
-    problems = []
-    if objective not in OBJECTIVES:
-        problems.append(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if strategy not in STRATEGIES:
-        problems.append(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-        problems.append(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        problems.append(f"seed must be a non-negative int, got {seed!r}")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        problems.append(f"workers must be a positive int, got {workers!r}: 1 for reproducible plans, 2 (default)")
-    if not isinstance(gap_limit, (int, float)) or not 0 <= gap_limit < 1:
-        problems.append(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.01 for 1 %")
-    if problems:
-        raise SolverInputError("; ".join(problems))
-
-
-def _check_modes(modes: Any) -> tuple[str, ...]:
-    chosen = (modes,) if isinstance(modes, str) else tuple(modes) if isinstance(modes, Iterable) else None
-    if chosen is None or "resident" not in chosen or any(m not in SOLVER_MODES for m in chosen):
-        raise SolverInputError(f"modes must name some of {', '.join(SOLVER_MODES)}, 'resident' included, got "
-                               f"{modes!r}: e.g. modes=('resident', 'stream') for plans without phased units")
-    return chosen
-
-
-def _check_types(workload: Any, pins: Any, contiguous: Any, strategy: str) -> None:
-    problems = []
-    if workload is not None and not isinstance(workload, Workload):
-        problems.append(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: "
-                        f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
-    if pins is not None and not isinstance(pins, Mapping):
-        problems.append(f"pins must be a dict like {{'lm_head': 'cuda:1'}}, got {type(pins).__name__}")
-    elif pins and strategy != "cpsat":  # the greedy fills know no pins: a plan that ignored them would say it kept them
-        problems.append(f"pins apply to strategy 'cpsat' only: {strategy!r} fills devices as accelerate's "
-                        f"device_map strings do, whatever is pinned; drop the pins, or use strategy='cpsat'")
-    if not isinstance(contiguous, bool):
-        problems.append(f"contiguous must be True or False, got {contiguous!r}")
-    if problems:
-        raise SolverInputError("; ".join(problems))
 
 
 def _machine(devices: Any, dtype: str) -> tuple[Machine, str | None]:
