@@ -410,12 +410,13 @@ def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -
         now = spec.options[choice[u]]
         if _bytes_on(now, dev) == 0 or not problem.allows(spec, now):
             continue
+        too_little = _bytes_on(now, dev) < -free[dev]
         for k, o in enumerate(spec.options):
-            if (_bytes_on(o, dev) == 0 and problem.allows(spec, o) and _peak_on(o, dev) <= top
-                    and fits(o, now)):
-                key = (_bytes_on(now, dev) < -free[dev], o.work_ns - now.work_ns,
-                       u, k)
-                best = key if best is None or key < best else best
+            if _bytes_on(o, dev) or not problem.allows(spec, o) or _peak_on(o, dev) > top:
+                continue
+            key = (too_little, o.work_ns - now.work_ns, u, k)
+            if (best is None or key < best) and fits(o, now):  # fits() last: most keys lose to the best already
+                best = key
     return None if best is None else (best[2], best[3])
 
 
