@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -148,7 +149,7 @@ def _class_section(name: str, cls: type) -> list[str]:
     for attr, value in vars(cls).items():
         if attr.startswith("_"):
             continue
-        if isinstance(value, property):
+        if isinstance(value, (property, functools.cached_property)):  # computed once or each time, read alike
             members.append(f"- `{attr}` (property): {_first_line(value)}")
         elif isinstance(value, (classmethod, staticmethod)):
             func = value.__func__
