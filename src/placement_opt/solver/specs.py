@@ -108,7 +108,7 @@ class PlacementOption:
         copy = self.copy_in(phase)
         return own if copy <= own else copy
 
-    @functools.cached_property  # read ~150,000 times by one greedy start of a 324-unit problem
+    @functools.cached_property  # best_greedy_choice reads it ~150,000 times on a 324-unit problem
     def work_ns(self) -> int:
         """:meth:`work_in` of both phases: what the baselines rank options by."""
         return self.work_in("prefill_ns") + self.work_in("decode_ns")
