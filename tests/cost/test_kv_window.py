@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement_opt.cost.build import price_problem
-from placement_opt.cost.kernels import _kv_positions_read
+from placement_opt.cost.kernels import kv_positions_read
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import LayerGraph, chain_graph
@@ -35,7 +35,7 @@ def _cpu_option(graph: LayerGraph, workload: Workload):
 def test_the_positions_decode_steps_read_are_each_steps_context_capped_at_the_window(ctx0, steps, window) -> None:
     unit = _graph(window).unit("layer")
     cap = window if window is not None else 10**9
-    assert _kv_positions_read(unit, ctx0, steps) == sum(min(ctx0 + t, cap) for t in range(steps))
+    assert kv_positions_read(unit, ctx0, steps) == sum(min(ctx0 + t, cap) for t in range(steps))
 
 
 @given(batch=st.integers(1, 8), prompt=st.integers(1, 600), new=st.integers(0, 300),

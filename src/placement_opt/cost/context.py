@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from ..model.expert_groups import group_counts, whole_experts
 from .kernels import (
-    _decode_roofline_lines,
-    _measured_decode_line,
-    _measured_prefill_s,
-    _prefill_roofline_s,
+    decode_roofline_lines,
+    measured_decode_line,
+    measured_prefill_s,
+    prefill_roofline_s,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,10 +128,10 @@ class PricingContext:
     def _kernel_s(self, unit: UnitInfo, device: Device, phase: str) -> float:
         """One forward (prefill) or middle decode step of ``unit`` on ``device`` without host time, or as measured."""
         if phase == "prefill":
-            measured = _measured_prefill_s(self, unit, device)
-            return measured if measured is not None else _prefill_roofline_s(self, unit, device)
-        line = _measured_decode_line(self, unit, device)
-        lines = [line] if line is not None else _decode_roofline_lines(self, unit, device)
+            measured = measured_prefill_s(self, unit, device)
+            return measured if measured is not None else prefill_roofline_s(self, unit, device)
+        line = measured_decode_line(self, unit, device)
+        lines = [line] if line is not None else decode_roofline_lines(self, unit, device)
         middle = self.workload.decode_steps // 2
         return max(a + b * middle for a, b in lines)
 

@@ -18,9 +18,9 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 * Decode: step ``t`` (0-based) has ``batch`` tokens and a context of ``prompt + t + 1``; FLOPs and
   bytes grow linearly in ``t``, so the sum over all steps of a max of linear functions has a
   closed form (:func:`_sum_max_lines`), never a loop over steps. A sliding layer stops growing at its
-  window (:func:`_sum_capped_lines`). On a CPU whose profile measured the cost of fresh pages, the
+  window (:func:`sum_capped_lines`). On a CPU whose profile measured the cost of fresh pages, the
   cache's keys and values, allocated anew each step, add their page faults from the size at which
-  glibc maps them anew (:func:`_fresh_pages_s`).
+  glibc maps them anew (:func:`fresh_pages_s`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def _touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
+def touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
     """Weight bytes one forward over ``tokens`` tokens reads (MoE: only the experts hit).
 
     A unit with weights but no FLOPs is a lookup table (an embedding): it reads one row per token.
@@ -143,28 +143,28 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
     return total
 
 
-def _measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
+def measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
     """The unit's calibrated prefill on ``device`` (its host time included), or None."""
     wl = ctx.workload
     measured = _calibrated(ctx, unit, device)
     return None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
 
 
-def _prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+def prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """The roofline of one forward of the unit over the prompt on ``device``: its kernels, no host time."""
     wl = ctx.workload
     tokens = wl.batch_size * wl.prompt_len
-    rows = _prefill_rows(ctx, unit)
+    rows = prefill_rows(ctx, unit)
     flops_s, bytes_s = _achieved(device, rows)
     base = _base_flops_per_token(unit, ctx.graph.meta.seq_len)
     causal_pairs = wl.prompt_len * (wl.prompt_len + 1) / 2
     flops = rows * base + wl.batch_size * unit.attn_flops_per_token_per_ctx * causal_pairs
-    touched = (_touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
+    touched = (touched_weight_bytes(unit, rows) + 2 * rows * unit.out_bytes_per_token
                + tokens * unit.kv_bytes_per_token)
     return max(flops / flops_s, touched / bytes_s)
 
 
-def _prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
+def prefill_rows(ctx: PricingContext, unit: UnitInfo) -> int:
     """Tokens the unit computes in the prefill: batch x prompt, but generate() asks the logits unit for the
     last position only (batch rows)."""
     wl = ctx.workload
@@ -176,14 +176,14 @@ def _last_logits_only(ctx: PricingContext, unit: UnitInfo) -> bool:
     return ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
 
 
-def _measured_decode_line(ctx: PricingContext, unit: UnitInfo, device: Device) -> tuple[float, float] | None:
+def measured_decode_line(ctx: PricingContext, unit: UnitInfo, device: Device) -> tuple[float, float] | None:
     """The unit's calibrated decode step on ``device`` at the first step's context, and its growth per step."""
     wl = ctx.workload
     measured = _calibrated(ctx, unit, device)
     return None if measured is None else measured.decode_line(wl.batch_size, unit.kv_tokens(wl.prompt_len + 1))
 
 
-def _decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
+def decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[tuple[float, float]]:
     """:func:`_decode_lines` without the host's time: the FLOPs line and the bytes line of the kernels."""
     wl = ctx.workload
     ctx0 = unit.kv_tokens(wl.prompt_len + 1)  # a sliding layer past its window starts (and stays) there
@@ -198,7 +198,7 @@ def _decode_roofline_lines(ctx: PricingContext, unit: UnitInfo, device: Device) 
     expanded = (unit.latent_expand_bytes_per_ctx or 0) + (
         unit.latent_expand_cpu_bytes_per_ctx or 0 if device.kind == "cpu" else 0)
     kv = batch * (CACHE_PASSES_PER_STEP * unit.kv_bytes_per_token + 2 * expanded)
-    touched = (_touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
+    touched = (touched_weight_bytes(unit, batch) + 2 * batch * unit.out_bytes_per_token + kv * ctx0, kv)
     return [(flops[0] / flops_s + overhead, flops[1] / flops_s + grows),
             (touched[0] / bytes_s + overhead, touched[1] / bytes_s + grows)]
 
@@ -214,7 +214,7 @@ def _expand_s_per_cached(unit: UnitInfo, device: Device, batch: int, ctx0: int) 
     return batch * flops / rate
 
 
-def _fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+def fresh_pages_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Seconds a CPU's decode steps spend getting new pages for a unit's grown KV cache, beside its passes.
 
     Every step's ``torch.cat`` allocates the layer's keys and values anew, and from
@@ -244,13 +244,13 @@ def contexts_at_least(ctx0: int, steps: int, window: int | None, floor: int) -> 
     return total
 
 
-def _kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> int:
+def kv_positions_read(unit: UnitInfo, ctx0: int, steps: int) -> int:
     """Cached positions per sequence the decode steps read in all: step t reads ``ctx0 + t``, a sliding layer
     at most its window."""
     return contexts_at_least(ctx0, steps, unit.kv_window_tokens, 0)
 
 
-def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
+def growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
     """Decode steps before a sliding layer's cache reaches its window, from which on every step reads the
     window (:func:`_decode_lines` start at the first step's context); None: the cache grows to the end."""
     if unit.kv_window_tokens is None:
@@ -258,7 +258,7 @@ def _growing_steps(unit: UnitInfo, workload: Workload) -> int | None:
     return unit.kv_window_tokens - unit.kv_tokens(workload.prompt_len + 1)
 
 
-def _sum_capped_lines(lines: Sequence[tuple[float, float]], steps: int, growing: int | None) -> float:
+def sum_capped_lines(lines: Sequence[tuple[float, float]], steps: int, growing: int | None) -> float:
     """:func:`_sum_max_lines` where step ``t`` is priced at ``min(t, growing)`` (None: never capped)."""
     if growing is None or growing >= steps:
         return _sum_max_lines(lines, steps)

@@ -76,15 +76,15 @@ from .kernels import (
     BANDWIDTH_EFFICIENCY,
     CACHE_PASSES_PER_STEP,
     COMPUTE_EFFICIENCY,
-    _decode_roofline_lines,
-    _fresh_pages_s,
-    _growing_steps,
-    _measured_decode_line,
-    _measured_prefill_s,
-    _prefill_roofline_s,
-    _sum_capped_lines,
     contexts_at_least,
+    decode_roofline_lines,
     expected_experts,
+    fresh_pages_s,
+    growing_steps,
+    measured_decode_line,
+    measured_prefill_s,
+    prefill_roofline_s,
+    sum_capped_lines,
 )
 from .memory import stream_buffers, workspace_bytes
 from .traffic import (
@@ -188,10 +188,10 @@ class OptionPrice:
 
 def _prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
     """Compute time of the unit over the whole prompt on ``device`` (training: a whole step)."""
-    measured = _measured_prefill_s(ctx, unit, device)
+    measured = measured_prefill_s(ctx, unit, device)
     if measured is not None:
         return measured
-    seconds = _prefill_roofline_s(ctx, unit, device) + ctx.host_s(unit, device, "prefill")
+    seconds = prefill_roofline_s(ctx, unit, device) + ctx.host_s(unit, device, "prefill")
     if ctx.workload.training:
         seconds *= _TRAIN_COMPUTE_FORWARDS[ctx.workload.activation_checkpointing]
     return seconds
@@ -202,11 +202,11 @@ def _decode_lines(ctx: PricingContext, unit: UnitInfo, device: Device) -> list[t
 
     A calibrated unit has one line: its measured step at the first context, growing with the context.
     """
-    measured = _measured_decode_line(ctx, unit, device)
+    measured = measured_decode_line(ctx, unit, device)
     if measured is not None:
         return [measured]
     host = ctx.host_s(unit, device, "decode")
-    return [(a + host, b) for a, b in _decode_roofline_lines(ctx, unit, device)]
+    return [(a + host, b) for a, b in decode_roofline_lines(ctx, unit, device)]
 
 
 def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str,
@@ -269,7 +269,7 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
             lines.append((copy, 0.0))
         else:
             lines = [(a + copy, b) for a, b in lines]
-        decode = _sum_capped_lines(lines, wl.decode_steps, _growing_steps(unit, wl)) + _fresh_pages_s(ctx, unit, device)
+        decode = sum_capped_lines(lines, wl.decode_steps, growing_steps(unit, wl)) + fresh_pages_s(ctx, unit, device)
     return prefill, decode, forwards * copy_prefill if apart else 0.0, copy_decode
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .context import PricingContext
-from .kernels import CACHE_PASSES_PER_STEP, _kv_positions_read, _prefill_rows, _touched_weight_bytes
+from .kernels import CACHE_PASSES_PER_STEP, kv_positions_read, prefill_rows, touched_weight_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
@@ -49,13 +49,13 @@ def host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution:
     steps = wl.decode_steps if unit.in_decode else 0
     device = ctx.machine[execution]
     if device.kind == "cpu":
-        rows = _prefill_rows(ctx, unit)
+        rows = prefill_rows(ctx, unit)
         kv = unit.kv_bytes_per_token * wl.batch_size
         # latent attention's expanded keys and values and the math path's copies: written, then read
         expanded = 2 * ((unit.latent_expand_bytes_per_ctx or 0) + (unit.latent_expand_cpu_bytes_per_ctx or 0)) * wl.batch_size
-        kv_read = (CACHE_PASSES_PER_STEP * kv + expanded) * _kv_positions_read(unit, wl.prompt_len + 1, steps)
-        return (_host_s(ctx, forwards * _touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
-                _host_s(ctx, steps * _touched_weight_bytes(unit, wl.batch_size) + kv_read))
+        kv_read = (CACHE_PASSES_PER_STEP * kv + expanded) * kv_positions_read(unit, wl.prompt_len + 1, steps)
+        return (_host_s(ctx, forwards * touched_weight_bytes(unit, rows) + kv * wl.prompt_len),
+                _host_s(ctx, steps * touched_weight_bytes(unit, wl.batch_size) + kv_read))
     if storage == execution:
         return 0.0, 0.0
     return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
@@ -71,7 +71,7 @@ def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     forwards = 2 if wl.training else 1
     steps = wl.decode_steps if unit.in_decode else 0
     if ctx.machine[execution].kind == "cpu":
-        read_prefill, read_decode = _touched_weight_bytes(unit, _prefill_rows(ctx, unit)), _touched_weight_bytes(unit, wl.batch_size)
+        read_prefill, read_decode = touched_weight_bytes(unit, prefill_rows(ctx, unit)), touched_weight_bytes(unit, wl.batch_size)
     else:
         read_prefill = read_decode = unit.weight_bytes
     return forwards * read_prefill / rate, steps * read_decode / rate
@@ -102,7 +102,7 @@ def round_trips(ctx: PricingContext, unit: UnitInfo, prefill_device: str, decode
     """The unit's round trips over a whole workload: (prefill, every decode step)."""
     wl = ctx.workload
     forwards = 2 if wl.training else 1
-    prefill = forwards * round_trip_s(ctx, unit, prefill_device, _prefill_rows(ctx, unit))
+    prefill = forwards * round_trip_s(ctx, unit, prefill_device, prefill_rows(ctx, unit))
     decode = wl.decode_steps * round_trip_s(ctx, unit, decode_device, wl.batch_size) if unit.in_decode else 0.0
     return prefill, decode
 
