@@ -106,7 +106,7 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
         model: a :class:`LayerGraph`, or anything :func:`placement_opt.trace` accepts (a model, a
             config, a preset name).
         devices: a ``Machine``, a list of ``Device``s or names, an accelerate ``max_memory`` dict or a
-            spec string; ``None`` detects this machine (in a distributed run: this rank's share).
+            spec string; ``None`` or ``"auto"`` detects this machine (in a distributed run: this rank's share).
         objective: ``"latency"`` (prefill + every decode step), ``"throughput"`` (slowest pipeline
             stage) or ``"memory"`` (least GPU memory within 5 % of the best latency).
         workload: batch, prompt and new tokens; default ``Workload()``.

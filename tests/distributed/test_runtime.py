@@ -471,6 +471,16 @@ def test_resolve_machine_detects_this_machine_when_none_given() -> None:
     assert all(d.is_gpu for d in machine.devices[:-2])
 
 
+@pytest.mark.parametrize("word", ["auto", " AUTO ", "Auto"])
+def test_auto_is_what_none_is_single_and_distributed(word: str) -> None:
+    """The CLI's ``--devices auto`` spelled in Python: this machine, or in a distributed run the rank's share (not
+    the whole host, which as_machine() alone would detect)."""
+    assert resolve_machine(word, SINGLE).names == resolve_machine(None, SINGLE).names
+    machine, note = _plan_for(word, DDP_CPU)  # detected sizes move with what else runs: names and halving only
+    assert machine.names == ["cpu", "disk"] and note.startswith("planned for rank 0 of 2 (DDP) only: no GPU, cpu ")
+    assert machine["cpu"].memory_bytes < resolve_machine(word, SINGLE)["cpu"].memory_bytes
+
+
 @pytest.mark.cuda
 def test_detect_context_counts_real_gpus() -> None:
     count = torch.cuda.device_count()

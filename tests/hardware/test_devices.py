@@ -7,6 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from placement_opt.errors import DeviceSpecError
+from placement_opt.hardware.detect import local_device_names
 from placement_opt.hardware.devices import DEFAULT_GPU_RESERVE_BYTES, Device, Machine
 from placement_opt.hardware.presets import PRESETS, did_you_mean
 from placement_opt.hardware.resolve import as_machine, parse_device_spec
@@ -87,6 +88,12 @@ def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
     listed = as_machine(["cpu", Device("disk", "1TB")])
     assert listed.names == ["cpu", "disk"] and listed["cpu"].memory_bytes > 0
     assert as_machine(spec) is spec
+    assert as_machine("auto").names == as_machine(local_device_names()).names  # the CLI's --devices auto
+
+
+def test_a_word_near_auto_is_still_an_unknown_device() -> None:
+    with pytest.raises(DeviceSpecError, match="unknown device name 'autos'"):
+        as_machine("autos")
 
 
 def test_round_trips_through_dicts() -> None:

@@ -152,10 +152,10 @@ def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
     Raises:
         click.BadParameter: the spec is malformed or the file is not a profile.
     """
-    from ..hardware.resolve import resolve_machine
+    from ..hardware.resolve import is_auto, resolve_machine
 
     try:
-        if spec.strip().lower() == "auto":  # this machine: every visible GPU, the CPU and the disk
+        if is_auto(spec):  # this machine: every visible GPU, the CPU and the disk (before a file named auto)
             return resolve_machine(None, dtype=dtype)
         path = Path(spec)
         if path.suffix.lower() == ".json" or path.is_file():

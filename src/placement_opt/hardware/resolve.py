@@ -2,8 +2,9 @@
 
 :func:`resolve_machine` is the one entry that ``solve()``, ``load()`` and the CLI use. It accepts
 what :func:`as_machine` accepts (a ``Machine``, a list of devices or names, an accelerate-style
-``max_memory`` dict, a spec string for :func:`parse_device_spec`) or ``None`` for this machine,
-and, in a distributed run, restricts the machine to one rank's share (:func:`local_machine`).
+``max_memory`` dict, a spec string for :func:`parse_device_spec`) or ``None`` (or ``"auto"``, as
+the CLI's ``--devices auto``) for this machine, and, in a distributed run, restricts the machine
+to one rank's share (:func:`local_machine`).
 
 The launch context is passed in (:class:`RankContext`, which
 :class:`~placement_opt.distributed.context.RuntimeContext` satisfies): this layer sits below
@@ -37,6 +38,11 @@ __all__ = [
 _SHARE_TAG = "per-rank share"
 
 
+def is_auto(devices: Any) -> bool:
+    """Whether ``devices`` is the word ``"auto"`` (any case, spaces around): this machine, detected."""
+    return isinstance(devices, str) and devices.strip().lower() == "auto"
+
+
 class RankContext(Protocol):
     """What :func:`resolve_machine` reads of a launch context (``RuntimeContext`` has it all)."""
 
@@ -54,7 +60,7 @@ def resolve_machine(devices: Any = None, context: RankContext | None = None, *,
     """The machine to plan for in this process.
 
     In a single process (``context`` None or not distributed) this is ``as_machine(devices)``, or
-    this machine's visible GPUs, CPU and disk when ``devices`` is None. In a distributed run the
+    this machine's visible GPUs, CPU and disk when ``devices`` is None or ``"auto"``. In a distributed run the
     devices the user names must not include another rank's GPU (:func:`check_no_cross_rank_split`),
     and the machine is restricted to the rank's own GPU plus its share of CPU RAM and disk
     (:func:`local_machine`); without ``devices`` the rank's own device, CPU and disk are detected.
@@ -65,7 +71,7 @@ def resolve_machine(devices: Any = None, context: RankContext | None = None, *,
         resolve_machine(None, current_context(), dtype="bfloat16")  # this rank's share
 
     Args:
-        devices: anything :func:`as_machine` accepts, or None to detect this machine.
+        devices: anything :func:`as_machine` accepts, or None (``"auto"`` alike) to detect this machine.
         context: the launch context (``placement_opt.distributed.context.current_context()``);
             None means a single process.
         dtype: the model dtype, for detected and preset devices' FLOP/s.
@@ -74,6 +80,8 @@ def resolve_machine(devices: Any = None, context: RankContext | None = None, *,
         DeviceSpecError: ``devices`` is malformed, names a GPU this process does not see, or (in a
             distributed run) names another rank's GPU.
     """
+    if is_auto(devices):
+        devices = None  # in a distributed run, None is the rank's share: not the whole host as_machine() sees
     if context is None or not context.is_distributed:
         return as_machine(local_device_names() if devices is None else devices, dtype=dtype)
     if devices is not None:
@@ -167,8 +175,8 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
 
     Accepts a ``Machine``; a list of ``Device``s and/or names (names are detected locally);
     an accelerate ``max_memory`` dict (``{0: "20GiB", "cpu": "64GiB"}``; GPUs get the default
-    GPU preset's speeds unless this machine has them); or a spec string for
-    :func:`parse_device_spec`.
+    GPU preset's speeds unless this machine has them); a spec string for
+    :func:`parse_device_spec`; or ``"auto"``: this machine's visible GPUs, CPU and disk, detected.
 
     Raises:
         DeviceSpecError: the value is none of these; the message shows the accepted forms.
@@ -177,6 +185,8 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
         return devices
     if isinstance(devices, Device):
         return Machine([devices])
+    if is_auto(devices):
+        return as_machine(local_device_names(), dtype=dtype)
     if isinstance(devices, str):
         return parse_device_spec(devices, dtype=dtype)
     if isinstance(devices, Mapping):
