@@ -164,10 +164,13 @@ def test_a_missing_file_says_which_and_what_to_give(tmp_path):
 def test_text_that_is_not_json_is_refused_with_the_position(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text('{"schema_version": 1,', encoding="utf-8")
-    with pytest.raises(PlanFormatError, match=r"plan\.json' is not JSON \(.* at line 1, column 22\)"):
+    with pytest.raises(PlanFormatError, match=r"plan\.json' is not JSON \(.*: line 1, column 22\)"):
         Plan.from_json(str(path))
     with pytest.raises(PlanFormatError, match="the plan text is not JSON"):
         Plan.from_json("{oops")
+    path.write_text('{"model_name": "llama', encoding="utf-8")  # json's message ends "starting at"
+    with pytest.raises(PlanFormatError, match=r"\(Unterminated string starting at: line 1, column 16\) \(the text ends"):
+        Plan.from_json(str(path))
 
 
 @pytest.mark.parametrize("field", ["model_name", "placements", "machine", "cost", "gap"])

@@ -143,7 +143,7 @@ def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Pla
         ends_early = (err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
                       or re.fullmatch(r"[\w.+-]+", text[err.pos:].strip()) is not None)
         truncated = " (the text ends early: was the file cut off?)" if ends_early else ""
-        raise PlanFormatError(f"{where} is not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        raise PlanFormatError(f"{where} is not JSON ({err.msg}: line {err.lineno}, column {err.colno})"
                               f"{truncated}: give a file written by Plan.to_json()") from err
     return read_plan(cls, data, where)
 

@@ -289,7 +289,7 @@ class LayerGraph:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PlanFormatError(f"the layer graph text is not JSON ({err.msg} at line {err.lineno}, column "
+            raise PlanFormatError(f"the layer graph text is not JSON ({err.msg}: line {err.lineno}, column "
                                   f"{err.colno}): give what LayerGraph.to_json() wrote") from err
         return cls.from_dict(data)
 
