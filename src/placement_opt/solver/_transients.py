@@ -177,6 +177,7 @@ class RunTransients:
         self.copies: dict[tuple[str, str], int] = {}  # (phase, device) -> the current run's copies
         self.chains: dict[tuple[str, str], _Chain] = {}
         self.twice: dict[tuple[str, str], int] = {}  # the largest done run's value + its copies (its least next)
+        self.now: dict[str, int] = {}  # device -> its transient as placed so far (_total), until the next enter/add
 
     def enter(self, unit: int) -> None:
         if self.run_of[unit] == self.run:
@@ -186,6 +187,7 @@ class RunTransients:
             self._chain(key).close(value, copies)
             self.twice[key] = max(self.twice.get(key, NONE), value + copies)
         self.run, self.own, self.copies = self.run_of[unit], {}, {}
+        self.now = {}
 
     def _chain(self, key: tuple[str, str]) -> _Chain:
         if key not in self.chains:
@@ -226,10 +228,17 @@ class RunTransients:
         earlier runs' next copies are this run's instead of the first run's)."""
         own, copies = self._after(o)
         devices = {d for _, d in own.keys() | copies.keys()}
-        return {d: self._total(d, {**self.own, **own}, {**self.copies, **copies}) - self._total(d, self.own, self.copies)
-                for d in devices}
+        merged_own, merged_copies = {**self.own, **own}, {**self.copies, **copies}
+        return {d: self._total(d, merged_own, merged_copies) - self._now(d) for d in devices}
+
+    def _now(self, d: str) -> int:
+        # the greedy asks every option of a unit what it grows: the state before them is the same for all
+        if d not in self.now:
+            self.now[d] = self._total(d, self.own, self.copies)
+        return self.now[d]
 
     def add(self, o: PlacementOption) -> None:
         own, copies = self._after(o)
         self.own.update(own)
         self.copies.update(copies)
+        self.now = {}

@@ -302,20 +302,21 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
         lead = tied_to.get(u.name)
         # the least (disallowed, off its tie, without room, work_ns, index): options in work order, the first
         # that is allowed, tied right and fits ends the scan (most units: the first or second option)
-        best, least = 0, None
+        best, least, best_adds = 0, None, None
         order = by_work.get(id(u.options))
         if order is None:
             order = by_work[id(u.options)] = sorted(range(len(u.options)), key=lambda i: (u.options[i].work_ns, i))
         for i in order:
             o = u.options[i]
+            adds = _adds(o, peak, groups) if o.mode == "phased" or groups is not None else None
             flaws = (not problem.allows(u, o), lead in storage and o.storage != storage[lead],
-                     not _room_for(o, free, peak, reserve, groups))
+                     not _room_for(o, free, peak, reserve, adds))
             if least is None or flaws < least:
-                best, least = i, flaws
+                best, least, best_adds = i, flaws, adds
                 if not any(flaws):
                     break
         o = u.options[best]
-        for d, added in _adds(o, peak, groups).items():
+        for d, added in (_adds(o, peak, groups) if best_adds is None else best_adds).items():
             free[d] -= added
         if groups is not None:
             groups.add(o)
@@ -328,13 +329,13 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
 
 
 def _room_for(o: PlacementOption, free: dict[str, int], peak: dict[str, int], reserve: dict[str, int],
-              groups: RunTransients | None) -> bool:
+              adds: dict[str, int] | None) -> bool:
     """Whether :func:`greedy_choice` has room for ``o``: its bytes fit in what is ``free`` beside the transient
-    ``peak`` each device holds, resident weights leaving the GPU's ``reserve``."""
+    ``peak`` each device holds, resident weights leaving the GPU's ``reserve``. ``adds`` is :func:`_adds` where the
+    caller needs it (transients on two devices, or counted per copy run), else None."""
     kept = reserve[o.storage] if o.storage == o.execution else 0  # resident weights leave the reserve
-    if o.mode == "phased" or groups is not None:  # transients on two devices, or counted per copy run
-        return all(added + (kept if d == o.storage else 0) <= free[d]
-                   for d, added in _adds(o, peak, groups).items())
+    if adds is not None:
+        return all(added + (kept if d == o.storage else 0) <= free[d] for d, added in adds.items())
     extra_peak = max(0, o.peak_bytes - peak[o.execution])  # the common case, inline (5 x 11,000 calls)
     if o.storage == o.execution:
         return o.stored_bytes + o.resident_bytes + extra_peak + kept <= free[o.storage]
