@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true",
                         help="every workload with overlap=True (streamed copies beside the units before them)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="Markdown report (default: RESULTS.md beside this script for the full grid, none else)")
+                        help="Markdown report (default: RESULTS.md beside this script for the full grid without "
+                             "--overlap, none else)")
     parser.add_argument("--json", type=Path, default=None, help="every cell as JSON (the format of before.json)")
     parser.add_argument("--compare", type=lambda s: Path(s) if s else None, default=BEFORE if BEFORE.exists() else None,
                         help="a recorded --json run: report cells whose plan is worse (default: before.json; '' for none)")
@@ -517,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
-    out = args.out or (HERE / "RESULTS.md" if not (args.quick or args.only or args.module or args.sublayer or args.host)
-                       else None)
+    variant = args.quick or args.only or args.module or args.sublayer or args.host or args.overlap
+    out = args.out or (None if variant else HERE / "RESULTS.md")  # RESULTS.md records the plain grid only
     if out:
         out.write_text(text)
     if args.json:
