@@ -232,7 +232,14 @@ def test_alternating_units_get_the_grouped_relaxation_from_fewer_units_than_runs
     alternating = [(10, 20), (30, 40)]
     above, at = _relaxing.GROUP_WITHOUT_RUNS_ABOVE + 1, _relaxing.GROUP_WITHOUT_RUNS_ABOVE
     assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(above)])) == ["grouped"]
-    assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(at)])) == []
+    # fewer units: grouped where like units repeat (Gemma-2's sliding and global layers), not where each is alone
+    assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(at)])) == ["grouped"]
+    assert _relaxation_kinds(_chain([alternating[i % 2] for i in range(4)])) == ["grouped"]
+    distinct = [(10 * 2**i, 20 * 2**i) for i in range(12)]  # work apart by more than relax.TIME_STEP: 12 groups
+    assert _relaxation_kinds(_chain(distinct)) == []
+    assert _relaxing.GROUP_REPEATS_SHARE == 0.5  # 12 units: grouped in 6 groups, not in 7
+    assert _relaxation_kinds(_chain(distinct[:6] * 2)) == ["grouped"]
+    assert _relaxation_kinds(_chain(distinct[:7] + distinct[:5])) == []
     # the same size with a run of identical layers: counted as a run, grouped only above GROUP_ABOVE
     assert above <= _relaxing.GROUP_ABOVE
     assert _relaxation_kinds(_chain([(10, 20)] * above)) == ["runs"]
