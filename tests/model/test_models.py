@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
 
 from placement_opt.model import catalog as models
+from placement_opt.model.graph import LayerGraph
 from placement_opt.model.tracer import trace
 
 REQUIRED = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b",
@@ -76,10 +79,16 @@ def test_unknown_name_lists_the_known_ones() -> None:
     assert models.model_config(" Llama-3-8B ").hidden_size == 4096
 
 
+@functools.cache
+def _traced(name: str) -> LayerGraph:
+    """The preset traced once for the tests below (a few seconds for all of them)."""
+    return trace(name, seq_len=8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", REQUIRED)
 def test_every_preset_traces_on_meta(name: str) -> None:
-    graph = trace(name, seq_len=8)
+    graph = _traced(name)
     graph.validate()
     assert graph.meta.traced
     # the graph's weights are the preset's parameters at the config's dtype, tied ones counted once
@@ -99,7 +108,6 @@ def test_every_presets_block_graph_gets_a_relaxation_bound(name: str) -> None:
     from placement_opt.solver.edges import prune_edges
 
     machine = parse_device_spec("cuda:0=rtx-4090,cuda:1=rtx-3090,cpu=64GiB,disk=nvme-gen4/2TB")
-    problem = build_problem(trace(models.model_config(name)), machine,
-                            Workload(batch_size=1, prompt_len=8064, new_tokens=128))
+    problem = build_problem(_traced(name), machine, Workload(batch_size=1, prompt_len=8064, new_tokens=128))
     assert relaxations_for(prune_edges(problem), []), f"{name}: {len(problem.units)} units and no relaxation"
 
