@@ -124,7 +124,8 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             generation's threshold is raised, and restored on return), so that scanning a large traced
             graph does not take the search's time.
         seed: CP-SAT's random seed.
-        contiguous: each device stores one contiguous range of units (pipeline stages).
+        contiguous: each device stores one contiguous range of units (pipeline stages); such solves often need
+            more than the default second to come close to their optimum (docs/limitations.md).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
             (default 0.1 %: the cost model is not more accurate than that); ``0`` uses the whole limit.
         workers: CP-SAT search workers. ``1`` is reproducible: the search ends on a deterministic-time
