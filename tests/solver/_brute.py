@@ -127,7 +127,9 @@ def reference_valid(problem, choice):
         return False
     if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
         return False
-    runs = [k for k, _ in itertools.groupby(o.storage for o in chosen)]
+    # contiguity holds over the units that store bytes: a unit storing nothing may sit anywhere
+    storing = [o.storage for u, o in zip(problem.units, chosen, strict=True) if any(x.stored_bytes for x in u.options)]
+    runs = [k for k, _ in itertools.groupby(storing)]
     return not problem.contiguous or len(runs) == len(set(runs))
 
 

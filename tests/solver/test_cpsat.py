@@ -59,7 +59,7 @@ def valid(problem, choice):
         if len({chosen[problem.index()[n]].storage for n in g}) > 1:
             return False
     if problem.contiguous:
-        order = [o.storage for o in chosen]
+        order = [o.storage for u, o in zip(problem.units, chosen, strict=True) if any(x.stored_bytes for x in u.options)]
         runs = [k for k, _ in itertools.groupby(order)]
         if len(runs) != len(set(runs)):
             return False

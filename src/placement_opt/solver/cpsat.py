@@ -259,11 +259,12 @@ class PlacementModel(_MemoryRows, _LatencyRows):
                     self.model.add(self._on(first, dev, "storage") == self._on(self.index[name], dev, "storage"))
 
     def _contiguous_storage(self) -> None:
-        # Each device stores one contiguous range of units: at most one range opens on it.
+        # Each device stores one contiguous range of the units with bytes of their own
+        # (PlacementProblem.stored_units): at most one range opens on it.
         if not self.p.contiguous:
             return
         for dev in self.devices:
-            self.model.add(sum(self._range_starts(range(len(self.p.units)), dev, "storage", "start")) <= 1)
+            self.model.add(sum(self._range_starts(self.p.stored_units, dev, "storage", "start")) <= 1)
 
     def _identical_devices_in_order(self, classes: Sequence[Sequence[str]]) -> None:
         # Symmetry breaking (see symmetry.py): used[d, i] is 1 once some unit <= i stores or computes

@@ -173,7 +173,9 @@ class PlacementProblem:
     pins: Mapping[str, str] = field(default_factory=dict)
     """Unit name -> required storage device."""
     contiguous: bool = False
-    """Each device stores one contiguous range of units (in execution order)."""
+    """Each device stores one contiguous range of the units that store bytes of their own (:attr:`stored_units`, in
+    execution order). A tied group's later members store none (their group's first member holds the weights):
+    they may compute anywhere, as the last stage of a pipeline computes a tied output head."""
     copy_groups: tuple[tuple[str, ...], ...] = ()
     """Runs of consecutive units (in execution order) whose streamed weights the prefetch thread copies as
     one (a sublayer graph's parts of one decoder layer): :func:`stalls` with ``runs``. Units in no group
@@ -310,7 +312,14 @@ class PlacementProblem:
         index = self.index()
         if any(len({chosen[index[n]].storage for n in group}) > 1 for group in self.tied_groups):
             return False
-        return not self.contiguous or _one_range_per_device([o.storage for o in chosen])
+        return not self.contiguous or _one_range_per_device([chosen[i].storage for i in self.stored_units])
+
+    @functools.cached_property
+    def stored_units(self) -> tuple[int, ...]:
+        """Indices of the units that some option stores bytes for, in execution order: those ``contiguous``
+        keeps in one range per device. A tied group's later members store nothing of their own, and a
+        tied embedding's output head would otherwise force the whole model onto the embedding's device."""
+        return tuple(i for i, u in enumerate(self.units) if any(o.stored_bytes for o in u.options))
 
     def schedule(self, chosen: Sequence[PlacementOption], key: str,
                  rounded: Callable[[int], int] | None = None) -> tuple[list[int], dict[str, int]]:

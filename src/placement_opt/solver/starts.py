@@ -307,7 +307,7 @@ def fits(problem: PlacementProblem, choice: Sequence[int]) -> bool:
     index = problem.index()
     if any(len({chosen[index[n]].storage for n in g}) > 1 for g in problem.tied_groups):
         return False
-    return not problem.contiguous or _one_range_each([o.storage for o in chosen])
+    return not problem.contiguous or _one_range_each([chosen[i].storage for i in problem.stored_units])
 
 
 def _one_range_each(storage: Sequence[str]) -> bool:
@@ -349,7 +349,8 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
                 refused[pair] = min(added, refused.get(pair, added))
                 continue
             current[i], before = k, current[i]
-            if problem.contiguous and not _one_range_each([o.storage for o in problem.options(current)]):
+            if problem.contiguous and not _one_range_each([problem.units[j].options[current[j]].storage
+                                                           for j in problem.stored_units]):
                 memory.move(i, new, old)
                 current[i] = before
                 continue
