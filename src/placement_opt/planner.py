@@ -124,8 +124,10 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
             generation's threshold is raised, and restored on return), so that scanning a large traced
             graph does not take the search's time.
         seed: CP-SAT's random seed.
-        contiguous: each device stores one contiguous range of units (pipeline stages); such solves often need
-            more than the default second to come close to their optimum (docs/limitations.md).
+        contiguous: each device stores one contiguous range of the units that store weights (pipeline stages; a
+            tied output head may compute anywhere). The same problem without contiguity is solved first, for its
+            bound and its plan reordered into a start; batch-16 solves on full GPUs may still need more than the
+            default second (docs/limitations.md).
         gap_limit: CP-SAT stops once its plan is proven within this fraction of the optimum
             (default 0.1 %: the cost model is not more accurate than that); ``0`` uses the whole limit.
         workers: CP-SAT search workers. ``1`` is reproducible: the search ends on a deterministic-time

@@ -26,6 +26,12 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   would leave the full model less than twice what it takes to build and load (:data:`FULL_S_PER_TERM` per
   unit and edge), the last relaxation gets all the time, and the full model is not built with less than
   that once left;
+* a ``contiguous`` problem (each device stores one range) first solves itself without contiguity, like any
+  problem, for :data:`FREE_SHARE` of the time (:func:`_free_start`): a relaxation whose bound is reported
+  with the others', and whose plan, its runs of like units reordered by storage and its other units moved
+  next to their device's range (:func:`~.ranged.contiguous_start`), starts the rest when valid and better.
+  Without it, the contiguous model had no relaxation below ``GROUP_ABOVE`` units (its runs are not
+  counted: order is what the constraint is about);
 * under overlap (some option copies beside the compute, the latency objective, units free to move), the
   full solve's start is first polished (:func:`~.polish.polish`: swaps of like units and moves to options
   their likes use, from the start and from the start re-ordered per phase, priced exactly, for up to
@@ -73,6 +79,7 @@ from .edges import prune_edges
 from .greedy import best_greedy_choice
 from .polish import polish
 from .problem import OBJECTIVES, PlacementProblem
+from .ranged import contiguous_start
 from .reductions import block_groups, coarsen, coarsen_groups, part_groups, prefer_resident
 from .symmetry import identical_devices, relabel
 
@@ -112,6 +119,9 @@ LOAD_SHARE = 0.75
 #: (about 0.9 s for a module-level 70B's 724 units and 963 edges). With less than twice that left, the
 #: full model would not search at all: the relaxations get the time instead.
 FULL_S_PER_TERM = 0.0005
+#: Share of the time left that a ``contiguous`` problem gives the same problem without contiguity (:func:`_free_start`):
+#: its bound bounds the contiguous one, and its plan, reordered, starts the contiguous model.
+FREE_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,11 +225,14 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     # layered: a sublayer problem's layer-granular plan: joins the starts after the relaxations
     (hint, hint_ok), coarse_units, layered = _restricted_start(problem, objective, run, (hint, hint_ok),
                                                                latency_cap_ns, deadline, notes)
+    free, (hint, hint_ok) = _free_start(problem, objective, run, (hint, hint_ok), latency_cap_ns, deadline, notes)
     classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
     relaxations = relaxations_for(problem, classes)
     full_s = FULL_S_PER_TERM * (n + len(problem.edges))
     relaxed, (hint, hint_ok) = run_relaxations(problem, objective, relaxations, run, (hint, hint_ok),
                                                 latency_cap_ns, (deadline, full_s), notes)
+    relaxed = Found([], "INFEASIBLE" if "INFEASIBLE" in (free.status, relaxed.status) else relaxed.status,
+                    max(free.bound, relaxed.bound))
     hint, hint_ok = _full_start(problem, objective, run, (hint, hint_ok), layered, relaxed, (deadline, full_s))
     found = _full_solve(problem, objective, run, (hint, hint_ok), latency_cap_ns, relaxed, classes, (deadline, full_s))
     if not found.choice and not hint_ok:
@@ -266,6 +279,28 @@ def _restricted_start(problem: PlacementProblem, objective: str, run: Run, start
             notes.append(f"{STARTED_FROM}the best plan that moves each layer's parts together ({len(blocks)} "
                          f"super-units) as well; the bound is the full problem's")
     return (hint, hint_ok), coarse_units, layered
+
+
+def _free_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
+                latency_cap_ns: int | None, deadline: float, notes: list[str]) -> tuple[Found, tuple[list[int], bool]]:
+    """A ``contiguous`` problem's relaxation without contiguity, solved like any problem for :data:`FREE_SHARE` of
+    the time: (its status and proven bound, a bound of ``problem`` too; the start, replaced by the free plan
+    made contiguous (:func:`~.ranged.contiguous_start`) when that is valid and no worse). Other problems: nothing."""
+    hint, hint_ok = start
+    if not problem.contiguous:
+        return Found([], "UNKNOWN", 0), start
+    span = FREE_SHARE * (deadline - time.perf_counter())
+    found = _solve(dataclasses.replace(problem, contiguous=False), objective, span,
+                   dataclasses.replace(run, t0=time.perf_counter()), hint, latency_cap_ns)
+    notes.append(f"{BOUND_FROM}the same problem without contiguity")
+    if found.feasible:
+        choice = contiguous_start(problem, found.choice, objective, deadline)
+        if choice is not None and problem.satisfies(choice) and within_cap(problem, choice, latency_cap_ns) and (
+                not hint_ok or problem.objective_value(choice, objective) < problem.objective_value(hint, objective)):
+            hint, hint_ok = choice, True
+            notes.append(f"{STARTED_FROM}the plan without contiguity, each run of like units reordered by storage"
+                         " and fixed units moved next to their device's range")
+    return Found([], found.status if found.status == "INFEASIBLE" else "UNKNOWN", found.best_bound), (hint, hint_ok)
 
 
 def _full_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],

@@ -1,0 +1,196 @@
+"""A plan without contiguity made into one with it: a start, and through its free solve a bound, for
+``contiguous`` problems.
+
+Torch-free. A ``contiguous`` problem (each device stores one range of units) is the same problem as
+without contiguity plus one constraint, so the free problem's proven bound bounds it too, and the free
+problem is the easy one: its runs of identical decoder layers are what the aggregated relaxation counts
+(:mod:`.aggregate`), while the contiguous model has no relaxation below :data:`~._relaxing.GROUP_ABOVE`
+units. What the free plan lacks is the order: :func:`ranged` reorders it.
+
+Units next to each other with the same placements on offer and the same weights (a run of decoder
+layers, not tied or pinned) may trade placements: any order of the same placements stores the same bytes
+on every device, and computes about the same work (the first layer's prices may differ a little from the
+others'); the transfers between them and the order of the copies change. The caller prices the result
+exactly. So within each such segment the placements are sorted by storage device: the devices of the
+units before the segment first (the nearest last), the devices of the units after it last (the nearest
+first), the others in between in the order the plan first stores on them.
+
+The units outside the segments (embedding, rotary tables, final norm, output head) cannot trade, and often
+break the ranges on their own: an embedding kept on the CPU while the CPU's layers sit mid-model.
+:func:`contiguous_start` then moves such units one at a time (with the units tied to it) onto the storage
+device of the stored unit before or after it, or onto a device that stores nothing yet, each to its cheapest
+option there (the same execution device where it has one); where the move does not fit, it makes it once more
+with room: segment units on the target device moved to the fixed unit's old device, one after another until
+it fits (the room a 1 GB output head needs on a full GPU: one layer's). It goes best first, from the plan tried with the
+fewest extra ranges and the lowest price, never to more ranges and never back to a plan already seen, for
+at most :data:`MOST_TRIED` moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+from .problem import PlacementOption, PlacementProblem
+from .starts import fits
+
+__all__ = ["contiguous_start", "ranged", "segments", "MOST_TRIED", "MOST_MADE_ROOM"]
+
+#: Most moves :func:`contiguous_start` tries (each one move of a fixed unit from a plan tried before) before it
+#: gives up. The block graphs of the solve_time models need up to a few dozen; a sublayer graph, whose units are
+#: all fixed (no two neighbours alike), offers hundreds per plan and rarely gets there.
+MOST_TRIED = 300
+#: Most segment units :func:`_made_room` moves off a device to make room for one fixed unit: Qwen2-72B's 2.5 GB
+#: embedding takes two of its layers' room on an A100-40GB holding batch 16's KV cache.
+MOST_MADE_ROOM = 4
+
+
+def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective: str,
+                     until: float | None = None) -> list[int] | None:
+    """``choice`` (a plan without contiguity) made valid for the ``contiguous`` problem: :func:`ranged`, then moves
+    of fixed units (module docstring), fewest extra ranges then lowest ``objective`` first; None when
+    :data:`MOST_TRIED` moves, or the time until ``until`` (``time.perf_counter()``), got nowhere. Checked for
+    memory, pins, ties and contiguity (:func:`~.starts.fits`); the caller compares its price."""
+    free = dataclasses.replace(problem, contiguous=False)
+    segs = segments(problem)
+    fixed = sorted(set(problem.stored_units).difference(*(range(a, b) for a, b in segs)))
+    first = ranged(problem, choice, segs)
+    if not fits(free, first):
+        return None
+    tried = itertools.count()
+    frontier = [(_extra_ranges(problem, first), 0, next(tried), first)]
+    seen = {tuple(first)}
+    while frontier:
+        extra, _, _, current = heapq.heappop(frontier)
+        if not extra:
+            return current
+        for moved in _moves(problem, free, current, fixed, segs):
+            if next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
+                return None
+            moved = ranged(problem, moved, segs)
+            if tuple(moved) not in seen and (fewer := _extra_ranges(problem, moved)) <= extra and fits(free, moved):
+                heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(tried), moved))
+            seen.add(tuple(moved))
+    return None
+
+
+def segments(problem: PlacementProblem) -> list[tuple[int, int]]:
+    """``(first, end)`` ranges of two or more consecutive units that may trade placements: the same placements
+    on offer (:func:`_key`), the same largest stored bytes, none tied or pinned."""
+    special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    kinds = [None if u.name in special else (frozenset(map(_key, u.options)), max(o.stored_bytes for o in u.options))
+             for u in problem.units]
+    out: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] is None or kinds[i] != kinds[first]:
+            if i - first > 1 and kinds[first] is not None:
+                out.append((first, i))
+            first = i
+    return out
+
+
+def ranged(problem: PlacementProblem, choice: Sequence[int],
+           segs: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """``choice`` with each segment's placements sorted by storage device, so that every device stores one
+    range where the segments alone break them (module docstring). Not checked: the caller does. ``segs``:
+    :func:`segments` of ``problem`` when the caller has them."""
+    out = list(choice)
+    stored = set(problem.stored_units)
+    for first, end in segments(problem) if segs is None else segs:
+        units = problem.units[first:end]
+        keys = [_key(u.options[c]) for u, c in zip(units, out[first:end], strict=True)]
+        seen = list(dict.fromkeys(k[0] for k in keys))
+        rank = {d: j for j, d in enumerate(seen)}
+        # devices stored after the segment go last, the nearest first; those before it first, the nearest last
+        after = _stored_on(problem, out, stored, range(end, len(problem.units)))
+        before = _stored_on(problem, out, stored, range(first - 1, -1, -1))
+        rank.update({d: len(seen) + j for j, d in enumerate(after) if d in seen})
+        rank.update({d: -1 - j for j, d in enumerate(before) if d in seen})
+        keys.sort(key=lambda k: rank[k[0]])  # stable: each device's placements keep their order
+        out[first:end] = [next(j for j, o in enumerate(u.options) if _key(o) == k) for u, k in zip(units, keys, strict=True)]
+    return out
+
+
+def _key(option: PlacementOption) -> tuple[str, str, str, str | None]:
+    """What a placement is, apart from its prices."""
+    return option.storage, option.execution, option.mode, option.prefill_execution
+
+
+def _stored_on(problem: PlacementProblem, choice: Sequence[int], stored: set[int], around: range) -> list[str]:
+    """The storage devices of the units in ``around`` that store bytes, each once, in the order first met."""
+    return list(dict.fromkeys(problem.units[i].options[choice[i]].storage for i in around if i in stored))
+
+
+def _storage(problem: PlacementProblem, choice: Sequence[int]) -> list[tuple[int, str]]:
+    return [(i, problem.units[i].options[choice[i]].storage) for i in problem.stored_units]
+
+
+def _extra_ranges(problem: PlacementProblem, choice: Sequence[int]) -> int:
+    """Ranges of stored units beyond one per device."""
+    devices = [d for d, _ in itertools.groupby(d for _, d in _storage(problem, choice))]
+    return len(devices) - len(set(devices))
+
+
+def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[int], fixed: Sequence[int],
+           segs: Sequence[tuple[int, int]]) -> Iterator[list[int]]:
+    """``choice`` with one fixed unit moved onto the storage device of the stored unit before or after it, or onto
+    a device that stores nothing yet (a disk: a range of its own); where that does not fit, also with room made
+    for it (:func:`_made_room`)."""
+    storage = dict(_storage(problem, choice))
+    order = list(storage)
+    where = {i: k for k, i in enumerate(order)}
+    unused = [d.name for d in problem.devices if d.name not in storage.values()]
+    for i in fixed:
+        k = where[i]
+        nearby = [storage[order[j]] for j in (k - 1, k + 1) if 0 <= j < len(order)]
+        for device in dict.fromkeys(nearby + unused):
+            if device != storage[i] and (moved := _moved(problem, choice, i, device)) is not None:
+                yield moved
+                if not fits(free, moved) and (room := _made_room(problem, free, moved, device, storage[i], segs)):
+                    yield room
+
+
+def _made_room(problem: PlacementProblem, free: PlacementProblem, choice: list[int], device: str, other: str,
+               segs: Sequence[tuple[int, int]]) -> list[int] | None:
+    """``choice`` with as few segment units stored on ``device`` as it takes (up to :data:`MOST_MADE_ROOM`) moved
+    to ``other`` (room on ``device`` for the fixed unit just moved there), each to the placement a segment unit
+    stored there has, else to its cheapest option there; None when that does not fit either."""
+    for first, end in segs:
+        units = problem.units[first:end]
+        here = [first + k for k, (u, c) in enumerate(zip(units, choice[first:end], strict=True))
+                if u.options[c].storage == device]
+        there = [_key(u.options[c]) for u, c in zip(units, choice[first:end], strict=True) if u.options[c].storage == other]
+        out = list(choice)
+        for i in reversed(here[-MOST_MADE_ROOM:]):
+            options = problem.units[i].options
+            on_other = [j for j, o in enumerate(options) if (_key(o) == there[0] if there else o.storage == other)]
+            if not on_other:
+                break
+            out[i] = min(on_other, key=lambda j: _work(options[j]))
+            if fits(free, out):
+                return out
+    return None
+
+
+def _moved(problem: PlacementProblem, choice: Sequence[int], unit: int, device: str) -> list[int] | None:
+    """``unit`` (and the units tied to it) stored on ``device``, or None when one has no option there."""
+    index = problem.index()
+    names = {problem.units[unit].name}
+    names.update(*(g for g in problem.tied_groups if names.intersection(g)))
+    out = list(choice)
+    for name in names:
+        i = index[name]
+        spec, now = problem.units[i], problem.units[i].options[choice[i]]
+        there = [k for k, o in enumerate(spec.options) if o.storage == device and problem.allows(spec, o)]
+        if not there:
+            return None
+        out[i] = min(there, key=lambda k: (spec.options[k].execution != now.execution, _work(spec.options[k])))
+    return out
+
+
+def _work(option: PlacementOption) -> int:
+    return option.prefill_ns + option.decode_ns

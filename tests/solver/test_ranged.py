@@ -1,0 +1,128 @@
+"""Contiguous problems: storage ranges over the units that store bytes, and the start made from a plan without
+contiguity (solver/ranged.py), checked against the brute-force reference of validity."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+
+from _brute import reference_optimum, reference_valid
+from _problems import problems
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from placement_opt.solver import search
+from placement_opt.solver.problem import (
+    DeviceSpec,
+    EdgeSpec,
+    PlacementOption,
+    PlacementProblem,
+    UnitSpec,
+)
+from placement_opt.solver.ranged import contiguous_start, ranged, segments
+
+
+def _key(option):
+    return option.storage, option.execution, option.mode, option.prefill_execution
+
+
+def _option(device, stored, work=10):
+    return PlacementOption(storage=device, execution=device, mode="resident", prefill_ns=work, decode_ns=work,
+                           stored_bytes=stored, resident_bytes=0, peak_bytes=0)
+
+
+def _chain(menus, capacities, **fields):
+    units = tuple(UnitSpec(name=name, options=menu) for name, menu in menus)
+    edges = tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(units))
+    devices = tuple(DeviceSpec(name=d, kind="cpu" if d == "cpu" else "gpu", capacity_bytes=c)
+                    for d, c in capacities.items())
+    return PlacementProblem(units=units, edges=edges, devices=devices, contiguous=True, **fields)
+
+
+def _storage(problem, choice):
+    return [u.options[c].storage for u, c in zip(problem.units, choice, strict=True)]
+
+
+def _layers(n, devices, stored=2):
+    menu = tuple(_option(d, stored) for d in devices)
+    return [(f"layer{i}", menu) for i in range(n)]
+
+
+def test_a_unit_that_stores_nothing_does_not_break_a_range():
+    # A tied output head stores no bytes of its own (its embedding holds them): on the embedding's device at the
+    # end of the model it breaks no range, or a tied model could only be stored whole on one device.
+    devices = ("cuda:0", "cuda:1")
+    head = ("head", tuple(_option(d, 0) for d in devices))
+    problem = _chain([("embed", tuple(_option(d, 1) for d in devices)), *_layers(4, devices), head],
+                     {"cuda:0": 10, "cuda:1": 10}, tied_groups=(("embed", "head"),))
+    choice = [0, 0, 0, 1, 1, 0]  # embed, two layers on cuda:0, two on cuda:1, the head computed on cuda:0
+    assert problem.satisfies(choice) and reference_valid(problem, choice)
+    broken = [0, 0, 1, 0, 1, 0]  # a layer on cuda:0 between two on cuda:1 still breaks it
+    assert not problem.satisfies(broken) and not reference_valid(problem, broken)
+
+
+def test_fixed_units_move_next_to_their_range_and_a_layer_makes_room():
+    # The free plan keeps the embedding and the head on the CPU and the CPU's layers mid-model. Reordered, the
+    # CPU's layers follow the embedding; the head cannot join the full cuda:1 alone, so one cuda:1 layer moves
+    # to the CPU to make room for it.
+    devices = ("cuda:0", "cuda:1", "cpu")
+    ends = tuple(_option(d, 1) for d in devices)
+    problem = _chain([("embed", ends), *_layers(6, devices), ("head", ends)], {"cuda:0": 4, "cuda:1": 4, "cpu": 100})
+    free = [2, 0, 2, 1, 2, 0, 1, 2]
+    assert dataclasses.replace(problem, contiguous=False).satisfies(free) and not problem.satisfies(free)
+    start = contiguous_start(problem, free, "latency")
+    assert start is not None and reference_valid(problem, start)
+    assert _storage(problem, start) == ["cpu"] * 4 + ["cuda:0"] * 2 + ["cuda:1"] * 2
+
+
+@settings(max_examples=200)
+@given(problems(run=True), st.data())
+def test_ranged_trades_placements_within_segments_only(problem, data):
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = ranged(problem, choice)
+    inside = {i for a, b in segments(problem) for i in range(a, b)}
+    assert [out[i] for i in range(len(out)) if i not in inside] == [choice[i] for i in range(len(out)) if i not in inside]
+    for a, b in segments(problem):
+        before = collections.Counter(_key(problem.units[i].options[choice[i]]) for i in range(a, b))
+        after = collections.Counter(_key(problem.units[i].options[out[i]]) for i in range(a, b))
+        assert before == after  # the same placements, reordered
+        stored = [device for device, _ in itertools.groupby(problem.units[i].options[out[i]].storage
+                                                            for i in range(a, b))]
+        assert len(stored) == len(set(stored))  # each device's placements side by side
+
+
+@settings(max_examples=200)
+@given(problems(run=True), st.data())
+def test_the_start_is_valid_for_the_contiguous_problem(problem, data):
+    contiguous = dataclasses.replace(problem, contiguous=True)
+    free = dataclasses.replace(problem, contiguous=False)
+    choice = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    assume(free.satisfies(choice))
+    start = contiguous_start(contiguous, choice, "latency")
+    if start is not None:
+        assert reference_valid(contiguous, start)
+
+
+def test_the_start_gives_up_when_its_time_is_up():
+    devices = ("cuda:0", "cuda:1", "cpu")
+    ends = tuple(_option(d, 1) for d in devices)
+    problem = _chain([("embed", ends), *_layers(6, devices), ("head", ends)], {"cuda:0": 4, "cuda:1": 4, "cpu": 100})
+    free = [2, 0, 2, 1, 2, 0, 1, 2]  # needs moves (above)
+    assert contiguous_start(problem, free, "latency", until=time.perf_counter() - 1) is None
+
+
+def test_a_contiguous_solve_is_proven_by_the_plan_without_contiguity():
+    # Contiguity costs nothing here: the free optimum, reordered, is the contiguous optimum, and the free solve's
+    # bound proves it (the contiguous model alone has no relaxation below 150 units).
+    devices = ("cuda:0", "cuda:1", "cpu")
+    menu = tuple(_option(d, 2, work) for d, work in zip(devices, (10, 12, 200), strict=True))
+    ends = tuple(_option(d, 1) for d in devices)
+    problem = _chain([("embed", ends), *[(f"layer{i}", menu) for i in range(6)], ("head", ends)],
+                     {"cuda:0": 5, "cuda:1": 5, "cpu": 100})
+    sol = search.solve_problem(problem, "latency", time_limit_s=5.0, workers=1)
+    best = reference_optimum(problem, "latency")
+    assert sol.objective_value == best and sol.best_bound <= best
+    assert sol.gap <= search.GAP_LIMIT
+    assert any(note.endswith("without contiguity") for note in sol.notes)
