@@ -23,6 +23,7 @@ Usage::
     python benchmarks/solve_time/run.py --module        # module-granularity 7B and 70B graphs, limit 2 s
     python benchmarks/solve_time/run.py --sublayer      # sublayer graphs of 8B, Mixtral, 70B and 72B, limit 1 s
     python benchmarks/solve_time/run.py --overlap --out benchmarks/solve_time/OVERLAP.md   # Workload(overlap=True)
+    python benchmarks/solve_time/run.py --contiguous --out benchmarks/solve_time/CONTIGUOUS.md  # solve(contiguous=True)
     python benchmarks/solve_time/run.py --host --overlap --out benchmarks/solve_time/HOST.md  # the profiled H100 host
     python benchmarks/solve_time/run.py --compare benchmarks/solve_time/before.json   # the default when present
 """
@@ -191,10 +192,13 @@ def _config(name: str):
         return config
 
 
-def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | None, seed: int = 0) -> Run:
+def _solve(graph, machine: Machine, workload: Workload, time_limit_s: float | None, seed: int = 0,
+           contiguous: bool = False) -> Run:
     kwargs = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
     if seed:
         kwargs["seed"] = seed
+    if contiguous:
+        kwargs["contiguous"] = True
     t0 = time.perf_counter()
     try:
         plan = solve(graph, machine, workload=workload, **kwargs)
@@ -297,10 +301,10 @@ def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]
         if args.overlap:  # the opt-in pricing of copies beside every unit before them (not in older checkouts)
             wl = dataclasses.replace(wl, overlap=True)
         limit = MODULE_TIME_LIMIT_S if model.endswith("/module") else None
-        cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit, args.seed),
+        cell = Cell(model, machine, workload, len(graph), _solve(graph, make(), wl, limit, args.seed, args.contiguous),
                     limit_s=limit or 1.0)
         if not args.no_resolve and _needs_again(cell.first):
-            cell.again = _solve(graph, make(), wl, RESOLVE_S, args.seed)
+            cell.again = _solve(graph, make(), wl, RESOLVE_S, args.seed, args.contiguous)
         recorded = (before or {}).get(cell.key)
         if recorded and recorded["first"].get("runs"):
             cell.recorded_now, cell.recorded_note = _reprice(graph, make(), wl, recorded["first"]["runs"])
@@ -501,13 +505,18 @@ def main(argv: list[str] | None = None) -> int:
                              "shows how much a cell's gap at the limit owes to the search's luck")
     parser.add_argument("--overlap", action="store_true",
                         help="every workload with overlap=True (streamed copies beside the units before them)")
+    parser.add_argument("--contiguous", action="store_true",
+                        help="every solve with contiguous=True (each device stores one range of units)")
     parser.add_argument("--out", type=Path, default=None,
                         help="Markdown report (default: RESULTS.md beside this script for the full grid without "
-                             "--overlap, none else)")
+                             "--overlap or --contiguous, none else)")
     parser.add_argument("--json", type=Path, default=None, help="every cell as JSON (the format of before.json)")
-    parser.add_argument("--compare", type=lambda s: Path(s) if s else None, default=BEFORE if BEFORE.exists() else None,
-                        help="a recorded --json run: report cells whose plan is worse (default: before.json; '' for none)")
+    parser.add_argument("--compare", type=lambda s: Path(s) if s else None, default=argparse.SUPPRESS,
+                        help="a recorded --json run: report cells whose plan is worse (default: before.json, the plain "
+                             "grid's, when present and without --contiguous, whose plans it does not record; '' for none)")
     args = parser.parse_args(argv)
+    if "compare" not in args:  # not given
+        args.compare = BEFORE if BEFORE.exists() and not args.contiguous else None
     load_start = os.getloadavg()[0]
     recorded = json.loads(args.compare.read_text()) if args.compare else None
     before = {_key(c): c for c in recorded["cells"]} if recorded else None
@@ -518,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
-    variant = args.quick or args.only or args.module or args.sublayer or args.host or args.overlap
+    variant = args.quick or args.only or args.module or args.sublayer or args.host or args.overlap or args.contiguous
     out = args.out or (None if variant else HERE / "RESULTS.md")  # RESULTS.md records the plain grid only
     if out:
         out.write_text(text)
