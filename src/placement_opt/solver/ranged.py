@@ -17,13 +17,14 @@ first), the others in between in the order the plan first stores on them.
 
 The units outside the segments (embedding, rotary tables, final norm, output head) cannot trade, and often
 break the ranges on their own: an embedding kept on the CPU while the CPU's layers sit mid-model.
-:func:`contiguous_start` then moves such units one at a time (with the units tied to it) onto the storage
-device of the stored unit before or after it, or onto a device that stores nothing yet, each to its cheapest
-option there (the same execution device where it has one); where the move does not fit, it makes it once more
-with room: segment units on the target device moved to the fixed unit's old device, one after another until
-it fits (the room a 1 GB output head needs on a full GPU: one layer's). It goes best first, from the plan tried with the
-fewest extra ranges and the lowest price, never to more ranges and never back to a plan already seen, for
-at most :data:`MOST_TRIED` moves.
+:func:`contiguous_start` then moves such a unit, or a run of them next to each other (with the units tied to
+them), onto the storage device of the stored unit before or after it, or onto a device that stores nothing
+yet, each to its cheapest option there (the same execution device where it has one); where the move does not
+fit, it makes it once more with room: segment units on the target device moved to the device the run's
+largest unit left, one after another until it fits (the room a 1 GB output head needs on a full GPU: one
+layer's). It goes best first, from the plan tried with the fewest extra ranges and the lowest price, to plans
+with at most one range more (a move that makes room often breaks a range the next move mends) and never back
+to a plan already seen, and returns the cheapest valid plan met within :data:`MOST_TRIED` moves.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ from .starts import fits
 
 __all__ = ["contiguous_start", "ranged", "segments", "MOST_TRIED", "MOST_FIXED", "MOST_MADE_ROOM"]
 
-#: Most moves :func:`contiguous_start` tries (each one move of a fixed unit from a plan tried before) before it
-#: gives up. The block graphs of the solve_time models need up to a few dozen.
-MOST_TRIED = 300
+#: Moves :func:`contiguous_start` tries (each one move of fixed units from a plan tried before): all of them unless
+#: time runs out, as the first valid plan met is seldom the cheapest. On the block graphs of the solve_time grid
+#: they take 1-130 ms (300 took twice that for the same plans); the grid went from 146 to 150 of 165 cells within
+#: 1 % at 1 s against stopping at the first valid plan (Llama-3-70B on 8x L4, batch 16: a start of 117.2 s against
+#: 154.4 s, where the plan without contiguity prices 115.7 s).
+MOST_TRIED = 150
 #: Most fixed units :func:`contiguous_start` moves among. A sublayer or module graph has a fixed unit wherever
 #: neighbours differ (attention, then MLP): hundreds of moves per plan, tried for 0.07-0.23 s of a 1 s solve on
 #: the sublayer graphs of Llama-3-8B, Mixtral-8x7B and Llama-3-70B, none of them to a valid plan.
@@ -54,31 +58,33 @@ MOST_MADE_ROOM = 4
 def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective: str,
                      until: float | None = None) -> list[int] | None:
     """``choice`` (a plan without contiguity) made valid for the ``contiguous`` problem: :func:`ranged`, then moves
-    of fixed units (module docstring), fewest extra ranges then lowest ``objective`` first; None when
-    :data:`MOST_TRIED` moves, or the time until ``until`` (``time.perf_counter()``), got nowhere, or when the reordered
-    plan is not valid and more than :data:`MOST_FIXED` units are fixed. Checked for
-    memory, pins, ties and contiguity (:func:`~.starts.fits`); the caller compares its price."""
+    of fixed units (module docstring); the cheapest valid plan met (by ``objective``), or None when none was met
+    within :data:`MOST_TRIED` moves and the time until ``until`` (``time.perf_counter()``), or when the reordered
+    plan is not valid and more than :data:`MOST_FIXED` units are fixed. Checked for memory, pins, ties and
+    contiguity (:func:`~.starts.fits`); the caller compares its price."""
     free = dataclasses.replace(problem, contiguous=False)
     segs = segments(problem)
     fixed = sorted(set(problem.stored_units).difference(*(range(a, b) for a, b in segs)))
     first = ranged(problem, choice, segs)
     if not fits(free, first) or (len(fixed) > MOST_FIXED and _extra_ranges(problem, first)):
         return None
-    tried = itertools.count()
-    frontier = [(_extra_ranges(problem, first), 0, next(tried), first)]
+    tried, pushed = itertools.count(), itertools.count()  # moves tried; order of equal plans in the heap
+    frontier = [(_extra_ranges(problem, first), 0, next(pushed), first)]
     seen = {tuple(first)}
+    best: tuple[int, list[int]] | None = None  # (price, plan) of the cheapest valid plan met
     while frontier:
-        extra, _, _, current = heapq.heappop(frontier)
+        extra, value, _, current = heapq.heappop(frontier)
         if not extra:
-            return current
+            best = (value, current) if best is None or value < best[0] else best
+            continue
         for moved in _moves(problem, free, current, fixed, segs):
             if next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
-                return None
+                return best[1] if best else None
             moved = ranged(problem, moved, segs)
-            if tuple(moved) not in seen and (fewer := _extra_ranges(problem, moved)) <= extra and fits(free, moved):
-                heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(tried), moved))
+            if tuple(moved) not in seen and (fewer := _extra_ranges(problem, moved)) <= extra + 1 and fits(free, moved):
+                heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(pushed), moved))
             seen.add(tuple(moved))
-    return None
+    return best[1] if best else None
 
 
 def segments(problem: PlacementProblem) -> list[tuple[int, int]]:
@@ -141,21 +147,29 @@ def _extra_ranges(problem: PlacementProblem, choice: Sequence[int]) -> int:
 
 def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[int], fixed: Sequence[int],
            segs: Sequence[tuple[int, int]]) -> Iterator[list[int]]:
-    """``choice`` with one fixed unit moved onto the storage device of the stored unit before or after it, or onto
-    a device that stores nothing yet (a disk: a range of its own); where that does not fit, also with room made
-    for it (:func:`_made_room`)."""
+    """``choice`` with one fixed unit, or a run of fixed units next to each other, moved onto the storage device of
+    the stored unit before or after it, or onto a device that stores nothing yet (a disk: a range of its own);
+    where that does not fit, also with room made for it (:func:`_made_room`)."""
     storage = dict(_storage(problem, choice))
     order = list(storage)
     where = {i: k for k, i in enumerate(order)}
     unused = [d.name for d in problem.devices if d.name not in storage.values()]
-    for i in fixed:
-        k = where[i]
-        nearby = [storage[order[j]] for j in (k - 1, k + 1) if 0 <= j < len(order)]
+    runs = [[i] for i in fixed] + [r for r in _fixed_runs(order, set(fixed)) if len(r) > 1]
+    for run in runs:
+        first, last = where[run[0]], where[run[-1]]
+        nearby = [storage[order[j]] for j in (first - 1, last + 1) if 0 <= j < len(order)]
+        # the device the run's largest unit leaves: where the room made for it goes
+        left = storage[max(run, key=lambda i: max(o.stored_bytes for o in problem.units[i].options))]
         for device in dict.fromkeys(nearby + unused):
-            if device != storage[i] and (moved := _moved(problem, choice, i, device)) is not None:
+            if any(storage[i] != device for i in run) and (moved := _moved(problem, choice, run, device)) is not None:
                 yield moved
-                if not fits(free, moved) and (room := _made_room(problem, free, moved, device, storage[i], segs)):
+                if not fits(free, moved) and (room := _made_room(problem, free, moved, device, left, segs)):
                     yield room
+
+
+def _fixed_runs(order: Sequence[int], fixed: set[int]) -> list[list[int]]:
+    """The runs of fixed units next to each other in ``order`` (the stored units)."""
+    return [list(group) for is_fixed, group in itertools.groupby(order, key=fixed.__contains__) if is_fixed]
 
 
 def _made_room(problem: PlacementProblem, free: PlacementProblem, choice: list[int], device: str, other: str,
@@ -180,10 +194,10 @@ def _made_room(problem: PlacementProblem, free: PlacementProblem, choice: list[i
     return None
 
 
-def _moved(problem: PlacementProblem, choice: Sequence[int], unit: int, device: str) -> list[int] | None:
-    """``unit`` (and the units tied to it) stored on ``device``, or None when one has no option there."""
+def _moved(problem: PlacementProblem, choice: Sequence[int], units: Sequence[int], device: str) -> list[int] | None:
+    """``units`` (and the units tied to them) stored on ``device``, or None when one has no option there."""
     index = problem.index()
-    names = {problem.units[unit].name}
+    names = {problem.units[i].name for i in units}
     names.update(*(g for g in problem.tied_groups if names.intersection(g)))
     out = list(choice)
     for name in names:
