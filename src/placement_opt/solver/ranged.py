@@ -71,20 +71,22 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
     tried, pushed = itertools.count(), itertools.count()  # moves tried; order of equal plans in the heap
     frontier = [(_extra_ranges(problem, first), 0, next(pushed), first)]
     seen = {tuple(first)}
-    best: tuple[int, list[int]] | None = None  # (price, plan) of the cheapest valid plan met
-    while frontier:
+    valid: list[tuple[int, list[int]]] = []  # (price, plan) of the valid plans met
+    out_of_moves = False
+    while frontier and not out_of_moves:
         extra, value, _, current = heapq.heappop(frontier)
         if not extra:
-            best = (value, current) if best is None or value < best[0] else best
+            valid.append((value, current))
             continue
         for moved in _moves(problem, free, current, fixed, segs):
-            if next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
-                return best[1] if best else None
+            if out_of_moves := next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
+                break
             moved = ranged(problem, moved, segs)
             if tuple(moved) not in seen and (fewer := _extra_ranges(problem, moved)) <= extra + 1 and fits(free, moved):
                 heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(pushed), moved))
             seen.add(tuple(moved))
-    return best[1] if best else None
+    valid += [(value, plan) for extra, value, _, plan in frontier if not extra]  # met, not yet popped
+    return min(valid, key=lambda found: found[0])[1] if valid else None
 
 
 def segments(problem: PlacementProblem) -> list[tuple[int, int]]:
