@@ -91,9 +91,9 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
 
 def segments(problem: PlacementProblem) -> list[tuple[int, int]]:
     """``(first, end)`` ranges of two or more consecutive units that may trade placements: the same placements
-    on offer (:func:`_key`), the same largest stored bytes, none tied or pinned."""
+    on offer (:attr:`~.specs.PlacementOption.kind`), the same largest stored bytes, none tied or pinned."""
     special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
-    kinds = [None if u.name in special else (frozenset(map(_key, u.options)), max(o.stored_bytes for o in u.options))
+    kinds = [None if u.name in special else (frozenset(o.kind for o in u.options), max(o.stored_bytes for o in u.options))
              for u in problem.units]
     out: list[tuple[int, int]] = []
     first = 0
@@ -114,7 +114,7 @@ def ranged(problem: PlacementProblem, choice: Sequence[int],
     stored = set(problem.stored_units)
     for first, end in segments(problem) if segs is None else segs:
         units = problem.units[first:end]
-        keys = [_key(u.options[c]) for u, c in zip(units, out[first:end], strict=True)]
+        keys = [u.options[c].kind for u, c in zip(units, out[first:end], strict=True)]
         seen = list(dict.fromkeys(k[0] for k in keys))
         rank = {d: j for j, d in enumerate(seen)}
         # devices stored after the segment go last, the nearest first; those before it first, the nearest last
@@ -123,13 +123,8 @@ def ranged(problem: PlacementProblem, choice: Sequence[int],
         rank.update({d: len(seen) + j for j, d in enumerate(after) if d in seen})
         rank.update({d: -1 - j for j, d in enumerate(before) if d in seen})
         keys.sort(key=lambda k: rank[k[0]])  # stable: each device's placements keep their order
-        out[first:end] = [next(j for j, o in enumerate(u.options) if _key(o) == k) for u, k in zip(units, keys, strict=True)]
+        out[first:end] = [next(j for j, o in enumerate(u.options) if o.kind == k) for u, k in zip(units, keys, strict=True)]
     return out
-
-
-def _key(option: PlacementOption) -> tuple[str, str, str, str | None]:
-    """What a placement is, apart from its prices."""
-    return option.storage, option.execution, option.mode, option.prefill_execution
 
 
 def _stored_on(problem: PlacementProblem, choice: Sequence[int], stored: set[int], around: range) -> list[str]:
@@ -183,11 +178,11 @@ def _made_room(problem: PlacementProblem, free: PlacementProblem, choice: list[i
         units = problem.units[first:end]
         here = [first + k for k, (u, c) in enumerate(zip(units, choice[first:end], strict=True))
                 if u.options[c].storage == device]
-        there = [_key(u.options[c]) for u, c in zip(units, choice[first:end], strict=True) if u.options[c].storage == other]
+        there = [u.options[c].kind for u, c in zip(units, choice[first:end], strict=True) if u.options[c].storage == other]
         out = list(choice)
         for i in reversed(here[-MOST_MADE_ROOM:]):
             options = problem.units[i].options
-            on_other = [j for j, o in enumerate(options) if (_key(o) == there[0] if there else o.storage == other)]
+            on_other = [j for j, o in enumerate(options) if (o.kind == there[0] if there else o.storage == other)]
             if not on_other:
                 break
             out[i] = min(on_other, key=lambda j: _work(options[j]))

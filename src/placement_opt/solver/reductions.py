@@ -46,12 +46,8 @@ TRANSIENT_UNITS = 12
 
 
 # -- coarsening: merge runs of chain units with the same menu and the same hinted option --------
-def _kind(o: PlacementOption) -> tuple[str, str, str, str | None]:
-    return (o.storage, o.execution, o.mode, o.prefill_execution)
-
-
 def _menu_key(u: UnitSpec) -> tuple[tuple[str, str, str, str | None], ...]:
-    return tuple(map(_kind, u.options))
+    return tuple(o.kind for o in u.options)
 
 
 def coarsen_groups(problem: PlacementProblem, hint: Sequence[int], target: int) -> list[list[int]]:
@@ -371,14 +367,14 @@ def _like_units(problem: PlacementProblem) -> list[list[int]]:
         if u.name not in fixed:
             key = keys.get(id(u.options))
             if key is None:
-                key = keys[id(u.options)] = tuple(sorted((*_kind(o), o.stored_bytes) for o in u.options))
+                key = keys[id(u.options)] = tuple(sorted((*o.kind, o.stored_bytes) for o in u.options))
             classes.setdefault(key, []).append(i)
     return list(classes.values())
 
 
 def _same_kind(problem: PlacementProblem, unit: int, opt: PlacementOption) -> int:
     """The index of ``unit``'s option of ``opt``'s kind."""
-    return next(k for k, m in enumerate(problem.units[unit].options) if _kind(m) == _kind(opt))
+    return next(k for k, m in enumerate(problem.units[unit].options) if m.kind == opt.kind)
 
 
 def _cheapest_move(problem: PlacementProblem, choice: Sequence[int], dev: str) -> tuple[int, int] | None:

@@ -82,6 +82,12 @@ class PlacementOption:
         check_option(self, MODES, GROUP_BUFFERS)
 
     @property
+    def kind(self) -> tuple[str, str, str, str | None]:
+        """What the placement is apart from its prices: storage, execution, mode and prefill device. Units of one
+        kind of layer offer the same kinds at different prices (the first layer's edges differ)."""
+        return self.storage, self.execution, self.mode, self.prefill_execution
+
+    @property
     def group_device(self) -> str:
         """Where the option's ``group_copy_bytes`` land: a phased option's prefill GPU, else its execution."""
         return self.prefill_execution if self.prefill_execution is not None else self.execution

@@ -22,10 +22,6 @@ __all__ = ["identical_devices", "relabel", "first_use"]
 _Key = tuple[str, str, str, str | None]
 
 
-def _key(o: PlacementOption) -> _Key:
-    return (o.storage, o.execution, o.mode, o.prefill_execution)
-
-
 def _numbers(o: PlacementOption) -> tuple[int, ...]:
     return (o.prefill_ns, o.decode_ns, o.stored_bytes, o.resident_bytes, o.peak_bytes, o.prefill_peak_bytes,
             o.copy_prefill_ns, o.copy_decode_ns, o.host_prefill_ns, o.host_decode_ns, o.disk_prefill_ns, o.disk_decode_ns,
@@ -57,7 +53,7 @@ def identical_devices(problem: PlacementProblem) -> list[list[str]]:
 def _menu(options: Sequence[PlacementOption]) -> dict[_Key, list[tuple[int, ...]]]:
     menu: dict[_Key, list[tuple[int, ...]]] = {}
     for o in options:
-        menu.setdefault(_key(o), []).append(_numbers(o))
+        menu.setdefault(o.kind, []).append(_numbers(o))
     return {k: sorted(v) for k, v in menu.items()}
 
 
@@ -118,5 +114,5 @@ def relabel(problem: PlacementProblem, choice: Sequence[int], classes: Sequence[
         o = u.options[c]
         want = (rename.get(o.storage, o.storage), rename.get(o.execution, o.execution), o.mode,
                 None if o.prefill_execution is None else rename.get(o.prefill_execution, o.prefill_execution))
-        out.append(next(k for k, p in enumerate(u.options) if _key(p) == want and _numbers(p) == _numbers(o)))
+        out.append(next(k for k, p in enumerate(u.options) if p.kind == want and _numbers(p) == _numbers(o)))
     return out
