@@ -68,6 +68,7 @@ run copies more than the next.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -312,7 +313,12 @@ class PlacementProblem:
         index = self.index()
         if any(len({chosen[index[n]].storage for n in group}) > 1 for group in self.tied_groups):
             return False
-        return not self.contiguous or _one_range_per_device([chosen[i].storage for i in self.stored_units])
+        return not self.contiguous or not self.extra_ranges(chosen)
+
+    def extra_ranges(self, chosen: Sequence[PlacementOption]) -> int:
+        """Ranges of :attr:`stored_units` beyond one per storage device: 0 when ``chosen`` meets ``contiguous``."""
+        devices = [d for d, _ in itertools.groupby(chosen[i].storage for i in self.stored_units)]
+        return len(devices) - len(set(devices))
 
     @functools.cached_property
     def stored_units(self) -> tuple[int, ...]:
@@ -460,14 +466,3 @@ def spine(problem: PlacementProblem) -> set[int]:
         if not jumped and last_source <= u <= first_sink:
             out.add(u)
     return out
-
-
-def _one_range_per_device(storage: Sequence[str]) -> bool:
-    """True when every device's units form one contiguous range of the sequence."""
-    seen: list[str] = []
-    for device in storage:
-        if not seen or seen[-1] != device:
-            if device in seen:
-                return False
-            seen.append(device)
-    return True

@@ -66,10 +66,10 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
     segs = segments(problem)
     fixed = sorted(set(problem.stored_units).difference(*(range(a, b) for a, b in segs)))
     first = ranged(problem, choice, segs)
-    if not fits(free, first) or (len(fixed) > MOST_FIXED and _extra_ranges(problem, first)):
+    if not fits(free, first) or (len(fixed) > MOST_FIXED and problem.extra_ranges(problem.options(first))):
         return None
     tried, pushed = itertools.count(), itertools.count()  # moves tried; order of equal plans in the heap
-    frontier = [(_extra_ranges(problem, first), 0, next(pushed), first)]
+    frontier = [(problem.extra_ranges(problem.options(first)), 0, next(pushed), first)]
     seen = {tuple(first)}
     valid: list[tuple[int, list[int]]] = []  # (price, plan) of the valid plans met
     out_of_moves = False
@@ -82,7 +82,7 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
             if out_of_moves := next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
                 break
             moved = ranged(problem, moved, segs)
-            if tuple(moved) not in seen and (fewer := _extra_ranges(problem, moved)) <= extra + 1 and fits(free, moved):
+            if tuple(moved) not in seen and (fewer := problem.extra_ranges(problem.options(moved))) <= extra + 1 and fits(free, moved):
                 heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(pushed), moved))
             seen.add(tuple(moved))
     valid += [(value, plan) for extra, value, _, plan in frontier if not extra]  # met, not yet popped
@@ -134,12 +134,6 @@ def _stored_on(problem: PlacementProblem, choice: Sequence[int], stored: set[int
 
 def _storage(problem: PlacementProblem, choice: Sequence[int]) -> list[tuple[int, str]]:
     return [(i, problem.units[i].options[choice[i]].storage) for i in problem.stored_units]
-
-
-def _extra_ranges(problem: PlacementProblem, choice: Sequence[int]) -> int:
-    """Ranges of stored units beyond one per device."""
-    devices = [d for d, _ in itertools.groupby(d for _, d in _storage(problem, choice))]
-    return len(devices) - len(set(devices))
 
 
 def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[int], fixed: Sequence[int],

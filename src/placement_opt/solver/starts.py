@@ -307,13 +307,7 @@ def fits(problem: PlacementProblem, choice: Sequence[int]) -> bool:
     index = problem.index()
     if any(len({chosen[index[n]].storage for n in g}) > 1 for g in problem.tied_groups):
         return False
-    return not problem.contiguous or _one_range_each([chosen[i].storage for i in problem.stored_units])
-
-
-def _one_range_each(storage: Sequence[str]) -> bool:
-    """True when every device's units form one contiguous range of the execution order."""
-    runs = [d for k, d in enumerate(storage) if k == 0 or storage[k - 1] != d]
-    return len(runs) == len(set(runs))
+    return not problem.contiguous or not problem.extra_ranges(chosen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,8 +343,7 @@ def _fill(problem: PlacementProblem, current: list[int], passes: int) -> None:
                 refused[pair] = min(added, refused.get(pair, added))
                 continue
             current[i], before = k, current[i]
-            if problem.contiguous and not _one_range_each([problem.units[j].options[current[j]].storage
-                                                           for j in problem.stored_units]):
+            if problem.contiguous and problem.extra_ranges(problem.options(current)):
                 memory.move(i, new, old)
                 current[i] = before
                 continue
