@@ -18,13 +18,18 @@ first), the others in between in the order the plan first stores on them.
 The units outside the segments (embedding, rotary tables, final norm, output head) cannot trade, and often
 break the ranges on their own: an embedding kept on the CPU while the CPU's layers sit mid-model.
 :func:`contiguous_start` then moves such a unit, or a run of them next to each other (with the units tied to
-them), onto the storage device of the stored unit before or after it, or onto a device that stores nothing
-yet, each to its cheapest option there (the same execution device where it has one); where the move does not
-fit, it makes it once more with room: segment units on the target device moved to the device the run's
-largest unit left, one after another until it fits (the room a 1 GB output head needs on a full GPU: one
-layer's). It goes best first, from the plan tried with the fewest extra ranges and the lowest price, to plans
-with at most one range more (a move that makes room often breaks a range the next move mends) and never back
-to a plan already seen, and returns the cheapest valid plan met within :data:`MOST_TRIED` moves.
+them), onto the storage device of the stored unit before or after it, or onto a device that stores nothing yet
+(from the first plan, a run at either end of the model onto any device: the segment next to it reorders to suit,
+as when an embedding joins the GPU whose layers then come first), each to its cheapest option there (the same
+execution device where it has one); where the move does not fit, it makes it once more with room: segment units
+on the target device moved to the device the run's largest unit left (else to the first device with room that
+takes them: a full CPU leaves the disk), one after another until it fits (the room a 1 GB output head needs on a
+full GPU: one layer's). A reordered plan can be over a device the free plan fitted (streamed layers' copy buffers
+depend on their neighbours): it is not valid, but moves start from it, and room is made the same way on any
+device a move leaves over its capacity. It goes best first, from the plan tried with the fewest extra ranges and
+the lowest price, to plans with at most one range more (a move that makes room often breaks a range the next move
+mends) and never back to a plan already seen, and returns the cheapest valid plan met within :data:`MOST_TRIED`
+moves.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from .problem import PlacementOption, PlacementProblem
 from .starts import fits
@@ -66,7 +71,8 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
     segs = segments(problem)
     fixed = sorted(set(problem.stored_units).difference(*(range(a, b) for a, b in segs)))
     first = ranged(problem, choice, segs)
-    if not fits(free, first) or (len(fixed) > MOST_FIXED and problem.extra_ranges(problem.options(first))):
+    fitted = fits(free, first)  # a reorder can overrun a device by its copy buffers: moves may mend it
+    if len(fixed) > MOST_FIXED and not (fitted and not problem.extra_ranges(problem.options(first))):
         return None
     tried, pushed = itertools.count(), itertools.count()  # moves tried; order of equal plans in the heap
     frontier = [(problem.extra_ranges(problem.options(first)), 0, next(pushed), first)]
@@ -75,17 +81,17 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
     out_of_moves = False
     while frontier and not out_of_moves:
         extra, value, _, current = heapq.heappop(frontier)
-        if not extra:
+        if not extra and (fitted or current is not first):
             valid.append((value, current))
             continue
-        for moved in _moves(problem, free, current, fixed, segs):
+        for moved in _moves(problem, free, current, fixed, segs, wide=current is first):
             if out_of_moves := next(tried) > MOST_TRIED or (until is not None and time.perf_counter() > until):
                 break
             moved = ranged(problem, moved, segs)
             if tuple(moved) not in seen and (fewer := problem.extra_ranges(problem.options(moved))) <= extra + 1 and fits(free, moved):
                 heapq.heappush(frontier, (fewer, problem.objective_value(moved, objective), next(pushed), moved))
             seen.add(tuple(moved))
-    valid += [(value, plan) for extra, value, _, plan in frontier if not extra]  # met, not yet popped
+    valid += [(value, plan) for extra, value, _, plan in frontier if not extra and (fitted or plan is not first)]
     return min(valid, key=lambda found: found[0])[1] if valid else None
 
 
@@ -137,7 +143,7 @@ def _storage(problem: PlacementProblem, choice: Sequence[int]) -> list[tuple[int
 
 
 def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[int], fixed: Sequence[int],
-           segs: Sequence[tuple[int, int]]) -> Iterator[list[int]]:
+           segs: Sequence[tuple[int, int]], wide: bool = False) -> Iterator[list[int]]:
     """``choice`` with one fixed unit, or a run of fixed units next to each other, moved onto the storage device of
     the stored unit before or after it, or onto a device that stores nothing yet (a disk: a range of its own);
     where that does not fit, also with room made for it (:func:`_made_room`)."""
@@ -151,11 +157,29 @@ def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[i
         nearby = [storage[order[j]] for j in (first - 1, last + 1) if 0 <= j < len(order)]
         # the device the run's largest unit leaves: where the room made for it goes
         left = storage[max(run, key=lambda i: max(o.stored_bytes for o in problem.units[i].options))]
-        for device in dict.fromkeys(nearby + unused):
+        # from the first plan, a run at either end of the model may also go to any device: its segment neighbours
+        # reorder to suit (an embedding moved to the GPU whose layers come first)
+        ends = [d.name for d in problem.devices] if wide and (first == 0 or last == len(order) - 1) else []
+        for device in dict.fromkeys(nearby + unused + ends):
             if any(storage[i] != device for i in run) and (moved := _moved(problem, choice, run, device)) is not None:
                 yield moved
-                if not fits(free, moved) and (room := _made_room(problem, free, moved, device, left, segs)):
-                    yield room
+                if not fits(free, moved):
+                    yield from _rooms(problem, free, moved, device, left, segs)
+
+
+def _rooms(problem: PlacementProblem, free: PlacementProblem, choice: list[int], device: str, left: str,
+           segs: Sequence[tuple[int, int]]) -> Iterator[list[int]]:
+    """``choice`` with room made (:func:`_made_room`) on ``device``, where a run was just moved, and on each other
+    device over its capacity (a reorder changes streamed layers' copy buffers, which depend on their neighbours):
+    for ``left``, the device the run left, else for the first device that takes the units (a full CPU leaves the
+    disk; a GPU whose streamed layers would need copy buffers, the CPU); one plan per device made room on."""
+    used = problem.used_bytes(problem.options(choice))
+    spare = {d.name: d.capacity_bytes - used[d.name] for d in problem.devices}
+    for full in [device, *(d for d, free_bytes in spare.items() if free_bytes < 0 and d != device)]:
+        for other in dict.fromkeys([left, *spare]):
+            if other != full and spare[other] > 0 and (room := _made_room(problem, free, choice, full, other, segs, spare)):
+                yield room
+                break
 
 
 def _fixed_runs(order: Sequence[int], fixed: set[int]) -> list[list[int]]:
@@ -164,23 +188,29 @@ def _fixed_runs(order: Sequence[int], fixed: set[int]) -> list[list[int]]:
 
 
 def _made_room(problem: PlacementProblem, free: PlacementProblem, choice: list[int], device: str, other: str,
-               segs: Sequence[tuple[int, int]]) -> list[int] | None:
+               segs: Sequence[tuple[int, int]], spare: Mapping[str, int]) -> list[int] | None:
     """``choice`` with as few segment units stored on ``device`` as it takes (up to :data:`MOST_MADE_ROOM`) moved
     to ``other`` (room on ``device`` for the fixed unit just moved there), each to the placement a segment unit
-    stored there has, else to its cheapest option there; None when that does not fit either."""
+    stored there has, else to its cheapest option there; None when that does not fit either. ``spare``: each
+    device's bytes free in ``choice`` (negative: over), by which plans that cannot fit go unpriced."""
     for first, end in segs:
         units = problem.units[first:end]
         here = [first + k for k, (u, c) in enumerate(zip(units, choice[first:end], strict=True))
                 if u.options[c].storage == device]
         there = [u.options[c].kind for u, c in zip(units, choice[first:end], strict=True) if u.options[c].storage == other]
         out = list(choice)
+        over, room = -spare[device], spare[other]
         for i in reversed(here[-MOST_MADE_ROOM:]):
             options = problem.units[i].options
             on_other = [j for j, o in enumerate(options) if (o.kind == there[0] if there else o.storage == other)]
             if not on_other:
                 break
             out[i] = min(on_other, key=lambda j: _work(options[j]))
-            if fits(free, out):
+            over -= options[choice[i]].stored_bytes
+            room -= options[out[i]].stored_bytes
+            if room < 0:
+                break
+            if over <= 0 and fits(free, out):
                 return out
     return None
 
