@@ -27,9 +27,10 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   unit and edge), the last relaxation gets all the time, and the full model is not built with less than
   that once left;
 * a ``contiguous`` problem (each device stores one range) first solves itself without contiguity, like any
-  problem, for :data:`FREE_SHARE` of the time (:func:`_free_start`): a relaxation whose bound is reported
-  with the others', and whose plan, its runs of like units reordered by storage and its other units moved
-  next to their device's range (:func:`~.ranged.contiguous_start`), starts the rest when valid and better.
+  problem (from its own greedy start), for :data:`FREE_SHARE` of the time (:func:`_free_start`): a
+  relaxation whose bound is reported with the others', and whose plan, its runs of like units reordered by
+  storage and its other units moved next to their device's range (:func:`~.ranged.contiguous_start`),
+  starts the rest when valid and better.
   Without it, the contiguous model had no relaxation below ``GROUP_ABOVE`` units (its runs are not
   counted: order is what the constraint is about);
 * under overlap (some option copies beside the compute, the latency objective, units free to move), the
@@ -81,6 +82,7 @@ from .polish import polish
 from .problem import OBJECTIVES, PlacementProblem
 from .ranged import contiguous_start
 from .reductions import block_groups, coarsen, coarsen_groups, part_groups, prefer_resident
+from .starts import fits
 from .symmetry import identical_devices, relabel
 
 __all__ = ["Solution", "solve_problem", "GAP_LIMIT", "COARSEN_ABOVE", "COARSE_SHARE", "SEARCH_NOTES"]
@@ -289,14 +291,25 @@ def _restricted_start(problem: PlacementProblem, objective: str, run: Run, start
 def _free_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
                 latency_cap_ns: int | None, deadline: float, notes: list[str]) -> tuple[Found, tuple[list[int], bool]]:
     """A ``contiguous`` problem's relaxation without contiguity, solved like any problem for :data:`FREE_SHARE` of
-    the time: (its status and proven bound, a bound of ``problem`` too; the start, replaced by the free plan
-    made contiguous (:func:`~.ranged.contiguous_start`) when that is valid and no worse). Other problems: nothing."""
+    the time from the better of ``start`` and its own greedy start: (its status and proven bound, a bound of
+    ``problem`` too; the start, replaced by the free plan made contiguous (:func:`~.ranged.contiguous_start`)
+    when that is valid and no worse). Other problems: nothing.
+
+    The free problem's greedy start is often far better than the contiguous one, and the free solve does not
+    get far from its start in its share: Llama-3.1-405B on 8x L4, 8064-token context, 1 s: free plans of
+    3808-4148 s from the contiguous start (5281 s), 2902 s (its optimum, proven) from its own."""
     hint, hint_ok = start
     if not problem.contiguous:
         return Found([], "UNKNOWN", 0), start
+    free = dataclasses.replace(problem, contiguous=False)
+    greedy = best_greedy_choice(free, objective)  # the free problem's own start: the caller's is contiguous
+    if fits(free, greedy) and within_cap(free, greedy, latency_cap_ns) and (
+            not hint_ok or free.objective_value(greedy, objective) < free.objective_value(hint, objective)):
+        free_hint = greedy
+    else:
+        free_hint = hint
     span = FREE_SHARE * (deadline - time.perf_counter())
-    found = _solve(dataclasses.replace(problem, contiguous=False), objective, span,
-                   dataclasses.replace(run, t0=time.perf_counter()), hint, latency_cap_ns)
+    found = _solve(free, objective, span, dataclasses.replace(run, t0=time.perf_counter()), free_hint, latency_cap_ns)
     notes.append(f"{BOUND_FROM}the same problem without contiguity")
     if found.feasible:
         choice = contiguous_start(problem, found.choice, objective, deadline)
