@@ -13,6 +13,7 @@ from _problems import problems
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from placement_opt.solver import ranged as ranged_module
 from placement_opt.solver import search
 from placement_opt.solver.problem import (
     DeviceSpec,
@@ -66,9 +67,10 @@ def test_a_unit_that_stores_nothing_does_not_break_a_range():
 def test_fixed_units_move_next_to_their_range_and_a_layer_makes_room():
     # The free plan keeps the embedding and the head on the CPU and the CPU's layers mid-model. Reordered, the
     # CPU's layers follow the embedding; the head, slow on the CPU, cannot join the full cuda:1 alone, so one
-    # cuda:1 layer moves to the CPU to make room for it.
+    # cuda:1 layer moves to the CPU to make room for it. (The embedding is slow on a GPU, or it could join
+    # cuda:0 with the CPU's layers last and the head on the CPU, at the free plan's price.)
     devices = ("cuda:0", "cuda:1", "cpu")
-    embed = tuple(_option(d, 1) for d in devices)
+    embed = tuple(_option(d, 1, 10 if d == "cpu" else 500) for d in devices)
     head = tuple(_option(d, 1, 500 if d == "cpu" else 10) for d in devices)
     problem = _chain([("embed", embed), *_layers(6, devices), ("head", head)], {"cuda:0": 4, "cuda:1": 4, "cpu": 100})
     free = [2, 0, 2, 1, 2, 0, 1, 2]
@@ -92,6 +94,29 @@ def test_a_device_the_reorder_leaves_over_its_capacity_gets_room_made():
     start = contiguous_start(problem, over, "latency")
     assert start is not None and reference_valid(problem, start)
     assert _storage(problem, start) == ["cuda:0"] * 3 + ["cpu"] + ["disk"] * 2 + ["cuda:1"] * 2
+
+
+def test_the_search_stops_at_a_valid_plan_as_cheap_as_the_plan_it_was_given(monkeypatch):
+    # Nothing contiguous prices much below a free plan the solver proved: a valid plan within CLOSE of the plan
+    # given ends the search. Here every valid plan is "close" (CLOSE = 100) or none is (CLOSE = -1).
+    devices = ("cuda:0", "cuda:1", "cpu")
+    ends = tuple(_option(d, 1) for d in devices)
+    problem = _chain([("embed", ends), *_layers(6, devices), ("head", ends)], {"cuda:0": 4, "cuda:1": 4, "cpu": 100})
+    free = [2, 0, 2, 1, 2, 0, 1, 2]
+    tried = collections.Counter()
+    moves = ranged_module._moves
+
+    def counted(*args, **kwargs):
+        for moved in moves(*args, **kwargs):
+            tried[ranged_module.CLOSE] += 1
+            yield moved
+
+    monkeypatch.setattr(ranged_module, "_moves", counted)
+    for close in (-1.0, 100.0):
+        monkeypatch.setattr(ranged_module, "CLOSE", close)
+        start = contiguous_start(problem, free, "latency")
+        assert start is not None and reference_valid(problem, start)
+    assert 0 < tried[100.0] < tried[-1.0]
 
 
 @settings(max_examples=200)

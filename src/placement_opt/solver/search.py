@@ -291,23 +291,20 @@ def _restricted_start(problem: PlacementProblem, objective: str, run: Run, start
 def _free_start(problem: PlacementProblem, objective: str, run: Run, start: tuple[list[int], bool],
                 latency_cap_ns: int | None, deadline: float, notes: list[str]) -> tuple[Found, tuple[list[int], bool]]:
     """A ``contiguous`` problem's relaxation without contiguity, solved like any problem for :data:`FREE_SHARE` of
-    the time from the better of ``start`` and its own greedy start: (its status and proven bound, a bound of
+    the time, from the cheaper of ``start`` and its own greedy start: (its status and proven bound, a bound of
     ``problem`` too; the start, replaced by the free plan made contiguous (:func:`~.ranged.contiguous_start`)
     when that is valid and no worse). Other problems: nothing.
 
-    The free problem's greedy start is often far better than the contiguous one, and the free solve does not
-    get far from its start in its share: Llama-3.1-405B on 8x L4, 8064-token context, 1 s: free plans of
-    3808-4148 s from the contiguous start (5281 s), 2902 s (its optimum, proven) from its own."""
+    The free solve does not get far from its start in its share: Llama-3.1-405B on 8x L4, 8064-token context,
+    1 s: free plans of 3808-4148 s from the contiguous start (5281 s), 2902 s (its optimum, proven) from its own
+    greedy start."""
     hint, hint_ok = start
     if not problem.contiguous:
         return Found([], "UNKNOWN", 0), start
     free = dataclasses.replace(problem, contiguous=False)
     greedy = best_greedy_choice(free, objective)  # the free problem's own start: the caller's is contiguous
-    if fits(free, greedy) and within_cap(free, greedy, latency_cap_ns) and (
-            not hint_ok or free.objective_value(greedy, objective) < free.objective_value(hint, objective)):
-        free_hint = greedy
-    else:
-        free_hint = hint
+    cheaper = not hint_ok or free.objective_value(greedy, objective) < free.objective_value(hint, objective)
+    free_hint = greedy if cheaper and fits(free, greedy) and within_cap(free, greedy, latency_cap_ns) else hint
     span = FREE_SHARE * (deadline - time.perf_counter())
     found = _solve(free, objective, span, dataclasses.replace(run, t0=time.perf_counter()), free_hint, latency_cap_ns)
     notes.append(f"{BOUND_FROM}the same problem without contiguity")
