@@ -152,8 +152,9 @@ def _storage(problem: PlacementProblem, choice: Sequence[int]) -> list[tuple[int
 def _moves(problem: PlacementProblem, free: PlacementProblem, choice: Sequence[int], fixed: Sequence[int],
            segs: Sequence[tuple[int, int]], wide: bool = False) -> Iterator[list[int]]:
     """``choice`` with one fixed unit, or a run of fixed units next to each other, moved onto the storage device of
-    the stored unit before or after it, or onto a device that stores nothing yet (a disk: a range of its own);
-    where that does not fit, also with room made for it (:func:`_made_room`)."""
+    the stored unit before or after it, or onto a device that stores nothing yet (a disk: a range of its own), or
+    with ``wide`` (the first plan), for a run at either end of the model, onto any device; where that does not
+    fit, also with room made for it (:func:`_rooms`)."""
     storage = dict(_storage(problem, choice))
     order = list(storage)
     where = {i: k for k, i in enumerate(order)}
@@ -178,8 +179,8 @@ def _rooms(problem: PlacementProblem, free: PlacementProblem, choice: list[int],
            segs: Sequence[tuple[int, int]]) -> Iterator[list[int]]:
     """``choice`` with room made (:func:`_made_room`) on ``device``, where a run was just moved, and on each other
     device over its capacity (a reorder changes streamed layers' copy buffers, which depend on their neighbours):
-    for ``left``, the device the run left, else for the first device that takes the units (a full CPU leaves the
-    disk; a GPU whose streamed layers would need copy buffers, the CPU); one plan per device made room on."""
+    for ``left``, the device the run left, else for the first device in the problem's order that takes the units
+    (a full CPU leaves the disk); one plan per device made room on."""
     used = problem.used_bytes(problem.options(choice))
     spare = {d.name: d.capacity_bytes - used[d.name] for d in problem.devices}
     for full in [device, *(d for d, free_bytes in spare.items() if free_bytes < 0 and d != device)]:
