@@ -63,8 +63,52 @@ def test_two_workers_bound_status_and_plan_against_brute_force(problem, objectiv
 @given(problems(run=True), st.sampled_from(OBJECTIVES), st.data())
 def test_counted_runs_against_brute_force(problem, objective, data):
     with every_reduction_on():
-        assert aggregate.identical_runs(problem) or problem.contiguous  # the relaxation is built
+        assert aggregate.identical_runs(problem)  # the relaxation is built, contiguous or not
     check_against_brute_force(problem, objective, data)
+
+
+@settings(max_examples=300)
+@given(problems(run=True), st.sampled_from(["latency", "throughput"]), st.data())
+def test_counted_runs_of_a_contiguous_problem_never_bound_above_brute_force(problem, objective, data):
+    """The counted relaxation of a contiguous problem (its storage ranges over items, an interior wholly on a
+    device that items on both sides store on): its own bound, solved to the end, is at most brute force's
+    optimum, and it finds no plan only where there is none."""
+    problem = dataclasses.replace(problem, contiguous=True)
+    runs = aggregate.identical_runs(problem, 2)
+    assume(runs)
+    hint = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    model = aggregate.AggregateModel(problem, 1, hint, runs, None)
+    model.minimize(objective, None, 0)
+    solver, status = model.solve(5, 0, 1, 0.0)
+    best = reference_optimum(problem, objective)
+    if best is None:
+        return  # a relaxation may find room where the problem has none
+    assert status != cp_model.INFEASIBLE
+    assert reported_bound(model, solver) <= best
+
+
+def test_counted_runs_of_a_contiguous_problem_bound_above_the_plan_without_contiguity():
+    # The embedding and the head on the CPU, every layer on the GPU: the best plan without contiguity, which
+    # a contiguous one cannot be (the CPU would store two ranges). The counted relaxation's bound, with its
+    # contiguity rows, is above that plan's price and at most brute force's contiguous optimum.
+    gpu = PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=10, decode_ns=10,
+                          stored_bytes=1, resident_bytes=0, peak_bytes=0)
+    cpu = dataclasses.replace(gpu, storage="cpu", execution="cpu", prefill_ns=50, decode_ns=50)
+    ends = (dataclasses.replace(gpu, stored_bytes=2), dataclasses.replace(cpu, prefill_ns=1, decode_ns=1))
+    units = (UnitSpec(name="embed", options=ends), *(UnitSpec(name=f"layer{i}", options=(gpu, cpu)) for i in range(6)),
+             UnitSpec(name="head", options=ends))
+    edges = tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(units))
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=6), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100))
+    free = PlacementProblem(units=units, edges=edges, devices=devices)
+    contiguous = dataclasses.replace(free, contiguous=True)
+    bounds = []
+    for problem in (free, contiguous):
+        runs = aggregate.identical_runs(problem, 2)
+        model = aggregate.AggregateModel(problem, 1, [1] + [0] * 6 + [1], runs, None)
+        model.minimize("latency", None, 0)
+        solver, _ = model.solve(5, 0, 1, 0.0)
+        bounds.append(reported_bound(model, solver))
+    assert bounds[0] == reference_optimum(free, "latency") < bounds[1] <= reference_optimum(contiguous, "latency")
 
 
 @settings(max_examples=300)

@@ -103,7 +103,6 @@ def relaxations_for(problem: PlacementProblem, classes: list[list[str]]) -> list
         out.append((f"{sum(b - a + 1 for a, b in runs)} identical consecutive units counted per option",
                     AGGREGATE_SHARE, lambda scale, hint, work: AggregateModel(problem, scale, hint, runs, work,
                                                                               classes)))
-    # contiguous problems have no runs by construction (identical_runs), not for want of like neighbours
     runless = not runs and not problem.contiguous
     if len(problem.units) > (GROUP_WITHOUT_RUNS_ABOVE if runless else GROUP_ABOVE) or (
             runless and len(groups_of(problem)) <= GROUP_REPEATS_SHARE * len(problem.units)):

@@ -16,11 +16,16 @@ order, a count per option. :class:`AggregateModel` keeps those counts and drops 
   bound, not the price. (A phased run's first and last devices are not tied across the phases to
   one option: a relaxation still.)
 
+A ``contiguous`` problem's storage ranges are stated over the items that store (units, and interiors taken
+whole, whose inner order stays free): each device opens at most one range of them, and an interior whose stored
+neighbours both store on a device is wholly on it (:meth:`AggregateModel._contiguous_storage`).
+
 Every assignment of the real problem maps to a solution of this model (counts, first and last
 device of each interior) that costs at most as much, so the model's proven bound is a bound of the
 real problem (less the rounding slack, as in :mod:`.cpsat`). Its solution is rebuilt into an order
 (:meth:`AggregateModel.read`: one block per execution device, the first and last devices at the
-ends) and priced exactly by the caller; that order is optimal when the prices between devices are
+ends; for a contiguous problem, each run's placements then sorted by storage device) and priced exactly by
+the caller; that order is optimal when the prices between devices are
 all equal, as traced graphs price them.
 """
 
@@ -34,6 +39,7 @@ from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
+from .ranged import ranged
 from .rows import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
 
 __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak", "spread_streamed"]
@@ -79,8 +85,6 @@ def identical_runs(problem: PlacementProblem, min_interior: int | None = None) -
     """Interiors ``(first, last)`` (inclusive unit indices) of the runs of identical units (module docstring),
     those of at least ``min_interior`` (default :data:`MIN_INTERIOR`) units."""
     min_interior = MIN_INTERIOR if min_interior is None else min_interior
-    if problem.contiguous:
-        return []
     links = _links(problem)
     special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
     runs: list[list[int]] = []
@@ -252,6 +256,42 @@ class AggregateModel(CountedRelaxation):
                 t = self.item_of[self.index[name]]
                 for d in self._devices():
                     self.model.add(self._stored(first, d) == self._stored(t, d))
+        self._contiguous_storage()
+
+    def _contiguous_storage(self) -> None:
+        # A contiguous problem stores one range of PlacementProblem.stored_units per device. Over the items
+        # that store (units, and interiors taken whole, whose order is free), a device's items form one range;
+        # an interior between two items storing on the device is wholly on it. (The order inside an interior
+        # is relaxed: a device's range may start or end there.)
+        if not self.p.contiguous:
+            return
+        stored = set(self.p.stored_units)
+        items = [t for t, (a, b) in enumerate(self.items) if any(u in stored for u in range(a, b + 1))]
+        for d in self._devices():
+            on = [self._stores_on(t, d) for t in items]
+            starts = []
+            for k, flag in enumerate(on):
+                start = self.model.new_bool_var(f"start[{items[k]},{d}]")
+                self.model.add(start >= flag - (on[k - 1] if k else 0))
+                starts.append(start)
+            self.model.add(sum(starts) <= 1)
+            for k in range(1, len(items) - 1):
+                if self._is_run(t := items[k]):
+                    self.model.add(self._stored(t, d) >= self._size(t) * (on[k - 1] + on[k + 1] - 1))
+
+    def _stores_on(self, t: int, d: str) -> Any:
+        """1 when some unit of item t stores on d: its 0/1 count for a single unit, a flag over its options' any[t, o]
+        for an interior."""
+        if not self._is_run(t):
+            return self._stored(t, d)
+        flags = [self.any[t][o] for o in self.vars[t] if self._options(t)[o].storage == d]
+        if not flags:
+            return 0
+        on = self.model.new_bool_var(f"stores[{t},{d}]")
+        for f in flags:
+            self.model.add(on >= f)
+        self.model.add(on <= sum(flags))
+        return on
 
     def _usage(self, d: str) -> Any:
         """Units stored or computed (in either phase) on d."""
@@ -335,6 +375,8 @@ class AggregateModel(CountedRelaxation):
         """An assignment: singles as solved, each interior in one block per device, first and last at the
         ends; or, when it prices lower, each interior's streamed units spread among its others, so that
         their copies run beside the others' compute (problem.stalls)."""
+        if self.p.contiguous:  # each run's placements sorted by storage device; spreading would interleave them
+            return ranged(self.p, self._read(solver, None, False))
         return self._cheapest(self._read(solver, None, False),
                               [self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True)])
 

@@ -3,9 +3,9 @@
 
 Torch-free. A ``contiguous`` problem (each device stores one range of units) is the same problem as
 without contiguity plus one constraint, so the free problem's proven bound bounds it too, and the free
-problem is the easy one: its runs of identical decoder layers are what the aggregated relaxation counts
-(:mod:`.aggregate`), while the contiguous model has no relaxation below :data:`~._relaxing.GROUP_ABOVE`
-units. What the free plan lacks is the order: :func:`ranged` reorders it.
+problem is the easy one: without the order to keep, its plans come quickly. (The counted relaxation of
+:mod:`.aggregate` bounds both, the contiguous one with its ranges over whole runs.) What the free plan lacks
+is the order: :func:`ranged` reorders it.
 
 Units next to each other with the same placements on offer and the same weights (a run of decoder
 layers, not tied or pinned) may trade placements: any order of the same placements stores the same bytes

@@ -30,9 +30,8 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   problem (from its own greedy start), for :data:`FREE_SHARE` of the time (:func:`_free_start`): a
   relaxation whose bound is reported with the others', and whose plan, its runs of like units reordered by
   storage and its other units moved next to their device's range (:func:`~.ranged.contiguous_start`),
-  starts the rest when valid and better.
-  Without it, the contiguous model had no relaxation below ``GROUP_ABOVE`` units (its runs are not
-  counted: order is what the constraint is about);
+  starts the rest when valid and better. Its own relaxations follow: the counted runs state its storage
+  ranges over whole runs (:mod:`.aggregate`);
 * under overlap (some option copies beside the compute, the latency objective, units free to move), the
   full solve's start is first polished (:func:`~.polish.polish`: swaps of like units and moves to options
   their likes use, from the start and from the start re-ordered per phase, priced exactly, for up to
