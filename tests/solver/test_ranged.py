@@ -96,6 +96,26 @@ def test_a_device_the_reorder_leaves_over_its_capacity_gets_room_made():
     assert _storage(problem, start) == ["cuda:0"] * 3 + ["cpu"] + ["disk"] * 2 + ["cuda:1"] * 2
 
 
+def test_an_end_unit_may_move_to_any_device_from_the_first_plan(monkeypatch):
+    # Reordered, the free plan's layers run cuda:1, cuda:0, disk, and the head on cuda:1 breaks cuda:1's range.
+    # Its neighbour is the disk, where it is slow. Moved to cuda:0 instead (no neighbour of it), the cuda:0
+    # layers reorder to come last, next to it, and so do cuda:1's with the embedding moved to cuda:0: either is
+    # valid at the free plan's price.
+    devices = ("cuda:0", "cuda:1", "disk")
+    embed = tuple(_option(d, 1) for d in devices)
+    head = tuple(_option(d, 1, 500 if d == "disk" else 10) for d in devices)
+    layers = [(f"layer{i}", tuple(_option(d, 2, 100 if d == "disk" else 10) for d in devices)) for i in range(6)]
+    problem = _chain([("embed", embed), *layers, ("head", head)], {"cuda:0": 5, "cuda:1": 6, "disk": 100})
+    free = [1, 0, 0, 1, 1, 2, 2, 1]
+    start = contiguous_start(problem, free, "latency")
+    assert start is not None and reference_valid(problem, start)
+    assert problem.objective_value(start, "latency") == problem.objective_value(free, "latency")
+    moves = ranged_module._moves
+    monkeypatch.setattr(ranged_module, "_moves", lambda *args, **kwargs: moves(*args, **{**kwargs, "wide": False}))
+    narrow = contiguous_start(problem, free, "latency")  # the head's only moves: the disk, or none
+    assert problem.objective_value(narrow, "latency") > problem.objective_value(start, "latency")
+
+
 def test_the_search_stops_at_a_valid_plan_as_cheap_as_the_plan_it_was_given(monkeypatch):
     # Nothing contiguous prices much below a free plan the solver proved: a valid plan within CLOSE of the plan
     # given ends the search. Here every valid plan is "close" (CLOSE = 100) or none is (CLOSE = -1).
