@@ -33,6 +33,7 @@ __all__ = [
     "cpu_beside_gpu_note",
     "split_experts_note",
     "group_note",
+    "contiguous_note",
 ]
 
 
@@ -147,3 +148,11 @@ def group_note(placements: Sequence[UnitPlacement]) -> list[str]:
     return [f"{len(layers)} layer(s) stream some of their sublayer units (copy_group): placement_opt's dispatcher "
             f"copies a layer's streamed units together, one layer ahead, and the estimate assumes it; "
             f"from_pretrained(device_map=...) would copy each unit when it is called"]
+
+
+def contiguous_note(contiguous: bool) -> list[str]:
+    """What a ``contiguous`` plan promises: the stages a pipeline on this machine can take, in unit order."""
+    if not contiguous:
+        return []
+    return ["each device stores one contiguous range of the units that hold weights (contiguous): in unit order, "
+            "the stages of a pipeline over these devices"]

@@ -5,6 +5,7 @@ End-to-end ``plan``/``compare`` runs live in test_cli_e2e.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -384,6 +385,28 @@ def test_pin_fixes_storage_by_name_or_pattern_and_refuses_what_it_cannot_keep(tm
                        (("--pin", "lm_head=cpu", "--strategy", "balanced"), "--pin fixes storage in the cpsat plan "
                                                                            "only: --strategy balanced fills")):
         bad = run_cli(*common, *args, catch_exceptions=True)
+        assert bad.exit_code == 2 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
+
+
+def test_contiguous_stores_one_range_per_device_and_refuses_what_it_cannot_keep(tmp_path):
+    # Two mismatched GPUs, RAM and a disk at batch 16: the plan interleaves its storage devices, and with
+    # --contiguous each device stores one range of units, in unit order (every unit of this untied model
+    # stores bytes, the rotary table's 512 B included).
+    machine = ("-d", "cuda:0=rtx-4090,cuda:1=rtx-3090,cpu=64GiB,disk")
+    workload = ("--batch", "16", "--prompt", "1024", "--time-limit", "1")
+    ranges = {}
+    for flag in ((), ("--contiguous",)):
+        out = run_cli("plan", "llama-3-70b", *machine, *workload, *flag, "--json", str(tmp_path / "p.json"))
+        assert out.exit_code == 0, out.output
+        plan = Plan.from_json(str(tmp_path / "p.json"))
+        ranges[flag] = [device for device, _ in itertools.groupby(p.storage for p in plan.placements)]
+    assert len(ranges[()]) > len(set(ranges[()]))
+    assert len(ranges[("--contiguous",)]) == len(set(ranges[("--contiguous",)])) >= 3
+    assert "each device stores one contiguous range" in " ".join(out.output.split())
+    assert any("contiguous range" in note for note in plan.notes)
+    for args, said in (((*machine, "--strategy", "sequential"), "--strategy sequential places the units by its own rule"),
+                       (("--cluster", "2x(a100-80gb*2,cpu-server)@ib-200g"), "stages are contiguous already")):
+        bad = run_cli("plan", "llama-3-70b", *args, "--contiguous", catch_exceptions=True)
         assert bad.exit_code == 2 and said in " ".join(bad.output.split()) and "Traceback" not in bad.output, args
 
 

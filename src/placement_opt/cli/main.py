@@ -155,14 +155,17 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
               help="fix where MODULE's weights are stored (repeatable): e.g. lm_head=cuda:0, model.layers.0=cpu, or a "
                    "quoted pattern, 'model.layers.*.mlp.experts=cpu' (with --granularity sublayer)")
 @expert_groups_option
+@click.option("--contiguous", is_flag=True,
+              help="each device stores one contiguous range of the units that hold weights, as pipeline stages "
+                   "on one machine need (the solver's plan only; plan --cluster cuts stages over several)")
 @click.option("--verbose", "-v", is_flag=True,
               help="also print the notes about the search itself (its warm start, where its bound came from); "
                    "--json keeps them either way")
 @cluster_options
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          padded: bool, dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
-         modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, verbose: bool, cluster: str | None,
-         schedule: str, microbatches: int | None, train: bool) -> None:
+         modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, contiguous: bool, verbose: bool,
+         cluster: str | None, schedule: str, microbatches: int | None, train: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot, "pipeline plan" if cluster is not None else "plan")
     pins = parse_pins(pin)
@@ -173,6 +176,11 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         how = "is the installed library's own map" if strategy == "accelerate" else "fills the devices in its own order"
         raise click.UsageError(f"--pin fixes storage in the cpsat plan only: --strategy {strategy} {how}, whatever is "
                                f"pinned; leave --pin out, or use --strategy cpsat")
+    if contiguous and (strategy != "cpsat" or cluster is not None):
+        what = "plan --cluster's stages are contiguous already" if cluster is not None else (
+            f"--strategy {strategy} places the units by its own rule")
+        raise click.UsageError(f"--contiguous asks the cpsat plan for one range of units per device: {what}; leave "
+                               f"--contiguous out")
     if cluster is not None:
         if overlap:
             raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
@@ -189,6 +197,8 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
         if pins:
             chosen["pins"] = pins
+        if contiguous:
+            chosen["contiguous"] = True
         if granularity == "auto" and strategy == "cpsat":
             chosen.update(granularity="auto", expert_groups=expert_groups)
         with progress(f"Solving ({strategy}, {objective}) ..."):
