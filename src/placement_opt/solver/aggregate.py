@@ -20,13 +20,13 @@ A ``contiguous`` problem's storage ranges are stated over the items that store (
 whole, whose inner order stays free): each device opens at most one range of them, and an interior whose stored
 neighbours both store on a device is wholly on it (:meth:`AggregateModel._contiguous_storage`).
 
-Every assignment of the real problem maps to a solution of this model (counts, first and last
-device of each interior) that costs at most as much, so the model's proven bound is a bound of the
-real problem (less the rounding slack, as in :mod:`.cpsat`). Its solution is rebuilt into an order
+Every assignment of the real problem maps to a solution of this model (counts, first and last device
+of each interior) that costs at most as much, so the model's proven bound is a bound of the real
+problem (less the rounding slack, as in :mod:`.cpsat`). Its solution is rebuilt into an order
 (:meth:`AggregateModel.read`: one block per execution device, the first and last devices at the
-ends; for a contiguous problem, each run's placements then sorted by storage device) and priced exactly by
-the caller; that order is optimal when the prices between devices are
-all equal, as traced graphs price them.
+ends; for a contiguous problem, each run's placements then sorted by storage device) and priced
+exactly by the caller; that order is optimal when the prices between devices are all equal, as
+traced graphs price them.
 """
 
 from __future__ import annotations
