@@ -75,18 +75,21 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
     segs = segments(problem)
     fixed = sorted(set(problem.stored_units).difference(*(range(a, b) for a, b in segs)))
     first = ranged(problem, choice, segs)
-    fitted = fits(free, first)  # a reorder can overrun a device by its copy buffers: moves may mend it
-    if len(fixed) > MOST_FIXED and not (fitted and not problem.extra_ranges(problem.options(first))):
+    first_extra = problem.extra_ranges(problem.options(first))
+    if not first_extra and fits(free, first):
+        return first
+    if len(fixed) > MOST_FIXED:
         return None
+    # the first plan is not valid (extra ranges, or a device its reorder overran by copy buffers): moves start from it
     tried, pushed = itertools.count(), itertools.count()  # moves tried; order of equal plans in the heap
-    frontier = [(problem.extra_ranges(problem.options(first)), 0, next(pushed), first)]
+    frontier = [(first_extra, 0, next(pushed), first)]
     seen = {tuple(first)}
     valid: list[tuple[int, list[int]]] = []  # (price, plan) of the valid plans met
     close = problem.objective_value(choice, objective) * (1 + CLOSE)  # no start need be cheaper than this
     out_of_moves = False
     while frontier and not out_of_moves:
         extra, value, _, current = heapq.heappop(frontier)
-        if not extra and (fitted or current is not first):
+        if not extra and current is not first:
             valid.append((value, current))
             continue
         for moved in _moves(problem, free, current, fixed, segs, wide=current is first):
@@ -98,7 +101,7 @@ def contiguous_start(problem: PlacementProblem, choice: Sequence[int], objective
                 if out_of_moves := not fewer and price <= close:
                     break
             seen.add(tuple(moved))
-    valid += [(value, plan) for extra, value, _, plan in frontier if not extra and (fitted or plan is not first)]
+    valid += [(value, plan) for extra, value, _, plan in frontier if not extra]  # met, not yet popped (first is popped)
     return min(valid, key=lambda found: found[0])[1] if valid else None
 
 
