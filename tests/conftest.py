@@ -58,6 +58,14 @@ def _own_profile(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
     monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(where))
 
 
+@pytest.fixture(autouse=True)
+def _own_graph_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test keeps traced graphs in a cache of its own, never the developer's ~/.cache/placement_opt/graphs:
+    a graph another test (or an older checkout) left must not stand in for the trace a test runs."""
+    where = tmp_path_factory.getbasetemp() / f"graphs-{next(_PROFILES)}"
+    monkeypatch.setenv("PLACEMENT_OPT_CACHE", str(where))
+
+
 @pytest.fixture(scope="session")
 def module_level_70b():
     """Llama-3-70B traced per module on meta (724 units): the largest graph the time-limit tests solve. Traced once

@@ -26,13 +26,14 @@ STRATEGIES = ("cpsat", "sequential", "balanced", "balanced_low_0", "accelerate")
 def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Workload, strategy: str,
                    time_limit_s: float | None, source: Any = None, modes: Sequence[str] | None = None,
                    granularity: str | None = None, pins: Mapping[str, Any] | None = None,
-                   expert_groups: int = 1, contiguous: bool = False) -> Plan:
+                   expert_groups: int = 1, contiguous: bool = False, sublayer: Any = None) -> Plan:
     """One strategy's plan for the traced graph (what ``placement-opt plan`` renders).
 
     ``solve`` on the graph (``modes``: the solver's choices, default solve's); ``accelerate`` asks the
     installed library with ``source`` (the model or config the graph was traced from);
     ``granularity="auto"`` traces ``source`` at sublayer granularity too (``graph`` is its block graph,
-    at the same dtype) and keeps the better plan; ``contiguous``: each device stores one range of units.
+    at the same dtype; ``sublayer``: that graph when the caller has it) and keeps the better plan;
+    ``contiguous``: each device stores one range of units.
     """
     if strategy == "accelerate":
         return _accelerate_plan(source, graph, machine, objective=objective, workload=workload)
@@ -51,7 +52,8 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
         from .model.tracer import trace
         from .planner import solve_best_granularity
 
-        sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer", expert_groups=expert_groups)
+        if sublayer is None:
+            sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer", expert_groups=expert_groups)
         return solve_best_granularity(graph, sublayer, machine, objective, **kwargs)
     return solve(graph, machine, objective, **kwargs)
 

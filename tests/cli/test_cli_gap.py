@@ -91,7 +91,8 @@ def test_compare_searches_the_cpsat_row_again_as_plan_does(solver, monkeypatch, 
     monkeypatch.setattr(cli_main, "compare_strategies",
                         lambda *a, **k: [StrategyOutcome(strategy="cpsat", plan=FAR), baseline])
     graph = SimpleNamespace(meta=SimpleNamespace(dtype="float16"))  # compare's header names its dtype
-    monkeypatch.setattr(cli_main, "_prepare", lambda *a, **k: (graph, MACHINE, WORKLOAD, None))
+    monkeypatch.setattr(cli_main, "_prepare", lambda *a, **k: (graph, MACHINE, WORKLOAD, "tiny"))
+    monkeypatch.setattr(cli_main, "resolve_model", lambda model: None)  # accelerate's row is stubbed above
     result = run_cli("compare", "tiny", "--devices", "cuda:0=a100-40gb", *args)
     assert result.exit_code == 0, result.output
     if args:

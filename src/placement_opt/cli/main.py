@@ -35,6 +35,7 @@ from ..report import EXTRA_SEARCH_S, gap_advice
 from ._machine_commands import bench, presets, profile
 from .options import (
     check_expert_groups,
+    check_model,
     check_outputs,
     check_plot_suffix,
     cluster_options,
@@ -70,10 +71,21 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["main", "cli"]
 
 
-def _trace(model: Any, workload: Workload, dtype: str | None, granularity: str = "block", expert_groups: int = 1) -> Any:
-    from ..model.tracer import trace
+def _trace(model: str, dtype: str | None, granularity: str = "block", expert_groups: int = 1,
+           use_cache: bool = True) -> Any:
+    """The graph of ``model`` (a checked model argument): from the graph cache when it holds it, else traced
+    (on the meta device) and kept there (:mod:`placement_opt.model.graph_cache`)."""
+    from ..model.graph_cache import traced
 
-    return trace(model, dtype=dtype, granularity=granularity, expert_groups=expert_groups)
+    def trace_now() -> Any:
+        from ..model.tracer import trace
+
+        with progress(f"Tracing {model} on the meta device ..."):
+            return trace(resolve_model(model), dtype=dtype, granularity=granularity, expert_groups=expert_groups)
+
+    graph, _ = traced(model, trace_now, dtype=dtype, granularity=granularity, expert_groups=expert_groups,
+                      use_cache=use_cache)
+    return graph
 
 
 class _Group(click.Group):
@@ -122,19 +134,19 @@ def cli() -> None:
 
 def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
              dtype: str | None, logits: str | None = None, granularity: str = "block",
-             overlap: bool = False, expert_groups: int = 1, padded: bool = False
-             ) -> tuple[Any, Machine, Workload, Any]:
-    """(graph, machine, workload, resolved model) from the command-line words (``auto``: the block graph)."""
+             overlap: bool = False, expert_groups: int = 1, padded: bool = False, use_cache: bool = True
+             ) -> tuple[Any, Machine, Workload, str]:
+    """(graph, machine, workload, checked model argument) from the command-line words (``auto``: the block
+    graph)."""
     devices = require_devices(devices)
     workload = workload_from(batch, prompt, new_tokens, logits, overlap, padded)
     machine = resolve_devices(devices, dtype=dtype or "float16")  # bad specs fail before tracing
-    resolved = resolve_model(model)
-    with progress(f"Tracing {model} on the meta device ..."):
-        graph = (_trace(resolved, workload, dtype) if granularity == "auto"
-                 else _trace(resolved, workload, dtype, granularity, expert_groups))
+    checked = check_model(model)
+    graph = (_trace(checked, dtype, use_cache=use_cache) if granularity == "auto"
+             else _trace(checked, dtype, granularity, expert_groups, use_cache))
     if dtype is None:  # the model's own dtype: devices' FLOP/s are looked up for it
         machine = resolve_devices(devices, dtype=graph.meta.dtype)
-    return graph, machine, workload, resolved
+    return graph, machine, workload, checked
 
 
 @cli.command()
@@ -165,7 +177,7 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int, logits: str | None,
          padded: bool, dtype: str | None, overlap: bool, time_limit: float | None, strategy: str, json_path: str | None, plot: str | None,
          modes: str, granularity: str, pin: tuple[str, ...], expert_groups: int, contiguous: bool, verbose: bool,
-         cluster: str | None, schedule: str, microbatches: int | None, train: bool) -> None:
+         cluster: str | None, schedule: str, microbatches: int | None, train: bool, no_cache: bool) -> None:
     """Plan MODEL (a preset name, config.json, model directory or model id) for a machine."""
     check_outputs(json_path, plot, "pipeline plan" if cluster is not None else "plan")
     pins = parse_pins(pin)
@@ -188,19 +200,23 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
         if padded:
             raise click.UsageError("--padded is priced on one machine's plan; plan --cluster does not take it yet: "
                                    "leave --padded out")
-        return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path)
+        return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path,
+                             not no_cache)
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
         check_expert_groups(expert_groups, granularity)
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      granularity, overlap, expert_groups, padded)
+        graph, machine, workload, checked = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
+                                                     granularity, overlap, expert_groups, padded, not no_cache)
         chosen: dict[str, Any] = {"modes": parse_modes(modes)} if modes is not None else {}
         if pins:
             chosen["pins"] = pins
         if contiguous:
             chosen["contiguous"] = True
         if granularity == "auto" and strategy == "cpsat":
-            chosen.update(granularity="auto", expert_groups=expert_groups)
+            sublayer = _trace(checked, graph.meta.dtype, "sublayer", expert_groups, not no_cache)
+            chosen.update(granularity="auto", expert_groups=expert_groups, sublayer=sublayer)
+        # accelerate's own map needs the transformers config: read only then (the cached graph needs none)
+        resolved = resolve_model(checked) if strategy == "accelerate" else None
         with progress(f"Solving ({strategy}, {objective}) ..."):
             result = solve_strategy(graph, machine, objective=objective, workload=workload, strategy=strategy,
                                     time_limit_s=time_limit, source=resolved, **chosen)
@@ -214,7 +230,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
 
 
 def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str | None, schedule: str,
-                  microbatches: int | None, train: bool, json_path: str | None) -> None:
+                  microbatches: int | None, train: bool, json_path: str | None, use_cache: bool) -> None:
     """``plan --cluster``: contiguous pipeline stages, one per rank, printed per host and rank."""
     from ..cost.workload import Workload
     from ..distributed.pipeline_plan import plan_pipeline
@@ -229,8 +245,7 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
     with errors_as_messages():
         parse(dtype or "float16")  # a bad spec fails before tracing
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, training=train)
-        with progress(f"Tracing {model} on the meta device ..."):
-            graph = _trace(resolve_model(model), workload, dtype)
+        graph = _trace(check_model(model), dtype, use_cache=use_cache)
         result = plan_pipeline(graph, parse(dtype or graph.meta.dtype), workload, schedule=schedule,
                                n_microbatches=microbatches)
     console.print(result.summary(), markup=False, highlight=False)
@@ -275,13 +290,14 @@ def _search_longer(console: Console, first: Plan, solve_again: Callable[[float],
               help="write the comparison and the cpsat plan's pictures here (.png, .svg or .html)")
 def compare(model: str, devices: str, objective: str, batch: int, prompt: int, new_tokens: int,
             logits: str | None, padded: bool, dtype: str | None, overlap: bool,
-            time_limit: float | None, json_path: str | None, plot: str | None) -> None:
+            time_limit: float | None, json_path: str | None, plot: str | None, no_cache: bool) -> None:
     """Run every strategy (cpsat and the device_map="auto" family) on MODEL, side by side."""
     check_outputs(json_path, plot, "comparison")
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        graph, machine, workload, resolved = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
-                                                      overlap=overlap, padded=padded)
+        graph, machine, workload, checked = _prepare(model, devices, batch, prompt, new_tokens, dtype, logits,
+                                                     overlap=overlap, padded=padded, use_cache=not no_cache)
+        resolved = resolve_model(checked)  # accelerate's own map is one of the strategies
         with progress("Solving with every strategy ..."):
             outcomes = compare_strategies(graph, machine, objective=objective, workload=workload,
                                           time_limit_s=time_limit, source=resolved)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..cost.workload import Workload
     from ..hardware.devices import Machine
 
-__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "model_dtype", "resolve_devices", "workload_from", "parse_modes", "solve_options",
+__all__ = ["OBJECTIVES", "DTYPES", "resolve_model", "check_model", "model_dtype", "resolve_devices", "workload_from", "parse_modes", "solve_options",
            "check_plot_suffix", "cluster_options",
            "require_devices", "expert_groups_option", "check_expert_groups"]
 
@@ -45,21 +45,41 @@ def resolve_model(text: str) -> Any:
     only its config is read).
 
     Raises:
+        click.BadParameter: none of these (:func:`check_model`), or a config.json that transformers cannot read.
+    """
+    checked = check_model(text)
+    path = Path(checked)
+    if path.is_file():
+        return _config_from_json(path)
+    if path.is_dir():
+        return checked
+    if checked in _preset_names():
+        from ..model import catalog as models
+
+        return models.model_config(checked)
+    return checked
+
+
+def check_model(text: str) -> str:
+    """The model argument checked, without importing transformers: a preset's name (lower case), a config.json's
+    or a model directory's absolute path, or a model id as given.
+
+    Raises:
         click.BadParameter: none of these: a path that does not exist is named as such, an unknown
-            preset gets the close names (``llama3-8b``: did you mean 'llama-3-8b'?) and the list.
+            preset gets the close names (``llama3-8b``: did you mean 'llama-3-8b'?) and the list, a file that is
+            not a config.json says what it is.
     """
     path = Path(text).expanduser()
     if path.is_file():
-        return _config_from_json(path)
+        _read_config_json(path)
+        return str(path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise click.BadParameter(f"directory {text!r} has no config.json", param_hint="MODEL")
         return str(path.resolve())  # absolute: ./llama-3-8b is this folder, never the preset of that name
     presets = _preset_names()
     if text.lower() in presets:
-        from ..model import catalog as models
-
-        return models.model_config(text.lower())
+        return text.lower()
     if _looks_like_a_path(text):
         what = "file" if text.lower().endswith(".json") else "directory"
         raise click.BadParameter(f"no such {what}: {text} (a model is a preset name, a config.json, a local "
@@ -120,16 +140,7 @@ def model_dtype(text: str) -> str:
 
 
 def _config_from_json(path: Path) -> Any:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise click.BadParameter(f"{str(path)!r} is not a text file (a checkpoint's weights?): give its config.json, "
-                                 f"or the model's directory", param_hint="MODEL") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise click.BadParameter(f"cannot read {str(path)!r} as JSON: {exc}", param_hint="MODEL") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise click.BadParameter(
-            f"{str(path)!r} is not a transformers config.json (no 'model_type' key)", param_hint="MODEL")
+    data = _read_config_json(path)
     from transformers import AutoConfig
 
     fields = {k: v for k, v in data.items() if k != "model_type"}
@@ -144,6 +155,21 @@ def _config_from_json(path: Path) -> Any:
                                      f"(pip install -U transformers), or the config is not a transformers model's",
                                      param_hint="MODEL") from None
         raise click.BadParameter(f"{str(path)!r}: {exc}", param_hint="MODEL") from None
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    """The JSON of a config.json file, with a ``model_type``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{str(path)!r} is not a text file (a checkpoint's weights?): give its config.json, "
+                                 f"or the model's directory", param_hint="MODEL") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {str(path)!r} as JSON: {exc}", param_hint="MODEL") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise click.BadParameter(
+            f"{str(path)!r} is not a transformers config.json (no 'model_type' key)", param_hint="MODEL")
+    return data
 
 
 def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
@@ -227,6 +253,9 @@ def solve_options(func: Any) -> Any:
         click.option("--time-limit", type=float, default=None, metavar="S",
                      help=f"CP-SAT time limit in seconds (default: the solver's 1 s; without it, `plan` and `compare` "
                           f"search up to {EXTRA_SEARCH_S:g} s more when the plan is not proven within 1 % of the best)"),
+        click.option("--no-cache", is_flag=True,
+                     help="trace the model even when its graph is in the graph cache ($PLACEMENT_OPT_CACHE, else "
+                          "~/.cache/placement_opt/graphs), and keep nothing there"),
     ]
     for option in reversed(options):
         func = option(func)
