@@ -1,7 +1,7 @@
 """Traced graphs kept on disk, so that planning a model again skips torch, transformers and the meta trace.
 
-``placement-opt plan llama-3-70b ...`` spends some 4 s of its 5 s importing torch and transformers and
-tracing; the solve takes the rest. The graph a trace returns depends only on what is traced and on the code
+``placement-opt plan llama-3-70b ...`` spent 4 of its 4.8 s (2-core CPU, 1 s solve limit) importing torch and
+transformers and tracing; the solve took the rest. The graph a trace returns depends only on what is traced and on the code
 that traces it, so :func:`traced` keeps each graph under a key of both:
 
 * the model: a catalog preset's published hyperparameters, a ``config.json``'s bytes, or a model directory's
