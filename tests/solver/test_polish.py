@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 import time
 
+from _brute import reference_optimum
 from _problems import problems
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from placement_opt.solver import aggregate, search
 from placement_opt.solver import polish as polish_module
-from placement_opt.solver import search
-from placement_opt.solver.polish import SWAP_RADIUS, polish, sequenced
+from placement_opt.solver.polish import SWAP_RADIUS, arranged, polish, sequenced
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -172,7 +173,70 @@ def test_the_search_polishes_its_start_where_orders_matter(monkeypatch):
     seen = []
     real = polish_module.polish
     monkeypatch.setattr(search, "polish", lambda p, c, d: seen.append(list(c)) or real(p, c, d))
+    # the relaxation's read without its arranged orders, which reach this problem's optimum: a start left unproven
+    monkeypatch.setattr(aggregate, "arranged", lambda problem, choice, phase: list(choice))
     problem = _spread_problem(6)
     sol = search.solve_problem(problem, "latency", time_limit_s=2, hint=[1, 1, 1, 0, 0, 0], workers=1)
     assert len(seen) == 1 and problem.satisfies(seen[0])  # the start the relaxation's read gave, polished once
     assert sol.objective_value <= _latency(problem, polish(problem, seen[0], _LATER))
+
+
+def _run_behind_a_cpu_head(n: int) -> PlacementProblem:
+    """``n`` like layers (:func:`_stream_or_compute`) and, after them, a unit alone in its menu that the CPU
+    computes for 30 ns a step (an lm_head kept in RAM)."""
+    layer = _stream_or_compute()
+    head = (PlacementOption(storage="cpu", execution="cpu", mode="resident", stored_bytes=1, resident_bytes=0,
+                            peak_bytes=0, prefill_ns=30, decode_ns=30),)
+    names = [f"u{i}" for i in range(n)] + ["head"]
+    free = {("cpu", "cuda:0"): 0, ("cuda:0", "cpu"): 0}
+    return PlacementProblem(
+        units=(*(UnitSpec(name=f"u{i}", options=layer) for i in range(n)), UnitSpec(name="head", options=head)),
+        edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns=free, decode_ns=free) for a, b in itertools.pairwise(names)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=100),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+
+
+def test_arranging_a_run_counts_the_compute_around_it():
+    # four streamed layers and three CPU ones: three CPU windows hide three copies, and only the head's 30 ns,
+    # the step before's tail, can hide the fourth: the run must begin with a streamed layer. Dealt without
+    # what lies outside the run (aggregate's spreading of an interior), one window is left with its copy
+    # in view; dealt with it, every order of these counts that hides each copy is reached
+    problem = _run_behind_a_cpu_head(7)
+    start = [1, 1, 1, 1, 0, 0, 0, 0]
+    out = arranged(problem, start, "decode_ns")
+    decode = {p: problem.score([*p, 0]).decode_ns for p in set(itertools.permutations(start[:7]))}
+    assert problem.score(out).decode_ns == min(decode.values()) < problem.score(start).decode_ns
+    assert out == [1, 0, 1, 0, 1, 0, 1, 0]
+    assert not any(problem.waits(problem.options(out), "decode_ns"))
+    inside = aggregate._balanced(start[:7], problem.units[0].options, "decode_ns")
+    assert any(problem.waits(problem.options([*inside, 0]), "decode_ns"))
+
+
+def test_a_relaxations_counts_read_in_an_order_that_counts_the_head():
+    """The aggregated relaxation, solved to its optimum, reads back into a plan at the brute-force optimum: its
+    counts stream four layers, and only the order :func:`arranged` deals hides all four copies."""
+    problem = _run_behind_a_cpu_head(7)
+    runs = aggregate.identical_runs(problem, 2)
+    assert runs == [(1, 5)]
+    model = aggregate.AggregateModel(problem, 1, [0] * 8, runs, None)
+    model.minimize("latency", None, 0)
+    solver, _ = model.solve(5, 0, 1, 0.0)
+    read = model.read(solver)
+    assert problem.objective_value(read, "latency") == reference_optimum(problem, "latency")
+
+
+@settings(max_examples=150)
+@given(problems(), st.sampled_from(["prefill_ns", "decode_ns"]), st.data())
+def test_arranging_moves_options_only_within_runs_of_free_like_units(problem, phase, data):
+    start = [data.draw(st.integers(0, len(u.options) - 1)) for u in problem.units]
+    out = arranged(problem, start, phase)
+    special = {n for g in problem.tied_groups for n in g} | set(problem.pins)
+    runs = polish_module._like_runs(problem)
+    inside = {i for lo, hi in runs for i in range(lo, hi + 1)}
+    assert all(a == b for i, (a, b) in enumerate(zip(start, out, strict=True)) if i not in inside)
+    assert not any(problem.units[i].name in special for i in inside)
+    for lo, hi in runs:
+        assert all(problem.units[i].options is problem.units[lo].options for i in range(lo, hi + 1))
+        assert sorted(start[lo:hi + 1]) == sorted(out[lo:hi + 1])
+    if problem.satisfies(start) and not problem.contiguous and problem.copy_runs is None:
+        assert problem.score(out).feasible  # like units hold the same bytes: the order cannot overfill

@@ -38,6 +38,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
+from .polish import arranged
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
 from .ranged import ranged
 from .rows import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
@@ -374,11 +375,13 @@ class AggregateModel(CountedRelaxation):
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """An assignment: singles as solved, each interior in one block per device, first and last at the
         ends; or, when it prices lower, each interior's streamed units spread among its others, so that
-        their copies run beside the others' compute (problem.stalls)."""
+        their copies run beside the others' compute (problem.stalls), or each run of like units, its ends
+        included, dealt out as windows that count what computes around it (:func:`.polish.arranged`)."""
         if self.p.contiguous:  # each run's placements sorted by storage device; spreading would interleave them
             return ranged(self.p, self._read(solver, None, False))
-        return self._cheapest(self._read(solver, None, False),
-                              [self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True)])
+        plain = self._read(solver, None, False)
+        return self._cheapest(plain, [*(self._read(solver, ph, balance) for ph in _PHASES for balance in (False, True)),
+                                      *(arranged(self.p, plain, ph) for ph in _PHASES)])
 
     def _read(self, solver: cp_model.CpSolver, spread: str | None, balance: bool) -> list[int]:
         choice: list[int] = []
