@@ -182,24 +182,8 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     check_outputs(json_path, plot, "pipeline plan" if cluster is not None else "plan")
     pins = parse_pins(pin)
     _check_cluster_options(cluster, devices)
-    if pins and cluster is not None:
-        raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
-    if pins and strategy != "cpsat":
-        how = "is the installed library's own map" if strategy == "accelerate" else "fills the devices in its own order"
-        raise click.UsageError(f"--pin fixes storage in the cpsat plan only: --strategy {strategy} {how}, whatever is "
-                               f"pinned; leave --pin out, or use --strategy cpsat")
-    if contiguous and (strategy != "cpsat" or cluster is not None):
-        what = "plan --cluster's stages are contiguous already" if cluster is not None else (
-            f"--strategy {strategy} places the units by its own rule")
-        raise click.UsageError(f"--contiguous asks the cpsat plan for one range of units per device: {what}; leave "
-                               f"--contiguous out")
+    _check_plan_options(strategy, bool(pins), contiguous, cluster, overlap, padded)
     if cluster is not None:
-        if overlap:
-            raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
-                                   "pipeline stages without it: leave --overlap out")
-        if padded:
-            raise click.UsageError("--padded is priced on one machine's plan; plan --cluster does not take it yet: "
-                                   "leave --padded out")
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path,
                              not no_cache)
     console = console_for(stderr=json_path == STDOUT)
@@ -227,6 +211,28 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     for part in plan_renderables(result, solver_notes=verbose):
         console.print(part)
     write_outputs(console, result, json_path, plot)
+
+
+def _check_plan_options(strategy: str, pinned: bool, contiguous: bool, cluster: str | None, overlap: bool,
+                        padded: bool) -> None:
+    """``plan``'s options that mean nothing together, refused in one line each (exit code 2)."""
+    if pinned and cluster is not None:
+        raise click.UsageError("--pin fixes storage on one machine for the solver's plan: leave it out with --cluster")
+    if pinned and strategy != "cpsat":
+        how = "is the installed library's own map" if strategy == "accelerate" else "fills the devices in its own order"
+        raise click.UsageError(f"--pin fixes storage in the cpsat plan only: --strategy {strategy} {how}, whatever is "
+                               f"pinned; leave --pin out, or use --strategy cpsat")
+    if contiguous and (strategy != "cpsat" or cluster is not None):
+        what = "plan --cluster's stages are contiguous already" if cluster is not None else (
+            f"--strategy {strategy} places the units by its own rule")
+        raise click.UsageError(f"--contiguous asks the cpsat plan for one range of units per device: {what}; leave "
+                               f"--contiguous out")
+    if cluster is not None and overlap:
+        raise click.UsageError("--overlap prices one machine's prefetch thread; plan --cluster prices "
+                               "pipeline stages without it: leave --overlap out")
+    if cluster is not None and padded:
+        raise click.UsageError("--padded is priced on one machine's plan; plan --cluster does not take it yet: "
+                               "leave --padded out")
 
 
 def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str | None, schedule: str,
