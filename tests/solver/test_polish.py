@@ -240,3 +240,24 @@ def test_arranging_moves_options_only_within_runs_of_free_like_units(problem, ph
         assert sorted(start[lo:hi + 1]) == sorted(out[lo:hi + 1])
     if problem.satisfies(start) and not problem.contiguous and problem.copy_runs is None:
         assert problem.score(out).feasible  # like units hold the same bytes: the order cannot overfill
+
+
+def test_arranging_leaves_the_run_a_tail_for_a_streamed_unit_after_it():
+    # two streamed layers and four CPU ones before a streamed head whose 20 ns copy only what follows the run's
+    # last streamed layer can hide: two CPU layers there, one before each streamed layer, and no copy waits
+    layer = _stream_or_compute()
+    head = (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", stored_bytes=1, resident_bytes=1,
+                            peak_bytes=0, prefill_ns=1, decode_ns=1, copy_prefill_ns=20, copy_decode_ns=20),)
+    names = [f"u{i}" for i in range(6)] + ["head"]
+    free = {("cpu", "cuda:0"): 0, ("cuda:0", "cpu"): 0}
+    problem = PlacementProblem(
+        units=(*(UnitSpec(name=f"u{i}", options=layer) for i in range(6)), UnitSpec(name="head", options=head)),
+        edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns=free, decode_ns=free) for a, b in itertools.pairwise(names)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=100),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+    start = [1, 1, 0, 0, 0, 0, 0]
+    out = arranged(problem, start, "decode_ns")
+    decode = {p: problem.score([*p, 0]).decode_ns for p in set(itertools.permutations(start[:6]))}
+    assert problem.score(out).decode_ns == min(decode.values())
+    assert out == [0, 1, 0, 1, 0, 0, 0]
+    assert not any(problem.waits(problem.options(out), "decode_ns"))

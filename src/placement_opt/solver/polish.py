@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from .problem import PHASES, PlacementOption, PlacementProblem
 
@@ -132,22 +133,25 @@ def arranged(problem: PlacementProblem, choice: Sequence[int], phase: str) -> li
     before it covers least. The run's first window counts what computes outside the run since the streamed
     unit before it (in the decode round the cycle, back to the run's own last streamed unit when no other
     unit streams; in the prefill from the call's start when none streams before it), so a streamed unit
-    placed first behind a CPU-computed lm_head needs nothing of the run.
+    placed first behind a CPU-computed lm_head needs nothing of the run. When a streamed unit outside the
+    run follows it (a streamed lm_head), the run's tail, after its last streamed unit, is one more window:
+    that unit's copy less what computes between the run and it.
 
     Where :func:`sequenced` deals unit by unit without looking ahead, this balances the windows of a run
     whole. The counted relaxations' plain reads keep a run's interior in one block per device and their
     spreading ignores what lies outside the interior: on the H100 host's Llama-3-8B at 4 GiB (batch 16 x 512
     + 32, overlap) the aggregated relaxation's optimum read into 4.727 s, and, arranged for the decode,
-    4.509 s (its bound 4.459 s), where the 1 s solve had stopped at 4.649 s. A rule, not a search: callers
-    price it. Problems with copy runs (sublayer graphs) are returned as they are.
+    4.509 s (its bound 4.459 s), where the 1 s solve had stopped at 4.649 s. Without the tail, Mistral-7B
+    on an RTX 3060 (8064 + 128 tokens, overlap) read into 24.12 s, where the streamed lm_head's copy waited, a
+    start the polish could not leave (23.53 s from the spread read); with it, 23.55 s. A rule, not a search:
+    callers price it. Problems with copy runs (sublayer graphs) are returned as they are.
     """
     out = list(choice)
     if problem.copy_runs is not None:
         return out
     for lo, hi in _like_runs(problem):
-        opts = problem.units[lo].options
-        ahead, wraps = _ahead(problem.options(out), lo, hi, phase)
-        out[lo:hi + 1] = _dealt(out[lo:hi + 1], opts, phase, ahead, wraps)
+        around = _around(problem.options(out), lo, hi, phase)
+        out[lo:hi + 1] = _dealt(out[lo:hi + 1], problem.units[lo].options, phase, around)
     return out
 
 
@@ -165,41 +169,66 @@ def _like_runs(problem: PlacementProblem) -> list[tuple[int, int]]:
     return runs
 
 
-def _ahead(chosen: Sequence[PlacementOption], lo: int, hi: int, phase: str) -> tuple[int, bool]:
-    """What computes in ``phase`` before unit ``lo`` since the previous streamed unit outside ``lo..hi`` (that
-    unit included), and whether the run's own last streamed unit is that previous one (the decode's cycle
-    with no other unit streaming: the dealing adds its compute)."""
+@dataclass(frozen=True)
+class _Around:
+    """What lies around a run of like units, in one phase (:func:`arranged`)."""
+
+    ahead_ns: int
+    """What computes before the run since the streamed unit before it (included), outside the run."""
+    wraps: bool
+    """The decode's cycle with no streamed unit outside the run: the run's own last streamed unit is the one before
+    its first window (its compute counts there too), and no window follows the run."""
+    after_ns: int | None
+    """What the copy of the first streamed unit after the run leaves for the run's tail (what follows the run's
+    last streamed unit) to hide: its copy less the compute between the run and it; None when no streamed unit
+    outside the run follows it (in the prefill, none after it; in the decode, none at all)."""
+
+
+def _around(chosen: Sequence[PlacementOption], lo: int, hi: int, phase: str) -> _Around:
     outside = [i for i, o in enumerate(chosen) if o.copy_in(phase) > 0 and not lo <= i <= hi]
+    compute = [getattr(o, phase) for o in chosen]
     before = [i for i in outside if i < lo]
+    after = [i for i in outside if i > hi]
+    cyclic = phase == "decode_ns"
     if before:
-        return sum(getattr(o, phase) for o in chosen[before[-1]:lo]), False
-    if phase != "decode_ns":  # the prefill's first copy runs from the call's start
-        return sum(getattr(o, phase) for o in chosen[:lo]), False
-    if outside:  # round the cycle to the last streamed unit after the run
-        return sum(getattr(o, phase) for o in [*chosen[outside[-1]:], *chosen[:lo]]), False
-    return sum(getattr(o, phase) for o in [*chosen[hi + 1:], *chosen[:lo]]), True
+        ahead = sum(compute[before[-1]:lo])
+    elif not cyclic:  # the prefill's first copy runs from the call's start
+        ahead = sum(compute[:lo])
+    elif after:  # round the cycle to the last streamed unit after the run
+        ahead = sum(compute[after[-1]:]) + sum(compute[:lo])
+    else:
+        ahead = sum(compute[hi + 1:]) + sum(compute[:lo])
+    nxt = after[0] if after else (before[0] if before and cyclic else None)
+    if nxt is None:
+        return _Around(ahead, cyclic and not outside, None)
+    between = sum(compute[hi + 1:nxt]) if nxt > hi else sum(compute[hi + 1:]) + sum(compute[:nxt])
+    return _Around(ahead, False, chosen[nxt].copy_in(phase) - between)
 
 
-def _dealt(units: list[int], opts: Sequence[PlacementOption], phase: str, ahead: int, wraps: bool) -> list[int]:
-    """``units`` (option indices) as windows, each a streamed unit after the others dealt to it (:func:`arranged`);
-    the others keep their order within a window, and the streamed units theirs."""
+def _dealt(units: list[int], opts: Sequence[PlacementOption], phase: str, around: _Around) -> list[int]:
+    """``units`` (option indices) as windows, each a streamed unit after the others dealt to it (:func:`arranged`),
+    and a tail after the last streamed unit when a streamed unit outside follows the run; the others keep their
+    order within a window, and the streamed units theirs."""
     streamed = [o for o in units if opts[o].copy_in(phase)]
     if not streamed or len(streamed) == len(units):
         return units
     # window k precedes streamed[k]; the streamed unit before it computes in it too, and the first window has
-    # what comes before the run (with the run's last streamed unit when the decode's cycle wraps to it)
+    # what comes before the run (with the run's last streamed unit when the decode's cycle wraps to it); the
+    # tail, the last window, is the next streamed unit's outside the run, which the run's last one begins
     before = [getattr(opts[o], phase) for o in streamed]
     short = [opts[o].copy_in(phase) - before[k - 1] for k, o in enumerate(streamed)]
-    short[0] = opts[streamed[0]].copy_in(phase) - ahead - (before[-1] if wraps else 0)
+    short[0] = opts[streamed[0]].copy_in(phase) - around.ahead_ns - (before[-1] if around.wraps else 0)
+    if around.after_ns is not None:
+        short.append(around.after_ns - before[-1])
     rank = {o: k for k, o in enumerate(dict.fromkeys(units))}
-    windows: list[list[int]] = [[] for _ in streamed]
+    windows: list[list[int]] = [[] for _ in short]
     for o in sorted((o for o in units if not opts[o].copy_in(phase)), key=lambda o: -getattr(opts[o], phase)):
         k = max(range(len(windows)), key=short.__getitem__)
         windows[k].append(o)
         short[k] -= getattr(opts[o], phase)
     out: list[int] = []
-    for window, o in zip(windows, streamed, strict=True):
-        out += sorted(window, key=rank.__getitem__) + [o]
+    for k, window in enumerate(windows):
+        out += sorted(window, key=rank.__getitem__) + streamed[k:k + 1]
     return out
 
 
