@@ -49,10 +49,11 @@ def solve_strategy(graph: Any, machine: Machine, *, objective: str, workload: Wo
     if contiguous:
         kwargs["contiguous"] = True
     if granularity == "auto":
-        from .model.tracer import trace
         from .planner import solve_best_granularity
 
-        if sublayer is None:
+        if sublayer is None:  # imports torch: not when the caller has the graph (the CLI's cache)
+            from .model.tracer import trace
+
             sublayer = trace(source, dtype=graph.meta.dtype, granularity="sublayer", expert_groups=expert_groups)
         return solve_best_granularity(graph, sublayer, machine, objective, **kwargs)
     return solve(graph, machine, objective, **kwargs)

@@ -58,9 +58,10 @@ def test_the_second_call_reads_the_graph_the_first_traced(config_json):
     assert len(_entries()) == 1
 
 
-def test_a_plan_from_the_cache_imports_neither_torch_nor_transformers(config_json, tmp_path):
+@pytest.mark.parametrize("granularity", ["block", "auto"])
+def test_a_plan_from_the_cache_imports_neither_torch_nor_transformers(config_json, tmp_path, granularity):
     """The point of the cache: the second `placement-opt plan` of a model pays neither import nor trace, and
-    plans the same placements."""
+    plans the same placements (with --granularity auto, from both graphs)."""
     script = ("import sys\nfrom placement_opt.cli.main import main\ntry:\n    main(sys.argv[1:])\n"
               "except SystemExit as exc:\n    code = exc.code\n"
               "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)\n")
@@ -68,7 +69,8 @@ def test_a_plan_from_the_cache_imports_neither_torch_nor_transformers(config_jso
     for i in range(2):
         out = tmp_path / f"plan{i}.json"
         done = subprocess.run([sys.executable, "-c", script, "plan", str(config_json), "--devices", MACHINE,
-                               "--json", str(out)], capture_output=True, text=True, env=os.environ, timeout=300)
+                               "--granularity", granularity, "--json", str(out)],
+                              capture_output=True, text=True, env=os.environ, timeout=300)
         assert done.returncode == 0, done.stderr
         plans.append((done.stdout.strip().splitlines()[-1], json.loads(out.read_text())["placements"]))
     assert plans[0][0] == "IMPORTED True True"
