@@ -13,10 +13,16 @@ from click.testing import CliRunner, Result
 
 from placement_opt.cli.main import cli
 
-__all__ = ["CLI_COLUMNS", "run_cli"]
+__all__ = ["CLI_COLUMNS", "TINY_LLAMA", "run_cli"]
 
 #: The console width every CLI test runs with (rich reads COLUMNS), whatever the real terminal's.
 CLI_COLUMNS = 200
+
+#: A tiny Llama's config.json (hidden 64, 2 layers, 4 heads, intermediate 128, vocab 128): traces and plans in
+#: a fraction of a second, and fits any preset GPU many times over.
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 128,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
 def run_cli(*args: str, **invoke: Any) -> Result:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from _cli import run_cli
+from _cli import TINY_LLAMA, run_cli
 from placement_opt.compare import STRATEGIES
 from placement_opt.plan import Plan
 
@@ -22,9 +22,6 @@ pytest.importorskip("placement_opt.planner")
 pytest.importorskip("placement_opt.model.tracer")
 
 MACHINE = "cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=nvme-gen4"
-TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 128,
-        "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
 def run(*args: str):
@@ -34,7 +31,7 @@ def run(*args: str):
 @pytest.fixture
 def tiny_config(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+    path.write_text(json.dumps(TINY_LLAMA))
     return path
 
 

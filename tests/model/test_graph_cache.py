@@ -15,14 +15,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _cli import run_cli
+from _cli import TINY_LLAMA, run_cli
 from placement_opt.model import graph_cache
 from placement_opt.model.graph import LayerGraph, chain_graph
 from placement_opt.model.graph_cache import cache_dir, trace_key, traced
 
-TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 128,
-        "max_position_embeddings": 256, "tie_word_embeddings": False}
 MACHINE = "cuda:0=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 ARGS = {"dtype": None, "granularity": "block", "expert_groups": 1}
 
@@ -38,7 +35,7 @@ def _entries() -> list[str]:
 @pytest.fixture
 def config_json(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+    path.write_text(json.dumps(TINY_LLAMA))
     return path
 
 
@@ -116,7 +113,7 @@ def test_the_key_tells_apart_what_the_trace_reads(tmp_path, config_json):
               trace_key("llama-3-8b", **ARGS), trace_key("llama-3-70b", **ARGS)}
     assert key not in others and len(others) == 6
     assert trace_key("Llama-3-8B", **ARGS) == trace_key("llama-3-8b", **ARGS)
-    config_json.write_text(json.dumps({**TINY, "num_hidden_layers": 3}))
+    config_json.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 3}))
     assert trace_key(str(config_json), **ARGS) != key
 
 
