@@ -74,8 +74,10 @@ def traced(model: str, trace_it: Callable[[], LayerGraph], *, dtype: str | None,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graph = trace_it()
-    for w in caught:  # shown as the trace raised them, after the block that held them back
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    # shown as the trace raised them, after the block that held them back; "always" above records a warning
+    # raised once per layer as many times, and the default filters would have shown it once per place
+    for key, w in {(w.category, str(w.message), w.filename, w.lineno): w for w in caught}.items():
+        warnings.warn_explicit(w.message, key[0], w.filename, w.lineno)
     if key is not None and not caught:
         try:
             _write(key, graph)
