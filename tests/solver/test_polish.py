@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from placement_opt.solver import aggregate, search
 from placement_opt.solver import polish as polish_module
-from placement_opt.solver.polish import SWAP_RADIUS, arranged, polish, sequenced
+from placement_opt.solver.polish import SWAP_RADIUS, arranged, balanced, polish, sequenced
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -208,7 +208,7 @@ def test_arranging_a_run_counts_the_compute_around_it():
     assert problem.score(out).decode_ns == min(decode.values()) < problem.score(start).decode_ns
     assert out == [1, 0, 1, 0, 1, 0, 1, 0]
     assert not any(problem.waits(problem.options(out), "decode_ns"))
-    inside = aggregate._balanced(start[:7], problem.units[0].options, "decode_ns")
+    inside = balanced(start[:7], problem.units[0].options, "decode_ns")
     assert any(problem.waits(problem.options([*inside, 0]), "decode_ns"))
 
 

@@ -76,8 +76,8 @@ def traced(model: str, trace_it: Callable[[], LayerGraph], *, dtype: str | None,
         graph = trace_it()
     # shown as the trace raised them, after the block that held them back; "always" above records a warning
     # raised once per layer as many times, and the default filters would have shown it once per place
-    for key, w in {(w.category, str(w.message), w.filename, w.lineno): w for w in caught}.items():
-        warnings.warn_explicit(w.message, key[0], w.filename, w.lineno)
+    for w in {(w.category, str(w.message), w.filename, w.lineno): w for w in caught}.values():
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if key is not None and not caught:
         try:
             _write(key, graph)

@@ -38,7 +38,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import CountedRelaxation
-from .polish import arranged
+from .polish import arranged, balanced
 from .problem import PHASES, EdgeSpec, PlacementOption, PlacementProblem, spine
 from .ranged import ranged
 from .rows import add_capacity_row, add_level_caps, computes_on, own_work, peak_flags, peak_levels
@@ -399,29 +399,8 @@ class AggregateModel(CountedRelaxation):
             if spread is None:
                 choice += units
             else:
-                choice += (_balanced if balance else spread_streamed)(units, opts, spread)
+                choice += (balanced if balance else spread_streamed)(units, opts, spread)
         return choice
-
-
-def _balanced(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
-    """``units`` as windows, each a streamed unit (copied in ``phase``) after its share of the rest: the rest
-    dealt out largest first, each to the window whose copy is least covered by the compute before it (the
-    streamed unit ahead of the window included), each window's units in the order ``units`` had them."""
-    streamed = [o for o in units if opts[o].copy_in(phase)]
-    if not streamed or len(streamed) == len(units):
-        return units
-    windows: list[list[int]] = [[] for _ in streamed]
-    # window k precedes streamed[k]; the streamed unit before it (cyclically) computes in it too
-    short = [opts[o].copy_in(phase) - getattr(opts[streamed[k - 1]], phase) for k, o in enumerate(streamed)]
-    rank = {o: k for k, o in enumerate(dict.fromkeys(units))}
-    for o in sorted((o for o in units if not opts[o].copy_in(phase)), key=lambda o: -getattr(opts[o], phase)):
-        k = max(range(len(windows)), key=short.__getitem__)
-        windows[k].append(o)
-        short[k] -= getattr(opts[o], phase)
-    out: list[int] = []
-    for window, o in zip(windows, streamed, strict=True):
-        out += sorted(window, key=rank.__getitem__) + [o]
-    return out
 
 
 def spread_streamed(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:

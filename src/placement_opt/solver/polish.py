@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from .problem import PHASES, PlacementOption, PlacementProblem
 
-__all__ = ["polish", "sequenced", "arranged", "SWAP_RADIUS", "MOST_PRICES"]
+__all__ = ["polish", "sequenced", "arranged", "balanced", "SWAP_RADIUS", "MOST_PRICES"]
 
 #: Farthest apart, in execution order, two units may be to swap places: a stall depends on the units since
 #: the previous streamed one, so near swaps are the ones that change it, and each sweep prices about
@@ -153,6 +153,14 @@ def arranged(problem: PlacementProblem, choice: Sequence[int], phase: str) -> li
         around = _around(problem.options(out), lo, hi, phase)
         out[lo:hi + 1] = _dealt(out[lo:hi + 1], problem.units[lo].options, phase, around)
     return out
+
+
+def balanced(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
+    """``units`` (option indices of like units, in a cycle of their own) as windows, each a streamed unit (copied in
+    ``phase``) after its share of the rest: the rest dealt out largest first, each to the window whose copy is least
+    covered by the compute before it (the streamed unit ahead of the window included), each window's units in the
+    order ``units`` had them. :func:`arranged`'s dealing with nothing around the units."""
+    return _dealt(units, opts, phase, _Around(0, True, None))
 
 
 def _like_runs(problem: PlacementProblem) -> list[tuple[int, int]]:
