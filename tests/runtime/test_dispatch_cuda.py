@@ -152,7 +152,9 @@ def test_phased_generate_matches_the_plain_model(family, phased, tmp_path):
 
 def test_phased_weights_leave_the_gpu_after_the_prefill(tmp_path):
     model = tiny("llama")
-    plan = phased_plan(model, lambda i, u: (PHASED_CPU, PHASED_DISK)[i % 2] if "layers." in u else GPU_RESIDENT)
+    # even layers in RAM, odd ones on disk: by the layer's number, not the unit's index (the embedding comes first)
+    plan = phased_plan(model, lambda i, u: (PHASED_CPU, PHASED_DISK)[int(u.split(".")[2]) % 2] if "layers." in u
+                       else GPU_RESIDENT)
     handle = dispatch(model, plan, offload_dir=tmp_path)
     layer = model.model.layers[0]
     assert layer.mlp.up_proj.weight.device.type == "cpu" and layer.mlp.up_proj.weight.is_pinned()
