@@ -207,6 +207,38 @@ def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(t
     assert layer.prefill_s(2, 64, "last") >= layer.prefill_s(2, 16, "last")  # extended to the prompt
 
 
+def test_a_decode_step_is_timed_at_a_context_run_before(tmp_path, monkeypatch) -> None:
+    """Attention that stalls the first time it meets a key length (as SDPA's cuDNN attention builds a graph per
+    length on Hopper GPUs): the decode figure is the step's own time, and the stall is said. Timed on first visits
+    (before the second pass), the layer's decode step read >= 20 ms."""
+    import time
+
+    import torch
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    seen: set[tuple[int, ...]] = set()
+
+    def stalling(query, key, *args, **kwargs):
+        if query.shape[-2] == 1 and tuple(key.shape) not in seen:
+            seen.add(tuple(key.shape))
+            time.sleep(0.02)
+        return real(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stalling)
+    with pytest.warns(UserWarning, match="context length this process had not run before"):
+        result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=WORKLOAD, path=tmp_path / "p.json",
+                                         repeats=1)
+    assert seen, "the stall never ran: the copy's attention does not call torch's SDPA"
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert layer.decode and all(seconds < 0.01 for _, _, seconds in layer.decode), layer.decode
+
+
+def test_a_cache_that_cannot_be_cut_keeps_the_first_visits() -> None:
+    from placement_opt.runtime._calibrate_timing import _cut
+
+    assert not _cut(None, 4) and not _cut(type("Quantized", (), {"layers": [object()]})(), 4)
+
+
 @pytest.mark.parametrize(("prompt", "first"), [(1, 1), (16, 4), (64, 16), (128, 8), (512, 8), (4096, 16)])
 def test_prefills_start_short_and_grow_4x_toward_the_prompt(prompt: int, first: int) -> None:
     from placement_opt.runtime._calibrate_timing import PROBE_TOKENS, _first_length

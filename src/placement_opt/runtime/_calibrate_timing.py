@@ -2,13 +2,16 @@
 
 Prefills run at prompts growing 4x from a short one (:data:`PROBE_TOKENS`) toward the workload's while the next
 one should take at most :data:`PREFILL_BUDGET_S`; decode steps run with a real KV cache near the first context
-and, after the cache is filled up (grown by repeating what it holds where it can be), near the last. With a GPU,
-each unit's weights are copied from CPU RAM both ways they are streamed.
+and, after the cache is filled up (grown by repeating what it holds where it can be), near the last. Each decode
+context is run twice and timed the second time (:func:`_steps`). With a GPU, each unit's weights are copied from
+CPU RAM both ways they are streamed.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._calibrate_clock import Stamps
 
 __all__ = ["time_forwards", "time_copies", "DECODE_STEPS", "MIN_DECODE_STEPS", "DECODE_BUDGET_S", "MAX_DECODE_STEPS",
-           "PREFILL_BUDGET_S", "PROBE_TOKENS", "SMALL_PROMPT_FRACTION"]
+           "PREFILL_BUDGET_S", "PROBE_TOKENS", "SMALL_PROMPT_FRACTION", "FIRST_VISIT_RATIO", "FIRST_VISIT_MIN_S"]
 
 #: Decode steps timed at each context at least (the median counts, per unit) ...
 DECODE_STEPS = 8
@@ -132,22 +135,81 @@ def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, 
            device: torch.device) -> tuple[dict[str, float], int]:
     """The typical per-unit seconds of decode steps and how many were timed (at least
     :data:`DECODE_STEPS`, or :data:`MIN_DECODE_STEPS` once they add up to :data:`DECODE_BUDGET_S`; more
-    while they add up to under half :data:`MIN_TIMED_S`, at most ``most``)."""
+    while they add up to under half :data:`MIN_TIMED_S`, at most ``most``).
+
+    Each context is timed on its second visit: the steps run once, the cache is cut back (a plain dynamic cache;
+    other kinds keep the first visit's figures) and the same steps run again. A step at a context length the
+    process has not run before may pay a one-time set-up of its shapes, which a plan pays once per length, not
+    once per step and unit: under torch 2.11 on an H200, SDPA's cuDNN attention (the default on Hopper) took
+    about 68 ms per first-visited decode step of a Llama-3.1-8B layer at batch 16, where a whole 16 x 512 prefill
+    of it took 6.4 ms; block plans priced with such figures computed every layer on the CPU (benchmarks/phases/GPU.md).
+    """
+    start = _cached_length(cache)
+    first, cache = _first_visits(model, stamps, cache, batch, most, vocab, device)
+    if not first or not _cut(cache, start):
+        return typical(first), len(first)
+    again: list[dict[str, float]] = []
+    for step in range(len(first) + 1):  # the same contexts: the untimed first one, then those timed before
+        seconds, cache = _step(model, stamps, cache, batch, vocab, device)
+        if step > 0:
+            again.append(seconds)
+    _warn_of_first_visits(first, again, device)
+    return typical(again), len(again)
+
+
+def _first_visits(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, vocab: int,
+                  device: torch.device) -> tuple[list[dict[str, float]], Any]:
+    """Decode steps from ``cache``, as many as :func:`_steps` says; the per-unit seconds of each but the first
+    (it warms up the decode shapes, untimed), and the cache they leave."""
     runs: list[dict[str, float]] = []
     spent = 0.0
     step = 0
     while (step <= min(DECODE_STEPS, most) and not (spent >= DECODE_BUDGET_S and len(runs) >= MIN_DECODE_STEPS)
            or (spent < MIN_TIMED_S / 2 and step <= most)):
-        ids = torch.randint(0, vocab, (batch, 1), device=device)
         start = time.perf_counter()
-        seconds, out = stamps.run(lambda ids=ids, cache=cache: model(input_ids=ids, use_cache=True,
-                                                                     **cache_argument(model, cache)))
-        if step > 0:  # the first step warms up the decode shapes, untimed
+        seconds, cache = _step(model, stamps, cache, batch, vocab, device)
+        if step > 0:
             runs.append(seconds)
             spent += time.perf_counter() - start
-        cache = cache_of(out)
         step += 1
-    return typical(runs), len(runs)
+    return runs, cache
+
+
+def _step(model: nn.Module, stamps: Stamps, cache: Any, batch: int, vocab: int,
+          device: torch.device) -> tuple[dict[str, float], Any]:
+    ids = torch.randint(0, vocab, (batch, 1), device=device)
+    seconds, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **cache_argument(model, cache)))
+    return seconds, cache_of(out)
+
+
+def _cut(cache: Any, length: int) -> bool:
+    """Cut a plain dynamic KV cache back to ``length`` tokens (what :func:`_grown` grows); False for other kinds."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" or getattr(layer, "keys", None) is None
+                         or layer.keys.dim() < 2 or layer.keys.shape[-2] < length for layer in layers):
+        return False
+    for layer in layers:
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+    return True
+
+
+#: First visits of decode contexts this much slower than second visits (and by :data:`FIRST_VISIT_MIN_S` or more
+#: per step) are said: a cost the first generate() of a process pays, which the figures leave out.
+FIRST_VISIT_RATIO = 2.0
+FIRST_VISIT_MIN_S = 0.005
+
+
+def _warn_of_first_visits(first: list[dict[str, float]], again: list[dict[str, float]], device: torch.device) -> None:
+    once = statistics.median(sum(run.values()) for run in first)
+    steady = statistics.median(sum(run.values()) for run in again)
+    if once > FIRST_VISIT_RATIO * steady and once - steady >= FIRST_VISIT_MIN_S:
+        warnings.warn(
+            f"calibrate(): on {device}, a decode step took {once * 1e3:.1f} ms at a context length this process had "
+            f"not run before and {steady * 1e3:.1f} ms at one it had: a set-up per new shape (on Hopper GPUs, SDPA's "
+            f"cuDNN attention builds a graph per key length). Plans are priced at the second figure; a process's first "
+            f"generate() pays the difference once per new length. torch.backends.cuda.enable_cudnn_sdp(False), set "
+            f"before calibrating and running, avoids it where cuDNN attention is the cause", UserWarning, stacklevel=2)
 
 
 def time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],
