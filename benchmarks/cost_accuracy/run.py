@@ -385,7 +385,8 @@ def gpu_part(args: argparse.Namespace, work: Path,
     """
     smoke = args.gpu_smoke
     if not smoke and not torch.cuda.is_available():
-        return ["No CUDA device on this machine: the GPU part was skipped."]
+        return ["No CUDA device on this machine: the GPU part was skipped. `GPU.md` beside this file holds the last GPU "
+                "run (NVIDIA H200, 2026-11-29)."]
     from transformers import LlamaConfig
 
     import placement_opt
@@ -411,9 +412,9 @@ def gpu_part(args: argparse.Namespace, work: Path,
              f"max_memory {max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)",
              "",
              f"| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
-             f"measured step (s) | predicted peak ({memory}) | measured max_memory_allocated (the load's or the "
-             f"generation's, the larger) | measured max_memory_reserved |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"measured step (s) | measured mean step (s) | predicted peak ({memory}) | measured max_memory_allocated "
+             f"(the load's or the generation's, the larger) | measured max_memory_reserved |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     emit(lines)
     for prompt in args.gpu_prompts:
         for batch in (1, 16):
@@ -431,7 +432,7 @@ def gpu_part(args: argparse.Namespace, work: Path,
 def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int], max_memory: dict[Any, str],
             workload: Any, steps: int, device: str) -> str:
     """One runner at one workload: predicted and measured prefill, decode step and peak memory of ``device``;
-    out of memory and other errors are rows of their own (every row has the table's ten cells)."""
+    out of memory and other errors are rows of their own (every row has the table's eleven cells)."""
     from transformers import AutoModelForCausalLM
 
     import placement_opt
@@ -467,13 +468,14 @@ def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int],
         # the cap bounds reserved bytes: an OOM with allocated under the budget is the allocator's slack
         reserved = format_bytes(torch.cuda.max_memory_reserved(0)) if cuda else "-"
         return (f"{head} {cost.prefill_s:.3f} | {timing.prefill_s:.3f} | {cost.decode_s / steps:.4f} | "
-                f"{timing.decode_step_median_s:.4f} | {format_bytes(predicted_peak)} | "
+                f"{timing.decode_step_median_s:.4f} | {statistics.mean(timing.decode_step_s):.4f} | "
+                f"{format_bytes(predicted_peak)} | "
                 f"{format_bytes(peak) if peak is not None else '-'} | {reserved} |")
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
-        return (f"{head} OOM ({str(exc).splitlines()[0][:60]}) | | | | | | "
+        return (f"{head} OOM ({str(exc).splitlines()[0][:60]}) | | | | | | | "
                 f"{format_bytes(torch.cuda.max_memory_reserved(0))} |")
     except Exception as exc:  # noqa: BLE001 - a row that failed says why; the other rows still run
-        return f"{head} error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | | |"
+        return f"{head} error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | | | |"
     finally:
         model = None
         gc.collect()

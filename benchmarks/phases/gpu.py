@@ -97,6 +97,9 @@ class Row:
     measured_peak_gib: float | None
     tokens_equal: str
     note: str = ""
+    measured_mean_decode_tps: float | None = None
+    """batch / the mean step: unlike the median, it carries a step's one-time costs (a new context length's
+    attention set-up on a GPU), which a fresh process's first generate() pays. Rows before 2026-11-30 lack it."""
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -229,7 +232,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
                  else _groups(target) if runner == "expert groups" else "")
         row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
                   peak_predicted.used_bytes / 2**30 if peak_predicted else None,
-                  peak / 2**30 if cuda and peak is not None else None, equal)
+                  peak / 2**30 if cuda and peak is not None else None, equal,
+                  measured_mean_decode_tps=batch / statistics.mean(times))
         return row, tokens if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
@@ -280,16 +284,16 @@ def table(rows: list[Row]) -> list[str]:
 
     layer = {(r.case, r.budget): r.measured_decode_tps for r in rows if r.runner == "layer"}
     lines = ["| case | budget | runner | units | prefill predicted / measured (s) | decode tok/s predicted / measured | "
-             "measured / layer plan | cuda:0 peak predicted / measured (GiB) | greedy tokens equal to the reference's "
-             "(accelerate's; the first runner's that ran when it ran out of memory) | "
-             "note |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "measured / layer plan | decode tok/s of the mean step | cuda:0 peak predicted / measured (GiB) | "
+             "greedy tokens equal to the reference's (accelerate's; the first runner's that ran when it ran out of "
+             "memory) | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = layer.get((r.case, r.budget))
         ratio = f"{r.measured_decode_tps / base:.2f}x" if base and r.measured_decode_tps else "-"
         lines.append(f"| {r.case} | {r.budget} | {r.runner} | {r.units} | {f(r.predicted_prefill_s, 3)} / "
                      f"{f(r.measured_prefill_s, 3)} | {f(r.predicted_decode_tps, 2)} / {f(r.measured_decode_tps, 2)} | "
-                     f"{ratio} | {f(r.predicted_peak_gib, 2)} / {f(r.measured_peak_gib, 2)} | {r.tokens_equal} | "
-                     f"{r.note} |")
+                     f"{ratio} | {f(r.measured_mean_decode_tps, 2)} | {f(r.predicted_peak_gib, 2)} / "
+                     f"{f(r.measured_peak_gib, 2)} | {r.tokens_equal} | {r.note} |")
     return lines
 
 

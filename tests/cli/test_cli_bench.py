@@ -165,7 +165,8 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
                             cwd=tmp_path, timeout=300)
     assert memory.returncode == 0, memory.stdout + memory.stderr
     rows = {(r[0], r[1]): r for r in _table_rows(memory.stdout, ("accelerate", "placement_opt"))}  # printed twice
-    assert len(rows) == 4 and all(len(r) == 10 and not r[3].startswith(("error", "OOM")) for r in rows.values()), rows
+    assert len(rows) == 4 and all(len(r) == 11 and not r[3].startswith(("error", "OOM")) and float(r[7]) > 0
+               for r in rows.values()), rows
     decode = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "gpu.py"), "--smoke"],
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert decode.returncode == 0, decode.stdout + decode.stderr
@@ -177,7 +178,7 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
         same, of = cell.split("/")
         return same == of
 
-    assert all((r[8] == "reference" or equal(r[8])) and not r[9] for r in final.values()), final
+    assert all((r[9] == "reference" or equal(r[9])) and not r[10] and float(r[7]) > 0 for r in final.values()), final
 
 
 def test_the_ops_benchmark_prices_one_graph_with_and_without_its_op_counts(monkeypatch):
