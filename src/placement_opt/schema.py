@@ -312,6 +312,7 @@ class MeasurementSchema(_Open):
     mapped_read_bytes_per_s: float | None = None
     fresh_page_bytes_per_s: NonNegativeFloat | None = None
     op_overhead_s: NonNegativeFloat | None = None
+    to_host_bytes_per_s: NonNegativeFloat | None = None
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}
 
 

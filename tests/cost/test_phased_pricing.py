@@ -60,6 +60,24 @@ def test_phased_prefill_is_the_stream_plus_one_kv_move_and_decode_is_the_cpus() 
     assert from_disk.prefill_ns == pytest.approx(opts["disk", "cuda:0", "stream", None].prefill_ns + move_ns, abs=2)
 
 
+@given(st.floats(min_value=1e8, max_value=1e11), st.sampled_from([1, 4, 16]), st.sampled_from([64, 512, 4096]))
+def test_the_prompts_kv_cache_leaves_at_the_gpus_measured_rate_to_the_host(to_host, batch, prompt) -> None:
+    """A GPU whose copies back to the CPU run at ``to_host`` (a profile measures ``.to("cpu")``): the phased
+    prefill pays the prompt's KV cache at that rate; streams, which copy the other way, are priced as before."""
+    graph = chain_graph([layer(0), layer(1)])
+    wl = Workload(batch_size=batch, prompt_len=prompt, new_tokens=8)
+    plain = machine(disk=False)
+    slow = Machine([Device("cuda:0", 8 * GIB, flops=4e14, bandwidth=2e12, host_link=5e10, reserve=0, to_host=to_host),
+                    plain["cpu"]])
+    before, after = (options(build_problem(graph, m, wl, modes=MODES)) for m in (plain, slow))
+    prompt_kv = 4096 * batch * prompt
+    extra_ns = prompt_kv * (1 / to_host - 1 / 5e10) * NS_PER_S
+    phased = ("cpu", "cpu", "phased", "cuda:0")
+    assert after[phased].prefill_ns - before[phased].prefill_ns == pytest.approx(extra_ns, abs=2)
+    stream = ("cpu", "cuda:0", "stream", None)
+    assert after[stream].prefill_ns == before[stream].prefill_ns and after[stream].decode_ns == before[stream].decode_ns
+
+
 def test_phased_options_only_where_there_are_two_phases_and_a_cpu() -> None:
     graph = chain_graph([layer(0), layer(1, in_decode=False)])
     generating = build_problem(graph, machine(gpus=2), Workload(prompt_len=128, new_tokens=8), modes=MODES)

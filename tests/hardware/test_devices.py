@@ -8,7 +8,12 @@ from hypothesis import strategies as st
 
 from placement_opt.errors import DeviceSpecError
 from placement_opt.hardware.detect import local_device_names
-from placement_opt.hardware.devices import DEFAULT_GPU_RESERVE_BYTES, Device, Machine
+from placement_opt.hardware.devices import (
+    DEFAULT_GPU_RESERVE_BYTES,
+    Device,
+    Machine,
+    replace_device,
+)
 from placement_opt.hardware.presets import PRESETS, did_you_mean
 from placement_opt.hardware.resolve import as_machine, parse_device_spec
 from placement_opt.units import GIB, MIB
@@ -54,6 +59,8 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: as_machine(3.5), r"is not a machine"),
     (lambda: as_machine({"npu": "1GiB"}), r"unknown device name 'npu'"),
     (lambda: as_machine({"cpu": "-1GiB"}), r"max_memory\['cpu'\]"),
+    (lambda: Device("cpu", "1GiB", to_host=5e9), r"to_host of cpu is 5000000000.0: .*only a GPU takes it"),
+    (lambda: Device("cuda:0", "1GiB", to_host=-1), r"to_host of cuda:0 is -1"),
 ])
 def test_errors_name_the_bad_value_and_what_is_accepted(call, pattern) -> None:
     with pytest.raises(DeviceSpecError, match=pattern):  # a ValueError, as callers catch today
@@ -78,6 +85,17 @@ def test_machine_orders_devices_and_defaults_links() -> None:
         Machine([Device("cpu", 1), Device("cpu", 2)])
 
 
+def test_copies_leaving_a_gpu_take_its_measured_rate_and_those_reaching_it_the_host_link() -> None:
+    gpu = Device.preset("h100-sxm", name="cuda:0")
+    measured = replace_device(gpu, to_host_bytes_per_s=1.3e9)
+    for device, leaving in ((gpu, gpu.host_link_bytes_per_s), (measured, 1.3e9)):
+        machine = Machine([device, Device("cpu", "64GiB")])
+        assert machine.bandwidth("cuda:0", "cpu") == leaving
+        assert machine.bandwidth("cpu", "cuda:0") == gpu.host_link_bytes_per_s
+    linked = Machine([measured, Device("cpu", "64GiB")], links={("cuda:0", "cpu"): 9e9})
+    assert linked.bandwidth("cuda:0", "cpu") == 9e9  # a link the user gives wins
+
+
 def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
     from_max = as_machine({0: "20GiB", "cpu": "64GiB"})
     assert from_max.names == ["cuda:0", "cpu"]
@@ -100,6 +118,11 @@ def test_round_trips_through_dicts() -> None:
     machine = parse_device_spec("cuda:0=h100-sxm,cpu=cpu-server,disk=nvme-gen3")
     again = Machine.from_dict(machine.to_dict())
     assert again == machine
+    measured = Machine([replace_device(machine["cuda:0"], to_host_bytes_per_s=1.3e9), machine["cpu"]])
+    assert Machine.from_dict(measured.to_dict()) == measured
+    old = {**machine["cuda:0"].to_dict()}
+    del old["to_host_bytes_per_s"]  # a plan or profile written before the field: the host link's rate
+    assert Device.from_dict(old) == machine["cuda:0"]
     assert machine.max_memory == {0: machine["cuda:0"].usable_bytes, "cpu": 512 * GIB, "disk": 10**12}
 
 

@@ -28,7 +28,8 @@ rules (causal attention, the closed-form sum over decode steps, sliding windows,
   CPU: the same cores fault the weights in and compute, and measured runs on a CPU show no
   overlap (benchmarks/cost_accuracy).
 * ``phased`` (a unit stored in CPU RAM or on disk): the prefill is the ``stream`` to a GPU plus the
-  prompt's KV cache of the unit copied to the CPU once; each decode step computes on the CPU where the
+  prompt's KV cache of the unit copied to the CPU once (at the GPU's measured rate back to the host, where a
+  profile has one: ``Device.to_host_bytes_per_s``); each decode step computes on the CPU where the
   weights are (llama.cpp's split: GPU for prompt processing, CPU for generation, chosen per unit here).
 * Host memory (``host_*_s``): the bytes an option moves through host RAM (a CPU-executed unit's weights
   and KV cache read, a streamed unit's weights copied out) over :func:`host_memory_bytes_per_s`; the

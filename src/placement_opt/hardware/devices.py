@@ -136,6 +136,10 @@ class Device:
         op_overhead_s: seconds the host spends per torch op a model's forward dispatches to this device
             (the dispatch and the Python around it), whatever the op's size; None: the cost model's default
             for the kind. A profile measures it on a small transformers model.
+        to_host: GPU: bytes/s of ``.to("cpu")`` of a large tensor, a blocking copy into new pageable memory, as a
+            phased unit's KV cache and a GPU unit's outputs leave for the CPU; None: ``host_link`` (the pinned
+            host -> device rate). A profile measures it: on a lent H200's host, phased prefills ran as if their
+            KV caches moved at about 1.3 GB/s, against 55 GB/s pinned (benchmarks/cost_accuracy/GPU.md).
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -154,6 +158,7 @@ class Device:
     shared_bandwidth_bytes_per_s: float
     fresh_page_bytes_per_s: float | None
     op_overhead_s: float | None
+    to_host_bytes_per_s: float | None
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class Device:
         shared_bandwidth: float | None = None,
         fresh_page: float | None = None,
         op_overhead_s: float | None = None,
+        to_host: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -181,8 +187,11 @@ class Device:
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth),
-                             ("fresh_page", fresh_page)):
+                             ("fresh_page", fresh_page), ("to_host", to_host)):
             _checked_speed(label, canonical, value)
+        if to_host is not None and kind != "gpu":
+            raise DeviceSpecError(f"to_host of {canonical} is {to_host!r}: it is the rate of copies leaving a GPU for "
+                                  f"the CPU, so only a GPU takes it; leave it None for {canonical}")
         if op_overhead_s is not None and not (0 < float(op_overhead_s) < 1):
             raise DeviceSpecError(f"op_overhead_s of {canonical} is {op_overhead_s!r}: the host's seconds per torch op "
                                   f"must be between 0 and 1 (a few microseconds: 5e-6); leave it None for the default")
@@ -203,6 +212,7 @@ class Device:
         values["shared_bandwidth_bytes_per_s"] = float(shared_bandwidth or values["bandwidth_bytes_per_s"])
         values["fresh_page_bytes_per_s"] = float(fresh_page) if fresh_page is not None else None
         values["op_overhead_s"] = float(op_overhead_s) if op_overhead_s is not None else None
+        values["to_host_bytes_per_s"] = float(to_host) if to_host is not None else None
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -273,7 +283,8 @@ class Device:
                    flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())],
                    shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None,
                    fresh_page=data.get("fresh_page_bytes_per_s") or None,
-                   op_overhead_s=data.get("op_overhead_s") or None)
+                   op_overhead_s=data.get("op_overhead_s") or None,
+                   to_host=data.get("to_host_bytes_per_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
@@ -386,6 +397,8 @@ class Machine:
         if kinds == {"gpu"}:
             return min(a.peer_link_bytes_per_s, b.peer_link_bytes_per_s)
         if kinds == {"gpu", "cpu"}:
+            if a.is_gpu and a.to_host_bytes_per_s:  # leaving the GPU: a blocking copy into new host memory
+                return a.to_host_bytes_per_s
             return (a if a.is_gpu else b).host_link_bytes_per_s
         if kinds == {"cpu", "disk"}:
             return (a if a.kind == "disk" else b).bandwidth_bytes_per_s

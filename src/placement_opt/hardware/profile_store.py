@@ -139,7 +139,8 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
     # CUDA path (not exercised on machines without a GPU)
     return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
                   host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
-                  source=source, flops_by_tokens=curve, op_overhead_s=entry.get("op_overhead_s") or None)
+                  source=source, flops_by_tokens=curve, op_overhead_s=entry.get("op_overhead_s") or None,
+                  to_host=entry.get("to_host_bytes_per_s") or None)  # profiles before 2026-11-30 lack it
 
 
 def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:

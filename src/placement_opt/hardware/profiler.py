@@ -17,8 +17,8 @@
   which is how accelerate loads offloaded weights (``np.memmap``); the disk device carries the
   first (the cost model derates it for accelerate's reads, see ``cost.MAPPED_READ_FACTOR``).
 * CUDA (when present; skipped on machines without it): matmul FLOP/s, HBM copy bandwidth, pinned
-  and pageable host -> device copies, peer copies between GPUs, and the seconds per op of the tiny
-  model's forward on the GPU (host work and launches).
+  and pageable host -> device copies, a copy back into new host memory (``.to("cpu")``), peer copies
+  between GPUs, and the seconds per op of the tiny model's forward on the GPU (host work and launches).
 
 Results are saved as JSON (default ``~/.cache/placement_opt/profile.json``, or the path in the
 ``PLACEMENT_OPT_PROFILE`` environment variable) so that solving never re-measures:
@@ -309,6 +309,10 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
     pinned = host.pin_memory()
     pageable = size / _best_time(lambda: dst.copy_(host), repeats, sync)
     pinned_rate = size / _best_time(lambda: dst.copy_(pinned, non_blocking=True), repeats, sync)
+    # what the dispatcher does with a phased unit's KV cache and a GPU unit's outputs bound for the CPU: a blocking
+    # copy into new pageable memory (glibc maps it anew: its pages fault in as the copy writes them)
+    leaving = src[: 256 * 2**20]
+    to_host = leaving.numel() / _best_time(lambda: leaving.to("cpu"), repeats, sync)
     counted.advance(1, f"{device}: seconds per op of a small model")
     per_op = _op_overhead_s(torch, device, repeats, _MIN_MEASURE_S, sync)
     counted.advance(1)
@@ -316,7 +320,8 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
                              "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
-                             "pageable_h2d_bytes_per_s": pageable, "op_overhead_s": per_op}
+                             "pageable_h2d_bytes_per_s": pageable, "to_host_bytes_per_s": to_host,
+                             "op_overhead_s": per_op}
     peers = [j for j in range(cuda_device_count()) if j != index]
     if peers:
         other = torch.empty(size, dtype=torch.uint8, device=f"cuda:{peers[0]}")
