@@ -227,6 +227,23 @@ def test_run_devices_are_this_machines_with_the_budgets_given():
     assert {**machine["cpu"].to_dict(), "source": ""} == {**same.to_dict(), "source": ""}
 
 
+def test_accelerates_prompt_goes_where_its_embedding_is_unless_a_hook_moves_it(checkpoint):
+    """A model accelerate puts whole on one GPU has no hooks to move its inputs: the prompt goes to the embedding's
+    device (the CUDA test below runs that case). An embedding offloaded to ``meta`` has hooks: the prompt stays."""
+    import torch
+
+    from placement_opt.cli._run_measured import _on_input_device
+
+    model, _ = checkpoint
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    assert _on_input_device(model, ids) is ids  # already there
+    offloaded = type(model)(model.config).to("meta")
+    assert _on_input_device(offloaded, ids) is ids
+    if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        assert _on_input_device(model.to("cuda"), ids).device.type == "cuda"
+        model.to("cpu")
+
+
 @pytest.mark.cuda
 def test_run_on_a_gpu_measures_its_peak_memory_beside_the_prediction(checkpoint, tmp_path):
     _, path = checkpoint

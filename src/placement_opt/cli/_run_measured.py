@@ -142,6 +142,7 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any],
             device_map = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
             cost = evaluate(device_map, checkpoint, machine, priced[1])
             ids, new_tokens, cold, repeats, mask = generation
+            ids, mask = _on_input_device(model, ids), None if mask is None else _on_input_device(model, mask)
             files = [*Path(folder).rglob("*.dat"), *Path(checkpoint).glob("*.safetensors")]
             timing = time_generation(model, ids, new_tokens, (lambda: drop_page_cache(files)) if cold else None,
                                      repeats, mask)
@@ -153,6 +154,17 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any],
     return {"device_map": {k: str(v) for k, v in device_map.items()},
             "predicted": {"prefill_s": cost.prefill_s, "decode_tokens_per_s": cost.decode_tokens_per_s},
             "measured": _measured(timing)}
+
+
+def _on_input_device(model: Any, tensor: Any) -> Any:
+    """``tensor`` where ``model``'s input embedding is. A model that accelerate puts whole on one GPU gets no hooks
+    to move its inputs (``dispatch_model`` only calls ``model.to``), so the prompt's CPU ids would fail there; a model
+    whose embedding is offloaded (on ``meta``) has hooks that move them, and takes them where they are."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embedding, "weight", None)
+    if weight is None or weight.device.type == "meta" or weight.device == tensor.device:
+        return tensor
+    return tensor.to(weight.device)
 
 
 def _measured(timing: Timing) -> dict[str, Any]:
