@@ -16,7 +16,10 @@
 #                                                                                  -> decode.md, decode.log
 #   moe     issue 15: the same and expert groups, the Mixtral-8x7B shape cut to $MOE_LAYERS layers (default 8)
 #           at 24 GiB scaled to them (phases/gpu.py --case mixtral)                -> moe.md (log into decode.log)
-# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300), MOE_S (300). A step past its limit gets
+#   probe   a decode step's cost at first and second visits of a context (SDPA default and cuDNN attention off),
+#           and a layer's KV cache leaving the GPU, as moved and into pinned memory (phases/probe.py, ~20 s)
+#                                                                                  -> probe.md
+# Time limits per step, in seconds: TESTS_S (180), MEMORY_S (300), DECODE_S (300), MOE_S (300), PROBE_S (90). A step past its limit gets
 # SIGINT (its scratch folder is removed; SIGKILL 30 s later) and the next one runs; memory.md and
 # decode.md hold every row finished by then, and the logs what the step printed.
 # The steps of a call (and of later calls while the machine stays warm) share one checkpoint per model shape and
@@ -71,13 +74,22 @@ step_moe() {
         --steps "${STEPS:-16}" --out "$out/moe.md" >>"$out/decode.log" 2>&1
 }
 
+step_probe() {
+    has_cuda || { echo "probe: no CUDA device here; benchmarks/phases/probe.py --smoke checks the script" >"$out/probe.md"; return 1; }
+    timeout -s INT -k 30 "${PROBE_S:-90}" python3 benchmarks/phases/probe.py --out "$out/probe.md" >"$out/probe.out" 2>&1
+    local rc=$?
+    # one file either way: the tables, or what the probe printed before it failed (rows as they ran, the error)
+    if [ "$rc" -eq 0 ]; then rm -f "$out/probe.out"; else mv "$out/probe.out" "$out/probe.md"; fi
+    return $rc
+}
+
 export PYTHONUNBUFFERED=1
 status=0
 for step in "${@:-setup decode memory}"; do
     for one in $step; do
         case "$one" in
-            setup|tests|memory|decode|moe) ;;
-            *) echo "unknown step '$one': setup, tests, memory, decode or moe" >&2; exit 2 ;;
+            setup|tests|memory|decode|moe|probe) ;;
+            *) echo "unknown step '$one': setup, tests, memory, decode, moe or probe" >&2; exit 2 ;;
         esac
         started=$SECONDS
         "step_$one"

@@ -179,6 +179,12 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
         return same == of
 
     assert all((r[9] == "reference" or equal(r[9])) and not r[10] and float(r[7]) > 0 for r in final.values()), final
+    probe = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "probe.py"), "--smoke"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    visits = {(r[0], r[1]) for r in _table_rows(probe.stdout, ("default", "cuDNN off"))}
+    assert visits == {(s, b) for s in ("default", "cuDNN off") for b in ("1", "16")}, probe.stdout
+    assert len({r[1] for r in _table_rows(probe.stdout, ("leaving cpu",))}) == 2, probe.stdout
 
 
 def test_the_ops_benchmark_prices_one_graph_with_and_without_its_op_counts(monkeypatch):

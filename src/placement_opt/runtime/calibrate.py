@@ -15,7 +15,8 @@ dominate small models. :func:`calibrate` measures the model itself:
    short one (:data:`._calibrate_timing.PROBE_TOKENS`) up to the workload's prompt while the next one should
    take at most :data:`._calibrate_timing.PREFILL_BUDGET_S` (pricing extends the line beyond the last), and
    decode steps with a real KV cache near the first context (``prompt + 1``) and near the last
-   (``prompt + new_tokens``);
+   (``prompt + new_tokens``), each context timed on its second visit (a GPU's first step at a new context
+   length can set up kernels for it: :func:`._calibrate_timing._steps`);
 4. the copy of each unit's weights is timed both ways they are streamed: with a GPU, the project's
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
