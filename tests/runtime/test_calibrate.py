@@ -8,7 +8,7 @@ import warnings
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from transformers import LlamaConfig, MixtralConfig
+from transformers import LlamaConfig, MistralConfig, MixtralConfig
 
 import placement_opt
 from placement_opt.cost.calibrated import calibration_for, shape_key
@@ -207,10 +207,9 @@ def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(t
     assert layer.prefill_s(2, 64, "last") >= layer.prefill_s(2, 16, "last")  # extended to the prompt
 
 
-def test_a_decode_step_is_timed_at_a_context_run_before(tmp_path, monkeypatch) -> None:
-    """Attention that stalls the first time it meets a key length (as SDPA's cuDNN attention builds a graph per
-    length on Hopper GPUs): the decode figure is the step's own time, and the stall is said. Timed on first visits
-    (before the second pass), the layer's decode step read >= 20 ms."""
+def _stall_first_visits(monkeypatch) -> set[tuple[int, ...]]:
+    """SDPA that sleeps 20 ms the first time a decode step meets a key shape (as cuDNN attention builds a graph per
+    key length on Hopper GPUs); the shapes it met."""
     import time
 
     import torch
@@ -225,18 +224,41 @@ def test_a_decode_step_is_timed_at_a_context_run_before(tmp_path, monkeypatch) -
         return real(query, key, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stalling)
+    return seen
+
+
+def _mistral_config() -> MistralConfig:
+    """Sliding-window layers (a cache kind of their own), the window past the calibrated contexts."""
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, sliding_window=256, max_position_embeddings=512)
+    config.dtype = "float32"
+    return config
+
+
+@pytest.mark.parametrize("config", [tiny_config, _mistral_config], ids=["llama", "mistral-sliding"])
+def test_a_decode_step_is_timed_at_a_context_run_before(tmp_path, monkeypatch, config) -> None:
+    """A stall at each first-visited key length: the decode figure is the step's own time, and the stall is said.
+    Timed on first visits (as before the second pass, and as the test below does), the step read >= 20 ms."""
+    seen = _stall_first_visits(monkeypatch)
     with pytest.warns(UserWarning, match="context length this process had not run before"):
-        result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=WORKLOAD, path=tmp_path / "p.json",
-                                         repeats=1)
+        result = placement_opt.calibrate(config(), ["cpu"], workload=WORKLOAD, path=tmp_path / "p.json", repeats=1)
     assert seen, "the stall never ran: the copy's attention does not call torch's SDPA"
     layer = result.times[result.units["model.layers.0"]]["cpu"]
     assert layer.decode and all(seconds < 0.01 for _, _, seconds in layer.decode), layer.decode
 
 
-def test_a_cache_that_cannot_be_cut_keeps_the_first_visits() -> None:
-    from placement_opt.runtime._calibrate_timing import _cut
+def test_a_cache_that_cannot_be_copied_keeps_its_first_visits(tmp_path, monkeypatch) -> None:
+    from placement_opt.runtime import _calibrate_timing as calibrating
 
-    assert not _cut(None, 4) and not _cut(type("Quantized", (), {"layers": [object()]})(), 4)
+    _stall_first_visits(monkeypatch)
+    monkeypatch.setattr(calibrating, "_copy_of", lambda cache: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = placement_opt.calibrate(tiny_config(), ["cpu"], workload=WORKLOAD, path=tmp_path / "p.json",
+                                         repeats=1)
+    assert not [w for w in caught if "not run before" in str(w.message)]  # nothing to compare first visits with
+    layer = result.times[result.units["model.layers.0"]]["cpu"]
+    assert layer.decode and all(seconds >= 0.02 for _, _, seconds in layer.decode), layer.decode
 
 
 @pytest.mark.parametrize(("prompt", "first"), [(1, 1), (16, 4), (64, 16), (128, 8), (512, 8), (4096, 16)])

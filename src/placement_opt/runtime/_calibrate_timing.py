@@ -9,6 +9,7 @@ CPU RAM both ways they are streamed.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 import warnings
@@ -137,24 +138,33 @@ def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, 
     :data:`DECODE_STEPS`, or :data:`MIN_DECODE_STEPS` once they add up to :data:`DECODE_BUDGET_S`; more
     while they add up to under half :data:`MIN_TIMED_S`, at most ``most``).
 
-    Each context is timed on its second visit: the steps run once, the cache is cut back (a plain dynamic cache;
-    other kinds keep the first visit's figures) and the same steps run again. A step at a context length the
+    Each context is timed on its second visit: the steps run once, then again from a copy of the cache taken before
+    them (a cache that cannot be copied keeps the first visit's figures). A step at a context length the
     process has not run before may pay a one-time set-up of its shapes, which a plan pays once per length, not
     once per step and unit: under torch 2.11 on an H200, SDPA's cuDNN attention (the default on Hopper) took
     about 68 ms per first-visited decode step of a Llama-3.1-8B layer at batch 16, where a whole 16 x 512 prefill
     of it took 6.4 ms; block plans priced with such figures computed every layer on the CPU (benchmarks/phases/GPU.md).
     """
-    start = _cached_length(cache)
-    first, cache = _first_visits(model, stamps, cache, batch, most, vocab, device)
-    if not first or not _cut(cache, start):
+    kept = _copy_of(cache)  # the caller's cache goes on growing in the first visits
+    first, _ = _first_visits(model, stamps, cache, batch, most, vocab, device)
+    if not first or kept is None:
         return typical(first), len(first)
     again: list[dict[str, float]] = []
     for step in range(len(first) + 1):  # the same contexts: the untimed first one, then those timed before
-        seconds, cache = _step(model, stamps, cache, batch, vocab, device)
+        seconds, kept = _step(model, stamps, kept, batch, vocab, device)
         if step > 0:
             again.append(seconds)
     _warn_of_first_visits(first, again, device)
     return typical(again), len(again)
+
+
+def _copy_of(cache: Any) -> Any:
+    """A copy of ``cache`` (any kind: sliding windows, static) to run the same steps again from; None for one that
+    cannot be copied."""
+    try:
+        return copy.deepcopy(cache)
+    except (TypeError, RuntimeError, copy.Error):
+        return None
 
 
 def _first_visits(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, vocab: int,
@@ -180,18 +190,6 @@ def _step(model: nn.Module, stamps: Stamps, cache: Any, batch: int, vocab: int,
     ids = torch.randint(0, vocab, (batch, 1), device=device)
     seconds, out = stamps.run(lambda: model(input_ids=ids, use_cache=True, **cache_argument(model, cache)))
     return seconds, cache_of(out)
-
-
-def _cut(cache: Any, length: int) -> bool:
-    """Cut a plain dynamic KV cache back to ``length`` tokens (what :func:`_grown` grows); False for other kinds."""
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer).__name__ != "DynamicLayer" or getattr(layer, "keys", None) is None
-                         or layer.keys.dim() < 2 or layer.keys.shape[-2] < length for layer in layers):
-        return False
-    for layer in layers:
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
-    return True
 
 
 #: First visits of decode contexts this much slower than second visits (and by :data:`FIRST_VISIT_MIN_S` or more
