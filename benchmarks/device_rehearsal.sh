@@ -27,7 +27,7 @@ trap 'rm -rf "$work"' EXIT
 git clone -q "$(git rev-parse --show-toplevel)" "$work/repo"
 cd "$work/repo"
 PATH="$venv/bin:$PATH" bash benchmarks/device_wheels.sh
-PATH="$venv/bin:$PATH" SITE="$work/site" OUT="$work/out" TESTS_S=600 bash benchmarks/device_check.sh setup tests memory decode || true
+PATH="$venv/bin:$PATH" SITE="$work/site" OUT="$work/out" TESTS_S=600 bash benchmarks/device_check.sh setup tests memory decode probe || true
 cat "$work/out/setup.txt"
 tail -1 "$work/out/cuda_tests.txt"
 PATH="$venv/bin:$PATH" PYTHONPATH="$work/site" HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider 2>&1 | tail -1
