@@ -218,6 +218,21 @@ def test_top_level_flags(argv):
     assert "placement-opt" in result.output
 
 
+def test_the_profile_table_shows_a_gpus_measured_rate_back_to_the_host():
+    from rich.console import Console
+
+    from placement_opt.cli.output import devices_table
+    from placement_opt.hardware.devices import Device, Machine
+
+    console = Console(width=160, record=True)
+    console.print(devices_table(Machine([Device("cuda:0", "80GiB", to_host=1.3e9), Device("cuda:1", "80GiB"),
+                                         Device("cpu", "64GiB")])))
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.startswith("│")}
+    assert "back to host" in text and "1.3 GB/s" in rows["cuda:0"]
+    assert rows["cuda:1"].split("│")[6].strip() == "-" and rows["cpu"].split("│")[6].strip() == "-"  # not measured
+
+
 def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the disk measurement writes its scratch file here
     out = tmp_path / "machine.json"

@@ -124,10 +124,12 @@ def devices_table(machine: Machine) -> Any:
     from rich.table import Table
 
     table = Table(title="This machine", title_justify="left")
-    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "source"):
+    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "back to host", "source"):
         table.add_column(col, justify="left" if col in ("device", "source") else "right")
     for d in machine.devices:
+        back = d.to_host_bytes_per_s  # .to("cpu") into new memory: what a KV cache or an output leaving the GPU costs
         table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}" if d.flops_per_s else "-",
                       f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
-                      f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-", d.source)
+                      f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-",
+                      f"{back / 1e9:.3g} GB/s" if back else "-", d.source)
     return table
