@@ -204,8 +204,8 @@ def _warn_of_first_visits(first: list[dict[str, float]], again: list[dict[str, f
     if once > FIRST_VISIT_RATIO * steady and once - steady >= FIRST_VISIT_MIN_S:
         warnings.warn(
             f"calibrate(): on {device}, a decode step took {once * 1e3:.1f} ms at a context length this process had "
-            f"not run before and {steady * 1e3:.1f} ms at one it had: a set-up per new shape (on Hopper GPUs, SDPA's "
-            f"cuDNN attention builds a graph per key length). Plans are priced at the second figure; a process's first "
+            f"not run before and {steady * 1e3:.1f} ms at one it had: a set-up per new shape (on Hopper GPUs most likely "
+            f"SDPA's cuDNN attention, which builds a graph per key length). Plans are priced at the second figure; a process's first "
             f"generate() pays the difference once per new length. torch.backends.cuda.enable_cudnn_sdp(False), set "
             f"before calibrating and running, avoids it where cuDNN attention is the cause", UserWarning, stacklevel=2)
 
