@@ -84,6 +84,7 @@ def test_run_loads_generates_and_sets_measured_beside_predicted(checkpoint, tmp_
     rows = {r["what"]: r for r in figures["rows"]}
     assert rows["prefill"]["predicted"] > 0 and rows["prefill"]["measured"] > 0
     assert len(figures["measured"]["decode_step_s"]) == 5
+    assert rows["decode step, mean"]["measured"] == pytest.approx(sum(figures["measured"]["decode_step_s"]) / 5)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))  # run's seeded prompt
     assert figures["measured"]["tokens"] == _greedy(model, ids, 6)  # the plan computes what the model does
     explained = run_cli("explain", str(tmp_path / "run.json"))  # the plan inside run's JSON

@@ -60,6 +60,8 @@ def rows(plan: Plan, cost: Any, timing: Timing) -> list[tuple[str, float | None,
     steps = max(1, cost.workload.new_tokens)
     rows = [("prefill", cost.prefill_s, timing.prefill_s, "s"),
             ("decode step, median", cost.decode_s / steps, timing.decode_step_median_s, "s"),
+            # the mean carries what some steps pay once (a GPU's set-up per new context length), the median hides it
+            ("decode step, mean", cost.decode_s / steps, timing.decode_step_mean_s, "s"),
             ("decode tokens/s", cost.decode_tokens_per_s, timing.decode_tokens_per_s, "tokens/s")]
     predicted = {m.device: m.used_bytes for m in cost.memory}
     for device, measured in timing.peak_gpu_bytes.items():
@@ -197,6 +199,8 @@ def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
     rows = [("prefill", ours.prefill_s, measured["prefill_s"], format_seconds),
             ("decode step, median", ours.decode_step_median_s,
              statistics.median(measured["decode_step_s"]) if measured["decode_step_s"] else 0.0, format_seconds),
+            ("decode step, mean", ours.decode_step_mean_s,
+             statistics.fmean(measured["decode_step_s"]) if measured["decode_step_s"] else 0.0, format_seconds),
             ("decode tokens/s", ours.decode_tokens_per_s, measured["decode_tokens_per_s"], lambda v: f"{v:.2f}")]
     rows += [(f"{d} peak memory", float(ours.peak_gpu_bytes.get(d, 0)), float(b), format_bytes)
              for d, b in measured["peak_gpu_bytes"].items()]

@@ -56,6 +56,12 @@ class Timing:
         return statistics.median(self.decode_step_s) if self.decode_step_s else 0.0
 
     @property
+    def decode_step_mean_s(self) -> float:
+        """The mean step: unlike the median, it carries what some steps pay once (a GPU's set-up per new context
+        length, when a process meets it first)."""
+        return statistics.fmean(self.decode_step_s) if self.decode_step_s else 0.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens per second while decoding, all sequences of the batch: batch / the median step."""
         step = self.decode_step_median_s
