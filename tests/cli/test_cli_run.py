@@ -353,6 +353,22 @@ def test_run_says_why_the_cpu_grew_past_its_prediction_only_where_the_threshold_
     assert ("--fix-mmap-threshold makes the RAM follow them" in console.export_text()) == (said and glibc_heap())
 
 
+@pytest.mark.parametrize(("steps", "said"), [((0.010, 0.010, 0.075, 0.010, 0.080), True),  # two slow steps of five
+                                            ((0.010, 0.011, 0.012, 0.010, 0.011), False),  # even steps
+                                            ((0.001, 0.001, 0.004, 0.001, 0.004), False)])  # uneven, by < 5 ms
+def test_run_says_when_some_decode_steps_paid_a_cost_of_their_own(steps, said):
+    from rich.console import Console
+
+    from placement_opt.cli import _run_measured
+    from placement_opt.runtime.timing import Timing
+
+    timing = Timing(batch_size=1, prefill_s=0.1, decode_step_s=steps, tokens=((1,) * 6,), peak_gpu_bytes={},
+                    prefill_runs_s=(0.1,), peak_cpu_growth_bytes=None)
+    console = Console(record=True, width=300)
+    _run_measured.say_runs(console, timing, None)
+    assert ("well above their median" in console.export_text()) == said
+
+
 def test_run_calibrate_times_the_models_units_first_and_the_plan_is_priced_with_them(checkpoint, tmp_path,
                                                                                        monkeypatch):
     _, path = checkpoint

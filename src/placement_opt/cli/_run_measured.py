@@ -24,6 +24,9 @@ __all__ = ["CPU_ROW", "time_generation", "rows", "table", "figures", "say_heap",
 
 #: The row of the CPU's memory: what the forwards add to the process's RAM at their peak.
 CPU_ROW = "cpu memory growth, peak"
+#: A mean decode step this many times its median (and this much above it) is said: steps that paid extra.
+UNEVEN_STEPS_RATIO = 1.5
+UNEVEN_STEPS_MIN_S = 0.005
 
 
 def say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
@@ -33,6 +36,12 @@ def say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
         runs = timing.prefill_runs_s
         console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
                       f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
+    mean, median = timing.decode_step_mean_s, timing.decode_step_median_s
+    if mean > UNEVEN_STEPS_RATIO * median and mean - median >= UNEVEN_STEPS_MIN_S:
+        console.print(f"note: the decode steps' mean ({format_seconds(mean)}) is well above their median "
+                      f"({format_seconds(median)}): some steps paid a cost of their own, such as a Hopper GPU's "
+                      f"attention set-up at each context length the process meets first, which a plan does not "
+                      f"count (docs/limitations.md)")
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
 
