@@ -468,7 +468,7 @@ def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int],
         # the cap bounds reserved bytes: an OOM with allocated under the budget is the allocator's slack
         reserved = format_bytes(torch.cuda.max_memory_reserved(0)) if cuda else "-"
         return (f"{head} {cost.prefill_s:.3f} | {timing.prefill_s:.3f} | {cost.decode_s / steps:.4f} | "
-                f"{timing.decode_step_median_s:.4f} | {statistics.mean(timing.decode_step_s):.4f} | "
+                f"{timing.decode_step_median_s:.4f} | {timing.decode_step_mean_s:.4f} | "
                 f"{format_bytes(predicted_peak)} | "
                 f"{format_bytes(peak) if peak is not None else '-'} | {reserved} |")
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
