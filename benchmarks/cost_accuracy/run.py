@@ -392,6 +392,7 @@ def gpu_part(args: argparse.Namespace, work: Path,
     import placement_opt
     from placement_opt.cost.workload import Workload
     from placement_opt.model.tracer import trace
+    from placement_opt.runtime.cuda_allocator import allocator_settings
 
     sys.path.insert(0, str(HERE.parent))
     from gpu_common import profile_once, random_checkpoint, use_profile
@@ -409,7 +410,8 @@ def gpu_part(args: argparse.Namespace, work: Path,
     memory = ("cpu: the predicted KV cache, workspace and stream buffer against the resident set's growth"
               if smoke else "cuda:0")
     lines = [f"GPU: {name}; Llama-3.1-8B shape{' (tiny for the smoke)' if smoke else ''}, random bf16 weights; "
-             f"max_memory {max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget)",
+             f"max_memory {max_memory}; {args.steps} decode steps; cap = set_per_process_memory_fraction(budget); "
+             f"CUDA allocator settings: {allocator_settings() or 'default'}",
              "",
              f"| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
              f"measured step (s) | measured mean step (s) | predicted peak ({memory}) | measured max_memory_allocated "
@@ -448,6 +450,7 @@ def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int],
         torch.cuda.set_per_process_memory_fraction(parse_size(max_memory[0]) / total if cap else 1.0, 0)
         torch.cuda.reset_peak_memory_stats(0)
     model = None
+    predicted_peak = None
     head = f"| {runner} | {batch} x {workload.prompt_len} | {'yes' if cap else 'no'} |"
     try:
         if runner == "accelerate":
@@ -472,7 +475,10 @@ def gpu_row(runner: str, batch: int, cap: bool, model_of: tuple[Path, Any, int],
                 f"{format_bytes(predicted_peak)} | "
                 f"{format_bytes(peak) if peak is not None else '-'} | {reserved} |")
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
-        return (f"{head} OOM ({str(exc).splitlines()[0][:60]}) | | | | | | | "
+        # the peaks up to the failed request: allocated far under the cap is the allocator's slack
+        return (f"{head} OOM ({str(exc).splitlines()[0][:60]}) | | | | | "
+                f"{format_bytes(predicted_peak) if predicted_peak is not None else ''} | "
+                f"{format_bytes(torch.cuda.max_memory_allocated(0))} | "
                 f"{format_bytes(torch.cuda.max_memory_reserved(0))} |")
     except Exception as exc:  # noqa: BLE001 - a row that failed says why; the other rows still run
         return f"{head} error ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}) | | | | | | | |"
@@ -625,6 +631,9 @@ def main() -> None:
                              "on a machine other jobs share, whose cores the threads would wait for")
     parser.add_argument("--out", default=None, help="default: RESULTS.md here (--gpu-smoke: printed only)")
     args = parser.parse_args()
+    from placement_opt.runtime.cuda_allocator import use_expandable_segments
+
+    use_expandable_segments()  # as the placement-opt command runs (the same for accelerate's rows)
     if args.gpu_smoke:
         args.gpu_only = True
     args.out = args.out or (None if args.gpu_smoke else str(HERE / "RESULTS.md"))

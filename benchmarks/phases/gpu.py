@@ -308,6 +308,8 @@ def merged(rows: list[Row], recorded: Path) -> list[Row]:
 def write(out: Path, rows: list[Row], args: argparse.Namespace, seconds: float) -> None:
     import transformers
 
+    from placement_opt.runtime.cuda_allocator import allocator_settings
+
     recorded = out.with_suffix(".json")
     rows = merged(rows, recorded)
     recorded.write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -319,7 +321,8 @@ def write(out: Path, rows: list[Row], args: argparse.Namespace, seconds: float) 
             f"{transformers.__version__}",
             f"- Command: `python benchmarks/phases/gpu.py {' '.join(sys.argv[1:])}`".rstrip(),
             f"- Plans solved with `time_limit_s={args.time_limit:g}` and `Workload(overlap=True)` after `profile` and "
-            f"`calibrate` on this machine; hard cap: {'yes' if args.cap else 'no'}.", "",
+            f"`calibrate` on this machine; hard cap: {'yes' if args.cap else 'no'}; CUDA allocator settings: "
+            f"{allocator_settings() or 'default'}.", "",
             *table(rows), ""]
     out.write_text("\n".join(text))
     print(f"wrote {out}")
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default=None, help="one GPU budget only, e.g. 10GiB (default: each case's)")
     parser.add_argument("--out", type=Path, default=None, help="default: GPU.md here (smoke runs: no file)")
     args = parser.parse_args(argv)
+    from placement_opt.runtime.cuda_allocator import use_expandable_segments
+
+    use_expandable_segments()  # as the placement-opt command runs (the same for accelerate's rows)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
         return 2

@@ -389,5 +389,10 @@ cli.add_command(run)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``placement-opt`` console script."""
+    """Entry point of the ``placement-opt`` console script. The process runs PyTorch's CUDA allocator with expandable
+    segments unless the environment sets the allocator (:mod:`~placement_opt.runtime.cuda_allocator`: with the
+    default one, a plan that fills a GPU can run out of it in split segments)."""
+    from ..runtime.cuda_allocator import use_expandable_segments
+
+    use_expandable_segments()
     cli.main(args=list(argv) if argv is not None else None, prog_name="placement-opt")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ._calibrate_clock import MIN_TIMED_S, logits_argument, repeated, typical
+from ._decode_attention import cudnn_attention_off
 from .timing import cache_argument, cache_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,7 +79,8 @@ def time_forwards(model: nn.Module, stamps: Stamps, workload: Workload, repeats:
     if _cached_length(cache) < prompt and not _grown(cache, prompt):  # untimed: a cache of the prompt's length
         ids = torch.randint(0, vocab, (batch, prompt), device=device)
         cache = cache_of(model(input_ids=ids, use_cache=True, **logits_argument(model, "last")))
-    return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
+    with cudnn_attention_off():  # as dispatched models run their decode steps (:mod:`._decode_attention`)
+        return prefill, _time_decode(model, stamps, cache, workload, vocab, device)
 
 
 def _first_length(prompt: int) -> int:
@@ -144,6 +146,8 @@ def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, 
     once per step and unit: under torch 2.11 on an H200, SDPA's cuDNN attention (the default on Hopper) took
     about 68 ms per first-visited decode step of a Llama-3.1-8B layer at batch 16, where a whole 16 x 512 prefill
     of it took 6.4 ms; block plans priced with such figures computed every layer on the CPU (benchmarks/phases/GPU.md).
+    Decode steps now run with cuDNN's attention off, here as in dispatched models (:mod:`._decode_attention`), which
+    removed that set-up in a probe; the second visit stays for any other set-up per shape.
     """
     kept = _copy_of(cache)  # the caller's cache goes on growing in the first visits
     first, _ = _first_visits(model, stamps, cache, batch, most, vocab, device)
@@ -204,10 +208,9 @@ def _warn_of_first_visits(first: list[dict[str, float]], again: list[dict[str, f
     if once > FIRST_VISIT_RATIO * steady and once - steady >= FIRST_VISIT_MIN_S:
         warnings.warn(
             f"calibrate(): on {device}, a decode step took {once * 1e3:.1f} ms at a context length this process had "
-            f"not run before and {steady * 1e3:.1f} ms at one it had: a set-up per new shape (on Hopper GPUs most likely "
-            f"SDPA's cuDNN attention, which builds a graph per key length). Plans are priced at the second figure; a process's first "
-            f"generate() pays the difference once per new length. torch.backends.cuda.enable_cudnn_sdp(False), set "
-            f"before calibrating and running, avoids it where cuDNN attention is the cause", UserWarning, stacklevel=2)
+            f"not run before and {steady * 1e3:.1f} ms at one it had: a set-up per new shape. Plans are priced at the second figure; a process's first "
+            f"generate() pays the difference once per new length (cuDNN's attention, off in these steps and in "
+            f"dispatched models' decode steps, is not the cause)", UserWarning, stacklevel=2)
 
 
 def time_copies(modules: Mapping[str, nn.Module], representatives: Mapping[str, str],

@@ -13,8 +13,9 @@ from ..plan import Plan
 from ..units import format_bytes
 from ._streamer import DispatchUnit
 from .allocator import glibc_heap, mmap_threshold_fixed
+from .cuda_allocator import expandable_segments
 
-__all__ = ["warn_mapped_phased", "warn_copy_headroom", "warn_cpu_heap", "HEAP_WARN_MIN_BYTES"]
+__all__ = ["warn_mapped_phased", "warn_copy_headroom", "warn_cpu_heap", "warn_gpu_segments", "HEAP_WARN_MIN_BYTES"]
 
 
 def warn_mapped_phased(units: list[DispatchUnit], disk_reads: str) -> None:
@@ -74,3 +75,23 @@ def warn_cpu_heap(units: list[DispatchUnit], plan: Plan) -> None:
             f"hold up to about that much again during a forward: call "
             f"placement_opt.runtime.allocator.fix_mmap_threshold() once before the first forward (about 5-18 % slower "
             f"CPU forwards), or plan with a smaller cpu budget", UserWarning, stacklevel=4)
+
+
+def warn_gpu_segments(plan: Plan) -> None:
+    """Where the plan leaves a GPU less free memory than the activations and streamed weights it computes there
+    allocate and free, PyTorch's default CUDA allocator, whose split segments can hold about that much again
+    (:mod:`.cuda_allocator`), may run it out: say how to fix it."""
+    if expandable_segments():
+        return
+    tight = [m for m in plan.cost.memory if m.device.startswith("cuda")
+             and m.free_bytes < m.workspace_bytes + m.stream_buffer_bytes]
+    if not tight:
+        return
+    shown = "; ".join(f"{m.device}: {format_bytes(max(m.free_bytes, 0))} of {format_bytes(m.capacity_bytes)} free, "
+                      f"{format_bytes(m.workspace_bytes + m.stream_buffer_bytes)} allocated and freed" for m in tight)
+    warnings.warn(
+        f"the plan leaves a GPU less free memory than what it allocates and frees there ({shown}), and PyTorch's "
+        f"default CUDA allocator can hold up to about that much again in split segments (measured: 2.81 GiB beside "
+        f"6.35 GiB allocated under a 10 GiB cap): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the "
+        f"environment before the process first uses CUDA (the placement-opt command does), or plan with a smaller "
+        f"GPU budget", UserWarning, stacklevel=4)

@@ -76,7 +76,13 @@ from ..errors import DispatchError, PlacementError
 from ..model.expert_groups import group_counts
 from ..plan import Plan
 from . import _streamer
-from ._dispatch_warnings import warn_copy_headroom, warn_cpu_heap, warn_mapped_phased
+from ._decode_attention import decode_without_cudnn_attention
+from ._dispatch_warnings import (
+    warn_copy_headroom,
+    warn_cpu_heap,
+    warn_gpu_segments,
+    warn_mapped_phased,
+)
 from ._expert_groups import split_experts
 from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
@@ -309,12 +315,16 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     _place(model, units, slots, offload_dir, disk_reads, disk_sources, weights, log, main)
     warn_copy_headroom(units, plan)
     warn_cpu_heap(units, plan)
+    warn_gpu_segments(plan)
     log.doing = "linking the units that prefetch"
     link_prefetch(units)
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan))
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
     log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units}, main))
+    if any(u.execution.type == "cuda" for u in units):
+        log.doing = "turning cuDNN attention off in decode steps"
+        log.push("decode attention hooks", decode_without_cudnn_attention(model))
     handle = _attach(model, plan, units, (hooked_modules, hf_hooked), streamer, log)
     weights.commit()
     return handle
