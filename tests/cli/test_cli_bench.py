@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -185,6 +186,12 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
     visits = {(r[0], r[1]) for r in _table_rows(probe.stdout, ("default", "cuDNN off"))}
     assert visits == {(s, b) for s in ("default", "cuDNN off") for b in ("1", "16")}, probe.stdout
     assert len({r[1] for r in _table_rows(probe.stdout, ("leaving cpu",))}) == 2, probe.stdout
+    segments = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cost_accuracy" / "segments.py"),
+                               str(tmp_path / "segments.jsonl"), "--smoke"], capture_output=True, text=True,
+                              env={**env, "PROFILE": str(tmp_path / "profile.json")}, cwd=tmp_path, timeout=300)
+    assert segments.returncode == 0, segments.stdout + segments.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "segments.jsonl").read_text().splitlines()]
+    assert row["predicted"]["used_bytes"] > row["predicted"]["weights_bytes"] > 0, row
 
 
 def test_the_ops_benchmark_prices_one_graph_with_and_without_its_op_counts(monkeypatch):
