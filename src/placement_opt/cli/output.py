@@ -127,7 +127,7 @@ def devices_table(machine: Machine) -> Any:
     for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "back to host", "source"):
         table.add_column(col, justify="left" if col in ("device", "source") else "right")
     for d in machine.devices:
-        back = d.to_host_bytes_per_s  # .to("cpu") into new memory: what a KV cache or an output leaving the GPU costs
+        back = d.to_host_bytes_per_s  # host_copy.to_host into new memory: what a KV cache or an output leaving the GPU costs
         table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}" if d.flops_per_s else "-",
                       f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
                       f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-",

@@ -136,10 +136,12 @@ class Device:
         op_overhead_s: seconds the host spends per torch op a model's forward dispatches to this device
             (the dispatch and the Python around it), whatever the op's size; None: the cost model's default
             for the kind. A profile measures it on a small transformers model.
-        to_host: GPU: bytes/s of ``.to("cpu")`` of a large tensor, a blocking copy into new pageable memory, as a
-            phased unit's KV cache and a GPU unit's outputs leave for the CPU; None: ``host_link`` (the pinned
-            host -> device rate). A profile measures it: on a lent H200's host, phased prefills ran as if their
-            KV caches moved at about 1.3 GB/s, against 55 GB/s pinned (benchmarks/cost_accuracy/GPU.md).
+        to_host: GPU: bytes/s of :func:`~.host_copy.to_host` of a large tensor, a blocking copy in 64 MiB chunks
+            through pinned staging buffers into new pageable memory, as a phased unit's KV cache and a GPU unit's
+            outputs leave for the CPU; None: ``host_link`` (the pinned host -> device rate). A profile measures it.
+            A plain ``.to("cpu")`` is far slower: on a lent H200's host it copied at 1.3-1.6 GB/s, and phased
+            prefills ran as if their KV caches moved at about 1.3 GB/s, against 54 GB/s into pinned memory
+            (benchmarks/cost_accuracy/GPU.md).
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.

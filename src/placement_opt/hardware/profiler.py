@@ -17,8 +17,9 @@
   which is how accelerate loads offloaded weights (``np.memmap``); the disk device carries the
   first (the cost model derates it for accelerate's reads, see ``cost.MAPPED_READ_FACTOR``).
 * CUDA (when present; skipped on machines without it): matmul FLOP/s, HBM copy bandwidth, pinned
-  and pageable host -> device copies, a copy back into new host memory (``.to("cpu")``), peer copies
-  between GPUs, and the seconds per op of the tiny model's forward on the GPU (host work and launches).
+  and pageable host -> device copies, a copy back into new host memory staged through pinned buffers
+  (:func:`.host_copy.to_host`, as the dispatcher copies), peer copies between GPUs, and the seconds
+  per op of the tiny model's forward on the GPU (host work and launches).
 
 Results are saved as JSON (default ``~/.cache/placement_opt/profile.json``, or the path in the
 ``PLACEMENT_OPT_PROFILE`` environment variable) so that solving never re-measures:
@@ -288,6 +289,8 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
                   counted: Bar) -> dict[str, Any]:  # pragma: no cover - needs a GPU
     import torch
 
+    from .host_copy import to_host as staged_to_host
+
     device = torch.device(f"cuda:{index}")
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     repeats = 3 if quick else 10
@@ -310,9 +313,10 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
     pageable = size / _best_time(lambda: dst.copy_(host), repeats, sync)
     pinned_rate = size / _best_time(lambda: dst.copy_(pinned, non_blocking=True), repeats, sync)
     # what the dispatcher does with a phased unit's KV cache and a GPU unit's outputs bound for the CPU: a blocking
-    # copy into new pageable memory (glibc maps it anew: its pages fault in as the copy writes them)
+    # copy staged through pinned buffers into new pageable memory (glibc maps it anew: its pages fault in as the
+    # staged chunks are copied into it), see host_copy
     leaving = src[: 256 * 2**20]
-    to_host = leaving.numel() / _best_time(lambda: leaving.to("cpu"), repeats, sync)
+    to_host = leaving.numel() / _best_time(lambda: staged_to_host(leaving), repeats, sync)
     counted.advance(1, f"{device}: seconds per op of a small model")
     per_op = _op_overhead_s(torch, device, repeats, _MIN_MEASURE_S, sync)
     counted.advance(1)

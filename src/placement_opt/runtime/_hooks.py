@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hardware.host_copy import to_host
 from . import _streamer
 from ._phases import (
     CallPhase,
@@ -45,6 +46,8 @@ def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.device == device:
             return obj
+        if device.type == "cpu" and obj.is_cuda:
+            return to_host(obj)  # staged through pinned memory: a pageable copy of a large output crawls
         return obj.to(device, non_blocking=device.type == "cuda")
     kind = type(obj)
     if kind is tuple or kind is list:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError
+from ..hardware.host_copy import to_host
 
 __all__ = ["CallPhase", "attention_layers", "call_extent", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
@@ -181,7 +182,10 @@ def _move_layer(unit: str, idx: int, layer: Any, device: torch.device) -> None:
 def _to(value: Any, device: torch.device) -> Any:
     """``value`` with its tensors on ``device`` (through tuples, lists and dicts, as quantized layers keep them)."""
     if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device)
+        if value.device == device:
+            return value
+        # a prompt's cache leaving the prefill's GPU: staged through pinned memory (pageable copies crawl)
+        return to_host(value) if device.type == "cpu" and value.is_cuda else value.to(device)
     if type(value) in (tuple, list):
         moved = [_to(v, device) for v in value]
         return value if all(a is b for a, b in zip(moved, value, strict=True)) else type(value)(moved)
