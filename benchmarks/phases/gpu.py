@@ -177,16 +177,20 @@ def _groups(plan: Any) -> str:
     return "groups " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 
-def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]], int | None]:
-    """Prefill seconds, each decode step's seconds, the greedy tokens per step (the prompt's next token first) and
-    cuda:0's peak bytes over the generation: ``placement_opt.runtime.timing.time_generation``, as
+def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[float], list[list[int]], int | None, str]:
+    """Prefill seconds, each decode step's seconds, the greedy tokens per step (the prompt's next token first),
+    cuda:0's peak bytes over the generation and its prefill's and decode's peaks apart, as words for a note
+    ("" without CUDA): ``placement_opt.runtime.timing.time_generation``, as
     ``placement-opt run`` measures (one untimed warm-up forward first: a runner's first call would otherwise carry
     the process's CUDA and kernel set-up into its prefill)."""
     from placement_opt.runtime.timing import time_generation
 
     timing = time_generation(model, ids, steps + 1)
     tokens = [list(step) for step in zip(*timing.tokens, strict=True)]
-    return timing.prefill_s, list(timing.decode_step_s), tokens, timing.peak_gpu_bytes.get("cuda:0")
+    phases = (f"cuda:0 peak {timing.prefill_peak_gpu_bytes['cuda:0'] / 2**30:.2f} GiB in the prefill, "
+              f"{timing.decode_peak_gpu_bytes['cuda:0'] / 2**30:.2f} in the decode"
+              if "cuda:0" in timing.prefill_peak_gpu_bytes else "")
+    return timing.prefill_s, list(timing.decode_step_s), tokens, timing.peak_gpu_bytes.get("cuda:0"), phases
 
 
 def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[str, Any]) -> Any:
@@ -225,7 +229,7 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         peak_predicted = predicted_memory(target, graph, devices, workload).get("cuda:0")
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, case.shape["vocab_size"], (batch, prompt), generator=generator)
-        prefill, times, tokens, peak = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
+        prefill, times, tokens, peak, phases = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
         step = statistics.median(times)
         equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
         units = (_modes(target) if runner in ("layer", "phased") else _split(target) if runner == "sublayer"
@@ -233,6 +237,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
                   peak_predicted.used_bytes / 2**30 if peak_predicted else None,
                   peak / 2**30 if cuda and peak is not None else None, equal,
+                  # a peak over its prediction: which phase it is in
+                  note=phases if peak_predicted and peak and peak > 1.02 * peak_predicted.used_bytes else "",
                   measured_mean_decode_tps=batch / statistics.mean(times))
         return row, tokens if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:

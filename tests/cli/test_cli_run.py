@@ -254,6 +254,9 @@ def test_run_on_a_gpu_measures_its_peak_memory_beside_the_prediction(checkpoint,
     figures = json.loads((tmp_path / "run.json").read_text())
     rows = {r["what"]: r for r in figures["rows"]}
     assert rows["cuda:0 peak memory"]["measured"] > 0 and rows["cuda:0 peak memory"]["predicted"] > 0
+    # the phases' peaks apart: the whole run's is the larger of the two
+    phases = [rows[f"cuda:0 peak memory, {phase}"]["measured"] for phase in ("prefill", "decode")]
+    assert max(phases) == rows["cuda:0 peak memory"]["measured"] and min(phases) > 0, phases
     assert "measured" in figures["accelerate"], figures["accelerate"]  # else the error that stopped it
     assert figures["accelerate"]["measured"]["peak_gpu_bytes"]["cuda:0"] > 0
 

@@ -75,6 +75,10 @@ def rows(plan: Plan, cost: Any, timing: Timing) -> list[tuple[str, float | None,
     predicted = {m.device: m.used_bytes for m in cost.memory}
     for device, measured in timing.peak_gpu_bytes.items():
         rows.append((f"{device} peak memory", predicted.get(device), float(measured), "bytes"))
+        # the plan has one peak per device; the phases' measured apart say which one a miss is in
+        for phase, peaks in (("prefill", timing.prefill_peak_gpu_bytes), ("decode", timing.decode_peak_gpu_bytes)):
+            if device in peaks:
+                rows.append((f"{device} peak memory, {phase}", None, float(peaks[device]), "bytes"))
     cpu = next((m for m in cost.memory if m.device == "cpu"), None)
     if cpu is not None and timing.peak_cpu_growth_bytes is not None and _computes_on_cpu(plan):
         # the resident weights were in RAM before the run: the forwards add the rest

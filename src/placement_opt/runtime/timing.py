@@ -19,7 +19,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,11 @@ class Timing:
     what the forwards added to RAM at their peak (activations, KV cache, buffers, pages of memory-mapped disk
     weights), the figure the plan's CPU KV cache, workspace and stream buffer predict. None where ``/proc`` does
     not give it (not Linux)."""
+    prefill_peak_gpu_bytes: dict[str, int] = field(default_factory=dict)
+    """Of :attr:`peak_gpu_bytes`, the prefills' part: each CUDA device's peak up to the end of the prefills; the
+    decode steps' is :attr:`decode_peak_gpu_bytes` (which phase a plan's memory misses in, when it does)."""
+    decode_peak_gpu_bytes: dict[str, int] = field(default_factory=dict)
+    """Each CUDA device's peak over the decode steps alone (from what the prefill left allocated)."""
 
     @property
     def decode_step_median_s(self) -> float:
@@ -103,6 +108,7 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
         out, prefills = _prefills(gpus, model, input_ids, prefill_repeats, before_each, last,
                                   attention_mask, positioned)
         cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
+        prefill_peaks = _peaks(gpus, reset=True)
         tokens = [token[:, 0].tolist()]
         for _ in range(new_tokens - 1):
             if before_each is not None:
@@ -115,11 +121,23 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
             cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             tokens.append(token[:, 0].tolist())
     by_sequence = tuple(tuple(step[b] for step in tokens) for b in range(input_ids.shape[0]))
-    peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in gpus}
+    decode_peaks = _peaks(gpus)
+    peaks = {name: max(prefill_peaks[name], decode_peaks[name]) for name in prefill_peaks}
     rss_peak = peak_bytes() if rss_before is not None else None
     return Timing(batch_size=input_ids.shape[0], prefill_s=statistics.median(prefills), decode_step_s=tuple(steps),
                   tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills),
-                  peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before))
+                  peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before),
+                  prefill_peak_gpu_bytes=prefill_peaks, decode_peak_gpu_bytes=decode_peaks)
+
+
+def _peaks(gpus: range, reset: bool = False) -> dict[str, int]:
+    """``max_memory_allocated`` of each CUDA device since its last reset; ``reset``: start the next count from
+    what is allocated now."""
+    peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in gpus}
+    if reset:
+        for index in gpus:
+            torch.cuda.reset_peak_memory_stats(index)
+    return peaks
 
 
 def _check_arguments(input_ids: torch.Tensor, new_tokens: int, prefill_repeats: int,
