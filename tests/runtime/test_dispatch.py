@@ -617,3 +617,41 @@ def test_a_call_past_the_planned_kv_tokens_or_batch_is_warned_of_once():
         assert said(caught) == []
     finally:
         handle.remove()
+
+
+def test_a_copy_waits_for_the_streamed_forwards_that_ended_before_it_started(monkeypatch):
+    """The events of streamed GPU forwards that ended before a copy was started go with that copy (it waits for them
+    before it allocates); those ending later go with the next; CPU forwards mark nothing."""
+    from types import SimpleNamespace
+
+    from placement_opt.runtime._streamer import MAX_ENDED, Streamer
+
+    class Event:
+        def record(self, stream) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    streamer = Streamer()
+    copies = []
+    monkeypatch.setattr(streamer, "_copy", lambda unit, side, after=(): copies.append((unit, list(after))) or ([], None))
+    gpu = torch.device("cuda:0")
+    first, second, third = (SimpleNamespace(disk=[], streams_to=gpu) for _ in range(3))
+    streamer.finished(gpu)
+    streamer.finished(gpu)
+    streamer.finished(torch.device("cpu"))
+    ended = list(streamer.ended)
+    streamer.start(first)
+    streamer.finished(gpu)
+    later = list(streamer.ended)
+    streamer.start(second)
+    streamer.start(third)
+    streamer.pool.shutdown(wait=True)
+    assert [(unit, after) for unit, after in copies] == [(first, ended), (second, later), (third, [])]
+    assert len(ended) == 2 and len(later) == 1
+    for _ in range(MAX_ENDED + 5):
+        streamer.finished(gpu)
+    assert len(streamer.ended) == MAX_ENDED

@@ -470,8 +470,8 @@ def live_copies():
         with lock:
             state["live"] -= nbytes
 
-    def copy(self, unit, side):
-        tensors, event = real(self, unit, side)
+    def copy(self, unit, side, after=()):
+        tensors, event = real(self, unit, side, after)
         sizes = [t.numel() * t.element_size() for t in tensors]
         with lock:
             state["size"][unit.name] = sum(sizes)

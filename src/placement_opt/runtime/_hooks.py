@@ -343,6 +343,7 @@ def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer:
         finally:
             for slot in slots:
                 slot.tensor.data = slot.stored
+            streamer.finished(device)  # its weights are free once the GPU has run what it queued
 
     return functools.wraps(forward)(streamed)
 

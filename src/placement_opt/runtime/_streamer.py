@@ -9,10 +9,21 @@ Copies are started a copy group ahead (a decoder layer cut into sublayer units i
 without ``copy_group`` is a group alone): the thread runs them first in, first out, so the next
 group's copies queue behind what is left of the current group's, and the streamed weights of at most
 two groups are on the device at once.
+
+"At once" on the GPU, not only in Python: a streamed unit's forward returns when its kernels are queued, and its
+weights, used on the compute stream (``record_stream``), stay allocated until those kernels have run. Without a
+bound the host runs ahead of the GPU and the next copies are allocated beside weights still in use: on an H200,
+a Mixtral sublayer plan with six phased expert blocks of 2.6 GiB in a row peaked at 8.04 GiB against 5.94 GiB
+predicted (benchmarks/phases/GPU.md), three blocks where the cost model counts two. So each streamed forward on a
+GPU records an event when it ends (:meth:`Streamer.finished`), and a copy started later waits, in the prefetch
+thread, for the events recorded before it was started: the group before the one that starts it has left the
+device, as the cost model's schedule has it (:func:`placement_opt.solver.problem.stalls`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +35,10 @@ from ..plan import UnitPlacement
 from .checkpoint import Slot
 from .offload import SafetensorsFile
 
-__all__ = ["DispatchUnit", "Streamer", "torch_device"]
+__all__ = ["DispatchUnit", "Streamer", "torch_device", "MAX_ENDED"]
+
+#: Ended forwards' events kept for the next copy to wait for, at most (:meth:`Streamer.finished`).
+MAX_ENDED = 64
 
 
 def torch_device(name: str) -> torch.device:
@@ -86,6 +100,9 @@ class Streamer:
         self.inflight: dict[int, tuple[DispatchUnit, Future[tuple[list[torch.Tensor], Any]]]] = {}
         self.release_pool: ThreadPoolExecutor | None = None
         self.releasing: list[Future[None]] = []
+        self.ended: list[Any] = []
+        """CUDA events of streamed forwards that ended since the last copy started (:meth:`finished`)."""
+        self.ended_lock = threading.Lock()
 
     def _pool(self) -> ThreadPoolExecutor:
         if self.pool is None:
@@ -97,11 +114,30 @@ class Streamer:
             self.side_streams[device] = torch.cuda.Stream(device)
         return self.side_streams[device]
 
-    def _copy(self, unit: DispatchUnit, side: bool) -> tuple[list[torch.Tensor], Any]:
-        """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked)."""
+    def finished(self, device: torch.device) -> None:
+        """A streamed unit's forward on ``device`` has been queued whole: mark its end on the compute stream, which
+        the copies started from now on wait for before they allocate (the module's docstring)."""
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        with self.ended_lock:
+            # events on one stream end in order, so the latest ones stand for those dropped before them
+            self.ended = [*self.ended[-(MAX_ENDED - 1):], event]
+
+    def _ended_so_far(self) -> list[Any]:
+        with self.ended_lock:
+            ended, self.ended = self.ended, []
+        return ended
+
+    def _copy(self, unit: DispatchUnit, side: bool, after: Sequence[Any] = ()) -> tuple[list[torch.Tensor], Any]:
+        """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked), once the
+        forwards whose ``after`` events mark their end have run on the GPU (their weights are free then)."""
         device = unit.streams_to
         if device.type != "cuda":
             return [slot.stored.to(device, copy=True) for slot in unit.uses], None
+        for event in after:
+            event.synchronize()
         sources = []
         for slot in unit.uses:
             src = slot.stored
@@ -125,7 +161,9 @@ class Streamer:
         a CPU-to-CPU copy gains nothing from running early and is made when taken.
         """
         if id(unit) not in self.inflight and (unit.disk or unit.streams_to.type == "cuda"):
-            self.inflight[id(unit)] = (unit, self._pool().submit(self._copy, unit, unit.streams_to.type == "cuda"))
+            cuda = unit.streams_to.type == "cuda"
+            after = self._ended_so_far() if cuda else []  # the group before the one starting this copy
+            self.inflight[id(unit)] = (unit, self._pool().submit(self._copy, unit, cuda, after))
 
     def take(self, unit: DispatchUnit) -> list[torch.Tensor]:
         """The unit's weights on its device: the prefetched ones, or copied now."""
