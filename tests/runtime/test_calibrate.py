@@ -555,3 +555,48 @@ def test_disk_reads_are_timed_in_chains_of_one_shape_as_a_plan_offloading_that_p
         assert {"model.embed_tokens", "lm_head"} <= chains[-1]
     else:  # the tiny model's units are all small: one chain, as every unit on disk was timed before
         assert chains == [weighted]
+
+
+@given(runs=st.lists(st.fixed_dictionaries({"a": st.floats(0, 1), "b": st.floats(0, 1)}), min_size=1, max_size=9))
+def test_typical_takes_the_median_but_of_the_routed_units_the_mean(runs) -> None:
+    import statistics
+
+    from placement_opt.runtime._calibrate_clock import typical
+
+    figures = typical(runs, mean_of={"b"})
+    assert figures["a"] == statistics.median(r["a"] for r in runs)
+    assert figures["b"] == pytest.approx(statistics.fmean(r["b"] for r in runs))
+
+
+def test_an_expert_groups_decode_figure_is_the_mean_over_the_groups_of_its_shape(tmp_path, monkeypatch) -> None:
+    """A router that sends every step's tokens to one group of four: each group's decode figure is a quarter of the
+    busy group's time (what a plan pays per group on average), not the representative's own time (0 here)."""
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    def forwards(model, stamps, workload, repeats, device):
+        names = [name for name, _ in stamps_modules(stamps)]
+        run = {name: (1.0 if name.endswith("groups.1") else 0.0) if ".groups." in name else 0.5 for name in names}
+        assert {n for n in names if ".groups." in n} <= stamps.routed  # the groups' steps are averaged too
+        return {(1, 16): dict(run)}, {(1, 17): dict(run)}
+
+    def stamps_modules(stamps):
+        return [(name, None) for name in stamps.names]
+
+    real = calibrate_module.Stamps
+
+    class Recording(real):
+        def __init__(self, modules, device, routed=()):
+            super().__init__(modules, device, routed)
+            self.names = list(modules)
+
+    monkeypatch.setattr(calibrate_module, "Stamps", Recording)
+    monkeypatch.setattr(calibrate_module, "time_forwards", forwards)
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=128)
+    result = placement_opt.calibrate(config, ["cpu"], workload=Workload(batch_size=1, prompt_len=16, new_tokens=2),
+                                     granularity="sublayer", expert_groups=4, path=tmp_path / "p.json")
+    group = next(key for name, key in result.units.items() if ".groups." in name)
+    (decode,) = result.times[group]["cpu"].decode
+    assert decode[2] == pytest.approx(0.25)
+    norm = next(key for name, key in result.units.items() if name.endswith("input_layernorm"))
+    assert result.times[norm]["cpu"].decode[0][2] == 0.5  # others: their own figure

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,8 +37,10 @@ STALL_RATIO = 2.0
 class Stamps:
     """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
 
-    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device, routed: Collection[str] = ()) -> None:
         self.device = device
+        self.routed = frozenset(routed)
+        """Units whose decode steps are averaged, not their median taken (:func:`typical`'s ``mean_of``)."""
         self.marks: list[tuple[str, Any]] = []
         self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
 
@@ -77,14 +79,19 @@ class Stamps:
             handle.remove()
 
 
-def typical(runs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+def typical(runs: Iterable[Mapping[str, float]], mean_of: Collection[str] = ()) -> dict[str, float]:
     """The median seconds of each unit over the runs: on a machine other jobs share, the fastest run
-    is luck and the slowest a busy moment, while a plan runs through the usual ones."""
+    is luck and the slowest a busy moment, while a plan runs through the usual ones. The units in
+    ``mean_of`` get the mean: experts whose work depends on where the router sends each step's tokens
+    (a group of a layer's experts runs in some decode steps and idles in the others), whose cost per step
+    is the average, not the usual step (the median of a group busy in fewer than half the steps is its idle
+    time)."""
     by_unit: dict[str, list[float]] = {}
     for run in runs:
         for name, seconds in run.items():
             by_unit.setdefault(name, []).append(seconds)
-    return {name: statistics.median(values) for name, values in by_unit.items()}
+    return {name: (statistics.fmean if name in mean_of else statistics.median)(values)
+            for name, values in by_unit.items()}
 
 
 def unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:

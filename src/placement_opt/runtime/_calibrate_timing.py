@@ -152,14 +152,14 @@ def _steps(model: nn.Module, stamps: Stamps, cache: Any, batch: int, most: int, 
     kept = _copy_of(cache)  # the caller's cache goes on growing in the first visits
     first, _ = _first_visits(model, stamps, cache, batch, most, vocab, device)
     if not first or kept is None:
-        return typical(first), len(first)
+        return typical(first, stamps.routed), len(first)
     again: list[dict[str, float]] = []
     for step in range(len(first) + 1):  # the same contexts: the untimed first one, then those timed before
         seconds, kept = _step(model, stamps, kept, batch, vocab, device)
         if step > 0:
             again.append(seconds)
     _warn_of_first_visits(first, again, device)
-    return typical(again), len(again)
+    return typical(again, stamps.routed), len(again)
 
 
 def _copy_of(cache: Any) -> Any:

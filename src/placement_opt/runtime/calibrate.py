@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -337,7 +338,7 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     handle = dispatch(model, plan, _hook_every_unit=many_devices)
     try:
         modules = unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
-        stamps = Stamps(modules, device)
+        stamps = Stamps(modules, device, routed=[name for name in modules if graph.unit(name).is_moe])
         try:
             with torch.inference_mode():
                 prefill, decode = time_forwards(model, stamps, workload, repeats, device)
@@ -358,10 +359,19 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     out = {}
     for name, key in representatives.items():
         unit = graph.unit(name)
+        alike = _alike(graph, name, key, modules) if unit.is_moe else [name]
         out[key] = UnitTimes(prefill=tuple((b, p, run[name], kept) for (b, p), run in prefill.items() if name in run),
-                             decode=tuple((b, c, run[name]) for (b, c), run in decode.items() if name in run),
+                             decode=tuple((b, c, statistics.fmean(run[n] for n in alike if n in run))
+                                          for (b, c), run in decode.items() if name in run),
                              attention=unit.attn_flops_per_token_per_ctx > 0 or unit.kv_bytes_per_token > 0)
     return out, copies
+
+
+def _alike(graph: LayerGraph, name: str, key: str, timed: Iterable[str]) -> list[str]:
+    """The timed units of ``name``'s shape: a routed unit's decode figure is their mean, as the router sends more of
+    a step's tokens to some experts than to others (a group of experts may idle in most steps, its neighbour run in
+    most), and a plan pays their average over the layers."""
+    return [n for n in timed if shape_key(graph.unit(n), graph.meta.dtype, graph.meta.seq_len) == key]
 
 
 # ---------------------------------------------------------------------------------------------
