@@ -60,6 +60,11 @@ from gpu_common import profile_once, random_checkpoint, remove_unshared, use_pro
 
 EVERY = ("resident", "stream", "phased")
 RUNNERS = ("accelerate auto", "layer", "phased", "sublayer")
+#: Tokens the prompt of the unvisited-contexts generation is longer by: past every context the workload's
+#: calibration and first generation ran (its prompt + steps + 1).
+UNVISITED_OFFSET = 64
+#: Decode steps of that generation.
+UNVISITED_STEPS = 8
 #: Groups a Mixtral layer's 8 experts are cut into for the ``expert groups`` runner (MoE cases only).
 EXPERT_GROUPS = 4
 #: Llama-3.1-8B's published shape (the issue's checkpoint) and Mixtral-8x7B's, its layer count set per run.
@@ -100,6 +105,10 @@ class Row:
     measured_mean_decode_tps: float | None = None
     """batch / the mean step: unlike the median, it carries a step's one-time costs (a new context length's
     attention set-up on a GPU), which a fresh process's first generate() pays. Rows before 2026-11-30 lack it."""
+    unvisited_decode_tps: float | None = None
+    """batch / the mean step of a second generation whose prompt is :data:`UNVISITED_OFFSET` tokens longer, so that
+    no context it decodes at was run before in the process (the calibration and the first generation ran the
+    workload's): what a user's first generate() meets. Rows before 2026-11-30 lack it."""
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -193,6 +202,15 @@ def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[floa
     return timing.prefill_s, list(timing.decode_step_s), tokens, timing.peak_gpu_bytes.get("cuda:0"), phases
 
 
+def unvisited_step(model: Any, vocab: int, batch: int, prompt: int, device: str) -> float:
+    """The mean decode step of a generation at contexts this process has not run (``prompt`` past them), no warm-up:
+    a GPU's set-up per new key length (cuDNN attention's graphs) shows here, where the calibrated rows hide it."""
+    from placement_opt.runtime.timing import time_generation
+
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(2)).to(device)
+    return time_generation(model, ids, UNVISITED_STEPS + 1, warmup=False).decode_step_mean_s
+
+
 def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[str, Any]) -> Any:
     import transformers as T
 
@@ -230,6 +248,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, case.shape["vocab_size"], (batch, prompt), generator=generator)
         prefill, times, tokens, peak, phases = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
+        unvisited = None if args.cap else unvisited_step(  # a longer prompt than the cap was priced for
+            model, case.shape["vocab_size"], batch, prompt + max(steps, UNVISITED_OFFSET), "cuda:0" if cuda else "cpu")
         step = statistics.median(times)
         equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
         units = (_modes(target) if runner in ("layer", "phased") else _split(target) if runner == "sublayer"
@@ -239,7 +259,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
                   peak / 2**30 if cuda and peak is not None else None, equal,
                   # a peak over its prediction: which phase it is in
                   note=phases if peak_predicted and peak and peak > 1.02 * peak_predicted.used_bytes else "",
-                  measured_mean_decode_tps=batch / statistics.mean(times))
+                  measured_mean_decode_tps=batch / statistics.mean(times),
+                  unvisited_decode_tps=batch / unvisited if unvisited else None)
         return row, tokens if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
@@ -292,14 +313,15 @@ def table(rows: list[Row]) -> list[str]:
     lines = ["| case | budget | runner | units | prefill predicted / measured (s) | decode tok/s predicted / measured | "
              "measured / layer plan | decode tok/s of the mean step | cuda:0 peak predicted / measured (GiB) | "
              "greedy tokens equal to the reference's (accelerate's; the first runner's that ran when it ran out of "
-             "memory) | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "memory) | note | decode tok/s of the mean step at contexts not run before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = layer.get((r.case, r.budget))
         ratio = f"{r.measured_decode_tps / base:.2f}x" if base and r.measured_decode_tps else "-"
         lines.append(f"| {r.case} | {r.budget} | {r.runner} | {r.units} | {f(r.predicted_prefill_s, 3)} / "
                      f"{f(r.measured_prefill_s, 3)} | {f(r.predicted_decode_tps, 2)} / {f(r.measured_decode_tps, 2)} | "
                      f"{ratio} | {f(r.measured_mean_decode_tps, 2)} | {f(r.predicted_peak_gib, 2)} / "
-                     f"{f(r.measured_peak_gib, 2)} | {r.tokens_equal} | {r.note} |")
+                     f"{f(r.measured_peak_gib, 2)} | {r.tokens_equal} | {r.note} | {f(r.unvisited_decode_tps, 2)} |")
     return lines
 
 

@@ -179,7 +179,8 @@ def test_the_gpu_benchmarks_run_their_steps_on_the_cpu_with_a_tiny_model(tmp_pat
         same, of = cell.split("/")
         return same == of
 
-    assert all((r[9] == "reference" or equal(r[9])) and not r[10] and float(r[7]) > 0 for r in final.values()), final
+    assert all((r[9] == "reference" or equal(r[9])) and not r[10] and float(r[7]) > 0 and float(r[11]) > 0
+               for r in final.values()), final  # r[11]: the mean step at contexts the process had not run
     probe = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "probe.py"), "--smoke"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert probe.returncode == 0, probe.stdout + probe.stderr
