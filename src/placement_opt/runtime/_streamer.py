@@ -136,8 +136,6 @@ class Streamer:
         device = unit.streams_to
         if device.type != "cuda":
             return [slot.stored.to(device, copy=True) for slot in unit.uses], None
-        for event in after:
-            event.synchronize()
         sources = []
         for slot in unit.uses:
             src = slot.stored
@@ -145,6 +143,8 @@ class Streamer:
                 # disk (memory map) or pageable memory: stage through pinned memory, read in this thread
                 src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
             sources.append(src)
+        for event in after:  # the host's reads above take no GPU memory: only the device copies wait
+            event.synchronize()
         if not side:
             return [src.to(device, non_blocking=False) for src in sources], None
         stream = self._side(device)

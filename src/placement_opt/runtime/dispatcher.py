@@ -60,7 +60,9 @@ forward; when inputs are already on the unit's device the wrapper does nothing b
 devices. The model's own forward is wrapped once to move the caller's inputs to the first
 unit's device and to return the outputs on the caller's device. KV caches stay where each
 attention unit computes (the cache creates each layer's tensors on the device of its keys); a
-phased unit's are created on its GPU in the prefill and moved to the CPU once, where it decodes.
+phased unit's are created on its GPU in the prefill and moved to the CPU once, where it decodes, through
+pinned staging (:mod:`placement_opt.hardware.host_copy`). A plan with GPU units also gets a pre- and a
+post-hook on the model that run its decode calls with cuDNN's attention off (:mod:`._decode_attention`).
 """
 
 from __future__ import annotations
