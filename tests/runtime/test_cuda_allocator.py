@@ -93,3 +93,21 @@ def test_a_gpu_plan_with_less_free_memory_than_its_transients_names_expandable_s
     assert not _said(_with_gpu_row(plan, free_bytes=400 * mib, transient_bytes=400 * mib))
     monkeypatch.setattr(os, "environ", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert not _said(_with_gpu_row(plan, free_bytes=100 * mib, transient_bytes=400 * mib))
+
+
+@pytest.mark.cuda
+def test_the_allocator_honours_the_setting_made_before_the_process_first_uses_cuda():
+    """A fresh process that calls use_expandable_segments() after importing torch, before any CUDA work: its
+    segments are expandable (torch reads the variable when its allocator starts, not when torch is imported)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from placement_opt.runtime.cuda_allocator import use_expandable_segments\n"
+            "assert use_expandable_segments()\n"
+            "x = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\n"
+            "print(all(s.get('is_expandable', False) for s in torch.cuda.memory_snapshot()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", out.stdout + out.stderr
