@@ -83,13 +83,25 @@ step_probe() {
     return $rc
 }
 
+step_segments() {
+    has_cuda || { echo "segments: no CUDA device here; benchmarks/cost_accuracy/segments.py --smoke checks the script" >"$out/segments.log"; return 1; }
+    # the memory step's profile (its calibrations price the same plans) when this call ran it, else the recorded one
+    local profile="$BENCH_SHARED/profile.json"
+    [ -f "$profile" ] || profile=benchmarks/phases/h200-host-profile-2.json
+    rm -f "$out/segments.jsonl"
+    PROFILE="$profile" PYTORCH_CUDA_ALLOC_CONF= timeout -s INT -k 30 "${SEGMENTS_S:-150}" \
+        python3 benchmarks/cost_accuracy/segments.py "$out/segments.jsonl" >"$out/segments.log" 2>&1 || return 1
+    PROFILE="$profile" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -s INT -k 30 "${SEGMENTS_S:-150}" \
+        python3 benchmarks/cost_accuracy/segments.py "$out/segments.jsonl" >>"$out/segments.log" 2>&1
+}
+
 export PYTHONUNBUFFERED=1
 status=0
 for step in "${@:-setup decode memory}"; do
     for one in $step; do
         case "$one" in
-            setup|tests|memory|decode|moe|probe) ;;
-            *) echo "unknown step '$one': setup, tests, memory, decode, moe or probe" >&2; exit 2 ;;
+            setup|tests|memory|decode|moe|probe|segments) ;;
+            *) echo "unknown step '$one': setup, tests, memory, decode, moe, probe or segments" >&2; exit 2 ;;
         esac
         started=$SECONDS
         "step_$one"

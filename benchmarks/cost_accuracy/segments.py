@@ -99,7 +99,7 @@ def main() -> None:
     model, folder = build(shape)
     print("built", time.time() - started, flush=True)
     graph = trace(str(folder))
-    mode = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")
+    mode = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
     with open(sys.argv[1], "a", encoding="utf-8") as out:
         for batch, prompt in [(1, 64)] if smoke else [(1, 4096), (16, 4096)]:
             row: dict[str, Any] = {"alloc_conf": mode, "batch": batch, "prompt": prompt}
