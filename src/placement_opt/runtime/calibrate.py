@@ -359,7 +359,7 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     out = {}
     for name, key in representatives.items():
         unit = graph.unit(name)
-        alike = _alike(graph, name, key, modules) if unit.is_moe else [name]
+        alike = _alike(graph, key, modules) if unit.is_moe else [name]
         out[key] = UnitTimes(prefill=tuple((b, p, run[name], kept) for (b, p), run in prefill.items() if name in run),
                              decode=tuple((b, c, statistics.fmean(run[n] for n in alike if n in run))
                                           for (b, c), run in decode.items() if name in run),
@@ -367,8 +367,8 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     return out, copies
 
 
-def _alike(graph: LayerGraph, name: str, key: str, timed: Iterable[str]) -> list[str]:
-    """The timed units of ``name``'s shape: a routed unit's decode figure is their mean, as the router sends more of
+def _alike(graph: LayerGraph, key: str, timed: Iterable[str]) -> list[str]:
+    """The timed units of shape ``key``: a routed unit's decode figure is their mean, as the router sends more of
     a step's tokens to some experts than to others (a group of experts may idle in most steps, its neighbour run in
     most), and a plan pays their average over the layers."""
     return [n for n in timed if shape_key(graph.unit(n), graph.meta.dtype, graph.meta.seq_len) == key]
