@@ -60,16 +60,9 @@ def profile_once(devices: Iterable[str], dtype: str, quick: bool) -> None:
 
 
 def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
-    """A ``save_pretrained`` checkpoint of ``config`` (a transformers config, its ``dtype`` set) with random weights:
-    calibrate's tiled random block (drawing 8 B values one by one takes about 90 s; this runs at memory speed),
-    norms at 1, so that many layers keep their activations (and greedy tokens) apart. In the shared folder when
-    there is one (written once; a step stopped while writing leaves no half checkpoint under the name), else in
-    ``work``. Free it with :func:`remove_unshared`."""
-    import transformers as T
-    from transformers.initialization import no_init_weights
-
-    from placement_opt.runtime._calibrate_build import fill
-
+    """A ``save_pretrained`` checkpoint of ``config`` (a transformers config, its ``dtype`` set) with
+    :func:`random_model`'s weights. In the shared folder when there is one (written once; a step stopped while
+    writing leaves no half checkpoint under the name), else in ``work``. Free it with :func:`remove_unshared`."""
     shared = shared_folder()
     key = json.dumps({"class": type(config).__name__, **config.to_diff_dict()}, sort_keys=True, default=str)
     name = f"{config.model_type}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -79,6 +72,22 @@ def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
         return path
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    model = random_model(config)
+    model.save_pretrained(partial, max_shard_size=shard)
+    del model
+    partial.rename(path)  # config.json appears under the name only with every shard beside it
+    return path
+
+
+def random_model(config: Any) -> torch.nn.Module:
+    """``config``'s causal LM in RAM, in its ``dtype``: calibrate's tiled random block (a copy at memory speed, where
+    drawing 8 B values one by one takes about 90 s), norms at 1, so that many layers keep their activations (and
+    greedy tokens) apart."""
+    import transformers as T
+    from transformers.initialization import no_init_weights
+
+    from placement_opt.runtime._calibrate_build import fill
+
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
     with no_init_weights():
         model = T.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -87,10 +96,7 @@ def random_checkpoint(config: Any, work: Path, shard: str = "4GB") -> Path:
         for param in model.parameters():
             if param.dim() == 1:
                 param.fill_(1.0)
-    model.save_pretrained(partial, max_shard_size=shard)
-    del model
-    partial.rename(path)  # config.json appears under the name only with every shard beside it
-    return path
+    return model
 
 
 def remove_unshared(path: Path) -> None:

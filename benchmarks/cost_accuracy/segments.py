@@ -30,19 +30,19 @@ os.environ["PLACEMENT_OPT_PROFILE"] = os.environ.get("PROFILE", str(HERE.parent 
 
 import torch  # noqa: E402 - after the profile's variable
 import transformers as T  # noqa: E402
-from transformers.initialization import no_init_weights  # noqa: E402
 
 import placement_opt  # noqa: E402
 from placement_opt.cost.evaluate import predicted_memory  # noqa: E402
 from placement_opt.cost.workload import Workload  # noqa: E402
 from placement_opt.model.tracer import trace  # noqa: E402
-from placement_opt.runtime._calibrate_build import fill  # noqa: E402
 from placement_opt.runtime.timing import time_generation  # noqa: E402
 
-SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, vocab_size=128256)  # Llama-3.1-8B's
-SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256)
+sys.path.insert(0, str(HERE.parent))
+from run import GPU_SHAPE as SHAPE  # noqa: E402 - the memory step's Llama-3.1-8B shape, and its smoke one
+from run import SMOKE_SHAPE  # noqa: E402
+
+from gpu_common import random_model  # noqa: E402
+
 MAX_MEMORY = {0: "10GiB", "cpu": "100GiB"}
 STATS = ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
          "reserved_bytes.all.peak", "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak",
@@ -55,14 +55,7 @@ def build(shape: dict[str, int]) -> tuple[Any, Path]:
     config.dtype = "bfloat16"
     folder = Path(tempfile.mkdtemp())
     config.save_pretrained(folder)
-    with no_init_weights():
-        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    fill(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.fill_(1.0)
-    return model.eval(), folder
+    return random_model(config).eval(), folder
 
 
 def run_capped(model: Any, plan: Any, row: dict[str, Any], vocab: int) -> None:
