@@ -312,7 +312,9 @@ class MeasurementSchema(_Open):
     mapped_read_bytes_per_s: float | None = None
     fresh_page_bytes_per_s: NonNegativeFloat | None = None
     op_overhead_s: NonNegativeFloat | None = None
+    staged_to_host_bytes_per_s: NonNegativeFloat | None = None
     to_host_bytes_per_s: NonNegativeFloat | None = None
+    """Obsolete: a plain ``.to("cpu")``, measured by profiles of 2026-11-29 only; read by nothing."""
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}
 
 

@@ -136,11 +136,13 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         return Device(name, memory, flops=flops, bandwidth=bandwidth, source=source, flops_by_tokens=curve,
                       shared_bandwidth=shared, fresh_page=entry.get("fresh_page_bytes_per_s") or None,
                       op_overhead_s=entry.get("op_overhead_s") or None)
-    # CUDA path (not exercised on machines without a GPU)
+    # CUDA path (not exercised on machines without a GPU). The rate back to the host is the staged copy the
+    # dispatcher makes (host_copy.to_host); profiles of 2026-11-29 measured a plain .to("cpu") under another key,
+    # 40x slower than that copy: they are read without it (the host link prices the copy, as before it was measured)
     return Device(name, memory, flops=flops, bandwidth=entry["copy_bytes_per_s"],
                   host_link=entry["pinned_h2d_bytes_per_s"], peer_link=entry.get("peer_bytes_per_s") or None,
                   source=source, flops_by_tokens=curve, op_overhead_s=entry.get("op_overhead_s") or None,
-                  to_host=entry.get("to_host_bytes_per_s") or None)  # profiles before 2026-11-30 lack it
+                  to_host=entry.get("staged_to_host_bytes_per_s") or None)
 
 
 def _of_dtype(figures: dict[str, Any], dtype: str) -> Any:

@@ -324,7 +324,7 @@ def _measure_cuda(index: int, quick: bool, dtypes: tuple[str, ...],
                              "name": torch.cuda.get_device_name(index), "matmul_flops_per_s": matmul,
                              "linear_flops_by_tokens": curves,
                              "copy_bytes_per_s": copy, "pinned_h2d_bytes_per_s": pinned_rate,
-                             "pageable_h2d_bytes_per_s": pageable, "to_host_bytes_per_s": to_host,
+                             "pageable_h2d_bytes_per_s": pageable, "staged_to_host_bytes_per_s": to_host,
                              "op_overhead_s": per_op}
     peers = [j for j in range(cuda_device_count()) if j != index]
     if peers:
