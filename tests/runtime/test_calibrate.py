@@ -362,11 +362,13 @@ def test_a_slow_first_call_is_never_the_figure_and_a_slow_forward_is_timed_twice
     import torch
 
     from placement_opt.runtime import _calibrate_clock as calibrate_module
+    from placement_opt.runtime import _stamps
 
     clock = _Clock()
-    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    for module in (calibrate_module, _stamps):  # the calls' clock and the units' marks
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     unit = _forward(clock, schedule)
-    stamps = calibrate_module.Stamps({"unit": unit}, torch.device("cpu"))
+    stamps = _stamps.Stamps({"unit": unit}, torch.device("cpu"))
     runs, out = calibrate_module.repeated(lambda: unit(), stamps, repeats=2)
     assert unit.calls == calls
     assert calibrate_module.typical(runs) == {"unit": pytest.approx(figure)}

@@ -1,7 +1,7 @@
 """How :func:`~.calibrate.calibrate` clocks a forward: per-unit stamps, and how many calls make a figure.
 
-A unit's time runs from its call to the next unit's call (:class:`Stamps`), so the glue between units counts
-with the unit before it and the units add up to the whole forward. :func:`repeated` decides how many calls
+A unit's time runs from its call to the next unit's call (:class:`~._stamps.Stamps`), so the glue between units
+counts with the unit before it and the units add up to the whole forward. :func:`repeated` decides how many calls
 are timed (a warm-up first, more for fast forwards, one for slow ones, a first-call stall never the figure);
 :func:`typical` takes each unit's median over them.
 """
@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..model.graph import LayerGraph
+from ._stamps import Stamps
 from .timing import last_logits_argument
 
-__all__ = ["Stamps", "repeated", "typical", "unit_modules", "logits_argument", "MIN_TIMED_S", "MAX_RUNS",
+__all__ = ["repeated", "typical", "unit_modules", "logits_argument", "MIN_TIMED_S", "MAX_RUNS",
            "FAST_FORWARD_S", "SLOW_FORWARD_S", "STALL_RATIO"]
 
 #: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
@@ -34,49 +34,6 @@ SLOW_FORWARD_S = 0.5
 #: ... unless that call ran this many times faster than the warm-up: then the warm-up was a first-call stall,
 #: not a slow forward, and the call is the warm-up in its place (see :func:`repeated`).
 STALL_RATIO = 2.0
-class Stamps:
-    """Per-unit seconds of one forward: from a unit's call to the next unit's call (or the end)."""
-
-    def __init__(self, modules: Mapping[str, nn.Module], device: torch.device, routed: Collection[str] = ()) -> None:
-        self.device = device
-        self.routed = frozenset(routed)
-        """Units whose decode steps are averaged, not their median taken (:func:`typical`'s ``mean_of``)."""
-        self.marks: list[tuple[str, Any]] = []
-        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
-
-    def _now(self) -> Any:
-        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        def mark(_module: nn.Module, _args: Any) -> None:
-            self.marks.append((name, self._now()))
-        return mark
-
-    def run(self, call: Callable[[], Any]) -> tuple[dict[str, float], Any]:
-        self.marks = []
-        begin = self._now()
-        out = call()
-        end = self._now()
-        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(self.device)
-        seconds: dict[str, float] = {}
-        stamps = [begin, *(t for _, t in self.marks[1:]), end]
-        for (name, _), start, stop in zip(self.marks, stamps, stamps[1:], strict=False):
-            seconds[name] = seconds.get(name, 0.0) + self._elapsed(start, stop)
-        return seconds, out
-
-    def _elapsed(self, start: Any, stop: Any) -> float:
-        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
-            return start.elapsed_time(stop) / 1e3
-        return stop - start
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def typical(runs: Iterable[Mapping[str, float]], mean_of: Collection[str] = ()) -> dict[str, float]:

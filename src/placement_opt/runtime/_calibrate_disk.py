@@ -27,8 +27,9 @@ from ..cost.workload import Workload
 from ..model.expert_groups import group_counts
 from ..model.graph import LayerGraph
 from ..plan import Plan
-from ._calibrate_clock import Stamps, logits_argument, typical, unit_modules
+from ._calibrate_clock import logits_argument, typical, unit_modules
 from ._safetensors_file import drop_page_cache
+from ._stamps import Stamps
 from .timing import cache_argument, cache_of
 
 __all__ = ["time_disk_reads", "DISK_STEPS", "DISK_BUDGET_S", "MAX_DISK_STEPS", "MAX_DISK_PREFILLS", "CHAIN_MIN_BYTES"]

@@ -25,7 +25,7 @@ from .timing import cache_argument, cache_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..cost.workload import Workload
-    from ._calibrate_clock import Stamps
+    from ._stamps import Stamps
 
 __all__ = ["time_forwards", "time_copies", "DECODE_STEPS", "MIN_DECODE_STEPS", "DECODE_BUDGET_S", "MAX_DECODE_STEPS",
            "PREFILL_BUDGET_S", "PROBE_TOKENS", "SMALL_PROMPT_FRACTION", "FIRST_VISIT_RATIO", "FIRST_VISIT_MIN_S"]

@@ -59,9 +59,10 @@ from ..model.expert_groups import expert_groups_refusal
 from ..model.graph import LayerGraph
 from ..progress import bar
 from ._calibrate_build import build, cut_config
-from ._calibrate_clock import Stamps, unit_modules
+from ._calibrate_clock import unit_modules
 from ._calibrate_disk import time_disk_reads
 from ._calibrate_timing import time_copies, time_forwards
+from ._stamps import Stamps
 
 __all__ = ["calibrate", "CalibrationResult"]
 
