@@ -91,6 +91,23 @@ def test_run_loads_generates_and_sets_measured_beside_predicted(checkpoint, tmp_
     assert explained.exit_code == 0 and "batch 2 x prompt 16 + 6 new tokens" in explained.output
 
 
+def test_run_breakdown_sets_each_kind_of_unit_beside_its_prediction(checkpoint, tmp_path):
+    """--breakdown: a row per kind of unit (RAM and disk here), the worst units, the whole forward; the same
+    figures in the JSON, the kinds' units adding up to the plan's."""
+    _, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cpu=200KB,disk", "--prompt", "16", "--new-tokens", "4", "--repeats", "1",
+                  "--offload-dir", str(tmp_path / "offload"), "--breakdown", "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "Per unit" in text and "resident cpu" in text and "stream disk -> cpu" in text
+    breakdown = json.loads((tmp_path / "run.json").read_text())["breakdown"]
+    placements = json.loads((tmp_path / "run.json").read_text())["plan"]["placements"]
+    assert sum(int(k["name"].split()[0]) for k in breakdown["kinds"]) == len(placements)
+    assert [u["name"] for u in breakdown["units"]] == [p["unit"] for p in placements]
+    assert all(u["measured_decode_step_s"] > 0 for u in breakdown["units"])
+    assert breakdown["decode_step_s"] > 0 and breakdown["predicted_decode_step_s"] > 0
+
+
 def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

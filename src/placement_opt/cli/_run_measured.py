@@ -17,9 +17,10 @@ from .output import errors_as_messages, progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
+    from ..runtime.breakdown import Breakdown
     from ..runtime.timing import Timing
 
-__all__ = ["CPU_ROW", "time_generation", "rows", "table", "figures", "say_heap", "say_runs", "vs_accelerate",
+__all__ = ["CPU_ROW", "time_generation", "time_units", "say_breakdown", "rows", "table", "figures", "say_heap", "say_runs", "vs_accelerate",
            "storage"]
 
 #: The row of the CPU's memory: what the forwards add to the process's RAM at their peak.
@@ -62,6 +63,55 @@ def time_generation(model: Any, ids: Any, new_tokens: int, before_each: Any = No
     from ..runtime.timing import time_generation as timed
 
     return timed(model, ids, new_tokens, before_each=before_each, prefill_repeats=repeats, attention_mask=mask)
+
+
+def time_units(model: Any, cost: Any, ids: Any, new_tokens: int, mask: Any, before_each: Any) -> Breakdown:
+    """:func:`placement_opt.runtime.breakdown.time_units`, imported when a run starts."""
+    from ..runtime.breakdown import time_units as timed
+
+    return timed(model, cost, ids, new_tokens, attention_mask=mask, before_each=before_each)
+
+
+def say_breakdown(console: Any, breakdown: Breakdown, misses: int = 5) -> None:
+    """None: prints the units' seconds per kind, and the units furthest from their prediction, beside the plan's."""
+    from rich.table import Table
+
+    table = Table(title="Per unit (a generation with every unit's call marked: a unit's time runs from its call to the "
+                        "next unit's, its wait for weights and inputs included)", title_justify="left")
+    for column in ("units", "how they run", "prefill predicted", "measured", "decode step predicted", "measured",
+                   "measured / predicted"):
+        table.add_column(column, justify="left" if column in ("units", "how they run") else "right")
+    for rows in (breakdown.kinds(), _worst(breakdown, misses)):  # each kind, then the worst units
+        for row in rows:
+            table.add_row(row.name, row.kind, *_pair(row.predicted_prefill_s, row.measured_prefill_s),
+                          *_pair(row.predicted_decode_step_s, row.measured_decode_step_s),
+                          _ratio(row.predicted_decode_step_s, row.measured_decode_step_s))
+        if rows:
+            table.add_section()
+    table.add_row("all units", "the whole forward", *_pair(breakdown.predicted_prefill_s, breakdown.prefill_s),
+                  *_pair(breakdown.predicted_decode_step_s, breakdown.decode_step_s),
+                  _ratio(breakdown.predicted_decode_step_s, breakdown.decode_step_s))
+    console.print(table)
+    if breakdown.predicted_transfer_s:
+        console.print(f"note: the plan's activation moves between devices "
+                      f"({format_seconds(breakdown.predicted_transfer_s)} over the run) are in no unit's prediction; "
+                      f"measured, they count with the unit that makes them")
+    if breakdown.untimed:
+        console.print(f"note: not timed apart (no module of that name was called): {', '.join(breakdown.untimed)}")
+
+
+def _worst(breakdown: Breakdown, count: int) -> list[Any]:
+    """The units furthest from their prediction in a decode step, where more than one unit is of their kind."""
+    kinds = [k for k in breakdown.kinds() if k.name != "1 unit"]
+    return breakdown.misses(count) if kinds else []
+
+
+def _pair(predicted: float, measured: float | None) -> tuple[str, str]:
+    return format_seconds(predicted), format_seconds(measured) if measured is not None else "-"
+
+
+def _ratio(predicted: float, measured: float | None) -> str:
+    return f"{measured / predicted:.2f}x" if measured is not None and predicted > 0 else "-"
 
 
 def rows(plan: Plan, cost: Any, timing: Timing) -> list[tuple[str, float | None, float, str]]:

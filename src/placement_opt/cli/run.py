@@ -82,6 +82,9 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
               help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
                    "forward takes then follows its live tensors, which the plan's CPU memory counts, at a cost in speed "
                    "(5-18 % of a CPU forward here: docs/limitations.md)")
+@click.option("--breakdown", is_flag=True,
+              help="then generate once more with every unit's call marked, and set each kind of unit's seconds (and the "
+                   "units furthest from their prediction) beside the plan's: where a miss comes from")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="prefills timed (each on a new cache); the median is shown, and each is in --json")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -89,8 +92,7 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
 def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
         expert_groups: int, overlap: bool, padded: bool, cold: bool, vs_accelerate: bool, calibrate_first: bool, fix_threshold: bool,
-        repeats: int,
-        json_path: str | None) -> None:
+        breakdown: bool, repeats: int, json_path: str | None) -> None:
     """Load CHECKPOINT (a save_pretrained directory) in its plan, generate, and compare measured with predicted."""
     from ..plan import Plan
     from ..planner import SOLVER_NOTES
@@ -125,6 +127,12 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     _run_measured.say_heap(console, rows, fixed)
     _run_measured.say_runs(console, timing, tokenizer)
     figures = _run_measured.figures(plan, rows, timing)
+    if breakdown:
+        with errors_as_messages(), progress("Generating again, every unit's call marked ..."):
+            units = _run_measured.time_units(handle, cost, ids, new_tokens, mask,
+                                             handle.drop_disk_cache if cold else None)
+        _run_measured.say_breakdown(console, units)
+        figures["breakdown"] = units.to_dict()
     if vs_accelerate:
         del handle  # its weights leave before accelerate's load
         figures["accelerate"] = _run_measured.vs_accelerate(console, checkpoint, machine, plan, cost, timing,

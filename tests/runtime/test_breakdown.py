@@ -1,0 +1,93 @@
+"""time_units: each unit's measured seconds, beside the plan's, on a dispatched model (CPU)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers as T
+
+import placement_opt
+from placement_opt.cost.workload import Workload
+from placement_opt.runtime.breakdown import time_units
+from placement_opt.runtime.dispatcher import dispatch
+
+SLEEP_S = 0.03
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return T.LlamaForCausalLM(config).eval()
+
+
+def _plan(model: torch.nn.Module, devices: dict, new_tokens: int = 4):
+    workload = Workload(batch_size=1, prompt_len=16, new_tokens=new_tokens)
+    return placement_opt.solve(placement_opt.trace(model), devices, workload=workload, time_limit_s=1)
+
+
+def _slowed(module: torch.nn.Module) -> object:
+    """``module`` made ``SLEEP_S`` slower after it computes (a forward hook: what runs before the next unit)."""
+    return module.register_forward_hook(lambda *_: time.sleep(SLEEP_S))
+
+
+def test_a_slow_unit_is_the_worst_miss_and_carries_its_own_time(tmp_path) -> None:
+    """A unit made 30 ms slower than its plan: the breakdown names it first, with the 30 ms in its own figures
+    (prefill and each decode step), not in the unit after it."""
+    model = _model()
+    plan = _plan(model, {"cpu": "8GiB"})
+    handle = dispatch(model, plan)
+    slow = "model.layers.2"
+    hook = _slowed(model.get_submodule(slow))
+    try:
+        ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+        breakdown = time_units(handle, plan.cost, ids, new_tokens=4)
+    finally:
+        hook.remove()
+        handle.remove()
+    by_name = {u.name: u for u in breakdown.units}
+    assert breakdown.misses(1)[0].name == slow
+    assert by_name[slow].measured_decode_step_s >= SLEEP_S
+    assert by_name[slow].measured_prefill_s >= SLEEP_S
+    after = by_name["model.layers.3"]
+    assert after.measured_decode_step_s < SLEEP_S / 2 and after.measured_prefill_s < SLEEP_S / 2
+    assert breakdown.untimed == ()
+    assert breakdown.decode_step_s >= SLEEP_S
+
+
+def test_kinds_sum_their_units_and_name_how_they_run(tmp_path) -> None:
+    """A plan with units on disk: one row per kind, the unit counts adding up to the plan's, each row the sum
+    of its units' figures."""
+    model = _model()
+    model.save_pretrained(tmp_path / "ckpt")
+    workload = Workload(batch_size=1, prompt_len=16, new_tokens=4)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    handle = placement_opt.load(tmp_path / "ckpt", {"cpu": weights // 2, "disk": "1GiB"}, workload=workload,
+                                offload_dir=tmp_path / "offload", time_limit_s=1)
+    try:
+        ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+        breakdown = time_units(handle, handle.plan.cost, ids, new_tokens=4)
+    finally:
+        handle.remove()
+    kinds = breakdown.kinds()
+    names = {k.kind for k in kinds}
+    assert any(k.startswith("resident cpu") for k in names), names
+    assert any("disk -> cpu" in k for k in names), names
+    assert sum(int(k.name.split()[0]) for k in kinds) == len(handle.plan.placements)
+    for kind in kinds:
+        members = [u for u in breakdown.units if u.kind == kind.kind]
+        assert kind.measured_decode_step_s == pytest.approx(sum(u.measured_decode_step_s for u in members))
+        assert kind.predicted_prefill_s == pytest.approx(sum(u.predicted_prefill_s for u in members))
+    # the plan's units and the glue between them: the whole forward, within the marks' own cost
+    assert breakdown.decode_step_s == pytest.approx(sum(k.measured_decode_step_s for k in kinds), rel=0.25)
+
+
+def test_a_prompt_it_cannot_time_is_refused_before_any_forward() -> None:
+    model = _model()
+    plan = _plan(model, {"cpu": "8GiB"})
+    with pytest.raises(ValueError, match="new_tokens at least 2"):
+        time_units(model, plan.cost, torch.zeros((1, 4), dtype=torch.long), new_tokens=1)
+    with pytest.raises(ValueError, match="batch x prompt"):
+        time_units(model, plan.cost, torch.zeros((4,), dtype=torch.long), new_tokens=3)
