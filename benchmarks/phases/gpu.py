@@ -109,6 +109,10 @@ class Row:
     """batch / the mean step of a second generation whose prompt is :data:`UNVISITED_OFFSET` tokens longer, so that
     no context it decodes at was run before in the process (the calibration and the first generation ran the
     workload's): what a user's first generate() meets. Rows before 2026-11-30 lack it."""
+    kinds: list[dict[str, Any]] | None = None
+    """A third generation with every unit's call marked (``placement_opt.runtime.breakdown.time_units``): each kind
+    of unit's predicted and measured prefill and decode step seconds, where a miss is. Our plans' rows only;
+    rows before 2026-11-30 lack it."""
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -211,6 +215,28 @@ def unvisited_step(model: Any, vocab: int, batch: int, prompt: int, device: str)
     return time_generation(model, ids, UNVISITED_STEPS + 1, warmup=False).decode_step_mean_s
 
 
+def breakdown_kinds(model: Any, cost: Any, ids: torch.Tensor, steps: int) -> list[dict[str, Any]]:
+    """Each kind of unit's predicted and measured seconds (``time_units``: a generation with every unit's call
+    marked), as ``placement-opt run --breakdown`` prints them."""
+    from placement_opt.runtime.breakdown import time_units
+
+    return time_units(model, cost, ids, steps + 1).to_dict()["kinds"]
+
+
+def kinds_table(rows: list[Row]) -> list[str]:
+    """Our plans' units per kind: decode step and prefill milliseconds, predicted / measured."""
+    lines = ["| case | budget | runner | units | how they run | decode step ms, predicted / measured | "
+             "prefill ms, predicted / measured |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for k in r.kinds or ():
+            measured = [k[f"measured_{p}_s"] for p in ("decode_step", "prefill")]
+            pred = [k[f"predicted_{p}_s"] for p in ("decode_step", "prefill")]
+            cells = [f"{a * 1e3:.2f} / {b * 1e3:.2f}" if b is not None else f"{a * 1e3:.2f} / -"
+                     for a, b in zip(pred, measured, strict=True)]
+            lines.append(f"| {r.case} | {r.budget} | {r.runner} | {k['name']} | {k['kind']} | {cells[0]} | {cells[1]} |")
+    return lines if len(lines) > 2 else []
+
+
 def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[str, Any]) -> Any:
     import transformers as T
 
@@ -250,6 +276,8 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         prefill, times, tokens, peak, phases = measure(model, ids.to("cuda:0" if cuda else "cpu"), steps)
         unvisited = None if args.cap else unvisited_step(  # a longer prompt than the cap was priced for
             model, case.shape["vocab_size"], batch, prompt + max(steps, UNVISITED_OFFSET), "cuda:0" if cuda else "cpu")
+        kinds = None if runner == "accelerate auto" else breakdown_kinds(model, cost, ids.to("cuda:0" if cuda else "cpu"),
+                                                                          steps)
         step = statistics.median(times)
         equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
         units = (_modes(target) if runner in ("layer", "phased") else _split(target) if runner == "sublayer"
@@ -260,7 +288,7 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
                   # a peak over its prediction: which phase it is in
                   note=phases if peak_predicted and peak and peak > 1.02 * peak_predicted.used_bytes else "",
                   measured_mean_decode_tps=batch / statistics.mean(times),
-                  unvisited_decode_tps=batch / unvisited if unvisited else None)
+                  unvisited_decode_tps=batch / unvisited if unvisited else None, kinds=kinds)
         return row, tokens if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
@@ -352,6 +380,10 @@ def write(out: Path, rows: list[Row], args: argparse.Namespace, seconds: float) 
             f"`calibrate` on this machine; hard cap: {'yes' if args.cap else 'no'}; CUDA allocator settings: "
             f"{allocator_settings() or 'default'}.", "",
             *table(rows), ""]
+    kinds = kinds_table(rows)
+    if kinds:
+        text += ["Per kind of unit, from a generation with every unit's call marked (`time_units`; a unit's time runs "
+                 "from its call to the next unit's, its waits included):", "", *kinds, ""]
     out.write_text("\n".join(text))
     print(f"wrote {out}")
 
