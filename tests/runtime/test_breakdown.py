@@ -91,3 +91,25 @@ def test_a_prompt_it_cannot_time_is_refused_before_any_forward() -> None:
         time_units(model, plan.cost, torch.zeros((1, 4), dtype=torch.long), new_tokens=1)
     with pytest.raises(ValueError, match="batch x prompt"):
         time_units(model, plan.cost, torch.zeros((4,), dtype=torch.long), new_tokens=3)
+
+
+@pytest.mark.cuda
+def test_a_unit_slow_on_the_gpu_carries_its_own_time_on_the_gpu_s_clock() -> None:  # pragma: no cover - needs a GPU
+    """A GPU unit whose kernels run 30 ms longer (``torch.cuda._sleep`` queued after it: the host goes on at once):
+    the marks are CUDA events, so the time lands on that unit, not on whichever later call the host waits in."""
+    model = _model()
+    plan = _plan(model, {0: "1GiB", "cpu": "8GiB"})
+    handle = dispatch(model, plan)
+    on_gpu = [p.unit for p in plan.placements if p.execution == "cuda:0" and p.unit.startswith("model.layers.")]
+    assert on_gpu, plan.summary()
+    slow = on_gpu[0]
+    cycles = int(SLEEP_S * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate: kHz
+    hook = model.get_submodule(slow).register_forward_hook(lambda *_: torch.cuda._sleep(cycles))
+    try:
+        ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)).to("cuda:0")
+        breakdown = time_units(handle, plan.cost, ids, new_tokens=4)
+    finally:
+        hook.remove()
+        handle.remove()
+    assert breakdown.misses(1)[0].name == slow
+    assert {u.name: u for u in breakdown.units}[slow].measured_decode_step_s >= 0.8 * SLEEP_S
