@@ -313,6 +313,7 @@ class MeasurementSchema(_Open):
     fresh_page_bytes_per_s: NonNegativeFloat | None = None
     op_overhead_s: NonNegativeFloat | None = None
     staged_to_host_bytes_per_s: NonNegativeFloat | None = None
+    fault_latency_s: NonNegativeFloat | None = None
     to_host_bytes_per_s: NonNegativeFloat | None = None
     """Obsolete: a plain ``.to("cpu")``, measured by profiles of 2026-11-29 only; read by nothing."""
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}

@@ -61,6 +61,8 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: as_machine({"cpu": "-1GiB"}), r"max_memory\['cpu'\]"),
     (lambda: Device("cpu", "1GiB", to_host=5e9), r"to_host of cpu is 5000000000.0: .*only a GPU takes it"),
     (lambda: Device("cuda:0", "1GiB", to_host=-1), r"to_host of cuda:0 is -1"),
+    (lambda: Device("cpu", "1GiB", fault_latency_s=1e-3), r"fault_latency_s of cpu is 0.001: a disk's seconds"),
+    (lambda: Device("disk", "1TB", fault_latency_s=0), r"fault_latency_s of disk is 0: .*between 0 and 1"),
 ])
 def test_errors_name_the_bad_value_and_what_is_accepted(call, pattern) -> None:
     with pytest.raises(DeviceSpecError, match=pattern):  # a ValueError, as callers catch today
@@ -96,6 +98,14 @@ def test_copies_leaving_a_gpu_take_its_measured_rate_and_those_reaching_it_the_h
     assert linked.bandwidth("cuda:0", "cpu") == 9e9  # a link the user gives wins
 
 
+def test_transfers_from_disk_pay_its_measured_page_fault_else_an_nvme_drive_s() -> None:
+    slow = Device("disk", "1TB", fault_latency_s=4e-3)
+    for disk, latency in ((Device("disk", "1TB"), 100e-6), (slow, 4e-3)):
+        machine = Machine([Device("cuda:0", "8GiB"), Device("cpu", "64GiB"), disk])
+        assert machine.latency_s("disk", "cpu") == machine.latency_s("disk", "cuda:0") == latency
+        assert machine.latency_s("cpu", "cuda:0") == 10e-6  # no disk on the way: unchanged
+
+
 def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
     from_max = as_machine({0: "20GiB", "cpu": "64GiB"})
     assert from_max.names == ["cuda:0", "cpu"]
@@ -120,6 +130,8 @@ def test_round_trips_through_dicts() -> None:
     assert again == machine
     measured = Machine([replace_device(machine["cuda:0"], to_host_bytes_per_s=1.3e9), machine["cpu"]])
     assert Machine.from_dict(measured.to_dict()) == measured
+    faulting = Machine([machine["cpu"], replace_device(machine["disk"], fault_latency_s=4e-3)])
+    assert Machine.from_dict(faulting.to_dict()) == faulting
     old = {**machine["cuda:0"].to_dict()}
     del old["to_host_bytes_per_s"]  # a plan or profile written before the field: the host link's rate
     assert Device.from_dict(old) == machine["cuda:0"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..compare import one_line
-from ..units import format_bytes
+from ..units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -124,12 +124,13 @@ def devices_table(machine: Machine) -> Any:
     from rich.table import Table
 
     table = Table(title="This machine", title_justify="left")
-    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "back to host", "source"):
+    for col in ("device", "memory", "GFLOP/s", "bandwidth", "host link", "back to host", "page fault", "source"):
         table.add_column(col, justify="left" if col in ("device", "source") else "right")
     for d in machine.devices:
         back = d.to_host_bytes_per_s  # host_copy.to_host into new memory: what a KV cache or an output leaving the GPU costs
+        fault = d.fault_latency_s  # a disk's cold page fault: what an embedding computed from the map pays per row
         table.add_row(d.name, format_bytes(d.memory_bytes), f"{d.flops_per_s / 1e9:.3g}" if d.flops_per_s else "-",
                       f"{d.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
                       f"{d.host_link_bytes_per_s / 1e9:.3g} GB/s" if d.is_gpu else "-",
-                      f"{back / 1e9:.3g} GB/s" if back else "-", d.source)
+                      f"{back / 1e9:.3g} GB/s" if back else "-", format_seconds(fault) if fault else "-", d.source)
     return table

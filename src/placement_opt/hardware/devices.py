@@ -142,6 +142,10 @@ class Device:
             A plain ``.to("cpu")`` is far slower: on a lent H200's host it copied at 1.3-1.6 GB/s, and phased
             prefills ran as if their KV caches moved at about 1.3 GB/s, against 54 GB/s into pinned memory
             (benchmarks/cost_accuracy/GPU.md).
+        fault_latency_s: disk: seconds of one cold page fault on a memory-mapped file (a read of the kernel's
+            read-around window at a random place): what each disk transfer pays once, and a lookup table computed
+            from the map pays per row; None: 100 µs (an NVMe drive's). A profile measures it: 4-5 ms on this
+            project's virtual disk.
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -161,6 +165,7 @@ class Device:
     fresh_page_bytes_per_s: float | None
     op_overhead_s: float | None
     to_host_bytes_per_s: float | None
+    fault_latency_s: float | None
 
     def __init__(
         self,
@@ -178,6 +183,7 @@ class Device:
         fresh_page: float | None = None,
         op_overhead_s: float | None = None,
         to_host: float | None = None,
+        fault_latency_s: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -197,6 +203,9 @@ class Device:
         if op_overhead_s is not None and not (0 < float(op_overhead_s) < 1):
             raise DeviceSpecError(f"op_overhead_s of {canonical} is {op_overhead_s!r}: the host's seconds per torch op "
                                   f"must be between 0 and 1 (a few microseconds: 5e-6); leave it None for the default")
+        if fault_latency_s is not None and (kind != "disk" or not 0 < float(fault_latency_s) < 1):
+            raise DeviceSpecError(f"fault_latency_s of {canonical} is {fault_latency_s!r}: a disk's seconds per cold page "
+                                  f"fault, between 0 and 1 (NVMe: about 1e-4); leave it None for the default")
         guessed = flops is None or bandwidth is None
         values = {
             "name": canonical,
@@ -215,6 +224,7 @@ class Device:
         values["fresh_page_bytes_per_s"] = float(fresh_page) if fresh_page is not None else None
         values["op_overhead_s"] = float(op_overhead_s) if op_overhead_s is not None else None
         values["to_host_bytes_per_s"] = float(to_host) if to_host is not None else None
+        values["fault_latency_s"] = float(fault_latency_s) if fault_latency_s is not None else None
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -286,7 +296,8 @@ class Device:
                    shared_bandwidth=data.get("shared_bandwidth_bytes_per_s") or None,
                    fresh_page=data.get("fresh_page_bytes_per_s") or None,
                    op_overhead_s=data.get("op_overhead_s") or None,
-                   to_host=data.get("to_host_bytes_per_s") or None)
+                   to_host=data.get("to_host_bytes_per_s") or None,
+                   fault_latency_s=data.get("fault_latency_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
@@ -418,7 +429,8 @@ class Machine:
             return 0.0
         kinds = {device_kind(src), device_kind(dst)}
         if "disk" in kinds:
-            return _LATENCY_S["disk"]
+            disk = self.disk
+            return (disk.fault_latency_s if disk is not None else None) or _LATENCY_S["disk"]
         if kinds == {"gpu"} and self.bandwidth(src, dst) > 100e9:
             return _LATENCY_S["nvlink"]
         return _LATENCY_S["pcie"]
