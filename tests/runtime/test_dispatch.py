@@ -196,6 +196,27 @@ def test_disk_units_compute_from_the_memory_map(tmp_path):
     assert not any(True for _ in tmp_path.glob(".*.tmp"))
 
 
+def test_an_embedding_on_disk_is_never_read_ahead(tmp_path, monkeypatch):
+    """Every unit on disk: each reads ahead the next one but the embedding, which looks up a row per token (a
+    read-ahead would read its whole table); lm_head, last, reads ahead the first layer. Spied in a decode step."""
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED), offload_dir=tmp_path)
+    asked: list[str] = []
+    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: asked.extend(keys))
+    links = {u.name: u.next_unit.name if u.next_unit else None for u in handle._units}
+    with torch.no_grad():
+        out = handle(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True)
+        asked.clear()
+        handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(model, cache_of(out)))
+    handle.remove()
+    assert "model.embed_tokens" not in links.values()
+    assert links["model.embed_tokens"] == "model.layers.0" and links["lm_head"] == "model.layers.0"
+    assert asked and not any(k.startswith("model.embed_tokens") for k in asked)
+
+
 def _mapped_pages(handle: DispatchedModel) -> dict[str, int]:
     """Per disk unit, its pages mapped in this process that lie wholly inside one of its tensors."""
     import mmap

@@ -85,6 +85,7 @@ from .kernels import (
     measured_decode_line,
     measured_prefill_s,
     prefill_roofline_s,
+    prefill_rows,
     sum_capped_lines,
 )
 from .memory import stream_buffers, workspace_bytes
@@ -95,6 +96,8 @@ from .traffic import (
     disk_reads_s,
     host_memory_bytes_per_s,
     host_traffic_s,
+    lookup_mapped_bytes,
+    lookup_read_s,
     round_trip_s,
     round_trips,
     unit_io_bytes,
@@ -234,7 +237,8 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         stored_other_bytes=train.gradient_bytes + train.optimizer_bytes,
         kv_cache_bytes=kv, resident_other_bytes=train.activation_bytes,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
-        stream_buffer_bytes=unit.weight_bytes * stream_buffers(mode, device.is_gpu), round_trip_s=trip_prefill + trip_decode,
+        stream_buffer_bytes=_stream_buffer_bytes(ctx, unit, storage, execution, mode),
+        round_trip_s=trip_prefill + trip_decode,
         group_copy_bytes=unit.weight_bytes if overlapped else 0,
         copy_prefill_s=copy_prefill, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
@@ -248,9 +252,8 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
     two), or apart (``stream`` to a GPU with ``Workload.overlap``: the last two, which the problem schedules)."""
     wl = ctx.workload
     device = ctx.machine[execution]
-    n_tensors = len(unit.param_names)
-    copy = copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name)
-    copy_prefill = copy_s(ctx, storage, execution, unit.weight_bytes, mode, n_tensors, unit.name, "prefill")
+    copy = _weights_in_s(ctx, unit, storage, execution, mode, "decode")
+    copy_prefill = _weights_in_s(ctx, unit, storage, execution, mode, "prefill")
     compute = _prefill_s(ctx, unit, device)
     forwards = 2 if wl.training else 1
     # stream to a GPU: the prefetch thread copies beside the compute: of the units before it (copy_*, with
@@ -272,6 +275,28 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
             lines = [(a + copy, b) for a, b in lines]
         decode = sum_capped_lines(lines, wl.decode_steps, growing_steps(unit, wl)) + fresh_pages_s(ctx, unit, device)
     return prefill, decode, forwards * copy_prefill if apart else 0.0, copy_decode
+
+
+def _stream_buffer_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> int:
+    """The unit's weights a stream holds on ``execution`` while it computes: the pages of the rows a lookup table
+    computed from its memory map touches (:func:`~.traffic.lookup_mapped_bytes`), else whole copies."""
+    mapped = lookup_mapped_bytes(ctx, unit, storage, execution) if mode != "resident" else None
+    if mapped is not None:
+        return mapped
+    return unit.weight_bytes * stream_buffers(mode, ctx.machine[execution].is_gpu)
+
+
+def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str, phase: str) -> float:
+    """One forward's time getting the unit's weights to ``execution`` (:func:`~.traffic.copy_s`), but for a lookup
+    table computed from a memory map, which reads the rows it touches (:func:`~.traffic.lookup_read_s`), unless
+    calibrated: a measured copy rules."""
+    calibrated = ctx.calibration is not None and ctx.calibration.copy_s(unit.name, storage, execution, mode,
+                                                                        phase) is not None
+    rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
+    looked_up = None if calibrated or mode == "resident" else lookup_read_s(ctx, unit, storage, execution, rows)
+    if looked_up is not None:
+        return looked_up
+    return copy_s(ctx, storage, execution, unit.weight_bytes, mode, len(unit.param_names), unit.name, phase)
 
 
 def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, gpu: str) -> OptionPrice:

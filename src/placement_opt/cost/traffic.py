@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = ["host_memory_bytes_per_s", "host_traffic_s", "disk_reads_s", "unit_io_bytes", "round_trip_s", "round_trips",
-           "copy_s", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR"]
+           "copy_s", "lookup_read_s", "lookup_mapped_bytes", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR", "READ_AROUND_BYTES"]
 
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
@@ -27,6 +27,9 @@ PAGEABLE_LINK_FACTOR = 0.6
 #: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
 #: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
+#: What a page fault on a memory-mapped file reads around the faulting page: Linux's default read-ahead
+#: window (``read_ahead_kb`` 128), which its fault path reads around a page of a file mapping.
+READ_AROUND_BYTES = 128 * 2**10
 
 
 def host_memory_bytes_per_s(machine: Machine) -> float | None:
@@ -75,6 +78,32 @@ def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     else:
         read_prefill = read_decode = unit.weight_bytes
     return forwards * read_prefill / rate, steps * read_decode / rate
+
+
+def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
+    """One forward's disk time of a lookup table (an embedding) the CPU computes from its memory map, ``rows`` tokens
+    looked up; None for any other option (its weights are read whole: :func:`copy_s`).
+
+    The runtime does not read a table ahead (``runtime._prefetch_links``): each row it touches faults its page in
+    with the kernel's read-around (:data:`READ_AROUND_BYTES`), one disk latency per fault, until the faults have
+    read the whole table. A decode step's row costs a latency, not the table (a 128k vocabulary: 1 GiB in bf16).
+    """
+    if (unit.flops_per_token or unit.param_bytes <= 0 or ctx.machine[storage].kind != "disk"
+            or ctx.machine[execution].kind != "cpu"):
+        return None
+    faults = min(float(rows), max(1.0, unit.weight_bytes / READ_AROUND_BYTES))
+    read = min(float(unit.weight_bytes), faults * READ_AROUND_BYTES)
+    return faults * ctx.machine.latency_s(storage, execution) + read / ctx.machine.bandwidth(storage, execution)
+
+
+def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> int | None:
+    """What a lookup table the CPU computes from its memory map (:func:`lookup_read_s`) maps into the process at
+    most: a read-around window per row of the largest forward, up to the table; None for any other option (its
+    weights whole: :func:`~.memory.stream_buffers`)."""
+    if lookup_read_s(ctx, unit, storage, execution, 1) is None:
+        return None
+    rows = max(prefill_rows(ctx, unit), ctx.workload.batch_size)
+    return min(unit.weight_bytes, rows * max(unit.out_bytes_per_token, READ_AROUND_BYTES))
 
 
 def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:

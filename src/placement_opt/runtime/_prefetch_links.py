@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+from torch import nn
+
 from ._streamer import DispatchUnit
 
 __all__ = ["link_prefetch", "link_groups"]
@@ -19,13 +21,22 @@ def link_prefetch(units: list[DispatchUnit]) -> None:
     """Which copies each unit starts (:func:`link_groups`), and the memory-mapped read-ahead chain.
 
     ``mmap`` units, and phased disk units (they decode from the map), of mode ``stream``/``phased`` ask
-    the kernel to read the next one of them ahead (``next_unit``), wrapping to the first.
+    the kernel to read the next one of them ahead (``next_unit``), wrapping to the first. A lookup table
+    (an embedding) reads ahead but is never read ahead: its forward reads one row per token from the map,
+    and a read-ahead would read the whole table (a 128k-token vocabulary is 1 GiB in bf16) for a decode
+    step's row; the unit before it reads ahead the one after it.
     """
     chain = [u for u in units if u.kind == "mmap" or (u.kind == "phased" and u.disk)]
-    for unit, following in zip(chain, chain[1:] + chain[:1], strict=True):
-        if unit.placement.mode in ("stream", "phased") and following is not unit:
+    for i, unit in enumerate(chain):
+        following = next((u for u in chain[i + 1:] + chain[:i + 1] if not _lookup(u)), None)
+        if unit.placement.mode in ("stream", "phased") and following is not None and following is not unit:
             unit.next_unit = following
     link_groups(units)
+
+
+def _lookup(unit: DispatchUnit) -> bool:
+    """Whether the unit is a lookup table: an embedding, whose forward reads the rows of its tokens only."""
+    return isinstance(unit.module, nn.Embedding)
 
 
 def _copy_groups(units: list[DispatchUnit]) -> list[list[DispatchUnit]]:

@@ -1,0 +1,111 @@
+"""A lookup table (an embedding) the CPU computes from a memory-mapped disk file reads the rows it looks up, not
+the table: one page fault (and the kernel's read-around) per row, until the faults have read it all."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import placement_opt
+from placement_opt.cost.pricing import PricingContext, price_option
+from placement_opt.cost.traffic import READ_AROUND_BYTES, lookup_read_s
+from placement_opt.cost.workload import Workload
+from placement_opt.hardware.devices import Device, Machine
+from placement_opt.model.graph import chain_graph
+
+ROW = 8192  # bytes of one embedding row: hidden 4096 in bf16
+VOCAB = 128256
+DISK_RATE = 2e9
+FAULT_S = 4e-3  # a cold page fault on this project's virtual disk (placement-opt profile: 3.4-5 ms)
+
+
+def _graph():
+    return chain_graph([{"name": "embed", "param_bytes": VOCAB * ROW, "out_bytes_per_token": ROW},
+                        {"name": "layer", "param_bytes": 2**24, "flops_per_token": 2**25,
+                         "out_bytes_per_token": ROW}], dtype="bfloat16")
+
+
+def _machine(fault: float | None = FAULT_S) -> Machine:
+    return Machine([Device("cpu", "16GiB", flops=1e11, bandwidth=1e10, source="measured"),
+                    Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", fault_latency_s=fault)])
+
+
+def _ctx(workload: Workload, fault: float | None = FAULT_S) -> PricingContext:
+    return PricingContext(_graph(), _machine(fault), workload, None)
+
+
+def test_a_decode_step_reads_a_fault_per_sequence_not_the_table() -> None:
+    """Batch 2, 16 steps: the disk option costs the RAM option plus one fault and one read-around per sequence and
+    step (the table, 1 GiB, would take half a second a step)."""
+    workload = Workload(batch_size=2, prompt_len=64, new_tokens=16)
+    ctx = _ctx(workload)
+    embed = ctx.graph.unit("embed")
+    on_disk = price_option(ctx, embed, "disk", "cpu", "stream")
+    in_ram = price_option(ctx, embed, "cpu", "cpu", "resident")
+    per_step = 2 * (FAULT_S + READ_AROUND_BYTES / DISK_RATE)
+    assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * per_step)
+    assert per_step < 0.02 * VOCAB * ROW / DISK_RATE  # the table: 0.53 s
+
+
+def test_the_process_maps_a_read_around_window_per_row_of_the_prompt_not_the_table() -> None:
+    """The RAM a disk embedding takes while it computes: the pages its largest forward (the prompt, 2 x 64 rows)
+    faults in, each with its read-around; a layer read from disk maps all its weights."""
+    ctx = _ctx(Workload(batch_size=2, prompt_len=64, new_tokens=16))
+    embed, layer = ctx.graph.unit("embed"), ctx.graph.unit("layer")
+    assert price_option(ctx, embed, "disk", "cpu", "stream").stream_buffer_bytes == 128 * READ_AROUND_BYTES
+    assert price_option(ctx, layer, "disk", "cpu", "stream").stream_buffer_bytes == layer.weight_bytes
+    long = _ctx(Workload(batch_size=16, prompt_len=8192, new_tokens=16))  # more windows than the table has
+    assert price_option(long, embed, "disk", "cpu", "stream").stream_buffer_bytes == embed.weight_bytes
+
+
+def test_a_prompt_pays_a_fault_per_row_until_the_faults_have_read_the_table() -> None:
+    """128 prompt tokens: 128 faults. A prompt longer than the table has read-around windows: every window once."""
+    ctx = _ctx(Workload(batch_size=1, prompt_len=128, new_tokens=1))
+    embed = ctx.graph.unit("embed")
+    assert lookup_read_s(ctx, embed, "disk", "cpu", 128) == pytest.approx(128 * (FAULT_S + READ_AROUND_BYTES / DISK_RATE))
+    windows = VOCAB * ROW / READ_AROUND_BYTES
+    assert lookup_read_s(ctx, embed, "disk", "cpu", 10**7) == pytest.approx(windows * FAULT_S + VOCAB * ROW / DISK_RATE)
+
+
+def test_only_a_lookup_computed_on_the_cpu_from_disk_is_priced_by_its_rows() -> None:
+    """A GPU copies the whole table; RAM has no faults; a layer reads all its weights: None (the whole copy)."""
+    ctx = _ctx(Workload())
+    embed, layer = ctx.graph.unit("embed"), ctx.graph.unit("layer")
+    assert lookup_read_s(ctx, layer, "disk", "cpu", 1) is None
+    assert lookup_read_s(ctx, embed, "cpu", "cpu", 1) is None
+    gpu = Machine([Device("cuda:0", "8GiB"), *_machine().devices])
+    assert lookup_read_s(PricingContext(_graph(), gpu, Workload(), None), embed, "disk", "cuda:0", 1) is None
+
+
+def test_without_a_measured_fault_the_nvme_default_prices_it() -> None:
+    ctx = _ctx(Workload(), fault=None)
+    assert lookup_read_s(ctx, ctx.graph.unit("embed"), "disk", "cpu", 1) == pytest.approx(
+        100e-6 + READ_AROUND_BYTES / DISK_RATE)
+
+
+@given(rows=st.integers(1, 10**6), more=st.integers(0, 10**6), fault=st.floats(1e-6, 0.05),
+       vocab=st.integers(1, 300_000), row=st.sampled_from([256, 4096, 8192, 16384]))
+def test_rows_cost_more_with_more_rows_and_never_more_than_faulting_the_whole_table(rows, more, fault, vocab,
+                                                                                      row) -> None:
+    graph = chain_graph([{"name": "embed", "param_bytes": vocab * row, "out_bytes_per_token": row}])
+    ctx = PricingContext(graph, _machine(fault), Workload(), None)
+    embed = graph.unit("embed")
+    few, many = (lookup_read_s(ctx, embed, "disk", "cpu", n) for n in (rows, rows + more))
+    whole = max(1.0, vocab * row / READ_AROUND_BYTES) * fault + vocab * row / DISK_RATE
+    assert few <= many * (1 + 1e-12) <= whole * (1 + 1e-9)
+    assert few >= fault  # one fault at least
+
+
+def test_the_plan_keeps_layers_in_ram_and_reads_a_large_embedding_from_disk() -> None:
+    """RAM for the layers or the embedding, not both: a decode step reads a row of the embedding from disk, where a
+    layer on disk would be read whole every step, so the embedding goes to disk."""
+    graph = chain_graph([{"name": "embed", "param_bytes": VOCAB * ROW, "out_bytes_per_token": ROW},
+                         *({"name": f"layer{i}", "param_bytes": 2**28, "flops_per_token": 2**29,
+                            "out_bytes_per_token": ROW} for i in range(4))], dtype="bfloat16")
+    machine = Machine([Device("cpu", 4 * 2**28 + 2**27, flops=1e11, bandwidth=1e10, source="measured"),
+                       Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", fault_latency_s=FAULT_S)])
+    plan = placement_opt.solve(graph, machine, workload=Workload(batch_size=1, prompt_len=128, new_tokens=64),
+                               time_limit_s=1)
+    storage = {p.unit: p.storage for p in plan.placements}
+    assert storage["embed"] == "disk" and all(storage[f"layer{i}"] == "cpu" for i in range(4)), storage
