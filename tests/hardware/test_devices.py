@@ -98,12 +98,16 @@ def test_copies_leaving_a_gpu_take_its_measured_rate_and_those_reaching_it_the_h
     assert linked.bandwidth("cuda:0", "cpu") == 9e9  # a link the user gives wins
 
 
-def test_transfers_from_disk_pay_its_measured_page_fault_else_an_nvme_drive_s() -> None:
+def test_reads_on_demand_pay_the_disk_s_measured_page_fault_and_transfers_do_not() -> None:
+    """A measured fault (4 ms) prices what faults in on demand (``fault_s``); a unit read whole, ahead of its
+    compute, keeps the 100 us transfer latency (with 3 ms a transfer, benchmarks/cost_accuracy's 8-layer model read
+    from disk had its decode step predicted 1.25x its measured time, accelerate's 1.97x)."""
     slow = Device("disk", "1TB", fault_latency_s=4e-3)
-    for disk, latency in ((Device("disk", "1TB"), 100e-6), (slow, 4e-3)):
+    for disk, fault in ((Device("disk", "1TB"), 100e-6), (slow, 4e-3)):
         machine = Machine([Device("cuda:0", "8GiB"), Device("cpu", "64GiB"), disk])
-        assert machine.latency_s("disk", "cpu") == machine.latency_s("disk", "cuda:0") == latency
-        assert machine.latency_s("cpu", "cuda:0") == 10e-6  # no disk on the way: unchanged
+        assert machine.fault_s == fault
+        assert machine.latency_s("disk", "cpu") == machine.latency_s("disk", "cuda:0") == 100e-6
+    assert Machine([Device("cpu", "64GiB")]).fault_s == 100e-6  # no disk: the default
 
 
 def test_as_machine_accepts_max_memory_spec_and_lists() -> None:

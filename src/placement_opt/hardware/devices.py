@@ -143,9 +143,9 @@ class Device:
             prefills ran as if their KV caches moved at about 1.3 GB/s, against 54 GB/s into pinned memory
             (benchmarks/cost_accuracy/GPU.md).
         fault_latency_s: disk: seconds of one cold page fault on a memory-mapped file (a read of the kernel's
-            read-around window at a random place): what each disk transfer pays once, and a lookup table computed
-            from the map pays per row; None: 100 µs (an NVMe drive's). A profile measures it: 4-5 ms on this
-            project's virtual disk.
+            read-around window at a random place): what a lookup table computed from the map pays per row, and an
+            MoE unit per expert it reads on demand (:attr:`Machine.fault_s`); None: 100 µs (an NVMe drive's). A
+            profile measures it: 3-5 ms on this project's virtual disk.
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -429,11 +429,19 @@ class Machine:
             return 0.0
         kinds = {device_kind(src), device_kind(dst)}
         if "disk" in kinds:
-            disk = self.disk
-            return (disk.fault_latency_s if disk is not None else None) or _LATENCY_S["disk"]
+            return _LATENCY_S["disk"]
         if kinds == {"gpu"} and self.bandwidth(src, dst) > 100e9:
             return _LATENCY_S["nvlink"]
         return _LATENCY_S["pcie"]
+
+    @property
+    def fault_s(self) -> float:
+        """A cold page fault on the disk, at a random place of a memory-mapped file: its measured
+        ``fault_latency_s``, else 100 µs. What reads on demand pay per fault (an embedding's rows, the experts a
+        router picks); a unit read whole and ahead does not, as the kernel's read-ahead runs beside the compute
+        and a profile's mapped read rate already carries a sequential read's faults."""
+        disk = self.disk
+        return (disk.fault_latency_s if disk is not None else None) or _LATENCY_S["disk"]
 
     # -- conversions ----------------------------------------------------------------------
     @property
