@@ -1,5 +1,6 @@
-"""A lookup table (an embedding) the CPU computes from a memory-mapped disk file reads the rows it looks up, not
-the table: one page fault (and the kernel's read-around) per row, until the faults have read it all."""
+"""Units the CPU computes from a memory-mapped disk file read what they use, not all their weights: a lookup table
+(an embedding) the rows it looks up, one page fault (and the kernel's read-around) per row until the faults have read
+it all; an MoE unit in a call of fewer tokens than experts its shared weights and the experts the tokens hit."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import placement_opt
+from placement_opt.cost.kernels import expected_experts
 from placement_opt.cost.pricing import PricingContext, price_option
-from placement_opt.cost.traffic import READ_AROUND_BYTES, lookup_read_s
+from placement_opt.cost.traffic import READ_AROUND_BYTES, lookup_read_s, routed_read_s
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import chain_graph
@@ -109,3 +111,51 @@ def test_the_plan_keeps_layers_in_ram_and_reads_a_large_embedding_from_disk() ->
                                time_limit_s=1)
     storage = {p.unit: p.storage for p in plan.placements}
     assert storage["embed"] == "disk" and all(storage[f"layer{i}"] == "cpu" for i in range(4)), storage
+
+
+EXPERT = 3 * 4096 * 14336 * 2  # one Mixtral-8x7B expert's bytes in bf16
+SHARED = 2**28  # attention, norms, router
+
+
+def _moe_graph(experts: int = 8, top_k: int = 2):
+    return chain_graph([{"name": "moe", "param_bytes": SHARED + experts * EXPERT, "flops_per_token": 2**30,
+                         "moe_num_experts": experts, "moe_experts_per_token": top_k,
+                         "moe_expert_bytes": experts * EXPERT, "out_bytes_per_token": ROW}], dtype="bfloat16")
+
+
+def test_a_decode_step_reads_the_experts_its_tokens_hit_each_with_a_fault() -> None:
+    """Batch 1, top-2 of 8: the shared weights and two experts, two latencies; the unit streamed the same way in a
+    plan's option costs that per step, against a whole read of its weights before."""
+    workload = Workload(batch_size=1, prompt_len=64, new_tokens=16)
+    ctx = PricingContext(_moe_graph(), _machine(), workload, None)
+    moe = ctx.graph.unit("moe")
+    read = routed_read_s(ctx, moe, "disk", "cpu", 1)
+    assert read == pytest.approx(2 * FAULT_S + (SHARED + 2 * EXPERT) / DISK_RATE)
+    on_disk = price_option(ctx, moe, "disk", "cpu", "stream")
+    in_ram = price_option(ctx, moe, "cpu", "cpu", "resident")
+    assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * read)
+    whole = price_option(ctx, moe, "disk", "cpu", "stream_sync")  # accelerate's per-tensor copies: every expert
+    assert whole.decode_s - in_ram.decode_s > workload.decode_steps * moe.weight_bytes / DISK_RATE
+
+
+def test_a_call_of_as_many_tokens_as_experts_reads_them_all() -> None:
+    ctx = PricingContext(_moe_graph(), _machine(), Workload(batch_size=8), None)
+    moe = ctx.graph.unit("moe")
+    assert routed_read_s(ctx, moe, "disk", "cpu", 8) is None  # the whole copy prices it
+    assert routed_read_s(ctx, moe, "cpu", "cpu", 1) is None and routed_read_s(ctx, moe, "disk", "cpu", 7) is not None
+    dense = PricingContext(_graph(), _machine(), Workload(), None)
+    assert routed_read_s(dense, dense.graph.unit("layer"), "disk", "cpu", 1) is None  # a dense layer: never
+
+
+@given(rows=st.integers(1, 63), more=st.integers(0, 63), experts=st.integers(2, 64), top_k=st.integers(1, 8))
+def test_more_tokens_read_more_experts_and_pay_a_fault_for_each(rows, more, experts, top_k) -> None:
+    top_k = min(top_k, experts)
+    ctx = PricingContext(_moe_graph(experts, top_k), _machine(), Workload(), None)
+    moe = ctx.graph.unit("moe")
+    few, many = routed_read_s(ctx, moe, "disk", "cpu", rows), routed_read_s(ctx, moe, "disk", "cpu", rows + more)
+    if few is None:
+        assert rows >= experts
+        return
+    hit = expected_experts(experts, top_k, rows)
+    assert few >= hit * FAULT_S + (SHARED + hit * EXPERT) / DISK_RATE * (1 - 1e-9)
+    assert many is None or many >= few * (1 - 1e-12)

@@ -217,6 +217,67 @@ def test_an_embedding_on_disk_is_never_read_ahead(tmp_path, monkeypatch):
     assert asked and not any(k.startswith("model.embed_tokens") for k in asked)
 
 
+def test_a_decode_step_reads_no_routed_experts_ahead_and_a_prompt_reads_them_all(tmp_path, monkeypatch):
+    """A Mixtral on disk (4 experts, top-2): a decode step's token uses two experts, which fault in on demand, so the
+    next layer's experts are not read ahead; a prompt of 7 tokens uses nearly all, and they are. Outputs equal."""
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
+    model = tiny("mixtral")
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED), offload_dir=tmp_path)
+    asked: list[str] = []
+    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: asked.extend(keys))
+    with torch.no_grad():
+        out = handle(input_ids=ids, use_cache=True)
+        prompt, asked[:] = list(asked), []
+        handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(model, cache_of(out)))
+    handle.remove()
+    torch.testing.assert_close(out.logits, reference)
+    experts = {k.split(".mlp.")[0] for k in prompt if ".experts." in k}
+    assert experts == {"model.layers.0", "model.layers.1"}  # the embedding reads layer 0's ahead, layer 0 layer 1's
+    assert asked and not any(".experts." in k for k in asked)
+    assert any(k.startswith("model.layers.1.") for k in asked)  # the rest of the layer still is
+
+
+def test_a_decode_step_asks_for_the_experts_its_router_picked_before_computing_them(tmp_path, monkeypatch):
+    """The experts' rows read ahead in a decode step are the router's picks for the token, per layer and per fused
+    tensor; a prompt (as many tokens as experts) asks for none this way."""
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
+    model = tiny("mixtral")
+    picked: dict[str, set[int]] = {}
+    for i, layer in enumerate(model.model.layers):  # what the router gives the experts, seen from outside
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: picked.setdefault(f"model.layers.{i}", set()).update(args[1].flatten().tolist()))
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED), offload_dir=tmp_path)
+    rows: dict[str, set[int]] = {}
+    monkeypatch.setattr(SafetensorsFile, "prefetch_rows",
+                        lambda self, key, start, end: rows.setdefault(key, set()).update(range(start, end)))
+    with torch.no_grad():
+        out = handle(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), use_cache=True)
+        assert rows == {}  # 7 tokens, 4 experts: the prompt's read-ahead asked for them all
+        picked.clear()
+        handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(model, cache_of(out)))
+    handle.remove()
+    for layer, experts in picked.items():
+        for tensor in ("gate_up_proj", "down_proj"):
+            assert rows[f"{layer}.mlp.experts.{tensor}"] == experts
+    assert len(picked) == 2 and all(len(e) == 2 for e in picked.values())
+
+
+@given(st.sets(st.integers(0, 63)))
+def test_expert_runs_cover_exactly_the_picked_ones(ids) -> None:
+    from placement_opt.runtime._routed_reads import _runs
+
+    runs = _runs(sorted(ids))
+    assert {i for start, end in runs for i in range(start, end)} == ids
+    assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(runs, runs[1:], strict=False))  # apart
+
+
 def _mapped_pages(handle: DispatchedModel) -> dict[str, int]:
     """Per disk unit, its pages mapped in this process that lie wholly inside one of its tensors."""
     import mmap

@@ -100,6 +100,7 @@ from .traffic import (
     lookup_read_s,
     round_trip_s,
     round_trips,
+    routed_read_s,
     unit_io_bytes,
 )
 from .workload import unit_training_bytes
@@ -280,22 +281,25 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
 def _stream_buffer_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> int:
     """The unit's weights a stream holds on ``execution`` while it computes: the pages of the rows a lookup table
     computed from its memory map touches (:func:`~.traffic.lookup_mapped_bytes`), else whole copies."""
-    mapped = lookup_mapped_bytes(ctx, unit, storage, execution) if mode != "resident" else None
+    mapped = lookup_mapped_bytes(ctx, unit, storage, execution) if mode == "stream" else None
     if mapped is not None:
         return mapped
     return unit.weight_bytes * stream_buffers(mode, ctx.machine[execution].is_gpu)
 
 
 def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str, phase: str) -> float:
-    """One forward's time getting the unit's weights to ``execution`` (:func:`~.traffic.copy_s`), but for a lookup
-    table computed from a memory map, which reads the rows it touches (:func:`~.traffic.lookup_read_s`), unless
-    calibrated: a measured copy rules."""
+    """One forward's time getting the unit's weights to ``execution`` (:func:`~.traffic.copy_s`), but for a ``stream``
+    unit the CPU computes from a disk map that reads part of them: a lookup table's rows
+    (:func:`~.traffic.lookup_read_s`), a decode step's routed experts (:func:`~.traffic.routed_read_s`). Unless
+    calibrated: a measured copy rules. ``stream_sync`` (accelerate's) copies every tensor whole."""
     calibrated = ctx.calibration is not None and ctx.calibration.copy_s(unit.name, storage, execution, mode,
                                                                         phase) is not None
-    rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
-    looked_up = None if calibrated or mode == "resident" else lookup_read_s(ctx, unit, storage, execution, rows)
-    if looked_up is not None:
-        return looked_up
+    if not calibrated and mode == "stream":  # stream_sync: accelerate's copies of every tensor
+        rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
+        for part in (lookup_read_s, routed_read_s):
+            seconds = part(ctx, unit, storage, execution, rows)
+            if seconds is not None:
+                return seconds
     return copy_s(ctx, storage, execution, unit.weight_bytes, mode, len(unit.param_names), unit.name, phase)
 
 

@@ -11,14 +11,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .context import PricingContext
-from .kernels import CACHE_PASSES_PER_STEP, kv_positions_read, prefill_rows, touched_weight_bytes
+from .kernels import (
+    CACHE_PASSES_PER_STEP,
+    expected_experts,
+    kv_positions_read,
+    prefill_rows,
+    touched_weight_bytes,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..hardware.devices import Machine
     from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = ["host_memory_bytes_per_s", "host_traffic_s", "disk_reads_s", "unit_io_bytes", "round_trip_s", "round_trips",
-           "copy_s", "lookup_read_s", "lookup_mapped_bytes", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR", "READ_AROUND_BYTES"]
+           "copy_s", "lookup_read_s", "lookup_mapped_bytes", "routed_read_s", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR", "READ_AROUND_BYTES"]
 
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
@@ -93,7 +99,23 @@ def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         return None
     faults = min(float(rows), max(1.0, unit.weight_bytes / READ_AROUND_BYTES))
     read = min(float(unit.weight_bytes), faults * READ_AROUND_BYTES)
-    return faults * ctx.machine.latency_s(storage, execution) + read / ctx.machine.bandwidth(storage, execution)
+    return faults * ctx.machine.fault_s + read / ctx.machine.bandwidth(storage, execution)
+
+
+def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
+    """One forward's disk time of an MoE unit the CPU computes from its memory map, for a call of fewer tokens than
+    it has experts (a decode step): its shared weights, and the experts the tokens are routed to, each faulted in
+    on demand (one latency each); None for any other option or a call of more tokens (every expert read).
+
+    The runtime reads the next mapped unit ahead but for its routed experts in such calls
+    (``runtime._prefetch_links.ReadAhead``): the router picks a few, and reading all of them would read the rest
+    for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes).
+    """
+    if (not unit.is_moe or rows >= unit.moe_num_experts or ctx.machine[storage].kind != "disk"
+            or ctx.machine[execution].kind != "cpu"):
+        return None
+    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows)
+    return hit * ctx.machine.fault_s + touched_weight_bytes(unit, rows) / ctx.machine.bandwidth(storage, execution)
 
 
 def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> int | None:

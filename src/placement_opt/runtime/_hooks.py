@@ -33,9 +33,11 @@ from ._phases import (
     call_extent,
     call_is_prefill,
     call_starts_sequence,
+    call_tokens,
     move_cache_layers,
     unit_is_prefill,
 )
+from ._prefetch_links import read_ahead
 from ._streamer import DispatchUnit, Streamer
 
 __all__ = ["install_hooks", "restore_forwards"]
@@ -272,11 +274,11 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
     if unit.kind == "stream":
         return _streamed_forward(unit, forward, streamer, move_inputs, phase)
     if unit.kind == "mmap":
-        ahead = _disk_keys(unit.next_unit) if unit.next_unit is not None else []
+        ahead = read_ahead(unit.next_unit)
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
             streamer.settle()  # the unit before has let its pages go: the process maps this unit's alone
-            for file, key in ahead:
+            for file, key in ahead.keys(call_tokens(args, kwargs)):
                 file.prefetch((key,))
             if move_inputs:
                 args = tuple(_move(a, device) for a in args)
@@ -294,10 +296,6 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
         return forward(*[_move(a, device) for a in args], **{k: _move(v, device) for k, v in kwargs.items()})
 
     return functools.wraps(forward)(moved)
-
-
-def _disk_keys(unit: DispatchUnit) -> list[tuple[Any, str]]:
-    return [(file, key) for file, key in unit.disk]
 
 
 def _heading(unit: DispatchUnit, forward: Callable[..., Any], streamer: Streamer,
@@ -354,7 +352,7 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
     name, layer_ids, decode_device = unit.name, unit.layer_ids, unit.execution
     prefill = _streamed_forward(unit, forward, streamer, True, phase)
     # a disk unit decodes from the memory map: read the next mapped unit ahead, as mmap units do
-    ahead = _disk_keys(unit.next_unit) if unit.disk and unit.next_unit is not None else []
+    ahead = read_ahead(unit.next_unit if unit.disk else None)
     # a copy group's head starts its group's copies and the next group's in the phase it finds
     in_decode, in_prefill = (unit.ahead, unit.ahead_prefill) if unit.heads_group else ((), ())
 
@@ -373,7 +371,7 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
             streamer.start(other)
         streamer.drop(unit)  # a prefetch started for a prefill this call is not
         streamer.settle()  # as an mmap unit: the pages let go before are gone before this one maps its own
-        for file, key in ahead:
+        for file, key in ahead.keys(call_tokens(args, kwargs)):
             file.prefetch((key,))
         try:
             return forward(*[_move(a, decode_device) for a in args],

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import DispatchError
 from ..hardware.host_copy import to_host
 
-__all__ = ["CallPhase", "attention_layers", "call_extent", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
+__all__ = ["CallPhase", "attention_layers", "call_extent", "call_tokens", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
 # The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
 # layers: the others).
@@ -66,6 +66,15 @@ def _main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor 
     if tensor is None:
         tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     return tensor
+
+
+def call_tokens(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens of a call over all its sequences (its main input's positions: every dimension of token ids, all but
+    the last of hidden states); None when it has no tensor."""
+    tensor = _main_input(args, kwargs)
+    if tensor is None or tensor.dim() == 0:
+        return None
+    return tensor.numel() // tensor.shape[-1] if tensor.is_floating_point() else tensor.numel()
 
 
 def _tokens_per_sequence(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
