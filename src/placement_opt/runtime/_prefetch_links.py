@@ -9,7 +9,6 @@ started there.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,20 +16,16 @@ from torch import nn
 
 from ._streamer import DispatchUnit
 
-__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead"]
-
-# A routed-expert tensor of a mapped unit: fused over the experts (transformers 5: ``mlp.experts.gate_up_proj``,
-# experts along the first of three dimensions) or one expert's (``block_sparse_moe.experts.3.w1.weight``).
-_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
+__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts"]
 
 @dataclass(frozen=True)
 class ReadAhead:
     """What a mapped unit asks the kernel to read ahead of the next mapped unit (``next_unit``): every tensor of
-    it, or, for a call of fewer tokens than that unit has routed experts, every tensor but the experts'. A decode
-    step's few tokens use a few experts (top-2 of 8: a quarter of the expert bytes at batch 1) and the CPU computes
-    them from the map, so their pages fault in on demand; reading every expert ahead would read the rest for
-    nothing. A call of as many tokens as experts or more (a prompt) uses nearly all of them: all are read ahead."""
+    it, or, for a call of fewer tokens than that unit has routed experts, every tensor but its fused expert
+    tensors. A decode step's few tokens use a few experts (top-2 of 8: a quarter of the expert bytes at batch 1):
+    :mod:`._routed_reads` asks for those once the router has picked them, and reading every expert ahead would read
+    the rest for nothing. A call of as many tokens as experts or more (a prompt) uses nearly all of them: all are
+    read ahead."""
 
     every: tuple[tuple[Any, str], ...] = ()
     unrouted: tuple[tuple[Any, str], ...] = ()
@@ -49,13 +44,15 @@ def read_ahead(unit: DispatchUnit | None) -> ReadAhead:
     if unit is None:
         return ReadAhead()
     every = tuple(unit.disk)
-    fused = [file.spans[key].shape[0] for file, key in every
-             if ".experts." in key and len(file.spans[key].shape) == 3]
-    single = {m.group(1) for _, key in every if (m := _ONE_EXPERT.search(key))}
-    experts = max([*fused, len(single)], default=0)
-    routed = {(id(file), key) for file, key in every
-              if _ONE_EXPERT.search(key) or (".experts." in key and len(file.spans[key].shape) == 3)}
-    return ReadAhead(every, tuple(x for x in every if (id(x[0]), x[1]) not in routed), experts)
+    routed = [(file, key) for file, key in every if fused_experts(file, key)]
+    experts = max((file.spans[key].shape[0] for file, key in routed), default=0)
+    return ReadAhead(every, tuple(x for x in every if x not in routed), experts)
+
+
+def fused_experts(file: Any, key: str) -> bool:
+    """Whether ``key`` of ``file`` is a fused expert tensor (transformers 5's experts interface:
+    ``mlp.experts.gate_up_proj``, one slice per expert along the first of three dimensions)."""
+    return ".experts." in key and len(file.spans[key].shape) == 3
 
 
 def link_prefetch(units: list[DispatchUnit]) -> None:

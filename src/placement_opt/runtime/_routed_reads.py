@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ._experts import experts_modules
+from ._prefetch_links import fused_experts
 from ._streamer import DispatchUnit
 
 __all__ = ["read_routed_experts"]
@@ -34,7 +35,7 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     handles = []
     for name, module in experts_modules(model):
         unit = next((mapped[n] for n in _owners(name) if n in mapped), None)
-        fused = [(f, k) for f, k in unit.disk if k.startswith(f"{name}.") and len(f.spans[k].shape) == 3] if unit else []
+        fused = [(f, k) for f, k in unit.disk if k.startswith(f"{name}.") and fused_experts(f, k)] if unit else []
         if fused:
             experts = max(f.spans[k].shape[0] for f, k in fused)
             handles.append(module.register_forward_pre_hook(_reader(fused, experts), with_kwargs=True))
