@@ -147,6 +147,15 @@ def test_a_call_of_as_many_tokens_as_experts_reads_them_all() -> None:
     assert routed_read_s(dense, dense.graph.unit("layer"), "disk", "cpu", 1) is None  # a dense layer: never
 
 
+def test_an_expert_group_is_read_whole() -> None:
+    """A group of a layer's experts (``trace(expert_groups=...)``) is read ahead whole by the dispatcher: priced so."""
+    graph = chain_graph([{"name": "model.layers.0.mlp.experts.groups.1", "param_bytes": 4 * EXPERT,
+                          "flops_per_token": 2**30, "moe_num_experts": 4, "moe_experts_per_token": 1,
+                          "moe_expert_bytes": 4 * EXPERT}], dtype="bfloat16")
+    ctx = PricingContext(graph, _machine(), Workload(batch_size=1), None)
+    assert routed_read_s(ctx, graph.unit("model.layers.0.mlp.experts.groups.1"), "disk", "cpu", 1) is None
+
+
 @given(rows=st.integers(1, 63), more=st.integers(0, 63), experts=st.integers(2, 64), top_k=st.integers(1, 8))
 def test_more_tokens_read_more_experts_and_pay_a_fault_for_each(rows, more, experts, top_k) -> None:
     top_k = min(top_k, experts)

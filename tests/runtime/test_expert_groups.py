@@ -183,6 +183,26 @@ def on_disk_and_in_ram(device: str):
     return choose
 
 
+def test_a_disk_group_is_read_ahead_whole_in_a_decode_step(saved_moe, tmp_path, monkeypatch):
+    """Group 1 of each layer on disk: in a decode step the group before it asks for its rows whole (the routed
+    experts of a whole experts module are left to the router's picks; a group's are not)."""
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+    from placement_opt.runtime.timing import cache_argument, cache_of
+
+    _, model, path, _ = saved_moe
+    plan = grouped_plan(model, 2, lambda u: ("disk", "cpu", "stream") if ".groups." in u else ("cpu", "cpu",
+                                                                                            "resident"))
+    handle = load(path, None, plan=plan, offload_dir=tmp_path)
+    asked: list[str] = []
+    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: asked.extend(keys))
+    with torch.no_grad():
+        out = handle(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), use_cache=True)
+        asked.clear()
+        handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(handle.model, cache_of(out)))
+    handle.remove()
+    assert any(k.endswith("gate_up_proj") for k in asked) and any(k.endswith("down_proj") for k in asked), asked
+
+
 def check_load(saved_moe, tmp_path, groups: int, device: str) -> None:
     _, model, path, reference = saved_moe
     plan = grouped_plan(model, groups, on_disk_and_in_ram(device))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..model.expert_groups import whole_experts
 from .context import PricingContext
 from .kernels import (
     CACHE_PASSES_PER_STEP,
@@ -108,12 +109,13 @@ def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     on demand (one latency each); None for any other option or a call of more tokens (every expert read).
 
     The runtime reads the next mapped unit ahead but for its routed experts in such calls
-    (``runtime._prefetch_links.ReadAhead``): the router picks a few, and reading all of them would read the rest
-    for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes).
+    (``runtime._prefetch_links.ReadAhead``) and asks for the router's picks once it has made them: reading all of
+    them would read the rest for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes). Expert groups
+    (``trace(expert_groups=...)``) are read ahead whole, as before.
     """
     if (not unit.is_moe or rows >= unit.moe_num_experts or ctx.machine[storage].kind != "disk"
-            or ctx.machine[execution].kind != "cpu"):
-        return None
+            or ctx.machine[execution].kind != "cpu" or whole_experts(unit.name) is not None):
+        return None  # an expert group is read whole (its rows of the fused tensors, ahead)
     hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows)
     return hit * ctx.machine.fault_s + touched_weight_bytes(unit, rows) / ctx.machine.bandwidth(storage, execution)
 

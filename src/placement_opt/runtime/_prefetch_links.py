@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ..model.expert_groups import whole_experts
 from ._streamer import DispatchUnit
 
 __all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts"]
@@ -44,6 +45,8 @@ def read_ahead(unit: DispatchUnit | None) -> ReadAhead:
     if unit is None:
         return ReadAhead()
     every = tuple(unit.disk)
+    if whole_experts(unit.name) is not None:  # an expert group: its rows of the fused tensors, read ahead whole
+        return ReadAhead(every, every, 0)
     routed = [(file, key) for file, key in every if fused_experts(file, key)]
     experts = max((file.spans[key].shape[0] for file, key in routed), default=0)
     return ReadAhead(every, tuple(x for x in every if x not in routed), experts)

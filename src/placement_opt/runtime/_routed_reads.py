@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._expert_groups import is_expert_group
 from ._experts import experts_modules
 from ._prefetch_links import fused_experts
 from ._streamer import DispatchUnit
@@ -34,6 +35,8 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     mapped = {u.name: u for u in units if u.disk and u.kind in ("mmap", "phased")}
     handles = []
     for name, module in experts_modules(model):
+        if is_expert_group(module):
+            continue  # a group's rows are read ahead whole (_prefetch_links.read_ahead)
         unit = next((mapped[n] for n in _owners(name) if n in mapped), None)
         fused = [(f, k) for f, k in unit.disk if k.startswith(f"{name}.") and fused_experts(f, k)] if unit else []
         if fused:
