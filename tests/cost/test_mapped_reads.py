@@ -147,6 +147,25 @@ def test_a_call_of_as_many_tokens_as_experts_reads_them_all() -> None:
     assert routed_read_s(dense, dense.graph.unit("layer"), "disk", "cpu", 1) is None  # a dense layer: never
 
 
+def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated() -> None:
+    """A calibrated cold read of a routed unit varies with the cut copy's router picks (0.058-0.080 s for a step
+    measured at 0.101-0.111 s): the decode's routed read comes from the profile; the prefill keeps the calibration."""
+    from placement_opt.cost.calibrated import Calibration
+
+    workload = Workload(batch_size=1, prompt_len=64, new_tokens=16)
+    graph = _moe_graph()
+    calibration = Calibration(copies={"moe": {("disk", "cpu", "stream"): (0.5, 1e-6)}})
+    plain, calibrated = (PricingContext(graph, _machine(), workload, c) for c in (None, calibration))
+    moe = graph.unit("moe")
+    step = routed_read_s(plain, moe, "disk", "cpu", 1)
+    for ctx in (plain, calibrated):
+        on_disk, in_ram = (price_option(ctx, moe, *option) for option in (("disk", "cpu", "stream"),
+                                                                           ("cpu", "cpu", "resident")))
+        assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * step)
+    prefill = price_option(calibrated, moe, "disk", "cpu", "stream").prefill_s
+    assert prefill - price_option(calibrated, moe, "cpu", "cpu", "resident").prefill_s == pytest.approx(0.5)
+
+
 def test_an_expert_group_is_read_whole() -> None:
     """A group of a layer's experts (``trace(expert_groups=...)``) is read ahead whole by the dispatcher: priced so."""
     graph = chain_graph([{"name": "model.layers.0.mlp.experts.groups.1", "param_bytes": 4 * EXPERT,

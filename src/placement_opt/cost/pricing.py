@@ -289,17 +289,23 @@ def _stream_buffer_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, exec
 
 def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str, phase: str) -> float:
     """One forward's time getting the unit's weights to ``execution`` (:func:`~.traffic.copy_s`), but for a ``stream``
-    unit the CPU computes from a disk map that reads part of them: a lookup table's rows
-    (:func:`~.traffic.lookup_read_s`), a decode step's routed experts (:func:`~.traffic.routed_read_s`). Unless
-    calibrated: a measured copy rules. ``stream_sync`` (accelerate's) copies every tensor whole."""
+    unit the CPU computes from a disk map that reads part of them: a call's routed experts
+    (:func:`~.traffic.routed_read_s`), a lookup table's rows (:func:`~.traffic.lookup_read_s`) unless calibrated (a
+    measured copy rules). ``stream_sync`` (accelerate's) copies every tensor whole.
+
+    The routed experts' read is priced from the profile even where the unit is calibrated: calibration times a
+    cold read over three decode steps of a cut copy, whose router picks other experts than the run's, and two
+    calibrations priced an all-experts-on-disk decode step at 0.080 and 0.058 s where it measured 0.111 and 0.101 s
+    (the profile's figures: 0.104 both times; benchmarks/cost_accuracy, 2026-11-30)."""
+    rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
+    routed = routed_read_s(ctx, unit, storage, execution, rows) if mode == "stream" else None
+    if routed is not None:
+        return routed
     calibrated = ctx.calibration is not None and ctx.calibration.copy_s(unit.name, storage, execution, mode,
                                                                         phase) is not None
-    if not calibrated and mode == "stream":  # stream_sync: accelerate's copies of every tensor
-        rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
-        for part in (lookup_read_s, routed_read_s):
-            seconds = part(ctx, unit, storage, execution, rows)
-            if seconds is not None:
-                return seconds
+    looked_up = lookup_read_s(ctx, unit, storage, execution, rows) if mode == "stream" and not calibrated else None
+    if looked_up is not None:
+        return looked_up
     return copy_s(ctx, storage, execution, unit.weight_bytes, mode, len(unit.param_names), unit.name, phase)
 
 
