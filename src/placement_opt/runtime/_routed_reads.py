@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model.graph import covering_key
 from ._expert_groups import is_expert_group
 from ._experts import experts_modules
 from ._prefetch_links import fused_experts
@@ -37,7 +38,8 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     for name, module in experts_modules(model):
         if is_expert_group(module):
             continue  # a group's rows are read ahead whole (_prefetch_links.read_ahead)
-        unit = next((mapped[n] for n in _owners(name) if n in mapped), None)
+        owner = covering_key(name, mapped)
+        unit = mapped[owner] if owner is not None else None
         fused = [(f, k) for f, k in unit.disk if k.startswith(f"{name}.") and fused_experts(f, k)] if unit else []
         if fused:
             experts = max(f.spans[k].shape[0] for f, k in fused)
@@ -48,12 +50,6 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
             handle.remove()
 
     return undo
-
-
-def _owners(name: str) -> list[str]:
-    """The names a unit owning module ``name`` may have: ``name`` and each prefix of it, longest first."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def _reader(fused: Sequence[tuple[Any, str]], experts: int) -> Callable[..., None]:
