@@ -102,8 +102,7 @@ def say_breakdown(console: Any, breakdown: Breakdown, misses: int = 5) -> None:
 
 def _worst(breakdown: Breakdown, count: int) -> list[Any]:
     """The units furthest from their prediction in a decode step, where more than one unit is of their kind."""
-    kinds = [k for k in breakdown.kinds() if k.name != "1 unit"]
-    return breakdown.misses(count) if kinds else []
+    return breakdown.misses(count) if len(breakdown.kinds()) < len(breakdown.units) else []
 
 
 def _pair(predicted: float, measured: float | None) -> tuple[str, str]:
