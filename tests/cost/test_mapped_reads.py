@@ -147,6 +147,13 @@ def test_a_call_of_as_many_tokens_as_experts_reads_them_all() -> None:
     assert routed_read_s(dense, dense.graph.unit("layer"), "disk", "cpu", 1) is None  # a dense layer: never
 
 
+def test_experts_every_token_runs_are_read_whole() -> None:
+    """Experts that run on every token (Llama 4's in transformers: the trace gives them top-k = every expert) are
+    read ahead whole by the dispatcher, with no fault per expert: priced as a whole read."""
+    ctx = PricingContext(_moe_graph(top_k=8), _machine(), Workload(batch_size=1), None)
+    assert routed_read_s(ctx, ctx.graph.unit("moe"), "disk", "cpu", 1) is None
+
+
 def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated() -> None:
     """A calibrated cold read of a routed unit varies with the cut copy's router picks (0.058-0.080 s for a step
     measured at 0.101-0.111 s): the decode's routed read comes from the profile; the prefill keeps the calibration."""
@@ -166,13 +173,28 @@ def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated()
     assert prefill - price_option(calibrated, moe, "cpu", "cpu", "resident").prefill_s == pytest.approx(0.5)
 
 
-def test_an_expert_group_is_read_whole() -> None:
-    """A group of a layer's experts (``trace(expert_groups=...)``) is read ahead whole by the dispatcher: priced so."""
-    graph = chain_graph([{"name": "model.layers.0.mlp.experts.groups.1", "param_bytes": 4 * EXPERT,
-                          "flops_per_token": 2**30, "moe_num_experts": 4, "moe_experts_per_token": 1,
-                          "moe_expert_bytes": 4 * EXPERT}], dtype="bfloat16")
-    ctx = PricingContext(graph, _machine(), Workload(batch_size=1), None)
-    assert routed_read_s(ctx, graph.unit("model.layers.0.mlp.experts.groups.1"), "disk", "cpu", 1) is None
+@given(experts=st.integers(2, 64), top_k=st.integers(1, 8), groups=st.integers(2, 8), rows=st.integers(1, 63))
+def test_a_layers_expert_groups_read_together_what_the_whole_experts_unit_reads(experts, top_k, groups, rows) -> None:
+    """Cut into groups (``trace(expert_groups=...)``), a layer's experts read the router's picks among each group's
+    rows (``runtime._routed_reads``): each group its share of the experts hit, faults included, so the groups' reads
+    add up to the whole unit's; a group of ``k`` of the ``E`` experts reads ``k / E`` of it."""
+    from placement_opt.model.expert_groups import group_ranges, split_expert_units
+
+    top_k, groups = min(top_k, experts), min(groups, experts)
+    graph = chain_graph([{"name": "model.layers.0.mlp.experts", "param_bytes": experts * EXPERT,
+                          "flops_per_token": 2**30, "moe_num_experts": experts, "moe_experts_per_token": top_k,
+                          "moe_expert_bytes": experts * EXPERT, "out_bytes_per_token": ROW}], dtype="bfloat16")
+    cut = split_expert_units(graph, groups, ["model.layers.0.mlp.experts"])
+    whole_ctx, cut_ctx = (PricingContext(g, _machine(), Workload(), None) for g in (graph, cut))
+    whole = routed_read_s(whole_ctx, graph.unit("model.layers.0.mlp.experts"), "disk", "cpu", rows)
+    parts = [routed_read_s(cut_ctx, cut.unit(f"model.layers.0.mlp.experts.groups.{i}"), "disk", "cpu", rows)
+             for i in range(groups)]
+    if rows >= experts or top_k == experts:  # a prompt, or every expert runs: read whole, groups and unit alike
+        assert whole is None and parts == [None] * groups
+        return
+    assert sum(parts) == pytest.approx(whole, rel=1e-9)
+    for part, (start, end) in zip(parts, group_ranges(experts, groups), strict=True):
+        assert part == pytest.approx(whole * (end - start) / experts, rel=1e-6)
 
 
 @given(rows=st.integers(1, 63), more=st.integers(0, 63), experts=st.integers(2, 64), top_k=st.integers(1, 8))
@@ -182,7 +204,7 @@ def test_more_tokens_read_more_experts_and_pay_a_fault_for_each(rows, more, expe
     moe = ctx.graph.unit("moe")
     few, many = routed_read_s(ctx, moe, "disk", "cpu", rows), routed_read_s(ctx, moe, "disk", "cpu", rows + more)
     if few is None:
-        assert rows >= experts
+        assert rows >= experts or top_k == experts
         return
     hit = expected_experts(experts, top_k, rows)
     assert few >= hit * FAULT_S + (SHARED + hit * EXPERT) / DISK_RATE * (1 - 1e-9)

@@ -269,6 +269,82 @@ def test_a_decode_step_asks_for_the_experts_its_router_picked_before_computing_t
     assert len(picked) == 2 and all(len(e) == 2 for e in picked.values())
 
 
+class LoopExperts(torch.nn.Module):
+    """A fused experts module outside transformers' experts interface, its loop written by hand over the picked
+    experts (as LongCat-Flash's and Step-3.7's are), holding a Mixtral experts module's weights."""
+
+    def __init__(self, whole: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = whole.gate_up_proj, whole.down_proj, whole.act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, -1)
+            done = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, done * top_k_weights[token, slot, None])
+        return out
+
+
+def _decode_reads(model, tmp_path, monkeypatch):
+    """(the keys read ahead, the rows asked for per key) in a decode step of ``model`` all on disk, and whether its
+    prompt and step computed what the model does."""
+    from placement_opt.runtime._safetensors_file import SafetensorsFile
+
+    ids, step_ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), torch.tensor([[6]])
+    with torch.no_grad():
+        reference = model(input_ids=ids, use_cache=True)
+        expected = model(input_ids=step_ids, use_cache=True, **cache_argument(model, cache_of(reference))).logits
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED), offload_dir=tmp_path)
+    ahead: list[str] = []
+    rows: dict[str, set[int]] = {}
+    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: ahead.extend(keys))
+    monkeypatch.setattr(SafetensorsFile, "prefetch_rows",
+                        lambda self, key, start, end: rows.setdefault(key, set()).update(range(start, end)))
+    with torch.no_grad():
+        out = handle(input_ids=ids, use_cache=True)
+        ahead.clear()
+        step = handle(input_ids=step_ids, use_cache=True, **cache_argument(model, cache_of(out))).logits
+    handle.remove()
+    torch.testing.assert_close(out.logits, reference.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+    return ahead, rows
+
+
+def test_a_hand_written_experts_loop_also_reads_the_router_picks(tmp_path, monkeypatch):
+    """Fused experts outside transformers' experts interface whose forward takes the router's picks: a decode
+    step reads them as it reads the interface's (the cost model prices both alike)."""
+    model = tiny("mixtral")
+    picked: dict[int, set[int]] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.experts = LoopExperts(layer.mlp.experts)
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: picked.setdefault(i, set()).update(args[1].flatten().tolist()))
+    ahead, rows = _decode_reads(model, tmp_path, monkeypatch)
+    assert not any(".experts." in k for k in ahead)
+    for layer, experts in picked.items():  # the prompt's picks too: the step's are among them
+        assert set().union(*(rows[f"model.layers.{layer}.mlp.experts.{t}"] for t in ("gate_up_proj", "down_proj")))
+        assert rows[f"model.layers.{layer}.mlp.experts.gate_up_proj"] <= experts
+
+
+def test_experts_that_run_on_every_token_are_read_ahead_whole(tmp_path, monkeypatch):
+    """Llama 4's experts take the hidden states alone and run every expert on every token (the trace prices each
+    token reading them all): a decode step reads them ahead with the rest of the layer, and asks for no rows."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=64, interleave_moe_layer_step=1, no_rope_layers=[1, 1])
+    model = transformers.Llama4ForCausalLM(config).eval()
+    ahead, rows = _decode_reads(model, tmp_path, monkeypatch)
+    assert rows == {}
+    assert {k for k in ahead if ".experts." in k} >= {"model.layers.1.feed_forward.experts.gate_up_proj",
+                                                      "model.layers.1.feed_forward.experts.down_proj"}
+
+
 @given(st.sets(st.integers(0, 63)))
 def test_expert_runs_cover_exactly_the_picked_ones(ids) -> None:
     from placement_opt.runtime._routed_reads import _runs

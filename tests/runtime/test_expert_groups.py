@@ -183,24 +183,43 @@ def on_disk_and_in_ram(device: str):
     return choose
 
 
-def test_a_disk_group_is_read_ahead_whole_in_a_decode_step(saved_moe, tmp_path, monkeypatch):
-    """Group 1 of each layer on disk: in a decode step the group before it asks for its rows whole (the routed
-    experts of a whole experts module are left to the router's picks; a group's are not)."""
+def test_a_disk_group_reads_the_router_picks_among_its_rows_in_a_decode_step(saved_moe, tmp_path, monkeypatch):
+    """Group 1 of 2 of each layer on disk (experts 2 and 3 of 4), the rest in RAM: a prompt of more tokens than the
+    layer has experts reads the group ahead whole; a decode step reads it ahead not at all, and asks for the
+    router's picks among the group's rows (as rows of the group's own tensors), before the layer's first group
+    computes. Outputs equal the whole model's."""
     from placement_opt.runtime._safetensors_file import SafetensorsFile
     from placement_opt.runtime.timing import cache_argument, cache_of
 
     _, model, path, _ = saved_moe
-    plan = grouped_plan(model, 2, lambda u: ("disk", "cpu", "stream") if ".groups." in u else ("cpu", "cpu",
-                                                                                            "resident"))
+    plan = grouped_plan(model, 2, on_disk_and_in_ram("cpu"))
     handle = load(path, None, plan=plan, offload_dir=tmp_path)
-    asked: list[str] = []
-    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: asked.extend(keys))
+    picked: dict[int, set[int]] = {}
+    for i, layer in enumerate(handle.model.model.layers):  # the router's picks, seen before the groups compute
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: picked.setdefault(i, set()).update(args[1].flatten().tolist()))
+    ahead: list[str] = []
+    rows: dict[str, set[int]] = {}
+    monkeypatch.setattr(SafetensorsFile, "prefetch", lambda self, keys: ahead.extend(keys))
+    monkeypatch.setattr(SafetensorsFile, "prefetch_rows",
+                        lambda self, key, start, end: rows.setdefault(key, set()).update(range(start, end)))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
-        out = handle(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), use_cache=True)
-        asked.clear()
-        handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(handle.model, cache_of(out)))
+        out = handle(input_ids=ids, use_cache=True)
+        assert rows == {} and any(".groups.1.gate_up_proj" in k for k in ahead)  # 7 tokens, 4 experts: whole
+        ahead.clear(), picked.clear()
+        step = handle(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(handle.model, cache_of(out)))
     handle.remove()
-    assert any(k.endswith("gate_up_proj") for k in asked) and any(k.endswith("down_proj") for k in asked), asked
+    with torch.no_grad():
+        reference = model(input_ids=ids, use_cache=True)
+        expected = model(input_ids=torch.tensor([[6]]), use_cache=True, **cache_argument(model, cache_of(reference)))
+    torch.testing.assert_close(step.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    assert not any(".experts." in k for k in ahead), ahead
+    for layer, experts in picked.items():
+        local = {e - 2 for e in experts if e >= 2}  # group 1 holds experts 2 and 3: its rows 0 and 1
+        for tensor in ("gate_up_proj", "down_proj"):
+            assert rows.get(f"model.layers.{layer}.mlp.experts.groups.1.{tensor}", set()) == local, (layer, rows)
+    assert len(picked) == 2 and all(len(e) == 2 for e in picked.values())
 
 
 def check_load(saved_moe, tmp_path, groups: int, device: str) -> None:

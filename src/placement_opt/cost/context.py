@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model.expert_groups import group_counts, whole_experts
+from ..model.expert_groups import group_counts, group_ranges, whole_experts
 from .kernels import (
     decode_roofline_lines,
     measured_decode_line,
@@ -170,6 +170,16 @@ class PricingContext:
     def _block_parts(self) -> collections.Counter[str]:
         return collections.Counter(u.block for u in self.graph.units()
                                    if u.block is not None and (whole_experts(u.name) or ("", 0))[1] == 0)
+
+    def routed_experts(self, unit: UnitInfo) -> int:
+        """How many of its layer's routed experts ``unit`` holds: an expert group its rows
+        (:func:`~placement_opt.model.expert_groups.group_ranges`), any other unit all of ``moe_num_experts``."""
+        parsed = whole_experts(unit.name)
+        groups = self._groups.get(unit.name)
+        if parsed is None or groups is None or not unit.moe_num_experts:
+            return unit.moe_num_experts
+        start, end = group_ranges(unit.moe_num_experts, min(groups, unit.moe_num_experts))[parsed[1]]
+        return end - start
 
     @functools.cached_property
     def _groups(self) -> dict[str, int]:

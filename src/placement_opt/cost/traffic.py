@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..model.expert_groups import whole_experts
 from .context import PricingContext
 from .kernels import (
     CACHE_PASSES_PER_STEP,
@@ -110,13 +109,14 @@ def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
 
     The runtime reads the next mapped unit ahead but for its routed experts in such calls
     (``runtime._prefetch_links.ReadAhead``) and asks for the router's picks once it has made them: reading all of
-    them would read the rest for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes). Expert groups
-    (``trace(expert_groups=...)``) are read ahead whole, as before.
+    them would read the rest for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes). An expert group
+    (``trace(expert_groups=...)``) reads the picks among its rows: its share of the layer's experts hit.
     """
     if (not unit.is_moe or rows >= unit.moe_num_experts or ctx.machine[storage].kind != "disk"
-            or ctx.machine[execution].kind != "cpu" or whole_experts(unit.name) is not None):
-        return None  # an expert group is read whole (its rows of the fused tensors, ahead)
-    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows)
+            or ctx.machine[execution].kind != "cpu" or unit.moe_experts_per_token >= unit.moe_num_experts):
+        return None  # every token runs every expert (Llama 4 in transformers): read ahead whole
+    share = ctx.routed_experts(unit) / unit.moe_num_experts  # a group's experts among its layer's
+    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows) * share
     return hit * ctx.machine.fault_s + touched_weight_bytes(unit, rows) / ctx.machine.bandwidth(storage, execution)
 
 

@@ -127,6 +127,7 @@ def _group(whole: nn.Module, start: int, end: int) -> nn.Module:
             part._buffers[key] = tensor[start:end]
     part.num_experts = end - start
     part.first_expert = start
+    part.layer_experts = whole.num_experts  # a call of fewer tokens reads only its picks (runtime._routed_reads)
     # transformers' kernels honour the sentinel (skip or zero its rows) only in expert-parallel mode
     part._is_expert_parallel = True
     return part

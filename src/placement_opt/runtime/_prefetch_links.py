@@ -8,16 +8,19 @@ started there.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ..model.expert_groups import whole_experts
 from ._streamer import DispatchUnit
 
-__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts"]
+__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts", "takes_picks", "PICKS_ARGUMENT"]
+
+# The experts module's argument that holds each token's experts (transformers 5's experts interface).
+PICKS_ARGUMENT = "top_k_index"
 
 @dataclass(frozen=True)
 class ReadAhead:
@@ -26,7 +29,7 @@ class ReadAhead:
     tensors. A decode step's few tokens use a few experts (top-2 of 8: a quarter of the expert bytes at batch 1):
     :mod:`._routed_reads` asks for those once the router has picked them, and reading every expert ahead would read
     the rest for nothing. A call of as many tokens as experts or more (a prompt) uses nearly all of them: all are
-    read ahead."""
+    read ahead. An expert group counts its layer's experts: its tokens are routed among all of them."""
 
     every: tuple[tuple[Any, str], ...] = ()
     unrouted: tuple[tuple[Any, str], ...] = ()
@@ -45,10 +48,10 @@ def read_ahead(unit: DispatchUnit | None) -> ReadAhead:
     if unit is None:
         return ReadAhead()
     every = tuple(unit.disk)
-    if whole_experts(unit.name) is not None:  # an expert group: its rows of the fused tensors, read ahead whole
-        return ReadAhead(every, every, 0)
-    routed = [(file, key) for file, key in every if fused_experts(file, key)]
+    routed = [(file, key) for file, key in every if fused_experts(file, key) and _routed(unit, key)]
     experts = max((file.spans[key].shape[0] for file, key in routed), default=0)
+    # an expert group holds some rows of its layer's experts: the tokens are routed among the layer's
+    experts = getattr(unit.module, "layer_experts", experts) if routed else 0
     return ReadAhead(every, tuple(x for x in every if x not in routed), experts)
 
 
@@ -56,6 +59,28 @@ def fused_experts(file: Any, key: str) -> bool:
     """Whether ``key`` of ``file`` is a fused expert tensor (transformers 5's experts interface:
     ``mlp.experts.gate_up_proj``, one slice per expert along the first of three dimensions)."""
     return ".experts." in key and len(file.spans[key].shape) == 3
+
+
+def takes_picks(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes the router's picks (``top_k_index``), and so computes only the experts
+    they name. Llama 4's experts take the hidden states alone and run every expert on every token."""
+    try:
+        return PICKS_ARGUMENT in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _routed(unit: DispatchUnit, key: str) -> bool:
+    """Whether tensor ``key`` of ``unit``'s map belongs to an experts module of it that computes the picked experts
+    only (a key that names no module of the unit: not known, read ahead)."""
+    owner = key.rpartition(".")[0]
+    if unit.name and owner != unit.name and not owner.startswith(f"{unit.name}."):
+        return False
+    try:
+        module = unit.module.get_submodule(owner[len(unit.name):].lstrip("."))
+    except AttributeError:
+        return False
+    return takes_picks(module)
 
 
 def link_prefetch(units: list[DispatchUnit]) -> None:

@@ -7,7 +7,11 @@ experts came in at about a quarter of the disk's mapped read rate on this projec
 experts' rows of every fused expert tensor at once (``posix_fadvise``, returns at once), after the router has
 chosen them and before they are computed: one large read of what the step uses.
 
-A call of as many tokens as experts or more (a prompt) skips it: the read-ahead asked for every expert.
+Expert groups (:mod:`._expert_groups`) are asked for by the module that holds a layer's groups, before its
+first group computes: a disk group's picked rows come in while the groups before it compute.
+
+A call of as many tokens as the layer has experts or more (a prompt) skips it: the read-ahead asked for every
+expert.
 """
 
 from __future__ import annotations
@@ -18,32 +22,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model._meta_experts import is_fused_experts
 from ..model.graph import covering_key
-from ._expert_groups import is_expert_group
-from ._experts import experts_modules
-from ._prefetch_links import fused_experts
+from ._expert_groups import ExpertGroups
+from ._prefetch_links import PICKS_ARGUMENT, fused_experts, takes_picks
 from ._streamer import DispatchUnit
 
 __all__ = ["read_routed_experts"]
 
-# The experts module's argument that holds each token's experts (transformers 5's experts interface).
-_INDEX_ARGUMENT, _INDEX_POSITION = "top_k_index", 1
+# Where the experts module's forward takes the router's picks by position (by name: PICKS_ARGUMENT).
+_INDEX_POSITION = 1
+
+# (the fused expert tensors of one mapped module, as (file, key), and the layer's expert id of their first row)
+_Rows = tuple[Sequence[tuple[Any, str]], int]
 
 
 def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Callable[[], None]:
     """Hook every experts module of a unit computed from a disk map (``mmap`` units, ``phased`` disk units, which
-    decode from it) whose expert weights are fused tensors there; returns the undo function."""
+    decode from it) whose expert weights are fused tensors there, and every module holding expert groups of which
+    some are; returns the undo function."""
     mapped = {u.name: u for u in units if u.disk and u.kind in ("mmap", "phased")}
     handles = []
-    for name, module in experts_modules(model):
-        if is_expert_group(module):
-            continue  # a group's rows are read ahead whole (_prefetch_links.read_ahead)
-        owner = covering_key(name, mapped)
-        unit = mapped[owner] if owner is not None else None
-        fused = [(f, k) for f, k in unit.disk if k.startswith(f"{name}.") and fused_experts(f, k)] if unit else []
-        if fused:
-            experts = max(f.spans[k].shape[0] for f, k in fused)
-            handles.append(module.register_forward_pre_hook(_reader(fused, experts), with_kwargs=True))
+    for name, module in _routed_modules(model):
+        if isinstance(module, ExpertGroups):
+            reads = [(fused, group.first_expert) for i, group in enumerate(module.groups)
+                     if (fused := _fused(f"{name}.groups.{i}", mapped))]
+            experts = module.num_experts
+        else:
+            reads = [(fused, 0)] if (fused := _fused(name, mapped)) else []
+            experts = max((f.spans[k].shape[0] for f, k in fused), default=0)  # a loop of its own has no count
+        if reads:
+            handles.append(module.register_forward_pre_hook(_reader(reads, experts), with_kwargs=True))
 
     def undo() -> None:
         for handle in handles:
@@ -52,14 +61,33 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     return undo
 
 
-def _reader(fused: Sequence[tuple[Any, str]], experts: int) -> Callable[..., None]:
+def _routed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Fused experts modules that compute the router's picks only (transformers' experts interface, and the
+    families that write the loop themselves: LongCat-Flash, Step-3.7), and the holders of expert groups (a group
+    is asked for by its holder)."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, ExpertGroups) or (is_fused_experts(m) and takes_picks(m))]
+
+
+def _fused(name: str, mapped: Mapping[str, DispatchUnit]) -> list[tuple[Any, str]]:
+    """The fused expert tensors of module ``name`` in the memory map of the mapped unit covering it."""
+    owner = covering_key(name, mapped)
+    if owner is None:
+        return []
+    return [(f, k) for f, k in mapped[owner].disk if k.startswith(f"{name}.") and fused_experts(f, k)]
+
+
+def _reader(reads: Sequence[_Rows], experts: int) -> Callable[..., None]:
     def read(_module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        index = kwargs.get(_INDEX_ARGUMENT, args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None)
+        index = kwargs.get(PICKS_ARGUMENT, args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None)
         if not isinstance(index, torch.Tensor) or index.dim() == 0 or index.shape[0] >= experts:
             return
-        for start, end in _runs([i for i in torch.unique(index).tolist() if 0 <= i < experts]):
-            for file, key in fused:
-                file.prefetch_rows(key, start, end)
+        picked = torch.unique(index).tolist()
+        for fused, first in reads:
+            rows = max(f.spans[k].shape[0] for f, k in fused)
+            for start, end in _runs([i - first for i in picked if 0 <= i - first < rows]):
+                for file, key in fused:
+                    file.prefetch_rows(key, start, end)
 
     return read
 
