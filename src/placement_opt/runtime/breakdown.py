@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._stamps import Stamps
-from .timing import _masked, cache_argument, cache_of, last_logits_argument
+from .timing import _masked, cache_of, last_logits_argument, next_step_inputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..cost.evaluate import Cost, UnitCost
@@ -164,11 +164,9 @@ def _generate(model: Any, stamps: Stamps, input_ids: torch.Tensor, new_tokens: i
                                                     **last_logits_argument(model),
                                                     **_masked(attention_mask, positioned)))
         for _ in range(new_tokens - 1):
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], 1)
-            call = functools.partial(model, input_ids=out.logits[:, -1:].argmax(-1), use_cache=True,
-                                     **cache_argument(model, cache_of(out)),
-                                     **_masked(attention_mask, positioned, last_only=True))
+            inputs, attention_mask = next_step_inputs(model, out.logits[:, -1:].argmax(-1), cache_of(out),
+                                                      attention_mask, positioned)
+            call = functools.partial(model, **inputs)
             out = None  # the step's output is not held while the next runs
             before_each()
             step, out = stamps.run(call)

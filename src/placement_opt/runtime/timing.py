@@ -27,7 +27,7 @@ import torch
 from ._rss import peak_bytes, reset_peak
 from .allocator import trim_heap
 
-__all__ = ["Timing", "time_generation", "cache_argument", "cache_of", "last_logits_argument"]
+__all__ = ["Timing", "time_generation", "next_step_inputs", "cache_argument", "cache_of", "last_logits_argument"]
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,8 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
         for _ in range(new_tokens - 1):
             if before_each is not None:
                 before_each()
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], 1)
-            out, took = _timed(gpus, model, input_ids=token, use_cache=True, **cache_argument(model, cache),
-                               **_masked(attention_mask, positioned, last_only=True))
+            inputs, attention_mask = next_step_inputs(model, token, cache, attention_mask, positioned)
+            out, took = _timed(gpus, model, **inputs)
             steps.append(took)
             cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             tokens.append(token[:, 0].tolist())
@@ -128,6 +126,18 @@ def time_generation(model: Any, input_ids: torch.Tensor, new_tokens: int, *, war
                   tokens=by_sequence, peak_gpu_bytes=peaks, prefill_runs_s=tuple(prefills),
                   peak_cpu_growth_bytes=None if rss_peak is None else max(0, rss_peak - rss_before),
                   prefill_peak_gpu_bytes=prefill_peaks, decode_peak_gpu_bytes=decode_peaks)
+
+
+def next_step_inputs(model: Any, token: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
+                     positioned: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """(the keyword arguments of the greedy decode step that feeds ``token`` with ``cache``, the mask it takes):
+    the mask grows by a column of ones per step, as ``generate()`` grows it, with the newest token's position where
+    the model takes positions (``positioned``)."""
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], 1)
+    inputs = {"input_ids": token, "use_cache": True, **cache_argument(model, cache),
+              **_masked(attention_mask, positioned, last_only=True)}
+    return inputs, attention_mask
 
 
 def _peaks(gpus: range, reset: bool = False) -> dict[str, int]:
