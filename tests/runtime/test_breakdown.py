@@ -16,6 +16,16 @@ from placement_opt.runtime.dispatcher import dispatch
 SLEEP_S = 0.03
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a loaded 2-core machine a second thread, idle through a unit's 30 ms sleep, took up
+    to 85 ms to be scheduled again, in the next unit's figures (the tests compare units' times)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     config = T.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
