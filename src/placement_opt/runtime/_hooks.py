@@ -278,8 +278,7 @@ def _own_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: Stre
 
         def mapped(*args: Any, **kwargs: Any) -> Any:
             streamer.settle()  # the unit before has let its pages go: the process maps this unit's alone
-            for file, key in ahead.keys(call_tokens(args, kwargs)):
-                file.prefetch((key,))
+            streamer.read_ahead(ahead.keys(call_tokens(args, kwargs)))
             if move_inputs:
                 args = tuple(_move(a, device) for a in args)
                 kwargs = {k: _move(v, device) for k, v in kwargs.items()}
@@ -371,8 +370,7 @@ def _phased_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer: S
             streamer.start(other)
         streamer.drop(unit)  # a prefetch started for a prefill this call is not
         streamer.settle()  # as an mmap unit: the pages let go before are gone before this one maps its own
-        for file, key in ahead.keys(call_tokens(args, kwargs)):
-            file.prefetch((key,))
+        streamer.read_ahead(ahead.keys(call_tokens(args, kwargs)))
         try:
             return forward(*[_move(a, decode_device) for a in args],
                            **{k: _move(v, decode_device) for k, v in kwargs.items()})

@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ class SafetensorsFile:
         self.path = Path(path)
         self.spans = _read_header(self.path)
         self._fd: int | None = None
+        self._fd_lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._array: np.ndarray | None = None
         self._written: set[str] = set()
@@ -88,6 +90,14 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self.spans)
+
+    def _descriptor(self) -> int:
+        """The file opened once for ``posix_fadvise``; read-aheads ask from the release thread while a hook asks for
+        routed rows from the computing one, so the first to ask opens it, under a lock."""
+        with self._fd_lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            return self._fd
 
     def _mapped(self) -> np.ndarray:
         if self._array is None:
@@ -141,9 +151,7 @@ class SafetensorsFile:
         for key in keys:
             span = self.spans[key]
             if span.nbytes and not self.cached(key):
-                if self._fd is None:
-                    self._fd = os.open(self.path, os.O_RDONLY)
-                os.posix_fadvise(self._fd, span.offset_bytes, span.nbytes, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._descriptor(), span.offset_bytes, span.nbytes, os.POSIX_FADV_WILLNEED)
 
     def prefetch_rows(self, key: str, start: int, end: int) -> None:
         """:meth:`prefetch` of rows ``[start, end)`` (along the first dimension) of tensor ``key`` only."""
@@ -151,9 +159,7 @@ class SafetensorsFile:
         if not hasattr(os, "posix_fadvise") or not span.nbytes or not span.shape:  # pragma: no cover - not Linux
             return
         row = span.nbytes // span.shape[0]
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        os.posix_fadvise(self._fd, span.offset_bytes + start * row, (end - start) * row, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(self._descriptor(), span.offset_bytes + start * row, (end - start) * row, os.POSIX_FADV_WILLNEED)
 
     def cached(self, key: str) -> bool:
         """True when the first, middle and last pages of tensor ``key`` are in the page cache."""

@@ -100,6 +100,8 @@ class Streamer:
         self.inflight: dict[int, tuple[DispatchUnit, Future[tuple[list[torch.Tensor], Any]]]] = {}
         self.release_pool: ThreadPoolExecutor | None = None
         self.releasing: list[Future[None]] = []
+        self.asking: list[Future[None]] = []
+        """Read-aheads asked for in the background (:meth:`read_ahead`), waited for by :meth:`settle`."""
         self.ended: list[Any] = []
         """CUDA events of streamed forwards that ended since the last copy started (:meth:`finished`)."""
         self.ended_lock = threading.Lock()
@@ -215,14 +217,29 @@ class Streamer:
         pages alone (the memory model's one stream buffer of a unit streamed to the CPU).
         """
         self.settle()
+        self.releasing.append(self._releaser().submit(_release_pages, unit))
+
+    def read_ahead(self, tensors: Sequence[tuple[SafetensorsFile, str]]) -> None:
+        """Ask the kernel to read these mapped tensors ahead, from the release thread.
+
+        ``posix_fadvise`` allocates the page cache's pages and queues their reads before it returns: 18 ms of a
+        73 ms cold decode step of a hidden-512, 8-layer model with every layer on disk (10 units asked for, on
+        the 2-core machine of benchmarks/cost_accuracy). The unit computes meanwhile; :meth:`settle` (at the
+        next mapped unit's call, and as the unit lets its pages go) waits for the asking to be done.
+        """
+        if tensors:
+            self.asking.append(self._releaser().submit(_ask_kernel, tuple(tensors)))
+
+    def _releaser(self) -> ThreadPoolExecutor:
         if self.release_pool is None:
             self.release_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement_opt-release")
-        self.releasing.append(self.release_pool.submit(_release_pages, unit))
+        return self.release_pool
 
     def settle(self) -> None:
         """Wait for the pages let go in the background, so that the caller's next write to a weight is seen
-        (a tensor written to is never let go) and cannot race a release."""
-        releasing, self.releasing = self.releasing, []
+        (a tensor written to is never let go) and cannot race a release; and for the read-aheads asked for."""
+        releasing, self.releasing = self.asking + self.releasing, []
+        self.asking = []
         for future in releasing:
             future.result()
 
@@ -235,6 +252,11 @@ class Streamer:
             if pool is not None:
                 pool.shutdown(wait=True)
         self.pool = self.release_pool = None
+
+
+def _ask_kernel(tensors: Sequence[tuple[SafetensorsFile, str]]) -> None:
+    for file, key in tensors:
+        file.prefetch((key,))
 
 
 def _release_pages(unit: DispatchUnit) -> None:
