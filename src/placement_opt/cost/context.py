@@ -176,9 +176,9 @@ class PricingContext:
         (:func:`~placement_opt.model.expert_groups.group_ranges`), any other unit all of ``moe_num_experts``."""
         parsed = whole_experts(unit.name)
         groups = self._groups.get(unit.name)
-        if parsed is None or groups is None or not unit.moe_num_experts:
-            return unit.moe_num_experts
-        start, end = group_ranges(unit.moe_num_experts, min(groups, unit.moe_num_experts))[parsed[1]]
+        if parsed is None or groups is None or not 0 < groups <= unit.moe_num_experts:
+            return unit.moe_num_experts  # not a group, or a hand-made name no trace cuts: the whole layer's
+        start, end = group_ranges(unit.moe_num_experts, groups)[parsed[1]]
         return end - start
 
     @functools.cached_property

@@ -19,8 +19,9 @@ from ._streamer import DispatchUnit
 
 __all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts", "takes_picks", "PICKS_ARGUMENT"]
 
-# The experts module's argument that holds each token's experts (transformers 5's experts interface).
+#: The experts module's argument that holds each token's experts (transformers 5's experts interface).
 PICKS_ARGUMENT = "top_k_index"
+
 
 @dataclass(frozen=True)
 class ReadAhead:
