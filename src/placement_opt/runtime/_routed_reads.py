@@ -78,13 +78,15 @@ def _fused(name: str, mapped: Mapping[str, DispatchUnit]) -> list[tuple[Any, str
 
 
 def _reader(reads: Sequence[_Rows], experts: int) -> Callable[..., None]:
+    # each module's rows: [first, first + rows) of the layer's experts, counted once here, not at every call
+    spans = [(fused, first, max(f.spans[k].shape[0] for f, k in fused)) for fused, first in reads]
+
     def read(_module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         index = kwargs.get(PICKS_ARGUMENT, args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None)
         if not isinstance(index, torch.Tensor) or index.dim() == 0 or index.shape[0] >= experts:
             return
         picked = torch.unique(index).tolist()
-        for fused, first in reads:
-            rows = max(f.spans[k].shape[0] for f, k in fused)
+        for fused, first, rows in spans:
             for start, end in _runs([i - first for i in picked if 0 <= i - first < rows]):
                 for file, key in fused:
                     file.prefetch_rows(key, start, end)
