@@ -551,6 +551,21 @@ def mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.0f}"
 
 
+def disk_figures() -> str:
+    """The disk figures of this run's profile: what its disk rows are priced from before calibration (and its
+    routed experts and lookups after it too)."""
+    from placement_opt.hardware.profile_store import load_profile
+
+    disk = ((load_profile() or {}).get("measurements") or {}).get("disk") or {}
+    rate, scattered, latency = (disk.get(k) for k in ("mapped_read_bytes_per_s", "random_read_bytes_per_s",
+                                                      "random_read_latency_s"))
+    if not (rate and scattered and latency):
+        return "- Disk: not profiled."
+    return (f"- Disk, as this run's profile measured it: {rate / 1e9:.2f} GB/s mapped and read in order; "
+            f"{scattered / 1e9:.2f} GB/s and {latency * 1e6:.0f} µs a read for regions at random places asked for "
+            f"together (a router's picks, a lookup's rows).")
+
+
 def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], gpu: list[str],
                   args: argparse.Namespace, load: tuple[float, float], wall_s: float) -> None:
     within = [r for r in rows if abs(r.after_s / r.median_s - 1) <= GOAL]
@@ -562,7 +577,8 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
         f"{torch.get_num_threads()} threads, Python {sys.version.split()[0]}; 1-minute load average "
         f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the cores).",
         f"- Command: `python benchmarks/cost_accuracy/run.py{' --quick' if args.quick else ''}"
-        f"{f' --threads {args.threads}' if args.threads else ''}` (prompt "
+        f"{f' --threads {args.threads}' if args.threads else ''}"
+        f"{f' --models {args.models}' if args.models != 'small,mid,moe' else ''}` (prompt "
         f"{args.prompt}, {args.steps} decode steps, {args.repeats} prefill repeats)",
         "- `before`: `placement_opt.profile(['cpu', 'disk'], dtype='float32')` and the roofline; `after`: the same "
         "profile plus `placement_opt.calibrate(path, ['cpu', 'disk'], workload=..., granularity='auto')` on the "
@@ -570,6 +586,7 @@ def write_results(out: Path, rows: list[Row], infos: dict[str, dict[str, Any]], 
         "`placement_opt.evaluate`. Measured: the median prefill of the repeats and the median decode step of the "
         "steps (calibration keeps each unit's median too; the fastest beside); ratios = prediction / median.",
         f"- Within +-{GOAL:.0%} after calibration: {len(within)} of {len(rows)} rows.",
+        disk_figures(),
         "",
     ]
     for shape, info in infos.items():

@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
     ValidationInfo,
@@ -314,6 +315,10 @@ class MeasurementSchema(_Open):
     op_overhead_s: NonNegativeFloat | None = None
     staged_to_host_bytes_per_s: NonNegativeFloat | None = None
     fault_latency_s: NonNegativeFloat | None = None
+    """Obsolete: a cold page fault with the kernel's read-around, measured by profiles of 2026-11-28 to 11-30, when
+    lookup rows faulted in on demand; read by nothing (the runtime now asks for them: ``random_read_*``)."""
+    random_read_bytes_per_s: PositiveFloat | None = None
+    random_read_latency_s: PositiveFloat | None = None
     to_host_bytes_per_s: NonNegativeFloat | None = None
     """Obsolete: a plain ``.to("cpu")``, measured by profiles of 2026-11-29 only; read by nothing."""
     linear_flops_by_tokens: dict[str, list[tuple[int, float]]] = {}

@@ -233,6 +233,22 @@ def test_the_profile_table_shows_a_gpus_measured_rate_back_to_the_host():
     assert rows["cuda:1"].split("│")[6].strip() == "-" and rows["cpu"].split("│")[6].strip() == "-"  # not measured
 
 
+def test_the_profile_table_shows_a_disks_scattered_reads():
+    """What a router's picks and a lookup's rows are read at: a rate and a latency a read; ``-`` unmeasured."""
+    from rich.console import Console
+
+    from placement_opt.cli.output import devices_table
+    from placement_opt.hardware.devices import Device, Machine
+
+    console = Console(width=200, record=True)
+    for disk, said in ((Device("disk", "1TB", random_read=1.2e9, random_read_latency_s=15e-6), "1.2 GB/s + 15"),
+                       (Device("disk", "1TB"), "-")):
+        console.print(devices_table(Machine([Device("cpu", "64GiB"), disk])))
+        text = console.export_text()
+        row = next(line for line in text.splitlines() if line.startswith("│ disk"))
+        assert "random read" in text and row.split("│")[7].strip().startswith(said), row
+
+
 def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the disk measurement writes its scratch file here
     out = tmp_path / "machine.json"

@@ -1,6 +1,7 @@
 """Units the CPU computes from a memory-mapped disk file read what they use, not all their weights: a lookup table
-(an embedding) the rows it looks up, one page fault (and the kernel's read-around) per row until the faults have read
-it all; an MoE unit in a call of fewer tokens than experts its shared weights and the experts the tokens hit."""
+(an embedding) the rows it looks up, asked for before it looks them up (a random read each, at least a page), or the
+whole table for a large share of its rows; an MoE unit in a call of fewer tokens than experts its shared weights, in
+order, and the experts the tokens hit, a random read each."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from hypothesis import strategies as st
 import placement_opt
 from placement_opt.cost.kernels import expected_experts
 from placement_opt.cost.pricing import PricingContext, price_option
-from placement_opt.cost.traffic import READ_AROUND_BYTES, lookup_read_s, routed_read_s
+from placement_opt.cost.traffic import PAGE_BYTES, asks_whole_table, lookup_read_s, routed_read_s
 from placement_opt.cost.workload import Workload
 from placement_opt.hardware.devices import Device, Machine
 from placement_opt.model.graph import chain_graph
 
 ROW = 8192  # bytes of one embedding row: hidden 4096 in bf16
 VOCAB = 128256
-DISK_RATE = 2e9
-FAULT_S = 4e-3  # a cold page fault on this project's virtual disk (placement-opt profile: 3.4-5 ms)
+DISK_RATE = 2e9  # read in order (the read-ahead of whole units)
+RANDOM_RATE = 1.2e9  # regions at random places asked for together (placement-opt profile on this project's disk)
+LATENCY_S = 15e-6  # each small read among several asked for together (the same profile: 13-15 us)
 
 
 def _graph():
@@ -28,50 +30,59 @@ def _graph():
                          "out_bytes_per_token": ROW}], dtype="bfloat16")
 
 
-def _machine(fault: float | None = FAULT_S) -> Machine:
+def _machine(latency: float | None = LATENCY_S, rate: float | None = RANDOM_RATE) -> Machine:
     return Machine([Device("cpu", "16GiB", flops=1e11, bandwidth=1e10, source="measured"),
-                    Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", fault_latency_s=fault)])
+                    Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", random_read=rate,
+                           random_read_latency_s=latency)])
 
 
-def _ctx(workload: Workload, fault: float | None = FAULT_S) -> PricingContext:
-    return PricingContext(_graph(), _machine(fault), workload, None)
+def _ctx(workload: Workload, latency: float | None = LATENCY_S) -> PricingContext:
+    return PricingContext(_graph(), _machine(latency), workload, None)
 
 
-def test_a_decode_step_reads_a_fault_per_sequence_not_the_table() -> None:
-    """Batch 2, 16 steps: the disk option costs the RAM option plus one fault and one read-around per sequence and
-    step (the table, 1 GiB, would take half a second a step)."""
+def test_a_decode_step_reads_a_row_per_sequence_not_the_table() -> None:
+    """Batch 2, 16 steps: the disk option costs the RAM option plus two small reads a step (the table, 1 GiB, would
+    take half a second a step)."""
     workload = Workload(batch_size=2, prompt_len=64, new_tokens=16)
     ctx = _ctx(workload)
     embed = ctx.graph.unit("embed")
     on_disk = price_option(ctx, embed, "disk", "cpu", "stream")
     in_ram = price_option(ctx, embed, "cpu", "cpu", "resident")
-    per_step = 2 * (FAULT_S + READ_AROUND_BYTES / DISK_RATE)
+    per_step = 2 * (LATENCY_S + ROW / RANDOM_RATE)
     assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * per_step)
-    assert per_step < 0.02 * VOCAB * ROW / DISK_RATE  # the table: 0.53 s
+    assert per_step < 0.001 * VOCAB * ROW / DISK_RATE  # the table: 0.53 s
 
 
-def test_the_process_maps_a_read_around_window_per_row_of_the_prompt_not_the_table() -> None:
-    """The RAM a disk embedding takes while it computes: the pages its largest forward (the prompt, 2 x 64 rows)
-    faults in, each with its read-around; a layer read from disk maps all its weights."""
+def test_the_process_holds_the_rows_of_the_prompt_not_the_table() -> None:
+    """The RAM a disk embedding takes while it computes: the rows its largest forward (the prompt, 2 x 64 rows) asks
+    for; a layer read from disk maps all its weights; a prompt that asks for the table holds the table."""
     ctx = _ctx(Workload(batch_size=2, prompt_len=64, new_tokens=16))
     embed, layer = ctx.graph.unit("embed"), ctx.graph.unit("layer")
-    assert price_option(ctx, embed, "disk", "cpu", "stream").stream_buffer_bytes == 128 * READ_AROUND_BYTES
+    assert price_option(ctx, embed, "disk", "cpu", "stream").stream_buffer_bytes == 128 * ROW
     assert price_option(ctx, layer, "disk", "cpu", "stream").stream_buffer_bytes == layer.weight_bytes
-    long = _ctx(Workload(batch_size=16, prompt_len=8192, new_tokens=16))  # more windows than the table has
+    long = _ctx(Workload(batch_size=16, prompt_len=8192, new_tokens=16))  # more rows than the table's share
     assert price_option(long, embed, "disk", "cpu", "stream").stream_buffer_bytes == embed.weight_bytes
 
 
-def test_a_prompt_pays_a_fault_per_row_until_the_faults_have_read_the_table() -> None:
-    """128 prompt tokens: 128 faults. A prompt longer than the table has read-around windows: every window once."""
+def test_a_prompt_asks_for_its_rows_until_the_whole_table_reads_faster() -> None:
+    """128 prompt tokens: 128 small reads. From the number of rows whose reads take as long as the table's one read
+    on: the table, whatever more rows the call has."""
     ctx = _ctx(Workload(batch_size=1, prompt_len=128, new_tokens=1))
     embed = ctx.graph.unit("embed")
-    assert lookup_read_s(ctx, embed, "disk", "cpu", 128) == pytest.approx(128 * (FAULT_S + READ_AROUND_BYTES / DISK_RATE))
-    windows = VOCAB * ROW / READ_AROUND_BYTES
-    assert lookup_read_s(ctx, embed, "disk", "cpu", 10**7) == pytest.approx(windows * FAULT_S + VOCAB * ROW / DISK_RATE)
+    assert lookup_read_s(ctx, embed, "disk", "cpu", 128) == pytest.approx(128 * (LATENCY_S + ROW / RANDOM_RATE))
+    whole = LATENCY_S + VOCAB * ROW / RANDOM_RATE
+    even = whole / (LATENCY_S + ROW / RANDOM_RATE)  # rows whose reads take the table's time: 8/9 of the table here
+    assert not asks_whole_table(ctx.machine, int(even) - 1, ROW, VOCAB * ROW)
+    assert asks_whole_table(ctx.machine, int(even) + 1, ROW, VOCAB * ROW)
+    for rows in (int(even) + 1, 10**7):
+        assert lookup_read_s(ctx, embed, "disk", "cpu", rows) == pytest.approx(whole)
+    slow = _ctx(Workload(), latency=1e-3)  # a disk of 1 ms a read: the table wins at a tenth of its rows
+    assert asks_whole_table(slow.machine, VOCAB // 10, ROW, VOCAB * ROW)
 
 
 def test_only_a_lookup_computed_on_the_cpu_from_disk_is_priced_by_its_rows() -> None:
-    """A GPU copies the whole table; RAM has no faults; a layer reads all its weights: None (the whole copy)."""
+    """A GPU copies the whole table; RAM reads nothing from disk; a layer reads all its weights: None (the whole
+    copy)."""
     ctx = _ctx(Workload())
     embed, layer = ctx.graph.unit("embed"), ctx.graph.unit("layer")
     assert lookup_read_s(ctx, layer, "disk", "cpu", 1) is None
@@ -80,23 +91,25 @@ def test_only_a_lookup_computed_on_the_cpu_from_disk_is_priced_by_its_rows() -> 
     assert lookup_read_s(PricingContext(_graph(), gpu, Workload(), None), embed, "disk", "cuda:0", 1) is None
 
 
-def test_without_a_measured_fault_the_nvme_default_prices_it() -> None:
-    ctx = _ctx(Workload(), fault=None)
-    assert lookup_read_s(ctx, ctx.graph.unit("embed"), "disk", "cpu", 1) == pytest.approx(
-        100e-6 + READ_AROUND_BYTES / DISK_RATE)
+def test_without_measured_scattered_reads_the_nvme_default_and_the_disk_rate_price_them() -> None:
+    ctx = PricingContext(_graph(), _machine(latency=None, rate=None), Workload(), None)
+    assert lookup_read_s(ctx, ctx.graph.unit("embed"), "disk", "cpu", 1) == pytest.approx(100e-6 + ROW / DISK_RATE)
 
 
-@given(rows=st.integers(1, 10**6), more=st.integers(0, 10**6), fault=st.floats(1e-6, 0.05),
+@given(rows=st.integers(1, 10**6), more=st.integers(0, 10**6), latency=st.floats(1e-6, 0.05),
        vocab=st.integers(1, 300_000), row=st.sampled_from([256, 4096, 8192, 16384]))
-def test_rows_cost_more_with_more_rows_and_never_more_than_faulting_the_whole_table(rows, more, fault, vocab,
-                                                                                      row) -> None:
+def test_rows_cost_the_cheaper_of_a_read_each_and_the_whole_table_and_more_rows_never_less(rows, more, latency, vocab,
+                                                                                           row) -> None:
     graph = chain_graph([{"name": "embed", "param_bytes": vocab * row, "out_bytes_per_token": row}])
-    ctx = PricingContext(graph, _machine(fault), Workload(), None)
+    ctx = PricingContext(graph, _machine(latency), Workload(), None)
     embed = graph.unit("embed")
     few, many = (lookup_read_s(ctx, embed, "disk", "cpu", n) for n in (rows, rows + more))
-    whole = max(1.0, vocab * row / READ_AROUND_BYTES) * fault + vocab * row / DISK_RATE
-    assert few <= many * (1 + 1e-12) <= whole * (1 + 1e-9)
-    assert few >= fault  # one fault at least
+    distinct = min(rows, vocab)
+    each = distinct * (latency + max(row, PAGE_BYTES) / RANDOM_RATE)
+    whole = latency + vocab * row / RANDOM_RATE
+    assert few == pytest.approx(min(each, whole))
+    assert few <= many * (1 + 1e-12)
+    assert few >= latency  # one read at least
 
 
 def test_the_plan_keeps_layers_in_ram_and_reads_a_large_embedding_from_disk() -> None:
@@ -106,7 +119,8 @@ def test_the_plan_keeps_layers_in_ram_and_reads_a_large_embedding_from_disk() ->
                          *({"name": f"layer{i}", "param_bytes": 2**28, "flops_per_token": 2**29,
                             "out_bytes_per_token": ROW} for i in range(4))], dtype="bfloat16")
     machine = Machine([Device("cpu", 4 * 2**28 + 2**27, flops=1e11, bandwidth=1e10, source="measured"),
-                       Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", fault_latency_s=FAULT_S)])
+                       Device("disk", "1TB", bandwidth=DISK_RATE, source="measured", random_read=RANDOM_RATE,
+                              random_read_latency_s=LATENCY_S)])
     plan = placement_opt.solve(graph, machine, workload=Workload(batch_size=1, prompt_len=128, new_tokens=64),
                                time_limit_s=1)
     storage = {p.unit: p.storage for p in plan.placements}
@@ -123,14 +137,15 @@ def _moe_graph(experts: int = 8, top_k: int = 2):
                          "moe_expert_bytes": experts * EXPERT, "out_bytes_per_token": ROW}], dtype="bfloat16")
 
 
-def test_a_decode_step_reads_the_experts_its_tokens_hit_each_with_a_fault() -> None:
-    """Batch 1, top-2 of 8: the shared weights and two experts, two latencies; the unit streamed the same way in a
-    plan's option costs that per step, against a whole read of its weights before."""
+def test_a_decode_step_reads_the_experts_its_tokens_hit_each_a_small_read() -> None:
+    """Batch 1, top-2 of 8: the shared weights, read ahead in order, and two experts, two small reads at the
+    scattered rate; the unit streamed the same way in a plan's option costs that per step, against a whole read of
+    its weights before."""
     workload = Workload(batch_size=1, prompt_len=64, new_tokens=16)
     ctx = PricingContext(_moe_graph(), _machine(), workload, None)
     moe = ctx.graph.unit("moe")
     read = routed_read_s(ctx, moe, "disk", "cpu", 1)
-    assert read == pytest.approx(2 * FAULT_S + (SHARED + 2 * EXPERT) / DISK_RATE)
+    assert read == pytest.approx(2 * (LATENCY_S + EXPERT / RANDOM_RATE) + SHARED / DISK_RATE)
     on_disk = price_option(ctx, moe, "disk", "cpu", "stream")
     in_ram = price_option(ctx, moe, "cpu", "cpu", "resident")
     assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * read)
@@ -176,7 +191,7 @@ def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated()
 @given(experts=st.integers(2, 64), top_k=st.integers(1, 8), groups=st.integers(2, 8), rows=st.integers(1, 63))
 def test_a_layers_expert_groups_read_together_what_the_whole_experts_unit_reads(experts, top_k, groups, rows) -> None:
     """Cut into groups (``trace(expert_groups=...)``), a layer's experts read the router's picks among each group's
-    rows (``runtime._routed_reads``): each group its share of the experts hit, faults included, so the groups' reads
+    rows (``runtime._routed_reads``): each group its share of the experts hit, latencies included, so the groups' reads
     add up to the whole unit's; a group of ``k`` of the ``E`` experts reads ``k / E`` of it."""
     from placement_opt.model.expert_groups import group_ranges, split_expert_units
 
@@ -198,7 +213,7 @@ def test_a_layers_expert_groups_read_together_what_the_whole_experts_unit_reads(
 
 
 @given(rows=st.integers(1, 63), more=st.integers(0, 63), experts=st.integers(2, 64), top_k=st.integers(1, 8))
-def test_more_tokens_read_more_experts_and_pay_a_fault_for_each(rows, more, experts, top_k) -> None:
+def test_more_tokens_read_more_experts_and_pay_a_small_read_for_each(rows, more, experts, top_k) -> None:
     top_k = min(top_k, experts)
     ctx = PricingContext(_moe_graph(experts, top_k), _machine(), Workload(), None)
     moe = ctx.graph.unit("moe")
@@ -207,5 +222,5 @@ def test_more_tokens_read_more_experts_and_pay_a_fault_for_each(rows, more, expe
         assert rows >= experts or top_k == experts
         return
     hit = expected_experts(experts, top_k, rows)
-    assert few >= hit * FAULT_S + (SHARED + hit * EXPERT) / DISK_RATE * (1 - 1e-9)
+    assert few == pytest.approx(hit * (LATENCY_S + EXPERT / RANDOM_RATE) + SHARED / DISK_RATE, rel=1e-9)
     assert many is None or many >= few * (1 - 1e-12)

@@ -61,8 +61,10 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: as_machine({"cpu": "-1GiB"}), r"max_memory\['cpu'\]"),
     (lambda: Device("cpu", "1GiB", to_host=5e9), r"to_host of cpu is 5000000000.0: .*only a GPU takes it"),
     (lambda: Device("cuda:0", "1GiB", to_host=-1), r"to_host of cuda:0 is -1"),
-    (lambda: Device("cpu", "1GiB", fault_latency_s=1e-3), r"fault_latency_s of cpu is 0.001: a disk's seconds"),
-    (lambda: Device("disk", "1TB", fault_latency_s=0), r"fault_latency_s of disk is 0: .*between 0 and 1"),
+    (lambda: Device("cpu", "1GiB", random_read_latency_s=1e-3), r"of cpu are None and 0.001: .*only the disk"),
+    (lambda: Device("cuda:0", "1GiB", random_read=1e9), r"of cuda:0 are 1000000000.0 and None: .*only the disk"),
+    (lambda: Device("disk", "1TB", random_read_latency_s=0), r"random_read_latency_s of disk is 0: .*between 0 and 1"),
+    (lambda: Device("disk", "1TB", random_read=0), r"random_read of disk"),
 ])
 def test_errors_name_the_bad_value_and_what_is_accepted(call, pattern) -> None:
     with pytest.raises(DeviceSpecError, match=pattern):  # a ValueError, as callers catch today
@@ -98,16 +100,17 @@ def test_copies_leaving_a_gpu_take_its_measured_rate_and_those_reaching_it_the_h
     assert linked.bandwidth("cuda:0", "cpu") == 9e9  # a link the user gives wins
 
 
-def test_reads_on_demand_pay_the_disk_s_measured_page_fault_and_transfers_do_not() -> None:
-    """A measured fault (4 ms) prices what faults in on demand (``fault_s``); a unit read whole, ahead of its
-    compute, keeps the 100 us transfer latency (with 3 ms a transfer, benchmarks/cost_accuracy's 8-layer model read
-    from disk had its decode step predicted 1.25x its measured time, accelerate's 1.97x)."""
-    slow = Device("disk", "1TB", fault_latency_s=4e-3)
-    for disk, fault in ((Device("disk", "1TB"), 100e-6), (slow, 4e-3)):
+def test_reads_asked_for_at_random_places_pay_the_disk_s_measured_scattered_reads() -> None:
+    """What the runtime reads on demand (a router's picks, a lookup's rows) costs a measured latency per read plus its
+    bytes at the measured scattered rate; unmeasured, 100 us and the disk's bandwidth. A unit read whole and ahead
+    keeps the 100 us transfer latency whatever the disk measured."""
+    measured = Device("disk", "1TB", bandwidth=2e9, random_read=1e9, random_read_latency_s=15e-6)
+    plain = Device("disk", "1TB", bandwidth=2e9)
+    for disk, expected in ((plain, 3 * 100e-6 + 0.5), (measured, 3 * 15e-6 + 1.0)):
         machine = Machine([Device("cuda:0", "8GiB"), Device("cpu", "64GiB"), disk])
-        assert machine.fault_s == fault
+        assert machine.random_read_s(3, 1e9) == pytest.approx(expected)
         assert machine.latency_s("disk", "cpu") == machine.latency_s("disk", "cuda:0") == 100e-6
-    assert Machine([Device("cpu", "64GiB")]).fault_s == 100e-6  # no disk: the default
+    assert Machine([Device("cpu", "64GiB")]).random_read_s(2, 0) == pytest.approx(200e-6)  # no disk: the default
 
 
 def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
@@ -134,8 +137,9 @@ def test_round_trips_through_dicts() -> None:
     assert again == machine
     measured = Machine([replace_device(machine["cuda:0"], to_host_bytes_per_s=1.3e9), machine["cpu"]])
     assert Machine.from_dict(measured.to_dict()) == measured
-    faulting = Machine([machine["cpu"], replace_device(machine["disk"], fault_latency_s=4e-3)])
-    assert Machine.from_dict(faulting.to_dict()) == faulting
+    scattered = Machine([machine["cpu"], replace_device(machine["disk"], random_read_bytes_per_s=1.2e9,
+                                                        random_read_latency_s=15e-6)])
+    assert Machine.from_dict(scattered.to_dict()) == scattered
     old = {**machine["cuda:0"].to_dict()}
     del old["to_host_bytes_per_s"]  # a plan or profile written before the field: the host link's rate
     assert Device.from_dict(old) == machine["cuda:0"]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
 __all__ = ["host_memory_bytes_per_s", "host_traffic_s", "disk_reads_s", "unit_io_bytes", "round_trip_s", "round_trips",
-           "copy_s", "lookup_read_s", "lookup_mapped_bytes", "routed_read_s", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR", "READ_AROUND_BYTES"]
+           "copy_s", "lookup_read_s", "lookup_mapped_bytes", "routed_read_s", "asks_whole_table", "PAGEABLE_LINK_FACTOR", "MAPPED_READ_FACTOR", "PAGE_BYTES"]
 
 #: accelerate copies pageable (unpinned) CPU tensors: this fraction of the pinned link rate.
 PAGEABLE_LINK_FACTOR = 0.6
@@ -33,9 +33,8 @@ PAGEABLE_LINK_FACTOR = 0.6
 #: sequential rate). Measured: 1.07 GB/s for accelerate against 1.88 GB/s for placement_opt's
 #: zero-copy maps on one disk (0.57; benchmarks/cost_accuracy, 2026-11-21).
 MAPPED_READ_FACTOR = 0.6
-#: What a page fault on a memory-mapped file reads around the faulting page: Linux's default read-ahead
-#: window (``read_ahead_kb`` 128), which its fault path reads around a page of a file mapping.
-READ_AROUND_BYTES = 128 * 2**10
+#: The least a read asks the disk for: a page.
+PAGE_BYTES = 4096
 
 
 def host_memory_bytes_per_s(machine: Machine) -> float | None:
@@ -86,26 +85,44 @@ def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     return forwards * read_prefill / rate, steps * read_decode / rate
 
 
+def asks_whole_table(machine: Machine, rows: int, row_bytes: int, table_bytes: int) -> bool:
+    """Whether a lookup of ``rows`` distinct rows of ``row_bytes`` asks the disk for its whole table of
+    ``table_bytes`` rather than for each row (a read of at least a page): whichever :meth:`~...Machine.random_read_s`
+    says is faster. The runtime's rule (``runtime._routed_reads``), priced by :func:`lookup_read_s`."""
+    return machine.random_read_s(1, table_bytes) <= machine.random_read_s(rows, rows * max(row_bytes, PAGE_BYTES))
+
+
+def _table(unit: UnitInfo, rows: int) -> tuple[int, int, int]:
+    """(distinct rows of ``rows`` tokens, bytes of a row, rows) of a lookup table: a row is what it outputs per
+    token; every token is taken as a distinct row (prompts repeat tokens: an upper bound)."""
+    row = max(1, unit.out_bytes_per_token)
+    table_rows = max(1, unit.weight_bytes // row)
+    return min(rows, table_rows), row, table_rows
+
+
 def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
     """One forward's disk time of a lookup table (an embedding) the CPU computes from its memory map, ``rows`` tokens
     looked up; None for any other option (its weights are read whole: :func:`copy_s`).
 
-    The runtime does not read a table ahead (``runtime._prefetch_links``): each row it touches faults its page in
-    with the kernel's read-around (:data:`READ_AROUND_BYTES`), one disk latency per fault, until the faults have
-    read the whole table. A decode step's row costs a latency, not the table (a 128k vocabulary: 1 GiB in bf16).
+    The runtime asks the kernel for the rows of the forward's tokens before it looks them up
+    (``runtime._routed_reads``): a random read each, at least a page (:meth:`~...Machine.random_read_s`); or for the
+    table whole where that is faster (:func:`asks_whole_table`). A decode step's row costs a small read, not the
+    table (a 128k vocabulary: 1 GiB in bf16).
     """
     if (unit.flops_per_token or unit.param_bytes <= 0 or ctx.machine[storage].kind != "disk"
             or ctx.machine[execution].kind != "cpu"):
         return None
-    faults = min(float(rows), max(1.0, unit.weight_bytes / READ_AROUND_BYTES))
-    read = min(float(unit.weight_bytes), faults * READ_AROUND_BYTES)
-    return faults * ctx.machine.fault_s + read / ctx.machine.bandwidth(storage, execution)
+    rows, row, _ = _table(unit, rows)
+    if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
+        return ctx.machine.random_read_s(1, unit.weight_bytes)
+    return ctx.machine.random_read_s(rows, rows * max(row, PAGE_BYTES))
 
 
 def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
     """One forward's disk time of an MoE unit the CPU computes from its memory map, for a call of fewer tokens than
-    it has experts (a decode step): its shared weights, and the experts the tokens are routed to, each faulted in
-    on demand (one latency each); None for any other option or a call of more tokens (every expert read).
+    it has experts (a decode step): its shared weights, read ahead in order at the disk's rate, and the experts the
+    tokens are routed to, asked for once the router has picked them: a random read each
+    (:meth:`~...Machine.random_read_s`); None for any other option or a call of more tokens (every expert read).
 
     The runtime reads the next mapped unit ahead but for its routed experts in such calls
     (``runtime._prefetch_links.ReadAhead``) and asks for the router's picks once it has made them: reading all of
@@ -117,17 +134,21 @@ def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
         return None  # every token runs every expert (Llama 4 in transformers): read ahead whole
     share = ctx.routed_experts(unit) / unit.moe_num_experts  # a group's experts among its layer's
     hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows) * share
-    return hit * ctx.machine.fault_s + touched_weight_bytes(unit, rows) / ctx.machine.bandwidth(storage, execution)
+    shared = unit.weight_bytes - unit.moe_expert_bytes
+    experts = touched_weight_bytes(unit, rows) - shared
+    return ctx.machine.random_read_s(hit, experts) + shared / ctx.machine.bandwidth(storage, execution)
 
 
 def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> int | None:
-    """What a lookup table the CPU computes from its memory map (:func:`lookup_read_s`) maps into the process at
-    most: a read-around window per row of the largest forward, up to the table; None for any other option (its
-    weights whole: :func:`~.memory.stream_buffers`)."""
+    """What a lookup table the CPU computes from its memory map (:func:`lookup_read_s`) holds in RAM at most: the
+    pages of the rows of the largest forward, or the whole table where it asks for it whole; None for any other
+    option (its weights whole: :func:`~.memory.stream_buffers`)."""
     if lookup_read_s(ctx, unit, storage, execution, 1) is None:
         return None
-    rows = max(prefill_rows(ctx, unit), ctx.workload.batch_size)
-    return min(unit.weight_bytes, rows * max(unit.out_bytes_per_token, READ_AROUND_BYTES))
+    rows, row, _ = _table(unit, max(prefill_rows(ctx, unit), ctx.workload.batch_size))
+    if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
+        return unit.weight_bytes
+    return min(unit.weight_bytes, rows * max(row, PAGE_BYTES))
 
 
 def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:

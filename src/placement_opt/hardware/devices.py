@@ -142,10 +142,14 @@ class Device:
             A plain ``.to("cpu")`` is far slower: on a lent H200's host it copied at 1.3-1.6 GB/s, and phased
             prefills ran as if their KV caches moved at about 1.3 GB/s, against 54 GB/s into pinned memory
             (benchmarks/cost_accuracy/GPU.md).
-        fault_latency_s: disk: seconds of one cold page fault on a memory-mapped file (a read of the kernel's
-            read-around window at a random place): what a lookup table computed from the map pays per row, and an
-            MoE unit per expert it reads on demand (:attr:`Machine.fault_s`); None: 100 µs (an NVMe drive's). A
-            profile measures it: 3-5 ms on this project's virtual disk.
+        random_read: disk: bytes/s of regions at random places of a file, several asked for together
+            (``posix_fadvise``) and then touched through its memory map: how the runtime reads the experts a router
+            picks and the rows a lookup table looks up (:meth:`Machine.random_read_s`); None: ``bandwidth``. A
+            profile measures it: 1.2-1.5 GB/s on this project's virtual disk, against about 2.1 GB/s mapped in order.
+        random_read_latency_s: disk: seconds each small read asked for that way adds, at a random place, when
+            several are asked for together; None: 100 µs (an NVMe drive's). A profile measures it: 13-15 µs
+            here. A read nobody asks for ahead costs far more: the page fault brings the kernel's read-around
+            window (``read_ahead_kb``: 8 MiB on this project's disk, 7 ms a fault).
 
     Raises:
         DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
@@ -165,7 +169,8 @@ class Device:
     fresh_page_bytes_per_s: float | None
     op_overhead_s: float | None
     to_host_bytes_per_s: float | None
-    fault_latency_s: float | None
+    random_read_bytes_per_s: float | None
+    random_read_latency_s: float | None
 
     def __init__(
         self,
@@ -183,7 +188,8 @@ class Device:
         fresh_page: float | None = None,
         op_overhead_s: float | None = None,
         to_host: float | None = None,
-        fault_latency_s: float | None = None,
+        random_read: float | None = None,
+        random_read_latency_s: float | None = None,
     ) -> None:
         canonical = normalize_device_name(name)
         kind = device_kind(canonical)
@@ -195,7 +201,8 @@ class Device:
                 f"0 to {format_bytes(MAX_MEMORY_BYTES)} (2**53 bytes); give the device's real capacity")
         for label, value in (("flops", flops), ("bandwidth", bandwidth), ("host_link", host_link),
                              ("peer_link", peer_link), ("shared_bandwidth", shared_bandwidth),
-                             ("fresh_page", fresh_page), ("to_host", to_host)):
+                             ("fresh_page", fresh_page), ("to_host", to_host),
+                             ("random_read", random_read)):
             _checked_speed(label, canonical, value)
         if to_host is not None and kind != "gpu":
             raise DeviceSpecError(f"to_host of {canonical} is {to_host!r}: it is the rate of copies leaving a GPU for "
@@ -203,9 +210,13 @@ class Device:
         if op_overhead_s is not None and not (0 < float(op_overhead_s) < 1):
             raise DeviceSpecError(f"op_overhead_s of {canonical} is {op_overhead_s!r}: the host's seconds per torch op "
                                   f"must be between 0 and 1 (a few microseconds: 5e-6); leave it None for the default")
-        if fault_latency_s is not None and (kind != "disk" or not 0 < float(fault_latency_s) < 1):
-            raise DeviceSpecError(f"fault_latency_s of {canonical} is {fault_latency_s!r}: a disk's seconds per cold page "
-                                  f"fault, between 0 and 1 (NVMe: about 1e-4); leave it None for the default")
+        if (random_read is not None or random_read_latency_s is not None) and kind != "disk":
+            raise DeviceSpecError(f"random_read and random_read_latency_s of {canonical} are {random_read!r} and "
+                                  f"{random_read_latency_s!r}: they describe a disk's scattered reads, so only the "
+                                  f"disk takes them; leave them None for {canonical}")
+        if random_read_latency_s is not None and not 0 < float(random_read_latency_s) < 1:
+            raise DeviceSpecError(f"random_read_latency_s of {canonical} is {random_read_latency_s!r}: a disk's seconds "
+                                  f"per small read, between 0 and 1 (NVMe: about 1e-4); leave it None for the default")
         guessed = flops is None or bandwidth is None
         values = {
             "name": canonical,
@@ -224,7 +235,8 @@ class Device:
         values["fresh_page_bytes_per_s"] = float(fresh_page) if fresh_page is not None else None
         values["op_overhead_s"] = float(op_overhead_s) if op_overhead_s is not None else None
         values["to_host_bytes_per_s"] = float(to_host) if to_host is not None else None
-        values["fault_latency_s"] = float(fault_latency_s) if fault_latency_s is not None else None
+        values["random_read_bytes_per_s"] = float(random_read) if random_read is not None else None
+        values["random_read_latency_s"] = float(random_read_latency_s) if random_read_latency_s is not None else None
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -297,7 +309,8 @@ class Device:
                    fresh_page=data.get("fresh_page_bytes_per_s") or None,
                    op_overhead_s=data.get("op_overhead_s") or None,
                    to_host=data.get("to_host_bytes_per_s") or None,
-                   fault_latency_s=data.get("fault_latency_s") or None)
+                   random_read=data.get("random_read_bytes_per_s") or None,
+                   random_read_latency_s=data.get("random_read_latency_s") or None)
 
     def __str__(self) -> str:
         return (f"{self.name} ({format_bytes(self.memory_bytes)}, {self.flops_per_s / 1e12:.3g} TFLOP/s, "
@@ -434,14 +447,16 @@ class Machine:
             return _LATENCY_S["nvlink"]
         return _LATENCY_S["pcie"]
 
-    @property
-    def fault_s(self) -> float:
-        """A cold page fault on the disk, at a random place of a memory-mapped file: its measured
-        ``fault_latency_s``, else 100 µs. What reads on demand pay per fault (an embedding's rows, the experts a
-        router picks); a unit read whole and ahead does not, as the kernel's read-ahead runs beside the compute
-        and a profile's mapped read rate already carries a sequential read's faults."""
+    def random_read_s(self, reads: float, nbytes: float) -> float:
+        """Seconds to read ``nbytes`` off the disk as ``reads`` regions at random places asked for together (the
+        experts a router picks, the rows a lookup table looks up): the disk's measured ``random_read_latency_s``
+        per read (else 100 µs) plus the bytes at its ``random_read`` rate (else its bandwidth). A unit read whole
+        and ahead pays neither: the kernel's read-ahead runs beside the compute at the mapped read rate."""
         disk = self.disk
-        return (disk.fault_latency_s if disk is not None else None) or _LATENCY_S["disk"]
+        if disk is None:
+            return reads * _LATENCY_S["disk"]
+        latency = disk.random_read_latency_s or _LATENCY_S["disk"]
+        return reads * latency + nbytes / (disk.random_read_bytes_per_s or disk.bandwidth_bytes_per_s)
 
     # -- conversions ----------------------------------------------------------------------
     @property

@@ -122,7 +122,8 @@ def device_from_measurement(name: str, entry: dict[str, Any], dtype: str, create
         # Offloaded weights are read through memory maps (placement_opt computes from them,
         # accelerate copies out of them): the rate of that path, not of read() calls, is the figure.
         rate = entry.get("mapped_read_bytes_per_s") or entry["sequential_read_bytes_per_s"]
-        return Device(name, memory, bandwidth=rate, source=source, fault_latency_s=entry.get("fault_latency_s") or None)
+        return Device(name, memory, bandwidth=rate, source=source, random_read=entry.get("random_read_bytes_per_s"),
+                      random_read_latency_s=entry.get("random_read_latency_s"))
     flops = _of_dtype(entry["matmul_flops_per_s"], dtype)
     curve = [tuple(p) for p in _of_dtype(entry.get("linear_flops_by_tokens", {}), dtype) or ()]
     used = _measured_key(entry["matmul_flops_per_s"], dtype)

@@ -1,4 +1,6 @@
-"""The routed experts of a unit the CPU computes from a disk map, read as soon as the router has picked them.
+"""Reads on demand from a disk map, asked for as soon as what they read is known: the routed experts of a unit the
+CPU computes from it, once the router has picked them, and the rows a lookup table (an embedding) looks up, once
+its forward has its token ids.
 
 A decode step's tokens use a few of a layer's experts (top-2 of 8 at batch 1), so the read-ahead of the next
 mapped unit leaves the experts out (:class:`._prefetch_links.ReadAhead`). Left to fault in on demand, the picked
@@ -12,6 +14,11 @@ first group computes: a disk group's picked rows come in while the groups before
 
 A call of as many tokens as the layer has experts or more (a prompt) skips it: the read-ahead asked for every
 expert.
+
+A lookup table is never read ahead (:func:`._prefetch_links.link_prefetch`). Left to fault in on demand, each row
+it looks up brought the kernel's read-around window with it: 8 MiB (``read_ahead_kb``) on this project's virtual
+disk, 6 ms for a decode step's one row of a 128k-row table. Its pre-hook asks for its tokens' rows instead, or
+for the whole table where the plan's machine reads that faster (:func:`~placement_opt.cost.traffic.asks_whole_table`).
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cost.traffic import asks_whole_table
+from ..hardware.devices import Machine
 from ..model._meta_experts import is_fused_experts
 from ..model.graph import covering_key
 from ._expert_groups import ExpertGroups
 from ._prefetch_links import PICKS_ARGUMENT, fused_experts, takes_picks
 from ._streamer import DispatchUnit
 
-__all__ = ["read_routed_experts"]
+__all__ = ["read_routed_experts", "read_looked_up_rows"]
 
 # Where the experts module's forward takes the router's picks by position (by name: PICKS_ARGUMENT).
 _INDEX_POSITION = 1
@@ -59,6 +68,46 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
             handle.remove()
 
     return undo
+
+
+def read_looked_up_rows(units: Iterable[DispatchUnit], machine: Machine) -> Callable[[], None]:
+    """Hook every lookup table (``nn.Embedding``) unit computed from a disk map to ask for its tokens' rows before
+    it looks them up, or for the whole table where ``machine`` (the plan's) reads that faster; returns the undo
+    function."""
+    handles = []
+    for unit in units:
+        if unit.disk and unit.kind in ("mmap", "phased") and isinstance(unit.module, nn.Embedding):
+            tables = [(f, k) for f, k in unit.disk if len(f.spans[k].shape) == 2
+                      and f.spans[k].shape[0] == unit.module.num_embeddings]
+            if tables:
+                handles.append(unit.module.register_forward_pre_hook(_row_asker(tables, machine)))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return undo
+
+
+def _row_asker(tables: Sequence[tuple[Any, str]], machine: Machine) -> Callable[..., None]:
+    file, key = tables[0]
+    table_rows, table_bytes = file.spans[key].shape[0], file.spans[key].nbytes
+    row_bytes = table_bytes // max(1, table_rows)
+
+    def ask(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            return
+        rows = [r for r in torch.unique(ids).tolist() if 0 <= r < table_rows]
+        if asks_whole_table(machine, len(rows), row_bytes, table_bytes):
+            for file, key in tables:
+                file.prefetch([key])
+            return
+        for start, end in _runs(rows):
+            for file, key in tables:
+                file.prefetch_rows(key, start, end)
+
+    return ask
 
 
 def _routed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -90,7 +90,7 @@ from ._experts import pin_experts_to_devices
 from ._hooks import install_hooks, restore_forwards
 from ._prefetch_links import link_prefetch
 from ._preflight import assign_slots, build_units, check_devices, check_model, check_phased
-from ._routed_reads import read_routed_experts
+from ._routed_reads import read_looked_up_rows, read_routed_experts
 from ._safetensors_file import drop_page_cache
 from ._streamer import DispatchUnit, Streamer
 from ._undo import UndoLog, Weights, attribute_restorer
@@ -321,8 +321,9 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     warn_gpu_segments(plan)
     log.doing = "linking the units that prefetch"
     link_prefetch(units)
-    log.doing = "hooking the routed experts' reads"
+    log.doing = "hooking the reads of routed experts and looked-up rows"
     log.push("routed expert reads", read_routed_experts(model, units))
+    log.push("looked-up row reads", read_looked_up_rows(units, plan.machine))
     hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan))
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
