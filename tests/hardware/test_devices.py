@@ -143,6 +143,8 @@ def test_round_trips_through_dicts() -> None:
     old = {**machine["cuda:0"].to_dict()}
     del old["to_host_bytes_per_s"]  # a plan or profile written before the field: the host link's rate
     assert Device.from_dict(old) == machine["cuda:0"]
+    faulted = {**machine["disk"].to_dict(), "fault_latency_s": 3e-3}  # written 2026-11-28 to 11-30: read by nothing
+    assert Device.from_dict(faulted) == machine["disk"]
     assert machine.max_memory == {0: machine["cuda:0"].usable_bytes, "cpu": 512 * GIB, "disk": 10**12}
 
 

@@ -169,6 +169,20 @@ def test_a_saved_gpu_measurement_carries_its_rate_back_to_the_host_when_it_has_o
         assert device is not None and device.to_host_bytes_per_s == leaving
 
 
+def test_a_saved_disk_carries_its_scattered_reads_and_an_older_profile_s_page_fault_is_read_by_nothing(tmp_path):
+    """Profiles of 2026-11-28 to 11-30 measured a cold page fault with its read-around instead: they load, with the
+    defaults for scattered reads (100 us a read, the disk's rate)."""
+    disk = {"memory_bytes": 2**40, "sequential_read_bytes_per_s": 3e9, "mapped_read_bytes_per_s": 2e9}
+    for extra, read in (({"random_read_bytes_per_s": 1.3e9, "random_read_latency_s": 14e-6}, (1.3e9, 14e-6)),
+                        ({"fault_latency_s": 3e-3}, (None, None))):
+        path = tmp_path / f"p{len(extra)}.json"
+        path.write_text(json.dumps({"schema_version": 1, "created": "2026-11-30T00:00:00+00:00",
+                                    "measurements": {"disk": {**disk, **extra}}}))
+        device = saved_device("disk", path=path)
+        assert device is not None and (device.random_read_bytes_per_s, device.random_read_latency_s) == read
+        assert device.bandwidth_bytes_per_s == 2e9
+
+
 def test_profile_measures_only_the_dtype_run_and_keeps_earlier_ones(tmp_path, monkeypatch) -> None:
     timed: list[tuple[str, ...]] = []
 
