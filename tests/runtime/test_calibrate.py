@@ -321,6 +321,21 @@ def test_accelerates_cold_reads_evict_each_units_files_as_it_is_called(tmp_path,
     assert units == order * (1 + prefills + steps)
 
 
+def test_calibrate_makes_a_missing_offload_dir_and_names_one_it_cannot_use(tmp_path, monkeypatch) -> None:
+    """As ``dispatch`` does, a missing ``offload_dir`` is made (it failed with a bare FileNotFoundError from a
+    temporary folder inside); a file in its place is a PlacementError naming it, raised before any trace."""
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    folder = tmp_path / "not" / "yet"
+    placement_opt.calibrate(tiny_config(), ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8, new_tokens=2),
+                            offload_dir=folder, repeats=1)
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the scratch files are gone
+    taken = tmp_path / "a-file"
+    taken.write_text("mine")
+    with pytest.raises(PlacementError, match="offload_dir .*a-file.* cannot hold calibration's scratch files"):
+        placement_opt.calibrate(tiny_config(), ["cpu", "disk"], offload_dir=taken)
+    assert taken.read_text() == "mine"
+
+
 class _Clock:
     """A stand-in for the calibration clock's ``time``: seconds pass only when a :class:`_Forward` runs."""
 

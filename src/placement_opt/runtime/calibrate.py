@@ -146,7 +146,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
             groups (``solve(..., expert_groups=)``), each group timed as the dispatcher runs it.
         path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
         offload_dir: where disk reads are timed when ``devices`` has a disk (default the current
-            directory; scratch files are removed).
+            directory; made if missing; scratch files are removed).
         repeats: timed prefill forwards per shape at least, after one warm-up (the median counts); one
             where the warm-up took over ``SLOW_FORWARD_S`` and the next call was not much faster.
         progress: a progress bar on stderr (see :func:`placement_opt.profile`).
@@ -156,7 +156,8 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
 
     Raises:
         PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here,
-            an unknown ``granularity``, ``expert_groups`` without sublayer units.
+            an unknown ``granularity``, ``expert_groups`` without sublayer units, an ``offload_dir`` that
+            cannot be made or written.
         ProfileError: the profile file is unreadable.
     """
     from ..model.tracer import trace
@@ -169,11 +170,11 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise PlacementError(f"repeats must be an int >= 1, got {repeats!r}")
     cuts = _granularities(granularity, expert_groups)
+    disk_folder = _disk_folder(devices, offload_dir)
     passes = _passes([trace(model, dtype=dtype, **how) for how in cuts], cuts)
     graph = passes[0].graph
     config = _config_of(model)
     names = _compute_devices(devices)
-    disk_folder = _disk_folder(devices, offload_dir)
     _profile_missing([*names, *(["disk"] if disk_folder else [])], graph.meta.dtype, path, disk_folder)
     timed = [one.graph.unit(name).block or name for one in passes for name in one.representatives]
     cut = cut_config(config, timed, chain=disk_folder is not None)
@@ -239,12 +240,20 @@ def _profile_missing(names: Iterable[str], dtype: str, path: str | os.PathLike[s
 
 
 def _disk_folder(devices: Any, offload_dir: str | os.PathLike[str] | None) -> Path | None:
-    """Where cold disk reads are timed: ``offload_dir`` (default the current directory) when the
-    machine has a disk; None without one."""
+    """Where cold disk reads are timed: ``offload_dir`` (default the current directory), made if missing, as
+    ``dispatch`` makes it, when the machine has a disk; None without one. Checked before anything is traced."""
     from ..hardware.detect import local_device_names
 
     listed = device_names(local_device_names() if devices is None else devices)
-    return Path(offload_dir or ".") if "disk" in listed else None
+    if "disk" not in listed:
+        return None
+    folder = Path(offload_dir or ".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, or no right to write there
+        raise PlacementError(f"offload_dir {str(folder)!r} cannot hold calibration's scratch files ({exc.strerror}): "
+                             f"pass a directory you can write to (it is made if missing)") from None
+    return folder
 
 
 #: ``granularity`` -> the trace arguments of each pass, in the order they are timed.
