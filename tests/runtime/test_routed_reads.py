@@ -54,3 +54,46 @@ def test_the_picks_may_come_by_name_and_sentinels_are_skipped():
     read = _reader([([(file, "e.gate_up_proj")], 0)], 8)
     read(None, (torch.zeros(2, 4),), {"top_k_index": torch.tensor([[1, 8], [2, 1]])})
     assert file.asked == {"e.gate_up_proj": {1, 2}}
+
+
+class _Table:
+    """A stand-in for a mapped file holding one lookup table: the rows asked for, and whether the whole was."""
+
+    def __init__(self, rows: int, row_bytes: int) -> None:
+        self.spans = {"t": SimpleNamespace(shape=(rows, row_bytes // 4), nbytes=rows * row_bytes)}
+        self.rows: set[int] = set()
+        self.whole = False
+
+    def prefetch_rows(self, key: str, start: int, end: int) -> None:
+        assert 0 <= start < end <= self.spans[key].shape[0], (key, start, end)
+        assert not self.rows & set(range(start, end)), "a row asked for twice"
+        self.rows.update(range(start, end))
+
+    def prefetch(self, keys) -> None:
+        assert list(keys) == ["t"]
+        self.whole = True
+
+
+@given(ids=st.lists(st.lists(st.integers(0, 299), min_size=1, max_size=40), min_size=1, max_size=4),
+       row_bytes=st.sampled_from([256, 4096, 16384]),
+       latency=st.integers(-70, -33).map(lambda e: 10 ** (e / 10)),  # 0.1-500 us, log-uniform: both ways taken
+       rate=st.integers(80, 100).map(lambda e: 10 ** (e / 10)))  # 0.1-10 GB/s
+def test_a_lookup_asks_for_its_distinct_rows_once_or_for_the_table_whichever_the_machine_reads_faster(
+        ids, row_bytes, latency, rate):
+    """Any batch of token ids: exactly the distinct ids' rows, each once, or the table alone where
+    ``asks_whole_table`` says so for that many rows (the rule the cost model prices)."""
+    from placement_opt.cost.traffic import asks_whole_table
+    from placement_opt.hardware.devices import Device, Machine
+    from placement_opt.runtime._routed_reads import _row_asker
+
+    width = min(len(row) for row in ids)
+    batch = torch.tensor([row[:width] for row in ids])
+    table = _Table(300, row_bytes)
+    machine = Machine([Device("cpu", "8GiB"), Device("disk", "1TB", bandwidth=rate, random_read=rate,
+                                                     random_read_latency_s=latency)])
+    _row_asker([(table, "t")], machine)(None, (batch,))
+    distinct = set(batch.flatten().tolist())
+    if asks_whole_table(machine, len(distinct), row_bytes, 300 * row_bytes):
+        assert table.whole and not table.rows
+    else:
+        assert table.rows == distinct and not table.whole
