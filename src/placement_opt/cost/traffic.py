@@ -92,12 +92,11 @@ def asks_whole_table(machine: Machine, rows: int, row_bytes: int, table_bytes: i
     return machine.random_read_s(1, table_bytes) <= machine.random_read_s(rows, rows * max(row_bytes, PAGE_BYTES))
 
 
-def _table(unit: UnitInfo, rows: int) -> tuple[int, int, int]:
-    """(distinct rows of ``rows`` tokens, bytes of a row, rows) of a lookup table: a row is what it outputs per
-    token; every token is taken as a distinct row (prompts repeat tokens: an upper bound)."""
+def _table(unit: UnitInfo, rows: int) -> tuple[int, int]:
+    """(distinct rows of ``rows`` tokens, bytes of a row) of a lookup table: a row is what it outputs per token;
+    every token is taken as a distinct row (prompts repeat tokens: an upper bound)."""
     row = max(1, unit.out_bytes_per_token)
-    table_rows = max(1, unit.weight_bytes // row)
-    return min(rows, table_rows), row, table_rows
+    return min(rows, max(1, unit.weight_bytes // row)), row
 
 
 def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
@@ -112,7 +111,7 @@ def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     if (unit.flops_per_token or unit.param_bytes <= 0 or ctx.machine[storage].kind != "disk"
             or ctx.machine[execution].kind != "cpu"):
         return None
-    rows, row, _ = _table(unit, rows)
+    rows, row = _table(unit, rows)
     if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
         return ctx.machine.random_read_s(1, unit.weight_bytes)
     return ctx.machine.random_read_s(rows, rows * max(row, PAGE_BYTES))
@@ -145,7 +144,7 @@ def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execu
     option (its weights whole: :func:`~.memory.stream_buffers`)."""
     if lookup_read_s(ctx, unit, storage, execution, 1) is None:
         return None
-    rows, row, _ = _table(unit, max(prefill_rows(ctx, unit), ctx.workload.batch_size))
+    rows, row = _table(unit, max(prefill_rows(ctx, unit), ctx.workload.batch_size))
     if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
         return unit.weight_bytes
     return min(unit.weight_bytes, rows * max(row, PAGE_BYTES))
