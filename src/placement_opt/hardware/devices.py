@@ -145,7 +145,7 @@ class Device:
         random_read: disk: bytes/s of regions at random places of a file, several asked for together
             (``posix_fadvise``) and then touched through its memory map: how the runtime reads the experts a router
             picks and the rows a lookup table looks up (:meth:`Machine.random_read_s`); None: ``bandwidth``. A
-            profile measures it: 1.2-1.5 GB/s on this project's virtual disk, against about 2.1 GB/s mapped in order.
+            profile measures it: 1.50-1.69 GB/s on this project's virtual disk, against 2.1-2.25 GB/s mapped in order.
         random_read_latency_s: disk: seconds each small read asked for that way adds, at a random place, when
             several are asked for together; None: 100 µs (an NVMe drive's). A profile measures it: 13-15 µs
             here. A read nobody asks for ahead costs far more: the page fault brings the kernel's read-around
