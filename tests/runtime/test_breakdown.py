@@ -67,6 +67,26 @@ def test_a_slow_unit_is_the_worst_miss_and_carries_its_own_time(tmp_path) -> Non
     assert breakdown.decode_step_s >= SLEEP_S
 
 
+def test_a_unit_s_own_pre_hooks_count_with_it_not_with_the_unit_before(tmp_path) -> None:
+    """Work a module's pre-hooks do at its call (the dispatcher's ask for a disk unit's routed experts is one)
+    counts with that unit: the marks are the first pre-hook of each unit, whenever they are registered."""
+    model = _model()
+    plan = _plan(model, {"cpu": "8GiB"})
+    handle = dispatch(model, plan)
+    slow = "model.layers.2"
+    hook = model.get_submodule(slow).register_forward_pre_hook(lambda *_: time.sleep(SLEEP_S))
+    try:
+        ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+        breakdown = time_units(handle, plan.cost, ids, new_tokens=4)
+    finally:
+        hook.remove()
+        handle.remove()
+    by_name = {u.name: u for u in breakdown.units}
+    assert by_name[slow].measured_decode_step_s >= SLEEP_S and by_name[slow].measured_prefill_s >= SLEEP_S
+    before = by_name["model.layers.1"]
+    assert before.measured_decode_step_s < SLEEP_S / 2 and before.measured_prefill_s < SLEEP_S / 2
+
+
 def test_kinds_sum_their_units_and_name_how_they_run(tmp_path) -> None:
     """A plan with units on disk: one row per kind, the unit counts adding up to the plan's, each row the sum
     of its units' figures."""

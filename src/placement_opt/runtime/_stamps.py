@@ -27,7 +27,10 @@ class Stamps:
         self.routed = frozenset(routed)
         """Units whose decode steps are averaged, not their median taken (:func:`typical`'s ``mean_of``)."""
         self.marks: list[tuple[str, Any]] = []
-        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
+        # first among the module's pre-hooks: what the others do at the unit's call (a routed-read hook's asks for
+        # the router's picks) counts with the unit, not with the unit before it
+        self.handles = [module.register_forward_pre_hook(self._hook(name), prepend=True)
+                        for name, module in modules.items()]
 
     def _now(self) -> Any:
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
