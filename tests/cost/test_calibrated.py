@@ -76,6 +76,35 @@ def test_a_malformed_saved_figure_is_a_profile_error() -> None:
         calibration_for(graph(), machine(), bad)
 
 
+def _with_read(stream: object) -> dict:
+    """``saved(0.01)`` whose layer also has a cold read from disk, saved as ``stream``."""
+    found = saved(0.01)
+    next(iter(found["units"].values()))["links"] = {"disk->cpu": {"stream": stream}}
+    return found
+
+
+def test_a_cold_read_keeps_the_batch_it_was_timed_at_and_an_older_one_has_none() -> None:
+    disk_measured = Machine([Device("cpu", "16GiB", flops=1e11, bandwidth=1e10, source="measured 2026-11-30"),
+                             Device("disk", "1TB", bandwidth=2e9, source="measured 2026-11-30")])
+    g = graph()
+    calibration = calibration_for(g, disk_measured, _with_read({"prefill": 0.02, "decode": 0.01, "decode_batch": 4}))
+    assert calibration.read_batch == {"layer": 4}
+    assert calibration.copy_s("layer", "disk", "cpu", "stream") == pytest.approx(0.01)
+    older = calibration_for(g, disk_measured, _with_read({"prefill": 0.02, "decode": 0.01}))
+    assert older.read_batch == {} and older.copy_s("layer", "disk", "cpu", "stream") == pytest.approx(0.01)
+    # a disk the profile did not measure: neither the read nor its batch applies
+    assert calibration_for(g, machine(), _with_read({"prefill": 0.02, "decode": 0.01, "decode_batch": 4})
+                           ).read_batch == {}
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5, "4", True, None])
+def test_a_malformed_cold_read_batch_is_a_profile_error(batch) -> None:
+    disk_measured = Machine([Device("cpu", "16GiB", flops=1e11, bandwidth=1e10, source="measured 2026-11-30"),
+                             Device("disk", "1TB", bandwidth=2e9, source="measured 2026-11-30")])
+    with pytest.raises(ProfileError, match="decode_batch=.*whole number >= 1.*profile --model"):
+        calibration_for(graph(), disk_measured, _with_read({"prefill": 0.02, "decode": 0.01, "decode_batch": batch}))
+
+
 tokens = st.integers(min_value=1, max_value=4096)
 
 

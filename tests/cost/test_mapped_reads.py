@@ -169,9 +169,9 @@ def test_experts_every_token_runs_are_read_whole() -> None:
     assert routed_read_s(ctx, ctx.graph.unit("moe"), "disk", "cpu", 1) is None
 
 
-def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated() -> None:
-    """A calibrated cold read of a routed unit varies with the cut copy's router picks (0.058-0.080 s for a step
-    measured at 0.101-0.111 s): the decode's routed read comes from the profile; the prefill keeps the calibration."""
+def test_a_routed_decode_read_calibrated_without_its_batch_is_priced_from_the_profile() -> None:
+    """A profile saved before calibrations kept the batch of their cold decode steps: its figure cannot say what an
+    expert's read costs, so the decode's routed read comes from the profile; the prefill keeps the calibration."""
     from placement_opt.cost.calibrated import Calibration
 
     workload = Workload(batch_size=1, prompt_len=64, new_tokens=16)
@@ -186,6 +186,64 @@ def test_a_routed_decode_read_is_priced_from_the_profile_even_where_calibrated()
         assert on_disk.decode_s - in_ram.decode_s == pytest.approx(workload.decode_steps * step)
     prefill = price_option(calibrated, moe, "disk", "cpu", "stream").prefill_s
     assert prefill - price_option(calibrated, moe, "cpu", "cpu", "resident").prefill_s == pytest.approx(0.5)
+
+
+def _calibrated(graph, measured: dict[str, float], batch: int) -> PricingContext:
+    """``graph`` priced with cold decode reads of ``measured`` seconds (unit -> s) calibrated at ``batch``."""
+    from placement_opt.cost.calibrated import Calibration
+
+    calibration = Calibration(copies={u: {("disk", "cpu", "stream"): (0.5, s)} for u, s in measured.items()},
+                              read_batch={u: batch for u in measured})
+    return PricingContext(graph, _machine(), Workload(batch_size=batch, prompt_len=64, new_tokens=16), calibration)
+
+
+def test_a_calibrated_routed_read_costs_per_expert_what_the_dispatcher_measured() -> None:
+    """Calibrated at batch 1 (top-2 of 8: two experts a step), the step read the shared weights and 2 experts in
+    10 ms more than the shared weights take: each expert costs 5 ms, so batch 1 is priced at the measured step and
+    batch 4, hitting 8 x (1 - 0.75^4) = 5.47 experts, at the shared weights plus 5.47 x 5 ms; the profile's
+    scattered rate is not used."""
+    shared_s = SHARED / DISK_RATE
+    ctx = _calibrated(_moe_graph(), {"moe": shared_s + 0.010}, batch=1)
+    moe = ctx.graph.unit("moe")
+    assert routed_read_s(ctx, moe, "disk", "cpu", 1) == pytest.approx(shared_s + 0.010)
+    assert routed_read_s(ctx, moe, "disk", "cpu", 4) == pytest.approx(shared_s + 5.46875 * 0.005)
+    on_disk, in_ram = (price_option(ctx, moe, *o) for o in (("disk", "cpu", "stream"), ("cpu", "cpu", "resident")))
+    assert on_disk.decode_s - in_ram.decode_s == pytest.approx(ctx.workload.decode_steps * (shared_s + 0.010))
+
+
+def test_a_calibration_whose_steps_read_every_expert_leaves_the_routed_read_to_the_profile() -> None:
+    """Steps of as many tokens as experts read them all ahead (no read per expert to take from them)."""
+    graph = _moe_graph()
+    plain = PricingContext(graph, _machine(), Workload(batch_size=1), None)
+    ctx = _calibrated(graph, {"moe": 0.030}, batch=8)
+    moe = graph.unit("moe")
+    assert routed_read_s(ctx, moe, "disk", "cpu", 1) == pytest.approx(routed_read_s(plain, moe, "disk", "cpu", 1))
+
+
+@given(experts=st.integers(2, 64), top_k=st.integers(1, 8), groups=st.integers(1, 8), batch=st.integers(1, 63),
+       more=st.integers(0, 63), seconds=st.floats(0.0, 1.0))
+def test_a_calibrated_routed_read_gives_back_its_measurement_and_grows_with_the_batch(experts, top_k, groups, batch,
+                                                                                      more, seconds) -> None:
+    """Each unit (the whole experts or a group of them) priced at its calibration's batch is priced at what it
+    measured there, whenever that covers its shared weights; more tokens never read for less."""
+    from placement_opt.model.expert_groups import split_expert_units
+
+    top_k, groups = min(top_k, experts), min(groups, experts)
+    name = "model.layers.0.mlp.experts"
+    graph = chain_graph([{"name": name, "param_bytes": SHARED + experts * EXPERT, "flops_per_token": 2**30,
+                          "moe_num_experts": experts, "moe_experts_per_token": top_k,
+                          "moe_expert_bytes": experts * EXPERT, "out_bytes_per_token": ROW}], dtype="bfloat16")
+    if groups > 1:
+        graph = split_expert_units(graph, groups, [name])
+    measured = {u.name: seconds + (u.weight_bytes - u.moe_expert_bytes) / DISK_RATE for u in graph.units()}
+    ctx = _calibrated(graph, measured, batch)
+    for unit in graph.units():
+        at, above = (routed_read_s(ctx, unit, "disk", "cpu", rows) for rows in (batch, batch + more))
+        if batch >= experts or top_k == experts:  # read whole: no routed read to price
+            assert at is None
+            continue
+        assert at == pytest.approx(measured[unit.name], rel=1e-9, abs=1e-15)
+        assert above is None or above >= at * (1 - 1e-12)
 
 
 @given(experts=st.integers(2, 64), top_k=st.integers(1, 8), groups=st.integers(2, 8), rows=st.integers(1, 63))

@@ -513,6 +513,28 @@ def test_calibrate_refuses_granularities_solve_would_refuse(tmp_path) -> None:
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured
 
 
+def test_a_routed_units_cold_read_keeps_its_batch_and_prices_the_same_step_as_measured(tmp_path, monkeypatch) -> None:
+    """Calibrated through the dispatcher from disk (top-2 of 4 experts at batch 1: each step asks for its two
+    picks), the experts' cold decode is saved with its batch, and pricing a disk step of that batch gives the
+    figure back (the profile's scattered rate does not replace it)."""
+    from placement_opt.cost.context import PricingContext
+    from placement_opt.cost.traffic import routed_read_s
+
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    result = placement_opt.calibrate(tiny_mixtral(), ["cpu", "disk"], workload=MOE_WORKLOAD, granularity="sublayer",
+                                     offload_dir=tmp_path, repeats=1)
+    name = "model.layers.0.mlp.experts"
+    read = result.copies[result.units[name]]["disk->cpu"]["stream"]
+    assert read["decode_batch"] == MOE_WORKLOAD.batch_size and read["decode"] >= 0
+    assert f"{name} weights disk->cpu: stream prefill" in result.summary() and "(batch 1)" in result.summary()
+    graph = trace(tiny_mixtral(), granularity="sublayer")
+    machine = as_machine(["cpu", "disk"], dtype="float32")
+    ctx = PricingContext(graph, machine, MOE_WORKLOAD, calibration_for(graph, machine))
+    shared_s = (graph.unit(name).weight_bytes - graph.unit(name).moe_expert_bytes) / machine.bandwidth("disk", "cpu")
+    assert routed_read_s(ctx, graph.unit(name), "disk", "cpu", 1) == pytest.approx(max(read["decode"], shared_s))
+
+
 def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_path, monkeypatch) -> None:
     # Consecutive units of one shape read side by side (the read-ahead chain): the first waits for its pages
     # while the next one's compete with them. Each group is charged the pair's mean, not the first's read.
@@ -526,7 +548,8 @@ def test_a_shapes_cold_read_is_the_mean_of_the_copys_units_of_that_shape(tmp_pat
     key = shape_key(graph.unit(first), graph.meta.dtype, graph.meta.seq_len)
     reads = calibrate_module.time_disk_reads(None, graph, graph, {first: key}, MOE_WORKLOAD, resident, tmp_path)
     assert set(reads[key]["disk->cpu"]) == {"stream"}  # accelerate has no expert groups to run
-    assert reads[key]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.25, "decode": 0.29})
+    assert reads[key]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.25, "decode": 0.29,
+                                                                "decode_batch": MOE_WORKLOAD.batch_size})
 
 
 _SIZES = st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8)

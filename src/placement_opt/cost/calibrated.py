@@ -137,6 +137,9 @@ class Calibration:
     """unit name -> execution device -> its measured times."""
     copies: Mapping[str, Mapping[tuple[str, str, str], tuple[float, float]]] = field(default_factory=dict)
     """unit name -> (storage, execution, mode) -> seconds its weights add to a prefill and to a decode step."""
+    read_batch: Mapping[str, int] = field(default_factory=dict)
+    """MoE unit name -> the batch of its calibrated cold decode steps from disk (``disk -> cpu``, ``stream``): the
+    experts that batch hits are what the step read (:func:`~.traffic.routed_read_s` scales by them)."""
 
     def times(self, unit: str, device: str) -> UnitTimes | None:
         return self.compute.get(unit, {}).get(device)
@@ -166,6 +169,7 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
     entries = saved.get("units", {})
     compute: dict[str, dict[str, UnitTimes]] = {}
     copies: dict[str, dict[tuple[str, str, str], float]] = {}
+    batches: dict[str, int] = {}
     for unit in graph.units():
         entry = entries.get(shape_key(unit, graph.meta.dtype, graph.meta.seq_len))
         if not entry:
@@ -178,7 +182,10 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
                  if all(end in measured for end in k.split("->"))}
         if links:
             copies[unit.name] = links
-    found = Calibration(compute, copies)
+        batch = _read_batch(entry.get("links", {}).get("disk->cpu", {}).get("stream"))
+        if batch is not None and (DISK_LINK[0], DISK_LINK[1], "stream") in links:
+            batches[unit.name] = batch
+    found = Calibration(compute, copies, batches)
     return found if found else None
 
 
@@ -194,6 +201,22 @@ def _phases(seconds: Any) -> tuple[float, float]:
                            "{'prefill': s, 'decode': s}): run `placement-opt profile --model MODEL` again, or "
                            "delete its 'calibration' entry")
     return both
+
+
+#: The link whose calibrated cold decode of an MoE unit carries the batch it ran at (``"decode_batch"``).
+DISK_LINK = ("disk", "cpu")
+
+
+def _read_batch(seconds: Any) -> int | None:
+    """The ``"decode_batch"`` a saved cold read was timed at, None where it has none (a profile older than it)."""
+    if not isinstance(seconds, Mapping) or "decode_batch" not in seconds:
+        return None
+    batch = seconds["decode_batch"]
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ProfileError(f"the saved profile's calibration holds a cold read timed at decode_batch={batch!r} (want "
+                           f"a whole number >= 1): run `placement-opt profile --model MODEL` again, or delete its "
+                           f"'calibration' entry")
+    return batch
 
 
 def _link(key: str, mode: str) -> tuple[str, str, str]:

@@ -293,10 +293,8 @@ def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     (:func:`~.traffic.routed_read_s`), a lookup table's rows (:func:`~.traffic.lookup_read_s`) unless calibrated (a
     measured copy rules). ``stream_sync`` (accelerate's) copies every tensor whole.
 
-    The routed experts' read is priced from the profile even where the unit is calibrated: calibration times a
-    cold read over three decode steps of a cut copy, whose router picks other experts than the run's, and two
-    calibrations priced an all-experts-on-disk decode step at 0.080 and 0.058 s where it measured 0.111 and 0.101 s
-    (the profile's figures: 0.104 both times; benchmarks/cost_accuracy, 2026-11-30)."""
+    A calibrated routed unit's figure is read per expert its steps' batch hit, so that another batch is priced by
+    the experts it hits (:func:`~.traffic.routed_read_s`)."""
     rows = prefill_rows(ctx, unit) if phase == "prefill" else ctx.workload.batch_size
     routed = routed_read_s(ctx, unit, storage, execution, rows) if mode == "stream" else None
     if routed is not None:

@@ -127,15 +127,47 @@ def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     (``runtime._prefetch_links.ReadAhead``) and asks for the router's picks once it has made them: reading all of
     them would read the rest for nothing (top-2 of 8 at batch 1: a quarter of the expert bytes). An expert group
     (``trace(expert_groups=...)``) reads the picks among its rows: its share of the layer's experts hit.
+
+    Where :func:`placement_opt.calibrate` timed the unit's cold decode steps through the dispatcher, an expert's
+    read costs what it cost there (:func:`_calibrated_expert_s`), asks and all; else the profile's scattered reads.
     """
     if (not unit.is_moe or rows >= unit.moe_num_experts or ctx.machine[storage].kind != "disk"
             or ctx.machine[execution].kind != "cpu" or unit.moe_experts_per_token >= unit.moe_num_experts):
         return None  # every token runs every expert (Llama 4 in transformers): read ahead whole
-    share = ctx.routed_experts(unit) / unit.moe_num_experts  # a group's experts among its layer's
-    hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows) * share
+    hit = _experts_hit(ctx, unit, rows)
     shared = unit.weight_bytes - unit.moe_expert_bytes
-    experts = touched_weight_bytes(unit, rows) - shared
-    return ctx.machine.random_read_s(hit, experts) + shared / ctx.machine.bandwidth(storage, execution)
+    shared_s = shared / ctx.machine.bandwidth(storage, execution)
+    per_expert = _calibrated_expert_s(ctx, unit, storage, execution, shared_s)
+    if per_expert is not None:
+        return shared_s + hit * per_expert
+    return ctx.machine.random_read_s(hit, touched_weight_bytes(unit, rows) - shared) + shared_s
+
+
+def _experts_hit(ctx: PricingContext, unit: UnitInfo, rows: int) -> float:
+    """The unit's experts that ``rows`` tokens hit, expected: a group's share of its layer's."""
+    share = ctx.routed_experts(unit) / unit.moe_num_experts
+    return expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, rows) * share
+
+
+def _calibrated_expert_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, shared_s: float
+                         ) -> float | None:
+    """Seconds one routed expert's read added to the calibrated cold decode steps of ``unit`` (their mean), less the
+    shared weights' ``shared_s``, over the experts their batch hit; None without such a calibration.
+
+    The profile's scattered reads are regions asked for eight at a time; the dispatcher asks for a layer's two or
+    so picks, then computes, then asks for the next layer's. Priced from the profile, benchmarks/cost_accuracy's
+    MoE disk decode steps measured 1.2x their prediction (block units, 2026-11-30); priced from this figure,
+    0.98-1.08x in the same run.
+    """
+    calibration = ctx.calibration
+    if calibration is None:
+        return None
+    batch = calibration.read_batch.get(unit.name)
+    seconds = calibration.copy_s(unit.name, storage, execution, "stream", "decode")
+    if batch is None or seconds is None or batch >= unit.moe_num_experts:
+        return None  # a step of as many tokens as experts read them all ahead: no figure per expert
+    hit = _experts_hit(ctx, unit, batch)
+    return max(0.0, seconds - shared_s) / hit if hit > 0 else None
 
 
 def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> int | None:

@@ -45,7 +45,10 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
     kernels touch them, the next unit read ahead), the units of one shape on disk at a time
     (:func:`_disk_chains`); ``stream_sync``: accelerate's hooks copy each tensor
     out of its ``np.memmap``. Each is a forward with files evicted from the page cache first, less the
-    same forward resident (``resident``: phase -> unit -> seconds); ``copy_graph``: the copy's graph, cut as
+    same forward resident (``resident``: phase -> unit -> seconds): the median over the forwards, but for MoE
+    units the mean (a step's picks decide its read; a group of experts idles in some steps), kept with the
+    batch that picked them (``"decode_batch"``: pricing scales the read by the experts a batch hits);
+    ``copy_graph``: the copy's graph, cut as
     ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
     prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept
     apart, the prefill's read capped at the decode's where both read every weight (:func:`_reads_every_weight`).
@@ -70,6 +73,8 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
                                                  for n in alike) for phase in ("prefill", "decode")}
                 if mode == "stream" and _reads_every_weight(graph.unit(name)):
                     extra["prefill"] = min(extra["prefill"], extra["decode"])
+                if mode == "stream" and graph.unit(name).is_moe:  # its step read the experts this batch hit
+                    extra["decode_batch"] = workload.batch_size
                 reads.setdefault(key, {}).setdefault("disk->cpu", {})[mode] = extra
     return reads
 
@@ -225,7 +230,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
     (``evict``), or each unit's as it is called (``evicted_when_called``)."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     modules = unit_modules(model, graph)
-    stamps = Stamps(modules, torch.device("cpu"))
+    stamps = Stamps(modules, torch.device("cpu"), routed=[n for n in modules if graph.unit(n).is_moe])
     keep = logits_argument(model, workload.logits_kept)
     runs = []
     evicting = _evict_when_called(modules, evicted_when_called or {})  # after the stamps: counted in the unit
@@ -255,7 +260,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
         stamps.close()
         for handle in evicting:
             handle.remove()
-    return {"prefill": typical(prefills), "decode": typical(runs)}
+    return {"prefill": typical(prefills), "decode": typical(runs, stamps.routed)}
 
 
 def _evict(folder: Path, files: Iterable[Any]) -> None:

@@ -21,7 +21,8 @@ dominate small models. :func:`calibrate` measures the model itself:
    pinned prefetch on a side stream (``stream``) and accelerate's pageable per-tensor copies
    (``stream_sync``); with a disk, decode steps computed from cold memory-mapped files through
    ``dispatch`` (``stream``) and through accelerate's ``dispatch_model`` (``stream_sync``), less
-   the resident step;
+   the resident step (an MoE unit's with the batch whose picks it read: pricing takes each expert's read
+   from it);
 5. the figures are saved in the profile of this machine, per shape key, with the host's name.
 
 The cut copy is built by :mod:`._calibrate_build`; its forwards and copies are timed by :mod:`._calibrate_timing`.
@@ -81,7 +82,8 @@ class CalibrationResult:
     times: Mapping[str, Mapping[str, UnitTimes]]
     """shape key -> device -> measured times."""
     copies: Mapping[str, Mapping[str, Mapping[str, Any]]]
-    """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``."""
+    """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``
+    (an MoE unit's cold read from disk also ``"decode_batch"``: the batch whose picks the step read)."""
     layers_built: int
     """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike; one more
     when disk reads are timed, so that a layer's read is timed beside the next one's read-ahead)."""
@@ -113,7 +115,8 @@ class CalibrationResult:
 
 def _ms(seconds: Any) -> str:
     if isinstance(seconds, Mapping):
-        return " / ".join(f"{phase} {value * 1e3:.2f} ms" for phase, value in seconds.items())
+        batch = f" (batch {seconds['decode_batch']})" if "decode_batch" in seconds else ""
+        return f"prefill {seconds['prefill'] * 1e3:.2f} ms / decode {seconds['decode'] * 1e3:.2f} ms{batch}"
     return f"{seconds * 1e3:.2f} ms"
 
 
