@@ -264,6 +264,8 @@ class NodeSchema(_Strict):
     decode_workspace_bytes_per_ctx: NonNegativeInt | None = None
     ops_per_forward: NonNegativeInt | None = None
     layer: str | None = Field(default=None, min_length=1)
+    largest_module_bytes: NonNegativeInt | None = None
+    largest_load_bytes: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -450,3 +450,26 @@ def test_transfers_count_a_residual_stream_once_not_once_per_reader():
     chain = evaluate(placement, chain_graph(units), machine, workload)
     assert skip.transfer_s == pytest.approx(chain.transfer_s) and chain.transfer_s > 0
     assert (skip.prefill_s, skip.decode_s) == pytest.approx((chain.prefill_s, chain.decode_s))
+
+
+def test_accelerates_buffer_is_one_modules_load_and_ours_the_whole_unit() -> None:
+    """A unit of 100 MiB whose largest module holds 30 MiB (60 MiB while copied out of its files' maps):
+    accelerate's per-module hooks hold 30 MiB of it on a GPU and 60 MiB on the CPU reading from disk; the
+    dispatcher's ``stream`` keeps the whole unit (its prefetch, its mapped pages)."""
+    from placement_opt.cost.pricing import PricingContext, price_option
+    from placement_opt.model.graph import chain_graph
+
+    mib = 2**20
+    graph = chain_graph([{"name": "layer", "param_bytes": 100 * mib, "flops_per_token": 2**20,
+                          "out_bytes_per_token": 1024, "largest_module_bytes": 30 * mib,
+                          "largest_load_bytes": 60 * mib}])
+    machine = Machine([Device("cuda:0", "8GB", reserve=0), Device("cpu", "8GB"), Device("disk", "1TB")])
+    ctx = PricingContext(graph, machine, Workload(), None)
+    unit = graph.unit("layer")
+    buffer = {option: price_option(ctx, unit, *option).stream_buffer_bytes
+              for option in (("cpu", "cuda:0", "stream_sync"), ("disk", "cpu", "stream_sync"),
+                             ("disk", "cpu", "stream"), ("cpu", "cuda:0", "stream"))}
+    assert buffer[("cpu", "cuda:0", "stream_sync")] == 30 * mib
+    assert buffer[("disk", "cpu", "stream_sync")] == 60 * mib
+    assert buffer[("disk", "cpu", "stream")] == 100 * mib
+    assert buffer[("cpu", "cuda:0", "stream")] == 200 * mib  # the unit and the next one's prefetch

@@ -66,3 +66,61 @@ def test_predicted_cpu_peak_covers_a_fresh_process_forward_within_15_percent() -
     predicted, measured = figures["predicted"], figures["measured"]
     assert measured >= figures["logits"]  # the forward really held its logits: a peak far above the noise
     assert measured <= predicted <= 1.15 * measured, (predicted / 2**20, measured / 2**20)
+
+
+ACCELERATE_CHILD = r"""
+import json, re, sys, tempfile, torch
+from pathlib import Path
+from accelerate import dispatch_model
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+from placement_opt.cost.evaluate import predicted_memory
+from placement_opt.cost.workload import Workload
+from placement_opt.model.tracer import trace
+
+def vm(key):
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+)", text, re.M).group(1)) * 1024
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+common = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
+              tie_word_embeddings=False)
+config = (MixtralConfig(**common, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2)
+          if sys.argv[1] == "moe" else LlamaConfig(**common, intermediate_size=8192))
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+graph = trace(model, dtype="float32")
+workload = Workload(batch_size=1, prompt_len=8, new_tokens=0)
+device_map = {n: "disk" if ".layers." in n else "cpu" for n in graph.names()}
+cpu = predicted_memory(device_map, graph, {"cpu": "16GiB", "disk": "1TB"}, workload)["cpu"]
+layer = graph.unit("model.layers.0")
+with tempfile.TemporaryDirectory() as folder:
+    dispatch_model(model, device_map=device_map, offload_dir=folder)
+    ids = torch.randint(0, 1024, (1, 8))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True)
+        Path("/proc/self/clear_refs").write_text("5")
+        before = vm("VmRSS")
+        model(input_ids=ids, use_cache=True)
+        measured = vm("VmHWM") - before
+print(json.dumps({"predicted": cpu.used_bytes - cpu.weights_bytes, "measured": measured,
+                  "unit": layer.weight_bytes}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.parametrize("shape", ["dense", "moe"])
+def test_accelerates_disk_path_holds_one_modules_load_not_the_unit(shape: str) -> None:
+    """accelerate's hooks load each module's own parameters before its forward, copying each out of its file's map,
+    and drop them after: with each decoder layer on disk, a forward's RSS grows by the largest module's load (an
+    MLP projection twice over while it is copied; a fused experts module's copies and the map of the one being
+    copied), which the prediction covers within 15 %, where a whole layer's weights priced the dense layer far over
+    and the experts under."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", ACCELERATE_CHILD, shape], env=env, capture_output=True, text=True,
+                          check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    predicted, measured = figures["predicted"], figures["measured"]
+    assert measured >= 2**26  # a 64 MiB load at least: far above the noise
+    assert measured <= predicted <= 1.15 * measured, (predicted / 2**20, measured / 2**20)

@@ -126,6 +126,43 @@ def test_mixtral_moe_fused_experts() -> None:
     assert graph.unit("model.embed_tokens").moe_num_experts == 0
 
 
+def test_units_say_what_accelerate_loads_of_them_at_once_and_keep_it_through_json() -> None:
+    """accelerate's hooks load each module's own parameters at once: a Llama layer's largest is an MLP projection
+    (32 x 64, fp16), and copying it out of its file's map holds the map and the copy; a Mixtral layer's is its
+    fused experts (gate_up 4 x 128 x 32, then down 4 x 32 x 64: the worst moment is gate_up's copy beside its map,
+    or down's beside the gate_up copy). Units without parameters have neither; expert groups, which accelerate
+    never runs, neither."""
+    from placement_opt.model.expert_groups import split_expert_units
+
+    llama = trace(TINY["llama"](), seq_len=SEQ, dtype="float16")
+    layer = llama.unit("model.layers.0")
+    assert (layer.largest_module_bytes, layer.largest_load_bytes) == (32 * 64 * 2, 2 * 32 * 64 * 2)
+    assert llama.unit("model.rotary_emb").largest_module_bytes is None
+    assert llama.unit("lm_head").largest_module_bytes == 128 * 32 * 2
+    again = LayerGraph.from_json(llama.to_json()).unit("model.layers.0")
+    assert (again.largest_module_bytes, again.largest_load_bytes) == (layer.largest_module_bytes,
+                                                                       layer.largest_load_bytes)
+    mixtral = trace(TINY["mixtral"](), seq_len=SEQ, dtype="float16", granularity="sublayer")
+    experts = mixtral.unit("model.layers.0.mlp.experts")
+    gate_up, down = 4 * 128 * 32 * 2, 4 * 32 * 64 * 2
+    assert experts.largest_module_bytes == gate_up + down
+    assert experts.largest_load_bytes == max(2 * gate_up, gate_up + 2 * down)
+    grouped = split_expert_units(mixtral, 2, ["model.layers.0.mlp.experts"])
+    assert grouped.unit("model.layers.0.mlp.experts.groups.0").largest_module_bytes is None
+
+
+def test_a_graph_written_without_load_figures_prices_accelerates_buffer_as_the_whole_unit() -> None:
+    from placement_opt.cost.memory import accelerate_held_bytes
+
+    data = trace(TINY["llama"](), seq_len=SEQ, dtype="float16").to_dict()
+    for node in data["nodes"]:
+        node.pop("largest_module_bytes", None)
+        node.pop("largest_load_bytes", None)
+    layer = LayerGraph.from_dict(data).unit("model.layers.0")
+    assert layer.largest_module_bytes is None
+    assert accelerate_held_bytes(layer, from_disk_map=True) == layer.weight_bytes
+
+
 def test_gpt2_tie_reported_and_counted_once() -> None:
     graph = trace(TINY["gpt2"](), seq_len=SEQ, dtype="float32")
     assert graph.meta.tied_param_groups == (("lm_head.weight", "transformer.wte.weight"),)

@@ -88,7 +88,7 @@ from .kernels import (
     prefill_rows,
     sum_capped_lines,
 )
-from .memory import stream_buffers, workspace_bytes
+from .memory import accelerate_held_bytes, stream_buffers, workspace_bytes
 from .traffic import (
     MAPPED_READ_FACTOR,
     PAGEABLE_LINK_FACTOR,
@@ -280,10 +280,13 @@ def _compute_and_copies(ctx: PricingContext, unit: UnitInfo, storage: str, execu
 
 def _stream_buffer_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str) -> int:
     """The unit's weights a stream holds on ``execution`` while it computes: the pages of the rows a lookup table
-    computed from its memory map touches (:func:`~.traffic.lookup_mapped_bytes`), else whole copies."""
+    computed from its memory map touches (:func:`~.traffic.lookup_mapped_bytes`), accelerate's one module at a time
+    (:func:`~.memory.accelerate_held_bytes`), else whole copies."""
     mapped = lookup_mapped_bytes(ctx, unit, storage, execution) if mode == "stream" else None
     if mapped is not None:
         return mapped
+    if mode == "stream_sync":
+        return accelerate_held_bytes(unit, ctx.machine[storage].kind == "disk" and ctx.machine[execution].kind == "cpu")
     return unit.weight_bytes * stream_buffers(mode, ctx.machine[execution].is_gpu)
 
 

@@ -20,6 +20,7 @@ from ._unit_info import (
     CPU_ATTENTION_NODE_ATTRIBUTES,
     DECODE_NODE_ATTRIBUTES,
     LATENT_NODE_ATTRIBUTES,
+    LOAD_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
     NODE_ATTRIBUTES,
 )
@@ -55,6 +56,7 @@ def node_attributes(ctx: TraceContext, record: _recorder.Record | None, name: st
         "param_names": tuple(q for q, _, p in tensors if p), "in_decode": in_decode,
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
+    attrs.update(_load_attributes(ctx, tensors))
     if has_cache and attrs["kv_bytes_per_token"]:
         attrs.update(_cache_attributes(name, attention, decode_line))
     if has_cache and any(expansion := attention.expansion(name)):
@@ -66,6 +68,24 @@ def node_attributes(ctx: TraceContext, record: _recorder.Record | None, name: st
     if ctx.granularity == "module" and (layer := _enclosing_block(ctx, name, ctx.layer_classes)) not in (None, name):
         attrs["layer"] = layer
     return attrs
+
+
+def _load_attributes(ctx: TraceContext, tensors: Iterable[tuple[str, torch.Tensor, bool]]) -> dict[str, int]:
+    """:data:`LOAD_NODE_ATTRIBUTES` of a unit's tensors, its parameters in registration order, as accelerate loads
+    an offloaded module's own ones (not its buffers, which it keeps on the execution device): the most one module
+    holds, and the most held while one module is copied out of its files' maps (the copies so far, and the map
+    and copy of the parameter being copied); none for a unit without parameters."""
+    held: dict[str, int] = {}
+    loading: dict[str, int] = {}
+    for qname, tensor, is_param in tensors:
+        if is_param:
+            size = tensor_bytes(tensor, ctx.override)
+            owner = qname.rpartition(".")[0]
+            loading[owner] = max(loading.get(owner, 0), held.get(owner, 0) + 2 * size)
+            held[owner] = held.get(owner, 0) + size
+    if not held:
+        return {}
+    return dict(zip(LOAD_NODE_ATTRIBUTES, (max(held.values()), max(loading.values())), strict=True))
 
 
 def _owned_bytes(ctx: TraceContext, name: str, tensors: Iterable[tuple[str, torch.Tensor, bool]],

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 __all__ = ["UnitInfo", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES", "SUBLAYER_NODE_ATTRIBUTES",
            "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES", "CPU_ATTENTION_NODE_ATTRIBUTES",
-           "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES", "MODULE_NODE_ATTRIBUTES", "OPTIONAL_NODE_ATTRIBUTES"]
+           "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES", "MODULE_NODE_ATTRIBUTES", "LOAD_NODE_ATTRIBUTES",
+           "OPTIONAL_NODE_ATTRIBUTES"]
 
 #: Every node carries exactly these attributes, with these types.
 NODE_ATTRIBUTES: dict[str, type] = {
@@ -70,10 +71,16 @@ OPS_NODE_ATTRIBUTES: dict[str, type] = {"ops_per_forward": int}
 #: Attribute of a unit of a ``"module"`` graph inside a no-split block: the block (decoder layer) it lies in.
 MODULE_NODE_ATTRIBUTES: dict[str, type] = {"layer": str}
 
+#: Attributes of a unit with parameters, from the trace: the most parameter bytes one of its modules holds itself
+#: (not its children's), and the most bytes loading one module from disk holds. accelerate's hooks load each
+#: module's own parameters before its forward and drop them after it: what an offloaded unit of a ``device_map``
+#: holds at once; from disk it copies each parameter out of its file's map, whose pages it holds meanwhile.
+LOAD_NODE_ATTRIBUTES: dict[str, type] = {"largest_module_bytes": int, "largest_load_bytes": int}
+
 #: Every attribute a node may carry beside :data:`NODE_ATTRIBUTES`, with its type.
 OPTIONAL_NODE_ATTRIBUTES = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
                             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES,
-                            **OPS_NODE_ATTRIBUTES, **MODULE_NODE_ATTRIBUTES}
+                            **OPS_NODE_ATTRIBUTES, **MODULE_NODE_ATTRIBUTES, **LOAD_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +144,13 @@ class UnitInfo:
     """``"module"`` graphs: the no-split block (decoder layer, from ``model._no_split_modules``) the module lies in;
     a GPU's kernels hide the host's time over the layer's modules together, as over a sublayer graph's
     :attr:`block` (``cost.context``). None otherwise, or for a module outside every layer."""
+    largest_module_bytes: int | None = None
+    """The most parameter bytes one of the unit's modules holds itself: what accelerate's hooks load at once when
+    the unit is offloaded (each module's own parameters, before its forward). None: not traced (the whole unit)."""
+    largest_load_bytes: int | None = None
+    """The most bytes accelerate holds while it loads one of the unit's modules from disk: the copies of the
+    module's parameters made so far and the file map of the one it copies, both that parameter's size, at the
+    worst moment (the maps are let go once each copy is made). None: not traced."""
 
     @property
     def host_span(self) -> str | None:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .graph import LayerGraph, UnitInfo
+from .graph import LOAD_NODE_ATTRIBUTES, LayerGraph, UnitInfo
 
 __all__ = ["expert_groups_refusal", "group_ranges", "group_unit", "whole_experts", "group_counts", "split_expert_units"]
 
@@ -127,6 +127,8 @@ def _group_nodes(info: UnitInfo, attrs: dict[str, Any], groups: int) -> list[tup
                 "param_bytes": share(info.param_bytes), "buffer_bytes": share(info.buffer_bytes),
                 "flops_per_token": share(info.flops_per_token), "moe_expert_bytes": share(info.moe_expert_bytes),
                 "param_names": tuple(f"{unit}.{p.rpartition('.')[2]}" for p in info.param_names)}
+        for key in LOAD_NODE_ATTRIBUTES:  # accelerate runs no groups: a group's stream_sync holds the group
+            node.pop(key, None)
         if i and info.in_bytes_per_token is not None:
             node["in_bytes_per_token"] = info.in_bytes_per_token + info.out_bytes_per_token  # the running sum
         if i and info.out_bytes_per_token:

@@ -63,6 +63,12 @@ prefill's queries are its keys, so it cannot tell what a step holds per cached t
 ``decode_workspace_bytes`` and ``decode_workspace_bytes_per_ctx``, the bytes alive while the unit runs in a
 step, beside the cache, per sequence.
 
+Counted by the trace for units with parameters (absent in graphs written before, hand-made, static and expert
+group graphs: the cost model then takes the whole unit): ``largest_module_bytes``, the most parameter bytes one of
+the unit's modules holds itself, and ``largest_load_bytes``, the most held while one module is copied out of its
+files' maps; what accelerate's hooks, which load each module's own parameters before its forward, hold of an
+offloaded unit at once.
+
 Measured for traced ``"sublayer"`` graphs only (``meta.granularity``), whose units away from the home
 device receive their inputs from it: ``in_bytes_per_token``, the bytes per token of the distinct tensors
 the unit reads from other units.
@@ -90,6 +96,7 @@ from ._unit_info import (
     CPU_ATTENTION_NODE_ATTRIBUTES,
     DECODE_NODE_ATTRIBUTES,
     LATENT_NODE_ATTRIBUTES,
+    LOAD_NODE_ATTRIBUTES,
     MEASURED_NODE_ATTRIBUTES,
     MODULE_NODE_ATTRIBUTES,
     NODE_ATTRIBUTES,
@@ -112,7 +119,7 @@ GRANULARITIES = ("block", "module", "sublayer")
 __all__ = ["LayerGraph", "GraphMeta", "UnitInfo", "GRANULARITIES", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES",
            "SUBLAYER_NODE_ATTRIBUTES", "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES",
            "CPU_ATTENTION_NODE_ATTRIBUTES", "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES",
-           "MODULE_NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
+           "MODULE_NODE_ATTRIBUTES", "LOAD_NODE_ATTRIBUTES", "GRAPH_SCHEMA_VERSION", "chain_graph",
            "covering_key", "keys_below"]
 
 GRAPH_SCHEMA_VERSION = 1
