@@ -177,7 +177,7 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
         tmp_path, monkeypatch) -> None:
     # A dense layer's prefill reads the bytes a decode step reads, with more compute to hide them behind; an
     # embedding's prefill looks up more rows than a step does, and keeps its own figure; accelerate's
-    # synchronous reads are kept as timed.
+    # synchronous reads copy every tensor in both phases: capped too, the embedding's included.
     from placement_opt.runtime import _calibrate_disk as calibrate_module
 
     graph = trace(tiny_config())
@@ -191,7 +191,8 @@ def test_a_mapped_prefills_cold_read_is_capped_at_the_decode_steps_where_both_re
     reads = calibrate_module.time_disk_reads(None, graph, graph, names, WORKLOAD, resident, tmp_path)
     assert reads["layer"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.2, "decode": 0.2})
     assert reads["embed"]["disk->cpu"]["stream"] == pytest.approx({"prefill": 0.8, "decode": 0.1})
-    assert reads["layer"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.8, "decode": 0.2})
+    assert reads["layer"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.2, "decode": 0.2})
+    assert reads["embed"]["disk->cpu"]["stream_sync"] == pytest.approx({"prefill": 0.1, "decode": 0.1})
 
 
 def test_a_prefill_over_budget_is_timed_shorter_and_the_cache_grown_for_decode(tmp_path, monkeypatch) -> None:
