@@ -11,6 +11,9 @@ mapping, given back when freed, and RSS follows the live bytes. Under glibc's de
 threshold) freed blocks of up to 32 MiB stay in the heap and the RSS peak runs 0-40 % above the live
 bytes, differently from run to run (benchmarks/cost_accuracy/MEMORY.md): no model of the tensors can
 bound that within 15 %, so it is not what this test checks.
+
+A second child runs accelerate's ``dispatch_model`` with each decoder layer on disk, under the same threshold:
+what its hooks hold of a unit at once (one module's parameters, copied out of their files' maps).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-CHILD = r"""
-import json, re, sys, torch
+# What both children start with: a fresh process's imports, its RSS figures, one thread, seeded weights.
+PRELUDE = r"""
+import json, re, sys, tempfile, torch
 from pathlib import Path
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 from placement_opt.cost.evaluate import predicted_memory
 from placement_opt.cost.workload import Workload
 from placement_opt.model.tracer import trace
@@ -37,6 +41,9 @@ def vm(key):
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
+"""
+
+CHILD = PRELUDE + r"""
 config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -68,21 +75,8 @@ def test_predicted_cpu_peak_covers_a_fresh_process_forward_within_15_percent() -
     assert measured <= predicted <= 1.15 * measured, (predicted / 2**20, measured / 2**20)
 
 
-ACCELERATE_CHILD = r"""
-import json, re, sys, tempfile, torch
-from pathlib import Path
+ACCELERATE_CHILD = PRELUDE + r"""
 from accelerate import dispatch_model
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
-from placement_opt.cost.evaluate import predicted_memory
-from placement_opt.cost.workload import Workload
-from placement_opt.model.tracer import trace
-
-def vm(key):
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+)", text, re.M).group(1)) * 1024
-
-torch.set_num_threads(1)
-torch.manual_seed(0)
 common = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
               tie_word_embeddings=False)
 config = (MixtralConfig(**common, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2)

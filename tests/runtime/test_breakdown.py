@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -43,20 +45,25 @@ def _slowed(module: torch.nn.Module) -> object:
     return module.register_forward_hook(lambda *_: time.sleep(SLEEP_S))
 
 
-def test_a_slow_unit_is_the_worst_miss_and_carries_its_own_time(tmp_path) -> None:
-    """A unit made 30 ms slower than its plan: the breakdown names it first, with the 30 ms in its own figures
-    (prefill and each decode step), not in the unit after it."""
+def _broken_down(slowing: Callable[[torch.nn.Module], Any], slow: str = "model.layers.2") -> Any:
+    """``time_units`` of the dispatched tiny model, ``slowing`` (which returns a hook handle) put on unit ``slow``."""
     model = _model()
     plan = _plan(model, {"cpu": "8GiB"})
     handle = dispatch(model, plan)
-    slow = "model.layers.2"
-    hook = _slowed(model.get_submodule(slow))
+    hook = slowing(model.get_submodule(slow))
     try:
         ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-        breakdown = time_units(handle, plan.cost, ids, new_tokens=4)
+        return time_units(handle, plan.cost, ids, new_tokens=4)
     finally:
         hook.remove()
         handle.remove()
+
+
+def test_a_slow_unit_is_the_worst_miss_and_carries_its_own_time(tmp_path) -> None:
+    """A unit made 30 ms slower than its plan: the breakdown names it first, with the 30 ms in its own figures
+    (prefill and each decode step), not in the unit after it."""
+    slow = "model.layers.2"
+    breakdown = _broken_down(_slowed, slow)
     by_name = {u.name: u for u in breakdown.units}
     assert breakdown.misses(1)[0].name == slow
     assert by_name[slow].measured_decode_step_s >= SLEEP_S
@@ -70,17 +77,8 @@ def test_a_slow_unit_is_the_worst_miss_and_carries_its_own_time(tmp_path) -> Non
 def test_a_unit_s_own_pre_hooks_count_with_it_not_with_the_unit_before(tmp_path) -> None:
     """Work a module's pre-hooks do at its call (the dispatcher's ask for a disk unit's routed experts is one)
     counts with that unit: the marks are the first pre-hook of each unit, whenever they are registered."""
-    model = _model()
-    plan = _plan(model, {"cpu": "8GiB"})
-    handle = dispatch(model, plan)
     slow = "model.layers.2"
-    hook = model.get_submodule(slow).register_forward_pre_hook(lambda *_: time.sleep(SLEEP_S))
-    try:
-        ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-        breakdown = time_units(handle, plan.cost, ids, new_tokens=4)
-    finally:
-        hook.remove()
-        handle.remove()
+    breakdown = _broken_down(lambda module: module.register_forward_pre_hook(lambda *_: time.sleep(SLEEP_S)), slow)
     by_name = {u.name: u for u in breakdown.units}
     assert by_name[slow].measured_decode_step_s >= SLEEP_S and by_name[slow].measured_prefill_s >= SLEEP_S
     before = by_name["model.layers.1"]
