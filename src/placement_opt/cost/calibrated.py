@@ -183,7 +183,7 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
         if links:
             copies[unit.name] = links
         batch = _read_batch(entry.get("links", {}).get("disk->cpu", {}).get("stream"))
-        if batch is not None and (DISK_LINK[0], DISK_LINK[1], "stream") in links:
+        if batch is not None and ("disk", "cpu", "stream") in links:  # the disk's read applies here
             batches[unit.name] = batch
     found = Calibration(compute, copies, batches)
     return found if found else None
@@ -203,12 +203,9 @@ def _phases(seconds: Any) -> tuple[float, float]:
     return both
 
 
-#: The link whose calibrated cold decode of an MoE unit carries the batch it ran at (``"decode_batch"``).
-DISK_LINK = ("disk", "cpu")
-
-
 def _read_batch(seconds: Any) -> int | None:
-    """The ``"decode_batch"`` a saved cold read was timed at, None where it has none (a profile older than it)."""
+    """The ``"decode_batch"`` a saved cold read from disk (an MoE unit's) was timed at, None where it has none (a
+    profile older than it)."""
     if not isinstance(seconds, Mapping) or "decode_batch" not in seconds:
         return None
     batch = seconds["decode_batch"]

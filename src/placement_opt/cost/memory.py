@@ -65,9 +65,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import GraphMeta, UnitInfo
     from .pricing import OptionPrice
 
-__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "accelerate_held_bytes", "SCORE_FREE_ATTENTION",
-           "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "device_memory", "workspace_bytes",
-           "materializes_scores"]
+__all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "accelerate_held_bytes",
+           "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES",
+           "device_memory", "workspace_bytes", "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
 #: tokens (q/k/v, MLP intermediates and their upcasts live at the same time).

@@ -48,8 +48,7 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
     same forward resident (``resident``: phase -> unit -> seconds): the median over the forwards, but for MoE
     units the mean (a step's picks decide its read; a group of experts idles in some steps), kept with the
     batch that picked them (``"decode_batch"``: pricing scales the read by the experts a batch hits);
-    ``copy_graph``: the copy's graph, cut as
-    ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
+    ``copy_graph``: the copy's graph, cut as ``graph`` is. accelerate's path is not timed for expert groups (accelerate has no such modules). A
     prefill hides more of the read-ahead behind compute than a decode step does, so the two phases are kept
     apart, the prefill's read capped at the decode's where both read every weight (:func:`_reads_every_weight`),
     and always for ``stream_sync``: accelerate copies every tensor before the module computes, the same bytes in
