@@ -19,7 +19,7 @@ from ..model.graph import LayerGraph
 from ._stamps import Stamps
 from .timing import last_logits_argument
 
-__all__ = ["repeated", "typical", "unit_modules", "logits_argument", "MIN_TIMED_S", "MAX_RUNS",
+__all__ = ["repeated", "typical", "routed_units", "unit_modules", "logits_argument", "MIN_TIMED_S", "MAX_RUNS",
            "FAST_FORWARD_S", "SLOW_FORWARD_S", "STALL_RATIO"]
 
 #: Timed forwards of one shape go on until they add up to this (the median counts, per unit).
@@ -49,6 +49,11 @@ def typical(runs: Iterable[Mapping[str, float]], mean_of: Collection[str] = ()) 
             by_unit.setdefault(name, []).append(seconds)
     return {name: (statistics.fmean if name in mean_of else statistics.median)(values)
             for name, values in by_unit.items()}
+
+
+def routed_units(graph: LayerGraph, names: Iterable[str]) -> list[str]:
+    """The MoE units among ``names``: their decode figures are means over the steps (:func:`typical`'s ``mean_of``)."""
+    return [name for name in names if graph.unit(name).is_moe]
 
 
 def unit_modules(model: nn.Module, graph: LayerGraph) -> dict[str, nn.Module]:

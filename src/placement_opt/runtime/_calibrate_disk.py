@@ -27,7 +27,7 @@ from ..cost.workload import Workload
 from ..model.expert_groups import group_counts
 from ..model.graph import LayerGraph
 from ..plan import Plan
-from ._calibrate_clock import logits_argument, typical, unit_modules
+from ._calibrate_clock import logits_argument, routed_units, typical, unit_modules
 from ._safetensors_file import drop_page_cache
 from ._stamps import Stamps
 from .timing import cache_argument, cache_of
@@ -234,7 +234,7 @@ def _cold_forwards(model: nn.Module, graph: LayerGraph, workload: Workload, evic
     (``evict``), or each unit's as it is called (``evicted_when_called``)."""
     vocab = int(getattr(model.config, "vocab_size", 32000) or 32000)
     modules = unit_modules(model, graph)
-    stamps = Stamps(modules, torch.device("cpu"), routed=[n for n in modules if graph.unit(n).is_moe])
+    stamps = Stamps(modules, torch.device("cpu"), routed=routed_units(graph, modules))
     keep = logits_argument(model, workload.logits_kept)
     runs = []
     evicting = _evict_when_called(modules, evicted_when_called or {})  # after the stamps: counted in the unit

@@ -60,7 +60,7 @@ from ..model.expert_groups import expert_groups_refusal
 from ..model.graph import LayerGraph
 from ..progress import bar
 from ._calibrate_build import build, cut_config
-from ._calibrate_clock import unit_modules
+from ._calibrate_clock import routed_units, unit_modules
 from ._calibrate_disk import time_disk_reads
 from ._calibrate_timing import time_copies, time_forwards
 from ._stamps import Stamps
@@ -351,7 +351,7 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     handle = dispatch(model, plan, _hook_every_unit=many_devices)
     try:
         modules = unit_modules(model, graph)  # every unit marked: glue goes to the unit before it
-        stamps = Stamps(modules, device, routed=[name for name in modules if graph.unit(name).is_moe])
+        stamps = Stamps(modules, device, routed=routed_units(graph, modules))
         try:
             with torch.inference_mode():
                 prefill, decode = time_forwards(model, stamps, workload, repeats, device)
