@@ -94,6 +94,11 @@ def tiny(family: str) -> torch.nn.Module:
                                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                   max_position_embeddings=64, decoder_sparse_step=1)
         model = T.Qwen2MoeForCausalLM(config)
+    elif family == "jetmoe":  # 2 layers; MLP and attention experts (4 each, top-2) told their rows per expert
+        config = T.JetMoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                                max_position_embeddings=64)
+        model = T.JetMoeForCausalLM(config)
     elif family == "gpt2":  # 3 blocks, n_embd 32, lm_head tied to wte (128 x 32 = 4096 params)
         config = T.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=3, n_head=4,
                               bos_token_id=1, eos_token_id=2, pad_token_id=0)

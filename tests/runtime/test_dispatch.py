@@ -432,6 +432,31 @@ def test_experts_that_run_on_every_token_are_read_ahead_whole(tmp_path, monkeypa
                                                       "model.layers.1.feed_forward.experts.down_proj"}
 
 
+def test_jetmoe_experts_are_read_for_the_rows_the_router_gives_them(tmp_path, monkeypatch):
+    """JetMoE's experts (its MLP's and its attention's ``ParallelExperts``) are told how many rows each expert gets,
+    not each token's picks, and an expert with none reads none of its weights. A decode step reads none of them
+    ahead and asks for the experts with rows, as the cost model prices every routed MoE unit (before, they were
+    read ahead whole). A call whose rows reach every expert asks for none: the read-ahead had them all."""
+    model = tiny("jetmoe")
+    calls: dict[str, list[list[int]]] = {}
+    experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "JetMoeParallelExperts"}
+    for name, module in experts.items():
+        module.register_forward_pre_hook(lambda _m, args, name=name: calls.setdefault(name, []).append(list(args[1])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # JetMoE's meta forward fails: a static graph
+        ahead, rows = _decode_reads(model, tmp_path, monkeypatch)
+    assert len(experts) == 8 and not any(k.removesuffix(".weight") in experts for k in ahead)
+    for name, counts in calls.items():
+        wanted = set()
+        for call in counts:
+            with_rows = {i for i, n in enumerate(call) if n}
+            wanted |= with_rows if len(with_rows) < len(call) else set()
+        assert rows.get(f"{name}.weight", set()) == wanted, name
+    step = [c[-1] for c in calls.values()]  # the decode step's one token: top-2 of 4 in every experts module
+    assert all(sum(1 for n in call if n) == 2 for call in step)
+    assert all(rows[f"{name}.weight"] >= {i for i, n in enumerate(c[-1]) if n} for name, c in calls.items())
+
+
 @given(st.sets(st.integers(0, 63)))
 def test_expert_runs_cover_exactly_the_picked_ones(ids) -> None:
     from placement_opt.runtime._routed_reads import _runs

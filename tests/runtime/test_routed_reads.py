@@ -56,6 +56,16 @@ def test_the_picks_may_come_by_name_and_sentinels_are_skipped():
     assert file.asked == {"e.gate_up_proj": {1, 2}}
 
 
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=16), as_tensor=st.booleans())
+def test_experts_told_their_rows_are_asked_for_those_with_rows_unless_all_have_some(counts, as_tensor):
+    """JetMoE's experts take the rows of each expert (``expert_size``, a list; a tensor is read alike)."""
+    file = _File({"e.weight": len(counts)})
+    read = _reader([([(file, "e.weight")], 0)], len(counts), "expert_size")
+    read(None, (torch.zeros(sum(counts), 4), torch.tensor(counts) if as_tensor else counts), {})
+    with_rows = {i for i, n in enumerate(counts) if n}
+    assert file.asked.get("e.weight", set()) == (with_rows if len(with_rows) < len(counts) else set())
+
+
 class _Table:
     """A stand-in for a mapped file holding one lookup table: the rows asked for, and whether the whole was."""
 

@@ -17,10 +17,15 @@ from torch import nn
 
 from ._streamer import DispatchUnit
 
-__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts", "takes_picks", "PICKS_ARGUMENT"]
+__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts", "takes_picks", "routing_argument",
+           "PICKS_ARGUMENT", "COUNTS_ARGUMENT"]
 
 #: The experts module's argument that holds each token's experts (transformers 5's experts interface).
 PICKS_ARGUMENT = "top_k_index"
+#: The experts module's argument that holds how many rows each expert gets, in expert order (JetMoE's
+#: ``ParallelExperts``, for its MLP and its attention experts): it runs every expert on its share of the rows, and
+#: one with no rows multiplies an empty input and reads none of its weights.
+COUNTS_ARGUMENT = "expert_size"
 
 
 @dataclass(frozen=True)
@@ -57,18 +62,27 @@ def read_ahead(unit: DispatchUnit | None) -> ReadAhead:
 
 
 def fused_experts(file: Any, key: str) -> bool:
-    """Whether ``key`` of ``file`` is a fused expert tensor (transformers 5's experts interface:
-    ``mlp.experts.gate_up_proj``, one slice per expert along the first of three dimensions)."""
-    return ".experts." in key and len(file.spans[key].shape) == 3
+    """Whether ``key`` of ``file`` can be an experts module's fused tensor: one slice per expert along the first
+    of three dimensions (transformers 5's ``mlp.experts.gate_up_proj``, JetMoE's ``mlp.input_linear.weight``).
+    Which module owns it says whether it is one (:func:`takes_picks`)."""
+    return len(file.spans[key].shape) == 3
+
+
+def routing_argument(module: nn.Module) -> str | None:
+    """The argument of ``module``'s forward that names the experts a call computes (:data:`PICKS_ARGUMENT`,
+    :data:`COUNTS_ARGUMENT`), or None: Llama 4's experts take the hidden states alone and run every expert on
+    every token."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in (PICKS_ARGUMENT, COUNTS_ARGUMENT) if name in parameters), None)
 
 
 def takes_picks(module: nn.Module) -> bool:
-    """Whether ``module``'s forward takes the router's picks (``top_k_index``), and so computes only the experts
-    they name. Llama 4's experts take the hidden states alone and run every expert on every token."""
-    try:
-        return PICKS_ARGUMENT in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    """Whether ``module``'s forward is told which experts it computes (:func:`routing_argument`), and so reads only
+    their weights."""
+    return routing_argument(module) is not None
 
 
 def _routed(unit: DispatchUnit, key: str) -> bool:

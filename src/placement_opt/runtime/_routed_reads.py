@@ -7,7 +7,8 @@ mapped unit leaves the experts out (:class:`._prefetch_links.ReadAhead`). Left t
 experts came in at about a quarter of the disk's mapped read rate on this project's machine: each fault reads a
 128 KiB window and waits for it. A forward pre-hook on the experts module asks the kernel for the picked
 experts' rows of every fused expert tensor at once (``posix_fadvise``, returns at once), after the router has
-chosen them and before they are computed: one large read of what the step uses.
+chosen them and before they are computed: one large read of what the step uses. JetMoE's experts (its MLP's and
+its attention's) are told how many rows each expert gets instead: the experts with some are asked for.
 
 Expert groups (:mod:`._expert_groups`) are asked for by the module that holds a layer's groups, before its
 first group computes: a disk group's picked rows come in while the groups before it compute.
@@ -34,12 +35,13 @@ from ..hardware.devices import Machine
 from ..model._meta_experts import is_fused_experts
 from ..model.graph import covering_key
 from ._expert_groups import ExpertGroups
-from ._prefetch_links import PICKS_ARGUMENT, fused_experts, takes_picks
+from ._prefetch_links import PICKS_ARGUMENT, fused_experts, routing_argument, takes_picks
 from ._streamer import DispatchUnit
 
 __all__ = ["read_routed_experts", "read_looked_up_rows"]
 
-# Where the experts module's forward takes the router's picks by position (by name: PICKS_ARGUMENT).
+# Where the experts module's forward takes the router's picks, or its rows per expert, by position (by name:
+# PICKS_ARGUMENT, COUNTS_ARGUMENT).
 _INDEX_POSITION = 1
 
 # (the fused expert tensors of one mapped module, as (file, key), and the layer's expert id of their first row)
@@ -61,7 +63,8 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
             reads = [(fused, 0)] if (fused := _fused(name, mapped)) else []
             experts = max((f.spans[k].shape[0] for f, k in fused), default=0)  # a loop of its own has no count
         if reads:
-            handles.append(module.register_forward_pre_hook(_reader(reads, experts), with_kwargs=True))
+            hook = _reader(reads, experts, routing_argument(module) or PICKS_ARGUMENT)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def undo() -> None:
         for handle in handles:
@@ -111,9 +114,9 @@ def _row_asker(tables: Sequence[tuple[Any, str]], machine: Machine) -> Callable[
 
 
 def _routed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Fused experts modules that compute the router's picks only (transformers' experts interface, and the
-    families that write the loop themselves: LongCat-Flash, Step-3.7), and the holders of expert groups (a group
-    is asked for by its holder)."""
+    """Fused experts modules that compute the router's picks only (transformers' experts interface, the families
+    that write the loop themselves: LongCat-Flash, Step-3.7; JetMoE's, told the rows of each expert), and the
+    holders of expert groups (a group is asked for by its holder)."""
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, ExpertGroups) or (is_fused_experts(m) and takes_picks(m))]
 
@@ -126,21 +129,41 @@ def _fused(name: str, mapped: Mapping[str, DispatchUnit]) -> list[tuple[Any, str
     return [(f, k) for f, k in mapped[owner].disk if k.startswith(f"{name}.") and fused_experts(f, k)]
 
 
-def _reader(reads: Sequence[_Rows], experts: int) -> Callable[..., None]:
+def _reader(reads: Sequence[_Rows], experts: int, argument: str = PICKS_ARGUMENT) -> Callable[..., None]:
     # each module's rows: [first, first + rows) of the layer's experts, counted once here, not at every call
     spans = [(fused, first, max(f.spans[k].shape[0] for f, k in fused)) for fused, first in reads]
+    picks = _picks if argument == PICKS_ARGUMENT else _counted
 
     def read(_module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        index = kwargs.get(PICKS_ARGUMENT, args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None)
-        if not isinstance(index, torch.Tensor) or index.dim() == 0 or index.shape[0] >= experts:
+        routing = kwargs.get(argument, args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None)
+        picked = picks(routing, experts)
+        if not picked:
             return
-        picked = torch.unique(index).tolist()
         for fused, first, rows in spans:
             for start, end in _runs([i - first for i in picked if 0 <= i - first < rows]):
                 for file, key in fused:
                     file.prefetch_rows(key, start, end)
 
     return read
+
+
+def _picks(index: Any, experts: int) -> list[int]:
+    """The experts a call's picks (a tensor of expert ids per token) name; none for a call of as many tokens as
+    ``experts`` or more, whose read-ahead asked for every expert."""
+    if not isinstance(index, torch.Tensor) or index.dim() == 0 or index.shape[0] >= experts:
+        return []
+    return torch.unique(index).tolist()
+
+
+def _counted(counts: Any, experts: int) -> list[int]:
+    """The experts a call's rows per expert (in expert order) give any row; none where every expert has some (the
+    read-ahead of a prompt asked for them all: asking again gains nothing)."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
+    if not isinstance(counts, (list, tuple)):
+        return []
+    picked = [i for i, rows in enumerate(counts) if isinstance(rows, int) and rows > 0]
+    return [] if len(picked) >= min(experts, len(counts)) else picked
 
 
 def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
