@@ -161,6 +161,20 @@ def test_calibrate_times_cold_disk_reads_both_ways_and_pricing_takes_them(tmp_pa
     assert layer.prefill_s == pytest.approx(calibrated + reads["stream_sync"]["prefill"], rel=1e-6)
 
 
+def test_a_model_with_tied_embeddings_times_its_disk_reads_the_head_stored_with_them(tmp_path, monkeypatch) -> None:
+    """The LM head shares the embeddings' weights, so it is stored on disk with them while they are timed (it
+    failed: "tied weights must be stored on one device"); the embeddings get their disk figures."""
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    result = placement_opt.calibrate(config, ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8,
+                                                                                  new_tokens=2),
+                                     offload_dir=tmp_path, repeats=1)
+    reads = result.copies[result.units["model.embed_tokens"]]["disk->cpu"]
+    assert set(reads) == {"stream", "stream_sync"}
+    assert all(set(r) == {"prefill", "decode"} for r in reads.values())
+
+
 @given(layers=st.integers(1, 6), timed=st.lists(st.integers(0, 5), max_size=3), chain=st.booleans())
 def test_the_cut_copy_holds_every_timed_layer_and_two_more_for_disk_reads_where_the_model_has_them(
         layers: int, timed: list[int], chain: bool) -> None:

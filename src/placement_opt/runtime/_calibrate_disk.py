@@ -163,10 +163,20 @@ def _run_mapped(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph, wor
     plan = plan_from_device_map(model, {"": "disk"}, graph=copy_graph)  # every unit on disk: each chain cuts from it
     cold: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
     for index, chain in enumerate(_disk_chains(graph, copy_graph)):
-        found = _run_chain(model, graph, plan, workload, folder / str(index), chain)
+        found = _run_chain(model, graph, plan, workload, folder / str(index), _with_tied(chain, copy_graph))
         for phase, times in found.items():
             cold[phase].update({name: seconds for name, seconds in times.items() if name in chain})
     return cold
+
+
+def _with_tied(chain: set[str], graph: LayerGraph) -> set[str]:
+    """``chain`` and the units that share weights with one of its units (a tied LM head with its embeddings):
+    tied weights are stored on one device, so they go to disk with it (their own figures are not taken)."""
+    stored = set(chain)
+    for group in graph.meta.tied_unit_groups:
+        if stored & set(group):
+            stored |= set(group)
+    return stored
 
 
 def _run_chain(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload, folder: Path,
