@@ -497,6 +497,10 @@ MORE_MOE = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_SMALL, moe_intermediate_size=16, num_experts=4,
                                                      num_experts_per_tok=2, shared_expert_intermediate_size=32),
     "gpt_oss": lambda: transformers.GptOssConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+    # experts told their rows per expert by a router that gives them as Python ints: traced with even routing
+    "jetmoe": lambda: transformers.JetMoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                                                num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -505,7 +509,10 @@ MORE_MOE = {
 # qwen2_moe: shared expert 2 x 3 x 32x32 + its gate 2 x 32 + two experts of 2 x 3 x 32x16 -> 20800
 # gpt_oss: two experts of 2 x (32x128 gate_up + 64x32 down) -> 33024; expert bytes with biases
 # 4 x (32x128 + 128 + 64x32 + 32) x 4 bytes = 100864
-EXPECTED_MOE = {"qwen2_moe": (20800, 4 * 3 * 32 * 16 * 4), "gpt_oss": (33024, 100864)}
+# jetmoe: attention experts of 32 -> 16 and back, two per token: 2 x 2 x (2 x 16x32), two routers 2 x 256, kv_proj
+# 2 x 32x32, 4 x 4 heads (2 key-value heads x top-2) x 8 x 16 context; MLP experts, two per token: 2 x (2 x 32x128
+# gate_up + 2 x 64x32 down) -> 33280; expert bytes 4 x (16x32 + 32x16 + 32x128 + 64x32) x 4 bytes = 114688
+EXPECTED_MOE = {"qwen2_moe": (20800, 4 * 3 * 32 * 16 * 4), "gpt_oss": (33024, 100864), "jetmoe": (33280, 114688)}
 
 
 @pytest.mark.parametrize("family", sorted(MORE_MOE))

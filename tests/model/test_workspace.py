@@ -62,6 +62,10 @@ CONFIGS: dict[str, Callable[[], T.PretrainedConfig]] = {
                                           shared_expert_intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                           num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+    # experts (in its MLP and its attention) told their rows per expert by a router the trace stands in for
+    "jetmoe": lambda: T.JetMoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_key_value_heads=2, kv_channels=16, num_local_experts=4,
+                                     num_experts_per_tok=2, vocab_size=512),
 }
 
 

@@ -1,10 +1,13 @@
 """Fused MoE experts on the meta device: a dense stand-in, since their routing needs real data.
 
-:func:`stand_in_experts` is installed by :func:`._recorder.run` for the meta forward and removed after.
+:func:`stand_in_experts` is installed by :func:`._recorder.run` for the meta forward and removed after. Experts
+told their rows per expert (JetMoE's) run as they are: it stands in for their router instead, which must hand
+them Python ints.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +26,18 @@ def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module],
     all experts' dense FLOPs: what a routed forward computes on average. It does so for all
     ``tokens x top_k`` rows at once, as the ``grouped_mm`` implementation does (transformers 5's default),
     so the activation bytes the trace measures are those of the widest implementation.
+
+    Experts told their rows per expert (JetMoE's ``ParallelExperts``) split their input by Python ints and compute
+    every expert's share: they run on meta once their router (:func:`_counts_rows`) gives evenly split counts.
     """
     patched: list[nn.Module] = []
     for sub in module.modules():
-        if is_fused_experts(sub):
+        if is_fused_experts(sub) and not _told_rows(sub):
             top_k = experts_per_token(sub)
             sub.forward = _dense_experts(sub, top_k)  # instance attribute, removed again below
+            patched.append(sub)
+        elif _counts_rows(sub):
+            sub.forward = _even_routing(sub)
             patched.append(sub)
 
     def restore() -> None:
@@ -41,6 +50,43 @@ def is_fused_experts(module: nn.Module) -> bool:
     """A transformers 5 fused experts module (``MixtralExperts``): 3D weights ``[experts, out, in]``."""
     params = [p for p in module._parameters.values() if p is not None]
     return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in params)
+
+
+#: The argument of an experts module told how many rows each expert gets (JetMoE's ``ParallelExperts``: its rows
+#: come sorted by expert and split by these counts, every expert computing its share).
+_ROWS_ARGUMENT = "expert_size"
+
+
+def _told_rows(module: nn.Module) -> bool:
+    """Whether ``module`` is told its rows per expert: it runs on meta as it is once they are known
+    (:func:`_even_routing`), and computes exactly the routed rows' FLOPs."""
+    try:
+        return _ROWS_ARGUMENT in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _counts_rows(module: nn.Module) -> bool:
+    """JetMoE's router (``JetMoeTopKGating``): it returns the rows per expert as Python ints (``.tolist()``), which
+    a meta tensor cannot give."""
+    return (type(module).__name__.endswith("TopKGating") and isinstance(getattr(module, "layer", None), nn.Linear)
+            and isinstance(getattr(module, "top_k", None), int) and isinstance(getattr(module, "num_experts", None), int))
+
+
+def _even_routing(module: nn.Module) -> Callable[..., tuple[Any, ...]]:
+    """The router's outputs with its rows spread evenly over the experts: the uniform routing the cost model
+    assumes, so the experts' FLOPs are the routed average. Its ops run as the real router's do, so the trace sees
+    the data flow from the router's input to the experts."""
+
+    def forward(hidden_states: torch.Tensor) -> tuple[Any, ...]:
+        logits = module.layer(hidden_states).float()
+        top_k_logits, top_k_indices = logits.topk(module.top_k, dim=1)
+        gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states).flatten()
+        _, sorted_rows = top_k_indices.flatten().sort(0)
+        rows = sorted_rows.shape[0]
+        sizes = [rows // module.num_experts + (i < rows % module.num_experts) for i in range(module.num_experts)]
+        return sorted_rows, sorted_rows.div(module.top_k, rounding_mode="trunc"), gates[sorted_rows], sizes, logits
+    return forward
 
 
 def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
