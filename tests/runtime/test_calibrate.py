@@ -175,6 +175,26 @@ def test_a_model_with_tied_embeddings_times_its_disk_reads_the_head_stored_with_
     assert all(set(r) == {"prefill", "decode"} for r in reads.values())
 
 
+def test_a_model_accelerate_cannot_run_from_disk_keeps_its_own_disk_figures_and_says_so(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """accelerate loads a module's weights when its forward is called; JetMoE reads its attention experts' bias in
+    map() and reduce(), never through that module's forward, so accelerate's offload meets it on the meta device.
+    calibrate() warns and times placement_opt's reads (it failed before)."""
+    from transformers import JetMoeConfig
+
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    config = JetMoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2)
+    config.dtype = "float32"
+    with pytest.warns(UserWarning, match="accelerate's offload did not run JetMoeForCausalLM"):
+        result = placement_opt.calibrate(config, ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8,
+                                                                                      new_tokens=2),
+                                         offload_dir=tmp_path, repeats=1)
+    reads = result.copies[result.units["model.layers.0"]]["disk->cpu"]
+    assert set(reads) == {"stream"} and reads["stream"]["decode_batch"] == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("placement_opt_calibrate_")] == []
+
+
 @given(layers=st.integers(1, 6), timed=st.lists(st.integers(0, 5), max_size=3), chain=st.booleans())
 def test_the_cut_copy_holds_every_timed_layer_and_two_more_for_disk_reads_where_the_model_has_them(
         layers: int, timed: list[int], chain: bool) -> None:
