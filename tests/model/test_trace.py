@@ -525,6 +525,19 @@ def test_other_fused_expert_layouts(family: str) -> None:
     assert (layer.flops_per_token, layer.moe_expert_bytes) == EXPECTED_MOE[family]
 
 
+def test_experts_with_a_gate_of_their_own_trace_through_it() -> None:
+    """Inkling2's experts gate through ``_apply_gate`` (an activation taking the gate and up halves together): the
+    meta stand-in calls it (the trace fell back to the static graph). Two experts per token of 2 x 3 x 64x32."""
+    config = transformers.Inkling2TextConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                             num_experts_per_tok=2, num_hidden_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        graph = trace(config, seq_len=SEQ, dtype="float32", granularity="sublayer")
+    experts = graph.unit("model.layers.0.mlp.experts")
+    assert (experts.moe_num_experts, experts.moe_experts_per_token) == (4, 2)
+    assert experts.flops_per_token == 2 * 2 * 3 * 64 * 32
+
+
 def test_grouped_mm_flops_are_counted() -> None:
     """transformers' grouped experts matmul has no flop_counter formula: 2 x tokens x in x out."""
     from placement_opt.model._recorder import Record, _Recorder

@@ -90,7 +90,8 @@ def _even_routing(module: nn.Module) -> Callable[..., tuple[Any, ...]]:
 
 
 def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
-    act = getattr(module, "act_fn", torch.nn.functional.silu)
+    # the module's own gate where it has one (Inkling2's activation takes the gate and up halves together)
+    act = getattr(module, "_apply_gate", None) or _gated(getattr(module, "act_fn", torch.nn.functional.silu))
 
     def forward(hidden_states: torch.Tensor, *routing: Any, **more: Any) -> torch.Tensor:
         # read the router's choice as the routed forward does, so that the trace sees the data flow from
@@ -141,6 +142,14 @@ def _apply_expert_weight(h: torch.Tensor, w: torch.Tensor, act: Any, *, hidden: 
         return torch.nn.functional.linear(h, w if w.shape[-1] == h.shape[-1] else w.t())
     w = w if w.shape[0] == hidden else w.t()  # [hidden, expert width]
     if h.shape[-1] == 2 * w.shape[1]:
-        gate, up = h.chunk(2, dim=-1)
-        h = act(gate) * up
+        h = act(h)
     return torch.nn.functional.linear(h, w)
+
+
+def _gated(act: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated activation of a fused gate and up projection's output, from its activation function."""
+
+    def gate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate_half, up = gate_up.chunk(2, dim=-1)
+        return act(gate_half) * up
+    return gate
