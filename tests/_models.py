@@ -94,6 +94,11 @@ def tiny(family: str) -> torch.nn.Module:
                                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                   max_position_embeddings=64, decoder_sparse_step=1)
         model = T.Qwen2MoeForCausalLM(config)
+    elif family == "dbrx":  # 2 blocks, 4 experts (top-2) stacked in 2-D tensors [4 x 64, 32]
+        config = T.DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
+                              attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+                              ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+        model = T.DbrxForCausalLM(config)
     elif family == "jetmoe":  # 2 layers; MLP and attention experts (4 each, top-2) told their rows per expert
         config = T.JetMoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,

@@ -14,7 +14,7 @@ from placement_opt.model.tracer import trace
 
 REQUIRED = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b",
             "mixtral-8x7b", "gpt2-xl", "opt-30b", "t5-11b", "falcon-40b", "gemma-2-9b", "gemma-2-27b", "bert-large",
-            "qwen2-72b"]
+            "qwen2-72b", "dbrx-132b"]
 
 
 def _param_count(name: str) -> int:

@@ -525,6 +525,23 @@ def test_other_fused_expert_layouts(family: str) -> None:
     assert (layer.flops_per_token, layer.moe_expert_bytes) == EXPECTED_MOE[family]
 
 
+def test_dbrx_s_stacked_experts_are_traced_as_routed_experts() -> None:
+    """DBRX's experts loop over the experts hit (``nonzero``: no meta implementation), their weights stacked along
+    the rows of 2-D tensors (``mlp.w1``: [experts x ffn, hidden]); its top-k sits in a nested ``ffn_config``. The
+    trace fell back to the static graph (every expert's FLOPs, no MoE facts). By hand, hidden 64, 4 heads of 16,
+    2 key-value heads: Wqkv 2 x 64x128 + out 2 x 64x64 + scores 4 x 4 x 16 x 16 = 28672, router 2 x 64x4 = 512,
+    two experts of 2 x 3 x 64x128 = 98304; expert bytes 4 x 3 x 128x64 x 4 bytes."""
+    config = transformers.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128,
+                                     attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0},
+                                     ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        graph = trace(config, seq_len=SEQ, dtype="float32")
+    block = graph.unit("transformer.blocks.0")
+    assert (block.moe_num_experts, block.moe_experts_per_token, block.moe_expert_bytes) == (4, 2, 4 * 3 * 128 * 64 * 4)
+    assert block.flops_per_token == 28672 + 512 + 98304
+
+
 def test_experts_with_a_gate_of_their_own_trace_through_it() -> None:
     """Inkling2's experts gate through ``_apply_gate`` (an activation taking the gate and up halves together): the
     meta stand-in calls it (the trace fell back to the static graph). Two experts per token of 2 x 3 x 64x32."""

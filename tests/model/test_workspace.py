@@ -619,6 +619,46 @@ def test_a_cpu_prefill_of_latent_attention_holds_the_math_path_s_scores(dtype: t
     assert all(u.cpu_attention_bytes_per_token is None for u in trace(real_model("llama", "sdpa")).units())
 
 
+def _balanced_dbrx(attention: str) -> torch.nn.Module:
+    """A DBRX (4 experts, top-2) whose router sends token t to experts 2t and 2t + 1 (mod 4): every expert gets
+    the same rows, the uniform routing the cost model assumes. Random weights route unevenly: an expert got up to
+    a third more rows than its share in a 64-token prompt, and its loop's peak with them."""
+    torch.manual_seed(0)
+    config = T.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=512,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0},
+                          ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation=attention).float().eval()
+
+    def route(_self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        token = torch.arange(logits.shape[0], device=logits.device)[:, None]
+        picks = (2 * token + torch.arange(2, device=logits.device)) % 4
+        return torch.full((logits.shape[0], 2), 0.5, dtype=logits.dtype, device=logits.device), picks
+
+    for block in model.transformer.blocks:
+        block.ffn.route_tokens_to_experts = route.__get__(block.ffn)
+    return model
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_dbrx_s_expert_loop_is_charged_what_a_real_forward_holds_within_15_percent(attention: str) -> None:
+    """DBRX's experts loop over the experts hit, one at a time, their weights rows of 2-D tensors: the trace runs
+    that loop on meta with the rows spread evenly (it fell back to the static graph: no workspace at all)."""
+    model = _balanced_dbrx(attention)
+    graph = trace(model, seq_len=TRACE_LEN)
+    blocks = [u.name for u in graph.units() if u.module_class == "DbrxBlock"]
+    for batch, prompt in SHAPES:
+        measured = measured_peaks(model, blocks, batch, prompt)
+        for name in blocks:
+            predicted = tensors(graph.unit(name), Workload(batch_size=batch, prompt_len=prompt, new_tokens=0),
+                                graph.meta)
+            assert measured[name] <= predicted <= 1.15 * measured[name], (name, batch, prompt, predicted / measured[name])
+    for batch, prompt in [(1, 500), (4, 300)]:
+        measured = decode_step_peak(model, blocks[0], batch, prompt)
+        predicted = _decode_workspace(graph.unit(blocks[0]), Workload(batch_size=batch, prompt_len=prompt,
+                                                                      new_tokens=1), graph.meta)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)
+
+
 @pytest.mark.parametrize(("family", "attention"), [(f, a) for f in sorted(CONFIGS) for a in ("eager", "sdpa")])
 def test_a_decode_step_is_charged_what_meta_decode_steps_measured_it_holds(family: str, attention: str) -> None:
     """What a step holds per cached token is measured by meta decode steps, not read off the prefill (whose queries

@@ -432,6 +432,25 @@ def test_experts_that_run_on_every_token_are_read_ahead_whole(tmp_path, monkeypa
                                                       "model.layers.1.feed_forward.experts.down_proj"}
 
 
+def test_dbrx_s_stacked_experts_are_read_for_the_router_s_picks_only(tmp_path, monkeypatch):
+    """DBRX stacks each expert's weights along the rows of 2-D tensors its experts module's child holds
+    (``ffn.experts.mlp.w1``: [4 experts x 64, 32]): a decode step reads none of them ahead and asks for the
+    picked experts' rows, as the cost model prices the unit (routed). Outputs equal."""
+    model = tiny("dbrx")
+    picked: dict[int, list[set[int]]] = {}
+    for i, block in enumerate(model.transformer.blocks):
+        block.ffn.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: picked.setdefault(i, []).append(set(args[1].flatten().tolist())))
+    ahead, rows = _decode_reads(model, tmp_path, monkeypatch)
+    assert not any(".ffn.experts." in k for k in ahead)
+    for block, calls in picked.items():
+        step = calls[-1]  # the decode step's picks; the prompt's 7 tokens (more than 4 experts) asked for none
+        assert len(step) == 2
+        for tensor in ("w1", "v1", "w2"):
+            assert rows[f"transformer.blocks.{block}.ffn.experts.mlp.{tensor}"] == {
+                r for e in step for r in range(64 * e, 64 * (e + 1))}
+
+
 def test_jetmoe_experts_are_read_for_the_rows_the_router_gives_them(tmp_path, monkeypatch):
     """JetMoE's experts (its MLP's and its attention's ``ParallelExperts``) are told how many rows each expert gets,
     not each token's picks, and an expert with none reads none of its weights. A decode step reads none of them

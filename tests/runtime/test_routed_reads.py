@@ -33,7 +33,8 @@ def test_each_disk_group_is_asked_for_its_picks_among_its_rows_and_nothing_else(
     on_disk = data.draw(st.sets(st.integers(0, groups - 1), min_size=1))
     files = {i: _File({f"g{i}.gate_up_proj": end - start, f"g{i}.down_proj": end - start})
              for i, (start, end) in enumerate(ranges) if i in on_disk}
-    reads = [([(files[i], f"g{i}.gate_up_proj"), (files[i], f"g{i}.down_proj")], ranges[i][0]) for i in sorted(files)]
+    reads = [([(files[i], f"g{i}.gate_up_proj"), (files[i], f"g{i}.down_proj")], ranges[i][0],
+               ranges[i][1] - ranges[i][0]) for i in sorted(files)]
     picks = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k),
                                             min_size=tokens, max_size=tokens)))
     _reader(reads, experts)(None, (torch.zeros(tokens, 4), picks, torch.ones(tokens, top_k)), {})
@@ -51,7 +52,7 @@ def test_the_picks_may_come_by_name_and_sentinels_are_skipped():
     """transformers passes the picks by keyword as often as by position; an expert-parallel sentinel (the expert
     count) names no row."""
     file = _File({"e.gate_up_proj": 8})
-    read = _reader([([(file, "e.gate_up_proj")], 0)], 8)
+    read = _reader([([(file, "e.gate_up_proj")], 0, 8)], 8)
     read(None, (torch.zeros(2, 4),), {"top_k_index": torch.tensor([[1, 8], [2, 1]])})
     assert file.asked == {"e.gate_up_proj": {1, 2}}
 
@@ -60,7 +61,7 @@ def test_the_picks_may_come_by_name_and_sentinels_are_skipped():
 def test_experts_told_their_rows_are_asked_for_those_with_rows_unless_all_have_some(counts, as_tensor):
     """JetMoE's experts take the rows of each expert (``expert_size``, a list; a tensor is read alike)."""
     file = _File({"e.weight": len(counts)})
-    read = _reader([([(file, "e.weight")], 0)], len(counts), "expert_size")
+    read = _reader([([(file, "e.weight")], 0, len(counts))], len(counts), "expert_size")
     read(None, (torch.zeros(sum(counts), 4), torch.tensor(counts) if as_tensor else counts), {})
     with_rows = {i for i, n in enumerate(counts) if n}
     assert file.asked.get("e.weight", set()) == (with_rows if len(with_rows) < len(counts) else set())

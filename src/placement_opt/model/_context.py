@@ -53,10 +53,12 @@ def is_block(ctx: TraceContext, name: str) -> bool:
 
 
 def experts_per_token(ctx: TraceContext, experts: nn.Module) -> int:
-    for key in ("num_experts_per_tok", "top_k", "moe_topk", "num_experts_per_token"):
-        value = getattr(ctx.config, key, None) or getattr(experts, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    # DBRX keeps its MoE settings in a nested ffn_config (moe_top_k)
+    for source in (ctx.config, getattr(ctx.config, "ffn_config", None), experts):
+        for key in ("num_experts_per_tok", "top_k", "moe_topk", "num_experts_per_token", "moe_top_k"):
+            value = getattr(source, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return 1
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["stand_in_experts", "is_fused_experts"]
+__all__ = ["stand_in_experts", "is_fused_experts", "is_stacked_experts", "expert_count"]
 
 
 def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module], int]) -> Callable[[], None]:
@@ -27,6 +27,9 @@ def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module],
     ``tokens x top_k`` rows at once, as the ``grouped_mm`` implementation does (transformers 5's default),
     so the activation bytes the trace measures are those of the widest implementation.
 
+    DBRX's experts (:func:`is_stacked_experts`) loop over the experts hit, one at a time: their stand-in runs that
+    loop with the rows spread evenly over the experts.
+
     Experts told their rows per expert (JetMoE's ``ParallelExperts``) split their input by Python ints and compute
     every expert's share: they run on meta once their router (:func:`_counts_rows`) gives evenly split counts.
     """
@@ -36,6 +39,9 @@ def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module],
             top_k = experts_per_token(sub)
             sub.forward = _dense_experts(sub, top_k)  # instance attribute, removed again below
             patched.append(sub)
+        elif is_stacked_experts(sub):
+            sub.forward = _stacked_experts(sub, experts_per_token(sub))
+            patched.append(sub)
         elif _counts_rows(sub):
             sub.forward = _even_routing(sub)
             patched.append(sub)
@@ -44,6 +50,28 @@ def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module],
         for sub in patched:
             del sub.forward
     return restore
+
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """DBRX's experts module: told the router's picks (``top_k_index``), every expert's weights stacked along the
+    rows of its child's 2-D tensors (``mlp.w1``, ``mlp.v1``, ``mlp.w2``: ``[experts x ffn, hidden]``), the child
+    computing one expert from their slices."""
+    experts = getattr(module, "num_experts", None)
+    child = getattr(module, "mlp", None)
+    if (not isinstance(experts, int) or experts < 1 or not type(module).__name__.endswith("Experts")
+            or not isinstance(child, nn.Module) or not _takes(module, "top_k_index")):
+        return False
+    weights = [getattr(child, name, None) for name in _STACKED]
+    return all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] % experts == 0 for w in weights)
+
+
+def expert_count(module: nn.Module) -> int:
+    """The experts of a fused (the first dimension of its 3-D tensors) or stacked (:func:`is_stacked_experts`)
+    experts module; 0 for any other module."""
+    fused = [p.shape[0] for p in module._parameters.values() if p is not None and p.dim() == 3]
+    if fused:
+        return int(max(fused))
+    return module.num_experts if is_stacked_experts(module) else 0
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -57,13 +85,54 @@ def is_fused_experts(module: nn.Module) -> bool:
 _ROWS_ARGUMENT = "expert_size"
 
 
+#: DBRX's stacked expert tensors, in the order its expert module takes their slices.
+_STACKED = ("w1", "v1", "w2")
+
+
+def _takes(module: nn.Module, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _told_rows(module: nn.Module) -> bool:
     """Whether ``module`` is told its rows per expert: it runs on meta as it is once they are known
     (:func:`_even_routing`), and computes exactly the routed rows' FLOPs."""
-    try:
-        return _ROWS_ARGUMENT in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return _takes(module, _ROWS_ARGUMENT)
+
+
+def _stacked_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:
+    """DBRX's experts loop on meta: each expert in turn gathers its rows, computes them through the child with its
+    slices of the stacked tensors and adds them back, the ``tokens x top_k`` rows spread evenly over the experts
+    (an expert without rows is skipped, as the real loop skips the experts no token picked)."""
+    child = module.mlp
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = torch.zeros_like(flat)
+        experts = module.num_experts
+        rows = flat.shape[0] * top_k
+        weights = top_k_weights.reshape(-1)
+        # the loop's bookkeeping, alive throughout: a one-hot int64 mask of every (token, pick) over the experts
+        # and the sentinel, and the experts hit (their counts, then their ids)
+        mask = torch.empty(rows, experts + 1, dtype=torch.int64, device=flat.device)
+        hit = torch.empty(2, experts + 1, dtype=torch.int64, device=flat.device)
+        for expert in range(experts):
+            count = rows // experts + (expert < rows % experts)
+            if count == 0:
+                continue
+            # the expert's (pick, token) positions, as torch.where gives them; the routing read through them
+            where = torch.empty(2, count, dtype=torch.int64, device=flat.device)
+            picked = top_k_index.reshape(-1)[:count]
+            slices = [getattr(child, name).view(experts, -1, flat.shape[-1])[expert] for name in _STACKED]
+            states = child(flat[picked], *slices) * weights[:count, None]
+            out.index_add_(0, picked, states)
+            del where
+        del mask, hit
+        return out.view(hidden_states.shape)
+    return forward
 
 
 def _counts_rows(module: nn.Module) -> bool:

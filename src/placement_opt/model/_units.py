@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ._context import TraceContext, experts_per_token, is_block, is_container
-from ._meta_experts import is_fused_experts
+from ._meta_experts import expert_count, is_fused_experts, is_stacked_experts
 from .dtypes import dtype_bytes
 
 __all__ = ["no_split_names", "find_units", "block_parts", "is_moe_block", "unit_tensors", "tensor_bytes", "tie_key", "tied_groups", "owner_of",
@@ -157,7 +157,7 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
     its direct tensors (the experts below it are another unit's)."""
     if is_container(ctx, name):
         return 0, 0, 0
-    experts = [m for m in module.modules() if is_fused_experts(m)]
+    experts = [m for m in module.modules() if is_fused_experts(m) or is_stacked_experts(m)]
     if not experts:
         # full names: the unit may be the expert list itself (a "sublayer" experts unit)
         lists = [m for n, m in module.named_modules(prefix=name) if n.endswith("experts")
@@ -167,7 +167,7 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
         count = sum(len(m) for m in lists)
         nbytes = sum(tensor_bytes(p, ctx.override) for m in lists for p in m.parameters())
         return count, experts_per_token(ctx, lists[0]), nbytes
-    count = max(p.shape[0] for m in experts for p in m._parameters.values() if p is not None and p.dim() == 3)
+    count = max(expert_count(m) for m in experts)
     nbytes = sum(tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
     per_token = count if _runs_every_expert(experts[0]) else experts_per_token(ctx, experts[0])
     return int(count), int(per_token), int(nbytes)

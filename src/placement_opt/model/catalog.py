@@ -109,6 +109,14 @@ _PRESETS: tuple[ModelPreset, ...] = (
                          "sliding_window": None, "torch_dtype": "bfloat16"},
     ),
     ModelPreset(
+        name="dbrx-132b", config_class="DbrxConfig", advertised_params=132e9,
+        description="Databricks DBRX (2024): sparse MoE, 16 experts, 4 per token (36B active), 40 layers, 32k context",
+        hyperparameters={"vocab_size": 100352, "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768,
+                         "attn_config": {"kv_n_heads": 8, "clip_qkv": 8.0, "rope_theta": 500000.0},
+                         "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4},
+                         "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    ),
+    ModelPreset(
         name="gpt2-xl", config_class="GPT2Config", advertised_params=1.56e9,
         description="OpenAI GPT-2 XL (2019): 48 layers, Conv1D projections, tied embeddings, 1k context",
         hyperparameters={"vocab_size": 50257, "n_positions": 1024, "n_embd": 1600, "n_layer": 48, "n_head": 25,

@@ -15,9 +15,10 @@ from typing import Any
 
 from torch import nn
 
+from ..model._meta_experts import expert_count, is_stacked_experts
 from ._streamer import DispatchUnit
 
-__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "fused_experts", "takes_picks", "routing_argument",
+__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "expert_rows", "takes_picks", "routing_argument",
            "PICKS_ARGUMENT", "COUNTS_ARGUMENT"]
 
 #: The experts module's argument that holds each token's experts (transformers 5's experts interface).
@@ -54,18 +55,26 @@ def read_ahead(unit: DispatchUnit | None) -> ReadAhead:
     if unit is None:
         return ReadAhead()
     every = tuple(unit.disk)
-    routed = [(file, key) for file, key in every if fused_experts(file, key) and _routed(unit, key)]
-    experts = max((file.spans[key].shape[0] for file, key in routed), default=0)
+    routed, counts = [], []
+    for file, key in every:
+        experts = _routed_experts(unit, key)
+        if experts and expert_rows(file, key, experts):
+            routed.append((file, key))
+            counts.append(experts)
     # an expert group holds some rows of its layer's experts: the tokens are routed among the layer's
-    experts = getattr(unit.module, "layer_experts", experts) if routed else 0
+    experts = getattr(unit.module, "layer_experts", max(counts)) if routed else 0
     return ReadAhead(every, tuple(x for x in every if x not in routed), experts)
 
 
-def fused_experts(file: Any, key: str) -> bool:
-    """Whether ``key`` of ``file`` can be an experts module's fused tensor: one slice per expert along the first
-    of three dimensions (transformers 5's ``mlp.experts.gate_up_proj``, JetMoE's ``mlp.input_linear.weight``).
-    Which module owns it says whether it is one (:func:`takes_picks`)."""
-    return len(file.spans[key].shape) == 3
+def expert_rows(file: Any, key: str, experts: int) -> int:
+    """Rows per expert of tensor ``key`` of ``file`` held by an experts module of ``experts`` experts, in expert
+    order along its first dimension: one for a fused 3-D tensor (transformers 5's ``mlp.experts.gate_up_proj``,
+    JetMoE's ``mlp.input_linear.weight``) or a per-expert bias, the expert's width for DBRX's stacked 2-D tensors
+    (``[experts x ffn, hidden]``); 0 where its rows are not the experts'."""
+    shape = file.spans[key].shape
+    if experts <= 0 or len(shape) < 2 or shape[0] % experts:
+        return 0
+    return shape[0] // experts
 
 
 def routing_argument(module: nn.Module) -> str | None:
@@ -85,17 +94,22 @@ def takes_picks(module: nn.Module) -> bool:
     return routing_argument(module) is not None
 
 
-def _routed(unit: DispatchUnit, key: str) -> bool:
-    """Whether tensor ``key`` of ``unit``'s map belongs to an experts module of it that computes the picked experts
-    only (a key that names no module of the unit: not known, read ahead)."""
+def _routed_experts(unit: DispatchUnit, key: str) -> int:
+    """The experts of the module of ``unit`` that holds tensor ``key`` and computes only the experts it is told
+    of: its owner (fused tensors, an expert group), or the owner's parent for DBRX's stacked tensors, which its
+    experts module's child holds; 0 for any other tensor (a key that names no module of the unit: not known)."""
     owner = key.rpartition(".")[0]
     if unit.name and owner != unit.name and not owner.startswith(f"{unit.name}."):
-        return False
+        return 0
+    path = owner[len(unit.name):].lstrip(".")
     try:
-        module = unit.module.get_submodule(owner[len(unit.name):].lstrip("."))
+        module = unit.module.get_submodule(path)
+        parent = unit.module.get_submodule(path.rpartition(".")[0]) if path else None
     except AttributeError:
-        return False
-    return takes_picks(module)
+        return 0
+    if takes_picks(module) and expert_count(module):
+        return expert_count(module)
+    return parent.num_experts if parent is not None and is_stacked_experts(parent) else 0
 
 
 def link_prefetch(units: list[DispatchUnit]) -> None:

@@ -32,10 +32,10 @@ from torch import nn
 
 from ..cost.traffic import asks_whole_table
 from ..hardware.devices import Machine
-from ..model._meta_experts import is_fused_experts
+from ..model._meta_experts import expert_count, is_fused_experts, is_stacked_experts
 from ..model.graph import covering_key
 from ._expert_groups import ExpertGroups
-from ._prefetch_links import PICKS_ARGUMENT, fused_experts, routing_argument, takes_picks
+from ._prefetch_links import PICKS_ARGUMENT, expert_rows, routing_argument, takes_picks
 from ._streamer import DispatchUnit
 
 __all__ = ["read_routed_experts", "read_looked_up_rows"]
@@ -44,8 +44,9 @@ __all__ = ["read_routed_experts", "read_looked_up_rows"]
 # PICKS_ARGUMENT, COUNTS_ARGUMENT).
 _INDEX_POSITION = 1
 
-# (the fused expert tensors of one mapped module, as (file, key), and the layer's expert id of their first row)
-_Rows = tuple[Sequence[tuple[Any, str]], int]
+# (the expert tensors of one mapped module, as (file, key), the layer's expert id of its first expert, and how many
+# experts it holds)
+_Rows = tuple[Sequence[tuple[Any, str]], int, int]
 
 
 def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Callable[[], None]:
@@ -56,12 +57,12 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     handles = []
     for name, module in _routed_modules(model):
         if isinstance(module, ExpertGroups):
-            reads = [(fused, group.first_expert) for i, group in enumerate(module.groups)
-                     if (fused := _fused(f"{name}.groups.{i}", mapped))]
+            reads = [(fused, group.first_expert, group.num_experts) for i, group in enumerate(module.groups)
+                     if (fused := _fused(f"{name}.groups.{i}", mapped, group.num_experts))]
             experts = module.num_experts
         else:
-            reads = [(fused, 0)] if (fused := _fused(name, mapped)) else []
-            experts = max((f.spans[k].shape[0] for f, k in fused), default=0)  # a loop of its own has no count
+            experts = expert_count(module)
+            reads = [(fused, 0, experts)] if (fused := _fused(name, mapped, experts)) else []
         if reads:
             hook = _reader(reads, experts, routing_argument(module) or PICKS_ARGUMENT)
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -118,20 +119,22 @@ def _routed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     that write the loop themselves: LongCat-Flash, Step-3.7; JetMoE's, told the rows of each expert), and the
     holders of expert groups (a group is asked for by its holder)."""
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, ExpertGroups) or (is_fused_experts(m) and takes_picks(m))]
+            if isinstance(m, ExpertGroups) or ((is_fused_experts(m) or is_stacked_experts(m)) and takes_picks(m))]
 
 
-def _fused(name: str, mapped: Mapping[str, DispatchUnit]) -> list[tuple[Any, str]]:
-    """The fused expert tensors of module ``name`` in the memory map of the mapped unit covering it."""
+def _fused(name: str, mapped: Mapping[str, DispatchUnit], experts: int) -> list[tuple[Any, str]]:
+    """The expert tensors of module ``name`` (of ``experts`` experts) in the memory map of the mapped unit covering
+    it: those whose rows are its experts' (:func:`._prefetch_links.expert_rows`)."""
     owner = covering_key(name, mapped)
     if owner is None:
         return []
-    return [(f, k) for f, k in mapped[owner].disk if k.startswith(f"{name}.") and fused_experts(f, k)]
+    return [(f, k) for f, k in mapped[owner].disk if k.startswith(f"{name}.") and expert_rows(f, k, experts)]
 
 
 def _reader(reads: Sequence[_Rows], experts: int, argument: str = PICKS_ARGUMENT) -> Callable[..., None]:
-    # each module's rows: [first, first + rows) of the layer's experts, counted once here, not at every call
-    spans = [(fused, first, max(f.spans[k].shape[0] for f, k in fused)) for fused, first in reads]
+    # each module's experts: [first, first + held) of the layer's, each the same rows of every tensor (one in a fused
+    # tensor, the expert's width in DBRX's stacked ones), counted once here, not at every call
+    spans = [([(f, k, f.spans[k].shape[0] // held) for f, k in fused], first, held) for fused, first, held in reads]
     picks = _picks if argument == PICKS_ARGUMENT else _counted
 
     def read(_module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -139,10 +142,10 @@ def _reader(reads: Sequence[_Rows], experts: int, argument: str = PICKS_ARGUMENT
         picked = picks(routing, experts)
         if not picked:
             return
-        for fused, first, rows in spans:
-            for start, end in _runs([i - first for i in picked if 0 <= i - first < rows]):
-                for file, key in fused:
-                    file.prefetch_rows(key, start, end)
+        for tensors, first, held in spans:
+            for start, end in _runs([i - first for i in picked if 0 <= i - first < held]):
+                for file, key, rows in tensors:
+                    file.prefetch_rows(key, start * rows, end * rows)
 
     return read
 
