@@ -106,8 +106,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     Args:
         model: a :class:`LayerGraph`, or anything :func:`placement_opt.trace` accepts (a model, a
             config, a preset name).
-        devices: a ``Machine``, a list of ``Device``s or names, an accelerate ``max_memory`` dict or a
-            spec string; ``None`` or ``"auto"`` detects this machine (in a distributed run: this rank's share).
+        devices: a ``Machine``, a list of ``Device``s, names or spec items (``"cuda:0=h100-sxm"``), an
+            accelerate ``max_memory`` dict or a spec string; ``None`` or ``"auto"`` detects this machine (in a
+            distributed run: this rank's share).
         objective: ``"latency"`` (prefill + every decode step), ``"throughput"`` (slowest pipeline
             stage) or ``"memory"`` (least GPU memory within 5 % of the best latency).
         workload: batch, prompt and new tokens; default ``Workload()``.

@@ -15,7 +15,7 @@ from placement_opt.hardware.devices import (
     replace_device,
 )
 from placement_opt.hardware.presets import PRESETS, did_you_mean
-from placement_opt.hardware.resolve import as_machine, parse_device_spec
+from placement_opt.hardware.resolve import as_machine, device_names, parse_device_spec
 from placement_opt.units import GIB, MIB
 
 
@@ -124,6 +124,26 @@ def test_as_machine_accepts_max_memory_spec_and_lists() -> None:
     assert listed.names == ["cpu", "disk"] and listed["cpu"].memory_bytes > 0
     assert as_machine(spec) is spec
     assert as_machine("auto").names == as_machine(local_device_names()).names  # the CLI's --devices auto
+
+
+def test_a_list_takes_spec_items_as_the_spec_string_does() -> None:
+    """``["cuda:0=h100-sxm", "cpu=64GiB"]`` is the CLI's ``--devices cuda:0=h100-sxm,cpu=64GiB`` (it was read as a
+    device named 'cuda:0=h100-sxm'), beside names and Devices."""
+    spec = "cuda:0=h100-sxm/40GiB,cpu=64GiB"
+    listed = as_machine(["cuda:0=h100-sxm/40GiB", "cpu=64GiB", Device("disk", "1TB")])
+    assert listed.to_dict()["devices"][:2] == parse_device_spec(spec).to_dict()["devices"]
+    assert listed.names == device_names(["cuda:0=h100-sxm/40GiB", "cpu=64GiB", Device("disk", "1TB")])
+    assert device_names(["cuda:0=h100-sxm,cuda:1=a100-40gb", "cpu"]) == ["cuda:0", "cuda:1", "cpu"]
+
+
+@pytest.mark.parametrize(("value", "shown"), [("h100-sxm", "'cuda:0=h100-sxm/24GiB,cpu=64GiB'"),
+                                              ("h100-80gb", "did you mean 'h100-pcie' or 'h100-sxm'")])
+def test_a_preset_in_a_max_memory_dict_is_answered_with_the_forms_that_take_one(value, shown) -> None:
+    with pytest.raises(DeviceSpecError, match=r"names a device preset") as caught:
+        as_machine({0: value, "cpu": "64GiB"})
+    assert shown in str(caught.value)
+    with pytest.raises(DeviceSpecError, match=r"'12 gigs' is not a size"):  # not a preset: the size's own message
+        as_machine({0: "12 gigs"})
 
 
 def test_a_word_near_auto_is_still_an_unknown_device() -> None:

@@ -173,7 +173,8 @@ def assumed_preset(source: str) -> str | None:
 def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
     """Coerce anything a user may call a machine into a :class:`Machine`.
 
-    Accepts a ``Machine``; a list of ``Device``s and/or names (names are detected locally);
+    Accepts a ``Machine``; a list of ``Device``s, names (detected locally) and/or spec items
+    (``["cuda:0=h100-sxm", "cpu=256GiB", "disk"]``, as :func:`parse_device_spec` reads them);
     an accelerate ``max_memory`` dict (``{0: "20GiB", "cpu": "64GiB"}``; GPUs get the default
     GPU preset's speeds unless this machine has them); a spec string for
     :func:`parse_device_spec`; or ``"auto"``: this machine's visible GPUs, CPU and disk, detected.
@@ -192,11 +193,20 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
     if isinstance(devices, Mapping):
         return _from_max_memory(devices, dtype)
     if isinstance(devices, Iterable):
-        return Machine([d if isinstance(d, Device) else detect_device(d, dtype=dtype) for d in devices])
+        return Machine([device for d in devices for device in _listed_devices(d, dtype)])
     raise DeviceSpecError(
         f"devices={devices!r} is not a machine: pass a Machine, a list like ['cuda:0', 'cpu', 'disk'], "
         f"a max_memory dict like {{0: '20GiB', 'cpu': '64GiB'}}, or a spec like 'cuda:0=a100-40gb,cpu=64GiB'"
     )
+
+
+def _listed_devices(item: Any, dtype: str) -> list[Device]:
+    """The devices one item of a list names: a ``Device``, a spec item (``"cuda:0=h100-sxm"``), or a name."""
+    if isinstance(item, Device):
+        return [item]
+    if isinstance(item, str) and "=" in item:
+        return parse_device_spec(item, dtype=dtype).devices
+    return [detect_device(item, dtype=dtype)]
 
 
 def device_names(devices: Any) -> list[str]:
@@ -210,8 +220,17 @@ def device_names(devices: Any) -> list[str]:
     if isinstance(devices, Mapping):
         return [normalize_device_name(k) for k in devices]
     if isinstance(devices, Iterable):
-        return [d.name if isinstance(d, Device) else normalize_device_name(d) for d in devices]
+        return [name for item in devices for name in _listed_names(item)]
     return [normalize_device_name(devices)]
+
+
+def _listed_names(item: Any) -> list[str]:
+    """The names of the devices one item of a list names (:func:`_listed_devices`), without detecting any."""
+    if isinstance(item, Device):
+        return [item.name]
+    if isinstance(item, str) and "=" in item:
+        return [name for name, _, _ in _spec_items(item)]
+    return [normalize_device_name(item)]
 
 
 def _from_max_memory(max_memory: Mapping[Any, Any], dtype: str) -> Machine:
@@ -220,8 +239,25 @@ def _from_max_memory(max_memory: Mapping[Any, Any], dtype: str) -> Machine:
     A ``max_memory`` dict describes this machine (accelerate reads it so), so a device the profile
     measured gets its measured speeds, as a list of names does; the others get default speeds.
     """
-    return Machine([_with_budget(normalize_device_name(key), parse_size(value, what=f"max_memory[{key!r}]"), dtype,
-                                 max_memory=True) for key, value in max_memory.items()])
+    return Machine([_with_budget(normalize_device_name(key), _budget(key, value), dtype, max_memory=True)
+                    for key, value in max_memory.items()])
+
+
+def _budget(key: Any, value: Any) -> int:
+    """A ``max_memory`` entry's bytes; a preset named there is answered with the forms that take one."""
+    try:
+        return parse_size(value, what=f"max_memory[{key!r}]")
+    except DeviceSpecError as error:
+        exact = isinstance(value, str) and value.strip().lower() in PRESETS
+        hint = "" if exact or not isinstance(value, str) else did_you_mean(value)
+        if not (exact or hint):
+            raise
+        name, shown = normalize_device_name(key), value.strip().lower() if exact else "PRESET"
+        raise DeviceSpecError(
+            f"max_memory[{key!r}] = {value!r} names a device preset{hint}, but a max_memory dict gives budgets "
+            f"(e.g. {{{key!r}: '24GiB'}}). For a preset's speeds pass a spec string or a list of its items, e.g. "
+            f"'{name}={shown}/24GiB,cpu=64GiB' or ['{name}={shown}', 'cpu=64GiB']; presets: "
+            f"{', '.join(sorted(PRESETS))}") from error
 
 
 # -- one rank's share ----------------------------------------------------------------------------
