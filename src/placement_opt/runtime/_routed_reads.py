@@ -7,8 +7,9 @@ mapped unit leaves the experts out (:class:`._prefetch_links.ReadAhead`). Left t
 experts came in at about a quarter of the disk's mapped read rate on this project's machine: each fault reads a
 128 KiB window and waits for it. A forward pre-hook on the experts module asks the kernel for the picked
 experts' rows of every fused expert tensor at once (``posix_fadvise``, returns at once), after the router has
-chosen them and before they are computed: one large read of what the step uses. JetMoE's experts (its MLP's and
-its attention's) are told how many rows each expert gets instead: the experts with some are asked for.
+chosen them and before they are computed: one large read of what the step uses (DBRX stacks its experts along the
+rows of 2-D tensors: a pick's block of rows). JetMoE's experts (its MLP's and its attention's) are told how many rows
+each expert gets instead: the experts with some are asked for.
 
 Expert groups (:mod:`._expert_groups`) are asked for by the module that holds a layer's groups, before its
 first group computes: a disk group's picked rows come in while the groups before it compute.
@@ -116,8 +117,8 @@ def _row_asker(tables: Sequence[tuple[Any, str]], machine: Machine) -> Callable[
 
 def _routed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Fused experts modules that compute the router's picks only (transformers' experts interface, the families
-    that write the loop themselves: LongCat-Flash, Step-3.7; JetMoE's, told the rows of each expert), and the
-    holders of expert groups (a group is asked for by its holder)."""
+    that write the loop themselves: LongCat-Flash, Step-3.7; JetMoE's, told the rows of each expert), DBRX's
+    stacked ones, and the holders of expert groups (a group is asked for by its holder)."""
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, ExpertGroups) or ((is_fused_experts(m) or is_stacked_experts(m)) and takes_picks(m))]
 
