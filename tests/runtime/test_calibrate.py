@@ -195,6 +195,28 @@ def test_a_model_accelerate_cannot_run_from_disk_keeps_its_own_disk_figures_and_
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("placement_opt_calibrate_")] == []
 
 
+def test_a_unit_never_called_through_its_forward_gets_no_figures(tmp_path, monkeypatch) -> None:
+    """JetMoE's attention experts run through map() and reduce(), never their forward: no hook times them, and
+    their weights are read while the units that call those methods run. They were saved with no times at all
+    (summary() failed on them) and a disk read of 0 s; now they are left uncalibrated, priced as before."""
+    from transformers import JetMoeConfig
+
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "profile.json"))
+    config = JetMoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2)
+    config.dtype = "float32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # accelerate's offload does not run it
+        result = placement_opt.calibrate(config, ["cpu", "disk"], workload=Workload(batch_size=1, prompt_len=8,
+                                                                                      new_tokens=2),
+                                         granularity="sublayer", offload_dir=tmp_path, repeats=1)
+    never = result.units["model.layers.0.self_attention.experts"]
+    called = result.units["model.layers.0.mlp"]
+    assert result.times[never] == {} and never not in result.copies
+    assert set(result.times[called]) == {"cpu"} and "disk->cpu" in result.copies[called]
+    assert "self_attention.experts" not in result.summary() and "model.layers.0.mlp" in result.summary()
+
+
 @given(layers=st.integers(1, 6), timed=st.lists(st.integers(0, 5), max_size=3), chain=st.booleans())
 def test_the_cut_copy_holds_every_timed_layer_and_two_more_for_disk_reads_where_the_model_has_them(
         layers: int, timed: list[int], chain: bool) -> None:

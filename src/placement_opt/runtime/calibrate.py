@@ -371,6 +371,8 @@ def _time_pass(model: nn.Module, one: _Pass, device: torch.device, workload: Wor
     kept = workload.logits_kept
     out = {}
     for name, key in representatives.items():
+        if not any(name in run for run in (*prefill.values(), *decode.values())):
+            continue  # never called through its forward (JetMoE's attention experts: map() and reduce()): not timed
         unit = graph.unit(name)
         alike = _alike(graph, key, modules) if unit.is_moe else [name]
         out[key] = UnitTimes(prefill=tuple((b, p, run[name], kept) for (b, p), run in prefill.items() if name in run),
