@@ -73,7 +73,7 @@ def time_disk_reads(model: nn.Module, graph: LayerGraph, copy_graph: LayerGraph,
             for name, key in representatives.items():
                 if graph.unit(name).weight_bytes == 0:
                     continue
-                alike = [n for n in shapes.get(key, ()) if n in cold["decode"]]
+                alike = [n for n in shapes.get(key, [name]) if n in cold["decode"]]
                 if not alike:
                     continue  # never called through its forward: its reads land in the unit that uses it
                 extra = {phase: statistics.fmean(max(0.0, cold[phase].get(n, 0.0) - resident[phase].get(n, 0.0))
