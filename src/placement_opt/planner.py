@@ -33,7 +33,7 @@ from ._solve_inputs import (
     nothing_to_place,
 )
 from .baselines import ScoredBaseline, baseline_plan, score_baselines
-from .cost.build import price_problem
+from .cost.build import price_problem, run_as_glue
 from .cost.calibrated import calibration_for
 from .cost.device_map import accelerate_device_map
 from .cost.evaluate import Cost, as_graph, priced_evaluator
@@ -245,10 +245,15 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     # what the prediction rests on: calibrated, assumed or another dtype's speeds; a context past the model's
     notes += [said for said in (calibration_note(graph, machine), default_speeds_note(machine),
                                 other_dtype_note(machine, graph.meta.dtype), context_note(graph, workload)) if said]
-    if problem.pins:
+    glue = run_as_glue(graph)
+    if len(problem.pins) > len(glue):
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())
-        notes.append(f"{len(problem.pins)} unit(s) stored where pinned ({given}); the solver placed the rest, and "
-                     f"chose where every unit computes")
+        notes.append(f"{len(problem.pins) - len(glue)} unit(s) stored where pinned ({given}); the solver placed the "
+                     f"rest, and chose where every unit computes")
+    if glue:
+        notes.append(f"{len(glue)} unit(s) hold weights their parent uses through other methods, never their own "
+                     f"forward ({', '.join(glue[:3])}{', ...' if len(glue) > 3 else ''}): kept on the home device "
+                     f"{problem.pins[glue[0]]}, where that code runs (no pin moves them)")
     if strategy == "cpsat":
         return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers, started - after_s), notes)

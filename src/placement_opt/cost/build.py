@@ -33,7 +33,7 @@ from .workload import Workload
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.graph import LayerGraph, UnitInfo
 
-__all__ = ["build_problem", "price_problem", "MAX_SOLVER_INT"]
+__all__ = ["build_problem", "price_problem", "run_as_glue", "MAX_SOLVER_INT"]
 
 #: The largest total the solver's integers may reach: the nanoseconds of the slowest placement of
 #: every unit and edge, or the bytes of the largest option of every unit. CP-SAT works in signed
@@ -106,9 +106,33 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
     _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
-        pins=resolve_pins(pins or {}, graph, machine), contiguous=contiguous, copy_groups=copy_groups(units),
+        pins=_with_glue(resolve_pins(pins or {}, graph, machine), graph, ctx.home), contiguous=contiguous,
+        copy_groups=copy_groups(units),
         part_groups=part_groups(units))
     return problem, parts
+
+
+def run_as_glue(graph: LayerGraph) -> list[str]:
+    """The units of a sublayer graph whose own forward the traced model never called, though they hold weights:
+    their parent computes with those weights through other methods (JetMoE's attention experts, run by
+    ``map()`` and ``reduce()``; Gemma-3n's ``altup``). That is glue, which runs on the home device, and the
+    dispatcher copies a unit's weights when its forward is called, which for these never happens: so the
+    problem pins them to the home device (:func:`_with_glue`). Told by the trace's op count: none for such a
+    unit, a count for every unit that ran (a graph with no counts, saved before they were kept, has none)."""
+    if graph.meta.granularity != "sublayer" or not graph.meta.traced:
+        return []
+    units = graph.units()
+    if not any(u.ops_per_forward for u in units):
+        return []
+    return [u.name for u in units if u.param_bytes > 0 and not u.ops_per_forward]
+
+
+def _with_glue(pins: Mapping[str, str], graph: LayerGraph, home: str | None) -> dict[str, str]:
+    """``pins`` and every unit run as glue (:func:`run_as_glue`) stored on ``home``, a pin covering one of them
+    (a whole layer's) included: there its one runnable option is to stay resident (a unit stored on a GPU
+    computes there; home is the CPU only on a machine without a GPU). The plan's notes say so."""
+    glue = run_as_glue(graph) if home is not None else []
+    return {**pins, **dict.fromkeys(glue, home)}
 
 
 def copy_groups(units: Sequence[UnitInfo]) -> tuple[tuple[str, ...], ...]:

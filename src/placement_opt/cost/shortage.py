@@ -8,6 +8,7 @@ figures are :mod:`.memory`'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,7 +133,10 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
                      f"{format_bytes(need)} on {device}, which has {format_bytes(has)} (weights, KV cache, workspace "
                      f"and buffers); reduce the batch or context, or add GPU/CPU memory")
     if not lines:
-        lines.append(_split_shortage(problem, need_all, have_all))
+        from .build import run_as_glue  # build prices the problem; this module reads it after
+
+        lines.append(_split_shortage(problem, need_all, have_all,
+                                     [n for n in run_as_glue(graph) if n in problem.pins]))
     return "no placement fits: " + "; ".join(lines)
 
 
@@ -147,10 +151,10 @@ def _what_takes_space(least: list[int], resident: list[int], graph: LayerGraph, 
     return kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
 
 
-def _split_shortage(problem: PlacementProblem, need_all: int, have_all: int) -> str:
+def _split_shortage(problem: PlacementProblem, need_all: int, have_all: int, glue: Sequence[str] = ()) -> str:
     """:func:`shortage_message`'s line where the totals suffice and no unit is too big, yet nothing fits: the
     constraints in the way, and memory that is enough where a start shows it."""
-    blamed = _constraints_in_the_way(problem)
+    blamed = _constraints_in_the_way(problem, glue)
     enough = _enough(problem)
     more = ", ".join(f"{format_bytes(n)} more on {name}" for name, n in enough.items()) if enough else ""
     return (f"the total memory suffices ({format_bytes(need_all)} needed at least, {format_bytes(have_all)} "
@@ -195,12 +199,20 @@ def _enough(problem: PlacementProblem) -> dict[str, int] | None:
     return best
 
 
-def _constraints_in_the_way(problem: PlacementProblem) -> list[str]:
-    """The constraints beyond capacity that a plan must meet, each with what the user can do about it."""
+def _constraints_in_the_way(problem: PlacementProblem, glue: Sequence[str] = ()) -> list[str]:
+    """The constraints beyond capacity that a plan must meet, each with what the user can do about it. ``glue``:
+    the units pinned to the home device because their parent uses their weights outside their forward
+    (:func:`~.build.run_as_glue`), which no user pin moves."""
     out = []
-    if problem.pins:
-        pinned = ", ".join(f"{name} -> {device}" for name, device in list(problem.pins.items())[:4])
-        out.append(f"the pins ({pinned}{', ...' if len(problem.pins) > 4 else ''}): move or drop them")
+    given = {name: device for name, device in problem.pins.items() if name not in glue}
+    if given:
+        pinned = ", ".join(f"{name} -> {device}" for name, device in list(given.items())[:4])
+        out.append(f"the pins ({pinned}{', ...' if len(given) > 4 else ''}): move or drop them")
+    if glue:
+        home = problem.pins[glue[0]]
+        out.append(f"the {len(glue)} unit(s) kept on the home device {home} ({', '.join(glue[:3])}"
+                   f"{', ...' if len(glue) > 3 else ''}: their parent uses their weights outside their forward): "
+                   f"give {home} room for them, or plan with granularity='block'")
     if problem.tied_groups:
         index = problem.index()
         groups = []
