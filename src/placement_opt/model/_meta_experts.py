@@ -14,7 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["stand_in_experts", "is_fused_experts", "is_stacked_experts", "expert_count"]
+__all__ = ["stand_in_experts", "is_fused_experts", "is_stacked_experts", "expert_count", "routing_argument",
+           "PICKS_ARGUMENT", "COUNTS_ARGUMENT"]
+
+#: The experts module's argument that holds each token's experts (transformers 5's experts interface).
+PICKS_ARGUMENT = "top_k_index"
+#: The experts module's argument that holds how many rows each expert gets, in expert order (JetMoE's
+#: ``ParallelExperts``, for its MLP and its attention experts): its rows come sorted by expert and split by these
+#: counts, every expert computing its share; one with no rows multiplies an empty input and reads none of its
+#: weights.
+COUNTS_ARGUMENT = "expert_size"
 
 
 def stand_in_experts(module: nn.Module, experts_per_token: Callable[[nn.Module], int]) -> Callable[[], None]:
@@ -59,7 +68,7 @@ def is_stacked_experts(module: nn.Module) -> bool:
     experts = getattr(module, "num_experts", None)
     child = getattr(module, "mlp", None)
     if (not isinstance(experts, int) or experts < 1 or not type(module).__name__.endswith("Experts")
-            or not isinstance(child, nn.Module) or not _takes(module, "top_k_index")):
+            or not isinstance(child, nn.Module) or routing_argument(module) != PICKS_ARGUMENT):
         return False
     weights = [getattr(child, name, None) for name in _STACKED]
     return all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] % experts == 0 for w in weights)
@@ -80,26 +89,25 @@ def is_fused_experts(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in params)
 
 
-#: The argument of an experts module told how many rows each expert gets (JetMoE's ``ParallelExperts``: its rows
-#: come sorted by expert and split by these counts, every expert computing its share).
-_ROWS_ARGUMENT = "expert_size"
-
-
 #: DBRX's stacked expert tensors, in the order its expert module takes their slices.
 _STACKED = ("w1", "v1", "w2")
 
 
-def _takes(module: nn.Module, argument: str) -> bool:
+def routing_argument(module: nn.Module) -> str | None:
+    """The argument of ``module``'s forward that names the experts a call computes (:data:`PICKS_ARGUMENT`,
+    :data:`COUNTS_ARGUMENT`), or None: Llama 4's experts take the hidden states alone and run every expert on
+    every token."""
     try:
-        return argument in inspect.signature(module.forward).parameters
+        parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
-        return False
+        return None
+    return next((name for name in (PICKS_ARGUMENT, COUNTS_ARGUMENT) if name in parameters), None)
 
 
 def _told_rows(module: nn.Module) -> bool:
     """Whether ``module`` is told its rows per expert: it runs on meta as it is once they are known
     (:func:`_even_routing`), and computes exactly the routed rows' FLOPs."""
-    return _takes(module, _ROWS_ARGUMENT)
+    return routing_argument(module) == COUNTS_ARGUMENT
 
 
 def _stacked_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]:

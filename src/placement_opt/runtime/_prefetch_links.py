@@ -8,25 +8,16 @@ started there.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ..model._meta_experts import expert_count, is_stacked_experts
+from ..model._meta_experts import expert_count, is_stacked_experts, routing_argument
 from ._streamer import DispatchUnit
 
-__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "expert_rows", "takes_picks", "routing_argument",
-           "PICKS_ARGUMENT", "COUNTS_ARGUMENT"]
-
-#: The experts module's argument that holds each token's experts (transformers 5's experts interface).
-PICKS_ARGUMENT = "top_k_index"
-#: The experts module's argument that holds how many rows each expert gets, in expert order (JetMoE's
-#: ``ParallelExperts``, for its MLP and its attention experts): it runs every expert on its share of the rows, and
-#: one with no rows multiplies an empty input and reads none of its weights.
-COUNTS_ARGUMENT = "expert_size"
+__all__ = ["link_prefetch", "link_groups", "ReadAhead", "read_ahead", "expert_rows", "takes_picks"]
 
 
 @dataclass(frozen=True)
@@ -77,20 +68,9 @@ def expert_rows(file: Any, key: str, experts: int) -> int:
     return shape[0] // experts
 
 
-def routing_argument(module: nn.Module) -> str | None:
-    """The argument of ``module``'s forward that names the experts a call computes (:data:`PICKS_ARGUMENT`,
-    :data:`COUNTS_ARGUMENT`), or None: Llama 4's experts take the hidden states alone and run every expert on
-    every token."""
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    return next((name for name in (PICKS_ARGUMENT, COUNTS_ARGUMENT) if name in parameters), None)
-
-
 def takes_picks(module: nn.Module) -> bool:
-    """Whether ``module``'s forward is told which experts it computes (:func:`routing_argument`), and so reads only
-    their weights."""
+    """Whether ``module``'s forward is told which experts it computes
+    (:func:`~placement_opt.model._meta_experts.routing_argument`), and so reads only their weights."""
     return routing_argument(module) is not None
 
 
@@ -107,8 +87,8 @@ def _routed_experts(unit: DispatchUnit, key: str) -> int:
         parent = unit.module.get_submodule(path.rpartition(".")[0]) if path else None
     except AttributeError:
         return 0
-    if takes_picks(module) and expert_count(module):
-        return expert_count(module)
+    if takes_picks(module) and (experts := expert_count(module)):
+        return experts
     return parent.num_experts if parent is not None and is_stacked_experts(parent) else 0
 
 

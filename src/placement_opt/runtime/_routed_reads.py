@@ -33,10 +33,16 @@ from torch import nn
 
 from ..cost.traffic import asks_whole_table
 from ..hardware.devices import Machine
-from ..model._meta_experts import expert_count, is_fused_experts, is_stacked_experts
+from ..model._meta_experts import (
+    PICKS_ARGUMENT,
+    expert_count,
+    is_fused_experts,
+    is_stacked_experts,
+    routing_argument,
+)
 from ..model.graph import covering_key
 from ._expert_groups import ExpertGroups
-from ._prefetch_links import PICKS_ARGUMENT, expert_rows, routing_argument, takes_picks
+from ._prefetch_links import expert_rows, takes_picks
 from ._streamer import DispatchUnit
 
 __all__ = ["read_routed_experts", "read_looked_up_rows"]
