@@ -214,3 +214,19 @@ def test_the_ops_benchmark_prices_one_graph_with_and_without_its_op_counts(monke
     counted = sum(graph.unit(n).ops_per_forward for n in graph.names())
     fixed = len(graph.names()) * UNIT_OVERHEAD_S["cpu"]
     assert after_prefill - before_prefill == pytest.approx(counted * OP_OVERHEAD_S["cpu"] - fixed, rel=1e-6)
+
+
+def test_the_decode_floor_lies_under_every_solved_plan_and_meets_the_resident_one():
+    """benchmarks/phases/floor.py: its linear program is a relaxation of solve()'s problem, so its step is never
+    slower than a solved plan's (the script exits non-zero if it is); with the GPU's memory no limit, every unit
+    resident is feasible and optimal for both, so the floor must price it as the plan does."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "floor.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {r[0]: r for r in _table_rows(run.stdout, ("1MiB", "whole GPU"))}
+    assert set(rows) == {"1MiB", "whole GPU"}, run.stdout
+    for r in rows.values():
+        floor = float(r[5].strip("*"))
+        assert floor >= float(r[3]) and floor >= float(r[4]), r  # tokens/s: the floor is the fastest
+    whole = rows["whole GPU"]
+    assert abs(float(whole[5].strip("*")) / float(whole[4]) - 1) < 0.01, whole

@@ -1,0 +1,217 @@
+"""How fast could any placement decode? A floor under issue 15's 2x goal, from a GPU host's measured profile.
+
+The goal asks the new modes for twice the layer plan's decode tokens/s. This script asks whether any placement of the
+same model, with the same GPU budget, on the same host, could reach it. It reads the profile a lent GPU machine wrote
+(``h200-host-profile-2.json`` beside this script: the H200 host's devices and links, and the calibrated figures of
+the Llama-3.1-8B shape's units, which ``gpu.py`` measured in the same run), prices every option of every unit of the
+sublayer graph (attention, MLP and norms apart) as ``solve()`` does, and solves a linear program over them:
+
+* each unit's options take fractions that sum to 1 (a unit may be split any way at all, finer than any granularity
+  the tracer offers);
+* the weights stored on the GPU, and the KV cache of the units the GPU computes in the decode, fit the budget
+  (workspace and stream buffers are left out: they only make a placement slower);
+* a decode step lasts at least the compute of its units one after another (a batch-1 step is a chain: the CPU and the
+  GPU never compute at once), at least the prefetch thread's copies, and at least host memory's traffic (the copies'
+  reads and the CPU's weight reads together). Stalls and transfers between devices are left out: both are >= 0.
+
+Every placement ``solve()`` can return costs at least this floor by the same cost model, so a goal above it is beyond
+any placement of these units on that host (the cost model predicted the layer plan's decode there within 4 % at
+10 GiB and 9 % at 4 GiB, ``GPU.md``). The measured figures beside it are read from ``GPU.json`` (that run's rows).
+Nothing runs on a GPU here.
+
+Usage::
+
+    python benchmarks/phases/floor.py            # writes FLOOR.md here (about a minute on 2 cores)
+    python benchmarks/phases/floor.py --smoke    # a tiny Llama, roofline prices: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROFILE = HERE / "h200-host-profile-2.json"
+CPU_MEMORY = "100GiB"
+#: Llama-3.1-8B's published shape, as gpu.py's checkpoint (its own lm_head).
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=256)
+#: gpu.py's workload in the runs GPU.json holds: batch 1, a 512-token prompt, 16 decode steps.
+WORKLOAD = (1, 512, 16)
+#: The case name of GPU.json's rows for this shape.
+CASE = "llama-3.1-8b shape"
+#: A floor above a plan by more than this share of the plan's time is a fault of this script, not a finding.
+TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The linear program's optimum: one decode step at the least, and where its bytes go."""
+
+    step_s: float
+    binding: tuple[str, ...]
+    """Which of ``compute chain``, ``copies``, ``host memory`` reach ``step_s`` (within 0.1 %)."""
+    gpu_weights_bytes: float
+    streamed_bytes: float
+    cpu_bytes: float
+    """Weights the CPU computes in the decode (CPU-resident and phased options): the embedding's count whole, though
+    a lookup reads one row a token."""
+
+
+def _machine(budget: str | None):
+    from placement_opt.hardware.resolve import as_machine
+
+    return as_machine({0: budget or "140GiB", "cpu": CPU_MEMORY})
+
+
+def decode_floor(graph: Any, budget: str | None, workload: Any, gpu_free: bool = False) -> Floor:
+    """The least decode step of any fractional placement of ``graph``'s units (module docstring); ``budget`` None:
+    the GPU's whole memory is the budget (every weight fits there). ``gpu_free``: the GPU's compute costs nothing
+    (what the bytes kept off the GPU cost alone, whatever a faster GPU runtime would save)."""
+    from ortools.linear_solver import pywraplp
+
+    from placement_opt.cost.build import price_problem
+
+    machine = _machine(budget)
+    gpu = machine.gpus[0].name
+    problem, parts = price_problem(graph, machine, workload, ("resident", "stream", "phased"), None, False)
+    capacity = next(d.capacity_bytes for d in problem.devices if d.name == gpu)
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    step = lp.NumVar(0.0, lp.infinity(), "step")
+    shares = []
+    for row in parts:
+        xs = [lp.NumVar(0.0, 1.0, "") for _ in row]
+        lp.Add(lp.Sum(xs) == 1)
+        shares.append(list(zip(xs, row, strict=True)))
+
+    def total(term) -> Any:
+        return lp.Sum([x * term(o) for unit in shares for x, o in unit if term(o)])
+
+    steps = workload.decode_steps
+    def compute(o) -> float:
+        return 0.0 if gpu_free and o.execution == gpu else o.decode_s / steps
+
+    sums = {"compute chain": total(compute), "copies": total(lambda o: o.copy_decode_s / steps),
+            "host memory": total(lambda o: o.host_decode_s / steps)}
+    for expression in sums.values():
+        lp.Add(step >= expression)
+    lp.Add(total(lambda o: (o.weights_bytes if o.storage == gpu else 0)
+                 + (o.kv_cache_bytes if o.execution == gpu else 0)) <= capacity)
+    lp.Minimize(step)
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+        raise SystemExit(f"the floor's linear program has no optimum at {budget}: is the budget below the KV cache?")
+    best = step.solution_value()
+    binding = tuple(name for name, e in sums.items() if e.solution_value() >= best * 0.999)
+
+    def weights(keep) -> float:
+        return sum(x.solution_value() * o.weights_bytes for unit in shares for x, o in unit if keep(o))
+
+    return Floor(best, binding, weights(lambda o: o.storage == gpu), weights(lambda o: o.mode == "stream"),
+                 weights(lambda o: o.execution != gpu and o.mode != "stream"))
+
+
+def _config(shape: dict[str, int]) -> Path:
+    import transformers as T
+
+    config = T.LlamaConfig(**shape, tie_word_embeddings=False)
+    config.dtype = "bfloat16"
+    folder = Path(tempfile.mkdtemp(prefix="floor-"))
+    config.save_pretrained(folder)
+    return folder
+
+
+def _measured(budget: str) -> dict[str, float]:
+    """GPU.json's measured decode tokens/s per runner at ``budget`` (the second run's rows: the first's come after)."""
+    rows = json.loads((HERE / "GPU.json").read_text())
+    found: dict[str, float] = {}
+    for r in rows:
+        if r["case"] == CASE and r["budget"] == budget and r.get("measured_decode_tps"):
+            found.setdefault(r["runner"], r["measured_decode_tps"])
+    return found
+
+
+def _row(graphs: dict[str, Any], budget: str | None, workload: Any, limit_s: float) -> dict[str, Any]:
+    from placement_opt import solve
+
+    floor = decode_floor(graphs["sublayer"], budget, workload)
+    row: dict[str, Any] = {"budget": budget or "whole GPU", "floor": floor,
+                           "gpu_free": decode_floor(graphs["sublayer"], budget, workload, gpu_free=True)}
+    for name, modes in (("layer", ("resident", "stream")), ("sublayer", ("resident", "stream", "phased"))):
+        plan = solve(graphs[name], _machine(budget), workload=workload, modes=modes, time_limit_s=limit_s)
+        step_s = plan.cost.decode_s / workload.decode_steps
+        if floor.step_s > step_s * (1 + TOLERANCE):
+            raise SystemExit(f"the floor ({floor.step_s * 1e3:.3f} ms) is above the {name} plan's step "
+                             f"({step_s * 1e3:.3f} ms) at {row['budget']}: the linear program is not a relaxation")
+        row[name] = step_s
+    return row
+
+
+def _free(floor: Floor, batch: int) -> str:
+    if floor.step_s <= 0:  # every weight on the GPU, whose compute is free: nothing left to cost
+        return "no limit"
+    return f"{batch / floor.step_s:.2f} ({', '.join(floor.binding)})"
+
+
+def _table(rows: list[dict[str, Any]], batch: int) -> list[str]:
+    lines = ["| GPU budget | layer plan measured (GPU.json) | the 2x goal | layer plan predicted | sublayer plan "
+             "predicted | floor of any placement | floor / layer plan measured | what binds at the floor | "
+             "weights on the GPU / streamed / computed by the CPU at the floor (GB) | floor with the GPU's compute free |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f: Floor = r["floor"]
+        measured = _measured(r["budget"]).get("layer")
+        lines.append("| " + " | ".join([
+            r["budget"], f"{measured:.2f}" if measured else "-", f"{2 * measured:.2f}" if measured else "-",
+            f"{batch / r['layer']:.2f}", f"{batch / r['sublayer']:.2f}", f"**{batch / f.step_s:.2f}**",
+            f"{batch / f.step_s / measured:.2f}x" if measured else "-", ", ".join(f.binding),
+            f"{f.gpu_weights_bytes / 1e9:.2f} / {f.streamed_bytes / 1e9:.2f} / {f.cpu_bytes / 1e9:.2f}",
+            _free(r["gpu_free"], batch)]) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny Llama at a 1 MiB budget: checks the script")
+    parser.add_argument("--profile", default=str(PROFILE), help=f"the GPU host's profile (default {PROFILE.name})")
+    parser.add_argument("--time-limit", type=float, default=2.0, help="solve() time limit per plan (default 2 s)")
+    parser.add_argument("--out", default=None, help="Markdown report (default: FLOOR.md here; none with --smoke)")
+    args = parser.parse_args(argv)
+    os.environ["PLACEMENT_OPT_PROFILE"] = args.profile  # before placement_opt reads a profile
+    from placement_opt import Workload, trace
+
+    started = time.time()
+    folder = _config(TINY if args.smoke else LLAMA_8B)
+    batch, prompt, steps = (1, 32, 8) if args.smoke else WORKLOAD
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
+    graphs = {"layer": trace(str(folder)), "sublayer": trace(str(folder), granularity="sublayer")}
+    budgets = ("1MiB", None) if args.smoke else ("10GiB", "4GiB", None)
+    rows = [_row(graphs, b, workload, args.time_limit) for b in budgets]
+    lines = [
+        "# The fastest decode any placement could reach: a floor under issue 15's 2x goal", "",
+        f"`python benchmarks/phases/floor.py{' --smoke' if args.smoke else ''}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {platform.machine()} ({os.cpu_count()} cores), "
+        f"{time.time() - started:.0f} s. Profile: `{Path(args.profile).name}`. {'A tiny Llama' if args.smoke else 'The Llama-3.1-8B shape'} (bf16), batch "
+        f"{batch} x {prompt} + {steps}, `Workload(overlap=True)`; decode tokens/s (batch / one step). Predicted "
+        f"columns: `solve(time_limit_s={args.time_limit:g})` on the block graph (resident and streamed layers, CPU "
+        "compute) and the sublayer graph (every mode), priced by the profile. The floor: the linear program of this "
+        "script's docstring over the sublayer graph's options. 'whole GPU': the GPU's memory is no limit.", "",
+        *_table(rows, batch), ""]
+    text = "\n".join(lines)
+    print(text)
+    out = args.out or (None if args.smoke else str(HERE / "FLOOR.md"))
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
