@@ -22,7 +22,9 @@ Nothing runs on a GPU here.
 Usage::
 
     python benchmarks/phases/floor.py            # writes FLOOR.md here (about a minute on 2 cores)
-    python benchmarks/phases/floor.py --smoke    # a tiny Llama, roofline prices: checks the script
+    python benchmarks/phases/floor.py --case mixtral --profile PROFILE   # gpu.py's Mixtral case, from a profile
+                                                  # that calibrated it (the moe step's, DEVICE.md)
+    python benchmarks/phases/floor.py --smoke --case all   # gpu.py's tiny models, roofline prices: checks the script
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,17 +41,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpu import LLAMA_8B, MIXTRAL, TINY, TINY_MOE, mixtral_budget  # noqa: E402  (the shapes gpu.py measured)
+
 PROFILE = HERE / "h200-host-profile-2.json"
 CPU_MEMORY = "100GiB"
-#: Llama-3.1-8B's published shape, as gpu.py's checkpoint (its own lm_head).
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=256)
 #: gpu.py's workload in the runs GPU.json holds: batch 1, a 512-token prompt, 16 decode steps.
 WORKLOAD = (1, 512, 16)
-#: The case name of GPU.json's rows for this shape.
-CASE = "llama-3.1-8b shape"
 #: A floor above a plan by more than this share of the plan's time is a fault of this script, not a finding.
 TOLERANCE = 1e-6
 
@@ -119,22 +118,42 @@ def decode_floor(graph: Any, budget: str | None, workload: Any, gpu_free: bool =
                  weights(lambda o: o.execution != gpu and o.mode != "stream"))
 
 
-def _config(shape: dict[str, int]) -> Path:
+@dataclass(frozen=True)
+class Case:
+    name: str
+    """GPU.json's name of the case."""
+    family: str
+    shape: dict[str, int]
+    budgets: tuple[str, ...]
+
+
+def cases(family: str, smoke: bool, mixtral_layers: int) -> list[Case]:
+    """gpu.py's cases (``--smoke``: its tiny ones, at a 1 MiB budget), those of ``family`` ("all": every one)."""
+    every = [Case("tiny-llama (smoke)", "llama", TINY, ("1MiB",)),
+             Case("tiny-mixtral (smoke)", "mixtral", TINY_MOE, ("1MiB",))] if smoke else [
+        Case("llama-3.1-8b shape", "llama", LLAMA_8B, ("10GiB", "4GiB")),
+        Case(f"mixtral-8x7b shape, {mixtral_layers} layers", "mixtral", {**MIXTRAL, "num_hidden_layers": mixtral_layers},
+             (mixtral_budget(mixtral_layers),))]
+    return [c for c in every if family in ("all", c.family)]
+
+
+def _config(case: Case) -> Path:
     import transformers as T
 
-    config = T.LlamaConfig(**shape, tie_word_embeddings=False)
+    config_class = T.MixtralConfig if case.family == "mixtral" else T.LlamaConfig
+    config = config_class(**case.shape, tie_word_embeddings=False)
     config.dtype = "bfloat16"
     folder = Path(tempfile.mkdtemp(prefix="floor-"))
     config.save_pretrained(folder)
     return folder
 
 
-def _measured(budget: str) -> dict[str, float]:
-    """GPU.json's measured decode tokens/s per runner at ``budget`` (the second run's rows: the first's come after)."""
+def _measured(case: str, budget: str) -> dict[str, float]:
+    """GPU.json's measured decode tokens/s per runner of ``case`` at ``budget`` (the latest run's rows come first)."""
     rows = json.loads((HERE / "GPU.json").read_text())
     found: dict[str, float] = {}
     for r in rows:
-        if r["case"] == CASE and r["budget"] == budget and r.get("measured_decode_tps"):
+        if r["case"] == case and r["budget"] == budget and r.get("measured_decode_tps"):
             found.setdefault(r["runner"], r["measured_decode_tps"])
     return found
 
@@ -143,7 +162,7 @@ def _row(graphs: dict[str, Any], budget: str | None, workload: Any, limit_s: flo
     from placement_opt import solve
 
     floor = decode_floor(graphs["sublayer"], budget, workload)
-    row: dict[str, Any] = {"budget": budget or "whole GPU", "floor": floor,
+    row: dict[str, Any] = {"case": graphs["case"], "budget": budget or "whole GPU", "floor": floor,
                            "gpu_free": decode_floor(graphs["sublayer"], budget, workload, gpu_free=True)}
     for name, modes in (("layer", ("resident", "stream")), ("sublayer", ("resident", "stream", "phased"))):
         plan = solve(graphs[name], _machine(budget), workload=workload, modes=modes, time_limit_s=limit_s)
@@ -162,15 +181,15 @@ def _free(floor: Floor, batch: int) -> str:
 
 
 def _table(rows: list[dict[str, Any]], batch: int) -> list[str]:
-    lines = ["| GPU budget | layer plan measured (GPU.json) | the 2x goal | layer plan predicted | sublayer plan "
+    lines = ["| case | GPU budget | layer plan measured (GPU.json) | the 2x goal | layer plan predicted | sublayer plan "
              "predicted | floor of any placement | floor / layer plan measured | what binds at the floor | "
              "weights on the GPU / streamed / computed by the CPU at the floor (GB) | floor with the GPU's compute free |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f: Floor = r["floor"]
-        measured = _measured(r["budget"]).get("layer")
+        measured = _measured(r["case"], r["budget"]).get("layer")
         lines.append("| " + " | ".join([
-            r["budget"], f"{measured:.2f}" if measured else "-", f"{2 * measured:.2f}" if measured else "-",
+            r["case"], r["budget"], f"{measured:.2f}" if measured else "-", f"{2 * measured:.2f}" if measured else "-",
             f"{batch / r['layer']:.2f}", f"{batch / r['sublayer']:.2f}", f"**{batch / f.step_s:.2f}**",
             f"{batch / f.step_s / measured:.2f}x" if measured else "-", ", ".join(f.binding),
             f"{f.gpu_weights_bytes / 1e9:.2f} / {f.streamed_bytes / 1e9:.2f} / {f.cpu_bytes / 1e9:.2f}",
@@ -178,32 +197,47 @@ def _table(rows: list[dict[str, Any]], batch: int) -> list[str]:
     return lines
 
 
+def _calibrated(calibration: Any) -> int:
+    """Units with calibrated figures (``calibration_for`` returns None when none has)."""
+    return len(calibration.compute) if calibration is not None else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny Llama at a 1 MiB budget: checks the script")
+    parser.add_argument("--smoke", action="store_true", help="gpu.py's tiny models at a 1 MiB budget: checks the script")
+    parser.add_argument("--case", choices=("all", "llama", "mixtral"), default="llama",
+                        help="gpu.py's cases; mixtral needs a profile with that shape's calibration (the moe step's: "
+                             "DEVICE.md), or its figures are the roofline's, which its GPU rows showed far off")
+    parser.add_argument("--mixtral-layers", type=int, default=8, help="the Mixtral shape's layers (gpu.py's default 8)")
     parser.add_argument("--profile", default=str(PROFILE), help=f"the GPU host's profile (default {PROFILE.name})")
     parser.add_argument("--time-limit", type=float, default=2.0, help="solve() time limit per plan (default 2 s)")
     parser.add_argument("--out", default=None, help="Markdown report (default: FLOOR.md here; none with --smoke)")
     args = parser.parse_args(argv)
     os.environ["PLACEMENT_OPT_PROFILE"] = args.profile  # before placement_opt reads a profile
     from placement_opt import Workload, trace
+    from placement_opt.cost.calibrated import calibration_for
 
     started = time.time()
-    folder = _config(TINY if args.smoke else LLAMA_8B)
     batch, prompt, steps = (1, 32, 8) if args.smoke else WORKLOAD
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
-    graphs = {"layer": trace(str(folder)), "sublayer": trace(str(folder), granularity="sublayer")}
-    budgets = ("1MiB", None) if args.smoke else ("10GiB", "4GiB", None)
-    rows = [_row(graphs, b, workload, args.time_limit) for b in budgets]
+    rows, covered = [], []
+    for case in cases(args.case, args.smoke, args.mixtral_layers):
+        folder = _config(case)
+        graphs = {"case": case.name, "layer": trace(str(folder)), "sublayer": trace(str(folder), granularity="sublayer")}
+        rows += [_row(graphs, b, workload, args.time_limit) for b in (*case.budgets, None)]
+        covered.append(f"{case.name}: " + ", ".join(
+            f"{_calibrated(calibration_for(graphs[cut], _machine(None)))} of {len(graphs[cut])} {cut} units"
+            for cut in ("layer", "sublayer")))
     lines = [
         "# The fastest decode any placement could reach: a floor under issue 15's 2x goal", "",
         f"`python benchmarks/phases/floor.py{' --smoke' if args.smoke else ''}`, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {platform.machine()} ({os.cpu_count()} cores), "
-        f"{time.time() - started:.0f} s. Profile: `{Path(args.profile).name}`. {'A tiny Llama' if args.smoke else 'The Llama-3.1-8B shape'} (bf16), batch "
-        f"{batch} x {prompt} + {steps}, `Workload(overlap=True)`; decode tokens/s (batch / one step). Predicted "
-        f"columns: `solve(time_limit_s={args.time_limit:g})` on the block graph (resident and streamed layers, CPU "
-        "compute) and the sublayer graph (every mode), priced by the profile. The floor: the linear program of this "
-        "script's docstring over the sublayer graph's options. 'whole GPU': the GPU's memory is no limit.", "",
+        f"{time.time() - started:.0f} s. Profile: `{Path(args.profile).name}`; its calibrated figures cover "
+        f"{'; '.join(covered)} (the rest priced by the profile's devices). gpu.py's shapes (bf16), batch {batch} x "
+        f"{prompt} + {steps}, `Workload(overlap=True)`; decode tokens/s (batch / one step). Predicted columns: "
+        f"`solve(time_limit_s={args.time_limit:g})` on the block graph (resident and streamed layers, CPU compute) "
+        "and the sublayer graph (every mode), priced by the profile. The floor: the linear program of this script's "
+        "docstring over the sublayer graph's options. 'whole GPU': the GPU's memory is no limit.", "",
         *_table(rows, batch), ""]
     text = "\n".join(lines)
     print(text)

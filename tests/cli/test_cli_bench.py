@@ -220,13 +220,14 @@ def test_the_decode_floor_lies_under_every_solved_plan_and_meets_the_resident_on
     """benchmarks/phases/floor.py: its linear program is a relaxation of solve()'s problem, so its step is never
     slower than a solved plan's (the script exits non-zero if it is); with the GPU's memory no limit, every unit
     resident is feasible and optimal for both, so the floor must price it as the plan does."""
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "floor.py"), "--smoke"],
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "phases" / "floor.py"), "--smoke", "--case", "all"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = {r[0]: r for r in _table_rows(run.stdout, ("1MiB", "whole GPU"))}
-    assert set(rows) == {"1MiB", "whole GPU"}, run.stdout
+    rows = {(r[0], r[1]): r for r in _table_rows(run.stdout, ("tiny-llama (smoke)", "tiny-mixtral (smoke)"))}
+    assert set(rows) == {(c, b) for c in ("tiny-llama (smoke)", "tiny-mixtral (smoke)") for b in ("1MiB", "whole GPU")}
     for r in rows.values():
-        floor = float(r[5].strip("*"))
-        assert floor >= float(r[3]) and floor >= float(r[4]), r  # tokens/s: the floor is the fastest
-    whole = rows["whole GPU"]
-    assert abs(float(whole[5].strip("*")) / float(whole[4]) - 1) < 0.01, whole
+        floor = float(r[6].strip("*"))
+        assert floor >= float(r[4]) and floor >= float(r[5]), r  # tokens/s: the floor is the fastest
+    for case in ("tiny-llama (smoke)", "tiny-mixtral (smoke)"):
+        whole = rows[case, "whole GPU"]
+        assert abs(float(whole[6].strip("*")) / float(whole[5]) - 1) < 0.01, whole
