@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from placement_opt.plan import Plan
 pytest.importorskip("placement_opt.planner")
 pytest.importorskip("placement_opt.model.tracer")
 
+REPO = Path(__file__).resolve().parents[2]
 MACHINE = "cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 
 
@@ -141,6 +143,22 @@ def test_acceptance_compare_llama_2_70b_runs_in_seconds():
     for strategy in STRATEGIES:
         assert strategy in result.output
     assert took < 30.0, f"compare took {took:.1f} s"
+    # the README and the quickstart print this command's table: every column but the solve time and gap, which
+    # vary from run to run, must be what the command prints (no saved profile: the tests' own is empty)
+    printed = _strategy_rows(result.output)
+    for doc in ("README.md", "docs/quickstart.md"):
+        shown = _strategy_rows((REPO / doc).read_text(encoding="utf-8"))
+        assert shown == printed, f"{doc}'s compare table is stale: it shows {shown}, the command prints {printed}"
+
+
+def _strategy_rows(text: str) -> dict[str, list[str]]:
+    """``compare``'s table rows by strategy, less the solve and gap columns."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if line.startswith("│") and cells[0] in STRATEGIES:
+            rows[cells[0]] = cells[1:-2]
+    return rows
 
 
 def test_dtype_defaults_to_the_models_own_and_can_be_overridden():
