@@ -22,7 +22,8 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG", "foreign_file", "refusal", "OWN_JSON"]
+__all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG", "foreign_file", "refusal", "OWN_JSON",
+           "PICTURE_MARK", "foreign_picture", "picture_refusal"]
 
 _COUNTER = itertools.count()  # with the pid and thread: each temporary file's own name
 
@@ -152,6 +153,33 @@ def foreign_file(path: str | os.PathLike[str], kind: str) -> str | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return "a file that is not JSON"
     return None if OWN_JSON[kind](data) else f"a JSON file that is not a {kind} placement_opt wrote"
+
+
+#: Written into every picture placement_opt draws (a PNG's ``Software`` text, an SVG's ``Creator``, an HTML page's
+#: ``generator``), near its start: a picture at an output path without it is the user's and is never written over.
+PICTURE_MARK = "placement_opt picture"
+#: How far into a picture the mark is looked for (matplotlib writes both metadata before the image data).
+_PICTURE_MARK_WITHIN = 64 * 2**10
+
+
+def foreign_picture(path: str | os.PathLike[str]) -> str | None:
+    """Why the picture at ``path`` must not be written over, or None where it may: absent, not a regular file,
+    empty, or one that placement_opt drew (it carries :data:`PICTURE_MARK`)."""
+    target = Path(os.path.realpath(path))
+    try:
+        if not target.is_file() or target.stat().st_size == 0:
+            return None
+        with open(target, "rb") as fh:
+            head = fh.read(_PICTURE_MARK_WITHIN)
+    except OSError as exc:
+        return f"a file that cannot be read ({exc.strerror or exc})"
+    return None if PICTURE_MARK.encode() in head else "a file placement_opt did not draw"
+
+
+def picture_refusal(path: str | os.PathLike[str], why: str) -> str:
+    """The message of a picture not drawn over a file :func:`foreign_picture` refuses (``why``: its answer)."""
+    return (f"{os.fspath(path)} is {why}: placement_opt draws a picture only over one it drew before, never over "
+            f"another file; name another path, or move that file away first")
 
 
 def refusal(path: str | os.PathLike[str], kind: str, what: str) -> str:

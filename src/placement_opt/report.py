@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._files import PICTURE_MARK
 from .model.expert_groups import group_counts, whole_experts
 from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
@@ -336,4 +337,4 @@ def report_html(report: PlanReport, *, title: str | None = None, extra_tables: S
     env = jinja2.Environment(loader=jinja2.PackageLoader("placement_opt", "templates"),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True)
     return env.get_template("report.html.j2").render(
-        report=report, title=title, extra_tables=list(extra_tables), svg=svg)
+        report=report, title=title, extra_tables=list(extra_tables), svg=svg, mark=PICTURE_MARK)

@@ -76,3 +76,46 @@ def test_bench_refuses_a_report_in_a_missing_folder_before_running(tmp_path):
     result = run_cli("bench", "--collect", "--out", str(tmp_path / "nodir" / "b.md"), catch_exceptions=True)
     assert result.exit_code == 2 and "does not exist; create it first" in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".html"])
+def test_a_picture_is_drawn_over_its_own_earlier_picture_but_never_over_the_users_file(tmp_path, suffix):
+    """--plot, plan, compare and explain: a file placement_opt did not draw is refused before any work, and kept."""
+    pytest.importorskip("matplotlib")
+    plan_path, picture = tmp_path / "plan.json", tmp_path / f"picture{suffix}"
+    for _ in range(2):  # the second draws over the first one's picture
+        result = run_cli("plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk", "--json",
+                         str(plan_path), "--plot", str(picture))
+        assert result.exit_code == 0, result.output
+    mine = tmp_path / f"mine{suffix}"
+    mine.write_bytes(b"<html>my page</html>" if suffix == ".html" else b"\x89PNG\r\n\x1a\n my picture")
+    for argv in (["plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk"],
+                 ["compare", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk"], ["explain", str(plan_path)]):
+        result = run_cli(*argv, "--plot", str(mine), catch_exceptions=True)
+        assert result.exit_code == 2 and "is a file placement_opt did not draw" in " ".join(result.output.split()), argv
+    assert mine.read_bytes().endswith((b"my page</html>", b"my picture"))
+
+
+def test_save_report_refuses_a_users_file_too(tmp_path):
+    pytest.importorskip("matplotlib")
+    from placement_opt.cli.pictures import save_report
+    from placement_opt.errors import PlacementError
+
+    mine = tmp_path / "mine.svg"
+    mine.write_text("<svg>mine</svg>")
+    with pytest.raises(PlacementError, match="did not draw"):
+        save_report(solve("llama-3-8b", "cuda:0=rtx-4090,cpu=64GiB,disk"), mine)
+    assert mine.read_text() == "<svg>mine</svg>"
+
+
+def test_bench_never_writes_its_report_over_a_users_file(tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes")
+    result = run_cli("bench", "--collect", "--out", str(notes), catch_exceptions=True)
+    assert result.exit_code == 2 and "is a file that is not this suite's report" in " ".join(result.output.split())
+    assert notes.read_text() == "my notes"
+    report = tmp_path / "report.md"
+    for _ in range(2):  # an earlier report is rewritten
+        result = run_cli("bench", "--collect", "--out", str(report), catch_exceptions=True)
+        assert result.exit_code == 0, result.output
+    assert report.read_text().startswith("# placement_opt benchmark results")

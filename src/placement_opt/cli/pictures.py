@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._files import replacing, write_text_atomic
+from .._files import PICTURE_MARK, foreign_picture, picture_refusal, replacing, write_text_atomic
 from ..errors import PlacementError
 from ..units import format_bytes, format_seconds
 
@@ -328,7 +328,7 @@ def _hatch(p: UnitPlacement) -> str | None:
 
 def _svg(fig: Figure) -> str:
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg")
+    fig.savefig(buffer, format="svg", metadata={"Creator": PICTURE_MARK})
     text = buffer.getvalue()
     return text[text.index("<svg"):]
 
@@ -348,18 +348,21 @@ def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome
         The path written.
 
     Raises:
-        PlacementError: the suffix is not ``.png``, ``.svg`` or ``.html`` (a ValueError).
+        PlacementError: the suffix is not ``.png``, ``.svg`` or ``.html`` (a ValueError), or a file that
+            placement_opt did not draw is at ``path`` (it is never written over).
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".png", ".svg", ".html", ".htm"):
         raise PlacementError(f"cannot write a picture to {str(path)!r}: use a .png, .svg or .html file name")
+    if (why := foreign_picture(path)) is not None:
+        raise PlacementError(picture_refusal(path, why))
     plt = _pyplot()
     fig = report_figure(plan, outcomes)
     try:
         if suffix in (".png", ".svg"):
             with replacing(path) as tmp:
-                fig.savefig(tmp, dpi=110)
+                fig.savefig(tmp, dpi=110, metadata={"Software" if suffix == ".png" else "Creator": PICTURE_MARK})
             return path
         from ..report import plan_report, report_html, strategies_table
 
