@@ -167,6 +167,21 @@ def test_a_huge_workload_is_refused_with_the_accepted_range():
         Workload(batch_size=10**6, prompt_len=10**9)
 
 
+@pytest.mark.parametrize("field", ["training", "activation_checkpointing", "overlap", "padded"])
+@pytest.mark.parametrize("value", ["no", "yes", None, 0, 1])
+def test_a_workload_flag_that_is_not_a_bool_is_refused(field, value):
+    """Workload(training="no") was truthy: a training step priced under a generation's name."""
+    with pytest.raises(WorkloadError, match=rf"Workload.{field} is .*: it must be True or False"):
+        Workload(**{field: value})
+
+
+@pytest.mark.parametrize(("data", "words"), [({"batch_size": 2, "foo": 3}, r"no field\(s\) 'foo'"),
+                                             (None, "not a NoneType"), ([1], "not a list")])
+def test_a_workload_read_from_data_names_what_it_cannot_use(data, words):
+    with pytest.raises(WorkloadError, match=words):
+        Workload.from_dict(data)
+
+
 def test_costs_beyond_the_solver_range_are_refused_before_cp_sat():
     graph = chain_graph([{"name": f"l{i}", "param_bytes": 2**30, "flops_per_token": 2**40} for i in range(4)])
     workload = Workload(batch_size=2**20, prompt_len=2**19, new_tokens=2**19)
@@ -302,3 +317,59 @@ def test_a_plan_with_a_bad_token_inside_is_not_called_cut_off():
     with pytest.raises(PlanFormatError) as err:
         Plan.from_json('{"a": 1, "b": x}')
     assert "cut off" not in str(err.value)
+
+
+# -- files and arguments of the wrong kind ------------------------------------------------------
+@pytest.mark.parametrize("given", [5, None, b"{}"])
+def test_a_plan_read_from_what_is_neither_text_nor_a_path_is_a_plan_format_error(given):
+    with pytest.raises(PlanFormatError, match="read from JSON text or a file path, not a"):
+        Plan.from_json(given)
+
+
+def test_binary_files_given_as_a_plan_or_a_profile_are_named_for_what_they_are(tmp_path, monkeypatch, model):
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x01garbage")
+    with pytest.raises(PlanFormatError, match=r"is not text \(not UTF-8\)"):
+        Plan.from_json(binary)
+    monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(binary))
+    from placement_opt.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="is not JSON"):
+        po.solve(model, ["cpu"])
+
+
+def test_a_profile_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, monkeypatch, model):
+    """A directory, or a file of the user's, at path= used to be found after minutes of measuring."""
+    from placement_opt.errors import ProfileError
+    from placement_opt.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_measure", lambda *a, **k: pytest.fail("measured before checking the path"))
+    with pytest.raises(ProfileError, match="is a directory: name a file in it"):
+        po.profile(["cpu"], quick=True, path=tmp_path)
+    mine = tmp_path / "config.json"
+    mine.write_text('{"model_type": "llama"}')
+    with pytest.raises(PlanFormatError, match="never over another file"):
+        po.profile("cpu", quick=True, path=mine)  # one name alone is one device
+    with pytest.raises(ProfileError, match="is a directory"):
+        po.calibrate(model, ["cpu"], path=tmp_path)
+    assert mine.read_text() == '{"model_type": "llama"}'
+
+
+def test_one_device_name_and_one_dtype_name_are_taken_whole():
+    """profile('cpu') measured the devices 'c', 'p' and 'u'; dtypes='float32' the dtypes 'f', 'l', ..."""
+    from placement_opt.hardware.profiler import _dtypes_to_measure
+
+    assert _dtypes_to_measure("float32", ("bfloat16",)) == ("float32", "bfloat16")
+    with pytest.raises(DeviceSpecError, match="unknown device name 'gpu0'|cannot"):
+        po.profile("gpu0", quick=True)
+
+
+def test_a_workload_given_as_a_dict_and_pins_keyed_by_numbers_are_refused_by_name(model, solved):
+    with pytest.raises(WorkloadError, match="workload must be a placement_opt.Workload, got dict"):
+        po.evaluate(solved, model, {"cpu": "8GiB", "disk": "100GiB"}, workload={"batch_size": 2})
+    with pytest.raises(WorkloadError, match="workload is a dict: pass a placement_opt.Workload"):
+        po.calibrate(model, ["cpu"], workload={"batch_size": 2})
+    from placement_opt.errors import SolverInputError
+
+    with pytest.raises(SolverInputError, match=r"pins are keyed by module names .* not 5 \(int\)"):
+        po.solve(model, {"cpu": "8GiB"}, pins={5: "cpu"})

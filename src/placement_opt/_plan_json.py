@@ -123,6 +123,9 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
 def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Plan:
     """What :meth:`Plan.from_json <placement_opt.plan.Plan.from_json>` returns: a plan of class ``cls`` from JSON
     text or from a file path; :class:`~placement_opt.errors.PlanFormatError` names the file and the problem."""
+    if not isinstance(text_or_path, str | os.PathLike):
+        raise PlanFormatError(f"a plan is read from JSON text or a file path, not a {type(text_or_path).__name__}: "
+                              f"give the path of a file written by Plan.to_json() (a dict: Plan.from_dict)")
     text, where = os.fspath(text_or_path), "the plan text"
     if not text.strip():
         raise PlanFormatError("the plan path is empty: give the path of a file written by Plan.to_json() "
@@ -135,6 +138,9 @@ def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Pla
         except OSError as err:
             raise PlanFormatError(f"cannot read {where}: {err.strerror or err}; give the path "
                                   f"of a file written by Plan.to_json() or `placement-opt plan --json`") from err
+        except UnicodeDecodeError:
+            raise PlanFormatError(f"{where} is not text (not UTF-8): give a file written by Plan.to_json() or "
+                                  f"`placement-opt plan --json`") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:

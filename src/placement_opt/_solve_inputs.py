@@ -96,6 +96,9 @@ def check_types(workload: Any, pins: Any, contiguous: Any, strategy: str) -> Non
                         f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
     if pins is not None and not isinstance(pins, Mapping):
         problems.append(f"pins must be a dict like {{'lm_head': 'cuda:1'}}, got {type(pins).__name__}")
+    elif pins and (keys := [k for k in pins if not isinstance(k, str)]):
+        problems.append(f"pins are keyed by module names (or patterns) like 'lm_head', not {keys[0]!r} "
+                        f"({type(keys[0]).__name__}): e.g. {{'lm_head': 'cuda:1'}}")
     elif pins and strategy != "cpsat":  # the greedy fills know no pins: a plan that ignored them would say it kept them
         problems.append(f"pins apply to strategy 'cpsat' only: {strategy!r} fills devices as accelerate's "
                         f"device_map strings do, whatever is pinned; drop the pins, or use strategy='cpsat'")

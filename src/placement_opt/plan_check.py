@@ -130,9 +130,32 @@ def check_plan(model: Any, plan: Plan) -> None:
         differ = fingerprint_differences(plan.fingerprint, actual, tied)
         if differ:
             problems.append(f"{len(differ)} unit(s) differ from the model the plan was solved for ({few(differ)})")
+    if (wider := _wider_weights(model, dtype)) is not None:
+        problems.append(wider)
     if problems:
         raise PlanMismatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
                             f"solve a plan for this model (placement_opt.solve(model, ...))")
+
+
+def _wider_weights(model: Any, dtype: str) -> str | None:
+    """Why the model's weights take more memory than the plan counts, or None: most of its floating-point weights
+    (by count) are of a wider dtype than the plan's (a float32 model given a float16 plan holds twice the bytes the
+    plan's budgets hold). A few wider tensors (norms or routers kept in float32) are not counted against it."""
+    counts: dict[Any, int] = {}
+    for tensor in {id(t): t for t in model.parameters()}.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + int(tensor.numel())
+    if not counts:  # quantized weights only: sized by the checkpoint, not by a float dtype
+        return None
+    most = max(counts, key=counts.__getitem__)
+    planned = dtype_bytes(dtype)
+    if most.itemsize <= planned:
+        return None
+    name = str(most).removeprefix("torch.")
+    held = sum(counts.values()) * most.itemsize
+    return (f"its weights are {name} ({format_bytes(held)}), the plan counts them in {dtype} "
+            f"({format_bytes(sum(counts.values()) * planned)}): convert the model to {dtype} first "
+            f"(model.to(torch.{dtype}))")
 
 
 def _merged(groups: Iterable[set[str]]) -> list[set[str]]:

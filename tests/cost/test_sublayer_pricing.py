@@ -373,17 +373,19 @@ def _granular(shape: str, granularity: str) -> LayerGraph:
 
 @settings(max_examples=40)
 @given(shape=st.sampled_from(sorted(_SHAPES)), gpu=st.sampled_from(["t4", "rtx-4090", "h100-sxm"]),
-       batch=st.integers(1, 4), prompt=st.integers(1, 32), new=st.integers(1, 64))
+       batch=st.integers(1, 4), data=st.data(), new=st.integers(1, 64))
 def test_a_layer_costs_the_same_as_a_block_as_parts_and_as_modules_on_one_gpu(shape: str, gpu: str, batch: int,
-                                                                                prompt: int, new: int) -> None:
-    """Everything resident on one GPU preset, a few rows per forward (every kernel reads its weights at the GPU's
-    bandwidth, whole or cut): cutting the layers into sublayer parts or modules moves none of their work between
-    the host and the kernels (each layer's host time is shared among its parts), so the three graphs price the
-    workload alike, but for the activations that pass between the parts, which each writes and the next reads
-    (up to 1-2 % here: the wide MLP's 65536-wide intermediates). Pricing each module's host time against its own
-    kernels put the wide-MLP model's modules 18 % above its blocks. (With many rows per forward the parts differ
-    more: each takes the larger of its FLOPs' time and its bytes', where a whole layer takes the larger of the
-    sums.)"""
+                                                                                data: st.DataObject, new: int) -> None:
+    """Everything resident on one GPU preset, at most 24 rows per forward (every kernel reads its weights at the
+    GPU's bandwidth, whole or cut): cutting the layers into sublayer parts or modules moves none of their work
+    between the host and the kernels (each layer's host time is shared among its parts), so the three graphs price
+    the workload alike, but for the activations that pass between the parts, which each writes and the next reads:
+    the wide MLP's 65536-wide intermediates on a T4, 0.35 % at 1 row, 1.75 % at 24, and growing with the rows (2.1 %
+    at 29, 8 % at 128: the prompt of batch 4 x 32, where an earlier domain of this test failed when its search
+    reached it). Pricing each module's host time against its own kernels put the wide-MLP model's modules 18 %
+    above its blocks. (With many rows per forward the parts differ more: each takes the larger of its FLOPs' time
+    and its bytes', where a whole layer takes the larger of the sums.)"""
+    prompt = data.draw(st.integers(1, 24 // batch), label="prompt")
     machine = Machine([Device.preset(gpu, name="cuda:0"), Device.preset("cpu-desktop", name="cpu")])
     wl = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
     latency = {}

@@ -944,3 +944,24 @@ def test_a_copy_waits_for_the_streamed_forwards_that_ended_before_it_started(mon
     for _ in range(MAX_ENDED + 5):
         streamer.finished(gpu)
     assert len(streamer.ended) == MAX_ENDED
+
+
+def test_a_plan_counting_the_weights_in_a_narrower_dtype_is_refused_and_the_model_left_alone():
+    """A float16 plan on a float32 model would hold twice the bytes its budgets hold: refused before any change,
+    saying both sizes and the way out. A model of the plan's width (bfloat16 for a float16 plan), or one keeping a
+    few tensors in float32 (norms), is the plan's."""
+    import placement_opt
+    from placement_opt.errors import PlanMismatchError
+
+    model = tiny("llama")
+    plan = placement_opt.solve(placement_opt.trace(model, dtype="float16"), "cpu=10GiB")
+    before = snapshot(model)
+    with pytest.raises(PlanMismatchError, match=r"its weights are float32 \(.+\), the plan counts them in float16 "
+                                                r"\(.+\): convert the model to float16 first"):
+        dispatch(model, plan)
+    assert_restored(model, before)
+    narrow = tiny("llama").to(torch.bfloat16)
+    for module in narrow.modules():  # norms kept in float32, as some checkpoints keep them
+        if "Norm" in type(module).__name__:
+            module.float()
+    dispatch(narrow, plan).remove()

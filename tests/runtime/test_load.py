@@ -323,3 +323,44 @@ def test_a_full_offload_dir_is_said_to_be_full_not_a_bad_checkpoint(tmp_path_fac
     monkeypatch.setattr(loader, "materialize", full)
     with pytest.raises(DispatchError, match="ran out of disk space writing .* into offload_dir"):
         load(path, None, plan=plan_from(model, mixed), offload_dir=tmp_path_factory.mktemp("offload"))
+
+
+def test_a_plan_file_path_loads_as_its_plan_and_other_things_are_refused(tmp_path_factory, tmp_path):
+    from placement_opt import solve
+
+    _, path, reference = saved_tiny("llama", tmp_path_factory.mktemp("planpath"))
+    solve(path, {"cpu": "1GiB"}).to_json(tmp_path / "plan.json")
+    handle = load(path, None, plan=tmp_path / "plan.json")
+    handle.remove()
+    for wrong in ({"model.embed_tokens": "cpu"}, 5):
+        with pytest.raises(DispatchError, match=r"load\(\) takes a Plan .* or the path of a plan file"):
+            load(path, None, plan=wrong)
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ("{not json", "cannot read the transformers config of"),
+    ({"model_type": "no-such-model"}, "cannot read the transformers config of"),
+    ({"num_hidden_layers": -2}, "has num_hidden_layers=-2: a model has 0 or more layers"),
+    (None, "cannot read the transformers config of"),
+])
+def test_a_checkpoint_whose_config_builds_no_model_is_a_model_spec_error(tmp_path_factory, tmp_path, config, words):
+    """transformers' own ValueError / OSError, or a model with no layers at all, were what load() raised."""
+    import json
+    import shutil
+
+    from placement_opt.errors import ModelSpecError
+
+    _, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("badconfig"))
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    if config is None:
+        (broken / "config.json").unlink()
+    elif isinstance(config, str):
+        (broken / "config.json").write_text(config)
+    else:
+        (broken / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **config}))
+    with pytest.raises(ModelSpecError, match=words):
+        load(broken, {"cpu": "1GiB"})
+    for not_a_path in (None, 5):
+        with pytest.raises(ModelSpecError, match="load\\(\\) reads a checkpoint directory: pass its path"):
+            load(not_a_path, {"cpu": "1GiB"})

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanFormatError
+from ..errors import PlanFormatError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.edges import prune_edges
@@ -224,6 +224,9 @@ def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
         PlanFormatError: a unit without an entry, a device the machine lacks, or a placement the cost
             model does not offer; the message lists what is accepted.
     """
+    if workload is not None and not isinstance(workload, Workload):
+        raise WorkloadError(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: "
+                            f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
     graph = as_graph(model_or_graph)
     if workload is None:
         workload = getattr(plan_or_device_map, "workload", None) or Workload()

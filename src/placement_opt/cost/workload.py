@@ -6,7 +6,8 @@ the activations saved for the backward, and whether they force optimizer states 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelSpecError, WorkloadError
@@ -108,7 +109,7 @@ class Workload:
                 f"Workload holds {tokens:.3g} tokens (batch_size {self.batch_size} x (prompt_len {self.prompt_len} "
                 f"+ new_tokens {self.new_tokens})): accepted are up to 2**40 ({MAX_TOKENS:.3g}) tokens, beyond "
                 f"which sizes and times overflow the solver's 64-bit integers; reduce the batch or the context")
-        for name in ("overlap", "padded"):
+        for name in ("training", "activation_checkpointing", "overlap", "padded"):
             if not isinstance(getattr(self, name), bool):
                 raise WorkloadError(f"Workload.{name} is {getattr(self, name)!r}: it must be True or False")
         if self.optimizer not in ("adam", "sgd", "none"):
@@ -151,6 +152,18 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
+        """The workload :meth:`to_dict` wrote (a plan file's ``workload``).
+
+        Raises:
+            WorkloadError: ``data`` is not a mapping, or names a field a Workload does not have.
+        """
+        if not isinstance(data, Mapping):
+            raise WorkloadError(f"a workload is a mapping of its fields (Workload.to_dict()), not a "
+                                f"{type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise WorkloadError(f"a workload has no field(s) {', '.join(map(repr, unknown))}: its fields are "
+                                f"{', '.join(f.name for f in fields(cls))}")
         return cls(**data)
 
 

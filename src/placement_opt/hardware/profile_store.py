@@ -72,12 +72,12 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     """
     where = profile_path(path)
     try:
-        text = where.read_text(encoding="utf-8")
+        raw = where.read_bytes()
     except OSError:
         return None
     try:
-        data = json.loads(text)
-    except ValueError as exc:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError too: a binary file is not a profile
         raise ProfileError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it (placement-opt "
                            f"profile then writes a new one there), or name another file") from None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
@@ -215,6 +215,27 @@ def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
     models = {**old.get("models", {}), model["fingerprint"]: model}
     data["calibration"] = {"host": this_host(), "units": merged_units, "models": models}
     write_profile(where, data)
+    return where
+
+
+def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
+    """The profile file a measurement will be saved to, refused before any measuring where it cannot be: a
+    directory, or a file placement_opt did not write as a profile (never written over).
+
+    Raises:
+        ProfileError: the path is a directory (or lies under a file).
+        PlanFormatError: a file there is not a profile.
+    """
+    where = profile_path(path)
+    if where.is_dir():
+        raise ProfileError(f"the profile path {str(where)!r} is a directory: name a file in it (path=, "
+                           f"$PLACEMENT_OPT_PROFILE), e.g. {str(where / 'profile.json')!r}")
+    blocking = next((p for p in where.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ProfileError(f"the profile path {str(where)!r} lies under {str(blocking)!r}, which is a file: name "
+                           f"a path in a directory")
+    if (why := foreign_file(where, "profile")) is not None:
+        raise PlanFormatError(refusal(where, "profile", why))
     return where
 
 

@@ -46,6 +46,7 @@ from .devices import FRESH_PAGE_MIN_BYTES, Machine, normalize_device_name, repla
 from .profile_store import (
     PROFILE_SCHEMA_VERSION,
     PROFILED_DTYPES,
+    check_profile_target,
     device_from_measurement,
     dtype_key,
     load_profile,
@@ -399,8 +400,8 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
         print(machine["cpu"])   # cpu (..., 0.21 TFLOP/s, 9.8 GB/s, measured 2026-11-21)
 
     Args:
-        devices: names to measure (``"cpu"``, ``"disk"``, ``"cuda:N"``); default every visible GPU,
-            the CPU and the disk.
+        devices: names to measure (``"cpu"``, ``"disk"``, ``"cuda:N"``; one name alone too); default every
+            visible GPU, the CPU and the disk.
         path: where to save the JSON; default ``$PLACEMENT_OPT_PROFILE`` or
             ``~/.cache/placement_opt/profile.json``. Figures of devices not measured this time are kept.
         quick: smaller sizes and fewer repeats (less precise; see the CLI's ``--help`` for durations).
@@ -419,9 +420,14 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
 
     Raises:
         DeviceSpecError: an unknown device name, or a GPU that is not on this machine.
+        ProfileError, PlanFormatError: ``path`` is a directory, or a file there is not a profile (checked before
+            measuring; such a file is never written over).
     """
+    if isinstance(devices, str | int):  # one device: "cpu" is not the devices "c", "p", "u"
+        devices = [devices]
     names = [normalize_device_name(d) for d in (devices if devices is not None else local_device_names())]
-    measured_dtypes = _dtypes_to_measure(dtype, dtypes)
+    measured_dtypes = _dtypes_to_measure(dtype, (dtypes,) if isinstance(dtypes, str) else dtypes)
+    check_profile_target(path)  # before minutes of measuring: a directory or a user's file there is refused
     steps = sum(_measurement_count(name, measured_dtypes) for name in names)
     with bar("Measuring", steps, progress=progress) as counted:
         measurements = {name: _measure(name, quick, offload_folder, measured_dtypes, counted) for name in names}

@@ -54,11 +54,25 @@ def config_of(name: str | os.PathLike[str]) -> Any:
     return _as_config(name)
 
 
+#: Config fields that count layers, under the names transformers' configs give them.
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def check_layer_counts(config: Any, where: str) -> Any:
+    """``config``, refused when it counts a negative number of layers (``where`` names it in the message); a
+    transformers config takes any int there and builds a model without layers."""
+    for name in LAYER_COUNTS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ModelSpecError(f"{where} has {name}={value}: a model has 0 or more layers; fix the value there")
+    return config
+
+
 def _as_config(model: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
-        return model
+        return check_layer_counts(model, f"the {type(model).__name__} given")
     if not isinstance(model, (str, os.PathLike)):
         raise TraceError(
             f"cannot trace a {type(model).__name__}: pass an nn.Module, a transformers config, a preset name "
@@ -75,7 +89,8 @@ def _as_config(model: Any) -> Any:
             config = AutoConfig.from_pretrained(folder)
         except Exception as exc:
             raise ModelSpecError(f"cannot read a transformers config from {text!r}: {first_line(exc)}") from None
-        return untie_stored_apart(config, folder)  # a checkpoint beside it may say the config's ties are wrong
+        # a checkpoint beside it may say the config's ties are wrong
+        return check_layer_counts(untie_stored_apart(config, folder), repr(text))
     try:
         return AutoConfig.from_pretrained(text, local_files_only=True)  # the hub cache first
     except Exception:  # noqa: BLE001 - not cached: ask the hub below

@@ -53,8 +53,13 @@ from torch import nn
 
 from ..cost.calibrated import UnitTimes, shape_key
 from ..cost.workload import Workload
-from ..errors import PlacementError, ProfileError
-from ..hardware.profile_store import profile_path, save_calibration, saved_device
+from ..errors import PlacementError, ProfileError, WorkloadError
+from ..hardware.profile_store import (
+    check_profile_target,
+    profile_path,
+    save_calibration,
+    saved_device,
+)
 from ..hardware.resolve import device_names
 from ..model.expert_groups import expert_groups_refusal
 from ..model.graph import LayerGraph
@@ -161,12 +166,18 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here,
             an unknown ``granularity``, ``expert_groups`` without sublayer units, an ``offload_dir`` that
             cannot be made or written.
-        ProfileError: the profile file is unreadable.
+        ProfileError: the profile file is unreadable, or ``path`` is a directory.
+        PlanFormatError: a file at ``path`` is not a profile (checked first; never written over).
+        WorkloadError: ``workload`` is not a :class:`Workload`.
     """
     from ..model.tracer import trace
 
     started = time.perf_counter()
     workload = workload if workload is not None else Workload()
+    if not isinstance(workload, Workload):
+        raise WorkloadError(f"workload is a {type(workload).__name__}: pass a placement_opt.Workload "
+                            f"(Workload(batch_size=..., prompt_len=..., new_tokens=...))")
+    check_profile_target(path)  # before minutes of timing: a directory or a user's file there is refused
     if isinstance(model, LayerGraph):
         raise PlacementError("calibrate() runs the model's units, and a LayerGraph has no modules: pass the "
                              "model, its config, a preset name or a checkpoint directory")

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DispatchError
+from ..errors import DispatchError, ModelSpecError
+from ..model._source import check_layer_counts, first_line
 from ..model._ties import checkpoint_safetensors, untie_stored_apart
 from ..model.dtypes import as_torch_dtype
 from ..model.graph import covering_key
@@ -99,13 +100,22 @@ def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:
     """The model with parameters on the meta device and buffers real (they are not all in checkpoints)."""
     import transformers
 
-    config = untie_stored_apart(transformers.AutoConfig.from_pretrained(root), root)  # as from_pretrained unties
+    try:
+        config = untie_stored_apart(transformers.AutoConfig.from_pretrained(root), root)  # as from_pretrained unties
+    except Exception as exc:  # transformers' ValueError, OSError, JSON errors: the config is the user's to fix
+        raise ModelSpecError(f"cannot read the transformers config of {root}: {first_line(exc)}; check "
+                             f"{root / 'config.json'} (save it again with model.save_pretrained)") from None
+    check_layer_counts(config, str(root / "config.json"))
     cls = model_class(config)
     wanted = as_torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
-    with _params_on_meta():
-        if cls is None:  # a config.json without "architectures" (written by config.save_pretrained alone)
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=wanted)
-        return cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
+    try:
+        with _params_on_meta():
+            if cls is None:  # a config.json without "architectures" (written by config.save_pretrained alone)
+                return transformers.AutoModelForCausalLM.from_config(config, dtype=wanted)
+            return cls._from_config(config, dtype=wanted) if hasattr(cls, "_from_config") else cls(config)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a config whose values build no model
+        raise ModelSpecError(f"cannot build {cls.__name__ if cls else 'a model'} from {root / 'config.json'}: "
+                             f"{first_line(exc)}; check the values there") from None
 
 
 def model_class(config: Any) -> type | None:

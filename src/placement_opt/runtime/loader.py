@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DeviceSpecError, DispatchError, PlacementError
+from ..errors import DeviceSpecError, DispatchError, ModelSpecError, PlacementError
 from ..model.expert_groups import group_counts
 from ..plan import Plan
 from ._conversion import Converted, conversions
@@ -32,7 +32,7 @@ __all__ = ["load"]
 
 def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: str = "latency",
          workload: Any = None, dtype: torch.dtype | str | None = None,
-         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | None = None,
+         offload_dir: str | os.PathLike[str] | None = None, plan: Plan | str | os.PathLike[str] | None = None,
          progress: bool | None = None, granularity: str | None = None,
          time_limit_s: float | None = None, pins: Mapping[str, Any] | None = None,
          expert_groups: int = 1) -> DispatchedModel:
@@ -64,7 +64,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             checkpoint whose layout transformers converts at load: Mixtral's and Qwen-MoE's experts, one
             tensor each in the checkpoint, are fused per layer one weight at a time, with transformers' own
             conversion mapping).
-        plan: a plan to use instead of solving.
+        plan: a plan to use instead of solving, or the path of a plan file (:meth:`Plan.to_json`).
         progress: a bar of the checkpoint's bytes read, on stderr. ``None`` (default): shown on a
             terminal or in a notebook, silent in pipes and under pytest, or as the environment
             variable ``PLACEMENT_OPT_PROGRESS`` (``1``/``0``/``auto``) says; ``True``/``False`` decide.
@@ -90,9 +90,15 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             is missing from it; a given ``plan`` of another model, for GPUs this machine does not have,
             or using more of a device than ``devices`` gives it (checked before anything is read).
         DeviceSpecError: ``devices`` names a GPU this machine does not have (before solving).
+        ModelSpecError: ``model_id_or_path`` is not a path, or its config.json cannot be read or builds no model.
+        PlanFormatError: ``plan`` is a path of a file that is not a plan.
         MemoryError, torch.OutOfMemoryError: memory ran out while loading; raised as they are, with a
             note, as :func:`dispatch` raises them.
     """
+    if not isinstance(model_id_or_path, str | os.PathLike):
+        raise ModelSpecError(f"load() reads a checkpoint directory: pass its path, not a "
+                             f"{type(model_id_or_path).__name__} (an nn.Module already built goes to dispatch())")
+    plan = _given_plan(plan)
     root = Path(model_id_or_path)
     files = checkpoint_files(root)
     if plan is not None:
@@ -149,6 +155,16 @@ def _on_failure(exc: BaseException, root: Path, offload_dir: Any,
         raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
                             f"check that the directory is a complete checkpoint of this model "
                             f"(save or download it again)") from exc
+
+
+def _given_plan(plan: Any) -> Plan | None:
+    """``plan`` as a :class:`Plan`: one given, or read from the path of a file :meth:`Plan.to_json` wrote."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str | os.PathLike):
+        return Plan.from_json(plan)
+    raise DispatchError(f"plan is a {type(plan).__name__}: load() takes a Plan (placement_opt.solve) or the path of "
+                        f"a plan file (Plan.to_json); a device_map dict goes to from_pretrained(device_map=...)")
 
 
 def _preflight(model: nn.Module, plan: Plan) -> None:
