@@ -289,6 +289,12 @@ def test_run_vs_accelerate_measures_both_loads_on_one_prompt(checkpoint, tmp_pat
     assert figures["accelerate"]["measured"]["tokens"] == figures["measured"]["tokens"]
     assert figures["accelerate"]["device_map"]  # what accelerate chose, shown beside the plan's storage
     assert [p.name for p in (tmp_path / "offload").iterdir() if p.name.startswith("accelerate-offload-")] == []
+    # on a machine without a GPU accelerate keeps the whole model in RAM, past the 200 KB it was given: said, both
+    # in the table and in a note, since its speed is then that of a run with more memory than the plan had
+    over = figures["accelerate"]["predicted"]["over_budget"]
+    assert over and over[0].startswith("cpu needs "), figures["accelerate"]
+    assert f"within max_memory (predicted) │ yes │ no: {over[0]}" in text
+    assert "device_map='auto' did not keep to the max_memory both were given" in text
 
 
 def test_run_cold_drops_the_disk_units_from_the_page_cache_before_every_timed_forward(checkpoint, tmp_path,

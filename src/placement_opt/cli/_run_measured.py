@@ -54,6 +54,10 @@ def vs_accelerate(console: Any, checkpoint: str, machine: Any, plan: Plan, cost:
     with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
         theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), generation, offload_dir)
     console.print(_side_by_side(plan, timing, theirs))
+    if over := theirs.get("predicted", {}).get("over_budget"):
+        console.print(f"note: device_map='auto' did not keep to the max_memory both were given ({'; '.join(over)}, "
+                      f"by this cost model): it ran with more memory than placement_opt's plan had, so its speed "
+                      f"is not that of a run within these budgets")
     return theirs
 
 
@@ -215,8 +219,11 @@ def _accelerate_run(checkpoint: str, machine: Any, priced: tuple[str, Any],
         finally:
             model = None
             gc.collect()
+    over = [f"{m.device} needs {format_bytes(m.used_bytes)}, has {format_bytes(m.capacity_bytes)}"
+            for m in cost.memory if m.free_bytes < 0]
     return {"device_map": {k: str(v) for k, v in device_map.items()},
-            "predicted": {"prefill_s": cost.prefill_s, "decode_tokens_per_s": cost.decode_tokens_per_s},
+            "predicted": {"prefill_s": cost.prefill_s, "decode_tokens_per_s": cost.decode_tokens_per_s,
+                          "over_budget": over},
             "measured": _measured(timing)}
 
 
@@ -268,7 +275,14 @@ def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
              for d, b in measured["peak_gpu_bytes"].items()]
     for what, mine, other, show in rows:
         table.add_row(what, show(mine), show(other), f"{other / mine:.2f}x" if mine else "-")
+    growth = (ours.peak_cpu_growth_bytes, measured["peak_cpu_growth_bytes"])
+    if None not in growth:
+        table.add_row("cpu memory growth, peak", format_bytes(growth[0]), format_bytes(growth[1]),
+                      f"{growth[1] / growth[0]:.2f}x" if growth[0] else "-")
     table.add_row("weights stored on", storage(ours_plan), storage(theirs["device_map"]), "")
+    over = theirs["predicted"].get("over_budget") or []
+    table.add_row("within max_memory (predicted)", "yes" if ours_plan.cost.fits else "no",
+                  "no: " + "; ".join(over) if over else "yes", "")
     same = sum(a == b for x, y in zip(ours.tokens, measured["tokens"], strict=True) for a, b in zip(x, y, strict=True))
     total = sum(len(x) for x in ours.tokens)
     table.add_row("greedy tokens equal", "", f"{same}/{total}", "")
