@@ -364,8 +364,21 @@ def test_violation_message_says_what_takes_the_space_and_what_to_do() -> None:
     msg = violation.message
     assert msg.startswith("cuda:0 needs ") and "short" in msg
     assert "weights 192." in msg and "KV cache for batch 16 x 2048 tokens" in msg
-    assert "raise max_memory, add 'cpu'/'disk'" in msg
+    assert msg.endswith(": raise max_memory, add 'disk' to the devices, or reduce the batch or context")
     assert violation.needed_bytes == cost.device_memory("cuda:0").used_bytes
+
+
+@pytest.mark.parametrize(("gpu", "disk", "advice"), [
+    (True, True, "raise max_memory, or reduce the batch or context"),
+    (False, False, "raise the CPU's max_memory, add 'disk' to the devices, or reduce the batch or context"),
+    (False, True, "raise the CPU's max_memory, or reduce the batch or context"),
+])
+def test_a_shortage_never_asks_to_add_a_device_the_machine_has(gpu: bool, disk: bool, advice: str) -> None:
+    """compare on a CPU with a disk told each OOM strategy to "add 'disk' to the devices"."""
+    machine = measured_machine(gpu=gpu, disk=disk, gpu_mem="150MB", cpu_mem="150MB")
+    cost = evaluate({"": 0 if gpu else "cpu"}, llama_like(), machine,
+                    Workload(batch_size=16, prompt_len=1024, new_tokens=1024))
+    assert [v.message.rsplit(": ", 1)[1] for v in cost.violations] == [advice]
 
 
 def test_evaluate_errors_name_the_bad_value() -> None:

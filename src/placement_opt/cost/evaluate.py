@@ -299,7 +299,7 @@ def _cost(problem: PlacementProblem, parts: list[list[OptionPrice]], choice: lis
     memory = tuple(device_memory(d, chosen_parts, names, peaks.get(d.name)) for d in machine.devices)
     for m in memory:  # the split must add up to the one memory model
         assert m.used_bytes == score.used_bytes[m.device], (m, score.used_bytes)
-    violations = tuple(violation(m, workload) for m in memory if m.free_bytes < 0)
+    violations = tuple(violation(m, workload, machine.names) for m in memory if m.free_bytes < 0)
     return Cost(
         workload=workload, prefill_s=score.prefill_ns / NS_PER_S, decode_s=score.decode_ns / NS_PER_S,
         transfer_s=_transfer_ns(problem, chosen, kept_edges) / NS_PER_S + sum(p.round_trip_s for p in chosen_parts),

@@ -8,7 +8,7 @@ figures are :mod:`.memory`'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,14 +25,26 @@ __all__ = ["violation", "shortage_message", "proven_short"]
 
 
 _ADVICE = {
-    "gpu": "raise max_memory, add 'cpu'/'disk' to the devices, or reduce the batch or context",
-    "cpu": "raise the CPU's max_memory, add 'disk' to the devices, or reduce the batch or context",
+    "gpu": "raise max_memory, add {more} to the devices, or reduce the batch or context",
+    "cpu": "raise the CPU's max_memory, add {more} to the devices, or reduce the batch or context",
     "disk": "free disk space or point the offload folder at a larger disk",
 }
+#: The devices each kind's advice may ask to add, where the machine lacks them.
+_ADDABLE = {"gpu": ("cpu", "disk"), "cpu": ("disk",)}
 
 
-def violation(memory: DeviceMemory, workload: Workload) -> Violation:
-    """The message for a device over capacity: how much is short, what takes the space, what to do."""
+def _advice(kind: str, present: Collection[str]) -> str:
+    """What to do about a ``kind`` device over capacity; a device the machine has is not asked for again."""
+    missing = [d for d in _ADDABLE.get(kind, ()) if d not in present]
+    advice = _ADVICE[kind]
+    if not missing:  # every device it could add is there: more memory or a smaller workload
+        return advice.replace(", add {more} to the devices", "")
+    return advice.format(more="/".join(f"'{d}'" for d in missing))
+
+
+def violation(memory: DeviceMemory, workload: Workload, present: Collection[str] = ()) -> Violation:
+    """The message for a device over capacity: how much is short, what takes the space, what to do (``present``:
+    the machine's device names, whose kinds it does not ask to add)."""
     need, has = memory.used_bytes, memory.capacity_bytes
     parts = [("weights", memory.weights_bytes),
              (f"KV cache for batch {workload.batch_size} x {workload.context_len} tokens", memory.kv_cache_bytes),
@@ -44,7 +56,7 @@ def violation(memory: DeviceMemory, workload: Workload) -> Violation:
     split = ", ".join(f"{label} {format_bytes(n)}" for label, n in parts if n > 0)
     kind = "gpu" if memory.device.startswith("cuda:") else memory.device
     message = (f"{memory.device} needs {format_bytes(need)}, has {format_bytes(has)} "
-               f"({format_bytes(need - has)} short): {split}: {_ADVICE[kind]}")
+               f"({format_bytes(need - has)} short): {split}: {_advice(kind, present)}")
     return Violation(device=memory.device, needed_bytes=need, capacity_bytes=has, message=message)
 
 
