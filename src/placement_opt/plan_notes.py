@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .cost.calibrated import calibration_for
+from .hardware.presets import PRESETS
 from .hardware.profile_store import fallback_dtype
 from .hardware.resolve import assumed_preset
 from .model.expert_groups import group_counts, whole_experts
-from .units import few
+from .units import few, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost.workload import Workload
@@ -28,6 +29,7 @@ __all__ = [
     "other_dtype_note",
     "context_note",
     "default_speeds_note",
+    "beyond_preset_note",
     "calibration_note",
     "phased_note",
     "cpu_beside_gpu_note",
@@ -69,6 +71,21 @@ def default_speeds_note(machine: Machine) -> str | None:
     return (f"speeds assumed, not measured: {guessed} datasheet figures; run placement-opt profile on the machine "
             f"that has the devices, or name a preset (NAME=PRESET/SIZE, e.g. {example[assumed[0].kind]}; "
             f"placement-opt presets lists them)")
+
+
+def beyond_preset_note(machine: Machine) -> str | None:
+    """Devices given more memory than their preset's card has (``cuda:0=rtx-4090/40GiB``): planned as given (a
+    card with more memory than its datasheet's is a what-if one may mean), but said, since a typo looks the same."""
+    beyond = []
+    for d in machine.devices:
+        key = d.source.removeprefix("datasheet:") if d.source.startswith("datasheet:") else None
+        if key in PRESETS and d.memory_bytes > PRESETS[key].memory_bytes:
+            beyond.append(f"{d.name} has {format_bytes(d.memory_bytes)}, more than the {key} preset's "
+                          f"{format_bytes(PRESETS[key].memory_bytes)}")
+    if not beyond:
+        return None
+    return (f"{'; '.join(beyond)}: planned with the memory given, which that card does not have; to plan for the "
+            f"card itself, give at most its memory (NAME=PRESET/SIZE) or the preset alone")
 
 
 def calibration_note(graph: LayerGraph, machine: Machine) -> str | None:

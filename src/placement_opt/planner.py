@@ -45,6 +45,7 @@ from .hardware.devices import Machine
 from .plan import Plan, UnitPlacement
 from .plan_check import graph_fingerprint
 from .plan_notes import (
+    beyond_preset_note,
     calibration_note,
     context_note,
     contiguous_note,
@@ -244,7 +245,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     notes = [machine_note] if machine_note else []
     # what the prediction rests on: calibrated, assumed or another dtype's speeds; a context past the model's
     notes += [said for said in (calibration_note(graph, machine), default_speeds_note(machine),
-                                other_dtype_note(machine, graph.meta.dtype), context_note(graph, workload)) if said]
+                                beyond_preset_note(machine), other_dtype_note(machine, graph.meta.dtype),
+                                context_note(graph, workload)) if said]
     glue = run_as_glue(graph)
     if len(problem.pins) > len(glue):
         given = ", ".join(f"{key!r} -> {value}" for key, value in (pins or {}).items())

@@ -232,3 +232,16 @@ def test_a_dtype_the_profile_did_not_measure_is_said_in_the_plan(measured, monke
                and "placement-opt profile --dtype float16" in n for n in half)
     bf16 = solve(trace("llama-3-8b", dtype="bfloat16"), "cpu=64GiB,disk=nvme-gen4/2TB").notes
     assert not any("was not measured" in n for n in bf16)
+
+
+def test_a_preset_given_more_memory_than_its_card_has_is_planned_as_given_and_said():
+    """cuda:0=rtx-4090/40GiB (a 24 GiB card) planned silently with 40 GiB: a what-if one may mean, a typo the same."""
+    from placement_opt import solve
+
+    beyond = solve("llama-3-8b", "cuda:0=rtx-4090/40GiB,cpu=cpu-desktop/64GiB")
+    assert next(m for m in beyond.cost.memory if m.device == "cuda:0").capacity_bytes > 24 * 2**30
+    (note,) = [n for n in beyond.notes if "more than the" in n]
+    assert note.startswith("cuda:0 has 40.00 GiB, more than the rtx-4090 preset's 23.99 GiB: planned with the memory "
+                           "given, which that card does not have")
+    for within in ("cuda:0=rtx-4090/20GiB,cpu=cpu-desktop/64GiB", "cuda:0=rtx-4090,cpu=cpu-desktop/64GiB"):
+        assert not any("more than the" in n for n in solve("llama-3-8b", within).notes)
