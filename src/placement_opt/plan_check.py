@@ -26,7 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model.graph import LayerGraph
     from .plan import Plan
 
-__all__ = ["graph_fingerprint", "model_fingerprint", "check_plan", "fingerprint_differences"]
+__all__ = ["graph_fingerprint", "model_fingerprint", "check_plan", "fingerprint_differences", "MISMATCH_HINT"]
+
+#: What a plan made for another model asks of a Python caller (the command line says it in its own terms).
+MISMATCH_HINT = "solve a plan for this model (placement_opt.solve(model, ...))"
 
 
 def _names_digest(names: Iterable[str]) -> str:
@@ -134,7 +137,7 @@ def check_plan(model: Any, plan: Plan) -> None:
         problems.append(wider)
     if problems:
         raise PlanMismatchError(f"plan for {plan.model_name!r} does not match this model: {'; '.join(problems)}; "
-                            f"solve a plan for this model (placement_opt.solve(model, ...))")
+                                f"{MISMATCH_HINT}")
 
 
 def _wider_weights(model: Any, dtype: str) -> str | None:

@@ -195,6 +195,40 @@ def test_run_of_a_plan_over_the_budgets_given_says_what_to_do_in_flags(checkpoin
     assert "devices=None" not in text
 
 
+def test_run_of_a_plan_runs_its_workload_unless_told_otherwise(checkpoint, tmp_path):
+    """run --plan without --prompt ran 512 tokens (run's default) and then warned, in Python terms, that the plan was
+    solved for fewer."""
+    _, path = checkpoint
+    saved = run_cli("plan", str(path), "-d", "cpu=1GB", "--batch", "2", "--prompt", "5", "--new-tokens", "3",
+                    "--json", str(tmp_path / "plan.json"))
+    assert saved.exit_code == 0, saved.output
+    out = run_cli("run", str(path), "-d", "cpu=1GB", "--plan", str(tmp_path / "plan.json"))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "batch 2 x prompt 5 + 3 new tokens" in text and "warning" not in text, text
+    mine = run_cli("run", str(path), "-d", "cpu=1GB", "--plan", str(tmp_path / "plan.json"), "--prompt", "4")
+    assert "batch 2 x prompt 4 + 3 new tokens" in " ".join(mine.output.split()), mine.output
+
+
+def test_run_says_in_its_own_terms_what_a_plan_for_another_model_or_machine_asks(checkpoint, tmp_path):
+    _, path = checkpoint
+    other = run_cli("plan", "llama-2-7b", "-d", "cpu=64GiB", "--json", str(tmp_path / "7b.json"))
+    assert other.exit_code == 0, other.output
+    out = run_cli("run", str(path), "-d", "cpu=1GB", "--plan", str(tmp_path / "7b.json"), catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "plan this checkpoint (placement-opt plan CHECKPOINT" in text, text
+    assert "placement_opt.solve" not in text
+    absent = run_cli("run", str(path), "-d", "cuda:7=1GiB,cpu=1GB", catch_exceptions=True)
+    text = " ".join(absent.output.split())
+    assert absent.exit_code == 2 and "placement-opt plan plans for a machine you do not have" in text, text
+    on_disk = run_cli("plan", str(path), "-d", "cpu=1GB,disk", "--pin", "model.layers.0=disk", "--json",
+                      str(tmp_path / "disk.json"))
+    assert on_disk.exit_code == 0, on_disk.output
+    out = run_cli("run", str(path), "-d", "cpu=1GB", "--plan", str(tmp_path / "disk.json"), catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and "the plan uses disk, which --devices does not name: add disk to --devices" in text
+
+
 def test_run_refuses_a_context_past_learned_positions_before_loading(tmp_path):
     """GPT-2's position table (64 here) ends the lookup with an IndexError mid-generation: refused first, with the
     most the two options may add up to; a run that fits the table exactly runs."""

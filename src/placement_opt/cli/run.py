@@ -41,6 +41,11 @@ PROMPT_SEED = 0
 #: What ``run`` says where ``load()`` asks a Python caller for an offload folder (runtime.checkpoint.OFFLOAD_DIR_HINT).
 CLI_OFFLOAD_HINT = "--offload-dir DIR"
 #: What ``run`` says where ``load()`` tells a Python caller how to run a plan over the budgets given beside it.
+#: What ``run`` says where the library tells a Python caller to solve a plan for this model.
+CLI_MISMATCH_HINT = ("plan this checkpoint (placement-opt plan CHECKPOINT --devices SPEC --json PLAN.json) and pass "
+                     "that, or leave --plan out")
+#: What ``run`` says where the library points a Python caller at solve() for a machine it does not have.
+CLI_ELSEWHERE_HINT = "placement-opt plan plans for a machine you do not have"
 CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devices at least the budgets the plan was "
                    "solved for (placement-opt explain PLAN.json shows them)")
 
@@ -50,9 +55,10 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
 @click.option("--devices", "-d", default=None, metavar="SPEC",
               help="this machine's devices to use (required): 'cuda:0=10GiB,cpu=64GiB,disk' caps them as accelerate's "
                    "max_memory does (measured speeds where placement-opt profile saved them); 'auto': all of them")
-@click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together")
-@click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (random ids; see --text)")
-@click.option("--new-tokens", type=int, default=32, show_default=True, help="tokens generated, greedily")
+@click.option("--batch", type=int, default=None, help="sequences generated together [default: 1, or --plan's]")
+@click.option("--prompt", type=int, default=None,
+              help="prompt tokens (random ids; see --text) [default: 512, or --plan's]")
+@click.option("--new-tokens", type=int, default=None, help="tokens generated, greedily [default: 32, or --plan's]")
 @click.option("--text", default=None, help="a prompt to tokenize with the checkpoint's tokenizer instead of random ids")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="weights' dtype (default: the checkpoint's)")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -89,7 +95,8 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
               help="prefills timed (each on a new cache); the median is shown, and each is in --json")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the predicted and measured figures here")
-def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_tokens: int, text: str | None,
+def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | None, new_tokens: int | None,
+        text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
         expert_groups: int, overlap: bool, padded: bool, cold: bool, vs_accelerate: bool, calibrate_first: bool, fix_threshold: bool,
         breakdown: bool, repeats: int, json_path: str | None) -> None:
@@ -99,12 +106,14 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
 
     console = console_for()
     check_not_foreign(json_path, "run's figures", "--json")
+    batch, prompt, new_tokens = _shape(plan_path, batch, prompt, new_tokens)
     pins = parse_pins(pin)
     _check_counts(new_tokens, repeats)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
         machine = _machine(checkpoint, devices, dtype, offload_dir)
+        _check_plan_devices(plan_path, machine)
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         mask = _padding_mask(ids) if padded else None
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
@@ -140,6 +149,25 @@ def run(checkpoint: str, devices: str | None, batch: int, prompt: int, new_token
     if json_path:
         write_text_atomic(json_path, json.dumps(figures, indent=1))
         say_written(console, f"figures written to {json_path}")
+
+
+#: --batch, --prompt and --new-tokens when neither they nor a --plan say.
+DEFAULT_SHAPE = (1, 512, 32)
+
+
+def _shape(plan_path: str | None, batch: int | None, prompt: int | None,
+           new_tokens: int | None) -> tuple[int, int, int]:
+    """The run's batch, prompt and new tokens: as given, else the workload ``--plan`` was solved for (a plan run at
+    another workload is priced again, and warned about), else :data:`DEFAULT_SHAPE`."""
+    fallback = DEFAULT_SHAPE
+    if plan_path is not None and None in (batch, prompt, new_tokens):
+        from ..plan import Plan
+
+        with errors_as_messages():
+            solved = Plan.from_json(plan_path).workload
+        fallback = (solved.batch_size, solved.prompt_len, solved.new_tokens)
+    given = (batch, prompt, new_tokens)
+    return tuple(g if g is not None else f for g, f in zip(given, fallback, strict=True))  # type: ignore[return-value]
 
 
 def _check_counts(new_tokens: int, repeats: int) -> None:
@@ -314,10 +342,11 @@ def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None,
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
             offload_dir: str | None, granularity: str, pins: dict[str, str], expert_groups: int = 1) -> Any:
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
-    from ..errors import DispatchError
+    from ..errors import DeviceSpecError, DispatchError
     from ..plan import Plan
+    from ..plan_check import MISMATCH_HINT
     from ..runtime.checkpoint import OFFLOAD_DIR_HINT
-    from ..runtime.loader import BUDGET_HINT, load
+    from ..runtime.loader import BUDGET_HINT, ELSEWHERE_HINT, load
 
     plan = Plan.from_json(plan_path) if plan_path else None
     try:
@@ -325,13 +354,29 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
             return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
                         granularity=None if granularity == "block" else granularity, pins=pins or None,
                         progress=False, expert_groups=expert_groups)
-    except DispatchError as exc:
+    except (DispatchError, DeviceSpecError) as exc:
         # load() asks a Python caller for its arguments; here the user types flags: a usage error (exit code 2)
         if OFFLOAD_DIR_HINT in str(exc):
             raise click.UsageError(one_line(exc).replace(OFFLOAD_DIR_HINT, CLI_OFFLOAD_HINT)) from None
-        if BUDGET_HINT in str(exc):
-            raise click.UsageError(one_line(exc).replace(BUDGET_HINT, CLI_BUDGET_HINT)) from None
+        for hint, ours in ((BUDGET_HINT, CLI_BUDGET_HINT), (MISMATCH_HINT, CLI_MISMATCH_HINT),
+                           (ELSEWHERE_HINT, CLI_ELSEWHERE_HINT)):
+            if hint in str(exc):
+                raise click.UsageError(one_line(exc).replace(hint, ours)) from None
         raise
+
+
+def _check_plan_devices(plan_path: str | None, machine: Any) -> None:
+    """Before anything loads: a ``--plan`` using a device ``--devices`` does not name cannot be priced for this run."""
+    if plan_path is None:
+        return
+    from ..plan import Plan
+
+    plan = Plan.from_json(plan_path)
+    used = {d for p in plan.placements for d in (p.storage, p.execution, p.prefill_execution) if d}
+    if missing := sorted(used - set(machine.names)):
+        raise click.UsageError(f"the plan uses {', '.join(missing)}, which --devices does not name: add "
+                               f"{', '.join(missing)} to --devices (its speeds price the run), or leave --plan out to "
+                               f"plan for these devices")
 
 
 def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
@@ -339,6 +384,7 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     (the plan may have been solved for another workload or budget)."""
     from ..cost.evaluate import evaluate
     from ..model.tracer import trace
+
 
     granularity, groups = _plan_cut(plan)
     graph = trace(checkpoint, dtype=plan.dtype, granularity=granularity, expert_groups=groups)

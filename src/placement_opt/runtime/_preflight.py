@@ -16,6 +16,7 @@ from ..errors import DispatchError, PlacementError, PlanMismatchError
 from ..hardware.detect import cuda_device_count
 from ..model.graph import covering_key
 from ..plan import Plan, UnitPlacement
+from ..plan_check import MISMATCH_HINT
 from ..units import few
 from . import _streamer
 from ._phases import attention_layers
@@ -58,8 +59,7 @@ def build_units(model: nn.Module, plan: Plan) -> list[DispatchUnit]:
     if missing:
         shown = few(missing)
         raise PlanMismatchError(
-            f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}. "
-            f"Solve the plan for this model (placement_opt.solve(model, ...))"
+            f"{len(missing)} unit(s) of the plan are not modules of {type(model).__name__}: {shown}; {MISMATCH_HINT}"
         )
     return [_unit(p, modules[p.unit]) for p in plan.placements]
 

@@ -207,9 +207,11 @@ def _check_here(machine: Any) -> None:
     if absent:
         raise DeviceSpecError(f"devices names {', '.join(absent)}, but this machine has {count} CUDA device(s): load() "
                             f"runs the model here, so name only devices it has (without a GPU: the CPU and the disk); "
-                            f"placement_opt.solve() plans for a machine you do not have")
+                            f"{ELSEWHERE_HINT}")
 
 
+#: Where a Python caller plans for a machine it does not have (the command line names its own command).
+ELSEWHERE_HINT = "placement_opt.solve() plans for a machine you do not have"
 #: What a plan over its budgets asks of a Python caller (``run`` says it in its flags).
 BUDGET_HINT = ("solve a plan for these devices (leave plan out), or pass devices=None to run the plan on the budgets "
                "it was solved for")
