@@ -53,7 +53,7 @@ def test_collect_writes_a_report_with_machine_and_rerun_per_section(tmp_path):
 def test_collect_keeps_a_previous_section_of_run_all_itself(tmp_path):
     run_all = _run_all_module()
     out = tmp_path / "RESULTS.md"
-    out.write_text("<!-- section:strategies -->\nthe old table\n<!-- /section:strategies -->\n")
+    out.write_text(f"{run_all.TITLE}\n\n<!-- section:strategies -->\nthe old table\n<!-- /section:strategies -->\n")
     assert run_all.main(["--collect", "--out", str(out)]) == 0
     assert "the old table" in out.read_text()
 
