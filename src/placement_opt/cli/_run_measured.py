@@ -36,7 +36,7 @@ def say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
     if len(timing.prefill_runs_s) > 1:
         runs = timing.prefill_runs_s
         console.print(f"measured prefill: the median of {len(runs)} (from {format_seconds(min(runs))} to "
-                      f"{format_seconds(max(runs))}); decode: the median of {len(timing.decode_step_s)} steps")
+                      f"{format_seconds(max(runs))}); decode: {_steps(len(timing.decode_step_s))}")
     mean, median = timing.decode_step_mean_s, timing.decode_step_median_s
     if mean > UNEVEN_STEPS_RATIO * median and mean - median >= UNEVEN_STEPS_MIN_S:
         console.print(f"note: the decode steps' mean ({format_seconds(mean)}) is well above their median "
@@ -45,6 +45,10 @@ def say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
                       f"count (docs/limitations.md)")
     if tokenizer is not None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
+
+
+def _steps(count: int) -> str:
+    return "one step" if count == 1 else f"the median of {count} steps"
 
 
 def vs_accelerate(console: Any, checkpoint: str, machine: Any, plan: Plan, cost: Any, timing: Timing,

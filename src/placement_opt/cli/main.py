@@ -151,7 +151,9 @@ def _prepare(model: str, devices: str, batch: int, prompt: int, new_tokens: int,
 
 @cli.command()
 @solve_options
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="cpsat", show_default=True)
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="cpsat", show_default=True,
+              help="who places: cpsat (the optimizer), placement_opt's re-implementations of accelerate's "
+                   "device_map strings (sequential, balanced, balanced_low_0), or the installed accelerate itself")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="write the plan as JSON here ('-': to stdout, with the tables on stderr)")
 @click.option("--plot", type=click.Path(dir_okay=False), help="write pictures here (.png, .svg or .html)")

@@ -229,8 +229,9 @@ def solve_options(func: Any) -> Any:
     options = [
         click.argument("model"),
         click.option("--devices", "-d", default=None, metavar="SPEC",
-                     help="'cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk', 'auto' (this machine) "
-                          "or a saved profile .json (required unless plan --cluster)"),
+                     help="the machine: devices with presets or budgets, e.g. 'cuda:0=a100-40gb,cpu=256GiB,disk'; "
+                          "'auto' (this machine); or a saved profile .json (required; plan takes --cluster "
+                          "instead for several machines)"),
         click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
                      help="what the plan minimises: latency, one request's prefill + decode; throughput, the "
                           "busiest device's work per request (what back-to-back requests wait on); memory, bytes on "

@@ -105,7 +105,7 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
 
     ax = _axes(ax, (12, 2.2))
     colors = device_colors(plan.machine.names)
-    widths, scale = _unit_widths(plan)
+    widths, scale, unit = _unit_widths(plan)
     left = 0.0
     for p, width in zip(plan.placements, widths, strict=True):
         hatch = _hatch(p)
@@ -124,7 +124,7 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     ax.set_yticklabels(["executes on\n(phased: prefill / decode)" if any(p.prefill_execution for p in plan.placements)
                         else "executes on", "stored on"])
     span = f"{plan.placements[0].unit} ... {plan.placements[-1].unit}" if n else ""
-    ax.set_xlabel(f"{n} units in execution order ({span}), each as wide as its weights (GiB)" if scale
+    ax.set_xlabel(f"{n} units in execution order ({span}), each as wide as its weights ({unit})" if scale
                   else f"{n} units in execution order ({span})" if n else "no units")
     ax.spines[["top", "right", "left"]].set_visible(False)
     used = [d for d in plan.machine.names
@@ -139,12 +139,19 @@ def placement_strip(plan: Plan, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def _unit_widths(plan: Plan) -> tuple[list[float], bool]:
-    """Each placement's width in the strip: its weights in GiB, or 1 each when the plan's cost has no
-    per-unit weights; and whether the widths are weights."""
+#: The strip's axis unit, the largest whose total is at least 1 (a tiny model's 400 KiB read as 0.0004 GiB).
+_WIDTH_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _unit_widths(plan: Plan) -> tuple[list[float], bool, str]:
+    """Each placement's width in the strip: its weights in the axis unit, or 1 each when the plan's cost has no
+    per-unit weights; whether the widths are weights; and the unit."""
     stored = {u.name: u.stored_bytes for u in plan.cost.units}
-    widths = [stored.get(p.unit, 0) / 2**30 for p in plan.placements]
-    return (widths, True) if sum(widths) > 0 else ([1.0] * len(plan.placements), False)
+    sizes = [stored.get(p.unit, 0) for p in plan.placements]
+    if sum(sizes) <= 0:
+        return [1.0] * len(plan.placements), False, ""
+    name, size = next((n, b) for n, b in _WIDTH_UNITS if sum(sizes) >= b)
+    return [s / size for s in sizes], True, name
 
 
 def memory_bars(plan: Plan, ax: Axes | None = None) -> Axes:

@@ -66,7 +66,8 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
 @click.option("--offload-dir", type=click.Path(file_okay=False), default=None,
               help="where weights the checkpoint cannot hold as planned are written (cast or fused disk units)")
 @click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True,
-              help="units to place, as for plan (ignored with --plan)")
+              help="units to place, as for plan (ignored with --plan; a module plan is for inspecting a model and "
+                   "cannot run)")
 @click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
 @expert_groups_option
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")

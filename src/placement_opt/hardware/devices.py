@@ -74,7 +74,8 @@ def normalize_device_name(name: str | int) -> str:
         text = "cuda:" + text[4:]
     if not _NAME_RE.match(text):
         raise DeviceSpecError(
-            f"unknown device name {name!r}: accepted are 'cuda:N' (or an int N), 'cpu' and 'disk'"
+            f"unknown device name {name!r}: accepted are 'cuda:N' (also written 'gpu:N', an int N, or 'cuda' for "
+            f"cuda:0), 'cpu' and 'disk'"
         )
     return text
 
