@@ -373,3 +373,34 @@ def test_a_workload_given_as_a_dict_and_pins_keyed_by_numbers_are_refused_by_nam
 
     with pytest.raises(SolverInputError, match=r"pins are keyed by module names .* not 5 \(int\)"):
         po.solve(model, {"cpu": "8GiB"}, pins={5: "cpu"})
+
+
+@pytest.mark.parametrize("devices", [["cpu"], {"cpu": "1GiB"}, None, "cpu"])
+def test_a_machine_built_from_what_is_not_devices_says_what_builds_one(devices):
+    with pytest.raises(DeviceSpecError, match="Machine takes Device objects"):
+        po.Machine(devices)
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"flops": "x"}, "speeds are numbers > 0"), ({"bandwidth": True}, "speeds are numbers > 0"),
+    ({"flops_by_tokens": [(1,)]}, r"give \(tokens, FLOP/s\) pairs"), ({"flops_by_tokens": 5}, r"give \(tokens, FLOP/s\)"),
+])
+def test_a_device_with_speeds_that_are_not_numbers_is_refused(options, words):
+    with pytest.raises(DeviceSpecError, match=words):
+        po.Device("cpu", "1GiB", **options)
+
+
+def test_trace_refuses_counts_and_class_lists_of_the_wrong_type_and_takes_one_class_name(model):
+    with pytest.raises(TraceError, match="must both be ints >= 1"):
+        po.trace(model, batch_size="2")
+    with pytest.raises(TraceError, match="give module class names to keep whole"):
+        po.trace(model, no_split=5)
+    one = po.trace(model, no_split="LlamaDecoderLayer")  # one name, not its letters
+    assert one.names() == po.trace(model, no_split=["LlamaDecoderLayer"]).names()
+
+
+@pytest.mark.parametrize("command", ["plan", "compare"])
+def test_a_time_limit_of_zero_is_a_usage_error_for_every_command(command):
+    """compare --time-limit 0 exited 0 with every solver row 'not run'."""
+    result = run_cli(command, "llama-3-8b", "--devices", "cpu=64GiB", "--time-limit", "0", catch_exceptions=True)
+    assert result.exit_code == 2 and "'--time-limit': 0.0 is not in the range x>0" in result.output

@@ -95,8 +95,15 @@ def _is_half(dtype: str) -> bool:
 
 
 def _checked_speed(label: str, device: str, value: float | None) -> float | None:
-    if value is not None and not (float(value) > 0):
-        raise DeviceSpecError(f"{label} of {device} is {value!r}: speeds must be > 0 per second")
+    if value is None:
+        return value
+    try:
+        positive = float(value) > 0
+    except (TypeError, ValueError):
+        positive = False
+    if isinstance(value, bool) or not positive:
+        raise DeviceSpecError(f"{label} of {device} is {value!r}: speeds are numbers > 0 per second (e.g. "
+                              f"flops=165e12, bandwidth=1.0e12)")
     return value
 
 
@@ -319,7 +326,11 @@ class Device:
 
 
 def _check_curve(name: str, points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    curve = tuple(sorted((int(t), float(f)) for t, f in points))
+    try:
+        curve = tuple(sorted((int(t), float(f)) for t, f in points))
+    except (TypeError, ValueError):
+        raise DeviceSpecError(f"flops_by_tokens of {name} is {points!r}: give (tokens, FLOP/s) pairs, e.g. "
+                              f"[(1, 2e12), (512, 150e12)]") from None
     bad = [p for p in curve if p[0] < 1 or not p[1] > 0]
     if bad:
         raise DeviceSpecError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0")
@@ -351,7 +362,15 @@ class Machine:
     links: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     def __init__(self, devices: Iterable[Device], links: Mapping[tuple[str, str], float] | None = None):
+        if isinstance(devices, str | Mapping) or not isinstance(devices, Iterable):
+            raise DeviceSpecError(f"Machine takes Device objects, not a {type(devices).__name__}: pass names, a spec "
+                                  f"string or a max_memory dict to solve() as they are, or build the Machine with "
+                                  f"placement_opt.hardware.resolve.as_machine(...)")
         devs = tuple(devices)
+        if wrong := [d for d in devs if not isinstance(d, Device)]:
+            raise DeviceSpecError(f"Machine takes Device objects, not {wrong[0]!r} ({type(wrong[0]).__name__}): "
+                                  f"Device('cpu', '64GiB'), Device.preset('a100-40gb', name='cuda:0'), or "
+                                  f"placement_opt.hardware.resolve.as_machine(...) for names and specs")
         names = [d.name for d in devs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

@@ -150,9 +150,18 @@ def trace(
         ModelSpecError: a name that is no preset, local path or reachable model id, a config that cannot
             be read, or a ``dtype`` (or the config's) that names no torch dtype.
     """
-    if batch_size < 1 or seq_len < 1:
-        raise TraceError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must both be >= 1: they size "
+    counts = (batch_size, seq_len)
+    if any(not isinstance(n, int) or isinstance(n, bool) for n in counts) or min(counts) < 1:
+        raise TraceError(f"batch_size ({batch_size!r}) and seq_len ({seq_len!r}) must both be ints >= 1: they size "
                          f"the dummy inputs of the meta forward; the defaults (1, 64) are enough")
+    if isinstance(no_split, str):  # one class name, not its letters
+        no_split = [no_split]
+    if no_split is not None:
+        names = list(no_split) if isinstance(no_split, Iterable) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise TraceError(f"no_split is {no_split!r}: give module class names to keep whole, e.g. "
+                             f"['LlamaDecoderLayer'] (the model's own _no_split_modules when None)")
+        no_split = names
     if granularity not in GRANULARITIES:
         raise TraceError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
     _check_expert_groups(expert_groups, granularity)
