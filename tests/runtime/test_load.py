@@ -364,3 +364,21 @@ def test_a_checkpoint_whose_config_builds_no_model_is_a_model_spec_error(tmp_pat
     for not_a_path in (None, 5):
         with pytest.raises(ModelSpecError, match="load\\(\\) reads a checkpoint directory: pass its path"):
             load(not_a_path, {"cpu": "1GiB"})
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path_factory, tmp_path):
+    """A missing tensor sent the load through transformers' converting path, which started it at random (its load
+    report the only sign)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, path, _ = saved_tiny("llama", tmp_path_factory.mktemp("missing"))
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    tensors = load_file(cut / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, cut / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DispatchError, match=r"1 weight\(s\) are not in the checkpoint: "
+                                            r"model.layers.1.mlp.up_proj.weight: transformers would start them at random"):
+        load(cut, {"cpu": "1GiB"})

@@ -274,5 +274,10 @@ def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: An
             f"so they cannot be mapped from the checkpoint: pass {OFFLOAD_DIR_HINT} for the disk units"
         )
     dtype = next(iter(skeleton.parameters())).dtype
-    model = type(skeleton).from_pretrained(root, dtype=dtype).eval()
-    return dispatch(model, plan, offload_dir=offload_dir, _restore=False)
+    model, info = type(skeleton).from_pretrained(root, dtype=dtype, output_loading_info=True)
+    if missing := sorted(info.get("missing_keys") or ()):  # transformers drew them at random: never a model's weights
+        raise DispatchError(f"{len(missing)} weight(s) are not in the checkpoint: {', '.join(missing[:5])}"
+                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}: transformers would start "
+                            f"them at random; is the directory a complete checkpoint of this architecture (save or "
+                            f"download it again)?")
+    return dispatch(model.eval(), plan, offload_dir=offload_dir, _restore=False)
