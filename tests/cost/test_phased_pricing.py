@@ -84,7 +84,10 @@ def test_phased_options_only_where_there_are_two_phases_and_a_cpu() -> None:
     assert {o.prefill_execution for o in generating.units[0].options if o.mode == "phased"} == {"cuda:0", "cuda:1"}
     assert {o.storage for o in generating.units[0].options if o.mode == "phased"} == {"cpu", "disk"}
     assert not [o for o in generating.units[1].options if o.mode == "phased"]  # outside the decode
-    for wl in (Workload(prompt_len=128, new_tokens=0), Workload(prompt_len=128, new_tokens=8, training=True)):
+    # a one-token prompt is no many-token prefill: the dispatcher, which tells a prefill by its tokens, would compute
+    # a phased unit's prompt on the CPU where the plan priced it on the GPU
+    for wl in (Workload(prompt_len=128, new_tokens=0), Workload(prompt_len=128, new_tokens=8, training=True),
+               Workload(prompt_len=1, new_tokens=8)):
         problem = build_problem(graph, machine(), wl, modes=MODES)
         assert not [o for u in problem.units for o in u.options if o.mode == "phased"]
     assert not [o for o in build_problem(graph, machine(gpus=0), Workload(new_tokens=8), modes=MODES).units[0].options

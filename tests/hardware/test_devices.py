@@ -146,6 +146,12 @@ def test_a_preset_in_a_max_memory_dict_is_answered_with_the_forms_that_take_one(
         as_machine({0: "12 gigs"})
 
 
+def test_a_cpu_preset_in_a_max_memory_dict_is_answered_with_one_cpu_in_the_example() -> None:
+    """The example named the CPU twice ('cpu=cpu-server/24GiB,cpu=64GiB')."""
+    with pytest.raises(DeviceSpecError, match=r"e.g. 'cpu=cpu-server/64GiB' or \['cpu=cpu-server'\]"):
+        as_machine({"cpu": "cpu-server"})
+
+
 def test_a_word_near_auto_is_still_an_unknown_device() -> None:
     with pytest.raises(DeviceSpecError, match="unknown device name 'autos'"):
         as_machine("autos")

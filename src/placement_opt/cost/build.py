@@ -155,10 +155,11 @@ def part_groups(units: Sequence[UnitInfo]) -> tuple[tuple[str, ...], ...]:
 
 def _two_phases(unit: UnitInfo, ctx: PricingContext) -> bool:
     """Whether ``unit`` may be phased: it runs in the decode, and its prefill is a many-token call. The
-    logits unit of a ``logits="last"`` workload computes one position per sequence in the prefill too,
-    so the dispatcher (which tells a prefill by its tokens) would run both phases on the CPU."""
+    dispatcher tells a prefill by its tokens per sequence (``runtime._phases.call_is_prefill``), so a one-token
+    prompt, and the logits unit of a ``logits="last"`` workload (one position per sequence in the prefill too),
+    would run both phases on the CPU where the plan priced the prefill on the GPU."""
     last_only = ctx.workload.logits_kept == "last" and unit.name == ctx.graph.meta.extra.get("logits_unit")
-    return unit.in_decode and not last_only
+    return unit.in_decode and ctx.workload.prompt_len > 1 and not last_only
 
 
 def _check_limits(specs: Iterable[UnitSpec], workload: Workload) -> None:

@@ -179,8 +179,8 @@ def resolve_device_map(device_map: Any, context: RuntimeContext | None = None) -
                f"using {{'': '{ctx.local_device}'}}")
     else:
         replacement = None
-        why = (f"{ctx.label} places and shards the model itself "
-               f"{'(ZeRO-3 accepts no device_map) ' if zero3 else ''}; using device_map=None "
+        why = (f"{ctx.label} places and shards the model itself"
+               f"{' (ZeRO-3 accepts no device_map)' if zero3 else ''}; using device_map=None "
                f"(load on the CPU, let {ctx.label} place it)")
     if devices is None:
         asked = f"device_map={device_map!r} asks to split the model over the devices of one process"

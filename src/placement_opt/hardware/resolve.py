@@ -253,10 +253,12 @@ def _budget(key: Any, value: Any) -> int:
         if not (exact or hint):
             raise
         name, shown = normalize_device_name(key), value.strip().lower() if exact else "PRESET"
+        size = {"cpu": "64GiB", "disk": "1TB"}.get(name, "24GiB")
+        other = [] if name == "cpu" else ["cpu=64GiB"]  # the example's second device, never the same one
         raise DeviceSpecError(
             f"max_memory[{key!r}] = {value!r} names a device preset{hint}, but a max_memory dict gives budgets "
-            f"(e.g. {{{key!r}: '24GiB'}}). For a preset's speeds pass a spec string or a list of its items, e.g. "
-            f"'{name}={shown}/24GiB,cpu=64GiB' or ['{name}={shown}', 'cpu=64GiB']; presets: "
+            f"(e.g. {{{key!r}: '{size}'}}). For a preset's speeds pass a spec string or a list of its items, e.g. "
+            f"'{','.join([f'{name}={shown}/{size}', *other])}' or {[f'{name}={shown}', *other]}; presets: "
             f"{', '.join(sorted(PRESETS))}") from error
 
 
