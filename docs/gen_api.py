@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import sys
@@ -185,6 +186,8 @@ def _module_section(module_name: str, role: str) -> list[str]:
         else:
             # Sets print in hash order, which changes between runs: sorted, the page is reproducible.
             text = f"{type(obj).__name__}({sorted(obj)!r})" if isinstance(obj, (set, frozenset)) else repr(obj)
+            # a path under the home of whoever generated the page is written as ~: the page is the same for anyone
+            text = text.replace(str(Path.home()), "~") if isinstance(obj, os.PathLike) else text
             text = text if len(text) < 300 else text[:300] + " ..."
             lines += [f"### `{name}`", "", f"`{text}`", ""]
     return lines
