@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -42,7 +43,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpu import LLAMA_8B, MIXTRAL, TINY, TINY_MOE, mixtral_budget  # noqa: E402  (the shapes gpu.py measured)
+import gpu  # noqa: E402  (the cases gpu.py measured, their shapes and workloads)
 
 PROFILE = HERE / "h200-host-profile-2.json"
 CPU_MEMORY = "100GiB"
@@ -118,33 +119,18 @@ def decode_floor(graph: Any, budget: str | None, workload: Any, gpu_free: bool =
                  weights(lambda o: o.execution != gpu and o.mode != "stream"))
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    """GPU.json's name of the case."""
-    family: str
-    shape: dict[str, int]
-    budgets: tuple[str, ...]
+def _cases(family: str, smoke: bool, mixtral_layers: int) -> list[Any]:
+    """gpu.py's cases, with its workloads (``smoke``: its tiny models), those of ``family`` ("all": every one)."""
+    chosen = gpu.cases(argparse.Namespace(smoke=smoke, case=None if family == "all" else family, budget=None,
+                                          steps=WORKLOAD[2], mixtral_layers=mixtral_layers))
+    # smoke: a budget the tiny models do not fit, so that the memory row binds
+    return [dataclasses.replace(c, budgets=("1MiB",)) for c in chosen] if smoke else chosen
 
 
-def cases(family: str, smoke: bool, mixtral_layers: int) -> list[Case]:
-    """gpu.py's cases (``--smoke``: its tiny ones, at a 1 MiB budget), those of ``family`` ("all": every one)."""
-    every = [Case("tiny-llama (smoke)", "llama", TINY, ("1MiB",)),
-             Case("tiny-mixtral (smoke)", "mixtral", TINY_MOE, ("1MiB",))] if smoke else [
-        Case("llama-3.1-8b shape", "llama", LLAMA_8B, ("10GiB", "4GiB")),
-        Case(f"mixtral-8x7b shape, {mixtral_layers} layers", "mixtral", {**MIXTRAL, "num_hidden_layers": mixtral_layers},
-             (mixtral_budget(mixtral_layers),))]
-    return [c for c in every if family in ("all", c.family)]
-
-
-def _config(case: Case) -> Path:
-    import transformers as T
-
-    config_class = T.MixtralConfig if case.family == "mixtral" else T.LlamaConfig
-    config = config_class(**case.shape, tie_word_embeddings=False)
-    config.dtype = "bfloat16"
+def _config(case: Any) -> Path:
+    """A folder holding ``case``'s config (gpu.py's, in bf16 with its own lm_head): traced, never built."""
     folder = Path(tempfile.mkdtemp(prefix="floor-"))
-    config.save_pretrained(folder)
+    gpu.case_config(case).save_pretrained(folder)
     return folder
 
 
@@ -204,7 +190,7 @@ def _calibrated(calibration: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="gpu.py's tiny models at a 1 MiB budget: checks the script")
+    parser.add_argument("--smoke", action="store_true", help="gpu.py's tiny models and budgets: checks the script")
     parser.add_argument("--case", choices=("all", "llama", "mixtral"), default="llama",
                         help="gpu.py's cases; mixtral needs a profile with that shape's calibration (the moe step's: "
                              "DEVICE.md), or its figures are the roofline's, which its GPU rows showed far off")
@@ -218,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     from placement_opt.cost.calibrated import calibration_for
 
     started = time.time()
-    batch, prompt, steps = (1, 32, 8) if args.smoke else WORKLOAD
-    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
     rows, covered = [], []
-    for case in cases(args.case, args.smoke, args.mixtral_layers):
+    for case in _cases(args.case, args.smoke, args.mixtral_layers):
+        batch, prompt, steps = case.workload
+        workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=steps, overlap=True)
         folder = _config(case)
         graphs = {"case": case.name, "layer": trace(str(folder)), "sublayer": trace(str(folder), granularity="sublayer")}
         rows += [_row(graphs, b, workload, args.time_limit) for b in (*case.budgets, None)]
