@@ -404,3 +404,17 @@ def test_a_time_limit_of_zero_is_a_usage_error_for_every_command(command):
     """compare --time-limit 0 exited 0 with every solver row 'not run'."""
     result = run_cli(command, "llama-3-8b", "--devices", "cpu=64GiB", "--time-limit", "0", catch_exceptions=True)
     assert result.exit_code == 2 and "'--time-limit': 0.0 is not in the range x>0" in result.output
+
+
+def test_evaluate_refuses_a_plan_solved_for_another_model_as_dispatch_does(model, solved):
+    """A plan priced on the graph of a wider model of the same unit names gave that model's figures under the
+    plan's name; dispatch() refused the same pair."""
+    import transformers as T
+
+    from placement_opt.errors import PlanMismatchError
+
+    wider = T.LlamaForCausalLM(T.LlamaConfig(**{**model.config.to_dict(), "intermediate_size": 4 * model.config.intermediate_size}))
+    assert po.evaluate(solved, model, {"cpu": "8GiB", "disk": "100GiB"}).total_s > 0
+    with pytest.raises(PlanMismatchError, match=r"was solved for another model than this graph's .* unit\(s\) differ "
+                                                r"\(model.layers.0: .* of weights in the plan, .* in the model"):
+        po.evaluate(solved, wider, {"cpu": "8GiB", "disk": "100GiB"})

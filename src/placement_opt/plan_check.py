@@ -13,39 +13,22 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .cost.workload import dtype_bytes
 from .errors import PlanMismatchError
+from .model.fingerprint import fingerprint_differences, finish, graph_fingerprint, names_digest
 from .model.graph import covering_key
 from .units import few, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .model.graph import LayerGraph
     from .plan import Plan
 
 __all__ = ["graph_fingerprint", "model_fingerprint", "check_plan", "fingerprint_differences", "MISMATCH_HINT"]
 
 #: What a plan made for another model asks of a Python caller (the command line says it in its own terms).
 MISMATCH_HINT = "solve a plan for this model (placement_opt.solve(model, ...))"
-
-
-def _names_digest(names: Iterable[str]) -> str:
-    return hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).hexdigest()
-
-
-def _finish(dtype: str, units: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    text = "\n".join(f"{u}:{e['tensors']}:{e['param_bytes']}:{e['names']}" for u, e in sorted(units.items()))
-    return {"dtype": dtype, "units": units, "digest": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
-
-
-def graph_fingerprint(graph: LayerGraph) -> dict[str, Any]:
-    """Per unit of ``graph``: parameters owned, their bytes (tied ones counted once) and a digest of their names."""
-    units = {u.name: {"tensors": len(u.param_names), "param_bytes": int(u.param_bytes),
-                      "names": _names_digest(u.param_names)} for u in graph.units()}
-    return _finish(graph.meta.dtype, units)
 
 
 def model_fingerprint(model: Any, units: Iterable[str],
@@ -73,40 +56,9 @@ def model_fingerprint(model: Any, units: Iterable[str],
             owners[id(tensor)] = set()
             sizes[unit] += int(tensor.numel()) * per_element
         owners[id(tensor)].add(unit)
-    entries = {u: {"tensors": len(names[u]), "param_bytes": sizes[u], "names": _names_digest(names[u])}
+    entries = {u: {"tensors": len(names[u]), "param_bytes": sizes[u], "names": names_digest(names[u])}
                for u in keys}
-    return _finish(dtype, entries), uncovered, [g for g in owners.values() if len(g) > 1]
-
-
-def fingerprint_differences(expected: Mapping[str, Any], actual: Mapping[str, Any],
-                            tied: Iterable[set[str]] = ()) -> list[str]:
-    """What differs between the plan's fingerprint and the model's, one phrase per difference.
-
-    Units in one ``tied`` group are compared by the sum of their bytes.
-    """
-    want, got = dict(expected["units"]), dict(actual["units"])
-    for group in _merged(tied):
-        members = sorted(u for u in group if u in want and u in got)
-        if len(members) < 2:
-            continue
-        label = " + ".join(members)
-        for side in (want, got):
-            merged = [side.pop(u) for u in members]
-            side[label] = {"tensors": sum(e["tensors"] for e in merged),
-                           "param_bytes": sum(e["param_bytes"] for e in merged),
-                           "names": _names_digest(e["names"] for e in merged)}
-    out = []
-    for unit, e in want.items():
-        a = got.get(unit)
-        if a is None:
-            continue
-        if e["tensors"] != a["tensors"] or e["names"] != a["names"]:
-            out.append(f"{unit or '(root)'}: {e['tensors']} parameters in the plan, {a['tensors']} in the model "
-                       f"{'(other names)' if e['tensors'] == a['tensors'] else ''}".rstrip())
-        elif e["param_bytes"] != a["param_bytes"]:
-            out.append(f"{unit or '(root)'}: {format_bytes(e['param_bytes'])} of weights in the plan, "
-                       f"{format_bytes(a['param_bytes'])} in the model")
-    return out
+    return finish(dtype, entries), uncovered, [g for g in owners.values() if len(g) > 1]
 
 
 def check_plan(model: Any, plan: Plan) -> None:
@@ -159,17 +111,3 @@ def _wider_weights(model: Any, dtype: str) -> str | None:
     return (f"its weights are {name} ({format_bytes(held)}), the plan counts them in {dtype} "
             f"({format_bytes(sum(counts.values()) * planned)}): convert the model to {dtype} first "
             f"(model.to(torch.{dtype}))")
-
-
-def _merged(groups: Iterable[set[str]]) -> list[set[str]]:
-    """Overlapping groups joined (a tensor tied across three units, two tensors tied across one pair)."""
-    out: list[set[str]] = []
-    for group in groups:
-        group = set(group)
-        for other in [o for o in out if o & group]:
-            out.remove(other)
-            group |= other
-        out.append(group)
-    return out
-
-

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanFormatError, WorkloadError
+from ..errors import PlanFormatError, PlanMismatchError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.resolve import as_machine
 from ..solver.edges import prune_edges
@@ -23,6 +23,7 @@ from ..solver.problem import (
     device_transients,
     objective_value,
 )
+from ..units import few
 from .build import price_problem
 from .device_map import placements_of
 from .memory import DeviceMemory, Violation, device_memory
@@ -223,14 +224,31 @@ def evaluate(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
     Raises:
         PlanFormatError: a unit without an entry, a device the machine lacks, or a placement the cost
             model does not offer; the message lists what is accepted.
+        PlanMismatchError: a plan whose units differ in size from ``model_or_graph``'s (solved for another model).
     """
     if workload is not None and not isinstance(workload, Workload):
         raise WorkloadError(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: "
                             f"e.g. Workload(batch_size=4, prompt_len=512, new_tokens=128)")
     graph = as_graph(model_or_graph)
+    _check_fingerprint(plan_or_device_map, graph)
     if workload is None:
         workload = getattr(plan_or_device_map, "workload", None) or Workload()
     return evaluator(graph, machine, workload)(plan_or_device_map)
+
+
+def _check_fingerprint(plan: Any, graph: LayerGraph) -> None:
+    """A plan solved for another model (units of the same names, other sizes) priced on ``graph`` gave that model's
+    figures under this plan's name: refused, as dispatch() refuses it."""
+    from ..model.fingerprint import fingerprint_differences, graph_fingerprint
+
+    expected = getattr(plan, "fingerprint", None)
+    if expected is None:  # a device_map, or a plan written before fingerprints
+        return
+    differ = fingerprint_differences(expected, graph_fingerprint(graph), [set(g) for g in graph.meta.tied_unit_groups])
+    if differ:
+        raise PlanMismatchError(f"plan for {plan.model_name!r} was solved for another model than this graph's "
+                                f"({graph.meta.model_name!r}): {len(differ)} unit(s) differ ({few(differ)}); price it on "
+                                f"the graph of the model it was solved for, or solve a plan for this one")
 
 
 def predicted_memory(plan_or_device_map: Any, model_or_graph: Any, machine: Any,
