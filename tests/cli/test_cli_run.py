@@ -477,3 +477,26 @@ def test_the_libraries_warm_up_stays_within_a_dispatched_models_plan():
     assert _library_warmup(object(), torch.zeros((4, 100), dtype=torch.long)).shape == (1, 8)
     handle = types.SimpleNamespace(plan=types.SimpleNamespace(workload=Workload(batch_size=1, prompt_len=3)))
     assert _library_warmup(handle, ids).shape == (1, 3)
+
+
+def test_run_says_when_other_work_shared_the_cores_it_was_timed_on(monkeypatch):
+    """A run on a busy machine measured prefills 190x their prediction with nothing said: the machine's busy CPU
+    time less the run's own, over the timed generation, says how much other work took."""
+    import io
+
+    from rich.console import Console
+
+    from placement_opt.cli import _run_measured
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+
+    def said(before, after) -> str:
+        out = io.StringIO()
+        _run_measured.say_busy(Console(file=out, width=300), before, after)
+        return out.getvalue()
+
+    # 10 s on 2 cores: the machine busy 16 CPU-seconds, the run itself 4 -> others took 12 of 20
+    assert "other work took 60% of this machine's 2 cores" in said((0.0, 100.0, 5.0), (10.0, 116.0, 9.0))
+    assert said((0.0, 100.0, 5.0), (10.0, 108.0, 9.0)) == ""  # others 4 of 20: within what a quiet machine shows
+    assert said(None, (10.0, 116.0, 9.0)) == "" and said((10.0, 1.0, 1.0), (10.0, 9.0, 1.0)) == ""
+    assert _run_measured.cpu_clock() is not None  # psutil reads this machine

@@ -47,6 +47,43 @@ def say_runs(console: Any, timing: Timing, tokenizer: Any) -> None:
         console.print(f"generated: {tokenizer.decode(list(timing.tokens[0]), skip_special_tokens=True)!r}")
 
 
+#: Other processes' share of the cores during the timed run above which the run says it was not alone.
+BUSY_SHARE = 0.25
+
+
+def cpu_clock() -> tuple[float, float, float] | None:
+    """(wall seconds, the whole machine's busy CPU seconds, this process's CPU seconds), to compare two readings
+    (:func:`say_busy`); None where psutil cannot read them."""
+    import time
+
+    import psutil
+
+    try:
+        every, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    busy = sum(getattr(every, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+    return time.monotonic(), busy, own.user + own.system
+
+
+def say_busy(console: Any, before: tuple[float, float, float] | None,
+             after: tuple[float, float, float] | None) -> None:
+    """None: a note when other work took a share of the cores while the run was timed (the machine's busy CPU time
+    less this process's own, between two :func:`cpu_clock` readings), which slows every measured figure while the
+    prediction assumes the cores free. A hypervisor's steal counts as other work."""
+    import os
+
+    if before is None or after is None or after[0] <= before[0]:
+        return
+    cores = os.cpu_count() or 1
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    share = others / ((after[0] - before[0]) * cores)
+    if share > BUSY_SHARE:
+        console.print(f"note: other work took {share:.0%} of this machine's {cores} cores while the run was timed: "
+                      f"the measured times may run well above the predicted ones; run again when it is idle to "
+                      f"compare them")
+
+
 def _steps(count: int) -> str:
     return "one step" if count == 1 else f"the median of {count} steps"
 

@@ -127,8 +127,10 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
         _check_positions(checkpoint, ids.shape[1], new_tokens)
         handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
                          expert_groups)
+        before = _run_measured.cpu_clock()
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
             timing = _run_measured.time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
+        busy = (before, _run_measured.cpu_clock())
         plan = handle.plan
         cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
     _say_setting(console, checkpoint, machine, (batch, ids.shape[1], new_tokens, padded), plan, cold, SOLVER_NOTES)
@@ -136,6 +138,7 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
     console.print(_run_measured.table(rows, timing))
     _run_measured.say_heap(console, rows, fixed)
     _run_measured.say_runs(console, timing, tokenizer)
+    _run_measured.say_busy(console, *busy)
     figures = _run_measured.figures(plan, rows, timing)
     if breakdown:
         with errors_as_messages(), progress("Generating again, every unit's call marked ..."):
