@@ -103,11 +103,24 @@ def test_detect_context_reads_zero_stage_only_under_deepspeed() -> None:
      "local_world_size 4 exceeds world_size 2"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_FSDP": "true"},
      "both ACCELERATE_USE_DEEPSPEED and ACCELERATE_USE_FSDP"),
+    # every process read itself as rank 0 of 4; a world of 0 read as one process
+    ({"WORLD_SIZE": "4"}, "names 4 processes but no RANK"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "names 4 processes but no RANK"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: a run has at least one process"),
 ])
 def test_detect_context_rejects_inconsistent_env(env: dict[str, str], message: str) -> None:
     with pytest.raises(PlacementError) as err:
         detect_context(env, cuda_device_count=0, frameworks=False)
     assert message in str(err.value)
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused_not_given_another_ranks_gpu() -> None:
+    """Local rank 3 of 4 with two GPUs visible got cuda:1, local rank 1's; with one GPU visible per process (the
+    launcher's CUDA_VISIBLE_DEVICES) every rank's own is cuda:0."""
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(PlacementError, match="local rank 3 sees 2 GPUs: cuda:1 is local rank 1's"):
+        detect_context(env, cuda_device_count=2, frameworks=False)
+    assert detect_context(env, cuda_device_count=1, frameworks=False).local_device == "cuda:0"
 
 
 def _fake_accelerate(monkeypatch: pytest.MonkeyPatch, accelerator: dict, partial: dict) -> None:

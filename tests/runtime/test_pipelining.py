@@ -69,3 +69,18 @@ def test_a_model_without_decoder_roles_is_refused() -> None:
     plan = plan_pipeline(model, "(cpu*2)", Workload(batch_size=1, prompt_len=4), schedule="gpipe")
     with pytest.raises(DispatchError, match="decoder-only"):
         stage_module(model, plan, 0)
+
+
+def test_a_plan_of_a_smaller_model_is_refused_on_a_larger_one(tmp_path) -> None:
+    """A 2-layer model's plan run on a 4-layer checkpoint ran without layers 2-3, with other logits and no word."""
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64)).eval()
+    plan = plan_pipeline(small, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    large = _llama()
+    large.save_pretrained(tmp_path)
+    for source in (large, tmp_path):
+        with pytest.raises(DispatchError, match=r"parameter\(s\) of this model are in no stage of the plan "
+                                                r"\(model.layers.2.*the plan was made for another model"):
+            stage_module(source, plan, 0)

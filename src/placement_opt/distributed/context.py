@@ -138,6 +138,13 @@ def _env_ranks(env: Mapping[str, str]) -> _Ranks:
     local_world, _ = _int_env(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                               "MPI_LOCALNRANKS")
     source = f"env: {world_key}={world}" if world_key else "env: no WORLD_SIZE"
+    if world is not None and world < 1:
+        raise PlacementError(f"environment variable {world_key}={world}: a run has at least one process; the launcher "
+                             f"sets it to the number of processes, so unset or fix it")
+    if world is not None and world > 1 and rank is None:  # every process would read itself as rank 0
+        raise PlacementError(f"environment variable {world_key}={world} names {world} processes but no RANK (or "
+                             f"OMPI_COMM_WORLD_RANK, PMI_RANK) says which this one is: every process would plan as "
+                             f"rank 0; launch with torchrun/deepspeed/accelerate/mpirun, which set both, or set RANK")
     return _Ranks(world_size=world or 1, rank=rank or 0, local_rank=local_rank,
                   local_world_size=local_world, source=source)
 
@@ -214,6 +221,10 @@ def _local_device(local_rank: int, cuda_count: int, env: Mapping[str, str]) -> s
     if cuda_count <= 0 or _flag(env, "ACCELERATE_USE_CPU"):
         return "cpu"
     # One visible GPU per process (CUDA_VISIBLE_DEVICES set per rank) shows up as cuda:0.
+    if cuda_count > 1 and local_rank >= cuda_count:  # a wrap would give this rank another rank's GPU
+        raise PlacementError(f"local rank {local_rank} sees {cuda_count} GPUs: cuda:{local_rank % cuda_count} is "
+                             f"local rank {local_rank % cuda_count}'s; launch at most {cuda_count} processes per host, "
+                             f"or give each process its own GPU (CUDA_VISIBLE_DEVICES per rank)")
     return f"cuda:{local_rank % cuda_count}"
 
 

@@ -128,11 +128,11 @@ def stage_module(model_or_checkpoint: Any, plan: PipelinePlan, stage_index: int,
     if isinstance(model_or_checkpoint, (str, os.PathLike)):
         root = Path(model_or_checkpoint)
         model = meta_model(root, dtype)
-        _check_units(model, units)
+        _check_units(model, units, plan)
         _load_stage(model, units, root, torch.device(device))
     else:
         model = model_or_checkpoint
-        _check_units(model, units)
+        _check_units(model, units, plan)
         if any(p.is_meta for n, p in model.named_parameters() if _covered(n, units)):
             raise DispatchError("the model's weights are on the meta device: pass its checkpoint directory "
                                 "(model.save_pretrained(path)) so that pipeline() reads this stage's tensors")
@@ -147,12 +147,21 @@ def _covered(param: str, units: tuple[str, ...]) -> bool:
     return any(param == u or param.startswith(u + ".") for u in units)
 
 
-def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
+def _check_units(model: nn.Module, units: tuple[str, ...], plan: PipelinePlan) -> None:
+    """This stage's units are modules of ``model``, and the plan's stages together hold every parameter of it: a
+    plan of a 2-layer model run on a 4-layer one ran without layers 2-3 and gave other logits, without a word."""
     names = dict(model.named_modules())
     missing = [u for u in units if u not in names]
     if missing:
         raise DispatchError(f"the plan's units {missing[:3]} are not modules of this model: plan with the same "
                             f"model (plan_pipeline(model, ...)) that you run")
+    every = tuple(u for stage in plan.stages for u in stage.units)
+    uncovered = [n for n, _ in model.named_parameters(remove_duplicate=False) if not _covered(n, every)]
+    if uncovered:
+        raise DispatchError(f"{len(uncovered)} parameter(s) of this model are in no stage of the plan "
+                            f"({', '.join(uncovered[:3])}{' ...' if len(uncovered) > 3 else ''}): the plan was made "
+                            f"for another model ({plan.model_name!r}); plan with the model you run "
+                            f"(plan_pipeline(model, ...))")
 
 
 def _load_stage(model: nn.Module, units: tuple[str, ...], root: Path, device: torch.device) -> None:
