@@ -169,6 +169,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     check_arguments(objective, strategy, time_limit_s, seed, gap_limit, workers)
     modes = check_modes(modes)
     if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
+        _check_cluster_arguments(strategy=strategy != "cpsat", pins=bool(pins), contiguous=bool(contiguous),
+                                 modes=tuple(modes) != tuple(SOLVER_MODES), granularity=granularity not in (None, "block"),
+                                 expert_groups=expert_groups != 1)
         return _pipeline_plan(model, devices, objective, workload)
     check_types(workload, pins, contiguous, strategy)
     from .model.graph import LayerGraph
@@ -428,6 +431,16 @@ def _is_cluster(devices: Any) -> bool:
     from .hardware.cluster import Cluster
 
     return isinstance(devices, Cluster)
+
+
+def _check_cluster_arguments(**given: bool) -> None:
+    """solve()'s arguments of one machine's plan that a cluster's pipeline stages do not take: given, they were
+    dropped without a word."""
+    if dropped := [name for name, set_ in given.items() if set_]:
+        raise SolverInputError(f"{', '.join(dropped)} shape{'s' if len(dropped) == 1 else ''} one machine's plan; a "
+                               f"cluster is planned as contiguous pipeline stages, the slowest one least, which "
+                               f"take{'s' if len(dropped) == 1 else ''} none of them: leave "
+                               f"{'it' if len(dropped) == 1 else 'them'} out (or pass a Machine for one host)")
 
 
 def _pipeline_plan(model: Any, cluster: Any, objective: str, workload: Workload | None) -> Any:

@@ -40,6 +40,12 @@ def test_plan_cluster_errors_are_one_line() -> None:
     (("--devices", "cpu", "--train"), "--train shapes a pipeline over several machines: add --cluster"),
     (("--devices", "cpu", "--schedule", "gpipe", "--microbatches", "4"), "--schedule, --microbatches shape a pipeline"),
     (("--devices", "cpu", "--cluster", "2x(h100-sxm*2,cpu-server)@ib-200g"), "leave --devices out"),
+    # one machine's options given with --cluster were dropped without a word (--plot wrote no file, exit 0)
+    (("--cluster", "2x(h100-sxm*2,cpu-server)", "--plot", "p.png", "--objective", "memory"),
+     "--plot, --objective shape one machine's plan"),
+    (("--cluster", "2x(h100-sxm*2,cpu-server)", "--strategy", "balanced", "--granularity", "sublayer", "--modes",
+      "stream", "--new-tokens", "9", "--logits", "all", "--time-limit", "2", "--expert-groups", "2"),
+     "--strategy, --granularity, --modes, --new-tokens, --logits, --time-limit, --expert-groups shape one machine's"),
 ])
 def test_options_of_the_other_kind_of_plan_are_refused_not_ignored(args, said):
     result = run_cli("plan", "llama-3-8b", *args, catch_exceptions=True)

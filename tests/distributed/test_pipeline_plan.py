@@ -99,6 +99,9 @@ def test_solve_with_a_cluster_is_the_pipeline_plan_and_round_trips() -> None:
         po.solve(graph, cluster)
     with pytest.raises(PlanFormatError, match="not a pipeline plan"):
         PipelinePlan.from_json('{"version": 1}')
+    # one machine's arguments were dropped without a word
+    with pytest.raises(SolverInputError, match="strategy, pins, granularity shape one machine's plan"):
+        po.solve(graph, cluster, "throughput", strategy="balanced", pins={"head": "cpu"}, granularity="sublayer")
 
 
 def test_bad_arguments() -> None:

@@ -270,6 +270,15 @@ def _check_cluster_options(cluster: str | None, devices: str | None) -> None:
     if cluster is not None and devices is not None:
         raise click.UsageError("--cluster describes the machines the pipeline runs on: leave --devices out (or "
                                "--cluster, for one machine's plan)")
+    if cluster is not None:
+        # options of one machine's plan that the pipeline planner has no use for: given, they were dropped unsaid
+        unused = [f"--{name.replace('_', '-')}" for name in ("plot", "objective", "strategy", "granularity", "modes",
+                                                             "new_tokens", "logits", "time_limit", "expert_groups")
+                  if given(name) == click.core.ParameterSource.COMMANDLINE]
+        if unused:
+            raise click.UsageError(f"{', '.join(unused)} {'shapes' if len(unused) == 1 else 'shape'} one machine's "
+                                   f"plan; plan --cluster cuts whole-sequence forwards into pipeline stages, the "
+                                   f"slowest one least, and takes none of them: leave them out")
     if cluster is None:
         shaping = [f"--{name}" for name in ("schedule", "microbatches", "train")
                    if given(name) == click.core.ParameterSource.COMMANDLINE]
