@@ -71,10 +71,26 @@ def test_torchrun_environment() -> None:
     ("(a10)@carrier-pigeon", "neither a preset"), ("(a10)@1GB/s/fast", "latency"),
     ("(a10)@0GB/s", "bandwidth"), ("(nvme-gen4)", "GPU or a CPU"),
     ("5000x(cpu)", "more than 4096"), ("(a10=-1GB)", "size"),
+    # read as bytes, a rate in bits priced the network 8x too fast; a bare '@' read as the default network
+    ("(a10)@25Gb/s", "'25Gb/s' .* reads as bits"), ("(a10)@10gbps/5us", "'10gbps' .* reads as bits"),
+    ("(a10)@100Gbit/s", "reads as bits"), ("(a10)@", "nothing after '@'"),
 ])
 def test_bad_specs_say_what_and_how(spec: str, message: str) -> None:
     with pytest.raises(DeviceSpecError, match=message):
         parse_cluster_spec(spec)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"hosts": [{"devices": "a10,cpu"}], "lnk": "eth-10g"}, r"key\(s\) 'lnk' \(did you mean 'link'\?\)"),
+    ({"hosts": [{"devices": "a10,cpu", "cuont": 4}]}, r"key\(s\) 'cuont' \(did you mean 'count'\?\)"),
+    ({"hosts": [{"devices": "a10,cpu"}], "link": ""}, "nothing after '@'"),
+    ({"hosts": [{"devices": "a10,cpu"}], "link": 25}, "a cluster's 'link' is 25"),
+])
+def test_a_cluster_description_with_a_typo_is_refused_not_read_as_the_defaults(data, message) -> None:
+    """A misspelt "link" planned on ib-200g, a misspelt "count" on one host, without a word."""
+    with pytest.raises(DeviceSpecError, match=message):
+        Cluster.from_dict(data)
+    assert Cluster.from_dict({"hosts": [{"devices": "a10,cpu", "count": 2}], "link": "25GB/s"}).ranks
 
 
 @st.composite

@@ -24,6 +24,7 @@ passes (``os.environ`` by default).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -201,15 +202,20 @@ class Cluster:
     def from_dict(cls, data: Any, *, dtype: str = "float16") -> Cluster:
         if not isinstance(data, Mapping) or not isinstance(data.get("hosts"), Sequence) or isinstance(data.get("hosts"), str):
             raise DeviceSpecError(f"a cluster description needs a 'hosts' list, got {type(data).__name__}: {_HINT}")
+        _check_keys(data, {"hosts", "link"}, "a cluster description")
         groups = []
         for entry in data["hosts"]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("devices"), str):
                 raise DeviceSpecError(f"host entry {entry!r} needs 'devices': a string such as 'h100-sxm*8,cpu-server'")
+            _check_keys(entry, {"devices", "count"}, f"host entry {dict(entry)!r}")
             count = entry.get("count", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise DeviceSpecError(f"host count is {count!r}: it must be an int >= 1")
             groups.append(f"{count}x({entry['devices']})")
         link = data.get("link", "ib-200g")
+        if not isinstance(link, str):
+            raise DeviceSpecError(f"a cluster's 'link' is {link!r}: a preset ({', '.join(LINK_PRESETS)}) or a rate "
+                                  f"such as '25GB/s'")
         return parse_cluster_spec("+".join(groups) + f"@{link}", dtype=dtype)
 
     @classmethod
@@ -259,6 +265,14 @@ class Cluster:
         return "\n".join(lines)
 
 
+def _check_keys(data: Mapping[str, Any], known: set[str], what: str) -> None:
+    """Refuse keys ``data`` may not have: a typo (``"lnk"``, ``"cuont"``) was read as the default, without a word."""
+    if unknown := sorted(set(map(str, data)) - known):
+        close = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        hints = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items())
+        raise DeviceSpecError(f"{what} has key(s) {hints} it does not take: its keys are {', '.join(sorted(known))}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Parsing
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +284,12 @@ def parse_cluster_spec(spec: str, *, dtype: str = "float16") -> Cluster:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise DeviceSpecError(f"cluster spec {spec!r} is empty: {_HINT}")
+    _check_bytes(spec)
     text = re.sub(r"\s+", "", spec).lower()
-    hosts_text, _, link_text = text.partition("@")
+    hosts_text, at, link_text = text.partition("@")
+    if at and not link_text:  # '...@' or a file's "link": "" read as the default network, without a word
+        raise DeviceSpecError(f"cluster spec {spec!r} has nothing after '@': name the network, a preset "
+                              f"({', '.join(LINK_PRESETS)}) or a rate such as '25GB/s', or leave '@' out for ib-200g")
     network = _parse_link(link_text) if link_text else Link(*LINK_PRESETS["ib-200g"])
     hosts: list[Host] = []
     for group in _split_top(hosts_text, "+"):
@@ -345,6 +363,19 @@ def _build_host(items: list[str], dtype: str) -> Host:
         devices.append(Device.preset(key, memory=size, dtype=dtype))
         cpu_ranks = count if kind == "cpu" and count_text else cpu_ranks
     return Host(Machine(devices), cpu_ranks)
+
+
+#: A network rate written in bits (``25Gb/s``, ``10gbps``, ``100Gbit/s``): the spec is read in bytes, so such a
+#: rate priced the link 8x too fast.
+_BITS_RE = re.compile(r"[0-9.]+\s*[kKmMgGtT]i?(?:b|bits?|bps)(?:/s)?(?![A-Za-z])")
+
+
+def _check_bytes(spec: str) -> None:
+    _, _, link = spec.partition("@")
+    if (found := _BITS_RE.search(link)) is not None:
+        raise DeviceSpecError(f"network rate {found.group(0)!r} in {spec!r} reads as bits (a lowercase b): the spec "
+                              f"takes bytes per second, e.g. '3.125GB/s' for 25 Gbit/s, or a preset such as "
+                              f"eth-25g ({', '.join(LINK_PRESETS)})")
 
 
 def _parse_link(text: str) -> Link:
