@@ -430,7 +430,9 @@ def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, obje
 def _is_cluster(devices: Any) -> bool:
     from .hardware.cluster import Cluster
 
-    return isinstance(devices, Cluster)
+    # a spec string of hosts in parentheses ("2x(h100-sxm*8,cpu)@ib-200g") is a cluster, as plan_pipeline() reads it
+    # one machine's device specs never hold parentheses
+    return isinstance(devices, Cluster) or (isinstance(devices, str) and "(" in devices)
 
 
 def _check_cluster_arguments(**given: bool) -> None:

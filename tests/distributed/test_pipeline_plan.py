@@ -99,6 +99,11 @@ def test_solve_with_a_cluster_is_the_pipeline_plan_and_round_trips() -> None:
         po.solve(graph, cluster)
     with pytest.raises(PlanFormatError, match="not a pipeline plan"):
         PipelinePlan.from_json('{"version": 1}')
+    # a spec string is a cluster to solve() as it is to plan_pipeline(); what is neither is named
+    assert po.solve(graph, "(a100-40gb*2)+(l4*2)@ib-100g", "throughput", workload=Workload(prompt_len=256)) == plan
+    for wrong in (None, {"cpu": "1GiB"}, ["cpu"]):
+        with pytest.raises(SolverInputError, match=f"cluster is a {type(wrong).__name__}: pass a Cluster"):
+            plan_pipeline(graph, wrong)
     # one machine's arguments were dropped without a word
     with pytest.raises(SolverInputError, match="strategy, pins, granularity shape one machine's plan"):
         po.solve(graph, cluster, "throughput", strategy="balanced", pins={"head": "cpu"}, granularity="sublayer")
@@ -136,3 +141,22 @@ def test_the_plan_is_never_slower_than_the_layer_count_split(gpus: list[str], ba
     even_s = max(stage_time_ns(problem, k, a, b) for k, (a, b) in enumerate(zip(even[:-1], even[1:], strict=True)))
     assert plan.objective_s <= even_s / 1e9 + 1e-12
     assert [u for s in plan.stages for u in s.units] == graph.names()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: "null", lambda d: "42",
+    lambda d: {**d, "schedule": "zb"},  # pipeline() ran it as 1F1B
+    lambda d: {**d, "n_microbatches": 0}, lambda d: {**d, "n_microbatches": "8"},
+    lambda d: {**d, "stages": []},  # summary() raised a ValueError
+    lambda d: {**d, "stages": [{**d["stages"][0], "units": []}, *d["stages"][1:]]},  # an IndexError
+    lambda d: {**d, "stages": [d["stages"][0], {**d["stages"][1], "units": d["stages"][0]["units"]}]},
+    lambda d: {**d, "stages": [{**d["stages"][0], "compute_s": float("nan")}, *d["stages"][1:]]},
+], ids=["null", "number", "schedule", "no micro-batches", "micro-batches text", "no stages", "empty stage",
+        "units twice", "nan time"])
+def test_a_pipeline_plan_edited_into_nonsense_is_a_plan_format_error(edit) -> None:
+    import json
+
+    plan = po.solve(_decoder(), po.Cluster.from_spec("(a100-40gb*2)"), "throughput", workload=Workload(prompt_len=64))
+    edited = edit(json.loads(plan.to_json()))
+    with pytest.raises(PlanFormatError, match="not a pipeline plan"):
+        PipelinePlan.from_json(edited if isinstance(edited, str) else json.dumps(edited))

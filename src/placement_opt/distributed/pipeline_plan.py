@@ -159,10 +159,32 @@ class PipelinePlan:
             if data.pop("version") != PIPELINE_PLAN_VERSION:
                 raise ValueError(f"version is not {PIPELINE_PLAN_VERSION}")
             stages = tuple(StagePlan(**{**s, "units": tuple(s["units"])}) for s in data.pop("stages"))
-            return cls(**{**data, "workload": Workload.from_dict(data["workload"]), "stages": stages})
-        except (ValueError, KeyError, TypeError) as err:
+            plan = cls(**{**data, "workload": Workload.from_dict(data["workload"]), "stages": stages})
+            _check_read(plan)
+            return plan
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise PlanFormatError(f"not a pipeline plan ({err}): write it with PipelinePlan.to_json() of this "
                                   f"version ({PIPELINE_PLAN_VERSION})") from None
+
+
+def _check_read(plan: PipelinePlan) -> None:
+    """What a pipeline plan read back must hold, as plan_pipeline() writes it (a ValueError says which): a file
+    edited by hand ran a schedule pipeline() does not have as 1F1B, or broke summary() with an IndexError."""
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {plan.schedule!r} is none of {', '.join(SCHEDULES)}")
+    micro = plan.n_microbatches
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise ValueError(f"n_microbatches is {micro!r}, not an int >= 1")
+    if not plan.stages or any(not s.units for s in plan.stages):
+        raise ValueError("a plan has one stage or more, each with one unit or more")
+    if [s.stage for s in plan.stages] != list(range(len(plan.stages))):
+        raise ValueError(f"stages are numbered {[s.stage for s in plan.stages]}, not 0 to {len(plan.stages) - 1}")
+    units = [u for s in plan.stages for u in s.units]
+    if len(set(units)) < len(units):
+        raise ValueError(f"unit(s) {sorted({u for u in units if units.count(u) > 1})[:3]} are in more than one place")
+    times = [t for s in plan.stages for t in (s.compute_s, s.send_s)]
+    if not all(isinstance(t, int | float) and math.isfinite(t) and t >= 0 for t in times):
+        raise ValueError("a stage's compute_s and send_s are finite seconds >= 0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +213,9 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         InfeasiblePlacementError: no split fits every rank's memory (says which and by how much).
     """
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    if not isinstance(cluster, Cluster):
+        raise SolverInputError(f"cluster is a {type(cluster).__name__}: pass a Cluster or its spec string, e.g. "
+                               f"'2x(h100-sxm*8,cpu-server)@ib-200g' (one machine's devices go to solve())")
     graph = _graph(model)
     ranks = cluster.ranks
     micro = n_microbatches if n_microbatches is not None else len(ranks)
