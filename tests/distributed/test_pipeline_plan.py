@@ -160,3 +160,21 @@ def test_a_pipeline_plan_edited_into_nonsense_is_a_plan_format_error(edit) -> No
     edited = edit(json.loads(plan.to_json()))
     with pytest.raises(PlanFormatError, match="not a pipeline plan"):
         PipelinePlan.from_json(edited if isinstance(edited, str) else json.dumps(edited))
+
+
+def test_a_tied_output_head_holds_its_copy_on_its_stage_and_is_not_trained_across_stages() -> None:
+    """The tracer counts a tied tensor once, on the embedding; pipeline() reads the head's copy on the last stage, so
+    a stage problem of several ranks counts it there (gemma-2-9b's last stage was 1.71 GiB short). Training such a
+    plan was refused only when pipeline() ran it."""
+    graph = po.trace("gpt2-xl")
+    embed, head = graph.meta.tied_unit_groups[0]
+    names = graph.names()
+    cluster = po.Cluster.from_spec("(a100-40gb*2,cpu)")
+    two = stage_problem(graph, cluster, Workload(prompt_len=64), "gpipe", 2)
+    one = stage_problem(graph, po.Cluster.from_spec("(a100-40gb)"), Workload(prompt_len=64), "gpipe", 1)
+    assert graph.unit(head).param_bytes == 0 < graph.unit(embed).param_bytes
+    assert two.stored_bytes[1][names.index(head)] >= graph.unit(embed).param_bytes  # its own copy
+    assert one.stored_bytes[0][names.index(head)] < graph.unit(embed).param_bytes  # one stage shares the one tensor
+    plan_pipeline(graph, cluster, Workload(prompt_len=64))  # the forward plans
+    with pytest.raises(SolverInputError, match=r"ties weights between stages \(transformer.wte and lm_head\)"):
+        plan_pipeline(graph, cluster, Workload(prompt_len=64, training=True))

@@ -57,10 +57,16 @@ def test_meta_models_and_tied_training_are_refused(tmp_path) -> None:
     with pytest.raises(DispatchError, match="meta device: pass its checkpoint directory"):
         stage_module(meta, plan, 0)
     tied = _llama(tie=True)
-    train = plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8, training=True), schedule="gpipe")
+    from placement_opt.errors import SolverInputError
+
+    with pytest.raises(SolverInputError, match="ties weights between stages"):  # said when planning
+        plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8, training=True), schedule="gpipe")
+    infer = plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    import dataclasses
+
+    train = dataclasses.replace(infer, workload=Workload(batch_size=1, prompt_len=8, training=True))  # edited by hand
     with pytest.raises(DispatchError, match="ties weights"):
         stage_module(tied, train, 0)
-    infer = plan_pipeline(tied, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
     assert stage_module(tied, infer, 1) is not None  # two copies are right for inference
 
 

@@ -225,10 +225,23 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     solution = solve_stages(problem)
     names = graph.names()
     stages = tuple(_stage_plan(problem, solution, k, rank, names) for k, rank in enumerate(ranks))
+    if workload.training:
+        _check_tied_training(graph, stages)
     even = layer_count_cuts(graph, len(ranks))
     return PipelinePlan(model_name=graph.meta.model_name, schedule=schedule, n_microbatches=micro,
                         workload=workload, stages=stages, bound_s=solution.objective_ns / _NS,
                         layer_count_s=_cuts_time(problem, even), cluster_spec=_spec_or_blank(cluster))
+
+
+def _check_tied_training(graph: LayerGraph, stages: tuple[StagePlan, ...]) -> None:
+    """pipeline() refuses to train weights tied across stages (their gradients would not be summed across ranks):
+    say so when planning, not when the run starts."""
+    where = {u: s.stage for s in stages for u in s.units}
+    split = [g for g in graph.meta.tied_unit_groups if len({where.get(u) for u in g}) > 1]
+    if split:
+        raise SolverInputError(f"{graph.meta.model_name} ties weights between stages ({' and '.join(split[0])}), "
+                               f"and pipeline() cannot train those (their gradients would not be summed across "
+                               f"ranks): untie them (tie_word_embeddings=False) to train, or plan the forward only")
 
 
 def _graph(model: Any) -> LayerGraph:
@@ -279,12 +292,13 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
     crossing = crossing_bytes_per_token(graph)
     times = 2 if workload.training else 1  # activations forward, gradients back
     rows: dict[str, list[tuple[int, ...]]] = {k: [] for k in ("time", "stored", "peak", "send", "in", "out")}
+    copies = _tied_copies(graph) if len(ranks) > 1 else {}
     for k, rank in enumerate(ranks):
         flight = _in_flight(schedule, micro, len(ranks), k)
         prices = _prices(graph, rank, workload)
         rows["time"].append(tuple(_ns(p.prefill_s) for p in prices))
         rows["stored"].append(tuple(p.weights_bytes + p.stored_other_bytes + flight * p.resident_other_bytes
-                                    for p in prices))
+                                    + copies.get(i, 0) for i, p in enumerate(prices)))
         rows["peak"].append(tuple(p.workspace_bytes for p in prices))
         last = k == len(ranks) - 1
         link = None if last else cluster.link(rank, ranks[k + 1])
@@ -295,6 +309,22 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
                         peak_bytes=tuple(rows["peak"]), send_ns=tuple(rows["send"]), in_bytes=tuple(rows["in"]),
                         out_bytes=tuple(rows["out"]),
                         capacity_bytes=tuple(r.device.usable_bytes for r in ranks))
+
+
+def _tied_copies(graph: LayerGraph) -> dict[int, int]:
+    """Unit index -> bytes of the tied tensor it holds a copy of on its own stage. The tracer counts a tied tensor
+    once, on its first owner (an embedding tied to the output head); a pipeline loads it again on every stage that
+    holds another of its owners (pipeline() reads the head's copy on the last stage), which a stage of more than
+    one rank never shares with the first: gemma-2-9b's last stage was 1.71 GiB short of what it holds."""
+    index = {u.name: i for i, u in enumerate(graph.units())}
+    copies: dict[int, int] = {}
+    for group in graph.meta.tied_unit_groups:
+        members = [graph.unit(name) for name in group if name in index]
+        size = max((u.param_bytes for u in members), default=0)
+        for u in members:
+            if u.param_bytes == 0 and size > 0:
+                copies[index[u.name]] = size
+    return copies
 
 
 def _prices(graph: LayerGraph, rank: Rank, workload: Workload) -> list[Any]:
