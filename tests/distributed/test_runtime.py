@@ -524,3 +524,15 @@ def test_single_process_rules_never_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=60, env=env)
     assert out.stdout.strip() == "['cpu', 'disk'] None auto False"
+
+
+@pytest.mark.parametrize(("model", "device", "words"), [
+    (object(), None, "device is None: name the loop's device"), (object(), True, "device is True"),
+    (type("Mapped", (), {"hf_device_map": "auto"})(), "cuda:0", "hf_device_map is a str, not a dict"),
+])
+def test_should_place_on_device_refuses_no_device_and_a_map_that_is_no_map(model, device, words) -> None:
+    """device=None answered "move it to none"; a string hf_device_map raised an AttributeError."""
+    from placement_opt.errors import DeviceSpecError
+
+    with pytest.raises(DeviceSpecError, match=words):
+        should_place_on_device(model, device=device)

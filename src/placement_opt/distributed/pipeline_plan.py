@@ -127,8 +127,9 @@ class PipelinePlan:
     def summary(self) -> str:
         """Stages per host and rank, as ``placement-opt plan --cluster`` prints them."""
         kind = "training step" if self.workload.training else "forward"
-        lines = [f"pipeline of {self.model_name}: {len(self.stages)} stages, {self.schedule}, "
-                 f"{self.n_microbatches} micro-batches of {self.workload.batch_size} x {self.workload.prompt_len} "
+        lines = [f"pipeline of {self.model_name}: {_count(len(self.stages), 'stage')}, {self.schedule}, "
+                 f"{_count(self.n_microbatches, 'micro-batch', 'micro-batches')} of {self.workload.batch_size} x "
+                 f"{self.workload.prompt_len} "
                  f"tokens ({kind})",
                  f"slowest stage {format_seconds(self.objective_s)} per micro-batch (bound "
                  f"{format_seconds(self.bound_s)}, gap {self.gap:.1%}, {self.status}); step "
@@ -165,6 +166,10 @@ class PipelinePlan:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise PlanFormatError(f"not a pipeline plan ({err}): write it with PipelinePlan.to_json() of this "
                                   f"version ({PIPELINE_PLAN_VERSION})") from None
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _check_read(plan: PipelinePlan) -> None:

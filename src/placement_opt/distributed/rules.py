@@ -99,8 +99,13 @@ def should_place_on_device(
     Returns:
         A :class:`Decision`, truthy when the model should be moved.
     """
+    if device is None or isinstance(device, bool):  # "move it to none"
+        raise DeviceSpecError(f"device is {device!r}: name the loop's device, e.g. 'cuda:0', 0 or torch.device('cpu')")
     target = _device_name(device)
     device_map = getattr(model, "hf_device_map", None)
+    if device_map is not None and not isinstance(device_map, Mapping):
+        raise DeviceSpecError(f"the model's hf_device_map is a {type(device_map).__name__}, not a dict of module -> "
+                              f"device: set it as from_pretrained(device_map=...) does, or remove it")
     if device_map:
         used = _accelerators(device_map)
         if len(used) > 1 or (len(used) == 1 and used[0] != target):
