@@ -107,6 +107,9 @@ def test_detect_context_reads_zero_stage_only_under_deepspeed() -> None:
     ({"WORLD_SIZE": "4"}, "names 4 processes but no RANK"),
     ({"OMPI_COMM_WORLD_SIZE": "4"}, "names 4 processes but no RANK"),
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: a run has at least one process"),
+    # a switch's typo read as off, and a ZeRO stage DeepSpeed does not have
+    ({"ACCELERATE_USE_DEEPSPEED": "enabled"}, "ACCELERATE_USE_DEEPSPEED='enabled' is neither on nor off"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "7"}, "ZeRO stages are 0 to 3"),
 ])
 def test_detect_context_rejects_inconsistent_env(env: dict[str, str], message: str) -> None:
     with pytest.raises(PlacementError) as err:

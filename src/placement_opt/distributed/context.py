@@ -102,8 +102,16 @@ class RuntimeContext:
 # ---------------------------------------------------------------------------------------------
 # detect_context
 # ---------------------------------------------------------------------------------------------
+#: What a launcher writes for an unset switch; anything else that is not in _TRUE is a typo, not "off".
+_FALSE = ("", "0", "false", "no", "off", "n", "f")
+
+
 def _flag(env: Mapping[str, str], key: str) -> bool:
-    return str(env.get(key, "")).strip().lower() in _TRUE
+    value = str(env.get(key, "")).strip().lower()
+    if value not in _TRUE and value not in _FALSE:  # "enabled" read as off, without a word
+        raise PlacementError(f"environment variable {key}={env[key]!r} is neither on nor off: write one of "
+                             f"{', '.join(repr(v) for v in _TRUE)} or one of {', '.join(repr(v) for v in _FALSE[1:])}")
+    return value in _TRUE
 
 
 def _int_env(env: Mapping[str, str], *keys: str) -> tuple[int | None, str | None]:
@@ -284,6 +292,9 @@ def detect_context(
     local_rank = ranks.local_rank if ranks.local_rank is not None else ranks.rank % local_world
     count = detect.cuda_device_count() if cuda_device_count is None else cuda_device_count
     stage, _ = _int_env(env, "ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None and kind == "deepspeed" and stage not in (0, 1, 2, 3):
+        raise PlacementError(f"environment variable ACCELERATE_DEEPSPEED_ZERO_STAGE={stage}: DeepSpeed's ZeRO "
+                             f"stages are 0 to 3; fix the accelerate config")
     return RuntimeContext(kind=kind, world_size=world, rank=ranks.rank, local_rank=local_rank,
                           local_world_size=local_world,
                           local_device=_local_device(local_rank, count, env),
