@@ -86,6 +86,11 @@ def test_memory_forces_a_slower_split_and_shortage_is_reported() -> None:
         solve_stages(StageProblem(**args, capacity_bytes=(1, 2)))
     with pytest.raises(InfeasiblePlacementError, match="stage 0 cannot hold even its smallest unit"):
         solve_stages(StageProblem(**args, capacity_bytes=(0, 9)))
+    # a billion GPipe micro-batches: the message quoted only the stored bytes, which fit, and not the activations
+    # in flight at the boundary, which do not (a unit whose output is not the hidden state crosses nothing)
+    flying = dict(args, out_bytes=((0, 0, 9, 9, 0), zeros5), in_bytes=(zeros5, (0, 0, 9, 9, 0)))
+    with pytest.raises(InfeasiblePlacementError, match="a stage boundary holds up to 9 B of activations in flight"):
+        solve_stages(StageProblem(**flying, capacity_bytes=(2, 2)))
 
 
 def test_bad_shapes_are_refused() -> None:

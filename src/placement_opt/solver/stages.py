@@ -166,8 +166,11 @@ def _shortage(problem: StageProblem) -> str:
                 f"fewer micro-batches in flight (Schedule1F1B, a smaller micro-batch) or more ranks")
     total = sum(sum(r) for r in problem.stored_bytes) // problem.n_stages**2  # rows hold the whole chain
     caps = problem.capacity_bytes
+    # the activations a boundary holds in flight (every micro-batch under GPipe): what a huge count of them costs
+    flight = max(max(max(problem.in_bytes[k]), max(problem.out_bytes[k])) for k in range(problem.n_stages))
     return (f"no split of {problem.n_units} units into {problem.n_stages} contiguous stages fits every rank's "
             f"memory (what the stages store, without buffers or workspace, averages {format_bytes(total)} per "
-            f"stage against capacities of {format_bytes(min(caps))} to {format_bytes(max(caps))}); add ranks, "
+            f"stage, and a stage boundary holds up to {format_bytes(flight)} of activations in flight, against "
+            f"capacities of {format_bytes(min(caps))} to {format_bytes(max(caps))}); add ranks, "
             f"use devices with more memory, or keep fewer activations (fewer micro-batches in flight, "
             f"activation checkpointing)")
