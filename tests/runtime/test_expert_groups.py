@@ -510,3 +510,41 @@ def test_plan_prints_the_merged_start_note_with_verbose_only():
         return console.export_text()
 
     assert "expert groups together" in printed(True) and "expert groups together" not in printed(False)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_grouped_model_keeps_its_fused_state_dict_and_changes_made_while_dispatched(family, tmp_path):
+    """The groups are how the experts run, not what the model is: its state_dict (save_pretrained) kept the groups'
+    names, a checkpoint written so reloaded its experts at random, load_state_dict of its own state failed, and a
+    change made to a disk group while dispatched was lost at remove()."""
+
+    model = tiny(family)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    experts = [n for n in params if ".experts." in n]
+    plan = grouped_plan(model, 2, on_disk_and_in_ram("cpu"))
+    handle = dispatch(model, plan, offload_dir=tmp_path / "off")
+    shown = handle.state_dict()
+    assert set(shown) == set(state) and all(torch.equal(shown[k], state[k]) for k in state)
+    handle.save_pretrained(tmp_path / "saved")
+    again = type(model).from_pretrained(tmp_path / "saved").eval()
+    torch.testing.assert_close(logits(again), logits(handle), rtol=1e-5, atol=1e-6)  # groups sum in turn
+    handle.load_state_dict(state)  # its own state, fused names and all
+    with torch.no_grad():
+        for p in handle.parameters():
+            p.mul_(2)  # the disk groups' rows too
+    handle.remove()
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(model.get_parameter(n) is params[n] for n in experts)  # the same Parameters, an optimizer's
+    for name in experts:
+        torch.testing.assert_close(params[name], 2 * state[name], rtol=0, atol=0)
+
+
+def test_resident_groups_put_the_experts_back_without_a_copy():
+    """remove() wrote the groups' rows back with a copy, holding the experts twice for a moment."""
+    model = tiny("mixtral")
+    name = next(n for n, _ in model.named_parameters() if ".experts." in n)
+    address = model.get_parameter(name).data_ptr()
+    handle = dispatch(model, grouped_plan(model, 2, lambda u: ("cpu", "cpu", "resident")))
+    handle.remove()
+    assert model.get_parameter(name).data_ptr() == address

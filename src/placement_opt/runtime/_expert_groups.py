@@ -31,6 +31,19 @@ class ExpertGroups(nn.Module):
         self.num_experts = whole.num_experts
         self.groups = nn.ModuleList(_group(whole, start, end) for start, end in ranges)
         self.train(whole.training)  # a new module is in training mode; the model may be in eval
+        self._fused = tuple(k for k, t in whole._parameters.items() if t is not None)
+        # the model's state_dict keeps the fused names (save_pretrained, load_state_dict): groups are how it runs
+        self.register_state_dict_post_hook(_fused_state)
+        self.register_load_state_dict_pre_hook(_split_state)
+
+    def fused(self, name: str) -> torch.Tensor:
+        """The fused weight ``name`` as the groups hold it now: their rows, in order (on the first group's device
+        where they are on several; on the meta device where any is)."""
+        parts = [g._parameters[name].data for g in self.groups]
+        if any(p.is_meta for p in parts):
+            return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
+                               device="meta")
+        return torch.cat([p.to(parts[0].device) for p in parts], dim=0)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -38,6 +51,68 @@ class ExpertGroups(nn.Module):
         for group in self.groups:
             partial = group(hidden_states, top_k_index, top_k_weights, *args, partial=partial, **kwargs)
         return partial
+
+
+def _fused_state(module: ExpertGroups, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+    """``state_dict`` post-hook: each group's rows under the fused weight's own name, as the model had it (a
+    checkpoint written while the experts ran cut into groups reloaded with them at random)."""
+    for name in module._fused:
+        keys = [f"{prefix}groups.{i}.{name}" for i in range(len(module.groups))]
+        if all(k in state for k in keys):
+            parts = [state.pop(k) for k in keys]
+            if any(p.is_meta for p in parts):
+                state[prefix + name] = module.fused(name)
+            else:
+                state[prefix + name] = torch.cat([p.to(parts[0].device) for p in parts], dim=0)
+
+
+def _split_state(module: ExpertGroups, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``load_state_dict`` pre-hook: a fused weight given under its own name is cut into the groups' rows."""
+    for name in module._fused:
+        if prefix + name in state:
+            whole = state.pop(prefix + name)
+            for i, group in enumerate(module.groups):
+                start = group.first_expert
+                state[f"{prefix}groups.{i}.{name}"] = whole[start:start + group.num_experts]
+
+
+def _write_back(groups: ExpertGroups, whole: nn.Module) -> None:
+    """Before ``whole`` stands again: its weights are the groups' rows as they are now. Rows that dispatch moved
+    (to the disk, a GPU) or that a caller changed are no longer views of its own tensors, and a change made while
+    dispatched was lost at ``remove()``."""
+    for name in groups._fused:
+        tensor = whole._parameters[name]
+        parts = [g._parameters[name].data for g in groups.groups]
+        if tensor.is_meta:
+            continue  # never released (_release): the groups of a meta model are meta too
+        joined = _in_place(parts, tensor.device)
+        tensor.data = joined if joined is not None else torch.cat([p.to(tensor.device) for p in parts])
+
+
+def _in_place(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The whole tensor the groups' rows still are consecutive views of, on ``device`` (no copy: a copy at
+    ``remove()`` held the experts twice), or None when a group's rows live elsewhere now."""
+    first = parts[0]
+    if first.is_meta or first.device != device:
+        return None
+    rows = 0
+    for p in parts:
+        if (p.device != device or p.stride() != first.stride() or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.storage_offset() != first.storage_offset() + rows * first.stride()[0]):
+            return None
+        rows += p.shape[0]
+    whole = first.new_empty(0)
+    return whole.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
+
+
+def _release(whole: nn.Module) -> None:
+    """Out of the model, ``whole`` need not hold its weights: the groups' rows are views of them, and the undo
+    writes them back (:func:`_write_back`). Held, the whole tensors stayed in RAM while dispatch moved every group
+    to the disk or a GPU, memory the plan does not count."""
+    for tensor in whole._parameters.values():
+        if tensor is not None and not tensor.is_meta:  # the same Parameter (an optimizer may hold it), emptied
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], None]:
@@ -55,6 +130,9 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
 
     def undo() -> None:
         for parent, attr, original in reversed(replaced):
+            current = parent._modules[attr]
+            if isinstance(current, ExpertGroups):
+                _write_back(current, original)
             parent._modules[attr] = original
         replaced.clear()
 
@@ -75,6 +153,7 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
             parent = model.get_submodule(parent_name)
             parent._modules[attr] = ExpertGroups(module, ranges)
             replaced.append((parent, attr, module))
+            _release(module)
     except BaseException:
         undo()
         raise
