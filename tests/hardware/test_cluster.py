@@ -125,3 +125,13 @@ def test_hostile_specs_parse_or_raise_device_spec_error(text: str) -> None:
         assert str(err)
         return
     assert cluster.world_size >= 1
+
+
+def test_a_torchrun_host_is_one_hosts_devices_and_a_cpu_host_runs_every_local_rank() -> None:
+    """A host naming another host ('...)+(cpu') built 9 ranks for WORLD_SIZE=8; 'cpu=64GiB' and 'cpu,disk' were
+    not spread over the local ranks as 'cpu' is, and the error spoke of GPUs."""
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0"}
+    for host in ("cpu", "cpu=64GiB", "cpu,disk", "cpu-server", "cpu=64GiB,disk"):
+        assert Cluster.from_torchrun_env(env, host=host).world_size == 4, host
+    with pytest.raises(DeviceSpecError, match="is not one host's devices"):
+        Cluster.from_torchrun_env({**env, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, host="a100-40gb*4,cpu)+(cpu")

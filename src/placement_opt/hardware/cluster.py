@@ -242,10 +242,15 @@ class Cluster:
         if group != rank // local:
             raise DeviceSpecError(f"GROUP_RANK={group} but RANK={rank} with LOCAL_WORLD_SIZE={local} is on host "
                                   f"{rank // local}: ranks must be numbered host by host, as torchrun does")
-        spec = host.strip()
-        if spec.lower() in {"cpu", "(cpu)"} or re.fullmatch(r"\(?cpu-[a-z]+\)?", spec.lower()):
-            spec = f"{spec.strip('()')}*{local}"
-        cluster = parse_cluster_spec(f"{world // local}x({spec.strip('()')})@{network}", dtype=dtype)
+        spec = host.strip().strip("()")
+        if any(c in spec for c in "()+@"):  # one host's devices: another host or a network would change the count
+            raise DeviceSpecError(f"host {host!r} is not one host's devices: write them alone, e.g. "
+                                  f"'h100-sxm*8,cpu-server' (every host of a torchrun launch is alike)")
+        # a CPU host runs LOCAL_WORLD_SIZE CPU ranks: 'cpu', 'cpu-server', 'cpu=64GiB', 'cpu,disk' alike
+        cpu = re.fullmatch(r"(cpu(?:-[a-z]+)?)((?:=[^,]+)?)((?:,disk[^,]*)?)", spec.lower())
+        if cpu is not None:
+            spec = f"{cpu.group(1)}*{local}{cpu.group(2)}{cpu.group(3)}"
+        cluster = parse_cluster_spec(f"{world // local}x({spec})@{network}", dtype=dtype)
         if cluster.hosts[0].n_ranks != local:
             raise DeviceSpecError(f"host {host!r} has {cluster.hosts[0].n_ranks} ranks but LOCAL_WORLD_SIZE={local}: "
                                   f"describe the devices of one host, one GPU per local rank")
