@@ -4,7 +4,8 @@
 the same experts class holding consecutive rows of every weight (views: no copy). A group answers only for its own
 experts: routed indices outside its rows become transformers' expert-parallel sentinel (its expert count), with
 weight 0, which every experts implementation of transformers skips or zeroes. Each group adds its share to the
-running sum it is handed (``partial``).
+running sum it is handed (``partial``). The model's ``state_dict`` and ``load_state_dict`` keep the fused weights'
+names; the undo puts the groups' rows back into the whole module's own Parameters.
 """
 
 from __future__ import annotations
@@ -59,11 +60,9 @@ def _fused_state(module: ExpertGroups, state: dict[str, Any], prefix: str, _meta
     for name in module._fused:
         keys = [f"{prefix}groups.{i}.{name}" for i in range(len(module.groups))]
         if all(k in state for k in keys):
-            parts = [state.pop(k) for k in keys]
-            if any(p.is_meta for p in parts):
-                state[prefix + name] = module.fused(name)
-            else:
-                state[prefix + name] = torch.cat([p.to(parts[0].device) for p in parts], dim=0)
+            for key in keys:
+                del state[key]
+            state[prefix + name] = module.fused(name)
 
 
 def _split_state(module: ExpertGroups, state: dict[str, Any], prefix: str, *_: Any) -> None:
