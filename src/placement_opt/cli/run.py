@@ -107,32 +107,34 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
 
     console = console_for()
     check_not_foreign(json_path, "run's figures", "--json")
-    batch, prompt, new_tokens = _shape(plan_path, batch, prompt, new_tokens)
+    with errors_as_messages():
+        saved = Plan.from_json(plan_path) if plan_path else None  # read once: its workload, devices and units
+    batch, prompt, new_tokens = _shape(saved, batch, prompt, new_tokens)
     pins = parse_pins(pin)
     _check_counts(new_tokens, repeats)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
         machine = _machine(checkpoint, devices, dtype, offload_dir)
-        _check_plan_devices(plan_path, machine)
+        _check_plan_devices(saved, machine)
         ids, tokenizer = _prompt(checkpoint, text, batch, prompt)
         mask = _padding_mask(ids) if padded else None
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
         if calibrate_first:
-            cut = _plan_cut(Plan.from_json(plan_path)) if plan_path else (granularity, expert_groups)
+            cut = _plan_cut(saved) if saved else (granularity, expert_groups)
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
             machine = _machine(checkpoint, devices, dtype, offload_dir)
         _check_positions(checkpoint, ids.shape[1], new_tokens)
-        handle = _loaded(checkpoint, machine, workload, dtype, plan_path, offload_dir, granularity, pins,
+        handle = _loaded(checkpoint, machine, workload, dtype, saved, offload_dir, granularity, pins,
                          expert_groups)
         before = _run_measured.cpu_clock()
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
             timing = _run_measured.time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
         busy = (before, _run_measured.cpu_clock())
         plan = handle.plan
-        cost = plan.cost if plan_path is None else _repriced(plan, checkpoint, machine, workload)
+        cost = plan.cost if saved is None else _repriced(plan, checkpoint, machine, workload)
     _say_setting(console, checkpoint, machine, (batch, ids.shape[1], new_tokens, padded), plan, cold, SOLVER_NOTES)
     rows = _run_measured.rows(plan, cost, timing)
     console.print(_run_measured.table(rows, timing))
@@ -159,16 +161,13 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
 DEFAULT_SHAPE = (1, 512, 32)
 
 
-def _shape(plan_path: str | None, batch: int | None, prompt: int | None,
+def _shape(saved: Plan | None, batch: int | None, prompt: int | None,
            new_tokens: int | None) -> tuple[int, int, int]:
     """The run's batch, prompt and new tokens: as given, else the workload ``--plan`` was solved for (a plan run at
     another workload is priced again, and warned about), else :data:`DEFAULT_SHAPE`."""
     fallback = DEFAULT_SHAPE
-    if plan_path is not None and None in (batch, prompt, new_tokens):
-        from ..plan import Plan
-
-        with errors_as_messages():
-            solved = Plan.from_json(plan_path).workload
+    if saved is not None:
+        solved = saved.workload
         fallback = (solved.batch_size, solved.prompt_len, solved.new_tokens)
     given = (batch, prompt, new_tokens)
     return tuple(g if g is not None else f for g, f in zip(given, fallback, strict=True))  # type: ignore[return-value]
@@ -343,16 +342,14 @@ def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None,
     return result.summary()
 
 
-def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan_path: str | None,
+def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan: Plan | None,
             offload_dir: str | None, granularity: str, pins: dict[str, str], expert_groups: int = 1) -> Any:
     """``load()`` in a given plan, else in one solved for ``workload`` (with the search ``plan`` makes)."""
     from ..errors import DeviceSpecError, DispatchError
-    from ..plan import Plan
     from ..plan_check import MISMATCH_HINT
     from ..runtime.checkpoint import OFFLOAD_DIR_HINT
     from ..runtime.loader import BUDGET_HINT, ELSEWHERE_HINT, load
 
-    plan = Plan.from_json(plan_path) if plan_path else None
     try:
         with progress(f"Loading {checkpoint} ..."):
             return load(checkpoint, machine, workload=workload, dtype=dtype, offload_dir=offload_dir, plan=plan,
@@ -369,13 +366,10 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
         raise
 
 
-def _check_plan_devices(plan_path: str | None, machine: Any) -> None:
+def _check_plan_devices(plan: Plan | None, machine: Any) -> None:
     """Before anything loads: a ``--plan`` using a device ``--devices`` does not name cannot be priced for this run."""
-    if plan_path is None:
+    if plan is None:
         return
-    from ..plan import Plan
-
-    plan = Plan.from_json(plan_path)
     used = {d for p in plan.placements for d in (p.storage, p.execution, p.prefill_execution) if d}
     if missing := sorted(used - set(machine.names)):
         raise click.UsageError(f"the plan uses {', '.join(missing)}, which --devices does not name: add "
