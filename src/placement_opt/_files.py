@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 
 __all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG", "foreign_file", "refusal", "OWN_JSON",
-           "PICTURE_MARK", "foreign_picture", "picture_refusal"]
+           "PICTURE_MARK", "foreign_picture"]
 
 _COUNTER = itertools.count()  # with the pid and thread: each temporary file's own name
 
@@ -176,13 +176,7 @@ def foreign_picture(path: str | os.PathLike[str]) -> str | None:
     return None if PICTURE_MARK.encode() in head else "a file placement_opt did not draw"
 
 
-def picture_refusal(path: str | os.PathLike[str], why: str) -> str:
-    """The message of a picture not drawn over a file :func:`foreign_picture` refuses (``why``: its answer)."""
-    return (f"{os.fspath(path)} is {why}: placement_opt draws a picture only over one it drew before, never over "
-            f"another file; name another path, or move that file away first")
-
-
 def refusal(path: str | os.PathLike[str], kind: str, what: str) -> str:
-    """The message of a write refused by :func:`foreign_file` (``what``: its answer)."""
+    """The message of a write refused by :func:`foreign_file` or :func:`foreign_picture` (``what``: its answer)."""
     return (f"{os.fspath(path)} is {what}: placement_opt writes a {kind} only over an earlier one, never over another "
             f"file; name another path, or move that file away first")

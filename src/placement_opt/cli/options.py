@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .._files import foreign_file, foreign_picture, picture_refusal, refusal
+from .._files import foreign_file, foreign_picture, refusal
 from ..report import EXTRA_SEARCH_S
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -329,7 +329,7 @@ def check_plot_suffix(path: str | None) -> None:
     if path and Path(path).suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")
     if path and (why := foreign_picture(Path(path).expanduser())) is not None:
-        raise click.BadParameter(picture_refusal(path, why), param_hint="--plot")
+        raise click.BadParameter(refusal(path, "picture", why), param_hint="--plot")
 
 
 def check_outputs(json_path: str | None, plot: str | None, kind: str = "plan") -> None:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._files import PICTURE_MARK, foreign_picture, picture_refusal, replacing, write_text_atomic
+from .._files import PICTURE_MARK, foreign_picture, refusal, replacing, write_text_atomic
 from ..errors import PlacementError
 from ..units import format_bytes, format_seconds
 
@@ -363,7 +363,7 @@ def save_report(plan: Plan, path: str | Path, outcomes: Sequence[StrategyOutcome
     if suffix not in (".png", ".svg", ".html", ".htm"):
         raise PlacementError(f"cannot write a picture to {str(path)!r}: use a .png, .svg or .html file name")
     if (why := foreign_picture(path)) is not None:
-        raise PlacementError(picture_refusal(path, why))
+        raise PlacementError(refusal(path, "picture", why))
     plt = _pyplot()
     fig = report_figure(plan, outcomes)
     try:
