@@ -103,6 +103,18 @@ def test_moe_experts_on_a_gpu_gather_the_chosen_experts_weights_at_decode() -> N
     assert gpu - cpu == CUBLAS_WORKSPACE_BYTES - gemm(unit) + 16 * 2 * 10**6  # 32 (token, expert) pairs x 1 MB
 
 
+def test_expert_groups_on_a_gpu_gather_no_weights_at_decode() -> None:
+    """A group keeps grouped_mm at decode (runtime/_experts.py): a GPU holds what the CPU does, plus cuBLAS's own."""
+    group = dict(LAYER, name="model.layers.0.mlp.experts.groups.1", moe_num_experts=8, moe_experts_per_token=2,
+                 moe_expert_bytes=4 * 10**6)
+    graph = chain_graph([group])
+    unit = graph.unit(group["name"])
+    workload = Workload(batch_size=16, prompt_len=1, new_tokens=4)
+    cpu = workspace_bytes(unit, workload, graph.meta)
+    gpu = workspace_bytes(unit, workload, graph.meta, on_gpu=True)
+    assert gpu - cpu == CUBLAS_WORKSPACE_BYTES - gemm(unit)
+
+
 def test_graphs_without_figures_keep_the_old_factor() -> None:
     graph = chain_graph([{"name": "a", "out_bytes_per_token": 64}])
     workload = Workload(batch_size=3, prompt_len=7, new_tokens=2)

@@ -29,7 +29,7 @@ and decode:
   (``decode_workspace_bytes`` + ``..._per_ctx`` x cached tokens: the cache's grown copy, keys and values
   repeated to every head or expanded from latents, eager attention's scores); plus the mask rows of padded
   prompts and, for MoE units on a GPU, the expert weights transformers' ``batched_mm`` gathers per (token,
-  expert) pair; on a CPU, latent attention's math-path copies (``latent_expand_cpu_bytes_per_ctx``) and
+  expert) pair (not for expert groups, which keep ``grouped_mm``); on a CPU, latent attention's math-path copies (``latent_expand_cpu_bytes_per_ctx``) and
   scores. Units without those figures: the prefill's figures at ``batch`` tokens over the context, plus one
   unit's KV cache copy (the cache grows by concatenation, so the old and the new tensor of one layer are alive
   at once) and latent attention's expanded keys and values (``latent_expand_bytes_per_ctx``).
@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..model.expert_groups import whole_experts
 from ..solver.problem import GROUP_BUFFERS, Transient
 from .workload import Workload, dtype_bytes
 
@@ -268,8 +269,10 @@ def _last_logits_bytes(unit: UnitInfo, batch: int, prompt: int, meta: GraphMeta)
 
 def _gathered_expert_bytes(unit: UnitInfo, batch: int) -> int:
     """transformers' ``batched_mm`` experts, which ``generate()`` switches GPU-executed experts to at decode,
-    copy the weights of the expert every (token, chosen expert) pair uses: ``batch x top_k`` experts."""
-    if not unit.is_moe:
+    copy the weights of the expert every (token, chosen expert) pair uses: ``batch x top_k`` experts. Expert
+    groups keep ``grouped_mm`` (``runtime/_experts.py``) and gather none: charged a share of the layer's gathers,
+    a Mixtral-8x7B group of four experts held 5.3 GiB of phantom workspace at batch 16 on a GPU."""
+    if not unit.is_moe or whole_experts(unit.name) is not None:
         return 0
     return batch * unit.moe_experts_per_token * unit.moe_expert_bytes // unit.moe_num_experts
 
