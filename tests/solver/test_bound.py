@@ -500,6 +500,52 @@ def test_runs_shared_by_two_groups_never_bound_above_brute_force(layers, gpu, cp
     assert bound is not None and bound <= best
 
 
+def _layers_of_experts(attention, experts, layers, gpu_bytes, cpu_bytes, groups=2):
+    """``layers`` MoE layers, each an attention unit and ``groups`` expert units with one menu (like units: one
+    group of the grouped relaxation, ``groups`` of them a run), copied as one run, on one GPU and the CPU."""
+    units, runs = [], []
+    for i in range(layers):
+        run = [f"a{i}", *(f"e{i}.{j}" for j in range(groups))]
+        units += [UnitSpec(name=run[0], options=attention), *(UnitSpec(name=n, options=experts) for n in run[1:])]
+        runs.append(tuple(run))
+    names = [u.name for u in units]
+    return PlacementProblem(
+        units=tuple(units), edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={})
+                                        for a, b in itertools.pairwise(names)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=gpu_bytes),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=cpu_bytes)),
+        copy_groups=tuple(runs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(2, 3), gpu=st.integers(0, 30), cpu=st.integers(0, 40), data=st.data())
+def test_runs_holding_several_like_units_never_bound_above_brute_force(layers, gpu, cpu, data):
+    """Expert groups: like units two (or three) a run, which the pigeonhole rows (``_crowded_rows``) and the
+    pair rows with such a group (``_met_rows``) count: the bound is at most brute force's optimum."""
+    groups = data.draw(st.integers(2, 3)) if layers == 2 else 2
+    attention, experts = (_menu(data.draw, ["cuda:0"], False, copying=True) for _ in range(2))
+    problem = _layers_of_experts(attention, experts, layers, gpu, cpu, groups)
+    best = reference_optimum(problem, "latency")
+    bound = _grouped_latency_bound(problem, [data.draw(st.integers(0, 2)) for _ in problem.units])
+    if best is None:
+        return
+    assert bound is not None and bound <= best
+
+
+def test_experts_copied_two_a_layer_hold_both_copies_twice(monkeypatch):
+    """Three expert groups streamed over two layers (copy 3 each, own peak 1) put two in one run: 1 + 2 x (3 + 3)
+    = 13 bytes. On a 12-byte GPU the per-option peaks (1 + 2 x 3) let all four stream (bound 4 + 4 x 1); counted
+    by run, each layer streams one and computes the other on the CPU (5 ns), as in brute force's optimum."""
+    attention = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
+                                 stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+    problem = _layers_of_experts(attention, _two_options(3, 1, 5), 2, 12, 10)
+    best = reference_optimum(problem, "latency")
+    assert best == 2 * (1 + 5)
+    with_runs = _grouped_latency_bound(problem, [0, 1, 1] * 2)
+    monkeypatch.setattr(relax.GroupModel, "_crowded_rows", lambda self, *args: [])
+    assert _grouped_latency_bound(problem, [0, 1, 1] * 2) == 4 < with_runs == best
+
+
 def _two_options(copy, gpu_ns, cpu_ns):
     """Streamed to the GPU (own peak 1, ``group_copy_bytes`` ``copy``) or resident on the CPU, 1 byte stored there."""
     return (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=gpu_ns, decode_ns=0,
