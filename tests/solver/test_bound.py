@@ -500,13 +500,15 @@ def test_runs_shared_by_two_groups_never_bound_above_brute_force(layers, gpu, cp
     assert bound is not None and bound <= best
 
 
-def _layers_of_experts(attention, experts, layers, gpu_bytes, cpu_bytes, groups=2):
+def _layers_of_experts(attention, experts, layers, gpu_bytes, cpu_bytes, groups=2, other=None):
     """``layers`` MoE layers, each an attention unit and ``groups`` expert units with one menu (like units: one
-    group of the grouped relaxation, ``groups`` of them a run), copied as one run, on one GPU and the CPU."""
+    group of the grouped relaxation, ``groups`` of them a run), copied as one run, on one GPU and the CPU;
+    with ``other``, every second expert unit of a layer has that menu instead (two groups, each in every run)."""
     units, runs = [], []
     for i in range(layers):
         run = [f"a{i}", *(f"e{i}.{j}" for j in range(groups))]
-        units += [UnitSpec(name=run[0], options=attention), *(UnitSpec(name=n, options=experts) for n in run[1:])]
+        units += [UnitSpec(name=run[0], options=attention),
+                  *(UnitSpec(name=n, options=other if other and j % 2 else experts) for j, n in enumerate(run[1:]))]
         runs.append(tuple(run))
     names = [u.name for u in units]
     return PlacementProblem(
@@ -520,11 +522,12 @@ def _layers_of_experts(attention, experts, layers, gpu_bytes, cpu_bytes, groups=
 @settings(max_examples=60, deadline=None)
 @given(layers=st.integers(2, 3), gpu=st.integers(0, 30), cpu=st.integers(0, 40), data=st.data())
 def test_runs_holding_several_like_units_never_bound_above_brute_force(layers, gpu, cpu, data):
-    """Expert groups: like units two (or three) a run, which the pigeonhole rows (``_crowded_rows``) and the
-    pair rows with such a group (``_met_rows``) count: the bound is at most brute force's optimum."""
+    """Expert groups: like units two (or three) a run, or two groups of them in every run, which the pigeonhole
+    rows (``_crowded_rows``, per group and per pool of groups copying as much) and the pair rows with such a
+    group (``_met_rows``) count: the bound is at most brute force's optimum."""
     groups = data.draw(st.integers(2, 3)) if layers == 2 else 2
-    attention, experts = (_menu(data.draw, ["cuda:0"], False, copying=True) for _ in range(2))
-    problem = _layers_of_experts(attention, experts, layers, gpu, cpu, groups)
+    attention, experts, other = (_menu(data.draw, ["cuda:0"], False, copying=True) for _ in range(3))
+    problem = _layers_of_experts(attention, experts, layers, gpu, cpu, groups, other if data.draw(st.booleans()) else None)
     best = reference_optimum(problem, "latency")
     bound = _grouped_latency_bound(problem, [data.draw(st.integers(0, 2)) for _ in problem.units])
     if best is None:
@@ -544,6 +547,28 @@ def test_experts_copied_two_a_layer_hold_both_copies_twice(monkeypatch):
     with_runs = _grouped_latency_bound(problem, [0, 1, 1] * 2)
     monkeypatch.setattr(relax.GroupModel, "_crowded_rows", lambda self, *args: [])
     assert _grouped_latency_bound(problem, [0, 1, 1] * 2) == 4 < with_runs == best
+
+
+def test_expert_groups_of_two_kinds_copied_three_a_layer_hold_three_copies_twice(monkeypatch):
+    """A layer's expert units of two kinds (grouped apart: they store different bytes), one and two a layer, all
+    copying 3 bytes: five of six streamed over two layers put three in one run, 1 + 2 x 9 = 19 bytes, more than
+    the 18-byte GPU, where two a run (13) fit. Each group's own rows and the pair's allow all six (bound 6); the
+    pool of both groups' rows stream two a layer, as in brute force's optimum."""
+    attention = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
+                                 stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+    heavier = tuple(dataclasses.replace(o, stored_bytes=2) for o in _two_options(3, 1, 5))
+    problem = _layers_of_experts(attention, _two_options(3, 1, 5), 2, 18, 20, groups=3, other=heavier)
+    assert len(relax.groups_of(problem, paths.critical_path(problem, [0] * 8))) == 3
+    best = reference_optimum(problem, "latency")
+    assert best == 2 * (1 + 1 + 5)
+    with_pools = _grouped_latency_bound(problem, [0, 1, 1, 1] * 2)
+    kept = relax.GroupModel._crowded_rows
+
+    def singles_only(self, dev, copying, per_run):
+        return [row for k, *rest in copying for row in kept(self, dev, [(k, *rest)], per_run)]
+
+    monkeypatch.setattr(relax.GroupModel, "_crowded_rows", singles_only)
+    assert _grouped_latency_bound(problem, [0, 1, 1, 1] * 2) == 6 < with_pools == best
 
 
 def _two_options(copy, gpu_ns, cpu_ns):

@@ -224,16 +224,24 @@ class GroupModel(CountedRelaxation):
 
     def _crowded_rows(self, dev: str, copying: list[tuple[int, Any, int, int]],
                       per_run: dict[int, collections.Counter]) -> list[tuple[int, Any]]:
-        """(bytes, flag) per group with several units in some run (an MoE layer's expert groups) and count ``j``
-        of them: ``n`` of its units copying to ``dev`` put ``j`` in one run once ``n`` exceeds the most that runs
-        hold with ``j - 1`` each at most; that run holds its least own peak plus ``j`` copies twice."""
+        """(bytes, flag) per pool of groups and count ``j``: ``n`` units of the pool copying to ``dev`` put ``j`` in
+        one run once ``n`` exceeds the most that runs hold with ``j - 1`` each at most; that run holds the pool's
+        least own peak plus ``j`` of its least copy twice. The pools: each group with several units in some run
+        (an MoE layer's expert groups), and, per copy size ``c``, the groups copying at least ``c`` (expert groups
+        of one layer that differ in their options, and so are grouped apart)."""
+        pools = {frozenset([k]) for k, *_ in copying if max(per_run[k].values()) > 1}
+        pools |= {frozenset(k for k, _, c, _ in copying if c >= least) for least in {c for _, _, c, _ in copying}}
+        info = {k: (n, c, own) for k, n, c, own in copying}
         out = []
-        for k, n, copy, own in copying:
-            sizes = per_run[k].values()
+        for pool in sorted(pools, key=sorted):
+            sizes = list(sum((per_run[k] for k in pool), collections.Counter()).values())
+            n = sum(info[k][0] for k in pool)
+            size = sum(len(self.groups[k]) for k in pool)
+            copy, own = min(info[k][1] for k in pool), min(info[k][2] for k in pool)
             for j in range(2, max(sizes) + 1):
                 spread = sum(min(s, j - 1) for s in sizes)  # the most copying units with j - 1 a run at most
-                flag = self.model.new_bool_var(f"crowded[{dev},{k},{j}]")
-                self.model.add(n - spread <= (len(self.groups[k]) - spread) * flag)
+                flag = self.model.new_bool_var(f"crowded[{dev},{min(pool)},{len(pool)},{j}]")
+                self.model.add(n - spread <= (size - spread) * flag)
                 out.append((own + 2 * j * copy, flag))
         return out
 
