@@ -22,6 +22,7 @@ Usage::
     python benchmarks/solve_time/run.py --only "4x T4"  # cells whose "model | machine | workload" holds it
     python benchmarks/solve_time/run.py --module        # module-granularity 7B and 70B graphs, limit 2 s
     python benchmarks/solve_time/run.py --sublayer      # sublayer graphs of 8B, Mixtral, 70B and 72B, limit 1 s
+    python benchmarks/solve_time/run.py --expert-groups --out benchmarks/solve_time/GROUPS.md  # Mixtral, 2 and 4 groups
     python benchmarks/solve_time/run.py --overlap --out benchmarks/solve_time/OVERLAP.md   # Workload(overlap=True)
     python benchmarks/solve_time/run.py --contiguous --out benchmarks/solve_time/CONTIGUOUS.md  # solve(contiguous=True)
     python benchmarks/solve_time/run.py --host --overlap --out benchmarks/solve_time/HOST.md  # the profiled H100 host
@@ -136,6 +137,17 @@ SUBLAYER = [(f"{m}/sublayer", h, w) for m in ("llama-3-8b", "mixtral-8x7b", "lla
             for h in ("RTX 4090 + RTX 3090 + 64 GiB + NVMe", "4x T4 + 128 GiB + NVMe", "1x RTX 3060 12GB + 32 GiB + NVMe",
                       "8x L4 + 512 GiB + NVMe")
             for w in ("chat 1x512+128", "batch 16x1024+128")]
+#: --expert-groups' one machine outside the grid: the one-GPU desktop issue 15's expert groups are for.
+GROUP_MACHINES: dict[str, Callable[[], Machine]] = {
+    "1x RTX 4090 + 64 GiB + NVMe": lambda: Machine(_gpus("rtx-4090", 1) + _host("cpu-desktop")),
+}
+#: --expert-groups: Mixtral-8x7B's sublayer graph with each layer's experts cut into 2 and 4 units (196 and 260
+#: units, ``trace(..., expert_groups=N)``), on the sublayer grid's machines, at the default 1 s. Model names carry
+#: "/sublayer/N".
+EXPERT_GROUPS = [(f"mixtral-8x7b/sublayer/{n}", h, w) for n in (2, 4)
+                 for h in ("RTX 4090 + RTX 3090 + 64 GiB + NVMe", "4x T4 + 128 GiB + NVMe",
+                           "1x RTX 3060 12GB + 32 GiB + NVMe", "1x RTX 4090 + 64 GiB + NVMe")
+                 for w in ("chat 1x512+128", "batch 16x1024+128")]
 
 
 @dataclass
@@ -277,15 +289,19 @@ HOST = [(m, f"H100 host profile, GPU at {b}", w) for m, b in (("llama-3-8b", "10
 
 
 def _cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    cells = QUICK if args.quick else MODULE if args.module else SUBLAYER if args.sublayer else HOST if args.host else [
+    cells = (QUICK if args.quick else MODULE if args.module else SUBLAYER if args.sublayer else
+             EXPERT_GROUPS if args.expert_groups else HOST if args.host else None) or [
         (m, h, w) for m in MODELS for h in MACHINES for w in WORKLOADS]
     return [c for c in cells if all(o in " | ".join(c) for o in args.only)]
 
 
 def _graph(model: str):
     """The traced graph of a cell's model ("name" at block granularity, "name/module" per module,
-    "name/sublayer" per sublayer)."""
-    name, _, granularity = model.partition("/")
+    "name/sublayer" per sublayer, "name/sublayer/N" with each MoE layer's experts in N units)."""
+    name, _, rest = model.partition("/")
+    granularity, _, groups = rest.partition("/")
+    if groups:
+        return trace(_config(name), granularity=granularity, expert_groups=int(groups))
     return trace(_config(name), granularity=granularity or "block")
 
 
@@ -296,7 +312,7 @@ def run_grid(args: argparse.Namespace, before: dict | None = None) -> list[Cell]
             t0 = time.perf_counter()
             graphs[model] = _graph(model)
             print(f"# traced {model}: {len(graphs[model])} units in {time.perf_counter() - t0:.1f} s", flush=True)
-        graph, make = graphs[model], {**MACHINES, **MODULE_MACHINES, **HOST_MACHINES}[machine]
+        graph, make = graphs[model], {**MACHINES, **MODULE_MACHINES, **GROUP_MACHINES, **HOST_MACHINES}[machine]
         wl = {**WORKLOADS, **HOST_WORKLOADS}[workload]
         if args.overlap:  # the opt-in pricing of copies beside every unit before them (not in older checkouts)
             wl = dataclasses.replace(wl, overlap=True)
@@ -447,7 +463,7 @@ def markdown(cells: list[Cell], meta: dict, before: dict | None, before_meta: di
         "Each cell: `solve(graph, machine, workload=...)` with the defaults (latency, time limit 1 s, gap limit "
         f"0.1 %, 2 workers, seed {meta.get('seed', 0)}); wall = build + baselines + CP-SAT + scoring (tracing excluded); "
         f"`/module` cells: module granularity and `time_limit_s={MODULE_TIME_LIMIT_S:g}`; `/sublayer` cells: sublayer "
-        "granularity, the default limit. Cells left "
+        "granularity, the default limit (`/sublayer/N`: each MoE layer's experts in N units). Cells left "
         f"above 1 % or without a plan are solved again with `time_limit_s={RESOLVE_S:g}`.", "",
         *head, "",
     ]
@@ -494,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"module-granularity Mistral-7B and Llama-3-70B instead, time limit {MODULE_TIME_LIMIT_S:g} s")
     parser.add_argument("--sublayer", action="store_true",
                         help="sublayer graphs of Llama-3-8B, Mixtral-8x7B, Llama-3-70B and Qwen2-72B instead (32 cells, 1 s)")
+    parser.add_argument("--expert-groups", action="store_true",
+                        help="sublayer Mixtral-8x7B with 2 and 4 expert groups a layer instead (16 cells, 1 s)")
     parser.add_argument("--host", action="store_true",
                         help="the profiled H100 host at 10/4 GiB (Llama-3-8B) and 24 GiB (Mixtral-8x7B), issue 15's "
                              "workloads, instead (12 cells, 1 s; with --overlap, benchmarks/phases' pricing)")
@@ -527,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
-    variant = args.quick or args.only or args.module or args.sublayer or args.host or args.overlap or args.contiguous
+    variant = args.quick or args.only or args.module or args.sublayer or args.expert_groups or args.host or args.overlap or args.contiguous
     out = args.out or (None if variant else HERE / "RESULTS.md")  # RESULTS.md records the plain grid only
     if out:
         out.write_text(text)
