@@ -377,6 +377,46 @@ def test_groups_on_a_gpu_keep_the_grouped_kernel_at_decode():
     undo_split()
 
 
+def _generate_peak(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes a batch's second generate() allocates above what was allocated before it (the first warms up)."""
+    kwargs = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(input_ids=ids, **kwargs)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model.generate(input_ids=ids, **kwargs)
+        torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_on_a_gpu_groups_decode_without_gathering_expert_weights():
+    """The cost model charges GPU groups no batched_mm gathers (``cost.memory._gathered_expert_bytes``): at batch 16
+    a model whose groups all compute on the GPU holds less than half of what one group was charged before (its
+    share of the layer's gathers), where the whole experts on the GPU hold at least the gathers they are charged."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.MixtralConfig(vocab_size=1024, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+                             num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+                             num_experts_per_tok=2, max_position_embeddings=64)
+    config._experts_implementation = "grouped_mm"
+    model = T.MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (16, 8), device="cuda")
+    expert_bytes = 3 * config.hidden_size * config.intermediate_size * 4  # float32
+    gathers = 16 * 2 * expert_bytes  # batch x top-2 experts' weights, gathered by batched_mm per decode step
+    whole = _generate_peak(model.to("cuda"), ids)
+    model.to("cpu")
+    handle = dispatch(model, grouped_plan(model, 2, lambda unit: ("cuda:0", "cuda:0", "resident")))
+    grouped = _generate_peak(handle, ids)
+    handle.remove()
+    assert whole >= gathers, (whole, gathers)  # the whole experts switched to batched_mm: the contrast holds
+    assert grouped < gathers // 2 // 2, (grouped, gathers)  # a group of 4 of 8 experts was charged gathers // 2
+
+
 def test_cli_says_when_expert_groups_have_nothing_to_cut(tmp_path):
     """A warning on the command line is one line, without the library's source line Python would show."""
     from _cli import run_cli
