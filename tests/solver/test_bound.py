@@ -465,17 +465,20 @@ def test_sibling_combinations_never_bound_above_brute_force(data):
 def _layers_of_two_parts(attention, mlp, layers, gpu_bytes, cpu_bytes):
     """``layers`` decoder layers, each an attention and an MLP unit copied as one run (``copy_groups``), on
     one GPU and the CPU: the menus of :func:`_problems._menu` with group copies."""
-    units, groups = [], []
-    for i in range(layers):
-        units += [UnitSpec(name=f"a{i}", options=attention), UnitSpec(name=f"m{i}", options=mlp)]
-        groups.append((f"a{i}", f"m{i}"))
+    runs = [((f"a{i}", attention), (f"m{i}", mlp)) for i in range(layers)]
+    return _runs_on_one_gpu(runs, gpu_bytes, cpu_bytes)
+
+
+def _runs_on_one_gpu(runs, gpu_bytes, cpu_bytes):
+    """A chain of copy runs, each a tuple of (unit name, menu), on one GPU and the CPU."""
+    units = [UnitSpec(name=name, options=menu) for run in runs for name, menu in run]
     names = [u.name for u in units]
     return PlacementProblem(
         units=tuple(units), edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={})
                                         for a, b in itertools.pairwise(names)),
         devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=gpu_bytes),
                  DeviceSpec(name="cpu", kind="cpu", capacity_bytes=cpu_bytes)),
-        copy_groups=tuple(groups))
+        copy_groups=tuple(tuple(name for name, _ in run) for run in runs))
 
 
 def _grouped_latency_bound(problem, hint):
@@ -504,19 +507,9 @@ def _layers_of_experts(attention, experts, layers, gpu_bytes, cpu_bytes, groups=
     """``layers`` MoE layers, each an attention unit and ``groups`` expert units with one menu (like units: one
     group of the grouped relaxation, ``groups`` of them a run), copied as one run, on one GPU and the CPU;
     with ``other``, every second expert unit of a layer has that menu instead (two groups, each in every run)."""
-    units, runs = [], []
-    for i in range(layers):
-        run = [f"a{i}", *(f"e{i}.{j}" for j in range(groups))]
-        units += [UnitSpec(name=run[0], options=attention),
-                  *(UnitSpec(name=n, options=other if other and j % 2 else experts) for j, n in enumerate(run[1:]))]
-        runs.append(tuple(run))
-    names = [u.name for u in units]
-    return PlacementProblem(
-        units=tuple(units), edges=tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={})
-                                        for a, b in itertools.pairwise(names)),
-        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=gpu_bytes),
-                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=cpu_bytes)),
-        copy_groups=tuple(runs))
+    runs = [((f"a{i}", attention), *((f"e{i}.{j}", other if other and j % 2 else experts) for j in range(groups)))
+            for i in range(layers)]
+    return _runs_on_one_gpu(runs, gpu_bytes, cpu_bytes)
 
 
 @settings(max_examples=60, deadline=None)
