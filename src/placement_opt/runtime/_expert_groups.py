@@ -123,7 +123,8 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
 
     Raises:
         DispatchError: a name that is no module of ``model``, a module that is not a fused experts module of
-            transformers' experts interface, or more groups than it has experts.
+            transformers' experts interface, more groups than it has experts, or a module cut already into
+            another number of groups (or cut, where ``counts`` leaves it whole).
     """
     replaced: list[tuple[nn.Module, str, nn.Module]] = []
 
@@ -136,11 +137,14 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
         replaced.clear()
 
     try:
+        for name, module in model.named_modules():
+            if isinstance(module, ExpertGroups) and counts.get(name) != len(module.groups):
+                raise DispatchError(_cut_already(name, module, counts.get(name)))
         for name, groups in counts.items():
             parent_name, _, attr = name.rpartition(".")
             module = _submodule(model, name)
-            if isinstance(module, ExpertGroups) and len(module.groups) == groups:
-                continue
+            if isinstance(module, ExpertGroups):
+                continue  # as many groups: checked above
             if not groupable(module):
                 raise DispatchError(f"{name} ({type(module).__name__}) cannot be cut into expert groups: only fused "
                                     f"experts modules of transformers' experts interface can (transformers 5 MoE "
@@ -157,6 +161,15 @@ def split_experts(model: nn.Module, counts: Mapping[str, int]) -> Callable[[], N
         undo()
         raise
     return undo
+
+
+def _cut_already(name: str, module: ExpertGroups, groups: int | None) -> str:
+    """Why a model whose experts are cut (load() leaves them so: its weights are the groups' rows) cannot take a
+    plan that cuts them otherwise."""
+    wanted = f"cuts it into {groups}" if groups else "places it whole"
+    return (f"{name} is cut into {len(module.groups)} expert groups already (a model load() built in groups keeps "
+            f"them after remove()), but the plan {wanted}: dispatch it with a plan of {len(module.groups)} groups, "
+            f"or load() the checkpoint again with this plan")
 
 
 def is_expert_group(module: nn.Module) -> bool:

@@ -297,9 +297,9 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
               disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None, restore: bool,
               hook_every_unit: bool) -> DispatchedModel:
     """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
+    check_model(model, plan)  # first: a dispatched model's experts are cut already, for its own plan
     log.doing = "cutting the experts into groups"
     log.push("expert groups", split_experts(model, group_counts(p.unit for p in plan.placements)))
-    check_model(model, plan)
     check_phased(plan)
     units = build_units(model, plan)
     from ..plan_check import check_plan  # coverage and sizes against the plan's fingerprint
