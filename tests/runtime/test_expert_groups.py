@@ -591,3 +591,31 @@ def test_resident_groups_put_the_experts_back_without_a_copy():
     handle = dispatch(model, grouped_plan(model, 2, lambda u: ("cpu", "cpu", "resident")))
     handle.remove()
     assert model.get_parameter(name).data_ptr() == address
+
+
+def test_a_model_cut_already_says_what_another_plan_needs(saved_moe, tmp_path):
+    """A model dispatched in groups, given another plan, was told its experts could not be cut ("plan with
+    expert_groups=1"); one load() built in groups, after remove(), refused another plan of its own model the same
+    way, or as another model's plan."""
+    _, model, path, _ = saved_moe
+    on_cpu = lambda u: ("cpu", "cpu", "resident")  # noqa: E731
+    copy = load(path, None, plan=grouped_plan(model, 2, on_cpu))
+    with pytest.raises(DispatchError, match="already dispatched"):
+        dispatch(copy.model, grouped_plan(model, 4, on_cpu))
+    copy.remove()
+    for groups, said in ((4, "cuts it into 4"), (1, "places it whole")):
+        with pytest.raises(DispatchError, match=f"cut into 2 expert groups already.*{said}.*plan of 2 groups"):
+            dispatch(copy.model, grouped_plan(model, groups, on_cpu))
+    again = dispatch(copy.model, grouped_plan(model, 2, on_cpu))  # its own cut still runs
+    again.remove()
+
+
+def test_a_model_cut_into_groups_is_not_traced_as_dense_experts(saved_moe):
+    """A model load() built in groups keeps them after remove(): traced, its experts read as dense units (no MoE
+    facts, every weight on every token), whose plans cannot run on it; trace() refuses it and names the fix."""
+    _, model, path, _ = saved_moe
+    copy = load(path, None, plan=grouped_plan(model, 2, lambda u: ("cpu", "cpu", "resident")))
+    copy.remove()
+    with pytest.raises(TraceError, match=r"mlp\.experts is cut into expert groups .*Trace its checkpoint"):
+        trace(copy.model, granularity="sublayer", expert_groups=2)
+    assert trace(path, granularity="sublayer", expert_groups=2).names() == [p.unit for p in grouped_plan(model, 2).placements]

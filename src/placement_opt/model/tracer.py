@@ -86,6 +86,18 @@ from .graph import GRANULARITIES, GraphMeta, LayerGraph, covering_key
 __all__ = ["trace", "GRANULARITIES"]
 
 
+def _check_whole_experts(module: Any) -> None:
+    """Refuse a model whose experts are cut into groups (a model load() built in groups keeps them after remove()):
+    it traces as a dense unit that reads every expert on every token, and its plans cannot run on it. Checked by the
+    groups' class marker (``runtime._expert_groups``), so that model/ needs nothing from runtime/."""
+    cut = sorted({n.rpartition(".groups.")[0] for n, m in module.named_modules()
+                  if getattr(type(m), "_expert_group", False)})
+    if cut:
+        raise TraceError(f"{cut[0]} is cut into expert groups ({len(cut)} such module(s)): a model load() or "
+                         f"dispatch() built in groups traces as dense units. Trace its checkpoint (the folder "
+                         f"load() read) or the model before it was loaded in groups, with expert_groups=N")
+
+
 def trace(
     model: Any,
     *,
@@ -166,6 +178,7 @@ def trace(
         raise TraceError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
     _check_expert_groups(expert_groups, granularity)
     module, name, config, torch_dtype, override = resolve_source(model, dtype)
+    _check_whole_experts(module)
     split = no_split_names(module, no_split, granularity)
     units, whole = find_units(module, split, granularity)
     ctx = TraceContext(module=module, name=name, config=config, dtype=torch_dtype, override=override,
