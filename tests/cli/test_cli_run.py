@@ -195,6 +195,21 @@ def test_run_of_a_plan_over_the_budgets_given_says_what_to_do_in_flags(checkpoin
     assert "devices=None" not in text
 
 
+def test_run_of_a_plan_refuses_the_options_that_shape_a_solve(checkpoint, tmp_path):
+    """--granularity, --expert-groups and --pin were ignored beside --plan (and --expert-groups alone asked for a
+    --granularity that was ignored too)."""
+    _, path = checkpoint
+    saved = run_cli("plan", str(path), "-d", "cpu=1GB", "--prompt", "3", "--new-tokens", "4", "--json",
+                    str(tmp_path / "plan.json"))
+    assert saved.exit_code == 0, saved.output
+    plan = ("--plan", str(tmp_path / "plan.json"))
+    for given, said in ((("--expert-groups", "2"), "--expert-groups with --plan"),
+                        (("--granularity", "sublayer", "--pin", "lm_head=cpu"), "--granularity, --pin with --plan")):
+        out = run_cli("run", str(path), "-d", "cpu=1GB", *plan, *given, catch_exceptions=True)
+        text = " ".join(out.output.split())
+        assert out.exit_code == 2 and said in text and "leave --plan out to solve a plan with" in text, text
+
+
 def test_run_of_a_plan_runs_its_workload_unless_told_otherwise(checkpoint, tmp_path):
     """run --plan without --prompt ran 512 tokens (run's default) and then warned, in Python terms, that the plan was
     solved for fewer."""

@@ -66,9 +66,9 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
 @click.option("--offload-dir", type=click.Path(file_okay=False), default=None,
               help="where weights the checkpoint cannot hold as planned are written (cast or fused disk units)")
 @click.option("--granularity", type=click.Choice(["block", "sublayer", "auto"]), default="block", show_default=True,
-              help="units to place, as for plan (ignored with --plan; a module plan is for inspecting a model and "
+              help="units to place, as for plan (not with --plan, whose units are fixed; a module plan is for inspecting a model and "
                    "cannot run)")
-@click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable)")
+@click.option("--pin", "pin", multiple=True, metavar="MODULE=DEVICE", help="as for plan (repeatable; not with --plan)")
 @expert_groups_option
 @click.option("--overlap", is_flag=True, help="plan with Workload(overlap=True), as for plan")
 @click.option("--padded", is_flag=True,
@@ -112,6 +112,7 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
     batch, prompt, new_tokens = _shape(saved, batch, prompt, new_tokens)
     pins = parse_pins(pin)
     _check_counts(new_tokens, repeats)
+    _check_plan_options(plan_path, granularity, expert_groups, pins)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
@@ -340,6 +341,17 @@ def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None,
         result = calibrate(checkpoint, machine.names, workload=workload, dtype=dtype or model_dtype(checkpoint),
                            granularity=granularity, expert_groups=expert_groups, offload_dir=offload_dir)
     return result.summary()
+
+
+def _check_plan_options(plan_path: str | None, granularity: str, expert_groups: int, pins: dict[str, str]) -> None:
+    """Refuse options that shape a solve beside --plan, which fixes the units and where each goes: load() ignores
+    them, and a user who gave them expects them to count."""
+    given = [flag for flag, on in (("--granularity", granularity != "block"), ("--expert-groups", expert_groups != 1),
+                                   ("--pin", bool(pins))) if on]
+    if plan_path and given:
+        raise click.UsageError(f"{', '.join(given)} with --plan: the plan fixes its units and where each goes, so "
+                               f"{' and '.join(given)} would be ignored; leave {'them' if len(given) > 1 else 'it'} "
+                               f"out, or leave --plan out to solve a plan with {'them' if len(given) > 1 else 'it'}")
 
 
 def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, plan: Plan | None,
