@@ -355,6 +355,20 @@ def test_a_profile_path_that_cannot_be_written_is_refused_before_measuring(tmp_p
     assert mine.read_text() == '{"model_type": "llama"}'
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_a_profile_path_in_a_folder_that_cannot_be_written_is_refused_before_measuring(monkeypatch, model):
+    """A profile or calibration saved under a folder no file can be made in ended, after the measuring, in a raw
+    FileNotFoundError naming a temporary file."""
+    from placement_opt.errors import ProfileError
+    from placement_opt.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_measure", lambda *a, **k: pytest.fail("measured before checking the path"))
+    for measure in (lambda: po.profile(["cpu"], quick=True, path="/proc/placement_opt.json"),
+                    lambda: po.calibrate(model, ["cpu"], path="/proc/placement_opt.json")):
+        with pytest.raises(ProfileError, match="cannot be saved to '/proc/placement_opt.json'.*a directory you can"):
+            measure()
+
+
 def test_one_device_name_and_one_dtype_name_are_taken_whole():
     """profile('cpu') measured the devices 'c', 'p' and 'u'; dtypes='float32' the dtypes 'f', 'l', ..."""
     from placement_opt.hardware.profiler import _dtypes_to_measure

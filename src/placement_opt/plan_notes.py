@@ -102,7 +102,11 @@ def calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
                 f"placement_opt.calibrate{how[1]}) times them through the dispatcher")
     timed = sum(1 for u in units if u in found.compute)
     said = f"unit times calibrated on this model: {timed} of {len(units)} units measured on this machine"
-    if timed < len(units) and graph.meta.granularity == "sublayer":  # a block calibration covers a few parts only
+    # a block calibration covers a few parts of a sublayer graph only, and another model's calibration the units of
+    # the shapes it shares with this one (embedding, norm, head): the rest are not calibrated, and said so
+    if timed < len(units) and graph.meta.granularity == "module":
+        said += " (the others priced by the device speeds: calibrate() times block and sublayer units, not modules)"
+    elif timed < len(units):
         said += (f" (the others priced by the device speeds: placement-opt profile --model MODEL{how[0]} times "
                  f"these units)")
     return said

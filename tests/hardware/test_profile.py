@@ -205,6 +205,20 @@ def test_profile_measures_only_the_dtype_run_and_keeps_earlier_ones(tmp_path, mo
         profile(["cpu"], path=path, dtype="int8")
 
 
+def test_a_profile_of_one_device_keeps_the_others_in_the_machine_that_devices_path_plans_for(tmp_path, monkeypatch):
+    """calibrate() profiles the devices a profile lacks (profile(["disk"])): the file's 'machine', which
+    `--devices PATH` reads, then held the disk alone and planning refused it (no compute device)."""
+    monkeypatch.setattr(profile_module, "_measure_cpu", lambda quick, dtypes, counted: {
+        "memory_bytes": 2**30, "matmul_flops_per_s": {d: 1e9 for d in dtypes}, "matvec_bytes_per_s": {d: 1e9 for d in dtypes},
+        "copy_bytes_per_s": 1e9, "linear_flops_by_tokens": {d: [[1, 1e8]] for d in dtypes}})
+    monkeypatch.setattr(profile_module, "_measure_disk", lambda folder, quick, counted: {
+        "memory_bytes": 2**34, "sequential_read_bytes_per_s": 1e9})
+    path = tmp_path / "p.json"
+    profile(["cpu"], path=path)
+    assert profile(["disk"], path=path).names == ["disk"]  # what was measured this time
+    assert [d["name"] for d in load_profile(path)["machine"]["devices"]] == ["cpu", "disk"]
+
+
 @pytest.mark.parametrize(("calls", "figure"), [((1.5, 0.002), 0.002), ((1.5, 1.4), 1.4), ((0.01, 0.003, 0.002), 0.002)],
                          ids=["stalled-warm-up", "slow", "fast"])
 def test_a_slow_warm_up_is_never_the_measured_figure(monkeypatch, calls, figure) -> None:

@@ -110,6 +110,20 @@ def test_solve_uses_the_calibration_for_a_list_and_a_max_memory_dict_alike(calib
     assert not any("calibrated" in note for note in described.notes)  # a machine described: nothing to calibrate
 
 
+def test_a_model_sharing_only_some_unit_shapes_with_the_calibrated_one_is_told_the_rest_are_not(calibrated,
+                                                                                                  monkeypatch) -> None:
+    """Another model whose embedding, norm and head have the calibrated shapes, its layers not, was told "unit times
+    calibrated on this model: 3 of 6 units" and nothing of the others: as if it had been calibrated."""
+    path, _ = calibrated
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    other = tiny_config()
+    other.intermediate_size = 96  # its layers another shape; embedding, norm and head the calibrated ones
+    for granularity in ("block", "module"):
+        plan = placement_opt.solve(other, ["cpu"], workload=WORKLOAD, workers=1, granularity=granularity)
+        note = next(n for n in plan.notes if "calibrated" in n)
+        assert "the others priced by the device speeds" in note, note
+
+
 def test_the_calibration_is_ignored_for_other_machines_hosts_and_models(calibrated, monkeypatch) -> None:
     path, _ = calibrated
     monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
@@ -697,3 +711,30 @@ def test_an_expert_groups_decode_figure_is_the_mean_over_the_groups_of_its_shape
     assert decode[2] == pytest.approx(0.25)
     norm = next(key for name, key in result.units.items() if name.endswith("input_layernorm"))
     assert result.times[norm]["cpu"].decode[0][2] == 0.5  # others: their own figure
+
+
+@pytest.mark.parametrize("entry", [{"units": "x"}, {"units": {}, "models": []}], ids=["units", "models"])
+def test_a_malformed_saved_calibration_is_refused_before_timing(calibrated, tmp_path, monkeypatch, entry) -> None:
+    """calibrate() into a profile whose 'calibration' entry is malformed timed the model, then failed saving with a raw
+    ValueError or TypeError (from the CLI, in dispatch: "cannot dispatch this device_map")."""
+    from placement_opt.errors import ProfileError
+    from placement_opt.hardware.profile_store import this_host
+    from placement_opt.runtime import calibrate as calibrate_module
+
+    path, _ = calibrated
+    data = json.loads(path.read_text())
+    data["calibration"] = {"host": this_host(), **entry}
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(data))
+    monkeypatch.setattr(calibrate_module, "build", lambda *a, **k: pytest.fail("timed before checking the profile"))
+    with pytest.raises(ProfileError, match="malformed 'calibration' entry: delete"):
+        placement_opt.calibrate(tiny_config(), ["cpu"], workload=WORKLOAD, path=broken, repeats=1)
+    assert json.loads(broken.read_text()) == data  # kept as it was
+
+
+def test_calibrate_takes_auto_for_this_machine_as_solve_does(tmp_path, monkeypatch) -> None:
+    """devices='auto' (solve()'s and --devices' word for this machine) was an unknown device name to calibrate()."""
+    monkeypatch.setattr("placement_opt.hardware.detect.local_device_names", lambda: ["cpu"])  # no disk: quicker
+    result = placement_opt.calibrate(tiny_config(), "auto", workload=Workload(batch_size=1, prompt_len=8, new_tokens=2),
+                                     path=tmp_path / "p.json", repeats=1)
+    assert result.devices == ("cpu",)

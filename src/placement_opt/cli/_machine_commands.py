@@ -57,7 +57,8 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, 
 
     With --model, the model is calibrated too: a copy cut to one layer of each shape is built
     with random weights and each unit is timed through placement_opt's dispatch at the workload's
-    prefill and decode shapes (a few seconds for a 7B shape on a CPU); plans for this machine then
+    prefill and decode shapes (on a 2-core CPU, 4-9 s for a 7B shape; under a minute with the disk,
+    whose reads are timed too); plans for this machine then
     price those units with the times measured, whatever form --devices takes. Plans made with
     --granularity sublayer (or auto, and --expert-groups) need their parts timed too: pass the same
     options here.

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -185,9 +186,11 @@ def saved_calibration(path: str | os.PathLike[str] | None = None) -> dict[str, A
     if data is None or "calibration" not in data:
         return None
     calibration = data["calibration"]
-    if not isinstance(calibration, dict) or not isinstance(calibration.get("units"), dict):
+    if (not isinstance(calibration, dict) or not isinstance(calibration.get("units"), dict)
+            or not isinstance(calibration.get("models", {}), dict)):
+        # calibrating again reads it first, so the entry must go before a new one can be saved
         raise ProfileError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
-                           f"run `placement-opt profile --model MODEL` again, or delete the entry")
+                           f"delete the entry, then run `placement-opt profile --model MODEL` again")
     if calibration.get("host") != this_host():
         return None
     return calibration
@@ -223,7 +226,7 @@ def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
     directory, or a file placement_opt did not write as a profile (never written over).
 
     Raises:
-        ProfileError: the path is a directory (or lies under a file).
+        ProfileError: the path is a directory (or lies under a file), or no file can be made in its folder.
         PlanFormatError: a file there is not a profile.
     """
     where = profile_path(path)
@@ -236,7 +239,25 @@ def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
                            f"a path in a directory")
     if (why := foreign_file(where, "profile")) is not None:
         raise PlanFormatError(refusal(where, "profile", why))
+    if (why := _unwritable(where)) is not None:
+        raise ProfileError(_cannot_save(where, why))
     return where
+
+
+def _unwritable(where: Path) -> str | None:
+    """Why no file can be made where ``where`` goes (a read-only folder, /proc), or None: its nearest existing folder
+    is tried with a temporary file, as the atomic write makes one there."""
+    folder = next((p for p in where.parents if p.exists()), Path("."))
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _cannot_save(where: Path, why: str) -> str:
+    return (f"the profile cannot be saved to {str(where)!r} ({why}): name a path in a directory you can write to "
+            f"(path=, --out, ${PROFILE_ENV_VAR})")
 
 
 def write_profile(where: Path, data: dict[str, Any]) -> None:
@@ -244,8 +265,12 @@ def write_profile(where: Path, data: dict[str, Any]) -> None:
 
     Raises:
         PlanFormatError: a file at ``where`` is not a profile (a plan, a checkpoint's config.json): never written over.
+        ProfileError: the file cannot be written (the folder is read-only, the disk is full).
     """
     if (why := foreign_file(where, "profile")) is not None:
         raise PlanFormatError(refusal(where, "profile", why))
-    where.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(where, json.dumps(data, indent=1))
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(where, json.dumps(data, indent=1))
+    except OSError as exc:  # the folder became read-only, or the disk is full: the old file is kept whole
+        raise ProfileError(_cannot_save(where, exc.strerror or str(exc))) from None

@@ -438,12 +438,22 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     merged = {**previous.get("measurements", {})}
     for name, entry in measurements.items():
         merged[name] = _merge_dtypes(merged.get(name), entry)
-    measured = [device_from_measurement(n, merged[n], dtype_key(dtype), created) for n in names]
-    machine = Machine([replace_device(d, memory_bytes=detect_device(d.name).memory_bytes) for d in measured])
+    machine = _measured_machine(names, merged, dtype, created)
+    # `--devices PATH` plans for the file's 'machine': every device measured here, not this call's only (calibrate()
+    # profiles the one a profile lacks, and a disk alone has nothing to compute on)
+    kept = [n for n in local_device_names() if n in merged and n not in names]
+    saved = (_measured_machine([n for n in local_device_names() if n in names or n in kept], merged, dtype, created)
+             if kept else machine)
     _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
                   "quick": quick, "dtype": dtype_key(dtype), "measurements": merged,
-                  "machine": machine.to_dict()}, previous)
+                  "machine": saved.to_dict()}, previous)
     return machine
+
+
+def _measured_machine(names: Iterable[str], merged: dict[str, Any], dtype: str, created: str) -> Machine:
+    """The devices ``names`` at their saved figures, with today's capacities."""
+    measured = [device_from_measurement(n, merged[n], dtype_key(dtype), created) for n in names]
+    return Machine([replace_device(d, memory_bytes=detect_device(d.name).memory_bytes) for d in measured])
 
 
 def _dtypes_to_measure(dtype: str, dtypes: Iterable[str] | None) -> tuple[str, ...]:

@@ -58,9 +58,10 @@ from ..hardware.profile_store import (
     check_profile_target,
     profile_path,
     save_calibration,
+    saved_calibration,
     saved_device,
 )
-from ..hardware.resolve import device_names
+from ..hardware.resolve import device_names, is_auto
 from ..model.expert_groups import expert_groups_refusal
 from ..model.graph import LayerGraph
 from ..progress import bar
@@ -90,8 +91,8 @@ class CalibrationResult:
     """shape key -> ``"cpu->cuda:N"`` / ``"disk->cpu"`` -> mode -> seconds, or ``{"prefill": s, "decode": s}``
     (an MoE unit's cold read from disk also ``"decode_batch"``: the batch whose picks the step read)."""
     layers_built: int
-    """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike; one more
-    when disk reads are timed, so that a layer's read is timed beside the next one's read-ahead)."""
+    """Decoder layers of the cut copy that was run (1 for a model whose layers are all alike; two more
+    when disk reads are timed, so that a layer's read is timed beside the next ones' read-ahead)."""
     granularities: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     """``"block"`` / ``"sublayer"`` -> the units timed cut that way (unit name -> shape key). A unit whose
     shape the block pass timed is not timed again (``units`` keeps the first pass's key of a name)."""
@@ -166,7 +167,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         PlacementError: a ``LayerGraph``, a model without a transformers config, no compute device here,
             an unknown ``granularity``, ``expert_groups`` without sublayer units, an ``offload_dir`` that
             cannot be made or written.
-        ProfileError: the profile file is unreadable, or ``path`` is a directory.
+        ProfileError: the profile file is unreadable, its calibration malformed, or ``path`` is a directory.
         PlanFormatError: a file at ``path`` is not a profile (checked first; never written over).
         WorkloadError: ``workload`` is not a :class:`Workload`.
     """
@@ -178,11 +179,14 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         raise WorkloadError(f"workload is a {type(workload).__name__}: pass a placement_opt.Workload "
                             f"(Workload(batch_size=..., prompt_len=..., new_tokens=...))")
     check_profile_target(path)  # before minutes of timing: a directory or a user's file there is refused
+    saved_calibration(path)  # and a malformed calibration there, which the new one would be merged into
     if isinstance(model, LayerGraph):
         raise PlacementError("calibrate() runs the model's units, and a LayerGraph has no modules: pass the "
                              "model, its config, a preset name or a checkpoint directory")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise PlacementError(f"repeats must be an int >= 1, got {repeats!r}")
+    if is_auto(devices):  # this machine, as solve() and --devices read the word
+        devices = None
     cuts = _granularities(granularity, expert_groups)
     disk_folder = _disk_folder(devices, offload_dir)
     passes = _passes([trace(model, dtype=dtype, **how) for how in cuts], cuts)
