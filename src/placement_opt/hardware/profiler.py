@@ -441,9 +441,8 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     machine = _measured_machine(names, merged, dtype, created)
     # `--devices PATH` plans for the file's 'machine': every device measured here, not this call's only (calibrate()
     # profiles the one a profile lacks, and a disk alone has nothing to compute on)
-    kept = [n for n in local_device_names() if n in merged and n not in names]
-    saved = (_measured_machine([n for n in local_device_names() if n in names or n in kept], merged, dtype, created)
-             if kept else machine)
+    here = [n for n in local_device_names() if n in merged]
+    saved = machine if set(here) <= set(names) else _measured_machine(here, merged, dtype, created)
     _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
                   "quick": quick, "dtype": dtype_key(dtype), "measurements": merged,
                   "machine": saved.to_dict()}, previous)
