@@ -369,6 +369,23 @@ def test_a_profile_path_in_a_folder_that_cannot_be_written_is_refused_before_mea
             measure()
 
 
+def test_a_profile_a_newer_placement_opt_wrote_is_never_written_over(tmp_path, monkeypatch, model):
+    """A profile of a newer schema version read as no profile, and profile()/calibrate() replaced it with this
+    version's figures alone: its calibrations and whatever else the newer version kept were gone."""
+    from placement_opt.errors import ProfileError
+    from placement_opt.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_measure", lambda *a, **k: pytest.fail("measured before checking the path"))
+    newer = tmp_path / "profile.json"
+    text = '{"schema_version": 2, "created": "2027-01-01", "measurements": {}, "calibration": {"units": {}}}'
+    newer.write_text(text)
+    for measure in (lambda: po.profile(["cpu"], quick=True, path=newer),
+                    lambda: po.calibrate(model, ["cpu"], path=newer)):
+        with pytest.raises(ProfileError, match="schema version 2, written by a newer placement_opt.*upgrade"):
+            measure()
+    assert newer.read_text() == text
+
+
 def test_one_device_name_and_one_dtype_name_are_taken_whole():
     """profile('cpu') measured the devices 'c', 'p' and 'u'; dtypes='float32' the dtypes 'f', 'l', ..."""
     from placement_opt.hardware.profiler import _dtypes_to_measure

@@ -9,12 +9,13 @@ returns its note (or notes), or nothing when it does not apply.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .cost.calibrated import calibration_for
 from .hardware.presets import PRESETS
-from .hardware.profile_store import fallback_dtype
+from .hardware.profile_store import fallback_dtype, load_profile, this_host
 from .hardware.resolve import assumed_preset
 from .model.expert_groups import group_counts, whole_experts
 from .units import few, format_bytes
@@ -95,13 +96,15 @@ def calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
         return None  # calibration times units on compute devices: a measured disk beside described ones has none
     found = calibration_for(graph, machine)
     units = graph.names()
-    how = _calibrate_how(graph)
+    how = _calibrate_how(graph, machine.profile_path)
     if found is None:
-        return ("this model is not calibrated on this machine: its units are priced by the measured device speeds "
+        where, there = _profile_said(machine.profile_path)
+        return (f"this model is not calibrated {where}: its units are priced by the measured device speeds "
                 f"(roofline) and a fixed per-unit overhead; placement-opt profile --model MODEL{how[0]} (or "
-                f"placement_opt.calibrate{how[1]}) times them through the dispatcher")
+                f"placement_opt.calibrate{how[1]}) times them through the dispatcher{there}")
     timed = sum(1 for u in units if u in found.compute)
-    said = f"unit times calibrated on this model: {timed} of {len(units)} units measured on this machine"
+    host = "this machine" if found.host == this_host() else f"host {found.host!r}, where the profile was made"
+    said = f"unit times calibrated on this model: {timed} of {len(units)} units measured on {host}"
     # a block calibration covers a few parts of a sublayer graph only, and another model's calibration the units of
     # the shapes it shares with this one (embedding, norm, head): the rest are not calibrated, and said so
     if timed < len(units) and graph.meta.granularity == "module":
@@ -112,14 +115,28 @@ def calibration_note(graph: LayerGraph, machine: Machine) -> str | None:
     return said
 
 
-def _calibrate_how(graph: LayerGraph) -> tuple[str, str]:
-    """The CLI options and calibrate() arguments that time ``graph``'s units (sublayer parts, expert groups)."""
-    if graph.meta.granularity != "sublayer":
-        return "", ""
-    groups = max(group_counts(graph.names()).values(), default=1)
-    cli = " --granularity sublayer" + (f" --expert-groups {groups}" if groups > 1 else "")
-    call = "(..., granularity='sublayer'" + (f", expert_groups={groups}" if groups > 1 else "") + ")"
-    return cli, call
+def _profile_said(path: str | None) -> tuple[str, str]:
+    """Where a plan looked for a calibration (``"on this machine"``, ``"in the profile P"``), and where to time one
+    when that profile was measured on another host (the machine it describes), else ``""``."""
+    if path is None:
+        return "on this machine", ""
+    host = (load_profile(path) or {}).get("host")
+    there = f", on host {host!r} (the profile's)" if isinstance(host, str) and host != this_host() else ""
+    return f"in the profile {path!r}", there
+
+
+def _calibrate_how(graph: LayerGraph, profile: str | None = None) -> tuple[str, str]:
+    """The CLI options and calibrate() arguments that time ``graph``'s units (sublayer parts, expert groups) into
+    ``profile`` (None: the default profile)."""
+    cli, call = "", ""
+    if graph.meta.granularity == "sublayer":
+        groups = max(group_counts(graph.names()).values(), default=1)
+        cli = " --granularity sublayer" + (f" --expert-groups {groups}" if groups > 1 else "")
+        call = ", granularity='sublayer'" + (f", expert_groups={groups}" if groups > 1 else "")
+    if profile is not None:  # the plan reads that file's calibration: timing into the default one would not reach it
+        cli = f" --out {shlex.quote(profile)}" + cli
+        call = f", path={profile!r}" + call
+    return cli, f"(...{call})" if call else ""
 
 
 def phased_note(placements: Sequence[UnitPlacement]) -> list[str]:

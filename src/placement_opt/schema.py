@@ -111,6 +111,8 @@ class DeviceSchema(_Open):
 class MachineSchema(_Strict):
     devices: list[DeviceSchema] = Field(min_length=1)
     links: list[tuple[str, str, float]] = []
+    profile_path: str | None = Field(default=None, min_length=1)
+    """The saved profile whose calibration priced the machine (``--devices PATH``); absent: this host's."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> MachineSchema:

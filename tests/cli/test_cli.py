@@ -165,7 +165,9 @@ def test_resolve_devices_reads_a_saved_machine(tmp_path):
     assert resolve_devices(str(path)) == machine
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"machine": machine.to_dict(), "measured_at": "now"}))
-    assert resolve_devices(str(wrapped)) == machine
+    read = resolve_devices(str(wrapped))  # a profile: the same devices, and the file its calibration is read from
+    assert read.devices == machine.devices and read.links == machine.links
+    assert read.profile_path == str(wrapped.resolve())
 
 
 def test_devices_file_that_is_not_a_profile_is_refused(tmp_path):

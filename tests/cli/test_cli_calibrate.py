@@ -61,3 +61,40 @@ def test_profile_refuses_cutting_options_it_cannot_use(tmp_path) -> None:
                      catch_exceptions=True)
     assert groups.exit_code == 2 and "add --granularity sublayer" in groups.output
     assert not out.exists()  # refused before measuring
+
+
+def _planned(tmp_path, folder, devices) -> dict:
+    """``plan FOLDER --devices DEVICES`` at a short workload, as its JSON plan."""
+    written = tmp_path / "plan.json"
+    result = run_cli("plan", str(folder), "--devices", str(devices), "--prompt", "16", "--new-tokens", "4",
+                     "--json", str(written))
+    assert result.exit_code == 0, result.output
+    return json.loads(written.read_text())
+
+
+def test_plan_with_devices_path_reads_the_calibration_saved_in_that_file(tmp_path) -> None:
+    """`--devices PATH` read the calibration from the default profile, not PATH: a model calibrated with `profile
+    --out PATH --model M` was "not calibrated on this machine", and a profile copied from another host was priced
+    with this host's unit times (none here: the default profile of every test is empty)."""
+    folder = tiny_checkpoint_config(tmp_path, 64)
+    out = tmp_path / "m2.json"
+    made = run_cli("profile", "--out", str(out), "--quick", "--model", str(folder), "--prompt", "16",
+                   "--new-tokens", "4")
+    assert made.exit_code == 0, made.output
+    calibrated = _planned(tmp_path, folder, out)
+    assert "unit times calibrated on this model: 6 of 6 units measured on this machine" in " ".join(calibrated["notes"])
+
+    data = json.loads(out.read_text())  # the same file, as measured on the host that made it
+    data["host"] = data["calibration"]["host"] = "gpu-server-7"
+    copied = tmp_path / "copied.json"
+    copied.write_text(json.dumps(data))
+    elsewhere = _planned(tmp_path, folder, copied)
+    assert "measured on host 'gpu-server-7', where the profile was made" in " ".join(elsewhere["notes"])
+    assert elsewhere["cost"] == calibrated["cost"]  # that host's unit times, not none
+
+    del data["calibration"]
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    notes = " ".join(_planned(tmp_path, folder, bare)["notes"])
+    assert f"this model is not calibrated in the profile {str(bare)!r}" in notes
+    assert f"placement-opt profile --model MODEL --out {bare}" in notes and "on host 'gpu-server-7'" in notes

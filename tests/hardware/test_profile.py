@@ -219,6 +219,18 @@ def test_a_profile_of_one_device_keeps_the_others_in_the_machine_that_devices_pa
     assert [d["name"] for d in load_profile(path)["machine"]["devices"]] == ["cpu", "disk"]
 
 
+
+def test_a_profile_saved_apart_is_the_one_its_machine_is_priced_from(tmp_path, monkeypatch) -> None:
+    """profile(path=P) returns a machine that carries P, so solve() reads the unit times calibrated into P (the
+    default profile's before); profile() at the default place keeps the machine of this host's profile."""
+    monkeypatch.setattr(profile_module, "_measure_cpu", lambda quick, dtypes, counted: {
+        "memory_bytes": 2**30, "matmul_flops_per_s": {d: 1e9 for d in dtypes}, "matvec_bytes_per_s": {d: 1e9 for d in dtypes},
+        "copy_bytes_per_s": 1e9, "linear_flops_by_tokens": {d: [[1, 1e8]] for d in dtypes}})
+    monkeypatch.chdir(tmp_path)
+    assert profile(["cpu"], path="apart.json").profile_path == str(tmp_path / "apart.json")  # absolute
+    assert profile(["cpu"]).profile_path is None
+
+
 @pytest.mark.parametrize(("calls", "figure"), [((1.5, 0.002), 0.002), ((1.5, 1.4), 1.4), ((0.01, 0.003, 0.002), 0.002)],
                          ids=["stalled-warm-up", "slow", "fast"])
 def test_a_slow_warm_up_is_never_the_measured_figure(monkeypatch, calls, figure) -> None:

@@ -14,6 +14,7 @@ import placement_opt
 from placement_opt.cost.calibrated import calibration_for, shape_key
 from placement_opt.cost.workload import Workload
 from placement_opt.errors import PlacementError
+from placement_opt.hardware.devices import Machine
 from placement_opt.hardware.profile_store import PROFILE_ENV_VAR, saved_calibration
 from placement_opt.hardware.resolve import as_machine
 from placement_opt.model.graph import chain_graph
@@ -738,3 +739,25 @@ def test_calibrate_takes_auto_for_this_machine_as_solve_does(tmp_path, monkeypat
     result = placement_opt.calibrate(tiny_config(), "auto", workload=Workload(batch_size=1, prompt_len=8, new_tokens=2),
                                      path=tmp_path / "p.json", repeats=1)
     assert result.devices == ("cpu",)
+
+
+def test_a_machine_read_from_a_profile_file_is_priced_by_that_files_calibration(calibrated, tmp_path,
+                                                                                monkeypatch) -> None:
+    """A machine from ``profile(path=P)`` (or ``--devices P``) was priced with the default profile's calibration:
+    none here, where the default profile is another file, and another host's times where it was copied from one."""
+    path, _ = calibrated
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(tmp_path / "default.json"))  # no profile there
+    data = json.loads(path.read_text())
+    machine = Machine.from_dict({**data["machine"], "profile_path": str(path)})
+    plan = placement_opt.solve(tiny_config(), machine, workload=WORKLOAD, workers=1)
+    graph = trace(tiny_config())
+    assert f"{len(graph)} of {len(graph)} units measured on this machine" in " ".join(plan.notes)
+    unpriced = placement_opt.solve(tiny_config(), Machine.from_dict(data["machine"]), workload=WORKLOAD, workers=1)
+    assert "not calibrated on this machine" in " ".join(unpriced.notes)
+    assert plan.cost.prefill_s != pytest.approx(unpriced.cost.prefill_s, rel=1e-3)
+    # the plan keeps where its figures came from: priced again from its JSON, it is the same plan
+    again = placement_opt.Plan.from_json(plan.to_json())
+    assert again.machine.profile_path == str(path)
+    assert placement_opt.evaluate(again, tiny_config(), again.machine, WORKLOAD).total_s == pytest.approx(
+        plan.cost.total_s)
+    assert "profile_path" not in unpriced.to_json()  # plans of this host's profile read as they always have

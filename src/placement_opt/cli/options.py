@@ -204,14 +204,17 @@ def _machine_from_file(path: Path) -> Machine:
         raise click.BadParameter(f"{str(path)!r} is not a saved machine profile: it is not JSON (cut off, or another "
                                  f"kind of file: {exc}); pass the file 'placement-opt profile --out PATH' wrote",
                                  param_hint="--devices") from None
-    if isinstance(data, dict) and "machine" in data:
+    profiled = isinstance(data, dict) and "machine" in data
+    if profiled:
         data = data["machine"]
     if not isinstance(data, dict) or "devices" not in data:
         hint = ("write one with 'placement-opt profile --out NEW_PATH' and pass that" if foreign_file(path, "profile")
                 else f"write one with 'placement-opt profile --out {path}'")
         raise click.BadParameter(f"{str(path)!r} is not a saved machine profile (no 'devices' list): {hint}",
                                  param_hint="--devices")
-    return Machine.from_dict(data)
+    machine = Machine.from_dict(data)
+    # a profile's machine is priced with the unit times calibrated into that file (profile --out PATH --model M)
+    return Machine(machine.devices, machine.links, path.resolve()) if profiled else machine
 
 
 def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None,

@@ -269,7 +269,7 @@ def _disk_at(machine: Any, devices: str | None, offload_dir: str | None) -> Any:
     folder), not the current directory's: the weights converted for the plan go there."""
     import shutil
 
-    from ..hardware.devices import Machine, replace_device
+    from ..hardware.devices import replace_device
 
     bare = devices is not None and any(part.strip().lower() == "disk" for part in devices.split(","))
     if not bare or offload_dir is None or "disk" not in machine:
@@ -278,8 +278,8 @@ def _disk_at(machine: Any, devices: str | None, offload_dir: str | None) -> Any:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
-    return Machine([replace_device(d, memory_bytes=free) if d.name == "disk" else d for d in machine.devices],
-                   machine.links)
+    return machine.with_devices([replace_device(d, memory_bytes=free) if d.name == "disk" else d
+                                 for d in machine.devices], machine.links)
 
 
 def _check_positions(checkpoint: str, prompt: int, new_tokens: int) -> None:

@@ -140,6 +140,8 @@ class Calibration:
     read_batch: Mapping[str, int] = field(default_factory=dict)
     """MoE unit name -> the batch of its calibrated cold decode steps from disk (``disk -> cpu``, ``stream``): the
     experts that batch hits are what the step read (:func:`~.traffic.routed_read_s` scales by them)."""
+    host: str = ""
+    """The host that measured them (``""``: unknown)."""
 
     def times(self, unit: str, device: str) -> UnitTimes | None:
         return self.compute.get(unit, {}).get(device)
@@ -157,13 +159,15 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
     """The saved calibration's figures for ``graph``'s units on ``machine``'s measured devices; None if none.
 
     Args:
-        saved: the ``"calibration"`` entry of a profile; default the saved profile of this host
+        saved: the ``"calibration"`` entry of a profile; default the one of ``machine.profile_path`` (whichever host
+            measured it: the machine is that file's), else of this host's saved profile
             (:func:`~placement_opt.hardware.profile_store.saved_calibration`).
     """
     measured = {d.name for d in machine.devices if d.source.startswith("measured")}
     if not measured:
         return None
-    saved = saved if saved is not None else saved_calibration()
+    if saved is None:
+        saved = saved_calibration(machine.profile_path, any_host=machine.profile_path is not None)
     if not saved:
         return None
     entries = saved.get("units", {})
@@ -185,7 +189,7 @@ def calibration_for(graph: LayerGraph, machine: Machine, saved: Mapping[str, Any
         batch = _read_batch(entry.get("links", {}).get("disk->cpu", {}).get("stream"))
         if batch is not None and ("disk", "cpu", "stream") in links:  # the disk's read applies here
             batches[unit.name] = batch
-    found = Calibration(compute, copies, batches)
+    found = Calibration(compute, copies, batches, str(saved.get("host", "")))
     return found if found else None
 
 

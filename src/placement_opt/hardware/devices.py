@@ -12,6 +12,7 @@ string such as ``"cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk"``) into a :
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -353,6 +354,10 @@ class Machine:
         links: ``{(src, dst): bytes_per_s}`` overrides. Defaults: host <-> GPU at the GPU's host
             link (PCIe), GPU <-> GPU at the slower peer link of the two, disk -> host at the disk's
             read bandwidth, disk -> GPU through the host (the slower of the two hops).
+        profile_path: the saved profile the devices were read from (``--devices PATH``,
+            ``profile(path=...)``); the unit times :func:`placement_opt.calibrate` saved in it price
+            the machine, whichever host measured them. None: the saved profile of this host
+            (``$PLACEMENT_OPT_PROFILE`` or the default), whose unit times apply on that host only.
 
     Raises:
         DeviceSpecError: duplicate devices, or a link naming a device the machine lacks.
@@ -360,8 +365,10 @@ class Machine:
 
     devices: tuple[Device, ...]
     links: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    profile_path: str | None = None
 
-    def __init__(self, devices: Iterable[Device], links: Mapping[tuple[str, str], float] | None = None):
+    def __init__(self, devices: Iterable[Device], links: Mapping[tuple[str, str], float] | None = None,
+                 profile_path: str | os.PathLike[str] | None = None):
         if isinstance(devices, str | Mapping) or not isinstance(devices, Iterable):
             raise DeviceSpecError(f"Machine takes Device objects, not a {type(devices).__name__}: pass names, a spec "
                                   f"string or a max_memory dict to solve() as they are, or build the Machine with "
@@ -391,6 +398,7 @@ class Machine:
         devs = tuple(sorted(devs, key=lambda d: (order[d.kind], gpu_index(d.name))))
         object.__setattr__(self, "devices", devs)
         object.__setattr__(self, "links", checked)
+        object.__setattr__(self, "profile_path", None if profile_path is None else os.fspath(profile_path))
 
     # -- lookup -------------------------------------------------------------------------
     def __getitem__(self, name: str | int) -> Device:
@@ -485,13 +493,24 @@ class Machine:
         return {d.accelerate_key: d.usable_bytes for d in self.devices}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": [d.to_dict() for d in self.devices],
-                "links": [[s, t, bw] for (s, t), bw in self.links.items()]}
+        data: dict[str, Any] = {"devices": [d.to_dict() for d in self.devices],
+                                "links": [[s, t, bw] for (s, t), bw in self.links.items()]}
+        if self.profile_path is not None:  # absent otherwise: plans of the default profile read as they always have
+            data["profile_path"] = self.profile_path
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Machine:
         return cls([Device.from_dict(d) for d in data["devices"]],
-                   {(s, t): bw for s, t, bw in data.get("links", [])})
+                   {(s, t): bw for s, t, bw in data.get("links", [])}, data.get("profile_path"))
+
+    def with_devices(self, devices: Iterable[Device], links: Mapping[tuple[str, str], float] | None = None) -> Machine:
+        """Another machine of the same profile: ``devices`` (and ``links``, default the kept devices' links)."""
+        devs = tuple(devices)
+        names = {d.name for d in devs}
+        if links is None:
+            links = {k: v for k, v in self.links.items() if k[0] in names and k[1] in names}
+        return Machine(devs, links, self.profile_path)
 
     def __str__(self) -> str:
         return "Machine(" + "; ".join(str(d) for d in self.devices) + ")"

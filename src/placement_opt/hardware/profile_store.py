@@ -174,10 +174,12 @@ def this_host() -> str:
     return platform.node()
 
 
-def saved_calibration(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-    """The calibrated unit times measured on this host, as saved: ``{"units": {...}, "models": {...}}``.
+def saved_calibration(path: str | os.PathLike[str] | None = None, *,
+                      any_host: bool = False) -> dict[str, Any] | None:
+    """The calibrated unit times measured on this host, as saved: ``{"host": ..., "units": {...}, "models": {...}}``.
 
-    None when the profile has none, or when another host measured them.
+    None when the profile has none, or when another host measured them (unless ``any_host``: a profile named
+    as the machine to plan for, whose host is the machine its unit times describe).
 
     Raises:
         ProfileError: the file is not JSON, or its ``"calibration"`` entry is not a mapping of units.
@@ -191,7 +193,7 @@ def saved_calibration(path: str | os.PathLike[str] | None = None) -> dict[str, A
         # calibrating again reads it first, so the entry must go before a new one can be saved
         raise ProfileError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
                            f"delete the entry, then run `placement-opt profile --model MODEL` again")
-    if calibration.get("host") != this_host():
+    if calibration.get("host") != this_host() and not any_host:
         return None
     return calibration
 
@@ -239,9 +241,24 @@ def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
                            f"a path in a directory")
     if (why := foreign_file(where, "profile")) is not None:
         raise PlanFormatError(refusal(where, "profile", why))
+    if (version := _newer_version(where)) is not None:
+        raise ProfileError(f"the profile {str(where)!r} has schema version {version}, written by a newer placement_opt "
+                           f"(this one reads version {PROFILE_SCHEMA_VERSION}): it is kept as it is; upgrade "
+                           f"placement_opt, or name another path (path=, --out, ${PROFILE_ENV_VAR})")
     if (why := _unwritable(where)) is not None:
         raise ProfileError(_cannot_save(where, why))
     return where
+
+
+def _newer_version(where: Path) -> int | None:
+    """The schema version of a profile at ``where`` newer than this code reads (never written over: the figures and
+    calibrations it holds may be keyed in ways this version would drop), else None. Older versions are replaced."""
+    try:
+        version = json.loads(where.read_text(encoding="utf-8")).get("schema_version")
+    except (OSError, ValueError, AttributeError):  # absent, unreadable or not a mapping: foreign_file said so first
+        return None
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > PROFILE_SCHEMA_VERSION
+    return version if newer else None
 
 
 def _unwritable(where: Path) -> str | None:

@@ -416,7 +416,8 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
             ``PLACEMENT_OPT_PROGRESS`` (``1``/``0``/``auto``) says; ``True``/``False`` decide.
 
     Returns:
-        A ``Machine`` with today's capacities and the measured speeds (``source="measured ..."``).
+        A ``Machine`` with today's capacities and the measured speeds (``source="measured ..."``); with ``path``,
+        it carries the path (``profile_path``), so ``solve()`` reads the calibration saved there.
 
     Raises:
         DeviceSpecError: an unknown device name, or a GPU that is not on this machine.
@@ -446,7 +447,8 @@ def profile(devices: Iterable[str | int] | None = None, *, path: str | os.PathLi
     _save(where, {"schema_version": PROFILE_SCHEMA_VERSION, "created": created, "host": platform.node(),
                   "quick": quick, "dtype": dtype_key(dtype), "measurements": merged,
                   "machine": saved.to_dict()}, previous)
-    return machine
+    # a profile saved apart (path=) prices the returned machine with the unit times calibrate() saves there
+    return machine if path is None else Machine(machine.devices, machine.links, where.resolve())
 
 
 def _measured_machine(names: Iterable[str], merged: dict[str, Any], dtype: str, created: str) -> Machine:

@@ -342,9 +342,7 @@ def local_machine(machine: Machine, context: RankContext) -> Machine:
             f"has neither it nor a CPU or disk: describe this rank's devices, e.g. "
             f"['{context.local_device}', 'cpu', 'disk']"
         )
-    names = {d.name for d in kept}
-    links = {k: v for k, v in machine.links.items() if k[0] in names and k[1] in names}
-    return Machine(kept, links)
+    return machine.with_devices(kept)
 
 
 def _rank_device_names(context: RankContext) -> list[str]:
