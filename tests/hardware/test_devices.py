@@ -65,10 +65,19 @@ def test_device_from_sizes_and_names() -> None:
     (lambda: Device("cuda:0", "1GiB", random_read=1e9), r"of cuda:0 are 1000000000.0 and None: .*only the disk"),
     (lambda: Device("disk", "1TB", random_read_latency_s=0), r"random_read_latency_s of disk is 0: .*between 0 and 1"),
     (lambda: Device("disk", "1TB", random_read=0), r"random_read of disk"),
+    # a reserve over the memory left nothing for the model, silently (every unit then went elsewhere)
+    (lambda: Device("cuda:0", "1GiB", reserve="2GiB"), r"reserve of cuda:0 is 2.00 GiB, more than its memory "
+                                                        r"\(1.00 GiB\): nothing would be left"),
+    (lambda: Device.preset("a100-40gb", reserve="48GiB"), r"reserve of cuda:0 is 48.00 GiB, more than its memory"),
 ])
 def test_errors_name_the_bad_value_and_what_is_accepted(call, pattern) -> None:
     with pytest.raises(DeviceSpecError, match=pattern):  # a ValueError, as callers catch today
         call()
+
+
+def test_a_reserve_up_to_the_memory_is_taken() -> None:
+    assert Device("cuda:0", "2GiB", reserve="2GiB").usable_bytes == 0
+    assert Device("cuda:0", "2GiB", reserve="512MiB").usable_bytes == 1536 * MIB
 
 
 def test_machine_orders_devices_and_defaults_links() -> None:

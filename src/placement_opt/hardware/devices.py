@@ -108,10 +108,15 @@ def _checked_speed(label: str, device: str, value: float | None) -> float | None
     return value
 
 
-def _reserve_bytes(device: str, kind: str, reserve: int | str | None) -> int:
+def _reserve_bytes(device: str, kind: str, reserve: int | str | None, memory_bytes: int) -> int:
     if reserve is None:
         return DEFAULT_GPU_RESERVE_BYTES if kind == "gpu" else 0
-    return parse_size(reserve, what=f"reserve of {device}")
+    reserve_bytes = parse_size(reserve, what=f"reserve of {device}")
+    if reserve_bytes > memory_bytes:  # nothing left for the model: a typo (GiB for MiB) more likely than meant
+        raise DeviceSpecError(f"reserve of {device} is {format_bytes(reserve_bytes)}, more than its memory "
+                              f"({format_bytes(memory_bytes)}): nothing would be left for the model; give a reserve "
+                              f"of at most the memory (the CUDA context and allocator slack take about 1 GiB)")
+    return reserve_bytes
 
 
 @dataclass(frozen=True, init=False)
@@ -130,7 +135,7 @@ class Device:
         memory: capacity in bytes, or a size string (``"24GiB"``, ``"500MB"``).
         flops: peak dense FLOP/s in the model's dtype; default: the kind's default preset.
         bandwidth: memory bandwidth (disk: sequential read) in bytes/s; default as ``flops``.
-        reserve: bytes kept free for the CUDA context and allocator slack (GPUs only).
+        reserve: bytes kept free for the CUDA context and allocator slack (GPUs only), at most ``memory``.
         source: where the speeds come from (``"user"``, ``"datasheet:<preset>"``, ``"measured"``...).
         flops_by_tokens: measured achieved FLOP/s of a linear layer by tokens per forward, as
             ``((tokens, flop_per_s), ...)`` (small batches run matmuls far below peak); the cost
@@ -234,7 +239,7 @@ class Device:
             "flops_per_s": float(flops if flops is not None else default.half_flops_per_s),
             "bandwidth_bytes_per_s": float(
                 bandwidth if bandwidth is not None else default.bandwidth_bytes_per_s),
-            "reserve_bytes": _reserve_bytes(canonical, kind, reserve),
+            "reserve_bytes": _reserve_bytes(canonical, kind, reserve, memory_bytes),
             "host_link_bytes_per_s": float(host_link or default.host_link_bytes_per_s),
             "peer_link_bytes_per_s": float(peer_link or default.peer_link_bytes_per_s),
             "source": source or (f"default:{default.key}" if guessed else "user"),
