@@ -107,6 +107,24 @@ def _window_rows(gap: int, sizes: dict[Any, int]) -> list[tuple[int, dict[Any, i
     return rows
 
 
+def hinted_windows(items: list[tuple[Any, int, int]], cyclic: bool) -> tuple[dict[tuple[Any, int], int], dict[int, int]]:
+    """Of ``items`` in order (``(key, compute, copy)``): how many of each key sit in the windows of each copy price
+    (``(key, price) -> count``; a streamed item hides in the next one's window), and how many streamed items each
+    price has; ``cyclic``: the decode, whose last window wraps round to the first."""
+    streamed: dict[int, int] = {}
+    for *_, c in items:
+        if c > 0:
+            streamed[c] = streamed.get(c, 0) + 1
+    windows: dict[tuple[Any, int], int] = {}
+    ahead = next((c for *_, c in items if c > 0), 0) if cyclic else 0  # round the decode's cycle
+    for key, b, c in reversed(items):
+        if ahead and b > 0:
+            windows[key, ahead] = windows.get((key, ahead), 0) + 1
+        if c > 0:
+            ahead = c
+    return windows, streamed
+
+
 class CountedRelaxation:
     """Base of the counting relaxations; a subclass sets ``p``, ``scale``, ``hint``, ``model`` and ``peak``."""
 
@@ -200,29 +218,40 @@ class CountedRelaxation:
         if not streamed:
             return 0
         a, hiders, sizes = self._hiding_kinds(ph)
-        most = self._most_copies(ph)
-        stall = self.model.new_int_var(0, most, f"stall[{ph}]")
-        n_units = len(self.p.units)
-        # in[b][copy]: hiding units of compute b in the windows of the streamed units of that copy price; a unit
-        # sits in one window at most, so each price's windows share the hiding units out
-        share = {key: {copy: self.model.new_int_var(0, n_units, f"in[{ph},{key[0]},{int(key[1])},{copy}]")
-                       for copy in streamed} for key in hiders}
-        hinted, hinted_streamed = self._hinted_windows(ph)
+        return self._shared_windows(ph, streamed, (a, hiders, sizes), self._hinted_windows(ph), len(self.p.units),
+                                    self._most_copies(ph))
+
+    def _shared_windows(self, tag: str, streamed: dict[int, list[Any]],
+                        kinds: tuple[int, dict[Any, list[Any]], dict[Any, int]],
+                        hints: tuple[dict[tuple[Any, int], int], dict[int, int]], most_in: int, most: int) -> Any:
+        """The stall of windows whose first item is credited ``a`` and whose other items hide what ``sizes`` says,
+        each item in one window at most (:meth:`_stalls`; its units, or :meth:`.relax.GroupModel`'s copy runs).
+
+        ``streamed``: copy price -> counts of the items streaming at it; ``kinds``: ``(a, hiders, sizes)``, hiders
+        keyed like sizes; ``hints``: the start plan's ``(key, price) -> items of key in windows of that price`` and
+        ``price -> streamed items``; ``most_in``: the most items of a kind a price's windows hold."""
+        a, hiders, sizes = kinds
+        hinted, hinted_streamed = hints
+        stall = self.model.new_int_var(0, most, f"stall[{tag}]")
+        # in[key][copy]: hiding items of that kind in the windows of the streamed items of that copy price; an item
+        # sits in one window at most, so each price's windows share the hiding items out
+        share = {key: {copy: self.model.new_int_var(0, most_in, f"in[{tag},{key},{copy}]") for copy in streamed}
+                 for key in hiders}
         for key, by_copy in share.items():  # a partial hint slowed the relaxation's first solution down
             for copy, var in by_copy.items():
-                self.model.add_hint(var, hinted.get((*key, copy), 0))
+                self.model.add_hint(var, hinted.get((key, copy), 0))
         for key, counts in hiders.items():
             self.model.add(sum(share[key].values()) <= sum(counts))
         per_price = []
         for copy, counts in streamed.items():
-            part = self.model.new_int_var(0, most, f"stall[{ph},{copy}]")
+            part = self.model.new_int_var(0, most, f"stall[{tag},{copy}]")
             rows = _window_rows(copy - a, sizes)
             if not rows:
                 continue
             for each, worth in rows:
                 self.model.add(part >= each * sum(counts) - sum(w * share[key][copy] for key, w in worth.items()))
             self.model.add_hint(part, min(most, max([0, *(
-                each * hinted_streamed.get(copy, 0) - sum(w * hinted.get((*key, copy), 0) for key, w in worth.items())
+                each * hinted_streamed.get(copy, 0) - sum(w * hinted.get((key, copy), 0) for key, w in worth.items())
                 for each, worth in rows)])))
             per_price.append(part)
         self.model.add(stall >= sum(per_price))
@@ -309,25 +338,12 @@ class CountedRelaxation:
                 offered[b] = offered.get(b, 0) + 1
         return max(offered, key=lambda b: (offered[b], b), default=0)
 
-    def _hinted_windows(self, ph: str) -> tuple[dict[tuple[int, bool, int], int], dict[int, int]]:
+    def _hinted_windows(self, ph: str) -> tuple[dict[tuple[Any, int], int], dict[int, int]]:
         """Under the hint, in phase ``ph``: how many units computing ``b`` (streamed or not) sit in windows of copy
-        price ``c`` (``(b, streamed, c) -> count``; :meth:`_stalls`'s ``in``), and how many streamed units each
+        price ``c`` (``((b, streamed), c) -> count``; :meth:`_stalls`'s ``in``), and how many streamed units each
         price has."""
-        chosen = self.p.options(self.hint)
-        copies = [self._t(o.copy_in(ph)) for o in chosen]
-        streamed: dict[int, int] = {}
-        for c in copies:
-            if c > 0:
-                streamed[c] = streamed.get(c, 0) + 1
-        windows: dict[tuple[int, bool, int], int] = {}
-        ahead = next((c for c in copies if c > 0), 0) if ph == "decode_ns" else 0  # round the decode's cycle
-        for o, c in zip(reversed(chosen), reversed(copies), strict=True):
-            if ahead and self._t(getattr(o, ph)) > 0:  # a streamed unit hides in the next one's window
-                key = (self._t(getattr(o, ph)), c > 0, ahead)
-                windows[key] = windows.get(key, 0) + 1
-            if c > 0:
-                ahead = c
-        return windows, streamed
+        times = [(self._t(getattr(o, ph)), self._t(o.copy_in(ph))) for o in self.p.options(self.hint)]
+        return hinted_windows([((b, c > 0), b, c) for b, c in times], ph == "decode_ns")
 
     def _shared_horizon(self, ph: str) -> int:
         """The most the shared rows can ask of ``lat[ph]``: what its horizon must allow."""

@@ -44,7 +44,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation
+from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation, hinted_windows
 from .aggregate import most_beside_peak, spread_streamed
 from .paths import sibling_slots
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
@@ -83,6 +83,9 @@ MOST_SLOT_COMBOS = 400
 #: seed and the run either way (241.8-286.8 s and 453.9-560 s with it, 241.8-284.5 s and 453.5-500.9 s
 #: without); shares of 0.35 and 0.5 gave no better bounds or plans in one run each.
 BOUND_SHARE = 0.2
+#: Most combinations of (compute, copy) classes a kind of copy run counts in a phase (one integer each), else the
+#: whole-run stall rows are left out (:meth:`GroupModel._whole_run_stalls`).
+MOST_RUN_COMBOS = 16
 
 
 def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
@@ -107,6 +110,42 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
             for o in spec.options))
         by_menu.setdefault(key, []).append(u)
     return list(by_menu.values())
+
+
+#: The whole-run stall rows take each run's compute at the largest and its copy at the least of those within this
+#: factor of it (more hiding, less to hide: still a bound), so that runs of near sums share a count: on the H200
+#: profile's sublayer Llama-3.1-8B at 10 GiB (overlap) the relaxation then proves 0.874 s in 0.4-0.8 s where exact
+#: sums prove 0.884 s in 3.5-6.6 s (0.856 s in 0.08 s without the rows).
+RUN_STEP = 1.03
+#: Copies below this share of a phase's largest are counted as none in the whole-run stall rows (a norm's, beside
+#: an MLP's 600x larger): fewer classes to combine, and a bound still.
+LEAST_RUN_COPY = 0.01
+#: The phases whose stall rows also count whole runs.
+WHOLE_PHASES = ("prefill_ns", "decode_ns")
+
+
+def _nearest(values: Sequence[int], pick: Any) -> dict[int, int]:
+    """Each of ``values`` -> ``pick`` (max or min) of those within :data:`RUN_STEP` of it (one bucket)."""
+    buckets: dict[int, list[int]] = {}
+    for v in values:
+        buckets.setdefault(_bucket(v, RUN_STEP), []).append(v)
+    return {v: pick(buckets[_bucket(v, RUN_STEP)]) for v in values}
+
+
+def _majors(kinds: list[tuple[int, ...]], classes: dict[int, dict[tuple[int, int], list[Any]]]) -> set[int]:
+    """The groups whose units the whole-run rows count inside their runs: by their largest copy, then the spread of
+    their compute, as long as every kind of run has at most :data:`MOST_RUN_COMBOS` combinations of them (the
+    others are counted apart from their runs, and as streaming nothing)."""
+    def rank(k: int) -> tuple[int, int]:
+        computes = [b for b, _ in classes[k]]
+        return max(c for _, c in classes[k]), max(computes) - min(computes)
+
+    majors: set[int] = set()
+    for k in sorted(classes, key=rank, reverse=True):
+        if len(classes[k]) == 1 or all(math.prod(len(classes[g]) for g in key if g in majors or g == k)
+                                       <= MOST_RUN_COMBOS for key in kinds if k in key):
+            majors.add(k)
+    return majors
 
 
 def _bucket(amount: int, step: float = PEAK_STEP) -> int:
@@ -437,6 +476,106 @@ class GroupModel(CountedRelaxation):
             for key, counts in classes.items():
                 self.model.add(sum(count for combo, count in out if combo[r] == key) == sum(counts))
         return out
+
+    # -- the copy runs' stalls, over whole runs -------------------------------------------------------
+    def _run_stalls(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> Any:
+        """The base rows (a unit's price a window), and the windows of whole runs (:meth:`_whole_run_stalls`)."""
+        base = super()._run_stalls(ph, spine)
+        whole = self._whole_run_stalls(ph) if ph in WHOLE_PHASES else None
+        if whole is None:
+            return base
+        stall = self.model.new_int_var(0, self._most_copies(ph), f"stalls[{ph}]")
+        self.model.add(stall >= base)
+        self.model.add(stall >= whole)
+        return stall
+
+    def _whole_run_stalls(self, ph: str) -> Any:
+        """:meth:`~._counted.CountedRelaxation._stalls`'s windows with copy runs as the items: a run streams at the
+        sum of its units' copies and hides the sum of their compute, as the dispatcher's windows hold whole runs
+        (:func:`~.schedule.stalls`). Runs of one *kind* (the same group at each position: a decoder layer's norm,
+        attention, norm and MLP) are counted per combination of their positions' (compute, copy) classes; over all
+        kinds and positions, a group's units on each class number its counts there. Per unit, a layer's attention
+        and MLP each hid a part of another layer's copy where the window holds both or neither: on the H200
+        profile's sublayer Llama-3.1-8B at 10 GiB (overlap) the bound stayed 11 % under every plan found. None where
+        a unit is off the spine (its stall is not on every path) or a kind has too many combinations."""
+        if len(spine(self.p)) < len(self.p.units):
+            return None
+        of = {u: k for k, g in enumerate(self.groups) for u in g}
+        kinds: dict[tuple[int, ...], list[int]] = {}
+        for r, (first, end) in enumerate(self.p.runs):
+            kinds.setdefault(tuple(of[u] for u in range(first, end)), []).append(r)
+        largest = max((self._t(o.copy_in(ph)) for k in range(len(self.groups)) for o in self._options(k)), default=0)
+        classes = {k: self._run_classes(k, ph, math.ceil(largest * LEAST_RUN_COPY)) for k in range(len(self.groups))}
+        majors = _majors(list(kinds), {k: c for k, (c, _) in classes.items()})
+        items: list[tuple[tuple[int, int], Any]] = []
+        slots: dict[tuple[int, tuple[int, int]], list[Any]] = {}  # (group, class) -> the runs' counts there
+        hinted_runs: dict[int, list[tuple[int, int]]] = {r: [] for r in range(len(self.p.runs))}
+        for key, runs in kinds.items():
+            at = [i for i, k in enumerate(key) if k in majors]
+            if at:
+                items += self._run_combos(key, at, runs, [classes[key[i]] for i in at], slots, hinted_runs)
+            for r in runs:  # the minor units' compute, after the run's own item: in the same window
+                hinted_runs[r] += [(classes[k][1][self.hint[self.p.runs[r][0] + i]][0], 0)
+                                   for i, k in enumerate(key) if k not in majors]
+        for (k, cls), counts in slots.items():
+            self.model.add(sum(counts) == sum(classes[k][0][cls]))
+        for k in set(classes) - majors:  # apart from their runs, and streaming at no price: still a bound
+            items += [((b, 0), sum(counts)) for (b, _), counts in classes[k][0].items()]
+        if not any(c > 0 for (_, c), _ in items):
+            return 0
+        a = min(b for (b, c), _ in items if c > 0)  # any credit is valid; the least is exact for that window
+        up = _nearest([b if c == 0 else b - a for (b, c), _ in items], max)
+        down = _nearest([c for (_, c), _ in items], min)
+        streamed: dict[int, list[Any]] = {}
+        hiders: dict[tuple[int, bool], list[Any]] = {}
+        for (b, c), n in items:
+            if c > 0:
+                streamed.setdefault(down[c], []).append(n)
+            if up[b if c == 0 else b - a] > 0:
+                hiders.setdefault((up[b if c == 0 else b - a], c > 0), []).append(n)
+        sizes = {key: key[0] for key in hiders}
+        order = [item for r in range(len(self.p.runs)) for item in hinted_runs[r]]
+        hints = hinted_windows([((up.get(b if c == 0 else b - a, 0), c > 0), b, down.get(c, c)) for b, c in order],
+                               ph == "decode_ns")
+        return self._shared_windows(f"runs,{ph}", streamed, (a, hiders, sizes), hints, len(self.p.runs),
+                                    self._most_copies(ph))
+
+    def _run_combos(self, key: tuple[int, ...], at: list[int], runs: list[int],
+                    positions: list[tuple[dict[tuple[int, int], list[Any]], dict[int, tuple[int, int]]]],
+                    slots: dict[tuple[int, tuple[int, int]], list[Any]],
+                    hinted_runs: dict[int, list[tuple[int, int]]]) -> list[tuple[tuple[int, int], Any]]:
+        """``((compute, copy), count)`` of the runs of one kind per combination of the classes of their positions
+        ``at`` (the major groups'), each count added to ``slots`` at each position's (group, class), and each
+        run's (compute, copy) there under the hint appended to ``hinted_runs``."""
+        hinted: dict[tuple[tuple[int, int], ...], int] = {}
+        for r in runs:
+            first, _ = self.p.runs[r]
+            combo = tuple(class_of[self.hint[first + i]] for i, (_, class_of) in zip(at, positions, strict=True))
+            hinted[combo] = hinted.get(combo, 0) + 1
+            hinted_runs[r].append((sum(b for b, _ in combo), sum(c for _, c in combo)))
+        out = []
+        for combo in itertools.product(*(classes for classes, _ in positions)):
+            count = self.model.new_int_var(0, len(runs), f"runs[{key[0]},{len(out)}]")
+            self.model.add_hint(count, hinted.get(combo, 0))
+            for i, cls in zip(at, combo, strict=True):
+                slots.setdefault((key[i], cls), []).append(count)
+            out.append(((sum(b for b, _ in combo), sum(c for _, c in combo)), count))
+        self.model.add(sum(count for _, count in out) == len(runs))
+        return out
+
+    def _run_classes(self, k: int, ph: str, least_copy: int) -> tuple[dict[tuple[int, int], list[Any]],
+                                                                      dict[int, tuple[int, int]]]:
+        """Group ``k``'s counts per (compute, copy) class in ``ph`` (the most compute over its units: more hiding,
+        so the rows stay a bound; the least copy, its menu's, and none below ``least_copy``: a unit that streams
+        less is counted as not streaming, which leaves its run's window to the next, and less to hide), and each
+        option's class."""
+        classes: dict[tuple[int, int], list[Any]] = {}
+        class_of: dict[int, tuple[int, int]] = {}
+        for o, (n, _) in self.n[k].items():
+            copy = self._t(self._options(k)[o].copy_in(ph))
+            cls = class_of[o] = (self._t(self.most_ns[k][o][ph]), copy if copy >= least_copy else 0)
+            classes.setdefault(cls, []).append(n)
+        return classes, class_of
 
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """Each group's options handed out in unit order, one execution device after another; or, where the
