@@ -50,3 +50,14 @@ def test_plan_cluster_errors_are_one_line() -> None:
 def test_options_of_the_other_kind_of_plan_are_refused_not_ignored(args, said):
     result = run_cli("plan", "llama-3-8b", *args, catch_exceptions=True)
     assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("name", ["cluster.JSON", "cluster"])
+def test_a_cluster_file_is_read_whatever_its_suffix(tmp_path, name) -> None:
+    """Only a lowercase '.json' was read as a file: 'cluster.JSON' was parsed as a spec ("device 'cluster.json' is
+    no preset")."""
+    path = tmp_path / name
+    path.write_text(json.dumps({"hosts": [{"devices": "a10,cpu", "count": 2}], "link": "eth-25g"}))
+    result = run_cli("plan", "llama-2-7b", "--cluster", str(path))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("pipeline of llama-2-7b: 2 stages")

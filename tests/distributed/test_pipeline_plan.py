@@ -151,8 +151,14 @@ def test_the_plan_is_never_slower_than_the_layer_count_split(gpus: list[str], ba
     lambda d: {**d, "stages": [{**d["stages"][0], "units": []}, *d["stages"][1:]]},  # an IndexError
     lambda d: {**d, "stages": [d["stages"][0], {**d["stages"][1], "units": d["stages"][0]["units"]}]},
     lambda d: {**d, "stages": [{**d["stages"][0], "compute_s": float("nan")}, *d["stages"][1:]]},
+    # read, then summary() raised a TypeError comparing text with numbers
+    lambda d: {**d, "bound_s": "fast"}, lambda d: {**d, "layer_count_s": "1"},
+    lambda d: {**d, "stages": [{**d["stages"][0], "memory_bytes": "3GiB"}, *d["stages"][1:]]},
+    lambda d: {**d, "stages": [{**d["stages"][0], "capacity_bytes": None}, *d["stages"][1:]]},
+    # read as its letters, one unit each
+    lambda d: {**d, "stages": [{**d["stages"][0], "units": "head"}, *d["stages"][1:]]},
 ], ids=["null", "number", "schedule", "no micro-batches", "micro-batches text", "no stages", "empty stage",
-        "units twice", "nan time"])
+        "units twice", "nan time", "bound text", "layer-count text", "memory text", "capacity null", "units text"])
 def test_a_pipeline_plan_edited_into_nonsense_is_a_plan_format_error(edit) -> None:
     import json
 
@@ -178,3 +184,62 @@ def test_a_tied_output_head_holds_its_copy_on_its_stage_and_is_not_trained_acros
     plan_pipeline(graph, cluster, Workload(prompt_len=64))  # the forward plans
     with pytest.raises(SolverInputError, match=r"ties weights between stages \(transformer.wte and lm_head\)"):
         plan_pipeline(graph, cluster, Workload(prompt_len=64, training=True))
+
+
+def test_a_workload_that_is_not_a_workload_is_a_solver_input_error() -> None:
+    """A dict reached dataclasses.replace, which raised a TypeError; solve() says the same for one machine."""
+    for wrong in ({"batch_size": 2}, 4):
+        with pytest.raises(SolverInputError, match=f"workload must be a placement_opt.Workload, got "
+                                                   f"{type(wrong).__name__}"):
+            plan_pipeline(_decoder(layers=2), "(a10*2)", wrong)
+        with pytest.raises(SolverInputError, match="workload must be a placement_opt.Workload"):
+            po.solve(_decoder(layers=2), "(a10*2)", "throughput", workload=wrong)
+
+
+def test_the_last_stage_holds_every_micro_batchs_output_and_its_merged_copy() -> None:
+    """step() keeps the last stage's output of every micro-batch and returns them merged (torch.cat): llama-3-8b's
+    logits of 16 micro-batches of 8192 tokens (2 GiB each) were not counted, and an A100-40GB's last stage was
+    planned at 10 GiB."""
+    graph = _decoder(layers=4, layer_mib=100, hidden_bytes=512, head_bytes=64000)
+    workload = Workload(batch_size=2, prompt_len=1024)
+    tokens = 2 * 1024
+    problem = stage_problem(graph, po.Cluster.from_spec("(l4*2)"), workload, "gpipe", 8)
+    n = len(graph)
+    assert problem.out_bytes[1] == (0,) * n + (2 * 8 * tokens * 64000,)
+    few, many = (plan_pipeline(graph, "(l4*2)", workload, schedule="gpipe", n_microbatches=m) for m in (2, 8))
+    assert many.stages[1].memory_bytes - few.stages[1].memory_bytes >= 2 * 6 * tokens * 64000
+    with pytest.raises(InfeasiblePlacementError, match=r"last stage \(rank 1, cuda:1\) holds the outputs of all "
+                                                       r"64 micro-batches"):
+        plan_pipeline(graph, "(l4*2)", Workload(batch_size=8, prompt_len=1024), schedule="gpipe", n_microbatches=64)
+
+
+def test_a_tied_unit_within_the_chain_sends_its_output_across_a_cut() -> None:
+    """t5-11b's decoder embedding counts no bytes of its own (tied to the encoder's) but is no rotary table: its output
+    reaches the next layer only over the cut between them, which was priced at nothing."""
+    units = [{"name": "enc.embed", "param_bytes": MIB, "out_bytes_per_token": 100},
+             {"name": "enc.layer", "param_bytes": MIB, "out_bytes_per_token": 100},
+             {"name": "dec.embed", "out_bytes_per_token": 100},
+             {"name": "dec.layer", "param_bytes": MIB, "out_bytes_per_token": 100}]
+    edges = [("enc.embed", "enc.layer", 100), ("enc.layer", "dec.layer", 100), ("dec.embed", "dec.layer", 100)]
+    graph = chain_graph(units, edges=edges, tied_unit_groups=(("enc.embed", "dec.embed"),))
+    assert crossing_bytes_per_token(graph) == [0, 100, 100, 200, 0]
+
+
+def test_a_generation_workload_keeping_the_last_logits_is_priced_as_the_whole_sequence_it_runs() -> None:
+    """A stage module computes the head at every position; logits="last" priced it for one token a sequence."""
+    graph = _decoder(layers=2, head_bytes=64000)
+    graph.meta.extra["logits_unit"] = "head"  # as the tracer marks it
+    plans = [plan_pipeline(graph, "(a10*2)", Workload(batch_size=4, prompt_len=1024, new_tokens=64, logits=kept))
+             for kept in ("last", "all", None)]
+    assert plans[0].stages[1].memory_bytes == plans[1].stages[1].memory_bytes  # 4 x 1024 logits, not 4
+    assert plans[0] == plans[1] == plans[2]
+    assert plans[0].workload.logits is None and plans[0].workload.new_tokens == 0
+
+
+def test_a_plan_read_back_with_no_time_at_all_still_summarises() -> None:
+    """Every stage at 0 s is finite and >= 0, so it reads; summary() then divided the layer-count split by zero."""
+    import json
+
+    data = json.loads(plan_pipeline(_decoder(layers=2), "(a10*2)").to_json())
+    data["stages"] = [{**s, "compute_s": 0.0, "send_s": 0.0} for s in data["stages"]]
+    assert "layer-count split: slowest stage" in PipelinePlan.from_json(json.dumps(data)).summary()

@@ -93,6 +93,18 @@ def test_a_cluster_description_with_a_typo_is_refused_not_read_as_the_defaults(d
     assert Cluster.from_dict({"hosts": [{"devices": "a10,cpu", "count": 2}], "link": "25GB/s"}).ranks
 
 
+@pytest.mark.parametrize(("data", "message"), [
+    # joined into "2x(a10*4)+(h100-sxm*4)": three hosts for a count of 2
+    ({"hosts": [{"devices": "a10*4)+(h100-sxm*4", "count": 2}]}, "'a10\\*4\\)\\+\\(h100-sxm\\*4' is not one host's"),
+    ({"hosts": [{"devices": "a10*4@eth-10g"}]}, "is not one host's devices"),  # said as network 'eth-10g)@ib-200g'
+    ({"hosts": []}, "'hosts' is empty"),  # said as "cluster spec '' has an empty host between '+'"
+])
+def test_a_host_entry_is_one_hosts_devices(data, message) -> None:
+    with pytest.raises(DeviceSpecError, match=message):
+        Cluster.from_dict(data)
+
+
+
 @st.composite
 def clusters(draw: st.DrawFn) -> Cluster:
     groups = []
@@ -131,7 +143,8 @@ def test_a_torchrun_host_is_one_hosts_devices_and_a_cpu_host_runs_every_local_ra
     """A host naming another host ('...)+(cpu') built 9 ranks for WORLD_SIZE=8; 'cpu=64GiB' and 'cpu,disk' were
     not spread over the local ranks as 'cpu' is, and the error spoke of GPUs."""
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0"}
-    for host in ("cpu", "cpu=64GiB", "cpu,disk", "cpu-server", "cpu=64GiB,disk"):
+    for host in ("cpu", "cpu=64GiB", "cpu,disk", "cpu-server", "cpu=64GiB,disk",
+                 "disk,cpu", "cpu,nvme-gen3", "hdd, cpu-server = 1TiB"):  # these ran one rank: "one GPU per local rank"
         assert Cluster.from_torchrun_env(env, host=host).world_size == 4, host
     with pytest.raises(DeviceSpecError, match="is not one host's devices"):
         Cluster.from_torchrun_env({**env, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, host="a100-40gb*4,cpu)+(cpu")

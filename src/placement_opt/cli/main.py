@@ -245,7 +245,8 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
     from ..hardware.cluster import Cluster
 
     def parse(dtype_name: str) -> Cluster:
-        if cluster.endswith(".json"):
+        # a file: 'cluster.JSON' or 'cluster' (a spec never names one) were parsed as specs ("no preset 'cluster.json'")
+        if cluster.lower().endswith(".json") or Path(cluster).is_file():
             return Cluster.from_file(cluster, dtype=dtype_name)
         return Cluster.from_spec(cluster, dtype=dtype_name)
 

@@ -14,7 +14,9 @@ What a stage holds, per micro-batch of ``workload.batch_size x workload.prompt_l
   and the activations saved for the backward times the micro-batches in flight: all
   ``n_microbatches`` under GPipe, ``min(n_stages - k, n_microbatches)`` on stage ``k`` under 1F1B;
 * the receive and send buffers of the activations crossing its cuts, same count in flight;
-* the largest unit's workspace.
+* the largest unit's workspace;
+* on the last stage, the outputs (logits) of all ``n_microbatches``, which ``step()`` keeps and returns merged
+  (``torch.cat``: twice their size).
 
 Stage time per micro-batch: the units' forward (training: forward + backward, x3) plus the send
 of the crossing activations (training: the gradients back too). Units without parameters (rotary
@@ -32,7 +34,7 @@ from typing import Any
 
 from ..cost.pricing import PricingContext, price_option
 from ..cost.workload import Workload
-from ..errors import DeviceSpecError, PlanFormatError, SolverInputError
+from ..errors import DeviceSpecError, InfeasiblePlacementError, PlanFormatError, SolverInputError
 from ..hardware.cluster import Cluster, Rank
 from ..hardware.devices import Machine
 from ..model.graph import LayerGraph
@@ -135,8 +137,9 @@ class PipelinePlan:
                  f"{format_seconds(self.bound_s)}, gap {self.gap:.1%}, {self.status}); step "
                  f"{format_seconds(self.step_s)}, {1 / self.step_s if self.step_s else math.inf:.3g} steps/s"]
         if self.layer_count_s is not None:
-            lines.append(f"layer-count split: slowest stage {format_seconds(self.layer_count_s)} "
-                         f"({self.layer_count_s / self.objective_s:.2f}x this plan's)")
+            # a plan read back may say 0 s for every stage: it divided by zero
+            ratio = f" ({self.layer_count_s / self.objective_s:.2f}x this plan's)" if self.objective_s > 0 else ""
+            lines.append(f"layer-count split: slowest stage {format_seconds(self.layer_count_s)}{ratio}")
         else:
             lines.append("layer-count split: does not fit the ranks' memory")
         for s in self.stages:
@@ -159,13 +162,19 @@ class PipelinePlan:
             data = json.loads(text)
             if data.pop("version") != PIPELINE_PLAN_VERSION:
                 raise ValueError(f"version is not {PIPELINE_PLAN_VERSION}")
-            stages = tuple(StagePlan(**{**s, "units": tuple(s["units"])}) for s in data.pop("stages"))
+            stages = tuple(StagePlan(**{**s, "units": _units(s["units"])}) for s in data.pop("stages"))
             plan = cls(**{**data, "workload": Workload.from_dict(data["workload"]), "stages": stages})
             _check_read(plan)
             return plan
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise PlanFormatError(f"not a pipeline plan ({err}): write it with PipelinePlan.to_json() of this "
                                   f"version ({PIPELINE_PLAN_VERSION})") from None
+
+
+def _units(value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list):  # tuple("embed") is ('e', 'm', ...): five units no model has
+        raise ValueError(f"a stage's units are a list of module names, not {type(value).__name__}")
+    return tuple(value)
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -188,8 +197,20 @@ def _check_read(plan: PipelinePlan) -> None:
     if len(set(units)) < len(units):
         raise ValueError(f"unit(s) {sorted({u for u in units if units.count(u) > 1})[:3]} are in more than one place")
     times = [t for s in plan.stages for t in (s.compute_s, s.send_s)]
-    if not all(isinstance(t, int | float) and math.isfinite(t) and t >= 0 for t in times):
+    if not all(_seconds(t) for t in times):
         raise ValueError("a stage's compute_s and send_s are finite seconds >= 0")
+    # summary() compared and divided these: text or null there raised a TypeError, not this error
+    if not _seconds(plan.bound_s) or not (plan.layer_count_s is None or _seconds(plan.layer_count_s)):
+        raise ValueError("bound_s is finite seconds >= 0, and layer_count_s too or null")
+    sizes = [b for s in plan.stages for b in (s.memory_bytes, s.capacity_bytes)]
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in sizes):
+        raise ValueError("a stage's memory_bytes and capacity_bytes are ints >= 0")
+    if not all(isinstance(u, str) for u in units):  # a string of units was read as its letters, one unit each
+        raise ValueError("a stage's units are a list of module names")
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +230,8 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         model: a ``LayerGraph`` or anything :func:`placement_opt.trace` accepts.
         cluster: a :class:`Cluster` or its spec string.
         workload: ONE micro-batch (``batch_size`` sequences of ``prompt_len`` tokens); ``training``
-            prices forward + backward and the training states. Default ``Workload(new_tokens=0)``.
+            prices forward + backward and the training states. Default ``Workload(new_tokens=0)``. Its
+            ``new_tokens`` and ``logits`` are dropped: a pipeline runs whole sequences, logits at every position.
         schedule: ``"gpipe"`` (all micro-batches in flight) or ``"1f1b"`` (at most one per later stage).
         n_microbatches: micro-batches per step; default the number of stages.
 
@@ -221,12 +243,18 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     if not isinstance(cluster, Cluster):
         raise SolverInputError(f"cluster is a {type(cluster).__name__}: pass a Cluster or its spec string, e.g. "
                                f"'2x(h100-sxm*8,cpu-server)@ib-200g' (one machine's devices go to solve())")
+    if workload is not None and not isinstance(workload, Workload):  # dataclasses.replace raised a TypeError
+        raise SolverInputError(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: e.g. "
+                               f"Workload(batch_size=1, prompt_len=2048), one micro-batch")
     graph = _graph(model)
     ranks = cluster.ranks
     micro = n_microbatches if n_microbatches is not None else len(ranks)
     _check(schedule, micro, graph, len(ranks))
-    workload = replace(workload or Workload(), new_tokens=0)
+    # whole-sequence forwards: the last stage computes the logits of every position, whatever a generation
+    # workload kept (logits="last" priced the head for one token a sequence: 1.8 GiB short on llama-3-8b)
+    workload = replace(workload or Workload(), new_tokens=0, logits=None)
     problem = stage_problem(graph, cluster, workload, schedule, micro)
+    _check_outputs_fit(problem, ranks[-1], micro)
     solution = solve_stages(problem)
     names = graph.names()
     stages = tuple(_stage_plan(problem, solution, k, rank, names) for k, rank in enumerate(ranks))
@@ -275,11 +303,14 @@ def _in_flight(schedule: str, micro: int, n_stages: int, k: int) -> int:
 def crossing_bytes_per_token(graph: LayerGraph) -> list[int]:
     """Bytes per token that cross cut ``j`` (between units ``j - 1`` and ``j``), ``j = 0 .. n``.
 
-    Outputs of units without parameters (rotary tables: buffers only) are recomputed by each stage.
+    Outputs of units without parameters (rotary tables: buffers only) are recomputed by each stage. A tied unit
+    counts no bytes of its own but has weights (t5-11b's decoder embedding, tied to the encoder's): its output
+    crosses a cut like any other.
     """
     names = graph.names()
     index = {n: i for i, n in enumerate(names)}
-    free = {u.name for u in graph.units() if u.param_bytes == 0}
+    tied = {name for group in graph.meta.tied_unit_groups for name in group}
+    free = {u.name for u in graph.units() if u.param_bytes == 0 and u.name not in tied}
     crossing = [0] * (len(names) + 1)
     for src, dst, nbytes in graph.edges():
         if src in free:
@@ -309,11 +340,37 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
         link = None if last else cluster.link(rank, ranks[k + 1])
         rows["send"].append(tuple(0 if link is None else _ns(times * link.seconds(tokens * c)) for c in crossing))
         rows["in"].append(tuple(0 if k == 0 else flight * tokens * c for c in crossing))
-        rows["out"].append(tuple(0 if last else flight * tokens * c for c in crossing))
+        rows["out"].append(tuple(flight * tokens * c for c in crossing) if not last
+                           else (0,) * len(graph) + (_outputs_held(graph, micro, tokens),))
     return StageProblem(time_ns=tuple(rows["time"]), stored_bytes=tuple(rows["stored"]),
                         peak_bytes=tuple(rows["peak"]), send_ns=tuple(rows["send"]), in_bytes=tuple(rows["in"]),
                         out_bytes=tuple(rows["out"]),
                         capacity_bytes=tuple(r.device.usable_bytes for r in ranks))
+
+
+def _outputs_held(graph: LayerGraph, micro: int, tokens: int) -> int:
+    """What the last stage holds of the model's outputs at the end of a step: ``torch.distributed.pipelining`` keeps
+    every micro-batch's output (``step(return_outputs=True)``, the default: the logits of the whole batch) and merges
+    them with ``torch.cat``, a second copy. Uncounted, llama-3-8b's 16 micro-batches of 8192 tokens (2 GiB of logits
+    each) were planned at 10 GiB of an A100-40GB's last stage."""
+    names = graph.names()
+    output = graph.meta.extra.get("logits_unit")
+    output = output if output in names else names[-1]
+    return 2 * micro * tokens * graph.unit(output).out_bytes_per_token
+
+
+def _check_outputs_fit(problem: StageProblem, rank: Rank, micro: int) -> None:
+    """Say so when the outputs the last stage holds are what no split can fit (the stage program would blame
+    "activations in flight" and suggest more ranks, which do not help)."""
+    last, n = problem.n_stages - 1, problem.n_units
+    held, capacity = problem.out_bytes[last][n], problem.capacity_bytes[last]
+    smallest = stage_memory_bytes(problem, last, n - 1, n)
+    if smallest > capacity >= smallest - held:
+        raise InfeasiblePlacementError(
+            f"the last stage (rank {rank.rank}, {rank.device.name}) holds the outputs of all {micro} micro-batches "
+            f"until step() returns them merged: {format_bytes(held)} (kept, and their merged copy), "
+            f"{format_bytes(smallest - capacity)} more than its {format_bytes(capacity)} can hold with its last unit; "
+            f"use fewer or smaller micro-batches, a shorter prompt, or a last rank with more memory")
 
 
 def _tied_copies(graph: LayerGraph) -> dict[int, int]:

@@ -54,6 +54,7 @@ _ITEM_RE = re.compile(r"^([a-z0-9][a-z0-9.\-]*)(?:\*(\d+))?(?:=(.+))?$")
 _GROUP_RE = re.compile(r"^(?:(\d+)x)?(?:\((.*)\)|([^()]*))$")
 _RATE_RE = re.compile(r"^(.+?)/s(?:/(.+))?$")
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_ALIASES = {"cpu": "cpu-desktop", "disk": "nvme-gen4"}  # the spec's short names for the default presets
 _HINT = ("write e.g. '2x(h100-sxm*8,cpu-server)@ib-200g' (hosts '+'-separated, devices ','-separated, "
          "'@' the network: a preset or a rate such as '25GB/s' or '25GB/s/10us')")
 
@@ -203,11 +204,15 @@ class Cluster:
         if not isinstance(data, Mapping) or not isinstance(data.get("hosts"), Sequence) or isinstance(data.get("hosts"), str):
             raise DeviceSpecError(f"a cluster description needs a 'hosts' list, got {type(data).__name__}: {_HINT}")
         _check_keys(data, {"hosts", "link"}, "a cluster description")
+        if not data["hosts"]:  # joined into a spec, an empty list was said as "cluster spec '' has an empty host"
+            raise DeviceSpecError("a cluster description's 'hosts' is empty: list one host or more, e.g. "
+                                  '{"hosts": [{"devices": "h100-sxm*8,cpu-server", "count": 2}]}')
         groups = []
         for entry in data["hosts"]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("devices"), str):
                 raise DeviceSpecError(f"host entry {entry!r} needs 'devices': a string such as 'h100-sxm*8,cpu-server'")
             _check_keys(entry, {"devices", "count"}, f"host entry {dict(entry)!r}")
+            _check_one_host(entry["devices"])
             count = entry.get("count", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise DeviceSpecError(f"host count is {count!r}: it must be an int >= 1")
@@ -246,10 +251,7 @@ class Cluster:
         if any(c in spec for c in "()+@"):  # one host's devices: another host or a network would change the count
             raise DeviceSpecError(f"host {host!r} is not one host's devices: write them alone, e.g. "
                                   f"'h100-sxm*8,cpu-server' (every host of a torchrun launch is alike)")
-        # a CPU host runs LOCAL_WORLD_SIZE CPU ranks: 'cpu', 'cpu-server', 'cpu=64GiB', 'cpu,disk' alike
-        cpu = re.fullmatch(r"(cpu(?:-[a-z]+)?)((?:=[^,]+)?)((?:,disk[^,]*)?)", spec.lower())
-        if cpu is not None:
-            spec = f"{cpu.group(1)}*{local}{cpu.group(2)}{cpu.group(3)}"
+        spec = _cpu_host_ranks(spec, local)
         cluster = parse_cluster_spec(f"{world // local}x({spec})@{network}", dtype=dtype)
         if cluster.hosts[0].n_ranks != local:
             raise DeviceSpecError(f"host {host!r} has {cluster.hosts[0].n_ranks} ranks but LOCAL_WORLD_SIZE={local}: "
@@ -268,6 +270,32 @@ class Cluster:
         for r in self.ranks:
             lines.append(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}, {r.device}")
         return "\n".join(lines)
+
+
+def _cpu_host_ranks(spec: str, local: int) -> str:
+    """A host without GPUs runs ``local`` ranks on its CPU: its CPU item without a count gets ``*local``, whatever
+    the disk and the order ('cpu,disk' did; 'disk,cpu' and 'cpu,nvme-gen3' ran one rank, refused as GPUs short)."""
+    items = re.sub(r"\s+", "", spec).lower().split(",")
+    matches = [_ITEM_RE.match(item) for item in items]
+    kinds = [_preset_kind(m.group(1)) if m else None for m in matches]
+    if "gpu" in kinds:
+        return spec
+    return ",".join(f"{m.group(1)}*{local}" + (f"={m.group(3)}" if m.group(3) else "")
+                    if m and kind == "cpu" and m.group(2) is None else item
+                    for item, m, kind in zip(items, matches, kinds, strict=True))
+
+
+def _preset_kind(name: str) -> str | None:
+    key = _ALIASES.get(name, name)
+    return PRESETS[key].kind if key in PRESETS else None
+
+
+def _check_one_host(devices: str) -> None:
+    """A host entry's ``devices`` is joined into a spec: ``"a10*4)+(h100-sxm*4"`` became two hosts per count (three
+    hosts for ``"count": 2``) and ``"a10@eth-10g"`` a network, without a word."""
+    if any(c in devices for c in "()+@"):
+        raise DeviceSpecError(f"host entry devices {devices!r} is not one host's devices: write them alone, e.g. "
+                              f"'h100-sxm*8,cpu-server'; give another host its own entry and the network as 'link'")
 
 
 def _check_keys(data: Mapping[str, Any], known: set[str], what: str) -> None:
@@ -351,7 +379,7 @@ def _build_host(items: list[str], dtype: str) -> Host:
         count = int(count_text or 1)
         if not 1 <= count <= MAX_RANKS:
             raise DeviceSpecError(f"device {item!r} has count {count}: accepted are 1 to {MAX_RANKS}")
-        key = {"cpu": "cpu-desktop", "disk": "nvme-gen4"}.get(name, name)
+        key = _ALIASES.get(name, name)
         if key not in PRESETS:
             raise DeviceSpecError(f"device {name!r} in {item!r} is no preset: accepted are 'cpu', 'disk' and "
                                   f"{', '.join(sorted(PRESETS))}")
