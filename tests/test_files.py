@@ -27,7 +27,7 @@ def test_a_write_replaces_the_file_with_exactly_the_new_text(tmp_path, old, new)
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
     target = tmp_path / "plan.json"
-    old = '{"placements": [], "the old plan": true}'  # a plan: a file of another kind is never written over
+    old = '{"schema_version": 1, "placements": [], "the old plan": true}'  # a plan: another kind is never written over
     target.write_text(old, encoding="utf-8")
 
     def disk_full(fd: int) -> None:

@@ -321,3 +321,54 @@ def test_a_plan_whose_placements_were_edited_after_pricing_says_its_figures_are_
     assert len(notes) == 1 and moved["unit"] in notes[0]
     again = Plan.from_json(edited.to_json())
     assert [n for n in again.notes if n.startswith(EDITED_NOTE)] == notes  # once, however often it is read
+
+
+def test_a_sublayer_plans_home_is_shown_by_the_cli_and_the_html_as_by_summary():
+    """summary() added the home line to its text alone: `placement-opt plan/explain` and the notebook's HTML left out
+    where the residual stream stays, which every unit computed elsewhere pays a round trip to."""
+    from rich.console import Console
+
+    from placement_opt.cli.tables import plan_renderables
+
+    plan = replace(_example(), home="cuda:0")
+    console = Console(width=200, color_system=None, record=True, file=io.StringIO())
+    for part in plan_renderables(plan):
+        console.print(part)
+    for shown in (plan.summary(), console.export_text(), plan._repr_html_()):
+        assert "cuda:0: the residual stream" in shown
+    assert "residual stream" not in _example().summary()
+
+
+def test_a_plan_whose_workload_was_edited_after_pricing_says_its_figures_are_of_the_solved_one():
+    """The summary's workload line is the file's, its times and memory the cost's: an edited batch read silently,
+    batch 8 shown beside batch 1's figures."""
+    EDITED_WORKLOAD_NOTE = "workload edited after the plan was priced:"  # noqa: N806
+    plan = _example()
+    assert not any(n.startswith(EDITED_WORKLOAD_NOTE) for n in Plan.from_json(plan.to_json()).notes)
+    data = plan.to_dict()
+    data["workload"]["batch_size"] = 8
+    edited = Plan.from_dict(data)
+    notes = [n for n in edited.notes if n.startswith(EDITED_WORKLOAD_NOTE)]
+    assert len(notes) == 1 and f"batch_size {plan.workload.batch_size})" in notes[0]
+    assert EDITED_WORKLOAD_NOTE in edited.summary()
+    again = Plan.from_json(edited.to_json())
+    assert [n for n in again.notes if n.startswith(EDITED_WORKLOAD_NOTE)] == notes  # once, however often it is read
+
+
+def test_explain_never_says_a_disk_would_compute_a_streamed_unit():
+    """A unit streamed from disk read "cuda:0 still computes them faster than disk would" (a disk computes nothing),
+    one streamed synchronously "stream_synced", and the CPU beside GPUs "the GPUs memory"."""
+    rows = [("model.layers.0", "disk", "cuda:0", "stream"), ("model.layers.1", "disk", "cpu", "stream"),
+            ("model.layers.2", "cpu", "cuda:0", "stream_sync"), ("model.layers.3", "cpu", "cpu", "resident")]
+    graph = chain_graph([{"name": u, "param_bytes": 100 * MIB, "flops_per_token": 10**8} for u, *_ in rows])
+    placements = tuple(UnitPlacement(unit=u, storage=s, execution=e, mode=m) for u, s, e, m in rows)
+    machine, wl = _machine(), Workload()
+    probe = Plan(model_name="m", dtype="float16", objective="latency", strategy="cpsat", placements=placements,
+                 machine=machine, workload=wl, cost=None, status="OPTIMAL", objective_value=0.0, best_bound=0.0,
+                 gap=0.0, solve_time_s=0.0)  # type: ignore[arg-type]
+    text = replace(probe, cost=evaluate(probe, graph, machine, wl)).explain()
+    assert "than disk would" not in text and "stream_synced" not in text and "GPUs memory" not in text
+    assert "model.layers.0: weights stay on disk and are streamed to cuda:0" in text
+    assert "cuda:0 still computes them faster than the CPU would" in text
+    assert "model.layers.2: weights stay on cpu and are streamed synchronously to cuda:0" in text
+    assert "the GPUs' memory" in text

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import placement_opt as po
 from _models import FAMILIES, inputs_for, make_plan, tiny
+from _plans import report_plan
 from placement_opt.errors import PlanFormatError
 from placement_opt.plan import PLAN_SCHEMA_VERSION, BaselineResult, Plan
 from placement_opt.plan_check import check_plan, graph_fingerprint
@@ -149,3 +150,50 @@ def test_a_json_object_that_is_no_plan_says_so(data):
     other = {"schema_version": 0, "placements": []}
     with pytest.raises(PlanFormatError, match="schema version 0, which is not supported"):
         Plan.from_dict(other)
+
+
+_PRICED = json.loads(report_plan(over_bytes=2**20).to_json())  # per-unit costs, memory rows and a violation
+_PRICED_PATHS = [p for p in _paths(_PRICED) if p and p[0] in ("cost", "baselines", "objective_value", "best_bound",
+                                                              "gap", "solve_time_s")]
+numbers = st.one_of(st.sampled_from(["NaN", "Infinity", "-Infinity", "12", "x"]), st.floats(), st.integers(-10**15, -1))
+
+
+@given(st.lists(st.tuples(st.sampled_from(_PRICED_PATHS), st.one_of(numbers, junk)), min_size=1, max_size=3))
+def test_a_priced_plan_with_corrupted_figures_is_refused_or_shown(edits):
+    """The figures summary() and explain() add up (per-unit times, memory rows) went unchecked: a hand edit to
+    "NaN" read fine and then failed in summary() with a TypeError, a negative size showed as -931 GiB used."""
+    data = json.loads(json.dumps(_PRICED))
+    for path, value in edits:
+        try:
+            _set(data, path, value)
+        except (KeyError, IndexError, TypeError):
+            continue
+    try:
+        plan = Plan.from_dict(data)
+    except PlanFormatError as err:
+        assert "\n" not in str(err) and str(err)
+        return
+    plan.summary(), plan.explain()
+
+
+@pytest.mark.parametrize(("path", "value", "said"), [
+    (("cost", "memory", 0, "weights_bytes"), -10**12, r"cost.memory\[0\].weights_bytes: .* 0, not -1000000000000"),
+    (("cost", "memory", 0, "kv_cache_bytes"), "NaN", r"cost.memory\[0\].kv_cache_bytes: .*, not 'NaN'"),
+    (("cost", "units", 2, "decode_s"), float("nan"), r"cost.units\[2\].decode_s: .*, not nan"),
+    (("cost", "units", 0, "stored_bytes"), -5, r"cost.units\[0\].stored_bytes: .*, not -5"),
+    (("gap",), float("nan"), r"gap: .*finite.*, not nan"),
+    (("solve_time_s",), -3, r"solve_time_s: .*, not -3"),
+    (("objective_value",), "NaN", r"objective_value: .*, not 'NaN'"),
+])
+def test_a_negative_or_nan_figure_is_refused_naming_the_field_and_the_value(path, value, said):
+    data = json.loads(json.dumps(_PRICED))
+    _set(data, path, value)
+    with pytest.raises(PlanFormatError, match=said):
+        Plan.from_dict(data)
+
+
+def test_figures_written_as_strings_read_back_as_numbers():
+    """json_safe writes an infinite time as "Infinity": the plan built from the checked cost has a float there."""
+    data = json.loads(json.dumps(_PRICED))
+    data["cost"]["units"][1]["prefill_s"] = "Infinity"
+    assert Plan.from_dict(data).cost.units[1].prefill_s == float("inf")

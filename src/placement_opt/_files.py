@@ -129,7 +129,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
 #: What each kind of JSON file placement_opt writes looks like, read back: a file at an output path that is none
 #: of them is the user's (a checkpoint's config.json, a plan given where a profile goes) and is never written over.
 OWN_JSON: dict[str, Callable[[Any], bool]] = {
-    "plan": lambda d: isinstance(d, dict) and "placements" in d,
+    "plan": lambda d: isinstance(d, dict) and "schema_version" in d and "placements" in d,
     "pipeline plan": lambda d: isinstance(d, dict) and "stages" in d and "schedule" in d,
     "profile": lambda d: isinstance(d, dict) and "schema_version" in d and ("measurements" in d or "calibration" in d),
     "comparison": lambda d: isinstance(d, list) and all(isinstance(r, dict) and "strategy" in r for r in d),

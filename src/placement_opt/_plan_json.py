@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from ._files import OWN_JSON, foreign_file, refusal, write_text_atomic
@@ -24,7 +25,7 @@ from .schema import PlanSchema, json_safe, validated
 from .solver.problem import MODES
 from .units import few
 
-__all__ = ["EDITED_NOTE", "plan_dict", "plan_json", "read_plan", "plan_from_json"]
+__all__ = ["EDITED_NOTE", "EDITED_WORKLOAD_NOTE", "plan_dict", "plan_json", "read_plan", "plan_from_json"]
 
 _READABLE_VERSIONS = (1, 2)
 _FIX = "write it with Plan.to_json() or `placement-opt plan --json`, or solve the plan again"
@@ -96,7 +97,8 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
 
 def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) -> Plan:
     placements = tuple(UnitPlacement(**p.model_dump()) for p in checked.placements)
-    cost = Cost.from_dict(data["cost"])
+    workload = Workload.from_dict(checked.workload.model_dump())
+    cost = Cost.from_dict(checked.cost.model_dump(exclude_unset=True))  # as checked: "1e3", "Infinity" as numbers
     return cls(
         model_name=checked.model_name,
         dtype=checked.dtype,
@@ -104,7 +106,7 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
         strategy=checked.strategy,
         placements=placements,
         machine=Machine.from_dict(data["machine"]),
-        workload=Workload.from_dict(checked.workload.model_dump()),
+        workload=workload,
         cost=cost,
         status=checked.status,
         objective_value=checked.objective_value,
@@ -113,7 +115,7 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
         solve_time_s=checked.solve_time_s,
         baselines=tuple(BaselineResult(**{**b.model_dump(), "total_s": _time(b.total_s)})
                         for b in checked.baselines),
-        notes=tuple(checked.notes) + tuple(n for n in _edited_note(placements, cost) if n not in checked.notes),
+        notes=tuple(checked.notes) + tuple(n for n in _edited_note(placements, cost, workload) if n not in checked.notes),
         extra=dict(data.get("extra") or {}),
         fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
         home=checked.home,
@@ -165,18 +167,30 @@ def _baseline_dict(b: BaselineResult) -> dict[str, Any]:
 EDITED_NOTE = "placements edited after the plan was priced:"
 
 
-def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost) -> tuple[str, ...]:
-    """A note where the file's placements differ from the ones its cost was computed for (a hand edit): its times
-    and memory are the plan's before the edit. None for a hand-made plan, which carries no per-unit cost."""
+#: How the note on a plan whose workload was edited after its figures were computed begins.
+EDITED_WORKLOAD_NOTE = "workload edited after the plan was priced:"
+
+
+def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost, workload: Workload) -> tuple[str, ...]:
+    """Notes where the file's placements or workload differ from the ones its cost was computed for (a hand edit):
+    its times and memory are the plan's before the edit. No placement note for a hand-made plan, which carries no
+    per-unit cost."""
     def where(p: Any) -> tuple[str, str, str, str | None]:  # a UnitPlacement's or a UnitCost's
         return p.storage, p.execution, p.mode, p.prefill_execution
 
     priced = {u.name: where(u) for u in cost.units}
     edited = [p.unit for p in placements if p.unit in priced and priced[p.unit] != where(p)]
-    if not edited:
-        return ()
-    return (f"{EDITED_NOTE} the times and memory shown are of another placement of {few(edited)}; placement-opt run "
-            f"reprices the plan on its checkpoint, and placement_opt.evaluate(plan, model, machine) on its model",)
+    notes = []
+    if edited:
+        notes.append(f"{EDITED_NOTE} the times and memory shown are of another placement of {few(edited)}; "
+                     f"placement-opt run reprices the plan on its checkpoint, and placement_opt.evaluate(plan, model, "
+                     f"machine) on its model")
+    if workload != cost.workload:  # the summary's workload line is the plan's, its figures the cost's
+        solved, shown = asdict(cost.workload), asdict(workload)
+        was = ", ".join(f"{k} {solved[k]}" for k in solved if solved[k] != shown[k])
+        notes.append(f"{EDITED_WORKLOAD_NOTE} the times and memory shown are of the workload it was solved for "
+                     f"({was}), not of the one shown; solve the plan again for this one")
+    return tuple(notes)
 
 
 def _time(value: float | None) -> float:

@@ -215,8 +215,7 @@ class Plan:
         """
         from .report import plan_report, report_text
 
-        text = report_text(plan_report(self))
-        return text if self.home is None else _with_home_line(text, self.home)
+        return report_text(plan_report(self))
 
     def _repr_html_(self) -> str:
         """The plan's tables as HTML: how a notebook (Jupyter, VS Code) shows a plan."""
@@ -268,9 +267,9 @@ class Plan:
                              f"{execution}, which reads them in place faster than {gpu} could receive them "
                              f"({_full(gpu, free)}); their KV cache moves to {execution} once, after the prompt.")
             elif storage != execution:
-                lines.append(f"- {span}: weights stay on {storage} and are {mode}ed to {execution} at every "
-                             f"forward, because {_full(execution, free)}; {execution} still computes them faster "
-                             f"than {storage} would.")
+                how = "streamed synchronously" if mode == "stream_sync" else "streamed"
+                lines.append(f"- {span}: weights stay on {storage} and are {how} to {execution} at every forward, "
+                             f"because {_full(execution, free)}{_faster(execution, storage)}.")
             elif execution == "cpu" and any(m.device.startswith("cuda:") for m in c.memory):
                 lines.append(f"- {span}: computed on the CPU: {_full('the GPUs', free)}, and streaming these "
                              f"weights at every step would cost more than computing them on the CPU.")
@@ -331,16 +330,16 @@ class Plan:
         return plan_from_json(cls, text_or_path)
 
 
-def _with_home_line(text: str, home: str) -> str:
-    """The summary with one line saying where the residual stream stays, after the machine's line."""
-    line = f"home       {home}: the residual stream and the glue between units stay here; units elsewhere " \
-           f"receive their inputs from it and return their outputs to it at every forward"
-    lines = text.splitlines()
-    at = next((i + 1 for i, x in enumerate(lines) if x.startswith("machine")), len(lines))
-    return "\n".join([*lines[:at], line, *lines[at:]])
-
-
 def _full(device: str, free: Mapping[str, int]) -> str:
     if device.startswith("cuda:") and device in free:
         return f"{device} has only {format_bytes(max(0, free[device]))} free with the resident units and KV cache"
-    return f"{device} memory is taken by the units that are resident there"
+    owner = f"{device}'" if device.endswith("s") else device  # "the GPUs' memory", "cpu memory"
+    return f"{owner} memory is taken by the units that are resident there"
+
+
+def _faster(execution: str, storage: str) -> str:
+    """Why a streamed unit computes on ``execution``, not where it is stored: a disk computes nothing, so a unit
+    stored there is weighed against the CPU reading it in place (and said nothing of when the CPU computes it)."""
+    if storage.split(":")[0] != "disk":
+        return f"; {execution} still computes them faster than {storage} would"
+    return "" if execution == "cpu" else f"; {execution} still computes them faster than the CPU would"

@@ -127,6 +127,7 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
     return (
         ("model", Cell(f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")),
         ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
+        *_home_fact(plan),
         ("workload", Cell(f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens"
                           + (", logits at every prompt position" if w.logits == "all" and w.new_tokens else "")
                           + (", logits at the last position only" if w.logits == "last" and not w.new_tokens else "")
@@ -142,6 +143,16 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
                           f"{cost.decode_tokens_per_s:.2f} while decoding")),
         ("fits", Cell("yes", "good") if cost.fits else Cell("NO, runs out of memory", "bad")),
     )
+
+
+def _home_fact(plan: Plan) -> tuple[tuple[str, Cell], ...]:
+    """A sublayer plan's home line (none for other plans): where its residual stream stays, which every unit placed
+    elsewhere pays a round trip to at each forward."""
+    if plan.home is None:
+        return ()
+    # one line of the summary's 160 columns: a unit computed elsewhere takes its inputs from it, returns its outputs
+    return (("home", Cell(f"{plan.home}: the residual stream and the glue between units stay here, a round trip away "
+                          f"from each unit computed elsewhere")),)
 
 
 def _runs_table(plan: Plan) -> ReportTable:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -93,7 +93,7 @@ class PlacementSchema(_Strict):
 
 class BaselineSchema(_Strict):
     strategy: str
-    total_s: float | None
+    total_s: NonNegativeFloat | None
     """``None`` (JSON null) stands for an infinite time: the baseline could not run."""
     fits: bool
     short_bytes: NonNegativeInt = 0
@@ -135,15 +135,59 @@ class WorkloadSchema(_Strict):
     padded: bool = False
 
 
+class UnitCostSchema(_Open):
+    """One unit's priced figures: summary() and explain() add them up, so each is checked here (a NaN or a string
+    would otherwise reach them as a TypeError, a negative size would be shown). Other keys go to ``UnitCost``."""
+
+    name: str
+    storage: str
+    execution: str
+    mode: str
+    prefill_s: NonNegativeFloat
+    decode_s: NonNegativeFloat
+    stored_bytes: NonNegativeInt
+    resident_bytes: NonNegativeInt
+    peak_bytes: NonNegativeInt
+    prefill_peak_bytes: NonNegativeInt = 0
+    copy_prefill_s: NonNegativeFloat = 0.0
+    copy_decode_s: NonNegativeFloat = 0.0
+    wait_prefill_s: NonNegativeFloat = 0.0
+    wait_decode_s: NonNegativeFloat = 0.0
+    host_prefill_s: NonNegativeFloat = 0.0
+    host_decode_s: NonNegativeFloat = 0.0
+    disk_prefill_s: NonNegativeFloat = 0.0
+    disk_decode_s: NonNegativeFloat = 0.0
+
+
+class DeviceMemorySchema(_Open):
+    """One device's memory under the plan, the summary's memory table: bytes, never negative."""
+
+    device: str
+    capacity_bytes: NonNegativeInt
+    reserve_bytes: NonNegativeInt
+    weights_bytes: NonNegativeInt
+    kv_cache_bytes: NonNegativeInt
+    workspace_bytes: NonNegativeInt
+    stream_buffer_bytes: NonNegativeInt
+    other_bytes: NonNegativeInt = 0
+
+
+class ViolationSchema(_Open):
+    device: str
+    needed_bytes: NonNegativeInt
+    capacity_bytes: NonNegativeInt
+    message: str
+
+
 class CostSchema(_Open):
     workload: WorkloadSchema
-    prefill_s: float = Field(ge=0)  # a time: a hand edit to a negative one (or NaN) is refused, not shown
-    decode_s: float = Field(ge=0)
-    transfer_s: float = Field(ge=0)
-    stage_s: dict[str, Annotated[float, Field(ge=0)]]
-    units: list[dict[str, Any]]
-    memory: list[dict[str, Any]]
-    violations: list[dict[str, Any]]
+    prefill_s: NonNegativeFloat  # a time: a hand edit to a negative one (or NaN) is refused, not shown
+    decode_s: NonNegativeFloat
+    transfer_s: NonNegativeFloat
+    stage_s: dict[str, NonNegativeFloat]
+    units: list[UnitCostSchema]
+    memory: list[DeviceMemorySchema]
+    violations: list[ViolationSchema]
 
 
 class UnitFingerprint(_Strict):
@@ -172,10 +216,10 @@ class PlanSchema(_Strict):
     workload: WorkloadSchema
     cost: CostSchema
     status: str
-    objective_value: float
-    best_bound: float
-    gap: float
-    solve_time_s: float
+    objective_value: float = Field(ge=0)  # seconds or bytes: a NaN or a negative one is a hand edit
+    best_bound: float = Field(allow_inf_nan=False)  # not clamped by the solver: a wrong one may show (search.py)
+    gap: float = Field(allow_inf_nan=False)
+    solve_time_s: float = Field(ge=0)
     baselines: list[BaselineSchema] = []
     notes: list[str] = []
     extra: dict[str, Any] = {}
@@ -346,6 +390,15 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _refused_value(error: Mapping[str, Any]) -> str:
+    """``", not nan"``: the value a type or range check refused, where pydantic's message does not say it (a NaN
+    "should be greater than or equal to 0"). Our own validators' messages name what they refuse already."""
+    value = error.get("input")
+    if error["type"] == "value_error" or not isinstance(value, (int, float, str)) or len(repr(value)) > 40:
+        return ""
+    return f", not {value!r}"
+
+
 def validated(schema: type[_Model], data: Any, *, what: str, fix: str,
               context: Mapping[str, Any] | None = None) -> _Model:
     """``data`` checked against ``schema``, or a :class:`PlanFormatError` naming every problem and its place.
@@ -371,6 +424,7 @@ def validated(schema: type[_Model], data: Any, *, what: str, fix: str,
                 where = _where(loc[:-1])
                 problems.append(f"{where + ': ' if where else ''}{kind} {loc[-1]!r} field")
             else:
+                msg += _refused_value(e)
                 problems.append(f"{_where(loc)}: {msg}" if loc else msg)
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
         raise PlanFormatError(f"{what} is malformed ({shown}): {fix}") from None

@@ -30,6 +30,17 @@ def test_plan_json_over_a_config_is_refused_and_the_file_kept(config_json):
     assert json.loads(config_json.read_text()) == CONFIG
 
 
+def test_another_tools_json_with_a_placements_key_is_not_taken_for_a_plan(tmp_path):
+    """Any JSON object with "placements" was taken for an earlier plan and written over."""
+    theirs = tmp_path / "layout.json"
+    theirs.write_text(json.dumps({"placements": [{"op": "matmul", "core": 3}], "tool": "another placer"}))
+    before = theirs.read_text()
+    result = run_cli("plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk", "--json", str(theirs),
+                     catch_exceptions=True)
+    assert result.exit_code == 2 and "not a plan placement_opt wrote" in result.output
+    assert theirs.read_text() == before
+
+
 def test_profile_out_over_a_plan_is_refused_before_measuring(tmp_path):
     plan_path = tmp_path / "plan.json"
     run_cli("plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk", "--json", str(plan_path))
@@ -119,3 +130,32 @@ def test_bench_never_writes_its_report_over_a_users_file(tmp_path):
         result = run_cli("bench", "--collect", "--out", str(report), catch_exceptions=True)
         assert result.exit_code == 0, result.output
     assert report.read_text().startswith("# placement_opt benchmark results")
+
+
+def test_one_path_for_json_and_plot_is_refused_before_solving(tmp_path):
+    """--json X.svg --plot X.svg wrote the plan, then failed with a traceback: the plan was no picture placement_opt
+    drew. Refused before any work now, nothing written."""
+    path = tmp_path / "out.svg"
+    result = run_cli("plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk", "--json", str(path),
+                     "--plot", str(tmp_path / "." / "out.svg"), catch_exceptions=True)
+    assert result.exit_code == 2 and "is the --json file too" in " ".join(result.output.split())
+    assert not path.exists()
+
+
+def test_a_users_file_put_at_the_json_path_while_solving_is_a_one_line_error(tmp_path, monkeypatch):
+    """The check before solving passed (no file yet); one that appears meanwhile is kept, and said in one line."""
+    from placement_opt.cli import output
+
+    path = tmp_path / "plan.json"
+    real = output.write_outputs
+
+    def after_a_user_wrote(console, result, json_path, plot, outcomes=()):
+        path.write_text(json.dumps(CONFIG))
+        return real(console, result, json_path, plot, outcomes)
+
+    monkeypatch.setattr("placement_opt.cli.main.write_outputs", after_a_user_wrote)
+    result = run_cli("plan", "llama-3-8b", "--devices", "cuda:0=rtx-4090,cpu=64GiB,disk", "--json", str(path),
+                     catch_exceptions=True)
+    assert result.exit_code == 1 and "never over another file" in " ".join(result.output.split())
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert json.loads(path.read_text()) == CONFIG

@@ -342,6 +342,14 @@ def check_outputs(json_path: str | None, plot: str | None, kind: str = "plan") -
     check_output_folder(json_path, "--json")
     check_output_folder(plot, "--plot")
     check_not_foreign(json_path, kind, "--json")
+    if json_path and plot and json_path != "-" and _same_file(json_path, plot):
+        # the JSON, written first, would be drawn over (or refused as no picture, after the whole solve)
+        raise click.BadParameter(f"{plot!r} is the --json file too: give the pictures a path of their own",
+                                 param_hint="--plot")
+
+
+def _same_file(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def check_not_foreign(path: str | None, kind: str, option: str) -> None:

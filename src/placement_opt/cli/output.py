@@ -98,6 +98,8 @@ def say_written(console: Console, text: str) -> None:
 def write_outputs(console: Console, result: Plan, json_path: str | None, plot: str | None,
                   outcomes: Sequence[StrategyOutcome] = ()) -> None:
     """Write the plan as JSON and/or its pictures, as ``--json``/``--plot`` ask (``--json -``: stdout)."""
+    from ..errors import PlacementError
+
     if json_path == STDOUT:
         click.echo(result.to_json())
     elif json_path:
@@ -105,6 +107,8 @@ def write_outputs(console: Console, result: Plan, json_path: str | None, plot: s
             result.to_json(json_path)
         except OSError as exc:
             raise Failure(f"cannot write the plan to {json_path}: {exc.strerror or exc}") from None
+        except PlacementError as exc:  # a file of the user's put there since the check before solving
+            raise Failure(one_line(exc)) from None
         say_written(console, f"plan written to {json_path}")
     if plot:
         from .pictures import save_report
@@ -116,6 +120,8 @@ def write_outputs(console: Console, result: Plan, json_path: str | None, plot: s
             raise Failure(f"pictures need matplotlib ({exc}): pip install 'placement-opt[plot]'") from None
         except OSError as exc:
             raise Failure(f"cannot write {plot}: {exc}") from None
+        except PlacementError as exc:  # as above: a picture placement_opt did not draw, never drawn over
+            raise Failure(one_line(exc)) from None
         say_written(console, f"pictures written to {plot}")
 
 
