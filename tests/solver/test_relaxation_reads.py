@@ -299,3 +299,28 @@ def test_the_grouped_read_keeps_contiguous_storage_in_one_range_per_device(n, se
     plan = model.read(solver)
     assert 0 < sum(plan) < n  # both devices store units: the order decides contiguity
     assert problem.satisfies(plan)
+
+
+def _layers(copy_ns: int, groups: bool) -> PlacementProblem:
+    """Eight layers of an attention and an MLP, each resident on the GPU or streamed there (a ``copy_ns`` copy beside
+    the compute), copied as one run per layer when ``groups``."""
+    def menu(ns: int) -> tuple[PlacementOption, ...]:
+        return (PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=ns, decode_ns=ns,
+                                stored_bytes=4, resident_bytes=0, peak_bytes=0),
+                PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=ns, decode_ns=ns,
+                                stored_bytes=4, resident_bytes=0, peak_bytes=2, copy_decode_ns=copy_ns,
+                                group_copy_bytes=1))
+    names = [f"{part}{i}" for i in range(8) for part in ("a", "m")]
+    units = tuple(UnitSpec(name=n, options=menu(10 if n[0] == "a" else 20)) for n in names)
+    edges = tuple(EdgeSpec(src=a, dst=b, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(names))
+    return PlacementProblem(units=units, edges=edges,
+                            devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=40),
+                                     DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10**6)),
+                            copy_groups=tuple((f"a{i}", f"m{i}") for i in range(8)) if groups else ())
+
+
+def test_copy_runs_under_overlap_get_a_second_grouped_relaxation_counting_whole_runs():
+    whole = "the same with whole copy runs in the stall rows"
+    assert _relaxation_kinds(_layers(copy_ns=50, groups=True)) == ["grouped", whole]
+    assert _relaxation_kinds(_layers(copy_ns=0, groups=True)) == ["grouped"]  # no copy beside the compute
+    assert _relaxation_kinds(_layers(copy_ns=50, groups=False)) == ["grouped"]  # no runs to count whole

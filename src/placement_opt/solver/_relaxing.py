@@ -51,6 +51,15 @@ GROUP_WITHOUT_RUNS_ABOVE = 64
 #: against a plan of 211.9 s in 1 s (55 %); the grouped relaxation proves it within 0.01 % in 0.06 s.
 GROUP_REPEATS_SHARE = 0.5
 GROUP_SHARE = 0.9
+#: Share of the time the grouped relaxation leaves that its whole-run variant gets (sublayer graphs under overlap:
+#: :meth:`~.relax.GroupModel._whole_run_stalls`), run after it only when it stops early short of the gap limit. The
+#: rows take the relaxation several times longer to solve: in its place they left the 1 s solves of
+#: benchmarks/solve_time's sublayer overlap grid with no better bounds. After it, on the H200 profile's sublayer
+#: Llama-3.1-8B at 10 GiB (1 x 512 + 16, overlap, 1 s, seeds 0-2) the bound rose from 0.855 s to 0.875-0.877 s
+#: (gaps 10.6-14.8 % -> 8.7-9.1 %), at 4 GiB from 1.648 s to 1.666 s; the grid (two runs each) kept its gaps
+#: (mean 3.9-4.6 % before and after) and the H100 host's sublayer plans (benchmarks/phases) stayed within the
+#: 1-4 % two runs of one code differ by.
+WHOLE_RUNS_SHARE = 0.5
 #: Share of a relaxation's time for reading and pricing its earlier solutions (:func:`best_read`; 7-8 ms
 #: each on a module-level 70B): kept from its CP-SAT run when it takes all the time left, else taken
 #: from the stage after it.
@@ -108,15 +117,18 @@ def relaxations_for(problem: PlacementProblem, classes: list[list[str]]) -> list
             runless and len(groups_of(problem)) <= GROUP_REPEATS_SHARE * len(problem.units)):
         out.append((f"{len(problem.units)} units counted per option in groups of like units", GROUP_SHARE,
                     lambda scale, hint, work: _grouped(problem, scale, hint, work, classes)))
+        if problem.copy_runs is not None and problem.copies_beside:
+            out.append(("the same with whole copy runs in the stall rows", WHOLE_RUNS_SHARE,
+                        lambda scale, hint, work: _grouped(problem, scale, hint, work, classes, whole_runs=True)))
     return out
 
 
 def _grouped(problem: PlacementProblem, scale: int, hint: list[int], work: int | None,
-             classes: list[list[str]]) -> GroupModel:
+             classes: list[list[str]], whole_runs: bool = False) -> GroupModel:
     path, *others = sibling_paths(problem, critical_path(problem, hint))
     others += covering_paths(problem, path, MORE_PATHS - len(others)) if len(others) < MORE_PATHS else []
     return GroupModel(problem, scale, hint, groups_of(problem, path, others), path, work, classes,
-                      others)
+                      others, whole_runs)
 
 
 def solve_relaxation(problem: PlacementProblem, objective: str, make: Any, run: Run, start: tuple[list[int], bool],

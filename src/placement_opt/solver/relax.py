@@ -114,14 +114,12 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
 
 #: The whole-run stall rows take each run's compute at the largest and its copy at the least of those within this
 #: factor of it (more hiding, less to hide: still a bound), so that runs of near sums share a count: on the H200
-#: profile's sublayer Llama-3.1-8B at 10 GiB (overlap) the relaxation then proves 0.874 s in 0.4-0.8 s where exact
-#: sums prove 0.884 s in 3.5-6.6 s (0.856 s in 0.08 s without the rows).
+#: profile's sublayer Llama-3.1-8B at 10 GiB (overlap, one worker, three seeds) the relaxation proves 0.8825 s in
+#: 0.8-4.1 s where exact sums prove 0.8838 s in 4.1-8.3 s.
 RUN_STEP = 1.03
 #: Copies below this share of a phase's largest are counted as none in the whole-run stall rows (a norm's, beside
 #: an MLP's 600x larger): fewer classes to combine, and a bound still.
 LEAST_RUN_COPY = 0.01
-#: The phases whose stall rows also count whole runs.
-WHOLE_PHASES = ("prefill_ns", "decode_ns")
 
 
 def _nearest(values: Sequence[int], pick: Any) -> dict[int, int]:
@@ -173,13 +171,16 @@ class GroupModel(CountedRelaxation):
 
     def __init__(self, problem: PlacementProblem, scale_ns: int, hint: Sequence[int], groups: list[list[int]],
                  path: Sequence[int], max_work_ns: int | None = None,
-                 device_classes: Sequence[Sequence[str]] = (), others: Sequence[Sequence[int]] = ()) -> None:
+                 device_classes: Sequence[Sequence[str]] = (), others: Sequence[Sequence[int]] = (),
+                 whole_runs: bool = False) -> None:
         """``device_classes``: interchangeable devices, ordered by the units they hold or compute
         (as in :class:`~.aggregate.AggregateModel`); ``others``: more paths whose length bounds the
-        latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest).
+        latency, as ``path``'s (``groups`` must keep the units on each path apart from the rest);
+        ``whole_runs``: the stall rows count whole copy runs too (:meth:`_whole_run_stalls`).
         ``path``'s sibling sets (:func:`~.paths.sibling_slots`) are counted by combination where ``groups``
         keep each role's units apart (:func:`~.paths.sibling_paths` as ``others`` does)."""
         self.p, self.scale, self.hint, self.groups = problem, scale_ns, list(hint), groups
+        self.whole_runs = whole_runs
         self.model = cp_model.CpModel()
         self.spines = [[k for k, g in enumerate(groups) if all(u in on for u in g)]
                        for on in (set(p) for p in (path, *others))]
@@ -481,7 +482,7 @@ class GroupModel(CountedRelaxation):
     def _run_stalls(self, ph: str, spine: list[tuple[PlacementOption, Any]]) -> Any:
         """The base rows (a unit's price a window), and the windows of whole runs (:meth:`_whole_run_stalls`)."""
         base = super()._run_stalls(ph, spine)
-        whole = self._whole_run_stalls(ph) if ph in WHOLE_PHASES else None
+        whole = self._whole_run_stalls(ph) if self.whole_runs else None
         if whole is None:
             return base
         stall = self.model.new_int_var(0, self._most_copies(ph), f"stalls[{ph}]")
@@ -496,8 +497,8 @@ class GroupModel(CountedRelaxation):
         attention, norm and MLP) are counted per combination of their positions' (compute, copy) classes; over all
         kinds and positions, a group's units on each class number its counts there. Per unit, a layer's attention
         and MLP each hid a part of another layer's copy where the window holds both or neither: on the H200
-        profile's sublayer Llama-3.1-8B at 10 GiB (overlap) the bound stayed 11 % under every plan found. None where
-        a unit is off the spine (its stall is not on every path) or a kind has too many combinations."""
+        profile's sublayer Llama-3.1-8B at 10 GiB (overlap) the relaxation's optimum rose from 0.856 s to 0.883 s
+        (plans of 0.957 s). None where a unit is off the spine (its stall is not on every path)."""
         if len(spine(self.p)) < len(self.p.units):
             return None
         of = {u: k for k, g in enumerate(self.groups) for u in g}
