@@ -13,7 +13,7 @@ from transformers import LlamaConfig, MistralConfig, MixtralConfig
 import placement_opt
 from placement_opt.cost.calibrated import calibration_for, shape_key
 from placement_opt.cost.workload import Workload
-from placement_opt.errors import PlacementError
+from placement_opt.errors import PlacementError, ProfileError
 from placement_opt.hardware.devices import Machine
 from placement_opt.hardware.profile_store import PROFILE_ENV_VAR, saved_calibration
 from placement_opt.hardware.resolve import as_machine
@@ -761,3 +761,28 @@ def test_a_machine_read_from_a_profile_file_is_priced_by_that_files_calibration(
     assert placement_opt.evaluate(again, tiny_config(), again.machine, WORKLOAD).total_s == pytest.approx(
         plan.cost.total_s)
     assert "profile_path" not in unpriced.to_json()  # plans of this host's profile read as they always have
+
+
+def test_calibrate_saves_where_a_machine_read_from_a_profile_is_priced_from(calibrated, tmp_path, monkeypatch) -> None:
+    """A machine read from a profile file is priced from that file's calibration, so calibrate(model, machine)
+    saves there (it saved to the default profile, which that machine's plans never read); a file another host
+    measured is refused before timing, and kept."""
+    path, _ = calibrated
+    default = tmp_path / "default.json"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(default))
+    data = json.loads(path.read_text())
+    del data["calibration"]
+    apart = tmp_path / "apart.json"
+    apart.write_text(json.dumps(data))
+    machine = Machine.from_dict({**data["machine"], "profile_path": str(apart)})
+    placement_opt.calibrate(tiny_config(), machine, workload=WORKLOAD, repeats=1)
+    assert saved_calibration(apart) is not None and not default.exists()
+    plan = placement_opt.solve(tiny_config(), machine, workload=WORKLOAD, workers=1)
+    assert "units measured on this machine" in " ".join(plan.notes)
+    data["host"] = "gpu-server-7"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="which host 'gpu-server-7' measured: calibrate on that host"):
+        placement_opt.calibrate(tiny_config(), Machine.from_dict({**data["machine"], "profile_path": str(other)}),
+                                workload=WORKLOAD)
+    assert json.loads(other.read_text()) == data

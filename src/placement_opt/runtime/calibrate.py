@@ -54,12 +54,15 @@ from torch import nn
 from ..cost.calibrated import UnitTimes, shape_key
 from ..cost.workload import Workload
 from ..errors import PlacementError, ProfileError, WorkloadError
+from ..hardware.devices import Machine
 from ..hardware.profile_store import (
     check_profile_target,
+    load_profile,
     profile_path,
     save_calibration,
     saved_calibration,
     saved_device,
+    this_host,
 )
 from ..hardware.resolve import device_names, is_auto
 from ..model.expert_groups import expert_groups_refusal
@@ -126,6 +129,23 @@ def _ms(seconds: Any) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
+def _profile_of(devices: Any, path: str | os.PathLike[str] | None) -> str | os.PathLike[str] | None:
+    """Where the calibration goes: ``path``, else the profile a :class:`Machine` was read from (``solve()`` prices
+    that machine from that file), which must be this host's: another host's file keeps that host's times.
+
+    Raises:
+        ProfileError: ``devices`` was read from a profile another host measured, and no ``path`` is given.
+    """
+    if path is not None or not isinstance(devices, Machine) or devices.profile_path is None:
+        return path
+    host = (load_profile(devices.profile_path) or {}).get("host")
+    if isinstance(host, str) and host != this_host():
+        raise ProfileError(f"the machine was read from the profile {devices.profile_path!r}, which host {host!r} "
+                           f"measured: calibrate on that host, where its devices are; or pass path= to save this "
+                           f"host's times in another profile (that file keeps {host!r}'s)")
+    return devices.profile_path
+
+
 def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = None, dtype: str | None = None,
               granularity: str = "block", expert_groups: int = 1, path: str | os.PathLike[str] | None = None,
               offload_dir: str | os.PathLike[str] | None = None, repeats: int = 2,
@@ -153,7 +173,9 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
             copy: what ``solve(granularity="auto")`` compares). Each is dispatched and timed as it runs.
         expert_groups: with ``"sublayer"`` or ``"auto"``, each MoE layer's experts cut into this many
             groups (``solve(..., expert_groups=)``), each group timed as the dispatcher runs it.
-        path: the profile file (default ``$PLACEMENT_OPT_PROFILE`` or ``~/.cache/placement_opt/profile.json``).
+        path: the profile file (default: the one ``devices`` was read from, a :class:`Machine` that carries its
+            ``profile_path``, as ``profile(path=...)`` returns; else ``$PLACEMENT_OPT_PROFILE`` or
+            ``~/.cache/placement_opt/profile.json``), where ``solve()`` reads it for that machine.
         offload_dir: where disk reads are timed when ``devices`` has a disk (default the current
             directory; made if missing; scratch files are removed).
         repeats: timed prefill forwards per shape at least, after one warm-up (the median counts); one
@@ -178,6 +200,7 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
     if not isinstance(workload, Workload):
         raise WorkloadError(f"workload is a {type(workload).__name__}: pass a placement_opt.Workload "
                             f"(Workload(batch_size=..., prompt_len=..., new_tokens=...))")
+    path = _profile_of(devices, path)
     check_profile_target(path)  # before minutes of timing: a directory or a user's file there is refused
     saved_calibration(path)  # and a malformed calibration there, which the new one would be merged into
     if isinstance(model, LayerGraph):
