@@ -197,3 +197,15 @@ def test_figures_written_as_strings_read_back_as_numbers():
     data = json.loads(json.dumps(_PRICED))
     data["cost"]["units"][1]["prefill_s"] = "Infinity"
     assert Plan.from_dict(data).cost.units[1].prefill_s == float("inf")
+
+
+def test_a_non_phased_placement_naming_its_own_execution_for_the_prefill_is_read_without_it():
+    """The schema lets a resident or streamed unit name its execution as prefill_execution (the same device); read
+    as it was, the unit showed as "phased (prefill on ...)" and counted as streaming its weights."""
+    data = json.loads(json.dumps(_PRICED))
+    placement = next(p for p in data["placements"] if p["mode"] == "resident")
+    placement["prefill_execution"] = placement["execution"]
+    plan = Plan.from_dict(data)
+    read = next(p for p in plan.placements if p.unit == placement["unit"])
+    assert read.prefill_execution is None and "phased" not in plan.summary()
+    assert plan.streams_weights == Plan.from_dict(json.loads(json.dumps(_PRICED))).streams_weights

@@ -96,7 +96,7 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
 
 
 def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) -> Plan:
-    placements = tuple(UnitPlacement(**p.model_dump()) for p in checked.placements)
+    placements = tuple(_placement(p.model_dump()) for p in checked.placements)
     workload = Workload.from_dict(checked.workload.model_dump())
     cost = Cost.from_dict(checked.cost.model_dump(exclude_unset=True))  # as checked: "1e3", "Infinity" as numbers
     return cls(
@@ -120,6 +120,14 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
         fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
         home=checked.home,
     )
+
+
+def _placement(fields: dict[str, Any]) -> UnitPlacement:
+    """A placement as read; a ``prefill_execution`` the schema lets a non-phased one name (its own execution) is
+    dropped: kept, it showed as "phased" and counted as a streamed unit."""
+    if fields["mode"] != "phased":
+        fields = {**fields, "prefill_execution": None}
+    return UnitPlacement(**fields)
 
 
 def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Plan:

@@ -431,8 +431,8 @@ def _is_cluster(devices: Any) -> bool:
     from .hardware.cluster import Cluster
 
     # a spec string of hosts in parentheses ("2x(h100-sxm*8,cpu)@ib-200g") is a cluster, as plan_pipeline() reads it
-    # one machine's device specs never hold parentheses
-    return isinstance(devices, Cluster) or (isinstance(devices, str) and "(" in devices)
+    # one machine's device specs never hold parentheses, nor a network after "@" ("2xa10@ib-200g")
+    return isinstance(devices, Cluster) or (isinstance(devices, str) and ("(" in devices or "@" in devices))
 
 
 def _check_cluster_arguments(**given: bool) -> None:

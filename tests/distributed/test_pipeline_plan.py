@@ -101,6 +101,10 @@ def test_solve_with_a_cluster_is_the_pipeline_plan_and_round_trips() -> None:
         PipelinePlan.from_json('{"version": 1}')
     # a spec string is a cluster to solve() as it is to plan_pipeline(); what is neither is named
     assert po.solve(graph, "(a100-40gb*2)+(l4*2)@ib-100g", "throughput", workload=Workload(prompt_len=256)) == plan
+    # without parentheses too, as plan_pipeline() reads it (solve() called it an unknown device name)
+    bare = "2xa10@ib-200g"
+    assert po.solve(graph, bare, "throughput", workload=Workload(prompt_len=256)) == plan_pipeline(
+        graph, bare, Workload(prompt_len=256))
     for wrong in (None, {"cpu": "1GiB"}, ["cpu"]):
         with pytest.raises(SolverInputError, match=f"cluster is a {type(wrong).__name__}: pass a Cluster"):
             plan_pipeline(graph, wrong)
