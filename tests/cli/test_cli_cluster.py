@@ -31,7 +31,9 @@ def test_plan_cluster_errors_are_one_line() -> None:
     result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2")
     assert result.exit_code != 0 and "unclosed '('" in result.output
     result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--schedule", "1f1b", "--microbatches", "1")
-    assert result.exit_code != 0 and "n_microbatches >= 2" in result.output
+    assert result.exit_code == 2 and "give --microbatches 2 or more, or --schedule gpipe" in result.output
+    zero = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--microbatches", "0")
+    assert zero.exit_code == 2 and "--microbatches is 0: give 1 or more" in zero.output
     result = run_cli("plan", "llama-2-7b")
     assert result.exit_code != 0 and "--devices" in result.output
 

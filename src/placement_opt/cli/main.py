@@ -252,7 +252,7 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
 
     console = console_for(stderr=json_path == STDOUT)
     with errors_as_messages():
-        parse(dtype or "float16")  # a bad spec fails before tracing
+        _check_microbatches(schedule, microbatches, len(parse(dtype or "float16").ranks))  # before tracing
         workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=0, training=train)
         graph = _trace(check_model(model), dtype, use_cache=use_cache)
         result = plan_pipeline(graph, parse(dtype or graph.meta.dtype), workload, schedule=schedule,
@@ -262,6 +262,15 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
         click.echo(result.to_json())
     elif json_path:
         write_text_atomic(json_path, result.to_json())
+
+
+def _check_microbatches(schedule: str, microbatches: int | None, ranks: int) -> None:
+    """--microbatches as the options name it (plan_pipeline's own message names its Python arguments)."""
+    if microbatches is not None and microbatches < 1:
+        raise click.UsageError(f"--microbatches is {microbatches}: give 1 or more (default: one per rank)")
+    if schedule == "1f1b" and microbatches is not None and microbatches < ranks:
+        raise click.UsageError(f"--schedule 1f1b needs a micro-batch per stage: --microbatches {microbatches} for "
+                               f"{ranks} ranks; give --microbatches {ranks} or more, or --schedule gpipe")
 
 
 def _check_cluster_options(cluster: str | None, devices: str | None) -> None:
