@@ -54,6 +54,7 @@ from .plan_notes import (
     group_note,
     other_dtype_note,
     phased_note,
+    reserve_note,
     split_experts_note,
 )
 from .report import EXTRA_SEARCH_S
@@ -248,7 +249,8 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     notes = [machine_note] if machine_note else []
     # what the prediction rests on: calibrated, assumed or another dtype's speeds; a context past the model's
     notes += [said for said in (calibration_note(graph, machine), default_speeds_note(machine),
-                                beyond_preset_note(machine), other_dtype_note(machine, graph.meta.dtype),
+                                beyond_preset_note(machine), reserve_note(machine),
+                                other_dtype_note(machine, graph.meta.dtype),
                                 context_note(graph, workload)) if said]
     glue = run_as_glue(graph)
     if len(problem.pins) > len(glue):
@@ -384,8 +386,11 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                 objective: str, baselines: Sequence[ScoredBaseline], score: Callable[[Any], Cost],
                 search: tuple[float, int, float, int, float], notes: list[str]) -> Plan:
     time_limit_s, seed, gap_limit, workers, started = search
+    def short() -> str:  # what is short, and a GPU its reserve leaves nothing of
+        return shortage_message(problem, graph, workload) + (f"; {said}" if (said := reserve_note(machine)) else "")
+
     if proven_short(problem):  # arithmetic proves it: no search (which may end before proving it)
-        raise InfeasiblePlacementError(shortage_message(problem, graph, workload))
+        raise InfeasiblePlacementError(short())
     hint, hint_name = _best_hint(problem, objective, baselines)
     # The search gets what pricing, baselines and the final scoring (``started`` is moved back by its
     # estimate) leave of the limit, and never less than MIN_SEARCH_S (a module-level 70B's pricing
@@ -394,10 +399,10 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
     sol = solve_problem(problem, objective, time_limit_s=budget, seed=seed, workers=workers, hint=hint,
                         gap_limit=gap_limit)
     if sol.status == "INFEASIBLE":
-        raise InfeasiblePlacementError(shortage_message(problem, graph, workload))
+        raise InfeasiblePlacementError(short())
     if not sol.feasible:
         raise PlacementError(f"CP-SAT found no placement within {time_limit_s:g} s and no baseline fits: "
-                             f"{shortage_message(problem, graph, workload)}; or raise time_limit_s")
+                             f"{short()}; or raise time_limit_s")
     chosen = problem.options(sol.choice)
     placements = tuple(UnitPlacement(unit=u.name, storage=o.storage, execution=o.execution, mode=o.mode,
                                        prefill_execution=o.prefill_execution, copy_group=graph.unit(u.name).block)

@@ -271,3 +271,17 @@ def test_a_preset_given_more_memory_than_its_card_has_is_planned_as_given_and_sa
                            "given, which that card does not have")
     for within in ("cuda:0=rtx-4090/20GiB,cpu=cpu-desktop/64GiB", "cuda:0=rtx-4090,cpu=cpu-desktop/64GiB"):
         assert not any("more than the" in n for n in solve("llama-3-8b", within).notes)
+
+
+def test_a_gpu_its_reserve_leaves_nothing_of_says_so_in_the_plan_and_the_refusal():
+    """cuda:0=a10/512MiB keeps the default 1 GiB reserve: the plan showed a 512 MiB GPU that held nothing, and a
+    refusal said "usable: cuda:0 0 B" without a word of why."""
+    from placement_opt import solve
+    from placement_opt.errors import InfeasiblePlacementError
+
+    plan = solve("llama-3-8b", "cuda:0=a10/512MiB,cpu=cpu-desktop/64GiB")
+    (note,) = [n for n in plan.notes if "all under its" in n]
+    assert note.startswith("cuda:0 has 512.00 MiB, all under its 1.00 GiB reserve")
+    with pytest.raises(InfeasiblePlacementError, match="usable: cuda:0 0 B.*cuda:0 has 512.00 MiB, all under its"):
+        solve("llama-3-8b", "cuda:0=a10/512MiB,cpu=cpu-desktop/2GiB")
+    assert not [n for n in solve("llama-3-8b", "cuda:0=a10/4GiB,cpu=cpu-desktop/64GiB").notes if "all under its" in n]
