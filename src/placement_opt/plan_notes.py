@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .cost.calibrated import calibration_for
 from .hardware.presets import PRESETS
-from .hardware.profile_store import fallback_dtype, load_profile, this_host
+from .hardware.profile_store import fallback_dtype, measured_elsewhere, this_host
 from .hardware.resolve import assumed_preset
 from .model.expert_groups import group_counts, whole_experts
 from .units import few, format_bytes
@@ -133,9 +133,8 @@ def _profile_said(path: str | None) -> tuple[str, str]:
     when that profile was measured on another host (the machine it describes), else ``""``."""
     if path is None:
         return "on this machine", ""
-    host = (load_profile(path) or {}).get("host")
-    there = f", on host {host!r} (the profile's)" if isinstance(host, str) and host != this_host() else ""
-    return f"in the profile {path!r}", there
+    host = measured_elsewhere(path)
+    return f"in the profile {path!r}", f", on host {host!r} (the profile's)" if host else ""
 
 
 def _calibrate_how(graph: LayerGraph, profile: str | None = None) -> tuple[str, str]:

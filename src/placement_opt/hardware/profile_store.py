@@ -35,6 +35,7 @@ __all__ = [
     "device_from_measurement",
     "fallback_dtype",
     "saved_calibration",
+    "measured_elsewhere",
     "save_calibration",
     "write_profile",
     "this_host",
@@ -172,6 +173,13 @@ def fallback_dtype(source: str, dtype: str) -> str | None:
 def this_host() -> str:
     """The name calibrations are keyed by: the machine's network name."""
     return platform.node()
+
+
+def measured_elsewhere(path: str | os.PathLike[str]) -> str | None:
+    """The host that measured the profile at ``path`` when it is another than this one, else None (this host's, no
+    host recorded, or no profile there)."""
+    host = (load_profile(path) or {}).get("host")
+    return host if isinstance(host, str) and host != this_host() else None
 
 
 def saved_calibration(path: str | os.PathLike[str] | None = None, *,

@@ -57,12 +57,11 @@ from ..errors import PlacementError, ProfileError, WorkloadError
 from ..hardware.devices import Machine
 from ..hardware.profile_store import (
     check_profile_target,
-    load_profile,
+    measured_elsewhere,
     profile_path,
     save_calibration,
     saved_calibration,
     saved_device,
-    this_host,
 )
 from ..hardware.resolve import device_names, is_auto
 from ..model.expert_groups import expert_groups_refusal
@@ -138,8 +137,7 @@ def _profile_of(devices: Any, path: str | os.PathLike[str] | None) -> str | os.P
     """
     if path is not None or not isinstance(devices, Machine) or devices.profile_path is None:
         return path
-    host = (load_profile(devices.profile_path) or {}).get("host")
-    if isinstance(host, str) and host != this_host():
+    if (host := measured_elsewhere(devices.profile_path)) is not None:
         raise ProfileError(f"the machine was read from the profile {devices.profile_path!r}, which host {host!r} "
                            f"measured: calibrate on that host, where its devices are; or pass path= to save this "
                            f"host's times in another profile (that file keeps {host!r}'s)")

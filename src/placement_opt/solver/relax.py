@@ -83,8 +83,8 @@ MOST_SLOT_COMBOS = 400
 #: seed and the run either way (241.8-286.8 s and 453.9-560 s with it, 241.8-284.5 s and 453.5-500.9 s
 #: without); shares of 0.35 and 0.5 gave no better bounds or plans in one run each.
 BOUND_SHARE = 0.2
-#: Most combinations of (compute, copy) classes a kind of copy run counts in a phase (one integer each), else the
-#: whole-run stall rows are left out (:meth:`GroupModel._whole_run_stalls`).
+#: Most combinations of (compute, copy) classes a kind of copy run counts in a phase (one integer each): the groups
+#: past it are counted apart from their runs (:func:`_majors`, :meth:`GroupModel._whole_run_stalls`).
 MOST_RUN_COMBOS = 16
 
 
@@ -501,6 +501,32 @@ class GroupModel(CountedRelaxation):
         (plans of 0.957 s). None where a unit is off the spine (its stall is not on every path)."""
         if len(spine(self.p)) < len(self.p.units):
             return None
+        items, order = self._run_items(ph)
+        if not any(c > 0 for (_, c), _ in items):
+            return 0
+        a = min(b for (b, c), _ in items if c > 0)  # any credit is valid; the least is exact for that window
+        up = _nearest([b if c == 0 else b - a for (b, c), _ in items], max)
+        down = _nearest([c for (_, c), _ in items], min)
+
+        def hides(b: int, c: int) -> int:  # a streamed run hides what it computes above the credit
+            return up.get(b if c == 0 else b - a, 0)
+
+        streamed: dict[int, list[Any]] = {}
+        hiders: dict[tuple[int, bool], list[Any]] = {}
+        for (b, c), n in items:
+            if c > 0:
+                streamed.setdefault(down[c], []).append(n)
+            if hides(b, c) > 0:
+                hiders.setdefault((hides(b, c), c > 0), []).append(n)
+        sizes = {key: key[0] for key in hiders}
+        hints = hinted_windows([((hides(b, c), c > 0), b, down.get(c, c)) for b, c in order], ph == "decode_ns")
+        return self._shared_windows(f"runs,{ph}", streamed, (a, hiders, sizes), hints, len(self.p.runs),
+                                    self._most_copies(ph))
+
+    def _run_items(self, ph: str) -> tuple[list[tuple[tuple[int, int], Any]], list[tuple[int, int]]]:
+        """The whole-run rows' items in ``ph``: ``((compute, copy), count)`` per combination of each kind of run's
+        major groups, tied to the groups' counts, and the minor groups' units apart (streaming nothing); beside
+        them, the start plan's items in execution order."""
         of = {u: k for k, g in enumerate(self.groups) for u in g}
         kinds: dict[tuple[int, ...], list[int]] = {}
         for r, (first, end) in enumerate(self.p.runs):
@@ -522,24 +548,7 @@ class GroupModel(CountedRelaxation):
             self.model.add(sum(counts) == sum(classes[k][0][cls]))
         for k in set(classes) - majors:  # apart from their runs, and streaming at no price: still a bound
             items += [((b, 0), sum(counts)) for (b, _), counts in classes[k][0].items()]
-        if not any(c > 0 for (_, c), _ in items):
-            return 0
-        a = min(b for (b, c), _ in items if c > 0)  # any credit is valid; the least is exact for that window
-        up = _nearest([b if c == 0 else b - a for (b, c), _ in items], max)
-        down = _nearest([c for (_, c), _ in items], min)
-        streamed: dict[int, list[Any]] = {}
-        hiders: dict[tuple[int, bool], list[Any]] = {}
-        for (b, c), n in items:
-            if c > 0:
-                streamed.setdefault(down[c], []).append(n)
-            if up[b if c == 0 else b - a] > 0:
-                hiders.setdefault((up[b if c == 0 else b - a], c > 0), []).append(n)
-        sizes = {key: key[0] for key in hiders}
-        order = [item for r in range(len(self.p.runs)) for item in hinted_runs[r]]
-        hints = hinted_windows([((up.get(b if c == 0 else b - a, 0), c > 0), b, down.get(c, c)) for b, c in order],
-                               ph == "decode_ns")
-        return self._shared_windows(f"runs,{ph}", streamed, (a, hiders, sizes), hints, len(self.p.runs),
-                                    self._most_copies(ph))
+        return items, [item for r in range(len(self.p.runs)) for item in hinted_runs[r]]
 
     def _run_combos(self, key: tuple[int, ...], at: list[int], runs: list[int],
                     positions: list[tuple[dict[tuple[int, int], list[Any]], dict[int, tuple[int, int]]]],
