@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .cost.calibrated import calibration_for
 from .hardware.presets import PRESETS
 from .hardware.profile_store import fallback_dtype, measured_elsewhere, this_host
-from .hardware.resolve import assumed_preset
+from .hardware.resolve import assumed_preset, reserve_note
 from .model.expert_groups import group_counts, whole_experts
 from .units import few, format_bytes
 
@@ -73,18 +73,6 @@ def default_speeds_note(machine: Machine) -> str | None:
     return (f"speeds assumed, not measured: {guessed} datasheet figures; run placement-opt profile on the machine "
             f"that has the devices, or name a preset (NAME=PRESET/SIZE, e.g. {example[assumed[0].kind]}; "
             f"placement-opt presets lists them)")
-
-
-def reserve_note(machine: Machine) -> str | None:
-    """GPUs whose reserve (the CUDA context and allocator slack) leaves none of their memory usable: the plan shows
-    their memory, and they hold nothing of the model (``cuda:0=a10/512MiB`` under the default 1 GiB)."""
-    under = [d for d in machine.gpus if d.reserve_bytes and d.usable_bytes == 0]
-    if not under:
-        return None
-    said = "; ".join(f"{d.name} has {format_bytes(d.memory_bytes)}, all under its {format_bytes(d.reserve_bytes)} "
-                     f"reserve" for d in under)
-    return (f"{said} (the CUDA context and allocator slack): none of it holds the model; give the card's memory, or "
-            f"a budget as max_memory or NAME=SIZE (no reserve on top), or Device(..., reserve=...)")
 
 
 def beyond_preset_note(machine: Machine) -> str | None:

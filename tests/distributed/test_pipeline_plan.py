@@ -247,3 +247,13 @@ def test_a_plan_read_back_with_no_time_at_all_still_summarises() -> None:
     data = json.loads(plan_pipeline(_decoder(layers=2), "(a10*2)").to_json())
     data["stages"] = [{**s, "compute_s": 0.0, "send_s": 0.0} for s in data["stages"]]
     assert "layer-count split: slowest stage" in PipelinePlan.from_json(json.dumps(data)).summary()
+
+
+def test_a_rank_its_gpus_reserve_leaves_nothing_of_is_said_in_the_refusal() -> None:
+    # '(a10=0.5GiB)' keeps the default 1 GiB reserve: the refusal showed "against 0 B" without saying why
+    with pytest.raises(InfeasiblePlacementError, match=r"against 0 B.*hosts 0, 1: cuda:0 has 512.00 MiB, all under "
+                                                       r"its 1.00 GiB reserve"):
+        plan_pipeline("llama-3-8b", "2x(a10=0.5GiB)")
+    with pytest.raises(InfeasiblePlacementError) as plain:  # short for another reason: no reserve note
+        plan_pipeline("llama-3-70b", "2x(a10)")
+    assert "reserve" not in str(plain.value)

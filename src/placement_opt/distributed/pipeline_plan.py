@@ -37,6 +37,7 @@ from ..cost.workload import Workload
 from ..errors import DeviceSpecError, InfeasiblePlacementError, PlanFormatError, SolverInputError
 from ..hardware.cluster import Cluster, Rank
 from ..hardware.devices import Machine
+from ..hardware.resolve import reserve_note
 from ..model.graph import LayerGraph
 from ..solver.stages import (
     StageProblem,
@@ -254,8 +255,14 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     # workload kept (logits="last" priced the head for one token a sequence: 1.8 GiB short on llama-3-8b)
     workload = replace(workload or Workload(), new_tokens=0, logits=None)
     problem = stage_problem(graph, cluster, workload, schedule, micro)
-    _check_outputs_fit(problem, ranks[-1], micro)
-    solution = solve_stages(problem)
+    try:
+        _check_outputs_fit(problem, ranks[-1], micro)
+        solution = solve_stages(problem)
+    except InfeasiblePlacementError as exc:
+        said = _reserve_said(cluster)
+        if said is None:
+            raise
+        raise InfeasiblePlacementError(f"{exc}; {said}") from None
     names = graph.names()
     stages = tuple(_stage_plan(problem, solution, k, rank, names) for k, rank in enumerate(ranks))
     if workload.training:
@@ -264,6 +271,18 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     return PipelinePlan(model_name=graph.meta.model_name, schedule=schedule, n_microbatches=micro,
                         workload=workload, stages=stages, bound_s=solution.objective_ns / _NS,
                         layer_count_s=_cuts_time(problem, even), cluster_spec=_spec_or_blank(cluster))
+
+
+def _reserve_said(cluster: Cluster) -> str | None:
+    """Why a rank shows 0 B usable, when its GPU's reserve takes all of it ('(a10=0.5GiB)' under the default
+    1 GiB): the hosts' reserve notes, one per distinct text."""
+    said: dict[str, list[int]] = {}
+    for h, host in enumerate(cluster.hosts):
+        if (note := reserve_note(host.machine)) is not None:
+            said.setdefault(note, []).append(h)
+    if not said:
+        return None
+    return "; ".join(f"host{'s' if len(hs) > 1 else ''} {', '.join(map(str, hs))}: {note}" for note, hs in said.items())
 
 
 def _check_tied_training(graph: LayerGraph, stages: tuple[StagePlan, ...]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from ..errors import DeviceSpecError
-from ..units import parse_size
+from ..units import format_bytes, parse_size
 from .detect import detect_device, local_device_names
 from .devices import Device, Machine, normalize_device_name, replace_device
 from .presets import DEFAULT_PRESET, PRESETS, did_you_mean
@@ -32,6 +32,7 @@ __all__ = [
     "assumed_preset",
     "local_machine",
     "check_no_cross_rank_split",
+    "reserve_note",
 ]
 
 #: Marks a CPU/disk whose capacity :func:`local_machine` already divided among a host's ranks.
@@ -347,3 +348,15 @@ def local_machine(machine: Machine, context: RankContext) -> Machine:
 
 def _rank_device_names(context: RankContext) -> list[str]:
     return ([context.local_device] if context.local_device != "cpu" else []) + ["cpu", "disk"]
+
+
+def reserve_note(machine: Machine) -> str | None:
+    """GPUs whose reserve (the CUDA context and allocator slack) leaves none of their memory usable: the plan shows
+    their memory, and they hold nothing of the model (``cuda:0=a10/512MiB`` under the default 1 GiB)."""
+    under = [d for d in machine.gpus if d.reserve_bytes and d.usable_bytes == 0]
+    if not under:
+        return None
+    said = "; ".join(f"{d.name} has {format_bytes(d.memory_bytes)}, all under its {format_bytes(d.reserve_bytes)} "
+                     f"reserve" for d in under)
+    return (f"{said} (the CUDA context and allocator slack): none of it holds the model; give the card's memory, or "
+            f"a budget as max_memory or NAME=SIZE (no reserve on top), or Device(..., reserve=...)")
