@@ -257,3 +257,9 @@ def test_a_rank_its_gpus_reserve_leaves_nothing_of_is_said_in_the_refusal() -> N
     with pytest.raises(InfeasiblePlacementError) as plain:  # short for another reason: no reserve note
         plan_pipeline("llama-3-70b", "2x(a10)")
     assert "reserve" not in str(plain.value)
+
+
+def test_a_padded_workload_is_refused_as_the_cli_refuses_it() -> None:
+    """pipeline() builds a causal mask only: a padded plan was accepted here and refused by plan --cluster."""
+    with pytest.raises(SolverInputError, match=r"padded=True.*plan with padded=False"):
+        plan_pipeline(_decoder(layers=2), "(a10*2)", Workload(batch_size=2, prompt_len=64, padded=True))

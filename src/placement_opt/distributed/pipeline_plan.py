@@ -237,7 +237,7 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         n_microbatches: micro-batches per step; default the number of stages.
 
     Raises:
-        SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches < 1``.
+        SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches < 1``, a padded workload.
         InfeasiblePlacementError: no split fits every rank's memory (says which and by how much).
     """
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
@@ -247,6 +247,9 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     if workload is not None and not isinstance(workload, Workload):  # dataclasses.replace raised a TypeError
         raise SolverInputError(f"workload must be a placement_opt.Workload, got {type(workload).__name__}: e.g. "
                                f"Workload(batch_size=1, prompt_len=2048), one micro-batch")
+    if workload is not None and workload.padded:  # pipeline() builds a causal mask only: no padding rows
+        raise SolverInputError("Workload(padded=True) is priced on one machine's plan: pipeline() runs unpadded "
+                               "micro-batches (a causal mask only); plan with padded=False")
     graph = _graph(model)
     ranks = cluster.ranks
     micro = n_microbatches if n_microbatches is not None else len(ranks)
