@@ -192,6 +192,15 @@ def test_a_negative_or_nan_figure_is_refused_naming_the_field_and_the_value(path
         Plan.from_dict(data)
 
 
+@pytest.mark.parametrize(("field", "word"), [("status", "FOO"), ("objective", "speed"), ("strategy", "magic")])
+def test_an_unknown_status_objective_or_strategy_is_refused_naming_the_accepted_words(field, word):
+    """They were read as written and shown by summary() and explain() as if a solver had said them."""
+    data = json.loads(json.dumps(_PRICED))
+    data[field] = word
+    with pytest.raises(PlanFormatError, match=rf"{field}: {field} '{word}' is unknown: accepted are "):
+        Plan.from_dict(data)
+
+
 def test_figures_written_as_strings_read_back_as_numbers():
     """json_safe writes an infinite time as "Infinity": the plan built from the checked cost has a float there."""
     data = json.loads(json.dumps(_PRICED))

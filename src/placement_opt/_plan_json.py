@@ -20,9 +20,9 @@ from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .errors import PlanFormatError
 from .hardware.devices import Machine
-from .plan import BaselineResult, Plan, UnitPlacement
+from .plan import STATUSES, STRATEGIES, BaselineResult, Plan, UnitPlacement
 from .schema import PlanSchema, json_safe, validated
-from .solver.problem import MODES
+from .solver.problem import MODES, OBJECTIVES
 from .units import few
 
 __all__ = ["EDITED_NOTE", "EDITED_WORKLOAD_NOTE", "plan_dict", "plan_json", "read_plan", "plan_from_json"]
@@ -86,7 +86,8 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
             f"{where} has schema version {version!r}, which is not supported (this placement_opt reads "
             f"versions {', '.join(map(str, _READABLE_VERSIONS))}): solve the plan again with this version"
         )
-    checked = validated(PlanSchema, data, what=where, fix=_FIX, context={"modes": MODES})
+    checked = validated(PlanSchema, data, what=where, fix=_FIX, context={
+        "modes": MODES, "objectives": OBJECTIVES, "strategies": STRATEGIES, "statuses": STATUSES})
     try:
         return _from_fields(cls, data, checked)
     except (KeyError, TypeError, ValueError, AttributeError) as err:

@@ -14,14 +14,13 @@ from typing import Any
 from .cost.workload import Workload
 from .errors import SolverInputError, TraceError
 from .model.expert_groups import expert_groups_refusal
-from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
+from .plan import STRATEGIES
 from .solver.problem import OBJECTIVES
 
 __all__ = ["STRATEGIES", "SOLVER_MODES", "check_arguments", "check_modes", "check_types", "check_granularity",
            "holds_no_tensors", "nothing_to_place"]
 
 #: Strategies ``solve`` accepts.
-STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
 #: The modes the solver chooses from (build_problem's default); ``stream_sync`` only scores baselines.
 SOLVER_MODES = ("resident", "stream", "phased")
 

@@ -15,9 +15,15 @@ from .cost.evaluate import Cost
 from .cost.workload import Workload
 from .hardware.devices import Machine
 from .model.expert_groups import whole_experts
+from .solver.greedy import STRATEGIES as BASELINE_STRATEGIES
 from .units import format_bytes, format_seconds, ratio_or_dash, seconds_or_dash
 
-__all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION"]
+__all__ = ["Plan", "UnitPlacement", "BaselineResult", "PLAN_SCHEMA_VERSION", "STRATEGIES", "STATUSES"]
+
+#: What made a plan: the solver, a greedy device_map baseline, or the installed accelerate's own map.
+STRATEGIES = ("cpsat", *BASELINE_STRATEGIES, "accelerate")
+#: A plan's status: CP-SAT's (``OPTIMAL`` only at gap 0), or ``GREEDY`` for a baseline.
+STATUSES = ("OPTIMAL", "FEASIBLE", "GREEDY")
 
 PLAN_SCHEMA_VERSION = 2
 """2 adds ``fingerprint`` (the model's units, for :func:`~placement_opt.plan_check.check_plan`) and

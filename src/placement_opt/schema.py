@@ -205,6 +205,10 @@ class FingerprintSchema(_Strict):
     digest: str
 
 
+#: The validation context's key holding each plan word's accepted values.
+_VOCABULARY = {"objective": "objectives", "strategy": "strategies", "status": "statuses"}
+
+
 class PlanSchema(_Strict):
     schema_version: Literal[1, 2]
     model_name: str
@@ -226,6 +230,15 @@ class PlanSchema(_Strict):
     fingerprint: FingerprintSchema | None = None
     home: str | None = Field(default=None, min_length=1)
     """Sublayer plans only: the device the residual stream stays on (a GPU or the CPU of the machine)."""
+
+    @field_validator("objective", "strategy", "status")
+    @classmethod
+    def _known_word(cls, word: str, info: ValidationInfo) -> str:
+        # the vocabularies live with the solver and the plan; the reader passes them (as it does the modes)
+        known = (info.context or {}).get(_VOCABULARY[info.field_name])
+        if known is not None and word not in known:
+            raise ValueError(f"{info.field_name} {word!r} is unknown: accepted are {', '.join(known)}")
+        return word
 
     @model_validator(mode="after")
     def _consistent(self) -> PlanSchema:
