@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .cost.calibrated import calibration_for
 from .hardware.presets import PRESETS
-from .hardware.profile_store import fallback_dtype, measured_elsewhere, this_host
+from .hardware.profile_store import fallback_dtype, measured_elsewhere, this_host, unread_profile
 from .hardware.resolve import assumed_preset, reserve_note
 from .model.expert_groups import group_counts, whole_experts
 from .units import few, format_bytes
@@ -70,6 +70,8 @@ def default_speeds_note(machine: Machine) -> str | None:
         return None
     guessed = ", ".join(f"{d.name} at {assumed_preset(d.source)}'s" for d in assumed)
     example = {"gpu": "cuda:0=rtx-4090/24GiB", "cpu": "cpu=cpu-server/64GiB", "disk": "disk=nvme-gen3/500GiB"}
+    if (unread := unread_profile()) is not None:  # "run placement-opt profile" would be refused: it keeps that file
+        return f"speeds assumed, not measured: {guessed} datasheet figures; {unread}"
     return (f"speeds assumed, not measured: {guessed} datasheet figures; run placement-opt profile on the machine "
             f"that has the devices, or name a preset (NAME=PRESET/SIZE, e.g. {example[assumed[0].kind]}; "
             f"placement-opt presets lists them)")

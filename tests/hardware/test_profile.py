@@ -134,6 +134,20 @@ def test_a_budget_alone_without_a_measurement_is_priced_at_a_preset_and_the_plan
     assert any("speeds assumed, not measured: cpu at cpu-desktop's, disk at nvme-gen4's" in n for n in detected)
 
 
+def test_a_profile_a_newer_placement_opt_wrote_is_said_to_be_unread(tmp_path, monkeypatch):
+    """load_profile() skips it (its entries may be keyed otherwise), and the devices fall back to presets: the note
+    told the user to run `placement-opt profile`, which refuses to write over that file."""
+    from placement_opt import solve
+
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps({"schema_version": PROFILE_SCHEMA_VERSION + 1, "measurements": {}}))
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(newer))
+    (note,) = [n for n in solve("llama-3-8b", ["cpu", "disk"]).notes if "speeds assumed" in n]
+    assert (f"the saved profile {str(newer)!r} has schema version {PROFILE_SCHEMA_VERSION + 1}, a newer "
+            f"placement_opt's, and is not read") in note
+    assert "run placement-opt profile" not in note
+
+
 def test_missing_or_foreign_profile_is_ignored(tmp_path) -> None:
     assert load_profile(tmp_path / "none.json") is None
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0}))

@@ -26,6 +26,7 @@ from .devices import Device, normalize_device_name
 __all__ = [
     "saved_device",
     "load_profile",
+    "unread_profile",
     "profile_path",
     "DEFAULT_PROFILE_PATH",
     "PROFILE_ENV_VAR",
@@ -256,6 +257,16 @@ def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
     if (why := _unwritable(where)) is not None:
         raise ProfileError(_cannot_save(where, why))
     return where
+
+
+def unread_profile(path: str | os.PathLike[str] | None = None) -> str | None:
+    """Why the profile at ``path`` (default :func:`profile_path`) is there but not read, else None: a newer
+    placement_opt wrote it (:func:`load_profile` returns None for it, and the devices fall back to presets)."""
+    where = profile_path(path)
+    if (version := _newer_version(where)) is None:
+        return None
+    return (f"the saved profile {str(where)!r} has schema version {version}, a newer placement_opt's, and is not read "
+            f"(this one reads version {PROFILE_SCHEMA_VERSION}): upgrade placement_opt to use it")
 
 
 def _newer_version(where: Path) -> int | None:
