@@ -140,6 +140,19 @@ def test_explain_names_the_streamed_unit_and_compares_the_baseline():
     assert len(baseline) == 1 and baseline[0].endswith(", fits, 2.00x this plan's time.")
 
 
+def test_explain_says_a_baseline_that_does_not_fit_would_run_out_of_memory_whatever_its_time():
+    """Its time read '0.47x this plan's time' beside 'does not fit', as if it were a faster plan."""
+    short = BaselineResult(strategy="balanced", total_s=0.5, fits=False, short_bytes=3 * 2**30,
+                           note="cuda:0 needs 9.00 GiB, has 6.00 GiB (3.00 GiB short): it would run out of memory")
+    plan = replace(_example(), baselines=(short,))
+    (line,) = [line for line in plan.explain().splitlines() if line.startswith("- baseline balanced")]
+    ratio = f"{0.5 / plan.cost.total_s:.2f}x"
+    assert line == (f"- baseline balanced: does not fit (cuda:0 needs 9.00 GiB, has 6.00 GiB (3.00 GiB short)), so it "
+                    f"would run out of memory; priced as if it fit, 500.00 ms ({ratio} this plan's time).")
+    bare = replace(plan, baselines=(replace(short, note=""),))
+    assert "does not fit (3.00 GiB short), so it would run out of memory" in bare.explain()
+
+
 def _seconds_cells(seconds: float) -> list[str]:
     from placement_opt.units import format_seconds
 

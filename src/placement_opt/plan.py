@@ -288,10 +288,14 @@ class Plan:
             if not b.ran:
                 lines.append(f"- baseline {b.strategy}: not run ({b.why_not_run.rstrip('.')}).")
                 continue
-            verdict = "fits" if b.fits else f"does not fit ({format_bytes(b.short_bytes)} short)"
-            lines.append(f"- baseline {b.strategy}: {seconds_or_dash(b.total_s)}, {verdict}, "
-                         f"{ratio_or_dash(b.total_s, self.cost.total_s)} this plan's time."
-                         + (f" {b.note.split(': ')[0]}." if b.note and not b.fits else ""))
+            ratio = ratio_or_dash(b.total_s, self.cost.total_s)
+            if b.fits:
+                lines.append(f"- baseline {b.strategy}: {seconds_or_dash(b.total_s)}, fits, {ratio} this plan's time.")
+                continue
+            # its time is what it would take had it the memory: a ratio under 1x is no faster plan, it cannot run
+            why = b.note.split(": ")[0] if b.note else f"{format_bytes(b.short_bytes)} short"
+            lines.append(f"- baseline {b.strategy}: does not fit ({why}), so it would run out of memory; priced as if "
+                         f"it fit, {seconds_or_dash(b.total_s)} ({ratio} this plan's time).")
         return lines
 
     # -- serialising --------------------------------------------------------------------
