@@ -84,16 +84,42 @@ def _in_checkpoint(model: nn.Module, slot: Slot, sources: Mapping[str, Any]) -> 
 
 
 def checkpoint_files(root: Path) -> list[Path]:
-    found = checkpoint_safetensors(root)
+    """The checkpoint's safetensors files, less those an offload store wrote there (a folder used as ``offload_dir``
+    holds files of the same tensor names: other weights, or casts of these, never the checkpoint's own)."""
+    found = [path for path in checkpoint_safetensors(root) if path.name not in _store_files(root)]
     if not found:
-        where = "is not a directory" if not root.is_dir() else "has no safetensors checkpoint (model.safetensors or an index)"
-        config_only = (root / "config.json").is_file()
-        raise DispatchError(f"{root} {where}: loading needs the weights in a local directory; save them with "
-                            f"model.save_pretrained(path), or download a hub model first "
-                            f"(huggingface_hub.snapshot_download)"
-                            + ("; a config alone can be planned (placement_opt.solve, placement-opt plan)"
-                               if config_only else ""))
+        raise DispatchError(_no_checkpoint(root))
     return found
+
+
+def _store_files(root: Path) -> set[str]:
+    """Names the manifest of an offload store in ``root`` lists (none where there is none, or it cannot be read)."""
+    import json
+
+    from .offload import MANIFEST_NAME
+
+    try:
+        files = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
+
+
+def _no_checkpoint(root: Path) -> str:
+    """What a directory without a safetensors checkpoint lacks, and how to make one."""
+    if not root.is_dir():
+        return (f"{root} is not a directory: loading needs the weights in a local directory; save them with "
+                f"model.save_pretrained(path), or download a hub model first (huggingface_hub.snapshot_download)")
+    if bins := sorted(p.name for p in root.glob("*.bin")):
+        return (f"{root} holds PyTorch .bin weights ({', '.join(bins[:3])}{', ...' if len(bins) > 3 else ''}), and "
+                f"placement_opt reads safetensors only (it maps them; it never unpickles): write them once as "
+                f"safetensors with AutoModelForCausalLM.from_pretrained(path).save_pretrained(path), whose default "
+                f"format that is")
+    return (f"{root} has no safetensors checkpoint (model.safetensors or an index): loading needs the weights in a "
+            f"local directory; save them with model.save_pretrained(path), or download a hub model first "
+            f"(huggingface_hub.snapshot_download)"
+            + ("; a config alone can be planned (placement_opt.solve, placement-opt plan)"
+               if (root / "config.json").is_file() else ""))
 
 
 def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:

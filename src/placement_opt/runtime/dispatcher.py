@@ -79,6 +79,7 @@ from ..model.expert_groups import group_counts
 from ..plan import Plan
 from . import _streamer
 from ._decode_attention import decode_without_cudnn_attention
+from ._disk_full import disk_bytes, disk_full_error, is_disk_full
 from ._dispatch_warnings import (
     warn_copy_headroom,
     warn_cpu_heap,
@@ -393,7 +394,7 @@ def _place(model: nn.Module, units: list[DispatchUnit], slots: list[Slot], offlo
                         f"placement_opt.load(), which reads them from the checkpoint"
                     )
                 store = store or OffloadStore(offload_dir)
-                _map_from_store(unit, store)
+                _stored(unit, store, units, model)
             else:
                 _map_from_sources(unit, disk_sources)
             unit.kind = "mmap" if execution == "cpu" and disk_reads == "mmap" else "stream"
@@ -431,6 +432,19 @@ def _set(slot: Slot, data: torch.Tensor, *, foreign: bool) -> None:
     slot.tensor.data = data
     slot.stored = data
     slot.foreign = slot.foreign or foreign
+
+
+def _stored(unit: DispatchUnit, store: OffloadStore, units: list[DispatchUnit], model: nn.Module) -> None:
+    """:func:`_map_from_store`, a full disk said with its figures (the undo log then puts the model back)."""
+    try:
+        _map_from_store(unit, store)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        needed = disk_bytes(s for u in units if u.placement.storage == "disk" for s in u.slots)
+        raise disk_full_error(f"dispatch of {type(model).__name__}", f"unit {unit.name!r}", store.directory, needed,
+                              "every change dispatch made is undone; the units written so far are kept and reused "
+                              "by the next dispatch") from exc
 
 
 def _map_from_store(unit: DispatchUnit, store: OffloadStore) -> None:

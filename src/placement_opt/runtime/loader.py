@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,10 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DeviceSpecError, DispatchError, ModelSpecError, PlacementError
+from ..cost.workload import Workload
+from ..errors import DeviceSpecError, DispatchError, ModelSpecError, PlacementError, WorkloadError
 from ..model.expert_groups import group_counts
 from ..plan import Plan
 from ._conversion import Converted, conversions
+from ._disk_full import disk_bytes, disk_full_error, is_disk_full, plan_disk_slots
 from ._expert_groups import split_experts
 from .checkpoint import (
     OFFLOAD_DIR_HINT,
@@ -88,7 +89,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     Raises:
         DispatchError: no safetensors checkpoint in the directory, or a weight the model needs
             is missing from it; a given ``plan`` of another model, for GPUs this machine does not have,
-            or using more of a device than ``devices`` gives it (checked before anything is read).
+            or using more of a device than ``devices`` gives it (checked before anything is read); ``offload_dir`` the
+            checkpoint's own folder; the disk full while converted weights are written (with the figures).
+        WorkloadError: ``workload`` feeds the model more tokens than its learned position table holds (GPT-2's).
         DeviceSpecError: ``devices`` names a GPU this machine does not have (before solving).
         ModelSpecError: ``model_id_or_path`` is not a path, or its config.json cannot be read or builds no model.
         PlanFormatError: ``plan`` is a path of a file that is not a plan.
@@ -101,9 +104,11 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     plan = _given_plan(plan)
     root = Path(model_id_or_path)
     files = checkpoint_files(root)
+    _check_offload_dir(root, offload_dir)
     if plan is not None:
         dtype = _plan_dtype(plan, dtype)
     model = meta_model(root, dtype)
+    _check_positions(model, workload)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     given = plan is not None
@@ -132,12 +137,12 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         model.eval()
         return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
     except BaseException as exc:
-        _on_failure(exc, root, offload_dir, sources)
+        _on_failure(exc, root, offload_dir, sources, model, plan)
         raise
 
 
 def _on_failure(exc: BaseException, root: Path, offload_dir: Any,
-                sources: Mapping[str, tuple[SafetensorsFile, str]]) -> None:
+                sources: Mapping[str, tuple[SafetensorsFile, str]], model: nn.Module, plan: Plan) -> None:
     """None once the open checkpoint files are let go (and an out-of-memory noted): :func:`load` then raises
     ``exc`` as it is; or the DispatchError that says what a full disk or an unreadable checkpoint asks of the
     caller, raised in its place."""
@@ -146,15 +151,43 @@ def _on_failure(exc: BaseException, root: Path, offload_dir: Any,
     if isinstance(exc, MemoryError | torch.OutOfMemoryError):
         # as dispatch() does: callers catch running out of memory by its own type (to retry smaller)
         exc.add_note(f"placement_opt.load ran out of memory loading {root} in its plan")
-    elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        raise DispatchError(f"load() of {root} ran out of disk space writing the weights its plan converts into "
-                            f"offload_dir ({offload_dir}): free space there or choose a folder on a larger disk; "
-                            f"the units written so far are kept and reused by the next load") from exc
+    elif is_disk_full(exc):
+        raise disk_full_error(f"load() of {root}", "the weights its plan converts", offload_dir,
+                              disk_bytes(plan_disk_slots(model, plan)),
+                              "the units written so far are kept and reused by the next load") from exc
     elif isinstance(exc, Exception) and not isinstance(exc, PlacementError):
         text = (str(exc).strip().splitlines() or [""])[0][:300]
         raise DispatchError(f"load() of {root} failed reading its checkpoint ({type(exc).__name__}: {text}): "
                             f"check that the directory is a complete checkpoint of this model "
                             f"(save or download it again)") from exc
+
+
+def _check_offload_dir(root: Path, offload_dir: Any) -> None:
+    """Refuse the checkpoint's own folder as ``offload_dir``: the store's files there hold the checkpoint's tensor
+    names (casts, fused experts), and a checkpoint read as every ``*.safetensors`` of its folder would load them."""
+    if offload_dir is None or not isinstance(offload_dir, str | os.PathLike):
+        return  # not given, or not a path: the offload store says what it takes
+    if Path(offload_dir).expanduser().resolve() == root.resolve():
+        raise DispatchError(f"offload_dir is the checkpoint folder {root}: converted weights would be written there "
+                            f"under the checkpoint's tensor names, beside its own files; pass {OFFLOAD_DIR_HINT} naming "
+                            f"another folder (e.g. {root.name}-offload beside it)")
+
+
+def _check_positions(model: nn.Module, workload: Any) -> None:
+    """Refuse a ``workload`` past the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``):
+    generate() would stop mid-run at its lookup. Rotary and ALiBi models have no table and run on."""
+    if not isinstance(workload, Workload):
+        return  # none (the solver's default), or one the solver refuses with its own message
+    positions = workload.prompt_len + workload.new_tokens - 1  # the last token generated is never fed back
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
+            most = module.num_embeddings - int(getattr(module, "offset", 0) or 0)
+            if positions > most:
+                raise WorkloadError(
+                    f"the model has {most} learned positions ({name}), and the workload's prompt_len + new_tokens, "
+                    f"{workload.prompt_len} + {workload.new_tokens}, feeds it {positions}: give a workload adding up "
+                    f"to at most {most + 1} tokens")
 
 
 def _given_plan(plan: Any) -> Plan | None:

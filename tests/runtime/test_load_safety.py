@@ -1,0 +1,147 @@
+"""load() and dispatch() leave what the user owns as it was, and say what a full disk or a foreign checkpoint asks.
+
+Tiny random-init Llama (4 layers, hidden 32: 177 KiB of float32 weights) and GPT-2 (3 blocks, 64 learned
+positions) written by ``save_pretrained`` into temporary folders.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _models import (
+    MAPPED,
+    RESIDENT,
+    assert_restored,
+    inputs_for,
+    plan_from,
+    saved_tiny,
+    snapshot,
+    tiny,
+)
+from placement_opt.cost.workload import Workload
+from placement_opt.errors import DispatchError, WorkloadError
+from placement_opt.runtime import offload
+from placement_opt.runtime.dispatcher import dispatch
+from placement_opt.runtime.loader import load
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _layers_on_disk(model: torch.nn.Module):
+    return plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT)
+
+
+def test_an_offload_dir_that_is_the_checkpoint_folder_is_refused_before_anything_is_written(tmp_path):
+    """load(path, offload_dir=path) wrote its bfloat16 casts of the disk layers beside the checkpoint's own file; a
+    checkpoint not named model.safetensors (read as every *.safetensors there) then loaded those casts as its weights:
+    logits off by 1.8e-3, with no word."""
+    model, path, _ = saved_tiny("llama", tmp_path / "ckpt")
+    before = _files(path)
+    with pytest.raises(DispatchError, match=r"offload_dir is the checkpoint folder .*pass offload_dir='some/dir' naming another folder"):
+        load(path, None, plan=_layers_on_disk(model), dtype="bfloat16", offload_dir=path)
+    with pytest.raises(DispatchError, match=r"offload_dir is the checkpoint folder"):
+        load(path, None, plan=_layers_on_disk(model), dtype="bfloat16", offload_dir=path / "." / "")
+    assert _files(path) == before
+
+
+def test_files_an_offload_store_wrote_into_a_checkpoint_folder_are_not_read_as_the_checkpoint(tmp_path):
+    """A folder an earlier dispatch() or load() used as its offload_dir holds the store's files of the same tensor
+    names (here the layers of other weights): load() reads the checkpoint's own file, not those."""
+    model, path, reference = saved_tiny("llama", tmp_path / "ckpt")
+    (path / "model.safetensors").rename(path / "consolidated.safetensors")  # found as *.safetensors
+    other = tiny("llama")
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(1.0)
+    dispatch(other, _layers_on_disk(other), offload_dir=path).remove()
+    assert len(list(path.glob("model.layers.*.safetensors"))) == 4
+    handle = load(path, None, plan=_layers_on_disk(model))
+    with torch.no_grad():
+        assert torch.equal(handle(**inputs_for(model)).logits, reference)
+    assert {f.path.name for unit in handle._units for f, _ in unit.disk} == {"consolidated.safetensors"}
+
+
+def test_a_checkpoint_of_bin_files_says_how_to_make_it_safetensors(tmp_path):
+    model = tiny("llama")
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(DispatchError, match=r"PyTorch .bin weights \(pytorch_model\.bin\).*save_pretrained\(path\)"):
+        load(tmp_path, None, plan=_layers_on_disk(model))
+
+
+def _full_after(monkeypatch, writes: int) -> None:
+    """The offload store's disk is full once ``writes`` files have been written."""
+    real = offload.OffloadStore._write_temporary
+    done = []
+
+    def write(self, name, layout):
+        if len(done) >= writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        done.append(name)
+        return real(self, name, layout)
+
+    monkeypatch.setattr(offload.OffloadStore, "_write_temporary", write)
+
+
+@pytest.mark.parametrize("writes", [0, 2])
+def test_dispatch_that_fills_the_disk_says_how_much_it_needs_and_leaves_the_model_as_it_was(monkeypatch, tmp_path,
+                                                                                         writes):
+    """It said 'failed while placing unit ... (OSError: No space left on device) ... fix the cause': neither the
+    folder, nor how much the disk units take, nor what to do."""
+    model = tiny("llama")
+    before = snapshot(model)
+    disk_bytes = sum(t.nbytes for name, t in model.state_dict().items() if ".layers." in name)
+    # each layer 9280 float32 (q, o 32x32; k, v 16x32; gate, up, down 64x32; two norms of 32): 36.25 KiB
+    _full_after(monkeypatch, writes)
+    with pytest.raises(DispatchError) as caught:
+        dispatch(model, _layers_on_disk(model), offload_dir=tmp_path)
+    text = str(caught.value)
+    assert f"ran out of disk space writing unit 'model.layers.{writes}'" in text
+    assert str(tmp_path) in text and "free space there or choose a folder on a larger disk" in text
+    assert disk_bytes == 4 * 9280 * 4 and "stores 145.00 KiB of weights on disk" in text
+    assert re.search(r"[0-9.]+ [KMGT]iB free there now", text)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert_restored(model, before)
+
+
+def test_load_that_fills_the_disk_says_how_much_its_plan_writes(monkeypatch, tmp_path):
+    model, path, _ = saved_tiny("llama", tmp_path / "ckpt")
+    _full_after(monkeypatch, 1)
+    # the 4 layers in bfloat16: 4 x 9280 x 2 bytes
+    with pytest.raises(DispatchError, match=r"ran out of disk space .* stores 72\.50 KiB of weights on disk, .* free there"):
+        load(path, None, plan=_layers_on_disk(model), dtype="bfloat16", offload_dir=tmp_path / "offload")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.integers(1, 90), new_tokens=st.integers(1, 40))
+def test_a_workload_past_the_learned_position_table_is_refused_before_solving(gpt2_checkpoint, prompt, new_tokens):
+    """GPT-2 has 64 learned positions (wpe): load() solved and read a plan for 60 + 20 tokens, and generate()
+    stopped in the middle with 'IndexError: index out of range in self'."""
+    workload = Workload(batch_size=1, prompt_len=prompt, new_tokens=new_tokens)
+    if prompt + new_tokens - 1 <= 64:
+        load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload).remove()
+        return
+    with pytest.raises(WorkloadError, match=rf"64 learned positions \(transformer\.wpe\).*{prompt} \+ {new_tokens}"):
+        load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload)
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory) -> Path:
+    return saved_tiny("gpt2", tmp_path_factory.mktemp("gpt2"))[1]
+
+
+def test_a_workload_beside_a_plan_past_the_learned_position_table_is_refused(gpt2_checkpoint):
+    """As placement-opt run --plan does: the workload the plan is run at, not only the one it was solved for."""
+    plan = plan_from(tiny("gpt2"), lambda i, u: RESIDENT)
+    with pytest.raises(WorkloadError, match="64 learned positions"):
+        load(gpt2_checkpoint, None, plan=plan, workload=Workload(batch_size=1, prompt_len=60, new_tokens=20))
