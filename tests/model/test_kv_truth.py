@@ -1,6 +1,8 @@
 """The KV cache a trace records is the one transformers keeps: for each architecture below, the sum over units of
 ``kv_bytes_per_token`` equals what a meta forward's ``DynamicCache`` holds per token, layer kinds included (grouped
-heads, sliding windows, DeepSeek's latent attention, MiniMax's linear-attention layers, Falcon-H1's hybrid layers, Gemma-4's per-layer heads, Gemma-3n's layers that reuse an earlier layer's cache)."""
+heads, sliding windows, DeepSeek's latent attention, MiniMax's linear-attention layers, Falcon-H1's hybrid layers,
+Gemma-4's per-layer heads, Gemma-3n's layers that reuse an earlier layer's cache, Falcon's grouped keys cached per
+head, MiMo-V2-Flash's sliding layers of other head counts, Phi-4-multimodal's media encoders)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ CASES = {
     "gemma4_text": {},
     "falcon_h1": {},  # a hybrid: each layer's cache holds a linear state and its attention's KV
     "gemma3n_text": {"num_kv_shared_layers": 2},  # the last two layers reuse earlier layers' keys and values
+    # Falcon-40B's layout: transformers caches the 4 KV groups broadcast to all 16 heads (the trace said 4)
+    "falcon": {"hidden_size": 1024, "num_attention_heads": 16, "num_kv_heads": 4, "new_decoder_architecture": True},
+    # sliding layers with twice the config's num_key_value_heads, told only by num_key_value_groups (the trace
+    # charged them the config's)
+    "mimo_v2_flash": {},
+    # a vision and an audio encoder named image_embed and audio_embed: charged a KV cache in every decode step
+    "phi4_multimodal": {},
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from . import _recorder
-from ._context import TraceContext, first_int, hidden_size, is_block, is_container
+from ._context import TraceContext, first_int, hidden_size, in_media_encoder, is_block, is_container
 from .dtypes import dtype_bytes
 
 __all__ = ["AttentionFacts", "graph_extra"]
@@ -80,15 +80,23 @@ class AttentionFacts:
         cross = [m for n, m in self.owned.get(unit_name, []) if _is_cross(n, m)]
         if cross:
             self.cross_kv_bytes_per_token = sum(self._per_module(m)[1] for m in cross) * dtype_bytes(self.ctx.dtype)
-        figures = [(self._per_module(m), _reuses_cache(m)) for m in self._cached_selves(unit_name)]
+        flops = sum(self._per_module(m)[0] for m in self._prompt_selves(unit_name))
         # a layer that reuses an earlier layer's keys and values (Gemma-3n's last ones) attends, caching nothing
-        return sum(f for (f, _), _ in figures), sum(kv for (_, kv), reuses in figures if not reuses)
+        cached = sum(self._per_module(m)[1] for m in self._cached_selves(unit_name) if not _reuses_cache(m))
+        return flops, cached
 
     def expansion(self, unit_name: str) -> tuple[int, int, int]:
         """What a decode step spends per cached token per sequence re-expanding a compressed cache, summed over
         the unit's cached self-attention modules: (FLOPs, bytes alive on any device, bytes a CPU adds)."""
         figures = [self._expansion(m) for m in self._cached_selves(unit_name)]
         return (sum(f[0] for f in figures), sum(f[1] for f in figures), sum(f[2] for f in figures))
+
+    def _prompt_selves(self, unit_name: str) -> list[nn.Module]:
+        """The unit's self-attention modules whose work grows with the prompt: causal or not (an encoder's attends
+        to the whole prompt: BART's, ModernBERT's), but not a media encoder's (its context is the image) nor a linear
+        attention (no work per context token)."""
+        return [m for n, m in self.owned.get(unit_name, []) if not _is_cross(n, m) and not in_media_encoder(n)
+                and _layer_index(m) not in self._linear]
 
     def _cached_selves(self, unit_name: str) -> list[nn.Module]:
         """The unit's self-attention modules that run over a cache: a vision tower's or an encoder's attention
@@ -141,23 +149,39 @@ class AttentionFacts:
         return 2 * heads * (head_dim + value_dim), kv * (head_dim + value_dim)
 
     def _shape(self, attention: nn.Module) -> tuple[int, int, int]:
+        """(query heads, heads the KV cache holds per token, head size) of one attention module."""
         config = self.ctx.config
-        heads = kv = head_dim = 0
+        heads = kv = head_dim = groups = listed_kv = 0
         for sub in attention.modules():
             heads = heads or first_int(sub, ("num_heads", "n_heads", "num_attention_heads", "n_head"))
             kv = kv or first_int(sub, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
             head_dim = head_dim or first_int(sub, ("head_dim", "key_value_proj_dim", "attention_head_size"))
-            groups = first_int(sub, ("num_key_value_groups",))
+            groups = groups or first_int(sub, ("num_key_value_groups",))
             sub_config = getattr(sub, "config", None)
             heads = heads or first_int(sub_config, ("num_attention_heads", "num_heads", "n_head"))
-            kv = kv or first_int(sub_config, ("num_key_value_heads",))
-            if heads and groups and not kv:
-                kv = heads // groups
+            listed_kv = listed_kv or first_int(sub_config, ("num_key_value_heads",))
         heads = heads or first_int(config, ("num_attention_heads", "num_heads", "n_head"))
-        kv = kv or first_int(config, ("num_key_value_heads", "num_kv_heads")) or heads
+        # the module's own grouping before its config's figure: a layer may differ from the config (MiMo-V2-Flash's
+        # sliding layers have twice its num_key_value_heads, and say so only in num_key_value_groups)
+        kv = (kv or (heads // groups if heads and groups else 0) or listed_kv
+              or first_int(config, ("num_key_value_heads", "num_kv_heads")) or heads)
+        if _caches_every_head(attention):
+            kv = heads
         hidden = hidden_size(self.ctx)
         head_dim = head_dim or first_int(config, ("head_dim", "d_kv")) or (hidden // heads if heads else 0)
         return heads, kv, head_dim
+
+
+def _caches_every_head(attention: nn.Module) -> bool:
+    """Whether the module writes its grouped keys and values to the cache already repeated for every query head.
+
+    transformers' ``FalconAttention`` with ``new_decoder_architecture`` (Falcon-40B, Falcon-180B) broadcasts its
+    ``num_kv_heads`` groups to all ``num_attention_heads`` before ``layer_past.update``: the cache holds a key and a
+    value per query head (Falcon-40B: 128 heads, not 8, 16x the grouped figure), and the memory a plan must keep
+    is that one.
+    """
+    return any(getattr(m, "new_decoder_architecture", False) is True and hasattr(m, "query_key_value")
+               for m in attention.modules())
 
 
 def _reuses_cache(attention: nn.Module) -> bool:

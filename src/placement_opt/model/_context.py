@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TraceContext", "is_block", "is_container", "experts_per_token", "first_int", "hidden_size"]
+__all__ = ["TraceContext", "is_block", "is_container", "experts_per_token", "first_int", "hidden_size", "MEDIA_ENCODERS",
+           "in_media_encoder"]
+
+#: Submodules of multimodal models that encode an image or a sound once, in the prompt: no decode step runs them
+#: (Phi-4-multimodal's are ``image_embed`` and ``audio_embed``).
+MEDIA_ENCODERS = frozenset({"vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder",
+                            "audio_tower", "multi_modal_projector", "image_embed", "audio_embed"})
 
 
 @dataclass
@@ -79,3 +85,8 @@ def hidden_size(ctx: TraceContext) -> int:
         return value
     linear = next((m for m in ctx.module.modules() if isinstance(m, nn.Linear)), None)
     return linear.out_features if linear is not None else 1
+
+
+def in_media_encoder(name: str) -> bool:
+    """Whether the module or unit ``name`` lies in a multimodal model's media encoder (:data:`MEDIA_ENCODERS`)."""
+    return bool(MEDIA_ENCODERS & set(name.split(".")))

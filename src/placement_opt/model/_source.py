@@ -27,13 +27,29 @@ __all__ = ["resolve_source", "config_of", "meta_skeleton", "first_line"]
 
 
 _ENCODER_ONLY_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
-                       "deberta-v2", "camembert", "mpnet", "modernbert", "ernie"}
+                       "deberta-v2", "camembert", "mpnet", "modernbert", "ernie", "bert-generation"}
+
+
+def _is_encoder(config: Any) -> bool:
+    """An encoder-only config: BERT's family, by name or by having a masked-LM class, unless it says ``is_decoder``.
+
+    Their causal-LM classes (``XLMRobertaXLForCausalLM``, ``RoFormerForCausalLM``) run bidirectionally without a
+    cache unless ``is_decoder`` is set: built as one, an encoder got an LM head and a KV cache it never keeps
+    (``ReformerModelWithLMHead`` refuses to be built at all).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_decoder", False) is True:
+        return False
+    return model_type in _ENCODER_ONLY_TYPES or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def resolve_source(model: Any, dtype: str | torch.dtype | None
              ) -> tuple[nn.Module, str, Any, torch.dtype, torch.dtype | None]:
     """(module, name, config or None, graph dtype, dtype to count floating tensors in or None for their own)."""
     if isinstance(model, nn.Module):
+        model = _compiled_original(model)
         config = getattr(model, "config", None)
         name = getattr(config, "name_or_path", "") or type(model).__name__
         if dtype is None:
@@ -43,6 +59,15 @@ def resolve_source(model: Any, dtype: str | torch.dtype | None
     torch_dtype = as_torch_dtype(dtype) if dtype is not None else config_dtype(config)
     name = getattr(config, "name_or_path", "") or type(config).__name__
     return _build_on_meta(config, torch_dtype), name, config, torch_dtype, None
+
+
+def _compiled_original(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``), which the compiled one runs: the wrapper's forward is an
+    instance attribute the meta copy drops, so it fell back to a static graph with every unit named ``_orig_mod.``...,
+    names no checkpoint or ``from_pretrained`` device map has."""
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def config_of(name: str | os.PathLike[str]) -> Any:
@@ -136,7 +161,7 @@ def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
     config = copy.deepcopy(config)  # from_config writes its dtype into the config
     if getattr(config, "is_encoder_decoder", False):
         auto = transformers.AutoModelForSeq2SeqLM
-    elif getattr(config, "model_type", "") in _ENCODER_ONLY_TYPES:
+    elif _is_encoder(config):
         auto = transformers.AutoModel
     else:
         auto = transformers.AutoModelForCausalLM

@@ -23,7 +23,8 @@ Conventions the cost model relies on:
   ``torch.utils.flop_counter`` formulas (matmuls, convolutions, attention kernels). Attention is traced
   with the implementation the model runs with (a config: sdpa where its class has it); on meta, sdpa
   runs as its math path, so QK^T and AV are visible matmuls either way.
-* ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` per self-attention module of units
+* ``kv_bytes_per_token``: ``2 x kv_heads x head_dim x dtype bytes`` (``kv_heads``: the heads transformers caches,
+  every query head for Falcon's new decoder architecture) per self-attention module of units
   (keys and values of their own sizes where the module has ``v_head_dim``; a latent-attention module,
   DeepSeek's, the ``kv_lora_rank + qk_rope_head_dim`` values transformers caches) that run at decode
   time in generating models (decoder-only and the decoder of encoder-decoders);
@@ -60,6 +61,7 @@ graph.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import warnings
@@ -74,7 +76,7 @@ from torch.utils._pytree import tree_map
 from ..errors import TraceError
 from . import _recorder
 from ._attention import AttentionFacts, graph_extra
-from ._context import TraceContext, experts_per_token, is_block, is_container
+from ._context import TraceContext, experts_per_token, in_media_encoder, is_block, is_container
 from ._decode_probe import decode_lines, probe_contexts
 from ._node_attributes import node_attributes
 from ._source import first_line, resolve_source
@@ -158,7 +160,8 @@ def trace(
 
     Raises:
         TraceError: the argument is none of the accepted kinds, or the model cannot be built from its
-            config. Also a bad ``batch_size``, ``seq_len``, ``granularity`` or ``expert_groups``.
+            config. Also a bad ``batch_size``, ``seq_len``, ``granularity`` or ``expert_groups``, or a
+            ``no_split`` naming no class the model has.
         ModelSpecError: a name that is no preset, local path or reachable model id, a config that cannot
             be read, or a ``dtype`` (or the config's) that names no torch dtype.
     """
@@ -179,6 +182,7 @@ def trace(
     _check_expert_groups(expert_groups, granularity)
     module, name, config, torch_dtype, override = resolve_source(model, dtype)
     _check_whole_experts(module)
+    _check_no_split_found(module, no_split)
     split = no_split_names(module, no_split, granularity)
     units, whole = find_units(module, split, granularity)
     ctx = TraceContext(module=module, name=name, config=config, dtype=torch_dtype, override=override,
@@ -224,6 +228,22 @@ def _raised_in_placement_opt(exc: BaseException) -> str | None:
     package = Path(__file__).resolve().parents[1]
     where = Path(frames[-1].filename).resolve()
     return f"{where.relative_to(package.parent)}:{frames[-1].lineno}" if package in where.parents else None
+
+
+def _check_no_split_found(module: nn.Module, no_split: list[str] | None) -> None:
+    """Refuse class names of which the model has no module: a misspelt layer class kept nothing whole, and the graph
+    silently became one of every module with tensors (units that cannot run across devices)."""
+    if not no_split:
+        return
+    present = {type(m).__name__ for m in module.modules()}
+    if present & set(no_split):
+        return
+    own = list(getattr(module, "_no_split_modules", None) or ())
+    close = sorted({c for n in no_split for c in difflib.get_close_matches(n, sorted(present), n=1)})
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise TraceError(f"no_split names {', '.join(no_split)}, but {type(module).__name__} has no module of "
+                     f"{'that class' if len(no_split) == 1 else 'those classes'}: {hint}its own no-split classes "
+                     f"are {own or 'none'}; pass class names of its modules, or no_split=None for its own")
 
 
 def _check_expert_groups(expert_groups: Any, granularity: str) -> None:
@@ -423,14 +443,9 @@ def _add_edges(digraph: nx.DiGraph, ctx: TraceContext, record: _recorder.Record 
     return dropped
 
 
-#: Submodules of multimodal models that encode an image or a sound once, in the prompt: no decode step runs them.
-_MEDIA_ENCODERS = frozenset({"vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder",
-                             "audio_tower", "multi_modal_projector"})
-
-
 def _encoder_units(ctx: TraceContext) -> set[str]:
     """Units that run only inside the encoder of an encoder-decoder model, or a multimodal model's media encoder."""
-    media = {n for n in ctx.units if _MEDIA_ENCODERS & set(n.split("."))}
+    media = {n for n in ctx.units if in_media_encoder(n)}
     if not getattr(ctx.config, "is_encoder_decoder", False) or not hasattr(ctx.module, "get_encoder"):
         return media
     encoder = ctx.module.get_encoder()
