@@ -72,6 +72,12 @@ def profile(out: str | None, quick: bool, dtype: str | None, model: str | None, 
     check_not_foreign(out or str(profile_path()), "profile", "--out")
     if model is None and (granularity != "block" or expert_groups > 1):
         raise click.UsageError("--granularity and --expert-groups say how --model is timed: add --model MODEL")
+    given = click.get_current_context().get_parameter_source
+    shaping = [f"--{name.replace('_', '-')}" for name in ("batch", "prompt", "new_tokens")
+               if given(name) == click.core.ParameterSource.COMMANDLINE]
+    if model is None and shaping:  # the devices are measured at fixed sizes: alone, these were ignored
+        raise click.UsageError(f"{', '.join(shaping)} {'says' if len(shaping) == 1 else 'say'} the workload --model is "
+                               f"timed at: add --model MODEL, or leave {'it' if len(shaping) == 1 else 'them'} out")
     with errors_as_messages():
         from ..hardware.profile_store import profile_path
         from ..hardware.profiler import profile as measure
@@ -119,6 +125,11 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
     from ..progress import ENV, progress_enabled
 
     check_output_folder(out, "--out")
+    running = [flag for flag, on in (("--quick", quick), ("--only", bool(only))) if on]
+    if collect and running:  # run_all.py would drop them: nothing runs, and --quick labelled the report a smoke run
+        raise click.UsageError(f"{' and '.join(running)} with --collect: --collect runs nothing and rebuilds the report "
+                               f"from every folder's last results; leave {'them' if len(running) > 1 else 'it'} out, "
+                               f"or leave --collect out to run")
     script = _benchmarks_dir() / "run_all.py"
     if not script.is_file():
         raise Failure(f"{script} not found: 'bench' needs a source checkout of placement_opt")

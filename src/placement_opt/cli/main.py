@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .._files import write_text_atomic
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..report import EXTRA_SEARCH_S, gap_advice
 from ._machine_commands import bench, presets, profile
@@ -54,7 +53,7 @@ from .output import (
     console_for,
     errors_as_messages,
     progress,
-    say_written,
+    write_json,
     write_outputs,
 )
 from .run import run
@@ -185,6 +184,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     pins = parse_pins(pin)
     _check_cluster_options(cluster, devices)
     _check_plan_options(strategy, bool(pins), contiguous, cluster, overlap, padded)
+    _check_search_options(strategy, cluster, modes, granularity, time_limit)
     if cluster is not None:
         return _plan_cluster(model, cluster, batch, prompt, dtype, schedule, microbatches, train, json_path,
                              not no_cache)
@@ -198,7 +198,7 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
             chosen["pins"] = pins
         if contiguous:
             chosen["contiguous"] = True
-        if granularity == "auto" and strategy == "cpsat":
+        if granularity == "auto":  # cpsat only (_check_search_options)
             sublayer = _trace(checked, graph.meta.dtype, "sublayer", expert_groups, not no_cache)
             chosen.update(granularity="auto", expert_groups=expert_groups, sublayer=sublayer)
         # accelerate's own map needs the transformers config: read only then (the cached graph needs none)
@@ -237,6 +237,25 @@ def _check_plan_options(strategy: str, pinned: bool, contiguous: bool, cluster: 
                                "leave --padded out")
 
 
+def _check_search_options(strategy: str, cluster: str | None, modes: str | None, granularity: str,
+                          time_limit: float | None) -> None:
+    """Options of the cpsat search, refused with a strategy that does not search: they were ignored without a word
+    (the greedy fills and accelerate's own map choose no modes, solve nothing twice and take no time limit)."""
+    if strategy == "cpsat" or cluster is not None:  # --cluster refuses them itself, naming all at once
+        return
+    does = ("is the installed library's own map" if strategy == "accelerate"
+            else "fills the devices in its own order")
+    if modes is not None:
+        raise click.UsageError(f"--modes says what the cpsat search may choose: --strategy {strategy} {does}, and "
+                               f"runs it as accelerate does; leave --modes out, or use --strategy cpsat")
+    if granularity == "auto":
+        raise click.UsageError(f"--granularity auto keeps the better of two cpsat plans: --strategy {strategy} {does}; "
+                               f"give --granularity block or sublayer, or use --strategy cpsat")
+    if time_limit is not None:
+        raise click.UsageError(f"--time-limit bounds the cpsat search: --strategy {strategy} {does}, without a "
+                               f"search; leave --time-limit out, or use --strategy cpsat")
+
+
 def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str | None, schedule: str,
                   microbatches: int | None, train: bool, json_path: str | None, use_cache: bool) -> None:
     """``plan --cluster``: contiguous pipeline stages, one per rank, printed per host and rank."""
@@ -258,10 +277,8 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
         result = plan_pipeline(graph, parse(dtype or graph.meta.dtype), workload, schedule=schedule,
                                n_microbatches=microbatches)
     console.print(result.summary(), markup=False, highlight=False)
-    if json_path == STDOUT:
-        click.echo(result.to_json())
-    elif json_path:
-        write_text_atomic(json_path, result.to_json())
+    if json_path:
+        write_json(console, json_path, result.to_json(), "pipeline plan", "plan")
 
 
 def _check_microbatches(schedule: str, microbatches: int | None, ranks: int) -> None:
@@ -357,11 +374,7 @@ def _write_comparison(console: Console, outcomes: Sequence[StrategyOutcome], jso
     if json_path:
         rows = [{"strategy": o.strategy, "fits": o.fits, "ran": o.ran, "error": o.error,
                  "plan": o.plan.to_dict() if o.plan else None} for o in outcomes]
-        if json_path == STDOUT:
-            click.echo(json.dumps(rows, indent=1))
-        else:
-            write_text_atomic(json_path, json.dumps(rows, indent=1))
-            say_written(console, f"results written to {json_path}")
+        write_json(console, json_path, json.dumps(rows, indent=1), "comparison", "results")
     if plot:
         best = next((o.plan for o in outcomes if o.strategy == "cpsat" and o.plan), None)
         best = best or next((o.plan for o in outcomes if o.plan), None)

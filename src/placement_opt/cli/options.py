@@ -120,20 +120,23 @@ def _close_presets(text: str, presets: Sequence[str]) -> list[str]:
     return difflib.get_close_matches(text.strip().lower(), list(presets), n=2, cutoff=0.85)
 
 
-def model_dtype(text: str) -> str:
+def model_dtype(text: str, param_hint: str = "--model") -> str:
     """The dtype a model argument's weights are published in (its config's), bfloat16 when it names none.
 
     Raises:
-        click.BadParameter: the argument is not a model (see :func:`resolve_model`).
+        click.BadParameter: the argument is not a model (see :func:`resolve_model`), or its config cannot be read
+            (a model id neither cached nor on a hub that answers): one line, naming ``param_hint``.
     """
     resolved = resolve_model(text)
     if isinstance(resolved, str):  # a directory or a model id: its config.json
-        from transformers import AutoConfig
+        from ..compare import one_line
+        from ..errors import ModelSpecError
+        from ..model._source import config_of
 
         try:
-            resolved = AutoConfig.from_pretrained(resolved)
-        except (OSError, ValueError) as exc:
-            raise click.BadParameter(f"cannot read the config of {text!r}: {exc}", param_hint="--model") from None
+            resolved = config_of(resolved)
+        except ModelSpecError as exc:  # transformers' own message runs over several lines
+            raise click.BadParameter(one_line(exc), param_hint=param_hint) from None
     dtype = getattr(resolved, "dtype", None) or getattr(resolved, "torch_dtype", None)
     name = str(dtype).replace("torch.", "") if dtype is not None else "bfloat16"
     return name if name in DTYPES else "bfloat16"
@@ -237,8 +240,8 @@ def solve_options(func: Any) -> Any:
                           "instead for several machines)"),
         click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
                      help="what the plan minimises: latency, one request's prefill + decode; throughput, the "
-                          "busiest device's work per request (what back-to-back requests wait on); memory, bytes on "
-                          "the GPUs"),
+                          "busiest device's work per request (what back-to-back requests wait on); memory, the fewest "
+                          "bytes on the GPUs whose latency stays within 5 % of the best"),
         click.option("--batch", type=int, default=1, show_default=True, help="sequences generated together"),
         click.option("--prompt", type=int, default=512, show_default=True, help="prompt tokens (prefill)"),
         click.option("--new-tokens", type=int, default=128, show_default=True, help="tokens generated"),
@@ -322,9 +325,10 @@ def require_devices(devices: str | None) -> str:
 
 def check_output_folder(path: str | None, option: str) -> None:
     """Refuse an output file in a folder that does not exist, before any work is done."""
-    if path and path != "-" and not Path(path).expanduser().resolve().parent.is_dir():
-        raise click.BadParameter(f"{path!r}: folder {str(Path(path).parent)!r} does not exist; create it first "
-                                 f"or give a path in an existing folder", param_hint=option)
+    if path and path != "-" and not (folder := Path(path).expanduser().resolve().parent).is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
+        raise click.BadParameter(f"{path!r}: folder {str(Path(path).parent)!r} {what}, or give a path in an "
+                                 f"existing folder", param_hint=option)
 
 
 def check_plot_suffix(path: str | None) -> None:

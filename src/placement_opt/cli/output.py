@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
 
 __all__ = ["EXIT_INFEASIBLE", "STDOUT", "Failure", "console_for", "progress", "errors_as_messages", "write_outputs",
-           "say_written", "devices_table"]
+           "write_json", "say_written", "devices_table"]
 
 
 EXIT_INFEASIBLE = 1
@@ -93,6 +93,23 @@ def errors_as_messages() -> Iterator[None]:
 def say_written(console: Console, text: str) -> None:
     """A line that names a file: never wrapped, so the path can be copied whatever the width."""
     console.print(text, soft_wrap=True, markup=False)
+
+
+def write_json(console: Console, path: str, text: str, what: str, written: str) -> None:
+    """``text``, a JSON document holding ``what`` ("comparison", "run's figures"), on stdout for ``--json -``, else
+    written to ``path`` and named (``"WRITTEN written to PATH"``); a path that cannot be written is a one-line
+    :class:`Failure`, not a traceback after the work."""
+    from .._files import write_text_atomic
+
+    if path == STDOUT:
+        click.echo(text)
+        return
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise Failure(f"cannot write the {what} to {path}: {exc.strerror or exc}; give --json a path in a folder "
+                      f"you can write to") from None
+    say_written(console, f"{written} written to {path}")
 
 
 def write_outputs(console: Console, result: Plan, json_path: str | None, plot: str | None,

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .._files import write_text_atomic
 from ..compare import one_line
 from . import _run_measured
 from .options import (
     DTYPES,
     check_expert_groups,
     check_not_foreign,
+    check_output_folder,
     expert_groups_option,
     model_dtype,
     parse_pins,
@@ -28,7 +28,7 @@ from .options import (
     resolve_devices,
     workload_from,
 )
-from .output import console_for, errors_as_messages, progress, say_written
+from .output import STDOUT, console_for, errors_as_messages, progress, write_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import Plan
@@ -88,14 +88,14 @@ CLI_BUDGET_HINT = ("leave --plan out to plan for these --devices, or give --devi
 @click.option("--fix-mmap-threshold", "fix_threshold", is_flag=True,
               help="fix glibc's mmap threshold first (placement_opt.runtime.allocator.fix_mmap_threshold): the RAM a "
                    "forward takes then follows its live tensors, which the plan's CPU memory counts, at a cost in speed "
-                   "(5-18 % of a CPU forward here: docs/limitations.md)")
+                   "(4-18 % of a CPU forward here: docs/limitations.md)")
 @click.option("--breakdown", is_flag=True,
               help="then generate once more with every unit's call marked, and set each kind of unit's seconds (and the "
                    "units furthest from their prediction) beside the plan's: where a miss comes from")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="prefills timed (each on a new cache); the median is shown, and each is in --json")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="write the predicted and measured figures here")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="write the predicted and measured figures here ('-': to stdout, with the tables on stderr)")
 def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | None, new_tokens: int | None,
         text: str | None,
         dtype: str | None, plan_path: str | None, offload_dir: str | None, granularity: str, pin: tuple[str, ...],
@@ -105,8 +105,10 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
     from ..plan import Plan
     from ..planner import SOLVER_NOTES
 
-    console = console_for()
+    console = console_for(stderr=json_path == STDOUT)
+    check_output_folder(json_path, "--json")  # before the load and the run, not after them
     check_not_foreign(json_path, "run's figures", "--json")
+    _check_text(text, prompt)
     with errors_as_messages():
         saved = Plan.from_json(plan_path) if plan_path else None  # read once: its workload, devices and units
     batch, prompt, new_tokens = _shape(saved, batch, prompt, new_tokens)
@@ -154,8 +156,7 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
         figures["accelerate"] = _run_measured.vs_accelerate(console, checkpoint, machine, plan, cost, timing,
                                                             (ids, new_tokens, cold, repeats, mask), offload_dir)
     if json_path:
-        write_text_atomic(json_path, json.dumps(figures, indent=1))
-        say_written(console, f"figures written to {json_path}")
+        write_json(console, json_path, json.dumps(figures, indent=1), "run's figures", "figures")
 
 
 #: --batch, --prompt and --new-tokens when neither they nor a --plan say.
@@ -174,6 +175,14 @@ def _shape(saved: Plan | None, batch: int | None, prompt: int | None,
     return tuple(g if g is not None else f for g, f in zip(given, fallback, strict=True))  # type: ignore[return-value]
 
 
+def _check_text(text: str | None, prompt: int | None) -> None:
+    """Refuse ``--prompt`` beside ``--text``: the text's tokens are the prompt, so its length would be dropped."""
+    if text is not None and prompt is not None:
+        raise click.UsageError(f"--prompt {prompt} with --text: the prompt is the text's tokens, so --prompt would be "
+                               f"ignored; leave --prompt out, or leave --text out for a random prompt of --prompt "
+                               f"tokens")
+
+
 def _check_counts(new_tokens: int, repeats: int) -> None:
     """None, or the usage error for too few new tokens to time a decode step or too few prefills to time one:
     refused before anything is read."""
@@ -187,8 +196,8 @@ def _machine(checkpoint: str, devices: str | None, dtype: str | None, offload_di
     """The machine ``--devices`` describes, priced in the run's dtype, its bare disk where ``--offload-dir`` writes:
     resolved once before and, with ``--calibrate``, once after calibrating."""
     # NAME=SIZE is this machine's device with that budget, as for plan (and a max_memory entry)
-    return _disk_at(resolve_devices(require_devices(devices), dtype=dtype or model_dtype(checkpoint)), devices,
-                    offload_dir)
+    priced_in = dtype or model_dtype(checkpoint, "CHECKPOINT")
+    return _disk_at(resolve_devices(require_devices(devices), dtype=priced_in), devices, offload_dir)
 
 
 def _say_setting(console: Any, checkpoint: str, machine: Any, shape: tuple[int, int, int, bool], plan: Plan,
@@ -338,8 +347,9 @@ def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None,
     from ..runtime.calibrate import calibrate
 
     with progress(f"Calibrating {checkpoint} on {', '.join(machine.names)} ..."):
-        result = calibrate(checkpoint, machine.names, workload=workload, dtype=dtype or model_dtype(checkpoint),
-                           granularity=granularity, expert_groups=expert_groups, offload_dir=offload_dir)
+        result = calibrate(checkpoint, machine.names, workload=workload,
+                           dtype=dtype or model_dtype(checkpoint, "CHECKPOINT"), granularity=granularity,
+                           expert_groups=expert_groups, offload_dir=offload_dir)
     return result.summary()
 
 
