@@ -23,7 +23,10 @@ from typing import Any
 import xxhash
 
 __all__ = ["replacing", "write_text_atomic", "process_alive", "HOST_TAG", "foreign_file", "refusal", "OWN_JSON",
-           "PICTURE_MARK", "foreign_picture"]
+           "PICTURE_MARK", "foreign_picture", "OFFLOAD_MANIFEST", "offload_store_files"]
+
+#: File name of an offload store's manifest inside its folder (:class:`placement_opt.runtime.offload.OffloadStore`).
+OFFLOAD_MANIFEST = "placement_opt_offload.json"
 
 _COUNTER = itertools.count()  # with the pid and thread: each temporary file's own name
 
@@ -180,3 +183,14 @@ def refusal(path: str | os.PathLike[str], kind: str, what: str) -> str:
     """The message of a write refused by :func:`foreign_file` or :func:`foreign_picture` (``what``: its answer)."""
     return (f"{os.fspath(path)} is {what}: placement_opt writes a {kind} only over an earlier one, never over another "
             f"file; name another path, or move that file away first")
+
+
+def offload_store_files(folder: Path) -> set[str]:
+    """Names of the files the offload store's manifest in ``folder`` lists (none where there is none, or it cannot
+    be read): a folder used as an ``offload_dir`` holds safetensors files of the checkpoint's tensor names (other
+    weights, or casts of these), which a checkpoint read as every ``*.safetensors`` of its folder must skip."""
+    try:
+        files = json.loads((folder / OFFLOAD_MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()

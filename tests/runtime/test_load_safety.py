@@ -28,6 +28,7 @@ from _models import (
 )
 from placement_opt.cost.workload import Workload
 from placement_opt.errors import DispatchError, WorkloadError
+from placement_opt.model._ties import checkpoint_safetensors
 from placement_opt.runtime import offload
 from placement_opt.runtime.dispatcher import dispatch
 from placement_opt.runtime.loader import load
@@ -69,6 +70,8 @@ def test_files_an_offload_store_wrote_into_a_checkpoint_folder_are_not_read_as_t
     with torch.no_grad():
         assert torch.equal(handle(**inputs_for(model)).logits, reference)
     assert {f.path.name for unit in handle._units for f, _ in unit.disk} == {"consolidated.safetensors"}
+    # the tie check reads the same listing: the store's files are no checkpoint shards there either
+    assert checkpoint_safetensors(path) == [path / "consolidated.safetensors"]
 
 
 def test_a_checkpoint_of_bin_files_says_how_to_make_it_safetensors(tmp_path):

@@ -292,21 +292,16 @@ def _disk_at(machine: Any, devices: str | None, offload_dir: str | None) -> Any:
 
 
 def _check_positions(checkpoint: str, prompt: int, new_tokens: int) -> None:
-    """Refuse, before any loading, a run past the model's learned position table (GPT-2's ``wpe``, OPT's
-    ``embed_positions``): its lookup would fail mid-generation. Rotary and ALiBi models have no table and run on."""
-    from torch import nn
-
-    from ..runtime.checkpoint import meta_model
+    """Refuse, before any loading, a run past the model's learned position table
+    (:func:`~placement_opt.runtime.checkpoint.learned_positions`): its lookup would fail mid-generation."""
+    from ..runtime.checkpoint import learned_positions, meta_model
 
     positions = prompt + new_tokens - 1  # the last token generated is never fed back
-    for name, module in meta_model(Path(checkpoint), None).named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
-            most = module.num_embeddings - int(getattr(module, "offset", 0) or 0)
-            if positions > most:
-                raise click.UsageError(
-                    f"{checkpoint}'s model has {most} learned positions ({name}), and --prompt {prompt} + --new-tokens "
-                    f"{new_tokens} feeds it {positions}: give --prompt and --new-tokens adding up to at most {most + 1}")
+    if (table := learned_positions(meta_model(Path(checkpoint), None))) is not None and positions > table[1]:
+        name, most = table
+        raise click.UsageError(
+            f"{checkpoint}'s model has {most} learned positions ({name}), and --prompt {prompt} + --new-tokens "
+            f"{new_tokens} feeds it {positions}: give --prompt and --new-tokens adding up to at most {most + 1}")
 
 
 def _check_generates(checkpoint: str, config: Any) -> None:

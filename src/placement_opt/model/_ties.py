@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .._files import offload_store_files
 from ..errors import ModelSpecError
 
 __all__ = ["untie_stored_apart", "checkpoint_safetensors"]
@@ -81,7 +82,8 @@ def _tied_names(config: Any) -> dict[str, str]:
 
 def checkpoint_safetensors(root: Path) -> list[Path]:
     """The safetensors files of the checkpoint in ``root``: its index's shards, else ``model.safetensors``, else every
-    ``*.safetensors`` there; none where it has none.
+    ``*.safetensors`` there but an offload store's (:func:`~placement_opt._files.offload_store_files`); none where it
+    has none.
 
     Raises:
         ValueError, KeyError: the index is not JSON, or has no ``weight_map``.
@@ -93,7 +95,8 @@ def checkpoint_safetensors(root: Path) -> list[Path]:
     single = root / "model.safetensors"
     if single.exists():
         return [single]
-    return sorted(root.glob("*.safetensors"))
+    stored = offload_store_files(root)
+    return sorted(path for path in root.glob("*.safetensors") if path.name not in stored)
 
 
 def _locations(files: list[Path]) -> dict[str, Path]:

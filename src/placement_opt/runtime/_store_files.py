@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from .._files import HOST_TAG, process_alive
+from .._files import HOST_TAG, OFFLOAD_MANIFEST, process_alive
 from ..errors import DispatchError
 
 try:
@@ -36,7 +36,7 @@ __all__ = ["MANIFEST_NAME", "HASH_NAME", "STALE_TEMP_S", "locked", "file_problem
            "remove_stale_temporaries", "free_name"]
 
 #: File name of the store's manifest inside the offload directory.
-MANIFEST_NAME = "placement_opt_offload.json"
+MANIFEST_NAME = OFFLOAD_MANIFEST
 #: The hash of fingerprints and file checks: xxh3-128 (xxhash), about 17 GB/s on one core, where
 #: SHA-256 reaches 1.5 GB/s and BLAKE2b 0.8 GB/s. It guards against accidents (crashes, damage,
 #: concurrent writers), not against someone who can write into the directory anyway.

@@ -36,7 +36,7 @@ from ._expert_groups import source_rows
 from .offload import OffloadStore, SafetensorsFile
 
 __all__ = ["Slot", "collect_slots", "checkpoint_files", "checkpoint_index", "meta_model",
-           "materialize", "model_class", "needs_conversion"]
+           "materialize", "model_class", "needs_conversion", "learned_positions"]
 
 #: How a Python caller is asked for an offload folder (``run`` rewrites it into its ``--offload-dir`` flag).
 OFFLOAD_DIR_HINT = "offload_dir='some/dir'"
@@ -84,25 +84,12 @@ def _in_checkpoint(model: nn.Module, slot: Slot, sources: Mapping[str, Any]) -> 
 
 
 def checkpoint_files(root: Path) -> list[Path]:
-    """The checkpoint's safetensors files, less those an offload store wrote there (a folder used as ``offload_dir``
-    holds files of the same tensor names: other weights, or casts of these, never the checkpoint's own)."""
-    found = [path for path in checkpoint_safetensors(root) if path.name not in _store_files(root)]
+    """The checkpoint's safetensors files (:func:`~placement_opt.model._ties.checkpoint_safetensors`: an offload
+    store's files in its folder are not the checkpoint's)."""
+    found = checkpoint_safetensors(root)
     if not found:
         raise DispatchError(_no_checkpoint(root))
     return found
-
-
-def _store_files(root: Path) -> set[str]:
-    """Names the manifest of an offload store in ``root`` lists (none where there is none, or it cannot be read)."""
-    import json
-
-    from .offload import MANIFEST_NAME
-
-    try:
-        files = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 
 
 def _no_checkpoint(root: Path) -> str:
@@ -120,6 +107,16 @@ def _no_checkpoint(root: Path) -> str:
             f"(huggingface_hub.snapshot_download)"
             + ("; a config alone can be planned (placement_opt.solve, placement-opt plan)"
                if (root / "config.json").is_file() else ""))
+
+
+def learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """(the module's name, the positions it holds) of a model's smallest learned position table (GPT-2's ``wpe``,
+    OPT's ``embed_positions`` less its offset), or None: rotary and ALiBi models have none and run at any length. A
+    run past it fails at the table's lookup, mid-generation."""
+    tables = [(module.num_embeddings - int(getattr(module, "offset", 0) or 0), name)
+              for name, module in model.named_modules()
+              if isinstance(module, nn.Embedding) and ("pos" in (leaf := name.rsplit(".", 1)[-1]) or leaf == "wpe")]
+    return (min(tables)[1], min(tables)[0]) if tables else None
 
 
 def meta_model(root: Path, dtype: torch.dtype | str | None) -> nn.Module:

@@ -21,6 +21,7 @@ from .checkpoint import (
     OFFLOAD_DIR_HINT,
     checkpoint_files,
     checkpoint_index,
+    learned_positions,
     materialize,
     meta_model,
     needs_conversion,
@@ -174,20 +175,17 @@ def _check_offload_dir(root: Path, offload_dir: Any) -> None:
 
 
 def _check_positions(model: nn.Module, workload: Any) -> None:
-    """Refuse a ``workload`` past the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``):
-    generate() would stop mid-run at its lookup. Rotary and ALiBi models have no table and run on."""
-    if not isinstance(workload, Workload):
-        return  # none (the solver's default), or one the solver refuses with its own message
+    """Refuse a ``workload`` past the model's learned position table (:func:`~.checkpoint.learned_positions`):
+    generate() would stop mid-run at its lookup."""
+    if not isinstance(workload, Workload) or (table := learned_positions(model)) is None:
+        return  # no workload (the solver's default), one the solver refuses with its own message, or no table
+    name, most = table
     positions = workload.prompt_len + workload.new_tokens - 1  # the last token generated is never fed back
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
-            most = module.num_embeddings - int(getattr(module, "offset", 0) or 0)
-            if positions > most:
-                raise WorkloadError(
-                    f"the model has {most} learned positions ({name}), and the workload's prompt_len + new_tokens, "
-                    f"{workload.prompt_len} + {workload.new_tokens}, feeds it {positions}: give a workload adding up "
-                    f"to at most {most + 1} tokens")
+    if positions > most:
+        raise WorkloadError(
+            f"the model has {most} learned positions ({name}), and the workload's prompt_len + new_tokens, "
+            f"{workload.prompt_len} + {workload.new_tokens}, feeds it {positions}: give a workload adding up "
+            f"to at most {most + 1} tokens")
 
 
 def _given_plan(plan: Any) -> Plan | None:
