@@ -188,3 +188,11 @@ def test_a_preset_spelled_with_underscores_or_capitals_is_suggested_first(key, u
     typed = key.replace("-", "_").upper() if upper else key.replace("-", "_")
     assume(typed != key)  # a lower-case key without a hyphen is no misspelling
     assert did_you_mean(typed) == f" (did you mean {key!r}?)"
+
+
+@pytest.mark.parametrize("spec", ["", " , ", ","])
+def test_a_spec_naming_no_device_is_refused_in_the_spec_s_own_form(spec):
+    """It reached Machine([]), whose message shows Python lists and dicts: no help to a --devices value."""
+    with pytest.raises(DeviceSpecError, match=r"names no device: write its devices ','-separated, e.g. "
+                                              r"'cuda:0=24GiB,cpu=64GiB'"):
+        parse_device_spec(spec)

@@ -116,7 +116,11 @@ def parse_device_spec(spec: str, *, dtype: str = "float16") -> Machine:
     Raises:
         DeviceSpecError: an item is malformed; the message names it and shows the accepted forms.
     """
-    return Machine([_spec_device(name, rest, item, dtype) for name, rest, item in _spec_items(spec)])
+    items = _spec_items(spec)
+    if not items:  # Machine's own refusal shows Python forms, which a --devices value is not
+        raise DeviceSpecError(f"the device spec {spec!r} names no device: write its devices ','-separated, e.g. "
+                              f"'cuda:0=24GiB,cpu=64GiB', 'cpu' or 'auto' (this machine's)")
+    return Machine([_spec_device(name, rest, item, dtype) for name, rest, item in items])
 
 
 def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
