@@ -32,6 +32,7 @@ __all__ = [
     "default_speeds_note",
     "beyond_preset_note",
     "reserve_note",
+    "uncut_note",
     "calibration_note",
     "phased_note",
     "cpu_beside_gpu_note",
@@ -178,6 +179,15 @@ def split_experts_note(placements: Sequence[UnitPlacement]) -> list[str]:
     return [f"{len(split)} layer(s) keep their experts on more than one device ({few(split)}): accelerate places a "
             f"module whole, so plan.device_map stores each such experts module on the one of its devices farthest "
             f"from the GPUs; run the plan with placement_opt.dispatch() or load() to get the split"]
+
+
+def uncut_note(graph: LayerGraph, expert_groups: int) -> list[str]:
+    """Say that ``expert_groups`` cut nothing: the model has no experts module (a dense model), so the plan is the
+    one without it (a script over several models passes it to all; trace() warns, the plan keeps it said)."""
+    if expert_groups == 1 or group_counts(graph.names()):
+        return []
+    return [f"expert_groups={expert_groups} cut nothing: {graph.meta.model_name} has no MoE experts module, so its "
+            f"plan is the one without expert groups"]
 
 
 def group_note(placements: Sequence[UnitPlacement]) -> list[str]:

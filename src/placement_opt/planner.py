@@ -56,6 +56,7 @@ from .plan_notes import (
     phased_note,
     reserve_note,
     split_experts_note,
+    uncut_note,
 )
 from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
@@ -195,7 +196,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
                             (time_limit_s, seed, gap_limit, workers))
     # a sublayer graph was priced around a home device (cost.pricing): the plan says which, for the runtime
     home = home_device(plan.machine) if graph.meta.granularity == "sublayer" else None
-    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home)
+    return dataclasses.replace(plan, fingerprint=graph_fingerprint(graph), home=home,
+                               notes=(*plan.notes, *uncut_note(graph, expert_groups)))
+
 
 
 #: The oldest generation's threshold while a solve runs: no solve makes that many younger collections
@@ -272,7 +275,8 @@ def _solve_either_granularity(model: Any, devices: Any, objective: str, expert_g
     from .model.tracer import trace
 
     sublayer = trace(model, granularity="sublayer", expert_groups=expert_groups)
-    return solve_best_granularity(trace(model, granularity="block"), sublayer, devices, objective, **options)
+    plan = solve_best_granularity(trace(model, granularity="block"), sublayer, devices, objective, **options)
+    return dataclasses.replace(plan, notes=(*plan.notes, *uncut_note(sublayer, expert_groups)))
 
 
 def solve_best_granularity(block: LayerGraph, sublayer: LayerGraph, devices: Any, objective: str = "latency",

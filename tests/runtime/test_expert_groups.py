@@ -427,6 +427,22 @@ def test_cli_says_when_expert_groups_have_nothing_to_cut(tmp_path):
     assert out.exit_code == 0, out.output
     assert "warning: placement_opt.trace: expert_groups=2 has nothing to cut" in out.output
     assert "return trace(" not in out.output and "UserWarning" not in out.output
+    # the trace's warning is not repeated from the graph cache: the plan says it too
+    again = run_cli("plan", str(tmp_path / "llama"), "-d", "cpu=1GB", "--granularity", "sublayer", "--expert-groups",
+                    "2", "--prompt", "4", "--new-tokens", "3")
+    for said in (out.output, again.output):
+        assert "note: expert_groups=2 cut nothing" in " ".join(said.split()), said
+
+
+def test_a_plan_with_expert_groups_of_a_dense_model_says_they_cut_nothing():
+    from placement_opt import solve
+
+    for granularity in ("sublayer", "auto"):
+        with pytest.warns(UserWarning, match="nothing to cut"):
+            plan = solve(tiny("llama"), "cpu=1GB", granularity=granularity, expert_groups=2, time_limit_s=0.5)
+        assert sum("expert_groups=2 cut nothing" in n for n in plan.notes) == 1, plan.notes
+    grouped = solve(tiny("mixtral"), "cpu=1GB", granularity="sublayer", expert_groups=2, time_limit_s=0.5)
+    assert not any("cut nothing" in n for n in grouped.notes)
 
 
 def test_another_models_plan_is_bad_input_on_the_command_line(saved_moe, tmp_path):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
+from ..plan_notes import uncut_note
 from ..report import EXTRA_SEARCH_S, gap_advice
 from ._machine_commands import bench, presets, profile
 from .options import (
@@ -210,6 +211,8 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
             result = _search_longer(console, result, lambda limit: solve_strategy(
                 graph, machine, objective=objective, workload=workload, strategy=strategy, time_limit_s=limit,
                 source=resolved, **chosen))
+        cut = chosen.get("sublayer", graph)
+        result = dataclasses.replace(result, notes=(*result.notes, *uncut_note(cut, expert_groups)))
     for part in plan_renderables(result, solver_notes=verbose):
         console.print(part)
     write_outputs(console, result, json_path, plot)
