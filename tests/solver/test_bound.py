@@ -18,6 +18,7 @@ from _brute import (
     check_against_brute_force,
     every_reduction_on,
     reference_optimum,
+    reference_value,
     reported_bound,
 )
 from _problems import _matrix, _menu, problems
@@ -25,7 +26,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from placement_opt.solver import aggregate, paths, relax, rows, search
+from placement_opt.solver import _run, aggregate, paths, relax, rows, search
 from placement_opt.solver._counted import hiding
 from placement_opt.solver.edges import covered_edges, prune_edges
 from placement_opt.solver.problem import (
@@ -57,6 +58,23 @@ def test_two_workers_bound_status_and_plan_against_brute_force(problem, objectiv
     # The default of two workers takes other paths: the grouped relaxation runs objective_lb_search and
     # default_lp as full workers in one run (one worker: a bound pass, then the default search).
     check_against_brute_force(problem, objective, data, workers=2)
+
+
+@given(problems())
+def test_the_path_floor_is_under_every_assignments_latency_and_reached_by_the_fastest_chain(problem):
+    """The floor that stands when no relaxation proves a bound in time (a 100 % gap before it, on sublayer graphs
+    of 8 GPUs under overlap): every assignment, feasible or not, prices at least that much."""
+    floor = _run.path_lower_bound(problem)
+    least = min(reference_value(problem, choice, "latency") for choice in _assignments(problem))
+    assert floor <= least
+    fastest = [min(range(len(u.options)), key=lambda k, u=u: u.options[k].prefill_ns + u.options[k].decode_ns)
+               for u in problem.units]
+    free = all(not o.copy_prefill_ns and not o.copy_decode_ns for u in problem.units for o in u.options)
+    on_one = len({problem.units[u].options[k].execution for u, k in enumerate(fastest)}) == 1
+    chain = all(problem.index()[e.dst] == problem.index()[e.src] + 1 for e in problem.edges) and (
+        len(problem.edges) == len(problem.units) - 1)
+    if free and on_one and chain and not any(o.prefill_execution for u in problem.units for o in u.options):
+        assert floor == reference_value(problem, fastest, "latency")  # nothing but the units' own times
 
 
 @settings(max_examples=200)

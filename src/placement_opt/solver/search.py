@@ -15,6 +15,10 @@ Torch-free. :mod:`.cpsat` holds the model itself; this module decides around it:
   SLACK_STEPS x (units + edges))`` steps). The objective read back is always ``problem.objective_value`` of
   the chosen assignment (exact); the proven bound is lowered by the largest possible rounding error
   (``(units + edges) x scale_ns`` per solve, 0 when ``scale_ns == 1``), so the gap is honest;
+* the path floor (latency): the graph's longest path with each unit at its least time
+  (:func:`~._run.path_lower_bound`), a bound of every assignment computed in one pass; it stands when no
+  relaxation proves more in time, and a start it proves within ``gap_limit`` (everything resident) skips the
+  relaxations;
 * relaxations (:mod:`._relaxing`), which give bounds and plans (the reported bound is the largest proven one,
   each a bound of the real problem): runs of identical consecutive units as counts per option
   (:mod:`.aggregate`, the decoder layers; up to ``AGGREGATE_SHARE`` of the time left), and above
@@ -73,7 +77,16 @@ from ortools.sat.python import cp_model
 
 from ..errors import SolverInputError
 from ._relaxing import BOUND_FROM, relaxations_for, run_relaxations
-from ._run import MIN_SOLVE_S, Found, Run, proven, real_bound, time_scale, within_cap
+from ._run import (
+    MIN_SOLVE_S,
+    Found,
+    Run,
+    path_lower_bound,
+    proven,
+    real_bound,
+    time_scale,
+    within_cap,
+)
 from .cpsat import OutOfTime, PlacementModel
 from .edges import prune_edges
 from .greedy import best_greedy_choice
@@ -238,11 +251,16 @@ def _solve(problem: PlacementProblem, objective: str, time_limit_s: float, run: 
     free, (hint, hint_ok) = _free_start(problem, objective, run, (hint, hint_ok), latency_cap_ns, deadline, notes)
     classes = identical_devices(problem)  # ~0.1 s on a module-level 70B: found once per solve
     relaxations = relaxations_for(problem, classes)
+    floor = path_lower_bound(problem) if objective == "latency" else 0
+    if hint_ok and proven(problem, objective, hint, floor, run.gap_limit):
+        relaxations = []  # the start is as good as the longest path allows already (everything resident)
     full_s = FULL_S_PER_TERM * (n + len(problem.edges))
     relaxed, (hint, hint_ok) = run_relaxations(problem, objective, relaxations, run, (hint, hint_ok),
                                                 latency_cap_ns, (deadline, full_s), notes)
+    if floor > max(free.bound, relaxed.bound):
+        notes.append(f"{BOUND_FROM}the longest path, each unit at its least time")
     relaxed = Found([], "INFEASIBLE" if "INFEASIBLE" in (free.status, relaxed.status) else relaxed.status,
-                    max(free.bound, relaxed.bound))
+                    max(free.bound, relaxed.bound, floor))
     hint, hint_ok = _full_start(problem, objective, run, (hint, hint_ok), layered, relaxed, (deadline, full_s))
     found = _full_solve(problem, objective, run, (hint, hint_ok), latency_cap_ns, relaxed, classes, (deadline, full_s))
     if not found.choice and not hint_ok:
