@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pricing import OptionPrice
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "accelerate_held_bytes",
-           "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES",
+           "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "CPU_GEMM_LEAST_BYTES", "CPU_GEMM_BYTES_PER_ROW",
            "device_memory", "workspace_bytes", "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
@@ -84,14 +84,21 @@ SCORE_FREE_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 #: The CPU's matmul scratch: MKL's sgemm packs panels of each operand into buffers of its own memory manager
-#: (never a live tensor), 5.0 MiB per intra-op thread for a weight of 8192 or more output features, torch 2.13 /
-#: MKL 2024.2, AVX2. MKL keeps them after the call for the next one, so they are the process's from its first
-#: matmul on (a warm-up holds them, as it holds the libraries' other state); a later, larger panel than any kept
-#: one is allocated beside them (2.3 MiB kept after a 4096 x 256 weight, 10.3 MiB after 16384 x 256 and then
-#: 14336 x 4096, one thread: benchmarks/cost_accuracy/mkl_pool.py). Charged for one thread and one panel: the
-#: Device has no thread count, so each further thread's ~5 MiB is not charged. Capped at the unit's weight
-#: bytes (:func:`_cpu_gemm_scratch`).
-CPU_GEMM_WORKSPACE_BYTES = 6 * 2**20
+#: (never a live tensor), and keeps them after the call for the next one, so they are the process's from its first
+#: matmul on (a warm-up holds them, as it holds the libraries' other state); a later, larger panel than any kept one
+#: is allocated beside them. Their size follows the CPU's vector width and the rows multiplied: with AVX2 (torch
+#: 2.13 / MKL 2024.2, one thread) 5.0 MiB for a weight of 8192 or more output features, 10.3 MiB kept after 16384 x
+#: 256 and then 14336 x 4096; with AVX-512, at 4096 rows, 10.1 MiB after 8192 x 256 and 22.3 MiB after 14336 x 4096
+#: (7.1 MiB after 4096 x 4096), and 0.16 MiB at 8 rows (benchmarks/cost_accuracy/mkl_pool.py). The largest of
+#: these, charged for one thread: the Device has no thread count, so each further thread's panels are not charged.
+#: Charged as the rows multiplied need it, at least the AVX2 figure, at most twice the unit's weight bytes
+#: (:func:`_cpu_gemm_scratch`).
+CPU_GEMM_WORKSPACE_BYTES = 24 * 2**20
+#: The least CPU matmul scratch charged: AVX2's panels for any number of rows (4.1 MiB kept after 8 rows of a 4096 x
+#: 256 weight, 5.0 MiB per thread after 14336 x 4096).
+CPU_GEMM_LEAST_BYTES = 6 * 2**20
+#: Scratch per row multiplied above the least: AVX-512's 22.3 MiB at 4096 rows (0.16 MiB at 8).
+CPU_GEMM_BYTES_PER_ROW = 6 * 2**10
 
 #: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
 #: the float32 copy of the next-token logits and the processed scores / probabilities.
@@ -117,20 +124,23 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
     without measured figures keep the old estimate, :data:`WORKSPACE_FACTOR` outputs per token, alone.
 
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
-    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (6 MiB on the CPU).
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (24 MiB on the CPU at that many rows).
     """
     last = workload.logits_kept == "last" and unit.name == meta.extra.get("logits_unit")
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
-    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else _cpu_gemm_scratch(unit)
+    rows = workload.batch_size * (1 if last or phase == "decode" else workload.prompt_len)
+    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else _cpu_gemm_scratch(unit, rows)
     return _activation_bytes(unit, workload, meta, last, on_gpu, phase) + scratch
 
 
-def _cpu_gemm_scratch(unit: UnitInfo) -> int:
-    """MKL packs panels of a matmul's weight: a few MiB at most and, for the tiny units of tests and toy
-    models, no more than the unit's weights."""
-    return min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+def _cpu_gemm_scratch(unit: UnitInfo, rows: int) -> int:
+    """MKL packs panels of a matmul's weight and of its ``rows`` of input: tens of MiB at most and, for the tiny
+    units of tests and toy models, no more than twice the unit's weights (10.1 MiB kept after an 8 MiB weight of 4096
+    rows, AVX-512)."""
+    by_rows = max(CPU_GEMM_LEAST_BYTES, min(CPU_GEMM_WORKSPACE_BYTES, rows * CPU_GEMM_BYTES_PER_ROW))
+    return min(by_rows, 2 * unit.weight_bytes)
 
 
 def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool,
