@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from placement_opt.cost.evaluate import evaluate, predicted_memory
 from placement_opt.cost.memory import (
-    CPU_GEMM_WORKSPACE_BYTES,
     CUBLAS_WORKSPACE_BYTES,
     WORKSPACE_FACTOR,
+    cpu_gemm_scratch,
     workspace_bytes,
 )
 from placement_opt.cost.workload import Workload
@@ -34,9 +34,9 @@ HEAD = {"name": "head", "out_bytes_per_token": 200, "workspace_bytes_per_token":
         "scores_workspace_bytes_per_token_ctx": 0}
 
 
-def gemm(unit) -> int:
-    """MKL's packing buffers charged on the CPU: a few MiB, at most the unit's weights."""
-    return min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+def gemm(unit, rows: int = 1) -> int:
+    """MKL's packing buffers charged on the CPU: a few MiB, none for a unit without weights."""
+    return cpu_gemm_scratch(unit, rows)
 
 
 def graph_with(attention: str | None, layer: dict | None = None) -> LayerGraph:

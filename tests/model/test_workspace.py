@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from placement_opt.cost.memory import (
-    CPU_GEMM_WORKSPACE_BYTES,
     CUBLAS_WORKSPACE_BYTES,
+    cpu_gemm_scratch,
     workspace_bytes,
 )
 from placement_opt.cost.workload import Workload
@@ -35,7 +35,9 @@ TRACE_LEN = 32
 
 def tensors(unit, workload, meta) -> int:
     """The predicted workspace less MKL's packing buffers, which are no tensors: what a live-tensor count sees."""
-    return workspace_bytes(unit, workload, meta) - min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+    rows = workload.batch_size * (1 if workload.logits_kept == "last" and unit.name == meta.extra.get("logits_unit")
+                                  else workload.prompt_len)
+    return workspace_bytes(unit, workload, meta) - cpu_gemm_scratch(unit, rows)
 SHAPES = [(1, 64), (4, 128)]
 
 def _falcon(**sizes: int) -> T.FalconConfig:
@@ -307,7 +309,7 @@ def decode_step_peak(model: torch.nn.Module, unit: str, batch: int, prompt: int,
 
 def _decode_workspace(unit: UnitInfo, workload: Workload, meta: GraphMeta) -> int:
     """The predicted decode workspace less MKL's scratch, which no tensor holds."""
-    return workspace_bytes(unit, workload, meta, phase="decode") - min(CPU_GEMM_WORKSPACE_BYTES, unit.weight_bytes)
+    return workspace_bytes(unit, workload, meta, phase="decode") - cpu_gemm_scratch(unit, workload.batch_size)
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])

@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "accelerate_held_bytes",
            "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "CPU_GEMM_LEAST_BYTES", "CPU_GEMM_BYTES_PER_ROW",
+           "CPU_GEMM_PANEL_ROW_BYTES", "cpu_gemm_scratch",
            "device_memory", "workspace_bytes", "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
@@ -91,14 +92,16 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 #: 256 and then 14336 x 4096; with AVX-512, at 4096 rows, 10.1 MiB after 8192 x 256 and 22.3 MiB after 14336 x 4096
 #: (7.1 MiB after 4096 x 4096), and 0.16 MiB at 8 rows (benchmarks/cost_accuracy/mkl_pool.py). The largest of
 #: these, charged for one thread: the Device has no thread count, so each further thread's panels are not charged.
-#: Charged as the rows multiplied need it, at least the AVX2 figure, at most twice the unit's weight bytes
-#: (:func:`_cpu_gemm_scratch`).
+#: Charged as the rows multiplied need it, at least the AVX2 figure, at most the unit's weights and its input's
+#: panel (:func:`cpu_gemm_scratch`).
 CPU_GEMM_WORKSPACE_BYTES = 24 * 2**20
 #: The least CPU matmul scratch charged: AVX2's panels for any number of rows (4.1 MiB kept after 8 rows of a 4096 x
 #: 256 weight, 5.0 MiB per thread after 14336 x 4096).
 CPU_GEMM_LEAST_BYTES = 6 * 2**20
 #: Scratch per row multiplied above the least: AVX-512's 22.3 MiB at 4096 rows (0.16 MiB at 8).
 CPU_GEMM_BYTES_PER_ROW = 6 * 2**10
+#: A small unit's scratch beyond its weights, per row: its input's panel (256 float32 features).
+CPU_GEMM_PANEL_ROW_BYTES = 2**10
 
 #: float32 vectors of the vocabulary per sequence that ``generate()`` holds beside the last logits:
 #: the float32 copy of the next-token logits and the processed scores / probabilities.
@@ -131,16 +134,17 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
         tokens = workload.batch_size * (1 if last else workload.prompt_len)
         return tokens * unit.out_bytes_per_token * WORKSPACE_FACTOR
     rows = workload.batch_size * (1 if last or phase == "decode" else workload.prompt_len)
-    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else _cpu_gemm_scratch(unit, rows)
+    scratch = CUBLAS_WORKSPACE_BYTES if on_gpu else cpu_gemm_scratch(unit, rows)
     return _activation_bytes(unit, workload, meta, last, on_gpu, phase) + scratch
 
 
-def _cpu_gemm_scratch(unit: UnitInfo, rows: int) -> int:
-    """MKL packs panels of a matmul's weight and of its ``rows`` of input: tens of MiB at most and, for the tiny
-    units of tests and toy models, no more than twice the unit's weights (10.1 MiB kept after an 8 MiB weight of 4096
-    rows, AVX-512)."""
+def cpu_gemm_scratch(unit: UnitInfo, rows: int) -> int:
+    """MKL's packing buffers for ``unit``'s matmuls of ``rows`` rows (:data:`CPU_GEMM_WORKSPACE_BYTES`): tens of MiB
+    at most and, for the tiny units of tests and toy models, no more than the unit's weights and an input panel of
+    :data:`CPU_GEMM_PANEL_ROW_BYTES` a row, itself at most the weights (10.1 MiB kept after an 8 MiB weight of 4096
+    rows of 256 features, AVX-512; a unit without weights multiplies none)."""
     by_rows = max(CPU_GEMM_LEAST_BYTES, min(CPU_GEMM_WORKSPACE_BYTES, rows * CPU_GEMM_BYTES_PER_ROW))
-    return min(by_rows, 2 * unit.weight_bytes)
+    return min(by_rows, unit.weight_bytes + min(unit.weight_bytes, rows * CPU_GEMM_PANEL_ROW_BYTES))
 
 
 def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool,
