@@ -20,17 +20,10 @@ from placement_opt.cost.device_map import accelerate_device_map
 from placement_opt.hardware.presets import PRESETS
 from placement_opt.model import catalog
 
-TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY_CONFIG = TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 128,
         "max_position_embeddings": 256, "tie_word_embeddings": False, "torch_dtype": "float16"}
 MACHINE = "cuda:0=t4,cpu=16GiB,disk=nvme-gen4"
-
-
-@pytest.fixture
-def tiny_config(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
-    return path
 
 
 @pytest.mark.parametrize("command", ["plan", "compare"])

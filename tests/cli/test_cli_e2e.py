@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _cli import TINY_LLAMA, run_cli
+from _cli import run_cli
 from placement_opt.compare import STRATEGIES
 from placement_opt.plan import Plan
 
@@ -28,13 +28,6 @@ MACHINE = "cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=64GiB,disk=nvme-gen4"
 
 def run(*args: str):
     return run_cli(*args)
-
-
-@pytest.fixture
-def tiny_config(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return path
 
 
 def _image_size(path) -> tuple[int, int]:

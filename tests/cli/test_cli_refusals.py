@@ -12,17 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from _cli import TINY_LLAMA, run_cli
+from _cli import run_cli
 from _models import tiny
 
 MACHINE = "cuda:0=t4,cpu=16GiB,disk=nvme-gen4"
-
-
-@pytest.fixture
-def tiny_config(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return path
 
 
 @pytest.fixture(scope="module")
