@@ -200,7 +200,6 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
                                notes=(*plan.notes, *uncut_note(graph, expert_groups)))
 
 
-
 #: The oldest generation's threshold while a solve runs: no solve makes that many younger collections
 _NO_FULL_COLLECTION = 1 << 30
 _deferring = threading.Lock()

@@ -67,8 +67,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pricing import OptionPrice
 
 __all__ = ["DeviceMemory", "Violation", "WORKSPACE_FACTOR", "STREAM_BUFFERS", "stream_buffers", "accelerate_held_bytes",
-           "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES", "CPU_GEMM_LEAST_BYTES", "CPU_GEMM_BYTES_PER_ROW",
-           "CPU_GEMM_PANEL_ROW_BYTES", "cpu_gemm_scratch",
+           "SCORE_FREE_ATTENTION", "SAMPLING_COPIES", "CUBLAS_WORKSPACE_BYTES", "CPU_GEMM_WORKSPACE_BYTES",
+           "CPU_GEMM_LEAST_BYTES", "CPU_GEMM_BYTES_PER_ROW", "CPU_GEMM_PANEL_ROW_BYTES", "cpu_gemm_scratch",
            "device_memory", "workspace_bytes", "materializes_scores"]
 
 #: Workspace of a unit whose graph has no measured figure, in multiples of its output for all prefill
@@ -127,7 +127,8 @@ def workspace_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, *, on_g
     without measured figures keep the old estimate, :data:`WORKSPACE_FACTOR` outputs per token, alone.
 
     Example: a decoder layer measured at 60 KiB per token, under sdpa, batch 16 x 1024 prompt tokens:
-    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (24 MiB on the CPU at that many rows).
+    60 KiB x 16,384 = 960 MiB in the prefill (decode needs far less), + 32 MiB on a GPU (24 MiB on the CPU at
+    that many rows).
     """
     last = workload.logits_kept == "last" and unit.name == meta.extra.get("logits_unit")
     if unit.workspace_bytes_per_token is None:  # not measured: the old multiple of the output

@@ -70,7 +70,7 @@ def time_scale(problem: PlacementProblem, hint: Sequence[int], objective: str) -
 def work_lower_bound(problem: PlacementProblem) -> int:
     """Every unit's least prefill + decode, shared evenly by the devices that compute (in either phase):
     <= either time objective."""
-    least = {id(m.options): min(o.prefill_ns + o.decode_ns for o in m.options) for m in problem.menu_units}
+    least = _least_times(problem)
     total = sum(least[id(u.options)] for u in problem.units)
     computing = {d for m in problem.menu_units for o in m.options for d in (o.execution, o.device_in("prefill_ns"))}
     return total // max(1, len(computing))
@@ -85,7 +85,7 @@ def path_lower_bound(problem: PlacementProblem) -> int:
     relaxation proves one in time: a 164-unit sublayer Mixtral-8x7B on 8x L4 under overlap, at 1 s, proved
     nothing (a 100 % gap) on some runs.
     """
-    least = {id(m.options): min(o.prefill_ns + o.decode_ns for o in m.options) for m in problem.menu_units}
+    least = _least_times(problem)
     index = problem.index()
     incoming: dict[int, list[int]] = {}
     for e in problem.edges:
@@ -94,6 +94,11 @@ def path_lower_bound(problem: PlacementProblem) -> int:
     for u, unit in enumerate(problem.units):  # edges point forward in execution order
         length[u] = max((length[a] for a in incoming.get(u, ())), default=0) + least[id(unit.options)]
     return max(length, default=0)
+
+
+def _least_times(problem: PlacementProblem) -> dict[int, int]:
+    """Each menu's (``id`` of its options) least prefill + decode over its options."""
+    return {id(m.options): min(o.prefill_ns + o.decode_ns for o in m.options) for m in problem.menu_units}
 
 
 def real_bound(objective_bound: float, scale: int, slack_units: int) -> int:
