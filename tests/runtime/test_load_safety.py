@@ -148,3 +148,15 @@ def test_a_workload_beside_a_plan_past_the_learned_position_table_is_refused(gpt
     plan = plan_from(tiny("gpt2"), lambda i, u: RESIDENT)
     with pytest.raises(WorkloadError, match="64 learned positions"):
         load(gpt2_checkpoint, None, plan=plan, workload=Workload(batch_size=1, prompt_len=60, new_tokens=20))
+
+
+def test_a_compiled_model_is_refused_with_the_module_it_compiled_named():
+    """trace() plans torch.compile's wrapper as the module it wraps; dispatch() of the wrapper said the plan's units
+    were 'not modules of OptimizedModule' and to solve a plan for this model, which is what had been done."""
+    model = tiny("llama")
+    compiled = torch.compile(model)
+    plan = plan_from(model, lambda i, unit: RESIDENT)
+    with pytest.raises(DispatchError, match=r"torch.compile's wrapper of a LlamaForCausalLM: dispatch the module it "
+                                            r"compiled \(dispatch\(model._orig_mod, plan\)"):
+        dispatch(compiled, plan)
+    dispatch(compiled._orig_mod, plan).remove()

@@ -27,8 +27,15 @@ __all__ = ["check_model", "check_phased", "build_units", "assign_slots", "check_
 
 
 def check_model(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan using another rank's GPU, a model dispatched already (by us or by accelerate)."""
+    """Refuse a plan using another rank's GPU, a model dispatched already (by us or by accelerate), a compiled
+    wrapper."""
     _check_rank(plan)
+    # torch.compile's wrapper (by name: importing torch._dynamo to test for it costs a second): its modules are
+    # named _orig_mod.*, where the plan's units are the compiled module's names
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise DispatchError(f"the model is torch.compile's wrapper of a {type(model._orig_mod).__name__}: dispatch the "
+                            f"module it compiled (dispatch(model._orig_mod, plan), the units trace() named), then "
+                            f"compile the dispatched model if at all")
     existing = getattr(model, "_placement_opt_dispatch", None)
     if existing is not None and not existing._removed:
         raise DispatchError("this model is already dispatched: call .remove() on its handle first")
