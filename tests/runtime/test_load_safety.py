@@ -6,9 +6,11 @@ positions) written by ``save_pretrained`` into temporary folders.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,29 @@ def test_a_compiled_model_is_refused_with_the_module_it_compiled_named():
                                             r"compiled \(dispatch\(model._orig_mod, plan\)"):
         dispatch(compiled, plan)
     dispatch(compiled._orig_mod, plan).remove()
+
+
+@pytest.mark.parametrize(("batch", "prompt", "new", "warned"), [
+    (1, 8, 4, ()),                                  # the plan's own
+    (1, 4, 2, ()),                                  # less of everything
+    (2, 8, 4, ("in the KV cache", "prompt tokens")),  # twice the sequences: both
+    (1, 8, 12, ("in the KV cache",)),                 # a longer context, the same prompt
+    (1, 9, 1, ("prompt tokens",)),                  # a longer prompt, a cache no longer
+])
+def test_a_workload_beside_a_plan_holding_more_than_it_counted_is_warned_of_before_reading(
+        gpt2_checkpoint, batch, prompt, new, warned):
+    """load() ran a given plan at the workload beside it with no word until generate() passed the plan's memory:
+    the warning now comes before the checkpoint is read, naming what is past the plan's."""
+    plan = dataclasses.replace(plan_from(tiny("gpt2"), lambda i, u: RESIDENT),
+                               workload=Workload(batch_size=1, prompt_len=8, new_tokens=4))
+    workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(gpt2_checkpoint, None, plan=plan, workload=workload).remove()
+    said = [str(w.message) for w in caught if "beside the plan" in str(w.message)]
+    if not warned:
+        assert not said, said
+        return
+    (message,) = said
+    assert "leave plan out" in message, message
+    assert {what for what in ("in the KV cache", "prompt tokens") if what in message} == set(warned), message

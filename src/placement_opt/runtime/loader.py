@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
             (``["cuda:0", "cpu", "disk"]``, a ``Machine``, a ``max_memory`` dict, a spec string,
             None for this machine). With ``plan``: the budgets the plan must keep (None: the plan's own).
         objective: ``"latency"``, ``"throughput"`` or ``"memory"``, passed to the solver.
-        workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for.
+        workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for. With ``plan``: the one it
+            will run (``placement-opt run --plan`` passes it); one holding more tokens than the plan's own is
+            warned of before anything is read (the plan counted no memory for them).
         dtype: weights' dtype; default: the checkpoint's, or a given ``plan``'s (a plan is priced for its
             dtype: another is refused). Disk-stored units whose checkpoint dtype differs are converted once
             into ``offload_dir``.
@@ -110,6 +113,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         dtype = _plan_dtype(plan, dtype)
     model = meta_model(root, dtype)
     _check_positions(model, workload)
+    if plan is not None:
+        _warn_past_plan(plan, workload)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # before reading, so tied names share one tensor and are read once
     given = plan is not None
@@ -186,6 +191,26 @@ def _check_positions(model: nn.Module, workload: Any) -> None:
             f"the model has {most} learned positions ({name}), and the workload's prompt_len + new_tokens, "
             f"{workload.prompt_len} + {workload.new_tokens}, feeds it {positions}: give a workload adding up "
             f"to at most {most + 1} tokens")
+
+
+def _warn_past_plan(plan: Plan, workload: Any) -> None:
+    """Warn, before a byte is read, of a ``workload`` beside a given plan that holds more KV cache (batch x context)
+    or computes more tokens at once (batch x prompt) than the plan counted memory for: dispatch's hooks warn of
+    such a call when it runs, after the whole checkpoint has been read."""
+    if not isinstance(workload, Workload):
+        return
+    ran, priced = workload, plan.workload
+    past = []
+    if ran.batch_size * ran.context_len > priced.batch_size * priced.context_len:
+        past.append(f"holds {ran.batch_size} x {ran.context_len} tokens in the KV cache, past the plan's "
+                    f"{priced.batch_size} x {priced.context_len}")
+    if ran.batch_size * ran.prompt_len > priced.batch_size * priced.prompt_len:
+        past.append(f"computes {ran.batch_size} x {ran.prompt_len} prompt tokens at once, past the plan's "
+                    f"{priced.batch_size} x {priced.prompt_len}")
+    if past:
+        warnings.warn(f"the workload given beside the plan {' and '.join(past)}: its KV cache and activations take "
+                      f"more memory than the plan counted, and may not fit; leave plan out to solve one for this "
+                      f"workload, or run the plan's own", UserWarning, stacklevel=3)
 
 
 def _given_plan(plan: Any) -> Plan | None:
