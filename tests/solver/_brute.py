@@ -20,23 +20,28 @@ def computes(o, key):
     return o.prefill_execution if key == "prefill_ns" and o.prefill_execution is not None else o.execution
 
 
-def reference_value(problem, choice, objective):
-    """``objective`` of ``choice`` from the definitions in problem.py's docstring, written anew here."""
+def reference_value(problem, choice, objective, runs=None):
+    """``objective`` of ``choice`` from the definitions in problem.py's docstring, written anew here (``runs``: the
+    problem's :func:`reference_runs`, computed once by a caller scoring many choices)."""
+    runs = reference_runs(problem) if runs is None else runs
     chosen = dict(zip([u.name for u in problem.units], (u.options[c] for u, c in zip(problem.units, choice, strict=True)), strict=True))
     devices = [d.name for d in problem.devices]
+    incoming = {name: [] for name in chosen}
+    for e in problem.edges:
+        incoming[e.dst].append(e)
 
     def phase(key):
         options = list(chosen.values())
         waits = dict(zip(chosen, simulated_waits([getattr(o, key) for o in options],
                                                  [copy_of(o, key) for o in options], cyclic=key == "decode_ns",
-                                                 runs=reference_runs(problem)),
+                                                 runs=runs),
                          strict=True))
         finish = {}
         for name, o in chosen.items():  # units are in execution order and edges point forward
             here = computes(o, key)
             arrivals = [finish[e.src] + (getattr(e, key).get((computes(chosen[e.src], key), here), 0)
                                          if computes(chosen[e.src], key) != here else 0)
-                        for e in problem.edges if e.dst == name]
+                        for e in incoming[name]]
             finish[name] = max(arrivals, default=0) + waits[name] + getattr(o, key)
         busiest = max(sum(getattr(o, key) for o in options if computes(o, key) == d) for d in devices)
         copies = sum(copy_of(o, key) for o in options)
@@ -49,7 +54,7 @@ def reference_value(problem, choice, objective):
     if objective == "throughput":  # a streamed unit's stage work: the longer of its compute and its copy
         return max(sum(max(getattr(o, key), copy_of(o, key)) for o in chosen.values()
                        for key in ("prefill_ns", "decode_ns") if computes(o, key) == d) for d in devices)
-    return sum(reference_bytes(list(chosen.values()), d.name, reference_runs(problem))
+    return sum(reference_bytes(list(chosen.values()), d.name, runs)
                for d in problem.devices if d.kind == "gpu")
 
 
@@ -84,18 +89,20 @@ def reference_bytes(chosen, device, runs=None):
         peaks += [o.prefill_peak_bytes for o in chosen if o.prefill_execution == device]
         return stored + resident + max(peaks, default=0)
 
-    def copy_to(o):  # where a group copy lands: a phased option's prefill GPU
-        return (o.prefill_execution or o.execution) if o.group_copy_bytes else None
+    # where a group copy lands: a phased option's prefill GPU; a unit's peak there is less twice its copy
+    lands = [bool(o.group_copy_bytes) and (o.prefill_execution or o.execution) == device for o in chosen]
 
-    def own(o, prefill):
-        sides = [(o.execution, o.peak_bytes)] + ([(o.prefill_execution, o.prefill_peak_bytes)]
-                                                 if prefill and o.prefill_execution else [])
-        sides = [(d, p - (2 * o.group_copy_bytes if d == copy_to(o) else 0)) for d, p in sides]
-        return [p for d, p in sides if d == device]
+    def own(i, prefill):
+        o = chosen[i]
+        cut = 2 * o.group_copy_bytes if lands[i] else 0
+        peaks = [o.peak_bytes - cut] if o.execution == device else []
+        if prefill and o.prefill_execution == device:
+            peaks.append(o.prefill_peak_bytes - cut)
+        return peaks
 
     runs = runs or [(u, u + 1) for u in range(len(chosen))]
-    made = {True: [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device) for a, b in runs],
-            False: [sum(o.group_copy_bytes for o in chosen[a:b] if copy_to(o) == device and o.mode == "stream")
+    made = {True: [sum(chosen[i].group_copy_bytes for i in range(a, b) if lands[i]) for a, b in runs],
+            False: [sum(chosen[i].group_copy_bytes for i in range(a, b) if lands[i] and chosen[i].mode == "stream")
                     for a, b in runs]}
 
     def following(prefill, r):  # the next run after r that copies (the decode: r itself last)
@@ -110,7 +117,7 @@ def reference_bytes(chosen, device, runs=None):
     values = []
     for prefill in (True, False):
         for r, (a, b) in enumerate(runs):
-            peaks = [p for o in chosen[a:b] for p in own(o, prefill)]
+            peaks = [p for i in range(a, b) for p in own(i, prefill)]
             if peaks or made[prefill][r]:
                 values.append(max(peaks, default=0) + made[prefill][r]
                               + max(made[prefill][r], following(prefill, r)))
@@ -118,31 +125,45 @@ def reference_bytes(chosen, device, runs=None):
 
 
 def reference_valid(problem, choice):
-    chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
-    storage = {u.name: o.storage for u, o in zip(problem.units, chosen, strict=True)}
+    """Whether ``choice`` keeps the pins, ties, contiguity and every device's capacity."""
+    return validator(problem)(choice)
+
+
+def validator(problem):
+    """:func:`reference_valid` of ``problem`` as a function of the choice, with what does not depend on the choice
+    found once: a brute force calls it for every assignment. The cheap checks first; the capacities, which take
+    most of a brute force's time, last."""
     runs = reference_runs(problem)
-    if any(reference_bytes(chosen, d.name, runs) > d.capacity_bytes for d in problem.devices):
-        return False
-    if any(storage[n] != d for n, d in problem.pins.items()):
-        return False
-    if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
-        return False
+    names = [u.name for u in problem.units]
     # contiguity holds over the units that store bytes: a unit storing nothing may sit anywhere
-    storing = [o.storage for u, o in zip(problem.units, chosen, strict=True) if any(x.stored_bytes for x in u.options)]
-    runs = [k for k, _ in itertools.groupby(storing)]
-    return not problem.contiguous or len(runs) == len(set(runs))
+    storing = [i for i, u in enumerate(problem.units) if any(x.stored_bytes for x in u.options)]
+
+    def valid(choice):
+        chosen = [u.options[c] for u, c in zip(problem.units, choice, strict=True)]
+        storage = dict(zip(names, (o.storage for o in chosen), strict=True))
+        if any(storage[n] != d for n, d in problem.pins.items()):
+            return False
+        if any(len({storage[n] for n in group}) > 1 for group in problem.tied_groups):
+            return False
+        blocks = [k for k, _ in itertools.groupby(chosen[i].storage for i in storing)]
+        if problem.contiguous and len(blocks) != len(set(blocks)):
+            return False
+        return all(reference_bytes(chosen, d.name, runs) <= d.capacity_bytes for d in problem.devices)
+
+    return valid
 
 
 def reference_optimum(problem, objective, memory_slack=0.05):
     """The optimum over every assignment (None when none is valid); memory: within the latency slack."""
-    every = [c for c in itertools.product(*(range(len(u.options)) for u in problem.units))
-             if reference_valid(problem, c)]
+    runs, valid = reference_runs(problem), validator(problem)
+    every = [c for c in itertools.product(*(range(len(u.options)) for u in problem.units)) if valid(c)]
     if not every:
         return None
     if objective != "memory":
-        return min(reference_value(problem, c, objective) for c in every)
-    cap = int(min(reference_value(problem, c, "latency") for c in every) * (1 + memory_slack))
-    return min(reference_value(problem, c, "memory") for c in every if reference_value(problem, c, "latency") <= cap)
+        return min(reference_value(problem, c, objective, runs) for c in every)
+    cap = int(min(reference_value(problem, c, "latency", runs) for c in every) * (1 + memory_slack))
+    return min(reference_value(problem, c, "memory", runs) for c in every
+               if reference_value(problem, c, "latency", runs) <= cap)
 
 
 @contextlib.contextmanager
