@@ -92,8 +92,9 @@ class Workload:
     prompts). transformers then hands fused attention a ``(batch, 1, prompt, prompt)`` boolean mask, which
     the prefill holds, with the copy the kernel makes of it and, for grouped-query attention, the keys and
     values repeated to every head, during the attention call. A Llama-3-8B layer at 16 x 4096: 256 MiB more
-    (the mask; the call's 1.5 GiB stay under its MLP's peak). Default: every prompt is ``prompt_len`` tokens,
-    and no mask is built where the kernel's causal flag does."""
+    (the mask; the call's 1.5 GiB stay under its MLP's peak). Given a mask, the kernel computes every query x
+    key pair, not the causal half, which the prefill's time is priced at. Default: every prompt is
+    ``prompt_len`` tokens, and no mask is built where the kernel's causal flag does."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len"):
