@@ -9,6 +9,12 @@ import random
 import pytest
 from hypothesis import HealthCheck, settings
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread a worker (and for the processes a test starts), set before torch is imported: two workers of two
+    # threads each on two cores left OpenMP's threads waiting on each other, and a decode step timed beside the
+    # sum of its units' marks came out at twice it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 settings.register_profile(
     "ci", max_examples=200, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from _readme import CPU_INDEX, readme_cpu_command, without_cpu_index
+from _readme import CPU_INDEX, readme_cpu_command, readme_test_command, without_cpu_index
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +28,16 @@ def test_readme_cpu_route_names_the_cpu_index_and_the_pin():
     command = readme_cpu_command()
     assert f"pip install torch==2.13.0 {CPU_INDEX}" in command
     assert 'pip install -e ".[dev]"' in command and "placement-opt plan" in command
+
+
+def test_readme_test_command_is_what_ci_runs_and_its_options_are_installed():
+    """.ci/run runs the Quickstart's test command as the README writes it; its ``-n`` needs pytest-xdist, which the
+    dev extra the install line names must bring."""
+    command = readme_test_command()
+    assert command.startswith("python -m pytest -q"), command
+    assert "$readme_tests" in (ROOT / ".ci" / "run").read_text()
+    if " -n " in f"{command} ":
+        assert '"pytest-xdist' in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.slow
