@@ -543,6 +543,23 @@ def test_dbrx_s_stacked_experts_are_traced_as_routed_experts() -> None:
     assert block.flops_per_token == 28672 + 512 + 98304
 
 
+@pytest.mark.parametrize("granularity", ["sublayer", "module"])
+def test_dbrx_s_stacked_experts_are_routed_experts_at_every_granularity(granularity: str) -> None:
+    """Cut per module, DBRX's experts' weights sit on ``ffn.experts.mlp``, the child its routing parent slices: that
+    unit was traced with no MoE facts, and a decode priced reading every expert's rows, not its top-k's."""
+    from placement_opt.cost.kernels import touched_weight_bytes
+
+    config = transformers.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128,
+                                     attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0},
+                                     ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})
+    graph = trace(config, seq_len=SEQ, dtype="float32", granularity=granularity)
+    (name,) = [n for n in graph.names() if n.startswith("transformer.blocks.0.ffn.experts")]
+    experts = graph.unit(name)
+    every = 4 * 3 * 128 * 64 * 4
+    assert (experts.moe_num_experts, experts.moe_experts_per_token, experts.moe_expert_bytes) == (4, 2, every)
+    assert touched_weight_bytes(experts, 1) == every / 2  # one token reads its 2 experts of 4
+
+
 def test_experts_with_a_gate_of_their_own_trace_through_it() -> None:
     """Inkling2's experts gate through ``_apply_gate`` (an activation taking the gate and up halves together): the
     meta stand-in calls it (the trace fell back to the static graph). Two experts per token of 2 x 3 x 64x32."""

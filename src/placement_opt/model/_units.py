@@ -158,6 +158,10 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
     if is_container(ctx, name):
         return 0, 0, 0
     experts = [m for m in module.modules() if is_fused_experts(m) or is_stacked_experts(m)]
+    if not experts and (owner := _stacked_owner(ctx, name, module)) is not None:
+        # DBRX's stacked experts cut per module: this unit holds every expert's rows, its parent routes each token
+        nbytes = sum(tensor_bytes(p, ctx.override) for p in module.parameters())
+        return int(owner.num_experts), experts_per_token(ctx, owner), int(nbytes)
     if not experts:
         # full names: the unit may be the expert list itself (a "sublayer" experts unit)
         lists = [m for n, m in module.named_modules(prefix=name) if n.endswith("experts")
@@ -171,6 +175,21 @@ def moe_facts(ctx: TraceContext, module: nn.Module, name: str) -> tuple[int, int
     nbytes = sum(tensor_bytes(p, ctx.override) for m in experts for p in m.parameters())
     per_token = count if _runs_every_expert(experts[0]) else experts_per_token(ctx, experts[0])
     return int(count), int(per_token), int(nbytes)
+
+
+def _stacked_owner(ctx: TraceContext, name: str, module: nn.Module) -> nn.Module | None:
+    """The stacked experts module (:func:`is_stacked_experts`) whose ``mlp`` child ``module`` is, or None: at
+    ``granularity="module"`` that child is the unit holding the experts' weights, and its parent, which routes the
+    tokens and slices the rows each expert reads, holds none. Without it a DBRX-132B layer's decode was priced
+    reading all 16 experts' 5.9 GiB a token, not its top 4's."""
+    parent_name, _, child = name.rpartition(".")
+    if child != "mlp" or not parent_name:
+        return None
+    try:
+        parent = ctx.module.get_submodule(parent_name)
+    except AttributeError:
+        return None
+    return parent if is_stacked_experts(parent) and parent.mlp is module else None
 
 
 def _runs_every_expert(experts: nn.Module) -> bool:
