@@ -27,6 +27,7 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from itertools import pairwise
@@ -148,10 +149,24 @@ def _sum_max_lines(lines: Sequence[tuple[float, float]], steps: int) -> float:
 
 
 def measured_prefill_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float | None:
-    """The unit's calibrated prefill on ``device`` (its host time included), or None."""
+    """The unit's calibrated prefill on ``device`` (its host time included), or None. :func:`placement_opt.calibrate`
+    times equal prompts: a padded workload's mask adds the pairs sdpa then computes too (:func:`_padding_s`)."""
     wl = ctx.workload
     measured = _calibrated(ctx, unit, device)
-    return None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
+    seconds = None if measured is None else measured.prefill_s(wl.batch_size, wl.prompt_len, wl.logits_kept)
+    return None if seconds is None else seconds + _padding_s(ctx, unit, device)
+
+
+def _padding_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
+    """The attention work a padded prompt's mask adds to a forward timed on equal prompts (the query x key pairs
+    :func:`prompt_attention_pairs` counts with the mask, less those without), at the device's FLOP rate."""
+    wl = ctx.workload
+    if not wl.padded or not unit.attn_flops_per_token_per_ctx:
+        return 0.0
+    equal = dataclasses.replace(ctx, workload=dataclasses.replace(wl, padded=False))
+    extra = prompt_attention_pairs(ctx, unit) - prompt_attention_pairs(equal, unit)
+    flops_s, _ = _achieved(device, prefill_rows(ctx, unit))
+    return wl.batch_size * unit.attn_flops_per_token_per_ctx * extra / flops_s
 
 
 def prefill_roofline_s(ctx: PricingContext, unit: UnitInfo, device: Device) -> float:
