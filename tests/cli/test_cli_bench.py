@@ -231,3 +231,19 @@ def test_the_decode_floor_lies_under_every_solved_plan_and_meets_the_resident_on
     for case in ("tiny-llama (smoke)", "tiny-mixtral (smoke)"):
         whole = rows[case, "whole GPU"]
         assert abs(float(whole[6].strip("*")) / float(whole[5]) - 1) < 0.01, whole
+
+
+def test_the_masked_prompt_benchmark_prices_a_padded_prompt_above_the_equal_one(tmp_path):
+    """benchmarks/cost_accuracy/masked.py: every row complete; the padded prompt priced at more than the equal one
+    (the mask's pairs), before calibration and after; its "as equal" column the equal prompt's calibrated price."""
+    env = {**os.environ, "PLACEMENT_OPT_PROFILE": str(tmp_path / "profile.json")}
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cost_accuracy" / "masked.py"), "--prompts", "64",
+                          "--repeats", "1", "--out", "-"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {(r[0], r[2]): [float(x) for x in r[3:10]] for r in _table_rows(run.stdout, ("llama", "mistral"))}
+    assert set(rows) == {(m, p) for m in ("llama", "mistral") for p in ("equal", "padded")}, run.stdout
+    for model in ("llama", "mistral"):
+        equal, padded = rows[model, "equal"], rows[model, "padded"]
+        assert padded[0] > equal[0] and padded[1] > equal[1], (equal, padded)  # before, after
+        assert padded[2] == equal[2] == equal[1] and all(x > 0 for x in (*equal, *padded)), (equal, padded)
