@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement_opt.errors import DeviceSpecError
+from placement_opt.hardware.devices import Device
 from placement_opt.units import GIB, MIB, format_bytes, format_seconds, parse_size
 
 
@@ -59,3 +60,16 @@ def test_a_ratio_too_small_for_two_decimals_keeps_a_digit():
     from placement_opt.units import ratio_or_dash
 
     assert ratio_or_dash(0.004, 1.0) == "0.004x" and ratio_or_dash(1.0, 3.0) == "0.33x" and ratio_or_dash(0, 1) == "0.00x"
+
+
+def test_parse_size_keeps_integers_exact_and_refuses_absurd_ones_in_its_own_words() -> None:
+    """An int past a float's range raised a bare OverflowError; one past 2**53 was rounded down under the cap."""
+    assert parse_size(2**53 + 1) == 2**53 + 1
+    with pytest.raises(DeviceSpecError, match=r"max_memory\[0\] is an int of 1329 bits, beyond 2\*\*1000 bytes"):
+        parse_size(10**400, what="max_memory[0]")
+    with pytest.raises(DeviceSpecError, match=r"beyond 2\*\*1000 bytes"):
+        parse_size(10**5000)
+    with pytest.raises(DeviceSpecError, match=r"memory of cpu is .* accepted are 0 to"):
+        Device("cpu", 2**53 + 1)
+    with pytest.raises(DeviceSpecError, match=r"memory of cpu is .* accepted are 0 to"):  # far past the cap, a float still
+        Device("cpu", 2**900)

@@ -25,6 +25,9 @@ _SIZE_UNITS = {
     "gib": GIB,
     "tib": 1024**4,
 }
+#: Past this an int size is refused by parse_size itself: float() and format_bytes overflow near 2**1024, so the
+#: device's own cap (far lower) could not say how much it is.
+_MAX_SIZE = 2**1000
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -45,8 +48,15 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise DeviceSpecError(f"{what} {value!r} is not a size: give bytes (int) or a string like '24GiB'")
-    if isinstance(value, (int, float)):
-        number, scale = float(value), 1
+    if isinstance(value, int):  # exact: float() of an int past 1e308 raised OverflowError, and rounds past 2**53
+        if value < 0:
+            raise DeviceSpecError(f"{what} {value!r} is negative: capacities are >= 0 bytes")
+        if value > _MAX_SIZE:  # its digits would flood the message (and str() raises past 4300 of them)
+            raise DeviceSpecError(f"{what} is an int of {value.bit_length()} bits, beyond 2**1000 bytes: give the "
+                                  f"device's real capacity, e.g. '24GiB'")
+        return value
+    if isinstance(value, float):
+        number, scale = value, 1
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         unit = match.group(2).lower() if match else None

@@ -82,3 +82,16 @@ def test_opt_in_flags_are_written_only_when_set(flag: str) -> None:
     assert on.to_dict()[flag] is True and Workload.from_dict(on.to_dict()) == on
     with pytest.raises(WorkloadError, match=flag):
         Workload(**{flag: "yes"})
+
+
+def test_a_training_step_holds_no_generated_tokens_in_its_context() -> None:
+    """A training step's new_tokens (128 by default) were counted in its context: a shortage message named a KV cache
+    it never holds, and a note said a 4096-token step ran past a 4096-position model."""
+    from placement_opt.plan_notes import context_note
+
+    step = Workload(training=True, batch_size=2, prompt_len=4096)
+    assert step.context_len == 4096 and Workload(prompt_len=4096).context_len == 4096 + 128
+    graph = tiny()
+    graph.meta.extra["max_position_embeddings"] = 4096
+    assert context_note(graph, step) is None
+    assert "4096 + 128 = 4224 tokens" in context_note(graph, Workload(prompt_len=4096))

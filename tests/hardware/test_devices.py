@@ -196,3 +196,88 @@ def test_a_spec_naming_no_device_is_refused_in_the_spec_s_own_form(spec):
     with pytest.raises(DeviceSpecError, match=r"names no device: write its devices ','-separated, e.g. "
                                               r"'cuda:0=24GiB,cpu=64GiB'"):
         parse_device_spec(spec)
+
+
+def test_a_gpu_index_written_with_a_leading_zero_is_that_gpu() -> None:
+    """'cuda:01' stayed a device of its own: beside cuda:1 it was no duplicate, and max_memory kept one of the two
+    under accelerate's key 1; a machine with cuda:1 did not find 'cuda:01'."""
+    assert Device("cuda:01", "1GiB").name == "cuda:1"
+    assert as_machine({"gpu:00": "1GiB"}).names == ["cuda:0"]
+    with pytest.raises(DeviceSpecError, match="machine lists cuda:1 more than once"):
+        as_machine({"cuda:01": "1GiB", 1: "2GiB"})
+    assert as_machine({1: "1GiB"})["cuda:01"].name == "cuda:1"
+
+
+def test_a_gpu_under_its_default_reserve_reads_back_and_takes_another_capacity() -> None:
+    """Device('cuda:0', '512MiB') keeps the default 1 GiB reserve (the plan's notes say so), but its dict read back as
+    a reserve given over the memory: a plan solved on 'cuda:0=a10/512MiB' did not load, nor did with_memory work."""
+    small = Device.preset("a10", memory="512MiB")
+    assert small.reserve_bytes == DEFAULT_GPU_RESERVE_BYTES and small.usable_bytes == 0
+    machine = Machine([small, Device("cpu", "64GiB")])
+    assert Machine.from_dict(machine.to_dict()) == machine
+    assert Device("cuda:0", "24GiB").with_memory("512MiB").usable_bytes == 0
+    assert small.with_memory("24GiB").usable_bytes == 23 * GIB
+    with pytest.raises(DeviceSpecError, match="more than its memory"):  # a reserve one gives is still checked
+        Device("cuda:0", "512MiB", reserve="1GiB")
+
+
+@pytest.mark.parametrize(("call", "pattern"), [
+    # a bare ValueError or TypeError of float(), naming neither the device nor the field
+    (lambda: Device("cpu", "1GiB", op_overhead_s="5us"), r"op_overhead_s of cpu is '5us': .*between 0 and 1"),
+    (lambda: Device("cpu", "1GiB", op_overhead_s=[5e-6]), r"op_overhead_s of cpu is \[5e-06\]"),
+    (lambda: Device("disk", "1TB", random_read_latency_s="x"), r"random_read_latency_s of disk is 'x'"),
+    # infinite speeds were taken: the device's compute or copies then cost no time at all
+    (lambda: Device("cuda:0", "1GiB", flops=float("inf")), r"flops of cuda:0 is inf: speeds are numbers > 0 per second, and finite"),
+    (lambda: Device("cpu", "1GiB", bandwidth=float("inf")), r"bandwidth of cpu is inf"),
+])
+def test_a_non_numeric_time_or_an_infinite_speed_is_refused_in_the_device_s_words(call, pattern) -> None:
+    with pytest.raises(DeviceSpecError, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize(("links", "pattern"), [
+    # each was a bare TypeError, ValueError or AttributeError, or (inf, True) taken as a rate
+    ({("disk", "cpu"): None}, r"link disk->cpu bandwidth is None: it must be a finite number > 0 bytes/s"),
+    ({("disk", "cpu"): "fast"}, r"link disk->cpu bandwidth is 'fast'"),
+    ({("disk", "cpu"): float("inf")}, r"link disk->cpu bandwidth is inf"),
+    ({("disk", "cpu"): True}, r"link disk->cpu bandwidth is True"),
+    ({"cpu": 1e9}, r"link 'cpu' is not a \(src, dst\) pair of device names: e.g. links="),
+    ([("disk", "cpu", 1e9)], r"links is a list: give a dict of \(src, dst\) pairs to bytes/s"),
+    # never read: bandwidth() of a device to itself is infinite whatever the links say
+    ({("cpu", "cpu"): 1e9}, r"link cpu->cpu joins cpu to itself"),
+])
+def test_a_malformed_link_is_refused_in_the_machine_s_words(links, pattern) -> None:
+    with pytest.raises(DeviceSpecError, match=pattern):
+        Machine([Device("cpu", "1GiB"), Device("disk", "1TB")], links)
+
+
+@pytest.mark.parametrize(("spec", "what"), [("cuda:0=a100-80gb/h100-sxm", "preset"), ("cuda:0=10GiB/20GiB", "size"),
+                                            ("cpu=cpu-server/64GiB/cpu-desktop", "preset")])
+def test_a_spec_item_with_two_presets_or_two_sizes_is_refused(spec, what) -> None:
+    """The last one was taken and the first dropped: 'cuda:0=a100-80gb/h100-sxm' planned for an H100."""
+    with pytest.raises(DeviceSpecError, match=rf"item '{spec}' gives more than one {what}: write NAME=PRESET/SIZE"):
+        parse_device_spec(spec)
+
+
+def test_a_preset_key_is_read_as_a_spec_reads_it_and_a_non_string_is_refused() -> None:
+    """Device.preset(None) raised a bare AttributeError; ' A100-80GB ' (a spec item's spelling) was unknown, with a
+    'did you mean' naming the very preset."""
+    assert Device.preset(" A100-80GB ").source == "datasheet:a100-80gb"
+    for key in (None, 40):
+        with pytest.raises(DeviceSpecError, match=rf"device preset {key!r} is a \w+, not a preset's name: give one of"):
+            Device.preset(key)  # type: ignore[arg-type]
+
+
+def test_bytes_are_not_a_list_of_gpu_indices() -> None:
+    """b'cpu' was iterated as the ints 99, 112 and 117: 'cuda:99 is not on this machine'."""
+    with pytest.raises(DeviceSpecError, match=r"devices=b'cpu' is not a machine: pass a Machine"):
+        as_machine(b"cpu")
+
+
+@pytest.mark.parametrize(("curve", "pattern"), [
+    ([(1, float("inf"))], r"has \[\(1, inf\)\]: tokens must be >= 1 and FLOP/s > 0 and finite"),
+    ([(1, 1e12), (64, 5e12), (1, 2e12)], r"gives tokens \[1\] more than once: one FLOP/s each"),
+])
+def test_a_measured_curve_with_an_infinite_or_a_repeated_point_is_refused(curve, pattern) -> None:
+    with pytest.raises(DeviceSpecError, match=pattern):
+        Device("cpu", "1GiB", flops_by_tokens=curve)

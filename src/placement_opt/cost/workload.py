@@ -137,8 +137,10 @@ class Workload:
 
     @property
     def context_len(self) -> int:
-        """Tokens per sequence once generation ends: what the KV cache must hold."""
-        return self.prompt_len + self.new_tokens
+        """Tokens per sequence once generation ends: what the KV cache must hold. A training step generates none
+        (:attr:`decode_steps` is 0): its ``new_tokens`` were counted in shortage messages ("the KV cache for batch
+        64 x 8192 tokens 64 GiB", which it never holds) and in the note on contexts past the model's positions."""
+        return self.prompt_len + self.decode_steps
 
     @property
     def decode_steps(self) -> int:

@@ -12,6 +12,7 @@ string such as ``"cuda:0=a100-40gb,cuda:1=a100-40gb,cpu=256GiB,disk"``) into a :
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -73,12 +74,14 @@ def normalize_device_name(name: str | int) -> str:
         return "cuda:0"
     if text.startswith("gpu:"):
         text = "cuda:" + text[4:]
-    if not _NAME_RE.match(text):
+    match = _NAME_RE.match(text)
+    if not match:
         raise DeviceSpecError(
             f"unknown device name {name!r}: accepted are 'cuda:N' (also written 'gpu:N', an int N, or 'cuda' for "
             f"cuda:0), 'cpu' and 'disk'"
         )
-    return text
+    # 'cuda:01' is cuda:1: kept as written, it was another device beside cuda:1, and accelerate's key 1 for both
+    return f"cuda:{int(match.group(2))}" if match.group(2) else text
 
 
 def device_kind(name: str) -> str:
@@ -98,14 +101,26 @@ def _is_half(dtype: str) -> bool:
 def _checked_speed(label: str, device: str, value: float | None) -> float | None:
     if value is None:
         return value
-    try:
-        positive = float(value) > 0
-    except (TypeError, ValueError):
-        positive = False
-    if isinstance(value, bool) or not positive:
-        raise DeviceSpecError(f"{label} of {device} is {value!r}: speeds are numbers > 0 per second (e.g. "
-                              f"flops=165e12, bandwidth=1.0e12)")
+    if not _finite_rate(value):
+        raise DeviceSpecError(f"{label} of {device} is {value!r}: speeds are numbers > 0 per second, and finite "
+                              f"(e.g. flops=165e12, bandwidth=1.0e12)")
     return value
+
+
+def _finite_rate(value: Any) -> bool:
+    """Whether ``value`` is a finite number > 0 (an infinite speed priced a device's work or a copy at no time)."""
+    try:
+        return not isinstance(value, bool) and 0 < float(value) < math.inf
+    except (TypeError, ValueError):
+        return False
+
+
+def _under_a_second(value: Any) -> bool:
+    """Whether ``value`` is a number of seconds strictly between 0 and 1 (a string, a bool or NaN is not)."""
+    try:
+        return not isinstance(value, bool) and 0 < float(value) < 1
+    except (TypeError, ValueError):  # 'abc', '5us', a list: refused in the caller's words, not float()'s
+        return False
 
 
 def _reserve_bytes(device: str, kind: str, reserve: int | str | None, memory_bytes: int) -> int:
@@ -166,7 +181,7 @@ class Device:
             window (``read_ahead_kb``: 8 MiB on this project's disk, 7 ms a fault).
 
     Raises:
-        DeviceSpecError: unknown name, malformed or negative size, non-positive speed.
+        DeviceSpecError: unknown name, malformed or negative size, a speed not finite and > 0, a time not in (0, 1).
     """
 
     name: str
@@ -221,14 +236,14 @@ class Device:
         if to_host is not None and kind != "gpu":
             raise DeviceSpecError(f"to_host of {canonical} is {to_host!r}: it is the rate of copies leaving a GPU for "
                                   f"the CPU, so only a GPU takes it; leave it None for {canonical}")
-        if op_overhead_s is not None and not (0 < float(op_overhead_s) < 1):
+        if op_overhead_s is not None and not _under_a_second(op_overhead_s):
             raise DeviceSpecError(f"op_overhead_s of {canonical} is {op_overhead_s!r}: the host's seconds per torch op "
                                   f"must be between 0 and 1 (a few microseconds: 5e-6); leave it None for the default")
         if (random_read is not None or random_read_latency_s is not None) and kind != "disk":
             raise DeviceSpecError(f"random_read and random_read_latency_s of {canonical} are {random_read!r} and "
                                   f"{random_read_latency_s!r}: they describe a disk's scattered reads, so only the "
                                   f"disk takes them; leave them None for {canonical}")
-        if random_read_latency_s is not None and not 0 < float(random_read_latency_s) < 1:
+        if random_read_latency_s is not None and not _under_a_second(random_read_latency_s):
             raise DeviceSpecError(f"random_read_latency_s of {canonical} is {random_read_latency_s!r}: a disk's seconds "
                                   f"per small read, between 0 and 1 (NVMe: about 1e-4); leave it None for the default")
         guessed = flops is None or bandwidth is None
@@ -314,8 +329,13 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
+        reserve: int | None = int(data["reserve_bytes"])
+        if reserve > int(data["memory_bytes"]) and reserve == DEFAULT_GPU_RESERVE_BYTES:
+            # the default reserve over a small GPU, as Device accepts it (reserve_note says so): read back as that
+            # default, not as a reserve given over the memory, which it refuses (a saved plan did not read back)
+            reserve = None
         return cls(data["name"], int(data["memory_bytes"]), flops=data["flops_per_s"] or None,
-                   bandwidth=data["bandwidth_bytes_per_s"], reserve=int(data["reserve_bytes"]),
+                   bandwidth=data["bandwidth_bytes_per_s"], reserve=reserve,
                    host_link=data.get("host_link_bytes_per_s") or None,
                    peer_link=data.get("peer_link_bytes_per_s") or None, source=data.get("source"),
                    flops_by_tokens=[tuple(p) for p in data.get("flops_by_tokens", ())],
@@ -337,10 +357,38 @@ def _check_curve(name: str, points: Iterable[tuple[int, float]]) -> tuple[tuple[
     except (TypeError, ValueError):
         raise DeviceSpecError(f"flops_by_tokens of {name} is {points!r}: give (tokens, FLOP/s) pairs, e.g. "
                               f"[(1, 2e12), (512, 150e12)]") from None
-    bad = [p for p in curve if p[0] < 1 or not p[1] > 0]
+    bad = [p for p in curve if p[0] < 1 or not 0 < p[1] < math.inf]  # inf priced those tokens' matmuls at no time
     if bad:
-        raise DeviceSpecError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0")
+        raise DeviceSpecError(f"flops_by_tokens of {name} has {bad}: tokens must be >= 1 and FLOP/s > 0 and finite")
+    tokens = [t for t, _ in curve]
+    if twice := sorted({t for t in tokens if tokens.count(t) > 1}):  # which one the interpolation took was chance
+        raise DeviceSpecError(f"flops_by_tokens of {name} gives tokens {twice} more than once: one FLOP/s each")
     return curve
+
+
+def _checked_links(links: Any, names: list[str]) -> dict[tuple[str, str], float]:
+    """``{(src, dst): bytes_per_s}`` with canonical names, each naming two devices of the machine at a finite rate > 0
+    (a bare ValueError, TypeError or AttributeError came of a rate like None, a key like 'cpu' or a list of links)."""
+    example = "e.g. links={('cpu', 'cuda:0'): 12e9}"
+    if not isinstance(links, Mapping):
+        raise DeviceSpecError(f"links is a {type(links).__name__}: give a dict of (src, dst) pairs to bytes/s, "
+                              f"{example}")
+    checked: dict[tuple[str, str], float] = {}
+    for pair, bw in links.items():
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise DeviceSpecError(f"link {pair!r} is not a (src, dst) pair of device names: {example}")
+        src, dst = pair
+        key = (normalize_device_name(src), normalize_device_name(dst))
+        unknown = [n for n in key if n not in names]
+        if unknown:
+            raise DeviceSpecError(f"link {src}->{dst} names {unknown}, not in the machine ({', '.join(names)})")
+        if key[0] == key[1]:  # bandwidth() never reads it: a device reaches itself at no cost
+            raise DeviceSpecError(f"link {src}->{dst} joins {key[0]} to itself: a link joins two devices, {example}")
+        if not _finite_rate(bw):
+            raise DeviceSpecError(f"link {src}->{dst} bandwidth is {bw!r}: it must be a finite number > 0 bytes/s, "
+                                  f"{example}")
+        checked[key] = float(bw)
+    return checked
 
 
 def replace_device(device: Device, **changes: Any) -> Device:
@@ -365,7 +413,8 @@ class Machine:
             (``$PLACEMENT_OPT_PROFILE`` or the default), whose unit times apply on that host only.
 
     Raises:
-        DeviceSpecError: duplicate devices, or a link naming a device the machine lacks.
+        DeviceSpecError: duplicate devices, or a link that is no (src, dst) pair of two of its devices at a finite
+            rate > 0.
     """
 
     devices: tuple[Device, ...]
@@ -389,15 +438,7 @@ class Machine:
             raise DeviceSpecError(f"machine lists {', '.join(duplicates)} more than once: name each device once")
         if not devs:
             raise DeviceSpecError("a machine needs at least one device, e.g. ['cpu'] or {'cpu': '64GiB'}")
-        checked: dict[tuple[str, str], float] = {}
-        for (src, dst), bw in (links or {}).items():
-            key = (normalize_device_name(src), normalize_device_name(dst))
-            unknown = [n for n in key if n not in names]
-            if unknown:
-                raise DeviceSpecError(f"link {src}->{dst} names {unknown}, not in the machine ({', '.join(names)})")
-            if not float(bw) > 0:
-                raise DeviceSpecError(f"link {src}->{dst} bandwidth is {bw!r}: it must be > 0 bytes/s")
-            checked[key] = float(bw)
+        checked = _checked_links(links or {}, names)
         # GPUs in index order first, then cpu, then disk: the fill order accelerate uses.
         order = {"gpu": 0, "cpu": 1, "disk": 2}
         devs = tuple(sorted(devs, key=lambda d: (order[d.kind], gpu_index(d.name))))

@@ -85,13 +85,16 @@ DEFAULT_PRESET = {"gpu": "a100-40gb", "cpu": "cpu-desktop", "disk": "nvme-gen4"}
 
 
 def preset(key: str) -> DevicePreset:
-    """The preset named ``key`` (case-insensitive).
+    """The preset named ``key`` (case-insensitive, spaces around ignored, as in a spec string).
 
     Raises:
         DeviceSpecError: no preset has that key; the message lists every key.
     """
+    if not isinstance(key, str):  # None or an int raised a bare AttributeError
+        raise DeviceSpecError(f"device preset {key!r} is a {type(key).__name__}, not a preset's name: give one of "
+                              f"{', '.join(sorted(PRESETS))}")
     try:
-        return PRESETS[key.lower()]
+        return PRESETS[key.strip().lower()]
     except KeyError:
         raise DeviceSpecError(
             f"unknown device preset {key!r}{did_you_mean(key)}: accepted are {', '.join(sorted(PRESETS))}"

@@ -130,21 +130,31 @@ def _spec_device(name: str, rest: str, item: str, dtype: str) -> Device:
     preset_key, size = None, None
     for token in (t.strip() for t in rest.split("/") if t.strip()):
         if token.lower() in PRESETS:
+            _one_of_each(item, "preset", preset_key)
             preset_key = token.lower()
             continue
         try:
-            size = parse_size(token, what=f"size of {name}")
+            parsed = parse_size(token, what=f"size of {name}")
         except ValueError:
             raise DeviceSpecError(
                 f"device spec item {item!r}: {token!r} is neither a preset nor a size{did_you_mean(token)}. "
                 f"Write NAME=PRESET, NAME=SIZE or NAME=PRESET/SIZE, e.g. 'cuda:0=a100-40gb', "
                 f"'cpu=256GiB'; presets: {', '.join(sorted(PRESETS))}"
             ) from None
+        _one_of_each(item, "size", size)
+        size = parsed
     if preset_key:
         return Device.preset(preset_key, name=name, memory=size, dtype=dtype)
     if size is not None:
         return _with_budget(name, size, dtype)
     return detect_device(name, dtype=dtype)
+
+
+def _one_of_each(item: str, what: str, earlier: object) -> None:
+    """Refuse a second preset or size in one item: the last one was taken, the first dropped without a word."""
+    if earlier is not None:
+        raise DeviceSpecError(f"device spec item {item!r} gives more than one {what}: write NAME=PRESET/SIZE with one "
+                              f"of each at most, e.g. 'cuda:0=a100-40gb/36GiB'")
 
 
 def _with_budget(name: str, size: int, dtype: str, *, max_memory: bool = False) -> Device:
@@ -197,7 +207,7 @@ def as_machine(devices: Any, *, dtype: str = "float16") -> Machine:
         return parse_device_spec(devices, dtype=dtype)
     if isinstance(devices, Mapping):
         return _from_max_memory(devices, dtype)
-    if isinstance(devices, Iterable):
+    if isinstance(devices, Iterable) and not isinstance(devices, bytes | bytearray):  # b"cpu" iterates 99, 112, 117
         return Machine([device for d in devices for device in _listed_devices(d, dtype)])
     raise DeviceSpecError(
         f"devices={devices!r} is not a machine: pass a Machine, a list like ['cuda:0', 'cpu', 'disk'], "
