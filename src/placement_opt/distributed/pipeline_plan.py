@@ -13,7 +13,9 @@ What a stage holds, per micro-batch of ``workload.batch_size x workload.prompt_l
 * weights; training adds gradients, optimizer states (:func:`~..cost.workload.unit_training_bytes`)
   and the activations saved for the backward times the micro-batches in flight: all
   ``n_microbatches`` under GPipe, ``min(n_stages - k, n_microbatches)`` on stage ``k`` under 1F1B;
-* the receive and send buffers of the activations crossing its cuts, same count in flight;
+* the activations crossing its cuts, which ``torch.distributed.pipelining`` keeps for every micro-batch whatever the
+  schedule: a receive buffer each; training, a gradient receive buffer each and the outputs awaiting their backward
+  (the count in flight); forward only, every output, kept until the next step;
 * the largest unit's workspace;
 * on the last stage, the outputs (logits) of all ``n_microbatches``, which ``step()`` keeps and returns merged
   (``torch.cat``: twice their size).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -49,12 +52,15 @@ from ..solver.stages import (
 from ..units import format_bytes, format_seconds
 
 __all__ = ["PipelinePlan", "StagePlan", "plan_pipeline", "SCHEDULES", "layer_count_cuts", "PIPELINE_PLAN_VERSION",
-           "stage_problem", "crossing_bytes_per_token"]
+           "stage_problem", "crossing_bytes_per_token", "MAX_MICROBATCHES"]
 
 #: Schedules a plan can be made for: ``torch.distributed.pipelining``'s ScheduleGPipe and Schedule1F1B.
 SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_PLAN_VERSION = 1
+#: Micro-batches a step may have: more are no step anyone runs (10**400 overflowed the byte counts' floats).
+MAX_MICROBATCHES = 65536
 _NS = 1e9
+_LOCAL_DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)( .*)?$")
 
 
 @dataclass(frozen=True)
@@ -188,12 +194,22 @@ def _check_read(plan: PipelinePlan) -> None:
     if plan.schedule not in SCHEDULES:
         raise ValueError(f"schedule {plan.schedule!r} is none of {', '.join(SCHEDULES)}")
     micro = plan.n_microbatches
-    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
-        raise ValueError(f"n_microbatches is {micro!r}, not an int >= 1")
+    if not _index(micro) or not 1 <= micro <= MAX_MICROBATCHES:
+        raise ValueError(f"n_microbatches is {micro!r}, not an int from 1 to {MAX_MICROBATCHES}")
+    if plan.workload.padded:  # plan_pipeline() refuses it: pipeline() builds a causal mask only
+        raise ValueError("the workload is padded: a pipeline runs unpadded micro-batches (padded false)")
     if not plan.stages or any(not s.units for s in plan.stages):
         raise ValueError("a plan has one stage or more, each with one unit or more")
-    if [s.stage for s in plan.stages] != list(range(len(plan.stages))):
+    if [s.stage for s in plan.stages] != list(range(len(plan.stages))) or not all(_index(s.stage) for s in plan.stages):
         raise ValueError(f"stages are numbered {[s.stage for s in plan.stages]}, not 0 to {len(plan.stages) - 1}")
+    # pipeline() finds its stage by rank and torch sends stage k's output to rank k + 1: another rank was refused as
+    # "rank 1 has no stage", a device that is no string raised an AttributeError
+    for s in plan.stages:
+        if s.rank != s.stage or not all(_index(v) for v in (s.rank, s.host, s.local_rank)):
+            raise ValueError(f"stage {s.stage} runs on rank {s.rank!r}, host {s.host!r}, local rank {s.local_rank!r}: "
+                             f"stage k runs on rank k, and each is an int >= 0")
+        if not isinstance(s.device, str) or not _LOCAL_DEVICE_RE.match(s.device):
+            raise ValueError(f"stage {s.stage}'s device is {s.device!r}, not 'cuda:N (preset)' or 'cpu (preset)'")
     units = [u for s in plan.stages for u in s.units]
     if len(set(units)) < len(units):
         raise ValueError(f"unit(s) {sorted({u for u in units if units.count(u) > 1})[:3]} are in more than one place")
@@ -208,6 +224,10 @@ def _check_read(plan: PipelinePlan) -> None:
         raise ValueError("a stage's memory_bytes and capacity_bytes are ints >= 0")
     if not all(isinstance(u, str) for u in units):  # a string of units was read as its letters, one unit each
         raise ValueError("a stage's units are a list of module names")
+
+
+def _index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _seconds(value: Any) -> bool:
@@ -229,7 +249,7 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
 
     Args:
         model: a ``LayerGraph`` or anything :func:`placement_opt.trace` accepts.
-        cluster: a :class:`Cluster` or its spec string.
+        cluster: a :class:`Cluster` or its spec string (read in the model's dtype, as ``plan --cluster`` does).
         workload: ONE micro-batch (``batch_size`` sequences of ``prompt_len`` tokens); ``training``
             prices forward + backward and the training states. Default ``Workload(new_tokens=0)``. Its
             ``new_tokens`` and ``logits`` are dropped: a pipeline runs whole sequences, logits at every position.
@@ -237,10 +257,12 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         n_microbatches: micro-batches per step; default the number of stages.
 
     Raises:
-        SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches < 1``, a padded workload.
+        SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches`` not 1 to
+            :data:`MAX_MICROBATCHES`, a padded workload.
         InfeasiblePlacementError: no split fits every rank's memory (says which and by how much).
     """
-    cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    spec = cluster if isinstance(cluster, str) else None
+    cluster = Cluster.from_spec(cluster) if spec is not None else cluster  # a bad spec is said before tracing
     if not isinstance(cluster, Cluster):
         raise SolverInputError(f"cluster is a {type(cluster).__name__}: pass a Cluster or its spec string, e.g. "
                                f"'2x(h100-sxm*8,cpu-server)@ib-200g' (one machine's devices go to solve())")
@@ -251,6 +273,8 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         raise SolverInputError("Workload(padded=True) is priced on one machine's plan: pipeline() runs unpadded "
                                "micro-batches (a causal mask only); plan with padded=False")
     graph = _graph(model)
+    if spec is not None:  # read at float16, a float32 model was priced at its GPUs' half-precision rate (16x fast)
+        cluster = Cluster.from_spec(spec, dtype=graph.meta.dtype)
     ranks = cluster.ranks
     micro = n_microbatches if n_microbatches is not None else len(ranks)
     _check(schedule, micro, graph, len(ranks))
@@ -308,8 +332,9 @@ def _graph(model: Any) -> LayerGraph:
 def _check(schedule: str, micro: int, graph: LayerGraph, n_ranks: int) -> None:
     if schedule not in SCHEDULES:
         raise SolverInputError(f"schedule {schedule!r} is unknown: accepted are {', '.join(SCHEDULES)}")
-    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
-        raise SolverInputError(f"n_microbatches is {micro!r}: it must be an int >= 1 (default: one per stage)")
+    if not isinstance(micro, int) or isinstance(micro, bool) or not 1 <= micro <= MAX_MICROBATCHES:
+        raise SolverInputError(f"n_microbatches is {micro!r}: it must be an int from 1 to {MAX_MICROBATCHES} "
+                               f"(default: one per stage)")
     if schedule == "1f1b" and micro < n_ranks:
         raise SolverInputError(f"Schedule1F1B needs at least one micro-batch per stage: n_microbatches is {micro} "
                                f"for {n_ranks} stages; use n_microbatches >= {n_ranks} or schedule='gpipe'")
@@ -361,13 +386,23 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
         last = k == len(ranks) - 1
         link = None if last else cluster.link(rank, ranks[k + 1])
         rows["send"].append(tuple(0 if link is None else _ns(times * link.seconds(tokens * c)) for c in crossing))
-        rows["in"].append(tuple(0 if k == 0 else flight * tokens * c for c in crossing))
-        rows["out"].append(tuple(flight * tokens * c for c in crossing) if not last
+        received, sent = _boundary_copies(micro, flight, workload.training)
+        rows["in"].append(tuple(0 if k == 0 else received * tokens * c for c in crossing))
+        rows["out"].append(tuple(sent * tokens * c for c in crossing) if not last
                            else (0,) * len(graph) + (_outputs_held(graph, micro, tokens),))
     return StageProblem(time_ns=tuple(rows["time"]), stored_bytes=tuple(rows["stored"]),
                         peak_bytes=tuple(rows["peak"]), send_ns=tuple(rows["send"]), in_bytes=tuple(rows["in"]),
                         out_bytes=tuple(rows["out"]),
                         capacity_bytes=tuple(r.device.usable_bytes for r in ranks))
+
+
+def _boundary_copies(micro: int, flight: int, training: bool) -> tuple[int, int]:
+    """Micro-batches of crossing activations a stage holds at its first cut and at its last, as
+    ``torch.distributed.pipelining`` keeps them, whatever the schedule: a receive buffer for every micro-batch,
+    allocated when the step starts; training, the outputs awaiting their backward (``flight``) and a gradient receive
+    buffer for every micro-batch; forward only, every micro-batch's output, which the stage's ``fwd_cache`` keeps
+    until the next step. Priced at ``flight`` each, a 2-stage 1F1B run of 8 micro-batches held 8 where 1 was counted."""
+    return micro, flight + micro if training else micro
 
 
 def _outputs_held(graph: LayerGraph, micro: int, tokens: int) -> int:

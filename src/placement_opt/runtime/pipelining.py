@@ -11,7 +11,9 @@ A stage of a Hugging Face decoder-only model runs, in order, the units it holds 
 embedding (first stage: token ids in), the decoder layers (each stage computes the rotary tables
 and the causal mask itself, from the hidden states' shape), the final norm and the output head
 (last stage: logits out). Between stages only the hidden states travel. ``use_cache`` is off: a
-pipeline runs whole sequences (forward for inference, forward + backward for training).
+pipeline runs whole sequences (forward for inference, forward + backward for training). A plan made
+for ``Workload(activation_checkpointing=True)`` runs each decoder layer under
+``torch.utils.checkpoint`` (non-reentrant) when gradients are on, as it was priced.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..distributed.pipeline_plan import PipelinePlan
@@ -48,9 +51,12 @@ class PipelineRun:
 class DecoderStage(nn.Module):
     """The units of one stage of a decoder-only model, under their original names."""
 
-    def __init__(self, model: nn.Module, units: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, units: tuple[str, ...], *, checkpoint: bool = False) -> None:
         super().__init__()
         self.unit_names = units
+        # a plan priced with activation checkpointing kept each layer's input only: run it so, or the stage holds
+        # every activation it was not priced for (llama-2-7b's first of 4 stages: 46 GiB, planned at 28 GiB)
+        self.checkpoint = checkpoint
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         roles = _roles(model, decoder)
         self._steps: list[tuple[str, str]] = []  # (role, unit name), in the plan's order
@@ -75,7 +81,11 @@ class DecoderStage(nn.Module):
             module = self.get_submodule(name)
             if role == "layer":
                 extras = extras or self._layer_inputs(hidden)
-                hidden = module(hidden, use_cache=False, **extras)
+                if self.checkpoint and torch.is_grad_enabled():  # from_pretrained's models train in eval() mode too
+                    hidden = torch.utils.checkpoint.checkpoint(module, hidden, use_cache=False, use_reentrant=False,
+                                                               **extras)
+                else:
+                    hidden = module(hidden, use_cache=False, **extras)
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             else:
                 hidden = module(hidden)
@@ -136,7 +146,8 @@ def stage_module(model_or_checkpoint: Any, plan: PipelinePlan, stage_index: int,
         if any(p.is_meta for n, p in model.named_parameters() if _covered(n, units)):
             raise DispatchError("the model's weights are on the meta device: pass its checkpoint directory "
                                 "(model.save_pretrained(path)) so that pipeline() reads this stage's tensors")
-    module = DecoderStage(model, units).to(device)
+    checkpoint = plan.workload.training and plan.workload.activation_checkpointing
+    module = DecoderStage(model, units, checkpoint=checkpoint).to(device)
     if plan.workload.training and _tied_across(model, plan, stage_index):
         raise DispatchError("the model ties weights (e.g. lm_head to embed_tokens) between stages; their gradients "
                             "would not be summed across ranks: untie them (tie_word_embeddings=False) to train")
