@@ -449,3 +449,22 @@ def test_evaluate_refuses_a_plan_solved_for_another_model_as_dispatch_does(model
     with pytest.raises(PlanMismatchError, match=r"was solved for another model than this graph's .* unit\(s\) differ "
                                                 r"\(model.layers.0: .* of weights in the plan, .* in the model"):
         po.evaluate(solved, wider, {"cpu": "8GiB", "disk": "100GiB"})
+
+
+@pytest.mark.parametrize("limit", [True, float("inf"), float("nan"), "1s"])
+def test_a_time_limit_that_is_no_finite_number_of_seconds_is_refused(limit):
+    """``time_limit_s=True`` ran as a 1 s limit, and infinity with ``gap_limit=0`` could search for ever."""
+    from placement_opt.errors import SolverInputError
+
+    graph = chain_graph([{"name": "a", "param_bytes": 8}, {"name": "b", "param_bytes": 8}])
+    with pytest.raises(SolverInputError, match="time_limit_s must be a positive, finite number of seconds"):
+        po.solve(graph, {"cpu": "1GiB"}, time_limit_s=limit)
+
+
+def test_a_mode_named_twice_is_one_mode():
+    """``modes=('resident', 'stream', 'stream')`` reached the problem builder as given: every unit's streamed options
+    twice over, for the search to tell apart."""
+    from placement_opt._solve_inputs import check_modes
+
+    assert check_modes(("resident", "stream", "stream", "resident")) == ("resident", "stream")
+    assert check_modes("resident") == ("resident",)

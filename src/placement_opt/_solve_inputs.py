@@ -8,6 +8,7 @@ values they accept, are re-exported by :mod:`placement_opt.planner`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,8 +69,11 @@ def check_arguments(objective: str, strategy: str, time_limit_s: float, seed: in
         problems.append(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     if strategy not in STRATEGIES:
         problems.append(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-        problems.append(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    # True ran as 1 s; infinity with gap_limit 0 could search for ever
+    if (not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or not time_limit_s > 0
+            or not math.isfinite(time_limit_s)):
+        problems.append(f"time_limit_s must be a positive, finite number of seconds, got {time_limit_s!r}: "
+                        f"e.g. 1.0 (default) or 10")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         problems.append(f"seed must be a non-negative int, got {seed!r}")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -85,7 +89,7 @@ def check_modes(modes: Any) -> tuple[str, ...]:
     if chosen is None or "resident" not in chosen or any(m not in SOLVER_MODES for m in chosen):
         raise SolverInputError(f"modes must name some of {', '.join(SOLVER_MODES)}, 'resident' included, got "
                                f"{modes!r}: e.g. modes=('resident', 'stream') for plans without phased units")
-    return chosen
+    return tuple(dict.fromkeys(chosen))  # a mode named twice is one choice, not two options of every unit
 
 
 def check_types(workload: Any, pins: Any, contiguous: Any, strategy: str) -> None:

@@ -33,7 +33,9 @@ def test_plan_cluster_errors_are_one_line() -> None:
     result = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--schedule", "1f1b", "--microbatches", "1")
     assert result.exit_code == 2 and "give --microbatches 2 or more, or --schedule gpipe" in result.output
     zero = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--microbatches", "0")
-    assert zero.exit_code == 2 and "--microbatches is 0: give 1 or more" in zero.output
+    assert zero.exit_code == 2 and "--microbatches is 0: give 1 to 65536" in zero.output
+    huge = run_cli("plan", "llama-2-7b", "--cluster", "(a10*2)", "--microbatches", "10" * 30)
+    assert huge.exit_code == 2 and "give 1 to 65536" in huge.output and "n_microbatches" not in huge.output
     result = run_cli("plan", "llama-2-7b")
     assert result.exit_code != 0 and "--devices" in result.output
 

@@ -132,6 +132,21 @@ def test_layer_count_cuts_share_the_layers_evenly() -> None:
     assert per_stage == [3, 3, 2, 2] and names[cuts[0]] == "embed" and cuts[-1] == len(names)
 
 
+def test_layer_count_cuts_of_a_graph_of_parts_fall_between_layers() -> None:
+    """A sublayer graph's most common class was LlamaRMSNorm (two a layer): the split it compared against cut layers
+    in half. Each stage now starts at a layer's first part."""
+    from _models import tiny
+    from placement_opt.model.tracer import trace
+
+    graph = trace(tiny("llama"), granularity="sublayer")
+    units = graph.units()
+    for stages in (2, 3, 4):
+        cuts = layer_count_cuts(graph, stages)
+        assert all(units[c].name.endswith(".input_layernorm") for c in cuts[1:-1]), [units[c].name for c in cuts]
+        layers = [sum(1 for u in units[a:b] if u.name.endswith(".mlp")) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        assert sum(layers) == 4 and max(layers) - min(layers) <= 1, layers
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(["h100-sxm", "a100-40gb", "l4", "t4", "a10"]), min_size=2, max_size=4),
        st.integers(1, 4), st.booleans())

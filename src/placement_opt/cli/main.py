@@ -286,8 +286,10 @@ def _plan_cluster(model: str, cluster: str, batch: int, prompt: int, dtype: str 
 
 def _check_microbatches(schedule: str, microbatches: int | None, ranks: int) -> None:
     """--microbatches as the options name it (plan_pipeline's own message names its Python arguments)."""
-    if microbatches is not None and microbatches < 1:
-        raise click.UsageError(f"--microbatches is {microbatches}: give 1 or more (default: one per rank)")
+    from ..distributed.pipeline_plan import MAX_MICROBATCHES
+
+    if microbatches is not None and not 1 <= microbatches <= MAX_MICROBATCHES:
+        raise click.UsageError(f"--microbatches is {microbatches}: give 1 to {MAX_MICROBATCHES} (default: one per rank)")
     if schedule == "1f1b" and microbatches is not None and microbatches < ranks:
         raise click.UsageError(f"--schedule 1f1b needs a micro-batch per stage: --microbatches {microbatches} for "
                                f"{ranks} ranks; give --microbatches {ranks} or more, or --schedule gpipe")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -460,13 +461,21 @@ def layer_count_cuts(graph: LayerGraph, n_stages: int) -> list[int]:
     """Cuts of the usual hand split: the repeated layers shared out evenly (earlier stages take the
     remainder), everything before the first layer on stage 0, everything after the last on the last stage.
 
-    The layers are the units of the most common module class (``LlamaDecoderLayer``); a model
-    with fewer layers than stages is cut unit by unit instead.
+    The layers are the units of the most common module class (``LlamaDecoderLayer``; of two as common, the first
+    met), or in a graph of a layer's parts the first part of each (its most common class was ``LlamaRMSNorm``, two a
+    layer, and the split cut layers in half); a model with fewer layers than stages is cut unit by unit instead.
     """
     units = graph.units()
-    classes = [u.module_class for u in units]
-    layer_class = max(set(classes), key=classes.count)
-    layers = [i for i, c in enumerate(classes) if c == layer_class]
+    if any(u.block for u in units):
+        first = {}
+        for i, u in enumerate(units):
+            if u.block:
+                first.setdefault(u.block, i)
+        layers = sorted(first.values())
+    else:
+        classes = [u.module_class for u in units]
+        layer_class = Counter(classes).most_common(1)[0][0]  # ties in order met: a set's order changed per process
+        layers = [i for i, c in enumerate(classes) if c == layer_class]
     if len(layers) < n_stages:
         per, extra = divmod(len(units), n_stages)
         sizes = [per + (1 if k < extra else 0) for k in range(n_stages)]
