@@ -213,6 +213,16 @@ def test_infeasible_names_the_weights_when_they_are_the_bigger_part():
     assert "the weights alone are 1.76 GiB (the KV cache for batch 1 x 80 tokens 640.00 KiB)" in text
 
 
+def test_infeasible_training_names_the_weights_with_their_states_and_no_kv_cache():
+    """A training step keeps no KV cache, and its weights come with gradients and optimizer states: the message said
+    "the weights alone" of a total 8x the weights', beside a KV cache the step never holds."""
+    graph, m = llama_like(), machine(500, cpu_gib=1, disk=False)
+    with pytest.raises(InfeasiblePlacementError) as err:
+        solve(graph, m, workload=Workload(batch_size=1, prompt_len=64, new_tokens=16, training=True), time_limit_s=1)
+    text = str(err.value)
+    assert "the weights with their gradients and optimizer states alone are" in text and "KV cache" not in text, text
+
+
 def test_baseline_strategies_return_accelerate_semantics():
     graph, m = llama_like(), machine(900, 900)
     plan = solve(graph, m, strategy="sequential")

@@ -155,10 +155,13 @@ def shortage_message(problem: PlacementProblem, graph: LayerGraph, workload: Wor
 def _what_takes_space(least: list[int], resident: list[int], graph: LayerGraph, workload: Workload) -> str:
     """The weights' and the KV cache's totals, the bigger one first: the reason :func:`shortage_message` gives
     for a capacity short in total."""
-    kv = sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len) for u in graph.units()) * workload.batch_size
+    # a training step keeps no KV cache, and its weights come with their gradients and optimizer states
+    kv = 0 if workload.training else sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len)
+                                         for u in graph.units()) * workload.batch_size
     weights = sum(least) - sum(resident)
     kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"
-    weights_why = f"the weights alone are {format_bytes(weights)}"
+    states = " with their gradients and optimizer states" if workload.training else ""
+    weights_why = f"the weights{states} alone are {format_bytes(weights)}"
     kv_part = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens {format_bytes(kv)}"
     return kv_why if kv >= weights else weights_why + (f" ({kv_part})" if kv else "")  # the bigger one first
 
