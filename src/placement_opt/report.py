@@ -117,13 +117,13 @@ def gap_advice(plan: Plan) -> str | None:
 def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
     cost, w = plan.cost, plan.workload
     if plan.status == "GREEDY":
-        solver = Cell(f"GREEDY (a baseline strategy: no optimality bound), {plan.solve_time_s:.2f} s")
+        solver = Cell(f"GREEDY (a baseline strategy: no optimality bound), {format_seconds(plan.solve_time_s)}")
     else:
         far = gap_advice(plan) is not None
         solver = Cell(f"{plan.status}, objective {_objective_text(plan, plan.objective_value)}, bound "
                       f"{_objective_text(plan, plan.best_bound)}, gap {plan.gap:.2%}"
                       f"{f' (above {GAP_TARGET:.0%}: see the gap line below)' if far else ''}, solved in "
-                      f"{plan.solve_time_s:.2f} s", "bad" if far else "")
+                      f"{format_seconds(plan.solve_time_s)}", "bad" if far else "")
     return (
         ("model", Cell(f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")),
         ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
