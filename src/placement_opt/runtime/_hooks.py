@@ -35,6 +35,7 @@ from ._phases import (
     call_starts_sequence,
     call_tokens,
     move_cache_layers,
+    past_plan,
     unit_is_prefill,
 )
 from ._prefetch_links import read_ahead
@@ -218,12 +219,7 @@ def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) 
         nonlocal said
         extent = None if said else call_extent(args, kwargs)
         if extent is not None:
-            sequences, held, new = extent
-            past = []
-            if sequences * held > batch * context:
-                past.append(f"holds {sequences} x {held} tokens in the KV cache, past the plan's {batch} x {context}")
-            if sequences * new > batch * prompt:
-                past.append(f"computes {sequences} x {new} tokens at once, past the plan's {batch} x {prompt}")
+            past = past_plan(extent, (batch, prompt, context))
             if past:
                 said = True
                 warnings.warn(

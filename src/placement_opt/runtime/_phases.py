@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import DispatchError
 from ..hardware.host_copy import to_host
 
-__all__ = ["CallPhase", "attention_layers", "call_extent", "call_tokens", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
+__all__ = ["CallPhase", "attention_layers", "call_extent", "past_plan", "call_tokens", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
 # The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
 # layers: the others).
@@ -108,6 +108,21 @@ def call_extent(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, in
     cache = _cache_argument(args, kwargs)
     cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
     return int(tensor.shape[0]), cached + int(tokens), int(tokens)
+
+
+def past_plan(extent: tuple[int, int, int], planned: tuple[int, int, int], new: str = "tokens") -> list[str]:
+    """What a call (or a workload) of ``extent`` (:func:`call_extent`'s sequences, context, new tokens each) holds
+    past the memory a plan counted for ``planned`` (batch, prompt, context): more tokens in the KV cache than
+    ``batch x context`` (it grows with both), more computed at once than ``batch x prompt`` (the activations);
+    ``new`` names what the second computes."""
+    sequences, held, fresh = extent
+    batch, prompt, context = planned
+    past = []
+    if sequences * held > batch * context:
+        past.append(f"holds {sequences} x {held} tokens in the KV cache, past the plan's {batch} x {context}")
+    if sequences * fresh > batch * prompt:
+        past.append(f"computes {sequences} x {fresh} {new} at once, past the plan's {batch} x {prompt}")
+    return past
 
 
 def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from ..plan import Plan
 from ._conversion import Converted, conversions
 from ._disk_full import disk_bytes, disk_full_error, is_disk_full, plan_disk_slots
 from ._expert_groups import split_experts
+from ._phases import past_plan
 from .checkpoint import (
     OFFLOAD_DIR_HINT,
     checkpoint_files,
@@ -200,13 +201,8 @@ def _warn_past_plan(plan: Plan, workload: Any) -> None:
     if not isinstance(workload, Workload):
         return
     ran, priced = workload, plan.workload
-    past = []
-    if ran.batch_size * ran.context_len > priced.batch_size * priced.context_len:
-        past.append(f"holds {ran.batch_size} x {ran.context_len} tokens in the KV cache, past the plan's "
-                    f"{priced.batch_size} x {priced.context_len}")
-    if ran.batch_size * ran.prompt_len > priced.batch_size * priced.prompt_len:
-        past.append(f"computes {ran.batch_size} x {ran.prompt_len} prompt tokens at once, past the plan's "
-                    f"{priced.batch_size} x {priced.prompt_len}")
+    past = past_plan((ran.batch_size, ran.context_len, ran.prompt_len),
+                     (priced.batch_size, priced.prompt_len, priced.context_len), "prompt tokens")
     if past:
         warnings.warn(f"the workload given beside the plan {' and '.join(past)}: its KV cache and activations take "
                       f"more memory than the plan counted, and may not fit; leave plan out to solve one for this "
