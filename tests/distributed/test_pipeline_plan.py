@@ -190,10 +190,14 @@ def test_the_plan_is_never_slower_than_the_layer_count_split(gpus: list[str], ba
     lambda d: {**d, "n_microbatches": 10**400},
     # plan_pipeline() refuses it: pipeline() builds a causal mask only
     lambda d: {**d, "workload": {**d["workload"], "padded": True}},
+    # summary() printed them as they were; a step of 1e308-second stages was infinite
+    lambda d: {**d, "model_name": 7}, lambda d: {**d, "status": None}, lambda d: {**d, "cluster_spec": ["(a10*2)"]},
+    lambda d: {**d, "stages": [{**d["stages"][0], "compute_s": 1e308}, *d["stages"][1:]]},
 ], ids=["null", "number", "schedule", "no micro-batches", "micro-batches text", "no stages", "empty stage",
         "units twice", "nan time", "bound text", "layer-count text", "memory text", "capacity null", "units text",
         "rank of another stage", "rank text", "stage bool", "host negative", "local rank null", "device number",
-        "device unknown", "micro-batches huge", "padded"])
+        "device unknown", "micro-batches huge", "padded", "name number", "status null", "cluster list",
+        "step infinite"])
 def test_a_pipeline_plan_edited_into_nonsense_is_a_plan_format_error(edit) -> None:
     import json
 

@@ -215,8 +215,11 @@ def _check_read(plan: PipelinePlan) -> None:
     if len(set(units)) < len(units):
         raise ValueError(f"unit(s) {sorted({u for u in units if units.count(u) > 1})[:3]} are in more than one place")
     times = [t for s in plan.stages for t in (s.compute_s, s.send_s)]
-    if not all(_seconds(t) for t in times):
-        raise ValueError("a stage's compute_s and send_s are finite seconds >= 0")
+    if not all(_seconds(t) for t in times) or not math.isfinite(plan.step_s):  # 1e308 x micro-batches: inf
+        raise ValueError("a stage's compute_s and send_s are finite seconds >= 0, and so is a step of them")
+    texts = {"model_name": plan.model_name, "status": plan.status, "cluster_spec": plan.cluster_spec}
+    if not all(isinstance(v, str) for v in texts.values()):  # summary() printed a number or null as the name
+        raise ValueError(f"{', '.join(k for k, v in texts.items() if not isinstance(v, str))} must be text")
     # summary() compared and divided these: text or null there raised a TypeError, not this error
     if not _seconds(plan.bound_s) or not (plan.layer_count_s is None or _seconds(plan.layer_count_s)):
         raise ValueError("bound_s is finite seconds >= 0, and layer_count_s too or null")
