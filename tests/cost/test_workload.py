@@ -95,3 +95,16 @@ def test_a_training_step_holds_no_generated_tokens_in_its_context() -> None:
     graph.meta.extra["max_position_embeddings"] = 4096
     assert context_note(graph, step) is None
     assert "4096 + 128 = 4224 tokens" in context_note(graph, Workload(prompt_len=4096))
+
+
+def test_numpy_integers_are_integers_and_numpy_bools_and_floats_are_not():
+    """A batch size read from a DataFrame or an array is a numpy int: it was refused as 'np.int64(4): it must be an
+    int >= 1'. It is kept as the Python int it is; a numpy bool or a float stays refused."""
+    import numpy as np
+
+    workload = Workload(batch_size=np.int64(4), prompt_len=np.int32(16), new_tokens=np.uint8(3))
+    assert workload == Workload(batch_size=4, prompt_len=16, new_tokens=3)
+    assert all(type(v) is int for v in (workload.batch_size, workload.prompt_len, workload.new_tokens))
+    for bad in (np.True_, np.float64(4.0)):
+        with pytest.raises(WorkloadError, match="it must be an int >= 1"):
+            Workload(batch_size=bad)

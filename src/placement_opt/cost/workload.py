@@ -6,6 +6,7 @@ the activations saved for the backward, and whether they force optimizer states 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,13 @@ class Workload:
     ``prompt_len`` tokens, and no mask is built where the kernel's causal flag does."""
 
     def __post_init__(self) -> None:
+        for name in ("batch_size", "prompt_len", "new_tokens"):  # numpy's ints (a batch from a DataFrame) are ints
+            value = getattr(self, name)
+            if not isinstance(value, int | bool) and hasattr(value, "__index__"):
+                try:
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:  # numpy's bool: refused below as it is
+                    pass
         for name in ("batch_size", "prompt_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
