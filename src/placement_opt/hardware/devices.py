@@ -107,20 +107,23 @@ def _checked_speed(label: str, device: str, value: float | None) -> float | None
     return value
 
 
-def _finite_rate(value: Any) -> bool:
-    """Whether ``value`` is a finite number > 0 (an infinite speed priced a device's work or a copy at no time)."""
+def _between(value: Any, high: float) -> bool:
+    """Whether ``value`` is a number strictly between 0 and ``high`` (a string, a bool or NaN is not: 'abc', '5us'
+    or a list are refused in the caller's words, not float()'s)."""
     try:
-        return not isinstance(value, bool) and 0 < float(value) < math.inf
+        return not isinstance(value, bool) and 0 < float(value) < high
     except (TypeError, ValueError):
         return False
 
 
+def _finite_rate(value: Any) -> bool:
+    """Whether ``value`` is a finite number > 0 (an infinite speed priced a device's work or a copy at no time)."""
+    return _between(value, math.inf)
+
+
 def _under_a_second(value: Any) -> bool:
-    """Whether ``value`` is a number of seconds strictly between 0 and 1 (a string, a bool or NaN is not)."""
-    try:
-        return not isinstance(value, bool) and 0 < float(value) < 1
-    except (TypeError, ValueError):  # 'abc', '5us', a list: refused in the caller's words, not float()'s
-        return False
+    """Whether ``value`` is a number of seconds strictly between 0 and 1."""
+    return _between(value, 1)
 
 
 def _reserve_bytes(device: str, kind: str, reserve: int | str | None, memory_bytes: int) -> int:
