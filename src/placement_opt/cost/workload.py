@@ -100,7 +100,7 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("batch_size", "prompt_len", "new_tokens"):  # numpy's ints (a batch from a DataFrame) are ints
             value = getattr(self, name)
-            if not isinstance(value, int | bool) and hasattr(value, "__index__"):
+            if not isinstance(value, int) and hasattr(value, "__index__"):
                 try:
                     object.__setattr__(self, name, operator.index(value))
                 except TypeError:  # numpy's bool: refused below as it is
