@@ -206,6 +206,27 @@ def measure(model: Any, ids: torch.Tensor, steps: int) -> tuple[float, list[floa
     return timing.prefill_s, list(timing.decode_step_s), tokens, timing.peak_gpu_bytes.get("cuda:0"), phases
 
 
+# The first runner's greedy tokens (per step) and its prompt's last logits.
+Reference = tuple[list, torch.Tensor]
+
+
+def last_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The prompt's last-position logits of one more forward, float32 on the CPU: where two runners' greedy tokens
+    part, these say whether it is rounding (a gap within the reference's top-2 margin) or a fault (non-finite
+    values, a gap far past it)."""
+    with torch.no_grad():
+        return model(input_ids=ids, logits_to_keep=1).logits[:, -1].float().cpu()
+
+
+def logits_apart(logits: torch.Tensor, reference: torch.Tensor) -> str:
+    """Words for a row whose tokens differ from the reference's: the first position's logits against it."""
+    top = reference.topk(2, dim=-1).values
+    margin = (top[:, 0] - top[:, 1]).min().item()
+    finite = "all finite" if bool(torch.isfinite(logits).all()) else "NON-FINITE values"
+    return (f"prompt's last logits: max |diff| {(logits - reference).abs().max().item():.3g} from the reference's, "
+            f"whose top-2 margin is {margin:.3g}; {finite}, argmax {'equal' if torch.equal(logits.argmax(-1), reference.argmax(-1)) else 'apart'}")
+
+
 def unvisited_step(model: Any, vocab: int, batch: int, prompt: int, device: str) -> float:
     """The mean decode step of a generation at contexts this process has not run (``prompt`` past them), no warm-up:
     a GPU's set-up per new key length (cuDNN attention's graphs) shows here, where the calibrated rows hide it."""
@@ -248,9 +269,10 @@ def load_runner(runner: str, path: Path, devices: dict[Any, str], plans: dict[st
     return placement_opt.load(path, devices, plan=plans[runner][0])
 
 
-def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, Any], reference: list | None,
-            args: argparse.Namespace, workload: Any) -> tuple[Row, list | None]:
-    """One runner: loaded, measured, compared with its prediction; an OOM is a row of its own."""
+def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, Any], reference: Reference | None,
+            args: argparse.Namespace, workload: Any) -> tuple[Row, Reference | None]:
+    """One runner: loaded, measured, compared with its prediction; an OOM is a row of its own. ``reference``: the
+    first runner's greedy tokens and last logits (:func:`last_logits`), which this one's are compared with."""
     from placement_opt.cost.evaluate import evaluate, predicted_memory
     from placement_opt.units import parse_size
 
@@ -279,17 +301,21 @@ def run_row(case: Case, budget: str, runner: str, path: Path, plans: dict[str, A
         kinds = None if runner == "accelerate auto" else breakdown_kinds(model, cost, ids.to("cuda:0" if cuda else "cpu"),
                                                                           steps)
         step = statistics.median(times)
-        equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference, strict=True))}/{len(tokens)}"
+        logits = last_logits(model, ids.to("cuda:0" if cuda else "cpu"))
+        equal = "reference" if reference is None else f"{sum(a == b for a, b in zip(tokens, reference[0], strict=True))}/{len(tokens)}"
+        differ = reference is not None and tokens != reference[0]
         units = (_modes(target) if runner in ("layer", "phased") else _split(target) if runner == "sublayer"
                  else _groups(target) if runner == "expert groups" else "")
         row = Row(case.name, budget, runner, units, cost.prefill_s, prefill, cost.decode_tokens_per_s, batch / step,
                   peak_predicted.used_bytes / 2**30 if peak_predicted else None,
                   peak / 2**30 if cuda and peak is not None else None, equal,
-                  # a peak over its prediction: which phase it is in
-                  note=phases if peak_predicted and peak and peak > 1.02 * peak_predicted.used_bytes else "",
+                  # a peak over its prediction: which phase it is in; tokens apart: how far the logits are
+                  note="; ".join(n for n in (
+                      phases if peak_predicted and peak and peak > 1.02 * peak_predicted.used_bytes else "",
+                      logits_apart(logits, reference[1]) if differ else "") if n),
                   measured_mean_decode_tps=batch / statistics.mean(times),
                   unvisited_decode_tps=batch / unvisited if unvisited else None, kinds=kinds)
-        return row, tokens if reference is None else reference
+        return row, (tokens, logits) if reference is None else reference
     except torch.cuda.OutOfMemoryError as exc:
         return Row(case.name, budget, runner, "", None, None, None, None, None, None, "-",
                    f"OOM: {str(exc).splitlines()[0][:80]}"), reference

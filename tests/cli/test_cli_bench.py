@@ -247,3 +247,17 @@ def test_the_masked_prompt_benchmark_prices_a_padded_prompt_above_the_equal_one(
         equal, padded = rows[model, "equal"], rows[model, "padded"]
         assert padded[0] > equal[0] and padded[1] > equal[1], (equal, padded)  # before, after
         assert padded[2] == equal[2] == equal[1] and all(x > 0 for x in (*equal, *padded)), (equal, padded)
+
+
+def test_the_decode_benchmark_says_how_far_apart_parted_logits_are():
+    """A runner whose greedy tokens part from the reference's gets the prompt's last logits against it in its note:
+    a gap within the reference's top-2 margin reads as rounding, non-finite values as a fault."""
+    import torch
+
+    gpu = _script_module("phases_gpu", REPO / "benchmarks" / "phases" / "gpu.py")
+    reference = torch.tensor([[3.0, 2.5, 0.0]])
+    rounding = gpu.logits_apart(torch.tensor([[2.9, 2.95, 0.0]]), reference)
+    assert "max |diff| 0.45" in rounding and "top-2 margin is 0.5" in rounding
+    assert "all finite" in rounding and "argmax apart" in rounding
+    broken = gpu.logits_apart(torch.tensor([[float("nan"), 2.5, 0.0]]), reference)
+    assert "NON-FINITE" in broken
