@@ -73,3 +73,42 @@ def test_a_corrupt_profile_is_a_profile_error_that_says_what_to_do(tmp_path, tex
     path.write_text(text)
     with pytest.raises(ProfileError, match=r"profile.json.*(placement-opt profile|delete)"):
         saved_calibration(path)
+
+
+def _points(prefill: list, decode: list) -> dict:
+    return {"module_class": "Layer", "devices": {"cpu": {"prefill": prefill, "decode": decode}}}
+
+
+def test_a_second_workload_adds_its_points_and_a_shape_measured_again_replaces_its_own(tmp_path) -> None:
+    """The lent H200's memory step calibrated six workloads in turn, and the profile kept the last one's batch-16
+    points alone: a batch-1 decode then read a CPU layer at 45 ms against the 6.6 ms its own calibration had
+    measured. Each workload's points now stay beside the others'."""
+    path = tmp_path / "profile.json"
+    save_calibration({"a": _points([[1, 512, 0.1, "last"]], [[1, 520, 0.006]])}, model("m"), path=path)
+    save_calibration({"a": _points([[16, 4096, 2.0, "last"]], [[16, 4100, 0.045]])}, model("m"), path=path)
+    save_calibration({"a": _points([[1, 512, 0.2, "last"]], [])}, model("m"), path=path)  # measured again
+    cpu = saved_calibration(path)["units"]["a"]["devices"]["cpu"]
+    assert cpu["prefill"] == [[1, 512, 0.2, "last"], [16, 4096, 2.0, "last"]]
+    assert cpu["decode"] == [[1, 520, 0.006], [16, 4100, 0.045]]
+
+
+def test_a_second_workload_prices_each_batch_from_its_own_points(tmp_path) -> None:
+    from placement_opt.cost.calibrated import _unit_times
+
+    path = tmp_path / "profile.json"
+    save_calibration({"a": _points([], [[1, 520, 0.006]])}, model("m"), path=path)
+    save_calibration({"a": _points([], [[16, 4100, 0.045]])}, model("m"), path=path)
+    times = _unit_times(saved_calibration(path)["units"]["a"]["devices"]["cpu"], attention=False)
+    assert times.decode_line(1, 520)[0] == pytest.approx(0.006)
+    assert times.decode_line(16, 4100)[0] == pytest.approx(0.045)
+
+
+def test_malformed_old_points_are_dropped_when_new_ones_are_saved(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    save_calibration({"a": _points([[1, 8, 1.0, "last"]], [[1, 9, 0.1]])}, model("m"), path=path)
+    data = json.loads(path.read_text())
+    data["calibration"]["units"]["a"]["devices"]["cpu"]["decode"] = [[1, 9], "x"]
+    path.write_text(json.dumps(data))
+    save_calibration({"a": _points([[2, 8, 1.5, "last"]], [[2, 9, 0.2]])}, model("m"), path=path)
+    cpu = saved_calibration(path)["units"]["a"]["devices"]["cpu"]
+    assert cpu["decode"] == [[2, 9, 0.2]] and len(cpu["prefill"]) == 2

@@ -209,7 +209,10 @@ def saved_calibration(path: str | os.PathLike[str] | None = None, *,
 
 def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
                      path: str | os.PathLike[str] | None = None) -> Path:
-    """Merge calibrated unit times into the profile (units measured again replace their old figures).
+    """Merge calibrated unit times into the profile: a unit's device keeps its points at other shapes, so that
+    calibrating a second workload adds to the first's (pricing interpolates between them) instead of pricing
+    the first from the second's; a point measured again at the same shape replaces the old one, and the
+    copies (``links``) are replaced whole.
 
     ``units``: shape key -> ``{"module_class": ..., "devices": {device: {...}}}``; ``model``: what was
     calibrated (name, fingerprint, workload), listed under ``"models"``. A profile measured on
@@ -224,12 +227,37 @@ def save_calibration(units: dict[str, Any], model: dict[str, Any], *,
     merged_units = dict(old.get("units", {}))
     for key, entry in units.items():
         previous = merged_units.get(key, {})
-        devices = {**previous.get("devices", {}), **entry.get("devices", {})}
+        before = previous.get("devices", {})
+        devices = {**before, **{d: _with_points(before.get(d), times) for d, times in entry.get("devices", {}).items()}}
         merged_units[key] = {**previous, **entry, "devices": devices}
     models = {**old.get("models", {}), model["fingerprint"]: model}
     data["calibration"] = {"host": this_host(), "units": merged_units, "models": models}
     write_profile(where, data)
     return where
+
+
+# A calibrated point's shape, the fields before its seconds: prefill (batch, prompt, seconds, logits kept),
+# decode (batch, context, seconds).
+_POINT_SHAPE = {"prefill": lambda p: (p[0], p[1], p[3]), "decode": lambda p: (p[0], p[1])}
+
+
+def _point_of(point: Any, phase: str) -> bool:
+    """Whether an old saved ``point`` has its phase's form (a malformed one is dropped, not merged)."""
+    return isinstance(point, list) and len(point) == (4 if phase == "prefill" else 3)
+
+
+def _with_points(old: Any, new: dict[str, Any]) -> dict[str, Any]:
+    """A device's new figures, with the old points at shapes the new ones did not measure."""
+    if not isinstance(old, dict):
+        return new
+    merged = dict(new)
+    for phase, shape in _POINT_SHAPE.items():
+        fresh = list(new.get(phase, []))
+        measured = {shape(p) for p in fresh}
+        points = old.get(phase)
+        kept = [p for p in points if _point_of(p, phase) and shape(p) not in measured] if isinstance(points, list) else []
+        merged[phase] = sorted(kept + fresh, key=shape)
+    return merged
 
 
 def check_profile_target(path: str | os.PathLike[str] | None) -> Path:
