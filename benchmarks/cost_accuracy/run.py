@@ -404,8 +404,8 @@ def gpu_part(args: argparse.Namespace, work: Path,
     """
     smoke = args.gpu_smoke
     if not smoke and not torch.cuda.is_available():
-        return ["No CUDA device on this machine: the GPU part was skipped. `GPU.md` beside this file holds the last GPU "
-                "run (NVIDIA H200, 2026-11-29)."]
+        return ["No CUDA device on this machine: the GPU part was skipped. `GPU.md` beside this file holds the GPU runs "
+                "(NVIDIA H200, the latest first)."]
     from transformers import LlamaConfig
 
     import placement_opt
