@@ -254,7 +254,13 @@ def test_the_decode_benchmark_says_how_far_apart_parted_logits_are():
     a gap within the reference's top-2 margin reads as rounding, non-finite values as a fault."""
     import torch
 
-    gpu = _script_module("phases_gpu", REPO / "benchmarks" / "phases" / "gpu.py")
+    other = sys.modules.pop("run", None)  # gpu.py imports its own folder's run.py by that name; so may other tests
+    try:
+        gpu = _script_module("phases_gpu", REPO / "benchmarks" / "phases" / "gpu.py")
+    finally:
+        sys.modules.pop("run", None)
+        if other is not None:
+            sys.modules["run"] = other
     reference = torch.tensor([[3.0, 2.5, 0.0]])
     rounding = gpu.logits_apart(torch.tensor([[2.9, 2.95, 0.0]]), reference)
     assert "max |diff| 0.45" in rounding and "top-2 margin is 0.5" in rounding
