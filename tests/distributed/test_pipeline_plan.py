@@ -17,7 +17,12 @@ from placement_opt.distributed.pipeline_plan import (
     plan_pipeline,
     stage_problem,
 )
-from placement_opt.errors import InfeasiblePlacementError, PlanFormatError, SolverInputError
+from placement_opt.errors import (
+    DeviceSpecError,
+    InfeasiblePlacementError,
+    PlanFormatError,
+    SolverInputError,
+)
 from placement_opt.model.graph import chain_graph
 from placement_opt.solver.stages import stage_time_ns
 
@@ -214,7 +219,7 @@ def test_a_tied_output_head_holds_its_copy_on_its_stage_and_is_not_trained_acros
     graph = po.trace("gpt2-xl")
     embed, head = graph.meta.tied_unit_groups[0]
     names = graph.names()
-    cluster = po.Cluster.from_spec("(a100-40gb*2,cpu)")
+    cluster = po.Cluster.from_spec("(a100-40gb*2,cpu)", dtype=graph.meta.dtype)
     two = stage_problem(graph, cluster, Workload(prompt_len=64), "gpipe", 2)
     one = stage_problem(graph, po.Cluster.from_spec("(a100-40gb)"), Workload(prompt_len=64), "gpipe", 1)
     assert graph.unit(head).param_bytes == 0 < graph.unit(embed).param_bytes
@@ -308,7 +313,17 @@ def test_a_cluster_spec_string_is_priced_in_the_models_dtype() -> None:
     spec = "(a100-80gb*2)"
     as_string = plan_pipeline(graph, spec, Workload(prompt_len=512))
     assert as_string == plan_pipeline(graph, po.Cluster.from_spec(spec, dtype="float32"), Workload(prompt_len=512))
-    assert as_string.objective_s > 2 * plan_pipeline(graph, po.Cluster.from_spec(spec), Workload(prompt_len=512)).objective_s
+    as_half = plan_pipeline(_decoder(layers=4), po.Cluster.from_spec(spec), Workload(prompt_len=512))
+    assert as_string.objective_s > 2 * as_half.objective_s  # the same units at float16's rate
+
+
+def test_a_cluster_read_for_another_dtype_is_refused_with_the_one_to_read() -> None:
+    """A Cluster object carries the dtype its presets were read for (Cluster.from_spec's default, float16): planned
+    with a float32 model, its stages were priced at the half-precision rate, 16x fast on tensor cores."""
+    graph = _decoder(layers=4, dtype="float32")
+    with pytest.raises(DeviceSpecError, match=r"read for float16 and the model is float32.*dtype='float32'"):
+        plan_pipeline(graph, po.Cluster.from_spec("(a100-80gb*2)"), Workload(prompt_len=512))
+    assert po.Cluster.from_spec("(a100-80gb*2)", dtype="float32").dtype == "float32"
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])

@@ -264,6 +264,7 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
         SolverInputError: unknown schedule, fewer units than ranks, ``n_microbatches`` not 1 to
             :data:`MAX_MICROBATCHES`, a padded workload.
         InfeasiblePlacementError: no split fits every rank's memory (says which and by how much).
+        DeviceSpecError: a :class:`Cluster` read for another dtype than the model's (``Cluster.dtype``).
     """
     spec = cluster if isinstance(cluster, str) else None
     cluster = Cluster.from_spec(cluster) if spec is not None else cluster  # a bad spec is said before tracing
@@ -279,6 +280,11 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     graph = _graph(model)
     if spec is not None:  # read at float16, a float32 model was priced at its GPUs' half-precision rate (16x fast)
         cluster = Cluster.from_spec(spec, dtype=graph.meta.dtype)
+    elif cluster.dtype is not None and cluster.dtype != graph.meta.dtype:
+        raise DeviceSpecError(
+            f"the cluster's devices were read for {cluster.dtype} and the model is {graph.meta.dtype}: its GPUs "
+            f"would be priced at {cluster.dtype}'s rates (tensor cores run float16 up to 16x faster than float32); "
+            f"build it with Cluster.from_spec(spec, dtype={graph.meta.dtype!r}), or pass the spec string")
     ranks = cluster.ranks
     micro = n_microbatches if n_microbatches is not None else len(ranks)
     _check(schedule, micro, graph, len(ranks))

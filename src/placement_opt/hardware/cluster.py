@@ -142,6 +142,9 @@ class Cluster:
     Args:
         hosts: the hosts, at least one.
         network: the link between any two hosts.
+        dtype: the dtype its preset devices' rates were read for (:meth:`from_spec` and the other constructors
+            set it); None for hosts built from devices directly. :func:`~placement_opt.plan_pipeline` refuses a
+            model of another dtype: a float32 model priced at float16's tensor-core rate ran 16x fast on paper.
 
     Raises:
         DeviceSpecError: no host, or more than :data:`MAX_RANKS` ranks.
@@ -149,6 +152,7 @@ class Cluster:
 
     hosts: tuple[Host, ...]
     network: Link = Link(*LINK_PRESETS["ib-200g"])
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
@@ -330,7 +334,7 @@ def parse_cluster_spec(spec: str, *, dtype: str = "float16") -> Cluster:
         if len(hosts) + count > MAX_RANKS:
             raise DeviceSpecError(f"cluster spec has more than {MAX_RANKS} hosts: describe the pipeline's hosts only")
         hosts.extend([host] * count)
-    return Cluster(tuple(hosts), network)
+    return Cluster(tuple(hosts), network, dtype=dtype)
 
 
 def _split_top(text: str, sep: str) -> list[str]:
