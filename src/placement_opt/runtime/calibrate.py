@@ -163,7 +163,8 @@ def calibrate(model: Any, devices: Any = None, *, workload: Workload | None = No
         devices: what ``solve()`` accepts; its compute devices that are on this machine are timed
             (default: every visible GPU and the CPU).
         workload: the shapes to time (default ``Workload()``): prefill at ``batch x prompt``, decode
-            steps at contexts ``prompt + 1`` and ``prompt + new_tokens``.
+            steps at contexts ``prompt + 1`` and ``prompt + new_tokens``. Calibrating another workload adds
+            its shapes to the ones saved (pricing interpolates between them); the same shape is replaced.
         dtype: the dtype to run in (default: the model's).
         granularity: the units timed, as :func:`placement_opt.solve` cuts them: ``"block"`` (default:
             decoder layers whole), ``"sublayer"`` (attention, MLP, router, experts: the parts a
