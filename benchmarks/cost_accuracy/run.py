@@ -434,7 +434,8 @@ def gpu_part(args: argparse.Namespace, work: Path,
              "",
              f"| runner | batch x prompt | cap | predicted prefill (s) | measured prefill (s) | predicted step (s) | "
              f"measured step (s) | measured mean step (s) | predicted peak ({memory}) | measured max_memory_allocated "
-             f"(the load's or the generation's, the larger) | measured max_memory_reserved |",
+             f"(the load's or the generation's, the larger) | measured max_memory_reserved (the decode's: the timing "
+             f"resets the peaks after the prefill; an OOM row's, to the failure) |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     emit(lines)
     for prompt in args.gpu_prompts:
