@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from placement_opt.errors import ProfileError
 from placement_opt.hardware.profile_store import (
@@ -112,3 +114,27 @@ def test_malformed_old_points_are_dropped_when_new_ones_are_saved(tmp_path) -> N
     save_calibration({"a": _points([[2, 8, 1.5, "last"]], [[2, 9, 0.2]])}, model("m"), path=path)
     cpu = saved_calibration(path)["units"]["a"]["devices"]["cpu"]
     assert cpu["decode"] == [[2, 9, 0.2]] and len(cpu["prefill"]) == 2
+
+
+_SHAPES = st.tuples(st.sampled_from([1, 4, 16]), st.sampled_from([8, 512, 4096]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.tuples(_SHAPES, st.floats(0.001, 1.0)), min_size=1, max_size=4), min_size=1, max_size=5))
+def test_saved_points_are_the_last_measured_figure_of_every_shape_ever_measured(runs) -> None:
+    """Any sequence of calibrations: each (batch, prompt) and (batch, context) shape ever measured is saved once,
+    with the figure of the last calibration that measured it."""
+    import tempfile
+    from pathlib import Path
+
+    last: dict[tuple[int, int], float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "profile.json"
+        for run in runs:
+            fresh = dict(run)  # a calibration measures a shape once
+            save_calibration({"a": _points([[b, p, s, "last"] for (b, p), s in fresh.items()],
+                                           [[b, p, s] for (b, p), s in fresh.items()])}, model("m"), path=path)
+            last.update(fresh)
+        cpu = saved_calibration(path)["units"]["a"]["devices"]["cpu"]
+    assert {(b, p): s for b, p, s, _ in cpu["prefill"]} == last and len(cpu["prefill"]) == len(last)
+    assert {(b, c): s for b, c, s in cpu["decode"]} == last and len(cpu["decode"]) == len(last)
