@@ -206,9 +206,11 @@ def test_large_outputs_leaving_the_gpu_for_cpu_layers_arrive_intact(family, monk
     """A GPU unit's hidden states bound for a CPU-computed layer leave through pinned staging once they reach
     ``SMALL_BYTES`` (``hardware.host_copy``); the tiny models' usual batches never do. The lent H200's Mixtral
     layer plan (embedding on the GPU, every layer on the CPU) gave other greedy tokens than accelerate's in one run
-    (benchmarks/phases/GPU.md): this says whether staged hand-offs are where a fault is."""
+    (benchmarks/phases/GPU.md): this says whether staged hand-offs are where a fault is. Each staged copy must equal
+    a plain ``.to("cpu")`` of the same tensor bit for bit; the dense model's logits must match the plain model's
+    (the MoE's may not: 10,240 tokens' top-2 routing can flip on a near-tie between the GPU's rounding and the CPU's)."""
     import placement_opt.runtime._hooks as hooks
-    from placement_opt.hardware.host_copy import SMALL_BYTES
+    from placement_opt.hardware.host_copy import SMALL_BYTES, to_host
 
     model = tiny(family)
     ids = torch.randint(3, 128, (160, 64), generator=torch.Generator().manual_seed(3))  # 1.25 MiB of float32 states
@@ -216,16 +218,18 @@ def test_large_outputs_leaving_the_gpu_for_cpu_layers_arrive_intact(family, monk
     with torch.no_grad():
         reference = model(input_ids=ids).logits
     staged = []
-    monkeypatch.setattr(hooks, "to_host", lambda t: staged.append(t.numel() * t.element_size()) or _to_host(t))
+
+    def spied(tensor: torch.Tensor) -> torch.Tensor:
+        out = to_host(tensor)
+        staged.append((tensor.numel() * tensor.element_size(), torch.equal(out, tensor.to("cpu"))))
+        return out
+
+    monkeypatch.setattr(hooks, "to_host", spied)
     handle = dispatch(model, plan_from(model, lambda i, u: RESIDENT if "layers" in u and i % 2 else GPU_RESIDENT))
     with torch.no_grad():
         logits = handle(input_ids=ids).logits
     handle.remove()
-    assert max(staged, default=0) >= SMALL_BYTES  # the hand-off went through the staging path
-    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    from placement_opt.hardware.host_copy import to_host
-
-    return to_host(tensor)
+    assert max(size for size, _ in staged) >= SMALL_BYTES  # the hand-off went through the staging path
+    assert all(exact for _, exact in staged), staged
+    if family == "llama":
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
