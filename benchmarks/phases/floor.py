@@ -85,6 +85,7 @@ def decode_floor(graphs: dict[str, Any], budget: str | None, workload: Any, gpu_
     from ortools.linear_solver import pywraplp
 
     from placement_opt.cost.build import price_problem
+    from placement_opt.cost.calibrated import calibration_for
 
     machine = _machine(budget)
     gpu = machine.gpus[0].name
@@ -97,13 +98,14 @@ def decode_floor(graphs: dict[str, Any], budget: str | None, workload: Any, gpu_
     # a block unit cut into parts in the sublayer graph: its share taken whole (the rest goes to its parts)
     whole = {u.name: lp.NumVar(0.0, 1.0, "") for u in blocks.units
              if any(_inside(v.name, u.name) for v in problem.units)}
+    calibration = calibration_for(graphs["layer"], machine)
     for name in whole:
         # a profile that kept another batch's points alone prices the unit from them (h200-host-profile-3.json's
         # Llama layers hold batch-16 x 4100 steps, 7x a batch-1 CPU step): no floor, rather than a wrong one
-        if not measured_at(graphs["layer"], machine, name, workload.batch_size):
+        if not measured_at(calibration, name, workload.batch_size):
             raise NoFloor(f"{graphs['case']}: the profile's calibration of {name} has no decode step at batch "
-                             f"{workload.batch_size}, so its options would be priced from another batch's; calibrate "
-                             "the workload into the profile (gpu.py's decode step does) and run this again")
+                          f"{workload.batch_size}, so its options would be priced from another batch's; calibrate "
+                          "the workload into the profile (gpu.py's decode step does) and run this again")
     shares = []
     for unit, row in zip(blocks.units, block_parts, strict=True):
         if unit.name in whole:
@@ -146,12 +148,9 @@ class NoFloor(Exception):
     """A case whose floor this profile cannot give (the message says why and what to run)."""
 
 
-def measured_at(graph: Any, machine: Any, unit: str, batch: int) -> bool:
-    """Whether ``unit``'s calibrated decode steps include ``batch`` on every device they were measured on (True for
-    a unit without calibrated figures: the profile's devices price it)."""
-    from placement_opt.cost.calibrated import calibration_for
-
-    calibration = calibration_for(graph, machine)
+def measured_at(calibration: Any, unit: str, batch: int) -> bool:
+    """Whether ``unit``'s calibrated decode steps (``calibration_for``'s, None: none) include ``batch`` on every
+    device they were measured on (True for a unit without calibrated figures: the profile's devices price it)."""
     devices = calibration.compute.get(unit, {}) if calibration is not None else {}
     return all(any(b == batch for b, _, _ in times.decode) for times in devices.values())
 
