@@ -134,9 +134,38 @@ def test_sequencing_keeps_each_menus_options_and_a_valid_plans_fit(problem, phas
         menus[id(u.options)][0].append(a)
         menus[id(u.options)][1].append(b)
     assert all(sorted(a) == sorted(b) for a, b in menus.values())
-    if problem.satisfies(start) and not problem.contiguous and not problem.tied_groups and not problem.pins:
-        # like units hold the same bytes: only the order, never the capacities, can make the plan invalid
+    if (problem.satisfies(start) and not problem.contiguous and not problem.tied_groups and not problem.pins
+            and not problem.copy_groups):
+        # like units hold the same bytes: only the order, never the capacities, can make the plan invalid (copy
+        # groups excepted: a group's buffer holds the units of it that stream, test below)
         assert problem.score(out).feasible
+
+
+def test_sequencing_may_overfill_a_copy_groups_buffer_which_polish_never_returns():
+    # u0..u2 copy as one group, u3 alone; u1 and u3 share a menu. The start streams u3 alone (a 2-byte buffer);
+    # dealt in order, u1 takes the streamed option (a copy, nothing hides it yet), so the group u0..u2 streams
+    # and its buffer sits beside u0 and u2's resident bytes: one byte over the GPU. polish() checks every
+    # trial, so it never returns that order.
+    resident = PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=1, decode_ns=0,
+                               stored_bytes=1, resident_bytes=2, peak_bytes=1)
+    streamed = PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=0,
+                               stored_bytes=1, resident_bytes=0, peak_bytes=4, copy_prefill_ns=1, group_copy_bytes=2)
+    on_cpu = PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
+                             stored_bytes=1, resident_bytes=0, peak_bytes=0)
+    menu = (resident, streamed, on_cpu)
+    free = {("cpu", "cuda:0"): 0, ("cuda:0", "cpu"): 0}
+    problem = PlacementProblem(
+        units=(UnitSpec(name="u0", options=menu), UnitSpec(name="u1", options=menu),
+               UnitSpec(name="u2", options=(resident, streamed, on_cpu)), UnitSpec(name="u3", options=menu)),
+        edges=tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns=free, decode_ns=free) for i in range(3)),
+        devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=13),
+                 DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10)),
+        copy_groups=(("u0", "u1", "u2"), ("u3",)))
+    start = [0, 0, 0, 1]
+    assert problem.satisfies(start)
+    out = sequenced(problem, start, "prefill_ns")
+    assert out == [0, 1, 0, 0] and not problem.score(out).feasible
+    assert problem.satisfies(polish(problem, start, time.perf_counter() + 1))
 
 
 def test_no_price_or_time_left_returns_the_start():

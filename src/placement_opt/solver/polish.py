@@ -98,7 +98,9 @@ def sequenced(problem: PlacementProblem, choice: Sequence[int], phase: str) -> l
     (the smallest enough, or the largest there is); a streamed one only when nothing else is left.
 
     Every menu keeps its counts, so bytes and work per device do not change; the order, and with it the
-    stalls and the transfers between devices, does. A rule, not a search: :func:`polish` prices it.
+    stalls and the transfers between devices, does. With copy groups the bytes may change too (a group's
+    buffer holds those of its units that stream), so the result can overfill a device. A rule, not a
+    search: :func:`polish` checks and prices it.
     """
     units = problem.units
     chosen = problem.options(choice)
