@@ -256,7 +256,7 @@ def solve_options(func: Any) -> Any:
         click.option("--overlap", is_flag=True,
                      help="price each streamed copy as the prefetch thread runs it, beside the compute of the "
                           "units before it (CPU-computed ones included), not beside its own unit's only "
-                          "(Workload.overlap; opt-in: not yet measured on a GPU, looser bounds in 1 s)"),
+                          "(Workload.overlap; opt-in: weaker bounds in 1 s)"),
         click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
                      help=f"CP-SAT time limit in seconds (default: the solver's 1 s; without it, `plan` and `compare` "
                           f"search up to {EXTRA_SEARCH_S:g} s more when the plan is not proven within 1 % of the best)"),
