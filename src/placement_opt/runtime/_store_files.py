@@ -11,6 +11,7 @@ below are public through :mod:`placement_opt.runtime.offload`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -60,6 +61,8 @@ def _stamp(st: os.stat_result) -> tuple[tuple[int, int], tuple[int, int, int]]:
 _CHECKED: dict[tuple[int, int], tuple[Any, ...]] = {}
 _CHECKED_LOCK = threading.Lock()
 _THREADS_LOCK = threading.Lock()  # stands in for flock where there is none
+#: What a write into a directory this process may only read fails with.
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _checked_get(key: tuple[int, int]) -> tuple[Any, ...] | None:
@@ -73,13 +76,21 @@ def _checked_put(key: tuple[int, int], stamp: tuple[int, int, int], algorithm: s
 
 
 @contextlib.contextmanager
-def locked(lock_path: Path) -> Iterator[None]:
+def locked(lock_path: Path, *, reading: bool = False) -> Iterator[None]:
     """Hold the exclusive lock of the directory of ``lock_path`` (every thread and process using it waits).
 
     Each call opens the lock file anew: ``flock`` locks belong to an open file description,
     so two threads of one process exclude each other just as two processes do.
+
+    ``reading``: the holder only reads the manifest. Where this process cannot write (a read-only
+    directory or file system), the lock file is opened for reading (``flock`` needs no write access),
+    and without one the holder goes on unlocked: the manifest is only ever replaced whole
+    (``os.replace``), so a reader sees one version or the next, never a mix.
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _lock_file(lock_path, reading)
+    if fd is None:
+        yield
+        return
     try:
         with _THREADS_LOCK if fcntl is None else contextlib.nullcontext():
             if fcntl is not None:
@@ -87,6 +98,19 @@ def locked(lock_path: Path) -> Iterator[None]:
             yield
     finally:
         os.close(fd)  # releases the lock; so does the kernel when a holder is killed
+
+
+def _lock_file(lock_path: Path, reading: bool) -> int | None:
+    """The lock file's descriptor (created when missing); None for a reader that can neither create nor open it."""
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if not reading or exc.errno not in _NOT_WRITABLE:
+            raise
+    try:
+        return os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
 
 
 def file_problem(path: Path, entry: Mapping[str, Any], *, remembered: bool = True) -> str | None:

@@ -122,7 +122,8 @@ class OffloadStore:
     another process still uses them): delete the directory when no dispatch uses it.
 
     Args:
-        directory: created when missing.
+        directory: created when missing. One this process cannot write (a store written elsewhere, on a
+            read-only mount) is read as it is: a unit whose intact file it lists is used, any other refused.
 
     Example::
 
@@ -145,6 +146,12 @@ class OffloadStore:
         self.lock_path = self.directory / LOCK_NAME
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self.writable = os.access(self.directory, os.W_OK)
+            if not self.writable:  # a store prepared elsewhere, read as it is: nothing to clean up or forget
+                with locked(self.lock_path, reading=True):
+                    manifest = self._read_manifest()
+                self.manifest = manifest
+                return
             with locked(self.lock_path):
                 manifest = self._read_manifest()
                 remove_stale_temporaries(self.directory)
@@ -193,7 +200,7 @@ class OffloadStore:
         layout = _layout(tensors)
         preferred = self.file_name(unit, layout.fingerprint)
         _reached("fingerprinted", preferred)
-        with locked(self.lock_path):
+        with locked(self.lock_path, reading=True):
             manifest = self._read_manifest()
         self.manifest = manifest
         name = _listed_with(manifest, layout.fingerprint)
@@ -209,6 +216,11 @@ class OffloadStore:
         except OSError as exc:  # a read-only directory (or file system): one clear line
             if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
                 raise
+            if not self.writable:
+                raise DispatchError(
+                    f"offload directory {self.directory} is read-only ({exc.strerror or exc}) and holds no intact "
+                    f"file of unit {unit!r} with these weights (fingerprint {layout.fingerprint}): write the store "
+                    f"where it can be written first, or pass an offload_dir you can write files in") from exc
             raise DispatchError(
                 f"offload directory {self.directory} is not writable ({exc.strerror or exc}): unit {unit!r} "
                 f"cannot be stored there; pass an offload_dir you can write files in") from exc
@@ -235,7 +247,7 @@ class OffloadStore:
 
     def verify(self) -> None:
         """Read every listed file and check it against its fingerprint; raise listing every mismatch."""
-        with locked(self.lock_path):
+        with locked(self.lock_path, reading=True):
             self.manifest = self._read_manifest()
         problems = []
         for name, entry in sorted(self.manifest.items()):
@@ -248,7 +260,7 @@ class OffloadStore:
 
     # -- finding and checking files -------------------------------------------------------------
     def _listed(self, unit: str, fingerprint: str | None) -> tuple[str, dict[str, Any]]:
-        with locked(self.lock_path):
+        with locked(self.lock_path, reading=True):
             self.manifest = self._read_manifest()
         found = [(name, entry) for name, entry in sorted(self.manifest.items()) if entry["unit"] == unit
                  and (fingerprint is None or entry.get("fingerprint") == fingerprint)]
