@@ -167,6 +167,20 @@ def _cache_tensors(cache: Any) -> Iterator[torch.Tensor]:
                 yield value
 
 
+def _handed_on(hidden: Any, out: Any) -> int | None:
+    """How a block's output ``out`` hands on a tensor shaped as its input ``hidden``: -1 as itself (transformers 5's
+    decoder layers), k >= 0 as the first item of a tuple whose k others are None (Falcon's ``(hidden, None)``, its
+    attention weights not asked for); None otherwise (the block's other outputs are its own: it must run)."""
+    if not isinstance(hidden, torch.Tensor):
+        return None
+    if isinstance(out, torch.Tensor):
+        return -1 if out.shape == hidden.shape else None
+    if (type(out) is tuple and out and isinstance(out[0], torch.Tensor) and out[0].shape == hidden.shape
+            and all(item is None for item in out[1:])):
+        return len(out) - 1
+    return None
+
+
 class _Skipped:
     """Blocks identical to one before them, patched to hand their input on: the first of each kind runs."""
 
@@ -174,7 +188,8 @@ class _Skipped:
         self.first: dict[str, str] = {}  # a block like one before it -> the first of its kind
         self.kind: dict[str, Any] = {}
         self.patched: list[nn.Module] = []
-        self.passes: dict[Any, bool] = {}  # kind -> its first block returned a tensor shaped as its input
+        # kind -> how its first block handed its input on (:func:`_handed_on`); absent: it did not
+        self.passes: dict[Any, int] = {}
         seen: dict[Any, str] = {}
         for name, block in blocks.items():
             if "forward" in block.__dict__:  # a stand-in's or another patch's: leave it alone
@@ -191,12 +206,11 @@ class _Skipped:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else kwargs.get("hidden_states")
-            if not first and self.passes.get(key):
-                return hidden  # as the first of its kind did: transformers 5 layers return their hidden states
+            if not first and (nones := self.passes.get(key)) is not None:
+                return hidden if nones < 0 else (hidden, *(None,) * nones)  # shaped as the first's output
             out = original(*args, **kwargs)
-            if first:
-                self.passes[key] = (isinstance(hidden, torch.Tensor) and isinstance(out, torch.Tensor)
-                                    and out.shape == hidden.shape)
+            if first and (nones := _handed_on(hidden, out)) is not None:
+                self.passes[key] = nones
             return out
 
         block.forward = forward
@@ -206,7 +220,7 @@ class _Skipped:
         """The unit of the first identical block that ``unit`` (inside a skipped block) takes its figures from;
         None for a unit outside every skipped block (a block whose kind did not pass its input on ran)."""
         for block, first in self.first.items():
-            if (unit == block or unit.startswith(block + ".")) and self.passes.get(self.kind[block]):
+            if (unit == block or unit.startswith(block + ".")) and self.kind[block] in self.passes:
                 return first + unit[len(block):]
         return None
 
