@@ -185,10 +185,7 @@ def _leaving_bytes(record: _recorder.Record, name: str) -> int:
     tensors from a unit's output, and later units read those, but what leaves the unit's device is its
     output. Counting them made a module-level Llama-3-70B's layer-1 ``o_proj`` send 158 hidden states
     per token instead of one."""
-    read: dict[int, int] = {}
-    for (src, _dst), tensors in record.edges.items():
-        if src == name:
-            read.update(tensors)
+    read = record.read_from(name)
     if not read:
         return record.out_bytes.get(name, 0)
     returned = record.returned_bytes.get(name)

@@ -174,6 +174,20 @@ class Record:
     returned_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> bytes of the distinct tensors its forward returned, attention-score shaped ones apart (eager
     attention's probabilities, which the fused kernels that run never return)."""
+    _read_index: dict[str, dict[int, int]] = field(default_factory=dict, repr=False, compare=False)
+    _read_key: int = field(default=-1, repr=False, compare=False)
+
+    def read_from(self, unit: str) -> dict[int, int]:
+        """The distinct tensors other units read from ``unit``: tensor id -> bytes (of :attr:`edges`, merged over
+        the readers), once the forward that fills :attr:`edges` is over. Indexed once (again only when new pairs
+        of units appeared): a scan of every edge per unit took a module-level Qwen2-72B's trace 2.3 s (724 units)."""
+        key = len(self.edges)
+        if self._read_key != key:
+            index: dict[str, dict[int, int]] = defaultdict(dict)
+            for (src, _dst), tensors in self.edges.items():
+                index[src].update(tensors)
+            self._read_index, self._read_key = dict(index), key
+        return self._read_index.get(unit, {})
 
 
 class _Recorder(TorchDispatchMode):
