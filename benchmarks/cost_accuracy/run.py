@@ -404,7 +404,7 @@ def gpu_part(args: argparse.Namespace, work: Path,
     """
     smoke = args.gpu_smoke
     if not smoke and not torch.cuda.is_available():
-        return ["No CUDA device on this machine: the GPU part was skipped. `GPU.md` beside this file holds the GPU runs "
+        return ["No CUDA device on this machine: the GPU part was skipped. `benchmarks/cost_accuracy/GPU.md` holds the GPU runs "
                 "(NVIDIA H200, the latest first)."]
     from transformers import LlamaConfig
 

@@ -1,4 +1,5 @@
-"""How long does tracing take, and how much memory? Llama-3-70B and Llama-3.1-405B from their published configs.
+"""How long does tracing take, and how much memory? Llama-3-70B, Llama-3.1-405B and Falcon-40B from their published
+configs, per decoder block, and Llama-3.1-405B per module (``granularity="module"``, 1138 units).
 
 Each measurement runs in a fresh interpreter (so imports, lazy module loading and peak RSS are those of a
 new user process) and reports:
@@ -33,7 +34,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODELS = ("llama-3-70b", "llama-3.1-405b")
+#: (catalog preset, granularity): the two largest Llama shapes per block; Falcon-40B, whose decoder layers return a
+#: tuple (the decode probe ran all 60 of them until 2026-12-01); the 405B per module, the finest graph.
+MODELS = (("llama-3-70b", "block"), ("llama-3.1-405b", "block"), ("falcon-40b", "block"), ("llama-3.1-405b", "module"))
 GOAL_S = 5.0
 GOAL_RSS_BYTES = 2 * 10**9
 
@@ -43,15 +46,18 @@ t0 = time.perf_counter()
 from placement_opt import trace
 t1 = time.perf_counter()
 c1 = time.process_time()
+import importlib
 import transformers  # what the first trace() imports anyway: timed apart from our own work
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.models.llama import modeling_llama
+from transformers import AutoModelForCausalLM
+from placement_opt.model import catalog
+kind = catalog.model_config({model!r}).model_type
+importlib.import_module(f"transformers.models.{{kind}}.modeling_{{kind}}")
 t2 = time.perf_counter()
 c2 = time.process_time()
-graph = trace({model!r})
+graph = trace({model!r}, granularity={granularity!r})
 c3 = time.process_time()
 t3 = time.perf_counter()
-trace({model!r})
+trace({model!r}, granularity={granularity!r})
 t4 = time.perf_counter()
 print(json.dumps({{"import_s": t1 - t0, "hf_import_s": t2 - t1, "hf_import_cpu_s": c2 - c1,
                   "trace_s": t3 - t2, "trace_cpu_s": c3 - c2, "first_s": t3 - t1, "first_cpu_s": c3 - c1,
@@ -63,10 +69,11 @@ print(json.dumps({{"import_s": t1 - t0, "hf_import_s": t2 - t1, "hf_import_cpu_s
 """
 
 
-def measure(model: str) -> dict[str, float]:
-    """One fresh interpreter tracing ``model``; returns its timings and peak RSS."""
+def measure(model: str, granularity: str) -> dict[str, float]:
+    """One fresh interpreter tracing ``model`` at ``granularity``; returns its timings and peak RSS."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(model=model)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(model=model, granularity=granularity)],
+                          capture_output=True, text=True,
                           check=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - start
@@ -96,17 +103,17 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     host = machine()
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODELS}
-    for _ in range(repeats):  # interleaved, so that load from elsewhere hits both models alike
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {m: [] for m in MODELS}
+    for _ in range(repeats):  # interleaved, so that load from elsewhere hits every model alike
         for model in MODELS:
-            runs[model].append(measure(model))
+            runs[model].append(measure(*model))
     rows = []
     for model in MODELS:
         keys = ("first_s", "first_cpu_s", "hf_import_s", "hf_import_cpu_s", "trace_s", "trace_cpu_s", "warm_s",
                 "import_s", "process_s", "peak_rss")
         med = {k: statistics.median(r[k] for r in runs[model]) for k in keys}
-        rows.append((model, runs[model][0], med, max(r["peak_rss"] for r in runs[model])))
-        print(f"{model}: first trace {med['first_s']:.2f} s (CPU {med['first_cpu_s']:.2f} s, of which transformers "
+        rows.append((f"{model[0]} ({model[1]})", runs[model][0], med, max(r["peak_rss"] for r in runs[model])))
+        print(f"{model[0]} ({model[1]}): first trace {med['first_s']:.2f} s (CPU {med['first_cpu_s']:.2f} s, of which transformers "
               f"imports {med['hf_import_cpu_s']:.2f} s), warm {med['warm_s']:.2f} s, process {med['process_s']:.2f} s,"
               f" peak RSS {med['peak_rss'] / 2**20:.0f} MiB", flush=True)
     write_results(host, repeats, rows, " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
@@ -123,7 +130,7 @@ def write_results(host: str, repeats: int, rows: list, command: str) -> None:
         f"- Medians of {repeats} fresh processes per model, models interleaved (batch 1, seq_len 64, dtype from "
         "the config). The goal is judged on the first trace() call (wall) and the worst peak RSS.",
         "",
-        "| model | units | edges | weights (GiB) | first trace() wall (CPU) s | transformers imports wall (CPU) s "
+        "| model (granularity) | units | edges | weights (GiB) | first trace() wall (CPU) s | transformers imports wall (CPU) s "
         "| placement_opt's work wall (CPU) s | warm trace() s | import placement_opt s | whole process s "
         "| peak RSS MiB | goal met |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -142,7 +149,7 @@ def write_results(host: str, repeats: int, rows: list, command: str) -> None:
         "Auto classes, modeling code; timed apart) plus placement_opt's own work (build on meta, one meta "
         "forward, the graph). `warm trace()` is a second call in the same process. Peak RSS is the whole process "
         "(torch and transformers included); no weight is ever allocated. Identical decoder blocks are run once "
-        "on meta and replayed (`graph.meta.extra['replayed_blocks']`).",
+        "on meta and replayed (`graph.meta.extra['replayed_blocks']`); the decode probe runs two of each kind.",
         "",
     ]
     (HERE / "RESULTS.md").write_text("\n".join(lines), encoding="utf-8")
