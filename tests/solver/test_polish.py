@@ -142,7 +142,7 @@ def test_sequencing_keeps_each_menus_options_and_a_valid_plans_fit(problem, phas
 
 
 def test_sequencing_may_overfill_a_copy_groups_buffer_which_polish_never_returns():
-    # u0..u2 copy as one group, u3 alone; u1 and u3 share a menu. The start streams u3 alone (a 2-byte buffer);
+    # u0..u2 copy as one group, u3 alone; u0, u1 and u3 share a menu (u2 has its own). The start streams u3 alone;
     # dealt in order, u1 takes the streamed option (a copy, nothing hides it yet), so the group u0..u2 streams
     # and its buffer sits beside u0 and u2's resident bytes: one byte over the GPU. polish() checks every
     # trial, so it never returns that order.

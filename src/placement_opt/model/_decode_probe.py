@@ -192,7 +192,7 @@ class _Skipped:
     kind run, and the others take the figures of the last of those."""
 
     def __init__(self, blocks: dict[str, nn.Module]) -> None:
-        self.first: dict[str, str] = {}  # a skipped block -> the block of its kind whose figures it takes
+        self.source: dict[str, str] = {}  # a skipped block -> the block of its kind whose figures it takes
         self.kind: dict[str, Any] = {}
         self.patched: list[nn.Module] = []
         # kind -> how its blocks that ran handed their input on (:func:`_handed_on`); absent: they did not
@@ -206,18 +206,18 @@ class _Skipped:
             if len(runs) < RUN_EACH:
                 runs.append(name)
             else:
-                self.first[name] = runs[-1]
-            self._patch(block, key, first=name in runs)
+                self.source[name] = runs[-1]
+            self._patch(block, key, runs=name in runs)
 
-    def _patch(self, block: nn.Module, key: Any, first: bool) -> None:
+    def _patch(self, block: nn.Module, key: Any, runs: bool) -> None:
         original = block.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else kwargs.get("hidden_states")
-            if not first and (nones := self.passes.get(key)) is not None:
-                return hidden if nones < 0 else (hidden, *(None,) * nones)  # shaped as the first's output
+            if not runs and (nones := self.passes.get(key)) is not None:
+                return hidden if nones < 0 else (hidden, *(None,) * nones)  # shaped as those that ran returned
             out = original(*args, **kwargs)
-            if first and (nones := _handed_on(hidden, out)) is not None:
+            if runs and (nones := _handed_on(hidden, out)) is not None:
                 self.passes[key] = nones
             return out
 
@@ -225,11 +225,11 @@ class _Skipped:
         self.patched.append(block)
 
     def source_of(self, unit: str) -> str | None:
-        """The unit of the first identical block that ``unit`` (inside a skipped block) takes its figures from;
-        None for a unit outside every skipped block (a block whose kind did not pass its input on ran)."""
-        for block, first in self.first.items():
+        """The unit of the identical block that ran whose figures ``unit`` (inside a skipped block) takes; None for
+        a unit outside every skipped block (a block whose kind did not pass its input on ran)."""
+        for block, source in self.source.items():
             if (unit == block or unit.startswith(block + ".")) and self.kind[block] in self.passes:
-                return first + unit[len(block):]
+                return source + unit[len(block):]
         return None
 
     def restore(self) -> None:
