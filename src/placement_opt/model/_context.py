@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,13 @@ class TraceContext:
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
 
+    @functools.cached_property
+    def with_units_below(self) -> frozenset[str]:
+        """Every name some unit sits below (its dotted prefixes; "" when any unit has a name). The units are fixed
+        at construction; a scan of every unit per question took a module-level Qwen2-72B's trace 1.5 s."""
+        below = {n.rsplit(".", k)[0] for n in self.units for k in range(1, n.count(".") + 1)}
+        return frozenset(below | ({""} if any(self.units) else set()))
+
     @property
     def layer_classes(self) -> tuple[str, ...]:
         """The model's own no-split classes (``_no_split_modules``: its decoder layers), whatever ``no_split`` cut."""
@@ -50,19 +58,7 @@ class TraceContext:
 
 def is_container(ctx: TraceContext, name: str) -> bool:
     """A unit owning only its direct tensors while other units sit below it (its forward is mostly glue)."""
-    return not is_block(ctx, name) and name in _with_units_below(ctx)
-
-
-def _with_units_below(ctx: TraceContext) -> frozenset[str]:
-    """Every name some unit sits below (its dotted prefixes; "" when any unit has a name), worked out once per
-    state of ``ctx.units``: a scan of every unit per question took a module-level Qwen2-72B's trace 1.5 s."""
-    key = (id(ctx.units), len(ctx.units))
-    cached = ctx.__dict__.get("_below")
-    if cached is None or cached[0] != key:
-        below = {n.rsplit(".", k)[0] for n in ctx.units for k in range(1, n.count(".") + 1)}
-        below |= {""} if any(ctx.units) else set()
-        cached = ctx.__dict__["_below"] = (key, frozenset(below))
-    return cached[1]
+    return not is_block(ctx, name) and name in ctx.with_units_below
 
 
 def is_block(ctx: TraceContext, name: str) -> bool:

@@ -54,8 +54,8 @@ MIN_INTERIOR = 4
 #: ``--overlap`` (165 feasible cells, 1 s, this 2-core machine, seeds 0-2) it took the cells within 1 %
 #: from 147, 141 and 143 to 148, 147 and 147; on the 22 cells that missed, two seeds each, from 10 of 44
 #: solves to 16. Mostly the bound: Llama-3-70B on RTX 4090 + 3090, batch 16, proved 595-784 s against an
-#: optimum of 815 s before, 789-815 s after (0.7 s runs of the relaxation alone, seeds 0-2). Without overlap the default pair proves these models' bounds
-#: in time (164 of 165 cells within 1 %): they keep it.
+#: optimum of 815 s before, 789-815 s after (0.7 s runs of the relaxation alone, seeds 0-2). Without overlap
+#: the default pair proves these models' bounds in time (164 of 165 cells within 1 %): they keep it.
 OVERLAP_SUBSOLVERS = SEARCH_SUBSOLVERS
 
 
