@@ -563,8 +563,9 @@ def test_experts_copied_two_a_layer_hold_both_copies_twice(monkeypatch):
 def test_expert_groups_of_two_kinds_copied_three_a_layer_hold_three_copies_twice(monkeypatch):
     """A layer's expert units of two kinds (grouped apart: they store different bytes), one and two a layer, all
     copying 3 bytes: five of six streamed over two layers put three in one run, 1 + 2 x 9 = 19 bytes, more than
-    the 18-byte GPU, where two a run (13) fit. Each group's own rows and the pair's allow all six (bound 6); the
-    pool of both groups' rows stream two a layer, as in brute force's optimum."""
+    the 18-byte GPU, where two a run (13) fit. Each group's own rows and the pair's counting runs touched allow all
+    six (bound 6); the pool of both groups' rows stream two a layer, as in brute force's optimum, and so do the
+    pair's rows counting the runs that hold two of a group (``_touching``)."""
     attention = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
                                  stored_bytes=1, resident_bytes=0, peak_bytes=0),)
     heavier = tuple(dataclasses.replace(o, stored_bytes=2) for o in _two_options(3, 1, 5))
@@ -575,11 +576,65 @@ def test_expert_groups_of_two_kinds_copied_three_a_layer_hold_three_copies_twice
     with_pools = _grouped_latency_bound(problem, [0, 1, 1, 1] * 2)
     kept = relax.GroupModel._crowded_rows
 
-    def singles_only(self, dev, copying, per_run):
-        return [row for k, *rest in copying for row in kept(self, dev, [(k, *rest)], per_run)]
+    def singles_only(self, dev, copying, per_run, alone):
+        return [row for k, *rest in copying for row in kept(self, dev, [(k, *rest)], per_run, alone)]
 
     monkeypatch.setattr(relax.GroupModel, "_crowded_rows", singles_only)
+    assert _grouped_latency_bound(problem, [0, 1, 1, 1] * 2) == best  # the pair rows' runs of e alone see it too
+    touching = relax.GroupModel._touching
+    monkeypatch.setattr(relax.GroupModel, "_touching", lambda self, *args: touching(self, *args)[:1])
     assert _grouped_latency_bound(problem, [0, 1, 1, 1] * 2) == 6 < with_pools == best
+
+
+def test_experts_one_a_layer_leave_no_run_for_a_streamed_attention(monkeypatch):
+    """Two layers, each an attention and two expert units. Streaming one expert of each layer holds 1 + 2 x 3 = 7
+    bytes; streaming an attention beside them puts it in a run with an expert (1 + 2 x (3 + 2) = 11), or two experts
+    in one run (13), more than the 10-byte GPU. Counted as touching ``n / 2`` runs (two a run at most), the expert
+    group left a run free for the attention (bound 17); with its flag of two in one run unset it touches ``n``
+    (``_touching``), and the bound is brute force's optimum (20), which streams the experts alone."""
+    problem = _layers_of_experts(_two_options(2, 1, 4), _two_options(3, 1, 5), 2, 10, 10)
+    best = reference_optimum(problem, "latency")
+    assert best == 2 * (4 + 1 + 5)
+    with_terms = _grouped_latency_bound(problem, [1, 0, 1] * 2)
+    kept = relax.GroupModel._touching
+    monkeypatch.setattr(relax.GroupModel, "_touching", lambda self, *args: kept(self, *args)[:1])
+    assert _grouped_latency_bound(problem, [1, 0, 1] * 2) == 17 < with_terms == best
+
+
+def test_three_experts_a_layer_leave_no_run_for_a_streamed_attention(monkeypatch):
+    """Two layers of an attention and four expert units, copies 2 and 3. Three streamed experts in each layer hold
+    1 + 2 x 9 = 19 bytes, an attention beside them 23, four experts 25: on a 20-byte GPU the attentions cannot
+    stream (brute force: 24). Runs of ``e`` experts (the flag of ``e + 1`` in one run unset) number at least
+    ``n - (e - 1) R``: six experts over two runs put three in both, and no run is left for an attention. With
+    one expert a run counted at most, both attentions streamed (bound 18)."""
+    problem = _layers_of_experts(_two_options(2, 1, 4), _two_options(3, 1, 5), 2, 20, 20, groups=4)
+    best = reference_optimum(problem, "latency")
+    assert best == 2 * (4 + 3 * 1 + 5)
+    with_terms = _grouped_latency_bound(problem, [1, 0, 0, 0, 1] * 2)
+    kept = relax.GroupModel._touching
+    monkeypatch.setattr(relax.GroupModel, "_touching", lambda self, *args: [
+        t for t in kept(self, *args) if t[3] == 1])
+    assert _grouped_latency_bound(problem, [1, 0, 0, 0, 1] * 2) == 18 < with_terms == best
+
+
+def test_a_read_hands_copied_units_to_the_runs_copying_least():
+    """Four layers of two expert units, one of each layer streamed by the counts (7 bytes a run on a 10-byte GPU,
+    two in one run would hold 13). Handed out in unit order the four streamed units fill the last two layers,
+    over memory; the read gives each to the run copying least so far, and the plan fits at brute force's optimum."""
+    attention = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
+                                 stored_bytes=1, resident_bytes=0, peak_bytes=0),)
+    problem = _layers_of_experts(attention, _two_options(3, 1, 5), 4, 10, 20)
+    best = reference_optimum(problem, "latency")
+    assert best == 4 * (1 + 5)
+    path = paths.critical_path(problem, [0] * len(problem.units))
+    model = relax.GroupModel(problem, 1, [0] * len(problem.units), relax.groups_of(problem, path), path, None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(5, 0, 1, 0.0)
+    assert status == cp_model.OPTIMAL
+    handed = model._handed(solver)
+    assert not problem.satisfies(handed)  # the order this test is about
+    read = model.read(solver)
+    assert problem.satisfies(read) and problem.objective_value(read, "latency") == best
 
 
 def _two_options(copy, gpu_ns, cpu_ns):

@@ -163,12 +163,18 @@ class CountedRelaxation:
         return (ns + self.scale // 2) // self.scale if self.scale > 1 else ns
 
     def _cheapest(self, first: list[int], others: list[list[int]]) -> list[int]:
-        """``first`` (the plain read), or the lowest-priced of ``others`` (the same counts in other orders) when
-        one prices lower; ``first`` wins ties, and is not priced at all when no other order differs from it."""
+        """``first`` (the plain read), or the one of ``others`` (the same counts in other orders) over the devices'
+        memory by the fewest bytes, then the lowest-priced; ``first`` wins ties, and is not priced at all when no
+        other order differs from it. (The caller makes room in a plan over memory: the less over, the less moves.)"""
         others = [c for c in others if c != first]
         if not others:
             return first
-        return min([first, *others], key=lambda c: self.p.score(c).latency_ns)
+
+        def key(choice: list[int]) -> tuple[int, int]:
+            score = self.p.score(choice)
+            return sum(score.over_bytes.values()), score.latency_ns
+
+        return min([first, *others], key=key)
 
     def _shared_rows(self, ph: str, lat: Any) -> None:
         """``lat >=`` each of ``SHARED``'s time in ``ph`` (copies, host memory, disk). Durations count compute

@@ -252,7 +252,9 @@ class GroupModel(CountedRelaxation):
         per_run = {k: collections.Counter(run_of[u] for u in g) for k, g in enumerate(self.groups)}
         for dev in (d for d in self.p.devices if d.kind == "gpu"):
             copying = [(k, *c) for k in range(len(self.groups)) if (c := self._copying(k, dev.name)) is not None]
-            met = self._crowded_rows(dev.name, copying, per_run) + self._met_rows(dev.name, copying, per_run)
+            alone: dict[int, dict[int, Any]] = {}  # group -> j -> its flag of j copying in one run
+            met = self._crowded_rows(dev.name, copying, per_run, alone)
+            met += self._met_rows(dev.name, copying, per_run, alone)
             if met:
                 # its own variable: the level expression only takes its levels, and one above the pair's
                 # bytes could exceed what the plan holds (a wrong bound, found on sublayer Mixtral-8x7B)
@@ -263,12 +265,14 @@ class GroupModel(CountedRelaxation):
                 self.peak[dev.name] = peak
 
     def _crowded_rows(self, dev: str, copying: list[tuple[int, Any, int, int]],
-                      per_run: dict[int, collections.Counter]) -> list[tuple[int, Any]]:
+                      per_run: dict[int, collections.Counter],
+                      alone: dict[int, dict[int, Any]]) -> list[tuple[int, Any]]:
         """(bytes, flag) per pool of groups and count ``j``: ``n`` units of the pool copying to ``dev`` put ``j`` in
         one run once ``n`` exceeds the most that runs hold with ``j - 1`` each at most; that run holds the pool's
         least own peak plus ``j`` of its least copy twice. The pools: each group with several units in some run
         (an MoE layer's expert groups), and, per copy size ``c``, the groups copying at least ``c`` (expert groups
-        of one layer that differ in their options, and so are grouped apart)."""
+        of one layer that differ in their options, and so are grouped apart). Fills ``alone``: each group's flags of
+        ``j`` in one run (its pool alone), for :meth:`_met_rows`."""
         pools = {frozenset([k]) for k, *_ in copying if max(per_run[k].values()) > 1}
         pools |= {frozenset(k for k, _, c, _ in copying if c >= least) for least in {c for _, _, c, _ in copying}}
         info = {k: (n, c, own) for k, n, c, own in copying}
@@ -283,23 +287,49 @@ class GroupModel(CountedRelaxation):
                 flag = self.model.new_bool_var(f"crowded[{dev},{min(pool)},{len(pool)},{j}]")
                 self.model.add(n - spread <= (size - spread) * flag)
                 out.append((own + 2 * j * copy, flag))
+                if len(pool) == 1:
+                    alone.setdefault(min(pool), {})[j] = flag
         return out
 
     def _met_rows(self, dev: str, copying: list[tuple[int, Any, int, int]],
-                  per_run: dict[int, collections.Counter]) -> list[tuple[int, Any]]:
-        """(bytes, flag) per pair of groups that must copy to ``dev`` in one run: group ``k`` with at most ``r``
-        units a run touches at least ``n / r`` runs, so ``n1 / r1 + n2 / r2`` above the ``U`` runs either
-        touches puts both in one, which holds the larger least own peak plus both copies twice."""
+                  per_run: dict[int, collections.Counter], alone: dict[int, dict[int, Any]]) -> list[tuple[int, Any]]:
+        """(bytes, flag) per pair of groups and per pair of their :meth:`_touching` terms: group ``k`` puts ``e``
+        of its copying units (``e`` copies) in at least ``L / q`` runs, so two such terms above the ``U`` runs
+        either group touches put both in one run, which holds the larger least own peak plus both terms' copies
+        twice; or one of the flags the terms assume is set (``alone``, whose own rows hold more).
+
+        With one term a group (``n / r`` runs touched, ``r`` a run at most) the relaxation streamed three of four
+        expert groups in each of Mixtral-8x7B's layers to an RTX 4090 in the prefill and an attention beside them,
+        as if no run held both, and its counts read into plans over memory that making room took from 100.7 s
+        to 108.6 s; with two expert groups a layer it bounded at 105.8 s where the best plan found in 60 s priced
+        108.5 s."""
         out = []
         for (k1, n1, c1, own1), (k2, n2, c2, own2) in itertools.combinations(copying, 2):
-            r1, r2 = max(per_run[k1].values()), max(per_run[k2].values())
             union = len(per_run[k1].keys() | per_run[k2].keys())
-            most = r2 * len(self.groups[k1]) + r1 * len(self.groups[k2]) - r1 * r2 * union
-            if most <= 0:
-                continue  # they never have to meet
-            meet = self.model.new_bool_var(f"meet[{dev},{k1},{k2}]")
-            self.model.add(r2 * n1 + r1 * n2 - r1 * r2 * union <= most * meet)
-            out.append((max(own1, own2) + 2 * (c1 + c2), meet))
+            for (q1, l1, most1, e1, f1), (q2, l2, most2, e2, f2) in itertools.product(
+                    self._touching(k1, n1, per_run, alone), self._touching(k2, n2, per_run, alone)):
+                most = q2 * most1 + q1 * most2 - q1 * q2 * union
+                if most <= 0:
+                    continue  # they never have to meet so
+                meet = self.model.new_bool_var(f"meet[{dev},{k1},{k2},{e1},{e2}]")
+                self.model.add(q2 * l1 + q1 * l2 - q1 * q2 * union <= most * (meet + sum(f1 + f2)))
+                out.append((max(own1, own2) + 2 * (e1 * c1 + e2 * c2), meet))
+        return out
+
+    def _touching(self, k: int, n: Any, per_run: dict[int, collections.Counter],
+                  alone: dict[int, dict[int, Any]]) -> list[tuple[int, Any, int, int, list[Any]]]:
+        """Group ``k``'s ways of touching runs, ``n`` of its units copying: ``(q, L, L's largest, e, flags)``, at
+        least ``L / q`` runs hold ``e`` or more of them unless one of ``flags`` is set. With ``r`` a run at most,
+        ``n / r`` runs hold one or more; with ``e`` a run at most (the flag of ``e + 1`` in one run unset), of the
+        ``R`` runs it touches at least ``n - (e - 1) R`` hold ``e``."""
+        r, runs, size = max(per_run[k].values()), len(per_run[k]), len(self.groups[k])
+        out = [(r, n, size, 1, [])]
+        for e in range(1, r + 1):
+            flags = [alone[k][e + 1]] if e < r else []
+            if e < r and e + 1 not in alone.get(k, {}):
+                continue
+            if (e, flags) != (1, []) and size - (e - 1) * runs > 0:
+                out.append((1, n - (e - 1) * runs, size - (e - 1) * runs, e, flags))
         return out
 
     def _copying(self, k: int, dev: str) -> tuple[Any, int, int] | None:
@@ -598,7 +628,10 @@ class GroupModel(CountedRelaxation):
         blocks = self._handed(solver)
         if self.p.contiguous:  # spreading would interleave the storage devices' ranges
             return blocks
-        return self._cheapest(blocks, [self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph)])
+        others = [self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph)]
+        if self.p.copy_runs is not None:
+            others.append(self._across_runs(blocks))
+        return self._cheapest(blocks, others)
 
     def _handed(self, solver: cp_model.CpSolver) -> list[int]:
         devices = [d.name for d in self.p.devices]
@@ -611,6 +644,38 @@ class GroupModel(CountedRelaxation):
             for u, o in zip(g, handed, strict=True):
                 choice[u] = o
         return choice
+
+    def _across_runs(self, choice: list[int]) -> list[int]:
+        """``choice`` with each group's options copied with their run (``group_copy_bytes``) handed to the units
+        whose runs copy the least to that device so far, the largest copies first, the rest in their order.
+
+        A copy run holds all its parts' copies at once, twice (:func:`~.schedule.device_transients`), and handed
+        in unit order a group's copied units fill consecutive runs whole: sublayer Mixtral-8x7B with four expert
+        groups a layer on an RTX 4090 (1 x 512 + 128) read counts priced 100.7 s into plans over its memory,
+        which making room took to 108.6 s."""
+        out = list(choice)
+        run_of = self.p.run_of
+        load: collections.Counter = collections.Counter()  # (run, device) -> bytes copied there so far
+        units = self.p.units
+
+        def copy(u: int, o: int) -> int:
+            return units[u].options[o].group_copy_bytes
+
+        for g in sorted(self.groups, key=lambda g: -max(copy(u, choice[u]) for u in g)):
+            copied = sorted((o for o in (choice[u] for u in g) if copy(g[0], o)), key=lambda o: -copy(g[0], o))
+            if not copied:
+                continue
+            free = list(g)
+            for o in copied:
+                dev = units[g[0]].options[o].group_device
+                u = min(free, key=lambda u: (load[run_of[u], dev], free.index(u)))
+                free.remove(u)
+                out[u] = o
+                load[run_of[u], dev] += copy(u, o)
+            rest = [o for o in (choice[u] for u in g) if not copy(g[0], o)]
+            for u, o in zip(free, rest, strict=True):
+                out[u] = o
+        return out
 
     def _spread(self, choice: list[int], phase: str) -> list[int]:
         """``choice`` with each group's options reordered over its units by :func:`.aggregate.spread_streamed`."""
