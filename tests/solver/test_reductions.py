@@ -380,3 +380,30 @@ def test_dealing_out_again_keeps_every_units_kind_of_option_per_class_and_the_pi
     fixed = set(problem.pins) | {n for g in problem.tied_groups for n in g}
     assert all(a == b for u, a, b in zip(problem.units, choice, out, strict=True) if u.name in fixed)
     assert make_room(problem, choice) == list(choice) or problem.score(make_room(problem, choice)).feasible
+
+
+def test_make_room_spills_to_a_full_cpu_that_the_disk_then_relieves():
+    """cuda:0 is 3 bytes over and its units run only there or on the CPU, which is full; the CPU's own unit can
+    live on the disk. No single move fits, so the GPU's unit spills onto the CPU and the CPU's goes to the disk
+    next (the two moves a relaxation's plan 80 MB over a 3090 needed on sublayer Mixtral-8x7B)."""
+    devices = (DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=17), DeviceSpec(name="cpu", kind="cpu",
+                                                                                      capacity_bytes=10),
+               DeviceSpec(name="disk", kind="disk", capacity_bytes=1000))
+
+    def resident(d: str, ns: int) -> PlacementOption:
+        return PlacementOption(storage=d, execution=d, mode="resident", prefill_ns=ns, decode_ns=ns,
+                               stored_bytes=10, resident_bytes=0, peak_bytes=0)
+
+    gpu_unit = UnitSpec(name="g", options=(resident("cuda:0", 1), resident("cpu", 10)))
+    cpu_unit = UnitSpec(name="c", options=(resident("cpu", 10), PlacementOption(
+        storage="disk", execution="cpu", mode="stream", prefill_ns=20, decode_ns=20, stored_bytes=10,
+        resident_bytes=0, peak_bytes=0)))
+    other = dataclasses.replace(gpu_unit, name="h")
+    problem = PlacementProblem(units=(gpu_unit, other, cpu_unit), edges=(), devices=devices)
+    choice = [0, 0, 0]
+    assert problem.score(choice).over_bytes == {"cuda:0": 3}
+    out = make_room(problem, choice)
+    assert problem.satisfies(out) and sorted(out[:2]) == [0, 1] and out[2] == 1
+    no_disk = PlacementProblem(units=(gpu_unit, other, dataclasses.replace(cpu_unit, options=cpu_unit.options[:1])),
+                               edges=(), devices=devices[:2])
+    assert make_room(no_disk, choice) == choice  # nowhere to spill: unchanged, the caller drops it
