@@ -620,7 +620,8 @@ def test_three_experts_a_layer_leave_no_run_for_a_streamed_attention(monkeypatch
 def test_a_read_hands_copied_units_to_the_runs_copying_least():
     """Four layers of two expert units, one of each layer streamed by the counts (7 bytes a run on a 10-byte GPU,
     two in one run would hold 13). Handed out in unit order the four streamed units fill the last two layers,
-    over memory; the read gives each to the run copying least so far, and the plan fits at brute force's optimum."""
+    over memory; the read also deals them out apart (``reductions.copies_apart``: each to the run copying least so
+    far), and the plan fits at brute force's optimum."""
     attention = (PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,
                                  stored_bytes=1, resident_bytes=0, peak_bytes=0),)
     problem = _layers_of_experts(attention, _two_options(3, 1, 5), 4, 10, 20)

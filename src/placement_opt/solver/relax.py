@@ -48,6 +48,7 @@ from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation, hinted_windows
 from .aggregate import most_beside_peak, spread_streamed
 from .paths import sibling_slots
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
+from .reductions import copies_apart
 from .rows import add_capacity_row, computes_on, own_work, peak_flags, peak_levels
 
 __all__ = ["GroupModel", "groups_of", "PEAK_STEP", "TIME_STEP", "CROSSINGS_UP_TO", "MOST_SLOT_COMBOS", "BOUND_SHARE"]
@@ -629,8 +630,8 @@ class GroupModel(CountedRelaxation):
         if self.p.contiguous:  # spreading would interleave the storage devices' ranges
             return blocks
         others = [self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph)]
-        if self.p.copy_runs is not None:
-            others.append(self._across_runs(blocks))
+        if self.p.copy_runs is not None:  # a group's copies in unit order fill consecutive runs whole
+            others.append(copies_apart(self.p, blocks))
         return self._cheapest(blocks, others)
 
     def _handed(self, solver: cp_model.CpSolver) -> list[int]:
@@ -644,38 +645,6 @@ class GroupModel(CountedRelaxation):
             for u, o in zip(g, handed, strict=True):
                 choice[u] = o
         return choice
-
-    def _across_runs(self, choice: list[int]) -> list[int]:
-        """``choice`` with each group's options copied with their run (``group_copy_bytes``) handed to the units
-        whose runs copy the least to that device so far, the largest copies first, the rest in their order.
-
-        A copy run holds all its parts' copies at once, twice (:func:`~.schedule.device_transients`), and handed
-        in unit order a group's copied units fill consecutive runs whole: sublayer Mixtral-8x7B with four expert
-        groups a layer on an RTX 4090 (1 x 512 + 128) read counts priced 100.7 s into plans over its memory,
-        which making room took to 108.6 s."""
-        out = list(choice)
-        run_of = self.p.run_of
-        load: collections.Counter = collections.Counter()  # (run, device) -> bytes copied there so far
-        units = self.p.units
-
-        def copy(u: int, o: int) -> int:
-            return units[u].options[o].group_copy_bytes
-
-        for g in sorted(self.groups, key=lambda g: -max(copy(u, choice[u]) for u in g)):
-            copied = sorted((o for o in (choice[u] for u in g) if copy(g[0], o)), key=lambda o: -copy(g[0], o))
-            if not copied:
-                continue
-            free = list(g)
-            for o in copied:
-                dev = units[g[0]].options[o].group_device
-                u = min(free, key=lambda u: (load[run_of[u], dev], free.index(u)))
-                free.remove(u)
-                out[u] = o
-                load[run_of[u], dev] += copy(u, o)
-            rest = [o for o in (choice[u] for u in g) if not copy(g[0], o)]
-            for u, o in zip(free, rest, strict=True):
-                out[u] = o
-        return out
 
     def _spread(self, choice: list[int], phase: str) -> list[int]:
         """``choice`` with each group's options reordered over its units by :func:`.aggregate.spread_streamed`."""
