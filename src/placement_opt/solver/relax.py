@@ -326,10 +326,8 @@ class GroupModel(CountedRelaxation):
         r, runs, size = max(per_run[k].values()), len(per_run[k]), len(self.groups[k])
         out = [(r, n, size, 1, [])]
         for e in range(1, r + 1):
-            flags = [alone[k][e + 1]] if e < r else []
-            if e < r and e + 1 not in alone.get(k, {}):
-                continue
-            if (e, flags) != (1, []) and size - (e - 1) * runs > 0:
+            flags = [alone[k][e + 1]] if e < r else []  # r > 1: its pool alone has a flag for every j up to r
+            if (e, flags) != (1, []) and size > (e - 1) * runs:
                 out.append((1, n - (e - 1) * runs, size - (e - 1) * runs, e, flags))
         return out
 
