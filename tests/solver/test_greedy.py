@@ -14,10 +14,13 @@ from _problems import problems as grouped_problems
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from placement_opt.solver._transients import MoveMemory
+from placement_opt.solver._transients import MoveMemory, RunTransients
 from placement_opt.solver.greedy import (
     GREEDY_RESERVES,
     ONE_GPU_RESERVES,
+    _adds,
+    _gpu_reserves,
+    _room_for,
     best_greedy_choice,
     greedy_choice,
 )
@@ -228,3 +231,43 @@ def test_the_fill_accepts_a_move_exactly_when_the_moved_plan_fits(problem, data)
             choice = trial
 
 
+
+
+def _scanned_greedy(problem, reserve_fraction, one_gpu):
+    """greedy_choice as first written: every option's bytes counted until one is allowed, tied right and fits."""
+    free = {d.name: d.capacity_bytes for d in problem.devices}
+    peak = dict.fromkeys(free, 0)
+    reserve = _gpu_reserves(problem, reserve_fraction, one_gpu)
+    tied_to = {n: g[0] for g in problem.tied_groups for n in g[1:]}
+    groups = RunTransients(problem) if problem.group_copies else None
+    storage, choice = {}, []
+    for k, u in enumerate(problem.units):
+        if groups is not None:
+            groups.enter(k)
+        lead = tied_to.get(u.name)
+        ranked = []
+        for rank, i in enumerate(sorted(range(len(u.options)), key=lambda i: (u.options[i].work_ns, i))):
+            o = u.options[i]
+            adds = _adds(o, peak, groups) if o.mode == "phased" or groups is not None else None
+            ranked.append(((not problem.allows(u, o), lead in storage and o.storage != storage[lead],
+                            not _room_for(o, free, peak, reserve, adds)), rank, i))
+        best = min(ranked)[2]  # the first of the least flaws in work order
+        o = u.options[best]
+        for d, added in _adds(o, peak, groups).items():
+            free[d] -= added
+        if groups is not None:
+            groups.add(o)
+        else:
+            for d, nbytes in o.peaks():
+                peak[d] = max(peak[d], nbytes)
+        storage[u.name] = o.storage
+        choice.append(best)
+    return choice
+
+
+@settings(max_examples=300)
+@given(grouped_problems(copying=True), st.sampled_from([*GREEDY_RESERVES, *ONE_GPU_RESERVES]), st.booleans())
+def test_the_greedy_skips_counting_only_options_that_cannot_win(problem, reserve, one_gpu):
+    """greedy_choice leaves an option's bytes uncounted when it cannot beat the best so far, or when its stored and
+    resident bytes alone overfill a device: it picks what counting every option picks."""
+    assert greedy_choice(problem, reserve, one_gpu=one_gpu) == _scanned_greedy(problem, reserve, one_gpu)

@@ -99,6 +99,30 @@ def test_the_greedy_account_follows_the_model_unit_by_unit(case):
         assert {d: n for d, n in grown.items() if n} == _model(problem, so_far)
 
 
+@settings(max_examples=300)
+@given(assigned())
+def test_a_unit_grows_no_device_less_than_zero_but_its_group_copys(case):
+    """What greedy_choice's shortcut rests on: as a unit joins its run, the transient of every device but the one
+    its group copy lands on grows or stays; and each option's growth, asked after the unit's other options (the
+    account keeps them per shape), is what an account asked only that option says."""
+    problem, choice = case
+    chosen = problem.options(choice)
+    account = RunTransients(problem)
+    for k, o in enumerate(chosen):
+        account.enter(k)
+        for other in problem.units[k].options:
+            grown = account.grows(other)
+            shrinks = other.group_device if other.group_copy_bytes else None
+            assert all(n >= 0 for d, n in grown.items() if d != shrinks)
+            fresh = RunTransients(problem)
+            for j, placed in enumerate(chosen[:k]):
+                fresh.enter(j)
+                fresh.add(placed)
+            fresh.enter(k)
+            assert fresh.grows(other) == grown
+        account.add(o)
+
+
 def _idle(unit):
     """An option that puts nothing on any device (what the greedy account assumes of the units not placed)."""
     return PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=0,

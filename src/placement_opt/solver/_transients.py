@@ -178,6 +178,9 @@ class RunTransients:
         self.chains: dict[tuple[str, str], _Chain] = {}
         self.twice: dict[tuple[str, str], int] = {}  # the largest done run's value + its copies (its least next)
         self.now: dict[str, int] = {}  # device -> its transient as placed so far (_total), until the next enter/add
+        # grows() per transient shape (_shape), until the next enter/add: a unit's options that differ in storage
+        # only grow alike (its streams from the CPU and from the disk to one GPU)
+        self.grown: dict[tuple[str, int, str | None, int, int], dict[str, int]] = {}
 
     def enter(self, unit: int) -> None:
         if self.run_of[unit] == self.run:
@@ -187,7 +190,7 @@ class RunTransients:
             self._chain(key).close(value, copies)
             self.twice[key] = max(self.twice.get(key, NONE), value + copies)
         self.run, self.own, self.copies = self.run_of[unit], {}, {}
-        self.now = {}
+        self.now, self.grown = {}, {}
 
     def _chain(self, key: tuple[str, str]) -> _Chain:
         if key not in self.chains:
@@ -225,11 +228,16 @@ class RunTransients:
 
     def grows(self, o: PlacementOption) -> dict[str, int]:
         """What each device's transient grows by when ``o`` joins the current run (less than 0: shrinks, as
-        earlier runs' next copies are this run's instead of the first run's)."""
-        own, copies = self._after(o)
-        devices = {d for _, d in own.keys() | copies.keys()}
-        merged_own, merged_copies = {**self.own, **own}, {**self.copies, **copies}
-        return {d: self._total(d, merged_own, merged_copies) - self._now(d) for d in devices}
+        earlier runs' next copies are this run's instead of the first run's). The caller must not change it."""
+        shape = _shape(o)
+        known = self.grown.get(shape)
+        if known is None:
+            own, copies = self._after(o)
+            devices = {d for _, d in own.keys() | copies.keys()}
+            merged_own, merged_copies = {**self.own, **own}, {**self.copies, **copies}
+            known = self.grown[shape] = {d: self._total(d, merged_own, merged_copies) - self._now(d)
+                                         for d in devices}
+        return known
 
     def _now(self, d: str) -> int:
         # the greedy asks every option of a unit what it grows: the state before them is the same for all
@@ -241,4 +249,9 @@ class RunTransients:
         own, copies = self._after(o)
         self.own.update(own)
         self.copies.update(copies)
-        self.now = {}
+        self.now, self.grown = {}, {}
+
+
+def _shape(o: PlacementOption) -> tuple[str, int, str | None, int, int]:
+    """What :meth:`RunTransients.grows` reads of ``o``: the fields its own peaks and group copy come from."""
+    return o.execution, o.peak_bytes, o.prefill_execution, o.prefill_peak_bytes, o.group_copy_bytes

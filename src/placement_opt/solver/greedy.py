@@ -308,9 +308,14 @@ def greedy_choice(problem: PlacementProblem, reserve_fraction: float | None = No
             order = by_work[id(u.options)] = sorted(range(len(u.options)), key=lambda i: (u.options[i].work_ns, i))
         for i in order:
             o = u.options[i]
-            adds = _adds(o, peak, groups) if o.mode == "phased" or groups is not None else None
-            flaws = (not problem.allows(u, o), lead in storage and o.storage != storage[lead],
-                     not _room_for(o, free, peak, reserve, adds))
+            placed = (not problem.allows(u, o), lead in storage and o.storage != storage[lead])
+            if least is not None and (*placed, False) >= least:
+                continue  # no better than the best so far even with room: its bytes need no counting
+            if groups is not None and _short_of_held(o, free, reserve):
+                adds, flaws = None, (*placed, True)
+            else:
+                adds = _adds(o, peak, groups) if o.mode == "phased" or groups is not None else None
+                flaws = (*placed, not _room_for(o, free, peak, reserve, adds))
             if least is None or flaws < least:
                 best, least, best_adds = i, flaws, adds
                 if not any(flaws):
@@ -340,6 +345,17 @@ def _room_for(o: PlacementOption, free: dict[str, int], peak: dict[str, int], re
     if o.storage == o.execution:
         return o.stored_bytes + o.resident_bytes + extra_peak + kept <= free[o.storage]
     return o.stored_bytes <= free[o.storage] and o.resident_bytes + extra_peak <= free[o.execution]
+
+
+def _short_of_held(o: PlacementOption, free: dict[str, int], reserve: dict[str, int]) -> bool:
+    """Whether ``o``'s stored and resident bytes alone overfill a device where its transient cannot shrink, so
+    that :func:`_room_for` is False whatever :func:`_adds` counts (the greedy skips counting it: most of a start's
+    time on eight GPUs, each full after a few layers). A transient grows or stays as a unit joins its copy run,
+    except on the device its group copy lands on (:meth:`RunTransients.grows`), left out here."""
+    held = {o.storage: o.stored_bytes + (reserve[o.storage] if o.storage == o.execution else 0)}
+    held[o.execution] = held.get(o.execution, 0) + o.resident_bytes
+    shrinks = o.group_device if o.group_copy_bytes else None
+    return any(nbytes > free[d] for d, nbytes in held.items() if d != shrinks)
 
 
 def _adds(o: PlacementOption, peak: dict[str, int], groups: RunTransients | None) -> dict[str, int]:
