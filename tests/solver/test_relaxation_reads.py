@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from placement_opt.solver import _counted, _relaxing, _run, relax, search
+from placement_opt.solver import _counted, _relaxing, _run, aggregate, relax, search
 from placement_opt.solver.problem import (
     DeviceSpec,
     EdgeSpec,
@@ -324,3 +324,53 @@ def test_copy_runs_under_overlap_get_a_second_grouped_relaxation_counting_whole_
     assert _relaxation_kinds(_layers(copy_ns=50, groups=True)) == ["grouped", whole]
     assert _relaxation_kinds(_layers(copy_ns=0, groups=True)) == ["grouped"]  # no copy beside the compute
     assert _relaxation_kinds(_layers(copy_ns=50, groups=False)) == ["grouped"]  # no runs to count whole
+
+
+def _mixed_problem(n: int) -> PlacementProblem:
+    """``n`` like units: on the GPU resident (1 ns a decode, room for a third of them), on the CPU (10 ns), or
+    streamed to the GPU (1 ns, its copy 10 ns): a streamed unit's copy is hidden only by a CPU unit and a resident
+    one since the streamed unit before it, so the best orders mix all three."""
+    gpu = PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=0, decode_ns=1,
+                          stored_bytes=3, resident_bytes=0, peak_bytes=0)
+    cpu = PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=0, decode_ns=10,
+                          stored_bytes=1, resident_bytes=0, peak_bytes=0)
+    stream = PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=0, decode_ns=1,
+                             stored_bytes=1, resident_bytes=0, peak_bytes=1, copy_decode_ns=11)
+    units = tuple(UnitSpec(name=f"u{i}", options=(gpu, cpu, stream)) for i in range(n))
+    edges = tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns={}, decode_ns={}) for i in range(n - 1))
+    return PlacementProblem(units=units, edges=edges, devices=(
+        DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=3 * (n // 3) + 1),
+        DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([6, 9]), st.integers(0, 2))
+def test_the_grouped_read_deals_every_option_out_when_the_best_orders_mix_them(n, seed):
+    # Streamed units spread among the others in blocks per device (a GPU block, then a CPU block) leave the
+    # copies after the GPU block unhidden; every option spread evenly hides them all. The read prices like the
+    # best order of its own counts (every arrangement of them, brute force).
+    problem = _mixed_problem(n)
+    model = relax.GroupModel(problem, 1, [1] * n, relax.groups_of(problem), [], None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(2.0, seed, 1, 0.0)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    plan = model.read(solver)
+    assert problem.satisfies(plan)
+    assert len(set(plan)) == 3  # all three kinds used: the test is about their order
+    orders = set(itertools.permutations(plan))
+    best = min(problem.objective_value(list(c), "latency") for c in orders if problem.satisfies(list(c)))
+    assert problem.objective_value(plan, "latency") == best
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.sampled_from(["prefill_ns", "decode_ns"]))
+def test_interleaving_keeps_the_options_and_spreads_each_evenly(units, phase):
+    opts = [PlacementOption(storage="cpu", execution="cuda:0" if k % 2 else "cpu", mode="stream" if k % 2 else "resident",
+                            prefill_ns=k, decode_ns=k, stored_bytes=1, resident_bytes=0, peak_bytes=0,
+                            copy_prefill_ns=k % 2, copy_decode_ns=k % 2) for k in range(4)]
+    out = aggregate.interleaved(units, opts, phase)
+    assert sorted(out) == sorted(units)
+    n = len(units)
+    for o in set(units):
+        c = units.count(o)
+        for length in range(n + 1):  # every prefix holds its share of each option, within one unit
+            assert abs(out[:length].count(o) - length * c / n) <= 1

@@ -45,7 +45,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation, hinted_windows
-from .aggregate import most_beside_peak, spread_streamed
+from .aggregate import interleaved, most_beside_peak, spread_streamed
 from .paths import sibling_slots
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
 from .reductions import copies_apart
@@ -619,7 +619,8 @@ class GroupModel(CountedRelaxation):
     def read(self, solver: cp_model.CpSolver) -> list[int]:
         """Each group's options handed out in unit order, one execution device after another; or, where the
         prefetch thread's copies count (``overlap``) and it prices lower, each group's streamed units spread
-        evenly among its others, so that their copies run beside the others' compute (problem.stalls).
+        evenly among its others, so that their copies run beside the others' compute (problem.stalls), or every
+        option of a group spread evenly (:func:`.aggregate.interleaved`).
 
         In unit order, a group's streamed units sit in consecutive layers, each copy hidden behind one small
         unit at most: sublayer Llama-3-8B on the H100 host at 4 GiB (1 x 512 + 32, overlap, 2 s) read 5.29-5.42 s
@@ -627,7 +628,8 @@ class GroupModel(CountedRelaxation):
         blocks = self._handed(solver)
         if self.p.contiguous:  # spreading would interleave the storage devices' ranges
             return blocks
-        others = [self._spread(blocks, ph) for ph in PHASES if "copy" in self.p.shared_used(ph)]
+        others = [self._spread(blocks, ph, deal) for ph in PHASES if "copy" in self.p.shared_used(ph)
+                  for deal in (spread_streamed, interleaved)]
         if self.p.copy_runs is not None:  # a group's copies in unit order fill consecutive runs whole
             others.append(copies_apart(self.p, blocks))
         return self._cheapest(blocks, others)
@@ -644,10 +646,11 @@ class GroupModel(CountedRelaxation):
                 choice[u] = o
         return choice
 
-    def _spread(self, choice: list[int], phase: str) -> list[int]:
-        """``choice`` with each group's options reordered over its units by :func:`.aggregate.spread_streamed`."""
+    def _spread(self, choice: list[int], phase: str, deal: Any) -> list[int]:
+        """``choice`` with each group's options reordered over its units by ``deal``
+        (:func:`.aggregate.spread_streamed` or :func:`.aggregate.interleaved`)."""
         out = list(choice)
         for k, g in enumerate(self.groups):
-            for u, o in zip(g, spread_streamed([choice[u] for u in g], self._options(k), phase), strict=True):
+            for u, o in zip(g, deal([choice[u] for u in g], self._options(k), phase), strict=True):
                 out[u] = o
         return out
