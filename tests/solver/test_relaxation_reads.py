@@ -262,6 +262,15 @@ def _overlap_problem(n: int) -> PlacementProblem:
         DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=10), DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
 
 
+def _grouped_read(problem: PlacementProblem, hint: list[int], seed: int) -> list[int]:
+    """The grouped relaxation of ``problem`` solved (one worker) and its solution read into a plan."""
+    model = relax.GroupModel(problem, 1, hint, relax.groups_of(problem), [], None)
+    model.minimize("latency", None, 0)
+    solver, status = model.solve(2.0, seed, 1, 0.0)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    return model.read(solver)
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.integers(4, 9), st.integers(0, 3))
 def test_the_grouped_read_spreads_streamed_units_among_the_others_under_overlap(n, seed):
@@ -269,11 +278,7 @@ def test_the_grouped_read_spreads_streamed_units_among_the_others_under_overlap(
     # its copy; the read spreads them among the CPU units instead, so that it prices like the best order of
     # its own counts (every arrangement of them, brute force).
     problem = _overlap_problem(n)
-    model = relax.GroupModel(problem, 1, [0] * n, relax.groups_of(problem), [], None)
-    model.minimize("latency", None, 0)
-    solver, status = model.solve(2.0, seed, 1, 0.0)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    plan = model.read(solver)
+    plan = _grouped_read(problem, [0] * n, seed)
     assert problem.satisfies(plan)
     streamed = sum(plan)
     orders = {tuple(1 if i in picked else 0 for i in range(n)) for picked in itertools.combinations(range(n), streamed)}
@@ -292,11 +297,7 @@ def test_the_grouped_read_keeps_contiguous_storage_in_one_range_per_device(n, se
     units = tuple(dataclasses.replace(u, options=(u.options[0], disk)) for u in base.units)
     problem = dataclasses.replace(base, units=units, contiguous=True,
                                   devices=(*base.devices, DeviceSpec(name="disk", kind="disk", capacity_bytes=100)))
-    model = relax.GroupModel(problem, 1, [0] * n, relax.groups_of(problem), [], None)
-    model.minimize("latency", None, 0)
-    solver, status = model.solve(2.0, seed, 1, 0.0)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    plan = model.read(solver)
+    plan = _grouped_read(problem, [0] * n, seed)
     assert 0 < sum(plan) < n  # both devices store units: the order decides contiguity
     assert problem.satisfies(plan)
 
@@ -350,11 +351,7 @@ def test_the_grouped_read_deals_every_option_out_when_the_best_orders_mix_them(n
     # copies after the GPU block unhidden; every option spread evenly hides them all. The read prices like the
     # best order of its own counts (every arrangement of them, brute force).
     problem = _mixed_problem(n)
-    model = relax.GroupModel(problem, 1, [1] * n, relax.groups_of(problem), [], None)
-    model.minimize("latency", None, 0)
-    solver, status = model.solve(2.0, seed, 1, 0.0)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    plan = model.read(solver)
+    plan = _grouped_read(problem, [1] * n, seed)
     assert problem.satisfies(plan)
     assert len(set(plan)) == 3  # all three kinds used: the test is about their order
     orders = set(itertools.permutations(plan))
