@@ -32,7 +32,8 @@ traced graphs price them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -47,6 +48,9 @@ __all__ = ["identical_runs", "AggregateModel", "MIN_INTERIOR", "most_beside_peak
            "OVERLAP_SUBSOLVERS"]
 
 _PHASES = PHASES
+#: An order of like units' options for one phase (:func:`spread_streamed`, :func:`interleaved`, ...): the options
+#: (indices into the menu), the menu, the phase -> the same options in another order.
+Deal = Callable[[list[int], Sequence[PlacementOption], str], list[int]]
 #: Fewest interior units worth a count variable.
 MIN_INTERIOR = 4
 #: :attr:`~._counted.CountedRelaxation.full_subsolvers` under overlap (stall rows): two full workers, one
@@ -390,32 +394,35 @@ class AggregateModel(CountedRelaxation):
         their copies run beside the others' compute (problem.stalls), or every option of an interior spread
         evenly (:func:`interleaved`), or each run of like units, its ends included, dealt out as windows that
         count what computes around it (:func:`.polish.arranged`)."""
+        blocks = self._blocks(solver)
+        plain = [o for units, _ in blocks for o in units]
         if self.p.contiguous:  # each run's placements sorted by storage device; spreading would interleave them
-            return ranged(self.p, self._read(solver, None, False))
-        plain = self._read(solver, None, None)
-        return self._cheapest(plain, [*(self._read(solver, ph, deal) for ph in _PHASES
+            return ranged(self.p, plain)
+        return self._cheapest(plain, [*(self._dealt(blocks, ph, deal) for ph in _PHASES
                                         for deal in (spread_streamed, balanced, interleaved)),
                                       *(arranged(self.p, plain, ph) for ph in _PHASES)])
 
-    def _read(self, solver: cp_model.CpSolver, spread: str | None, deal: Any) -> list[int]:
-        """Each run interior's counts in blocks per device, or, with ``spread`` (a phase), dealt by ``deal``."""
-        choice: list[int] = []
+    def _blocks(self, solver: cp_model.CpSolver) -> list[tuple[list[int], Sequence[PlacementOption] | None]]:
+        """Per item, its options in order and, for a run interior, its menu (None for a single): each interior's
+        counts in one block per device, the one computing its first unit first and its last unit's last."""
+        out: list[tuple[list[int], Sequence[PlacementOption] | None]] = []
         for t in range(len(self.items)):
             counts = {o: solver.value(v) for o, v in self.vars[t].items()}
             if not self._is_run(t):
-                choice.append(next(o for o, c in counts.items() if c))
+                out.append(([next(o for o, c in counts.items() if c)], None))
                 continue
             opts = self._options(t)
             head = next(d for d, f in self.first[t]["decode_ns"].items() if solver.boolean_value(f))
             tail = next(d for d, f in self.last[t]["decode_ns"].items() if solver.boolean_value(f))
             order = sorted(counts, key=lambda o: (opts[o].execution != head, opts[o].execution == tail,
                                                   self._devices().index(opts[o].execution), o))
-            units = [o for o in order for _ in range(counts[o])]
-            if spread is None:
-                choice += units
-            else:
-                choice += deal(units, opts, spread)
-        return choice
+            out.append(([o for o in order for _ in range(counts[o])], opts))
+        return out
+
+    @staticmethod
+    def _dealt(blocks: list[tuple[list[int], Sequence[PlacementOption] | None]], phase: str, deal: Deal) -> list[int]:
+        """:meth:`_blocks` with each run interior's options dealt by ``deal`` for ``phase``."""
+        return [o for units, opts in blocks for o in (units if opts is None else deal(units, opts, phase))]
 
 
 def interleaved(units: list[int], opts: Sequence[PlacementOption], phase: str) -> list[int]:
@@ -428,9 +435,7 @@ def interleaved(units: list[int], opts: Sequence[PlacementOption], phase: str) -
     The optimum mixes them: Gemma-2-27B on 4x T4 at batch 16 x 1024 (overlap) pairs each layer streamed to a GPU
     with one computed on the CPU before it, among resident ones, at 175.7 s. The grouped relaxation's counts
     read into 237.3 s in blocks and spread, 178.0 s interleaved (the best of a 2 s run's solutions, each way)."""
-    counts: dict[int, int] = {}
-    for o in units:
-        counts[o] = counts.get(o, 0) + 1
+    counts = Counter(units)
     n = len(units)
     places = [((2 * k + 1) * n / (2 * c), opts[o].copy_in(phase) > 0, -opts[o].work_in(phase), o)
               for o, c in counts.items() for k in range(c)]

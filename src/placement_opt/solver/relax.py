@@ -45,7 +45,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from ._counted import SEARCH_SUBSOLVERS, CountedRelaxation, hinted_windows
-from .aggregate import interleaved, most_beside_peak, spread_streamed
+from .aggregate import Deal, interleaved, most_beside_peak, spread_streamed
 from .paths import sibling_slots
 from .problem import PHASES, PlacementOption, PlacementProblem, phase_copies, phase_peaks, spine
 from .reductions import copies_apart
@@ -646,7 +646,7 @@ class GroupModel(CountedRelaxation):
                 choice[u] = o
         return choice
 
-    def _spread(self, choice: list[int], phase: str, deal: Any) -> list[int]:
+    def _spread(self, choice: list[int], phase: str, deal: Deal) -> list[int]:
         """``choice`` with each group's options reordered over its units by ``deal``
         (:func:`.aggregate.spread_streamed` or :func:`.aggregate.interleaved`)."""
         out = list(choice)
