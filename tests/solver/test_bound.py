@@ -841,3 +841,44 @@ def test_near_sums_take_their_buckets_extreme_within_the_step(values):
     for v in values:
         assert v <= up[v] <= v * relax.RUN_STEP and v / relax.RUN_STEP <= down[v] <= v
         assert up[v] in values and down[v] in values
+
+
+def _chain_of_like_units(peaks, gpu_bytes, cpu_bytes, gpu_ns=1, cpu_ns=5):
+    """One unit per peak, each resident on the GPU (that transient there) or on the CPU; 1 byte stored either way.
+    Peaks within :data:`~.relax.PEAK_STEP` of each other make one group of the grouped relaxation."""
+    units = tuple(UnitSpec(name=f"u{i}", options=(
+        PlacementOption(storage="cuda:0", execution="cuda:0", mode="resident", prefill_ns=gpu_ns, decode_ns=0,
+                        stored_bytes=1, resident_bytes=0, peak_bytes=peak),
+        PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=cpu_ns, decode_ns=0,
+                        stored_bytes=1, resident_bytes=0, peak_bytes=0))) for i, peak in enumerate(peaks))
+    return PlacementProblem(units=units, edges=tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns={}, decode_ns={})
+                                                     for a, b in itertools.pairwise(units)),
+                            devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=gpu_bytes),
+                                     DeviceSpec(name="cpu", kind="cpu", capacity_bytes=cpu_bytes)))
+
+
+def test_like_units_past_their_least_peak_hold_the_next_one(monkeypatch):
+    """Three like units with peaks 100, 105 and 105 (one group: within PEAK_STEP) on a 106-byte GPU: one fits
+    beside its own peak, two need 2 + 105 = 107. At the group's least peak (100) all three fit (3 + 100), and the
+    bound is 3; past it (``_graded_peaks``: more than one unit holds 105) only one does, brute force's 11."""
+    problem = _chain_of_like_units([100, 105, 105], 106, 10)
+    assert len(relax.groups_of(problem, [0, 1, 2])) == 1
+    best = reference_optimum(problem, "latency")
+    assert best == 1 + 5 + 5
+    graded = _grouped_latency_bound(problem, [1, 1, 1])
+    monkeypatch.setattr(relax.GroupModel, "_graded_peaks", lambda self, dev: [])
+    assert _grouped_latency_bound(problem, [1, 1, 1]) == 3 < graded == best
+
+
+@settings(max_examples=60, deadline=None)
+@given(peaks=st.lists(st.integers(90, 99), min_size=2, max_size=6), gpu=st.integers(90, 106),
+       data=st.data())
+def test_like_units_of_different_peaks_never_bound_above_brute_force(peaks, gpu, data):
+    """Like units whose peaks differ (one group, each option at its least peak, the counts past it held to the
+    members' larger peaks): the grouped bound is at most brute force's optimum."""
+    problem = _chain_of_like_units(peaks, gpu, 10)
+    best = reference_optimum(problem, "latency")
+    bound = _grouped_latency_bound(problem, [data.draw(st.integers(0, 1)) for _ in peaks])
+    if best is None:
+        return
+    assert bound is not None and bound <= best
