@@ -150,6 +150,13 @@ def _majors(kinds: list[tuple[int, ...]], classes: dict[int, dict[tuple[int, int
     return majors
 
 
+def _past_least(values: Sequence[int]) -> list[int]:
+    """Of sorted ``values``, the positions ``j`` where a larger one starts (``j`` of them lie below it): up to
+    :data:`GRADED_LEVELS`, the first ones and the last."""
+    steps = [j for j in range(1, len(values)) if values[j] > values[j - 1]]
+    return list(dict.fromkeys([*steps[:GRADED_LEVELS - 1], *steps[-1:]]))
+
+
 def _bucket(amount: int, step: float = PEAK_STEP) -> int:
     """Amounts within a factor ``step`` share a bucket: the group's least is at most that far below."""
     return 0 if amount <= 0 else int(math.log(amount) / math.log(step))
@@ -249,14 +256,13 @@ class GroupModel(CountedRelaxation):
         T4 that making room took from 241.6 s to 255.6 s."""
         out = []
         for k, g in enumerate(self.groups):
-            if len(g) == 1:
-                continue
+            if len({id(self.p.units[u].options) for u in g}) == 1:
+                continue  # one shared options tuple (most groups of a traced graph): one peak per option
             for o, (n, _) in self.n[k].items():
                 members = [peak_flags(self.p.units[u].options[o], dev) for u in g]
                 for at in range(len(members[0])):
                     values = sorted(m[at] for m in members)
-                    steps = [j for j in range(1, len(values)) if values[j] > values[j - 1]]
-                    for j in dict.fromkeys([*steps[:GRADED_LEVELS - 1], *steps[-1:]]):
+                    for j in _past_least(values):
                         flag = self.model.new_bool_var(f"graded[{dev},{k},{o},{j}]")
                         self.model.add(n <= j + (len(g) - j) * flag)
                         out.append((values[j], flag))
