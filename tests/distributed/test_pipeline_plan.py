@@ -24,7 +24,7 @@ from placement_opt.errors import (
     SolverInputError,
 )
 from placement_opt.model.graph import chain_graph
-from placement_opt.solver.stages import stage_time_ns
+from placement_opt.solver.stages import stage_memory_bytes, stage_time_ns
 
 MIB = 2**20
 
@@ -228,6 +228,30 @@ def test_a_tied_output_head_holds_its_copy_on_its_stage_and_is_not_trained_acros
     plan_pipeline(graph, cluster, Workload(prompt_len=64))  # the forward plans
     with pytest.raises(SolverInputError, match=r"ties weights between stages \(transformer.wte and lm_head\)"):
         plan_pipeline(graph, cluster, Workload(prompt_len=64, training=True))
+
+
+def test_a_stage_holding_two_units_of_one_tied_tensor_counts_it_once() -> None:
+    """t5-11b's embedding is tied across the encoder's, the decoder's and the output head: the tracer counts it on
+    the encoder's, and each stage that holds one of the others loads it. A stage holding the decoder's embedding and
+    the head loads it once; every unit that counts it was charged it, twice there."""
+    units = [{"name": "enc.embed", "param_bytes": 64 * MIB, "flops_per_token": 1000, "out_bytes_per_token": 100},
+             {"name": "enc.layer", "param_bytes": MIB, "flops_per_token": 1000, "out_bytes_per_token": 100},
+             {"name": "dec.embed", "flops_per_token": 1000, "out_bytes_per_token": 100},
+             {"name": "dec.layer", "param_bytes": MIB, "flops_per_token": 1000, "out_bytes_per_token": 100},
+             {"name": "head", "flops_per_token": 1000, "out_bytes_per_token": 100}]
+    edges = [("enc.embed", "enc.layer", 100), ("enc.layer", "dec.layer", 100), ("dec.embed", "dec.layer", 100),
+             ("dec.layer", "head", 100)]
+    graph = chain_graph(units, edges=edges, tied_unit_groups=(("enc.embed", "dec.embed", "head"),))
+    problem = stage_problem(graph, po.Cluster.from_spec("(a10*2)"), Workload(prompt_len=16), "gpipe", 1)
+    assert problem.shared_bytes == (((0, 2, 4), 64 * MIB),)
+
+    def held(k, a, b):  # what stage k loads of units a .. b-1: their own bytes as traced (the tensor on the
+        copies = sum(i in (2, 4) for i in range(a, b))  # encoder's embedding), and the tensor for the others once
+        return sum(problem.stored_bytes[k][a:b]) - 64 * MIB * copies + (64 * MIB if copies and a > 0 else 0)
+
+    for a, b in [(2, 5), (0, 3), (0, 5), (1, 3), (3, 5), (4, 5), (1, 2)]:
+        extra = stage_memory_bytes(problem, 1, a, b) - held(1, a, b)
+        assert extra == max(problem.peak_bytes[1][a:b]) + problem.in_bytes[1][a] + problem.out_bytes[1][b], (a, b)
 
 
 def test_a_workload_that_is_not_a_workload_is_a_solver_input_error() -> None:

@@ -40,9 +40,16 @@ def problems(draw: st.DrawFn) -> StageProblem:
     def rows(width: int, values: st.SearchStrategy[int] = ints) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(draw(st.lists(values, min_size=width, max_size=width))) for _ in range(s))
 
-    return StageProblem(time_ns=rows(n), stored_bytes=rows(n), peak_bytes=rows(n), send_ns=rows(n + 1),
+    stored = rows(n)
+    shared = []  # tied tensors: a few units count the same bytes, at most what each stores on every stage
+    groups = st.lists(st.lists(st.integers(0, n - 1), min_size=2, max_size=3, unique=True), max_size=2)
+    for members in draw(groups) if n > 1 else ():
+        most = min(stored[k][i] for k in range(s) for i in members)
+        shared.append((tuple(members), draw(st.integers(0, most))))
+    return StageProblem(time_ns=rows(n), stored_bytes=stored, peak_bytes=rows(n), send_ns=rows(n + 1),
                         in_bytes=rows(n + 1), out_bytes=rows(n + 1),
-                        capacity_bytes=tuple(draw(st.lists(st.integers(0, 300), min_size=s, max_size=s))))
+                        capacity_bytes=tuple(draw(st.lists(st.integers(0, 300), min_size=s, max_size=s))),
+                        shared_bytes=tuple(shared))
 
 
 @settings(max_examples=400, deadline=None)

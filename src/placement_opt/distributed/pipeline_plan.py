@@ -385,7 +385,7 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
     crossing = crossing_bytes_per_token(graph)
     times = 2 if workload.training else 1  # activations forward, gradients back
     rows: dict[str, list[tuple[int, ...]]] = {k: [] for k in ("time", "stored", "peak", "send", "in", "out")}
-    copies = _tied_copies(graph) if len(ranks) > 1 else {}
+    copies, shared = _tied_copies(graph) if len(ranks) > 1 else ({}, ())
     for k, rank in enumerate(ranks):
         flight = _in_flight(schedule, micro, len(ranks), k)
         prices = _prices(graph, rank, workload)
@@ -403,7 +403,7 @@ def stage_problem(graph: LayerGraph, cluster: Cluster, workload: Workload, sched
     return StageProblem(time_ns=tuple(rows["time"]), stored_bytes=tuple(rows["stored"]),
                         peak_bytes=tuple(rows["peak"]), send_ns=tuple(rows["send"]), in_bytes=tuple(rows["in"]),
                         out_bytes=tuple(rows["out"]),
-                        capacity_bytes=tuple(r.device.usable_bytes for r in ranks))
+                        capacity_bytes=tuple(r.device.usable_bytes for r in ranks), shared_bytes=shared)
 
 
 def _boundary_copies(micro: int, flight: int, training: bool) -> tuple[int, int]:
@@ -440,20 +440,30 @@ def _check_outputs_fit(problem: StageProblem, rank: Rank, micro: int) -> None:
             f"use fewer or smaller micro-batches, a shorter prompt, or a last rank with more memory")
 
 
-def _tied_copies(graph: LayerGraph) -> dict[int, int]:
-    """Unit index -> bytes of the tied tensor it holds a copy of on its own stage. The tracer counts a tied tensor
-    once, on its first owner (an embedding tied to the output head); a pipeline loads it again on every stage that
-    holds another of its owners (pipeline() reads the head's copy on the last stage), which a stage of more than
-    one rank never shares with the first: gemma-2-9b's last stage was 1.71 GiB short of what it holds."""
+def _tied_copies(graph: LayerGraph) -> tuple[dict[int, int], tuple[tuple[tuple[int, ...], int], ...]]:
+    """(unit index -> bytes of the tied tensor it holds a copy of on its own stage; each tied tensor's units that
+    count it, for :attr:`~.stages.StageProblem.shared_bytes`). The tracer counts a tied tensor once, on its first
+    owner (an embedding tied to the output head); a pipeline loads it again on every stage that holds another of
+    its owners (pipeline() reads the head's copy on the last stage), which a stage of more than one rank never
+    shares with the first: gemma-2-9b's last stage was 1.71 GiB short of what it holds. A stage holding two of
+    them loads it once (t5-11b's decoder embedding and output head on its last stage), and the stage program
+    counts it once there."""
     index = {u.name: i for i, u in enumerate(graph.units())}
     copies: dict[int, int] = {}
+    shared: list[tuple[tuple[int, ...], int]] = []
     for group in graph.meta.tied_unit_groups:
         members = [graph.unit(name) for name in group if name in index]
         size = max((u.param_bytes for u in members), default=0)
+        if size == 0:
+            continue
+        owner = next(u for u in members if u.param_bytes == size)
         for u in members:
-            if u.param_bytes == 0 and size > 0:
+            if u.param_bytes == 0:
                 copies[index[u.name]] = size
-    return copies
+        counting = tuple(sorted(index[u.name] for u in members if u is owner or u.param_bytes == 0))
+        if len(counting) > 1:
+            shared.append((counting, size))
+    return copies, tuple(shared)
 
 
 def _prices(graph: LayerGraph, rank: Rank, workload: Workload) -> list[Any]:

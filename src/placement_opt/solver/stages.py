@@ -7,6 +7,8 @@ stage that holds units ``a .. b-1`` costs::
     memory(k, a, b) = sum(stored_bytes[k][a:b]) + max(peak_bytes[k][a:b])
                       + in_bytes[k][a] + out_bytes[k][b]
 
+less what ``stored_bytes`` counts twice of a tensor tied across units of the range (``shared_bytes``).
+
 ``send_ns[k][b]`` is the transfer of the activations that cross cut ``b`` to stage ``k + 1``
 (0 for the last stage); ``in_bytes``/``out_bytes`` are the receive and send buffers of the
 micro-batches in flight. The pipeline's step time is set by its slowest stage, so the objective
@@ -42,6 +44,9 @@ class StageProblem:
     in_bytes: tuple[tuple[int, ...], ...]
     out_bytes: tuple[tuple[int, ...], ...]
     capacity_bytes: tuple[int, ...]
+    shared_bytes: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """Units that each count one same tensor in ``stored_bytes`` (their indices, its bytes): weights tied across
+    units. A stage holding several of them loads the tensor once, so :func:`stage_memory_bytes` counts it once."""
 
     def __post_init__(self) -> None:
         stages = len(self.capacity_bytes)
@@ -56,6 +61,10 @@ class StageProblem:
                 raise SolverInputError(f"StageProblem.{name} must be {stages} rows of {width} integers")
             if any(v < 0 for r in rows for v in r):
                 raise SolverInputError(f"StageProblem.{name} has a negative entry: times and bytes are >= 0")
+        for members, nbytes in self.shared_bytes:
+            if nbytes < 0 or len(set(members)) != len(members) or any(not 0 <= i < units for i in members):
+                raise SolverInputError(f"StageProblem.shared_bytes has ({members}, {nbytes}): give distinct unit "
+                                       f"indices below {units} and bytes >= 0")
 
     @property
     def n_stages(self) -> int:
@@ -89,8 +98,13 @@ def stage_time_ns(problem: StageProblem, k: int, a: int, b: int) -> int:
 
 def stage_memory_bytes(problem: StageProblem, k: int, a: int, b: int) -> int:
     """Memory of stage ``k`` holding units ``a .. b-1``."""
-    return (sum(problem.stored_bytes[k][a:b]) + max(problem.peak_bytes[k][a:b])
+    return (sum(problem.stored_bytes[k][a:b]) - _shared_twice(problem, a, b) + max(problem.peak_bytes[k][a:b])
             + problem.in_bytes[k][a] + problem.out_bytes[k][b])
+
+
+def _shared_twice(problem: StageProblem, a: int, b: int) -> int:
+    """Bytes ``stored_bytes`` counts more than once in units ``a .. b-1``: each shared tensor past its first unit."""
+    return sum(nbytes * max(0, sum(a <= i < b for i in members) - 1) for members, nbytes in problem.shared_bytes)
 
 
 def _prefix(row: Sequence[int]) -> list[int]:
@@ -137,8 +151,17 @@ def _best_start(problem: StageProblem, k: int, b: int, times: list[int], stored:
     send, out_bytes = problem.send_ns[k][b], problem.out_bytes[k][b]
     peak = 0
     lowest = 0 if k == 0 else k
+    shared: dict[int, list[int]] = {}  # unit -> the shared tensors it counts
+    for g, (members, _) in enumerate(problem.shared_bytes):
+        for i in members:
+            shared.setdefault(i, []).append(g)
+    held = [0] * len(problem.shared_bytes)  # units of each shared tensor in the range so far
+    twice = 0  # _shared_twice of the range, kept as a walks down
     for a in range(b - 1, lowest - 1, -1):
         peak = max(peak, peak_row[a])
+        for g in shared.get(a, ()):
+            twice += problem.shared_bytes[g][1] if held[g] else 0
+            held[g] += 1
         own = times[b] - times[a] + send
         if own >= best[k][b]:
             break  # times only grow as the stage takes more units: no a below does better
@@ -148,7 +171,7 @@ def _best_start(problem: StageProblem, k: int, b: int, times: list[int], stored:
         value = max(before, own)
         if value >= best[k][b]:
             continue
-        memory = stored[b] - stored[a] + peak + problem.in_bytes[k][a] + out_bytes
+        memory = stored[b] - stored[a] - twice + peak + problem.in_bytes[k][a] + out_bytes
         if memory <= cap:
             best[k][b], choice[k][b] = value, a
 
