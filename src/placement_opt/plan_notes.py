@@ -37,6 +37,7 @@ __all__ = [
     "phased_note",
     "cpu_beside_gpu_note",
     "split_experts_note",
+    "kept_groups_note",
     "group_note",
     "contiguous_note",
 ]
@@ -179,6 +180,28 @@ def split_experts_note(placements: Sequence[UnitPlacement]) -> list[str]:
     return [f"{len(split)} layer(s) keep their experts on more than one device ({few(split)}): accelerate places a "
             f"module whole, so plan.device_map stores each such experts module on the one of its devices farthest "
             f"from the GPUs; run the plan with placement_opt.dispatch() or load() to get the split"]
+
+
+def kept_groups_note(placements: Sequence[UnitPlacement]) -> list[str]:
+    """Layers whose expert groups all share one placement: they run as separate calls all the same (priced so),
+    which the experts whole would not; said so that ``expert_groups`` is chosen knowing it."""
+    kinds: dict[str, set[tuple[str, str, str, str | None]]] = {}
+    for p in placements:
+        if (parsed := whole_experts(p.unit)) is not None:
+            kinds.setdefault(parsed[0], set()).add((p.storage, p.execution, p.mode, p.prefill_execution))
+    if not kinds:
+        return []
+    counts = group_counts(p.unit for p in placements)
+    kept = [name for name, used in kinds.items() if len(used) == 1]
+    if not kept:
+        return []
+    calls = sum(counts[name] - 1 for name in kept)
+    said = (f"{len(kept)} of {len(kinds)} layer(s) keep all their expert groups in one placement ({few(kept)}): "
+            f"they still run as one call a group, {calls} call(s) a forward more than the experts whole, and "
+            f"the estimate prices those calls")
+    if len(kept) == len(kinds):
+        said += "; no layer splits its experts, so a plan with expert_groups=1 can place them the same without them"
+    return [said]
 
 
 def uncut_note(graph: LayerGraph, expert_groups: int) -> list[str]:

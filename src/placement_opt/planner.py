@@ -52,6 +52,7 @@ from .plan_notes import (
     cpu_beside_gpu_note,
     default_speeds_note,
     group_note,
+    kept_groups_note,
     other_dtype_note,
     phased_note,
     reserve_note,
@@ -413,7 +414,8 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
     cost = score(_Placements(placements))
     scale = 1.0 if objective == "memory" else _NS_PER_S
     notes = [*notes, f"{WARM_START}{hint_name}", *sol.notes, *phased_note(placements), *group_note(placements),
-             *cpu_beside_gpu_note(placements), *split_experts_note(placements), *contiguous_note(problem.contiguous)]
+             *cpu_beside_gpu_note(placements), *split_experts_note(placements), *kept_groups_note(placements),
+             *contiguous_note(problem.contiguous)]
     return Plan(model_name=graph.meta.model_name, dtype=graph.meta.dtype, objective=objective, strategy="cpsat",
                 placements=placements, machine=machine, workload=workload, cost=cost, status=sol.status,
                 objective_value=sol.objective_value / scale, best_bound=sol.best_bound / scale, gap=sol.gap,

@@ -316,6 +316,26 @@ def test_a_plan_splitting_a_layer_says_what_device_map_does_with_it():
     assert plan.device_map["model.layers.0.mlp.experts"] == "cpu"
 
 
+def test_a_plan_says_which_layers_keep_their_groups_together_and_what_calls_that_costs():
+    """Groups placed alike still run as one call each: 4 groups a layer on the CPU alone are 3 calls a layer more than
+    the experts whole (priced so), and expert_groups=1 places them the same. A layer split across devices is not
+    counted."""
+    graph = trace(tiny("mixtral"), granularity="sublayer", expert_groups=4)
+    alone = solve(graph, {"cpu": "1GiB"}, workload=Workload(prompt_len=7, new_tokens=5))
+    note = next(n for n in alone.notes if "keep all their expert groups in one placement" in n)
+    assert note.startswith("2 of 2 layer(s)") and "6 call(s) a forward more" in note and "expert_groups=1" in note
+    pins = {f"model.layers.{k}.mlp.experts.groups.{i}": "cuda:0" if k == 0 and i < 2 else "cpu"
+            for k in range(2) for i in range(4)}
+    split = solve(graph, {"cuda:0": "1GiB", "cpu": "1GiB"}, workload=Workload(prompt_len=7, new_tokens=5), pins=pins)
+    layer1 = {(p.storage, p.execution, p.mode) for p in split.placements if p.unit.startswith("model.layers.1.mlp.exp")}
+    (kept,) = [n for n in split.notes if "keep all their expert groups in one placement" in n]
+    assert len(layer1) == 1 and kept.startswith("1 of 2 layer(s) keep") and "model.layers.1.mlp.experts" in kept
+    assert "3 call(s) a forward more" in kept and "expert_groups=1" not in kept
+    dense = solve(trace(tiny("mixtral"), granularity="sublayer"), {"cpu": "1GiB"},
+                  workload=Workload(prompt_len=7, new_tokens=5))
+    assert not any("expert groups" in n for n in dense.notes)
+
+
 def test_solve_takes_expert_groups_with_sublayer_units_only():
     from placement_opt.errors import SolverInputError
 
