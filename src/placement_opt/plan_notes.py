@@ -189,12 +189,10 @@ def kept_groups_note(placements: Sequence[UnitPlacement]) -> list[str]:
     for p in placements:
         if (parsed := whole_experts(p.unit)) is not None:
             kinds.setdefault(parsed[0], set()).add((p.storage, p.execution, p.mode, p.prefill_execution))
-    if not kinds:
-        return []
-    counts = group_counts(p.unit for p in placements)
     kept = [name for name, used in kinds.items() if len(used) == 1]
     if not kept:
         return []
+    counts = group_counts(p.unit for p in placements)
     calls = sum(counts[name] - 1 for name in kept)
     said = (f"{len(kept)} of {len(kinds)} layer(s) keep all their expert groups in one placement ({few(kept)}): "
             f"they still run as one call a group, {calls} call(s) a forward more than the experts whole, and "

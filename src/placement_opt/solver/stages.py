@@ -24,6 +24,7 @@ one unit (``torch.distributed.pipelining`` has no empty stage). Torch-free.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,15 @@ class StageProblem:
             if nbytes < 0 or len(set(members)) != len(members) or any(not 0 <= i < units for i in members):
                 raise SolverInputError(f"StageProblem.shared_bytes has ({members}, {nbytes}): give distinct unit "
                                        f"indices below {units} and bytes >= 0")
+
+    @functools.cached_property
+    def _sharing(self) -> dict[int, tuple[int, ...]]:
+        """Unit index -> the :attr:`shared_bytes` entries (indices) it counts: read by every range the program scans."""
+        out: dict[int, tuple[int, ...]] = {}
+        for g, (members, _) in enumerate(self.shared_bytes):
+            for i in members:
+                out[i] = (*out.get(i, ()), g)
+        return out
 
     @property
     def n_stages(self) -> int:
@@ -151,15 +161,12 @@ def _best_start(problem: StageProblem, k: int, b: int, times: list[int], stored:
     send, out_bytes = problem.send_ns[k][b], problem.out_bytes[k][b]
     peak = 0
     lowest = 0 if k == 0 else k
-    shared: dict[int, list[int]] = {}  # unit -> the shared tensors it counts
-    for g, (members, _) in enumerate(problem.shared_bytes):
-        for i in members:
-            shared.setdefault(i, []).append(g)
+    sharing = problem._sharing
     held = [0] * len(problem.shared_bytes)  # units of each shared tensor in the range so far
     twice = 0  # _shared_twice of the range, kept as a walks down
     for a in range(b - 1, lowest - 1, -1):
         peak = max(peak, peak_row[a])
-        for g in shared.get(a, ()):
+        for g in sharing.get(a, ()):
             twice += problem.shared_bytes[g][1] if held[g] else 0
             held[g] += 1
         own = times[b] - times[a] + send
