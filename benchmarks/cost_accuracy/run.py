@@ -414,7 +414,9 @@ def gpu_part(args: argparse.Namespace, work: Path,
     from placement_opt.runtime.cuda_allocator import allocator_settings
 
     sys.path.insert(0, str(HERE.parent))
-    from gpu_common import profile_once, random_checkpoint, use_profile
+    from gpu_common import freeze_imports, profile_once, random_checkpoint, use_profile
+
+    freeze_imports()
 
     device, devices = ("cpu", ["cpu"]) if smoke else ("cuda:0", ["cuda:0", "cpu"])
     shape = SMOKE_SHAPE if smoke else GPU_SHAPE

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from run import GPU_SHAPE as SHAPE  # noqa: E402 - the memory step's Llama-3.1-8B shape, and its smoke one
 from run import SMOKE_SHAPE  # noqa: E402
 
-from gpu_common import random_model  # noqa: E402
+from gpu_common import freeze_imports, random_model  # noqa: E402
 
 MAX_MEMORY = {0: "10GiB", "cpu": "100GiB"}
 STATS = ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
@@ -109,4 +109,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()

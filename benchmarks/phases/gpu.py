@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from run import _modes, _split  # noqa: E402  (this folder's pricing benchmark: the same unit summaries)
 
-from gpu_common import profile_once, random_checkpoint, remove_unshared, use_profile  # noqa: E402
+from gpu_common import freeze_imports, profile_once, random_checkpoint, remove_unshared, use_profile  # noqa: E402
 
 EVERY = ("resident", "stream", "phased")
 RUNNERS = ("accelerate auto", "layer", "phased", "sublayer")
@@ -450,4 +450,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())
