@@ -36,12 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # machine_info, for the results' machine line
+from machine_info import cpu_model  # noqa: E402
+
 #: The H100 host's profile, in the team's shared folder beside the repository (``--h100-profile`` elsewhere).
 H100_PROFILE = HERE.parents[2] / "shared" / "measurements" / "h100-host-profile.json"
 CPU_MEMORY = "100GiB"
@@ -217,7 +220,7 @@ def _write(out: str, rows, this_cpu, profile_s: float) -> None:
         "# Layer-granular plans against phased, sublayer and overlapped plans (estimates)",
         "",
         f"`python benchmarks/phases/run.py`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on "
-        f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}. "
+        f"{cpu_model()} ({os.cpu_count()} cores), torch {torch.__version__}. "
         "Every figure is the cost model's prediction: nothing runs here. Plans are solved with a 2 s limit.",
         "",
         f"- h100-host: the measured H100 host profile: GPU bf16 curve, pinned host-to-device "

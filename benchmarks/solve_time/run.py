@@ -36,7 +36,6 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,9 @@ from placement_opt.hardware.devices import Device, Machine
 from placement_opt.planner import solve
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # machine_info, for the results' machine line
+from machine_info import cpu_model  # noqa: E402
+
 BEFORE = HERE / "before.json"
 WITHIN = 0.01
 """The gap the acceptance asks for (1 %)."""
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_grid(args, before)
     meta = {"date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "command": " ".join(["python", "benchmarks/solve_time/run.py", *(argv if argv is not None else sys.argv[1:])]),
-            "code": _code(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            "code": _code(), "machine": f"{cpu_model()}, {os.cpu_count()} cores, Python "
                                         f"{sys.version.split()[0]}",
             "load_start": load_start, "load_end": os.getloadavg()[0], "summary": summary(cells), "seed": args.seed}
     text = markdown(cells, meta, before, recorded)
