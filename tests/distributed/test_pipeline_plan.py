@@ -350,6 +350,17 @@ def test_a_cluster_read_for_another_dtype_is_refused_with_the_one_to_read() -> N
     assert po.Cluster.from_spec("(a100-80gb*2)", dtype="float32").dtype == "float32"
 
 
+@pytest.mark.parametrize(("read_for", "model"), [("float16", "bfloat16"), ("fp16", "float16"), ("half", "bfloat16"),
+                                                 ("bfloat16", "float16"), ("float32", "float32")])
+def test_a_cluster_read_for_the_same_precision_plans_as_the_spec_string(read_for: str, model: str) -> None:
+    """A preset has two rates, half precision and float32: a cluster read for float16 (from_spec's default) prices a
+    bfloat16 model exactly as the spec string read in the model's dtype does, and so do the dtypes' aliases."""
+    graph = _decoder(layers=4, dtype=model)
+    spec = "(a100-80gb*2)"
+    assert (plan_pipeline(graph, po.Cluster.from_spec(spec, dtype=read_for), Workload(prompt_len=512))
+            == plan_pipeline(graph, spec, Workload(prompt_len=512)))
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
 def test_every_micro_batch_has_its_receive_buffer_whatever_the_schedule(training: bool) -> None:
     """torch.distributed.pipelining allocates a receive buffer for every micro-batch when a step starts (and, training,

@@ -280,7 +280,7 @@ def plan_pipeline(model: Any, cluster: Cluster | str, workload: Workload | None 
     graph = _graph(model)
     if spec is not None:  # read at float16, a float32 model was priced at its GPUs' half-precision rate (16x fast)
         cluster = Cluster.from_spec(spec, dtype=graph.meta.dtype)
-    elif cluster.dtype is not None and cluster.dtype != graph.meta.dtype:
+    elif not cluster.priced_for(graph.meta.dtype):
         raise DeviceSpecError(
             f"the cluster's devices were read for {cluster.dtype} and the model is {graph.meta.dtype}: its GPUs "
             f"would be priced at {cluster.dtype}'s rates (tensor cores run float16 up to 16x faster than float32); "

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import DeviceSpecError
 from ..units import parse_size
-from .devices import Device, Machine
+from .devices import Device, Machine, _is_half
 from .presets import PRESETS
 
 __all__ = ["Link", "Host", "Rank", "Cluster", "LINK_PRESETS", "parse_cluster_spec", "MAX_RANKS"]
@@ -144,7 +144,8 @@ class Cluster:
         network: the link between any two hosts.
         dtype: the dtype its preset devices' rates were read for (:meth:`from_spec` and the other constructors
             set it); None for hosts built from devices directly. :func:`~placement_opt.plan_pipeline` refuses a
-            model of another dtype: a float32 model priced at float16's tensor-core rate ran 16x fast on paper.
+            model of the other precision (:meth:`priced_for`): a float32 model priced at float16's tensor-core
+            rate ran 16x fast on paper.
 
     Raises:
         DeviceSpecError: no host, or more than :data:`MAX_RANKS` ranks.
@@ -161,6 +162,12 @@ class Cluster:
         if (total := sum(h.n_ranks for h in self.hosts)) > MAX_RANKS:
             raise DeviceSpecError(f"cluster has {total} ranks: accepted are up to {MAX_RANKS}; describe the hosts "
                                   f"that run the pipeline only")
+
+    def priced_for(self, dtype: str) -> bool:
+        """Whether its devices' rates are ``dtype``'s: a preset has two, half precision (float16, bfloat16 and
+        their aliases) and float32, so a cluster read for float16 prices a bfloat16 model right. True where
+        ``dtype`` is None (devices built directly: their rates are the caller's)."""
+        return self.dtype is None or _is_half(self.dtype) == _is_half(dtype)
 
     # -- ranks and links ------------------------------------------------------------------
     @property
