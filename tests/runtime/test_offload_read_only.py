@@ -99,3 +99,26 @@ def test_a_store_without_write_permission_serves_its_files(tmp_path):
         folder.chmod(0o755)
     assert done.returncode == 0, done.stderr
     _check(json.loads(done.stdout.strip().splitlines()[-1]), folder, names)
+
+
+def test_a_reader_that_may_not_open_the_lock_file_reads_without_it(tmp_path, monkeypatch):
+    """A store written by another user under umask 077 leaves a lock file this one may neither write nor read: a
+    reader goes on without the lock (the manifest is replaced whole, so it still reads one version), where it
+    raised a bare PermissionError; a writer still gets the error, since it may not write unlocked."""
+    import errno
+
+    from placement_opt.runtime import _store_files
+
+    lock = tmp_path / LOCK_NAME
+    lock.write_bytes(b"")
+    real_open = os.open
+
+    def refused(path, flags, *args):
+        if os.fspath(path) == os.fspath(lock):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_store_files.os, "open", refused)
+    assert _store_files._lock_file(lock, reading=True) is None
+    with pytest.raises(PermissionError):
+        _store_files._lock_file(lock, reading=False)

@@ -109,7 +109,7 @@ def _lock_file(lock_path: Path, reading: bool) -> int | None:
             raise
     try:
         return os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # missing, or another user's lock file it may not read
         return None
 
 
