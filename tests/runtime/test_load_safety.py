@@ -128,16 +128,34 @@ def test_load_that_fills_the_disk_says_how_much_its_plan_writes(monkeypatch, tmp
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.integers(1, 90), new_tokens=st.integers(1, 40))
-def test_a_workload_past_the_learned_position_table_is_refused_before_solving(gpt2_checkpoint, prompt, new_tokens):
+@given(prompt=st.integers(1, 90), new_tokens=st.integers(0, 40), training=st.booleans())
+def test_a_workload_past_the_learned_position_table_is_refused_before_solving(gpt2_checkpoint, prompt, new_tokens,
+                                                                              training):
     """GPT-2 has 64 learned positions (wpe): load() solved and read a plan for 60 + 20 tokens, and generate()
-    stopped in the middle with 'IndexError: index out of range in self'."""
-    workload = Workload(batch_size=1, prompt_len=prompt, new_tokens=new_tokens)
-    if prompt + new_tokens - 1 <= 64:
+    stopped in the middle with 'IndexError: index out of range in self'. A forward (new_tokens=0) or a training step
+    feeds its prompt only: 65 tokens are past the table, 64 are not."""
+    workload = Workload(batch_size=1, prompt_len=prompt, new_tokens=new_tokens, training=training)
+    generated = 0 if training else new_tokens
+    if prompt + max(generated - 1, 0) <= 64:
         load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload).remove()
         return
-    with pytest.raises(WorkloadError, match=rf"64 learned positions \(transformer\.wpe\).*{prompt} \+ {new_tokens}"):
+    detail = rf"{prompt} \+ {new_tokens} - 1" if generated > 1 else rf"of prompt_len {prompt}"
+    with pytest.raises(WorkloadError, match=rf"64 learned positions \(transformer\.wpe\).*{detail}"):
         load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload)
+
+
+@pytest.mark.parametrize(("prompt", "new_tokens", "training", "refused"),
+                         [(64, 0, False, False), (65, 0, False, True), (64, 1, False, False), (64, 2, False, True),
+                          (64, 128, True, False), (65, 0, True, True)])
+def test_the_position_check_counts_the_tokens_a_forward_feeds(gpt2_checkpoint, prompt, new_tokens, training, refused):
+    """At the table's edge: 64 prompt tokens fit, one generated token is never fed back, a training step feeds no
+    generated ones whatever its new_tokens (the check counted prompt + new_tokens - 1 in every case)."""
+    workload = Workload(batch_size=1, prompt_len=prompt, new_tokens=new_tokens, training=training)
+    if refused:
+        with pytest.raises(WorkloadError, match="64 learned positions"):
+            load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload)
+    else:
+        load(gpt2_checkpoint, {"cpu": "1GiB"}, workload=workload).remove()
 
 
 @pytest.fixture(scope="module")

@@ -186,12 +186,14 @@ def _check_positions(model: nn.Module, workload: Any) -> None:
     if not isinstance(workload, Workload) or (table := learned_positions(model)) is None:
         return  # no workload (the solver's default), one the solver refuses with its own message, or no table
     name, most = table
-    positions = workload.prompt_len + workload.new_tokens - 1  # the last token generated is never fed back
+    fed_back = max(workload.decode_steps - 1, 0)  # the last token generated is never fed back; training feeds none
+    positions = workload.prompt_len + fed_back
     if positions > most:
+        what = (f"prompt_len + new_tokens - 1, {workload.prompt_len} + {workload.new_tokens} - 1," if fed_back else
+                f"{'training step' if workload.training else 'forward'} of prompt_len {workload.prompt_len}")
         raise WorkloadError(
-            f"the model has {most} learned positions ({name}), and the workload's prompt_len + new_tokens, "
-            f"{workload.prompt_len} + {workload.new_tokens}, feeds it {positions}: give a workload adding up "
-            f"to at most {most + 1} tokens")
+            f"the model has {most} learned positions ({name}), and the workload's {what} feeds it {positions}: "
+            f"give a workload whose prompt and fed-back tokens take at most {most} positions")
 
 
 def _warn_past_plan(plan: Plan, workload: Any) -> None:
