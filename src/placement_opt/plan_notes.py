@@ -59,9 +59,10 @@ def context_note(graph: LayerGraph, workload: Workload) -> str | None:
     most = graph.meta.extra.get("max_position_embeddings")
     if not isinstance(most, int) or workload.context_len <= most:
         return None
-    return (f"the workload's context ({workload.prompt_len} + {workload.new_tokens} = {workload.context_len} tokens) "
-            f"is past the model's max_position_embeddings ({most}): the plan prices it as asked, but the model may "
-            f"refuse such inputs or degrade past its trained length")
+    parts = f"{workload.prompt_len} + {workload.decode_steps} = " if workload.decode_steps else ""
+    return (f"the workload's context ({parts}{workload.context_len} tokens) is past the model's "
+            f"max_position_embeddings ({most}): the plan prices it as asked, but the model may refuse such inputs or "
+            f"degrade past its trained length")
 
 
 def default_speeds_note(machine: Machine) -> str | None:

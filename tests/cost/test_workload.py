@@ -95,6 +95,8 @@ def test_a_training_step_holds_no_generated_tokens_in_its_context() -> None:
     graph.meta.extra["max_position_embeddings"] = 4096
     assert context_note(graph, step) is None
     assert "4096 + 128 = 4224 tokens" in context_note(graph, Workload(prompt_len=4096))
+    # a training step past the positions: its context is its prompt (the note said '8192 + 128 = 8192 tokens')
+    assert "(8192 tokens) is past" in context_note(graph, Workload(training=True, prompt_len=8192))
 
 
 def test_numpy_integers_are_integers_and_numpy_bools_and_floats_are_not():
