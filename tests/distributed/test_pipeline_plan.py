@@ -137,18 +137,20 @@ def test_layer_count_cuts_share_the_layers_evenly() -> None:
     assert per_stage == [3, 3, 2, 2] and names[cuts[0]] == "embed" and cuts[-1] == len(names)
 
 
-def test_layer_count_cuts_of_a_graph_of_parts_fall_between_layers() -> None:
-    """A sublayer graph's most common class was LlamaRMSNorm (two a layer): the split it compared against cut layers
-    in half. Each stage now starts at a layer's first part."""
+@pytest.mark.parametrize("granularity", ["sublayer", "module"])
+def test_layer_count_cuts_of_a_graph_of_parts_fall_between_layers(granularity: str) -> None:
+    """A sublayer graph's most common class was LlamaRMSNorm (two a layer), a module graph's Linear (seven): the
+    split it compared against cut layers apart. Each stage now starts at a layer's first unit."""
     from _models import tiny
     from placement_opt.model.tracer import trace
 
-    graph = trace(tiny("llama"), granularity="sublayer")
+    graph = trace(tiny("llama"), granularity=granularity)
     units = graph.units()
     for stages in (2, 3, 4):
         cuts = layer_count_cuts(graph, stages)
         assert all(units[c].name.endswith(".input_layernorm") for c in cuts[1:-1]), [units[c].name for c in cuts]
-        layers = [sum(1 for u in units[a:b] if u.name.endswith(".mlp")) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        layers = [sum(1 for u in units[a:b] if u.name.endswith(".post_attention_layernorm"))
+                  for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
         assert sum(layers) == 4 and max(layers) - min(layers) <= 1, layers
 
 

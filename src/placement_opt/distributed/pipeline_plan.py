@@ -481,15 +481,16 @@ def layer_count_cuts(graph: LayerGraph, n_stages: int) -> list[int]:
     remainder), everything before the first layer on stage 0, everything after the last on the last stage.
 
     The layers are the units of the most common module class (``LlamaDecoderLayer``; of two as common, the first
-    met), or in a graph of a layer's parts the first part of each (its most common class was ``LlamaRMSNorm``, two a
-    layer, and the split cut layers in half); a model with fewer layers than stages is cut unit by unit instead.
+    met), or in a graph of a layer's parts (sublayer) or modules (module granularity) the first unit of each (the
+    most common class there was ``LlamaRMSNorm``, two a layer, or ``Linear``, and the split cut layers apart); a
+    model with fewer layers than stages is cut unit by unit instead.
     """
     units = graph.units()
-    if any(u.block for u in units):
+    if any(u.block or u.layer for u in units):
         first = {}
         for i, u in enumerate(units):
-            if u.block:
-                first.setdefault(u.block, i)
+            if u.block or u.layer:
+                first.setdefault(u.block or u.layer, i)
         layers = sorted(first.values())
     else:
         classes = [u.module_class for u in units]
