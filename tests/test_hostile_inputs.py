@@ -451,9 +451,10 @@ def test_evaluate_refuses_a_plan_solved_for_another_model_as_dispatch_does(model
         po.evaluate(solved, wider, {"cpu": "8GiB", "disk": "100GiB"})
 
 
-@pytest.mark.parametrize("limit", [True, float("inf"), float("nan"), "1s"])
+@pytest.mark.parametrize("limit", [True, float("inf"), float("nan"), "1s", 10**400, 0, -1])
 def test_a_time_limit_that_is_no_finite_number_of_seconds_is_refused(limit):
-    """``time_limit_s=True`` ran as a 1 s limit, and infinity with ``gap_limit=0`` could search for ever."""
+    """``time_limit_s=True`` ran as a 1 s limit, and infinity with ``gap_limit=0`` could search for ever; an int too
+    large for a float raised a bare OverflowError."""
     from placement_opt.errors import SolverInputError
 
     graph = chain_graph([{"name": "a", "param_bytes": 8}, {"name": "b", "param_bytes": 8}])

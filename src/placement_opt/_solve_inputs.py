@@ -70,8 +70,7 @@ def check_arguments(objective: str, strategy: str, time_limit_s: float, seed: in
     if strategy not in STRATEGIES:
         problems.append(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     # True ran as 1 s; infinity with gap_limit 0 could search for ever
-    if (not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or not time_limit_s > 0
-            or not math.isfinite(time_limit_s)):
+    if not _seconds(time_limit_s):
         problems.append(f"time_limit_s must be a positive, finite number of seconds, got {time_limit_s!r}: "
                         f"e.g. 1.0 (default) or 10")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -82,6 +81,16 @@ def check_arguments(objective: str, strategy: str, time_limit_s: float, seed: in
         problems.append(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.01 for 1 %")
     if problems:
         raise SolverInputError("; ".join(problems))
+
+
+def _seconds(value: Any) -> bool:
+    """A positive, finite number of seconds (an int too large for a float, 10**400, raised OverflowError)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
 def check_modes(modes: Any) -> tuple[str, ...]:
