@@ -469,3 +469,41 @@ def test_a_mode_named_twice_is_one_mode():
 
     assert check_modes(("resident", "stream", "stream", "resident")) == ("resident", "stream")
     assert check_modes("resident") == ("resident",)
+
+
+
+#: Values a hand-edited or damaged profile may hold where to_dict() wrote a number, a name or a list.
+_NASTY = (float("inf"), float("-inf"), float("nan"), -1, 0, 2**70, "12 GB", "", None, True, [[1]], [1, 2, 3], {"a": 1})
+
+
+def _outcome(data):
+    """The machine read back, or the DeviceSpecError saying why not (anything else escapes and fails the test)."""
+    try:
+        return po.Machine.from_dict(data)
+    except DeviceSpecError as exc:
+        assert str(exc)
+        return exc
+
+
+def test_a_machine_dict_with_fields_missing_or_of_another_kind_is_one_device_spec_error():
+    """Machine.from_dict and Device.from_dict are public (a saved profile's machine, a plan's): a dict lacking a field
+    raised a bare KeyError, a size that is no number a ValueError, an infinite one an OverflowError. Every field of
+    what to_dict() wrote, dropped or replaced by each of the values above, now reads back or is refused with
+    DeviceSpecError; so is the machine's own devices or links replaced."""
+    written = po.Machine([po.Device("cpu", "8GiB"), po.Device("cuda:0", "24GiB", flops=1e14)],
+                         {("cpu", "cuda:0"): 2e10}).to_dict()
+    assert _outcome(written) == po.Machine.from_dict(written)
+    for index in range(2):
+        for key in written["devices"][index]:
+            for value in (*_NASTY, KeyError):  # KeyError: the field left out
+                damaged = copy.deepcopy(written)
+                if value is KeyError:
+                    del damaged["devices"][index][key]
+                else:
+                    damaged["devices"][index][key] = value
+                _outcome(damaged)
+    for key in ("devices", "links"):
+        for value in _NASTY:
+            _outcome({**copy.deepcopy(written), key: value})
+    for data in ({}, [], "machine", None):
+        assert isinstance(_outcome(data), DeviceSpecError)

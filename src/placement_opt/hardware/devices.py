@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DeviceSpecError
+from ..errors import DeviceSpecError, PlacementError
 from ..units import GIB, format_bytes, parse_size
 from .presets import DEFAULT_PRESET, PRESETS, preset
 
@@ -96,6 +96,19 @@ def gpu_index(name: str) -> int:
 
 def _is_half(dtype: str) -> bool:
     return str(dtype).replace("torch.", "") in _HALF_DTYPES
+
+
+#: What :meth:`Device.from_dict` cannot do without (the rest default as :class:`Device` does).
+_DEVICE_FIELDS = ("name", "memory_bytes", "reserve_bytes", "flops_per_s", "bandwidth_bytes_per_s")
+
+
+def _check_written(data: Any, what: str, fields: Sequence[str], writer: str) -> None:
+    """Refuse ``data`` that is no mapping or lacks one of ``fields`` (a plain KeyError said only the key)."""
+    if not isinstance(data, Mapping):
+        raise DeviceSpecError(f"{what} as a dict is a mapping, as {writer} writes it, not a {type(data).__name__}")
+    if missing := [f for f in fields if f not in data]:
+        raise DeviceSpecError(f"{what} as a dict lacks {', '.join(map(repr, missing))}: from_dict reads what "
+                              f"{writer} writes")
 
 
 def _checked_speed(label: str, device: str, value: float | None) -> float | None:
@@ -332,6 +345,23 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
+        """The device :meth:`to_dict` wrote.
+
+        Raises:
+            DeviceSpecError: ``data`` is not a mapping, lacks a field :meth:`to_dict` writes, or holds a value of
+                the wrong kind.
+        """
+        _check_written(data, "a device", _DEVICE_FIELDS, "Device.to_dict()")
+        try:
+            return cls._from_fields(data)
+        except PlacementError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:  # int("12 GB"), int(inf), a point that is no pair
+            raise DeviceSpecError(f"device {data['name']!r} as a dict: {exc}; Device.from_dict reads what "
+                                  f"Device.to_dict() writes (numbers of bytes and bytes/s)") from None
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, Any]) -> Device:
         reserve: int | None = int(data["reserve_bytes"])
         if reserve > int(data["memory_bytes"]) and reserve == DEFAULT_GPU_RESERVE_BYTES:
             # the default reserve over a small GPU, as Device accepts it (reserve_note says so): read back as that
@@ -550,8 +580,21 @@ class Machine:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Machine:
-        return cls([Device.from_dict(d) for d in data["devices"]],
-                   {(s, t): bw for s, t, bw in data.get("links", [])}, data.get("profile_path"))
+        """The machine :meth:`to_dict` wrote.
+
+        Raises:
+            DeviceSpecError: ``data`` is not a mapping, lacks its ``devices``, or holds a device or link
+                :meth:`Device.from_dict` and :class:`Machine` refuse.
+        """
+        _check_written(data, "a machine", ("devices",), "Machine.to_dict()")
+        devices, links = data["devices"], data.get("links", [])
+        if not isinstance(devices, list) or not isinstance(links, list):
+            raise DeviceSpecError("a machine as a dict holds a list of 'devices' (and one of 'links', [source, "
+                                  "target, bytes/s] each), as Machine.to_dict() writes it")
+        if any(not isinstance(link, list | tuple) or len(link) != 3 for link in links):
+            raise DeviceSpecError(f"a machine's links are [source, target, bytes/s] each, got {links!r}")
+        return cls([Device.from_dict(d) for d in devices], {(s, t): bw for s, t, bw in links},
+                   data.get("profile_path"))
 
     def with_devices(self, devices: Iterable[Device], links: Mapping[tuple[str, str], float] | None = None) -> Machine:
         """Another machine of the same profile: ``devices`` (and ``links``, default the kept devices' links)."""
