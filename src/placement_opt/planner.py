@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -173,8 +175,9 @@ def solve(model: Any, devices: Any = None, objective: str = "latency", *, worklo
     modes = check_modes(modes)
     if _is_cluster(devices):  # pipeline stages over several hosts (issue 16): a PipelinePlan
         _check_cluster_arguments(strategy=strategy != "cpsat", pins=bool(pins), contiguous=bool(contiguous),
-                                 modes=tuple(modes) != tuple(SOLVER_MODES), granularity=granularity not in (None, "block"),
-                                 expert_groups=expert_groups != 1)
+                                 modes=set(modes) != set(SOLVER_MODES), granularity=granularity not in (None, "block"),
+                                 expert_groups=expert_groups != 1, time_limit_s=time_limit_s != 1.0, seed=seed != 0,
+                                 gap_limit=gap_limit != GAP_LIMIT, workers=workers != SOLVER_WORKERS)
         return _pipeline_plan(model, devices, objective, workload)
     check_types(workload, pins, contiguous, strategy)
     from .model.graph import LayerGraph
@@ -440,9 +443,14 @@ def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, obje
 def _is_cluster(devices: Any) -> bool:
     from .hardware.cluster import Cluster
 
-    # a spec string of hosts in parentheses ("2x(h100-sxm*8,cpu)@ib-200g") is a cluster, as plan_pipeline() reads it
-    # one machine's device specs never hold parentheses, nor a network after "@" ("2xa10@ib-200g")
-    return isinstance(devices, Cluster) or (isinstance(devices, str) and ("(" in devices or "@" in devices))
+    # a spec string of hosts in parentheses ("2x(h100-sxm*8,cpu)@ib-200g") is a cluster, as plan_pipeline() reads it;
+    # one machine's device specs never hold parentheses, a network after "@" ("2xa10@ib-200g"), hosts joined by "+"
+    # ("a10+a10") or a host count ("2xa10", the default network): a saved profile's path may, so it stays a path
+    if isinstance(devices, Cluster):
+        return True
+    if not isinstance(devices, str) or os.path.exists(devices):
+        return False
+    return "(" in devices or "@" in devices or "+" in devices or re.match(r"\s*\d+\s*x", devices) is not None
 
 
 def _check_cluster_arguments(**given: bool) -> None:

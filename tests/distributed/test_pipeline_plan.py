@@ -108,15 +108,21 @@ def test_solve_with_a_cluster_is_the_pipeline_plan_and_round_trips() -> None:
     # a spec string is a cluster to solve() as it is to plan_pipeline(); what is neither is named
     assert po.solve(graph, "(a100-40gb*2)+(l4*2)@ib-100g", "throughput", workload=Workload(prompt_len=256)) == plan
     # without parentheses too, as plan_pipeline() reads it (solve() called it an unknown device name)
-    bare = "2xa10@ib-200g"
-    assert po.solve(graph, bare, "throughput", workload=Workload(prompt_len=256)) == plan_pipeline(
-        graph, bare, Workload(prompt_len=256))
+    for bare in ("2xa10@ib-200g", "2xa10", "a10+a10"):  # the last two on the default network
+        assert po.solve(graph, bare, "throughput", workload=Workload(prompt_len=256)) == plan_pipeline(
+            graph, bare, Workload(prompt_len=256))
+    # the default modes in another order are the default modes, not a choice a cluster cannot take
+    assert po.solve(graph, cluster, "throughput", workload=Workload(prompt_len=256),
+                    modes=("phased", "stream", "resident")) == plan
     for wrong in (None, {"cpu": "1GiB"}, ["cpu"]):
         with pytest.raises(SolverInputError, match=f"cluster is a {type(wrong).__name__}: pass a Cluster"):
             plan_pipeline(graph, wrong)
     # one machine's arguments were dropped without a word
     with pytest.raises(SolverInputError, match="strategy, pins, granularity shape one machine's plan"):
         po.solve(graph, cluster, "throughput", strategy="balanced", pins={"head": "cpu"}, granularity="sublayer")
+    # the stages are an exact search: a time limit, seed, gap or worker count was dropped as silently
+    with pytest.raises(SolverInputError, match="time_limit_s, workers shape one machine's plan"):
+        po.solve(graph, cluster, "throughput", time_limit_s=5, workers=1)
 
 
 def test_bad_arguments() -> None:
