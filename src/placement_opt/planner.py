@@ -264,9 +264,12 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
         notes.append(f"{len(problem.pins) - len(glue)} unit(s) stored where pinned ({given}); the solver placed the "
                      f"rest, and chose where every unit computes")
     if glue:
+        kept = (f"kept on the home device {problem.pins[glue[0]]}, where that code runs (no pin moves them)"
+                if strategy == "cpsat" else  # the fills know no pins: they place these as any other unit
+                f"strategy {strategy!r} places them as any other unit, and where it stores one off the home device "
+                f"{problem.pins[glue[0]]} the model cannot run as planned; strategy='cpsat' keeps them there")
         notes.append(f"{len(glue)} unit(s) hold weights their parent uses through other methods, never their own "
-                     f"forward ({', '.join(glue[:3])}{', ...' if len(glue) > 3 else ''}): kept on the home device "
-                     f"{problem.pins[glue[0]]}, where that code runs (no pin moves them)")
+                     f"forward ({', '.join(glue[:3])}{', ...' if len(glue) > 3 else ''}): {kept}")
     if strategy == "cpsat":
         return _cpsat_plan(graph, machine, workload, problem, objective, baselines, score,
                            (time_limit_s, seed, gap_limit, workers, started - after_s), notes)

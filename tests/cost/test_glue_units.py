@@ -70,3 +70,15 @@ def test_glue_units_are_solved_resident_on_home_whatever_the_pins_and_the_plan_s
 def test_a_home_too_small_for_them_is_said_and_what_to_do() -> None:
     with pytest.raises(InfeasiblePlacementError, match=r"kept on the home device cuda:0.*granularity='block'"):
         placement_opt.solve(_trace(jetmoe(), "sublayer"), "cuda:0=20KiB,cpu=64GiB,disk=1TB", workload=Workload())
+
+
+def test_a_fill_strategy_that_stores_glue_off_home_says_the_plan_cannot_run_as_placed() -> None:
+    """The accelerate-like fills know no pins: sequential stored JetMoE's attention experts on the disk while the
+    plan's note said they were kept on the home device. The note now says what the fill did, and the cure."""
+    graph = _trace(jetmoe(), "sublayer")
+    glue = run_as_glue(graph)
+    plan = placement_opt.solve(graph, "cuda:0=200KiB,cpu=200KiB,disk=1TB", workload=Workload(), strategy="sequential")
+    placed = {p.unit: p.storage for p in plan.placements}
+    assert any(placed[n] != "cuda:0" for n in glue)  # the case the note is for
+    (note,) = [n for n in plan.notes if "their own forward" in n]
+    assert "kept on the home device" not in note and "strategy='cpsat' keeps them there" in note
