@@ -515,3 +515,17 @@ def test_run_says_when_other_work_shared_the_cores_it_was_timed_on(monkeypatch):
     assert said((0.0, 100.0, 5.0), (10.0, 108.0, 9.0)) == ""  # others 4 of 20: within what a quiet machine shows
     assert said(None, (10.0, 116.0, 9.0)) == "" and said((10.0, 1.0, 1.0), (10.0, 9.0, 1.0)) == ""
     assert _run_measured.cpu_clock() is not None  # psutil reads this machine
+
+
+def test_run_vs_accelerate_says_whether_the_plan_fits_as_priced_for_this_run(checkpoint, tmp_path):
+    """A saved plan is priced again for this run's workload and devices; the side-by-side table's "within max_memory"
+    row read the plan file's own cost (fits at its batch) beside accelerate's map priced for this run."""
+    _, path = checkpoint
+    saved = tmp_path / "plan.json"
+    assert run_cli("plan", str(path), "-d", "cpu=1MB,disk", "--prompt", "8", "--new-tokens", "4",
+                   "--json", str(saved)).exit_code == 0
+    out = run_cli("run", str(path), "--plan", str(saved), "-d", "cpu=1MB,disk", "--prompt", "8", "--new-tokens",
+                  "4", "--batch", "64", "--vs-accelerate", "--offload-dir", str(tmp_path / "offload"), "--json", str(tmp_path / "r.json"))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "within max_memory (predicted) │ no │" in text, text

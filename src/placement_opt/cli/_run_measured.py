@@ -94,7 +94,7 @@ def vs_accelerate(console: Any, checkpoint: str, machine: Any, plan: Plan, cost:
     prompt is printed beside this one's."""
     with errors_as_messages(), progress("Loading and running it with device_map='auto' ..."):
         theirs = _accelerate_run(checkpoint, machine, (plan.dtype, cost.workload), generation, offload_dir)
-    console.print(_side_by_side(plan, timing, theirs))
+    console.print(_side_by_side(plan, cost, timing, theirs))
     if over := theirs.get("predicted", {}).get("over_budget"):
         console.print(f"note: device_map='auto' did not keep to the max_memory both were given ({'; '.join(over)}, "
                       f"by this cost model): it ran with more memory than placement_opt's plan had, so its speed "
@@ -294,7 +294,7 @@ def storage(plan_or_map: Any) -> str:
     return ", ".join(f"{device} {where.count(device)}" for device in dict.fromkeys(where))
 
 
-def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
+def _side_by_side(ours_plan: Plan, cost: Any, ours: Timing, theirs: dict[str, Any]) -> Any:
     """Both runs measured: placement_opt's plan against from_pretrained(device_map="auto") under the same budgets."""
     from rich.table import Table
 
@@ -322,7 +322,8 @@ def _side_by_side(ours_plan: Plan, ours: Timing, theirs: dict[str, Any]) -> Any:
                       f"{growth[1] / growth[0]:.2f}x" if growth[0] else "-")
     table.add_row("weights stored on", storage(ours_plan), storage(theirs["device_map"]), "")
     over = theirs["predicted"].get("over_budget") or []
-    table.add_row("within max_memory (predicted)", "yes" if ours_plan.cost.fits else "no",
+    # this run's price (a saved plan is priced again for --batch and --devices), as accelerate's map is
+    table.add_row("within max_memory (predicted)", "yes" if cost.fits else "no",
                   "no: " + "; ".join(over) if over else "yes", "")
     same = sum(a == b for x, y in zip(ours.tokens, measured["tokens"], strict=True) for a, b in zip(x, y, strict=True))
     total = sum(len(x) for x in ours.tokens)
