@@ -529,3 +529,15 @@ def test_run_vs_accelerate_says_whether_the_plan_fits_as_priced_for_this_run(che
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())
     assert "within max_memory (predicted) │ no │" in text, text
+
+
+def test_run_of_a_plan_for_a_single_forward_asks_for_new_tokens_not_blames_the_flag(checkpoint, tmp_path):
+    """run takes --new-tokens from --plan's workload when not given; a plan of new_tokens=0 was refused as
+    '--new-tokens 0', a flag the user never wrote."""
+    _, path = checkpoint
+    saved = tmp_path / "plan.json"
+    assert run_cli("plan", str(path), "-d", "cpu=1MB,disk", "--prompt", "8", "--new-tokens", "0",
+                   "--json", str(saved)).exit_code == 0
+    out = run_cli("run", str(path), "--plan", str(saved), "-d", "cpu=1MB,disk")
+    assert out.exit_code == 2 and "the plan was solved for new_tokens=0" in out.output, out.output
+    assert "--new-tokens 0:" not in out.output

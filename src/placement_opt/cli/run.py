@@ -111,9 +111,10 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
     _check_text(text, prompt)
     with errors_as_messages():
         saved = Plan.from_json(plan_path) if plan_path else None  # read once: its workload, devices and units
+    given_new_tokens = new_tokens is not None
     batch, prompt, new_tokens = _shape(saved, batch, prompt, new_tokens)
     pins = parse_pins(pin)
-    _check_counts(new_tokens, repeats)
+    _check_counts(new_tokens, repeats, given_new_tokens)
     _check_plan_options(plan_path, granularity, expert_groups, pins)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
@@ -183,10 +184,13 @@ def _check_text(text: str | None, prompt: int | None) -> None:
                                f"tokens")
 
 
-def _check_counts(new_tokens: int, repeats: int) -> None:
+def _check_counts(new_tokens: int, repeats: int, given: bool = True) -> None:
     """None, or the usage error for too few new tokens to time a decode step or too few prefills to time one:
-    refused before anything is read."""
+    refused before anything is read. ``given``: ``new_tokens`` is the user's --new-tokens, not --plan's workload."""
     if new_tokens < 2:
+        if not given:  # a plan solved for a single forward or one token: the flag was never written
+            raise click.UsageError(f"the plan was solved for new_tokens={new_tokens}, and a run times decode steps: "
+                                   f"pass --new-tokens N (at least 2) to run it generating")
         raise click.UsageError(f"--new-tokens {new_tokens}: at least 2, so that a decode step is timed")
     if repeats < 1:
         raise click.UsageError(f"--repeats {repeats}: at least 1 prefill is timed")
