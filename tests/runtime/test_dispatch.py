@@ -455,7 +455,8 @@ def test_jetmoe_experts_are_read_for_the_rows_the_router_gives_them(tmp_path, mo
     """JetMoE's experts (its MLP's and its attention's ``ParallelExperts``) are told how many rows each expert gets,
     not each token's picks, and an expert with none reads none of its weights. A decode step reads none of them
     ahead and asks for the experts with rows, as the cost model prices every routed MoE unit (before, they were
-    read ahead whole). A call whose rows reach every expert asks for none: the read-ahead had them all."""
+    read ahead whole). A call whose rows reach every expert asks for them all: its rows do not say whether it was a
+    prompt the read-ahead read whole or a few tokens it read none of (it asked for none there before)."""
     model = tiny("jetmoe")
     calls: dict[str, list[list[int]]] = {}
     experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "JetMoeParallelExperts"}
@@ -466,14 +467,15 @@ def test_jetmoe_experts_are_read_for_the_rows_the_router_gives_them(tmp_path, mo
         ahead, rows = _decode_reads(model, tmp_path, monkeypatch)
     assert len(experts) == 8 and not any(k.removesuffix(".weight") in experts for k in ahead)
     for name, counts in calls.items():
-        wanted = set()
-        for call in counts:
-            with_rows = {i for i, n in enumerate(call) if n}
-            wanted |= with_rows if len(with_rows) < len(call) else set()
+        wanted = set().union(*({i for i, n in enumerate(call) if n} for call in counts))
         assert rows.get(f"{name}.weight", set()) == wanted, name
     step = [c[-1] for c in calls.values()]  # the decode step's one token: top-2 of 4 in every experts module
     assert all(sum(1 for n in call if n) == 2 for call in step)
     assert all(rows[f"{name}.weight"] >= {i for i, n in enumerate(c[-1]) if n} for name, c in calls.items())
+    # 4 tokens, top-2 over 8 experts, one row each: the read-ahead asked for none at 4 tokens, so these are asked for
+    from placement_opt.runtime._routed_reads import _counted
+
+    assert _counted(torch.ones(8, dtype=torch.long), 8) == list(range(8)) and _counted([0, 3, 0], 3) == [1]
 
 
 @given(st.sets(st.integers(0, 63)))
