@@ -153,6 +153,10 @@ def test_a_preset_in_a_max_memory_dict_is_answered_with_the_forms_that_take_one(
     assert shown in str(caught.value)
     with pytest.raises(DeviceSpecError, match=r"'12 gigs' is not a size"):  # not a preset: the size's own message
         as_machine({0: "12 gigs"})
+    # a number first is a size meant, though '10G' is near the preset 'a10' (it was answered as that preset)
+    for meant in ("10G", "10g"):
+        with pytest.raises(DeviceSpecError, match=rf"'{meant}' is not a size: write a number and a unit"):
+            as_machine({0: meant})
 
 
 def test_a_cpu_preset_in_a_max_memory_dict_is_answered_with_one_cpu_in_the_example() -> None:

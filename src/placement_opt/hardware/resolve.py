@@ -264,7 +264,9 @@ def _budget(key: Any, value: Any) -> int:
         return parse_size(value, what=f"max_memory[{key!r}]")
     except DeviceSpecError as error:
         exact = isinstance(value, str) and value.strip().lower() in PRESETS
-        hint = "" if exact or not isinstance(value, str) else did_you_mean(value)
+        # a value that starts with a number meant a size ('10G'), whatever preset it looks like ('a10')
+        sized = isinstance(value, str) and value.strip()[:1].isdigit()
+        hint = "" if exact or sized or not isinstance(value, str) else did_you_mean(value)
         if not (exact or hint):
             raise
         name, shown = normalize_device_name(key), value.strip().lower() if exact else "PRESET"
