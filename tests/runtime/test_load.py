@@ -284,6 +284,13 @@ def test_a_priced_plan_loads_in_the_dtype_it_was_priced_for(tmp_path_factory):
     handle.remove()
     with pytest.raises(DispatchError, match=r"dtype='float32', but the plan was priced for 'float16'"):
         load(path, None, plan=plan, dtype="float32")
+    # dtype="auto", as from_pretrained takes it: the checkpoint's own without a plan, the plan's with one
+    handle = load(path, {"cpu": "64MiB"}, plan=plan, dtype="auto")
+    assert {p.dtype for p in handle.model.parameters()} == {torch.float16}
+    handle.remove()
+    handle = load(path, {"cpu": "64MiB"}, dtype="auto")
+    assert {p.dtype for p in handle.model.parameters()} == {torch.float32}
+    handle.remove()
 
 
 def test_a_disk_unit_with_a_buffer_no_checkpoint_holds_loads_without_offload_dir(tmp_path):

@@ -63,9 +63,9 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         workload: the :class:`~placement_opt.cost.workload.Workload` to optimise for. With ``plan``: the one it
             will run (``placement-opt run --plan`` passes it); one holding more tokens than the plan's own is
             warned of before anything is read (the plan counted no memory for them).
-        dtype: weights' dtype; default: the checkpoint's, or a given ``plan``'s (a plan is priced for its
-            dtype: another is refused). Disk-stored units whose checkpoint dtype differs are converted once
-            into ``offload_dir``.
+        dtype: weights' dtype; default (or ``"auto"``, as from_pretrained takes it): the checkpoint's, or a given
+            ``plan``'s (a plan is priced for its dtype: another is refused). Disk-stored units whose checkpoint
+            dtype differs are converted once into ``offload_dir``.
         offload_dir: where converted disk weights go (only needed in that case, or for disk units of a
             checkpoint whose layout transformers converts at load: Mixtral's and Qwen-MoE's experts, one
             tensor each in the checkpoint, are fused per layer one weight at a time, with transformers' own
@@ -106,6 +106,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
     if not isinstance(model_id_or_path, str | os.PathLike):
         raise ModelSpecError(f"load() reads a checkpoint directory: pass its path, not a "
                              f"{type(model_id_or_path).__name__} (an nn.Module already built goes to dispatch())")
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":  # from_pretrained's word for the checkpoint's own
+        dtype = None
     plan = _given_plan(plan)
     root = Path(model_id_or_path)
     files = checkpoint_files(root)
