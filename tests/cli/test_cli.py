@@ -264,6 +264,18 @@ def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypat
     assert machine.names == ["cpu", "disk"]
     assert machine["cpu"].source.startswith("measured")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]  # no scratch file left
+    # a profile file named by path is read for the model's dtype, as --devices auto reads the same file: its machine
+    # snapshot holds the dtype profiled last, which priced a float32 model at bfloat16's rate
+    data["measurements"]["cpu"]["matmul_flops_per_s"]["bfloat16"] = 7 * data["measurements"]["cpu"][
+        "matmul_flops_per_s"]["float32"]
+    data["machine"]["devices"][0]["flops_per_s"] = data["measurements"]["cpu"]["matmul_flops_per_s"]["bfloat16"]
+    out.write_text(json.dumps(data))
+    named = resolve_devices(str(out), dtype="float32")
+    monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(out))
+    assert named["cpu"].flops_per_s == resolve_devices("auto", dtype="float32")["cpu"].flops_per_s == data[
+        "measurements"]["cpu"]["matmul_flops_per_s"]["float32"]
+    assert resolve_devices(str(out), dtype="bfloat16")["cpu"].flops_per_s == data["machine"]["devices"][0]["flops_per_s"]
+    assert "float32 figures (float16 not measured)" in resolve_devices(str(out), dtype="float16")["cpu"].source
 
 
 def test_auto_devices_are_this_machine(monkeypatch, tmp_path):

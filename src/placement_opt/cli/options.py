@@ -188,7 +188,7 @@ def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
             return resolve_machine(None, dtype=dtype)
         path = Path(spec)
         if path.suffix.lower() == ".json" or path.is_file():
-            return _machine_from_file(path)
+            return _machine_from_file(path, dtype)
         return resolve_machine(spec, dtype=dtype)
     except click.BadParameter:
         raise
@@ -196,7 +196,7 @@ def resolve_devices(spec: str, *, dtype: str = "float16") -> Machine:
         raise click.BadParameter(str(exc), param_hint="--devices") from None
 
 
-def _machine_from_file(path: Path) -> Machine:
+def _machine_from_file(path: Path, dtype: str = "float16") -> Machine:
     from ..hardware.devices import Machine
 
     if not path.is_file():
@@ -208,6 +208,7 @@ def _machine_from_file(path: Path) -> Machine:
                                  f"kind of file: {exc}); pass the file 'placement-opt profile --out PATH' wrote",
                                  param_hint="--devices") from None
     profiled = isinstance(data, dict) and "machine" in data
+    whole = data if profiled else {}
     if profiled:
         data = data["machine"]
     if not isinstance(data, dict) or "devices" not in data:
@@ -216,8 +217,33 @@ def _machine_from_file(path: Path) -> Machine:
         raise click.BadParameter(f"{str(path)!r} is not a saved machine profile (no 'devices' list): {hint}",
                                  param_hint="--devices")
     machine = Machine.from_dict(data)
-    # a profile's machine is priced with the unit times calibrated into that file (profile --out PATH --model M)
-    return Machine(machine.devices, machine.links, path.resolve()) if profiled else machine
+    if not profiled:
+        return machine
+    # a profile's machine is priced with the unit times calibrated into that file (profile --out PATH --model M),
+    # and at the speeds it measured for the model's dtype, as --devices auto reads them from the same file: its
+    # machine snapshot holds the dtype profiled last (a float32 plan was priced at bfloat16's rate, 2x fast)
+    return Machine(_in_dtype(machine.devices, whole, dtype), machine.links, path.resolve())
+
+
+def _in_dtype(devices: Any, profile: dict[str, Any], dtype: str) -> list[Any]:
+    """``devices`` of a saved profile's machine with the compute speeds its measurements hold for ``dtype`` (else
+    the fallback :func:`~..hardware.profile_store.device_from_measurement` takes, said in the source)."""
+    from ..hardware.devices import replace_device
+    from ..hardware.profile_store import device_from_measurement, dtype_key
+
+    measured = profile.get("measurements")
+    if not isinstance(measured, dict) or not isinstance(profile.get("created"), str):
+        return list(devices)
+    out = []
+    for device in devices:
+        entry = measured.get(device.name)
+        if device.name == "disk" or not isinstance(entry, dict) or not entry.get("matmul_flops_per_s"):
+            out.append(device)
+            continue
+        speeds = device_from_measurement(device.name, entry, dtype_key(dtype), profile["created"])
+        out.append(replace_device(device, flops_per_s=speeds.flops_per_s, bandwidth_bytes_per_s=speeds.bandwidth_bytes_per_s,
+                                  flops_by_tokens=[list(p) for p in speeds.flops_by_tokens], source=speeds.source))
+    return out
 
 
 def workload_from(batch: int, prompt: int, new_tokens: int, logits: str | None = None,
