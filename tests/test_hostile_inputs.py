@@ -100,12 +100,23 @@ def test_the_cli_refuses_a_bad_plan_file_in_one_line(case, solved, tmp_path):
     ("", r"plan path is empty"),
     ("   ", r"plan path is empty"),
     ('{"schema_version": 2, "placements": [', r"not JSON .*ends early"),
-    ("[1, 2]", r"JSON list, not an object"),
+    ("[1, 2]", r"JSON array, not an object"),
     ("does/not/exist.json", r"cannot read the plan file 'does/not/exist.json'"),
 ])
 def test_empty_truncated_or_missing_text_is_a_plan_format_error(text, words):
     with pytest.raises(PlanFormatError, match=words):
         Plan.from_json(text)
+
+
+@pytest.mark.parametrize(("content", "words"), [("", r"is empty: give a file"), ("null", r"is a JSON null, not an"),
+                                                ('"plan"', r"is a JSON string, not an object")])
+def test_a_plan_file_that_is_empty_or_no_object_says_so_in_json_s_words(tmp_path, content, words):
+    """An empty file read as cut off ('the text ends early'), and JSON's null as Python's 'NoneType'."""
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(PlanFormatError, match=words) as caught:
+        Plan.from_json(str(path))
+    assert "NoneType" not in str(caught.value) and "ends early" not in str(caught.value)
 
 
 def test_truncated_plan_file_says_it_was_cut_off(solved, tmp_path):

@@ -199,7 +199,7 @@ def test_a_malformed_placement_is_refused():
     data["placements"][0]["colour"] = "red"
     with pytest.raises(PlanFormatError, match="malformed.*colour"):
         Plan.from_dict(data)
-    with pytest.raises(PlanFormatError, match="JSON list, not an object"):
+    with pytest.raises(PlanFormatError, match="JSON array, not an object"):
         Plan.from_dict([1, 2])  # type: ignore[arg-type]
 
 

@@ -21,7 +21,7 @@ from .cost.workload import Workload
 from .errors import PlanFormatError
 from .hardware.devices import Machine
 from .plan import STATUSES, STRATEGIES, BaselineResult, Plan, UnitPlacement
-from .schema import PlanSchema, json_safe, validated
+from .schema import PlanSchema, json_kind, json_safe, validated
 from .solver.problem import MODES, OBJECTIVES
 from .units import few
 
@@ -71,7 +71,7 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
     """A plan of class ``cls`` from ``data``, what :meth:`Plan.to_dict <placement_opt.plan.Plan.to_dict>` wrote;
     ``where`` names it in the messages of :class:`~placement_opt.errors.PlanFormatError`."""
     if not isinstance(data, Mapping):
-        raise PlanFormatError(f"{where} is a JSON {type(data).__name__}, not an object: pass what "
+        raise PlanFormatError(f"{where} is a JSON {json_kind(data)}, not an object: pass what "
                               f"Plan.to_dict() or Plan.to_json() wrote")
     version = data.get("schema_version")
     if version is None and OWN_JSON["pipeline plan"](data):
@@ -152,6 +152,9 @@ def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Pla
         except UnicodeDecodeError:
             raise PlanFormatError(f"{where} is not text (not UTF-8): give a file written by Plan.to_json() or "
                                   f"`placement-opt plan --json`") from None
+    if not text.strip():  # a file that holds nothing was not cut off JSON: it was never written, or emptied
+        raise PlanFormatError(f"{where} is empty: give a file written by Plan.to_json() or `placement-opt plan "
+                              f"--json`")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:

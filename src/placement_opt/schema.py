@@ -43,6 +43,7 @@ __all__ = [
     "GraphSchema",
     "ProfileSchema",
     "validated",
+    "json_kind",
     "json_safe",
     "plan_json_schema",
 ]
@@ -412,6 +413,12 @@ def _refused_value(error: Mapping[str, Any]) -> str:
     return f", not {value!r}"
 
 
+def json_kind(value: Any) -> str:
+    """What JSON calls ``value``'s kind: ``null``, ``array``, ``string``, ... (not Python's ``NoneType``)."""
+    kinds = ((type(None), "null"), (bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
 def validated(schema: type[_Model], data: Any, *, what: str, fix: str,
               context: Mapping[str, Any] | None = None) -> _Model:
     """``data`` checked against ``schema``, or a :class:`PlanFormatError` naming every problem and its place.
@@ -424,7 +431,7 @@ def validated(schema: type[_Model], data: Any, *, what: str, fix: str,
         context: vocabulary the validators read (``{"modes": MODES}``).
     """
     if not isinstance(data, Mapping):
-        raise PlanFormatError(f"{what} is a JSON {type(data).__name__}, not an object: {fix}")
+        raise PlanFormatError(f"{what} is a JSON {json_kind(data)}, not an object: {fix}")
     try:
         return schema.model_validate(data, context=dict(context or {}))
     except ValidationError as err:

@@ -541,3 +541,10 @@ def test_run_of_a_plan_for_a_single_forward_asks_for_new_tokens_not_blames_the_f
     out = run_cli("run", str(path), "--plan", str(saved), "-d", "cpu=1MB,disk")
     assert out.exit_code == 2 and "the plan was solved for new_tokens=0" in out.output, out.output
     assert "--new-tokens 0:" not in out.output
+
+
+def test_run_names_only_the_flag_below_one(checkpoint):
+    """'--prompt 0' was refused as '--batch 1 and --prompt 0 must be at least 1', blaming a valid --batch too."""
+    _, path = checkpoint
+    out = run_cli("run", str(path), "-d", "cpu", "--prompt", "0")
+    assert out.exit_code == 2 and "--prompt 0: at least 1" in out.output and "--batch" not in out.output, out.output

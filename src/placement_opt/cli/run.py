@@ -240,8 +240,8 @@ def _prompt(checkpoint: str, text: str | None, batch: int, prompt: int) -> tuple
     import torch
     import transformers
 
-    if batch < 1 or prompt < 1:
-        raise click.UsageError(f"--batch {batch} and --prompt {prompt} must be at least 1")
+    if small := [f"--{flag} {value}" for flag, value in (("batch", batch), ("prompt", prompt)) if value < 1]:
+        raise click.UsageError(f"{' and '.join(small)}: at least 1")
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     if getattr(config, "is_encoder_decoder", False):
         raise click.UsageError(f"{checkpoint} is an encoder-decoder model ({config.model_type}): run times decoder-only "
