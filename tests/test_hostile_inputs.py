@@ -518,3 +518,15 @@ def test_a_machine_dict_with_fields_missing_or_of_another_kind_is_one_device_spe
             _outcome({**copy.deepcopy(written), key: value})
     for data in ({}, [], "machine", None):
         assert isinstance(_outcome(data), DeviceSpecError)
+
+
+def test_a_config_with_a_negative_size_is_the_callers_input_and_says_which():
+    """A hand-edited config.json with hidden_size -64 was a TraceError (exit 1) advising to build the model by hand;
+    it is the caller's input: ModelSpecError (exit 2), naming the field."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    config.hidden_size = -64
+    with pytest.raises(ModelSpecError, match=r"negative sizes \(hidden_size=-64\).*fix them in its config.json"):
+        po.trace(config)

@@ -176,9 +176,20 @@ def _build_on_meta(config: Any, torch_dtype: torch.dtype) -> nn.Module:
                     continue
             return _from_config(transformers.AutoModel, config, torch_dtype)
     except Exception as exc:
+        if negative := _negative_sizes(config, exc):  # a hand-edited config.json, not a model to build by hand
+            raise ModelSpecError(f"{type(config).__name__} has negative sizes ({negative}), and a model cannot be "
+                                 f"built with them ({first_line(exc)}): fix them in its config.json") from None
         raise TraceError(
             f"cannot build {type(config).__name__} on the meta device ({first_line(exc)}): build the model "
             f"yourself (e.g. under `with torch.device('meta')`) and pass the nn.Module") from None
+
+
+def _negative_sizes(config: Any, exc: Exception) -> str:
+    """``name=value`` of the config's negative integers, where building failed on a negative dimension; else ''."""
+    if "negative dimension" not in str(exc):
+        return ""
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    return ", ".join(f"{k}={v}" for k, v in fields.items() if type(v) is int and v < 0)
 
 
 def _from_config(auto: Any, config: Any, torch_dtype: torch.dtype) -> nn.Module:
