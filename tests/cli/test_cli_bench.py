@@ -268,3 +268,11 @@ def test_the_decode_benchmark_says_how_far_apart_parted_logits_are():
     assert "all finite" in rounding and "argmax apart" in rounding
     broken = gpu.logits_apart(torch.tensor([[float("nan"), 2.5, 0.0]]), reference)
     assert "NON-FINITE" in broken
+
+
+def test_bench_list_names_every_experiment_and_runs_nothing(tmp_path):
+    """run_all.py --list, through the CLI (it answered 'No such option')."""
+    result = run_cli("bench", "--list", "--out", str(tmp_path / "r.md"), catch_exceptions=True)
+    assert result.exit_code == 0, result.output
+    assert all(e.name in result.output for e in _run_all_module().EXPERIMENTS)
+    assert not (tmp_path / "r.md").exists()

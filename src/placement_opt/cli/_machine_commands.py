@@ -114,7 +114,8 @@ def presets() -> None:
 @click.option("--collect", is_flag=True, help="run nothing: rebuild the report from the results there")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="where to write the report (default benchmarks/RESULTS.md)")
-def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) -> None:
+@click.option("--list", "list_", is_flag=True, help="list the experiments and what each asks, run nothing")
+def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None, list_: bool) -> None:
     """Run the benchmark suite (benchmarks/run_all.py) and regenerate benchmarks/RESULTS.md.
 
     A bar on stderr counts the experiments (on a terminal, or as PLACEMENT_OPT_PROGRESS says).
@@ -133,6 +134,10 @@ def bench(quick: bool, only: tuple[str, ...], collect: bool, out: str | None) ->
     script = _benchmarks_dir() / "run_all.py"
     if not script.is_file():
         raise Failure(f"{script} not found: 'bench' needs a source checkout of placement_opt")
+    if list_:  # what --only takes; nothing runs, nothing is written
+        listed = subprocess.run([sys.executable, str(script), "--list"], stdout=subprocess.PIPE, text=True)
+        click.echo(listed.stdout, nl=False)
+        return
     command = [sys.executable, str(script)] + (["--quick"] if quick else []) + (["--collect"] if collect else [])
     for name in only:
         command += ["--only", name]
