@@ -206,3 +206,21 @@ def test_a_workload_beside_a_plan_holding_more_than_it_counted_is_warned_of_befo
     (message,) = said
     assert "leave plan out" in message, message
     assert {what for what in ("in the KV cache", "prompt tokens") if what in message} == set(warned), message
+
+
+def test_a_vision_towers_patch_positions_are_not_the_text_models_limit():
+    """LLaVA's CLIP tower holds 577 learned patch positions and its Llama text model none (rotary): load() and run
+    refused a 1024-token prompt as past '577 learned positions (model.vision_tower.embeddings.position_embedding)'."""
+    import transformers
+
+    from placement_opt.runtime.checkpoint import learned_positions
+
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=336, patch_size=14)
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        llava = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(vision_config=vision,
+                                                                                   text_config=text))
+    assert learned_positions(llava) is None
+    assert llava.model.vision_tower.embeddings.position_embedding.num_embeddings == 577  # there, unread

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import DispatchError, ModelSpecError
+from ..model._context import in_media_encoder
 from ..model._source import check_layer_counts, first_line
 from ..model._ties import checkpoint_safetensors, untie_stored_apart
 from ..model.dtypes import as_torch_dtype
@@ -112,10 +113,12 @@ def _no_checkpoint(root: Path) -> str:
 def learned_positions(model: nn.Module) -> tuple[str, int] | None:
     """(the module's name, the positions it holds) of a model's smallest learned position table (GPT-2's ``wpe``,
     OPT's ``embed_positions`` less its offset), or None: rotary and ALiBi models have none and run at any length. A
-    run past it fails at the table's lookup, mid-generation."""
+    run past it fails at the table's lookup, mid-generation. A multimodal model's media encoder (a CLIP tower's
+    577 patch positions) holds no text positions: its tables are not counted."""
     tables = [(module.num_embeddings - int(getattr(module, "offset", 0) or 0), name)
               for name, module in model.named_modules()
-              if isinstance(module, nn.Embedding) and ("pos" in (leaf := name.rsplit(".", 1)[-1]) or leaf == "wpe")]
+              if isinstance(module, nn.Embedding) and ("pos" in (leaf := name.rsplit(".", 1)[-1]) or leaf == "wpe")
+              and not in_media_encoder(name)]
     return (min(tables)[1], min(tables)[0]) if tables else None
 
 
