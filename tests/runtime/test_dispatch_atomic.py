@@ -210,3 +210,34 @@ def test_load_of_a_truncated_checkpoint_is_a_dispatch_error(tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(DispatchError, match="truncated|complete checkpoint"):
         load(tmp_path, None, plan=plan_from(model, mixed))
+
+
+def test_remove_forgets_a_failed_prefetch_of_a_call_that_never_comes_and_stops_its_threads(tmp_path, monkeypatch):
+    """The last unit of a call starts copying the next call's first streamed unit. When that copy failed (a GPU out
+    of memory after the last step) remove() raised it, as 'could not undo 1 change', and left the prefetch and
+    release threads running, though the model was restored."""
+    import threading
+
+    from _models import assert_restored, snapshot
+    from placement_opt.runtime._streamer import Streamer
+
+    model = tiny("llama")
+    before = snapshot(model)
+    handle = dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                      offload_dir=tmp_path / "offload", disk_reads="copy")
+    first = next(u for u in units_of(model) if "layers" in u)
+    real = Streamer._copy
+
+    def failing(self, unit, side, after=()):
+        if unit.name == first and threading.current_thread().name.startswith("placement_opt-prefetch"):
+            raise RuntimeError(f"prefetch of {unit.name} failed")
+        return real(self, unit, side, after)
+
+    monkeypatch.setattr(Streamer, "_copy", failing)
+    with torch.no_grad():
+        handle(**inputs_for(model))
+    monkeypatch.setattr(Streamer, "_copy", real)
+    assert any(f.exception() for _, f in handle._streamer.inflight.values())  # the case: a failed copy in flight
+    handle.remove()
+    assert_restored(model, before)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("placement_opt-")]

@@ -244,14 +244,19 @@ class Streamer:
             future.result()
 
     def close(self) -> None:
-        for _, future in self.inflight.values():
-            future.result()
-        self.inflight.clear()
-        self.settle()
-        for pool in (self.pool, self.release_pool):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self.pool = self.release_pool = None
+        """Wait for the copies in flight and forget them, then stop the threads. A copy in flight is the next call's,
+        which will not come: its failure (a GPU out of memory after the last step) is nobody's, as :meth:`drop`
+        forgets one; it raised here, in remove(), and left both threads running."""
+        try:
+            for _, future in self.inflight.values():
+                future.exception()
+            self.inflight.clear()
+            self.settle()
+        finally:
+            for pool in (self.pool, self.release_pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self.pool = self.release_pool = None
 
 
 def _ask_kernel(tensors: Sequence[tuple[SafetensorsFile, str]]) -> None:
