@@ -241,3 +241,26 @@ def test_remove_forgets_a_failed_prefetch_of_a_call_that_never_comes_and_stops_i
     handle.remove()
     assert_restored(model, before)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("placement_opt-")]
+
+
+def test_a_failure_between_two_routed_expert_hooks_leaves_no_hook(tmp_path, monkeypatch):
+    """read_routed_experts hooked the experts modules one by one and returned its undo only at the end: an error
+    at the second layer's experts left the first layer's hook on the model after dispatch's rollback."""
+    from placement_opt.runtime import _routed_reads
+
+    model = tiny("mixtral")
+    hooks = {name: dict(m._forward_pre_hooks) for name, m in model.named_modules()}
+    real, seen = _routed_reads.routing_argument, []
+
+    def second_fails(module):
+        seen.append(module)
+        if len(seen) == 2:
+            raise DispatchError("the second experts module cannot be read")
+        return real(module)
+
+    monkeypatch.setattr(_routed_reads, "routing_argument", second_fails)
+    with pytest.raises(DispatchError, match="second experts module"):
+        dispatch(model, plan_from(model, lambda i, u: MAPPED if "layers" in u else RESIDENT),
+                 offload_dir=tmp_path / "offload")
+    assert len(seen) == 2  # the case: one hook was in place when the error came
+    assert {name: dict(m._forward_pre_hooks) for name, m in model.named_modules()} == hooks

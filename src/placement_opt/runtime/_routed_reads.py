@@ -25,7 +25,9 @@ for the whole table where the plan's machine reads that faster (:func:`~placemen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,43 +63,51 @@ def read_routed_experts(model: nn.Module, units: Iterable[DispatchUnit]) -> Call
     decode from it) whose expert weights are fused tensors there, and every module holding expert groups of which
     some are; returns the undo function."""
     mapped = {u.name: u for u in units if u.disk and u.kind in ("mmap", "phased")}
-    handles = []
-    for name, module in _routed_modules(model):
-        if isinstance(module, ExpertGroups):
-            reads = [(fused, group.first_expert, group.num_experts) for i, group in enumerate(module.groups)
-                     if (fused := _fused(f"{name}.groups.{i}", mapped, group.num_experts))]
-            experts = module.num_experts
-        else:
-            experts = expert_count(module)
-            reads = [(fused, 0, experts)] if (fused := _fused(name, mapped, experts)) else []
-        if reads:
-            hook = _reader(reads, experts, routing_argument(module) or PICKS_ARGUMENT)
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    handles: list[Any] = []
+    with _all_or_none(handles):
+        for name, module in _routed_modules(model):
+            if isinstance(module, ExpertGroups):
+                reads = [(fused, group.first_expert, group.num_experts) for i, group in enumerate(module.groups)
+                         if (fused := _fused(f"{name}.groups.{i}", mapped, group.num_experts))]
+                experts = module.num_experts
+            else:
+                experts = expert_count(module)
+                reads = [(fused, 0, experts)] if (fused := _fused(name, mapped, experts)) else []
+            if reads:
+                hook = _reader(reads, experts, routing_argument(module) or PICKS_ARGUMENT)
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    return functools.partial(_remove_all, handles)
 
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
 
-    return undo
+@contextlib.contextmanager
+def _all_or_none(handles: list[Any]) -> Iterator[None]:
+    """Hooks registered into ``handles`` inside: all removed again when the block raises (dispatch is all or
+    nothing: the hooks put on modules before a later module's error stayed on the model)."""
+    try:
+        yield
+    except BaseException:
+        _remove_all(handles)
+        raise
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def read_looked_up_rows(units: Iterable[DispatchUnit], machine: Machine) -> Callable[[], None]:
     """Hook every lookup table (``nn.Embedding``) unit computed from a disk map to ask for its tokens' rows before
     it looks them up, or for the whole table where ``machine`` (the plan's) reads that faster; returns the undo
     function."""
-    handles = []
-    for unit in units:
-        if unit.disk and unit.kind in ("mmap", "phased") and isinstance(unit.module, nn.Embedding):
-            tables = [(f, k) for f, k in unit.disk if len(f.spans[k].shape) == 2
-                      and f.spans[k].shape[0] == unit.module.num_embeddings]
-            if tables:
-                handles.append(unit.module.register_forward_pre_hook(_row_asker(tables, machine)))
-
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return undo
+    handles: list[Any] = []
+    with _all_or_none(handles):
+        for unit in units:
+            if unit.disk and unit.kind in ("mmap", "phased") and isinstance(unit.module, nn.Embedding):
+                tables = [(f, k) for f, k in unit.disk if len(f.spans[k].shape) == 2
+                          and f.spans[k].shape[0] == unit.module.num_embeddings]
+                if tables:
+                    handles.append(unit.module.register_forward_pre_hook(_row_asker(tables, machine)))
+    return functools.partial(_remove_all, handles)
 
 
 def _row_asker(tables: Sequence[tuple[Any, str]], machine: Machine) -> Callable[..., None]:
