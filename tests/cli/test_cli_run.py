@@ -146,7 +146,7 @@ def test_run_in_a_saved_plan_and_with_the_checkpoints_tokenizer(checkpoint, tmp_
 @pytest.mark.parametrize(("args", "said"), [
     (("--new-tokens", "1"), "at least 2"),
     (("--text", "hello"), "needs the checkpoint's tokenizer"),
-    (("--batch", "0"), "must be at least 1"),
+    (("--batch", "0"), "--batch 0: at least 1"),
     (("--pin", "lm_head"), "give MODULE=DEVICE"),
 ])
 def test_run_refuses_what_it_cannot_do_in_one_line(checkpoint, args, said):
