@@ -385,3 +385,23 @@ def test_explain_never_says_a_disk_would_compute_a_streamed_unit():
     assert "cuda:0 still computes them faster than the CPU would" in text
     assert "model.layers.2: weights stay on cpu and are streamed synchronously to cuda:0" in text
     assert "the GPUs' memory" in text
+
+
+def test_a_training_plans_summary_adds_up_and_claims_no_generated_tokens():
+    """The memory table left out the gradients and optimizer states that `used` holds (9.10 GiB of weights 'used'
+    78 GiB), and a training step read 'batch 1 x prompt 512 + 128 new tokens' at a tokens/s of tokens it never
+    generates."""
+    import placement_opt as po
+    from placement_opt.model.graph import chain_graph
+    from placement_opt.units import format_bytes
+
+    graph = chain_graph([{"name": f"l{i}", "param_bytes": 2**20} for i in range(4)])
+    plan = po.solve(graph, {"cpu": "1GiB"}, workload=po.Workload(batch_size=2, prompt_len=16, training=True))
+    (memory,) = plan.cost.memory
+    assert memory.other_bytes > 0 and memory.used_bytes == (memory.weights_bytes + memory.kv_cache_bytes
+                                                            + memory.workspace_bytes + memory.stream_buffer_bytes
+                                                            + memory.other_bytes)
+    text = plan.summary()
+    assert "grads + optimizer" in text and format_bytes(memory.other_bytes) in text
+    assert "new tokens" not in text and "a training step of batch 2 x 16 tokens" in text
+    assert f"{32 / plan.cost.total_s:.2f} trained on" in text

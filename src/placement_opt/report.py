@@ -128,7 +128,8 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
         ("model", Cell(f"{plan.model_name} ({plan.dtype}, {len(plan.placements)} units)")),
         ("machine", Cell(", ".join(f"{d.name} {format_bytes(d.memory_bytes)}" for d in plan.machine.devices))),
         *_home_fact(plan),
-        ("workload", Cell(f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens"
+        ("workload", Cell((f"a training step of batch {w.batch_size} x {w.prompt_len} tokens" if w.training else
+                           f"batch {w.batch_size} x prompt {w.prompt_len} + {w.new_tokens} new tokens")
                           + (", logits at every prompt position" if w.logits == "all" and w.new_tokens else "")
                           + (", logits at the last position only" if w.logits == "last" and not w.new_tokens else "")
                           + (", prompts padded under a mask" if w.padded else ""))),
@@ -139,7 +140,10 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
                       f"total {format_seconds(cost.total_s)} (transfers {format_seconds(cost.transfer_s)}"
                       + (f"; weight copies {format_seconds(cost.copy_s)} beside the compute, "
                          f"{format_seconds(cost.wait_s)} of them waited for" if cost.copy_s else "") + ")")),
-        ("tokens/s", Cell(f"{cost.tokens_per_s:.2f} end to end (prefill included), "
+        # a training step generates nothing: its rate is of the tokens it takes in (batch x prompt a step)
+        ("tokens/s", Cell(f"{w.batch_size * w.prompt_len / cost.total_s:.2f} trained on (batch x tokens a step)"
+                          if w.training and cost.total_s > 0 else
+                          f"{cost.tokens_per_s:.2f} end to end (prefill included), "
                           f"{cost.decode_tokens_per_s:.2f} while decoding")),
         ("fits", Cell("yes", "good") if cost.fits else Cell("NO, runs out of memory", "bad")),
     )
@@ -238,13 +242,16 @@ def _parts_text(group: str, parts: list[Any]) -> str:
 
 
 def _memory_table(plan: Plan) -> ReportTable:
+    # a training step's gradients and optimizer states are in `used`: a column of their own, so that the row adds up
+    training = any(m.other_bytes for m in plan.cost.memory)
     rows = []
     for m in plan.cost.memory:
         free = Cell(format_bytes(m.free_bytes), "bad" if m.free_bytes < 0 else "")
-        rows.append((Cell(m.device, _device_tone(m.device)), *(Cell(format_bytes(v)) for v in (
-            m.weights_bytes, m.kv_cache_bytes, m.workspace_bytes, m.stream_buffer_bytes, m.used_bytes,
-            m.capacity_bytes)), free))
-    columns = ("device", "weights", "KV cache", "workspace", "stream buf", "used", "capacity", "free")
+        parts = (m.weights_bytes, m.kv_cache_bytes, m.workspace_bytes, m.stream_buffer_bytes,
+                 *((m.other_bytes,) if training else ()), m.used_bytes, m.capacity_bytes)
+        rows.append((Cell(m.device, _device_tone(m.device)), *(Cell(format_bytes(v)) for v in parts), free))
+    columns = ("device", "weights", "KV cache", "workspace", "stream buf",
+               *(("grads + optimizer",) if training else ()), "used", "capacity", "free")
     return ReportTable("Memory per device", columns, tuple(rows), frozenset(columns[1:]))
 
 
