@@ -129,3 +129,20 @@ def test_a_decode_step_moves_its_cache_three_times(batch: int, prompt: int) -> N
     per_token = step(prompt + 1) - step(prompt)
     assert CACHE_PASSES_PER_STEP == 3
     assert per_token == pytest.approx(3 * KV * batch / 1e10, rel=1e-6)
+
+
+def test_a_sliding_models_decode_step_never_gets_cheaper_with_a_longer_run_or_a_bigger_batch():
+    """Mistral-7B on one GPU: the middle decode step's kernels were priced on the uncapped lines, past any real step
+    of a sliding layer, and hid its host time; a step cost 19.93 ms at 1 x 512 + 128, 18.64 ms at 1 x 8192 + 8192
+    and 16.88 ms at batch 4 of that (a batch of 2 finished before a batch of 1)."""
+    from placement_opt.cost.evaluate import evaluate
+
+    graph = trace("mistral-7b")
+    machine = {0: "1000GiB", "cpu": "64GiB"}
+
+    def step_s(batch: int, prompt: int, new_tokens: int) -> float:
+        cost = evaluate({"": 0}, graph, machine, Workload(batch_size=batch, prompt_len=prompt, new_tokens=new_tokens))
+        return cost.decode_s / new_tokens
+
+    short, long = step_s(1, 8192, 128), [step_s(b, 8192, 8192) for b in (1, 2, 4)]
+    assert short <= long[0] * (1 + 1e-9) and long == sorted(long), (short, long)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ..model.expert_groups import group_counts, group_ranges, whole_experts
 from .kernels import (
     decode_roofline_lines,
+    growing_steps,
     measured_decode_line,
     measured_prefill_s,
     prefill_roofline_s,
@@ -133,6 +134,10 @@ class PricingContext:
         line = measured_decode_line(self, unit, device)
         lines = [line] if line is not None else decode_roofline_lines(self, unit, device)
         middle = self.workload.decode_steps // 2
+        if (growing := growing_steps(unit, self.workload)) is not None:
+            # a sliding layer's steps stop growing at its window: the uncapped middle step priced its kernels past
+            # any step's, hid the host's time behind them, and a longer generation decoded cheaper a step
+            middle = min(middle, max(growing, 0))
         return max(a + b * middle for a, b in lines)
 
     @functools.cached_property
