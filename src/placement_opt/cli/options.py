@@ -241,8 +241,8 @@ def _in_dtype(devices: Any, profile: dict[str, Any], dtype: str) -> list[Any]:
             out.append(device)
             continue
         speeds = device_from_measurement(device.name, entry, dtype_key(dtype), profile["created"])
-        out.append(replace_device(device, flops_per_s=speeds.flops_per_s, bandwidth_bytes_per_s=speeds.bandwidth_bytes_per_s,
-                                  flops_by_tokens=[list(p) for p in speeds.flops_by_tokens], source=speeds.source))
+        out.append(replace_device(device, flops_per_s=speeds.flops_per_s, flops_by_tokens=speeds.flops_by_tokens,
+                                  bandwidth_bytes_per_s=speeds.bandwidth_bytes_per_s, source=speeds.source))
     return out
 
 
