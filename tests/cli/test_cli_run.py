@@ -466,10 +466,35 @@ def test_run_calibrate_with_a_saved_plan_times_the_units_that_plan_places(tmp_pa
     from placement_opt.cli.run import _plan_cut
 
     workload = Workload(prompt_len=7, new_tokens=5)
-    for granularity, groups in (("block", 1), ("sublayer", 1), ("sublayer", 2)):
-        graph = trace(tiny("mixtral"), granularity=granularity, expert_groups=groups)
+    model = tiny("mixtral")
+    for granularity, groups in (("block", 1), ("sublayer", 1), ("sublayer", 2), ("module", 1)):
+        graph = trace(model, granularity=granularity, expert_groups=groups)
         solve(graph, {"cpu": "1GiB"}, workload=workload).to_json(tmp_path / "plan.json")
-        assert _plan_cut(Plan.from_json(tmp_path / "plan.json")) == (granularity, groups)
+        assert _plan_cut(Plan.from_json(tmp_path / "plan.json"), model) == (granularity, groups)
+
+
+def test_run_of_a_plan_of_single_modules_prices_those_modules(checkpoint, tmp_path):
+    """A plan solved on trace(granularity="module") was priced again on the checkpoint's blocks: each block went
+    where most of its weights were, and MLPs stored on disk vanished from the prediction."""
+    from placement_opt import evaluate, solve, trace
+
+    model, path = checkpoint
+    graph = trace(model, granularity="module")
+    budgets = {"cpu": f"{graph.total_param_bytes * 2 // 3}B", "disk": "1GiB"}
+    plan = solve(graph, budgets, workload=Workload(prompt_len=4, new_tokens=3))
+    on_disk = [p.unit for p in plan.placements if p.storage == "disk"]
+    assert any(unit.startswith("model.layers.") and unit.count(".") > 2 for unit in on_disk)  # part of a block
+    plan.to_json(tmp_path / "plan.json")
+    out = run_cli("run", str(path), "--plan", str(tmp_path / "plan.json"), "-d", f"cpu={budgets['cpu']},disk",
+                  "--prompt", "4", "--new-tokens", "3", "--offload-dir", str(tmp_path / "offload"),
+                  "--json", str(tmp_path / "run.json"))
+    assert out.exit_code == 0, out.output
+    rows = {row["what"]: row["predicted"] for row in json.loads((tmp_path / "run.json").read_text())["rows"]}
+    mine = evaluate(plan, graph, {"cpu": budgets["cpu"], "disk": "1GiB"}, Workload(prompt_len=4, new_tokens=3))
+    assert rows["prefill"] == pytest.approx(mine.prefill_s, rel=1e-6)
+    calibrated = run_cli("run", str(path), "--plan", str(tmp_path / "plan.json"), "-d", f"cpu={budgets['cpu']},disk",
+                         "--calibrate", "--offload-dir", str(tmp_path / "offload"))
+    assert calibrated.exit_code == 2 and "calibrate() times block and sublayer units only" in calibrated.output
 
 
 def test_run_text_without_tokenizer_files_says_so_where_transformers_would_build_an_empty_one(tmp_path):

@@ -125,7 +125,8 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
         mask = _padding_mask(ids) if padded else None
         workload = workload_from(batch, ids.shape[1], new_tokens, None, overlap, padded)
         if calibrate_first:
-            cut = _plan_cut(saved) if saved else (granularity, expert_groups)
+            cut = _plan_cut(saved, checkpoint) if saved else (granularity, expert_groups)
+            _check_calibrated_cut(cut[0])
             console.print(_calibrated(checkpoint, machine, workload, dtype, *cut, offload_dir),
                           markup=False, highlight=False)
             # again: devices the profile had not measured are now, and only measured devices take calibrations
@@ -332,12 +333,20 @@ def _check_generates(checkpoint: str, config: Any) -> None:
                                f"AutoModelForCausalLM); 'placement-opt plan {checkpoint}' still plans this one")
 
 
-def _plan_cut(plan: Plan) -> tuple[str, int]:
-    """The units a plan places, as ``trace()`` and ``calibrate()`` cut them: its granularity and expert groups."""
-    from ..model.expert_groups import group_counts
+def _plan_cut(plan: Plan, checkpoint: str) -> tuple[str, int]:
+    """The units a plan places, as ``trace()`` and ``calibrate()`` cut them: its granularity and expert groups.
 
-    return ("sublayer" if plan.home else "block",
-            max(group_counts(p.unit for p in plan.placements).values(), default=1))
+    A plan does not record its cut. Sublayer plans name a home device; a plan of other units than the
+    checkpoint's blocks was solved on ``trace(granularity="module")`` (Python only: the command line solves blocks
+    and sublayers).
+    """
+    from ..model.expert_groups import group_counts
+    from ..model.tracer import trace
+
+    if plan.home:
+        return "sublayer", max(group_counts(p.unit for p in plan.placements).values(), default=1)
+    blocks = {unit.name for unit in trace(checkpoint, dtype=plan.dtype).units()}
+    return ("block" if {p.unit for p in plan.placements} <= blocks else "module"), 1
 
 
 def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None, granularity: str,
@@ -350,6 +359,15 @@ def _calibrated(checkpoint: str, machine: Any, workload: Any, dtype: str | None,
                            dtype=dtype or model_dtype(checkpoint, "CHECKPOINT"), granularity=granularity,
                            expert_groups=expert_groups, offload_dir=offload_dir)
     return result.summary()
+
+
+def _check_calibrated_cut(granularity: str) -> None:
+    """calibrate() times block and sublayer units: a plan of single modules would be priced with none of its units
+    timed."""
+    if granularity == "module":
+        raise click.UsageError("--calibrate with a plan of single modules (solved on trace(granularity='module')): "
+                               "calibrate() times block and sublayer units only, so none of this plan's units would "
+                               "be timed; leave --calibrate out, or use a plan solved at block or sublayer granularity")
 
 
 def _check_plan_options(plan_path: str | None, granularity: str, expert_groups: int, pins: dict[str, str]) -> None:
@@ -405,7 +423,7 @@ def _repriced(plan: Plan, checkpoint: str, machine: Any, workload: Any) -> Any:
     from ..model.tracer import trace
 
 
-    granularity, groups = _plan_cut(plan)
+    granularity, groups = _plan_cut(plan, checkpoint)
     graph = trace(checkpoint, dtype=plan.dtype, granularity=granularity, expert_groups=groups)
     return evaluate(plan, graph, machine, workload)
 
