@@ -134,3 +134,24 @@ def test_like_units_share_a_group_only_within_the_time_step(times):
     for group in relax.groups_of(_norms(times)):
         spread = [times[u] for u in group]
         assert max(spread) <= min(spread) * relax.TIME_STEP  # one bucket: [step^k, step^(k+1))
+
+
+def test_units_that_copy_different_bytes_for_their_copy_group_are_grouped_apart():
+    """The group took its first unit's copy-group bytes for every unit: a first unit that copies 10 bytes for its
+    run made every other count them too, and the relaxation proved 440 where the optimum is 261 (or the problem
+    infeasible, with the CPU one unit wide)."""
+    def menu(group_copy: int, peak: int) -> tuple[PlacementOption, ...]:
+        return (PlacementOption(storage="cpu", execution="cuda:0", mode="stream", prefill_ns=10, decode_ns=10,
+                                stored_bytes=5, resident_bytes=0, peak_bytes=peak, group_copy_bytes=group_copy,
+                                copy_prefill_ns=1, copy_decode_ns=1),
+                PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=100, decode_ns=100,
+                                stored_bytes=5, resident_bytes=0, peak_bytes=0))
+    units = tuple(UnitSpec(name=f"u{i}", options=menu(10, 21) if i == 0 else menu(0, 20)) for i in range(4))
+    edges = tuple(EdgeSpec(src=f"u{i}", dst=f"u{i + 1}", prefill_ns={}, decode_ns={}) for i in range(3))
+    problem = PlacementProblem(units=units, edges=edges, copy_groups=(("u0", "u1"), ("u2", "u3")),
+                               devices=(DeviceSpec(name="cuda:0", kind="gpu", capacity_bytes=20),
+                                        DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+    assert relax.groups_of(problem) == [[0], [1, 2, 3]]
+    optimum = reference_optimum(problem, "latency")
+    assert optimum == 261
+    assert _bound(problem, [1, 0, 0, 0]) <= optimum

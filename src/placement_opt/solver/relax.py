@@ -94,7 +94,7 @@ MOST_RUN_COMBOS = 16
 
 def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
               others: Sequence[Sequence[int]] = ()) -> list[list[int]]:
-    """Units with the same options and bytes, peaks within :data:`PEAK_STEP`, on the same ones of
+    """Units with the same options and bytes (their copy group's share included), peaks within :data:`PEAK_STEP`, on the same ones of
     ``path`` and ``others``, each option's work (prefill + decode) within :data:`TIME_STEP`, in order of first
     appearance; pinned and tied units alone. The group prices each option at its least time and peak.
 
@@ -108,8 +108,8 @@ def groups_of(problem: PlacementProblem, path: Sequence[int] = (),
     by_menu: dict[Any, list[int]] = {}
     for u, spec in enumerate(problem.units):
         key = ("alone", u) if spec.name in alone else (tuple(u in p for p in on_paths), tuple(
-            (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, _bucket(o.peak_bytes),
-             _bucket(o.work_ns, TIME_STEP))
+            (o.storage, o.execution, o.mode, o.stored_bytes, o.resident_bytes, o.group_copy_bytes,
+             _bucket(o.peak_bytes), _bucket(o.work_ns, TIME_STEP))
             + ((o.prefill_execution, _bucket(o.prefill_peak_bytes)) if o.mode == "phased" else ())
             for o in spec.options))
         by_menu.setdefault(key, []).append(u)
