@@ -76,6 +76,36 @@ def test_malformed_problems_list_every_problem():
         _diamond().score([0, 0, 0])
 
 
+def test_problems_the_solver_would_misread_are_refused_whole():
+    """Each of these was accepted: a negative transfer price proved a bound above the plan (140 against 120), an
+    empty tied group raised IndexError, no unit a bare ValueError, and the devices named twice, of an unknown kind
+    or below 0 bytes, or a pin to an absent device, solved to a wrong answer or to INFEASIBLE without a reason."""
+    opt = _opt("cpu", "cpu", 1, 1)
+    units = (UnitSpec(name="a", options=(opt,)), UnitSpec(name="b", options=(opt,)))
+    cpu = DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1)
+    with pytest.raises(SolverInputError) as err:
+        PlacementProblem(units=units, edges=(EdgeSpec(src="a", dst="b", prefill_ns={("cpu", "x"): -5},
+                                                      decode_ns={}),),
+                         devices=(cpu, cpu, DeviceSpec(name="t", kind="tpu", capacity_bytes=-1)),
+                         tied_groups=((),), pins={"a": "cuda:7"})
+    for said in ("transfer price below 0 ([-5])", "a tied group is empty", "device cpu is named 2 times",
+                 "device t is of kind 'tpu'", "device t has capacity_bytes -1, below 0",
+                 "pin of a names unknown device cuda:7"):
+        assert said in str(err.value), said
+    with pytest.raises(SolverInputError, match="the problem has no unit"):
+        PlacementProblem(units=(), edges=(), devices=(cpu,))
+
+
+@pytest.mark.parametrize("kwargs", [{"time_limit_s": float("nan")}, {"memory_slack": float("inf")},
+                                    {"workers": 1.5}, {"workers": True}, {"hint": [0, 0, 0, 0.5]},
+                                    {"hint": [0, 0, 0, True]}])
+def test_solve_problem_refuses_limits_and_hints_that_are_no_numbers_it_can_use(kwargs):
+    from placement_opt.solver.search import solve_problem
+
+    with pytest.raises(SolverInputError):
+        solve_problem(_diamond(), "memory", **kwargs)
+
+
 # -- overlap: the prefetch thread's copies beside the compute (problem.py's Overlap) ----------------
 def _chain(*options_per_unit: PlacementOption) -> PlacementProblem:
     names = [f"u{i}" for i in range(len(options_per_unit))]

@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["check_option", "check_problem"]
 
+#: The kinds of device a problem may hold (:class:`~.specs.DeviceSpec`).
+DEVICE_KINDS = ("gpu", "cpu", "disk")
+
 
 def check_option(option: PlacementOption, modes: Sequence[str], group_buffers: int) -> None:
     """Raise unless ``option`` is well formed: a mode of ``modes``, a prefill device and background copies only
@@ -63,16 +66,22 @@ def check_problem(problem: PlacementProblem) -> None:
     names = [u.name for u in problem.units]
     known = set(names)
     devices = {d.name for d in problem.devices}
-    problems = [f"unit {u.name} has no option" for u in problem.units if not u.options]
+    problems = [] if names else ["the problem has no unit"]
+    problems += _device_problems(problem)
+    problems += [f"unit {u.name} has no option" for u in problem.units if not u.options]
     problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in problem.edges
                  if e.src not in known or e.dst not in known]
     problems += [f"option of {u.name} uses unknown device {o.storage}/{o.execution}/{o.prefill_execution}"
                  for u in problem.menu_units for o in u.options
                  if o.storage not in devices or o.execution not in devices
                  or (o.prefill_execution or o.execution) not in devices]
+    problems += [f"edge {e.src}->{e.dst} has a transfer price below 0 ({few_prices})" for e in problem.edges
+                 if (few_prices := [v for v in (*e.prefill_ns.values(), *e.decode_ns.values()) if v < 0])]
     problems += [f"tied group names unknown unit {n}" for g in problem.tied_groups for n in g
                  if n not in known]
+    problems += ["a tied group is empty" for g in problem.tied_groups if not g]
     problems += [f"pin names unknown unit {n}" for n in problem.pins if n not in known]
+    problems += [f"pin of {n} names unknown device {d}" for n, d in problem.pins.items() if d not in devices]
     order = {n: i for i, n in enumerate(names)}
     problems += _copy_group_problems(problem.copy_groups, order)
     problems += _copy_group_problems(problem.part_groups, order, "part group")
@@ -82,6 +91,17 @@ def check_problem(problem: PlacementProblem) -> None:
         problems.append("unit names are not unique")
     if problems:
         raise SolverInputError("malformed placement problem:\n  " + "\n  ".join(problems))
+
+
+def _device_problems(problem: PlacementProblem) -> list[str]:
+    """Devices named twice, of an unknown kind, or with a capacity below 0."""
+    names = [d.name for d in problem.devices]
+    problems = [f"device {n} is named {names.count(n)} times" for n in sorted(set(names)) if names.count(n) > 1]
+    problems += [f"device {d.name} is of kind {d.kind!r}, not one of {', '.join(DEVICE_KINDS)}"
+                 for d in problem.devices if d.kind not in DEVICE_KINDS]
+    problems += [f"device {d.name} has capacity_bytes {d.capacity_bytes}, below 0" for d in problem.devices
+                 if d.capacity_bytes < 0]
+    return problems
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int],

@@ -69,9 +69,11 @@ value: ``gap`` is computed from both as they are.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 from ortools.sat.python import cp_model
 
@@ -228,11 +230,14 @@ def _check(problem: PlacementProblem, objective: str, hint: Sequence[int] | None
         raise SolverInputError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     if not 0 <= gap_limit < 1:
         raise SolverInputError(f"gap_limit must be a fraction in [0, 1), got {gap_limit!r}: e.g. 0.001 for 0.1 %")
-    if time_limit_s <= 0 or workers < 1 or memory_slack < 0:
-        raise SolverInputError(f"time_limit_s ({time_limit_s}) must be > 0, workers ({workers}) >= 1 and "
-                               f"memory_slack ({memory_slack}) >= 0")
+    # `not x > 0` rather than `x <= 0`: NaN fails every comparison and would pass the latter
+    if (not time_limit_s > 0 or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+            or not 0 <= memory_slack < math.inf):
+        raise SolverInputError(f"time_limit_s ({time_limit_s}) must be > 0, workers ({workers}) a whole number "
+                               f">= 1 and memory_slack ({memory_slack}) finite and >= 0")
     if hint is not None:
-        bad = [i for i, (u, c) in enumerate(zip(problem.units, hint, strict=False)) if not 0 <= c < len(u.options)]
+        bad = [i for i, (u, c) in enumerate(zip(problem.units, hint, strict=False))
+               if isinstance(c, bool) or not isinstance(c, Integral) or not 0 <= c < len(u.options)]
         if len(hint) != len(problem.units) or bad:
             raise SolverInputError(f"hint has {len(hint)} entries for {len(problem.units)} units, out-of-range "
                                    f"at positions {bad[:5]}: give one option index per unit")
