@@ -81,3 +81,18 @@ def test_a_module_level_70b_graph_keeps_the_time_limit(module_level_70b):
         wall_s, sol = _timed(lambda limit_s=limit_s: solve_problem(problem, time_limit_s=limit_s, hint=start), limit_s)
         assert wall_s <= limit_s + _OVER_S, f"{len(problem.units)} units, limit {limit_s} s"
         assert not problem.satisfies(start) or sol.feasible
+
+
+def test_no_relaxation_is_built_once_the_time_is_spent():
+    """A relaxation's model has no clock while it is built (0.1-0.3 s on 1,500 units): the memory objective's
+    second solve, begun at its deadline, built two of them and ran 0.6 s past a 0.5 s limit."""
+    from placement_opt.solver._relaxing import run_relaxations
+    from placement_opt.solver._run import Run
+
+    built = []
+    problem = _dense_dag(4)
+    relaxations = [("a relaxation", 0.5, lambda *args: built.append(args))]
+    run = Run(seed=0, workers=1, gap_limit=0.0, t0=time.perf_counter())
+    relaxed, (hint, hint_ok) = run_relaxations(problem, "latency", relaxations, run, ([0, 0, 0, 0], False), None,
+                                               (time.perf_counter() - 0.01, 0.0), [])
+    assert not built and relaxed.status == "UNKNOWN" and relaxed.bound == 0 and hint == [0, 0, 0, 0]
