@@ -530,3 +530,15 @@ def test_a_config_with_a_negative_size_is_the_callers_input_and_says_which():
     config.hidden_size = -64
     with pytest.raises(ModelSpecError, match=r"negative sizes \(hidden_size=-64\).*fix them in its config.json"):
         po.trace(config)
+
+
+def test_a_config_transformers_refuses_is_one_line_with_its_cause(tmp_path):
+    """transformers 5 validates configs with huggingface_hub's errors (not ValueError): a config.json path ended
+    in a traceback, and a folder's message stopped at 'Class validation error for validator ...:'."""
+    from _cli import run_cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                      "num_attention_heads": 3, "num_hidden_layers": 2}))
+    for given in (tmp_path / "config.json", tmp_path):
+        out = run_cli("plan", str(given), "-d", "cpu=1GiB,disk", "--no-cache")
+        assert out.exit_code == 2 and "not a multiple of the number of attention heads (3)" in out.output, out.output

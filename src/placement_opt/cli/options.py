@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._files import foreign_file, foreign_picture, refusal
+from ..model._source import first_line
 from ..report import EXTRA_SEARCH_S
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,6 +159,9 @@ def _config_from_json(path: Path) -> Any:
                                      f"(pip install -U transformers), or the config is not a transformers model's",
                                      param_hint="MODEL") from None
         raise click.BadParameter(f"{str(path)!r}: {exc}", param_hint="MODEL") from None
+    except Exception as exc:  # noqa: BLE001 - transformers 5 validates with huggingface_hub's own errors
+        raise click.BadParameter(f"{str(path)!r} is not a config transformers accepts: {first_line(exc)}",
+                                 param_hint="MODEL") from None
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
