@@ -90,3 +90,13 @@ class PlanMismatchError(DispatchError, PlanFormatError):
 
 class ProfileError(PlacementError):
     """Measuring this machine's devices failed."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The exception's first line, and the next one when the first only announces it (ends with ':'):
+    huggingface_hub's validation errors put the cause on line 2."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return text[:300]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._files import foreign_file, foreign_picture, refusal
-from ..model._source import first_line
+from ..errors import first_line
 from ..report import EXTRA_SEARCH_S
 
 if TYPE_CHECKING:  # pragma: no cover

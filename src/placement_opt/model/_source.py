@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ModelSpecError, TraceError
+from ..errors import ModelSpecError, TraceError, first_line
 from ._ties import untie_stored_apart
 from .dtypes import as_torch_dtype, config_dtype, module_dtype
 
-__all__ = ["resolve_source", "config_of", "meta_skeleton", "first_line"]
+__all__ = ["resolve_source", "config_of", "meta_skeleton"]
 
 
 _ENCODER_ONLY_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
@@ -291,13 +291,3 @@ class _MetaCopier:
             target = self.copies.get(id(clone.__dict__[key]))
             if target is not None:
                 clone.__dict__[key] = target
-
-
-def first_line(exc: BaseException) -> str:
-    """The exception's first line, and the next one when the first only announces it (ends with ':'):
-    huggingface_hub's validation errors put the cause on line 2."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
-    return text[:300]

@@ -73,13 +73,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..errors import TraceError
+from ..errors import TraceError, first_line
 from . import _recorder
 from ._attention import AttentionFacts, graph_extra
 from ._context import TraceContext, experts_per_token, in_media_encoder, is_block, is_container
 from ._decode_probe import decode_lines, probe_contexts
 from ._node_attributes import node_attributes
-from ._source import first_line, resolve_source
+from ._source import resolve_source
 from ._units import find_units, groupable, no_split_names, owner_of, tie_key, tied_groups
 from .dtypes import dtype_name
 from .expert_groups import expert_groups_refusal, split_expert_units

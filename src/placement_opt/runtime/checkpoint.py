@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DispatchError, ModelSpecError
+from ..errors import DispatchError, ModelSpecError, first_line
 from ..model._context import in_media_encoder
-from ..model._source import check_layer_counts, first_line
+from ..model._source import check_layer_counts
 from ..model._ties import checkpoint_safetensors, untie_stored_apart
 from ..model.dtypes import as_torch_dtype
 from ..model.graph import covering_key
