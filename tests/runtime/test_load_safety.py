@@ -84,6 +84,14 @@ def test_a_checkpoint_of_bin_files_says_how_to_make_it_safetensors(tmp_path):
         load(tmp_path, None, plan=_layers_on_disk(model))
 
 
+def test_a_checkpoint_cloned_without_git_lfs_says_to_pull_its_weights(tmp_path):
+    model, folder, _ = saved_tiny("llama", tmp_path / "ckpt")
+    weights = folder / "model.safetensors"
+    weights.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ab" * 32 + "\nsize 181248\n")
+    with pytest.raises(DispatchError, match="Git LFS pointer.*git lfs pull"):
+        load(folder, None, plan=_layers_on_disk(model))
+
+
 def _full_after(monkeypatch, writes: int) -> None:
     """The offload store's disk is full once ``writes`` files have been written."""
     real = offload.OffloadStore._write_temporary

@@ -143,6 +143,42 @@ def test_not_a_safetensors_file(tmp_path):
         SafetensorsFile(bad)
 
 
+def test_a_git_lfs_pointer_says_to_pull_the_weights(tmp_path):
+    pointer = tmp_path / "model.safetensors"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 4965799096\n")
+    with pytest.raises(DispatchError, match="Git LFS pointer.*git lfs pull"):
+        SafetensorsFile(pointer)
+
+
+def test_a_header_longer_than_the_file_is_refused_without_reading_it(tmp_path):
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(struct.pack("<Q", 2**62) + b"{}")  # a length that would ask for exabytes
+    with pytest.raises(DispatchError, match=r"header claims 4611686018427387904 bytes and the file has 10"):
+        SafetensorsFile(bad)
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"dtype": "F32", "shape": [2]}, "KeyError"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4096]}, "outside the file"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "outside the file"),
+    ("F32", "TypeError"),
+])
+def test_a_malformed_header_is_a_dispatch_error_naming_the_file(tmp_path, entry, problem):
+    header = json.dumps({"w": entry}).encode()
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(DispatchError, match=rf"x\.safetensors has a malformed safetensors header \(.*{problem}"):
+        SafetensorsFile(bad)
+
+
+def test_an_unknown_dtype_names_the_file_and_the_tensor(tmp_path):
+    header = json.dumps({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + bytes(1))
+    with pytest.raises(DispatchError, match=r"x\.safetensors:w has dtype Q4"):
+        SafetensorsFile(bad)
+
+
 def test_unit_names_become_safe_file_names():
     assert OffloadStore.file_name("", "0" * 32) == f"_root.{'0' * 32}.safetensors"
     assert OffloadStore.file_name("a/b c", "f" * 32) == f"a_b_c.{'f' * 32}.safetensors"

@@ -255,19 +255,40 @@ def _read_header(path: Path) -> dict[str, TensorSpan]:
     """Parse a safetensors header: 8-byte little-endian length, then JSON."""
     try:
         with open(path, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
+            size_bytes = os.fstat(fh.fileno()).st_size
+            first = fh.read(8)
+            if first.startswith(b"version "):  # a Git LFS pointer: the weights were never downloaded
+                raise DispatchError(f"{path} is a Git LFS pointer ({size_bytes} bytes), not the weights: run "
+                                    f"`git lfs pull` in its repository, or download the checkpoint again")
+            (length,) = struct.unpack("<Q", first)
+            if length > size_bytes - 8:  # read nothing a corrupt length asks for: it can be exabytes
+                raise DispatchError(f"{path} is not a safetensors file: its header claims {length} bytes and "
+                                    f"the file has {size_bytes}; re-save or re-download the weights")
             header = json.loads(fh.read(length))
     except (OSError, struct.error, ValueError) as exc:
+        if isinstance(exc, DispatchError):
+            raise
         raise DispatchError(f"{path} is not a readable safetensors file ({exc}): re-save the weights") from exc
-    base = 8 + length
+    try:
+        return _spans(header, 8 + length, size_bytes)
+    except DispatchError as exc:
+        raise DispatchError(f"{path}:{exc}") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise DispatchError(f"{path} has a malformed safetensors header ({type(exc).__name__}: {exc}): "
+                            f"re-save or re-download the weights") from None
+
+
+def _spans(header: dict[str, Any], base: int, size_bytes: int) -> dict[str, TensorSpan]:
     spans = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
         if info["dtype"] not in DTYPES:
-            raise DispatchError(f"{path}:{key} has dtype {info['dtype']}, which placement_opt cannot map; "
+            raise DispatchError(f"{key} has dtype {info['dtype']}, which placement_opt cannot map; "
                                 f"known: {', '.join(DTYPES)}")
-        start, end = info["data_offsets"]
+        start, end = (int(offset) for offset in info["data_offsets"])
+        if not 0 <= start <= end <= size_bytes - base:
+            raise ValueError(f"{key}'s bytes [{start}, {end}) lie outside the file's {size_bytes - base} data bytes")
         spans[key] = TensorSpan(dtype=DTYPES[info["dtype"]], shape=tuple(info["shape"]),
                                 offset_bytes=base + start, nbytes=end - start)
     return spans
