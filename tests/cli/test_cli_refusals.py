@@ -126,3 +126,26 @@ def test_an_output_path_under_a_file_is_named_as_such(tiny_config, tmp_path):
     result = run_cli("plan", str(tiny_config), "-d", MACHINE, "--json", str(tiny_config / "plan.json"),
                      catch_exceptions=True)
     assert "is a file, not a folder" in _one_line(result, 2)
+
+
+SMALL = ("-d", "cuda:0=t4/64MiB,cpu=64MiB", "--batch", "512", "--prompt", "2048")  # a KV cache of ~1 GiB
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "sequential"])
+def test_a_baseline_plan_that_runs_out_of_memory_exits_1_and_is_still_written(tiny_config, tmp_path, strategy):
+    """plan --strategy balanced exited 0 with a plan that runs out of memory: a script took it for a placement."""
+    out = tmp_path / "plan.json"
+    result = run_cli("plan", str(tiny_config), *SMALL, "--strategy", strategy, "--json", str(out),
+                     catch_exceptions=True)
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert f"Error: the {strategy} plan does not fit" in said and "GiB short" in said
+    assert json.loads(out.read_text())["cost"]["violations"]  # written, with its OOM: the user asked to read it
+
+
+def test_compare_where_no_strategy_fits_exits_1(tiny_config):
+    """compare exited 0 with a table of OOM rows and no plan that fits."""
+    result = run_cli("compare", str(tiny_config), *SMALL, catch_exceptions=True)
+    assert result.exit_code == 1, result.output
+    assert "no strategy produced a plan that fits" in " ".join(result.output.split())
+    assert run_cli("compare", str(tiny_config), "-d", MACHINE).exit_code == 0

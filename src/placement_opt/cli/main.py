@@ -216,6 +216,9 @@ def plan(model: str, devices: str, objective: str, batch: int, prompt: int, new_
     for part in plan_renderables(result, solver_notes=verbose):
         console.print(part)
     write_outputs(console, result, json_path, plot)
+    if not result.cost.fits:  # a baseline's plan that runs out of memory is written to be read, never to be run
+        raise Failure(f"the {strategy} plan does not fit (see the note above): --strategy cpsat finds one that "
+                      f"fits where one exists")
 
 
 def _check_plan_options(strategy: str, pinned: bool, contiguous: bool, cluster: str | None, overlap: bool,
@@ -363,6 +366,9 @@ def compare(model: str, devices: str, objective: str, batch: int, prompt: int, n
     _write_comparison(console, outcomes, json_path, plot)
     if all(o.plan is None for o in outcomes):
         raise Failure("no strategy produced a plan (see above)")
+    if not any(o.fits for o in outcomes):  # a table of OOM rows is no placement: scripts read the exit code
+        raise Failure("no strategy produced a plan that fits (see above): reduce the batch or context, or add "
+                      "memory")
 
 
 def _searched_longer(console: Console, outcome: StrategyOutcome,
