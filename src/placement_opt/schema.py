@@ -326,6 +326,7 @@ class NodeSchema(_Strict):
     layer: str | None = Field(default=None, min_length=1)
     largest_module_bytes: NonNegativeInt | None = None
     largest_load_bytes: NonNegativeInt | None = None
+    tied_param_bytes: NonNegativeInt | None = None
 
 
 class EdgeSchema(_Strict):

@@ -81,14 +81,20 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
 def touched_weight_bytes(unit: UnitInfo, tokens: int) -> float:
     """Weight bytes one forward over ``tokens`` tokens reads (MoE: only the experts hit).
 
-    A unit with weights but no FLOPs is a lookup table (an embedding): it reads one row per token.
+    A unit with weights but no FLOPs is a lookup table (an embedding): it reads one row per token. Tied weights
+    another unit stores are read as the unit's own (a tied LM head reads the whole embedding matrix).
     """
-    if unit.flops_per_token == 0 and unit.param_bytes > 0:
-        return float(min(unit.weight_bytes, tokens * unit.out_bytes_per_token + unit.buffer_bytes))
+    if is_lookup(unit):
+        return float(min(unit.read_bytes, tokens * unit.out_bytes_per_token + unit.buffer_bytes))
     if not unit.is_moe:
-        return float(unit.weight_bytes)
+        return float(unit.read_bytes)
     hit = expected_experts(unit.moe_num_experts, unit.moe_experts_per_token, tokens)
-    return unit.weight_bytes - unit.moe_expert_bytes + unit.moe_expert_bytes * hit / unit.moe_num_experts
+    return unit.read_bytes - unit.moe_expert_bytes + unit.moe_expert_bytes * hit / unit.moe_num_experts
+
+
+def is_lookup(unit: UnitInfo) -> bool:
+    """A unit with parameters (its own or tied) and no FLOPs: a lookup table, such as an embedding."""
+    return unit.flops_per_token == 0 and unit.param_bytes + unit.tied_param_bytes > 0
 
 
 def _achieved(device: Device, tokens: int) -> tuple[float, float]:

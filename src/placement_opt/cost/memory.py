@@ -145,7 +145,7 @@ def cpu_gemm_scratch(unit: UnitInfo, rows: int) -> int:
     :data:`CPU_GEMM_PANEL_ROW_BYTES` a row, itself at most the weights (10.1 MiB kept after an 8 MiB weight of 4096
     rows of 256 features, AVX-512; a unit without weights multiplies none)."""
     by_rows = max(CPU_GEMM_LEAST_BYTES, min(CPU_GEMM_WORKSPACE_BYTES, rows * CPU_GEMM_BYTES_PER_ROW))
-    return min(by_rows, unit.weight_bytes + min(unit.weight_bytes, rows * CPU_GEMM_PANEL_ROW_BYTES))
+    return min(by_rows, unit.read_bytes + min(unit.read_bytes, rows * CPU_GEMM_PANEL_ROW_BYTES))
 
 
 def _activation_bytes(unit: UnitInfo, workload: Workload, meta: GraphMeta, last: bool, on_gpu: bool,
@@ -323,7 +323,7 @@ def accelerate_held_bytes(unit: UnitInfo, from_disk_map: bool) -> int:
     forward's RSS grew 64.3 MiB for a dense layer and 256.1 MiB for a Mixtral-shaped one, predicted now at 1.10x
     and 1.03x of that; a whole layer's weights as the buffer priced them at 1.85x and 0.84x."""
     if unit.largest_module_bytes is None:
-        return unit.weight_bytes
+        return unit.read_bytes
     held = unit.largest_module_bytes
     if from_disk_map and unit.largest_load_bytes is not None:
         held = max(held, unit.largest_load_bytes)

@@ -240,7 +240,7 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=device.is_gpu),
         stream_buffer_bytes=_stream_buffer_bytes(ctx, unit, storage, execution, mode),
         round_trip_s=trip_prefill + trip_decode,
-        group_copy_bytes=unit.weight_bytes if overlapped else 0,
+        group_copy_bytes=unit.read_bytes if overlapped else 0,
         copy_prefill_s=copy_prefill, copy_decode_s=copy_decode,
         host_prefill_s=host_prefill, host_decode_s=host_decode, disk_prefill_s=disk_prefill, disk_decode_s=disk_decode,
     )
@@ -287,7 +287,7 @@ def _stream_buffer_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, exec
         return mapped
     if mode == "stream_sync":
         return accelerate_held_bytes(unit, ctx.machine[storage].kind == "disk" and ctx.machine[execution].kind == "cpu")
-    return unit.weight_bytes * stream_buffers(mode, ctx.machine[execution].is_gpu)
+    return unit.read_bytes * stream_buffers(mode, ctx.machine[execution].is_gpu)
 
 
 def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, mode: str, phase: str) -> float:
@@ -307,7 +307,7 @@ def _weights_in_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     looked_up = lookup_read_s(ctx, unit, storage, execution, rows) if mode == "stream" and not calibrated else None
     if looked_up is not None:
         return looked_up
-    return copy_s(ctx, storage, execution, unit.weight_bytes, mode, len(unit.param_names), unit.name, phase)
+    return copy_s(ctx, storage, execution, unit.read_bytes, mode, len(unit.param_names), unit.name, phase)
 
 
 def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, gpu: str) -> OptionPrice:

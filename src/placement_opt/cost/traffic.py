@@ -14,6 +14,7 @@ from .context import PricingContext
 from .kernels import (
     CACHE_PASSES_PER_STEP,
     expected_experts,
+    is_lookup,
     kv_positions_read,
     prefill_rows,
     touched_weight_bytes,
@@ -66,7 +67,7 @@ def host_traffic_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution:
                 _host_s(ctx, steps * touched_weight_bytes(unit, wl.batch_size) + kv_read))
     if storage == execution:
         return 0.0, 0.0
-    return _host_s(ctx, forwards * unit.weight_bytes), _host_s(ctx, steps * unit.weight_bytes)
+    return _host_s(ctx, forwards * unit.read_bytes), _host_s(ctx, steps * unit.read_bytes)
 
 
 def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str) -> tuple[float, float]:
@@ -81,7 +82,7 @@ def disk_reads_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     if ctx.machine[execution].kind == "cpu":
         read_prefill, read_decode = touched_weight_bytes(unit, prefill_rows(ctx, unit)), touched_weight_bytes(unit, wl.batch_size)
     else:
-        read_prefill = read_decode = unit.weight_bytes
+        read_prefill = read_decode = unit.read_bytes
     return forwards * read_prefill / rate, steps * read_decode / rate
 
 
@@ -96,7 +97,7 @@ def _table(unit: UnitInfo, rows: int) -> tuple[int, int]:
     """(distinct rows of ``rows`` tokens, bytes of a row) of a lookup table: a row is what it outputs per token;
     every token is taken as a distinct row (prompts repeat tokens: an upper bound)."""
     row = max(1, unit.out_bytes_per_token)
-    return min(rows, max(1, unit.weight_bytes // row)), row
+    return min(rows, max(1, unit.read_bytes // row)), row
 
 
 def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: str, rows: int) -> float | None:
@@ -108,12 +109,11 @@ def lookup_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     table whole where that is faster (:func:`asks_whole_table`). A decode step's row costs a small read, not the
     table (a 128k vocabulary: 1 GiB in bf16).
     """
-    if (unit.flops_per_token or unit.param_bytes <= 0 or ctx.machine[storage].kind != "disk"
-            or ctx.machine[execution].kind != "cpu"):
+    if not is_lookup(unit) or ctx.machine[storage].kind != "disk" or ctx.machine[execution].kind != "cpu":
         return None
     rows, row = _table(unit, rows)
-    if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
-        return ctx.machine.random_read_s(1, unit.weight_bytes)
+    if asks_whole_table(ctx.machine, rows, row, unit.read_bytes):
+        return ctx.machine.random_read_s(1, unit.read_bytes)
     return ctx.machine.random_read_s(rows, rows * max(row, PAGE_BYTES))
 
 
@@ -135,7 +135,7 @@ def routed_read_s(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
             or ctx.machine[execution].kind != "cpu" or unit.moe_experts_per_token >= unit.moe_num_experts):
         return None  # every token runs every expert (Llama 4 in transformers): read ahead whole
     hit = _experts_hit(ctx, unit, rows)
-    shared = unit.weight_bytes - unit.moe_expert_bytes
+    shared = unit.read_bytes - unit.moe_expert_bytes
     shared_s = shared / ctx.machine.bandwidth(storage, execution)
     per_expert = _calibrated_expert_s(ctx, unit, storage, execution, shared_s)
     if per_expert is not None:
@@ -177,9 +177,9 @@ def lookup_mapped_bytes(ctx: PricingContext, unit: UnitInfo, storage: str, execu
     if lookup_read_s(ctx, unit, storage, execution, 1) is None:
         return None
     rows, row = _table(unit, max(prefill_rows(ctx, unit), ctx.workload.batch_size))
-    if asks_whole_table(ctx.machine, rows, row, unit.weight_bytes):
-        return unit.weight_bytes
-    return min(unit.weight_bytes, rows * max(row, PAGE_BYTES))
+    if asks_whole_table(ctx.machine, rows, row, unit.read_bytes):
+        return unit.read_bytes
+    return min(unit.read_bytes, rows * max(row, PAGE_BYTES))
 
 
 def unit_io_bytes(graph: LayerGraph, unit: UnitInfo) -> tuple[int, int]:

@@ -40,7 +40,7 @@ def node_attributes(ctx: TraceContext, record: _recorder.Record | None, name: st
                     ) -> dict[str, Any]:
     module = ctx.units[name]
     tensors = unit_tensors(name, module, is_block(ctx, name))
-    param_bytes, buffer_bytes = _owned_bytes(ctx, name, tensors, tied, first_owner)
+    param_bytes, buffer_bytes, tied_bytes = _owned_bytes(ctx, name, tensors, tied, first_owner)
     flops, out_bytes = _per_token(ctx, record, name, tensors)
     attn_flops_per_ctx, kv_elements = attention.of(name)
     in_decode = name not in encoder
@@ -57,6 +57,8 @@ def node_attributes(ctx: TraceContext, record: _recorder.Record | None, name: st
     }
     assert set(attrs) == set(NODE_ATTRIBUTES)
     attrs.update(_load_attributes(ctx, tensors))
+    if tied_bytes:
+        attrs["tied_param_bytes"] = int(tied_bytes)
     if has_cache and attrs["kv_bytes_per_token"]:
         attrs.update(_cache_attributes(name, attention, decode_line))
     if has_cache and any(expansion := attention.expansion(name)):
@@ -89,17 +91,19 @@ def _load_attributes(ctx: TraceContext, tensors: Iterable[tuple[str, torch.Tenso
 
 
 def _owned_bytes(ctx: TraceContext, name: str, tensors: Iterable[tuple[str, torch.Tensor, bool]],
-                 tied: list[tuple[str, ...]], first_owner: dict[str, str]) -> tuple[int, int]:
-    """(parameter bytes, buffer bytes) unit ``name`` stores: a tied parameter counts once, at its first owner."""
-    param_bytes = buffer_bytes = 0
+                 tied: list[tuple[str, ...]], first_owner: dict[str, str]) -> tuple[int, int, int]:
+    """(parameter bytes, buffer bytes) unit ``name`` stores, and the bytes of the tied parameters it uses that
+    another unit stores: a tied parameter is stored once, at its first owner."""
+    param_bytes = buffer_bytes = tied_bytes = 0
     for qname, tensor, is_param in tensors:
         size = tensor_bytes(tensor, ctx.override)
-        if is_param:
-            if first_owner.get(tie_key(qname, tied)) == name:
-                param_bytes += size
-        else:
+        if not is_param:
             buffer_bytes += size
-    return param_bytes, buffer_bytes
+        elif first_owner.get(tie_key(qname, tied)) == name:
+            param_bytes += size
+        else:
+            tied_bytes += size
+    return param_bytes, buffer_bytes, tied_bytes
 
 
 def _per_token(ctx: TraceContext, record: _recorder.Record | None, name: str,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 __all__ = ["UnitInfo", "NODE_ATTRIBUTES", "MEASURED_NODE_ATTRIBUTES", "SUBLAYER_NODE_ATTRIBUTES",
            "WINDOW_NODE_ATTRIBUTES", "LATENT_NODE_ATTRIBUTES", "CPU_ATTENTION_NODE_ATTRIBUTES",
            "DECODE_NODE_ATTRIBUTES", "OPS_NODE_ATTRIBUTES", "MODULE_NODE_ATTRIBUTES", "LOAD_NODE_ATTRIBUTES",
-           "OPTIONAL_NODE_ATTRIBUTES"]
+           "TIED_NODE_ATTRIBUTES", "OPTIONAL_NODE_ATTRIBUTES"]
 
 #: Every node carries exactly these attributes, with these types.
 NODE_ATTRIBUTES: dict[str, type] = {
@@ -77,10 +77,16 @@ MODULE_NODE_ATTRIBUTES: dict[str, type] = {"layer": str}
 #: holds at once; from disk it copies each parameter out of its file's map, whose pages it holds meanwhile.
 LOAD_NODE_ATTRIBUTES: dict[str, type] = {"largest_module_bytes": int, "largest_load_bytes": int}
 
+#: Attribute of a unit that computes with parameters another unit stores (a tied LM head multiplies by the
+#: embedding matrix): their bytes. They count once, in the storing unit's ``param_bytes``; this unit reads them
+#: at every forward, and copies them where it streams, as if they were its own.
+TIED_NODE_ATTRIBUTES: dict[str, type] = {"tied_param_bytes": int}
+
 #: Every attribute a node may carry beside :data:`NODE_ATTRIBUTES`, with its type.
 OPTIONAL_NODE_ATTRIBUTES = {**MEASURED_NODE_ATTRIBUTES, **SUBLAYER_NODE_ATTRIBUTES, **WINDOW_NODE_ATTRIBUTES,
                             **LATENT_NODE_ATTRIBUTES, **CPU_ATTENTION_NODE_ATTRIBUTES, **DECODE_NODE_ATTRIBUTES,
-                            **OPS_NODE_ATTRIBUTES, **MODULE_NODE_ATTRIBUTES, **LOAD_NODE_ATTRIBUTES}
+                            **OPS_NODE_ATTRIBUTES, **MODULE_NODE_ATTRIBUTES, **LOAD_NODE_ATTRIBUTES,
+                            **TIED_NODE_ATTRIBUTES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +157,8 @@ class UnitInfo:
     """The most bytes accelerate holds while it loads one of the unit's modules from disk: the copies of the
     module's parameters made so far and the file map of the one it copies, both that parameter's size, at the
     worst moment (the maps are let go once each copy is made). None: not traced."""
+    tied_param_bytes: int = 0
+    """Bytes of the parameters the unit computes with that another unit stores (:data:`TIED_NODE_ATTRIBUTES`)."""
 
     @property
     def host_span(self) -> str | None:
@@ -166,6 +174,12 @@ class UnitInfo:
     def weight_bytes(self) -> int:
         """Parameters plus buffers: what must be stored somewhere."""
         return self.param_bytes + self.buffer_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        """What the unit's forward needs at hand: its own weights and the tied ones another unit stores. What a
+        dense forward reads, and what streaming the unit copies."""
+        return self.weight_bytes + self.tied_param_bytes
 
     @property
     def is_moe(self) -> bool:

@@ -69,6 +69,9 @@ the unit's modules holds itself, and ``largest_load_bytes``, the most held while
 files' maps; what accelerate's hooks, which load each module's own parameters before its forward, hold of an
 offloaded unit at once.
 
+Counted by the trace for a unit that computes with parameters another unit stores (a tied LM head):
+``tied_param_bytes``, their bytes, which the unit reads at every forward and copies where it streams (absent: 0).
+
 Measured for traced ``"sublayer"`` graphs only (``meta.granularity``), whose units away from the home
 device receive their inputs from it: ``in_bytes_per_token``, the bytes per token of the distinct tensors
 the unit reads from other units.
