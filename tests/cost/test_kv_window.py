@@ -40,12 +40,42 @@ def test_the_positions_decode_steps_read_are_each_steps_context_capped_at_the_wi
 
 @given(batch=st.integers(1, 8), prompt=st.integers(1, 600), new=st.integers(0, 300),
        window=st.one_of(st.none(), st.integers(1, 700)))
-def test_a_layers_kv_cache_holds_its_window_at_most(batch, prompt, new, window) -> None:
+def test_a_layers_kv_cache_holds_its_window_or_the_prompt_at_most(batch, prompt, new, window) -> None:
     workload = Workload(batch_size=batch, prompt_len=prompt, new_tokens=new)
     held = _cpu_option(_graph(window), workload).kv_cache_bytes
     whole = _cpu_option(_graph(None), workload).kv_cache_bytes
     assert whole == KV * batch * workload.context_len
-    assert held == KV * batch * (workload.context_len if window is None else min(workload.context_len, window))
+    # the prompt's keys stay allocated under the window's view of them until the first decode step
+    tokens = workload.context_len if window is None else max(min(workload.context_len, window), prompt)
+    assert held == KV * batch * tokens
+
+
+def _storage_tokens(cache, per_token: int) -> list[int]:
+    return [layer.keys.untyped_storage().nbytes() // per_token for layer in cache.layers]
+
+
+@pytest.mark.parametrize(("prompt", "window"), [(200, 16), (40, 64), (64, 64)])
+def test_the_tokens_priced_are_the_tokens_transformers_cache_keeps_allocated(prompt: int, window: int) -> None:
+    """Measured on a tiny random Mistral: the storage under each layer's keys after the prefill and after a
+    decode step, against ``UnitInfo.kv_tokens_held``'s peak and ``kv_tokens``' steady state."""
+    import torch
+
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        sliding_window=window)
+    unit = trace(config, dtype="float32").unit("model.layers.0")
+    assert unit.kv_window_tokens is not None
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, prompt))
+    per_token = 2 * 16 * 4  # key heads x head_dim x float32 bytes: the keys alone
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        after_prefill = _storage_tokens(cache, per_token)
+        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+        after_step = _storage_tokens(cache, per_token)
+    assert after_prefill == [unit.kv_tokens_held(prompt, prompt)] * 2
+    assert max(after_prefill + after_step) == unit.kv_tokens_held(prompt, prompt + 1)
+    assert after_step == [unit.kv_tokens(prompt + 1)] * 2
 
 
 def test_a_decode_past_the_window_costs_what_a_step_at_the_window_does() -> None:

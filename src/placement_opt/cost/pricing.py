@@ -231,7 +231,8 @@ def price_option(ctx: PricingContext, unit: UnitInfo, storage: str, execution: s
     prefill += trip_prefill
     decode += trip_decode
     train = unit_training_bytes(unit, wl, ctx.graph.meta.dtype)
-    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.context_len)
+    kv = 0 if wl.training else unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens_held(wl.prompt_len,
+                                                                                              wl.context_len)
     return OptionPrice(
         storage=storage, execution=execution, mode=mode, prefill_s=prefill, decode_s=decode,
         weights_bytes=unit.weight_bytes,
@@ -317,13 +318,16 @@ def _price_phased(ctx: PricingContext, unit: UnitInfo, storage: str, execution: 
     wl = ctx.workload
     prefill = price_option(ctx, unit, storage, gpu, "stream")
     decode = price_option(ctx, unit, storage, execution, "resident" if storage == execution else "stream")
-    prompt_kv = unit.kv_bytes_per_token * wl.batch_size * unit.kv_tokens(wl.prompt_len)
-    move_s = (prompt_kv / ctx.machine.bandwidth(gpu, execution) + ctx.machine.latency_s(gpu, execution)
-              if prompt_kv else 0.0)
+    # the GPU holds the prompt's cache whole (a window's view of it: UnitInfo.kv_tokens_held); the move copies
+    # the window, which the decode device then keeps
+    per_token = unit.kv_bytes_per_token * wl.batch_size
+    prompt_kv, moved_kv = per_token * wl.prompt_len, per_token * unit.kv_tokens(wl.prompt_len)
+    move_s = (moved_kv / ctx.machine.bandwidth(gpu, execution) + ctx.machine.latency_s(gpu, execution)
+              if moved_kv else 0.0)
     return OptionPrice(
         storage=storage, execution=execution, mode="phased", prefill_s=prefill.prefill_s + move_s,
         decode_s=decode.decode_s, weights_bytes=unit.weight_bytes, stored_other_bytes=0,
-        kv_cache_bytes=decode.kv_cache_bytes, resident_other_bytes=0,
+        kv_cache_bytes=per_token * unit.kv_tokens(wl.context_len), resident_other_bytes=0,
         workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=False, phase="decode"),
         stream_buffer_bytes=decode.stream_buffer_bytes, prefill_execution=gpu,
         prefill_workspace_bytes=workspace_bytes(unit, wl, ctx.graph.meta, on_gpu=True, phase="prefill"),

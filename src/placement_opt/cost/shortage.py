@@ -156,7 +156,8 @@ def _what_takes_space(least: list[int], resident: list[int], graph: LayerGraph, 
     """The weights' and the KV cache's totals, the bigger one first: the reason :func:`shortage_message` gives
     for a capacity short in total."""
     # a training step keeps no KV cache, and its weights come with their gradients and optimizer states
-    kv = 0 if workload.training else sum(u.kv_bytes_per_token * u.kv_tokens(workload.context_len)
+    kv = 0 if workload.training else sum(u.kv_bytes_per_token * u.kv_tokens_held(workload.prompt_len,
+                                                                                 workload.context_len)
                                          for u in graph.units()) * workload.batch_size
     weights = sum(least) - sum(resident)
     kv_why = f"the KV cache for batch {workload.batch_size} x {workload.context_len} tokens alone is {format_bytes(kv)}"

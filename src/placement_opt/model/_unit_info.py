@@ -170,6 +170,14 @@ class UnitInfo:
         """Tokens per sequence the unit's KV cache holds at ``context`` tokens."""
         return context if self.kv_window_tokens is None else min(context, self.kv_window_tokens)
 
+    def kv_tokens_held(self, prompt_len: int, context: int) -> int:
+        """Tokens per sequence of memory the unit's KV cache takes at its peak, over a run from a prompt of
+        ``prompt_len`` tokens to ``context``. A sliding-window layer of transformers' ``DynamicCache`` keeps
+        its window as a view of the prompt's keys and values, so the whole prompt stays allocated until the
+        first decode step replaces it (checked on transformers 5.24: a 200-token prompt, window 16, holds
+        200 tokens' storage after the prefill, 16 after one step)."""
+        return max(self.kv_tokens(context), min(prompt_len, context))
+
     @property
     def weight_bytes(self) -> int:
         """Parameters plus buffers: what must be stored somewhere."""
