@@ -201,15 +201,18 @@ def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:
     pairs = [(a, b) for a in compute for b in compute if a != b]
     times = 2 if wl.training else 1
     specs = []
-    priced: dict[tuple[int, bool], tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
+    priced: dict[tuple[int, bool, int], tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
     decodes = {u.name: u.in_decode for u in ctx.graph.units()}  # graph.unit() builds a UnitInfo per call
+    # generate() hands the logits unit the last position of each sequence only: its input crosses for those rows
+    last_logits = ctx.graph.meta.extra.get("logits_unit") if wl.logits_kept == "last" else None
     for src, dst, bpt in ctx.graph.edges():
         in_decode = decodes[src] and decodes[dst]
-        if (bpt, in_decode) not in priced:  # edges of equal size cost the same: price each size once
+        rows = wl.batch_size if dst == last_logits else wl.batch_size * wl.prompt_len
+        if (bpt, in_decode, rows) not in priced:  # edges of equal size cost the same: price each size once
             steps = wl.decode_steps if in_decode else 0
-            priced[bpt, in_decode] = ({p: edge_ns(ctx, *p, bpt, wl.batch_size * wl.prompt_len, times) for p in pairs},
-                                      {p: edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
-        prefill, decode = priced[bpt, in_decode]
+            priced[bpt, in_decode, rows] = ({p: edge_ns(ctx, *p, bpt, rows, times) for p in pairs},
+                                            {p: edge_ns(ctx, *p, bpt, wl.batch_size, steps) for p in pairs})
+        prefill, decode = priced[bpt, in_decode, rows]
         specs.append(EdgeSpec(src=src, dst=dst, prefill_ns=prefill, decode_ns=decode))
     return tuple(specs) + _in_turn(ctx.graph.names(), specs)
 

@@ -133,11 +133,7 @@ class PricingContext:
             return measured if measured is not None else prefill_roofline_s(self, unit, device)
         line = measured_decode_line(self, unit, device)
         lines = [line] if line is not None else decode_roofline_lines(self, unit, device)
-        middle = self.workload.decode_steps // 2
-        if (growing := growing_steps(unit, self.workload)) is not None:
-            # a sliding layer's steps stop growing at its window: the uncapped middle step priced its kernels past
-            # any step's, hid the host's time behind them, and a longer generation decoded cheaper a step
-            middle = min(middle, max(growing, 0))
+        middle = _mean_step(self.workload.decode_steps, growing_steps(unit, self.workload))
         return max(a + b * middle for a, b in lines)
 
     @functools.cached_property
@@ -208,3 +204,17 @@ def home_device(machine: Machine) -> str | None:
 def op_overhead_s(device: Device) -> float:
     """Host seconds per torch op on ``device``: its profile's figure, else :data:`OP_OVERHEAD_S` of its kind."""
     return device.op_overhead_s if device.op_overhead_s is not None else OP_OVERHEAD_S[device.kind]
+
+
+def _mean_step(steps: int, growing: int | None) -> float:
+    """The mean over a decode's steps ``t = 0 .. steps - 1`` of ``min(t, growing)`` (None: never capped): the
+    step whose kernels stand for every step's when the host's time is set against them.
+
+    The mean, not the middle step: the decode sums the steps' kernels (:func:`~.kernels.sum_capped_lines`), so
+    where the host's time is longer, kernels plus exposed host time are the host's time whatever the kernels. The
+    middle step ``steps // 2`` lay past the mean, and a bigger batch (steeper kernel growth) decoded cheaper. A
+    sliding layer's steps stop growing at its window (``growing``)."""
+    if steps <= 1:
+        return 0.0
+    cap = steps - 1 if growing is None else max(0, min(growing, steps - 1))
+    return (cap * (cap + 1) / 2 + (steps - 1 - cap) * cap) / steps
