@@ -967,3 +967,36 @@ def test_a_plan_counting_the_weights_in_a_narrower_dtype_is_refused_and_the_mode
         if "Norm" in type(module).__name__:
             module.float()
     dispatch(narrow, plan).remove()
+
+
+def _open_and_mapped(folder) -> tuple[set[str], set[str]]:
+    """Files under ``folder`` this process holds open, and those it has mapped."""
+    root = str(folder)
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if root in line}
+    return {f for f in fds if f.startswith(root)}, mapped
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to list open and mapped files")
+def test_remove_lets_go_of_the_offload_files_while_the_handle_lives(tmp_path):
+    """remove() kept every disk unit's file open and mapped until the handle itself was collected."""
+    model = tiny("llama")
+    handle = dispatch(model, plan_from(model, mixed), offload_dir=tmp_path, disk_reads="mmap")
+    with torch.no_grad():
+        handle(**inputs_for(model))
+    held, mapped = _open_and_mapped(tmp_path)
+    assert mapped, "the dispatched model computes from mapped offload files"
+    handle.remove()
+    import gc
+
+    gc.collect()
+    assert _open_and_mapped(tmp_path) == (set(), set()), (held, mapped)
+    with torch.no_grad():
+        model(**inputs_for(model))  # the restored weights are ordinary memory
+    assert handle.unit_kinds()  # the handle still answers

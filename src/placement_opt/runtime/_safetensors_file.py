@@ -207,6 +207,13 @@ class SafetensorsFile:
             os.close(self._fd)
             self._fd = None
 
+    def let_go(self) -> None:
+        """Close the descriptor and drop this object's hold on the map: the map goes once no tensor views it
+        (a tensor still viewing it keeps it, so nothing is unmapped under a weight). A later read maps again."""
+        with self._fd_lock:
+            self.close()
+        self._array = self._map = None
+
     def __del__(self) -> None:
         try:
             self.close()

@@ -192,9 +192,21 @@ class DispatchedModel:
         self._remove_foreign_hooks()  # first: they wrap our forwards and put them back when removed
         failures = self._undo.unwind()
         self._removed = True
+        self._let_go_of_files()
         if failures:
             raise DispatchError(f"remove() could not undo {len(failures)} change(s) of dispatch: {'; '.join(failures)}")
         return self.model
+
+    def _let_go_of_files(self) -> None:
+        """The disk units' descriptors closed, and the units' views of their maps dropped: a handle kept after
+        remove() held every offload file open and mapped until it was collected. A map goes once no tensor views
+        it (a model from load() keeps its weights there)."""
+        for unit in self._units:
+            for file, _ in unit.disk:
+                file.let_go()
+            unit.disk.clear()
+            unit.slots.clear()
+            unit.uses.clear()
 
     def _remove_foreign_hooks(self) -> None:
         """Drop accelerate hooks that transformers added while we ran (generate() on encoders)."""
