@@ -213,6 +213,14 @@ def test_explain_refuses_a_file_that_is_not_a_plan(tmp_path):
     assert "schema version 99" in result.output
 
 
+def test_the_command_alone_prints_its_help_not_an_error():
+    """``placement-opt`` with no arguments printed ``Error: Usage: ...``, the help as one error line."""
+    result = run_cli(catch_exceptions=True)
+    assert result.exit_code == 2  # click's code for a missing command
+    assert result.output.startswith("Usage: placement-opt [OPTIONS] COMMAND") and "Error" not in result.output
+    assert "Commands:" in result.output
+
+
 @pytest.mark.parametrize("argv", [["--version"], ["-h"]])
 def test_top_level_flags(argv):
     result = run(*argv)

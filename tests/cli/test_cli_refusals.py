@@ -149,3 +149,17 @@ def test_compare_where_no_strategy_fits_exits_1(tiny_config):
     assert result.exit_code == 1, result.output
     assert "no strategy produced a plan that fits" in " ".join(result.output.split())
     assert run_cli("compare", str(tiny_config), "-d", MACHINE).exit_code == 0
+
+
+@pytest.mark.parametrize("command", [("plan", "{model}", "-d", MACHINE, "--json", ""),
+                                     ("plan", "{model}", "-d", MACHINE, "--plot", " "),
+                                     ("compare", "{model}", "-d", MACHINE, "--json", ""),
+                                     ("explain", "{plan}", "--plot", "")])
+def test_an_empty_output_path_is_refused(tiny_config, tmp_path, command):
+    """``--json ''`` (a shell variable left unset) was accepted and wrote nothing, with exit code 0."""
+    plan = tmp_path / "plan.json"
+    if "{plan}" in command:
+        assert run_cli("plan", str(tiny_config), "-d", MACHINE, "--json", str(plan)).exit_code == 0
+    args = [a.format(model=tiny_config, plan=plan) for a in command]
+    said = _one_line(run_cli(*args, catch_exceptions=True), 2)
+    assert "an empty path writes nothing" in said and ("--json" in said or "--plot" in said)

@@ -354,15 +354,24 @@ def require_devices(devices: str | None) -> str:
 
 
 def check_output_folder(path: str | None, option: str) -> None:
-    """Refuse an output file in a folder that does not exist, before any work is done."""
+    """Refuse an empty output path (a shell variable left unset wrote nothing, silently), and an output file in a
+    folder that does not exist, before any work is done."""
+    _check_not_empty(path, option)
     if path and path != "-" and not (folder := Path(path).expanduser().resolve().parent).is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
         raise click.BadParameter(f"{path!r}: folder {str(Path(path).parent)!r} {what}, or give a path in an "
                                  f"existing folder", param_hint=option)
 
 
+def _check_not_empty(path: str | None, option: str) -> None:
+    if path is not None and not path.strip():
+        raise click.BadParameter("an empty path writes nothing: give a file name, or leave the option out",
+                                 param_hint=option)
+
+
 def check_plot_suffix(path: str | None) -> None:
     """Refuse a ``--plot`` path of another format, or holding a file placement_opt did not draw (never drawn over)."""
+    _check_not_empty(path, "--plot")
     if path and Path(path).suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise click.BadParameter(f"{path!r}: use a .png, .svg or .html file name", param_hint="--plot")
     if path and (why := foreign_picture(Path(path).expanduser())) is not None:
