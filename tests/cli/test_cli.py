@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import replace
 
+import click
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -283,6 +284,15 @@ def test_profile_quick_writes_a_profile_that_devices_accepts(tmp_path, monkeypat
     assert named["cpu"].flops_per_s == resolve_devices("auto", dtype="float32")["cpu"].flops_per_s == data[
         "measurements"]["cpu"]["matmul_flops_per_s"]["float32"]
     assert resolve_devices(str(out), dtype="bfloat16")["cpu"].flops_per_s == data["machine"]["devices"][0]["flops_per_s"]
+    # a hand-edited measurement is named with its file, not shown as a bare KeyError ('matvec_bytes_per_s')
+    for edit, said in ((lambda m: m.pop("matvec_bytes_per_s"), "no 'matvec_bytes_per_s'"),
+                       (lambda m: m["matvec_bytes_per_s"].update(float32="fast"), "TypeError")):
+        broken = json.loads(json.dumps(data))
+        edit(broken["measurements"]["cpu"])
+        out.write_text(json.dumps(broken))
+        with pytest.raises(click.BadParameter, match=rf"machine.json' holds a malformed measurement \(.*{said}"):
+            resolve_devices(str(out), dtype="float32")
+    out.write_text(json.dumps(data))
     assert "float32 figures (float16 not measured)" in resolve_devices(str(out), dtype="float16")["cpu"].source
 
 

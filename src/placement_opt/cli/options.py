@@ -226,7 +226,13 @@ def _machine_from_file(path: Path, dtype: str = "float16") -> Machine:
     # a profile's machine is priced with the unit times calibrated into that file (profile --out PATH --model M),
     # and at the speeds it measured for the model's dtype, as --devices auto reads them from the same file: its
     # machine snapshot holds the dtype profiled last (a float32 plan was priced at bfloat16's rate, 2x fast)
-    return Machine(_in_dtype(machine.devices, whole, dtype), machine.links, path.resolve())
+    try:
+        devices = _in_dtype(machine.devices, whole, dtype)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a hand-edited or cut measurement
+        what = f"no {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise click.BadParameter(f"{str(path)!r} holds a malformed measurement ({what}): measure again with "
+                                 f"'placement-opt profile --out {path}'", param_hint="--devices") from None
+    return Machine(devices, machine.links, path.resolve())
 
 
 def _in_dtype(devices: Any, profile: dict[str, Any], dtype: str) -> list[Any]:
