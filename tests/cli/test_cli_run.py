@@ -208,6 +208,13 @@ def test_run_of_a_plan_refuses_the_options_that_shape_a_solve(checkpoint, tmp_pa
         out = run_cli("run", str(path), "-d", "cpu=1GB", *plan, *given, catch_exceptions=True)
         text = " ".join(out.output.split())
         assert out.exit_code == 2 and said in text and "leave --plan out to solve a plan with" in text, text
+    # --dtype other than the plan's was refused by load() in its own argument's words: "dtype='bfloat16', but"
+    from placement_opt import Plan
+
+    dtype = "bfloat16" if Plan.from_json(str(tmp_path / "plan.json")).dtype != "bfloat16" else "float16"
+    out = run_cli("run", str(path), "-d", "cpu=1GB", *plan, "--dtype", dtype, catch_exceptions=True)
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2 and f"Error: --dtype {dtype}, but the plan in" in text and "leave --dtype out" in text, text
 
 
 def test_run_of_a_plan_runs_its_workload_unless_told_otherwise(checkpoint, tmp_path):

@@ -116,6 +116,7 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
     pins = parse_pins(pin)
     _check_counts(new_tokens, repeats, given_new_tokens)
     _check_plan_options(plan_path, granularity, expert_groups, pins)
+    _check_plan_dtype(saved, plan_path, dtype)
     check_expert_groups(expert_groups, granularity)
     fixed = _fix_threshold(console) if fix_threshold else False
     with errors_as_messages():
@@ -403,6 +404,15 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
             if hint in str(exc):
                 raise click.UsageError(one_line(exc).replace(hint, ours)) from None
         raise
+
+
+def _check_plan_dtype(plan: Plan | None, plan_path: str | None, dtype: str | None) -> None:
+    """Before anything loads: ``--dtype`` other than the one ``--plan`` was priced in (load() said it as
+    ``dtype='bfloat16'``, in its own argument's words)."""
+    if plan is not None and dtype is not None and dtype != plan.dtype:
+        raise click.UsageError(f"--dtype {dtype}, but the plan in {plan_path} was priced for {plan.dtype} (its memory "
+                               f"and times): leave --dtype out to run in {plan.dtype}, or solve a plan for {dtype} "
+                               f"with 'placement-opt plan CHECKPOINT --dtype {dtype} --json PATH'")
 
 
 def _check_plan_devices(plan: Plan | None, machine: Any) -> None:
