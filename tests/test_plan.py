@@ -405,3 +405,23 @@ def test_a_training_plans_summary_adds_up_and_claims_no_generated_tokens():
     assert "grads + optimizer" in text and format_bytes(memory.other_bytes) in text
     assert "new tokens" not in text and "a training step of batch 2 x 16 tokens" in text
     assert f"{32 / plan.cost.total_s:.2f} trained on" in text
+
+
+def test_explain_says_a_kv_cache_moves_only_for_phased_units_that_have_one():
+    """explain() said "their KV cache moves to cpu" of phased expert units, which cache nothing."""
+    from _plans import report_plan
+
+    base = report_plan(n_layers=4)
+
+    def phased(kv_bytes: int) -> Plan:
+        names = {"layers.1", "layers.2"}
+        placements = tuple(replace(p, storage="cpu", execution="cpu", mode="phased", prefill_execution="cuda:0")
+                           if p.unit in names else p for p in base.placements)
+        units = tuple(replace(u, storage="cpu", execution="cpu", mode="phased", prefill_execution="cuda:0",
+                              resident_bytes=kv_bytes) if u.name in names else u for u in base.cost.units)
+        return replace(base, placements=placements, cost=replace(base.cost, units=units))
+
+    with_cache, without = phased(2**20).explain(), phased(0).explain()
+    assert "layers.1 .. layers.2 (2 units): weights stay on cpu" in with_cache
+    assert "their KV cache moves to cpu once, after the prompt" in with_cache
+    assert "layers.1 .. layers.2 (2 units): weights stay on cpu" in without and "KV cache moves" not in without

@@ -264,14 +264,18 @@ class Plan:
         c = self.cost
         lines = []
         free = {m.device: m.free_bytes for m in c.memory}
+        resident = {u.name: u.resident_bytes for u in c.units}
         for units, storage, execution, mode in self.runs():
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)} units)"
             if mode.startswith("phased"):
                 gpu = mode.removeprefix("phased (prefill on ").rstrip(")")
+                # experts and MLPs cache nothing: a KV move said of them sent readers looking for one
+                cache = (f"; their KV cache moves to {execution} once, after the prompt"
+                         if any(resident.get(u, 0) for u in units) else "")
                 lines.append(f"- {span}: weights stay on {storage}; the prompt streams them to {gpu}, which "
                              f"computes many tokens at once far faster, and each decode step computes them on "
                              f"{execution}, which reads them in place faster than {gpu} could receive them "
-                             f"({_full(gpu, free)}); their KV cache moves to {execution} once, after the prompt.")
+                             f"({_full(gpu, free)}){cache}.")
             elif storage != execution:
                 how = "streamed synchronously" if mode == "stream_sync" else "streamed"
                 lines.append(f"- {span}: weights stay on {storage} and are {how} to {execution} at every forward, "
