@@ -159,8 +159,7 @@ def test_a_header_longer_than_the_file_is_refused_without_reading_it(tmp_path):
 
 @pytest.mark.parametrize("entry, problem", [
     ({"dtype": "F32", "shape": [2]}, "KeyError"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4096]}, "outside the file"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "outside the file"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "are no range"),
     ("F32", "TypeError"),
 ])
 def test_a_malformed_header_is_a_dispatch_error_naming_the_file(tmp_path, entry, problem):

@@ -277,7 +277,7 @@ def _read_header(path: Path) -> dict[str, TensorSpan]:
             raise
         raise DispatchError(f"{path} is not a readable safetensors file ({exc}): re-save the weights") from exc
     try:
-        return _spans(header, 8 + length, size_bytes)
+        return _spans(header, 8 + length)
     except DispatchError as exc:
         raise DispatchError(f"{path}:{exc}") from None
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -285,7 +285,7 @@ def _read_header(path: Path) -> dict[str, TensorSpan]:
                             f"re-save or re-download the weights") from None
 
 
-def _spans(header: dict[str, Any], base: int, size_bytes: int) -> dict[str, TensorSpan]:
+def _spans(header: dict[str, Any], base: int) -> dict[str, TensorSpan]:
     spans = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -294,8 +294,8 @@ def _spans(header: dict[str, Any], base: int, size_bytes: int) -> dict[str, Tens
             raise DispatchError(f"{key} has dtype {info['dtype']}, which placement_opt cannot map; "
                                 f"known: {', '.join(DTYPES)}")
         start, end = (int(offset) for offset in info["data_offsets"])
-        if not 0 <= start <= end <= size_bytes - base:
-            raise ValueError(f"{key}'s bytes [{start}, {end}) lie outside the file's {size_bytes - base} data bytes")
+        if not 0 <= start <= end:  # past the file's end is a truncated file: the reader says so with its size
+            raise ValueError(f"{key}'s bytes [{start}, {end}) are no range")
         spans[key] = TensorSpan(dtype=DTYPES[info["dtype"]], shape=tuple(info["shape"]),
                                 offset_bytes=base + start, nbytes=end - start)
     return spans
