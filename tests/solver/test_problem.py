@@ -88,12 +88,24 @@ def test_problems_the_solver_would_misread_are_refused_whole():
                                                       decode_ns={}),),
                          devices=(cpu, cpu, DeviceSpec(name="t", kind="tpu", capacity_bytes=-1)),
                          tied_groups=((),), pins={"a": "cuda:7"})
-    for said in ("transfer price below 0 ([-5])", "a tied group is empty", "device cpu is named 2 times",
+    for said in ("transfer price below 0 or above 2**60 ([-5])", "a tied group is empty", "device cpu is named 2 times",
                  "device t is of kind 'tpu'", "device t has capacity_bytes -1, below 0",
                  "pin of a names unknown device cuda:7"):
         assert said in str(err.value), said
     with pytest.raises(SolverInputError, match="the problem has no unit"):
         PlacementProblem(units=(), edges=(), devices=(cpu,))
+
+
+def test_a_price_past_the_solvers_integers_is_refused_when_built():
+    """A price of 2**63 ns reached CP-SAT and failed there with an OR-Tools TypeError."""
+    with pytest.raises(SolverInputError, match=r"decode_ns is 9223372036854775808, must be between 0 and 2\*\*60"):
+        _opt("cpu", "cpu", 1, 2**63)
+    opt = _opt("cpu", "cpu", 1, 1)
+    with pytest.raises(SolverInputError, match=r"transfer price below 0 or above 2\*\*60 \(\[4611686018427387904\]\)"):
+        PlacementProblem(units=(UnitSpec(name="a", options=(opt,)), UnitSpec(name="b", options=(opt,))),
+                         edges=(EdgeSpec(src="a", dst="b", prefill_ns={}, decode_ns={("cpu", "x"): 2**62}),),
+                         devices=(DeviceSpec(name="cpu", kind="cpu", capacity_bytes=1),))
+    assert _opt("cpu", "cpu", 1, 2**60).decode_ns == 2**60  # the largest accepted
 
 
 @pytest.mark.parametrize("kwargs", [{"time_limit_s": float("nan")}, {"memory_slack": float("inf")},

@@ -101,9 +101,9 @@ def price_problem(graph: LayerGraph, machine: Machine, workload: Workload, modes
             phased = _two_phases(u, ctx)
             priced[key] = [price_option(ctx, u, s, e, m, p) for s, e, m, p in menu if phased or m != "phased"]
         parts.append(priced[key])
+    _check_limits(parts, workload)  # before the options, which refuse a price past the solver's integers alone
     options = {id(row): tuple(to_option(p) for p in row) for row in priced.values()}  # once per distinct row
     specs = tuple(UnitSpec(name=u.name, options=options[id(row)]) for u, row in zip(units, parts, strict=True))
-    _check_limits(specs, workload)
     problem = PlacementProblem(
         units=specs, edges=_edges(ctx), devices=_devices(machine), tied_groups=graph.meta.tied_unit_groups,
         pins=_with_glue(resolve_pins(pins or {}, graph, machine), graph, ctx.home), contiguous=contiguous,
@@ -162,17 +162,23 @@ def _two_phases(unit: UnitInfo, ctx: PricingContext) -> bool:
     return unit.in_decode and ctx.workload.prompt_len > 1 and not last_only
 
 
-def _check_limits(specs: Iterable[UnitSpec], workload: Workload) -> None:
+def _check_limits(rows: Iterable[Sequence[OptionPrice]], workload: Workload) -> None:
     """Refuse a problem whose worst totals would overflow the solver's integers, before CP-SAT sees it."""
-    specs = list(specs)
-    worst_ns = sum(max(o.prefill_ns + o.decode_ns for o in u.options) for u in specs)
-    worst_bytes = sum(max(o.stored_bytes + o.resident_bytes + o.peak_bytes for o in u.options) for u in specs)
+    rows = list(rows)
+    worst_ns = sum(max(p.prefill_s + p.decode_s for p in row) for row in rows) * NS_PER_S
+    worst_bytes = sum(max(_option_bytes(p) for p in row) for row in rows)
     if worst_ns > MAX_SOLVER_INT or worst_bytes > MAX_SOLVER_INT:
         what = (f"{worst_ns / NS_PER_S:.3g} s" if worst_ns > MAX_SOLVER_INT else f"{worst_bytes:.3g} bytes")
         raise WorkloadError(
             f"the workload (batch {workload.batch_size}, prompt {workload.prompt_len}, {workload.new_tokens} new "
             f"tokens) costs up to {what} on this machine, beyond the solver's range (totals up to 2**60 ns, "
             f"about 36 years, and 2**60 bytes): reduce the batch or the context, or check the device speeds")
+
+
+def _option_bytes(p: OptionPrice) -> int:
+    """What :func:`~.pricing.to_option` makes the option's stored, resident and peak bytes together."""
+    return (p.weights_bytes + p.stored_other_bytes + p.kv_cache_bytes + p.resident_other_bytes + p.workspace_bytes
+            + p.stream_buffer_bytes)
 
 
 def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
@@ -185,7 +191,8 @@ def _price_key(unit: UnitInfo, logits_unit: str | None) -> tuple[Any, ...]:
             unit.scores_workspace_bytes_per_token_ctx, unit.kv_window_tokens, unit.latent_expand_flops_per_ctx,
             unit.latent_expand_bytes_per_ctx, unit.latent_expand_cpu_bytes_per_ctx, unit.cpu_attention_bytes_per_token,
             unit.cpu_attention_bytes_per_token_ctx, unit.decode_workspace_bytes, unit.decode_workspace_bytes_per_ctx,
-            unit.ops_per_forward, unit.name == logits_unit)
+            unit.ops_per_forward, unit.tied_param_bytes, unit.largest_module_bytes, unit.largest_load_bytes,
+            unit.name == logits_unit)
 
 
 def _edges(ctx: PricingContext) -> tuple[EdgeSpec, ...]:

@@ -22,6 +22,10 @@ __all__ = ["check_option", "check_problem"]
 #: The kinds of device a problem may hold (:class:`~.specs.DeviceSpec`).
 DEVICE_KINDS = ("gpu", "cpu", "disk")
 
+#: The largest price or size one option, edge or device may carry: CP-SAT's integers are 64-bit, and the model
+#: sums and multiplies them (``cost.build`` refuses workloads whose totals would pass it, in its own words).
+MAX_VALUE = 2**60
+
 
 def check_option(option: PlacementOption, modes: Sequence[str], group_buffers: int) -> None:
     """Raise unless ``option`` is well formed: a mode of ``modes``, a prefill device and background copies only
@@ -39,16 +43,18 @@ def check_option(option: PlacementOption, modes: Sequence[str], group_buffers: i
                                f"phased option copies in the background (copy_*_ns must be 0)")
     if option.group_copy_bytes:
         _check_group_copy(option, group_buffers)
-    if min(option.prefill_ns, option.decode_ns, option.stored_bytes, option.resident_bytes, option.peak_bytes,
-           option.prefill_peak_bytes, option.copy_prefill_ns, option.copy_decode_ns, option.host_prefill_ns,
-           option.host_decode_ns, option.disk_prefill_ns, option.disk_decode_ns) >= 0:
+    values = (option.prefill_ns, option.decode_ns, option.stored_bytes, option.resident_bytes, option.peak_bytes,
+              option.prefill_peak_bytes, option.copy_prefill_ns, option.copy_decode_ns, option.host_prefill_ns,
+              option.host_decode_ns, option.disk_prefill_ns, option.disk_decode_ns)
+    if min(values) >= 0 and max(values) <= MAX_VALUE:
         return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
     for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
                 "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
                 "disk_decode_ns"):
-        if getattr(option, key) < 0:
+        if not 0 <= getattr(option, key) <= MAX_VALUE:
             raise SolverInputError(f"option {option.storage}->{option.execution}: {key} is "
-                                   f"{getattr(option, key)}, must be >= 0")
+                                   f"{getattr(option, key)}, must be between 0 and 2**60 (the solver's integers "
+                                   f"are 64-bit): check the prices' units")
 
 
 def _check_group_copy(option: PlacementOption, group_buffers: int) -> None:
@@ -75,8 +81,8 @@ def check_problem(problem: PlacementProblem) -> None:
                  for u in problem.menu_units for o in u.options
                  if o.storage not in devices or o.execution not in devices
                  or (o.prefill_execution or o.execution) not in devices]
-    problems += [f"edge {e.src}->{e.dst} has a transfer price below 0 ({few_prices})" for e in problem.edges
-                 if (few_prices := [v for v in (*e.prefill_ns.values(), *e.decode_ns.values()) if v < 0])]
+    problems += [f"edge {e.src}->{e.dst} has a transfer price below 0 or above 2**60 ({bad})" for e in problem.edges
+                 if (bad := [v for v in (*e.prefill_ns.values(), *e.decode_ns.values()) if not 0 <= v <= MAX_VALUE])]
     problems += [f"tied group names unknown unit {n}" for g in problem.tied_groups for n in g
                  if n not in known]
     problems += ["a tied group is empty" for g in problem.tied_groups if not g]
