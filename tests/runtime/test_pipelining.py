@@ -90,3 +90,18 @@ def test_a_plan_of_a_smaller_model_is_refused_on_a_larger_one(tmp_path) -> None:
         with pytest.raises(DispatchError, match=r"parameter\(s\) of this model are in no stage of the plan "
                                                 r"\(model.layers.2.*the plan was made for another model"):
             stage_module(source, plan, 0)
+
+
+def test_a_stage_read_from_a_checkpoint_keeps_tied_weights_one_parameter(tmp_path) -> None:
+    """A one-stage plan of a tied model read from its checkpoint gave lm_head and embed_tokens a Parameter each over
+    one tensor: an optimizer stepped the shared weights twice, with two gradients, not their sum."""
+    model = _llama(tie=True)
+    model.save_pretrained(tmp_path)
+    plan = plan_pipeline(model, "(cpu*1)", Workload(batch_size=1, prompt_len=8, training=True), schedule="gpipe")
+    stage = stage_module(tmp_path, plan, 0)
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    head, embed = (next(p for n, p in params.items() if n.endswith(k)) for k in ("lm_head.weight",
+                                                                                 "embed_tokens.weight"))
+    assert head is embed
+    assert len(list(stage.parameters())) == len(list(model.parameters()))  # what the model itself counts
+    torch.testing.assert_close(embed, model.model.embed_tokens.weight, rtol=0, atol=0)

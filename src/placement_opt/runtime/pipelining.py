@@ -190,11 +190,12 @@ def _load_stage(model: nn.Module, units: tuple[str, ...], root: Path, device: to
         data = torch.empty(file.spans[name].shape, dtype=file.spans[name].dtype)
         file.read_into(name, data)
         data = data.to(device=device, dtype=slot.tensor.dtype)
-        for full in slot.names:
+        param = nn.Parameter(data, requires_grad=slot.tensor.requires_grad)
+        for full in slot.names:  # tied names share the one Parameter, as the model had them (one gradient)
             owner_name, _, attr = full.rpartition(".")
             owner = model.get_submodule(owner_name)
             if attr in owner._parameters:
-                owner._parameters[attr] = nn.Parameter(data, requires_grad=slot.tensor.requires_grad)
+                owner._parameters[attr] = param
             else:
                 owner._buffers[attr] = data
 
