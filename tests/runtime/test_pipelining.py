@@ -105,3 +105,21 @@ def test_a_stage_read_from_a_checkpoint_keeps_tied_weights_one_parameter(tmp_pat
     assert head is embed
     assert len(list(stage.parameters())) == len(list(model.parameters()))  # what the model itself counts
     torch.testing.assert_close(embed, model.model.embed_tokens.weight, rtol=0, atol=0)
+
+
+def test_stages_of_a_mixtral_checkpoint_read_its_experts_as_from_pretrained_fuses_them(tmp_path) -> None:
+    """save_pretrained writes each expert's w1/w2/w3 apart and the router as block_sparse_moe.gate; a stage read
+    from it failed with "has no tensor model.layers.0.mlp.gate.weight"."""
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    plan = plan_pipeline(model, "(cpu*2)", Workload(batch_size=1, prompt_len=8), schedule="gpipe")
+    ids = torch.randint(0, 128, (1, 8))
+    x = ids
+    with torch.no_grad():
+        for k in range(2):
+            x = stage_module(tmp_path, plan, k)(x)
+        torch.testing.assert_close(x, model(ids).logits, rtol=0, atol=0)

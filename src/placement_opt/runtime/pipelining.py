@@ -30,7 +30,14 @@ from torch import nn
 
 from ..distributed.pipeline_plan import PipelinePlan
 from ..errors import DispatchError
-from .checkpoint import checkpoint_files, checkpoint_index, collect_slots, meta_model
+from ._conversion import Converted, conversions
+from .checkpoint import (
+    checkpoint_files,
+    checkpoint_index,
+    collect_slots,
+    meta_model,
+    needs_conversion,
+)
 
 __all__ = ["pipeline", "PipelineRun", "DecoderStage", "stage_module"]
 
@@ -176,19 +183,23 @@ def _check_units(model: nn.Module, units: tuple[str, ...], plan: PipelinePlan) -
 
 
 def _load_stage(model: nn.Module, units: tuple[str, ...], root: Path, device: torch.device) -> None:
-    index = checkpoint_index(checkpoint_files(root))
+    index, converted = _stage_sources(model, root)
     for slot in collect_slots(model):
         if not any(_covered(n, units) for n in slot.names):
             continue
         key = next((n for n in slot.names if n in index), None)
-        if key is None:
+        built = next((converted[n] for n in slot.names if n in converted), None) if key is None else None
+        if key is None and built is None:
             if not slot.tensor.is_meta:
                 continue  # a buffer computed at init (rotary tables), not in checkpoints
             raise DispatchError(f"checkpoint {root} has no tensor {slot.names[0]}: save the model with "
                                 f"save_pretrained and plan with the same model")
-        file, name = index[key]
-        data = torch.empty(file.spans[name].shape, dtype=file.spans[name].dtype)
-        file.read_into(name, data)
+        if built is not None:  # fused from the checkpoint's tensors as from_pretrained fuses them (Mixtral's experts)
+            data = built.build(model)
+        else:
+            file, name = index[key]
+            data = torch.empty(file.spans[name].shape, dtype=file.spans[name].dtype)
+            file.read_into(name, data)
         data = data.to(device=device, dtype=slot.tensor.dtype)
         param = nn.Parameter(data, requires_grad=slot.tensor.requires_grad)
         for full in slot.names:  # tied names share the one Parameter, as the model had them (one gradient)
@@ -198,6 +209,20 @@ def _load_stage(model: nn.Module, units: tuple[str, ...], root: Path, device: to
                 owner._parameters[attr] = param
             else:
                 owner._buffers[attr] = data
+
+
+def _stage_sources(model: nn.Module, root: Path) -> tuple[dict[str, Any], dict[str, Converted]]:
+    """The checkpoint's tensors under the model's names, and the weights transformers builds from several of them
+    at load (:func:`~._conversion.conversions`); a layout it converts that cannot be read here is refused."""
+    index = checkpoint_index(checkpoint_files(root))
+    if not needs_conversion(model, index):
+        return index, {}
+    found = conversions(model, index)
+    if found is None or needs_conversion(model, {**index, **found[0], **found[1]}):
+        raise DispatchError(f"checkpoint {root} stores weights in a layout transformers converts at load, which this "
+                            f"transformers' mapping does not let placement_opt read tensor by tensor: pass the model "
+                            f"itself (from_pretrained, real weights) to stage_module/pipeline")
+    return {**index, **found[0]}, found[1]
 
 
 def _tied_across(model: nn.Module, plan: PipelinePlan, stage_index: int) -> bool:
