@@ -934,10 +934,10 @@ def test_a_copy_waits_for_the_streamed_forwards_that_ended_before_it_started(mon
     streamer.finished(gpu)
     streamer.finished(gpu)
     streamer.finished(torch.device("cpu"))
-    ended = list(streamer.ended)
+    ended = list(streamer.ended[gpu])
     streamer.start(first)
     streamer.finished(gpu)
-    later = list(streamer.ended)
+    later = list(streamer.ended[gpu])
     streamer.start(second)
     streamer.start(third)
     streamer.pool.shutdown(wait=True)
@@ -945,7 +945,43 @@ def test_a_copy_waits_for_the_streamed_forwards_that_ended_before_it_started(mon
     assert len(ended) == 2 and len(later) == 1
     for _ in range(MAX_ENDED + 5):
         streamer.finished(gpu)
-    assert len(streamer.ended) == MAX_ENDED
+    assert len(streamer.ended[gpu]) == MAX_ENDED
+    assert set(streamer.ended) == {gpu}  # a CPU forward marks nothing
+
+
+def test_a_copy_to_one_gpu_waits_for_that_gpus_forwards_only(monkeypatch):
+    """One list of ended forwards served every GPU: a copy to cuda:1 waited for cuda:0's forwards, and cuda:1's
+    many forwards pushed cuda:0's out of the list, so a copy to cuda:0 allocated before its memory was free."""
+    from types import SimpleNamespace
+
+    from placement_opt.runtime._streamer import MAX_ENDED, Streamer
+
+    class Event:
+        def __init__(self) -> None:
+            self.device = None
+
+        def record(self, stream) -> None:
+            self.device = stream
+
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: device)  # the event knows its GPU
+    streamer = Streamer()
+    copies = []
+    monkeypatch.setattr(streamer, "_copy", lambda unit, side, after=(): copies.append((unit, list(after))) or ([], None))
+    zero, one = torch.device("cuda:0"), torch.device("cuda:1")
+    streamer.finished(zero)
+    for _ in range(MAX_ENDED + 3):
+        streamer.finished(one)
+    to_zero, to_one = SimpleNamespace(disk=[], streams_to=zero), SimpleNamespace(disk=[], streams_to=one)
+    streamer.start(to_zero)
+    streamer.start(to_one)
+    streamer.pool.shutdown(wait=True)
+    (_, after_zero), (_, after_one) = copies
+    assert [e.device for e in after_zero] == [zero]
+    assert len(after_one) == MAX_ENDED and {e.device for e in after_one} == {one}
 
 
 def test_a_plan_counting_the_weights_in_a_narrower_dtype_is_refused_and_the_model_left_alone():

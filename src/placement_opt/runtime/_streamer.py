@@ -102,8 +102,9 @@ class Streamer:
         self.releasing: list[Future[None]] = []
         self.asking: list[Future[None]] = []
         """Read-aheads asked for in the background (:meth:`read_ahead`), waited for by :meth:`settle`."""
-        self.ended: list[Any] = []
-        """CUDA events of streamed forwards that ended since the last copy started (:meth:`finished`)."""
+        self.ended: dict[torch.device, list[Any]] = {}
+        """Per GPU, CUDA events of streamed forwards that ended there since the last copy to it started
+        (:meth:`finished`): a copy waits for its own GPU's forwards only, which free the memory it takes."""
         self.ended_lock = threading.Lock()
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -124,13 +125,13 @@ class Streamer:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         with self.ended_lock:
-            # events on one stream end in order, so the latest ones stand for those dropped before them
-            self.ended = [*self.ended[-(MAX_ENDED - 1):], event]
+            # events on one stream end in order, so the latest ones stand for those dropped before them (one list
+            # per GPU: another GPU's events, interleaved, dropped this one's and made its copies wait for them)
+            self.ended[device] = [*self.ended.get(device, [])[-(MAX_ENDED - 1):], event]
 
-    def _ended_so_far(self) -> list[Any]:
+    def _ended_so_far(self, device: torch.device) -> list[Any]:
         with self.ended_lock:
-            ended, self.ended = self.ended, []
-        return ended
+            return self.ended.pop(device, [])
 
     def _copy(self, unit: DispatchUnit, side: bool, after: Sequence[Any] = ()) -> tuple[list[torch.Tensor], Any]:
         """Copy every stored tensor of ``unit`` to the device it streams to (on a side stream if asked), once the
@@ -164,7 +165,7 @@ class Streamer:
         """
         if id(unit) not in self.inflight and (unit.disk or unit.streams_to.type == "cuda"):
             cuda = unit.streams_to.type == "cuda"
-            after = self._ended_so_far() if cuda else []  # the group before the one starting this copy
+            after = self._ended_so_far(unit.streams_to) if cuda else []  # the group before the one starting this copy
             self.inflight[id(unit)] = (unit, self._pool().submit(self._copy, unit, cuda, after))
 
     def take(self, unit: DispatchUnit) -> list[torch.Tensor]:
