@@ -111,7 +111,7 @@ def test_a_seconds_per_op_out_of_range_is_refused_with_what_to_give(bad: float) 
 
 def test_a_host_bound_decode_never_gets_cheaper_with_a_bigger_batch():
     """Llama-2-7B on an H100, 128 new tokens: the host's time was set against the kernels of step 64, past the
-    steps' mean, and a decode of 128 steps cost 2.53665 s at batch 1, 2.53557 s at batch 32."""
+    steps' mean, and a decode of 128 steps cost 2.53665 s at batch 1, 2.53567 s at batch 32."""
     from placement_opt.cost.evaluate import evaluate
 
     graph = trace("llama-2-7b")
