@@ -35,9 +35,14 @@ def _swap(name: str | None, a: str, b: str) -> str | None:
 def identical_devices(problem: PlacementProblem) -> list[list[str]]:
     """Classes (2+ devices each, in ``problem.devices`` order) whose members are interchangeable."""
     pinned = set(problem.pins.values())
-    # Traced graphs repeat a few menus and a few edge prices many times: each distinct one is checked once.
+    sizes = [(d.kind, d.capacity_bytes) for d in problem.devices if d.name not in pinned]
+    if len(set(sizes)) == len(sizes):  # no two devices of one kind and size: none can be swapped (most machines)
+        return []
+    # Traced graphs repeat a few menus and a few edge prices many times: each distinct one is checked once (the
+    # edges of one size share their price maps: those are told apart by identity before by content)
     menus = list({_frozen(m): m for m in (_menu(u.options) for u in problem.menu_units)}.values())
-    prices = list({tuple(sorted(c.items())): c for e in problem.edges for c in (e.prefill_ns, e.decode_ns)}.values())
+    shared = {id(c): c for e in problem.edges for c in (e.prefill_ns, e.decode_ns)}
+    prices = list({tuple(sorted(c.items())): c for c in shared.values()}.values())
     classes: list[list[str]] = []
     for d in problem.devices:
         if d.name in pinned:
