@@ -216,6 +216,33 @@ def test_a_workload_beside_a_plan_holding_more_than_it_counted_is_warned_of_befo
     assert {what for what in ("in the KV cache", "prompt tokens") if what in message} == set(warned), message
 
 
+def test_a_workload_warned_of_by_load_is_not_warned_of_again_by_its_calls(gpt2_checkpoint):
+    """load() warned of the workload beside its plan, then the first call of that workload warned again in other
+    words; a call past that workload is still warned of."""
+    import placement_opt
+
+    plan = placement_opt.solve(str(gpt2_checkpoint), "cpu=1GB", workload=Workload(batch_size=1, prompt_len=8,
+                                                                                    new_tokens=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = load(gpt2_checkpoint, None, plan=plan, workload=Workload(batch_size=2, prompt_len=16, new_tokens=4))
+    try:
+        assert len([w for w in caught if "beside the plan" in str(w.message)]) == 1
+        ids = torch.randint(0, 100, (2, 16))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                handle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert not [str(w.message) for w in caught if "this call" in str(w.message)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                handle(torch.cat([ids, ids]))  # 4 sequences: past the workload load() named too
+        assert [str(w.message) for w in caught if "this call" in str(w.message)]
+    finally:
+        handle.remove()
+
+
 def test_a_vision_towers_patch_positions_are_not_the_text_models_limit():
     """LLaVA's CLIP tower holds 577 learned patch positions and its Llama text model none (rotary): load() and run
     refused a 1024-token prompt as past '577 learned positions (model.vision_tower.embeddings.position_embedding)'."""

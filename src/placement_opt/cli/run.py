@@ -9,6 +9,7 @@ length unless ``--text`` is given and the checkpoint has a tokenizer.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,8 +134,11 @@ def run(checkpoint: str, devices: str | None, batch: int | None, prompt: int | N
             # again: devices the profile had not measured are now, and only measured devices take calibrations
             machine = _machine(checkpoint, devices, dtype, offload_dir)
         _check_positions(checkpoint, ids.shape[1], new_tokens)
-        handle = _loaded(checkpoint, machine, workload, dtype, saved, offload_dir, granularity, pins,
-                         expert_groups)
+        _warn_past_plan(saved, plan_path, workload)
+        with warnings.catch_warnings():  # said above in the CLI's words (load()'s names its arguments)
+            warnings.filterwarnings("ignore", message="the workload given beside the plan", category=UserWarning)
+            handle = _loaded(checkpoint, machine, workload, dtype, saved, offload_dir, granularity, pins,
+                             expert_groups)
         before = _run_measured.cpu_clock()
         with progress(f"Generating {new_tokens} tokens for batch {batch} x prompt {ids.shape[1]} ..."):
             timing = _run_measured.time_generation(handle, ids, new_tokens, handle.drop_disk_cache if cold else None, repeats, mask)
@@ -404,6 +408,23 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
             if hint in str(exc):
                 raise click.UsageError(one_line(exc).replace(hint, ours)) from None
         raise
+
+
+def _warn_past_plan(plan: Plan | None, plan_path: str | None, workload: Any) -> None:
+    """One line, before loading, where this run's workload holds more KV cache or computes more tokens at once than
+    ``--plan`` counted memory for (load() and the dispatched model said it twice, in the library's words)."""
+    from ..runtime._phases import past_plan
+
+    if plan is None:
+        return
+    ran, priced = workload, plan.workload
+    past = past_plan((ran.batch_size, ran.context_len, ran.prompt_len),
+                     (priced.batch_size, priced.prompt_len, priced.context_len), "prompt tokens")
+    if past:
+        warnings.warn(f"this run {' and '.join(past)}: its KV cache and activations take more memory than the plan "
+                      f"in {plan_path} counted, and may not fit; leave --plan out to solve a plan for this run, or "
+                      f"leave --batch, --prompt and --new-tokens out to run the plan's own workload", UserWarning,
+                      stacklevel=2)
 
 
 def _check_plan_dtype(plan: Plan | None, plan_path: str | None, dtype: str | None) -> None:

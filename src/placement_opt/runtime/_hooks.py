@@ -82,13 +82,15 @@ def _first_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.devic
 
 def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streamer,
                    move_inputs: bool | None, hooked: dict[nn.Module, tuple[bool, Any]],
-                   home: str | None = None, planned: tuple[int, int, int] | None = None) -> None:
+                   home: str | None = None, planned: tuple[int, int, int] | None = None,
+                   told: tuple[int, int, int] | None = None) -> None:
     """Wrap the forwards that need it; ``move_inputs=None``: when units execute on several devices.
 
     ``home`` (sublayer plans): the model's inputs go there, and a unit computing elsewhere hands its
     outputs back to its caller's device, so the glue between units (residual adds, routing) always
     runs on ``home``. ``planned``: the (batch, prompt, context) the plan's memory was counted for; a call
-    past them is warned of, once (:func:`_watching`).
+    past them is warned of, once (:func:`_watching`), unless it stays within ``told``, the workload load() warned of
+    before reading.
 
     Each wrapped module is entered in ``hooked`` (module -> had its own forward, that forward) before
     its forward is replaced, so :func:`restore_forwards` undoes a partial installation too.
@@ -114,7 +116,7 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
         if any(u.kind in ("stream", "phased") for u in units):  # copies that outlive a call
             entry = _renewing(entry, streamer)
         if planned is not None:
-            entry = _watching(entry, *planned)
+            entry = _watching(entry, *planned, told=told)
         _wrap(model, entry, hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
@@ -208,7 +210,8 @@ def _renewing(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., An
     return functools.wraps(entry)(renewing)
 
 
-def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) -> Callable[..., Any]:
+def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int,
+              told: tuple[int, int, int] | None = None) -> Callable[..., Any]:
     """The model's forward warning once of a call past what the plan counted memory for: more tokens in the KV
     cache than ``batch x context`` (it grows with both), or more computed at once than ``batch x prompt`` (the
     activations). The plan's fit says nothing of such a call: one for 1 x 24 tokens run at 2 x 300 is an OOM the
@@ -220,7 +223,7 @@ def _watching(entry: Callable[..., Any], batch: int, prompt: int, context: int) 
         extent = None if said else call_extent(args, kwargs)
         if extent is not None:
             past = past_plan(extent, (batch, prompt, context))
-            if past:
+            if past and (told is None or past_plan(extent, told)):  # not said again of the workload load() named
                 said = True
                 warnings.warn(
                     f"this call {' and '.join(past)}: its KV cache and activations take more memory than the plan "

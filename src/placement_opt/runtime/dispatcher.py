@@ -222,7 +222,8 @@ class DispatchedModel:
 # ---------------------------------------------------------------------------------------------
 def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: str | os.PathLike[str] | None = None,
              disk_reads: str = "mmap", _disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None = None,
-             _restore: bool = True, _hook_every_unit: bool = False) -> DispatchedModel:
+             _restore: bool = True, _hook_every_unit: bool = False,
+             _told: tuple[int, int, int] | None = None) -> DispatchedModel:
     """Apply ``plan`` to ``model``: weights where the plan stores them, compute where it executes.
 
     Example::
@@ -288,7 +289,8 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
         raise DispatchError(f"dispatch() takes a Plan or a device_map dict, not {type(plan).__name__}")
     log = UndoLog()
     try:
-        return _dispatch(model, plan, log, offload_dir, disk_reads, _disk_sources, _restore, _hook_every_unit)
+        return _dispatch(model, plan, log, offload_dir, disk_reads, _disk_sources, _restore, _hook_every_unit,
+                         _told)
     except BaseException as exc:
         failures = log.unwind()
         if failures:
@@ -308,8 +310,9 @@ def dispatch(model: nn.Module, plan: Plan | Mapping[str, Any], *, offload_dir: s
 
 def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk_reads: str,
               disk_sources: Mapping[str, tuple[SafetensorsFile, str]] | None, restore: bool,
-              hook_every_unit: bool) -> DispatchedModel:
-    """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made."""
+              hook_every_unit: bool, told: tuple[int, int, int] | None = None) -> DispatchedModel:
+    """The steps of :func:`dispatch`; each change is entered in ``log`` before it is made. ``told``: the (batch,
+    prompt, context) of a workload load() warned of already (its calls are not warned of again)."""
     check_model(model, plan)  # first: a dispatched model's experts are cut already, for its own plan
     log.doing = "cutting the experts into groups"
     log.push("expert groups", split_experts(model, group_counts(p.unit for p in plan.placements)))
@@ -337,7 +340,8 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
     log.doing = "hooking the reads of routed experts and looked-up rows"
     log.push("routed expert reads", read_routed_experts(model, units))
     log.push("looked-up row reads", read_looked_up_rows(units, plan.machine))
-    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan))
+    hooked_modules, hf_hooked = _wrap_forwards(model, units, streamer, hook_every_unit, log, home, _planned(plan),
+                                               told)
     # Experts kernels follow each unit's execution device, not model.device (issue 14).
     log.doing = "pinning the experts kernels"
     log.push("experts configs", pin_experts_to_devices(model, {u.name: u.execution for u in units}, main))
@@ -350,14 +354,14 @@ def _dispatch(model: nn.Module, plan: Plan, log: UndoLog, offload_dir: Any, disk
 
 
 def _wrap_forwards(model: nn.Module, units: list[DispatchUnit], streamer: Streamer, hook_every_unit: bool,
-                   log: UndoLog, home: str | None = None, planned: tuple[int, int, int] | None = None
-                   ) -> tuple[dict[nn.Module, Any], set[int]]:
+                   log: UndoLog, home: str | None = None, planned: tuple[int, int, int] | None = None,
+                   told: tuple[int, int, int] | None = None) -> tuple[dict[nn.Module, Any], set[int]]:
     """Install the forward wrappers; (the modules wrapped, ids of modules that carried accelerate hooks)."""
     log.doing = "wrapping the forwards"
     hf_hooked = {id(m) for m in model.modules() if hasattr(m, "_hf_hook")}
     hooked: dict[nn.Module, tuple[bool, Any]] = {}
     log.push("forwards", lambda: restore_forwards(hooked))
-    install_hooks(model, units, streamer, hook_every_unit or None, hooked, home, planned)
+    install_hooks(model, units, streamer, hook_every_unit or None, hooked, home, planned, told)
     return dict(hooked), hf_hooked
 
 

@@ -136,7 +136,7 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         if needs_conversion(model, sources):
             found = conversions(model, sources)
             if found is None or needs_conversion(model, {**sources, **found[0], **found[1]}):
-                return _load_converted(root, model, plan, offload_dir)
+                return _load_converted(root, model, plan, offload_dir, _told(given, workload))
             sources = {**sources, **found[0]}
             converted = found[1]
         disk_sources = materialize(model, plan, sources, offload_dir, converted=converted, progress=progress,
@@ -144,7 +144,8 @@ def load(model_id_or_path: str | os.PathLike[str], devices: Any, *, objective: s
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         model.eval()
-        return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False)
+        return dispatch(model, plan, offload_dir=offload_dir, _disk_sources=disk_sources, _restore=False,
+                        _told=_told(given, workload))
     except BaseException as exc:
         _on_failure(exc, root, offload_dir, sources, model, plan)
         raise
@@ -211,6 +212,14 @@ def _warn_past_plan(plan: Plan, workload: Any) -> None:
         warnings.warn(f"the workload given beside the plan {' and '.join(past)}: its KV cache and activations take "
                       f"more memory than the plan counted, and may not fit; leave plan out to solve one for this "
                       f"workload, or run the plan's own", UserWarning, stacklevel=3)
+
+
+def _told(given: bool, workload: Any) -> tuple[int, int, int] | None:
+    """The (batch, prompt, context) of a workload given beside a plan: :func:`_warn_past_plan` has said what it
+    holds past the plan, so the dispatched model's calls within it are not warned of again, in other words."""
+    if not given or not isinstance(workload, Workload):
+        return None
+    return workload.batch_size, workload.prompt_len, workload.context_len
 
 
 def _given_plan(plan: Any) -> Plan | None:
@@ -320,7 +329,8 @@ def _solve(model: nn.Module, devices: Any, time_limit_s: float | None, **options
     return plan
 
 
-def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any) -> DispatchedModel:
+def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: Any,
+                    told: tuple[int, int, int] | None = None) -> DispatchedModel:
     """Checkpoints in a layout transformers converts at load time and :func:`~._conversion.conversions` cannot
     read (its mapping changed, or it does not cover every weight): transformers reads and converts them into
     RAM, then the plan is applied (disk units are written once to ``offload_dir``)."""
@@ -336,4 +346,4 @@ def _load_converted(root: Path, skeleton: nn.Module, plan: Plan, offload_dir: An
                             f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}: transformers would start "
                             f"them at random; is the directory a complete checkpoint of this architecture (save or "
                             f"download it again)?")
-    return dispatch(model.eval(), plan, offload_dir=offload_dir, _restore=False)
+    return dispatch(model.eval(), plan, offload_dir=offload_dir, _restore=False, _told=told)
