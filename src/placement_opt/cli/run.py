@@ -413,13 +413,11 @@ def _loaded(checkpoint: str, machine: Any, workload: Any, dtype: str | None, pla
 def _warn_past_plan(plan: Plan | None, plan_path: str | None, workload: Any) -> None:
     """One line, before loading, where this run's workload holds more KV cache or computes more tokens at once than
     ``--plan`` counted memory for (load() and the dispatched model said it twice, in the library's words)."""
-    from ..runtime._phases import past_plan
+    from ..runtime._phases import workload_past_plan
 
     if plan is None:
         return
-    ran, priced = workload, plan.workload
-    past = past_plan((ran.batch_size, ran.context_len, ran.prompt_len),
-                     (priced.batch_size, priced.prompt_len, priced.context_len), "prompt tokens")
+    past = workload_past_plan(workload, plan.workload)
     if past:
         warnings.warn(f"this run {' and '.join(past)}: its KV cache and activations take more memory than the plan "
                       f"in {plan_path} counted, and may not fit; leave --plan out to solve a plan for this run, or "

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import DispatchError
 from ..hardware.host_copy import to_host
 
-__all__ = ["CallPhase", "attention_layers", "call_extent", "past_plan", "call_tokens", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
+__all__ = ["CallPhase", "attention_layers", "call_extent", "past_plan", "workload_past_plan", "call_tokens", "call_is_prefill", "call_starts_sequence", "unit_is_prefill", "move_cache_layers"]
 
 # The names transformers gives the KV cache argument (5.24 on: cache; 5.x before: past_key_values; older
 # layers: the others).
@@ -123,6 +123,13 @@ def past_plan(extent: tuple[int, int, int], planned: tuple[int, int, int], new: 
     if sequences * fresh > batch * prompt:
         past.append(f"computes {sequences} x {fresh} {new} at once, past the plan's {batch} x {prompt}")
     return past
+
+
+def workload_past_plan(workload: Any, planned: Any) -> list[str]:
+    """:func:`past_plan` of a whole ``workload`` against the workload a plan was priced for (``planned``): its KV cache
+    at the full context, its prompt computed at once."""
+    return past_plan((workload.batch_size, workload.context_len, workload.prompt_len),
+                     (planned.batch_size, planned.prompt_len, planned.context_len), "prompt tokens")
 
 
 def call_is_prefill(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from ..plan import Plan
 from ._conversion import Converted, conversions
 from ._disk_full import disk_bytes, disk_full_error, is_disk_full, plan_disk_slots
 from ._expert_groups import split_experts
-from ._phases import past_plan
+from ._phases import workload_past_plan
 from .checkpoint import (
     OFFLOAD_DIR_HINT,
     checkpoint_files,
@@ -205,9 +205,7 @@ def _warn_past_plan(plan: Plan, workload: Any) -> None:
     such a call when it runs, after the whole checkpoint has been read."""
     if not isinstance(workload, Workload):
         return
-    ran, priced = workload, plan.workload
-    past = past_plan((ran.batch_size, ran.context_len, ran.prompt_len),
-                     (priced.batch_size, priced.prompt_len, priced.context_len), "prompt tokens")
+    past = workload_past_plan(workload, plan.workload)
     if past:
         warnings.warn(f"the workload given beside the plan {' and '.join(past)}: its KV cache and activations take "
                       f"more memory than the plan counted, and may not fit; leave plan out to solve one for this "
