@@ -88,11 +88,6 @@ def _trace(model: str, dtype: str | None, granularity: str = "block", expert_gro
     return graph
 
 
-#: What click (8.2 on) raises for a group called with no arguments: its message is the group's help.
-_NO_ARGS: tuple[type[click.ClickException], ...] = tuple(
-    e for e in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if e is not None)
-
-
 class _Group(click.Group):
     """A click group whose errors are one line on stderr (click's own add a usage preamble)."""
 
@@ -103,7 +98,7 @@ class _Group(click.Group):
         try:
             with _warnings_as_lines():
                 code = super().main(args, prog_name, complete_var, False, **extra)
-        except _NO_ARGS as exc:  # `placement-opt` alone: its help as click prints it, not as an error line
+        except click.exceptions.NoArgsIsHelpError as exc:  # `placement-opt` alone: its help, not an error line
             click.echo(exc.format_message(), err=True)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:

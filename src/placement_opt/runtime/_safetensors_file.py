@@ -272,9 +272,9 @@ def _read_header(path: Path) -> dict[str, TensorSpan]:
                 raise DispatchError(f"{path} is not a safetensors file: its header claims {length} bytes and "
                                     f"the file has {size_bytes}; re-save or re-download the weights")
             header = json.loads(fh.read(length))
+    except DispatchError:
+        raise
     except (OSError, struct.error, ValueError) as exc:
-        if isinstance(exc, DispatchError):
-            raise
         raise DispatchError(f"{path} is not a readable safetensors file ({exc}): re-save the weights") from exc
     try:
         return _spans(header, 8 + length)
