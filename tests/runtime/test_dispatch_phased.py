@@ -235,6 +235,81 @@ def test_generate_with_a_static_cache_or_beams(options, gpu_on_cpu, kv_moves, tm
     handle.remove()
 
 
+@pytest.mark.parametrize("row", [PHASED_CPU, PHASED_DISK, GPU_STREAM, ("disk", "cuda:0", "stream")],
+                         ids=["phased-cpu", "phased-disk", "ram-to-gpu", "disk-to-gpu"])
+def test_a_weight_assigned_through_data_is_computed_with_and_kept(row, gpu_on_cpu, tmp_path):
+    """``param.data = new`` (PEFT's safe LoRA merge, ``Module._apply``) on a unit whose weights are copied for its
+    forward: the copies are made from ``new`` from the next call on, and remove() leaves ``new`` in place. A
+    streamed forward put the stored weights back when it returned, so the assignment was lost unseen."""
+    import copy
+
+    model = tiny("llama")
+    changed = copy.deepcopy(model)
+    handle = dispatch(model, phased_plan(model, lambda i, u: row if u == "model.layers.1" else RESIDENT),
+                      offload_dir=tmp_path)
+    new = torch.randn(model.model.layers[1].mlp.up_proj.weight.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        handle.generate(**prompt(), max_new_tokens=3, **GENERATE)  # a copy of the next step may be under way
+        for m in (model, changed):
+            m.model.layers[1].mlp.up_proj.weight.data = new.clone()
+        expected = changed.generate(**prompt(), max_new_tokens=4, **GENERATE)
+        for _ in range(2):
+            got = handle.generate(**prompt(), max_new_tokens=4, **GENERATE)
+            assert torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=1e-6, atol=1e-6)
+    handle.remove()
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, new)
+
+
+def test_calls_from_two_threads_run_one_at_a_time(gpu_on_cpu, tmp_path):
+    """A streamed forward sets its weights to their copy and back when it returns: thread A returning from the
+    unit while thread B computes in it left B computing from the host-stored weights (a device mismatch on a GPU).
+    Forced here: A waits, inside the unit, for B to enter it (1 s at most); B then waits for A to leave it. Calls
+    run one at a time, so B enters after A has returned."""
+    import threading
+
+    model = tiny("llama")
+    handle = dispatch(model, phased_plan(model, lambda i, u: GPU_STREAM if u == "model.layers.1" else RESIDENT),
+                      offload_dir=tmp_path)
+    layer = model.model.layers[1]
+    stored = {slot.stored.data_ptr() for u in handle._units if u.name == "model.layers.1" for slot in u.uses}
+    b_inside, a_left, host_weights = threading.Event(), threading.Event(), []
+
+    def first_matmul(module, args):
+        if threading.current_thread().name == "B":
+            b_inside.set()
+            a_left.wait(timeout=1)
+            host_weights.append(module.weight.data_ptr() in stored)
+
+    def last_matmul(module, args):
+        if threading.current_thread().name == "A":
+            b_inside.wait(timeout=1)
+
+    hooks = [layer.self_attn.q_proj.register_forward_pre_hook(first_matmul),
+             layer.mlp.down_proj.register_forward_pre_hook(last_matmul),
+             layer.register_forward_hook(lambda m, a, o: a_left.set() if threading.current_thread().name == "A"
+                                         else None)]
+    outputs = {}
+
+    def call(name):
+        with torch.no_grad():
+            outputs[name] = handle(**prompt()).logits
+
+    a = threading.Thread(target=call, args=("A",), name="A")
+    b = threading.Thread(target=call, args=("B",), name="B")
+    a.start()
+    b.start()
+    a.join()
+    b.join()
+    for hook in hooks:
+        hook.remove()
+    assert host_weights == [False]
+    with torch.no_grad():
+        expected = handle(**prompt()).logits
+    assert torch.equal(outputs["A"], expected) and torch.equal(outputs["B"], expected)
+    handle.remove()
+
+
 def test_a_one_token_prompt_never_takes_the_prefill_path(gpu_on_cpu, kv_moves, tmp_path, record_paths):
     model = tiny("llama")
     batch = prompt(1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -100,6 +101,9 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
         move_inputs = len({u.execution for u in units} | {u.prefill for u in units if u.prefill}
                           | ({home_device} if home_device is not None else set())) > 1
     phase = CallPhase()
+    # units whose forwards swap their weights in and out, or share the streamer's copies and page releases, hold
+    # state between the model's forward and theirs: calls from several threads run one at a time
+    lock = threading.RLock() if any(u.kind in ("stream", "phased") or u.disk for u in units) else None
     for unit in units:
         wrapper = _unit_forward(unit, unit.module.forward, streamer, move_inputs, phase)
         if home is not None and _off_home(unit, home):
@@ -117,10 +121,11 @@ def install_hooks(model: nn.Module, units: list[DispatchUnit], streamer: Streame
             entry = _renewing(entry, streamer)
         if planned is not None:
             entry = _watching(entry, *planned, told=told)
-        _wrap(model, entry, hooked)
+        _wrap(model, _one_at_a_time(entry, lock), hooked)
     encoder = _separately_called_encoder(model, units)
     if encoder is not None and encoder not in hooked:
-        _wrap(encoder, _entry_forward(encoder.forward, _first_execution(encoder, model, units, main)), hooked)
+        entry = _entry_forward(encoder.forward, _first_execution(encoder, model, units, main))
+        _wrap(encoder, _one_at_a_time(entry, lock), hooked)
 
 
 def restore_forwards(hooked: dict[nn.Module, tuple[bool, Any]]) -> None:
@@ -196,6 +201,21 @@ def _settling(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., An
             streamer.settle()
 
     return functools.wraps(entry)(settling)
+
+
+def _one_at_a_time(entry: Callable[..., Any], lock: threading.RLock | None) -> Callable[..., Any]:
+    """The model's forward run by one thread at a time (``lock`` None: as it is). A streamed unit's forward sets
+    its weights' ``.data`` to their copy and back: a second thread's forward in the same unit would compute from
+    the host memory (a device mismatch on a GPU), and the phase, the copies in flight and the releases of mapped
+    pages are the whole model's. A thread's nested calls (an encoder called inside ``generate()``) go through."""
+    if lock is None:
+        return entry
+
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return entry(*args, **kwargs)
+
+    return functools.wraps(entry)(one_at_a_time)
 
 
 def _renewing(entry: Callable[..., Any], streamer: Streamer) -> Callable[..., Any]:
@@ -326,6 +346,8 @@ def _streamed_forward(unit: DispatchUnit, forward: Callable[..., Any], streamer:
     in_decode += unit.again  # the only group streaming in a decode: its copies for the next step
 
     def streamed(*args: Any, **kwargs: Any) -> Any:
+        if any(slot.tensor.data_ptr() != slot.stored.data_ptr() for slot in slots):
+            streamer.adopt(slots)  # the caller assigned `.data` since the last forward: copy that, not the old
         weights = streamer.take(unit)
         for other in in_prefill if phase.prefill else in_decode:
             streamer.start(other)

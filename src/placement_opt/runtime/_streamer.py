@@ -209,6 +209,23 @@ class Streamer:
         for unit in units:
             self.start(unit)
 
+    def adopt(self, slots: Sequence[Slot]) -> None:
+        """Make what the caller assigned to streamed weights through ``.data = ...`` since they last computed
+        (PEFT's safe LoRA merge, ``Module._apply``) their stored weights: the copies are made from it, and
+        ``remove()`` leaves it in place. A streamed forward puts the stored weights back when it returns, so
+        without this the assignment would be dropped there, unseen. It stays where the weights were stored (pinned
+        where they were, for their copies to the GPU); copies in flight, made from the weights before, are made
+        again (:meth:`renew`)."""
+        for slot in slots:
+            data = slot.tensor.data
+            if data.data_ptr() == slot.stored.data_ptr():
+                continue
+            stored = data.to(slot.stored.device)
+            if slot.stored.is_pinned() and not stored.is_pinned():
+                stored = stored.pin_memory()
+            slot.stored, slot.foreign = stored, stored.data_ptr() != data.data_ptr()
+        self.renew()
+
     def release(self, unit: DispatchUnit) -> None:
         """Let ``unit``'s mapped pages leave the process in the background, once it has computed from them.
 
