@@ -150,6 +150,7 @@ def assert_restored(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> 
     for key, value in before.items():
         assert after[key].device == value.device, key
         assert torch.equal(after[key], value), key
+        assert after[key].stride() == value.stride(), key  # a transposed buffer comes back transposed
     assert not hasattr(model, "hf_device_map")
     hooked = [n for n, m in model.named_modules() if "forward" in m.__dict__ or hasattr(m, "_hf_hook")]
     assert hooked == []

@@ -88,6 +88,23 @@ def test_mixed_plan_logits_equal_and_remove_restores(family_model, tmp_path, dis
     assert_restored(model, before)
 
 
+@pytest.mark.parametrize("row", [MAPPED, MAPPED_SYNC, ("disk", "cpu", "resident")])
+def test_remove_gives_a_transposed_weight_back_transposed(tmp_path, row):
+    """The offload files hold contiguous tensors: a weight stored transposed (as a tied or converted weight may
+    be) came back from the disk contiguous, equal but laid out otherwise, so the model's reductions over it ran
+    in another order after remove() (logits ~3e-6 apart in float32)."""
+    model = tiny("llama")
+    weight = model.model.layers[1].mlp.up_proj.weight
+    weight.data = weight.data.t().contiguous().t()  # the same values, column-major
+    before = snapshot(model)
+    handle = dispatch(model, plan_from(model, lambda i, u: row if "layers" in u else RESIDENT), offload_dir=tmp_path)
+    with torch.no_grad():
+        handle(**inputs_for(model))
+    handle.remove()
+    assert before["model.layers.1.mlp.up_proj.weight"].stride() == (1, 64)
+    assert_restored(model, before)
+
+
 def _with_cpu_free(plan, free_bytes: int):
     """``plan`` with a cost whose cpu row leaves ``free_bytes`` of a 1 MiB capacity free."""
     capacity = 1 << 20

@@ -89,4 +89,15 @@ def restore_slot(slot: Slot) -> None:
     if slot.original_device.type == "meta":
         return
     if slot.foreign or current.device != slot.original_device:
-        slot.tensor.data = current.to(slot.original_device, copy=True)
+        slot.tensor.data = _copied(current, slot)
+
+
+def _copied(data: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """``data`` copied to ``slot``'s original device, in its original layout where it had one of its own (the
+    offload files hold contiguous tensors): a transposed buffer comes back transposed, and the reductions over it
+    run in the order they ran before dispatch."""
+    layout = slot.original_layout
+    if layout is None or layout[0] != data.shape:
+        return data.to(slot.original_device, copy=True)
+    shape, stride = layout
+    return torch.empty_strided(shape, stride, dtype=data.dtype, device=slot.original_device).copy_(data)

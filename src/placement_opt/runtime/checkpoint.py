@@ -55,6 +55,8 @@ class Slot:
     """The tensor that holds the weights between forwards (pinned host, mmap view, ...)."""
     foreign: bool = False
     """True when ``stored`` is not the original memory (mmap, pinned copy): restore by copying."""
+    original_layout: tuple[torch.Size, tuple[int, ...]] | None = None
+    """Shape and strides of a tensor not laid out contiguously (a transposed buffer), which a copy restores."""
 
 
 def collect_slots(model: nn.Module) -> list[Slot]:
@@ -64,10 +66,21 @@ def collect_slots(model: nn.Module) -> list[Slot]:
     for name, tensor in named:
         slot = by_id.get(id(tensor))
         if slot is None:
-            by_id[id(tensor)] = Slot(names=[name], tensor=tensor, original_device=tensor.device)
+            by_id[id(tensor)] = Slot(names=[name], tensor=tensor, original_device=tensor.device,
+                                     original_layout=_permuted_layout(tensor))
         else:
             slot.names.append(name)
     return list(by_id.values())
+
+
+def _permuted_layout(tensor: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]] | None:
+    """``tensor``'s shape and strides where it is a dense tensor laid out in another order of its dimensions (a
+    transpose), which an empty tensor of those strides can hold; None where it is contiguous, or has gaps or
+    overlaps (an expanded view): a contiguous copy is the best its restore can do."""
+    if tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return (tensor.shape, tensor.stride()) if tensor.permute(order).is_contiguous() else None
 
 
 def needs_conversion(model: nn.Module, sources: Mapping[str, Any]) -> bool:
