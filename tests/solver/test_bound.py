@@ -882,3 +882,39 @@ def test_like_units_of_different_peaks_never_bound_above_brute_force(peaks, gpu,
     if best is None:
         return
     assert bound is not None and bound <= best
+
+
+def test_a_memory_bound_past_2_53_bytes_is_never_above_the_optimum():
+    """CP-SAT gives its bound as a double: 2**54 + 3 bytes came back as 2**54 + 4, one byte above the only plan
+    (all on the GPU: the CPU is 100x slower, past the latency slack)."""
+    size = 2**54 + 3
+    menu = (PlacementOption(storage="gpu", execution="gpu", mode="resident", prefill_ns=1, decode_ns=1,
+                            stored_bytes=size, resident_bytes=0, peak_bytes=0),
+            PlacementOption(storage="cpu", execution="cpu", mode="resident", prefill_ns=100, decode_ns=100,
+                            stored_bytes=1, resident_bytes=0, peak_bytes=0))
+    problem = PlacementProblem(units=(UnitSpec(name="a", options=menu), UnitSpec(name="b", options=menu)),
+                               edges=(EdgeSpec(src="a", dst="b", prefill_ns={}, decode_ns={}),),
+                               devices=(DeviceSpec(name="gpu", kind="gpu", capacity_bytes=2**60),
+                                        DeviceSpec(name="cpu", kind="cpu", capacity_bytes=10)))
+    solution = search.solve_problem(problem, "memory", time_limit_s=2, workers=1)
+    assert solution.objective_value == reference_optimum(problem, "memory") == 2 * size
+    assert solution.best_bound <= 2 * size
+
+
+def test_residency_that_slows_a_dag_is_not_kept():
+    """prefer_resident moves a streamed unit to resident where the unit itself is no slower. Here B's residency
+    starts C's copy window earlier but without B's longer compute beside it: C stalls 10 more on a path (C -> D)
+    that does not pass B. The search's optimum (100, B streamed) was returned as 110."""
+    def option(storage, execution, mode, prefill_ns, copy=0):
+        return PlacementOption(storage=storage, execution=execution, mode=mode, prefill_ns=prefill_ns, decode_ns=0,
+                               copy_prefill_ns=copy, stored_bytes=0, resident_bytes=0, peak_bytes=0)
+    b = UnitSpec(name="B", options=(option("cpu", "gpu", "stream", 10, copy=1), option("gpu", "gpu", "resident", 0)))
+    c = UnitSpec(name="C", options=(option("cpu", "gpu", "stream", 0, copy=10),))
+    d = UnitSpec(name="D", options=(option("cpu", "cpu", "resident", 100),
+                                    dataclasses.replace(option("gpu", "gpu", "resident", 1), stored_bytes=1000)))
+    problem = PlacementProblem(units=(b, c, d), edges=(EdgeSpec(src="C", dst="D", prefill_ns={}, decode_ns={}),),
+                               devices=(DeviceSpec(name="gpu", kind="gpu", capacity_bytes=100),
+                                        DeviceSpec(name="cpu", kind="cpu", capacity_bytes=100)))
+    assert reference_optimum(problem, "latency") == 100
+    solution = search.solve_problem(problem, "latency", time_limit_s=2, workers=1, hint=[0, 0, 1])  # hint: no fit
+    assert solution.objective_value == 100 and solution.best_bound <= 100

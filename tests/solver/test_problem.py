@@ -108,6 +108,23 @@ def test_a_price_past_the_solvers_integers_is_refused_when_built():
     assert _opt("cpu", "cpu", 1, 2**60).decode_ns == 2**60  # the largest accepted
 
 
+def test_a_capacity_or_totals_past_the_solvers_integers_are_refused_when_built():
+    """A capacity of 2**63 failed in OR-Tools with a TypeError; three units of 2**60 each passed every check and
+    CP-SAT called the model invalid, a status outside the solve's documented ones."""
+    big = _opt("gpu", "gpu", 1, 1, stored=2**60)
+    units = tuple(UnitSpec(name=f"u{i}", options=(big,)) for i in range(3))
+    edges = tuple(EdgeSpec(src=a.name, dst=b.name, prefill_ns={}, decode_ns={}) for a, b in itertools.pairwise(units))
+    with pytest.raises(SolverInputError, match=r"capacity_bytes 9223372036854775808, below 0 or above 2\*\*60"):
+        PlacementProblem(units=units[:1], edges=(), devices=(DeviceSpec(name="gpu", kind="gpu", capacity_bytes=2**63),))
+    with pytest.raises(SolverInputError, match=r"adds up to 3458764513820540928, above 2\*\*60"):
+        PlacementProblem(units=units, edges=edges, devices=(DeviceSpec(name="gpu", kind="gpu", capacity_bytes=2**60),))
+    # the largest accepted: one such unit, or units whose figures add up to 2**60
+    half = _opt("gpu", "gpu", 1, 1, stored=2**59)
+    PlacementProblem(units=(UnitSpec(name="a", options=(half,)), UnitSpec(name="b", options=(half,))),
+                     edges=(EdgeSpec(src="a", dst="b", prefill_ns={}, decode_ns={}),),
+                     devices=(DeviceSpec(name="gpu", kind="gpu", capacity_bytes=2**60),))
+
+
 @pytest.mark.parametrize("kwargs", [{"time_limit_s": float("nan")}, {"memory_slack": float("inf")},
                                     {"workers": 1.5}, {"workers": True}, {"hint": [0, 0, 0, 0.5]},
                                     {"hint": [0, 0, 0, True]}])

@@ -43,18 +43,26 @@ def check_option(option: PlacementOption, modes: Sequence[str], group_buffers: i
                                f"phased option copies in the background (copy_*_ns must be 0)")
     if option.group_copy_bytes:
         _check_group_copy(option, group_buffers)
-    values = (option.prefill_ns, option.decode_ns, option.stored_bytes, option.resident_bytes, option.peak_bytes,
-              option.prefill_peak_bytes, option.copy_prefill_ns, option.copy_decode_ns, option.host_prefill_ns,
-              option.host_decode_ns, option.disk_prefill_ns, option.disk_decode_ns)
+    values = _figures(option)
     if min(values) >= 0 and max(values) <= MAX_VALUE:
         return  # the common case, checked at once (pricing a module-level 70B builds 16,000 options)
-    for key in ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
-                "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
-                "disk_decode_ns"):
+    for key in _FIGURES:
         if not 0 <= getattr(option, key) <= MAX_VALUE:
             raise SolverInputError(f"option {option.storage}->{option.execution}: {key} is "
                                    f"{getattr(option, key)}, must be between 0 and 2**60 (the solver's integers "
                                    f"are 64-bit): check the prices' units")
+
+
+#: An option's prices (ns) and sizes (bytes), each at most :data:`MAX_VALUE`.
+_FIGURES = ("prefill_ns", "decode_ns", "stored_bytes", "resident_bytes", "peak_bytes", "prefill_peak_bytes",
+            "copy_prefill_ns", "copy_decode_ns", "host_prefill_ns", "host_decode_ns", "disk_prefill_ns",
+            "disk_decode_ns")
+
+
+def _figures(option: PlacementOption) -> tuple[int, ...]:
+    return (option.prefill_ns, option.decode_ns, option.stored_bytes, option.resident_bytes, option.peak_bytes,
+            option.prefill_peak_bytes, option.copy_prefill_ns, option.copy_decode_ns, option.host_prefill_ns,
+            option.host_decode_ns, option.disk_prefill_ns, option.disk_decode_ns)
 
 
 def _check_group_copy(option: PlacementOption, group_buffers: int) -> None:
@@ -74,6 +82,8 @@ def check_problem(problem: PlacementProblem) -> None:
     devices = {d.name for d in problem.devices}
     problems = [] if names else ["the problem has no unit"]
     problems += _device_problems(problem)
+    edge_problems, edge_total = _edge_prices(problem)
+    problems += _total_problems(problem, edge_total)
     problems += [f"unit {u.name} has no option" for u in problem.units if not u.options]
     problems += [f"edge {e.src}->{e.dst} names an unknown unit" for e in problem.edges
                  if e.src not in known or e.dst not in known]
@@ -81,8 +91,7 @@ def check_problem(problem: PlacementProblem) -> None:
                  for u in problem.menu_units for o in u.options
                  if o.storage not in devices or o.execution not in devices
                  or (o.prefill_execution or o.execution) not in devices]
-    problems += [f"edge {e.src}->{e.dst} has a transfer price below 0 or above 2**60 ({bad})" for e in problem.edges
-                 if (bad := [v for v in (*e.prefill_ns.values(), *e.decode_ns.values()) if not 0 <= v <= MAX_VALUE])]
+    problems += edge_problems
     problems += [f"tied group names unknown unit {n}" for g in problem.tied_groups for n in g
                  if n not in known]
     problems += ["a tied group is empty" for g in problem.tied_groups if not g]
@@ -105,9 +114,41 @@ def _device_problems(problem: PlacementProblem) -> list[str]:
     problems = [f"device {n} is named {names.count(n)} times" for n in sorted(set(names)) if names.count(n) > 1]
     problems += [f"device {d.name} is of kind {d.kind!r}, not one of {', '.join(DEVICE_KINDS)}"
                  for d in problem.devices if d.kind not in DEVICE_KINDS]
-    problems += [f"device {d.name} has capacity_bytes {d.capacity_bytes}, below 0" for d in problem.devices
-                 if d.capacity_bytes < 0]
+    problems += [f"device {d.name} has capacity_bytes {d.capacity_bytes}, below 0 or above 2**60 (the solver's "
+                 f"integers are 64-bit): give at most what its units could use" for d in problem.devices
+                 if not 0 <= d.capacity_bytes <= MAX_VALUE]
     return problems
+
+
+def _edge_prices(problem: PlacementProblem) -> tuple[list[str], int]:
+    """Edges with a price below 0 or above :data:`MAX_VALUE`, and the sum of every edge's largest price."""
+    problems, total = [], 0
+    for e in problem.edges:
+        prices = (*e.prefill_ns.values(), *e.decode_ns.values())
+        if not prices:
+            continue
+        largest = max(prices)
+        if min(prices) < 0 or largest > MAX_VALUE:
+            bad = [v for v in prices if not 0 <= v <= MAX_VALUE]
+            problems.append(f"edge {e.src}->{e.dst} has a transfer price below 0 or above 2**60 ({bad})")
+        total += largest
+    return problems, total
+
+
+def _total_problems(problem: PlacementProblem, edge_total: int) -> list[str]:
+    """A sum the model makes that could pass :data:`MAX_VALUE`: a device's bytes and a path's time add a figure of
+    every unit (and edge), so their largest, added up, must stay within it (CP-SAT refused larger models as
+    invalid, and the solve reported a status outside its documented ones)."""
+    largest: dict[int, int] = {}  # per menu: units of one shape share their options
+    total = edge_total
+    for unit in problem.units:
+        if id(unit.options) not in largest:
+            largest[id(unit.options)] = max((max(_figures(o)) for o in unit.options), default=0)
+        total += largest[id(unit.options)]
+    if total <= MAX_VALUE:
+        return []
+    return [f"the largest price or size of every unit and edge adds up to {total}, above 2**60 (the solver's "
+            f"integers are 64-bit and it sums them): check the prices' units"]
 
 
 def _copy_group_problems(groups: Sequence[Sequence[str]], order: Mapping[str, int],

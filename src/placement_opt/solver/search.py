@@ -455,7 +455,10 @@ def _report(problem: PlacementProblem, objective: str, run: Run, found: Found, s
     choice = found.choice
     hint, hint_ok = start
     if objective != "memory":
-        choice = prefer_resident(problem, choice)
+        resident = prefer_resident(problem, choice)
+        # each move is no slower on its own, but on a DAG it can shift the next stream's copy window: checked whole
+        if problem.objective_value(resident, objective) <= problem.objective_value(choice, objective):
+            choice = resident
     elif hint_ok and not within_cap(problem, choice, latency_cap_ns):
         choice = hint  # the model's cap allows its rounding slack; the plan keeps the exact cap (the hint does)
     value = problem.objective_value(choice, objective)
