@@ -309,6 +309,98 @@ def test_a_malformed_layer_graph_is_a_plan_format_error():
         po.model.graph.LayerGraph.from_json(graph.to_json()[:40])
 
 
+_DEEP = "[" * 200_000 + "]" * 200_000  # json raises RecursionError reading it
+_HUGE_NUMBER = '{"schema_version": ' + "9" * 5000 + "}"  # int() refuses more than 4,300 digits: a plain ValueError
+
+
+@pytest.mark.parametrize("text", [_DEEP, _HUGE_NUMBER], ids=["nested-too-deep", "huge-number"])
+def test_json_python_cannot_read_is_malformed_json_in_every_reader(text, tmp_path, monkeypatch, model):
+    """Both raised past every reader of plans, graphs, profiles and clusters: a traceback from the CLI."""
+    from placement_opt._files import foreign_file
+    from placement_opt.errors import ProfileError
+    from placement_opt.hardware.cluster import Cluster
+
+    path = tmp_path / "odd.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(PlanFormatError, match="is not JSON"):
+        Plan.from_json(path)
+    with pytest.raises(PlanFormatError, match="not JSON"):
+        po.model.graph.LayerGraph.from_json(text)
+    with pytest.raises(DeviceSpecError, match="cluster file .* is unreadable"):
+        Cluster.from_file(path)
+    assert foreign_file(path, "plan") == "a file that is not JSON"
+    _one_line_error(run_cli("explain", str(path)), r"is not a placement_opt plan.*not JSON")
+    monkeypatch.setenv("PLACEMENT_OPT_PROFILE", str(path))
+    with pytest.raises(ProfileError, match="is not JSON"):
+        po.solve(model, ["cpu"])
+
+
+def test_a_plan_file_with_a_byte_order_mark_is_read(solved, tmp_path):
+    """Some Windows editors save UTF-8 with a byte order mark: such a plan was "not JSON"."""
+    path = tmp_path / "bom.json"
+    path.write_text("\ufeff" + solved.to_json(), encoding="utf-8")
+    assert Plan.from_json(path).placements == solved.placements
+
+
+def test_a_plan_of_a_dtype_no_model_has_or_two_dtypes_is_refused(solved):
+    """The dtype was never checked: int8 passed as a plan's and failed later, blaming the model's config.json."""
+    with pytest.raises(PlanFormatError, match=r"dtype 'int8' is unknown: accepted are float64, float32"):
+        Plan.from_dict(_edit(solved, lambda d: d.update(dtype="int8")))
+    assert solved.fingerprint is not None
+    with pytest.raises(PlanFormatError, match=r"fingerprint.dtype 'float32' is not the plan's dtype 'bfloat16'"):
+        Plan.from_dict(_edit(solved, lambda d: d.update(dtype="bfloat16")))
+
+
+def test_a_machine_edited_after_pricing_is_noted(solved):
+    """A machine of 1 GiB less RAM than the plan was priced for was shown as fitting, without a word."""
+    def smaller(data):
+        cpu = next(d for d in data["machine"]["devices"] if d["name"] == "cpu")
+        cpu["memory_bytes"] -= 2**30
+    edited = Plan.from_dict(_edit(solved, smaller))
+    assert any(n.startswith("machine edited after the plan was priced: its memory and fit were counted for other "
+                            "capacities of cpu (7.00 GiB usable, counted against 8.00 GiB)") for n in edited.notes)
+    assert not any("machine edited" in n for n in Plan.from_dict(solved.to_dict()).notes)
+
+
+def test_units_listed_twice_in_a_long_plan_are_found_at_once(solved):
+    """The check counted each unit's occurrences in the whole list: 14,400 placements took 6 s to refuse."""
+    def many(data):
+        first = data["placements"][0]
+        data["placements"] = [dict(first, unit=f"u{i % 10_000}") for i in range(20_000)]
+    data = _edit(solved, many)
+    started = time.perf_counter()
+    with pytest.raises(PlanFormatError, match=r"units 'u0', 'u1', 'u10'.* are listed twice"):
+        Plan.from_dict(data)
+    assert time.perf_counter() - started < 2
+
+
+def test_explain_of_a_run_file_with_a_malformed_plan_names_the_fault(solved, tmp_path):
+    """The run's file is one, its plan is wrong: that was hidden behind "not a plan (no schema_version)"."""
+    data = {"measured": {}, "plan": _edit(solved, lambda d: d["placements"][0].update(mode="magic"))}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    _one_line_error(run_cli("explain", str(path)), r"holds what placement-opt run measured.*mode 'magic' is unknown")
+
+
+def test_a_malformed_profile_is_a_usage_error_of_the_cli(tmp_path):
+    """A calibration entry of the wrong kind, or a profile that is not JSON, exited 1 (a failure); other malformed
+    profile entries 2 (bad input)."""
+    import click
+
+    from placement_opt.cli.output import errors_as_messages
+    from placement_opt.errors import ProfileError, ProfileFormatError
+    from placement_opt.hardware.profile_store import saved_calibration
+
+    path = tmp_path / "profile.json"
+    for text in ("{not json", json.dumps({"schema_version": 1, "created": "x", "measurements": {}, "calibration": 1})):
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(ProfileFormatError) as err:
+            saved_calibration(path)
+        assert isinstance(err.value, ProfileError)  # what callers caught before
+        with pytest.raises(click.UsageError), errors_as_messages():
+            raise err.value
+
+
 def _one_line_error(result, words: str) -> None:
     assert result.exit_code != 0, result.output
     text = result.stderr if hasattr(result, "stderr") else result.output

@@ -143,6 +143,25 @@ OWN_JSON: dict[str, Callable[[Any], bool]] = {
 _OWN_JSON_MAX_BYTES = 256 * 2**20
 
 
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads`` of a file's text that fails only as malformed JSON does, with ``json.JSONDecodeError`` (a
+    ValueError): nesting deeper than Python's stack (``[[[[...``) raised RecursionError, and an integer of more
+    digits than Python converts (4,300) a plain ValueError, past the readers of plans, profiles and caches. A UTF-8
+    byte order mark, which some Windows editors write, is skipped. Bytes that are not UTF-8 still raise
+    UnicodeDecodeError."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    text = text.removeprefix("\ufeff")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError("nested deeper than Python reads", text, 0) from None
+    except ValueError as exc:
+        raise json.JSONDecodeError(str(exc), text, 0) from None
+
+
 def foreign_file(path: str | os.PathLike[str], kind: str) -> str | None:
     """Why ``path`` must not be written over by a ``kind`` file (a key of :data:`OWN_JSON`), or None where it may: it
     is absent, not a regular file (``/dev/null``), empty, or a JSON file of that kind (an earlier result)."""
@@ -152,7 +171,7 @@ def foreign_file(path: str | os.PathLike[str], kind: str) -> str | None:
             return None
         if size > _OWN_JSON_MAX_BYTES:
             return f"a {size} byte file"
-        data = json.loads(target.read_text(encoding="utf-8"))
+        data = loads_json(target.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return "a file that is not JSON"
     return None if OWN_JSON[kind](data) else f"a JSON file that is not a {kind} placement_opt wrote"
@@ -190,7 +209,7 @@ def offload_store_files(folder: Path) -> set[str]:
     be read): a folder used as an ``offload_dir`` holds safetensors files of the checkpoint's tensor names (other
     weights, or casts of these), which a checkpoint read as every ``*.safetensors`` of its folder must skip."""
     try:
-        files = json.loads((folder / OFFLOAD_MANIFEST).read_text(encoding="utf-8"))["files"]
+        files = loads_json((folder / OFFLOAD_MANIFEST).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return set()
     return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()

@@ -15,17 +15,17 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from ._files import OWN_JSON, foreign_file, refusal, write_text_atomic
+from ._files import OWN_JSON, foreign_file, loads_json, refusal, write_text_atomic
 from .cost.evaluate import Cost
-from .cost.workload import Workload
+from .cost.workload import DTYPE_NAMES, Workload
 from .errors import PlanFormatError
 from .hardware.devices import Machine
 from .plan import STATUSES, STRATEGIES, BaselineResult, Plan, UnitPlacement
 from .schema import PlanSchema, json_kind, json_safe, validated
 from .solver.problem import MODES, OBJECTIVES
-from .units import few
+from .units import few, format_bytes
 
-__all__ = ["EDITED_NOTE", "EDITED_WORKLOAD_NOTE", "plan_dict", "plan_json", "read_plan", "plan_from_json"]
+__all__ = ["EDITED_NOTE", "EDITED_WORKLOAD_NOTE", "EDITED_MACHINE_NOTE", "plan_dict", "plan_json", "read_plan", "plan_from_json"]
 
 _READABLE_VERSIONS = (1, 2)
 _FIX = "write it with Plan.to_json() or `placement-opt plan --json`, or solve the plan again"
@@ -87,7 +87,8 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
             f"versions {', '.join(map(str, _READABLE_VERSIONS))}): solve the plan again with this version"
         )
     checked = validated(PlanSchema, data, what=where, fix=_FIX, context={
-        "modes": MODES, "objectives": OBJECTIVES, "strategies": STRATEGIES, "statuses": STATUSES})
+        "modes": MODES, "objectives": OBJECTIVES, "strategies": STRATEGIES, "statuses": STATUSES,
+        "dtypes": DTYPE_NAMES})
     try:
         return _from_fields(cls, data, checked)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -100,13 +101,15 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
     placements = tuple(_placement(p.model_dump()) for p in checked.placements)
     workload = Workload.from_dict(checked.workload.model_dump())
     cost = Cost.from_dict(checked.cost.model_dump(exclude_unset=True))  # as checked: "1e3", "Infinity" as numbers
+    machine = Machine.from_dict(data["machine"])
+    edited = _edited_note(placements, cost, workload) + _edited_machine_note(machine, cost)
     return cls(
         model_name=checked.model_name,
         dtype=checked.dtype,
         objective=checked.objective,
         strategy=checked.strategy,
         placements=placements,
-        machine=Machine.from_dict(data["machine"]),
+        machine=machine,
         workload=workload,
         cost=cost,
         status=checked.status,
@@ -116,7 +119,7 @@ def _from_fields(cls: type[Plan], data: Mapping[str, Any], checked: PlanSchema) 
         solve_time_s=checked.solve_time_s,
         baselines=tuple(BaselineResult(**{**b.model_dump(), "total_s": _time(b.total_s)})
                         for b in checked.baselines),
-        notes=tuple(checked.notes) + tuple(n for n in _edited_note(placements, cost, workload) if n not in checked.notes),
+        notes=tuple(checked.notes) + tuple(n for n in edited if n not in checked.notes),
         extra=dict(data.get("extra") or {}),
         fingerprint=None if checked.fingerprint is None else checked.fingerprint.model_dump(),
         home=checked.home,
@@ -156,7 +159,7 @@ def plan_from_json(cls: type[Plan], text_or_path: str | os.PathLike[str]) -> Pla
         raise PlanFormatError(f"{where} is empty: give a file written by Plan.to_json() or `placement-opt plan "
                               f"--json`")
     try:
-        data = json.loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as err:
         # a string still open at the end reports where it started, a number cut after its point ("0.")
         # where the point is: the text ends early all the same
@@ -182,6 +185,9 @@ EDITED_NOTE = "placements edited after the plan was priced:"
 #: How the note on a plan whose workload was edited after its figures were computed begins.
 EDITED_WORKLOAD_NOTE = "workload edited after the plan was priced:"
 
+#: How the note on a machine whose memory differs from the one its plan was priced for begins.
+EDITED_MACHINE_NOTE = "machine edited after the plan was priced:"
+
 
 def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost, workload: Workload) -> tuple[str, ...]:
     """Notes where the file's placements or workload differ from the ones its cost was computed for (a hand edit):
@@ -203,6 +209,19 @@ def _edited_note(placements: tuple[UnitPlacement, ...], cost: Cost, workload: Wo
         notes.append(f"{EDITED_WORKLOAD_NOTE} the times and memory shown are of the workload it was solved for "
                      f"({was}), not of the one shown; solve the plan again for this one")
     return tuple(notes)
+
+
+def _edited_machine_note(machine: Machine, cost: Cost) -> tuple[str, ...]:
+    """A note where a device's usable memory differs from the capacity its memory row was counted against (a hand
+    edit of the machine): whether the plan fits, and its free memory, are then of the machine before the edit."""
+    usable = {d.name: d.usable_bytes for d in machine.devices}
+    changed = [f"{m.device} ({format_bytes(usable[m.device])} usable, counted against "
+               f"{format_bytes(m.capacity_bytes)})" for m in cost.memory
+               if m.device in usable and usable[m.device] != m.capacity_bytes]
+    if not changed:
+        return ()
+    return (f"{EDITED_MACHINE_NOTE} its memory and fit were counted for other capacities of {', '.join(changed)}; "
+            f"placement_opt.evaluate(plan, model, plan.machine) counts them again, and solving again plans for it",)
 
 
 def _time(value: float | None) -> float:

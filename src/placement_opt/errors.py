@@ -17,6 +17,7 @@ PlanFormatError       a plan or profile file is unreadable, malformed or for ano
 DispatchError         a plan cannot be applied to a model, or a checkpoint cannot be loaded
 PlanMismatchError     a plan made for another model is applied (both of the two above)
 ProfileError          measuring this machine failed
+ProfileFormatError    a saved profile is not JSON or malformed (both of the two above it)
 ====================  ===========================================================================
 """
 
@@ -34,6 +35,7 @@ __all__ = [
     "DispatchError",
     "PlanMismatchError",
     "ProfileError",
+    "ProfileFormatError",
 ]
 
 
@@ -90,6 +92,11 @@ class PlanMismatchError(DispatchError, PlanFormatError):
 
 class ProfileError(PlacementError):
     """Measuring this machine's devices failed."""
+
+
+class ProfileFormatError(ProfileError, PlanFormatError):
+    """A saved profile is not JSON, or an entry of it is malformed: the file is wrong, not the measuring, so it is
+    both a :class:`ProfileError` and a :class:`PlanFormatError` (the CLI's usage errors, exit code 2)."""
 
 
 def first_line(exc: BaseException) -> str:

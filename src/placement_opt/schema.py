@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
@@ -207,7 +208,7 @@ class FingerprintSchema(_Strict):
 
 
 #: The validation context's key holding each plan word's accepted values.
-_VOCABULARY = {"objective": "objectives", "strategy": "strategies", "status": "statuses"}
+_VOCABULARY = {"objective": "objectives", "strategy": "strategies", "status": "statuses", "dtype": "dtypes"}
 
 
 class PlanSchema(_Strict):
@@ -232,7 +233,7 @@ class PlanSchema(_Strict):
     home: str | None = Field(default=None, min_length=1)
     """Sublayer plans only: the device the residual stream stays on (a GPU or the CPU of the machine)."""
 
-    @field_validator("objective", "strategy", "status")
+    @field_validator("objective", "strategy", "status", "dtype")
     @classmethod
     def _known_word(cls, word: str, info: ValidationInfo) -> str:
         # the vocabularies live with the solver and the plan; the reader passes them (as it does the modes)
@@ -245,7 +246,7 @@ class PlanSchema(_Strict):
     def _consistent(self) -> PlanSchema:
         problems = []
         units = [p.unit for p in self.placements]
-        twice = sorted({u for u in units if units.count(u) > 1})
+        twice = sorted(u for u, n in Counter(units).items() if n > 1)
         if twice:
             problems.append(f"units {_few(twice)} are listed twice in placements")
         devices = {d.name: d for d in self.machine.devices}
@@ -269,7 +270,11 @@ class PlanSchema(_Strict):
             problems.append(f"home {self.home!r} is not a GPU or CPU of the plan's machine (devices: "
                             f"{', '.join(devices)}): the residual stream stays on a device that computes")
         if self.fingerprint is not None:
-            missing = [u for u in self.fingerprint.units if u not in set(units)]
+            if self.fingerprint.dtype != self.dtype:
+                problems.append(f"fingerprint.dtype {self.fingerprint.dtype!r} is not the plan's dtype "
+                                f"{self.dtype!r}: both name the dtype the plan was solved for")
+            placed = set(units)
+            missing = [u for u in self.fingerprint.units if u not in placed]
             unknown = [u for u in units if u not in self.fingerprint.units]
             if missing:
                 problems.append(f"placements miss {len(missing)} unit(s) of the model: {_few(missing)}")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .._files import loads_json
 from ..compare import STRATEGIES, compare_strategies, one_line, solve_strategy
 from ..plan_notes import uncut_note
 from ..report import EXTRA_SEARCH_S, gap_advice
@@ -420,14 +421,21 @@ def explain(plan_path: str, plot: str | None) -> None:
 
 
 def _plan_inside(path: str) -> Plan | None:
-    """The plan a ``placement-opt run --json`` file holds under ``"plan"``, or None."""
+    """The plan a ``placement-opt run --json`` file holds under ``"plan"``, or None where the file is not one; a
+    malformed plan inside one is refused in the plan's own words (the file is one, its plan is wrong)."""
     from ..plan import Plan
 
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return Plan.from_dict(data["plan"]) if isinstance(data, dict) and "measured" in data else None
-    except (OSError, ValueError, KeyError, TypeError):
+        data = loads_json(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    if not isinstance(data, dict) or "measured" not in data or "plan" not in data:
+        return None
+    try:
+        return Plan.from_dict(data["plan"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.BadParameter(f"{path!r} holds what placement-opt run measured, and its plan is not a readable "
+                                 f"plan: {one_line(exc)}", param_hint="PLAN.json") from None
 
 
 cli.add_command(profile)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .._files import foreign_file, foreign_picture, refusal
+from .._files import foreign_file, foreign_picture, loads_json, refusal
 from ..errors import first_line
 from ..report import EXTRA_SEARCH_S
 
@@ -167,7 +167,7 @@ def _config_from_json(path: Path) -> Any:
 def _read_config_json(path: Path) -> dict[str, Any]:
     """The JSON of a config.json file, with a ``model_type``."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise click.BadParameter(f"{str(path)!r} is not a text file (a checkpoint's weights?): give its config.json, "
                                  f"or the model's directory", param_hint="MODEL") from None
@@ -206,7 +206,7 @@ def _machine_from_file(path: Path, dtype: str = "float16") -> Machine:
     if not path.is_file():
         raise click.BadParameter(f"profile file {str(path)!r} does not exist", param_hint="--devices")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise click.BadParameter(f"{str(path)!r} is not a saved machine profile: it is not JSON (cut off, or another "
                                  f"kind of file: {exc}); pass the file 'placement-opt profile --out PATH' wrote",

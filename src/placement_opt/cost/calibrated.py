@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ProfileError
+from ..errors import ProfileFormatError
 from ..hardware.profile_store import saved_calibration
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -201,7 +201,7 @@ def _phases(seconds: Any) -> tuple[float, float]:
     except (KeyError, TypeError, ValueError):
         both = (-1.0, -1.0)
     if not all(math.isfinite(s) and s >= 0 for s in both):
-        raise ProfileError("the saved profile's calibration holds a malformed copy time (want seconds >= 0, or "
+        raise ProfileFormatError("the saved profile's calibration holds a malformed copy time (want seconds >= 0, or "
                            "{'prefill': s, 'decode': s}): run `placement-opt profile --model MODEL` again, or "
                            "delete its 'calibration' entry")
     return both
@@ -214,7 +214,7 @@ def _read_batch(seconds: Any) -> int | None:
         return None
     batch = seconds["decode_batch"]
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ProfileError(f"the saved profile's calibration holds a cold read timed at decode_batch={batch!r} (want "
+        raise ProfileFormatError(f"the saved profile's calibration holds a cold read timed at decode_batch={batch!r} (want "
                            f"a whole number >= 1): run `placement-opt profile --model MODEL` again, or delete its "
                            f"'calibration' entry")
     return batch
@@ -234,7 +234,7 @@ def _unit_times(entry: Mapping[str, Any], attention: bool) -> UnitTimes:
         prefill, decode = (), ((0, 0, -1.0),)
     if any(not math.isfinite(s) or s < 0 for *_, s in decode) or any(
             not math.isfinite(s) or s < 0 or b < 1 or p < 1 for b, p, s, _ in prefill):
-        raise ProfileError("the saved profile's calibration holds a malformed unit time (want [batch, prompt, "
+        raise ProfileFormatError("the saved profile's calibration holds a malformed unit time (want [batch, prompt, "
                            "seconds, 'last'|'all'] and [batch, context, seconds], seconds >= 0): run "
                            "`placement-opt profile --model MODEL` again, or delete its 'calibration' entry")
     return UnitTimes(prefill=prefill, decode=decode, attention=attention)

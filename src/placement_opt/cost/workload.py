@@ -25,6 +25,7 @@ __all__ = [
     "training_memory",
     "unit_training_bytes",
     "dtype_bytes",
+    "DTYPE_NAMES",
     "SAVED_ACTIVATION_FACTOR",
     "MAX_TOKENS",
     "OPTIMIZER_STATE_BYTES_PER_PARAM",
@@ -34,6 +35,10 @@ __all__ = [
 #: Bytes per element of the dtypes a graph may name.
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
                 "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+#: The dtype names a graph, and so a plan, may carry: floating ones (a model of integer weights does not build),
+#: as ``model.dtypes.dtype_name`` writes them.
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 #: Activations a transformer layer saves for its backward, in multiples of its output per token.
 #: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")

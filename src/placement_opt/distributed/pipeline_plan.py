@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .._files import loads_json
 from ..cost.pricing import PricingContext, price_option
 from ..cost.workload import Workload
 from ..errors import DeviceSpecError, InfeasiblePlacementError, PlanFormatError, SolverInputError
@@ -167,7 +168,7 @@ class PipelinePlan:
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:
         try:
-            data = json.loads(text)
+            data = loads_json(text)
             if data.pop("version") != PIPELINE_PLAN_VERSION:
                 raise ValueError(f"version is not {PIPELINE_PLAN_VERSION}")
             stages = tuple(StagePlan(**{**s, "units": _units(s["units"])}) for s in data.pop("stages"))

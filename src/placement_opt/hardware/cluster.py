@@ -25,7 +25,6 @@ passes (``os.environ`` by default).
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._files import loads_json
 from ..errors import DeviceSpecError
 from ..units import parse_size
 from .devices import Device, Machine, _is_half
@@ -203,7 +203,7 @@ class Cluster:
     def from_file(cls, path: str | os.PathLike[str], *, dtype: str = "float16") -> Cluster:
         """A JSON file ``{"hosts": [{"devices": SPEC, "count": N}, ...], "link": LINK}``."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = loads_json(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             raise DeviceSpecError(f"cluster file {path} is unreadable ({err}): write JSON such as "
                                   f'{{"hosts": [{{"devices": "h100-sxm*8,cpu-server", "count": 2}}], '

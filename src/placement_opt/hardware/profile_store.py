@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._files import foreign_file, refusal, write_text_atomic
-from ..errors import PlanFormatError, ProfileError
+from .._files import foreign_file, loads_json, refusal, write_text_atomic
+from ..errors import PlanFormatError, ProfileError, ProfileFormatError
 from ..schema import ProfileSchema, validated
 from .devices import Device, normalize_device_name
 
@@ -70,7 +70,7 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     """The saved profile as a dict, or None when there is none (or it has another schema version).
 
     Raises:
-        ProfileError: the file exists but is not JSON (names the file and what to do).
+        ProfileFormatError: the file exists but is not JSON (names the file and what to do).
         PlanFormatError: a profile of this schema version whose entries are malformed (names the file).
     """
     where = profile_path(path)
@@ -79,9 +79,9 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     except OSError:
         return None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = loads_json(raw)
     except ValueError as exc:  # UnicodeDecodeError too: a binary file is not a profile
-        raise ProfileError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it (placement-opt "
+        raise ProfileFormatError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it (placement-opt "
                            f"profile then writes a new one there), or name another file") from None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         return None
@@ -191,7 +191,7 @@ def saved_calibration(path: str | os.PathLike[str] | None = None, *,
     as the machine to plan for, whose host is the machine its unit times describe).
 
     Raises:
-        ProfileError: the file is not JSON, or its ``"calibration"`` entry is not a mapping of units.
+        ProfileFormatError: the file is not JSON, or its ``"calibration"`` entry is not a mapping of units.
     """
     data = load_profile(path)
     if data is None or "calibration" not in data:
@@ -200,7 +200,7 @@ def saved_calibration(path: str | os.PathLike[str] | None = None, *,
     if (not isinstance(calibration, dict) or not isinstance(calibration.get("units"), dict)
             or not isinstance(calibration.get("models", {}), dict)):
         # calibrating again reads it first, so the entry must go before a new one can be saved
-        raise ProfileError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
+        raise ProfileFormatError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
                            f"delete the entry, then run `placement-opt profile --model MODEL` again")
     if calibration.get("host") != this_host() and not any_host:
         return None
@@ -301,7 +301,7 @@ def _newer_version(where: Path) -> int | None:
     """The schema version of a profile at ``where`` newer than this code reads (never written over: the figures and
     calibrations it holds may be keyed in ways this version would drop), else None. Older versions are replaced."""
     try:
-        version = json.loads(where.read_text(encoding="utf-8")).get("schema_version")
+        version = loads_json(where.read_text(encoding="utf-8")).get("schema_version")
     except (OSError, ValueError, AttributeError):  # absent, unreadable or not a mapping: foreign_file said so first
         return None
     newer = isinstance(version, int) and not isinstance(version, bool) and version > PROFILE_SCHEMA_VERSION

@@ -93,6 +93,7 @@ from typing import Any
 
 import networkx as nx
 
+from .._files import loads_json
 from ..errors import PlanFormatError, TraceError
 from ..schema import GraphSchema, validated
 from ._unit_info import (
@@ -297,7 +298,7 @@ class LayerGraph:
     def from_json(cls, text: str) -> LayerGraph:
         """Read what :meth:`to_json` wrote; :class:`PlanFormatError` for text that is not a layer graph."""
         try:
-            data = json.loads(text)
+            data = loads_json(text)
         except json.JSONDecodeError as err:
             raise PlanFormatError(f"the layer graph text is not JSON ({err.msg}: line {err.lineno}, column "
                                   f"{err.colno}): give what LayerGraph.to_json() wrote") from err

@@ -33,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .._files import write_text_atomic
+from .._files import loads_json, write_text_atomic
 from ..errors import PlanFormatError
 from .graph import LayerGraph
 
@@ -146,7 +146,7 @@ def _read(key: str) -> LayerGraph | None:
     """The graph kept under ``key``, or None when there is none or it cannot be read back."""
     path = _entry(key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("key") != key:
             return None
         graph = LayerGraph.from_dict(data["graph"])

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .._files import loads_json
 from ..errors import DispatchError
 
 __all__ = ["SafetensorsFile", "TensorSpan", "fingerprint", "DTYPES", "drop_page_cache"]
@@ -271,7 +272,7 @@ def _read_header(path: Path) -> dict[str, TensorSpan]:
             if length > size_bytes - 8:  # read nothing a corrupt length asks for: it can be exabytes
                 raise DispatchError(f"{path} is not a safetensors file: its header claims {length} bytes and "
                                     f"the file has {size_bytes}; re-save or re-download the weights")
-            header = json.loads(fh.read(length))
+            header = loads_json(fh.read(length))
     except DispatchError:
         raise
     except (OSError, struct.error, ValueError) as exc:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import xxhash
 
+from .._files import loads_json
 from ..errors import DispatchError
 from ._safetensors_file import (
     _LIBC,  # noqa: F401 - benchmarks/offload_store reads it here
@@ -353,7 +354,7 @@ class OffloadStore:
         except FileNotFoundError:
             return {}
         try:
-            data = json.loads(text)
+            data = loads_json(text)
             if data["version"] not in (1, _MANIFEST_VERSION):
                 raise ValueError(f"version {data['version']}, this placement_opt reads 1 and {_MANIFEST_VERSION}")
             files = dict(data["files"])
