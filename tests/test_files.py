@@ -40,6 +40,17 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path,
     assert os.listdir(tmp_path) == ["plan.json"]
 
 
+def test_a_write_that_fails_names_the_callers_path_not_the_temporary_one(tmp_path, monkeypatch):
+    """The error named the hidden temporary file (``.plan.<host>.<pid>-...tmp.json``), which is gone by then."""
+    with pytest.raises(FileNotFoundError) as err:
+        report_plan().to_json(tmp_path / "missing" / "plan.json")
+    assert err.value.filename == str(tmp_path / "missing" / "plan.json")
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError, match=r"No space left on device: '.*plan.json'") as err:
+        report_plan().to_json(tmp_path / "plan.json")
+    assert err.value.filename == str(tmp_path / "plan.json")
+
+
 def test_a_block_that_raises_replaces_nothing(tmp_path):
     target = tmp_path / "strip.png"
     target.write_bytes(b"old picture")

@@ -351,6 +351,11 @@ def test_a_plan_of_a_dtype_no_model_has_or_two_dtypes_is_refused(solved):
         Plan.from_dict(_edit(solved, lambda d: d.update(dtype="bfloat16")))
 
 
+def test_a_schema_version_of_true_is_not_version_1(solved):
+    with pytest.raises(PlanFormatError, match=r"schema version True, which is not supported"):
+        Plan.from_dict(_edit(solved, lambda d: d.update(schema_version=True)))
+
+
 def test_a_machine_edited_after_pricing_is_noted(solved):
     """A machine of 1 GiB less RAM than the plan was priced for was shown as fitting, without a word."""
     def smaller(data):

@@ -40,14 +40,21 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield target
         return
     _remove_orphans(target)
-    tmp = _new_temporary(target)
+    tmp = None
     try:
+        tmp = _new_temporary(target)
         yield tmp
         if target.exists():
             shutil.copymode(target, tmp)  # the old file's permissions, not the umask's
         os.replace(tmp, target)
+    except OSError as exc:  # name the caller's path: the temporary one is ours, hidden, and gone
+        ours = exc.filename is None or Path(exc.filename).name.startswith(f".{target.stem}.{HOST_TAG}.")
+        if ours and exc.errno is not None:
+            raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from exc
+        raise
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def _new_temporary(target: Path) -> Path:

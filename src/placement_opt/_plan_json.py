@@ -81,7 +81,7 @@ def read_plan(cls: type[Plan], data: Any, where: str) -> Plan:
     if version is None and "placements" not in data:
         raise PlanFormatError(f"{where} is not a plan (no schema_version, no placements): pass a file that "
                               f"placement-opt plan --json or Plan.to_json() wrote")
-    if version not in _READABLE_VERSIONS:
+    if isinstance(version, bool) or version not in _READABLE_VERSIONS:  # true == 1 in Python, not in a plan
         raise PlanFormatError(
             f"{where} has schema version {version!r}, which is not supported (this placement_opt reads "
             f"versions {', '.join(map(str, _READABLE_VERSIONS))}): solve the plan again with this version"
