@@ -351,6 +351,14 @@ def test_a_plan_of_a_dtype_no_model_has_or_two_dtypes_is_refused(solved):
         Plan.from_dict(_edit(solved, lambda d: d.update(dtype="bfloat16")))
 
 
+def test_a_size_written_without_a_unit_is_said_to_be_bytes():
+    """``cuda:0=24`` is 24 bytes: the plan left the GPU empty and said nothing of it."""
+    result = run_cli("plan", "llama-2-7b", "--devices", "cuda:0=24,cpu=64GiB")
+    assert result.exit_code == 0, result.output
+    assert "cuda:0 has 24 B: a size without a unit is bytes; write the unit, e.g. cuda:0=24GiB" in result.output
+    assert "without a unit" not in run_cli("plan", "llama-2-7b", "--devices", "cuda:0=24GiB,cpu=64GiB").output
+
+
 def test_a_schema_version_of_true_is_not_version_1(solved):
     with pytest.raises(PlanFormatError, match=r"schema version True, which is not supported"):
         Plan.from_dict(_edit(solved, lambda d: d.update(schema_version=True)))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .cost.calibrated import calibration_for
 from .hardware.presets import PRESETS
 from .hardware.profile_store import fallback_dtype, measured_elsewhere, this_host, unread_profile
-from .hardware.resolve import assumed_preset, reserve_note
+from .hardware.resolve import assumed_preset, reserve_note, unitless_note
 from .model.expert_groups import group_counts, whole_experts
 from .units import few, format_bytes
 
@@ -32,6 +32,7 @@ __all__ = [
     "default_speeds_note",
     "beyond_preset_note",
     "reserve_note",
+    "unitless_note",
     "uncut_note",
     "calibration_note",
     "phased_note",

@@ -60,6 +60,7 @@ from .plan_notes import (
     reserve_note,
     split_experts_note,
     uncut_note,
+    unitless_note,
 )
 from .report import EXTRA_SEARCH_S
 from .solver.edges import prune_edges
@@ -255,7 +256,7 @@ def _timed_solve(graph: LayerGraph, model: Any, devices: Any, objective: str, wo
     notes = [machine_note] if machine_note else []
     # what the prediction rests on: calibrated, assumed or another dtype's speeds; a context past the model's
     notes += [said for said in (calibration_note(graph, machine), default_speeds_note(machine),
-                                beyond_preset_note(machine), reserve_note(machine),
+                                beyond_preset_note(machine), reserve_note(machine), unitless_note(machine),
                                 other_dtype_note(machine, graph.meta.dtype),
                                 context_note(graph, workload)) if said]
     glue = run_as_glue(graph)
@@ -397,7 +398,8 @@ def _cpsat_plan(graph: LayerGraph, machine: Machine, workload: Workload, problem
                 search: tuple[float, int, float, int, float], notes: list[str]) -> Plan:
     time_limit_s, seed, gap_limit, workers, started = search
     def short() -> str:  # what is short, and a GPU its reserve leaves nothing of
-        return shortage_message(problem, graph, workload) + (f"; {said}" if (said := reserve_note(machine)) else "")
+        said = "; ".join(n for n in (reserve_note(machine), unitless_note(machine)) if n)
+        return shortage_message(problem, graph, workload) + (f"; {said}" if said else "")
 
     if proven_short(problem):  # arithmetic proves it: no search (which may end before proving it)
         raise InfeasiblePlacementError(short())

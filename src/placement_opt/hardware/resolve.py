@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from ..errors import DeviceSpecError
-from ..units import format_bytes, parse_size
+from ..units import MIB, format_bytes, parse_size
 from .detect import detect_device, local_device_names
 from .devices import Device, Machine, normalize_device_name, replace_device
 from .presets import DEFAULT_PRESET, PRESETS, did_you_mean
@@ -33,6 +33,7 @@ __all__ = [
     "local_machine",
     "check_no_cross_rank_split",
     "reserve_note",
+    "unitless_note",
 ]
 
 #: Marks a CPU/disk whose capacity :func:`local_machine` already divided among a host's ranks.
@@ -364,6 +365,18 @@ def local_machine(machine: Machine, context: RankContext) -> Machine:
 
 def _rank_device_names(context: RankContext) -> list[str]:
     return ([context.local_device] if context.local_device != "cpu" else []) + ["cpu", "disk"]
+
+
+def unitless_note(machine: Machine) -> str | None:
+    """Devices that compute but hold less than 1 MiB: a size written without a unit is bytes (``cuda:0=24``, as in
+    accelerate's ``max_memory``), and such a device holds nothing of a model: the plan then left the GPU empty,
+    without a word."""
+    small = [d for d in machine.devices if d.kind != "disk" and 0 < d.memory_bytes < MIB]
+    if not small:
+        return None
+    said = ", ".join(f"{d.name} has {format_bytes(d.memory_bytes)}" for d in small)
+    return (f"{said}: a size without a unit is bytes; write the unit, e.g. {small[0].name}="
+            f"{small[0].memory_bytes}GiB")
 
 
 def reserve_note(machine: Machine) -> str | None:
