@@ -55,3 +55,27 @@ def test_a_plan_priced_with_activation_checkpointing_runs_checkpointed() -> None
     assert kept[True] < kept[False] / 2
     for name, grad in plain.items():  # recomputed in the backward, the same gradients
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_batch_that_does_not_split_into_the_micro_batches_is_refused(tmp_path) -> None:
+    """torch's stages take their buffers' shape from the first micro-batch: a batch of 5 in 2 micro-batches came
+    out of the last stage as 6 rows, one of them of no input, without an error. One process, one stage, gloo."""
+    import torch.distributed as dist
+
+    from placement_opt.errors import DispatchError
+    from placement_opt.runtime.pipelining import pipeline
+
+    model = _tiny_llama()
+    plan = plan_pipeline(model, "(cpu*1)", Workload(batch_size=2, prompt_len=8), schedule="gpipe", n_microbatches=2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        run = pipeline(model, plan)
+        ids = torch.randint(0, VOCAB, (5, 8))
+        with torch.no_grad(), pytest.raises(DispatchError, match=r"a batch of 5 sequences does not split into the "
+                                                                 r"plan's 2 micro-batches.*e\.g\. 4"):
+            run.schedule.step(ids)
+        with torch.no_grad():
+            logits = run.schedule.step(ids[:4])
+            torch.testing.assert_close(logits, model(ids[:4], use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()

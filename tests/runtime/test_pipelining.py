@@ -36,6 +36,35 @@ def test_stages_chained_are_the_model(tmp_path, ranks: int) -> None:
             torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize(("family", "extra"), [
+    ("Mistral", dict(sliding_window=4)),
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    ("Gemma2", dict(head_dim=16, sliding_window=4)),  # every other layer sliding; final logits capped
+    ("Gemma3Text", dict(head_dim=16, sliding_window=4)),  # a rotary table per kind of layer
+    ("Granite", dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5)),
+    ("Cohere", dict(logit_scale=0.25)),
+])
+def test_stages_chained_are_the_model_for_windows_and_scalings_the_models_forward_applies(family, extra) -> None:
+    """Stages built every layer's causal mask and called only the units: past the window a sliding-window layer
+    attended to the whole prompt, Gemma 3's rotary table refused the call, and the embedding and logit scalings
+    of the model's own forward were skipped (logits 0.3-0.9 apart from the model's, without an error)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**{**_COMMON, **extra})
+    model = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")(config).eval()
+    plan = plan_pipeline(model, "(cpu*3)", Workload(batch_size=1, prompt_len=12), schedule="gpipe")
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        x = ids
+        for k in range(3):
+            x = stage_module(model, plan, k)(x)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_stage_holds_only_its_units_under_their_names(tmp_path) -> None:
     model = _llama()
     model.save_pretrained(tmp_path)

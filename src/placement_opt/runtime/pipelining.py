@@ -9,8 +9,9 @@ model is built on the meta device and only the stage's tensors are read. It wrap
 
 A stage of a Hugging Face decoder-only model runs, in order, the units it holds among: the token
 embedding (first stage: token ids in), the decoder layers (each stage computes the rotary tables
-and the causal mask itself, from the hidden states' shape), the final norm and the output head
-(last stage: logits out). Between stages only the hidden states travel. ``use_cache`` is off: a
+and the causal masks itself, from the hidden states' shape, one per kind of layer as the model's
+forward does), the final norm and the output head (last stage: logits out), with the scalings the
+model's forward applies after the embedding and the head. Between stages only the hidden states travel. ``use_cache`` is off: a
 pipeline runs whole sequences (forward for inference, forward + backward for training). A plan made
 for ``Workload(activation_checkpointing=True)`` runs each decoder layer under
 ``torch.utils.checkpoint`` (non-reentrant) when gradients are on, as it was priced.
@@ -18,6 +19,7 @@ for ``Workload(activation_checkpointing=True)`` runs each decoder layer under
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,35 +82,97 @@ class DecoderStage(nn.Module):
         # Rotary tables are recomputed on every stage with layers (only hidden states travel).
         self._rotary = getattr(decoder, "rotary_emb", None)
         self._config = getattr(decoder, "config", None) or getattr(model, "config", None)
+        layers = {id(layer): i for i, layer in enumerate(getattr(decoder, "layers", ()))}
+        self._kinds = {name: _attention_kind(self._config, layers[id(model.get_submodule(name))])
+                       for role, name in self._steps if role == "layer"}
+        self._scales = _model_scales(model, self._config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x
-        extras: dict[str, Any] | None = None
+        extras: dict[str, dict[str, Any]] | None = None
         for role, name in self._steps:
             module = self.get_submodule(name)
             if role == "layer":
                 extras = extras or self._layer_inputs(hidden)
+                inputs = extras[self._kinds[name]]
                 if self.checkpoint and torch.is_grad_enabled():  # from_pretrained's models train in eval() mode too
                     hidden = torch.utils.checkpoint.checkpoint(module, hidden, use_cache=False, use_reentrant=False,
-                                                               **extras)
+                                                               **inputs)
                 else:
-                    hidden = module(hidden, use_cache=False, **extras)
+                    hidden = module(hidden, use_cache=False, **inputs)
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             else:
-                hidden = module(hidden)
+                hidden = _scaled(role, module(hidden), self._scales)
         return hidden
 
-    def _layer_inputs(self, hidden: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask
+    def _layer_inputs(self, hidden: torch.Tensor) -> dict[str, dict[str, Any]]:
+        """Per kind of attention among this stage's layers, what the model's own forward hands such a layer: its
+        mask (sliding-window layers see only their window) and its rotary table (Gemma 3's differ by kind)."""
+        from transformers.masking_utils import create_masks_for_generate
 
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rotary = self._rotary.to(hidden.device) if self._rotary is not None else None
-        # the cache (None) goes by position: transformers 5.24 renamed the argument past_key_values -> cache
-        mask = create_causal_mask(self._config, hidden, None, None, position_ids=position_ids)
-        out: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
-        if rotary is not None:
-            out["position_embeddings"] = rotary(hidden, position_ids=position_ids)
+        # the masks as the modeling files make them, one per kind of layer; the cache (None) goes by position:
+        # transformers 5.24 renamed the argument past_key_values -> cache
+        masks = create_masks_for_generate(self._config, hidden, None, None, position_ids=position_ids)
+        out = {}
+        for kind in set(self._kinds.values()):
+            mask = masks[kind] if isinstance(masks, dict) else masks
+            inputs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
+            if rotary is not None:
+                typed = "layer_type" in inspect.signature(rotary.forward).parameters
+                inputs["position_embeddings"] = (rotary(hidden, position_ids=position_ids, layer_type=kind) if typed
+                                                 else rotary(hidden, position_ids=position_ids))
+            out[kind] = inputs
         return out
+
+
+def _attention_kind(config: Any, index: int) -> str:
+    """The kind of attention of decoder layer ``index`` (a key of the masks ``create_masks_for_generate`` makes):
+    the config's ``layer_types`` entry, else one kind for every layer. A kind transformers has no mask function of
+    is refused: its layers would run under another mask than the model's."""
+    from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
+
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return "full_attention"  # create_masks_for_generate returns one mask: the key is not read
+    kind = types[index]
+    if kind not in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING or isinstance(LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING[kind],
+                                                                         dict):
+        raise DispatchError(f"decoder layer {index} is of kind {kind!r}, whose mask the model builds itself: "
+                            f"pipeline() runs models whose layers use full, sliding-window or chunked attention")
+    return kind
+
+
+#: What the model's own forward does around its units, by the config field that says how much, and the role it
+#: follows: Granite scales the embeddings and the logits, Cohere the logits, Gemma 2 and 3 cap them.
+_SCALES = ("embedding_multiplier", "logits_scaling", "logit_scale", "final_logit_softcapping")
+
+
+def _model_scales(model: nn.Module, config: Any) -> dict[str, float]:
+    """The scalings of :data:`_SCALES` that ``model`` applies: those its config sets to anything but a no-op
+    (1, or None for a cap); a stage applies them after its embedding or output head, as the model does."""
+    scales = {}
+    for key in _SCALES:
+        value = getattr(model, key, None) if key == "logit_scale" else getattr(config, key, None)
+        if value is not None and not (key != "final_logit_softcapping" and value == 1):
+            scales[key] = float(value)
+    return scales
+
+
+def _scaled(role: str, hidden: torch.Tensor, scales: dict[str, float]) -> torch.Tensor:
+    if role == "embed" and "embedding_multiplier" in scales:
+        return hidden * scales["embedding_multiplier"]
+    if role != "head":
+        return hidden
+    if "logits_scaling" in scales:
+        hidden = hidden / scales["logits_scaling"]
+    if "logit_scale" in scales:
+        hidden = hidden * scales["logit_scale"]
+    if "final_logit_softcapping" in scales:
+        cap = scales["final_logit_softcapping"]
+        hidden = torch.tanh(hidden / cap) * cap
+    return hidden
 
 
 def _roles(model: nn.Module, decoder: nn.Module | None) -> dict[int, str]:
@@ -279,4 +343,22 @@ def pipeline(model_or_checkpoint: Any, plan: PipelinePlan, *, rank: int | None =
     stage = PipelineStage(module, stage_plan.stage, len(plan.stages), where, group=group)
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = kind(stage, n_microbatches=plan.n_microbatches, loss_fn=loss_fn)
+    schedule.step = _whole_microbatches(schedule.step, plan)
     return PipelineRun(stage=stage, schedule=schedule, module=module, stage_index=stage_plan.stage)
+
+
+def _whole_microbatches(step: Callable[..., Any], plan: PipelinePlan) -> Callable[..., Any]:
+    """``schedule.step`` refusing a batch (the first stage's input, the last stage's target) that does not split
+    into the plan's micro-batches: torch's stages take their receive buffers' shape from the first micro-batch, so
+    a batch of 5 in 2 came out of the last stage as 6 rows, one of them of no input, without an error."""
+    n, rows = plan.n_microbatches, plan.workload.batch_size
+
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        for given in (*args, kwargs.get("target")):
+            if isinstance(given, torch.Tensor) and given.dim() and given.shape[0] % n:
+                raise DispatchError(f"a batch of {given.shape[0]} sequences does not split into the plan's {n} "
+                                    f"micro-batches (the last stage would return rows of no input): give a multiple "
+                                    f"of {n}, e.g. {n * rows} ({n} micro-batches of the {rows} the plan counted)")
+        return step(*args, **kwargs)
+
+    return whole
