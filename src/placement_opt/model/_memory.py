@@ -284,12 +284,17 @@ class FusedAttention(TorchFunctionMode):
 def _cpu_cannot_fuse(args: tuple, kwargs: dict) -> bool:
     """Whether a CPU runs this ``scaled_dot_product_attention`` call as its math path: torch's CPU flash kernel
     needs queries, keys and values of one head size, which latent attention's differ (DeepSeek-V3: 192, 192
-    and 128). A GPU's memory-efficient kernel takes them."""
+    and 128), and of one head count unless the call says ``enable_gqa`` (Falcon-7B's multi-query attention hands
+    one key head to 71 query heads: its scores were 128 MiB of a 300 MiB call charged as fused). A GPU's
+    memory-efficient kernel takes other head sizes."""
     names = ("query", "key", "value")
     tensors = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
     if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in tensors):
         return False
-    return len({t.shape[-1] for t in tensors}) > 1
+    if len({t.shape[-1] for t in tensors}) > 1:
+        return True
+    return all(t.dim() >= 3 for t in tensors) and len({t.shape[-3] for t in tensors}) > 1 and not kwargs.get(
+        "enable_gqa", False)
 
 
 class _MathPath(TorchDispatchMode):
