@@ -177,7 +177,11 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
             if isinstance(tensor, torch.Tensor):
                 tensor.view(tensor.shape)
         # read the parameters at call time: functional_call has swapped in their meta stand-ins
-        weights = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
+        named = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3]
+        weights = [p for _, p in named]
+        # per weight its bias (GPT-OSS), which grouped_mm gathers per row: (rows, out), alive until the next
+        # weight's gather replaces it, the down projection's through the tail (charged 0.70-0.79x without them)
+        biases = [module._parameters.get(f"{n}_bias") for n, _ in named]
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         # one row per (token, chosen expert), all at once, as transformers' grouped_mm experts do: the
         # activations alive then are what the trace measures (the eager loop holds one expert's rows at a time)
@@ -187,10 +191,13 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
         experts = max(w.shape[0] for w in weights) if weights else 1
         bookkeeping = (torch.empty(routed.shape[0], 3, dtype=torch.int64, device=routed.device),
                        torch.empty(2 * experts, dtype=torch.int32, device=routed.device))
-        h = routed
+        h, gathered = routed, None
         for k, w in enumerate(weights):
             last = k == len(weights) - 1 and len(weights) > 1
+            # the last call applies the gate first, while the gather before it is still alive
             h = _apply_expert_weight(h, w[0], act, hidden=flat.shape[-1] if last else None)
+            if biases[k] is not None and biases[k].dim() == 2:
+                gathered = torch.empty(h.shape[0], biases[k].shape[-1], dtype=biases[k].dtype, device=h.device)
         if h.shape[-1] != flat.shape[-1]:
             return torch.zeros_like(hidden_states)
         # grouped_mm's tail: the rows times their routing weight, then put back in token order (a gather), each a
@@ -200,7 +207,7 @@ def _dense_experts(module: nn.Module, top_k: int) -> Callable[..., torch.Tensor]
         weighted = h * torch.empty(h.shape[0], 1, dtype=h.dtype, device=h.device)
         back = weighted[torch.empty(h.shape[0], dtype=torch.int64, device=h.device)]
         out = back.view(flat.shape[0], top_k, -1).sum(dim=1).reshape(hidden_states.shape)
-        del routed, bookkeeping, h, weighted, back
+        del routed, bookkeeping, h, weighted, back, gathered
         return out
     return forward
 
