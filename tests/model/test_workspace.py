@@ -725,3 +725,23 @@ def test_the_experts_stand_in_holds_the_bias_rows_grouped_mm_gathers() -> None:
         peaks.append(counter.peak[experts])
     measured, stood_in = peaks
     assert measured <= stood_in <= 1.05 * measured, (stood_in / measured)
+
+
+def test_scores_with_a_sink_column_grow_with_the_context_and_cover_a_real_forward() -> None:
+    """GPT-OSS appends a sink column to each head's scores: (q, k + 1) logits, their max-subtracted copy and the
+    softmax were counted per token at the traced length (a layer's per-token bytes grew 6 KiB from 64 to 256
+    traced tokens); they grow with the context, and the layer covers a real CPU forward within 15 %."""
+    config = T.GptOssConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=512, num_local_experts=4,
+                            num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    short, long = (trace(model, seq_len=n).unit("model.layers.1") for n in (TRACE_LEN, 4 * TRACE_LEN))
+    assert short.workspace_bytes_per_token == long.workspace_bytes_per_token
+    assert short.workspace_bytes_per_token_ctx == long.workspace_bytes_per_token_ctx
+    graph = trace(model, seq_len=TRACE_LEN)
+    for batch, prompt in SHAPES:
+        measured = measured_peaks(model, graph.names(), batch, prompt)["model.layers.1"]
+        predicted = tensors(graph.unit("model.layers.1"), Workload(batch_size=batch, prompt_len=prompt, new_tokens=0),
+                            graph.meta)
+        assert measured <= predicted <= 1.15 * measured, (batch, prompt, predicted / measured)

@@ -44,6 +44,10 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["LiveBytes", "UnitPeak", "FusedAttention"]
 
 #: Products of two tensors: the ops whose output may start a context-shaped tensor (``q @ k^T``).
+#: The most columns a tensor derived from the attention scores may add to them and still be scores-shaped
+#: (GPT-OSS appends one per head: its sink).
+_APPENDED_COLUMNS = 8
+
 _PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm, torch.ops.aten.addmm,
                        torch.ops.aten.matmul, torch.ops.aten.addbmm})
 
@@ -199,9 +203,14 @@ class LiveBytes:
 
     # -- bookkeeping --
     def _is_context(self, packet: object, unit: str | None, inputs: list[torch.Tensor], tensor: torch.Tensor) -> bool:
-        if self.seq_len < 2 or tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.seq_len, self.seq_len):
+        if self.seq_len < 2 or tensor.dim() < 2 or tensor.shape[-2] != self.seq_len:
             return False
         from_context = any(self.is_context(t) for t in inputs)
+        if tensor.shape[-1] != self.seq_len:
+            # scores with a column or a few appended (GPT-OSS's attention sinks: the logits, their max-subtracted
+            # copy, the softmax): grown with the context as the scores are, not per token at the traced length
+            return (self.seq_len < tensor.shape[-1] <= self.seq_len + _APPENDED_COLUMNS and from_context
+                    and packet not in _PRODUCTS)
         if packet in _PRODUCTS:
             return not from_context and not any(_storage_key(t) in self.state_storages for t in inputs)
         # outside every unit: the model's mask, (batch, 1, q, k) or (q, k), boolean or additive; not q, k or v
