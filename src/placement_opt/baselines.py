@@ -53,7 +53,7 @@ def score_baselines(graph: LayerGraph, machine: Machine, score: Callable[[Any], 
              for s in BASELINE_STRATEGIES]
     if not isinstance(model, LayerGraph):
         try:
-            device_map = accelerate_device_map(model, machine.max_memory, "auto")
+            device_map = accelerate_device_map(model, machine.max_memory, "auto", dtype=graph.meta.dtype)
         except (ValueError, ImportError, RuntimeError, TypeError) as exc:
             found.append(ScoredBaseline("accelerate", None, None, BaselineResult(
                 strategy="accelerate", total_s=float("inf"), fits=False, note=f"{NOT_RUN} {exc}"), None))

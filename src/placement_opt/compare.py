@@ -74,7 +74,7 @@ def _accelerate_plan(source: Any, graph: Any, machine: Machine, *, objective: st
     if source is None:
         raise SolverInputError("strategy 'accelerate' needs the model's config, not only its graph: pass source=")
     started = time.perf_counter()
-    device_map = accelerate_device_map(source, machine.max_memory, "auto")  # quiet about preset GPUs
+    device_map = accelerate_device_map(source, machine.max_memory, "auto", dtype=graph.meta.dtype)
     cost = evaluate(device_map, graph, machine, workload)
     note = ("device_map='auto' of the installed transformers/accelerate, run as accelerate runs it "
             "(cpu/disk units copied to the first GPU synchronously at every forward)")

@@ -435,7 +435,7 @@ def _baseline_plan(graph: LayerGraph, machine: Machine, workload: Workload, obje
                    baselines: Sequence[ScoredBaseline], model: Any, notes: list[str]) -> Plan:
     chosen = next((b for b in baselines if b.strategy == strategy), None)
     if chosen is None:  # strategy="accelerate" on a bare LayerGraph
-        accelerate_device_map(model, machine.max_memory, "auto")  # raises the clear error
+        accelerate_device_map(model, machine.max_memory, "auto", dtype=graph.meta.dtype)  # raises the clear error
         raise SolverInputError("strategy='accelerate' needs a transformers model or config")  # pragma: no cover
     if chosen.cost is None:
         raise InfeasiblePlacementError(f"{strategy}: {chosen.result.note}: add a disk device or more memory")

@@ -154,6 +154,28 @@ def test_accelerate_strategy_needs_a_model_or_config():
         accelerate_device_map(graph, {"cpu": 100})
 
 
+def test_the_installed_accelerates_map_is_made_for_the_graphs_model_and_dtype():
+    """compare's accelerate row mapped a BERT as BertLMHeadModel (keys bert.*, cls), which the graph (the bare
+    encoder) has no units of: "not run". With --dtype float32 it mapped the fp16 model (all of llama-2-7b on a T4)
+    and priced that map at fp32: an OOM from_pretrained(dtype=float32, device_map="auto") never makes."""
+    import placement_opt as po
+    from placement_opt.cli.options import resolve_devices
+
+    machine = resolve_devices("cuda:0=300MiB,cuda:1=300MiB,cpu=64GiB,disk")
+    plan = po.solve("bert-large", machine, strategy="accelerate")
+    assert set(plan.device_map) <= set(po.trace("bert-large").names()) | {""}
+    machine = resolve_devices("cuda:0=t4,cpu=64GiB,disk")
+    assert accelerate_device_map("llama-2-7b", machine.max_memory) == {"": 0}  # fp16: 12.6 GiB, on the card whole
+    mapped = accelerate_device_map("llama-2-7b", machine.max_memory, dtype="float32")
+    assert set(mapped.values()) == {0, "cpu"}
+    from _cli import run_cli
+
+    result = run_cli("plan", "llama-2-7b", "-d", "cuda:0=t4,cpu=64GiB,disk", "--dtype", "float32",
+                     "--strategy", "accelerate", "--json", "-")
+    assert result.exit_code == 0, result.output  # the map made at fp32 fits; the fp16 one was an OOM
+    assert po.Plan.from_json(result.stdout).device_map == mapped
+
+
 def test_choice_from_storage_streams_offloaded_units_to_gpu0():
     def o(s, e, mode):
         return PlacementOption(storage=s, execution=e, mode=mode, prefill_ns=1, decode_ns=1, stored_bytes=1,

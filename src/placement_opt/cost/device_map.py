@@ -150,7 +150,8 @@ def placements_of(plan_or_map: Any, graph: LayerGraph,
                      f"accelerate device_map dict like {{'model.embed_tokens': 0, 'model.layers': 'cpu'}}")
 
 
-def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], strategy: str = "auto") -> dict:
+def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], strategy: str = "auto", *,
+                          dtype: str | None = None) -> dict:
     """The device_map the installed transformers/accelerate compute (``from_pretrained``'s path), on meta.
 
     Example::
@@ -162,6 +163,8 @@ def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], s
             (built with ``AutoModelForCausalLM.from_config`` on meta; other auto classes are tried).
         max_memory: accelerate's ``max_memory`` dict.
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+        dtype: the weights' dtype (``"float32"``), as ``from_pretrained(dtype=...)`` builds the model before it
+            maps it; default the model's own (a config's ``dtype``).
 
     Raises:
         SolverInputError: an unknown strategy.
@@ -170,7 +173,7 @@ def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], s
     accepted = ("auto", *STRATEGIES)
     if strategy not in accepted:
         raise SolverInputError(f"strategy {strategy!r} is not one of {', '.join(accepted)}")
-    model = _meta_model(model_or_config)
+    model = _meta_model(model_or_config, dtype)
     from transformers.integrations.accelerate import _get_device_map  # lazy: imports torch
 
     with _absent_gpus_unreported():
@@ -202,14 +205,19 @@ def _absent_gpus_unreported() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
-def _meta_model(model_or_config: Any) -> Any:
-    """A transformers model on the meta device from a model or a config."""
+def _meta_model(model_or_config: Any, dtype: str | None = None) -> Any:
+    """A transformers model on the meta device from a model or a config, of ``dtype`` (None: its own), built with
+    the class the trace builds (an encoder's bare model: its names are the graph's units)."""
     try:
         from transformers import PretrainedConfig, PreTrainedModel
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise ModelSpecError("strategy='accelerate' needs transformers installed: pip install transformers") from exc
+    from ..model.dtypes import as_torch_dtype, config_dtype, module_dtype
+
     if isinstance(model_or_config, PreTrainedModel):
-        return model_or_config
+        if dtype is None or module_dtype(model_or_config) == as_torch_dtype(dtype):
+            return model_or_config
+        model_or_config = model_or_config.config  # another dtype: the same model, built anew on meta
     if isinstance(model_or_config, (str, os.PathLike)):  # a preset, a model directory or id: its config
         from ..model._source import config_of
 
@@ -219,14 +227,6 @@ def _meta_model(model_or_config: Any) -> Any:
             f"strategy='accelerate' runs the installed library on the model itself, so it needs a "
             f"transformers model or config, not a {type(model_or_config).__name__}: pass the model "
             f"(or its config) to solve(), or use strategy='balanced' on a LayerGraph")
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from ..model._source import _build_on_meta
 
-    errors = []
-    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel):
-        try:
-            with torch.device("meta"):
-                return auto.from_config(model_or_config)
-        except ValueError as exc:
-            errors.append(str(exc).splitlines()[0])
-    raise ModelSpecError(f"cannot build a model from {type(model_or_config).__name__}: {'; '.join(errors)}")
+    return _build_on_meta(model_or_config, as_torch_dtype(dtype) if dtype else config_dtype(model_or_config))
