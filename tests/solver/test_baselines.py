@@ -120,6 +120,26 @@ def test_same_map_as_installed_transformers(kind, tie, fractions, strategy):
     assert ours == expected
 
 
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("fractions", SETTINGS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_graph_cut_finer_than_layers_maps_as_accelerate_does(kind, fractions, strategy):
+    """A sublayer graph's units are a decoder layer's parts: the baselines opened a layer that did not fit and
+    split it across devices, which accelerate never does (_no_split_modules), and priced accelerate ~11 % faster
+    than it runs (llama-2-7b on 3 + 5 GiB GPUs)."""
+    import placement_opt as po
+
+    model = _tiny(kind, False)
+    graph = po.trace(model, granularity="sublayer")
+    assert any(u.block for u in graph.units())
+    max_memory = _max_memory(graph.total_param_bytes + graph.total_buffer_bytes, fractions)
+    if strategy == "balanced_low_0" and 0 not in max_memory:
+        pytest.skip("transformers' balanced_low_0 reads max_memory[0]")
+    expected = _per_tensor(model, accelerate_device_map(model, dict(max_memory), strategy))
+    ours = _per_tensor(model, fill_device_map(graph, accelerate_budgets(graph, max_memory, strategy)))
+    assert ours == expected
+
+
 def test_balanced_budget_formula_by_hand():
     # Four 100-byte units, total 400: balanced on 2 GPUs gives GPU 0 400 // 2 + int(1.25 * 100) = 325.
     graph = chain_graph([{"name": f"l.{i}", "param_bytes": 100} for i in range(4)])
