@@ -111,7 +111,11 @@ SETTINGS = [
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_same_map_as_installed_transformers(kind, tie, fractions, strategy):
     model = _tiny(kind, tie)
-    graph = _graph(model)
+    _assert_same_map(model, _graph(model), fractions, strategy)
+
+
+def _assert_same_map(model, graph, fractions, strategy) -> None:
+    """The fill's map of ``graph`` is the installed transformers' map of ``model``, tensor by tensor."""
     max_memory = _max_memory(graph.total_param_bytes + graph.total_buffer_bytes, fractions)
     if strategy == "balanced_low_0" and 0 not in max_memory:
         pytest.skip("transformers' balanced_low_0 reads max_memory[0]")
@@ -132,12 +136,7 @@ def test_a_graph_cut_finer_than_layers_maps_as_accelerate_does(kind, fractions, 
     model = _tiny(kind, False)
     graph = po.trace(model, granularity="sublayer")
     assert any(u.block for u in graph.units())
-    max_memory = _max_memory(graph.total_param_bytes + graph.total_buffer_bytes, fractions)
-    if strategy == "balanced_low_0" and 0 not in max_memory:
-        pytest.skip("transformers' balanced_low_0 reads max_memory[0]")
-    expected = _per_tensor(model, accelerate_device_map(model, dict(max_memory), strategy))
-    ours = _per_tensor(model, fill_device_map(graph, accelerate_budgets(graph, max_memory, strategy)))
-    assert ours == expected
+    _assert_same_map(model, graph, fractions, strategy)
 
 
 def test_balanced_budget_formula_by_hand():
