@@ -141,7 +141,7 @@ def _facts(plan: Plan) -> tuple[tuple[str, Cell], ...]:
                       + (f"; weight copies {format_seconds(cost.copy_s)} beside the compute, "
                          f"{format_seconds(cost.wait_s)} of them waited for" if cost.copy_s else "") + ")")),
         # a training step generates nothing: its rate is of the tokens it takes in (batch x prompt a step)
-        ("tokens/s", Cell(f"{w.batch_size * w.prompt_len / cost.total_s:.2f} trained on (batch x tokens a step)"
+        ("tokens/s", Cell(f"{cost.tokens_per_s:.2f} trained on (batch x tokens a step)"
                           if w.training and cost.total_s > 0 else
                           f"{cost.tokens_per_s:.2f} end to end (prefill included), "
                           f"{cost.decode_tokens_per_s:.2f} while decoding")),

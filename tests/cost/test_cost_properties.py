@@ -211,3 +211,46 @@ def test_more_tokens_never_cost_less(graph, machine, batch, prompt, new, more) -
 def test_closed_form_decode_sum_equals_the_loop(lines, steps) -> None:
     loop = sum(max(a + b * t for a, b in lines) for t in range(steps))
     assert abs(_sum_max_lines(lines, steps) - loop) <= 1e-6 * max(1.0, abs(loop)) + 1e-6
+
+
+@st.composite
+def _measured_curves(draw):
+    """A FLOP/s-by-tokens curve as the profiler measures it: increasing token counts, any positive rates (noise
+    included: a rate may fall)."""
+    tokens = sorted(set(draw(st.lists(st.integers(1, 4096), min_size=1, max_size=6))))
+    return tuple((t, draw(st.floats(1e8, 1e14))) for t in tokens)
+
+
+@given(curve=_measured_curves(), tokens=st.integers(1, 8192))
+def test_a_measured_curve_never_prices_more_tokens_faster(curve, tokens):
+    """Interpolated in the rate (linear in log tokens), a forward's time dipped between two points whose rate grew
+    more than (1 + ln(t1/t0))-fold: llama-2-7b's batch of 2 was priced 11 % faster than its batch of 1."""
+    from placement_opt.cost.kernels import _interpolate
+
+    assert tokens / _interpolate(curve, tokens) <= (tokens + 1) / _interpolate(curve, tokens + 1) * (1 + 1e-12)
+    first, last = curve[0], curve[-1]
+    assert _interpolate(curve, first[0]) == first[1]  # the first point as measured, and the flat ends
+    assert _interpolate(curve, max(tokens, last[0])) == _interpolate(curve, last[0])
+
+
+def test_a_batch_of_two_on_a_measured_curve_is_not_priced_faster_than_one():
+    curve = ((1, 0.2e12), (4, 0.7e12), (16, 2.8e12), (64, 11.2e12))  # time flat from 1 to 4 tokens, as memory-bound
+    gpu = Device("cuda:0", 2**40, flops=11.2e12, bandwidth=3e12, source="measured", flops_by_tokens=curve)
+    graph = chain_graph([{"name": f"l{i}", "param_bytes": 2**20, "flops_per_token": 2**21} for i in range(4)])
+    totals = [evaluate({"": "cuda:0"}, graph, Machine([gpu, Device("cpu", 2**40)]),
+                       Workload(batch_size=b, prompt_len=8, new_tokens=16)).total_s for b in (1, 2, 3)]
+    assert totals == sorted(totals), totals
+
+
+def test_a_training_steps_tokens_per_s_are_the_tokens_it_trains_on():
+    """A training step generates nothing: its rate counted new_tokens (128 by default), so the compare tables
+    printed 1050 tokens/s for a step of 4 x 512 tokens in 0.49 s, and 8.2 with new_tokens=0."""
+    graph = chain_graph([{"name": f"l{i}", "param_bytes": 2**20, "flops_per_token": 2**21} for i in range(3)])
+    machine = Machine([Device("cuda:0", 2**40), Device("cpu", 2**40)])
+    rates = []
+    for new_tokens in (0, 128):
+        cost = evaluate({"": "cuda:0"}, graph, machine,
+                        Workload(batch_size=4, prompt_len=512, new_tokens=new_tokens, training=True))
+        rates.append(cost.tokens_per_s)
+        assert cost.tokens_per_s == 4 * 512 / cost.total_s
+    assert rates[0] == rates[1]

@@ -133,8 +133,10 @@ class Cost:
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens per second, prefill included (what a user waits for)."""
-        tokens = self.workload.batch_size * max(self.workload.new_tokens, 1)
+        """Generated tokens per second, prefill included (what a user waits for); for a training workload, which
+        generates nothing, the tokens a step trains on (batch x prompt)."""
+        wl = self.workload
+        tokens = wl.batch_size * (wl.prompt_len if wl.training else max(wl.new_tokens, 1))
         return tokens / self.total_s if self.total_s > 0 else 0.0
 
     def objective_value(self, objective: str, gpus: Iterable[str]) -> float:
