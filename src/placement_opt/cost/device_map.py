@@ -160,7 +160,7 @@ def accelerate_device_map(model_or_config: Any, max_memory: Mapping[Any, Any], s
 
     Args:
         model_or_config: a ``PreTrainedModel`` (any device, meta included) or a ``PretrainedConfig``
-            (built with ``AutoModelForCausalLM.from_config`` on meta; other auto classes are tried).
+            (built on meta with the class the trace builds: causal LM, seq2seq, or an encoder's bare model).
         max_memory: accelerate's ``max_memory`` dict.
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
         dtype: the weights' dtype (``"float32"``), as ``from_pretrained(dtype=...)`` builds the model before it

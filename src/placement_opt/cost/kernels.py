@@ -28,10 +28,9 @@ the activations in and out, and the KV cache read (decode) or written (prefill).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 from ..hardware.devices import FRESH_PAGE_MIN_BYTES
@@ -120,10 +119,10 @@ def _interpolate(curve: Sequence[tuple[int, float]], tokens: int) -> float:
     flat from 1 to 4 tokens), and a batch of 2 was priced 11 % faster than a batch of 1. The times are also made
     non-decreasing over the points (a running maximum): a measured 4-token forward faster than a 1-token one is
     noise, and a plan would otherwise buy speed by batching more."""
-    times = list(itertools.accumulate((t / f for t, f in curve), max))
+    times = list(accumulate((t / f for t, f in curve), max))
     if tokens <= curve[0][0]:
         return curve[0][1]
-    for (t0, _), (t1, _), s0, s1 in zip(curve, curve[1:], times, times[1:], strict=False):
+    for ((t0, _), (t1, _)), (s0, s1) in zip(pairwise(curve), pairwise(times), strict=True):
         if tokens <= t1:
             return tokens / (s0 + (tokens - t0) / (t1 - t0) * (s1 - s0))
     return curve[-1][0] / times[-1]

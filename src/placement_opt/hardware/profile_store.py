@@ -81,8 +81,8 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     try:
         data = loads_json(raw)
     except ValueError as exc:  # UnicodeDecodeError too: a binary file is not a profile
-        raise ProfileFormatError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it (placement-opt "
-                           f"profile then writes a new one there), or name another file") from None
+        raise ProfileFormatError(f"the saved profile {str(where)!r} is not JSON (cut off? {exc}): delete it "
+                                 f"(placement-opt profile then writes a new one there), or name another file") from None
     if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         return None
     validated(ProfileSchema, data, what=f"the saved profile {str(where)!r}",
@@ -200,8 +200,8 @@ def saved_calibration(path: str | os.PathLike[str] | None = None, *,
     if (not isinstance(calibration, dict) or not isinstance(calibration.get("units"), dict)
             or not isinstance(calibration.get("models", {}), dict)):
         # calibrating again reads it first, so the entry must go before a new one can be saved
-        raise ProfileFormatError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' entry: "
-                           f"delete the entry, then run `placement-opt profile --model MODEL` again")
+        raise ProfileFormatError(f"the saved profile {str(profile_path(path))!r} has a malformed 'calibration' "
+                                 f"entry: delete the entry, then run `placement-opt profile --model MODEL` again")
     if calibration.get("host") != this_host() and not any_host:
         return None
     return calibration

@@ -43,11 +43,11 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["LiveBytes", "UnitPeak", "FusedAttention"]
 
-#: Products of two tensors: the ops whose output may start a context-shaped tensor (``q @ k^T``).
 #: The most columns a tensor derived from the attention scores may add to them and still be scores-shaped
 #: (GPT-OSS appends one per head: its sink).
 _APPENDED_COLUMNS = 8
 
+#: Products of two tensors: the ops whose output may start a context-shaped tensor (``q @ k^T``).
 _PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm, torch.ops.aten.addmm,
                        torch.ops.aten.matmul, torch.ops.aten.addbmm})
 

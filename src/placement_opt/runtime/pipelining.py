@@ -11,10 +11,11 @@ A stage of a Hugging Face decoder-only model runs, in order, the units it holds 
 embedding (first stage: token ids in), the decoder layers (each stage computes the rotary tables
 and the causal masks itself, from the hidden states' shape, one per kind of layer as the model's
 forward does), the final norm and the output head (last stage: logits out), with the scalings the
-model's forward applies after the embedding and the head. Between stages only the hidden states travel. ``use_cache`` is off: a
-pipeline runs whole sequences (forward for inference, forward + backward for training). A plan made
-for ``Workload(activation_checkpointing=True)`` runs each decoder layer under
-``torch.utils.checkpoint`` (non-reentrant) when gradients are on, as it was priced.
+model's forward applies after the embedding and the head. Between stages only the hidden states
+travel. ``use_cache`` is off: a pipeline runs whole sequences (forward for inference, forward +
+backward for training). A plan made for ``Workload(activation_checkpointing=True)`` runs each
+decoder layer under ``torch.utils.checkpoint`` (non-reentrant) when gradients are on, as it was
+priced.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class DecoderStage(nn.Module):
                 self._steps.append((role, name))
         # Rotary tables are recomputed on every stage with layers (only hidden states travel).
         self._rotary = getattr(decoder, "rotary_emb", None)
+        # Gemma 3's table differs by kind of layer: it is told the kind
+        self._typed_rotary = self._rotary is not None and "layer_type" in inspect.signature(
+            self._rotary.forward).parameters
         self._config = getattr(decoder, "config", None) or getattr(model, "config", None)
         layers = {id(layer): i for i, layer in enumerate(getattr(decoder, "layers", ()))}
         self._kinds = {name: _attention_kind(self._config, layers[id(model.get_submodule(name))])
@@ -120,9 +124,8 @@ class DecoderStage(nn.Module):
             mask = masks[kind] if isinstance(masks, dict) else masks
             inputs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
             if rotary is not None:
-                typed = "layer_type" in inspect.signature(rotary.forward).parameters
-                inputs["position_embeddings"] = (rotary(hidden, position_ids=position_ids, layer_type=kind) if typed
-                                                 else rotary(hidden, position_ids=position_ids))
+                typed = {"layer_type": kind} if self._typed_rotary else {}
+                inputs["position_embeddings"] = rotary(hidden, position_ids=position_ids, **typed)
             out[kind] = inputs
         return out
 
