@@ -125,7 +125,8 @@ def _interpolate(curve: Sequence[tuple[int, float]], tokens: int) -> float:
     for ((t0, _), (t1, _)), (s0, s1) in zip(pairwise(curve), pairwise(times), strict=True):
         if tokens <= t1:
             return tokens / (s0 + (tokens - t0) / (t1 - t0) * (s1 - s0))
-    return curve[-1][0] / times[-1]
+    (t_last, f_last), s_last = curve[-1], times[-1]
+    return f_last if s_last == t_last / f_last else t_last / s_last  # the rate as measured, not a round trip of it
 
 
 def _base_flops_per_token(unit: UnitInfo, traced_seq_len: int) -> int:
